@@ -1,0 +1,169 @@
+// Arena: one reserved virtual range, buffers placed at chunk-aligned offsets in it,
+// physical memory committed and decommitted chunk by chunk underneath.
+//
+// Invariants
+//  * A buffer's address never changes while the arena lives (views and captured CUDA
+//    graphs stay valid across every commit/decommit).
+//  * Every byte of the reservation is readable: unbacked chunks read as zeros.
+//  * Commit/Decommit are all-or-nothing: when they throw, the page table, the driver
+//    state and the statistics are exactly as before the call.
+//  * A device-visible page table (one byte per chunk of the whole reservation, 1 =
+//    backed and writable) mirrors the host page table, so device code can check a write
+//    target without host code running (CUDA graph replay).
+//
+// Thread-safety: all public methods may be called concurrently from any thread; one
+// mutex per arena serialises them. The registry functions at the bottom are thread-safe.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "jax_vmm/driver.h"
+
+namespace jax_vmm {
+
+struct ArenaStats {
+  std::string driver_kind;
+  int device_ordinal = 0;
+  size_t granularity = 0;
+  size_t chunk_bytes = 0;
+  size_t reserved_bytes = 0;
+  size_t placed_bytes = 0;  // sum of live buffers' (chunk-rounded) sizes
+  size_t backed_bytes = 0;
+  size_t peak_backed_bytes = 0;
+  int64_t num_buffers = 0;
+  int64_t commit_calls = 0;
+  int64_t decommit_calls = 0;
+  double commit_seconds = 0;
+  double decommit_seconds = 0;
+  int64_t chunks_created = 0;
+  int64_t chunks_released = 0;
+  int64_t set_access_calls = 0;
+  int64_t failed_commits = 0;  // commits that threw and were rolled back
+  bool closed = false;
+};
+
+struct BufferInfo {
+  int64_t id = -1;
+  std::string name;
+  size_t offset = 0;   // from the arena base, chunk-aligned
+  size_t nbytes = 0;   // as requested
+  size_t backed_bytes = 0;
+  uintptr_t address = 0;
+};
+
+// What an FFI handler needs to know about the arena buffer that holds an address.
+// Pointers are device-visible (cuda: device memory; host: host memory).
+struct BufferRef {
+  uintptr_t buffer_base = 0;
+  size_t buffer_bytes = 0;
+  uintptr_t arena_base = 0;
+  size_t chunk_bytes = 0;
+  const uint8_t* page_table = nullptr;     // indexed by (addr - arena_base) / chunk_bytes
+  unsigned long long* drop_counter = nullptr;  // this buffer's dropped-write counter
+  int64_t buffer_id = -1;
+  int device_ordinal = 0;
+  const char* driver_kind = "";
+};
+
+class Arena : public std::enable_shared_from_this<Arena> {
+ public:
+  static constexpr int64_t kMaxBuffers = 4096;
+
+  // Reserves round_up(reserve_bytes, chunk) bytes of address space. Registers itself in
+  // the process-wide registry (see FindArenaBuffer) until destruction.
+  static std::shared_ptr<Arena> Create(std::unique_ptr<Driver> driver, size_t reserve_bytes);
+  ~Arena();
+  Arena(const Arena&) = delete;
+  Arena& operator=(const Arena&) = delete;
+
+  // Places a buffer of nbytes (> 0) at a chunk-aligned offset. Nothing is backed.
+  BufferInfo Allocate(size_t nbytes, const std::string& name);
+  // Decommits the buffer and frees its placement for reuse.
+  void Free(int64_t buffer_id);
+
+  // Back / unback [start, stop) bytes of a buffer, rounded out to whole chunks
+  // (decommit rounds inwards to chunks fully inside the range, except that a range
+  // reaching the buffer's end also frees the last partial chunk). Idempotent; ranges may
+  // overlap what is already (un)backed. stop <= nbytes. Returns bytes newly (un)backed.
+  size_t Commit(int64_t buffer_id, size_t start, size_t stop);
+  size_t Decommit(int64_t buffer_id, size_t start, size_t stop);
+
+  // Commit several byte ranges (of one or more buffers) all-or-nothing: when it throws,
+  // none of them changed. Used by the KV arena to grow all layers of a sequence at once.
+  struct Range {
+    int64_t buffer_id;
+    size_t start;
+    size_t stop;
+  };
+  size_t CommitRanges(const std::vector<Range>& ranges);
+
+  // Bytes backed contiguously from `start` (stopping at `stop` or the first hole).
+  size_t BackedPrefix(int64_t buffer_id, size_t start, size_t stop) const;
+
+  BufferInfo Buffer(int64_t buffer_id) const;
+  std::vector<BufferInfo> Buffers() const;
+  ArenaStats Stats() const;
+
+  // Releases all physical memory and refuses further work (ArenaClosed). The address
+  // range stays reserved, reading zeros, until the Arena object is destroyed, so views
+  // that outlive close() read zeros instead of faulting. Idempotent.
+  void Close();
+  bool closed() const;
+
+  // Dropped-write counter of a buffer (written by device code through BufferRef).
+  uint64_t DropCount(int64_t buffer_id) const;
+  void ResetDropCount(int64_t buffer_id);
+
+  // Registry lookup (see FindArenaBuffer); takes this arena's lock.
+  bool FindBufferLocked(uintptr_t ptr, size_t bytes, BufferRef* out) const;
+
+  uintptr_t base() const { return base_; }
+  size_t reserved_bytes() const { return reserved_bytes_; }
+  size_t chunk_bytes() const { return chunk_bytes_; }
+  Driver& driver() { return *driver_; }
+  const Driver& driver() const { return *driver_; }
+
+ private:
+  struct Chunk;  // RAII: physical handle + its mapping
+  struct Placement {
+    BufferInfo info;
+    std::vector<std::unique_ptr<Chunk>> chunks;  // one slot per chunk of the buffer
+    int64_t counter_slot = 0;                      // index into the drop counters
+  };
+  Arena(std::unique_ptr<Driver> driver, size_t reserve_bytes);
+
+  Placement& PlacementOrThrow(int64_t buffer_id, const char* op);
+  const Placement& PlacementOrThrow(int64_t buffer_id, const char* op) const;
+  void ThrowIfClosed(const char* op) const;
+  size_t DecommitLocked(Placement& p, size_t first_chunk, size_t end_chunk);
+  void PublishPageTable(size_t first_chunk_index, size_t count);
+
+  std::unique_ptr<Driver> driver_;
+  uintptr_t base_ = 0;
+  size_t reserved_bytes_ = 0;
+  size_t chunk_bytes_ = 0;
+  size_t num_chunks_ = 0;
+
+  mutable std::mutex mu_;
+  bool closed_ = false;
+  int64_t next_id_ = 0;
+  std::map<int64_t, Placement> buffers_;
+  std::map<size_t, size_t> free_ranges_;  // offset -> bytes, coalesced
+  std::vector<uint8_t> host_page_table_;  // mirror of the device table
+  uint8_t* device_page_table_ = nullptr;
+  unsigned long long* device_drop_counters_ = nullptr;  // kMaxBuffers entries
+  ArenaStats stats_;
+};
+
+// Registry: finds the arena buffer that contains [ptr, ptr + bytes). Returns false when
+// no live arena buffer holds the whole range. Used by FFI handlers to learn whether
+// their output aliases arena memory and where its page table lives.
+bool FindArenaBuffer(uintptr_t ptr, size_t bytes, BufferRef* out);
+
+}  // namespace jax_vmm

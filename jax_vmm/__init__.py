@@ -1,0 +1,40 @@
+"""jax_vmm: virtual-memory KV-cache buffers and graph-safe scratch for JAX.
+
+Buffers live at fixed addresses in one reserved virtual range; physical memory is
+committed and released page by page underneath (CUDA driver VMM on GPUs, mmap/memfd on
+the CPU), so arrays never move, growth needs no copy, and CUDA graphs stay valid.
+"""
+
+from pkgutil import extend_path
+
+# A development build keeps the compiled module in <build>/jax_vmm/; with that build
+# directory on PYTHONPATH it joins this package.
+__path__ = extend_path(__path__, __name__)
+
+from .arena import Arena, Buffer  # noqa: E402
+from .errors import (  # noqa: E402
+    ArenaClosedError,
+    DriverError,
+    InjectedFault,
+    OutOfBoundsWrite,
+    OutOfMemoryError,
+    ReservationFullError,
+)
+from .kv import KVArena, kv_arena  # noqa: E402
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Arena",
+    "Buffer",
+    "KVArena",
+    "kv_arena",
+    "ArenaClosedError",
+    "DriverError",
+    "InjectedFault",
+    "OutOfBoundsWrite",
+    "OutOfMemoryError",
+    "ReservationFullError",
+]
+
+# Ops from feature modules (added by their owners; keep one import line each).

@@ -1,0 +1,299 @@
+"""Arena and Buffer: reserved virtual memory exposed to JAX as zero-copy arrays."""
+
+from __future__ import annotations
+
+import logging
+import math
+import operator
+import threading
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ._device import DeviceTarget, resolve_device
+from ._loader import core as _core
+from .errors import ArenaClosedError
+
+log = logging.getLogger("jax_vmm")
+
+# DLPack dtype codes (dlpack.h).
+_DL_INT, _DL_UINT, _DL_FLOAT, _DL_BFLOAT, _DL_BOOL = 0, 1, 2, 4, 6
+
+
+def _dlpack_dtype(dtype: np.dtype) -> tuple[int, int]:
+    if dtype == jnp.bfloat16:
+        return _DL_BFLOAT, 16
+    kind = {"i": _DL_INT, "u": _DL_UINT, "f": _DL_FLOAT, "b": _DL_BOOL}.get(dtype.kind)
+    if kind is None or dtype.itemsize not in (1, 2, 4, 8):
+        raise TypeError(
+            f"dtype {dtype} cannot back an arena buffer; use a float (float16, bfloat16, "
+            "float32, float64), integer or bool dtype"
+        )
+    return kind, dtype.itemsize * 8
+
+
+def _as_index(value: Any, what: str) -> int:
+    try:
+        i = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{what} must be an integer, got {type(value).__name__}") from None
+    if i < 0:
+        raise ValueError(f"{what} must be >= 0, got {i}")
+    return i
+
+
+def _as_shape(shape: Any) -> tuple[int, ...]:
+    if isinstance(shape, (int, np.integer)):
+        shape = (shape,)
+    try:
+        dims = tuple(operator.index(d) for d in shape)
+    except TypeError:
+        raise TypeError(f"shape must be a tuple of ints, got {shape!r}") from None
+    if not dims or any(d <= 0 for d in dims):
+        raise ValueError(f"shape must have at least one dimension and all sizes > 0, got {dims}")
+    return dims
+
+
+class _DLPackCapsule:
+    """Presents a DLPack capsule from the core through the ``__dlpack__`` protocol that
+    ``jax.dlpack.from_dlpack`` expects. Single use, like the capsule."""
+
+    def __init__(self, capsule: Any, device_type: int, device_id: int):
+        self._capsule = capsule
+        self._device = (device_type, device_id)
+
+    def __dlpack__(self, stream: Any = None, max_version: Any = None, dl_device: Any = None,
+                   copy: Any = None) -> Any:
+        # Arena memory is written only by host code that has already synchronised, so
+        # no stream ordering is needed for the consumer.
+        capsule, self._capsule = self._capsule, None
+        if capsule is None:
+            raise RuntimeError("this DLPack capsule was already consumed")
+        return capsule
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return self._device
+
+
+class Buffer:
+    """A buffer at a fixed address inside an :class:`Arena`.
+
+    Nothing is backed until :meth:`commit`; unbacked bytes read as zeros. :attr:`array`
+    returns a fresh zero-copy ``jax.Array`` view each time it is read (a donated view is
+    consumed by JAX, so do not cache one across donating calls). Views keep the arena's
+    address range alive. Thread-safe: the arena serialises commits.
+    """
+
+    def __init__(self, arena: "Arena", info: dict, shape: tuple[int, ...], dtype: np.dtype):
+        self._arena = arena
+        self._id: int = info["id"]
+        self.name: str = info["name"]
+        self.offset: int = info["offset"]
+        self.address: int = info["address"]
+        self.nbytes: int = info["nbytes"]
+        self.shape = shape
+        self.dtype = dtype
+
+    @property
+    def id(self) -> int:
+        return self._id
+
+    @property
+    def arena(self) -> "Arena":
+        return self._arena
+
+    @property
+    def backed_bytes(self) -> int:
+        return self._arena._handle.buffer(self._id)["backed_bytes"]
+
+    @property
+    def array(self) -> jax.Array:
+        return self.view(self.shape, self.dtype)
+
+    def view(self, shape: Sequence[int] | None = None, dtype: Any = None) -> jax.Array:
+        """A zero-copy ``jax.Array`` over this buffer's memory with another shape/dtype
+        (it must fit in :attr:`nbytes`)."""
+        self._arena._check_open("Buffer.array")
+        shape = self.shape if shape is None else _as_shape(shape)
+        dtype = self.dtype if dtype is None else np.dtype(jnp.dtype(dtype))
+        code, bits = _dlpack_dtype(dtype)
+        t = self._arena._target
+        capsule = self._arena._handle.view(
+            self._id, list(shape), code, bits, t.dlpack_device_type, t.ordinal
+        )
+        return jax.dlpack.from_dlpack(
+            _DLPackCapsule(capsule, t.dlpack_device_type, t.ordinal), copy=False
+        )
+
+    def commit(self, start: int = 0, stop: int | None = None) -> int:
+        """Back bytes ``[start, stop)`` with physical memory (rounded out to whole chunks).
+        Idempotent. Returns the bytes newly backed. Raises ``MemoryError``
+        (:class:`~jax_vmm.errors.OutOfMemoryError`) leaving the buffer unchanged."""
+        start, stop = self._range(start, stop)
+        return self._arena._handle.commit(self._id, start, stop)
+
+    def decommit(self, start: int = 0, stop: int | None = None) -> int:
+        """Give back the physical memory of the chunks that lie fully inside
+        ``[start, stop)`` (plus the buffer's last partial chunk when ``stop`` is the end).
+        Those bytes read as zeros afterwards. Returns the bytes released.
+
+        The caller must make sure no running computation still uses the range (call
+        ``block_until_ready`` on its results first)."""
+        start, stop = self._range(start, stop)
+        return self._arena._handle.decommit(self._id, start, stop)
+
+    def backed_prefix(self, start: int, stop: int) -> int:
+        """Bytes backed contiguously from ``start`` (stops at ``stop`` or the first hole)."""
+        start, stop = self._range(start, stop)
+        return self._arena._handle.backed_prefix(self._id, start, stop)
+
+    def free(self) -> None:
+        """Decommit the buffer and return its address range to the arena."""
+        self._arena._check_open("Buffer.free")
+        self._arena._handle.free(self._id)
+
+    def _range(self, start: int, stop: int | None) -> tuple[int, int]:
+        start = _as_index(start, "start")
+        stop = self.nbytes if stop is None else _as_index(stop, "stop")
+        if start > stop or stop > self.nbytes:
+            raise ValueError(
+                f"Buffer '{self.name}': byte range [{start}, {stop}) is outside [0, {self.nbytes}); "
+                "expected 0 <= start <= stop <= nbytes"
+            )
+        return start, stop
+
+    def __repr__(self) -> str:
+        return (
+            f"Buffer(name={self.name!r}, shape={self.shape}, dtype={self.dtype}, "
+            f"address=0x{self.address:x}, nbytes={self.nbytes})"
+        )
+
+
+class Arena:
+    """One reserved virtual address range on a device; buffers are placed in it and
+    backed page by page.
+
+    ``Arena(reserve_bytes, device=None, chunk_bytes=None)``: ``device`` is a
+    ``jax.Device`` (default ``jax.devices()[0]``); CUDA GPUs use driver VMM, the CPU a
+    host mmap/memfd backend. ``chunk_bytes`` is the physical allocation unit and the
+    decommit granularity: larger chunks make commits cheaper (fewer driver calls) but
+    round every commit up further (default: the device granularity on CUDA, 64 KiB on
+    the host).
+
+    ``close()`` releases all physical memory at once; views that are still alive then
+    read zeros (the address range stays reserved until the last view is gone). Also a
+    context manager. Thread-safe.
+    """
+
+    def __init__(self, reserve_bytes: int, device: jax.Device | None = None,
+                 chunk_bytes: int | None = None):
+        reserve_bytes = _as_index(reserve_bytes, "reserve_bytes")
+        if reserve_bytes == 0:
+            raise ValueError("reserve_bytes must be > 0 (the size of the virtual range to reserve)")
+        chunk = 0 if chunk_bytes is None else _as_index(chunk_bytes, "chunk_bytes")
+        if chunk_bytes is not None and chunk == 0:
+            raise ValueError("chunk_bytes must be > 0 (or None for the default)")
+        self._target: DeviceTarget = resolve_device(device)
+        self._handle = _core.create_arena(self._target.driver, self._target.ordinal,
+                                          reserve_bytes, chunk)
+        self._lock = threading.Lock()
+        self._buffers: list[Buffer] = []
+        log.debug("reserved %d bytes on %s at 0x%x", self._handle.reserved_bytes,
+                  self._target.device, self._handle.base)
+
+    # -- placement -----------------------------------------------------------------
+    def allocate(self, shape: Sequence[int] | int, dtype: Any = jnp.float32,
+                 name: str | None = None) -> Buffer:
+        """Place a buffer of ``shape`` and ``dtype``; nothing is backed yet."""
+        self._check_open("Arena.allocate")
+        shape = _as_shape(shape)
+        try:
+            np_dtype = np.dtype(jnp.dtype(dtype))
+        except TypeError:
+            raise TypeError(f"dtype {dtype!r} is not a JAX dtype") from None
+        _dlpack_dtype(np_dtype)
+        if name is not None and not isinstance(name, str):
+            raise TypeError(f"name must be a str or None, got {type(name).__name__}")
+        nbytes = math.prod(shape) * np_dtype.itemsize
+        info = self._handle.allocate(nbytes, name or "")
+        buf = Buffer(self, info, shape, np_dtype)
+        with self._lock:
+            self._buffers.append(buf)
+        return buf
+
+    # -- properties ------------------------------------------------------------------
+    @property
+    def device(self) -> jax.Device:
+        return self._target.device
+
+    @property
+    def base(self) -> int:
+        return self._handle.base
+
+    @property
+    def reserved_bytes(self) -> int:
+        return self._handle.reserved_bytes
+
+    @property
+    def backed_bytes(self) -> int:
+        return self._handle.stats()["backed_bytes"]
+
+    @property
+    def granularity(self) -> int:
+        return self._handle.granularity
+
+    @property
+    def chunk_bytes(self) -> int:
+        return self._handle.chunk_bytes
+
+    @property
+    def driver(self) -> str:
+        return self._handle.driver_kind
+
+    @property
+    def closed(self) -> bool:
+        return self._handle.closed
+
+    @property
+    def buffers(self) -> list[Buffer]:
+        with self._lock:
+            return list(self._buffers)
+
+    def stats(self) -> dict:
+        """A plain dict: reserved/backed/peak bytes, commit and decommit counts and
+        cumulative seconds, driver kind, granularity, chunk size, and more."""
+        return dict(self._handle.stats())
+
+    # -- lifetime --------------------------------------------------------------------
+    def close(self) -> None:
+        """Release all physical memory. Later calls on the arena raise
+        :class:`~jax_vmm.errors.ArenaClosedError`; live views read zeros. Idempotent."""
+        self._handle.close()
+
+    def __enter__(self) -> "Arena":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check_open(self, op: str) -> None:
+        if self._handle.closed:
+            raise ArenaClosedError(f"{op}: the arena is closed; create a new arena")
+
+    # -- test hooks ------------------------------------------------------------------
+    def inject_fault(self, op: str, nth: int = 1, out_of_memory: bool = False) -> None:
+        """Test hook: make the ``nth`` future driver call of ``op`` ('create', 'map',
+        'set_access') fail, as an InjectedFault or (create only) an out-of-memory."""
+        self._handle.inject_fault(op, nth, out_of_memory)
+
+    def disarm_faults(self) -> None:
+        self._handle.disarm_faults()
+
+    def __repr__(self) -> str:
+        s = self._handle.stats()
+        return (
+            f"Arena(driver={s['driver']}, device={self._target.device}, reserved={s['reserved_bytes']}, "
+            f"backed={s['backed_bytes']}, closed={s['closed']})"
+        )

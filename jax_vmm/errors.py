@@ -1,0 +1,40 @@
+"""Exceptions raised by jax_vmm.
+
+Bad arguments raise the built-in ``ValueError`` / ``TypeError``. The classes below cover
+the states that are specific to an arena; ``docs/errors.md`` lists every case.
+"""
+
+from __future__ import annotations
+
+from ._loader import core as _core
+
+#: Use of an arena (or one of its buffers) after ``close()``. A ``RuntimeError``.
+ArenaClosedError = _core.ArenaClosedError
+#: The reservation has no free address range large enough for a new buffer.
+ReservationFullError = _core.ReservationFullError
+#: The OS or the CUDA driver failed (not for lack of memory), or a device lacks VMM.
+DriverError = _core.DriverError
+#: A driver call failed because the fault-injection test hook told it to.
+InjectedFault = _core.InjectedFault
+#: Physical memory could not be committed. Subclass of ``MemoryError`` with
+#: ``requested_bytes`` and ``free_bytes`` attributes; the arena is left unchanged.
+OutOfMemoryError = _core.OutOfMemoryError
+
+
+class OutOfBoundsWrite(RuntimeError):
+    """Writes into a KV arena were dropped because their slot was outside the buffer or
+    on a page that was not committed. ``count`` is the number of dropped token writes."""
+
+    def __init__(self, message: str, count: int):
+        super().__init__(message)
+        self.count = count
+
+
+__all__ = [
+    "ArenaClosedError",
+    "ReservationFullError",
+    "DriverError",
+    "InjectedFault",
+    "OutOfMemoryError",
+    "OutOfBoundsWrite",
+]

@@ -1,0 +1,259 @@
+"""KV-cache buffers on an arena: one K and one V buffer per layer, grown by sequence."""
+
+from __future__ import annotations
+
+import math
+import operator
+import threading
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .arena import Arena, Buffer, _as_index
+from .errors import OutOfBoundsWrite
+
+
+class _LayerViews(Sequence[jax.Array]):
+    """``kv.k[l]``: a zero-copy view of layer ``l``'s buffer. Views are cached and made
+    anew once JAX has consumed (donated) the cached one."""
+
+    def __init__(self, buffers: list[Buffer]):
+        self._buffers = buffers
+        self._cache: list[jax.Array | None] = [None] * len(buffers)
+
+    def __len__(self) -> int:
+        return len(self._buffers)
+
+    def __getitem__(self, layer):  # type: ignore[override]
+        if isinstance(layer, slice):
+            return [self[i] for i in range(*layer.indices(len(self)))]
+        layer = operator.index(layer)
+        if not -len(self) <= layer < len(self):
+            raise IndexError(f"layer {layer} out of range for {len(self)} layers")
+        cached = self._cache[layer]
+        if cached is None or cached.is_deleted():
+            cached = self._buffers[layer].array
+            self._cache[layer] = cached
+        return cached
+
+
+class KVArena:
+    """KV cache for ``num_layers`` layers in one :class:`~jax_vmm.Arena`.
+
+    Layout per layer and per K/V: ``(max_tokens, num_kv_heads, head_dim)``, or with
+    ``max_seqs`` ``(max_seqs, max_tokens, num_kv_heads, head_dim)`` (each sequence
+    contiguous; flat slot = ``seq * max_tokens + position``). Physical memory follows
+    :meth:`ensure`, :meth:`shrink` and :meth:`release`. Create with :func:`kv_arena`.
+
+    Thread-safe: one lock serialises growth and release; views may be read anywhere.
+    """
+
+    def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, max_tokens: int,
+                 dtype: Any = jnp.bfloat16, device: jax.Device | None = None,
+                 initial_tokens: int = 0, max_seqs: int | None = None,
+                 chunk_bytes: int | None = None):
+        for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads),
+                            ("head_dim", head_dim), ("max_tokens", max_tokens)):
+            if _as_index(value, name) == 0:
+                raise ValueError(f"{name} must be > 0, got {value}")
+        if max_seqs is not None and _as_index(max_seqs, "max_seqs") == 0:
+            raise ValueError("max_seqs must be > 0 or None")
+        initial_tokens = _as_index(initial_tokens, "initial_tokens")
+        if initial_tokens > max_tokens:
+            raise ValueError(f"initial_tokens={initial_tokens} exceeds max_tokens={max_tokens}")
+        self.num_layers = int(num_layers)
+        self.num_kv_heads = int(num_kv_heads)
+        self.head_dim = int(head_dim)
+        self.max_tokens = int(max_tokens)
+        self.max_seqs = None if max_seqs is None else int(max_seqs)
+        self.dtype = np.dtype(jnp.dtype(dtype))
+        self.token_bytes = self.num_kv_heads * self.head_dim * self.dtype.itemsize
+        self.seq_bytes = self.max_tokens * self.token_bytes
+        seqs = 1 if self.max_seqs is None else self.max_seqs
+        shape: tuple[int, ...] = (self.max_tokens, self.num_kv_heads, self.head_dim)
+        if self.max_seqs is not None:
+            shape = (self.max_seqs,) + shape
+        # Every buffer is rounded up to whole chunks; ask the driver what a chunk is.
+        from ._device import resolve_device
+        from ._loader import core as _core
+
+        target = resolve_device(device)
+        chunk = _core.resolve_chunk_bytes(target.driver, target.ordinal,
+                                          0 if chunk_bytes is None else _as_index(chunk_bytes, "chunk_bytes"))
+        buffer_bytes = seqs * self.seq_bytes
+        reserve = 2 * self.num_layers * math.ceil(buffer_bytes / chunk) * chunk
+        self.arena = Arena(reserve, device=device, chunk_bytes=chunk)
+        self.k_buffers = [self.arena.allocate(shape, self.dtype, name=f"k{l}") for l in range(self.num_layers)]
+        self.v_buffers = [self.arena.allocate(shape, self.dtype, name=f"v{l}") for l in range(self.num_layers)]
+        self.k = _LayerViews(self.k_buffers)
+        self.v = _LayerViews(self.v_buffers)
+        self._lock = threading.RLock()
+        # Tokens each sequence asked for through ensure(): decides which chunks shared
+        # by two sequences may be released (actual backing can be larger: chunk rounding).
+        self._ensured = [0] * seqs
+        if initial_tokens:
+            for seq in range(seqs):
+                self.ensure(initial_tokens, None if self.max_seqs is None else seq)
+
+    # -- geometry ------------------------------------------------------------------
+    @property
+    def buffers(self) -> list[Buffer]:
+        return self.k_buffers + self.v_buffers
+
+    @property
+    def num_slots(self) -> int:
+        return (1 if self.max_seqs is None else self.max_seqs) * self.max_tokens
+
+    def _seq_base(self, seq: int | None, op: str) -> int:
+        if self.max_seqs is None:
+            if seq is not None:
+                raise ValueError(f"{op}: this KV arena has no per-sequence layout (max_seqs=None); pass seq=None")
+            return 0
+        if seq is None:
+            raise ValueError(f"{op}: this KV arena has max_seqs={self.max_seqs}; pass seq=<0..{self.max_seqs - 1}>")
+        seq = _as_index(seq, "seq")
+        if seq >= self.max_seqs:
+            raise ValueError(f"{op}: seq={seq} is out of range; expected 0 <= seq < {self.max_seqs}")
+        return seq * self.seq_bytes
+
+    def _check_tokens(self, n: Any, op: str) -> int:
+        n = _as_index(n, "num_tokens")
+        if n > self.max_tokens:
+            raise ValueError(f"{op}: num_tokens={n} exceeds max_tokens={self.max_tokens}")
+        return n
+
+    # -- growth and release --------------------------------------------------------------
+    def ensure(self, num_tokens: int, seq: int | None = None) -> int:
+        """Back the first ``num_tokens`` tokens (of sequence ``seq``) in every layer, all
+        or nothing. Returns the bytes newly committed (0 when already backed)."""
+        num_tokens = self._check_tokens(num_tokens, "KVArena.ensure")
+        base = self._seq_base(seq, "KVArena.ensure")
+        if num_tokens == 0:
+            return 0
+        stop = base + num_tokens * self.token_bytes
+        ranges = [(b.id, base, stop) for b in self.buffers]
+        with self._lock:
+            self.arena._check_open("KVArena.ensure")
+            added = self.arena._handle.commit_ranges(ranges)
+            q = 0 if seq is None else int(seq)
+            self._ensured[q] = max(self._ensured[q], num_tokens)
+            return added
+
+    def shrink(self, num_tokens: int) -> int:
+        """Release memory past the first ``num_tokens`` tokens (of every sequence).
+        Returns bytes released."""
+        num_tokens = self._check_tokens(num_tokens, "KVArena.shrink")
+        released = 0
+        with self._lock:
+            self.arena._check_open("KVArena.shrink")
+            for seq in range(1 if self.max_seqs is None else self.max_seqs):
+                base = seq * self.seq_bytes
+                q = None if self.max_seqs is None else seq
+                released += self._decommit_span(base + num_tokens * self.token_bytes, base + self.seq_bytes, q)
+                self._ensured[seq] = min(self._ensured[seq], num_tokens)
+        return released
+
+    def release(self, seq: int | None = None) -> int:
+        """Give back all memory of sequence ``seq`` (its tokens read as zeros after).
+        Returns bytes released."""
+        base = self._seq_base(seq, "KVArena.release")
+        with self._lock:
+            self.arena._check_open("KVArena.release")
+            released = self._decommit_span(base, base + self.seq_bytes, seq)
+            self._ensured[0 if seq is None else int(seq)] = 0
+            return released
+
+    def _decommit_span(self, start: int, stop: int, seq: int | None) -> int:
+        # Sequences need not start on chunk boundaries. A chunk that straddles the span's
+        # edge is freed only when the neighbouring sequence holds no tokens in it.
+        chunk = self.arena.chunk_bytes
+        lo = start // chunk * chunk
+        if lo < start and not self._neighbour_uses(lo, start, seq, before=True):
+            start = lo
+        hi = -(-stop // chunk) * chunk
+        if hi > stop and not self._neighbour_uses(stop, hi, seq, before=False):
+            stop = hi
+        released = 0
+        for b in self.buffers:
+            released += b.decommit(start, min(stop, b.nbytes))
+        return released
+
+    def _neighbour_uses(self, lo: int, hi: int, seq: int | None, before: bool) -> bool:
+        """Does a sequence other than ``seq`` hold ensured tokens in bytes [lo, hi)?"""
+        if self.max_seqs is None or seq is None:
+            # One sequence: the bytes before the span are its own kept tokens.
+            return before
+        for q, tokens in enumerate(self._ensured):
+            if q == seq or tokens == 0:
+                continue
+            q_lo = q * self.seq_bytes
+            q_hi = q_lo + tokens * self.token_bytes
+            if q_lo < hi and q_hi > lo:
+                return True
+        return False
+
+    def backed_tokens(self, seq: int | None = None) -> int:
+        """Tokens from position 0 (of sequence ``seq``) backed in every layer."""
+        base = self._seq_base(seq, "KVArena.backed_tokens")
+        stop = base + self.seq_bytes
+        prefix = min(b.backed_prefix(base, stop) for b in self.buffers)
+        return prefix // self.token_bytes
+
+    # -- checks and stats ------------------------------------------------------------------
+    def dropped_writes(self) -> int:
+        """Token writes dropped by kv_write (slot out of range or on an unbacked page)
+        since the last :meth:`check`, summed over K and V of every layer."""
+        return sum(self.arena._handle.drop_count(b.id) for b in self.buffers)
+
+    def check(self) -> None:
+        """Raise :class:`~jax_vmm.errors.OutOfBoundsWrite` if any write was dropped since
+        the last check (and reset the count). Wait for the writing step first."""
+        count = self.dropped_writes()
+        if count:
+            for b in self.buffers:
+                self.arena._handle.reset_drop_count(b.id)
+            raise OutOfBoundsWrite(
+                f"{count} token writes into this KV arena were dropped: their slot was >= "
+                f"num_slots={self.num_slots} or on a page not committed. Call kv.ensure(n, seq) "
+                "for every token before writing it (slot = seq * max_tokens + position).",
+                count,
+            )
+
+    def stats(self) -> dict:
+        s = self.arena.stats()
+        seqs = range(1 if self.max_seqs is None else self.max_seqs)
+        tokens = [self.backed_tokens(None if self.max_seqs is None else q) for q in seqs]
+        s.update(
+            num_layers=self.num_layers,
+            max_tokens=self.max_tokens,
+            max_seqs=self.max_seqs,
+            token_bytes_all_layers=2 * self.num_layers * self.token_bytes,
+            backed_tokens=tokens,
+            preallocated_equivalent_bytes=2 * self.num_layers * len(tokens) * self.seq_bytes,
+        )
+        return s
+
+    def close(self) -> None:
+        self.arena.close()
+
+    def __enter__(self) -> "KVArena":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"KVArena(layers={self.num_layers}, max_seqs={self.max_seqs}, max_tokens={self.max_tokens}, "
+                f"heads={self.num_kv_heads}, head_dim={self.head_dim}, dtype={self.dtype}, "
+                f"backed={self.arena.backed_bytes})")
+
+
+def kv_arena(*, num_layers: int, num_kv_heads: int, head_dim: int, max_tokens: int,
+             dtype: Any = jnp.bfloat16, device: jax.Device | None = None, initial_tokens: int = 0,
+             max_seqs: int | None = None, chunk_bytes: int | None = None) -> KVArena:
+    """Create a :class:`KVArena`: K/V buffers for every layer in one reserved range."""
+    return KVArena(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                   max_tokens=max_tokens, dtype=dtype, device=device,
+                   initial_tokens=initial_tokens, max_seqs=max_seqs, chunk_bytes=chunk_bytes)
