@@ -236,6 +236,18 @@ size_t Arena::CommitRanges(const std::vector<Range>& ranges) {
   std::vector<std::pair<size_t, size_t>> touched;  // arena-wide [first, end) per range
   int64_t set_access_calls = 0;
   std::string names;
+  // Mapping a chunk replaces the zero mapping at its address. A kernel still reading
+  // those zeros (a full-array op over the cache) would fault mid-swap, so wait for
+  // in-flight device work first, but only when this call really maps something.
+  bool missing = false;
+  for (const Range& r : ranges) {
+    const Placement& p = buffers_.at(r.buffer_id);
+    for (size_t c = r.start / chunk_bytes_; !missing && c < (r.stop + chunk_bytes_ - 1) / chunk_bytes_; ++c) {
+      missing = !p.chunks[c];
+    }
+  }
+  if (!missing) return 0;
+  driver_->Synchronize();
   try {
     for (const Range& r : ranges) {
       if (r.start == r.stop) continue;

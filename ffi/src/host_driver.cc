@@ -36,12 +36,11 @@ std::string Errno(const char* call) {
 MemInfo ReadMemInfo() {
   MemInfo info;
   std::ifstream in("/proc/meminfo");
-  std::string key;
-  size_t value_kib = 0;
-  std::string unit;
-  while (in >> key >> value_kib >> unit) {
-    if (key == "MemTotal:") info.total_bytes = value_kib * 1024;
-    if (key == "MemAvailable:") info.free_bytes = value_kib * 1024;
+  std::string line;
+  while (std::getline(in, line)) {
+    unsigned long long kib = 0;
+    if (std::sscanf(line.c_str(), "MemTotal: %llu kB", &kib) == 1) info.total_bytes = kib * 1024;
+    if (std::sscanf(line.c_str(), "MemAvailable: %llu kB", &kib) == 1) info.free_bytes = kib * 1024;
   }
   return info;
 }
