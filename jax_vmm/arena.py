@@ -14,7 +14,7 @@ import numpy as np
 
 from ._device import DeviceTarget, resolve_device
 from ._loader import core as _core
-from .errors import ArenaClosedError
+from .errors import ArenaClosedError, ReservationFullError
 
 log = logging.getLogger("jax_vmm")
 
@@ -192,6 +192,9 @@ class Arena:
         reserve_bytes = _as_index(reserve_bytes, "reserve_bytes")
         if reserve_bytes == 0:
             raise ValueError("reserve_bytes must be > 0 (the size of the virtual range to reserve)")
+        if reserve_bytes >= 1 << 64:
+            raise ValueError(f"reserve_bytes={reserve_bytes} is too large: it must be below 2^64 "
+                             "(and fit the process's virtual address space); reserve less")
         chunk = 0 if chunk_bytes is None else _as_index(chunk_bytes, "chunk_bytes")
         if chunk_bytes is not None and chunk == 0:
             raise ValueError("chunk_bytes must be > 0 (or None for the default)")
@@ -217,6 +220,11 @@ class Arena:
         if name is not None and not isinstance(name, str):
             raise TypeError(f"name must be a str or None, got {type(name).__name__}")
         nbytes = math.prod(shape) * np_dtype.itemsize
+        if nbytes > self._handle.reserved_bytes:
+            raise ReservationFullError(
+                f"Arena.allocate({name!r}): shape {shape} of {np_dtype} needs {nbytes} bytes, more "
+                f"than the whole {self._handle.reserved_bytes} bytes reservation; create the arena "
+                "with a larger reserve_bytes")
         info = self._handle.allocate(nbytes, name or "")
         buf = Buffer(self, info, shape, np_dtype)
         with self._lock:

@@ -151,7 +151,8 @@ class KVArena:
             for seq in range(1 if self.max_seqs is None else self.max_seqs):
                 base = seq * self.seq_bytes
                 q = None if self.max_seqs is None else seq
-                released += self._decommit_span(base + num_tokens * self.token_bytes, base + self.seq_bytes, q)
+                released += self._decommit_span(base + num_tokens * self.token_bytes, base + self.seq_bytes, q,
+                                                keep_before=num_tokens > 0)
                 self._ensured[seq] = min(self._ensured[seq], num_tokens)
         return released
 
@@ -165,12 +166,13 @@ class KVArena:
             self._ensured[0 if seq is None else int(seq)] = 0
             return released
 
-    def _decommit_span(self, start: int, stop: int, seq: int | None) -> int:
+    def _decommit_span(self, start: int, stop: int, seq: int | None, keep_before: bool = False) -> int:
         # Sequences need not start on chunk boundaries. A chunk that straddles the span's
         # edge is freed only when the neighbouring sequence holds no tokens in it.
         chunk = self.arena.chunk_bytes
         lo = start // chunk * chunk
-        if lo < start and not self._neighbour_uses(lo, start, seq, before=True):
+        # keep_before: the bytes before the span are this sequence's own kept tokens.
+        if lo < start and not keep_before and not self._neighbour_uses(lo, start, seq, before=True):
             start = lo
         hi = -(-stop // chunk) * chunk
         if hi > stop and not self._neighbour_uses(stop, hi, seq, before=False):

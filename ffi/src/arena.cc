@@ -69,9 +69,11 @@ Arena::Arena(std::unique_ptr<Driver> driver, size_t reserve_bytes) : driver_(std
   chunk_bytes_ = driver_->chunk_bytes();
   reserved_bytes_ = RoundUp(reserve_bytes, chunk_bytes_);
   num_chunks_ = reserved_bytes_ / chunk_bytes_;
-  host_page_table_.assign(num_chunks_, 0);
+  // Reserve first: an impossible size fails here, with the OS's answer, before the
+  // 1-byte-per-chunk page tables are allocated.
   base_ = driver_->Reserve(reserved_bytes_);
   try {
+    host_page_table_.assign(num_chunks_, 0);
     device_page_table_ = static_cast<uint8_t*>(driver_->AllocMetadata(num_chunks_));
     driver_->CopyToMetadata(device_page_table_, host_page_table_.data(), num_chunks_);
     const size_t counters = kMaxBuffers * sizeof(unsigned long long);
@@ -239,15 +241,43 @@ size_t Arena::CommitRanges(const std::vector<Range>& ranges) {
   // Mapping a chunk replaces the zero mapping at its address. A kernel still reading
   // those zeros (a full-array op over the cache) would fault mid-swap, so wait for
   // in-flight device work first, but only when this call really maps something.
-  bool missing = false;
+  // Also what the commit asks for, for an out-of-memory message: missing chunks (counted
+  // once when ranges overlap) and the buffers they belong to.
+  std::unordered_set<size_t> missing;
   for (const Range& r : ranges) {
+    if (r.start == r.stop) continue;
     const Placement& p = buffers_.at(r.buffer_id);
-    for (size_t c = r.start / chunk_bytes_; !missing && c < (r.stop + chunk_bytes_ - 1) / chunk_bytes_; ++c) {
-      missing = !p.chunks[c];
+    const size_t chunk0 = p.info.offset / chunk_bytes_;
+    bool any = false;
+    for (size_t c = r.start / chunk_bytes_; c < (r.stop + chunk_bytes_ - 1) / chunk_bytes_; ++c) {
+      if (!p.chunks[c] && missing.insert(chunk0 + c).second) any = true;
+    }
+    if (any && names.find("'" + p.info.name + "'") == std::string::npos) {
+      names += (names.empty() ? "'" : ", '") + p.info.name + "'";
     }
   }
-  if (!missing) return 0;
+  if (missing.empty()) return 0;
+  const size_t asked = missing.size() * chunk_bytes_;
   driver_->Synchronize();
+  // Undo a failed commit: the device page table must say "unbacked" again *before* the
+  // chunks are unmapped (a kernel must never see 1 for a chunk that is gone).
+  auto unwind = [&]() noexcept {
+    for (const Pending& q : pending) {
+      host_page_table_[q.placement->info.offset / chunk_bytes_ + q.chunk_index] = 0;
+    }
+    for (const auto& [first, end] : touched) {
+      try {
+        PublishPageTable(first, end - first);
+      } catch (...) {
+        // The table copy only fails when the device is already broken.
+      }
+    }
+    if (debug_skip_rollback_) {
+      for (Pending& q : pending) q.chunk.release();  // TEST ONLY: leak, mapped
+    }
+    pending.clear();
+    ++stats_.failed_commits;
+  };
   try {
     for (const Range& r : ranges) {
       if (r.start == r.stop) continue;
@@ -279,35 +309,24 @@ size_t Arena::CommitRanges(const std::vector<Range>& ranges) {
                            (c - run_begin) * chunk_bytes_);
         ++set_access_calls;
       }
-      if (names.find("'" + p.info.name + "'") == std::string::npos) {
-        names += (names.empty() ? "'" : ", '") + p.info.name + "'";
-      }
     }
     for (const Pending& q : pending) {
       host_page_table_[q.placement->info.offset / chunk_bytes_ + q.chunk_index] = 1;
     }
     for (const auto& [first, end] : touched) PublishPageTable(first, end - first);
   } catch (const OutOfMemory& e) {
-    const size_t asked = (pending.size()) * chunk_bytes_;
-    for (const Pending& q : pending) {
-      host_page_table_[q.placement->info.offset / chunk_bytes_ + q.chunk_index] = 0;
-    }
-    pending.clear();
-    ++stats_.failed_commits;
+    const size_t got = pending.empty() ? 0 : (pending.size() - 1) * chunk_bytes_;
+    unwind();
     const size_t free_bytes = driver_->mem_info().free_bytes;
     throw OutOfMemory("commit of buffer(s) " + names + ": out of physical memory on " +
                           driver_->kind() + " device " +
-                          std::to_string(driver_->device_ordinal()) + " after " +
-                          Bytes(asked) + " of this commit (chunks of " + Bytes(chunk_bytes_) +
-                          "); " + Bytes(free_bytes) +
+                          std::to_string(driver_->device_ordinal()) + ": asked for " +
+                          Bytes(asked) + " (chunks of " + Bytes(chunk_bytes_) + "), failed after " +
+                          Bytes(got) + "; " + Bytes(free_bytes) +
                           " free. Nothing was committed. Driver said: " + e.what(),
                       asked, free_bytes);
   } catch (...) {
-    for (const Pending& q : pending) {
-      host_page_table_[q.placement->info.offset / chunk_bytes_ + q.chunk_index] = 0;
-    }
-    pending.clear();
-    ++stats_.failed_commits;
+    unwind();
     throw;
   }
   if (pending.empty()) return 0;

@@ -118,6 +118,8 @@ void BindArena(nb::module_& m) {
         a.driver().faults().Arm(ParseOp(op), nth, oom);
       }, nb::arg("op"), nb::arg("nth"), nb::arg("out_of_memory") = false,
          "Test hook: fail the nth (1-based) future driver call of op.")
+      .def("set_debug_skip_rollback", &Arena::set_debug_skip_rollback,
+           "TEST ONLY: a failed commit leaks what it built instead of rolling back.")
       .def("disarm_faults", [](Arena& a) { a.driver().faults().DisarmAll(); })
       .def("view", [](nb::handle self, int64_t buffer_id, std::vector<size_t> shape,
                       uint8_t code, uint8_t bits, int device_type, int device_id) {

@@ -15,6 +15,7 @@
 // mutex per arena serialises them. The registry functions at the bottom are thread-safe.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <map>
@@ -123,6 +124,10 @@ class Arena : public std::enable_shared_from_this<Arena> {
   // Registry lookup (see FindArenaBuffer); takes this arena's lock.
   bool FindBufferLocked(uintptr_t ptr, size_t bytes, BufferRef* out) const;
 
+  // TEST ONLY: when on, a failed commit leaks the chunks it built instead of unwinding
+  // them, so tests can show their checks would catch a broken rollback.
+  void set_debug_skip_rollback(bool on) { debug_skip_rollback_ = on; }
+
   uintptr_t base() const { return base_; }
   size_t reserved_bytes() const { return reserved_bytes_; }
   size_t chunk_bytes() const { return chunk_bytes_; }
@@ -151,6 +156,7 @@ class Arena : public std::enable_shared_from_this<Arena> {
   size_t num_chunks_ = 0;
 
   mutable std::mutex mu_;
+  std::atomic<bool> debug_skip_rollback_{false};
   bool closed_ = false;
   int64_t next_id_ = 0;
   std::map<int64_t, Placement> buffers_;

@@ -1,0 +1,289 @@
+"""Shared fixtures: the device matrix, an arena harness with oracles, data helpers.
+
+Every device-generic test takes the ``device`` fixture: the CPU always, plus the first
+CUDA GPU with VMM support when there is one (those params carry ``@pytest.mark.gpu``).
+``gpu_device`` is for GPU-only tests and skips cleanly without a CUDA GPU.
+
+The ``vm`` fixture builds arenas/KV arenas on ``device``, closes them after the test, and
+checks backing against an independent oracle: on the host, ``/proc/self/maps`` plus the
+memfd's allocated blocks (tests/maps_oracle.py); on a GPU, the CUDA driver's own answer
+per chunk through cuda-python (tests/cuda_oracle.py, when importable).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from typing import Any, Iterable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_vmm
+from jax_vmm._loader import core as _core
+
+import maps_oracle as mo
+
+
+@functools.lru_cache(maxsize=None)
+def cuda_vmm_device() -> tuple[jax.Device | None, str]:
+    """(the first JAX CUDA device whose driver supports VMM, or None; why not)."""
+    try:
+        gpus = [d for d in jax.devices() if d.platform in ("gpu", "cuda")]
+    except RuntimeError as exc:
+        return None, f"no JAX GPU backend ({exc})"
+    if not gpus:
+        return None, "no JAX GPU device (jax.devices() has none)"
+    infos, error = _core.query_cuda_devices()
+    if not infos:
+        return None, f"the CUDA driver is not usable: {error}"
+    dev = gpus[0]
+    ordinal = getattr(dev, "local_hardware_id", None)
+    ordinal = dev.id if ordinal is None else ordinal
+    info = next((i for i in infos if i["ordinal"] == ordinal), None)
+    if info is None or not info["vmm_supported"]:
+        return None, f"CUDA device {ordinal} has no VMM support"
+    return dev, ""
+
+
+def _device_params() -> list[Any]:
+    params = [pytest.param("cpu", id="cpu")]
+    if cuda_vmm_device()[0] is not None:
+        params.append(pytest.param("gpu", id="gpu", marks=pytest.mark.gpu))
+    return params
+
+
+@pytest.fixture(params=_device_params())
+def device(request) -> jax.Device:
+    if request.param == "cpu":
+        return jax.devices("cpu")[0]
+    return cuda_vmm_device()[0]
+
+
+@pytest.fixture
+def cpu_device() -> jax.Device:
+    return jax.devices("cpu")[0]
+
+
+@pytest.fixture
+def gpu_device() -> jax.Device:
+    dev, why = cuda_vmm_device()
+    if dev is None:
+        pytest.skip(f"needs a CUDA GPU with VMM support: {why}")
+    return dev
+
+
+# -- data helpers ----------------------------------------------------------------------
+
+
+def _cuda_memcpy_htod(ordinal: int, dst: int, src: np.ndarray) -> None:
+    try:
+        import cupy  # the GPU machine has it; a plain runtime memcpy, no JAX involved
+    except ImportError:
+        pytest.skip("writing test data into GPU arena memory needs cupy")
+    with cupy.cuda.Device(ordinal):
+        cupy.cuda.runtime.memcpy(dst, src.ctypes.data, src.nbytes,
+                                 cupy.cuda.runtime.memcpyHostToDevice)
+        # A pageable-memory copy may return before its DMA lands; JAX reads on its own
+        # streams next, so wait for the device.
+        cupy.cuda.runtime.deviceSynchronize()
+
+
+def write_bytes(buf: jax_vmm.Buffer, offset: int, data: np.ndarray) -> None:
+    """Write raw bytes into a buffer's memory outside JAX (memcpy to its address).
+    The range must be committed: a write to an unbacked host page would fault."""
+    data = np.ascontiguousarray(data)
+    n = data.nbytes
+    assert 0 <= offset and offset + n <= buf.nbytes, "write outside the buffer"
+    assert buf.backed_prefix(offset, offset + n) == n, "test bug: writing unbacked memory"
+    target = buf.arena._target
+    if target.driver == "host":
+        ctypes.memmove(buf.address + offset, data.ctypes.data, n)
+    else:
+        _cuda_memcpy_htod(target.ordinal, buf.address + offset, data)
+
+
+def read_bytes(buf: jax_vmm.Buffer, start: int = 0, stop: int | None = None) -> np.ndarray:
+    """A host copy of bytes [start, stop) of the buffer, read through a fresh JAX view."""
+    stop = buf.nbytes if stop is None else stop
+    view = buf.view((buf.nbytes,), jnp.uint8)
+    return np.array(view[start:stop])
+
+
+def pattern(n: int, seed: int) -> np.ndarray:
+    """n distinctive non-zero bytes."""
+    return (np.arange(n, dtype=np.uint64) * 2654435761 + seed * 97 + 1).astype(np.uint8) | 1
+
+
+def chunk_states(buf: jax_vmm.Buffer) -> tuple[bool, ...]:
+    """Backed-ness of each chunk of the buffer as the arena reports it."""
+    c = buf.arena.chunk_bytes
+    out = []
+    for lo in range(0, buf.nbytes, c):
+        hi = min(lo + c, buf.nbytes)
+        out.append(buf.backed_prefix(lo, hi) == hi - lo)
+    return tuple(out)
+
+
+STAT_KEYS_STABLE = (
+    "reserved_bytes", "placed_bytes", "backed_bytes", "peak_backed_bytes", "num_buffers",
+    "commit_calls", "decommit_calls", "chunks_created", "chunks_released",
+    "set_access_calls", "closed",
+)
+
+
+def stable_stats(arena: jax_vmm.Arena) -> dict:
+    """stats() without timings, free memory and the failure counters."""
+    s = arena.stats()
+    return {k: s[k] for k in STAT_KEYS_STABLE}
+
+
+# -- the harness ---------------------------------------------------------------------
+
+
+class CudaBackingOracle:
+    """The GPU counterpart of maps_oracle.HostOracle, over tests/cuda_oracle.py: per
+    chunk of the reservation, 'rw' (committed) or 'zero' (the read-only zero chunk)."""
+
+    def __init__(self, arena: jax_vmm.Arena, driver_oracle: Any):
+        self.base = arena.base
+        self.size = arena.reserved_bytes
+        self.chunk = arena.chunk_bytes
+        self.driver = driver_oracle
+
+    def kinds(self) -> tuple[str, ...]:
+        return tuple(self.driver.kinds(self.base, self.size, self.chunk))
+
+    def snapshot(self) -> tuple:
+        return (self.kinds(),)
+
+    def assert_backed_exactly(self, ranges: Iterable[tuple[int, int]]) -> None:
+        ranges = mo.merge(ranges)
+        want = tuple("rw" if any(lo <= off < hi for lo, hi in ranges) else "zero"
+                     for off in range(0, self.size, self.chunk))
+        got = self.kinds()
+        assert got == want, f"driver says {got}, expected {want}"
+
+    def assert_released(self) -> None:
+        self.assert_backed_exactly([])
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_driver_oracle(ordinal: int) -> Any:
+    try:
+        import cuda_oracle
+        return cuda_oracle.CudaOracle(ordinal)
+    except Exception:  # noqa: BLE001 - no cuda-python: data and bookkeeping checks only
+        return None
+
+
+class Harness:
+    """Creates arenas on one device, remembers each host arena's memfd, closes all."""
+
+    def __init__(self, device: jax.Device):
+        self.device = device
+        self.is_host = device.platform == "cpu"
+        driver = "host" if self.is_host else "cuda"
+        ordinal = 0 if self.is_host else cuda_ordinal(device)
+        #: the default chunk size on this device: test sizes are multiples of it
+        self.chunk = _core.resolve_chunk_bytes(driver, ordinal, 0)
+        self._owned: list[Any] = []
+        self._oracles: dict[int, mo.HostOracle] = {}
+
+    def _track(self, make, arena_of):
+        before = mo.jax_vmm_memfds() if self.is_host else None
+        obj = make()
+        arena = arena_of(obj)
+        if self.is_host:
+            probe = mo.MemfdProbe.between(before, mo.jax_vmm_memfds())
+            self._oracles[id(arena)] = mo.HostOracle(arena.base, arena.reserved_bytes, probe)
+        elif (driver := _cuda_driver_oracle(cuda_ordinal(self.device))) is not None:
+            if arena.reserved_bytes // arena.chunk_bytes <= 256:  # a few driver calls per chunk
+                self._oracles[id(arena)] = CudaBackingOracle(arena, driver)
+        self._owned.append(obj)
+        return obj
+
+    def arena(self, reserve_bytes: int, chunk_bytes: int | None = None) -> jax_vmm.Arena:
+        return self._track(
+            lambda: jax_vmm.Arena(reserve_bytes, device=self.device, chunk_bytes=chunk_bytes),
+            lambda a: a)
+
+    def kv(self, **kw: Any) -> jax_vmm.KVArena:
+        kw.setdefault("device", self.device)
+        return self._track(lambda: jax_vmm.kv_arena(**kw), lambda kv: kv.arena)
+
+    def oracle(self, arena: jax_vmm.Arena) -> mo.HostOracle | CudaBackingOracle | None:
+        """The independent oracle of an arena made here (None: too large, or no
+        cuda-python on a GPU machine)."""
+        return self._oracles.get(id(arena))
+
+    def snapshot(self, arena: jax_vmm.Arena, buffers: Iterable[jax_vmm.Buffer]) -> dict:
+        """Everything a failed commit must leave exactly as it was."""
+        bufs = list(buffers)
+        snap = {
+            "stats": stable_stats(arena),
+            "backed": [b.backed_bytes for b in bufs],
+            "chunks": [chunk_states(b) for b in bufs],
+            "data": [read_bytes(b).tobytes() for b in bufs],
+        }
+        o = self.oracle(arena)
+        if o is not None:
+            snap["oracle"] = o.snapshot()
+        return snap
+
+    def assert_backed(self, arena: jax_vmm.Arena, ranges: Iterable[tuple[int, int]]) -> None:
+        """Exactly ``ranges`` (bytes relative to the arena base) are committed: by the
+        arena's stats and page tables, and (host) by the kernel."""
+        ranges = mo.merge(ranges)
+        total = sum(hi - lo for lo, hi in ranges)
+        assert arena.backed_bytes == total, (arena.backed_bytes, total)
+        c = arena.chunk_bytes
+        for b in arena.buffers:
+            if arena._handle.closed:
+                break
+            try:
+                states = chunk_states(b)
+            except ValueError:  # freed buffer
+                continue
+            want = tuple(
+                any(lo <= b.offset + i * c and b.offset + (i + 1) * c <= hi for lo, hi in ranges)
+                for i in range(len(states)))
+            assert states == want, f"{b.name}: page table {states}, expected {want}"
+        o = self.oracle(arena)
+        if o is not None:
+            o.assert_backed_exactly(ranges)
+
+    def close_all(self) -> None:
+        for obj in reversed(self._owned):
+            obj.close()
+        self._owned.clear()
+        self._oracles.clear()
+
+
+def cuda_ordinal(device: jax.Device) -> int:
+    ordinal = getattr(device, "local_hardware_id", None)
+    return device.id if ordinal is None else int(ordinal)
+
+
+def chunk_range(buf: jax_vmm.Buffer, first: int, end: int) -> tuple[int, int]:
+    """Arena-relative byte range of chunks [first, end) of a buffer."""
+    c = buf.arena.chunk_bytes
+    return (buf.offset + first * c, buf.offset + end * c)
+
+
+@pytest.fixture
+def vm(device) -> Harness:
+    h = Harness(device)
+    yield h
+    h.close_all()
+
+
+@pytest.fixture
+def host_vm(cpu_device) -> Harness:
+    """A harness on the CPU only: for tests about the host driver's OS-level behaviour."""
+    h = Harness(cpu_device)
+    yield h
+    h.close_all()
+
