@@ -38,10 +38,6 @@ struct Arena::Chunk {
   Chunk(Driver* d, uintptr_t address) : driver(d), va(address) {
     handle = driver->Create();
   }
-  void Map() {
-    driver->Map(va, handle);
-    mapped = true;
-  }
   ~Chunk() {
     if (mapped) driver->Unmap(va);
     driver->Release(handle);
@@ -137,7 +133,9 @@ BufferInfo Arena::Allocate(size_t nbytes, const std::string& name) {
   if (nbytes == 0) throw InvalidArgument("Arena.allocate: a buffer needs at least 1 byte");
   if (static_cast<int64_t>(buffers_.size()) >= kMaxBuffers) {
     throw ReservationFull("Arena.allocate: the arena already holds " +
-                          std::to_string(kMaxBuffers) + " buffers, the most it can track");
+                          std::to_string(kMaxBuffers) +
+                          " buffers, the most it can track; free() unused buffers or "
+                          "use another arena");
   }
   const size_t placed = RoundUp(nbytes, chunk_bytes_);
   auto fit = std::find_if(free_ranges_.begin(), free_ranges_.end(),
@@ -145,7 +143,7 @@ BufferInfo Arena::Allocate(size_t nbytes, const std::string& name) {
   if (fit == free_ranges_.end()) {
     size_t largest = 0;
     for (const auto& r : free_ranges_) largest = std::max(largest, r.second);
-    throw ReservationFull("Arena.allocate('" + name + "'): needs " + Bytes(placed) +
+    throw ReservationFull("Arena.allocate(" + (name.empty() ? std::string("unnamed buffer") : "'" + name + "'") + "): needs " + Bytes(placed) +
                           " of address space but the largest free range of the " +
                           Bytes(reserved_bytes_) + " reservation is " + Bytes(largest) +
                           "; create the arena with a larger reserve_bytes");
@@ -297,12 +295,22 @@ size_t Arena::CommitRanges(const std::vector<Range>& ranges) {
           continue;
         }
         const size_t run_begin = c;
+        const size_t run_first_pending = pending.size();
         for (; c < end && !p.chunks[c] && !is_pending(c); ++c) {
           pending.push_back({&p, c, nullptr});
           pending.back().chunk =
               std::make_unique<Chunk>(driver_.get(), p.info.address + c * chunk_bytes_);
-          pending.back().chunk->Map();
           pending_global.insert(chunk0 + c);
+        }
+        // One map call per run (all-or-nothing), so the driver can batch its work.
+        std::vector<PhysicalHandle> handles;
+        for (size_t i = run_first_pending; i < pending.size(); ++i) {
+          handles.push_back(pending[i].chunk->handle);
+        }
+        driver_->MapRun(p.info.address + run_begin * chunk_bytes_, handles.data(),
+                        handles.size());
+        for (size_t i = run_first_pending; i < pending.size(); ++i) {
+          pending[i].chunk->mapped = true;
         }
         // One access call per contiguous run: it dominates the driver cost.
         driver_->SetAccess(p.info.address + run_begin * chunk_bytes_,
@@ -387,6 +395,16 @@ size_t Arena::DecommitLocked(Placement& p, size_t first, size_t end) {
   // cleared table and drops its writes instead of faulting.
   PublishPageTable(arena_chunk0 + first, end - first);
   driver_->Synchronize();
+  // Unmap each contiguous run of backed chunks with one call, then release them.
+  for (size_t c = first; c < end;) {
+    if (!p.chunks[c]) {
+      ++c;
+      continue;
+    }
+    const size_t run_begin = c;
+    while (c < end && p.chunks[c]) p.chunks[c++]->mapped = false;
+    driver_->UnmapRun(p.info.address + run_begin * chunk_bytes_, c - run_begin);
+  }
   for (size_t c = first; c < end; ++c) p.chunks[c].reset();
   const size_t bytes = removed * chunk_bytes_;
   p.info.backed_bytes -= bytes;

@@ -76,6 +76,14 @@ class Driver {
   virtual void Unmap(uintptr_t va) noexcept = 0;
   virtual void SetAccess(uintptr_t va, size_t bytes) = 0;
 
+  // Run forms of map/unmap: `count` chunks starting at `va`, one call per contiguous
+  // run, so a driver can batch its expensive calls (CUDA: one cuMemUnmap and one
+  // cuMemSetAccess per run instead of one per chunk). The defaults loop over Map/Unmap.
+  // MapRun is all-or-nothing: when it throws, every chunk of the run reads zeros again.
+  // It fails like `count` Map calls would (fault injection counts each chunk).
+  virtual void MapRun(uintptr_t va, const PhysicalHandle* handles, size_t count);
+  virtual void UnmapRun(uintptr_t va, size_t count) noexcept;
+
   // Small memory that both the host (through the copies below) and device code can
   // read: the arena's page-valid table and counters live here.
   virtual void* AllocMetadata(size_t bytes) = 0;
