@@ -91,4 +91,5 @@ NB_MODULE(_core, m) {
   BindArena(m);
   BindScratch(m);
   BindOps(m);
+  BindAttention(m);
 }

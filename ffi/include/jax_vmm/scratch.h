@@ -5,21 +5,36 @@
 //
 // Usage from an XLA FFI handler (CUDA):
 //   * at a stage that is never under stream capture (the handler's kInitialize stage,
-//     or from Python before the first call), call Reserve(device, stream, bytes) with
-//     the size derived from static shapes;
-//   * at kExecute, call Get(device, stream, bytes, &ptr); it never grows while the
-//     stream is capturing: if the workspace is too small then, it returns an error
-//     message instead of silently allocating.
+//     or from Python with jax_vmm.scratch.reserve() before the first call), call
+//     Reserve(device, stream, bytes) with the size derived from static shapes;
+//   * at kExecute, call Get(device, stream, bytes, &ptr). It grows the workspace when the
+//     stream is not capturing. When the stream is capturing it never grows: if the
+//     workspace is too small it returns an error message instead of allocating.
+//
+// Streams under capture. XLA records a command buffer by tracing the handler on a
+// private trace stream and later replays the graph on the stream the executable runs
+// on. So a Get() on a capturing stream that has no workspace of its own resolves to
+//   1. the workspace this thread last used or reserved outside capture on that device
+//      (XLA calls kInitialize, then records, on the same thread), else
+//   2. the device's default workspace (stream == nullptr, what reserve() fills).
+// Graphs replay in order on the executable's stream, so they may share that workspace.
 //
 // Strategies (ScratchMode):
-//   kGrowInPlace  a large reserved virtual range per workspace; growth maps more chunks at
-//                 the tail, so the pointer never changes; memory = high-water mark.
-//   kRetire       plain blocks; growth allocates a larger block and *retires* the old
-//                 one (kept until process exit, never freed), because a captured graph
-//                 may still point at it. Memory = sum of every outgrown size.
-// The default is kGrowInPlace where the device supports VMM, else kRetire.
+//   kGrowInPlace  a reserved virtual range per workspace; growth maps more chunks at the
+//                 tail, so the pointer never changes; memory = high-water mark. When the
+//                 reservation itself is outgrown, a larger one is made and the old range
+//                 is retired (kept mapped for the life of the process).
+//   kRetire       plain blocks; growth allocates a larger block and retires the old one
+//                 (kept until process exit, never freed), because a captured graph may
+//                 still point at it. Memory = sum of every outgrown size.
+// kDefault picks kGrowInPlace where the device supports VMM, else kRetire.
+// Changing the mode retires the current workspaces (kept alive, never reused) so that
+// the next Get() creates a workspace in the new mode.
 //
-// Thread-safety: all functions are thread-safe (one mutex per workspace table).
+// Lifetime: workspaces and retired blocks are never freed (captured graphs may outlive
+// any owner we could name); the OS reclaims them at process exit.
+//
+// Thread-safety: all functions are thread-safe (one mutex for the workspace table).
 #pragma once
 
 #include <cstddef>
@@ -29,37 +44,64 @@
 
 namespace jax_vmm::scratch {
 
+// Device id used for host (cpu platform) workspaces.
+constexpr int kHostDevice = -1;
+
 enum class ScratchMode : int { kDefault = 0, kGrowInPlace = 1, kRetire = 2 };
+
+const char* ModeName(ScratchMode mode);
 
 struct WorkspaceStats {
   int device = 0;
-  uintptr_t stream = 0;
-  ScratchMode mode = ScratchMode::kDefault;
-  uintptr_t address = 0;     // current workspace pointer
-  size_t capacity = 0;       // bytes usable at `address`
-  size_t backed_bytes = 0;   // physical bytes held, including retired blocks
+  uintptr_t stream = 0;          // 0: the device's default workspace
+  int64_t generation = 0;        // bumped by SetMode(); older workspaces are retired
+  bool current = true;           // false once retired by a mode change
+  ScratchMode mode = ScratchMode::kDefault;  // effective strategy; kDefault until allocated
+  bool vmm = false;              // memory from the VMM driver (else plain allocations)
+  uintptr_t address = 0;         // current workspace pointer
+  size_t capacity = 0;           // bytes usable at `address`
+  size_t reserved_bytes = 0;     // virtual range (grow-in-place), else == capacity
+  size_t backed_bytes = 0;       // physical bytes held, including retired blocks
   int64_t retired_blocks = 0;
   size_t retired_bytes = 0;
   int64_t growth_events = 0;
+  int64_t freed_blocks = 0;      // only with SetDebugFreeOnGrowth(true)
   int64_t capture_refusals = 0;  // Get() calls refused because growth was needed under capture
+  std::string fallback_reason;   // why kDefault resolved to kRetire, if it did
 };
 
-// Selects the strategy for workspaces created from now on (existing ones keep theirs).
+// Selects the strategy for workspaces created from now on. A change of mode retires
+// all current workspaces (they stay allocated) and starts a new generation.
 void SetMode(ScratchMode mode);
 ScratchMode GetMode();
 
-// Grows the workspace of (device, stream) to at least `bytes`. Must not be called while
-// `stream` is capturing. Returns an empty string on success, else the error.
+// Virtual bytes reserved per grow-in-place workspace (default 1 GiB, or the
+// JAX_VMM_SCRATCH_RESERVE_BYTES environment variable). Applies to new reservations.
+void SetReserveBytes(size_t bytes);
+size_t GetReserveBytes();
+
+// Grows the workspace of (device, stream) to at least `bytes`. `stream` may be nullptr
+// (the device default workspace). Must not be called while `stream` is capturing.
+// Returns an empty string on success, else the error.
 std::string Reserve(int device, void* stream, size_t bytes);
 
 // Returns in *ptr a workspace of at least `bytes` for (device, stream). Grows it when the
-// stream is not capturing; when it is and the workspace is too small, returns an error.
+// stream is not capturing; when it is and no resolvable workspace is large enough,
+// returns an error (and counts a capture refusal). Empty string on success.
 std::string Get(int device, void* stream, size_t bytes, void** ptr);
+
+// Same as Get() with the capture state given by the caller (tests; host platforms).
+std::string GetWithCaptureState(int device, void* stream, size_t bytes, bool capturing,
+                                void** ptr);
 
 std::vector<WorkspaceStats> Stats();
 
-// Test only: when true, growth frees the outgrown block immediately (the seed's bug),
-// so tests can show they detect a dangling pointer in a replayed graph.
+// Test only: when true, growth moves the workspace to a new block and frees the
+// outgrown one immediately, in both modes (the seed's bug), so tests can show they
+// detect a dangling pointer in a replayed graph. A freed VMM block keeps its virtual
+// range reserved (read-only zeros): a stale write faults instead of landing in memory
+// that something else reused.
 void SetDebugFreeOnGrowth(bool enabled);
+bool DebugFreeOnGrowth();
 
 }  // namespace jax_vmm::scratch

@@ -1,0 +1,321 @@
+"""Growth benchmark: grow a KV cache from 16 GiB to 20 GiB, jax_vmm vs plain JAX.
+
+    python bench/growth.py                       # GPU: 16 -> 20 GiB; CPU: scaled 1/64
+    python bench/growth.py --scale 0.125 --out out/bench_growth
+
+Cache geometry: the gpu preset's (8 layers, 8 KV heads x 128, bf16: 32 KiB per token over
+all layers, K and V). Methods, each in its own fresh process so that peak memory is its
+own:
+  jax_vmm      kv_arena sized for the final length; growth = kv.ensure(more tokens):
+               commit physical memory under the existing addresses, no copy.
+  stacked      plain JAX, one (layers, 2, T, H, D) array: allocate the larger array and
+               copy the old one into it (jit, AOT-compiled, so no compile is timed).
+  per-layer    plain JAX, one array per layer and K/V, grown one at a time (old one freed
+               before the next): the careful way, lower peak, same copying.
+Reported: growth time (first, and median of --repeats; every repeat grows anew: plain
+JAX from a freshly made old cache, jax_vmm after shrinking back), the ratio to each
+plain-JAX way (goal >= 20x), and the peak memory during growth against the final cache
+size (goal <= 1.05x; a copy needs about 2x). GPU memory: XLA allocator peak (plain
+JAX) or XLA bytes in use + arena backed (jax_vmm; the arena is outside XLA's allocator).
+CPU memory: the cache's own bytes before growth (plain JAX: the old arrays, fully
+written; jax_vmm: the arena's backed bytes, physically allocated at commit by the host
+driver) plus the growth of the resident set during the growth (VmHWM, reset just
+before). Data survive growth in every method
+(sentinel tokens) and the grown region is writable to its end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from examples.memory import (device_memory_stats, peak_rss_bytes, reset_peak_rss,  # noqa: E402
+                             rss_bytes)
+from examples.report import fmt_bytes  # noqa: E402
+
+GIB = 1 << 30
+METHODS = ("jax_vmm", "stacked", "per-layer")
+
+
+def geometry(args: argparse.Namespace) -> dict:
+    dt = jnp.dtype(args.dtype)
+    token_layer = args.kv_heads * args.head_dim * dt.itemsize  # one layer, K or V
+    token_all = 2 * args.layers * token_layer
+    t_from = int(args.from_gib * args.scale * GIB) // token_all
+    t_to = int(args.to_gib * args.scale * GIB) // token_all
+    if not 0 < t_from < t_to:
+        raise SystemExit(f"--from-gib {args.from_gib} / --to-gib {args.to_gib} x scale "
+                         f"{args.scale}: need 0 < from < to (in whole tokens)")
+    return dict(layers=args.layers, heads=args.kv_heads, head_dim=args.head_dim,
+                dtype=str(dt), token_bytes=token_all, tokens_from=t_from, tokens_to=t_to,
+                bytes_from=t_from * token_all, bytes_to=t_to * token_all)
+
+
+def _memory_probe(device: jax.Device) -> dict:
+    stats = device_memory_stats(device)
+    return {"rss": rss_bytes(), "xla_in_use": stats["bytes_in_use"] if stats else None,
+            "xla_peak": stats.get("peak_bytes_in_use") if stats else None}
+
+
+def _sentinel(i: int, g: dict) -> np.ndarray:
+    return np.full((g["heads"], g["head_dim"]), float(i + 1), np.float32)
+
+
+# ------------------------------------------------------------------------ jax_vmm
+
+def run_vmm(g: dict, repeats: int, chunk_bytes: int | None) -> dict:
+    import jax_vmm
+    from jax_vmm.ops import kv_write_through
+
+    device = jax.devices()[0]
+    idle = _memory_probe(device)
+    kv = jax_vmm.kv_arena(num_layers=g["layers"], num_kv_heads=g["heads"],
+                          head_dim=g["head_dim"], max_tokens=g["tokens_to"],
+                          dtype=g["dtype"], chunk_bytes=chunk_bytes)
+    t_from, t_to, dt = g["tokens_from"], g["tokens_to"], jnp.dtype(g["dtype"])
+    kv.ensure(t_from)
+    # kv_write_through writes the arena itself (kv_write would write an XLA copy on the
+    # CPU, where a donated buffer is copied). It returns a per-token status to wait on.
+    write = jax.jit(kv_write_through)
+    for layer in range(g["layers"]):  # sentinels at both ends of the old range
+        ends = jnp.asarray(np.stack([_sentinel(layer, g), _sentinel(layer + 100, g)]), dt)
+        write(kv.k[layer], kv.v[layer], ends, ends,
+              jnp.asarray([0, t_from - 1], jnp.int32)).block_until_ready()
+    kv.check()
+
+    before = _memory_probe(device)
+    times, peak_rss, reset_ok = [], 0, True
+    for i in range(repeats):
+        if i:
+            kv.shrink(t_from)  # give the grown part back: the next repeat commits anew
+        reset_ok &= reset_peak_rss()
+        t0 = time.perf_counter()
+        kv.ensure(t_to)
+        times.append(time.perf_counter() - t0)
+        peak_rss = max(peak_rss, peak_rss_bytes())
+    after = _memory_probe(device)
+    stats = kv.stats()
+    # Data kept, new tail backed and writable (one token at the very end of every layer).
+    ok = kv.backed_tokens() >= t_to
+    for layer in range(g["layers"]):
+        got = np.asarray(kv.k[layer][jnp.asarray([0, t_from - 1])], np.float32)
+        ok &= bool(np.array_equal(got[0], _sentinel(layer, g)) and
+                   np.array_equal(got[1], _sentinel(layer + 100, g)))
+    last = jnp.full((1, g["heads"], g["head_dim"]), 0.25, dt)
+    for layer in range(g["layers"]):  # the grown region is writable, to its very end
+        write(kv.k[layer], kv.v[layer], last, last,
+              jnp.asarray([t_to - 1], jnp.int32)).block_until_ready()
+    ok &= bool(np.all(np.asarray(kv.v[g["layers"] - 1][t_to - 1], np.float32) == 0.25))
+    kv.check()
+    out = {
+        "method": "jax_vmm", "chunk_bytes": stats["chunk_bytes"], "times_s": times,
+        "data_ok": bool(ok), "idle": idle, "before": before, "after": after,
+        "peak_rss": peak_rss, "rss_peak_reset": bool(reset_ok),
+        "arena_peak_backed": stats["peak_backed_bytes"], "commit_calls": stats["commit_calls"],
+        "commit_seconds": stats["commit_seconds"], "chunks_created": stats["chunks_created"],
+    }
+    kv.close()
+    return out
+
+
+# ------------------------------------------------------------------------ plain JAX
+
+def run_plain(g: dict, repeats: int, stacked: bool) -> dict:
+    device = jax.devices()[0]
+    idle = _memory_probe(device)
+    L, H, D = g["layers"], g["heads"], g["head_dim"]
+    t_from, t_to, dt = g["tokens_from"], g["tokens_to"], jnp.dtype(g["dtype"])
+    shape = (L, 2, t_from, H, D) if stacked else (t_from, H, D)
+    make = jax.jit(lambda: jnp.full(shape, 0.5, dt))
+    # Sentinels at both ends of the old range (in the first array).
+    mark = jax.jit(lambda a: a.at[..., 0, :, :].set(1.0).at[..., t_from - 1, :, :].set(2.0),
+                   donate_argnums=0)
+
+    def old_cache() -> list[jax.Array]:
+        olds = [make() for _ in range(1 if stacked else 2 * L)]
+        olds[0] = mark(olds[0])
+        return jax.block_until_ready(olds)
+
+    def grow(old: jax.Array) -> jax.Array:  # allocate larger, copy the old tokens in
+        new = jnp.zeros(old.shape[:-3] + (t_to, H, D), dt)
+        return jax.lax.dynamic_update_slice_in_dim(new, old, 0, axis=old.ndim - 3)
+
+    grow_c = jax.jit(grow).lower(jax.ShapeDtypeStruct(shape, dt)).compile()  # not timed
+    times, peak_rss, reset_ok = [], 0, True
+    news: list[jax.Array] = []
+    before = after = None
+    for _ in range(repeats):
+        for a in news:  # each repeat starts again from an old cache only
+            a.delete()
+        olds = old_cache()
+        before = before or _memory_probe(device)
+        reset_ok &= reset_peak_rss()
+        t0 = time.perf_counter()
+        news = []
+        for i in range(len(olds)):
+            news.append(grow_c(olds[i]))
+            if not stacked:  # the careful way: free each old array once it is copied
+                news[-1].block_until_ready()
+            olds[i].delete()
+        jax.block_until_ready(news)
+        times.append(time.perf_counter() - t0)
+        peak_rss = max(peak_rss, peak_rss_bytes())
+        after = _memory_probe(device)
+    first = np.asarray(news[0][..., jnp.asarray([0, t_from - 1, t_to - 1]), :, :], np.float32)
+    ok = bool(np.all(first[..., 0, :, :] == 1.0) and np.all(first[..., 1, :, :] == 2.0)
+              and np.all(first[..., 2, :, :] == 0.0))
+    return {"method": "stacked" if stacked else "per-layer", "times_s": times,
+            "data_ok": ok, "idle": idle, "before": before, "after": after,
+            "peak_rss": peak_rss, "rss_peak_reset": bool(reset_ok)}
+
+
+# ------------------------------------------------------------------------ driver
+
+def peak_growth_bytes(r: dict, g: dict, platform: str) -> int:
+    """Peak memory of the cache while growing: what holds the cache plus whatever else
+    the growth allocated, excluding what the process held before the cache existed."""
+    if platform == "gpu":
+        if r["method"] == "jax_vmm":  # XLA holds nothing of the cache; the arena does
+            return r["arena_peak_backed"] + r["after"]["xla_in_use"] - r["idle"]["xla_in_use"]
+        return r["after"]["xla_peak"] - r["idle"]["xla_in_use"]
+    # CPU: the old cache (plain JAX: resident arrays, written in full; jax_vmm: the arena's
+    # physical memory, allocated by the host driver at commit, in a memfd that is
+    # resident only where mapped pages were touched) + what the resident set grew by.
+    extra = max(0, r["peak_rss"] - r["before"]["rss"])
+    held = r["arena_peak_backed"] if r["method"] == "jax_vmm" else g["bytes_from"]
+    return held + extra
+
+
+def child(args: argparse.Namespace) -> None:
+    g = geometry(args)
+    if args.method == "jax_vmm":
+        chunk = None if args.chunk == 0 else args.chunk
+        out = run_vmm(g, args.repeats, chunk)
+    else:
+        out = run_plain(g, args.repeats, stacked=args.method == "stacked")
+    out["platform"] = jax.devices()[0].platform
+    Path(args.child_out).write_text(json.dumps(out))
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--from-gib", type=float, default=16.0)
+    p.add_argument("--to-gib", type=float, default=20.0)
+    p.add_argument("--scale", type=float,
+                   help="multiply both sizes (default 1 on a GPU, 1/64 on the CPU)")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--chunks", type=int, nargs="+",
+                   help="jax_vmm chunk sizes to try, bytes (0 = the arena default); default: "
+                        "0 and 64 MiB and 256 MiB on a GPU, 0 and 1 MiB on the CPU")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--out", type=Path, help="directory for growth.json and growth.png")
+    p.add_argument("--method", choices=METHODS, help=argparse.SUPPRESS)
+    p.add_argument("--chunk", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--child-out", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    platform = jax.devices()[0].platform  # no allocation: children own the memory
+    if args.scale is None:
+        args.scale = 1.0 if platform == "gpu" else 1 / 64
+    if args.method:
+        child(args)
+        return {}
+    g = geometry(args)
+    chunks = args.chunks or ([0, 64 << 20, 256 << 20] if platform == "gpu" else [0, 1 << 20])
+    print(f"grow {fmt_bytes(g['bytes_from'])} -> {fmt_bytes(g['bytes_to'])} "
+          f"({g['tokens_from']} -> {g['tokens_to']} tokens, {g['layers']} layers, "
+          f"{g['heads']}x{g['head_dim']} {g['dtype']}) on {platform}; {args.repeats} repeats")
+    runs = [("stacked", 0), ("per-layer", 0)] + [("jax_vmm", c) for c in chunks]
+    results = []
+    passthrough = ["--from-gib", str(args.from_gib), "--to-gib", str(args.to_gib),
+                   "--scale", repr(args.scale), "--layers", str(args.layers),
+                   "--kv-heads", str(args.kv_heads), "--head-dim", str(args.head_dim),
+                   "--dtype", args.dtype, "--repeats", str(args.repeats)]
+    for method, chunk in runs:
+        with tempfile.NamedTemporaryFile(suffix=".json") as f:
+            cmd = [sys.executable, __file__, *passthrough, "--method", method,
+                   "--chunk", str(chunk), "--child-out", f.name]
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode != 0:
+                print(f"{method} (chunk {chunk}) FAILED (exit {proc.returncode}):\n"
+                      f"{proc.stderr[-3000:]}")
+                results.append({"method": method, "chunk": chunk, "error": proc.stderr[-3000:]})
+                continue
+            r = json.loads(Path(f.name).read_text())
+        r["peak_growth_bytes"] = peak_growth_bytes(r, g, platform)
+        results.append(r)
+    report = {"platform": platform, "device": jax.devices()[0].device_kind,
+              "jax": jax.__version__, "geometry": g, "repeats": args.repeats,
+              "results": results,
+              "command": " ".join(["python", "bench/growth.py", *(argv or sys.argv[1:])])}
+    print_table(report)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "growth.json").write_text(json.dumps(report, indent=2))
+        plot(report, args.out / "growth.png")
+        print(f"wrote {args.out / 'growth.json'} and {args.out / 'growth.png'}")
+    return report
+
+
+def _label(r: dict) -> str:
+    return f"jax_vmm (chunk {fmt_bytes(r['chunk_bytes'])})" if r["method"] == "jax_vmm" \
+        else f"plain JAX, {r['method']}"
+
+
+def print_table(report: dict) -> None:
+    g, ok = report["geometry"], [r for r in report["results"] if "error" not in r]
+    plain = {r["method"]: float(np.median(r["times_s"])) for r in ok if r["method"] != "jax_vmm"}
+    print(f"\n{'method':34} {'first':>9} {'median':>9} {'vs stacked':>10} {'vs per-layer':>12} "
+          f"{'peak mem':>10} {'x final':>8} data")
+    for r in ok:
+        med = float(np.median(r["times_s"]))
+        ratios = [f"{plain[m] / med:.1f}x" if m in plain else "-" for m in ("stacked", "per-layer")]
+        print(f"{_label(r):34} {1e3 * r['times_s'][0]:7.2f}ms {1e3 * med:7.2f}ms "
+              f"{ratios[0]:>10} {ratios[1]:>12} {fmt_bytes(r['peak_growth_bytes']):>10} "
+              f"{r['peak_growth_bytes'] / g['bytes_to']:7.2f}x {'ok' if r['data_ok'] else 'BAD'}")
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in report["results"] if "error" not in r]
+    labels = [_label(r).replace(", ", "\n").replace(" (", "\n(") for r in ok]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.5), dpi=120)
+    colors = ["tab:red" if r["method"] != "jax_vmm" else "tab:blue" for r in ok]
+    a1.bar(labels, [1e3 * float(np.median(r["times_s"])) for r in ok], color=colors)
+    a1.set_yscale("log")
+    a1.set_ylabel("growth time, ms (log)")
+    a2.bar(labels, [r["peak_growth_bytes"] / GIB for r in ok], color=colors)
+    a2.axhline(report["geometry"]["bytes_to"] / GIB, color="k", ls="--", lw=1,
+               label="final cache size")
+    a2.set_ylabel("peak memory while growing, GiB")
+    a2.legend(fontsize=8)
+    for a in (a1, a2):
+        a.tick_params(axis="x", labelsize=7)
+    g = report["geometry"]
+    fig.suptitle(f"grow KV cache {fmt_bytes(g['bytes_from'])} -> {fmt_bytes(g['bytes_to'])} "
+                 f"({report['device']})", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,205 @@
+"""kv_write against XLA's own cache update, and against the device copy bandwidth.
+
+Decode-size writes (n = batch, one token per sequence) into a KV cache of a given total
+capacity (K + V), side by side with XLA's donated ``cache.at[slots].set(...)`` on an
+equal, fully preallocated cache:
+
+  ours      jax_vmm.kv_write on kv_arena views, cache donated (in place on a GPU)
+  through   jax_vmm.kv_write_through on kv_arena views (arena as the state, no donation)
+  xla       k.at[slots].set(new_k), v.at[...] on plain donated jnp arrays
+
+Each executable runs L writes in a ``fori_loop`` (device time per write, dispatch
+amortised); "call" rows run one write per executable call (what a decode step pays,
+dispatch included). Goal: ours/xla <= 1.0 and flat from 1 GiB to 32 GiB.
+
+Prefill-size writes (n contiguous tokens) report bandwidth (bytes read + written per
+second) as a share of the measured device copy bandwidth (a large device-to-device
+copy). Goal >= 85%.
+
+  python bench/kv_write.py                      # GPU: 1 GiB and 32 GiB; CPU: scaled down
+  python bench/kv_write.py --capacities 1 --batches 8 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_vmm
+from jax_vmm import ops
+
+MiB, GiB = 1 << 20, 1 << 30
+
+
+def median_time(fn: Callable[[], Any], repeats: int) -> float:
+    jax.block_until_ready(fn())  # compile + first graph recording
+    jax.block_until_ready(fn())
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
+
+
+def copy_bandwidth(nbytes: int, device, repeats: int) -> float:
+    """Bytes read + written per second by XLA's device-to-device copy of a large array
+    (returning a non-donated argument makes XLA copy it)."""
+    a = jax.device_put(jnp.zeros((nbytes // 4,), jnp.float32), device)
+    f = jax.jit(lambda a: a)
+    t = median_time(lambda: f(a), repeats)
+    return 2 * nbytes / t
+
+
+class Writer:
+    """One way of writing `n` tokens per step into a cache of `num_slots` slots: runs
+    `loop` steps per executable call, slots advancing by n each step (wrapping)."""
+
+    def __init__(self, kind: str, num_slots: int, n: int, loop: int, h: int, d: int, dtype,
+                 device):
+        self.kind, self.num_slots, self.n, self.loop = kind, num_slots, n, loop
+        self.device = device
+        rng = np.random.default_rng(n)
+        self.nk = jax.device_put(jnp.asarray(rng.standard_normal((n, h, d)), dtype), device)
+        self.nv = jax.device_put(jnp.asarray(rng.standard_normal((n, h, d)), dtype), device)
+        self.kv = None
+        if kind == "xla":
+            self.k = jax.device_put(jnp.zeros((num_slots, h, d), dtype), device)
+            self.v = jax.device_put(jnp.zeros((num_slots, h, d), dtype), device)
+        else:
+            self.kv = jax_vmm.kv_arena(num_layers=1, num_kv_heads=h, head_dim=d,
+                                       max_tokens=num_slots, dtype=dtype, device=device,
+                                       initial_tokens=num_slots)
+            self.k, self.v = self.kv.k[0], self.kv.v[0]
+        self.start = jax.device_put(jnp.int32(0), device)
+        self.exe = self._compile()
+
+    def _slots(self, start, i):
+        return ((start + i * self.n + jnp.arange(self.n, dtype=jnp.int32))
+                % self.num_slots).astype(jnp.int32)
+
+    def _compile(self):
+        nk, nv, loop = self.nk, self.nv, self.loop
+        if self.kind == "through":
+            def f(k, v, start, nk, nv):
+                def body(i, acc):
+                    st = ops.kv_write_through(k, v, nk, nv, self._slots(start, i))
+                    return acc + st[0, 0]
+                acc = jax.lax.fori_loop(0, loop, body, jnp.int32(0))
+                return start + loop * self.n, acc
+            return jax.jit(f, donate_argnums=(2,)).lower(self.k, self.v, self.start, nk, nv).compile()
+
+        def update(k, v, slots):
+            if self.kind == "xla":
+                return k.at[slots].set(nk, mode="drop"), v.at[slots].set(nv, mode="drop")
+            return ops.kv_write(k, v, nk, nv, slots)
+
+        def g(k, v, start):
+            k, v = jax.lax.fori_loop(0, loop, lambda i, c: update(*c, self._slots(start, i)), (k, v))
+            return k, v, start + loop * self.n
+        return jax.jit(g, donate_argnums=(0, 1, 2)).lower(self.k, self.v, self.start).compile()
+
+    def step(self):
+        if self.kind == "through":
+            self.start, acc = self.exe(self.k, self.v, self.start, self.nk, self.nv)
+            return acc
+        self.k, self.v, self.start = self.exe(self.k, self.v, self.start)
+        return self.start
+
+    def close(self) -> None:
+        self.k = self.v = None
+        if self.kv is not None:
+            self.kv.close()
+
+
+def per_write(kind, num_slots, n, loop, args, device, repeats) -> float:
+    w = Writer(kind, num_slots, n, loop, args.heads, args.head_dim, args.dtype, device)
+    try:
+        return median_time(w.step, repeats) / loop
+    finally:
+        w.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    dev = jax.devices()[0]
+    gpu = dev.platform != "cpu"
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--capacities", default="1,32" if gpu else "0.015625,0.125",
+                   help="total K+V cache sizes in GiB (comma separated)")
+    p.add_argument("--batches", default="1,8,64" if gpu else "8",
+                   help="decode batch sizes (tokens per write)")
+    p.add_argument("--prefill", default="4096,32768" if gpu else "1024",
+                   help="prefill sizes (tokens per write)")
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--loop", type=int, default=64, help="writes per executable call")
+    p.add_argument("--repeats", type=int, default=20 if gpu else 5)
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    args.dtype = jnp.dtype(args.dtype)
+    tb = args.heads * args.head_dim * args.dtype.itemsize
+    rows: list[dict] = []
+
+    print(f"device {dev.device_kind} ({dev.platform}); token {args.heads}x{args.head_dim} "
+          f"{args.dtype.name} = {tb} B per K or V")
+    bw = copy_bandwidth((1 * GiB) if gpu else 64 * MiB, dev, args.repeats)
+    print(f"device copy bandwidth (read + write): {bw / 1e9:.1f} GB/s\n")
+
+    print("decode: time per write of n tokens (us); ratio = ours / xla")
+    print(f"{'capacity':>10} {'n':>5} {'mode':>5} {'ours':>9} {'through':>9} {'xla':>9} "
+          f"{'ours/xla':>9} {'thr/xla':>8}")
+    for cap_gib in [float(c) for c in args.capacities.split(",")]:
+        num_slots = int(cap_gib * GiB) // (2 * tb)
+        for n in [int(b) for b in args.batches.split(",")]:
+            for mode, loop in (("loop", args.loop), ("call", 1)):
+                t = {k: per_write(k, num_slots, n, loop, args, dev, args.repeats)
+                     for k in ("ours", "through", "xla")}
+                row = dict(kind="decode", capacity_gib=cap_gib, n=n, mode=mode,
+                           **{f"{k}_us": v * 1e6 for k, v in t.items()},
+                           ours_over_xla=t["ours"] / t["xla"],
+                           through_over_xla=t["through"] / t["xla"])
+                rows.append(row)
+                print(f"{cap_gib:>9g}G {n:>5} {mode:>5} {row['ours_us']:>9.2f} "
+                      f"{row['through_us']:>9.2f} {row['xla_us']:>9.2f} "
+                      f"{row['ours_over_xla']:>9.3f} {row['through_over_xla']:>8.3f}")
+
+    print("\nprefill: bandwidth (read + write) as a share of the device copy bandwidth")
+    print(f"{'capacity':>10} {'n':>6} {'ours GB/s':>10} {'ours %':>7} {'thr GB/s':>9} "
+          f"{'thr %':>6} {'xla GB/s':>9} {'xla %':>6}")
+    cap_gib = float(args.capacities.split(",")[0])
+    num_slots = int(cap_gib * GiB) // (2 * tb)
+    for n in [int(x) for x in args.prefill.split(",")]:
+        if n > num_slots:
+            print(f"(skipping n={n}: more than the {num_slots} slots of a {cap_gib:g} GiB cache)")
+            continue
+        moved = 2 * 2 * n * tb  # K and V, each read once and written once
+        loop = max(1, min(args.loop, num_slots // n))
+        t = {k: per_write(k, num_slots, n, loop, args, dev, args.repeats)
+             for k in ("ours", "through", "xla")}
+        row = dict(kind="prefill", capacity_gib=cap_gib, n=n, copy_gbps=bw / 1e9,
+                   **{f"{k}_gbps": moved / v / 1e9 for k, v in t.items()},
+                   **{f"{k}_pct_of_copy": 100 * moved / v / bw for k, v in t.items()})
+        rows.append(row)
+        print(f"{cap_gib:>9g}G {n:>6} {row['ours_gbps']:>10.1f} {row['ours_pct_of_copy']:>6.1f}% "
+              f"{row['through_gbps']:>9.1f} {row['through_pct_of_copy']:>5.1f}% "
+              f"{row['xla_gbps']:>9.1f} {row['xla_pct_of_copy']:>5.1f}%")
+
+    print("\nkv_write stats:", ops.kv_write_stats())
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(device=dev.device_kind, platform=dev.platform, copy_gbps=bw / 1e9,
+                           token_bytes=tb, rows=rows), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

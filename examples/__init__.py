@@ -1,0 +1,1 @@
+"""Example decoding loop on jax_vmm (see examples/decode.py)."""

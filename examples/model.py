@@ -1,0 +1,280 @@
+"""A small decoder-only transformer in plain JAX (RMSNorm, rotary embeddings, GQA, SwiGLU).
+
+The model knows nothing about where its KV cache lives: every function that touches the
+cache takes a `write` callable (scatter new K/V into the cache at flat token slots) and an
+`attend` callable (decode attention over per-sequence live lengths). `examples/cache.py`
+provides the two writers (plain-JAX preallocated cache, jax_vmm arena) and
+`examples/attention.py` the attention implementations.
+
+Cache layout, per layer: k, v of shape (max_seqs, max_tokens, num_kv_heads, head_dim);
+flat slot of (seq, position) = seq * max_tokens + position; a negative slot is padding.
+
+Two ways to write the cache, chosen by the cache backend (`write_through`):
+* functional (default): `write` returns the updated (k, v); the steps return the cache,
+  which the caller donates. Attention then reads the new token from the cache.
+* write-through: `write` updates the arena in place and returns a status array; the
+  steps return the statuses, not the cache (nothing to donate, nothing copied). XLA does
+  not know the cache changed, so nothing in the step may read the token it writes:
+  attention reads the cache up to the previous token and gets the new one as `current`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# write(k, v, new_k, new_v, slots); new_*: (n, H_kv, D), slots: int32 (n,). Returns the
+# updated (k, v) (functional writers), or a small status array (write-through writers,
+# which update the arena in place and return no cache; see `write_through` below).
+WriteFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array], Any]
+# attend(q, k, v, lengths, [current=(k_new, v_new)]) -> out; q: (B, H_q, D), k/v:
+# (B, T, H_kv, D), lengths: int32 (B,).
+AttendFn = Callable[..., jax.Array]
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    vocab: int = 512
+    d_model: int = 128
+    num_layers: int = 2
+    num_q_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 32
+    ffn_dim: int = 384
+    rope_theta: float = 10_000.0
+    norm_eps: float = 1e-6
+    dtype: str = "float32"  # activations, weights and KV cache
+
+    def __post_init__(self) -> None:
+        if self.num_q_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_q_heads ({self.num_q_heads}) must be a multiple of num_kv_heads "
+                f"({self.num_kv_heads}) for grouped-query attention")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+
+    @property
+    def jnp_dtype(self) -> jnp.dtype:
+        return jnp.dtype(self.dtype)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes one token occupies in the KV cache over all layers (K and V)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.jnp_dtype.itemsize
+
+    def num_params(self) -> int:
+        d, hq, hk, hd, f = (self.d_model, self.num_q_heads, self.num_kv_heads,
+                            self.head_dim, self.ffn_dim)
+        per_layer = 2 * d + d * hq * hd * 2 + d * hk * hd * 2 + 3 * d * f
+        return 2 * self.vocab * d + d + self.num_layers * per_layer
+
+
+PRESETS: dict[str, ModelConfig] = {
+    # Runs on a 2-core CPU in seconds.
+    "cpu": ModelConfig(),
+    # A realistic decode shape: 8 layers, 32 query / 8 KV heads of 128, bf16 (~1.4B params).
+    "gpu": ModelConfig(vocab=32_000, d_model=4096, num_layers=8, num_q_heads=32,
+                       num_kv_heads=8, head_dim=128, ffn_dim=8192, dtype="bfloat16"),
+}
+
+
+class LayerParams(NamedTuple):
+    attn_norm: jax.Array
+    wq: jax.Array
+    wk: jax.Array
+    wv: jax.Array
+    wo: jax.Array
+    mlp_norm: jax.Array
+    w_gate: jax.Array
+    w_up: jax.Array
+    w_down: jax.Array
+
+
+class Params(NamedTuple):
+    embed: jax.Array
+    layers: tuple[LayerParams, ...]
+    final_norm: jax.Array
+    unembed: jax.Array
+
+
+def init_params(cfg: ModelConfig, seed: int = 0) -> Params:
+    """Seeded random weights, scaled 1/sqrt(fan_in) so activations stay O(1)."""
+    dt = cfg.jnp_dtype
+    keys = iter(jax.random.split(jax.random.key(seed), 2 + 7 * cfg.num_layers))
+
+    def dense(shape: tuple[int, int]) -> jax.Array:
+        w = jax.random.normal(next(keys), shape, jnp.float32) / np.sqrt(shape[0])
+        return w.astype(dt)
+
+    d, hd = cfg.d_model, cfg.head_dim
+    layers = tuple(
+        LayerParams(
+            attn_norm=jnp.ones((d,), dt),
+            wq=dense((d, cfg.num_q_heads * hd)),
+            wk=dense((d, cfg.num_kv_heads * hd)),
+            wv=dense((d, cfg.num_kv_heads * hd)),
+            wo=dense((cfg.num_q_heads * hd, d)),
+            mlp_norm=jnp.ones((d,), dt),
+            w_gate=dense((d, cfg.ffn_dim)),
+            w_up=dense((d, cfg.ffn_dim)),
+            w_down=dense((cfg.ffn_dim, d)),
+        )
+        for _ in range(cfg.num_layers))
+    embed = jax.random.normal(next(keys), (cfg.vocab, d), jnp.float32).astype(dt)
+    return Params(embed=embed, layers=layers, final_norm=jnp.ones((d,), dt),
+                  unembed=dense((d, cfg.vocab)))
+
+
+# ----------------------------------------------------------------------------- blocks
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (xf * weight.astype(jnp.float32)).astype(x.dtype)
+
+
+def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """Rotary embedding (rotate-half form). x: (N, H, D); positions: int (N,)."""
+    half = x.shape[-1] // 2
+    freqs = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angles = positions.astype(jnp.float32)[:, None] * freqs[None, :]  # (N, half)
+    cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
+    x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+def _matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+    return jnp.matmul(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def qkv_projection(lp: LayerParams, h: jax.Array, positions: jax.Array,
+                   cfg: ModelConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """h: (N, d_model) normed -> q (N, H_q, D), k and v (N, H_kv, D); q and k rotated."""
+    n = h.shape[0]
+    q = _matmul(h, lp.wq).reshape(n, cfg.num_q_heads, cfg.head_dim)
+    k = _matmul(h, lp.wk).reshape(n, cfg.num_kv_heads, cfg.head_dim)
+    v = _matmul(h, lp.wv).reshape(n, cfg.num_kv_heads, cfg.head_dim)
+    return rope(q, positions, cfg.rope_theta), rope(k, positions, cfg.rope_theta), v
+
+
+def mlp(lp: LayerParams, x: jax.Array, cfg: ModelConfig) -> jax.Array:
+    h = rms_norm(x, lp.mlp_norm, cfg.norm_eps)
+    gate = _matmul(h, lp.w_gate)
+    return _matmul(jax.nn.silu(gate) * _matmul(h, lp.w_up), lp.w_down)
+
+
+def logits_from_hidden(params: Params, x: jax.Array, cfg: ModelConfig) -> jax.Array:
+    h = rms_norm(x, params.final_norm, cfg.norm_eps)
+    # fp32 logits: greedy argmax then compares well across cache backends.
+    return jnp.matmul(h, params.unembed, preferred_element_type=jnp.float32)
+
+
+def causal_prompt_attention(q: jax.Array, k: jax.Array, v: jax.Array,
+                            length: jax.Array) -> jax.Array:
+    """Causal GQA attention within one prompt. q: (P, H_q, D); k, v: (P, H_kv, D).
+    Keys at positions >= length are padding and never attended to."""
+    p, hq, d = q.shape
+    hk = k.shape[1]
+    qg = q.reshape(p, hk, hq // hk, d)
+    s = jnp.einsum("ihgd,jhd->hgij", qg, k, preferred_element_type=jnp.float32) / np.sqrt(d)
+    pos = jnp.arange(p)
+    mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] < length)
+    s = jnp.where(mask[None, None], s, -jnp.inf)
+    s = s - jnp.max(s, axis=-1, keepdims=True)  # row 0 always sees key 0: finite max
+    w = jnp.exp(s)
+    w = w / jnp.sum(w, axis=-1, keepdims=True)
+    out = jnp.einsum("hgij,jhd->ihgd", w, v.astype(jnp.float32))
+    return out.reshape(p, hq, d).astype(q.dtype)
+
+
+# ----------------------------------------------------------------------------- steps
+
+Cache = tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]  # (k per layer, v per layer)
+
+
+def prefill(params: Params, cache: Cache, tokens: jax.Array, length: jax.Array,
+            seq: jax.Array, *, cfg: ModelConfig, write: WriteFn, write_through: bool = False
+            ) -> tuple[jax.Array, Any]:
+    """Runs one prompt (tokens: int32 (P,), first `length` real, rest padding) for
+    sequence `seq`, writes its K/V at positions [0, length) and returns the logits of the
+    last real token (vocab,) and the updated cache (write-through: the write statuses).
+    The prompt attends to its own K/V, never to the cache."""
+    ks, vs = list(cache[0]), list(cache[1])
+    statuses = []
+    max_tokens = ks[0].shape[1]
+    positions = jnp.arange(tokens.shape[0], dtype=jnp.int32)
+    slots = jnp.where(positions < length, seq * max_tokens + positions, -1).astype(jnp.int32)
+    x = params.embed[tokens]
+    for i, lp in enumerate(params.layers):
+        q, k, v = qkv_projection(lp, rms_norm(x, lp.attn_norm, cfg.norm_eps), positions, cfg)
+        if write_through:
+            statuses.append(write(ks[i], vs[i], k, v, slots))
+        else:
+            ks[i], vs[i] = write(ks[i], vs[i], k, v, slots)
+        o = causal_prompt_attention(q, k, v, length)
+        x = x + _matmul(o.reshape(o.shape[0], -1), lp.wo)
+        x = x + mlp(lp, x, cfg)
+    last = jax.lax.dynamic_index_in_dim(x, length - 1, axis=0, keepdims=False)
+    out = tuple(statuses) if write_through else (tuple(ks), tuple(vs))
+    return logits_from_hidden(params, last, cfg), out
+
+
+def decode_step(params: Params, cache: Cache, tokens: jax.Array, positions: jax.Array,
+                *, cfg: ModelConfig, write: WriteFn, attend: AttendFn,
+                write_through: bool = False) -> tuple[jax.Array, jax.Array, Any]:
+    """One token for every sequence slot. tokens: int32 (B,); positions: int32 (B,), the
+    position of that token (= tokens already cached), -1 for an idle slot (its write is
+    dropped and its output ignored). Returns (logits (B, vocab) fp32, greedy next tokens
+    int32 (B,), updated cache or, write-through, the write statuses)."""
+    ks, vs = list(cache[0]), list(cache[1])
+    statuses = []
+    batch, max_tokens = ks[0].shape[0], ks[0].shape[1]
+    active = positions >= 0
+    pos = jnp.maximum(positions, 0)
+    slots = jnp.where(active, jnp.arange(batch, dtype=jnp.int32) * max_tokens + pos,
+                      -1).astype(jnp.int32)
+    lengths = jnp.where(active, pos + 1, 0).astype(jnp.int32)
+    x = params.embed[tokens]
+    for i, lp in enumerate(params.layers):
+        q, k, v = qkv_projection(lp, rms_norm(x, lp.attn_norm, cfg.norm_eps), pos, cfg)
+        if write_through:  # the cache holds positions < pos; the new token comes aside
+            statuses.append(write(ks[i], vs[i], k, v, slots))
+            o = attend(q, ks[i], vs[i], jnp.where(active, pos, 0), current=(k, v))
+        else:
+            ks[i], vs[i] = write(ks[i], vs[i], k, v, slots)
+            o = attend(q, ks[i], vs[i], lengths)
+        x = x + _matmul(o.reshape(batch, -1), lp.wo)
+        x = x + mlp(lp, x, cfg)
+    logits = logits_from_hidden(params, x, cfg)
+    out = tuple(statuses) if write_through else (tuple(ks), tuple(vs))
+    return logits, jnp.argmax(logits, axis=-1).astype(jnp.int32), out
+
+
+def forward_no_cache(params: Params, tokens: jax.Array, *, cfg: ModelConfig) -> jax.Array:
+    """Logits (S, vocab) of every position of one sequence, recomputed without a cache:
+    the independent reference the cached paths are checked against."""
+    positions = jnp.arange(tokens.shape[0], dtype=jnp.int32)
+    x = params.embed[tokens]
+    for lp in params.layers:
+        q, k, v = qkv_projection(lp, rms_norm(x, lp.attn_norm, cfg.norm_eps), positions, cfg)
+        o = causal_prompt_attention(q, k, v, jnp.int32(tokens.shape[0]))
+        x = x + _matmul(o.reshape(o.shape[0], -1), lp.wo)
+        x = x + mlp(lp, x, cfg)
+    return logits_from_hidden(params, x, cfg)
+
+
+def config_summary(cfg: ModelConfig) -> str:
+    return (f"{cfg.num_layers} layers, d_model {cfg.d_model}, {cfg.num_q_heads} q / "
+            f"{cfg.num_kv_heads} kv heads x {cfg.head_dim}, ffn {cfg.ffn_dim}, "
+            f"vocab {cfg.vocab}, {cfg.dtype} ({cfg.num_params() / 1e6:.1f}M params)")
+
+
+__all__: Sequence[str] = [
+    "ModelConfig", "PRESETS", "Params", "LayerParams", "init_params", "prefill",
+    "decode_step", "forward_no_cache", "config_summary", "rms_norm", "rope",
+]

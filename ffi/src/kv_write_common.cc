@@ -1,0 +1,120 @@
+// Host-side helpers shared by the kv_write handlers (see kv_write_common.h).
+#include "kv_write_common.h"
+
+#include <cstdio>
+#include <cstring>
+#include <string>
+
+#include "jax_vmm/arena.h"
+
+namespace jax_vmm::kv {
+namespace {
+
+std::string Shape(const Dims& d) {
+  std::string s = "(";
+  for (int64_t i = 0; i < d.rank; ++i) s += (i ? ", " : "") + std::to_string(d.d[i]);
+  return s + (d.rank == 1 ? ",)" : ")");
+}
+
+int64_t Product(const Dims& d, int64_t from, int64_t to) {
+  int64_t p = 1;
+  for (int64_t i = from; i < to; ++i) p *= d.d[i];
+  return p;
+}
+
+std::atomic<bool> g_unchecked{false};
+
+DeviceDropHooks& Hooks() {
+  static DeviceDropHooks hooks;
+  return hooks;
+}
+
+}  // namespace
+
+std::string CheckGeometry(const char* op, const Dims& k, const Dims& v, const Dims& new_k,
+                          const Dims& new_v, const Dims& slots, const Dims* status,
+                          Geometry* out) {
+  const std::string pre = std::string(op) + ": ";
+  if (k.rank < 3) {
+    return pre + "the cache k must have rank >= 3 (..., num_kv_heads, head_dim), got shape " +
+           Shape(k);
+  }
+  if (k.rank != v.rank || std::memcmp(k.d, v.d, sizeof(int64_t) * k.rank) != 0 ||
+      k.dtype != v.dtype) {
+    return pre + "k and v must have the same shape and dtype, got " + Shape(k) + " and " +
+           Shape(v);
+  }
+  if (new_k.rank != 3 || new_v.rank != 3 || new_k.d[1] != k.d[k.rank - 2] ||
+      new_k.d[2] != k.d[k.rank - 1] ||
+      std::memcmp(new_k.d, new_v.d, sizeof(int64_t) * 3) != 0 || new_k.dtype != k.dtype ||
+      new_v.dtype != k.dtype) {
+    return pre + "new_k/new_v must be (n, " + std::to_string(k.d[k.rank - 2]) + ", " +
+           std::to_string(k.d[k.rank - 1]) + ") in the cache's dtype, got " + Shape(new_k) +
+           " and " + Shape(new_v);
+  }
+  const int64_t n = new_k.d[0];
+  if (slots.rank != 1 || slots.d[0] != n) {
+    return pre + "slots must be int32 of shape (" + std::to_string(n) + ",), got " + Shape(slots);
+  }
+  if (status != nullptr && (status->rank != 2 || status->d[0] != 2 || status->d[1] != n)) {
+    return pre + "status must be int32 of shape (2, " + std::to_string(n) + "), got " +
+           Shape(*status);
+  }
+  const int64_t row = Product(k, k.rank - 2, k.rank);
+  const int64_t elems = Product(k, 0, k.rank);
+  if (row <= 0 || k.bytes % static_cast<size_t>(elems == 0 ? 1 : elems) != 0) {
+    return pre + "cannot derive the element size of k";
+  }
+  out->n = n;
+  out->num_slots = elems / row;
+  out->token_bytes = static_cast<uint64_t>(k.bytes / static_cast<size_t>(elems)) * row;
+  if (new_k.bytes != static_cast<size_t>(n) * out->token_bytes) {
+    return pre + "new_k holds " + std::to_string(new_k.bytes) + " bytes, expected " +
+           std::to_string(n * out->token_bytes);
+  }
+  return "";
+}
+
+bool ResolveArenaSide(void* operand, size_t bytes, const char* driver_kind, Side* side) {
+  BufferRef ref;
+  if (operand == nullptr || !FindArenaBuffer(reinterpret_cast<uintptr_t>(operand), bytes, &ref) ||
+      std::strcmp(ref.driver_kind, driver_kind) != 0 || ref.page_table == nullptr ||
+      ref.chunk_bytes == 0) {
+    side->dst = nullptr;
+    side->page_table = nullptr;
+    side->drop_counter = nullptr;
+    return false;
+  }
+  side->dst = static_cast<uint8_t*>(operand);
+  side->page_table = ref.page_table;
+  side->arena_base = ref.arena_base;
+  side->chunk_bytes = ref.chunk_bytes;
+  side->drop_counter = ref.drop_counter;
+  return true;
+}
+
+Counters& GetCounters(Handler h) {
+  static Counters counters[static_cast<int>(Handler::kCount)];
+  return counters[static_cast<int>(h)];
+}
+
+void SetDeviceDropHooks(const DeviceDropHooks& hooks) { Hooks() = hooks; }
+
+uint64_t DeviceDroppedWrites() { return Hooks().read ? Hooks().read() : 0; }
+
+void ResetCounters() {
+  for (int i = 0; i < static_cast<int>(Handler::kCount); ++i) {
+    Counters& c = GetCounters(static_cast<Handler>(i));
+    c.calls = 0;
+    c.captured_calls = 0;
+    c.alias_misses = 0;
+    c.non_arena = 0;
+    c.host_dropped = 0;
+  }
+  if (Hooks().reset) Hooks().reset();
+}
+
+void SetDebugUnchecked(bool enabled) { g_unchecked = enabled; }
+bool DebugUnchecked() { return g_unchecked.load(); }
+
+}  // namespace jax_vmm::kv

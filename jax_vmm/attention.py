@@ -1,0 +1,260 @@
+"""Decode attention over KV-cache views: one new query token per sequence, reading only
+each sequence's live tokens.
+
+``decode_attention(q, k, v, lengths)`` is an XLA FFI custom call (CPU and CUDA). With
+per-sequence KV buffers (``kv_arena(..., max_seqs=B)``, shape ``(B, T, H_kv, D)``) each
+sequence is contiguous, so a plain (non-paged) split-K "flash-decoding" kernel serves a
+cache that grows underneath it: tokens at or past ``lengths[b]`` -- including pages that
+are not committed at all -- are never read. See docs/attention.md.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ._ffi import ensure_registered
+from ._loader import core as _core
+from .scratch import reserve as _scratch_reserve
+
+__all__ = ["decode_attention", "reference_decode_attention", "attention_plan", "attention_stats"]
+
+_TARGET = "jax_vmm_decode_attention"
+_TARGET_XLA_WORKSPACE = "jax_vmm_decode_attention_xla_workspace"
+_TARGET_PREFILLED = "jax_vmm_decode_attention_prefilled"
+_IMPLS = {"auto": 0, "tensor_core": 1, "simple": 2, "tensor_core_u1": 3}
+_WORKSPACES = ("scratch", "xla")
+_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.float32))
+_TENSOR_CORE_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
+_TENSOR_CORE_HEAD_DIMS = (64, 128, 256)
+_CPU_PARALLEL_UNITS = 8  # kCpuParallelUnits in ffi/src/attention_plan.h
+DEBUG_READ_ALL_TOKENS = 1  # kDebugReadAllTokens
+DEBUG_SKIP_OUTPUT = 2  # kDebugSkipOutput
+_DEFAULT_SM_COUNT = 132  # H100/H200, when JAX does not report core_count
+
+_cuda_lock = threading.Lock()
+_cuda_registered = False
+
+
+def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, *,
+                     scale: float | None = None) -> jax.Array:
+    """Attention of one new query token per sequence over that sequence's live KV tokens.
+
+    Args:
+      q: ``(B, H_q, D)``, the query of each sequence's new token.
+      k, v: ``(B, T, H_kv, D)``, e.g. ``kv.k[layer]`` / ``kv.v[layer]`` of a
+        ``kv_arena(..., max_seqs=B)``; the same dtype as ``q`` (bfloat16, float16 or
+        float32). Grouped-query attention when ``H_q`` is a multiple of ``H_kv``: query
+        head ``h`` reads KV head ``h // (H_q // H_kv)``.
+      lengths: ``(B,)`` integers, live tokens per sequence (cast to int32). Only tokens
+        ``[0, lengths[b])`` of sequence ``b`` are read; values are clamped to ``[0, T]``.
+        A sequence of length 0 gets an all-zero output.
+      scale: softmax scale, default ``1 / sqrt(D)``.
+
+    Returns:
+      ``(B, H_q, D)`` in ``q``'s dtype: ``softmax(scale * q . k[:len]) @ v[:len]`` per
+      sequence and head, accumulated in float32.
+
+    Works under ``jax.jit`` (and ``vmap``, sequentially); inside CUDA graphs the kernel
+    reads ``lengths`` from device memory, so captured steps stay correct as sequences
+    grow. Not differentiable.
+    """
+    return _decode_attention(q, k, v, lengths, scale=scale)
+
+
+def _decode_attention(q: Any, k: Any, v: Any, lengths: Any, *, scale: float | None = None,
+                      chunk: int = 0, splits: int = 0, impl: str = "auto",
+                      workspace: str = "scratch", debug: int = 0,
+                      out_init: Any = None) -> jax.Array:
+    """decode_attention with the knobs that tests and benchmarks need.
+
+    chunk / splits: force the split-K plan (0 = automatic). impl: "auto",
+    "tensor_core", "tensor_core_u1" (one tile in flight per warp) or "simple" (CUDA
+    kernel choice; the CPU has one). workspace: "scratch" keeps the
+    split partials in jax_vmm's graph-safe scratch (grown at the FFI initialize stage);
+    "xla" makes them a second, discarded output that XLA allocates. debug (tests only:
+    flags that remove a protection, so tests can show that they notice):
+    DEBUG_READ_ALL_TOKENS (CPU) also touches every token up to T; DEBUG_SKIP_OUTPUT
+    writes no output. out_init (tests): an array of q's shape and dtype that becomes the
+    output buffer before the kernel runs (aliased), e.g. NaN, to show that every output
+    element is written.
+    """
+    q, k, v = (x if isinstance(x, jax.Array) else jnp.asarray(x) for x in (q, k, v))
+    lengths = jnp.asarray(lengths)
+    B, Hq, D, T, Hkv = _check(q, k, v, lengths)
+    if impl not in _IMPLS:
+        raise ValueError(f"impl must be one of {sorted(_IMPLS)}, got {impl!r}")
+    if workspace not in _WORKSPACES:
+        raise ValueError(f"workspace must be one of {_WORKSPACES}, got {workspace!r}")
+    if impl.startswith("tensor_core") and (q.dtype not in _TENSOR_CORE_DTYPES or D not in _TENSOR_CORE_HEAD_DIMS):
+        raise ValueError(
+            f"impl='tensor_core' needs bfloat16/float16 and head_dim in {_TENSOR_CORE_HEAD_DIMS}; "
+            f"got {q.dtype} and head_dim={D} (use impl='auto')")
+    for name, value in (("chunk", chunk), ("splits", splits)):
+        if not isinstance(value, (int, np.integer)) or value < 0:
+            raise ValueError(f"{name} must be an integer >= 0 (0 = automatic), got {value!r}")
+    if scale is None:
+        scale = 1.0 / math.sqrt(D)
+    scale = float(scale)
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
+    lengths = lengths.astype(jnp.int32)
+    if B == 0:
+        return jnp.zeros(q.shape, q.dtype)
+
+    device, units = _target(q, k, v, lengths)
+    _ensure_registered(device.platform)
+    plan = attention_plan(B, T, Hq, Hkv, D, parallel_units=units, chunk=chunk, splits=splits)
+    if device.platform != "cpu" and workspace == "scratch":
+        # Belt and braces: the handler grows the scratch at XLA's initialize stage, which
+        # XLA runs before it records a CUDA graph. Should a capture ever come first, the
+        # handler falls back to the device's default workspace, sized here.
+        _scratch_reserve(plan["workspace_bytes"], device)
+    attrs = dict(scale=np.float32(scale), chunk=np.int64(plan["chunk"]),
+                 splits=np.int64(plan["splits"]), impl=np.int64(_IMPLS[impl]),
+                 debug=np.int64(debug))
+    out_type = jax.ShapeDtypeStruct(q.shape, q.dtype)
+    if out_init is not None:
+        out_init = jnp.asarray(out_init)
+        if out_init.shape != q.shape or out_init.dtype != q.dtype:
+            raise ValueError(f"out_init must match q: {q.shape} {q.dtype}, got {out_init.shape} {out_init.dtype}")
+        if workspace != "scratch":
+            raise ValueError("out_init is only supported with workspace='scratch'")
+        call = jax.ffi.ffi_call(_TARGET_PREFILLED, out_type, vmap_method="sequential",
+                                input_output_aliases={4: 0})
+        return call(q, k, v, lengths, out_init, **attrs)
+    if workspace == "scratch":
+        call = jax.ffi.ffi_call(_TARGET, out_type, vmap_method="sequential")
+        return call(q, k, v, lengths, **attrs)
+    ws_type = jax.ShapeDtypeStruct((plan["workspace_bytes"],), jnp.uint8)
+    call = jax.ffi.ffi_call(_TARGET_XLA_WORKSPACE, (out_type, ws_type), vmap_method="sequential")
+    return call(q, k, v, lengths, **attrs)[0]
+
+
+def _check(q: jax.Array, k: jax.Array, v: jax.Array,
+           lengths: jax.Array) -> tuple[int, int, int, int, int]:
+    """Trace-time validation; returns (B, H_q, D, T, H_kv)."""
+    if q.ndim != 3:
+        raise ValueError(f"decode_attention: q must be (batch, q_heads, head_dim), got shape {q.shape}")
+    if k.ndim != 4:
+        raise ValueError(
+            f"decode_attention: k must be (batch, max_tokens, kv_heads, head_dim), got shape {k.shape} "
+            "(a per-sequence KV arena: kv_arena(..., max_seqs=batch))")
+    if v.shape != k.shape:
+        raise ValueError(f"decode_attention: v has shape {v.shape}, expected k's shape {k.shape}")
+    B, Hq, D = q.shape
+    kb, T, Hkv, kd = k.shape
+    if kb != B:
+        raise ValueError(f"decode_attention: q has batch {B} but k/v have {kb} sequences {k.shape}")
+    if kd != D:
+        raise ValueError(f"decode_attention: q has head_dim {D} but k/v have head_dim {kd}")
+    if Hq == 0 or Hkv == 0 or D == 0:
+        raise ValueError(f"decode_attention: heads and head_dim must be > 0 (q {q.shape}, k {k.shape})")
+    if Hq % Hkv:
+        raise ValueError(
+            f"decode_attention: q_heads={Hq} is not a multiple of kv_heads={Hkv}; grouped-query "
+            "attention needs H_q % H_kv == 0")
+    dtypes = {np.dtype(x.dtype) for x in (q, k, v)}
+    if len(dtypes) != 1:
+        raise TypeError(f"decode_attention: q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if np.dtype(q.dtype) not in _DTYPES:
+        raise TypeError(f"decode_attention: dtype {q.dtype} is not supported; use bfloat16, float16 or float32")
+    if lengths.shape != (B,):
+        raise ValueError(f"decode_attention: lengths must have shape ({B},), got {lengths.shape}")
+    if not jnp.issubdtype(lengths.dtype, jnp.integer):
+        raise TypeError(f"decode_attention: lengths must be integers (int32), got {lengths.dtype}")
+    return B, Hq, D, T, Hkv
+
+
+def _target(*arrays: jax.Array) -> tuple[jax.Device, int]:
+    """(device, parallel units) the call will most likely run on: the device of a
+    concrete input, else JAX's default device. Only the split-K plan depends on it (a
+    wrong guess costs speed, never correctness: every plan is valid on every device)."""
+    device = None
+    for a in arrays:
+        if isinstance(a, jax.core.Tracer):
+            continue
+        try:
+            devices = a.devices()
+        except Exception:  # noqa: BLE001 - e.g. a deleted array; fall back to the default
+            continue
+        if len(devices) == 1:
+            device = next(iter(devices))
+            break
+    if device is None:
+        device = jax.devices()[0]
+    if device.platform == "cpu":
+        return device, _CPU_PARALLEL_UNITS
+    return device, int(getattr(device, "core_count", 0) or _DEFAULT_SM_COUNT)
+
+
+def _has_cuda_backend() -> bool:
+    try:
+        return bool(jax.devices("cuda"))
+    except RuntimeError:  # no CUDA backend in this process
+        return False
+
+
+def _ensure_registered(platform: str) -> None:
+    """Registers the CPU targets (the lead's registry) and, whenever JAX has a CUDA
+    backend, the CUDA handler bundles (initialize + execute stages)."""
+    global _cuda_registered
+    ensure_registered()
+    if not _cuda_registered:
+        with _cuda_lock:
+            if not _cuda_registered and _has_cuda_backend():
+                for name, bundle in _core.attention_cuda_bundles().items():
+                    jax.ffi.register_ffi_target(name, dict(bundle), platform="CUDA")
+                _cuda_registered = True
+    if platform != "cpu" and not _core.attention_cuda_bundles():
+        raise RuntimeError(
+            "decode_attention on a GPU needs jax_vmm built with CUDA kernels "
+            "(jax_vmm._core.built_with_cuda_kernels is False): reinstall with nvcc on PATH, "
+            "or run on the CPU")
+
+
+def attention_plan(batch: int, max_tokens: int, q_heads: int, kv_heads: int, head_dim: int, *,
+                   parallel_units: int | None = None, chunk: int = 0, splits: int = 0) -> dict:
+    """The split-K plan for these static shapes: ``chunk`` (tokens per chunk), ``splits``
+    (partials per sequence and head), ``head_group`` (query heads per CUDA block),
+    ``max_chunks`` and ``workspace_bytes``. ``parallel_units`` defaults to the SM count
+    of JAX's default device (8 on the CPU)."""
+    if parallel_units is None:
+        parallel_units = _target()[1]
+    return dict(_core.attention_plan(batch, max_tokens, q_heads, kv_heads, head_dim,
+                                     parallel_units, chunk, splits))
+
+
+def attention_stats() -> dict:
+    """Process-wide handler counters: cpu_calls, cuda_initialize_calls,
+    cuda_execute_calls, cuda_captured_calls (execute calls under CUDA-graph capture),
+    cuda_tensor_core_launches, cuda_simple_launches."""
+    return dict(_core.attention_stats())
+
+
+def reference_decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, *,
+                               scale: float | None = None) -> jax.Array:
+    """Plain-JAX decode attention with the same semantics (masking every token at or past
+    the length; length 0 gives zeros), softmax in float32, output in q's dtype. XLA reads
+    all T tokens of every sequence: the baseline the custom call is measured against."""
+    B, Hq, D = q.shape
+    T, Hkv = k.shape[1], k.shape[2]
+    if scale is None:
+        scale = 1.0 / math.sqrt(D)
+    group = Hq // Hkv
+    qg = q.reshape(B, Hkv, group, D)
+    s = jnp.einsum("bhgd,bthd->bhgt", qg, k, preferred_element_type=jnp.float32) * scale
+    n = jnp.clip(lengths.astype(jnp.int32), 0, T)
+    live = jnp.arange(T)[None, :] < n[:, None]  # (B, T)
+    s = jnp.where(live[:, None, None, :], s, -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0))
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    o = jnp.einsum("bhgt,bthd->bhgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    o = jnp.where(denom > 0, o / jnp.where(denom > 0, denom, 1.0), 0.0)
+    return o.reshape(B, Hq, D).astype(q.dtype)

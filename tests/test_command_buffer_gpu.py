@@ -1,0 +1,373 @@
+"""XLA command buffers (CUDA graphs) around jax_vmm custom calls, on a GPU.
+
+* A jitted decode step with kv_write is captured under JAX's default flags (the
+  handler sees a capturing stream) and then replayed without calling the handler while
+  addresses are stable; replays keep writing the right tokens because slots are read on
+  the device. An XLA dump shows the custom call inside a command buffer.
+* Growth under a captured graph: the same executable keeps replaying across
+  ``kv.ensure()``; writes past the backed pages are dropped and counted on the device,
+  and land once the pages are committed, without re-recording or recompiling.
+* The seed's scratch hazard: two executables of different batch buckets share one
+  stream's scratch; the larger grows it after the smaller was captured; replaying the
+  smaller must be correct in both scratch modes (``-k hazard``, also under
+  ``compute-sanitizer --tool memcheck``). With the debug free-on-growth switch the same
+  scenario must fail: ``test_free_on_growth_breaks_the_replay`` runs it in a child
+  process and checks that it does.
+
+Every executable here is compiled once (``jit(...).lower(...).compile()``), so "no
+recompile" holds by construction, and all its outputs alias donated inputs, so buffer
+addresses are stable from the second run on (XLA re-records a graph when they change).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_vmm
+from jax_vmm import ops, scratch
+from jax_vmm._loader import core as _core
+
+sys.path.insert(0, str(Path(__file__).parent))
+from conftest import cuda_ordinal, cuda_vmm_device  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+B, H, D = 4, 2, 64  # bfloat16: 256-byte tokens
+
+
+def _gpu() -> jax.Device:
+    dev, why = cuda_vmm_device()
+    if dev is None:
+        pytest.skip(f"needs a CUDA GPU with VMM support: {why}")
+    return dev
+
+
+# -- the decode step --------------------------------------------------------------------
+
+
+def _decode_step(max_tokens: int, through: bool = False):
+    """A decode step whose only inputs that change are device state donated and
+    returned in place: k, v (the arena), pos (B,) and acc (B,). x is a constant input.
+    New token values depend on pos, so every replay writes different data.
+
+    through=True uses kv_write_through with the cache as a plain (not donated) input."""
+
+    def values(x, pos):
+        val = x * (pos.astype(jnp.float32) + 1.0)[:, None, None]
+        return val.astype(jnp.bfloat16), (-val).astype(jnp.bfloat16)
+
+    def readback(k, slots, acc):  # a few dependent fusions, like a model's tail
+        got = k.reshape(-1, H, D)[slots].astype(jnp.float32)
+        c1 = jnp.sum(got, axis=(1, 2))
+        c2 = jnp.max(jnp.abs(got) + c1[:, None, None], axis=(1, 2))
+        return acc + c1 + 0.0 * c2
+
+    def tail(x, acc):  # more separate kernels: XLA only forms graphs of a minimum size
+        aux = x
+        for _ in range(3):
+            aux = jnp.tanh(aux) * 1.5 + jnp.mean(aux, axis=(1, 2), keepdims=True)
+        return acc + 0.0 * jnp.sum(aux, axis=(1, 2))
+
+    if through:
+        def step(k, v, pos, acc, x):
+            nk, nv = values(x, pos)
+            slots = jnp.arange(B, dtype=jnp.int32) * max_tokens + pos
+            st = ops.kv_write_through(k, v, nk, nv, slots)
+            written = jnp.sum(st == ops.WRITTEN, axis=0).astype(jnp.float32)
+            return pos + 1, tail(x, acc + written)
+        return step
+
+    def step(k, v, pos, acc, x):
+        nk, nv = values(x, pos)
+        slots = jnp.arange(B, dtype=jnp.int32) * max_tokens + pos
+        k, v = ops.kv_write(k, v, nk, nv, slots)
+        return k, v, pos + 1, tail(x, readback(k, slots, acc))
+    return step
+
+
+def _expected_token(x: np.ndarray, pos: int, seq: int) -> np.ndarray:
+    val = x[seq] * np.float32(pos + 1)
+    return val.astype(jnp.bfloat16)
+
+
+def _arena_token(kv, buf, seq: int, pos: int) -> np.ndarray:
+    view = np.asarray(buf.array).reshape(kv.max_seqs, kv.max_tokens, H, D)
+    return view[seq, pos]
+
+
+class _DecodeRun:
+    """Compiled decode step on a KV arena; keeps the donated state between calls."""
+
+    def __init__(self, kv, x: np.ndarray, pos0: int, through: bool = False):
+        dev = _gpu()
+        self.kv, self.x_host, self.through = kv, x, through
+        self.x = jax.device_put(jnp.asarray(x), dev)
+        self.pos = jax.device_put(jnp.full((B,), pos0, jnp.int32), dev)
+        self.acc = jax.device_put(jnp.zeros((B,), jnp.float32), dev)
+        step = _decode_step(kv.max_tokens, through)
+        donate = (2, 3) if through else (0, 1, 2, 3)
+        self.k, self.v = kv.k[0], kv.v[0]
+        self.exe = jax.jit(step, donate_argnums=donate).lower(
+            self.k, self.v, self.pos, self.acc, self.x).compile()
+        self.positions: list[int] = []
+        self._next = pos0
+
+    def run(self, steps: int) -> None:
+        for _ in range(steps):
+            if self.through:
+                self.pos, self.acc = self.exe(self.k, self.v, self.pos, self.acc, self.x)
+            else:
+                self.k, self.v, self.pos, self.acc = self.exe(self.k, self.v, self.pos, self.acc,
+                                                              self.x)
+            self.positions.append(self._next)
+            self._next += 1
+        jax.block_until_ready((self.pos, self.acc))
+
+
+def _kv(dev, chunks_per_seq: int = 2):
+    """A (B, T, H, D) bfloat16 KV arena with chunk 0 of every sequence backed."""
+    chunk = _core.resolve_chunk_bytes("cuda", cuda_ordinal(dev), 0)
+    tpc = chunk // (H * D * 2)  # tokens per chunk
+    kv = jax_vmm.kv_arena(num_layers=1, num_kv_heads=H, head_dim=D,
+                          max_tokens=chunks_per_seq * tpc, dtype=jnp.bfloat16, device=dev,
+                          max_seqs=B)
+    for q in range(B):
+        kv.ensure(tpc, seq=q)
+    return kv, tpc
+
+
+def _x() -> np.ndarray:
+    return (np.arange(B * H * D, dtype=np.float32).reshape(B, H, D) % 17 + 1) / 8
+
+
+# -- capture and replay ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("through", [False, True], ids=["kv_write_donated", "kv_write_through"])
+def test_decode_step_is_captured_then_replayed_without_handler_calls(through):
+    dev = _gpu()
+    kv, tpc = _kv(dev)
+    try:
+        run = _DecodeRun(kv, _x(), pos0=5, through=through)
+        handler = "kv_write_through"
+        s0 = ops.kv_write_stats()
+        run.run(3)  # first run records the graph; then replays
+        s1 = ops.kv_write_stats()
+        captured = s1[handler]["captured_calls"] - s0[handler]["captured_calls"]
+        assert captured >= 1, (
+            "the kv_write handler never saw a capturing stream: the step was not put in a "
+            f"command buffer under the default XLA flags (stats {s1})")
+        run.run(20)
+        s2 = ops.kv_write_stats()
+        assert s2[handler]["calls"] == s1[handler]["calls"], (
+            "the handler was called again although no address changed: the graph was "
+            f"re-recorded instead of replayed ({s1} -> {s2})")
+        if not through:
+            assert s2["kv_write"]["alias_misses"] == s0["kv_write"]["alias_misses"]
+        # Every replay wrote its own token (slots come from device state).
+        for p in run.positions:
+            for q in range(B):
+                np.testing.assert_array_equal(
+                    _arena_token(kv, kv.k_buffers[0], q, p).view(np.uint16),
+                    _expected_token(run.x_host, p, q).view(np.uint16), err_msg=f"k seq {q} pos {p}")
+                np.testing.assert_array_equal(
+                    _arena_token(kv, kv.v_buffers[0], q, p).view(np.uint16),
+                    (-_expected_token(run.x_host, p, q).astype(np.float32)).astype(jnp.bfloat16).view(np.uint16))
+        if through:
+            np.testing.assert_array_equal(np.asarray(run.acc), np.full(B, 2.0 * len(run.positions)))
+        else:
+            want = sum(_expected_token(run.x_host, p, q).astype(np.float32).sum()
+                       for p in run.positions for q in range(B))
+            np.testing.assert_allclose(np.asarray(run.acc).sum(), want, rtol=1e-5)
+        kv.check()
+    finally:
+        kv.close()
+
+
+def test_growth_under_a_captured_graph():
+    dev = _gpu()
+    kv, tpc = _kv(dev)  # chunk 0 of every sequence backed
+    try:
+        run = _DecodeRun(kv, _x(), pos0=tpc - 3)
+        run.run(3)  # positions tpc-3 .. tpc-1: backed
+        s1 = ops.kv_write_stats()
+        assert s1["kv_write_through"]["captured_calls"] >= 1
+        run.run(2)  # positions tpc, tpc+1: not backed -> dropped, counted on the device
+        assert kv.dropped_writes() == 2 * B * 2
+        with pytest.raises(jax_vmm.OutOfBoundsWrite) as info:
+            kv.check()
+        assert info.value.count == 2 * B * 2
+        for q in range(B):
+            kv.ensure(2 * tpc, seq=q)  # commit the next chunk of every sequence
+        run.run(4)  # positions tpc+2 .. tpc+5: the same executable, into the new pages
+        s2 = ops.kv_write_stats()
+        assert s2["kv_write_through"]["calls"] == s1["kv_write_through"]["calls"], (
+            "the graph was re-recorded: committing pages must not move any address")
+        kv.check()  # nothing dropped after the growth
+        for p in run.positions[:3] + run.positions[5:]:
+            for q in range(B):
+                np.testing.assert_array_equal(
+                    _arena_token(kv, kv.k_buffers[0], q, p).view(np.uint16),
+                    _expected_token(run.x_host, p, q).view(np.uint16), err_msg=f"seq {q} pos {p}")
+    finally:
+        kv.close()
+
+
+_DUMP_SCRIPT = r"""
+import sys, jax, jax.numpy as jnp, numpy as np
+sys.path.insert(0, {tests!r})
+import test_command_buffer_gpu as t
+dev = t._gpu()
+kv, tpc = t._kv(dev)
+run = t._DecodeRun(kv, t._x(), pos0=1)
+run.run(2)
+kv.close()
+"""
+
+
+def test_xla_dump_shows_kv_write_inside_a_command_buffer(tmp_path):
+    _gpu()
+    dump = tmp_path / "dump"
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_dump_to={dump}").strip()
+    script = _DUMP_SCRIPT.format(tests=str(Path(__file__).parent))
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    hits = []
+    for f in dump.glob("*after_optimizations*.txt"):
+        text = f.read_text(errors="replace")
+        if "jax_vmm_kv_write_through" not in text:
+            continue
+        # A command buffer is an outlined computation called from the entry.
+        for block in text.split("\n\n"):
+            if "command_buffer" in block.split("{", 1)[0] and "jax_vmm_kv_write" in block:
+                hits.append(f.name)
+    assert hits, ("no command_buffer computation holds the kv_write custom calls in "
+                  f"{sorted(p.name for p in dump.iterdir())[:20]}")
+
+
+# -- the scratch hazard ---------------------------------------------------------------
+
+
+SMALL, LARGE = 1 << 18, 1 << 21  # float32 elements: 1 MiB and 8 MiB workspaces
+
+
+def _probe_program(n: int, reserve_at: str, dev):
+    def f(x, y, a):
+        h = x + 1.0
+        y1, addr = scratch.scratch_probe(h, 4 * n, reserve_at=reserve_at, device=dev)
+        y2, _ = scratch.scratch_probe(y1 * 2.0, 4 * n, reserve_at=reserve_at, device=dev)
+        y3, _ = scratch.scratch_probe(y2 - 3.0, 4 * n, reserve_at=reserve_at, device=dev)
+        return h, y3, addr  # h, y3, addr alias the donated x, y, a: stable addresses
+    return f
+
+
+class _ProbeRun:
+    def __init__(self, n: int, reserve_at: str, dev):
+        self.x_host = np.arange(n, dtype=np.float32) % 1000
+        self.x = jax.device_put(jnp.asarray(self.x_host), dev)
+        self.y = jax.device_put(jnp.zeros((n,), jnp.float32), dev)
+        self.a = jax.device_put(jnp.zeros((2,), jnp.int32), dev)
+        self.exe = jax.jit(_probe_program(n, reserve_at, dev), donate_argnums=(0, 1, 2)).lower(
+            self.x, self.y, self.a).compile()
+        self.runs = 0
+
+    def run(self, times: int) -> None:
+        for _ in range(times):
+            self.x, self.y, self.a = self.exe(self.x, self.y, self.a)
+            self.runs += 1
+        jax.block_until_ready(self.y)
+
+    def correct(self) -> bool:
+        want = ((self.x_host + self.runs) * 2.0 - 3.0).astype(np.float32)
+        return bool(np.array_equal(np.asarray(self.y), want))
+
+
+def hazard_scenario(mode: str, reserve_at: str, free_on_growth: bool, log=print) -> dict:
+    """Small bucket captured, large bucket grows the shared workspace, small replayed."""
+    dev = _gpu()
+    scratch.set_scratch_mode("retire" if mode == "grow" else "grow")
+    scratch.set_scratch_mode(mode)  # a fresh generation of workspaces in `mode`
+    scratch.set_debug_free_on_growth(free_on_growth)
+    try:
+        p0 = scratch.scratch_probe_stats()
+        small = _ProbeRun(SMALL, reserve_at, dev)
+        small.run(3)
+        p1 = scratch.scratch_probe_stats()
+        out = {"captured": p1["captured_calls"] - p0["captured_calls"],
+               "initialize_calls": p1["initialize_calls"] - p0["initialize_calls"],
+               "small_ok_before": small.correct()}
+        small_addr = scratch.address_of(small.a)
+        large = _ProbeRun(LARGE, reserve_at, dev)
+        large.run(2)
+        out["large_ok"] = large.correct()
+        out["large_addr"] = scratch.address_of(large.a)
+        out["small_addr"] = small_addr
+        log("REPLAYING the small bucket after the growth", flush=True)
+        p2 = scratch.scratch_probe_stats()
+        small.run(3)
+        p3 = scratch.scratch_probe_stats()
+        out["replay_handler_calls"] = p3["calls"] - p2["calls"]
+        out["small_ok_after"] = small.correct()
+        out["workspaces"] = [w for w in scratch.scratch_stats()
+                             if w["current"] and w["device"] == f"cuda:{cuda_ordinal(dev)}"]
+        return out
+    finally:
+        scratch.set_debug_free_on_growth(False)
+        scratch.set_scratch_mode("default")
+
+
+@pytest.mark.parametrize("reserve_at", ["initialize", "trace"])
+@pytest.mark.parametrize("mode", ["grow", "retire"])
+def test_scratch_hazard_replay_after_growth(mode, reserve_at):
+    r = hazard_scenario(mode, reserve_at, free_on_growth=False)
+    assert r["captured"] >= 1, f"the probe was never captured into a command buffer: {r}"
+    assert r["small_ok_before"] and r["large_ok"], r
+    assert r["replay_handler_calls"] == 0, (
+        f"the small graph was re-recorded, so the hazard was not exercised: {r}")
+    if mode == "grow":
+        assert r["large_addr"] == r["small_addr"], r  # grown in place
+    else:
+        assert r["large_addr"] != r["small_addr"], r  # moved; the old block is retired
+        assert any(w["retired_blocks"] >= 1 for w in r["workspaces"]), r
+    assert r["small_ok_after"], f"replaying the small graph after the growth was wrong: {r}"
+
+
+@pytest.mark.parametrize("mode", ["grow", "retire"])
+def test_free_on_growth_breaks_the_replay(mode, tmp_path):
+    """The same scenario with the debug switch that frees the outgrown block: the small
+    graph replays into freed memory, so the run must fail (wrong data, or a CUDA error
+    that kills the process). Run in a child process: a device fault is sticky."""
+    _gpu()
+    result = tmp_path / "result.json"
+    proc = subprocess.run(
+        [sys.executable, __file__, "hazard", mode, "initialize", "free", str(result)],
+        capture_output=True, text=True, timeout=300)
+    assert "REPLAYING" in proc.stdout, (
+        f"the scenario did not reach the replay (setup failed?):\n{proc.stdout}\n{proc.stderr[-4000:]}")
+    if proc.returncode == 0:
+        r = json.loads(result.read_text())
+        assert r["replay_handler_calls"] == 0, f"the graph was re-recorded, nothing to detect: {r}"
+        assert not r["small_ok_after"], (
+            f"with free-on-growth the replay still produced the right data: the test cannot "
+            f"see the bug it guards against: {r}")
+    else:
+        assert "CUDA" in proc.stderr or "illegal" in proc.stderr.lower() or proc.returncode < 0, \
+            proc.stderr[-4000:]
+
+
+if __name__ == "__main__" and len(sys.argv) >= 6 and sys.argv[1] == "hazard":
+    _mode, _reserve_at, _free, _out = sys.argv[2], sys.argv[3], sys.argv[4] == "free", sys.argv[5]
+    _r = hazard_scenario(_mode, _reserve_at, _free)
+    Path(_out).write_text(json.dumps(_r, default=int))
+    print("RESULT", json.dumps(_r, default=int), flush=True)
