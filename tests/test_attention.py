@@ -393,9 +393,11 @@ def test_plan_for_the_benchmark_shape():
 
 def test_cpu_handler_counts_calls():
     before = attention_stats()["cpu_calls"]
-    q = jnp.ones((1, 2, 64), F32)
-    k = jnp.ones((1, 4, 1, 64), F32)
-    jax_vmm.decode_attention(q, k, k, jnp.array([2], jnp.int32)).block_until_ready()
+    # Pin to the CPU: on a GPU machine the default device would run the CUDA handler.
+    with jax.default_device(jax.devices("cpu")[0]):
+        q = jnp.ones((1, 2, 64), F32)
+        k = jnp.ones((1, 4, 1, 64), F32)
+        jax_vmm.decode_attention(q, k, k, jnp.array([2], jnp.int32)).block_until_ready()
     assert attention_stats()["cpu_calls"] == before + 1
 
 

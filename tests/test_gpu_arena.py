@@ -195,7 +195,9 @@ def test_injected_fault_rolls_back(gpu_device, oracle, op, nth):
         assert [oracle.allocation_handle(buf.address + i * c) for i in (0, 3)] == before_handles
         assert stable_stats(arena) == before_stats
         assert arena.stats()["failed_commits"] == failed + 1
-        assert abs(oracle.mem_free() - free0) < c // 2, "a failed commit kept physical memory"
+        # One-sided: a leak lowers free memory; other tests' buffers being
+        # garbage-collected meanwhile can only raise it.
+        assert oracle.mem_free() > free0 - c // 2, "a failed commit kept physical memory"
         assert buf.commit(0, 8 * c) == 6 * c  # and the arena still works
 
 
@@ -293,7 +295,9 @@ def test_threads_commit_and_decommit(gpu_device, oracle, num_arenas, bufs_per_ar
         for a in arenas:
             s = a.stats()
             assert s["backed_bytes"] == 0 and s["chunks_created"] == s["chunks_released"]
-        assert abs(oracle.mem_free() - free0) < c // 2
+        # One-sided: a leak lowers free memory; other tests' buffers being
+        # garbage-collected meanwhile can only raise it.
+        assert oracle.mem_free() > free0 - c // 2
     finally:
         for a in arenas:
             a.close()

@@ -195,7 +195,8 @@ def test_capture_resolves_to_the_bound_then_the_default_workspace():
 
 def test_probe_copies_through_a_workspace(cpu_device):
     _new_generation("grow")
-    x = jnp.arange(3000, dtype=jnp.float32)
+    # On a GPU machine jnp's default device is the GPU: put the input on the CPU.
+    x = jax.device_put(jnp.arange(3000, dtype=jnp.float32), cpu_device)
     s0 = scratch.scratch_probe_stats()
     f = jax.jit(lambda x: scratch.scratch_probe(x, 200_000))
     y, addr = f(x)
