@@ -5,14 +5,15 @@
   the start, whatever the sequences need.
 * `VmmCache`: `jax_vmm.kv_arena(..., max_seqs=B)`. Physical memory is committed per
   sequence just before a step needs it (`ensure`) and given back when the sequence
-  finishes (`release`). Written in one of two ways (`write=`):
+  finishes (`release`). Both ways of writing (`write=`) name the layer's arena buffers
+  with `dest=kv.dest(layer)`, so the tokens always land in the arena:
   - "kv_write" (default on a GPU): `jax_vmm.kv_write`, the cache donated to the step and
     returned by it. With donation honoured (GPU) the returned arrays are the arena
     itself, updated in place, no copy.
-  - "through" (default on the CPU): `jax_vmm.ops.kv_write_through`, the cache passed but
+  - "through" (default on the CPU): `jax_vmm.kv_write_through`, the cache passed but
     neither donated nor returned. On the CPU, PjRt copies a donated buffer before the
-    program runs, so kv_write would update an XLA copy of the whole cache and leave the
-    arena stale; write-through writes the arena itself with no copy at all.
+    program runs, so kv_write would also fill an XLA copy of the whole cache every
+    step; write-through writes only the arena, with no copy at all.
 
 The jitted steps see only `arrays()` (a pytree of per-layer K and V) and the `write`
 function; the host-side methods move memory between steps.
@@ -45,9 +46,8 @@ class KVCache(Protocol):
 
     def arrays(self) -> Cache: ...
     def update(self, cache: Cache) -> None: ...
-    @staticmethod
-    def write(k: jax.Array, v: jax.Array, new_k: jax.Array, new_v: jax.Array,
-              slots: jax.Array) -> tuple[jax.Array, jax.Array]: ...
+    def write(self, layer: int, k: jax.Array, v: jax.Array, new_k: jax.Array,
+              new_v: jax.Array, slots: jax.Array) -> Any: ...
     def ensure(self, seq: int, num_tokens: int) -> None: ...
     def release(self, seq: int) -> None: ...
     def check(self) -> None: ...
@@ -86,7 +86,7 @@ class PreallocatedCache:
         self._k, self._v = cache
 
     @staticmethod
-    def write(k: jax.Array, v: jax.Array, new_k: jax.Array, new_v: jax.Array,
+    def write(layer: int, k: jax.Array, v: jax.Array, new_k: jax.Array, new_v: jax.Array,
               slots: jax.Array) -> tuple[jax.Array, jax.Array]:
         b, t, h, d = k.shape
         # Negative slots would wrap around in JAX indexing: send them out of range, where
@@ -136,7 +136,6 @@ class VmmCache:
                  device: jax.Device | None = None, chunk_bytes: int | None = None,
                  write: str = "auto") -> None:
         import jax_vmm  # only this backend needs the extension
-        from jax_vmm.ops import kv_write_through
 
         if write not in WRITE_MODES:
             raise ValueError(f"write must be one of {WRITE_MODES}, got {write!r}")
@@ -147,17 +146,22 @@ class VmmCache:
         # Host arenas hand out zero-filled pages (memfd) and read zeros where unbacked;
         # CUDA physical memory (cuMemCreate) comes uninitialised.
         self.tail_may_be_garbage = device.platform != "cpu"
-        self.write = kv_write_through if self.write_through else jax_vmm.kv_write
+        self._write_fn = jax_vmm.kv_write_through if self.write_through else jax_vmm.kv_write
         self.max_seqs, self.max_tokens = max_seqs, max_tokens
         self.kv = jax_vmm.kv_arena(
             num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
             head_dim=cfg.head_dim, max_tokens=max_tokens, dtype=cfg.jnp_dtype,
             device=device, max_seqs=max_seqs, chunk_bytes=chunk_bytes)
+        self._dests = [self.kv.dest(i) for i in range(cfg.num_layers)]
         self._backed_tokens = [0] * max_seqs  # host mirror: skip no-op ensure() calls
         self._cache: Cache | None = None
-        self.alias_misses = 0  # steps whose outputs were copies, not the arena
+        self.alias_misses = 0  # steps whose outputs were XLA copies, not the arena
         self.ensure_calls = 0
         self.ensure_seconds = 0.0
+
+    def write(self, layer: int, k: jax.Array, v: jax.Array, new_k: jax.Array,
+              new_v: jax.Array, slots: jax.Array) -> Any:
+        return self._write_fn(k, v, new_k, new_v, slots, dest=self._dests[layer])
 
     def arrays(self) -> Cache:
         if self._cache is not None:
@@ -168,15 +172,18 @@ class VmmCache:
 
     def update(self, cache: Cache) -> None:
         """Takes a kv_write step's returned cache. With donation honoured (GPU) those
-        arrays ARE the arena buffers, updated in place. Otherwise (an alias miss) they are
-        XLA copies and hold the only up-to-date cache: keep using them, and count it,
-        since memory then no longer follows the arena."""
+        arrays ARE the arena buffers, updated in place: keep them. Otherwise (an alias
+        miss) they are XLA copies; the arena got the same tokens (dest), so drop the
+        copies and go on from fresh arena views. Counted: each miss cost a cache copy."""
+        # Wait with the GIL released: jax's unsafe_buffer_pointer blocks holding it, and
+        # finishing the step may need it (releasing a donated DLPack arena view).
+        jax.block_until_ready(cache)
         aliased = all(
             _address(a) == buf.address
             for arrs, bufs in ((cache[0], self.kv.k_buffers), (cache[1], self.kv.v_buffers))
             for a, buf in zip(arrs, bufs))
         self.alias_misses += not aliased
-        self._cache = cache
+        self._cache = cache if aliased else None
 
     def ensure(self, seq: int, num_tokens: int) -> None:
         if num_tokens <= self._backed_tokens[seq]:

@@ -34,7 +34,9 @@ class Request:
 class Result:
     id: int
     prompt_len: int
-    tokens: list[int] = dataclasses.field(default_factory=list)
+    tokens: list[int] = dataclasses.field(default_factory=list)  # fed back (= greedy
+    # unless run() was given force_tokens)
+    greedy: list[int] = dataclasses.field(default_factory=list)  # argmax of each step
     logits: list[np.ndarray] = dataclasses.field(default_factory=list)  # if recorded
 
 
@@ -161,8 +163,13 @@ class Generator:
             self._get(("prefill", bucket), self._prefill, *args)
 
     def run(self, requests: list[Request], *, record_logits: bool = False,
-            progress: Callable[[int], None] | None = None) -> RunReport:
-        """Serves all requests with continuous batching; greedy sampling."""
+            progress: Callable[[int], None] | None = None,
+            force_tokens: dict[int, list[int]] | None = None) -> RunReport:
+        """Serves all requests with continuous batching; greedy sampling.
+
+        force_tokens (request id -> tokens): feed these back instead of the greedy ones
+        (teacher forcing), so that two runs compare logits at every step even after a
+        near-tie; ``Result.greedy`` still records each step's argmax."""
         cache, max_tokens = self.cache, self.cache.max_tokens
         for r in requests:
             need = len(r.prompt) + r.max_new_tokens - 1
@@ -187,6 +194,9 @@ class Generator:
         def emit(seq: int, token: int, logits: np.ndarray | None) -> None:
             nonlocal generated, host_seconds
             s = slots[seq]
+            s.result.greedy.append(token)
+            if force_tokens is not None:
+                token = int(force_tokens[s.request.id][len(s.result.tokens)])
             s.result.tokens.append(token)
             if logits is not None:
                 s.result.logits.append(logits)

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-# write(k, v, new_k, new_v, slots); new_*: (n, H_kv, D), slots: int32 (n,). Returns the
+# write(layer, k, v, new_k, new_v, slots); new_*: (n, H_kv, D), slots: int32 (n,). Returns the
 # updated (k, v) (functional writers), or a small status array (write-through writers,
 # which update the arena in place and return no cache; see `write_through` below).
 WriteFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array], Any]
@@ -213,9 +213,9 @@ def prefill(params: Params, cache: Cache, tokens: jax.Array, length: jax.Array,
     for i, lp in enumerate(params.layers):
         q, k, v = qkv_projection(lp, rms_norm(x, lp.attn_norm, cfg.norm_eps), positions, cfg)
         if write_through:
-            statuses.append(write(ks[i], vs[i], k, v, slots))
+            statuses.append(write(i, ks[i], vs[i], k, v, slots))
         else:
-            ks[i], vs[i] = write(ks[i], vs[i], k, v, slots)
+            ks[i], vs[i] = write(i, ks[i], vs[i], k, v, slots)
         o = causal_prompt_attention(q, k, v, length)
         x = x + _matmul(o.reshape(o.shape[0], -1), lp.wo)
         x = x + mlp(lp, x, cfg)
@@ -243,10 +243,10 @@ def decode_step(params: Params, cache: Cache, tokens: jax.Array, positions: jax.
     for i, lp in enumerate(params.layers):
         q, k, v = qkv_projection(lp, rms_norm(x, lp.attn_norm, cfg.norm_eps), pos, cfg)
         if write_through:  # the cache holds positions < pos; the new token comes aside
-            statuses.append(write(ks[i], vs[i], k, v, slots))
+            statuses.append(write(i, ks[i], vs[i], k, v, slots))
             o = attend(q, ks[i], vs[i], jnp.where(active, pos, 0), current=(k, v))
         else:
-            ks[i], vs[i] = write(ks[i], vs[i], k, v, slots)
+            ks[i], vs[i] = write(i, ks[i], vs[i], k, v, slots)
             o = attend(q, ks[i], vs[i], lengths)
         x = x + _matmul(o.reshape(batch, -1), lp.wo)
         x = x + mlp(lp, x, cfg)

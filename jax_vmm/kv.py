@@ -203,6 +203,21 @@ class KVArena:
         prefix = min(b.backed_prefix(base, stop) for b in self.buffers)
         return prefix // self.token_bytes
 
+    def dest(self, layer: int) -> "KVDest":
+        """The static destination of layer ``layer`` for :func:`jax_vmm.kv_write` /
+        ``kv_write_through`` (``dest=kv.dest(l)``): inside ``jit`` it makes the tokens land
+        in this arena whatever buffer XLA hands the custom call (a copy when the cache is
+        not donated, or on CPU)."""
+        from .ops import KVDest
+
+        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or not (
+                -self.num_layers <= int(layer) < self.num_layers):
+            raise IndexError(f"KVArena.dest: layer must be an int in [0, {self.num_layers}), "
+                             f"got {layer!r}")
+        self.arena._check_open("KVArena.dest")
+        k, v = self.k_buffers[int(layer)], self.v_buffers[int(layer)]
+        return KVDest(k_address=k.address, v_address=v.address, nbytes=k.nbytes)
+
     # -- checks and stats ------------------------------------------------------------------
     def dropped_writes(self) -> int:
         """Token writes dropped by kv_write (slot out of range or on an unbacked page)

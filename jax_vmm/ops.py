@@ -8,33 +8,35 @@ graph: a slot past the buffer, or on a page that is not committed, is dropped, n
 written, and counted in the buffer's drop counter (``kv.check()`` raises
 :class:`jax_vmm.OutOfBoundsWrite`).
 
-Where the tokens land depends on what XLA hands the custom call, which these two ops
-split differently (measured with jax 0.10.2 on CPU, see docs/kv_write.md):
+Where the tokens land. Inside ``jit`` the cache is a tracer, and what XLA hands the
+custom call at run time is not always the arena: without donation XLA must keep the
+argument intact and gives the call a copy; on CPU, PjRt copies a donated DLPack view
+(measured, docs/kv_write.md). So the arena buffers are named statically: ``dest``, a
+:class:`KVDest` from :meth:`jax_vmm.KVArena.dest`, is baked into the compiled call
+(arena addresses never move, which is the point of the arena). With it the tokens
+always land in the arena, donated or not, CPU or GPU. Called eagerly on arena views,
+``dest`` is found from the arrays themselves.
 
-``kv_write(k, v, new_k, new_v, slots) -> (k, v)`` is functional: the returned arrays
-always hold the new tokens. It is two custom calls. ``jax_vmm_kv_write_through`` writes
-the tokens into its cache operand in place when that operand is arena memory;
-``jax_vmm_kv_write`` (cache aliased to its output) has nothing left to do when its output
-is that arena buffer, and otherwise ("alias miss") writes the tokens into the output.
-With the cache donated on a GPU, XLA updates it in place: the output *is* the arena, no
-copy of the cache happens, and the arena holds the tokens. Without donation XLA must not
-modify the argument, so it copies the cache once at the start of the program and hands
-*both* calls the copy: the returned arrays are right, but the arena is not written
-(``kv_write_stats()`` counts an alias miss). On CPU, donating an arena view makes PjRt
-copy it before the program runs, with the same effect.
+``kv_write(k, v, new_k, new_v, slots, dest=None) -> (k, v)`` is functional too: the
+returned arrays hold the tokens. With the cache donated on a GPU the outputs *are* the
+arena (no copy of the cache; one write). Otherwise XLA's copy is written as well, and
+``kv_write_stats()`` counts an alias miss. Without ``dest`` and without arena memory
+handed over it is a plain checked scatter (``non_arena``).
 
-``kv_write_through(k, v, new_k, new_v, slots) -> status`` is for an arena that *is* the
-state: it only writes into the arena (no aliasing, so XLA never copies the cache: it
-works without donation, in ``lax.scan``/``fori_loop`` too, at zero copy cost) and
-returns a ``(2, n)`` int32 status per token and side (0 padding, 1 written, 2 dropped:
-slot out of range, 3 dropped: page not committed). XLA does not know that the cache
-changed, so order later reads of it by data dependence on ``status`` (a custom call such
-as attention that takes it as an operand), or read the arena after the step.
+``kv_write_through(k, v, new_k, new_v, slots, dest=None) -> status`` is for an arena that
+*is* the state: it writes only the arena (no aliasing, so XLA never copies the cache: no
+donation needed, zero copy cost in ``lax.scan``/``fori_loop`` too) and returns a
+``(2, n)`` int32 status per token and side (0 padding, 1 written, 2 dropped: slot out of
+range, 3 dropped: page not committed). XLA does not know that the cache changed, so order
+later reads of it by data dependence on ``status`` (a custom call such as attention that
+takes it as an operand), or read the arena after the step.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -43,7 +45,7 @@ import numpy as np
 from ._ffi import ensure_registered
 from ._loader import core as _core
 
-__all__ = ["kv_write", "kv_write_through", "kv_write_stats", "reset_kv_write_stats",
+__all__ = ["KVDest", "kv_write", "kv_write_through", "kv_write_stats", "reset_kv_write_stats",
            "PADDING", "WRITTEN", "DROPPED_OUT_OF_RANGE", "DROPPED_UNBACKED"]
 
 #: Per-token status codes returned by :func:`kv_write_through`.
@@ -92,8 +94,56 @@ def _check(op: str, k: Any, v: Any, new_k: Any, new_v: Any, slots: Any) -> int:
     return n
 
 
+@dataclasses.dataclass(frozen=True)
+class KVDest:
+    """Where a kv_write lands: one layer's K and V arena buffers, by address.
+
+    Static and hashable (it becomes attributes of the compiled custom call, and may be a
+    ``static_argnums`` argument). Get it from :meth:`jax_vmm.KVArena.dest`. The handlers
+    check at every host call that both addresses still start live arena buffers of the
+    cache's size; a closed arena raises instead of being written.
+    """
+
+    k_address: int
+    v_address: int
+    nbytes: int  # bytes of each of the two buffers
+
+
+def _arena_address(x: Any, nbytes: int) -> int:
+    """The address of the arena buffer that concrete array ``x`` views, or 0."""
+    if isinstance(x, jax.core.Tracer) or not isinstance(x, jax.Array):
+        return 0
+    try:
+        # Wait with the GIL released first: unsafe_buffer_pointer blocks holding it, and
+        # finishing the producer may need it (releasing a donated DLPack arena view).
+        x.block_until_ready()
+        address = int(x.unsafe_buffer_pointer())
+    except Exception:  # sharded, deleted, or not a single-device buffer
+        return 0
+    found = _core.find_arena_buffer(address, nbytes)
+    return address if found is not None and found["buffer_base"] == address else 0
+
+
+def _dest_attrs(op: str, k: Any, v: Any, dest: KVDest | None) -> dict:
+    nbytes = int(np.prod(k.shape)) * np.dtype(k.dtype).itemsize
+    if dest is None:
+        ka, va = _arena_address(k, nbytes), _arena_address(v, nbytes)
+        if not (ka and va):
+            ka = va = 0
+    elif not isinstance(dest, KVDest):
+        raise TypeError(f"{op}: dest must be a jax_vmm.KVDest from kv.dest(layer), got "
+                        f"{type(dest).__name__}")
+    elif dest.nbytes != nbytes:
+        raise ValueError(f"{op}: dest names buffers of {dest.nbytes} bytes but the cache "
+                         f"{tuple(k.shape)} {np.dtype(k.dtype)} has {nbytes}; pass the dest of "
+                         f"the KV arena (and layer) whose views you write")
+    else:
+        ka, va = dest.k_address, dest.v_address
+    return {"dest_k": np.uint64(ka), "dest_v": np.uint64(va)}
+
+
 def kv_write(k: jax.Array, v: jax.Array, new_k: jax.Array, new_v: jax.Array,
-             slots: jax.Array) -> tuple[jax.Array, jax.Array]:
+             slots: jax.Array, *, dest: KVDest | None = None) -> tuple[jax.Array, jax.Array]:
     """Write ``n`` tokens into a KV cache; returns the updated ``(k, v)``.
 
     Args:
@@ -101,44 +151,45 @@ def kv_write(k: jax.Array, v: jax.Array, new_k: jax.Array, new_v: jax.Array,
         ``kv.k[l]``/``kv.v[l]``, or any array), seen as ``(num_slots, H, D)``.
       new_k, new_v: ``(n, H, D)`` in the cache's dtype.
       slots: int32 ``(n,)``, the flat slot of each token; negative slots are skipped.
+      dest: ``kv.dest(l)``: the arena buffers to write, whatever XLA hands the call. Needed
+        inside ``jit`` for the arena to be written without donation or on CPU; found
+        automatically when ``k``/``v`` are concrete arena views.
 
     Returns:
       ``(k, v)`` with the tokens written (dropped slots excepted). Use them in place of
       the inputs. Donate the cache (``jax.jit(..., donate_argnums=...)``) on a GPU for an
-      in-place update of the arena without any copy; see the module docstring for what
-      happens without donation. Works in ``jit``, ``lax.scan`` and ``fori_loop``.
+      in-place update of the arena without any copy. Works in ``jit``, ``lax.scan`` and
+      ``fori_loop``.
     """
     n = _check("kv_write", k, v, new_k, new_v, slots)
+    attrs = _dest_attrs("kv_write", k, v, dest)
     if n == 0:
         return k, v
     ensure_registered()
-    status = jax.ffi.ffi_call(_THROUGH, jax.ShapeDtypeStruct((2, n), jnp.int32))(
-        k, v, new_k, new_v, slots, require_arena=False)
-    # The status operand orders the aliased call after the write-through one, and lets it
-    # write exactly the tokens the first call validated.
     out = jax.ffi.ffi_call(
         _WRITE,
         (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
-        input_output_aliases={0: 0, 1: 1})(k, v, new_k, new_v, slots, status)
+        input_output_aliases={0: 0, 1: 1})(k, v, new_k, new_v, slots, **attrs)
     return out[0], out[1]
 
 
 def kv_write_through(k: jax.Array, v: jax.Array, new_k: jax.Array, new_v: jax.Array,
-                     slots: jax.Array) -> jax.Array:
-    """Write ``n`` tokens straight into the arena buffers that ``k``/``v`` view.
+                     slots: jax.Array, *, dest: KVDest | None = None) -> jax.Array:
+    """Write ``n`` tokens straight into the arena buffers of ``k``/``v``.
 
-    Same arguments as :func:`kv_write`; ``k``/``v`` must be arena memory when the program
-    runs (jit arguments that no other op updates; on CPU not donated), otherwise the call
-    fails with an error saying so. Returns the ``(2, n)`` int32 status (see
-    :data:`WRITTEN` and friends); keep it alive (return it, or feed it to the op that
+    Same arguments as :func:`kv_write`. Without ``dest``, ``k``/``v`` must be arena memory
+    when the program runs (jit arguments that no other op updates; on CPU not donated),
+    otherwise the call fails with an error saying so. Returns the ``(2, n)`` int32 status
+    (see :data:`WRITTEN` and friends); keep it alive (return it, or feed it to the op that
     reads the cache next), since XLA removes calls whose result is unused.
     """
     n = _check("kv_write_through", k, v, new_k, new_v, slots)
+    attrs = _dest_attrs("kv_write_through", k, v, dest)
     if n == 0:
         return jnp.zeros((2, 0), jnp.int32)
     ensure_registered()
     return jax.ffi.ffi_call(_THROUGH, jax.ShapeDtypeStruct((2, n), jnp.int32))(
-        k, v, new_k, new_v, slots, require_arena=True)
+        k, v, new_k, new_v, slots, require_arena=True, **attrs)
 
 
 def kv_write_stats() -> dict:
@@ -161,7 +212,7 @@ def reset_kv_write_stats() -> None:
 
 
 def set_debug_unchecked_writes(enabled: bool) -> None:
-    """TEST ONLY. When on, the write-through handler skips the slot range and page checks
+    """TEST ONLY. When on, the kv_write handlers skip the slot range and page checks
     and writes wherever a slot points: out-of-range slots corrupt neighbouring memory and
     unbacked pages fault. Tests use it to show that their checks notice."""
     _core.kv_write_set_debug_unchecked(bool(enabled))

@@ -1,10 +1,10 @@
-"""kv_write / kv_write_through: results, where the tokens land (arena or XLA copy),
+"""kv_write / kv_write_through: results, where the tokens land (arena and XLA copy),
 padding, device-side drops of out-of-range and unbacked slots, loops, trace-time errors.
 
 Every device-generic test runs on the CPU and, when present, on a CUDA GPU (the ``vm``
-fixture). What lands in the arena is asserted per the documented contract (ops.py):
-kv_write reaches the arena when XLA hands it the arena (a donated cache on a GPU),
-kv_write_through always does, and the statistics must say which happened.
+fixture). The contract (ops.py): with a static ``dest`` (``kv.dest(l)``, or found from
+concrete arena views) the arena always holds the tokens, donated or not; the returned
+arrays hold them too; the statistics say whether XLA handed over the arena itself.
 """
 
 from __future__ import annotations
@@ -128,8 +128,11 @@ def test_zero_tokens_is_a_no_op():
 # -- kv_write: results and where they land ---------------------------------------------
 
 
+@pytest.mark.parametrize("how", ["jit_dest", "eager", "jit_no_dest"])
 @pytest.mark.parametrize("donate", [False, True], ids=["keep", "donate"])
-def test_kv_write_returns_updated_cache(vm, donate):
+def test_kv_write_returns_updated_cache(vm, donate, how):
+    if how == "eager" and donate:
+        pytest.skip("an eager call cannot donate")
     dtype = jnp.float32
     kv = vm.kv(num_layers=1, num_kv_heads=H, head_dim=D, max_tokens=64, dtype=dtype,
                initial_tokens=64)
@@ -140,31 +143,34 @@ def test_kv_write_returns_updated_cache(vm, donate):
     want_k, want_v = _apply(before_k, nk, slots, valid), _apply(before_v, nv, slots, valid)
 
     s0 = ops.kv_write_stats()
-    f = jax.jit(ops.kv_write, donate_argnums=(0, 1) if donate else ())
+    if how == "eager":  # concrete arena views: the dest is found from the arrays
+        f = ops.kv_write
+    else:
+        dest = kv.dest(0) if how == "jit_dest" else None
+        f = jax.jit(lambda *a: ops.kv_write(*a, dest=dest),
+                    donate_argnums=(0, 1) if donate else ())
     ko, vo = f(kv.k[0], kv.v[0], _put(vm, nk), _put(vm, nv), _put(vm, slots))
     jax.block_until_ready((ko, vo))
     d = _stats_delta(s0, ops.kv_write_stats())
 
     _same(np.asarray(ko), want_k, "returned k")
     _same(np.asarray(vo), want_v, "returned v")
-    assert d["kv_write"]["calls"] == 1 and d["kv_write_through"]["calls"] == 1
-    # The statistics tell where the tokens went: an alias miss means XLA handed kv_write
-    # a copy of the cache and the arena was not written.
+    assert d["kv_write"]["calls"] == 1 and d["kv_write_through"]["calls"] == 0
     arena_k, arena_v = _cache(kv.k_buffers[0], dtype), _cache(kv.v_buffers[0], dtype)
-    if d["kv_write"]["alias_misses"]:
-        _same(arena_k, before_k, "arena k must be untouched when XLA used a copy")
-        _same(arena_v, before_v)
-    else:
+    in_place = _is_gpu(vm) and donate  # XLA hands over the arena itself
+    if how != "jit_no_dest" or in_place:
         _same(arena_k, want_k, "arena k")
         _same(arena_v, want_v, "arena v")
-    if _is_gpu(vm) and donate:
-        # A donated cache on a GPU is updated in place: no copy, the arena holds the tokens.
-        assert d["kv_write"]["alias_misses"] == 0
+        assert d["kv_write"]["non_arena"] == 0
+        assert d["kv_write"]["alias_misses"] == (0 if in_place else 1)
+    else:  # no dest and a copy handed over: nothing names the arena
+        _same(arena_k, before_k, "arena k must be untouched without dest")
+        _same(arena_v, before_v)
+        assert d["kv_write"]["non_arena"] == 1
+    if in_place:
+        # A donated cache on a GPU is updated in place: no copy, the outputs are the arena.
         assert ko.unsafe_buffer_pointer() == kv.k_buffers[0].address
         assert vo.unsafe_buffer_pointer() == kv.v_buffers[0].address
-    if vm.is_host:
-        # jax 0.10.2 on CPU: XLA copies the cache (argument kept) or PjRt does (donated).
-        assert d["kv_write"]["alias_misses"] == 1
 
 
 @pytest.mark.parametrize("loop", ["scan", "fori"])
@@ -178,15 +184,16 @@ def test_kv_write_in_loops(vm, loop, donate):
     slots = np.array([[2 * i, 31 - i] for i in range(steps)], np.int32)
     nk = _values((steps, per, H, D), dtype, 7)
     nv = _values((steps, per, H, D), dtype, 8)
+    dest = kv.dest(0)
 
     def run(k, v, nk, nv, slots):
         if loop == "scan":
             def body(c, xs):
-                return ops.kv_write(c[0], c[1], *xs), None
+                return ops.kv_write(c[0], c[1], *xs, dest=dest), None
             return jax.lax.scan(body, (k, v), (nk, nv, slots))[0]
 
         def body(i, c):
-            return ops.kv_write(c[0], c[1], nk[i], nv[i], slots[i])
+            return ops.kv_write(c[0], c[1], nk[i], nv[i], slots[i], dest=dest)
         return jax.lax.fori_loop(0, steps, body, (k, v))
 
     s0 = ops.kv_write_stats()
@@ -200,26 +207,52 @@ def test_kv_write_in_loops(vm, loop, donate):
         want_v = _apply(want_v, nv[i], slots[i], [True] * per)
     _same(np.asarray(ko), want_k)
     _same(np.asarray(vo), want_v)
+    _same(_cache(kv.k_buffers[0], dtype), want_k, "arena k")
+    _same(_cache(kv.v_buffers[0], dtype), want_v, "arena v")
     if _is_gpu(vm) and donate:
         assert misses == 0, "a donated cache carried through the loop should stay in place"
-        _same(_cache(kv.k_buffers[0], dtype), want_k, "arena k")
-        _same(_cache(kv.v_buffers[0], dtype), want_v, "arena v")
 
 
-def test_xla_copies_a_kept_cache_for_both_calls(cpu_device):
-    """Why kv_write cannot reach a non-donated arena (docs/kv_write.md): XLA copies the
-    read-only argument at its definition and feeds the copy to both custom calls."""
+def test_xla_hands_a_kept_cache_over_as_a_copy(cpu_device):
+    """Why kv_write needs a static dest (docs/kv_write.md): XLA gives the aliased custom
+    call a copy of a read-only argument, so the buffer it writes is not the arena."""
     k = jnp.zeros((16, H, D), jnp.float32)
     nk = jnp.ones((1, H, D), jnp.float32)
     hlo = jax.jit(ops.kv_write).lower(k, k, nk, nk, jnp.array([1], jnp.int32)).compile().as_text()
-    calls = [line for line in hlo.splitlines() if 'custom_call_target="jax_vmm_kv_write' in line]
-    assert len(calls) == 2, hlo
-    for line in calls:
-        first = line.split("custom-call(", 1)[1].split(",", 1)[0]
-        assert "copy" in first, f"the cache operand is not XLA's copy any more: {line}"
-    # kv_write_through alone reads the argument itself: no copy at all.
+    calls = [line for line in hlo.splitlines() if 'custom_call_target="jax_vmm_kv_write"' in line]
+    assert len(calls) == 1, hlo
+    first = calls[0].split("custom-call(", 1)[1].split(",", 1)[0]
+    assert "copy" in first, f"the cache operand is not XLA's copy any more: {calls[0]}"
+    # kv_write_through (no aliasing) reads the argument itself: no copy at all.
     hlo = jax.jit(ops.kv_write_through).lower(k, k, nk, nk, jnp.array([1], jnp.int32)).compile().as_text()
     assert " copy(" not in hlo, hlo
+
+
+def test_dest_errors_leave_the_arena_unchanged(vm):
+    dtype = jnp.float32
+    kv = vm.kv(num_layers=2, num_kv_heads=H, head_dim=D, max_tokens=16, dtype=dtype,
+               initial_tokens=16)
+    before = _fill(kv, dtype)
+    nk = _put(vm, np.ones((1, H, D), np.float32))
+    slots = _put(vm, np.array([1], np.int32))
+    k, v = kv.k[0], kv.v[0]
+    with pytest.raises(TypeError, match="dest must be a jax_vmm.KVDest"):
+        ops.kv_write(k, v, nk, nk, slots, dest=(1, 2))
+    small = vm.kv(num_layers=1, num_kv_heads=H, head_dim=D, max_tokens=8, dtype=dtype)
+    with pytest.raises(ValueError, match="dest names buffers of 512 bytes"):
+        ops.kv_write(k, v, nk, nk, slots, dest=small.dest(0))
+    with pytest.raises(IndexError, match=r"layer must be an int in \[0, 2\)"):
+        kv.dest(2)
+    step = jax.jit(lambda k, v, a, s: ops.kv_write(k, v, a, a, s, dest=kv.dest(1)))
+    plain = _put(vm, np.zeros((16, H, D), np.float32))
+    jax.block_until_ready(step(plain, plain, nk, slots))  # compiled against layer 1
+    _same(_cache(kv.k_buffers[1], dtype)[1], np.ones((H, D), np.float32))
+    kv.close()
+    with pytest.raises(Exception, match="not the start of a live jax_vmm arena buffer"):
+        jax.block_until_ready(step(plain, plain, nk, slots))
+    with pytest.raises(jax_vmm.ArenaClosedError):
+        kv.dest(0)
+    del before
 
 
 def test_kv_write_on_plain_arrays(vm):
@@ -235,7 +268,7 @@ def test_kv_write_on_plain_arrays(vm):
     _same(np.asarray(ko), _apply(np.asarray(k), nk, slots, valid))
     _same(np.asarray(vo), _apply(np.asarray(v), nv, slots, valid))
     d = _stats_delta(s0, ops.kv_write_stats())
-    assert d["kv_write_through"]["non_arena"] == 1
+    assert d["kv_write"]["non_arena"] == 1 and d["kv_write"]["alias_misses"] == 0
     assert d["dropped_writes"] == 2  # slot 16, on the k and on the v side
 
 
@@ -316,9 +349,6 @@ def test_kv_write_through_refuses_copies(vm):
 
 @pytest.mark.parametrize("op", ["through", "write"])
 def test_out_of_range_and_unbacked_slots_are_dropped_and_counted(vm, op):
-    if op == "write" and vm.is_host:
-        pytest.skip("kv_write reaches a CPU arena only through a copy (see ops.py); "
-                    "its drops are covered by the 'through' variant")
     dtype = jnp.bfloat16
     tpc = vm.chunk // (H * D * 2)  # tokens per chunk
     kv = vm.kv(num_layers=2, num_kv_heads=H, head_dim=D, max_tokens=3 * tpc, dtype=dtype)
@@ -334,8 +364,9 @@ def test_out_of_range_and_unbacked_slots_are_dropped_and_counted(vm, op):
         status = jax.jit(ops.kv_write_through)(kv.k[0], kv.v[0], _put(vm, nk), _put(vm, nv),
                                                _put(vm, slots))
         np.testing.assert_array_equal(np.asarray(status), np.array([codes, codes]))
-    else:  # donated on a GPU: kv_write runs in place on the arena
-        ko, vo = jax.jit(ops.kv_write, donate_argnums=(0, 1))(
+    else:  # donated (in place on a GPU; on the CPU the dest names the arena)
+        dest = kv.dest(0)
+        ko, vo = jax.jit(lambda *a: ops.kv_write(*a, dest=dest), donate_argnums=(0, 1))(
             kv.k[0], kv.v[0], _put(vm, nk), _put(vm, nv), _put(vm, slots))
         jax.block_until_ready((ko, vo))
         _same(np.asarray(ko), _apply(before[0], nk, slots, valid))
@@ -363,7 +394,9 @@ def test_out_of_range_and_unbacked_slots_are_dropped_and_counted(vm, op):
 def test_checks_would_catch_unchecked_writes():
     """The drop test above, on the CPU, with the device-side checks switched off: the
     out-of-range slot then lands in the next buffer (caught by the 'k1 untouched'
-    check) and the unbacked one faults. Either way the test must not pass."""
+    check) and the unbacked one faults. Either way the test must not pass. (The
+    write-through variant: kv_write would also scribble past XLA's heap copy of the
+    cache, corrupting the child's heap in ways that may hang instead of failing.)"""
     if os.environ.get("JAX_VMM_TEST_UNCHECKED_WRITES") == "1":
         pytest.skip("already the child process")
     env = dict(os.environ, JAX_VMM_TEST_UNCHECKED_WRITES="1")
@@ -414,9 +447,9 @@ def test_stats_count_host_invocations(cpu_device):
     for _ in range(3):
         jax.block_until_ready(f(k, k, nk, nk, jnp.array([1], jnp.int32)))
     d = _stats_delta(s0, ops.kv_write_stats())
-    assert d["kv_write"]["calls"] == 3 and d["kv_write_through"]["calls"] == 3
+    assert d["kv_write"]["calls"] == 3 and d["kv_write_through"]["calls"] == 0
     assert d["kv_write"]["captured_calls"] == 0  # no graphs on the CPU
-    assert d["kv_write"]["alias_misses"] == 3
+    assert d["kv_write"]["non_arena"] == 3 and d["kv_write"]["alias_misses"] == 0
     ops.reset_kv_write_stats()
     s = ops.kv_write_stats()
     assert s["kv_write"]["calls"] == 0 and s["dropped_writes"] == 0

@@ -102,8 +102,18 @@ Arena::~Arena() {
     // Destructors never throw; the driver already reported the failure.
   }
   buffers_.clear();  // Chunk destructors unmap and release
-  driver_->FreeMetadata(device_drop_counters_);
-  driver_->FreeMetadata(device_page_table_);
+  if (metadata_pinned_) {
+    // A graph may still hold these addresses (see PinMetadataForGraphs): leave them
+    // allocated, with every page marked unbacked so a stale replay writes nothing.
+    try {
+      std::fill(host_page_table_.begin(), host_page_table_.end(), 0);
+      driver_->CopyToMetadata(device_page_table_, host_page_table_.data(), num_chunks_);
+    } catch (...) {
+    }
+  } else {
+    driver_->FreeMetadata(device_drop_counters_);
+    driver_->FreeMetadata(device_page_table_);
+  }
   driver_->Unreserve(base_, reserved_bytes_);
 }
 
@@ -469,7 +479,7 @@ void Arena::ResetDropCount(int64_t buffer_id) {
 
 bool Arena::FindBufferLocked(uintptr_t ptr, size_t bytes, BufferRef* out) const {
   std::lock_guard<std::mutex> lock(mu_);
-  if (ptr < base_ || ptr + bytes > base_ + reserved_bytes_) return false;
+  if (closed_ || ptr < base_ || ptr + bytes > base_ + reserved_bytes_) return false;
   for (const auto& [id, p] : buffers_) {
     const uintptr_t b = p.info.address;
     if (ptr >= b && ptr + bytes <= b + p.info.nbytes) {
@@ -488,10 +498,13 @@ bool Arena::FindBufferLocked(uintptr_t ptr, size_t bytes, BufferRef* out) const 
   return false;
 }
 
-bool FindArenaBuffer(uintptr_t ptr, size_t bytes, BufferRef* out) {
+bool FindArenaBuffer(uintptr_t ptr, size_t bytes, BufferRef* out, bool pin_metadata) {
   std::lock_guard<std::mutex> lock(RegistryMutex());
   for (const Arena* arena : Registry()) {
-    if (arena->FindBufferLocked(ptr, bytes, out)) return true;
+    if (arena->FindBufferLocked(ptr, bytes, out)) {
+      if (pin_metadata) arena->PinMetadataForGraphs();
+      return true;
+    }
   }
   return false;
 }

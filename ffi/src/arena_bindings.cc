@@ -112,6 +112,9 @@ void BindArena(nb::module_& m) {
         return d;
       })
       .def("close", &Arena::Close, nb::call_guard<nb::gil_scoped_release>())
+      .def("pin_metadata_for_graphs", &Arena::PinMetadataForGraphs,
+           "Keep the page table and drop counters allocated after destruction: compiled "
+           "code holds this arena's addresses (kv_write's static dest).")
       .def("drop_count", &Arena::DropCount)
       .def("reset_drop_count", &Arena::ResetDropCount)
       .def("inject_fault", [](Arena& a, const std::string& op, int64_t nth, bool oom) {
@@ -145,6 +148,19 @@ void BindArena(nb::module_& m) {
     return Arena::Create(MakeDriver(driver, device, chunk_bytes), reserve_bytes);
   }, nb::arg("driver"), nb::arg("device"), nb::arg("reserve_bytes"), nb::arg("chunk_bytes") = 0,
      nb::call_guard<nb::gil_scoped_release>());
+
+  m.def("find_arena_buffer", [](uint64_t address, size_t nbytes) -> nb::object {
+    BufferRef ref;
+    if (!FindArenaBuffer(static_cast<uintptr_t>(address), nbytes, &ref)) return nb::none();
+    nb::dict d;
+    d["buffer_base"] = static_cast<uint64_t>(ref.buffer_base);
+    d["buffer_bytes"] = ref.buffer_bytes;
+    d["buffer_id"] = ref.buffer_id;
+    d["driver_kind"] = std::string(ref.driver_kind);
+    d["device_ordinal"] = ref.device_ordinal;
+    return d;
+  }, nb::arg("address"), nb::arg("nbytes"),
+     "The live (open) arena buffer holding [address, address + nbytes), or None.");
 
   m.def("resolve_chunk_bytes", [](const std::string& driver, int device, size_t chunk_bytes) {
     return MakeDriver(driver, device, chunk_bytes)->chunk_bytes();

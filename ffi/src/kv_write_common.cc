@@ -75,22 +75,96 @@ std::string CheckGeometry(const char* op, const Dims& k, const Dims& v, const Di
   return "";
 }
 
-bool ResolveArenaSide(void* operand, size_t bytes, const char* driver_kind, Side* side) {
-  BufferRef ref;
-  if (operand == nullptr || !FindArenaBuffer(reinterpret_cast<uintptr_t>(operand), bytes, &ref) ||
-      std::strcmp(ref.driver_kind, driver_kind) != 0 || ref.page_table == nullptr ||
-      ref.chunk_bytes == 0) {
-    side->dst = nullptr;
-    side->page_table = nullptr;
-    side->drop_counter = nullptr;
-    return false;
+namespace {
+
+// The arena buffer that starts exactly at `dest` and holds `bytes`.
+// CUDA handlers may be recorded into graphs that outlive the arena: pin its metadata.
+bool Pin(const char* driver_kind) { return std::strcmp(driver_kind, "cuda") == 0; }
+
+bool ResolveDest(uintptr_t dest, size_t bytes, const char* driver_kind, BufferRef* ref) {
+  return FindArenaBuffer(dest, bytes, ref, Pin(driver_kind)) && ref->buffer_base == dest &&
+         std::strcmp(ref->driver_kind, driver_kind) == 0 && ref->page_table != nullptr &&
+         ref->chunk_bytes != 0;
+}
+
+bool ResolveHanded(void* handed, size_t bytes, const char* driver_kind, BufferRef* ref) {
+  return handed != nullptr &&
+         FindArenaBuffer(reinterpret_cast<uintptr_t>(handed), bytes, ref, Pin(driver_kind)) &&
+         std::strcmp(ref->driver_kind, driver_kind) == 0 && ref->page_table != nullptr &&
+         ref->chunk_bytes != 0;
+}
+
+std::string Hex(uintptr_t x) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "0x%llx", static_cast<unsigned long long>(x));
+  return buf;
+}
+
+}  // namespace
+
+std::string ResolveSides(Op op, const char* driver_kind, bool require_arena,
+                         const SideInput in[2], Params* p, Resolution* out) {
+  const char* name = op == Op::kWrite ? "jax_vmm.kv_write" : "jax_vmm.kv_write_through";
+  *out = Resolution{};
+  for (int s = 0; s < 2; ++s) {
+    Side& side = p->side[s];
+    side = Side{};
+    side.src = static_cast<const uint8_t*>(in[s].src);
+    side.status = in[s].status;
+    BufferRef ref;
+    bool arena = false;
+    if (in[s].dest != 0) {
+      if (!ResolveDest(in[s].dest, in[s].bytes, driver_kind, &ref)) {
+        return std::string(name) + ": dest_" + (s == 0 ? "k" : "v") + " " + Hex(in[s].dest) +
+               " is not the start of a live jax_vmm arena buffer of at least " +
+               std::to_string(in[s].bytes) + " bytes on this platform (" + driver_kind +
+               "). The arena was closed, or the dest belongs to another cache: pass "
+               "dest=kv.dest(layer) of the open KV arena whose views you write.";
+      }
+      side.dst = reinterpret_cast<uint8_t*>(in[s].dest);
+      arena = true;
+    } else if (ResolveHanded(in[s].handed, in[s].bytes, driver_kind, &ref)) {
+      side.dst = static_cast<uint8_t*>(in[s].handed);
+      arena = true;
+    }
+    if (arena) {
+      side.page_table = ref.page_table;
+      side.arena_base = ref.arena_base;
+      side.chunk_bytes = ref.chunk_bytes;
+      side.drop_counter = ref.drop_counter;
+      if (op == Op::kWrite && in[s].handed != side.dst) {
+        side.dst2 = static_cast<uint8_t*>(in[s].handed);
+        out->alias_miss = true;
+      }
+    } else {
+      out->non_arena = true;
+      if (op == Op::kWrite) {
+        side.dst = static_cast<uint8_t*>(in[s].handed);  // a plain functional write
+      } else if (require_arena) {
+        return std::string(name) +
+               ": the cache operand is not memory of a jax_vmm arena (XLA handed the custom "
+               "call a copy) and no dest was given. Pass dest=kv.dest(layer), or the arena "
+               "views (kv.k[l], kv.v[l]) directly as jit arguments that no other op updates.";
+      }
+    }
   }
-  side->dst = static_cast<uint8_t*>(operand);
-  side->page_table = ref.page_table;
-  side->arena_base = ref.arena_base;
-  side->chunk_bytes = ref.chunk_bytes;
-  side->drop_counter = ref.drop_counter;
-  return true;
+  return "";
+}
+
+std::string PrepareCall(Op op, const char* driver_kind, bool require_arena, const Dims dims[5],
+                        const Dims* status_dims, const int32_t* slots, const SideInput in[2],
+                        Params* p, Resolution* r) {
+  const char* name = op == Op::kWrite ? "jax_vmm_kv_write" : "jax_vmm_kv_write_through";
+  Geometry g;
+  std::string err = CheckGeometry(name, dims[0], dims[1], dims[2], dims[3], dims[4],
+                                  status_dims, &g);
+  if (!err.empty()) return err;
+  p->slots = slots;
+  p->n = g.n;
+  p->num_slots = g.num_slots;
+  p->token_bytes = g.token_bytes;
+  p->unchecked = DebugUnchecked();
+  return ResolveSides(op, driver_kind, require_arena, in, p, r);
 }
 
 Counters& GetCounters(Handler h) {

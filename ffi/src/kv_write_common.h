@@ -1,17 +1,17 @@
-// Shared by the kv_write CPU and CUDA handlers: geometry checks, token validation
-// (callable from host and device code), arena lookup and statistics.
+// Shared by the kv_write CPU and CUDA handlers: geometry checks, where each side's tokens
+// go, token validation (callable from host and device code) and statistics.
 //
-// Two custom calls implement jax_vmm.kv_write (see jax_vmm/ops.py for why):
+// Two custom calls (Python wrappers and the user contract: jax_vmm/ops.py):
+//   jax_vmm_kv_write(k, v, new_k, new_v, slots) -> (k, v), outputs aliased {0:0, 1:1}
 //   jax_vmm_kv_write_through(k, v, new_k, new_v, slots) -> status s32[2, n]
-//       Validates every token against its buffer (range; page table when the operand is
-//       arena memory), writes valid tokens into the operand when it IS arena memory,
-//       counts dropped writes, and records per token and side:
-//         0 padding (slot < 0), 1 valid, 2 dropped: slot out of range,
-//         3 dropped: slot on an unbacked chunk.
-//   jax_vmm_kv_write(k, v, new_k, new_v, slots, status) -> (k, v) aliased {0:0, 1:1}
-//       When its output is arena memory the tokens are already there (written by the
-//       first call into the same buffer); otherwise (an "alias miss": XLA copied the
-//       cache) it writes the status==1 tokens into the output.
+// Attributes dest_k / dest_v (u64, 0 = none) name the arena buffers to write: the
+// static destination. Each side's *target* is that buffer, or without one the buffer XLA
+// handed over (kv_write: its output; write-through: its operand) when it is arena memory.
+// Tokens are validated against the target (slot range; page table), written into the
+// target, and kv_write also writes them into its output when that is not the target (an
+// "alias miss": XLA copied the cache, so the returned arrays hold the tokens too).
+// Per token and side the status is 0 padding (slot < 0), 1 written,
+// 2 dropped: slot out of range, 3 dropped: slot on an unbacked chunk.
 #pragma once
 
 #include <atomic>
@@ -36,13 +36,14 @@ enum TokenStatus : int32_t {
 
 // Where one side (k or v) of a call reads and writes. Plain data: passed to kernels.
 struct Side {
-  uint8_t* dst = nullptr;          // buffer to write tokens into; null: write nothing
+  uint8_t* dst = nullptr;          // the target: arena buffer, or a plain output; null: none
+  uint8_t* dst2 = nullptr;         // kv_write's output when it is not the target, else null
   const uint8_t* src = nullptr;    // new tokens, n * token_bytes
   const uint8_t* page_table = nullptr;  // arena page table, null when dst is not arena
   uintptr_t arena_base = 0;
   uint64_t chunk_bytes = 1;
   unsigned long long* drop_counter = nullptr;  // the arena buffer's, or null
-  int32_t* status = nullptr;       // n entries (written by write-through, read by apply)
+  int32_t* status = nullptr;       // n entries (write-through), or null
 };
 
 struct Params {
@@ -92,9 +93,34 @@ std::string CheckGeometry(const char* op, const Dims& k, const Dims& v, const Di
                           const Dims& new_v, const Dims& slots, const Dims* status,
                           Geometry* out);
 
-// Fills `side` for writing into `operand` when it is arena memory of `driver_kind`
-// ("host" or "cuda"). Returns false (side.dst = null) when it is not.
-bool ResolveArenaSide(void* operand, size_t bytes, const char* driver_kind, Side* side);
+enum class Op { kWrite, kWriteThrough };
+
+// What the handler knows about one side before the writes.
+struct SideInput {
+  uintptr_t dest = 0;         // the static destination attribute, 0 = none
+  void* handed = nullptr;     // kv_write: the output buffer; write-through: the operand
+  size_t bytes = 0;           // size of the cache (k or v)
+  const void* src = nullptr;  // new tokens
+  int32_t* status = nullptr;  // write-through's status row, or null
+};
+
+struct Resolution {
+  bool alias_miss = false;  // kv_write: the output is not the target (XLA copied the cache)
+  bool non_arena = false;   // no arena target at all: only XLA's buffer was written
+};
+
+// Fills p->side[0..1] for a call of `op` on `driver_kind` ("host" or "cuda"). Returns an
+// error message (empty on success): a dest that is not a live arena buffer of at least
+// `bytes` starting at that address, or (require_arena) a write-through without arena.
+std::string ResolveSides(Op op, const char* driver_kind, bool require_arena,
+                         const SideInput in[2], Params* p, Resolution* out);
+
+// Everything a handler does before touching memory: checks the geometry of
+// (k, v, new_k, new_v, slots[, status]), fills *p (slots, sizes, debug switch) and
+// resolves both sides. Returns an error message, empty on success.
+std::string PrepareCall(Op op, const char* driver_kind, bool require_arena, const Dims dims[5],
+                        const Dims* status_dims, const int32_t* slots, const SideInput in[2],
+                        Params* p, Resolution* r);
 
 // ---------------------------------------------------------------- statistics
 enum class Handler : int { kWriteThrough = 0, kWrite = 1, kCount = 2 };
@@ -105,8 +131,8 @@ enum class Handler : int { kWriteThrough = 0, kWrite = 1, kCount = 2 };
 struct Counters {
   std::atomic<int64_t> calls{0};
   std::atomic<int64_t> captured_calls{0};  // cudaStreamIsCapturing said yes
-  std::atomic<int64_t> alias_misses{0};    // kv_write: output was not arena memory
-  std::atomic<int64_t> non_arena{0};       // write-through: operand was not arena memory
+  std::atomic<int64_t> alias_misses{0};    // kv_write: output was not the arena target
+  std::atomic<int64_t> non_arena{0};       // no arena target (no dest, not arena memory)
   std::atomic<int64_t> host_dropped{0};    // CPU handlers: dropped token writes
 };
 Counters& GetCounters(Handler h);

@@ -1,5 +1,6 @@
 // kv_write CUDA handlers (contract in kv_write_common.h). Both are command-buffer
-// compatible: host code only resolves pointers and launches one kernel; everything that
+// compatible: host code only resolves pointers and launches one kernel (plus, only if
+// XLA ever failed to alias kv_write's output, one copy); everything that
 // changes between steps (slots, the page table, counters) is read or written by the
 // kernel from device memory, so a replayed graph validates and counts like a live call.
 #include <cuda_runtime_api.h>
@@ -25,15 +26,12 @@ __device__ unsigned long long g_dropped_writes;
 
 constexpr int kThreads = 256;
 
-// One kernel for both calls. Each group of `tpt` threads handles one token of one side
-// (blockIdx.y: 0 = k, 1 = v) at a time, grid-striding over tokens.
-//   kApply == false (write-through): validate, record the status, count drops, and
-//                    copy valid tokens when side.dst is set (arena memory).
-//   kApply == true  (kv_write alias miss): copy the tokens whose status is kValid.
-template <typename V, bool kApply>
+// Each group of `tpt` threads handles one token of one side (blockIdx.y: 0 = k, 1 = v)
+// at a time, grid-striding over tokens: validate, record the status, count drops, copy
+// valid tokens into the target and the second destination (see kv_write_common.h).
+template <typename V>
 __global__ void __launch_bounds__(kThreads) KvKernel(Params p, int tpt) {
   const Side& s = p.side[blockIdx.y];
-  if (kApply && s.dst == nullptr) return;
   const int group = threadIdx.x / tpt;
   const int lane = threadIdx.x % tpt;
   const int groups = blockDim.x / tpt;
@@ -41,23 +39,25 @@ __global__ void __launch_bounds__(kThreads) KvKernel(Params p, int tpt) {
   for (int64_t t = static_cast<int64_t>(blockIdx.x) * groups + group; t < p.n;
        t += static_cast<int64_t>(gridDim.x) * groups) {
     const int32_t slot = p.slots[t];
-    int32_t st;
-    if (kApply) {
-      st = s.status[t];
-    } else {
-      st = CheckToken(slot, p, s);
-      if (lane == 0) {
-        s.status[t] = st;
-        if (st == kDroppedOutOfRange || st == kDroppedUnbacked) {
-          atomicAdd(&g_dropped_writes, 1ULL);
-          if (s.drop_counter != nullptr) atomicAdd(s.drop_counter, 1ULL);
-        }
+    const int32_t st = CheckToken(slot, p, s);
+    if (lane == 0) {
+      if (s.status != nullptr) s.status[t] = st;
+      if (st == kDroppedOutOfRange || st == kDroppedUnbacked) {
+        atomicAdd(&g_dropped_writes, 1ULL);
+        if (s.drop_counter != nullptr) atomicAdd(s.drop_counter, 1ULL);
       }
     }
-    if (st != kValid || s.dst == nullptr) continue;
+    if (st != kValid) continue;
+    const uint64_t offset = static_cast<uint64_t>(slot) * p.token_bytes;
     const V* src = reinterpret_cast<const V*>(s.src + static_cast<uint64_t>(t) * p.token_bytes);
-    V* dst = reinterpret_cast<V*>(s.dst + static_cast<uint64_t>(slot) * p.token_bytes);
-    for (int64_t i = lane; i < vecs; i += tpt) dst[i] = src[i];
+    if (s.dst != nullptr) {
+      V* dst = reinterpret_cast<V*>(s.dst + offset);
+      for (int64_t i = lane; i < vecs; i += tpt) dst[i] = src[i];
+    }
+    if (s.dst2 != nullptr) {
+      V* dst = reinterpret_cast<V*>(s.dst2 + offset);
+      for (int64_t i = lane; i < vecs; i += tpt) dst[i] = src[i];
+    }
   }
 }
 
@@ -66,7 +66,7 @@ int VectorBytes(const Params& p) {
   uintptr_t align = p.token_bytes;
   for (const Side& s : p.side) {
     align |= reinterpret_cast<uintptr_t>(s.src);
-    if (s.dst != nullptr) align |= reinterpret_cast<uintptr_t>(s.dst);
+    align |= reinterpret_cast<uintptr_t>(s.dst) | reinterpret_cast<uintptr_t>(s.dst2);
   }
   for (int v : {16, 8, 4, 2}) {
     if (align % v == 0) return v;
@@ -74,7 +74,6 @@ int VectorBytes(const Params& p) {
   return 1;
 }
 
-template <bool kApply>
 cudaError_t Launch(const Params& p, cudaStream_t stream) {
   if (p.n == 0) return cudaSuccess;
   const int vb = VectorBytes(p);
@@ -85,11 +84,11 @@ cudaError_t Launch(const Params& p, cudaStream_t stream) {
   const int64_t blocks = std::min<int64_t>((p.n + groups - 1) / groups, 65535);
   const dim3 grid(static_cast<unsigned>(blocks), 2);
   switch (vb) {
-    case 16: KvKernel<uint4, kApply><<<grid, kThreads, 0, stream>>>(p, tpt); break;
-    case 8: KvKernel<uint2, kApply><<<grid, kThreads, 0, stream>>>(p, tpt); break;
-    case 4: KvKernel<uint32_t, kApply><<<grid, kThreads, 0, stream>>>(p, tpt); break;
-    case 2: KvKernel<uint16_t, kApply><<<grid, kThreads, 0, stream>>>(p, tpt); break;
-    default: KvKernel<uint8_t, kApply><<<grid, kThreads, 0, stream>>>(p, tpt); break;
+    case 16: KvKernel<uint4><<<grid, kThreads, 0, stream>>>(p, tpt); break;
+    case 8: KvKernel<uint2><<<grid, kThreads, 0, stream>>>(p, tpt); break;
+    case 4: KvKernel<uint32_t><<<grid, kThreads, 0, stream>>>(p, tpt); break;
+    case 2: KvKernel<uint16_t><<<grid, kThreads, 0, stream>>>(p, tpt); break;
+    default: KvKernel<uint8_t><<<grid, kThreads, 0, stream>>>(p, tpt); break;
   }
   return cudaGetLastError();
 }
@@ -137,105 +136,65 @@ ffi::Error CountCall(Handler h, cudaStream_t stream, const char* op, bool* captu
   return ffi::Error::Success();
 }
 
-ffi::Error WriteThroughImpl(cudaStream_t stream, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                            ffi::AnyBuffer new_k, ffi::AnyBuffer new_v,
-                            ffi::Buffer<ffi::S32> slots, ffi::Result<ffi::Buffer<ffi::S32>> status,
-                            bool require_arena) {
-  constexpr const char* kOp = "jax_vmm_kv_write_through";
+// The common part of both handlers once the buffers are known.
+ffi::Error Run(Op op, Handler h, cudaStream_t stream, const Dims dims[5],
+               const Dims* status_dims, const int32_t* slots, const SideInput in[2],
+               bool require_arena) {
+  const char* name = op == Op::kWrite ? "jax_vmm_kv_write" : "jax_vmm_kv_write_through";
   bool capturing = false;
-  if (ffi::Error e = CountCall(Handler::kWriteThrough, stream, kOp, &capturing); e.failure()) {
-    return e;
-  }
-  const Dims status_dims = DimsOfS32(*status);
-  Geometry g;
-  std::string err = CheckGeometry(kOp, DimsOf(k), DimsOf(v), DimsOf(new_k), DimsOf(new_v),
-                                  DimsOfS32(slots), &status_dims, &g);
-  if (!err.empty()) return ffi::Error::InvalidArgument(err);
-
+  if (ffi::Error e = CountCall(h, stream, name, &capturing); e.failure()) return e;
   Params p;
-  p.slots = slots.typed_data();
-  p.n = g.n;
-  p.num_slots = g.num_slots;
-  p.token_bytes = g.token_bytes;
-  p.unchecked = DebugUnchecked();
-  ffi::AnyBuffer* caches[2] = {&k, &v};
-  ffi::AnyBuffer* news[2] = {&new_k, &new_v};
-  bool all_arena = true;
-  for (int s = 0; s < 2; ++s) {
-    Side& side = p.side[s];
-    all_arena = ResolveArenaSide(caches[s]->untyped_data(), caches[s]->size_bytes(), "cuda",
-                                 &side) && all_arena;
-    side.src = static_cast<const uint8_t*>(news[s]->untyped_data());
-    side.status = status->typed_data() + s * g.n;
-  }
-  if (!all_arena) {
-    GetCounters(Handler::kWriteThrough).non_arena.fetch_add(1);
-    if (require_arena) {
-      return ffi::Error::InvalidArgument(
-          "jax_vmm.kv_write_through: the cache operand is not memory of a jax_vmm arena "
-          "(XLA handed the custom call a copy). Pass the arena views (kv.k[l], kv.v[l]) "
-          "directly as jit arguments and do not update them elsewhere in the same program.");
-    }
-  }
-  if (cudaError_t e = Launch<false>(p, stream); e != cudaSuccess) {
-    return CudaFailure(kOp, "kernel launch", e);
+  Resolution r;
+  std::string err = PrepareCall(op, "cuda", require_arena, dims, status_dims, slots, in, &p, &r);
+  if (!err.empty()) return ffi::Error::InvalidArgument(err);
+  if (r.alias_miss) GetCounters(h).alias_misses.fetch_add(1);
+  if (r.non_arena) GetCounters(h).non_arena.fetch_add(1);
+  if (cudaError_t e = Launch(p, stream); e != cudaSuccess) {
+    return CudaFailure(name, "kernel launch", e);
   }
   return ffi::Error::Success();
 }
 
 ffi::Error WriteImpl(cudaStream_t stream, ffi::AnyBuffer k, ffi::AnyBuffer v,
                      ffi::AnyBuffer new_k, ffi::AnyBuffer new_v, ffi::Buffer<ffi::S32> slots,
-                     ffi::Buffer<ffi::S32> status, ffi::Result<ffi::AnyBuffer> k_out,
-                     ffi::Result<ffi::AnyBuffer> v_out) {
-  constexpr const char* kOp = "jax_vmm_kv_write";
-  bool capturing = false;
-  if (ffi::Error e = CountCall(Handler::kWrite, stream, kOp, &capturing); e.failure()) return e;
-  const Dims status_dims = DimsOfS32(status);
-  Geometry g;
-  std::string err = CheckGeometry(kOp, DimsOf(k), DimsOf(v), DimsOf(new_k), DimsOf(new_v),
-                                  DimsOfS32(slots), &status_dims, &g);
-  if (!err.empty()) return ffi::Error::InvalidArgument(err);
+                     ffi::Result<ffi::AnyBuffer> k_out, ffi::Result<ffi::AnyBuffer> v_out,
+                     uint64_t dest_k, uint64_t dest_v) {
+  const Dims dims[5] = {DimsOf(k), DimsOf(v), DimsOf(new_k), DimsOf(new_v), DimsOfS32(slots)};
   if (k_out->size_bytes() != k.size_bytes() || v_out->size_bytes() != v.size_bytes()) {
     return ffi::Error::InvalidArgument("jax_vmm_kv_write: outputs must match k and v");
   }
-
-  Params p;
-  p.slots = slots.typed_data();
-  p.n = g.n;
-  p.num_slots = g.num_slots;
-  p.token_bytes = g.token_bytes;
+  // XLA aliases each output with its operand; if it ever did not, keep the op's meaning.
   ffi::AnyBuffer* ins[2] = {&k, &v};
-  ffi::Result<ffi::AnyBuffer>* outs[2] = {&k_out, &v_out};
-  ffi::AnyBuffer* news[2] = {&new_k, &new_v};
-  bool miss = false;
+  void* outs[2] = {k_out->untyped_data(), v_out->untyped_data()};
   for (int s = 0; s < 2; ++s) {
-    void* out = (*outs[s])->untyped_data();
-    const size_t bytes = (*outs[s])->size_bytes();
-    // XLA aliases the output with operand s; if it ever did not, keep the op's meaning.
-    if (out != ins[s]->untyped_data()) {
-      if (cudaError_t e = cudaMemcpyAsync(out, ins[s]->untyped_data(), bytes,
-                                          cudaMemcpyDeviceToDevice, stream);
-          e != cudaSuccess) {
-        return CudaFailure(kOp, "cudaMemcpyAsync", e);
-      }
+    if (outs[s] == ins[s]->untyped_data()) continue;
+    if (cudaError_t e = cudaMemcpyAsync(outs[s], ins[s]->untyped_data(), ins[s]->size_bytes(),
+                                        cudaMemcpyDeviceToDevice, stream);
+        e != cudaSuccess) {
+      return CudaFailure("jax_vmm_kv_write", "cudaMemcpyAsync", e);
     }
-    Side probe;
-    const bool arena = ResolveArenaSide(out, bytes, "cuda", &probe);
-    Side& side = p.side[s];
-    // Arena output: the write-through call already wrote into this very buffer.
-    side.dst = arena ? nullptr : static_cast<uint8_t*>(out);
-    side.src = static_cast<const uint8_t*>(news[s]->untyped_data());
-    side.status = const_cast<int32_t*>(status.typed_data()) + s * g.n;
-    miss = miss || !arena;
   }
-  // Donated arena: in place, nothing to do. Under capture we still record the (then
-  // empty) kernel so that XLA never gets an empty traced graph for this command.
-  if (!miss && !capturing) return ffi::Error::Success();
-  if (miss) GetCounters(Handler::kWrite).alias_misses.fetch_add(1);
-  if (cudaError_t e = Launch<true>(p, stream); e != cudaSuccess) {
-    return CudaFailure(kOp, "kernel launch", e);
+  const SideInput in[2] = {
+      {dest_k, outs[0], k.size_bytes(), new_k.untyped_data(), nullptr},
+      {dest_v, outs[1], v.size_bytes(), new_v.untyped_data(), nullptr}};
+  return Run(Op::kWrite, Handler::kWrite, stream, dims, nullptr, slots.typed_data(), in, false);
+}
+
+ffi::Error WriteThroughImpl(cudaStream_t stream, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                            ffi::AnyBuffer new_k, ffi::AnyBuffer new_v,
+                            ffi::Buffer<ffi::S32> slots, ffi::Result<ffi::Buffer<ffi::S32>> status,
+                            bool require_arena, uint64_t dest_k, uint64_t dest_v) {
+  const Dims dims[5] = {DimsOf(k), DimsOf(v), DimsOf(new_k), DimsOf(new_v), DimsOfS32(slots)};
+  const Dims status_dims = DimsOfS32(*status);
+  if (status_dims.rank != 2 || status_dims.d[0] != 2) {
+    return ffi::Error::InvalidArgument("jax_vmm_kv_write_through: status must be (2, n)");
   }
-  return ffi::Error::Success();
+  const int64_t n = status_dims.d[1];
+  const SideInput in[2] = {
+      {dest_k, k.untyped_data(), k.size_bytes(), new_k.untyped_data(), status->typed_data()},
+      {dest_v, v.untyped_data(), v.size_bytes(), new_v.untyped_data(), status->typed_data() + n}};
+  return Run(Op::kWriteThrough, Handler::kWriteThrough, stream, dims, &status_dims,
+             slots.typed_data(), in, require_arena);
 }
 
 // Device counters for kv_write_stats(): summed over the devices the handlers ran on.
@@ -293,7 +252,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxVmmKvWriteThroughCuda, jax_vmm::kv::WriteThroug
                                   .Arg<ffi::AnyBuffer>()         // new_v
                                   .Arg<ffi::Buffer<ffi::S32>>()  // slots
                                   .Ret<ffi::Buffer<ffi::S32>>()  // status (2, n)
-                                  .Attr<bool>("require_arena"),
+                                  .Attr<bool>("require_arena")
+                                  .Attr<uint64_t>("dest_k")
+                                  .Attr<uint64_t>("dest_v"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxVmmKvWriteCuda, jax_vmm::kv::WriteImpl,
@@ -304,9 +265,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxVmmKvWriteCuda, jax_vmm::kv::WriteImpl,
                                   .Arg<ffi::AnyBuffer>()         // new_k
                                   .Arg<ffi::AnyBuffer>()         // new_v
                                   .Arg<ffi::Buffer<ffi::S32>>()  // slots
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // status (2, n)
                                   .Ret<ffi::AnyBuffer>()         // k (aliases operand 0)
-                                  .Ret<ffi::AnyBuffer>(),        // v (aliases operand 1)
+                                  .Ret<ffi::AnyBuffer>()         // v (aliases operand 1)
+                                  .Attr<uint64_t>("dest_k")
+                                  .Attr<uint64_t>("dest_v"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 JAX_VMM_FFI_TARGET("jax_vmm_kv_write_through", "CUDA", JaxVmmKvWriteThroughCuda);

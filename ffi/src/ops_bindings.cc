@@ -34,7 +34,8 @@ void BindOps(nb::module_& m) {
           nb::gil_scoped_release release;
           device = kv::DeviceDroppedWrites();
         }
-        const int64_t host = kv::GetCounters(kv::Handler::kWriteThrough).host_dropped.load();
+        const int64_t host = kv::GetCounters(kv::Handler::kWriteThrough).host_dropped.load() +
+                             kv::GetCounters(kv::Handler::kWrite).host_dropped.load();
         d["dropped_writes"] = static_cast<uint64_t>(host) + device;
         return d;
       },

@@ -121,8 +121,16 @@ class Arena : public std::enable_shared_from_this<Arena> {
   uint64_t DropCount(int64_t buffer_id) const;
   void ResetDropCount(int64_t buffer_id);
 
-  // Registry lookup (see FindArenaBuffer); takes this arena's lock.
+  // Registry lookup (see FindArenaBuffer); takes this arena's lock. A closed arena
+  // finds nothing.
   bool FindBufferLocked(uintptr_t ptr, size_t bytes, BufferRef* out) const;
+
+  // Called when a handler may bake this arena's addresses into a CUDA graph (any CUDA
+  // kv_write on arena memory, static `dest` or not): the graph may then replay with this arena's page table and drop-counter
+  // addresses after the arena is gone. From now on the destructor zeroes the page table
+  // (so such a replay drops every write) and keeps both allocations (num_chunks bytes +
+  // 32 KiB) for the life of the process instead of freeing them. Thread-safe.
+  void PinMetadataForGraphs() const { metadata_pinned_ = true; }
 
   // TEST ONLY: when on, a failed commit leaks the chunks it built instead of unwinding
   // them, so tests can show their checks would catch a broken rollback.
@@ -157,6 +165,7 @@ class Arena : public std::enable_shared_from_this<Arena> {
 
   mutable std::mutex mu_;
   std::atomic<bool> debug_skip_rollback_{false};
+  mutable std::atomic<bool> metadata_pinned_{false};
   bool closed_ = false;
   int64_t next_id_ = 0;
   std::map<int64_t, Placement> buffers_;
@@ -170,6 +179,8 @@ class Arena : public std::enable_shared_from_this<Arena> {
 // Registry: finds the arena buffer that contains [ptr, ptr + bytes). Returns false when
 // no live arena buffer holds the whole range. Used by FFI handlers to learn whether
 // their output aliases arena memory and where its page table lives.
-bool FindArenaBuffer(uintptr_t ptr, size_t bytes, BufferRef* out);
+// pin_metadata: also PinMetadataForGraphs() on the arena found (CUDA handlers, which may
+// be recorded into graphs).
+bool FindArenaBuffer(uintptr_t ptr, size_t bytes, BufferRef* out, bool pin_metadata = false);
 
 }  // namespace jax_vmm
