@@ -14,23 +14,9 @@
 #   bench.log      bench/attention.py: the floor first, then the table; bench.json
 set -uo pipefail
 OUT="${OUT:-$PWD/out}/attention"
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-export XLA_PYTHON_CLIENT_PREALLOCATE=false  # the arena allocates outside XLA's pool
-PY="${PYTHON:-python3}"
+source "$(dirname "$0")/common.sh"
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(test memcheck bench)
-rc=0
-run() {  # name, timeout seconds, command...
-  local name=$1 limit=$2; shift 2
-  local t0=$(date +%s)
-  echo "== $name: $*"
-  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
-  local r=$?
-  tail -n 30 "$OUT/$name.log"
-  echo "== $name: exit $r after $(( $(date +%s) - t0 )) s"
-  [ "$r" -ne 0 ] && rc=1
-}
 
 MEMCHECK_PY='
 import jax, jax.numpy as jnp, numpy as np
@@ -52,7 +38,7 @@ for s in "${steps[@]}"; do
   case "$s" in
     test) run test 400 "$PY" -m pytest tests/test_attention.py -m gpu -v -rs -p no:cacheprovider ;;
     memcheck)
-      CS="$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null)"
+      CS="$(sanitizer)"
       if [ -n "$CS" ]; then
         run memcheck 400 "$CS" --tool memcheck --report-api-errors no "$PY" -c "$MEMCHECK_PY"
       else

@@ -5,22 +5,9 @@
 # Logs, JSON and plots go to $OUT/model/ (default ./out/model).
 set -uo pipefail
 OUT="${OUT:-$PWD/out}/model"
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-export XLA_PYTHON_CLIENT_PREALLOCATE=false  # the arena allocates outside XLA's pool
+source "$(dirname "$0")/common.sh"
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(example test decode growth)
-rc=0
-run() {  # name, timeout seconds, command...
-  local name=$1 limit=$2; shift 2
-  local t0=$(date +%s)
-  echo "== $name: $*"
-  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
-  local r=$?
-  tail -n 30 "$OUT/$name.log"
-  echo "== $name: exit $r after $(( $(date +%s) - t0 )) s"
-  [ "$r" -ne 0 ] && rc=1
-}
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 for s in "${steps[@]}"; do
   case "$s" in

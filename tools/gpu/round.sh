@@ -18,7 +18,7 @@ if [ -n "${DIAG:-}" ]; then  # XLA's command-buffer log around the scratch hazar
   echo "diag rc=$?"; grep RESULT "$OUT/diag_hazard.log" | cut -c1-400
 fi
 if [ -n "${SANITIZE:-}" ]; then  # compute-sanitizer memcheck on the hazard scenario
-  CS=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
+  CS=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)  # as common.sh
   san() {  # name, then the command to check
     local name=$1; shift
     # API errors are not reported: cuda-python's driver bindings (the tests' oracle) probe
