@@ -243,16 +243,22 @@ def test_dest_errors_leave_the_arena_unchanged(vm):
         ops.kv_write(k, v, nk, nk, slots, dest=small.dest(0))
     with pytest.raises(IndexError, match=r"layer must be an int in \[0, 2\)"):
         kv.dest(2)
+    small.close()
+    for buf, want in zip(kv.buffers, before):  # no bad call wrote anything
+        _same(_cache(buf, dtype), want, buf.name)
     step = jax.jit(lambda k, v, a, s: ops.kv_write(k, v, a, a, s, dest=kv.dest(1)))
     plain = _put(vm, np.zeros((16, H, D), np.float32))
     jax.block_until_ready(step(plain, plain, nk, slots))  # compiled against layer 1
-    _same(_cache(kv.k_buffers[1], dtype)[1], np.ones((H, D), np.float32))
+    ones = np.ones((1, H, D), np.float32)
+    want = [before[0], _apply(before[1], ones, [1], [True]), before[2],
+            _apply(before[3], ones, [1], [True])]  # k0, k1, v0, v1: only layer 1 written
+    for buf, w in zip(kv.buffers, want):
+        _same(_cache(buf, dtype), w, buf.name)
     kv.close()
     with pytest.raises(Exception, match="not the start of a live jax_vmm arena buffer"):
         jax.block_until_ready(step(plain, plain, nk, slots))
     with pytest.raises(jax_vmm.ArenaClosedError):
         kv.dest(0)
-    del before
 
 
 def test_kv_write_on_plain_arrays(vm):
