@@ -6,14 +6,16 @@ CUDA GPU with VMM support when there is one (those params carry ``@pytest.mark.g
 
 The ``vm`` fixture builds arenas/KV arenas on ``device``, closes them after the test, and
 checks backing against an independent oracle: on the host, ``/proc/self/maps`` plus the
-memfd's allocated blocks (tests/maps_oracle.py); on a GPU, the CUDA driver's own answer
-per chunk through cuda-python (tests/cuda_oracle.py, when importable).
+memfd's allocated blocks (tests/oracles/maps_oracle.py); on a GPU, the CUDA driver's own answer
+per chunk through cuda-python (tests/oracles/cuda_oracle.py, when importable).
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import sys
+from pathlib import Path
 from typing import Any, Iterable
 
 import jax
@@ -24,7 +26,10 @@ import pytest
 import jax_vmm
 from jax_vmm._loader import core as _core
 
-import maps_oracle as mo
+# The oracles are plain modules imported by name, by the tests and by test files run as
+# scripts (which import this module first), so their folder goes on the path here.
+sys.path.insert(0, str(Path(__file__).resolve().parent / "oracles"))
+import maps_oracle as mo  # noqa: E402
 
 
 @functools.lru_cache(maxsize=None)
@@ -144,7 +149,7 @@ def stable_stats(arena: jax_vmm.Arena) -> dict:
 
 
 class CudaBackingOracle:
-    """The GPU counterpart of maps_oracle.HostOracle, over tests/cuda_oracle.py: per
+    """The GPU counterpart of maps_oracle.HostOracle, over tests/oracles/cuda_oracle.py: per
     chunk of the reservation, 'rw' (committed) or 'zero' (the read-only zero chunk)."""
 
     def __init__(self, arena: jax_vmm.Arena, driver_oracle: Any):

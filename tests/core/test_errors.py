@@ -21,7 +21,7 @@ import pytest
 import jax_vmm
 from jax_vmm._loader import core as _core
 
-DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "errors.md"
+DOC = pathlib.Path(__file__).resolve().parents[2] / "docs" / "errors.md"
 
 
 class Ctx:

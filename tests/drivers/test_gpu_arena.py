@@ -1,4 +1,4 @@
-"""The CUDA driver backend on a real GPU, checked by the driver itself (tests/cuda_oracle.py
+"""The CUDA driver backend on a real GPU, checked by the driver itself (tests/oracles/cuda_oracle.py
 asks CUDA through cuda-python what is mapped where), never by jax_vmm's own counters alone.
 
 All tests are GPU-only (``gpu_device`` skips without a CUDA GPU with VMM). They hold

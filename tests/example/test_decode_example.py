@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `examples` from the repo
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # `examples` from the repo
 
 from examples import engine as E  # noqa: E402
 from examples import model as M  # noqa: E402

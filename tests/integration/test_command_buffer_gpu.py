@@ -37,7 +37,7 @@ import jax_vmm
 from jax_vmm import ops, scratch
 from jax_vmm._loader import core as _core
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: conftest, as a script too
 from conftest import cuda_ordinal, cuda_vmm_device  # noqa: E402
 
 pytestmark = pytest.mark.gpu

@@ -409,7 +409,7 @@ def test_checks_would_catch_unchecked_writes():
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider",
          "-k", "dropped_and_counted and cpu and through"],
-        env=env, cwd=Path(__file__).parent.parent, capture_output=True, text=True, timeout=300)
+        env=env, cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=300)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, f"with unchecked writes the test still passed:\n{out[-3000:]}"
     assert "1 passed" not in out
