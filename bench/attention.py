@@ -27,75 +27,18 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import json
 import math
-import statistics
 import sys
-import time
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _common import (GiB, MiB, Table, copy_bandwidth, fmt, median_time, parse_list, pick_device,
+                     ratio, write_json)
 
 import jax_vmm
 from jax_vmm.attention import _decode_attention, attention_plan, reference_decode_attention
-
-MiB, GiB = 1 << 20, 1 << 30
-
-
-def parse_ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
-
-
-def median_time(fn: Callable[[], Any], runs: int, repeats: int) -> float:
-    """Median over `repeats` of (wall time of `runs` back-to-back calls) / runs."""
-    jax.block_until_ready(fn())  # warm-up: compile, first command-buffer recording
-    jax.block_until_ready(fn())
-    samples = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        out = None
-        for _ in range(runs):
-            out = fn()
-        jax.block_until_ready(out)
-        samples.append((time.perf_counter() - t0) / runs)
-    return statistics.median(samples)
-
-
-# -- the floor -----------------------------------------------------------------------
-
-
-def copy_bandwidth(device: jax.Device, nbytes: int) -> float:
-    """Bytes read + written per second by a device-to-device copy of `nbytes`."""
-    n = nbytes // 4
-    x = jax.device_put(jnp.arange(n, dtype=jnp.float32), device)
-    # x + 1: one read and one write per element, as a plain copy, and not elided.
-    f = jax.jit(lambda a: a + jnp.float32(1))
-    t = median_time(lambda: f(x), runs=10, repeats=5)
-    best = 2 * nbytes / t
-    try:  # a runtime memcpy as well (cudaMemcpy D2D), when cupy is there
-        import cupy
-        if device.platform != "cpu":
-            with cupy.cuda.Device(device.id):
-                a = cupy.empty(nbytes, cupy.uint8)
-                b = cupy.empty(nbytes, cupy.uint8)
-                a.fill(1)
-                for _ in range(2):
-                    b[...] = a
-                cupy.cuda.runtime.deviceSynchronize()
-                samples = []
-                for _ in range(5):
-                    t0 = time.perf_counter()
-                    for _ in range(10):
-                        cupy.cuda.runtime.memcpyAsync(b.data.ptr, a.data.ptr, nbytes,
-                                                      cupy.cuda.runtime.memcpyDeviceToDevice, 0)
-                    cupy.cuda.runtime.deviceSynchronize()
-                    samples.append((time.perf_counter() - t0) / 10)
-                best = max(best, 2 * nbytes / statistics.median(samples))
-    except ImportError:
-        pass
-    return best
 
 
 # -- filling arena memory ------------------------------------------------------------
@@ -186,7 +129,7 @@ def run_config(device: jax.Device, B: int, T: int, Hq: int, Hkv: int, D: int, dt
         row["rel_err_vs_xla"] = float(np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30))
         for name, attend in impls.items():
             try:
-                row[f"{name}_s"] = median_time(over_layers(attend), runs, repeats) / R
+                row[f"{name}_s"] = median_time(over_layers(attend), repeats, runs) / R
             except Exception as exc:  # noqa: BLE001 - report and keep going
                 row[f"{name}_s"] = None
                 row[f"{name}_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
@@ -200,28 +143,28 @@ def run_config(device: jax.Device, B: int, T: int, Hq: int, Hkv: int, D: int, dt
 # -- reporting ----------------------------------------------------------------------------
 
 
+TABLE = Table(("B", 3), ("ctx", 6), ("Hq/Hkv", 6), ("len", 7), ("KV MB", 8), ("floor", 7),
+              ("ours", 7), ("bw%", 5), ("xla", 7), ("xla/ours", 8), ("pallas", 7),
+              ("pal/ours", 8), ("err", 8), ("u1", 7))
+
+
 def fmt_us(t: float | None) -> str:
-    return "   n/a" if t is None else f"{t * 1e6:7.1f}"
-
-
-def fmt_ratio(a: float | None, b: float | None) -> str:
-    return "  n/a" if a is None or b is None else f"{a / b:5.2f}"
+    return fmt(None if t is None else t * 1e6, "{:.1f}")
 
 
 def print_table(rows: list[dict], copy_bw: float) -> None:
     print(f"\ncopy bandwidth (read + write): {copy_bw / 1e9:.0f} GB/s; times are us per attention call")
-    hdr = (f"{'B':>3} {'ctx':>6} {'Hq/Hkv':>6} {'len':>7} {'KV MB':>8} {'floor':>7} {'ours':>7} "
-           f"{'bw%':>5} {'xla':>7} {'xla/ours':>8} {'pallas':>7} {'pal/ours':>8} {'err':>8} {'u1':>7}")
-    print(hdr)
-    print("-" * len(hdr))
+    print(TABLE.header())
+    print(TABLE.rule())
     for r in rows:
         ours = r.get("ours_s")
-        bw = "  n/a" if ours is None else f"{100 * r['live_kv_bytes'] / ours / copy_bw:5.1f}"
-        print(f"{r['batch']:>3} {r['context']:>6} {r['q_heads']:>3}/{r['kv_heads']:<2} "
-              f"{r['lengths']:>7} {r['live_kv_bytes'] / MiB:8.1f} "
-              f"{fmt_us(r['floor_s'])} {fmt_us(ours)} {bw} {fmt_us(r.get('xla_s'))} "
-              f"{fmt_ratio(r.get('xla_s'), ours):>8} {fmt_us(r.get('pallas_s'))} "
-              f"{fmt_ratio(r.get('pallas_s'), ours):>8} {r['rel_err_vs_xla']:8.1e} {fmt_us(r.get('ours_u1_s'))}")
+        bw = fmt(None if ours is None else 100 * r["live_kv_bytes"] / ours / copy_bw, "{:.1f}")
+        print(TABLE.row(r["batch"], r["context"], f"{r['q_heads']:>3}/{r['kv_heads']:<2}",
+                        r["lengths"], f"{r['live_kv_bytes'] / MiB:.1f}", fmt_us(r["floor_s"]),
+                        fmt_us(ours), bw, fmt_us(r.get("xla_s")),
+                        fmt(ratio(r.get("xla_s"), ours), "{:.2f}"), fmt_us(r.get("pallas_s")),
+                        fmt(ratio(r.get("pallas_s"), ours), "{:.2f}"),
+                        f"{r['rel_err_vs_xla']:.1e}", fmt_us(r.get("ours_u1_s"))))
     for r in rows:
         for k, v in r.items():
             if k.endswith("_error"):
@@ -232,8 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=["auto", "cpu", "gpu"], default="auto")
     p.add_argument("--smoke", action="store_true", help="tiny sizes, a few seconds on any device")
-    p.add_argument("--batches", type=parse_ints, default=None)
-    p.add_argument("--contexts", type=parse_ints, default=None)
+    p.add_argument("--batches", type=parse_list(int), default=None)
+    p.add_argument("--contexts", type=parse_list(int), default=None)
     p.add_argument("--q-heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
@@ -245,13 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None, help="write all numbers here")
     args = p.parse_args(argv)
 
-    if args.device == "cpu" or (args.device == "auto" and jax.default_backend() == "cpu"):
-        device = jax.devices("cpu")[0]
-    else:
-        device = jax.devices()[0]
-        if device.platform == "cpu":
-            print("no GPU: use --device cpu (or --smoke)", file=sys.stderr)
-            return 2
+    device = pick_device(args.device)
     on_gpu = device.platform != "cpu"
     dtype = jnp.dtype(args.dtype)
     smoke = args.smoke or not on_gpu
@@ -285,9 +222,8 @@ def main(argv: list[str] | None = None) -> int:
                                layers_budget, with_pallas=on_gpu))
     print_table(rows, copy_bw)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(device=str(device), device_kind=device.device_kind, jax=jax.__version__,
-                           copy_bandwidth=copy_bw, rows=rows), f, indent=1, default=str)
+        write_json(args.json, dict(device=str(device), device_kind=device.device_kind,
+                                   jax=jax.__version__, copy_bandwidth=copy_bw, rows=rows))
     bad = [r for r in rows if r.get("ours_s") is None or not r["rel_err_vs_xla"] < 2e-2]
     if bad:
         print(f"FAILED: {len(bad)} configuration(s) without a correct result of ours", file=sys.stderr)

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import json
 import os
 import statistics
 import sys
@@ -33,33 +32,10 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+from _common import (GiB, MiB, Table, fmt, fmt_size, median_time, parse_list, parse_size,
+                     pick_device, ratio, write_json)
 
 import jax_vmm
-
-MiB, GiB = 1 << 20, 1 << 30
-
-
-def parse_size(text: str) -> int:
-    text = text.strip().upper().removesuffix("B").removesuffix("I")
-    mult = {"K": 1 << 10, "M": MiB, "G": GiB}.get(text[-1:], 1)
-    return int(float(text.rstrip("KMG")) * mult)
-
-
-def fmt_size(n: int) -> str:
-    for unit, m in (("GiB", GiB), ("MiB", MiB), ("KiB", 1 << 10)):
-        if n >= m and n % m == 0:
-            return f"{n // m} {unit}"
-    return f"{n} B"
-
-
-def median_time(fn: Callable[[], None], repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def time_pair(commit: Callable[[], None], decommit: Callable[[], None],
@@ -77,6 +53,14 @@ def time_pair(commit: Callable[[], None], decommit: Callable[[], None],
         tc.append(t1 - t0)
         td.append(t2 - t1)
     return statistics.median(tc), statistics.median(td)
+
+
+def seconds_per_call(fn: Callable[[], object], n: int = 2000) -> float:
+    """Mean wall time of n calls: the Python overhead of a call that does no work."""
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - t0) / n
 
 
 # -- raw baselines ------------------------------------------------------------------------
@@ -114,11 +98,7 @@ class RawCuda:
 
     def call_overhead(self) -> float:
         """Seconds per cuda-python call, measured on a driver call that does no work."""
-        n = 2000
-        t0 = time.perf_counter()
-        for _ in range(n):
-            self.cu.cuCtxGetCurrent()
-        return (time.perf_counter() - t0) / n
+        return seconds_per_call(self.cu.cuCtxGetCurrent)
 
     def reserve(self, size: int, align: int) -> int:
         return int(self._ok(self.cu.cuMemAddressReserve(size, align, 0, 0)))
@@ -229,11 +209,8 @@ class RawHost:
         return rc
 
     def call_overhead(self) -> float:
-        n = 2000
-        t0 = time.perf_counter()
-        for _ in range(n):
-            self.mprotect(None, 0, 0)
-        return (time.perf_counter() - t0) / n
+        """Seconds per ctypes call, measured on a system call that does no work."""
+        return seconds_per_call(lambda: self.mprotect(None, 0, 0))
 
     def reserve(self, size: int) -> int:
         flags = self.MAP_PRIVATE | self.MAP_ANONYMOUS | self.MAP_NORESERVE
@@ -306,28 +283,28 @@ def bench_ranges(device, sizes, chunks, repeats, raw) -> list[dict]:
 
 
 def gibs(n: int, s: float | None) -> str:
-    return "-" if not s else f"{n / GiB / s:9.1f}"
+    return fmt(n / GiB / s if s else None, "{:.1f}", "-")
 
 
-def ratio(a: float, b: float | None) -> str:
-    return "-" if not b else f"{a / b:5.2f}x"
+def fmt_ratio(a: float, b: float | None) -> str:
+    return fmt(ratio(a, b), "{:.2f}x", "-")
 
 
-HEADER = (f"{'chunk':>8} {'range':>8} | {'commit GiB/s: arena':>19} {'raw':>9} {'design':>9} "
-          f"{'arena/raw':>9} {'(adj)':>7} | {'decommit GiB/s: arena':>21} {'raw':>9} "
-          f"{'design':>9} {'arena/raw':>9} {'(adj)':>7}")
+TABLE = Table(("chunk", 8), ("range", 8), ("|", 1), ("commit GiB/s: arena", 19), ("raw", 9),
+              ("design", 9), ("arena/raw", 9), ("(adj)", 7), ("|", 1),
+              ("decommit GiB/s: arena", 21), ("raw", 9), ("design", 9), ("arena/raw", 9),
+              ("(adj)", 7))
 
 
 def print_row(r: dict) -> None:
     n = r["size"]
-    print(f"{fmt_size(r['chunk']):>8} {fmt_size(n):>8} | {gibs(n, r['arena_commit_s']):>19} "
-          f"{gibs(n, r.get('raw_commit_s')):>9} {gibs(n, r.get('design_commit_s')):>9} "
-          f"{ratio(r['arena_commit_s'], r.get('raw_commit_s')):>9} "
-          f"{ratio(r['arena_commit_s'], r.get('raw_commit_adj_s')):>7} | "
-          f"{gibs(n, r['arena_decommit_s']):>21} {gibs(n, r.get('raw_decommit_s')):>9} "
-          f"{gibs(n, r.get('design_decommit_s')):>9} "
-          f"{ratio(r['arena_decommit_s'], r.get('raw_decommit_s')):>9} "
-          f"{ratio(r['arena_decommit_s'], r.get('raw_decommit_adj_s')):>7}", flush=True)
+    cells = [fmt_size(r["chunk"]), fmt_size(n)]
+    for op in ("commit", "decommit"):
+        arena = r[f"arena_{op}_s"]
+        cells += ["|", gibs(n, arena), gibs(n, r.get(f"raw_{op}_s")),
+                  gibs(n, r.get(f"design_{op}_s")), fmt_ratio(arena, r.get(f"raw_{op}_s")),
+                  fmt_ratio(arena, r.get(f"raw_{op}_adj_s"))]
+    print(TABLE.row(*cells), flush=True)
 
 
 def bench_creation(device, reserve: int, chunks, repeats, raw) -> list[dict]:
@@ -351,7 +328,7 @@ def bench_creation(device, reserve: int, chunks, repeats, raw) -> list[dict]:
         if raw is not None and on_gpu:
             def reserve_only():
                 raw.free(raw.reserve(reserve, chunk & -chunk), reserve)
-            row["raw_reserve_s"] = median_time(reserve_only, repeats)
+            row["raw_reserve_s"] = median_time(reserve_only, repeats, warmups=1)
             zero = raw.create(chunk)
             state: list = []
 
@@ -370,7 +347,7 @@ def bench_creation(device, reserve: int, chunks, repeats, raw) -> list[dict]:
             raw._ok(raw.cu.cuMemRelease(zero))
         elif raw is not None:
             row["raw_reserve_s"] = median_time(lambda: raw.unreserve(raw.reserve(reserve), reserve),
-                                               repeats)
+                                               repeats, warmups=1)
         rows.append(row)
         ms = lambda k: f"{row[k] * 1e3:8.2f} ms" if k in row else "       -"  # noqa: E731
         print(f"{fmt_size(reserve):>8} chunk {fmt_size(chunk):>7}: "
@@ -381,21 +358,14 @@ def bench_creation(device, reserve: int, chunks, repeats, raw) -> list[dict]:
     return rows
 
 
-def pick_device(kind: str):
-    if kind == "cpu":
-        return jax.devices("cpu")[0]
-    gpus = [d for d in jax.devices() if d.platform in ("gpu", "cuda")]
-    if kind == "gpu" and not gpus:
-        sys.exit("no JAX GPU device")
-    return gpus[0] if gpus else jax.devices("cpu")[0]
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=["auto", "cpu", "gpu"], default="auto")
-    p.add_argument("--sizes", default=None, help="range sizes, e.g. 2M,64M,1G,4G")
-    p.add_argument("--chunks", default="0,64M", help="chunk sizes; 0 = the driver default")
+    p.add_argument("--sizes", type=parse_list(parse_size), default=None,
+                   help="range sizes, e.g. 2M,64M,1G,4G")
+    p.add_argument("--chunks", type=parse_list(parse_size), default="0,64M",
+                   help="chunk sizes; 0 = the driver default")
     p.add_argument("--reserve", default="64G", help="reservation for the creation benchmark")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--no-raw", action="store_true", help="arena only")
@@ -404,9 +374,7 @@ def main(argv: list[str] | None = None) -> int:
 
     device = pick_device(args.device)
     on_gpu = device.platform != "cpu"
-    default_sizes = "2M,64M,1G,4G" if on_gpu else "2M,64M,256M"
-    sizes = [parse_size(s) for s in (args.sizes or default_sizes).split(",")]
-    chunks = [parse_size(s) for s in args.chunks.split(",")]
+    sizes = args.sizes or parse_list(parse_size)("2M,64M,1G,4G" if on_gpu else "2M,64M,256M")
     raw = None
     if not args.no_raw:
         if on_gpu:
@@ -421,14 +389,13 @@ def main(argv: list[str] | None = None) -> int:
     if raw is not None:
         print(f"  raw per-call Python overhead ~{raw.call_overhead() * 1e6:.2f} us "
               "('adj' columns subtract it per raw call)")
-    print(HEADER)
-    ranges = bench_ranges(device, sizes, chunks, args.repeats, raw)
+    print(TABLE.header())
+    ranges = bench_ranges(device, sizes, args.chunks, args.repeats, raw)
     print()
-    creation = bench_creation(device, parse_size(args.reserve), chunks, args.repeats, raw)
+    creation = bench_creation(device, parse_size(args.reserve), args.chunks, args.repeats, raw)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(device=str(device), platform=device.platform, jax=jax.__version__,
-                           ranges=ranges, creation=creation), f, indent=1)
+        write_json(args.json, dict(device=str(device), platform=device.platform,
+                                   jax=jax.__version__, ranges=ranges, creation=creation))
     return 0
 
 

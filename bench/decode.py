@@ -31,7 +31,6 @@ import argparse
 import dataclasses
 import functools
 import gc
-import json
 import os
 import subprocess
 import sys
@@ -53,6 +52,8 @@ from examples.attention import reference_decode_attention, vmm_kernel_available 
 from examples.cache import PreallocatedCache, VmmCache, capacity_bytes  # noqa: E402
 from examples.memory import device_memory_stats, physical_memory_bytes, rss_bytes  # noqa: E402
 from examples.report import fmt_bytes  # noqa: E402
+
+from _common import command_line, two_panel_figure, write_json  # noqa: E402
 
 GRIDS = {
     "gpu": dict(batches=(8, 32, 64), contexts=(1024, 4096, 16384), steps=20, repeats=3,
@@ -233,10 +234,8 @@ def main(argv: list[str] | None = None) -> dict:
         report = {"device": device.device_kind, "platform": device.platform,
                   "jax": jax.__version__, "model": dataclasses.asdict(cfg), "steps": steps,
                   "repeats": repeats, "min_fill": args.min_fill, "points": results,
-                  "oom": oom, "complete": final,
-                  "command": " ".join(["python", "bench/decode.py", *(argv or sys.argv[1:])])}
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "decode.json").write_text(json.dumps(report, indent=2))
+                  "oom": oom, "complete": final, "command": command_line(__file__, argv)}
+        write_json(args.out / "decode.json", report)
         if final and results:
             plot(report, args.out / "decode.png")
             print(f"wrote {args.out / 'decode.json'} and {args.out / 'decode.png'}")
@@ -305,36 +304,29 @@ def print_oom(oom: dict) -> None:
 
 
 def plot(report: dict, path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     pts = report["points"]
     labels = [f"B{p['batch']}\nT{p['context']}" for p in pts]
     kinds = list(pts[0]["cases"]) if pts else []
     x = np.arange(len(pts))
     w = 0.8 / max(len(kinds), 1)
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.5), dpi=120)
-    for i, kind in enumerate(kinds):
-        a1.bar(x + i * w, [p["cases"][kind]["step_ms"] for p in pts], w, label=kind)
-    a1.set_xticks(x + w * (len(kinds) - 1) / 2, labels, fontsize=8)
-    a1.set_ylabel("decode step (ms)")
-    a1.set_title("step time", fontsize=10)
-    a1.legend(fontsize=8)
-    big = max((p["capacity_bytes"] for p in pts), default=0) >= 1 << 30
-    unit, div = ("GiB", 1024.0 ** 3) if big else ("MiB", 1024.0 ** 2)
-    a2.bar(x - 0.2, [p["capacity_bytes"] / div for p in pts], 0.2, label="prealloc holds")
-    a2.bar(x, [p["cases"]["vmm+ref"]["held_bytes"] / div for p in pts], 0.2,
-           label="jax_vmm backed (peak)")
-    a2.bar(x + 0.2, [p["live_bytes"] / div for p in pts], 0.2, label="live tokens")
-    a2.set_xticks(x, labels, fontsize=8)
-    a2.set_ylabel(unit)
-    a2.set_title("KV memory held", fontsize=10)
-    a2.legend(fontsize=8)
-    fig.suptitle(f"decode step, jax_vmm vs preallocated ({report['device']})", fontsize=11)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    with two_panel_figure(path, f"decode step, jax_vmm vs preallocated ({report['device']})") \
+            as (a1, a2):
+        for i, kind in enumerate(kinds):
+            a1.bar(x + i * w, [p["cases"][kind]["step_ms"] for p in pts], w, label=kind)
+        a1.set_xticks(x + w * (len(kinds) - 1) / 2, labels, fontsize=8)
+        a1.set_ylabel("decode step (ms)")
+        a1.set_title("step time", fontsize=10)
+        a1.legend(fontsize=8)
+        big = max((p["capacity_bytes"] for p in pts), default=0) >= 1 << 30
+        unit, div = ("GiB", 1024.0 ** 3) if big else ("MiB", 1024.0 ** 2)
+        a2.bar(x - 0.2, [p["capacity_bytes"] / div for p in pts], 0.2, label="prealloc holds")
+        a2.bar(x, [p["cases"]["vmm+ref"]["held_bytes"] / div for p in pts], 0.2,
+               label="jax_vmm backed (peak)")
+        a2.bar(x + 0.2, [p["live_bytes"] / div for p in pts], 0.2, label="live tokens")
+        a2.set_xticks(x, labels, fontsize=8)
+        a2.set_ylabel(unit)
+        a2.set_title("KV memory held", fontsize=10)
+        a2.legend(fontsize=8)
 
 
 if __name__ == "__main__":

@@ -46,7 +46,8 @@ from examples.memory import (device_memory_stats, peak_rss_bytes, reset_peak_rss
                              rss_bytes)
 from examples.report import fmt_bytes  # noqa: E402
 
-GIB = 1 << 30
+from _common import GiB, Table, command_line, two_panel_figure, write_json  # noqa: E402
+
 METHODS = ("jax_vmm", "stacked", "per-layer")
 
 
@@ -54,8 +55,8 @@ def geometry(args: argparse.Namespace) -> dict:
     dt = jnp.dtype(args.dtype)
     token_layer = args.kv_heads * args.head_dim * dt.itemsize  # one layer, K or V
     token_all = 2 * args.layers * token_layer
-    t_from = int(args.from_gib * args.scale * GIB) // token_all
-    t_to = int(args.to_gib * args.scale * GIB) // token_all
+    t_from = int(args.from_gib * args.scale * GiB) // token_all
+    t_to = int(args.to_gib * args.scale * GiB) // token_all
     if not 0 < t_from < t_to:
         raise SystemExit(f"--from-gib {args.from_gib} / --to-gib {args.to_gib} x scale "
                          f"{args.scale}: need 0 < from < to (in whole tokens)")
@@ -261,12 +262,10 @@ def main(argv: list[str] | None = None) -> dict:
         results.append(r)
     report = {"platform": platform, "device": jax.devices()[0].device_kind,
               "jax": jax.__version__, "geometry": g, "repeats": args.repeats,
-              "results": results,
-              "command": " ".join(["python", "bench/growth.py", *(argv or sys.argv[1:])])}
+              "results": results, "command": command_line(__file__, argv)}
     print_table(report)
     if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "growth.json").write_text(json.dumps(report, indent=2))
+        write_json(args.out / "growth.json", report)
         plot(report, args.out / "growth.png")
         print(f"wrote {args.out / 'growth.json'} and {args.out / 'growth.png'}")
     return report
@@ -277,44 +276,40 @@ def _label(r: dict) -> str:
         else f"plain JAX, {r['method']}"
 
 
+TABLE = Table(("method", 34, "<"), ("first", 9), ("median", 9), ("vs stacked", 10),
+              ("vs per-layer", 12), ("peak mem", 10), ("x final", 8), ("data", 0, "<"))
+
+
 def print_table(report: dict) -> None:
     g, ok = report["geometry"], [r for r in report["results"] if "error" not in r]
     plain = {r["method"]: float(np.median(r["times_s"])) for r in ok if r["method"] != "jax_vmm"}
-    print(f"\n{'method':34} {'first':>9} {'median':>9} {'vs stacked':>10} {'vs per-layer':>12} "
-          f"{'peak mem':>10} {'x final':>8} data")
+    print("\n" + TABLE.header())
     for r in ok:
         med = float(np.median(r["times_s"]))
         ratios = [f"{plain[m] / med:.1f}x" if m in plain else "-" for m in ("stacked", "per-layer")]
-        print(f"{_label(r):34} {1e3 * r['times_s'][0]:7.2f}ms {1e3 * med:7.2f}ms "
-              f"{ratios[0]:>10} {ratios[1]:>12} {fmt_bytes(r['peak_growth_bytes']):>10} "
-              f"{r['peak_growth_bytes'] / g['bytes_to']:7.2f}x {'ok' if r['data_ok'] else 'BAD'}")
+        print(TABLE.row(_label(r), f"{1e3 * r['times_s'][0]:.2f}ms", f"{1e3 * med:.2f}ms",
+                        *ratios, fmt_bytes(r["peak_growth_bytes"]),
+                        f"{r['peak_growth_bytes'] / g['bytes_to']:.2f}x",
+                        "ok" if r["data_ok"] else "BAD"))
 
 
 def plot(report: dict, path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     ok = [r for r in report["results"] if "error" not in r]
     labels = [_label(r).replace(", ", "\n").replace(" (", "\n(") for r in ok]
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.5), dpi=120)
     colors = ["tab:red" if r["method"] != "jax_vmm" else "tab:blue" for r in ok]
-    a1.bar(labels, [1e3 * float(np.median(r["times_s"])) for r in ok], color=colors)
-    a1.set_yscale("log")
-    a1.set_ylabel("growth time, ms (log)")
-    a2.bar(labels, [r["peak_growth_bytes"] / GIB for r in ok], color=colors)
-    a2.axhline(report["geometry"]["bytes_to"] / GIB, color="k", ls="--", lw=1,
-               label="final cache size")
-    a2.set_ylabel("peak memory while growing, GiB")
-    a2.legend(fontsize=8)
-    for a in (a1, a2):
-        a.tick_params(axis="x", labelsize=7)
     g = report["geometry"]
-    fig.suptitle(f"grow KV cache {fmt_bytes(g['bytes_from'])} -> {fmt_bytes(g['bytes_to'])} "
-                 f"({report['device']})", fontsize=11)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    title = (f"grow KV cache {fmt_bytes(g['bytes_from'])} -> {fmt_bytes(g['bytes_to'])} "
+             f"({report['device']})")
+    with two_panel_figure(path, title) as (a1, a2):
+        a1.bar(labels, [1e3 * float(np.median(r["times_s"])) for r in ok], color=colors)
+        a1.set_yscale("log")
+        a1.set_ylabel("growth time, ms (log)")
+        a2.bar(labels, [r["peak_growth_bytes"] / GiB for r in ok], color=colors)
+        a2.axhline(g["bytes_to"] / GiB, color="k", ls="--", lw=1, label="final cache size")
+        a2.set_ylabel("peak memory while growing, GiB")
+        a2.legend(fontsize=8)
+        for a in (a1, a2):
+            a.tick_params(axis="x", labelsize=7)
 
 
 if __name__ == "__main__":

@@ -13,8 +13,9 @@ amortised); "call" rows run one write per executable call (what a decode step pa
 dispatch included). Goal: ours/xla <= 1.0 and flat from 1 GiB to 32 GiB.
 
 Prefill-size writes (n contiguous tokens) report bandwidth (bytes read + written per
-second) as a share of the measured device copy bandwidth (a large device-to-device
-copy). Goal >= 85%.
+second) as a share of the measured device copy bandwidth (a 1 GiB device-to-device
+copy, as in bench/attention.py: the best of an XLA copy kernel and, with cupy, a runtime
+memcpy). Goal >= 85%.
 
   python bench/kv_write.py                      # GPU: 1 GiB and 32 GiB; CPU: scaled down
   python bench/kv_write.py --capacities 1 --batches 8 --json out.json
@@ -23,40 +24,20 @@ copy). Goal >= 85%.
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import sys
-import time
-from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _common import GiB, MiB, Table, copy_bandwidth, median_time, parse_list, write_json
 
 import jax_vmm
 from jax_vmm import ops
 
-MiB, GiB = 1 << 20, 1 << 30
-
-
-def median_time(fn: Callable[[], Any], repeats: int) -> float:
-    jax.block_until_ready(fn())  # compile + first graph recording
-    jax.block_until_ready(fn())
-    samples = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        samples.append(time.perf_counter() - t0)
-    return statistics.median(samples)
-
-
-def copy_bandwidth(nbytes: int, device, repeats: int) -> float:
-    """Bytes read + written per second by XLA's device-to-device copy of a large array
-    (returning a non-donated argument makes XLA copy it)."""
-    a = jax.device_put(jnp.zeros((nbytes // 4,), jnp.float32), device)
-    f = jax.jit(lambda a: a)
-    t = median_time(lambda: f(a), repeats)
-    return 2 * nbytes / t
+DECODE = Table(("capacity", 10), ("n", 5), ("mode", 5), ("ours", 9), ("through", 9), ("xla", 9),
+               ("ours/xla", 9), ("thr/xla", 8))
+PREFILL = Table(("capacity", 10), ("n", 6), ("ours GB/s", 10), ("ours %", 7), ("thr GB/s", 9),
+                ("thr %", 6), ("xla GB/s", 9), ("xla %", 6))
 
 
 class Writer:
@@ -132,11 +113,12 @@ def main(argv: list[str] | None = None) -> int:
     dev = jax.devices()[0]
     gpu = dev.platform != "cpu"
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--capacities", default="1,32" if gpu else "0.015625,0.125",
+    p.add_argument("--capacities", type=parse_list(float),
+                   default="1,32" if gpu else "0.015625,0.125",
                    help="total K+V cache sizes in GiB (comma separated)")
-    p.add_argument("--batches", default="1,8,64" if gpu else "8",
+    p.add_argument("--batches", type=parse_list(int), default="1,8,64" if gpu else "8",
                    help="decode batch sizes (tokens per write)")
-    p.add_argument("--prefill", default="4096,32768" if gpu else "1024",
+    p.add_argument("--prefill", type=parse_list(int), default="4096,32768" if gpu else "1024",
                    help="prefill sizes (tokens per write)")
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
@@ -151,15 +133,14 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"device {dev.device_kind} ({dev.platform}); token {args.heads}x{args.head_dim} "
           f"{args.dtype.name} = {tb} B per K or V")
-    bw = copy_bandwidth((1 * GiB) if gpu else 64 * MiB, dev, args.repeats)
+    bw = copy_bandwidth(dev, (1 * GiB) if gpu else 64 * MiB)
     print(f"device copy bandwidth (read + write): {bw / 1e9:.1f} GB/s\n")
 
     print("decode: time per write of n tokens (us); ratio = ours / xla")
-    print(f"{'capacity':>10} {'n':>5} {'mode':>5} {'ours':>9} {'through':>9} {'xla':>9} "
-          f"{'ours/xla':>9} {'thr/xla':>8}")
-    for cap_gib in [float(c) for c in args.capacities.split(",")]:
+    print(DECODE.header())
+    for cap_gib in args.capacities:
         num_slots = int(cap_gib * GiB) // (2 * tb)
-        for n in [int(b) for b in args.batches.split(",")]:
+        for n in args.batches:
             for mode, loop in (("loop", args.loop), ("call", 1)):
                 t = {k: per_write(k, num_slots, n, loop, args, dev, args.repeats)
                      for k in ("ours", "through", "xla")}
@@ -168,16 +149,15 @@ def main(argv: list[str] | None = None) -> int:
                            ours_over_xla=t["ours"] / t["xla"],
                            through_over_xla=t["through"] / t["xla"])
                 rows.append(row)
-                print(f"{cap_gib:>9g}G {n:>5} {mode:>5} {row['ours_us']:>9.2f} "
-                      f"{row['through_us']:>9.2f} {row['xla_us']:>9.2f} "
-                      f"{row['ours_over_xla']:>9.3f} {row['through_over_xla']:>8.3f}")
+                print(DECODE.row(f"{cap_gib:g}G", n, mode, f"{row['ours_us']:.2f}",
+                                 f"{row['through_us']:.2f}", f"{row['xla_us']:.2f}",
+                                 f"{row['ours_over_xla']:.3f}", f"{row['through_over_xla']:.3f}"))
 
     print("\nprefill: bandwidth (read + write) as a share of the device copy bandwidth")
-    print(f"{'capacity':>10} {'n':>6} {'ours GB/s':>10} {'ours %':>7} {'thr GB/s':>9} "
-          f"{'thr %':>6} {'xla GB/s':>9} {'xla %':>6}")
-    cap_gib = float(args.capacities.split(",")[0])
+    print(PREFILL.header())
+    cap_gib = args.capacities[0]
     num_slots = int(cap_gib * GiB) // (2 * tb)
-    for n in [int(x) for x in args.prefill.split(",")]:
+    for n in args.prefill:
         if n > num_slots:
             print(f"(skipping n={n}: more than the {num_slots} slots of a {cap_gib:g} GiB cache)")
             continue
@@ -189,15 +169,15 @@ def main(argv: list[str] | None = None) -> int:
                    **{f"{k}_gbps": moved / v / 1e9 for k, v in t.items()},
                    **{f"{k}_pct_of_copy": 100 * moved / v / bw for k, v in t.items()})
         rows.append(row)
-        print(f"{cap_gib:>9g}G {n:>6} {row['ours_gbps']:>10.1f} {row['ours_pct_of_copy']:>6.1f}% "
-              f"{row['through_gbps']:>9.1f} {row['through_pct_of_copy']:>5.1f}% "
-              f"{row['xla_gbps']:>9.1f} {row['xla_pct_of_copy']:>5.1f}%")
+        print(PREFILL.row(f"{cap_gib:g}G", n,
+                          f"{row['ours_gbps']:.1f}", f"{row['ours_pct_of_copy']:.1f}%",
+                          f"{row['through_gbps']:.1f}", f"{row['through_pct_of_copy']:.1f}%",
+                          f"{row['xla_gbps']:.1f}", f"{row['xla_pct_of_copy']:.1f}%"))
 
     print("\nkv_write stats:", ops.kv_write_stats())
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(device=dev.device_kind, platform=dev.platform, copy_gbps=bw / 1e9,
-                           token_bytes=tb, rows=rows), f, indent=1)
+        write_json(args.json, dict(device=dev.device_kind, platform=dev.platform,
+                                   copy_gbps=bw / 1e9, token_bytes=tb, rows=rows))
     return 0
 
 
