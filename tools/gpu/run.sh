@@ -1,0 +1,247 @@
+#!/usr/bin/env bash
+# shellcheck disable=SC2317  # the step_* functions are called by name (bash run.sh --one)
+# Every GPU check of jax_vmm, as named steps, in one call on the GPU machine:
+#   bash tools/gpu/run.sh [STEP ...]          (no STEP: build info tests)
+# Each step runs in its own process under a time limit and logs to $OUT/<step>.log
+# (':' becomes '_'); the script prints each step's log tail and time, then one summary
+# line per step. Exit status 1 when any step failed; a failed build skips the rest.
+#
+# Steps and what each checks:
+#   build               pip install of this checkout (no build isolation, no deps); the
+#                       "jax_vmm: CUDA" lines say whether the CUDA kernels were built
+#   info                `python -m jax_vmm info` of the installed package (run from /tmp,
+#                       not the source tree), nvidia-smi, cupy / cuda-python versions (GPU
+#                       tests that write arena memory need cupy, the driver oracle cuda-python)
+#   tests               the whole suite, verbose: every [gpu] param listed, skip reasons
+#   tests:LAYER         one folder of tests/: core, drivers, scratch, ops, integration, example
+#   tests:gpu           the GPU tests only (-m gpu), skip reasons listed: none should skip here
+#   tests:attention     tests/ops/test_attention.py -m gpu: tensor-core and simple kernels
+#                       against a float64 reference, NaN-prefilled outputs, forced plans,
+#                       capture + replay + growth
+#   facts               raw CUDA driver facts (tests/oracles/cuda_oracle.py) -> facts.json:
+#                       read_only_access_ok must be true; unmap_spans_mappings=true means one
+#                       cuMemUnmap may cover a whole run
+#   sanitize            sanitize:hazard, then sanitize:attention
+#   sanitize:hazard     compute-sanitizer memcheck (API-error reports off: cuda-python probes
+#                       entry points and gets "invalid argument" by design) on a trivial JAX
+#                       program and on the scratch hazard scenario (the command-buffer test
+#                       run as a script; under pytest the sanitizer makes XLA re-record the
+#                       graph): 0 errors in grow and in retire mode; with the debug
+#                       free-on-growth switch errors must be reported (the sanitizer sees the
+#                       bug the scenario guards against); the pytest form (-k hazard_replay):
+#                       0 sanitizer errors (its own zero-handler-call assertion may fail there)
+#   sanitize:attention  compute-sanitizer memcheck on every decode-attention kernel variant
+#                       (tools/gpu/attention_memcheck.py): 0 errors
+#   diag:hazard         XLA's command-buffer log around the hazard scenario (its RESULT line)
+#   example             examples/decode.py -> $OUT/example/
+#   bench:attention     bench/attention.py: copy-bandwidth floor, then the table -> bench_attention.json
+#   bench:kv_write      bench/kv_write.py at 1 GiB and 32 GiB -> bench_kv_write.json
+#   bench:commit        bench/commit.py: arena vs raw cuda-python, 64 GiB creation -> bench_commit.json
+#   bench:decode        bench/decode.py -> decode.json, decode.png
+#   bench:growth        bench/growth.py 16 -> 20 GiB -> growth/growth.json, growth.png
+#   bench               the five benches
+#   all                 build info tests facts sanitize example bench
+#
+# Environment: OUT (default ./out), PYTHON (default python3), TAIL (log lines shown, 30),
+# PYTEST_ARGS (added to every tests step), ARTIFACTS=1 (the command-buffer test keeps its
+# XLA dump in $OUT/artifacts), LIMIT_<step> (seconds, ':' as '_': LIMIT_bench_decode=600),
+# PACK=1 (write everything into $OUT/gpu-run.tar.gz plus $OUT/summary.txt: the device
+# tool brings back 8 files at most).
+set -uo pipefail
+SELF="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/$(basename "${BASH_SOURCE[0]}")"
+cd "$(dirname "$SELF")/../.." || exit 1  # the repo root
+PY="${PYTHON:-python3}"
+export PYTHONUNBUFFERED=1
+export XLA_PYTHON_CLIENT_PREALLOCATE=false  # the arena allocates outside XLA's pool
+
+# -- the steps (each runs in its own process, output into its log) -----------------------
+
+note() { [ -z "$*" ] || echo "SUMMARY: $*"; }  # for the step's summary line; returns 0
+
+step_build() {
+  "$PY" -m pip install --no-build-isolation --no-deps -v . || return
+  note "$(grep -E "jax_vmm: CUDA" "$LOG" | head -1)"
+}
+
+step_info() {
+  (cd /tmp && "$PY" -m jax_vmm info) || return
+  nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv || true
+  "$PY" -c "import cupy; print('cupy', cupy.__version__)" || note "no cupy: GPU tests that write arena memory skip"
+  "$PY" -c "import cuda.bindings as b; print('cuda-python', b.__version__)" || note "no cuda-python: no driver oracle"
+}
+
+pytest_run() {  # pytest arguments...
+  local timeout_opt=()
+  "$PY" -c "import pytest_timeout" 2>/dev/null && timeout_opt=(--timeout=120)
+  # shellcheck disable=SC2086  # PYTEST_ARGS is a list of words
+  "$PY" -m pytest "$@" -v -p no:cacheprovider "${timeout_opt[@]}" ${PYTEST_ARGS:-}
+  local r=$?
+  note "$(grep -E "(passed|failed|error|skipped|deselected|no tests ran).* in [0-9.]+s" "$LOG" | tail -1 | tr -d '=' | xargs)"
+  return "$r"
+}
+
+step_tests() {
+  [ -n "${ARTIFACTS:-}" ] && export JAX_VMM_TEST_ARTIFACTS="$RUN_DIR/artifacts"
+  case "${1:-}" in
+    "") pytest_run tests -ra ;;
+    gpu) pytest_run tests -m gpu -rs ;;
+    attention) pytest_run tests/ops/test_attention.py -m gpu -rs ;;
+    *) [ -d "tests/$1" ] || { echo "no folder tests/$1"; return 2; }
+       pytest_run "tests/$1" -ra ;;
+  esac
+}
+
+step_facts() {
+  "$PY" tests/oracles/cuda_oracle.py >"$RUN_DIR/facts.json" || return
+  cat "$RUN_DIR/facts.json"
+  note "$(tr -d ' \n' <"$RUN_DIR/facts.json" | grep -oE '"(read_only_access_ok|unmap_spans_mappings)":[a-z]+' | tr '\n' ' ')"
+}
+
+sanitizer() {  # prints the compute-sanitizer path, or nothing
+  command -v compute-sanitizer && return
+  local f
+  for f in /usr/local/cuda*/bin/compute-sanitizer; do
+    [ -x "$f" ] && { echo "$f"; return; }
+  done
+}
+
+memcheck() {  # NAME EXPECT COMMAND...: one sanitizer run, its own log; EXPECT: clean |
+  # errors (memcheck must report some) | sanitizer-clean (0 memcheck errors, the command
+  # itself may fail). Returns 0 when the expectation held.
+  local name=$1 expect=$2; shift 2
+  local log="$RUN_DIR/${STEP_FILE}.$name.log"
+  timeout 200 "$CS" --tool memcheck --report-api-errors no --error-exitcode 99 "$@" >"$log" 2>&1
+  local r=$? summary ok=1
+  summary=$(grep -E "ERROR SUMMARY" "$log" | tail -1)
+  case "$expect" in
+    clean) [ "$r" -eq 0 ] && ok=0 ;;
+    errors) [[ "$summary" =~ ERROR\ SUMMARY:\ [1-9] ]] && ok=0 ;;
+    sanitizer-clean) [[ "$summary" =~ ERROR\ SUMMARY:\ 0\ errors ]] && [ "$r" -ne 124 ] && ok=0 ;;
+  esac
+  summary=${summary#*ERROR SUMMARY: }
+  echo "-- memcheck $name (expected $expect): exit $r, ${summary:-no ERROR SUMMARY}, $([ "$ok" -eq 0 ] && echo ok || echo FAILED); log $log"
+  grep -E "RESULT|passed|failed" "$log" | cut -c1-300 | tail -2
+  [ "$ok" -eq 0 ] || tail -n 20 "$log"
+  note "$name ${summary:-no ERROR SUMMARY}$([ "$ok" -eq 0 ] || echo " FAILED")"
+  return "$ok"
+}
+
+step_sanitize() {
+  CS="$(sanitizer)"
+  [ -n "$CS" ] || { echo "compute-sanitizer not on PATH nor under /usr/local/cuda*/bin"; return 1; }
+  local rc=0 hazard=tests/integration/test_command_buffer_gpu.py
+  case "${1:-}" in
+    hazard)
+      memcheck jax clean "$PY" -c "import jax.numpy as jnp; print('RESULT', float(jnp.arange(8.0).sum()))" || rc=1
+      memcheck grow clean "$PY" "$hazard" hazard grow keep "$RUN_DIR/hazard_grow.json" || rc=1
+      memcheck retire clean "$PY" "$hazard" hazard retire keep "$RUN_DIR/hazard_retire.json" || rc=1
+      memcheck grow_free errors "$PY" "$hazard" hazard grow free "$RUN_DIR/hazard_grow_free.json" || rc=1
+      memcheck pytest sanitizer-clean "$PY" -m pytest "$hazard" -k hazard_replay -q -p no:cacheprovider || rc=1 ;;
+    attention)
+      memcheck attention clean "$PY" tools/gpu/attention_memcheck.py || rc=1 ;;
+    *) echo "unknown sanitize step ${1:-} (hazard, attention)"; return 2 ;;
+  esac
+  return "$rc"
+}
+
+step_diag() {
+  [ "${1:-}" = hazard ] || { echo "unknown diag step ${1:-} (hazard)"; return 2; }
+  TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3,command_buffer_conversion_pass=2 \
+    "$PY" tests/integration/test_command_buffer_gpu.py hazard grow keep "$RUN_DIR/diag_hazard.json"
+  local r=$?
+  note "$(grep RESULT "$LOG" | cut -c1-300)"
+  return "$r"
+}
+
+step_example() {
+  "$PY" examples/decode.py --no-progress --out "$RUN_DIR/example"
+}
+
+step_bench() {
+  case "${1:-}" in
+    attention|kv_write|commit) "$PY" "bench/$1.py" --json "$RUN_DIR/bench_$1.json" ;;
+    decode) "$PY" bench/decode.py --out "$RUN_DIR" ;;
+    growth) "$PY" bench/growth.py --out "$RUN_DIR/growth" ;;
+    *) echo "unknown bench ${1:-} (attention, kv_write, commit, decode, growth)"; return 2 ;;
+  esac
+}
+
+# -- the runner ---------------------------------------------------------------------------
+
+limit_of() {  # STEP -> seconds
+  local var="LIMIT_${1//:/_}" limit
+  case "$1" in
+    build|tests|tests:*|sanitize:hazard|bench:attention|bench:decode) limit=600 ;;
+    sanitize:attention|bench:kv_write|bench:growth) limit=400 ;;
+    example) limit=300 ;;
+    info|facts|diag:*|bench:commit) limit=150 ;;
+    *) limit=600 ;;
+  esac
+  echo "${!var:-$limit}"
+}
+
+expand() {  # STEP -> the steps it stands for
+  case "$1" in
+    sanitize) echo sanitize:hazard sanitize:attention ;;
+    bench) echo bench:attention bench:kv_write bench:commit bench:decode bench:growth ;;
+    all) echo build info tests facts; expand sanitize; echo example; expand bench ;;
+    *) echo "$1" ;;
+  esac
+}
+
+if [ "${1:-}" = --one ]; then  # a child: run one step (stdout is its log)
+  name=$2 fn="step_${2%%:*}" arg=""
+  [[ "$name" == *:* ]] && arg="${name#*:}"
+  declare -F "$fn" >/dev/null || { echo "unknown step $name (see the header of $SELF)"; exit 2; }
+  "$fn" ${arg:+"$arg"}
+  exit $?
+fi
+
+OUT="${OUT:-$PWD/out}"
+mkdir -p "$OUT"
+RUN_DIR="$OUT"
+[ -n "${PACK:-}" ] && RUN_DIR="$(mktemp -d)"
+export PY RUN_DIR
+
+steps=()
+for s in "${@:-build info tests}"; do
+  for e in $s; do
+    while read -r -a parts; do steps+=("${parts[@]}"); done < <(expand "$e")
+  done
+done
+
+summary=()
+failed=0
+build_failed=0
+t_all=$SECONDS
+for name in "${steps[@]}"; do
+  export STEP_FILE="${name//:/_}" LOG="$RUN_DIR/${name//:/_}.log"
+  if [ "$build_failed" -eq 1 ]; then
+    summary+=("$(printf '%-20s %-7s %6s  %s' "$name" SKIPPED - "the build failed")")
+    continue
+  fi
+  limit=$(limit_of "$name")
+  echo "== $name (limit $limit s)"
+  t0=$SECONDS
+  timeout -k 10 "$limit" bash "$SELF" --one "$name" >"$LOG" 2>&1
+  r=$?
+  dt=$((SECONDS - t0))
+  tail -n "${TAIL:-30}" "$LOG"
+  detail=$(grep -E "^SUMMARY: " "$LOG" | sed 's/^SUMMARY: //' | paste -sd ';' | sed 's/;/; /g' | cut -c1-200)
+  [ "$r" -ne 0 ] && [ -z "$detail" ] && detail=$(grep -v '^\s*$' "$LOG" | tail -1 | cut -c1-200)
+  [ "$r" -eq 124 ] || [ "$r" -eq 137 ] && detail="timed out after $limit s${detail:+; $detail}"
+  if [ "$r" -eq 0 ]; then result=ok; else result="FAILED"; failed=1; fi
+  [ "$name" = build ] && [ "$r" -ne 0 ] && build_failed=1
+  echo "== $name: exit $r after $dt s"
+  summary+=("$(printf '%-20s %-7s %5ss  %s' "$name" "$result" "$dt" "$detail")")
+done
+
+{
+  echo "== summary ($((SECONDS - t_all)) s; logs in $RUN_DIR)"
+  printf '%s\n' "${summary[@]}"
+} | tee "$RUN_DIR/summary.txt"
+if [ -n "${PACK:-}" ]; then
+  tar -czf "$OUT/gpu-run.tar.gz" -C "$RUN_DIR" . && cp "$RUN_DIR/summary.txt" "$OUT/summary.txt" &&
+    rm -rf "$RUN_DIR" && echo "packed into $OUT/gpu-run.tar.gz"
+fi
+exit "$failed"
