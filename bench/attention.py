@@ -29,17 +29,27 @@ import argparse
 import ctypes
 import math
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from _common import (GiB, MiB, Table, copy_bandwidth, fmt, median_time, parse_list, pick_device,
-                     ratio, write_json)
 
 import jax_vmm
+from _common import (
+    GiB,
+    MiB,
+    Table,
+    copy_bandwidth,
+    fmt,
+    median_time,
+    parse_list,
+    pick_device,
+    ratio,
+    write_json,
+)
 from jax_vmm.attention import _decode_attention, attention_plan, reference_decode_attention
-
 
 # -- filling arena memory ------------------------------------------------------------
 
@@ -54,6 +64,7 @@ def copy_into(buf: jax_vmm.Buffer, src: jax.Array) -> None:
         ctypes.memmove(buf.address, ptr, n)
     else:
         import cupy
+
         cupy.cuda.runtime.memcpy(buf.address, ptr, n, cupy.cuda.runtime.memcpyDeviceToDevice)
 
 
@@ -73,9 +84,22 @@ def make_lengths(mode: str, B: int, T: int, rng: np.random.Generator) -> np.ndar
     raise ValueError(f"unknown lengths mode {mode!r}")
 
 
-def run_config(device: jax.Device, B: int, T: int, Hq: int, Hkv: int, D: int, dtype: Any,
-               mode: str, copy_bw: float, runs: int, repeats: int, layers_budget: int,
-               with_pallas: bool, seed: int = 0) -> dict:
+def run_config(
+    device: jax.Device,
+    B: int,
+    T: int,
+    Hq: int,
+    Hkv: int,
+    D: int,
+    dtype: Any,
+    mode: str,
+    copy_bw: float,
+    runs: int,
+    repeats: int,
+    layers_budget: int,
+    with_pallas: bool,
+    seed: int = 0,
+) -> dict:
     itemsize = np.dtype(dtype).itemsize
     layer_bytes = 2 * B * T * Hkv * D * itemsize
     R = int(min(32, max(2, math.ceil(layers_budget / layer_bytes))))
@@ -83,17 +107,31 @@ def run_config(device: jax.Device, B: int, T: int, Hq: int, Hkv: int, D: int, dt
     lengths = make_lengths(mode, B, T, rng)
     live_bytes = int(2 * lengths.sum() * Hkv * D * itemsize)
 
-    kv = jax_vmm.kv_arena(num_layers=R, num_kv_heads=Hkv, head_dim=D, max_tokens=T, dtype=dtype,
-                          device=device, max_seqs=B, initial_tokens=T)
+    kv = jax_vmm.kv_arena(
+        num_layers=R,
+        num_kv_heads=Hkv,
+        head_dim=D,
+        max_tokens=T,
+        dtype=dtype,
+        device=device,
+        max_seqs=B,
+        initial_tokens=T,
+    )
     try:
         key = jax.random.PRNGKey(seed)
         for l in range(R):
             for buf in (kv.k_buffers[l], kv.v_buffers[l]):
                 key, sub = jax.random.split(key)
-                copy_into(buf, jax.device_put(
-                    jax.random.normal(sub, (B, T, Hkv, D), jnp.float32).astype(dtype), device))
+                copy_into(
+                    buf,
+                    jax.device_put(
+                        jax.random.normal(sub, (B, T, Hkv, D), jnp.float32).astype(dtype), device
+                    ),
+                )
         key, sub = jax.random.split(key)
-        qs = jax.device_put(jax.random.normal(sub, (R, B, Hq, D), jnp.float32).astype(dtype), device)
+        qs = jax.device_put(
+            jax.random.normal(sub, (R, B, Hq, D), jnp.float32).astype(dtype), device
+        )
         lens = jax.device_put(jnp.asarray(lengths), device)
         ks = [kv.k[l] for l in range(R)]
         vs = [kv.v[l] for l in range(R)]
@@ -102,6 +140,7 @@ def run_config(device: jax.Device, B: int, T: int, Hq: int, Hkv: int, D: int, dt
             @jax.jit
             def step(qs, ks, vs, lens):
                 return jnp.stack([attend(qs[l], ks[l], vs[l], lens) for l in range(R)])
+
             return lambda: step(qs, ks, vs, lens)
 
         impls: dict[str, Callable] = {
@@ -111,18 +150,30 @@ def run_config(device: jax.Device, B: int, T: int, Hq: int, Hkv: int, D: int, dt
         pallas_error = None
         if with_pallas and D in (64, 128) and np.dtype(dtype) != np.float32:
             # the tensor-core kernel with one tile in flight per warp, for comparison
-            impls["ours_u1"] = lambda q, k, v, n: _decode_attention(q, k, v, n, impl="tensor_core_u1")
+            impls["ours_u1"] = lambda q, k, v, n: _decode_attention(
+                q, k, v, n, impl="tensor_core_u1"
+            )
         if with_pallas:
             try:
                 from jax.experimental.pallas.ops.gpu import decode_attention as pallas_da
+
                 impls["pallas"] = lambda q, k, v, n: pallas_da.gqa(q, k, v, kv_seq_len=n)
             except Exception as exc:  # noqa: BLE001 - the peer is optional
                 pallas_error = f"import: {type(exc).__name__}: {exc}"
 
-        row: dict[str, Any] = dict(batch=B, context=T, q_heads=Hq, kv_heads=Hkv, head_dim=D,
-                                   dtype=np.dtype(dtype).name, lengths=mode, layers=R,
-                                   live_kv_bytes=live_bytes, floor_s=live_bytes / copy_bw,
-                                   plan=attention_plan(B, T, Hq, Hkv, D))
+        row: dict[str, Any] = dict(
+            batch=B,
+            context=T,
+            q_heads=Hq,
+            kv_heads=Hkv,
+            head_dim=D,
+            dtype=np.dtype(dtype).name,
+            lengths=mode,
+            layers=R,
+            live_kv_bytes=live_bytes,
+            floor_s=live_bytes / copy_bw,
+            plan=attention_plan(B, T, Hq, Hkv, D),
+        )
         # correctness of ours against the plain-JAX path on layer 0 (both bf16 outputs)
         ref = np.asarray(reference_decode_attention(qs[0], ks[0], vs[0], lens).astype(jnp.float32))
         got = np.asarray(jax_vmm.decode_attention(qs[0], ks[0], vs[0], lens).astype(jnp.float32))
@@ -143,9 +194,22 @@ def run_config(device: jax.Device, B: int, T: int, Hq: int, Hkv: int, D: int, dt
 # -- reporting ----------------------------------------------------------------------------
 
 
-TABLE = Table(("B", 3), ("ctx", 6), ("Hq/Hkv", 6), ("len", 7), ("KV MB", 8), ("floor", 7),
-              ("ours", 7), ("bw%", 5), ("xla", 7), ("xla/ours", 8), ("pallas", 7),
-              ("pal/ours", 8), ("err", 8), ("u1", 7))
+TABLE = Table(
+    ("B", 3),
+    ("ctx", 6),
+    ("Hq/Hkv", 6),
+    ("len", 7),
+    ("KV MB", 8),
+    ("floor", 7),
+    ("ours", 7),
+    ("bw%", 5),
+    ("xla", 7),
+    ("xla/ours", 8),
+    ("pallas", 7),
+    ("pal/ours", 8),
+    ("err", 8),
+    ("u1", 7),
+)
 
 
 def fmt_us(t: float | None) -> str:
@@ -153,18 +217,32 @@ def fmt_us(t: float | None) -> str:
 
 
 def print_table(rows: list[dict], copy_bw: float) -> None:
-    print(f"\ncopy bandwidth (read + write): {copy_bw / 1e9:.0f} GB/s; times are us per attention call")
+    print(
+        f"\ncopy bandwidth (read + write): {copy_bw / 1e9:.0f} GB/s; times are us per attention call"
+    )
     print(TABLE.header())
     print(TABLE.rule())
     for r in rows:
         ours = r.get("ours_s")
         bw = fmt(None if ours is None else 100 * r["live_kv_bytes"] / ours / copy_bw, "{:.1f}")
-        print(TABLE.row(r["batch"], r["context"], f"{r['q_heads']:>3}/{r['kv_heads']:<2}",
-                        r["lengths"], f"{r['live_kv_bytes'] / MiB:.1f}", fmt_us(r["floor_s"]),
-                        fmt_us(ours), bw, fmt_us(r.get("xla_s")),
-                        fmt(ratio(r.get("xla_s"), ours), "{:.2f}"), fmt_us(r.get("pallas_s")),
-                        fmt(ratio(r.get("pallas_s"), ours), "{:.2f}"),
-                        f"{r['rel_err_vs_xla']:.1e}", fmt_us(r.get("ours_u1_s"))))
+        print(
+            TABLE.row(
+                r["batch"],
+                r["context"],
+                f"{r['q_heads']:>3}/{r['kv_heads']:<2}",
+                r["lengths"],
+                f"{r['live_kv_bytes'] / MiB:.1f}",
+                fmt_us(r["floor_s"]),
+                fmt_us(ours),
+                bw,
+                fmt_us(r.get("xla_s")),
+                fmt(ratio(r.get("xla_s"), ours), "{:.2f}"),
+                fmt_us(r.get("pallas_s")),
+                fmt(ratio(r.get("pallas_s"), ours), "{:.2f}"),
+                f"{r['rel_err_vs_xla']:.1e}",
+                fmt_us(r.get("ours_u1_s")),
+            )
+        )
     for r in rows:
         for k, v in r.items():
             if k.endswith("_error"):
@@ -172,7 +250,9 @@ def print_table(rows: list[dict], copy_bw: float) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--device", choices=["auto", "cpu", "gpu"], default="auto")
     p.add_argument("--smoke", action="store_true", help="tiny sizes, a few seconds on any device")
     p.add_argument("--batches", type=parse_list(int), default=None)
@@ -181,8 +261,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    p.add_argument("--no-extra", action="store_true",
-                   help="skip the extra rows (ragged and quarter lengths; GQA 8 and MHA at batch 32)")
+    p.add_argument(
+        "--no-extra",
+        action="store_true",
+        help="skip the extra rows (ragged and quarter lengths; GQA 8 and MHA at batch 32)",
+    )
     p.add_argument("--runs", type=int, default=10)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--json", default=None, help="write all numbers here")
@@ -203,30 +286,69 @@ def main(argv: list[str] | None = None) -> int:
         Hq, Hkv, D = args.q_heads, args.kv_heads, args.head_dim
         copy_bytes, layers_budget, runs, repeats = 2 * GiB, 512 * MiB, args.runs, args.repeats
 
-    print(f"device: {device} ({device.device_kind}); jax {jax.__version__}; "
-          f"{'smoke run' if smoke else 'benchmark'}")
+    print(
+        f"device: {device} ({device.device_kind}); jax {jax.__version__}; "
+        f"{'smoke run' if smoke else 'benchmark'}"
+    )
     copy_bw = copy_bandwidth(device, copy_bytes)
-    print(f"floor first: measured copy bandwidth {copy_bw / 1e9:.0f} GB/s (read + write); "
-          f"floor of a config = live KV bytes / {copy_bw / 1e9:.0f} GB/s")
+    print(
+        f"floor first: measured copy bandwidth {copy_bw / 1e9:.0f} GB/s (read + write); "
+        f"floor of a config = live KV bytes / {copy_bw / 1e9:.0f} GB/s"
+    )
     configs = [(B, T, Hq, Hkv, "full") for B in batches for T in contexts]
     if not smoke and not args.no_extra:
-        configs += [(32, 8192, Hq, Hkv, "ragged"), (32, 32768, Hq, Hkv, "quarter"),
-                    (32, 8192, 8 * Hkv, Hkv, "full"), (32, 8192, Hkv, Hkv, "full")]
+        configs += [
+            (32, 8192, Hq, Hkv, "ragged"),
+            (32, 32768, Hq, Hkv, "quarter"),
+            (32, 8192, 8 * Hkv, Hkv, "full"),
+            (32, 8192, Hkv, Hkv, "full"),
+        ]
     elif smoke:
-        configs += [(batches[0], contexts[0], Hq, Hkv, "ragged"), (batches[0], contexts[0], Hq, Hkv, "quarter")]
+        configs += [
+            (batches[0], contexts[0], Hq, Hkv, "ragged"),
+            (batches[0], contexts[0], Hq, Hkv, "quarter"),
+        ]
     rows = []
     for B, T, hq, hkv, mode in configs:
         kv_mb = 2 * B * T * hkv * D * dtype.itemsize / MiB
-        print(f"  B={B} ctx={T} Hq={hq} Hkv={hkv} lengths {mode}: {kv_mb:.0f} MiB KV per layer ...", flush=True)
-        rows.append(run_config(device, B, T, hq, hkv, D, dtype, mode, copy_bw, runs, repeats,
-                               layers_budget, with_pallas=on_gpu))
+        print(
+            f"  B={B} ctx={T} Hq={hq} Hkv={hkv} lengths {mode}: {kv_mb:.0f} MiB KV per layer ...",
+            flush=True,
+        )
+        rows.append(
+            run_config(
+                device,
+                B,
+                T,
+                hq,
+                hkv,
+                D,
+                dtype,
+                mode,
+                copy_bw,
+                runs,
+                repeats,
+                layers_budget,
+                with_pallas=on_gpu,
+            )
+        )
     print_table(rows, copy_bw)
     if args.json:
-        write_json(args.json, dict(device=str(device), device_kind=device.device_kind,
-                                   jax=jax.__version__, copy_bandwidth=copy_bw, rows=rows))
+        write_json(
+            args.json,
+            dict(
+                device=str(device),
+                device_kind=device.device_kind,
+                jax=jax.__version__,
+                copy_bandwidth=copy_bw,
+                rows=rows,
+            ),
+        )
     bad = [r for r in rows if r.get("ours_s") is None or not r["rel_err_vs_xla"] < 2e-2]
     if bad:
-        print(f"FAILED: {len(bad)} configuration(s) without a correct result of ours", file=sys.stderr)
+        print(
+            f"FAILED: {len(bad)} configuration(s) without a correct result of ours", file=sys.stderr
+        )
         return 1
     return 0
 

@@ -28,18 +28,30 @@ import os
 import statistics
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-from _common import (GiB, MiB, Table, fmt, fmt_size, median_time, parse_list, parse_size,
-                     pick_device, ratio, write_json)
 
 import jax_vmm
+from _common import (
+    GiB,
+    MiB,
+    Table,
+    fmt,
+    fmt_size,
+    median_time,
+    parse_list,
+    parse_size,
+    pick_device,
+    ratio,
+    write_json,
+)
 
 
-def time_pair(commit: Callable[[], None], decommit: Callable[[], None],
-              repeats: int) -> tuple[float, float]:
+def time_pair(
+    commit: Callable[[], None], decommit: Callable[[], None], repeats: int
+) -> tuple[float, float]:
     """Median seconds of commit and of decommit, alternating them (warm-up first)."""
     commit()
     decommit()
@@ -192,8 +204,14 @@ class RawHost:
         libc = ctypes.CDLL(None, use_errno=True)
         self.mmap = libc.mmap
         self.mmap.restype = ctypes.c_void_p
-        self.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                              ctypes.c_int, ctypes.c_long]
+        self.mmap.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_long,
+        ]
         self.munmap = libc.munmap
         self.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
         self.mprotect = libc.mprotect
@@ -227,16 +245,31 @@ class RawHost:
         def commit():
             for i in range(n):
                 self._check(self.fallocate(fd, 0, i * chunk, chunk), "fallocate")
-                self._check(self.mmap(va + i * chunk, chunk, self.PROT_READ,
-                                      self.MAP_SHARED | self.MAP_FIXED, fd, i * chunk), "mmap")
+                self._check(
+                    self.mmap(
+                        va + i * chunk,
+                        chunk,
+                        self.PROT_READ,
+                        self.MAP_SHARED | self.MAP_FIXED,
+                        fd,
+                        i * chunk,
+                    ),
+                    "mmap",
+                )
             self._check(self.mprotect(va, size, self.PROT_READ | self.PROT_WRITE), "mprotect")
 
         def decommit():
             for i in range(n):
-                self._check(self.mmap(va + i * chunk, chunk, self.PROT_READ, zero_flags, -1, 0),
-                            "mmap(zero)")
-                self._check(self.fallocate(fd, self.FALLOC_FL_PUNCH_HOLE | self.FALLOC_FL_KEEP_SIZE,
-                                           i * chunk, chunk), "fallocate(punch)")
+                self._check(
+                    self.mmap(va + i * chunk, chunk, self.PROT_READ, zero_flags, -1, 0),
+                    "mmap(zero)",
+                )
+                self._check(
+                    self.fallocate(
+                        fd, self.FALLOC_FL_PUNCH_HOLE | self.FALLOC_FL_KEEP_SIZE, i * chunk, chunk
+                    ),
+                    "fallocate(punch)",
+                )
 
         return commit, decommit, 2 * n + 1, 2 * n
 
@@ -248,8 +281,9 @@ def bench_ranges(device, sizes, chunks, repeats, raw) -> list[dict]:
     overhead = raw.call_overhead() if raw is not None else 0.0
     for chunk_arg in chunks:
         for size in sizes:
-            arena = jax_vmm.Arena(size + 4 * max(chunk_arg, 2 * MiB), device=device,
-                                  chunk_bytes=chunk_arg or None)
+            arena = jax_vmm.Arena(
+                size + 4 * max(chunk_arg, 2 * MiB), device=device, chunk_bytes=chunk_arg or None
+            )
             chunk = arena.chunk_bytes
             if size % chunk:
                 arena.close()
@@ -290,10 +324,22 @@ def fmt_ratio(a: float, b: float | None) -> str:
     return fmt(ratio(a, b), "{:.2f}x", "-")
 
 
-TABLE = Table(("chunk", 8), ("range", 8), ("|", 1), ("commit GiB/s: arena", 19), ("raw", 9),
-              ("design", 9), ("arena/raw", 9), ("(adj)", 7), ("|", 1),
-              ("decommit GiB/s: arena", 21), ("raw", 9), ("design", 9), ("arena/raw", 9),
-              ("(adj)", 7))
+TABLE = Table(
+    ("chunk", 8),
+    ("range", 8),
+    ("|", 1),
+    ("commit GiB/s: arena", 19),
+    ("raw", 9),
+    ("design", 9),
+    ("arena/raw", 9),
+    ("(adj)", 7),
+    ("|", 1),
+    ("decommit GiB/s: arena", 21),
+    ("raw", 9),
+    ("design", 9),
+    ("arena/raw", 9),
+    ("(adj)", 7),
+)
 
 
 def print_row(r: dict) -> None:
@@ -301,9 +347,14 @@ def print_row(r: dict) -> None:
     cells = [fmt_size(r["chunk"]), fmt_size(n)]
     for op in ("commit", "decommit"):
         arena = r[f"arena_{op}_s"]
-        cells += ["|", gibs(n, arena), gibs(n, r.get(f"raw_{op}_s")),
-                  gibs(n, r.get(f"design_{op}_s")), fmt_ratio(arena, r.get(f"raw_{op}_s")),
-                  fmt_ratio(arena, r.get(f"raw_{op}_adj_s"))]
+        cells += [
+            "|",
+            gibs(n, arena),
+            gibs(n, r.get(f"raw_{op}_s")),
+            gibs(n, r.get(f"design_{op}_s")),
+            fmt_ratio(arena, r.get(f"raw_{op}_s")),
+            fmt_ratio(arena, r.get(f"raw_{op}_adj_s")),
+        ]
     print(TABLE.row(*cells), flush=True)
 
 
@@ -326,8 +377,10 @@ def bench_creation(device, reserve: int, chunks, repeats, raw) -> list[dict]:
         del probe
         row = dict(reserve=reserve, chunk=chunk, arena_create_s=t_create, arena_destroy_s=t_destroy)
         if raw is not None and on_gpu:
+
             def reserve_only():
                 raw.free(raw.reserve(reserve, chunk & -chunk), reserve)
+
             row["raw_reserve_s"] = median_time(reserve_only, repeats, warmups=1)
             zero = raw.create(chunk)
             state: list = []
@@ -343,29 +396,40 @@ def bench_creation(device, reserve: int, chunks, repeats, raw) -> list[dict]:
                 raw.free(va, reserve)
 
             row["raw_zero_reserve_s"], row["raw_zero_release_s"] = time_pair(
-                zero_reserve, zero_release, max(1, repeats // 2))
+                zero_reserve, zero_release, max(1, repeats // 2)
+            )
             raw._ok(raw.cu.cuMemRelease(zero))
         elif raw is not None:
-            row["raw_reserve_s"] = median_time(lambda: raw.unreserve(raw.reserve(reserve), reserve),
-                                               repeats, warmups=1)
+            row["raw_reserve_s"] = median_time(
+                lambda: raw.unreserve(raw.reserve(reserve), reserve), repeats, warmups=1
+            )
         rows.append(row)
         ms = lambda k: f"{row[k] * 1e3:8.2f} ms" if k in row else "       -"  # noqa: E731
-        print(f"{fmt_size(reserve):>8} chunk {fmt_size(chunk):>7}: "
-              f"arena create {ms('arena_create_s')}"
-              f", close+destroy {ms('arena_destroy_s')} | raw reserve {ms('raw_reserve_s')}"
-              f", raw zero-mapped reserve {ms('raw_zero_reserve_s')}"
-              f", its teardown {ms('raw_zero_release_s')}", flush=True)
+        print(
+            f"{fmt_size(reserve):>8} chunk {fmt_size(chunk):>7}: "
+            f"arena create {ms('arena_create_s')}"
+            f", close+destroy {ms('arena_destroy_s')} | raw reserve {ms('raw_reserve_s')}"
+            f", raw zero-mapped reserve {ms('raw_zero_reserve_s')}"
+            f", its teardown {ms('raw_zero_release_s')}",
+            flush=True,
+        )
     return rows
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--device", choices=["auto", "cpu", "gpu"], default="auto")
-    p.add_argument("--sizes", type=parse_list(parse_size), default=None,
-                   help="range sizes, e.g. 2M,64M,1G,4G")
-    p.add_argument("--chunks", type=parse_list(parse_size), default="0,64M",
-                   help="chunk sizes; 0 = the driver default")
+    p.add_argument(
+        "--sizes", type=parse_list(parse_size), default=None, help="range sizes, e.g. 2M,64M,1G,4G"
+    )
+    p.add_argument(
+        "--chunks",
+        type=parse_list(parse_size),
+        default="0,64M",
+        help="chunk sizes; 0 = the driver default",
+    )
     p.add_argument("--reserve", default="64G", help="reservation for the creation benchmark")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--no-raw", action="store_true", help="arena only")
@@ -382,20 +446,32 @@ def main(argv: list[str] | None = None) -> int:
             raw = RawCuda(device.id if ordinal is None else int(ordinal))
         else:
             raw = RawHost()
-    print(f"jax_vmm commit benchmark on {device} ({device.platform}); jax {jax.__version__}; "
-          f"median of {args.repeats}; raw = {'cuda-python' if on_gpu else 'ctypes syscalls'}")
+    print(
+        f"jax_vmm commit benchmark on {device} ({device.platform}); jax {jax.__version__}; "
+        f"median of {args.repeats}; raw = {'cuda-python' if on_gpu else 'ctypes syscalls'}"
+    )
     for k in ("XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_MEM_FRACTION"):
         print(f"  {k}={os.environ.get(k, '<unset>')}")
     if raw is not None:
-        print(f"  raw per-call Python overhead ~{raw.call_overhead() * 1e6:.2f} us "
-              "('adj' columns subtract it per raw call)")
+        print(
+            f"  raw per-call Python overhead ~{raw.call_overhead() * 1e6:.2f} us "
+            "('adj' columns subtract it per raw call)"
+        )
     print(TABLE.header())
     ranges = bench_ranges(device, sizes, args.chunks, args.repeats, raw)
     print()
     creation = bench_creation(device, parse_size(args.reserve), args.chunks, args.repeats, raw)
     if args.json:
-        write_json(args.json, dict(device=str(device), platform=device.platform,
-                                   jax=jax.__version__, ranges=ranges, creation=creation))
+        write_json(
+            args.json,
+            dict(
+                device=str(device),
+                platform=device.platform,
+                jax=jax.__version__,
+                ranges=ranges,
+                creation=creation,
+            ),
+        )
     return 0
 
 

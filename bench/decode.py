@@ -46,6 +46,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from _common import command_line, two_panel_figure, write_json  # noqa: E402
 from examples import engine as E  # noqa: E402
 from examples import model as M  # noqa: E402
 from examples.attention import reference_decode_attention, vmm_kernel_available  # noqa: E402
@@ -53,23 +54,35 @@ from examples.cache import PreallocatedCache, VmmCache, capacity_bytes  # noqa: 
 from examples.memory import device_memory_stats, physical_memory_bytes, rss_bytes  # noqa: E402
 from examples.report import fmt_bytes  # noqa: E402
 
-from _common import command_line, two_panel_figure, write_json  # noqa: E402
-
 GRIDS = {
-    "gpu": dict(batches=(8, 32, 64), contexts=(1024, 4096, 16384), steps=20, repeats=3,
-                oom=(64, 131072), oom_fill=(2048, 8192)),
-    "cpu": dict(batches=(2, 8), contexts=(256, 1024), steps=16, repeats=5,
-                oom=(8, 1 << 22), oom_fill=(1024, 4096)),
+    "gpu": dict(
+        batches=(8, 32, 64),
+        contexts=(1024, 4096, 16384),
+        steps=20,
+        repeats=3,
+        oom=(64, 131072),
+        oom_fill=(2048, 8192),
+    ),
+    "cpu": dict(
+        batches=(2, 8),
+        contexts=(256, 1024),
+        steps=16,
+        repeats=5,
+        oom=(8, 1 << 22),
+        oom_fill=(1024, 4096),
+    ),
 }
 
 
-def live_lengths(rng: np.random.Generator, batch: int, context: int, headroom: int,
-                 min_fill: float) -> np.ndarray:
+def live_lengths(
+    rng: np.random.Generator, batch: int, context: int, headroom: int, min_fill: float
+) -> np.ndarray:
     lo = max(1, int(min_fill * context))
     hi = context - headroom
     if hi < lo:
-        raise ValueError(f"context {context} too small for {headroom} decode steps at "
-                         f"min fill {min_fill}")
+        raise ValueError(
+            f"context {context} too small for {headroom} decode steps at min fill {min_fill}"
+        )
     return rng.integers(lo, hi + 1, batch).astype(np.int32)
 
 
@@ -99,14 +112,28 @@ def time_decode(gen: E.Generator, lengths: np.ndarray, steps: int, repeats: int)
         times.append((time.perf_counter() - t0) / steps)
     cache.check()
     # Best pass: the machine's other load only ever adds time (median kept alongside).
-    return {"step_ms": 1e3 * min(times), "step_ms_median": 1e3 * float(np.median(times)),
-            "step_ms_all": [1e3 * t for t in times],
-            "compile_s": compile_s, "temp_bytes": gen.decode_temp_bytes()}
+    return {
+        "step_ms": 1e3 * min(times),
+        "step_ms_median": 1e3 * float(np.median(times)),
+        "step_ms_all": [1e3 * t for t in times],
+        "compile_s": compile_s,
+        "temp_bytes": gen.decode_temp_bytes(),
+    }
 
 
-def run_case(kind: str, cfg: M.ModelConfig, params: M.Params, device: jax.Device,
-             batch: int, context: int, lengths: np.ndarray, steps: int, repeats: int,
-             chunk_bytes: int | None, time_it: bool = True) -> dict:
+def run_case(
+    kind: str,
+    cfg: M.ModelConfig,
+    params: M.Params,
+    device: jax.Device,
+    batch: int,
+    context: int,
+    lengths: np.ndarray,
+    steps: int,
+    repeats: int,
+    chunk_bytes: int | None,
+    time_it: bool = True,
+) -> dict:
     """kind: prealloc | vmm+ref | vmm+kernel."""
     before = device_memory_stats(device)
     out: dict = {"kind": kind}
@@ -115,22 +142,33 @@ def run_case(kind: str, cfg: M.ModelConfig, params: M.Params, device: jax.Device
         cache = PreallocatedCache(cfg, max_seqs=batch, max_tokens=context, device=device)
     else:
         # The kernel reads the new token from the cache: kv_write (donated) on any platform.
-        cache = VmmCache(cfg, max_seqs=batch, max_tokens=context, device=device,
-                         chunk_bytes=chunk_bytes,
-                         write="kv_write" if kind == "vmm+kernel" else "auto")
+        cache = VmmCache(
+            cfg,
+            max_seqs=batch,
+            max_tokens=context,
+            device=device,
+            chunk_bytes=chunk_bytes,
+            write="kv_write" if kind == "vmm+kernel" else "auto",
+        )
     if kind == "vmm+kernel":
         import jax_vmm
+
         attend = jax_vmm.decode_attention
     else:
-        attend = functools.partial(reference_decode_attention,
-                                   tail_may_be_garbage=cache.tail_may_be_garbage)
+        attend = functools.partial(
+            reference_decode_attention, tail_may_be_garbage=cache.tail_may_be_garbage
+        )
     out["setup_s"] = time.perf_counter() - t0
-    out["writes"] = "prealloc" if kind == "prealloc" else (
-        "kv_write_through" if cache.write_through else "kv_write")
+    out["writes"] = (
+        "prealloc"
+        if kind == "prealloc"
+        else ("kv_write_through" if cache.write_through else "kv_write")
+    )
     try:
         if time_it:
-            out.update(time_decode(E.Generator(params, cfg, cache, attend), lengths, steps,
-                                   repeats))
+            out.update(
+                time_decode(E.Generator(params, cfg, cache, attend), lengths, steps, repeats)
+            )
         else:  # memory only: commit what the sequences hold
             for seq, n in enumerate(lengths):
                 cache.ensure(seq, int(n) + steps)
@@ -155,25 +193,45 @@ def try_prealloc(cfg: M.ModelConfig, batch: int, context: int, device: jax.Devic
     """Attempts the preallocated cache that should not fit; reports what happened."""
     need = capacity_bytes(cfg, batch, context)
     if device.platform == "cpu" and need > 0.5 * physical_memory_bytes():
-        return {"attempted": False, "needs_bytes": need,
-                "why": f"needs {fmt_bytes(need)} of {fmt_bytes(physical_memory_bytes())} RAM: "
-                       "a host OOM would kill the process instead of raising"}
+        return {
+            "attempted": False,
+            "needs_bytes": need,
+            "why": f"needs {fmt_bytes(need)} of {fmt_bytes(physical_memory_bytes())} RAM: "
+            "a host OOM would kill the process instead of raising",
+        }
     # In a child process: XLA's allocator keeps whatever it grabbed before failing, which
     # would starve the jax_vmm arena that runs next in this process.
-    cmd = [sys.executable, __file__, "--try-prealloc", str(batch), str(context),
-           "--layers", str(cfg.num_layers), "--preset", _preset_of(cfg)]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--try-prealloc",
+        str(batch),
+        str(context),
+        "--layers",
+        str(cfg.num_layers),
+        "--preset",
+        _preset_of(cfg),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode == 0:
         return {"attempted": True, "fits": True, "needs_bytes": need}
-    lines = [ln for ln in proc.stderr.splitlines() if "RESOURCE_EXHAUSTED" in ln
-             or "Error" in ln] or proc.stderr.splitlines()[-1:]
-    return {"attempted": True, "fits": False, "needs_bytes": need,
-            "error": (lines[-1] if lines else f"exit {proc.returncode}")[:300]}
+    lines = [
+        ln for ln in proc.stderr.splitlines() if "RESOURCE_EXHAUSTED" in ln or "Error" in ln
+    ] or proc.stderr.splitlines()[-1:]
+    return {
+        "attempted": True,
+        "fits": False,
+        "needs_bytes": need,
+        "error": (lines[-1] if lines else f"exit {proc.returncode}")[:300],
+    }
 
 
 def _preset_of(cfg: M.ModelConfig) -> str:
-    return next(name for name, p in M.PRESETS.items()
-                if dataclasses.replace(p, num_layers=cfg.num_layers) == cfg)
+    return next(
+        name
+        for name, p in M.PRESETS.items()
+        if dataclasses.replace(p, num_layers=cfg.num_layers) == cfg
+    )
 
 
 def child_try_prealloc(cfg: M.ModelConfig, batch: int, context: int) -> None:
@@ -189,12 +247,19 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--contexts", type=int, nargs="+")
     p.add_argument("--steps", type=int)
     p.add_argument("--repeats", type=int)
-    p.add_argument("--min-fill", type=float, default=0.25,
-                   help="live length of a sequence >= this fraction of the context")
+    p.add_argument(
+        "--min-fill",
+        type=float,
+        default=0.25,
+        help="live length of a sequence >= this fraction of the context",
+    )
     p.add_argument("--layers", type=int, help="override the preset's layer count")
     p.add_argument("--chunk-bytes", type=int, help="jax_vmm arena chunk size")
-    p.add_argument("--kernel-on-cpu", action="store_true",
-                   help="also time jax_vmm.decode_attention on the CPU platform")
+    p.add_argument(
+        "--kernel-on-cpu",
+        action="store_true",
+        help="also time jax_vmm.decode_attention on the CPU platform",
+    )
     p.add_argument("--oom-case", type=int, nargs=2, metavar=("BATCH", "CONTEXT"))
     p.add_argument("--no-oom-case", action="store_true")
     p.add_argument("--seed", type=int, default=0)
@@ -203,8 +268,9 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
 
     device = jax.devices()[0]
-    preset = args.preset if args.preset != "auto" else (
-        "gpu" if device.platform == "gpu" else "cpu")
+    preset = (
+        args.preset if args.preset != "auto" else ("gpu" if device.platform == "gpu" else "cpu")
+    )
     grid = dict(GRIDS[preset])
     cfg = M.PRESETS[preset]
     if args.layers:
@@ -221,9 +287,11 @@ def main(argv: list[str] | None = None) -> dict:
     rng = np.random.default_rng(args.seed)
     params = M.init_params(cfg, seed=args.seed)
     print(f"device {device.device_kind} ({device.platform}) | model {M.config_summary(cfg)}")
-    print(f"KV bytes/token {cfg.kv_bytes_per_token} | {steps} steps x {repeats} passes | "
-          f"live length per sequence uniform in [{args.min_fill:.2f} x context, "
-          f"context - {steps}]")
+    print(
+        f"KV bytes/token {cfg.kv_bytes_per_token} | {steps} steps x {repeats} passes | "
+        f"live length per sequence uniform in [{args.min_fill:.2f} x context, "
+        f"context - {steps}]"
+    )
 
     results: list[dict] = []
     oom = None
@@ -231,10 +299,19 @@ def main(argv: list[str] | None = None) -> dict:
     def save(final: bool) -> None:  # after every point: a later crash keeps the results
         if not args.out:
             return
-        report = {"device": device.device_kind, "platform": device.platform,
-                  "jax": jax.__version__, "model": dataclasses.asdict(cfg), "steps": steps,
-                  "repeats": repeats, "min_fill": args.min_fill, "points": results,
-                  "oom": oom, "complete": final, "command": command_line(__file__, argv)}
+        report = {
+            "device": device.device_kind,
+            "platform": device.platform,
+            "jax": jax.__version__,
+            "model": dataclasses.asdict(cfg),
+            "steps": steps,
+            "repeats": repeats,
+            "min_fill": args.min_fill,
+            "points": results,
+            "oom": oom,
+            "complete": final,
+            "command": command_line(__file__, argv),
+        }
         write_json(args.out / "decode.json", report)
         if final and results:
             plot(report, args.out / "decode.png")
@@ -244,11 +321,26 @@ def main(argv: list[str] | None = None) -> dict:
         for context in contexts:
             lengths = live_lengths(rng, batch, context, steps, args.min_fill)
             live = int((lengths + steps).sum()) * cfg.kv_bytes_per_token
-            point = {"batch": batch, "context": context, "live_bytes": live,
-                     "capacity_bytes": capacity_bytes(cfg, batch, context), "cases": {}}
+            point = {
+                "batch": batch,
+                "context": context,
+                "live_bytes": live,
+                "capacity_bytes": capacity_bytes(cfg, batch, context),
+                "cases": {},
+            }
             for kind in kinds:
-                point["cases"][kind] = run_case(kind, cfg, params, device, batch, context,
-                                                lengths, steps, repeats, args.chunk_bytes)
+                point["cases"][kind] = run_case(
+                    kind,
+                    cfg,
+                    params,
+                    device,
+                    batch,
+                    context,
+                    lengths,
+                    steps,
+                    repeats,
+                    args.chunk_bytes,
+                )
             results.append(point)
             print_point(point)
             save(final=False)
@@ -257,16 +349,30 @@ def main(argv: list[str] | None = None) -> dict:
         batch, context = args.oom_case or grid["oom"]
         lo, hi = grid["oom_fill"]
         lengths = rng.integers(lo, hi + 1, batch).astype(np.int32)
-        oom = {"batch": batch, "context": context,
-               "live_bytes": int((lengths + steps).sum()) * cfg.kv_bytes_per_token,
-               "capacity_bytes": capacity_bytes(cfg, batch, context),
-               "prealloc": try_prealloc(cfg, batch, context, device)}
+        oom = {
+            "batch": batch,
+            "context": context,
+            "live_bytes": int((lengths + steps).sum()) * cfg.kv_bytes_per_token,
+            "capacity_bytes": capacity_bytes(cfg, batch, context),
+            "prealloc": try_prealloc(cfg, batch, context, device),
+        }
         # Timing needs the live-tokens-only kernel (plain attention reads all of T) and a
         # step that updates the arena in place (on CPU donation copies the whole cache).
         kind = "vmm+kernel" if "vmm+kernel" in kinds else "vmm+ref"
         can_time = kind == "vmm+kernel" and device.platform == "gpu"
-        oom["jax_vmm"] = run_case(kind, cfg, params, device, batch, context, lengths,
-                                  steps, repeats, args.chunk_bytes, time_it=can_time)
+        oom["jax_vmm"] = run_case(
+            kind,
+            cfg,
+            params,
+            device,
+            batch,
+            context,
+            lengths,
+            steps,
+            repeats,
+            args.chunk_bytes,
+            time_it=can_time,
+        )
         print_oom(oom)
     save(final=True)
     return {"points": results, "oom": oom}
@@ -276,21 +382,27 @@ def print_point(pt: dict) -> None:
     base = pt["cases"]["prealloc"]
     live = pt["live_bytes"]
     head = f"B={pt['batch']:<3} T={pt['context']:<6} live {fmt_bytes(live):>10}"
-    parts = [f"prealloc {base['step_ms']:8.2f} ms, holds {fmt_bytes(base['held_bytes'])} "
-             f"({base['held_bytes'] / live:.2f}x live)"]
+    parts = [
+        f"prealloc {base['step_ms']:8.2f} ms, holds {fmt_bytes(base['held_bytes'])} "
+        f"({base['held_bytes'] / live:.2f}x live)"
+    ]
     for kind, c in pt["cases"].items():
         if kind == "prealloc":
             continue
-        parts.append(f"{kind} {c['step_ms']:8.2f} ms (x{c['step_ms'] / base['step_ms']:.2f}), "
-                     f"holds {fmt_bytes(c['held_bytes'])} ({c['held_bytes'] / live:.2f}x live)")
+        parts.append(
+            f"{kind} {c['step_ms']:8.2f} ms (x{c['step_ms'] / base['step_ms']:.2f}), "
+            f"holds {fmt_bytes(c['held_bytes'])} ({c['held_bytes'] / live:.2f}x live)"
+        )
     print(head + " | " + " | ".join(parts), flush=True)
 
 
 def print_oom(oom: dict) -> None:
     pre, vmm = oom["prealloc"], oom["jax_vmm"]
-    print(f"\ndoes-not-fit case: B={oom['batch']} T={oom['context']}: preallocated cache "
-          f"needs {fmt_bytes(oom['capacity_bytes'])}, live tokens "
-          f"{fmt_bytes(oom['live_bytes'])}")
+    print(
+        f"\ndoes-not-fit case: B={oom['batch']} T={oom['context']}: preallocated cache "
+        f"needs {fmt_bytes(oom['capacity_bytes'])}, live tokens "
+        f"{fmt_bytes(oom['live_bytes'])}"
+    )
     if not pre.get("attempted"):
         print(f"  prealloc: not attempted ({pre['why']})")
     elif pre["fits"]:
@@ -298,9 +410,11 @@ def print_oom(oom: dict) -> None:
     else:
         print(f"  prealloc: failed: {pre['error']}")
     timing = f"{vmm['step_ms']:.2f} ms/step" if "step_ms" in vmm else "memory only, not timed"
-    print(f"  jax_vmm ({vmm['kind']}): reserved {fmt_bytes(vmm['reserved_bytes'])}, backed "
-          f"{fmt_bytes(vmm['held_bytes'])} ({vmm['held_bytes'] / oom['live_bytes']:.2f}x "
-          f"live), {timing}")
+    print(
+        f"  jax_vmm ({vmm['kind']}): reserved {fmt_bytes(vmm['reserved_bytes'])}, backed "
+        f"{fmt_bytes(vmm['held_bytes'])} ({vmm['held_bytes'] / oom['live_bytes']:.2f}x "
+        f"live), {timing}"
+    )
 
 
 def plot(report: dict, path: Path) -> None:
@@ -309,8 +423,10 @@ def plot(report: dict, path: Path) -> None:
     kinds = list(pts[0]["cases"]) if pts else []
     x = np.arange(len(pts))
     w = 0.8 / max(len(kinds), 1)
-    with two_panel_figure(path, f"decode step, jax_vmm vs preallocated ({report['device']})") \
-            as (a1, a2):
+    with two_panel_figure(path, f"decode step, jax_vmm vs preallocated ({report['device']})") as (
+        a1,
+        a2,
+    ):
         for i, kind in enumerate(kinds):
             a1.bar(x + i * w, [p["cases"][kind]["step_ms"] for p in pts], w, label=kind)
         a1.set_xticks(x + w * (len(kinds) - 1) / 2, labels, fontsize=8)
@@ -318,10 +434,14 @@ def plot(report: dict, path: Path) -> None:
         a1.set_title("step time", fontsize=10)
         a1.legend(fontsize=8)
         big = max((p["capacity_bytes"] for p in pts), default=0) >= 1 << 30
-        unit, div = ("GiB", 1024.0 ** 3) if big else ("MiB", 1024.0 ** 2)
+        unit, div = ("GiB", 1024.0**3) if big else ("MiB", 1024.0**2)
         a2.bar(x - 0.2, [p["capacity_bytes"] / div for p in pts], 0.2, label="prealloc holds")
-        a2.bar(x, [p["cases"]["vmm+ref"]["held_bytes"] / div for p in pts], 0.2,
-               label="jax_vmm backed (peak)")
+        a2.bar(
+            x,
+            [p["cases"]["vmm+ref"]["held_bytes"] / div for p in pts],
+            0.2,
+            label="jax_vmm backed (peak)",
+        )
         a2.bar(x + 0.2, [p["live_bytes"] / div for p in pts], 0.2, label="live tokens")
         a2.set_xticks(x, labels, fontsize=8)
         a2.set_ylabel(unit)

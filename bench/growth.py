@@ -42,11 +42,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from examples.memory import (device_memory_stats, peak_rss_bytes, reset_peak_rss,  # noqa: E402
-                             rss_bytes)
-from examples.report import fmt_bytes  # noqa: E402
-
 from _common import GiB, Table, command_line, two_panel_figure, write_json  # noqa: E402
+from examples.memory import device_memory_stats, peak_rss_bytes, reset_peak_rss, rss_bytes  # noqa: E402
+from examples.report import fmt_bytes  # noqa: E402
 
 METHODS = ("jax_vmm", "stacked", "per-layer")
 
@@ -58,17 +56,30 @@ def geometry(args: argparse.Namespace) -> dict:
     t_from = int(args.from_gib * args.scale * GiB) // token_all
     t_to = int(args.to_gib * args.scale * GiB) // token_all
     if not 0 < t_from < t_to:
-        raise SystemExit(f"--from-gib {args.from_gib} / --to-gib {args.to_gib} x scale "
-                         f"{args.scale}: need 0 < from < to (in whole tokens)")
-    return dict(layers=args.layers, heads=args.kv_heads, head_dim=args.head_dim,
-                dtype=str(dt), token_bytes=token_all, tokens_from=t_from, tokens_to=t_to,
-                bytes_from=t_from * token_all, bytes_to=t_to * token_all)
+        raise SystemExit(
+            f"--from-gib {args.from_gib} / --to-gib {args.to_gib} x scale "
+            f"{args.scale}: need 0 < from < to (in whole tokens)"
+        )
+    return dict(
+        layers=args.layers,
+        heads=args.kv_heads,
+        head_dim=args.head_dim,
+        dtype=str(dt),
+        token_bytes=token_all,
+        tokens_from=t_from,
+        tokens_to=t_to,
+        bytes_from=t_from * token_all,
+        bytes_to=t_to * token_all,
+    )
 
 
 def _memory_probe(device: jax.Device) -> dict:
     stats = device_memory_stats(device)
-    return {"rss": rss_bytes(), "xla_in_use": stats["bytes_in_use"] if stats else None,
-            "xla_peak": stats.get("peak_bytes_in_use") if stats else None}
+    return {
+        "rss": rss_bytes(),
+        "xla_in_use": stats["bytes_in_use"] if stats else None,
+        "xla_peak": stats.get("peak_bytes_in_use") if stats else None,
+    }
 
 
 def _sentinel(i: int, g: dict) -> np.ndarray:
@@ -77,15 +88,21 @@ def _sentinel(i: int, g: dict) -> np.ndarray:
 
 # ------------------------------------------------------------------------ jax_vmm
 
+
 def run_vmm(g: dict, repeats: int, chunk_bytes: int | None) -> dict:
     import jax_vmm
     from jax_vmm.ops import kv_write_through
 
     device = jax.devices()[0]
     idle = _memory_probe(device)
-    kv = jax_vmm.kv_arena(num_layers=g["layers"], num_kv_heads=g["heads"],
-                          head_dim=g["head_dim"], max_tokens=g["tokens_to"],
-                          dtype=g["dtype"], chunk_bytes=chunk_bytes)
+    kv = jax_vmm.kv_arena(
+        num_layers=g["layers"],
+        num_kv_heads=g["heads"],
+        head_dim=g["head_dim"],
+        max_tokens=g["tokens_to"],
+        dtype=g["dtype"],
+        chunk_bytes=chunk_bytes,
+    )
     t_from, t_to, dt = g["tokens_from"], g["tokens_to"], jnp.dtype(g["dtype"])
     kv.ensure(t_from)
     # kv_write_through writes the arena itself (kv_write would write an XLA copy on the
@@ -93,8 +110,9 @@ def run_vmm(g: dict, repeats: int, chunk_bytes: int | None) -> dict:
     write = jax.jit(kv_write_through)
     for layer in range(g["layers"]):  # sentinels at both ends of the old range
         ends = jnp.asarray(np.stack([_sentinel(layer, g), _sentinel(layer + 100, g)]), dt)
-        write(kv.k[layer], kv.v[layer], ends, ends,
-              jnp.asarray([0, t_from - 1], jnp.int32)).block_until_ready()
+        write(
+            kv.k[layer], kv.v[layer], ends, ends, jnp.asarray([0, t_from - 1], jnp.int32)
+        ).block_until_ready()
     kv.check()
 
     before = _memory_probe(device)
@@ -113,26 +131,38 @@ def run_vmm(g: dict, repeats: int, chunk_bytes: int | None) -> dict:
     ok = kv.backed_tokens() >= t_to
     for layer in range(g["layers"]):
         got = np.asarray(kv.k[layer][jnp.asarray([0, t_from - 1])], np.float32)
-        ok &= bool(np.array_equal(got[0], _sentinel(layer, g)) and
-                   np.array_equal(got[1], _sentinel(layer + 100, g)))
+        ok &= bool(
+            np.array_equal(got[0], _sentinel(layer, g))
+            and np.array_equal(got[1], _sentinel(layer + 100, g))
+        )
     last = jnp.full((1, g["heads"], g["head_dim"]), 0.25, dt)
     for layer in range(g["layers"]):  # the grown region is writable, to its very end
-        write(kv.k[layer], kv.v[layer], last, last,
-              jnp.asarray([t_to - 1], jnp.int32)).block_until_ready()
+        write(
+            kv.k[layer], kv.v[layer], last, last, jnp.asarray([t_to - 1], jnp.int32)
+        ).block_until_ready()
     ok &= bool(np.all(np.asarray(kv.v[g["layers"] - 1][t_to - 1], np.float32) == 0.25))
     kv.check()
     out = {
-        "method": "jax_vmm", "chunk_bytes": stats["chunk_bytes"], "times_s": times,
-        "data_ok": bool(ok), "idle": idle, "before": before, "after": after,
-        "peak_rss": peak_rss, "rss_peak_reset": bool(reset_ok),
-        "arena_peak_backed": stats["peak_backed_bytes"], "commit_calls": stats["commit_calls"],
-        "commit_seconds": stats["commit_seconds"], "chunks_created": stats["chunks_created"],
+        "method": "jax_vmm",
+        "chunk_bytes": stats["chunk_bytes"],
+        "times_s": times,
+        "data_ok": bool(ok),
+        "idle": idle,
+        "before": before,
+        "after": after,
+        "peak_rss": peak_rss,
+        "rss_peak_reset": bool(reset_ok),
+        "arena_peak_backed": stats["peak_backed_bytes"],
+        "commit_calls": stats["commit_calls"],
+        "commit_seconds": stats["commit_seconds"],
+        "chunks_created": stats["chunks_created"],
     }
     kv.close()
     return out
 
 
 # ------------------------------------------------------------------------ plain JAX
+
 
 def run_plain(g: dict, repeats: int, stacked: bool) -> dict:
     device = jax.devices()[0]
@@ -142,8 +172,9 @@ def run_plain(g: dict, repeats: int, stacked: bool) -> dict:
     shape = (L, 2, t_from, H, D) if stacked else (t_from, H, D)
     make = jax.jit(lambda: jnp.full(shape, 0.5, dt))
     # Sentinels at both ends of the old range (in the first array).
-    mark = jax.jit(lambda a: a.at[..., 0, :, :].set(1.0).at[..., t_from - 1, :, :].set(2.0),
-                   donate_argnums=0)
+    mark = jax.jit(
+        lambda a: a.at[..., 0, :, :].set(1.0).at[..., t_from - 1, :, :].set(2.0), donate_argnums=0
+    )
 
     def old_cache() -> list[jax.Array]:
         olds = [make() for _ in range(1 if stacked else 2 * L)]
@@ -176,14 +207,25 @@ def run_plain(g: dict, repeats: int, stacked: bool) -> dict:
         peak_rss = max(peak_rss, peak_rss_bytes())
         after = _memory_probe(device)
     first = np.asarray(news[0][..., jnp.asarray([0, t_from - 1, t_to - 1]), :, :], np.float32)
-    ok = bool(np.all(first[..., 0, :, :] == 1.0) and np.all(first[..., 1, :, :] == 2.0)
-              and np.all(first[..., 2, :, :] == 0.0))
-    return {"method": "stacked" if stacked else "per-layer", "times_s": times,
-            "data_ok": ok, "idle": idle, "before": before, "after": after,
-            "peak_rss": peak_rss, "rss_peak_reset": bool(reset_ok)}
+    ok = bool(
+        np.all(first[..., 0, :, :] == 1.0)
+        and np.all(first[..., 1, :, :] == 2.0)
+        and np.all(first[..., 2, :, :] == 0.0)
+    )
+    return {
+        "method": "stacked" if stacked else "per-layer",
+        "times_s": times,
+        "data_ok": ok,
+        "idle": idle,
+        "before": before,
+        "after": after,
+        "peak_rss": peak_rss,
+        "rss_peak_reset": bool(reset_ok),
+    }
 
 
 # ------------------------------------------------------------------------ driver
+
 
 def peak_growth_bytes(r: dict, g: dict, platform: str) -> int:
     """Peak memory of the cache while growing: what holds the cache plus whatever else
@@ -215,15 +257,20 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--from-gib", type=float, default=16.0)
     p.add_argument("--to-gib", type=float, default=20.0)
-    p.add_argument("--scale", type=float,
-                   help="multiply both sizes (default 1 on a GPU, 1/64 on the CPU)")
+    p.add_argument(
+        "--scale", type=float, help="multiply both sizes (default 1 on a GPU, 1/64 on the CPU)"
+    )
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--chunks", type=int, nargs="+",
-                   help="jax_vmm chunk sizes to try, bytes (0 = the arena default); default: "
-                        "0 and 64 MiB and 256 MiB on a GPU, 0 and 1 MiB on the CPU")
+    p.add_argument(
+        "--chunks",
+        type=int,
+        nargs="+",
+        help="jax_vmm chunk sizes to try, bytes (0 = the arena default); default: "
+        "0 and 64 MiB and 256 MiB on a GPU, 0 and 1 MiB on the CPU",
+    )
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", type=Path, help="directory for growth.json and growth.png")
     p.add_argument("--method", choices=METHODS, help=argparse.SUPPRESS)
@@ -238,31 +285,64 @@ def main(argv: list[str] | None = None) -> dict:
         return {}
     g = geometry(args)
     chunks = args.chunks or ([0, 64 << 20, 256 << 20] if platform == "gpu" else [0, 1 << 20])
-    print(f"grow {fmt_bytes(g['bytes_from'])} -> {fmt_bytes(g['bytes_to'])} "
-          f"({g['tokens_from']} -> {g['tokens_to']} tokens, {g['layers']} layers, "
-          f"{g['heads']}x{g['head_dim']} {g['dtype']}) on {platform}; {args.repeats} repeats")
+    print(
+        f"grow {fmt_bytes(g['bytes_from'])} -> {fmt_bytes(g['bytes_to'])} "
+        f"({g['tokens_from']} -> {g['tokens_to']} tokens, {g['layers']} layers, "
+        f"{g['heads']}x{g['head_dim']} {g['dtype']}) on {platform}; {args.repeats} repeats"
+    )
     runs = [("stacked", 0), ("per-layer", 0)] + [("jax_vmm", c) for c in chunks]
     results = []
-    passthrough = ["--from-gib", str(args.from_gib), "--to-gib", str(args.to_gib),
-                   "--scale", repr(args.scale), "--layers", str(args.layers),
-                   "--kv-heads", str(args.kv_heads), "--head-dim", str(args.head_dim),
-                   "--dtype", args.dtype, "--repeats", str(args.repeats)]
+    passthrough = [
+        "--from-gib",
+        str(args.from_gib),
+        "--to-gib",
+        str(args.to_gib),
+        "--scale",
+        repr(args.scale),
+        "--layers",
+        str(args.layers),
+        "--kv-heads",
+        str(args.kv_heads),
+        "--head-dim",
+        str(args.head_dim),
+        "--dtype",
+        args.dtype,
+        "--repeats",
+        str(args.repeats),
+    ]
     for method, chunk in runs:
         with tempfile.NamedTemporaryFile(suffix=".json") as f:
-            cmd = [sys.executable, __file__, *passthrough, "--method", method,
-                   "--chunk", str(chunk), "--child-out", f.name]
+            cmd = [
+                sys.executable,
+                __file__,
+                *passthrough,
+                "--method",
+                method,
+                "--chunk",
+                str(chunk),
+                "--child-out",
+                f.name,
+            ]
             proc = subprocess.run(cmd, capture_output=True, text=True)
             if proc.returncode != 0:
-                print(f"{method} (chunk {chunk}) FAILED (exit {proc.returncode}):\n"
-                      f"{proc.stderr[-3000:]}")
+                print(
+                    f"{method} (chunk {chunk}) FAILED (exit {proc.returncode}):\n"
+                    f"{proc.stderr[-3000:]}"
+                )
                 results.append({"method": method, "chunk": chunk, "error": proc.stderr[-3000:]})
                 continue
             r = json.loads(Path(f.name).read_text())
         r["peak_growth_bytes"] = peak_growth_bytes(r, g, platform)
         results.append(r)
-    report = {"platform": platform, "device": jax.devices()[0].device_kind,
-              "jax": jax.__version__, "geometry": g, "repeats": args.repeats,
-              "results": results, "command": command_line(__file__, argv)}
+    report = {
+        "platform": platform,
+        "device": jax.devices()[0].device_kind,
+        "jax": jax.__version__,
+        "geometry": g,
+        "repeats": args.repeats,
+        "results": results,
+        "command": command_line(__file__, argv),
+    }
     print_table(report)
     if args.out:
         write_json(args.out / "growth.json", report)
@@ -272,12 +352,23 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def _label(r: dict) -> str:
-    return f"jax_vmm (chunk {fmt_bytes(r['chunk_bytes'])})" if r["method"] == "jax_vmm" \
+    return (
+        f"jax_vmm (chunk {fmt_bytes(r['chunk_bytes'])})"
+        if r["method"] == "jax_vmm"
         else f"plain JAX, {r['method']}"
+    )
 
 
-TABLE = Table(("method", 34, "<"), ("first", 9), ("median", 9), ("vs stacked", 10),
-              ("vs per-layer", 12), ("peak mem", 10), ("x final", 8), ("data", 0, "<"))
+TABLE = Table(
+    ("method", 34, "<"),
+    ("first", 9),
+    ("median", 9),
+    ("vs stacked", 10),
+    ("vs per-layer", 12),
+    ("peak mem", 10),
+    ("x final", 8),
+    ("data", 0, "<"),
+)
 
 
 def print_table(report: dict) -> None:
@@ -287,10 +378,17 @@ def print_table(report: dict) -> None:
     for r in ok:
         med = float(np.median(r["times_s"]))
         ratios = [f"{plain[m] / med:.1f}x" if m in plain else "-" for m in ("stacked", "per-layer")]
-        print(TABLE.row(_label(r), f"{1e3 * r['times_s'][0]:.2f}ms", f"{1e3 * med:.2f}ms",
-                        *ratios, fmt_bytes(r["peak_growth_bytes"]),
-                        f"{r['peak_growth_bytes'] / g['bytes_to']:.2f}x",
-                        "ok" if r["data_ok"] else "BAD"))
+        print(
+            TABLE.row(
+                _label(r),
+                f"{1e3 * r['times_s'][0]:.2f}ms",
+                f"{1e3 * med:.2f}ms",
+                *ratios,
+                fmt_bytes(r["peak_growth_bytes"]),
+                f"{r['peak_growth_bytes'] / g['bytes_to']:.2f}x",
+                "ok" if r["data_ok"] else "BAD",
+            )
+        )
 
 
 def plot(report: dict, path: Path) -> None:
@@ -298,8 +396,10 @@ def plot(report: dict, path: Path) -> None:
     labels = [_label(r).replace(", ", "\n").replace(" (", "\n(") for r in ok]
     colors = ["tab:red" if r["method"] != "jax_vmm" else "tab:blue" for r in ok]
     g = report["geometry"]
-    title = (f"grow KV cache {fmt_bytes(g['bytes_from'])} -> {fmt_bytes(g['bytes_to'])} "
-             f"({report['device']})")
+    title = (
+        f"grow KV cache {fmt_bytes(g['bytes_from'])} -> {fmt_bytes(g['bytes_to'])} "
+        f"({report['device']})"
+    )
     with two_panel_figure(path, title) as (a1, a2):
         a1.bar(labels, [1e3 * float(np.median(r["times_s"])) for r in ok], color=colors)
         a1.set_yscale("log")

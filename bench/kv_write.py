@@ -29,23 +29,38 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
-from _common import GiB, MiB, Table, copy_bandwidth, median_time, parse_list, write_json
 
 import jax_vmm
+from _common import GiB, MiB, Table, copy_bandwidth, median_time, parse_list, write_json
 from jax_vmm import ops
 
-DECODE = Table(("capacity", 10), ("n", 5), ("mode", 5), ("ours", 9), ("through", 9), ("xla", 9),
-               ("ours/xla", 9), ("thr/xla", 8))
-PREFILL = Table(("capacity", 10), ("n", 6), ("ours GB/s", 10), ("ours %", 7), ("thr GB/s", 9),
-                ("thr %", 6), ("xla GB/s", 9), ("xla %", 6))
+DECODE = Table(
+    ("capacity", 10),
+    ("n", 5),
+    ("mode", 5),
+    ("ours", 9),
+    ("through", 9),
+    ("xla", 9),
+    ("ours/xla", 9),
+    ("thr/xla", 8),
+)
+PREFILL = Table(
+    ("capacity", 10),
+    ("n", 6),
+    ("ours GB/s", 10),
+    ("ours %", 7),
+    ("thr GB/s", 9),
+    ("thr %", 6),
+    ("xla GB/s", 9),
+    ("xla %", 6),
+)
 
 
 class Writer:
     """One way of writing `n` tokens per step into a cache of `num_slots` slots: runs
     `loop` steps per executable call, slots advancing by n each step (wrapping)."""
 
-    def __init__(self, kind: str, num_slots: int, n: int, loop: int, h: int, d: int, dtype,
-                 device):
+    def __init__(self, kind: str, num_slots: int, n: int, loop: int, h: int, d: int, dtype, device):
         self.kind, self.num_slots, self.n, self.loop = kind, num_slots, n, loop
         self.device = device
         rng = np.random.default_rng(n)
@@ -56,27 +71,39 @@ class Writer:
             self.k = jax.device_put(jnp.zeros((num_slots, h, d), dtype), device)
             self.v = jax.device_put(jnp.zeros((num_slots, h, d), dtype), device)
         else:
-            self.kv = jax_vmm.kv_arena(num_layers=1, num_kv_heads=h, head_dim=d,
-                                       max_tokens=num_slots, dtype=dtype, device=device,
-                                       initial_tokens=num_slots)
+            self.kv = jax_vmm.kv_arena(
+                num_layers=1,
+                num_kv_heads=h,
+                head_dim=d,
+                max_tokens=num_slots,
+                dtype=dtype,
+                device=device,
+                initial_tokens=num_slots,
+            )
             self.k, self.v = self.kv.k[0], self.kv.v[0]
         self.start = jax.device_put(jnp.int32(0), device)
         self.exe = self._compile()
 
     def _slots(self, start, i):
-        return ((start + i * self.n + jnp.arange(self.n, dtype=jnp.int32))
-                % self.num_slots).astype(jnp.int32)
+        return ((start + i * self.n + jnp.arange(self.n, dtype=jnp.int32)) % self.num_slots).astype(
+            jnp.int32
+        )
 
     def _compile(self):
         nk, nv, loop = self.nk, self.nv, self.loop
         if self.kind == "through":
+
             def f(k, v, start, nk, nv):
                 def body(i, acc):
                     st = ops.kv_write_through(k, v, nk, nv, self._slots(start, i))
                     return acc + st[0, 0]
+
                 acc = jax.lax.fori_loop(0, loop, body, jnp.int32(0))
                 return start + loop * self.n, acc
-            return jax.jit(f, donate_argnums=(2,)).lower(self.k, self.v, self.start, nk, nv).compile()
+
+            return (
+                jax.jit(f, donate_argnums=(2,)).lower(self.k, self.v, self.start, nk, nv).compile()
+            )
 
         def update(k, v, slots):
             if self.kind == "xla":
@@ -84,8 +111,11 @@ class Writer:
             return ops.kv_write(k, v, nk, nv, slots)
 
         def g(k, v, start):
-            k, v = jax.lax.fori_loop(0, loop, lambda i, c: update(*c, self._slots(start, i)), (k, v))
+            k, v = jax.lax.fori_loop(
+                0, loop, lambda i, c: update(*c, self._slots(start, i)), (k, v)
+            )
             return k, v, start + loop * self.n
+
         return jax.jit(g, donate_argnums=(0, 1, 2)).lower(self.k, self.v, self.start).compile()
 
     def step(self):
@@ -113,13 +143,24 @@ def main(argv: list[str] | None = None) -> int:
     dev = jax.devices()[0]
     gpu = dev.platform != "cpu"
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--capacities", type=parse_list(float),
-                   default="1,32" if gpu else "0.015625,0.125",
-                   help="total K+V cache sizes in GiB (comma separated)")
-    p.add_argument("--batches", type=parse_list(int), default="1,8,64" if gpu else "8",
-                   help="decode batch sizes (tokens per write)")
-    p.add_argument("--prefill", type=parse_list(int), default="4096,32768" if gpu else "1024",
-                   help="prefill sizes (tokens per write)")
+    p.add_argument(
+        "--capacities",
+        type=parse_list(float),
+        default="1,32" if gpu else "0.015625,0.125",
+        help="total K+V cache sizes in GiB (comma separated)",
+    )
+    p.add_argument(
+        "--batches",
+        type=parse_list(int),
+        default="1,8,64" if gpu else "8",
+        help="decode batch sizes (tokens per write)",
+    )
+    p.add_argument(
+        "--prefill",
+        type=parse_list(int),
+        default="4096,32768" if gpu else "1024",
+        help="prefill sizes (tokens per write)",
+    )
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--dtype", default="bfloat16")
@@ -131,8 +172,10 @@ def main(argv: list[str] | None = None) -> int:
     tb = args.heads * args.head_dim * args.dtype.itemsize
     rows: list[dict] = []
 
-    print(f"device {dev.device_kind} ({dev.platform}); token {args.heads}x{args.head_dim} "
-          f"{args.dtype.name} = {tb} B per K or V")
+    print(
+        f"device {dev.device_kind} ({dev.platform}); token {args.heads}x{args.head_dim} "
+        f"{args.dtype.name} = {tb} B per K or V"
+    )
     bw = copy_bandwidth(dev, (1 * GiB) if gpu else 64 * MiB)
     print(f"device copy bandwidth (read + write): {bw / 1e9:.1f} GB/s\n")
 
@@ -142,16 +185,32 @@ def main(argv: list[str] | None = None) -> int:
         num_slots = int(cap_gib * GiB) // (2 * tb)
         for n in args.batches:
             for mode, loop in (("loop", args.loop), ("call", 1)):
-                t = {k: per_write(k, num_slots, n, loop, args, dev, args.repeats)
-                     for k in ("ours", "through", "xla")}
-                row = dict(kind="decode", capacity_gib=cap_gib, n=n, mode=mode,
-                           **{f"{k}_us": v * 1e6 for k, v in t.items()},
-                           ours_over_xla=t["ours"] / t["xla"],
-                           through_over_xla=t["through"] / t["xla"])
+                t = {
+                    k: per_write(k, num_slots, n, loop, args, dev, args.repeats)
+                    for k in ("ours", "through", "xla")
+                }
+                row = dict(
+                    kind="decode",
+                    capacity_gib=cap_gib,
+                    n=n,
+                    mode=mode,
+                    **{f"{k}_us": v * 1e6 for k, v in t.items()},
+                    ours_over_xla=t["ours"] / t["xla"],
+                    through_over_xla=t["through"] / t["xla"],
+                )
                 rows.append(row)
-                print(DECODE.row(f"{cap_gib:g}G", n, mode, f"{row['ours_us']:.2f}",
-                                 f"{row['through_us']:.2f}", f"{row['xla_us']:.2f}",
-                                 f"{row['ours_over_xla']:.3f}", f"{row['through_over_xla']:.3f}"))
+                print(
+                    DECODE.row(
+                        f"{cap_gib:g}G",
+                        n,
+                        mode,
+                        f"{row['ours_us']:.2f}",
+                        f"{row['through_us']:.2f}",
+                        f"{row['xla_us']:.2f}",
+                        f"{row['ours_over_xla']:.3f}",
+                        f"{row['through_over_xla']:.3f}",
+                    )
+                )
 
     print("\nprefill: bandwidth (read + write) as a share of the device copy bandwidth")
     print(PREFILL.header())
@@ -163,21 +222,44 @@ def main(argv: list[str] | None = None) -> int:
             continue
         moved = 2 * 2 * n * tb  # K and V, each read once and written once
         loop = max(1, min(args.loop, num_slots // n))
-        t = {k: per_write(k, num_slots, n, loop, args, dev, args.repeats)
-             for k in ("ours", "through", "xla")}
-        row = dict(kind="prefill", capacity_gib=cap_gib, n=n, copy_gbps=bw / 1e9,
-                   **{f"{k}_gbps": moved / v / 1e9 for k, v in t.items()},
-                   **{f"{k}_pct_of_copy": 100 * moved / v / bw for k, v in t.items()})
+        t = {
+            k: per_write(k, num_slots, n, loop, args, dev, args.repeats)
+            for k in ("ours", "through", "xla")
+        }
+        row = dict(
+            kind="prefill",
+            capacity_gib=cap_gib,
+            n=n,
+            copy_gbps=bw / 1e9,
+            **{f"{k}_gbps": moved / v / 1e9 for k, v in t.items()},
+            **{f"{k}_pct_of_copy": 100 * moved / v / bw for k, v in t.items()},
+        )
         rows.append(row)
-        print(PREFILL.row(f"{cap_gib:g}G", n,
-                          f"{row['ours_gbps']:.1f}", f"{row['ours_pct_of_copy']:.1f}%",
-                          f"{row['through_gbps']:.1f}", f"{row['through_pct_of_copy']:.1f}%",
-                          f"{row['xla_gbps']:.1f}", f"{row['xla_pct_of_copy']:.1f}%"))
+        print(
+            PREFILL.row(
+                f"{cap_gib:g}G",
+                n,
+                f"{row['ours_gbps']:.1f}",
+                f"{row['ours_pct_of_copy']:.1f}%",
+                f"{row['through_gbps']:.1f}",
+                f"{row['through_pct_of_copy']:.1f}%",
+                f"{row['xla_gbps']:.1f}",
+                f"{row['xla_pct_of_copy']:.1f}%",
+            )
+        )
 
     print("\nkv_write stats:", ops.kv_write_stats())
     if args.json:
-        write_json(args.json, dict(device=dev.device_kind, platform=dev.platform,
-                                   copy_gbps=bw / 1e9, token_bytes=tb, rows=rows))
+        write_json(
+            args.json,
+            dict(
+                device=dev.device_kind,
+                platform=dev.platform,
+                copy_gbps=bw / 1e9,
+                token_bytes=tb,
+                rows=rows,
+            ),
+        )
     return 0
 
 

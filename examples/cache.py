@@ -46,8 +46,15 @@ class KVCache(Protocol):
 
     def arrays(self) -> Cache: ...
     def update(self, cache: Cache) -> None: ...
-    def write(self, layer: int, k: jax.Array, v: jax.Array, new_k: jax.Array,
-              new_v: jax.Array, slots: jax.Array) -> Any: ...
+    def write(
+        self,
+        layer: int,
+        k: jax.Array,
+        v: jax.Array,
+        new_k: jax.Array,
+        new_v: jax.Array,
+        slots: jax.Array,
+    ) -> Any: ...
     def ensure(self, seq: int, num_tokens: int) -> None: ...
     def release(self, seq: int) -> None: ...
     def check(self) -> None: ...
@@ -69,8 +76,9 @@ class PreallocatedCache:
     write_through = False
     tail_may_be_garbage = False  # zeros, or finite tokens the model wrote earlier
 
-    def __init__(self, cfg: ModelConfig, *, max_seqs: int, max_tokens: int,
-                 device: jax.Device | None = None) -> None:
+    def __init__(
+        self, cfg: ModelConfig, *, max_seqs: int, max_tokens: int, device: jax.Device | None = None
+    ) -> None:
         self.max_seqs, self.max_tokens = max_seqs, max_tokens
         shape = (max_seqs, max_tokens, cfg.num_kv_heads, cfg.head_dim)
         with jax.default_device(device) if device is not None else contextlib.nullcontext():
@@ -86,8 +94,9 @@ class PreallocatedCache:
         self._k, self._v = cache
 
     @staticmethod
-    def write(layer: int, k: jax.Array, v: jax.Array, new_k: jax.Array, new_v: jax.Array,
-              slots: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def write(
+        layer: int, k: jax.Array, v: jax.Array, new_k: jax.Array, new_v: jax.Array, slots: jax.Array
+    ) -> tuple[jax.Array, jax.Array]:
         b, t, h, d = k.shape
         # Negative slots would wrap around in JAX indexing: send them out of range, where
         # mode="drop" skips them.
@@ -101,8 +110,10 @@ class PreallocatedCache:
 
     def ensure(self, seq: int, num_tokens: int) -> None:
         if num_tokens > self.max_tokens:
-            raise ValueError(f"sequence {seq} needs {num_tokens} tokens, cache holds "
-                             f"{self.max_tokens} per sequence")
+            raise ValueError(
+                f"sequence {seq} needs {num_tokens} tokens, cache holds "
+                f"{self.max_tokens} per sequence"
+            )
 
     def release(self, seq: int) -> None:
         pass  # the memory stays held: that is the baseline's cost
@@ -117,8 +128,12 @@ class PreallocatedCache:
         return self._bytes
 
     def stats(self) -> dict[str, Any]:
-        return {"backed_bytes": self._bytes, "peak_backed_bytes": self._bytes,
-                "commit_calls": 0, "commit_seconds": 0.0}
+        return {
+            "backed_bytes": self._bytes,
+            "peak_backed_bytes": self._bytes,
+            "commit_calls": 0,
+            "commit_seconds": 0.0,
+        }
 
     def close(self) -> None:
         for a in (*self._k, *self._v):
@@ -132,9 +147,16 @@ class VmmCache:
 
     name = "jax_vmm"
 
-    def __init__(self, cfg: ModelConfig, *, max_seqs: int, max_tokens: int,
-                 device: jax.Device | None = None, chunk_bytes: int | None = None,
-                 write: str = "auto") -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        *,
+        max_seqs: int,
+        max_tokens: int,
+        device: jax.Device | None = None,
+        chunk_bytes: int | None = None,
+        write: str = "auto",
+    ) -> None:
         import jax_vmm  # only this backend needs the extension
 
         if write not in WRITE_MODES:
@@ -150,9 +172,15 @@ class VmmCache:
         self._write_fn = jax_vmm.kv_write_through if self.write_through else jax_vmm.kv_write
         self.max_seqs, self.max_tokens = max_seqs, max_tokens
         self.kv = jax_vmm.kv_arena(
-            num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
-            head_dim=cfg.head_dim, max_tokens=max_tokens, dtype=cfg.jnp_dtype,
-            device=device, max_seqs=max_seqs, chunk_bytes=chunk_bytes)
+            num_layers=cfg.num_layers,
+            num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            max_tokens=max_tokens,
+            dtype=cfg.jnp_dtype,
+            device=device,
+            max_seqs=max_seqs,
+            chunk_bytes=chunk_bytes,
+        )
         self._dests = [self.kv.dest(i) for i in range(cfg.num_layers)]
         self._backed_tokens = [0] * max_seqs  # host mirror: skip no-op ensure() calls
         self._cache: Cache | None = None
@@ -160,16 +188,25 @@ class VmmCache:
         self.ensure_calls = 0
         self.ensure_seconds = 0.0
 
-    def write(self, layer: int, k: jax.Array, v: jax.Array, new_k: jax.Array,
-              new_v: jax.Array, slots: jax.Array) -> Any:
+    def write(
+        self,
+        layer: int,
+        k: jax.Array,
+        v: jax.Array,
+        new_k: jax.Array,
+        new_v: jax.Array,
+        slots: jax.Array,
+    ) -> Any:
         return self._write_fn(k, v, new_k, new_v, slots, dest=self._dests[layer])
 
     def arrays(self) -> Cache:
         if self._cache is not None:
             return self._cache
         # Zero-copy views of the arena (kv_arena caches them until a donation uses one up).
-        return (tuple(self.kv.k[i] for i in range(self.kv.num_layers)),
-                tuple(self.kv.v[i] for i in range(self.kv.num_layers)))
+        return (
+            tuple(self.kv.k[i] for i in range(self.kv.num_layers)),
+            tuple(self.kv.v[i] for i in range(self.kv.num_layers)),
+        )
 
     def update(self, cache: Cache) -> None:
         """Takes a kv_write step's returned cache. With donation honoured (GPU) those
@@ -185,7 +222,8 @@ class VmmCache:
         aliased = all(
             _address(a) == buf.address
             for arrs, bufs in ((cache[0], self.kv.k_buffers), (cache[1], self.kv.v_buffers))
-            for a, buf in zip(arrs, bufs))
+            for a, buf in zip(arrs, bufs)
+        )
         self.alias_misses += not aliased
         self._cache = cache if aliased else None
 
@@ -233,12 +271,25 @@ def _address(a: jax.Array) -> int:
         return -1
 
 
-def make_cache(backend: str, cfg: ModelConfig, *, max_seqs: int, max_tokens: int,
-               device: jax.Device | None = None, chunk_bytes: int | None = None,
-               write: str = "auto") -> KVCache:
+def make_cache(
+    backend: str,
+    cfg: ModelConfig,
+    *,
+    max_seqs: int,
+    max_tokens: int,
+    device: jax.Device | None = None,
+    chunk_bytes: int | None = None,
+    write: str = "auto",
+) -> KVCache:
     if backend == "prealloc":
         return PreallocatedCache(cfg, max_seqs=max_seqs, max_tokens=max_tokens, device=device)
     if backend == "jax_vmm":
-        return VmmCache(cfg, max_seqs=max_seqs, max_tokens=max_tokens, device=device,
-                        chunk_bytes=chunk_bytes, write=write)
+        return VmmCache(
+            cfg,
+            max_seqs=max_seqs,
+            max_tokens=max_tokens,
+            device=device,
+            chunk_bytes=chunk_bytes,
+            write=write,
+        )
     raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")

@@ -40,10 +40,22 @@ from examples.report import fmt_bytes, plot_memory  # noqa: E402
 # chunk_bytes: the arena's commit unit. On the CPU 16 KiB = 64 tokens of a layer buffer
 # of the cpu preset; on the GPU None = the driver's 2 MiB = 1024 tokens of the gpu preset.
 SERVING = {
-    "cpu": dict(batch=8, max_tokens=512, requests=32, prompt_len=(8, 128),
-                new_tokens=(8, 192), chunk_bytes=16384),
-    "gpu": dict(batch=16, max_tokens=8192, requests=48, prompt_len=(128, 2048),
-                new_tokens=(64, 1024), chunk_bytes=None),
+    "cpu": dict(
+        batch=8,
+        max_tokens=512,
+        requests=32,
+        prompt_len=(8, 128),
+        new_tokens=(8, 192),
+        chunk_bytes=16384,
+    ),
+    "gpu": dict(
+        batch=16,
+        max_tokens=8192,
+        requests=48,
+        prompt_len=(128, 2048),
+        new_tokens=(64, 1024),
+        chunk_bytes=None,
+    ),
 }
 
 
@@ -53,20 +65,34 @@ def resolve_device(name: str) -> jax.Device:
     try:
         return jax.devices(name)[0]
     except RuntimeError as e:
-        raise SystemExit(f"--device {name}: no such JAX platform here ({e}); "
-                         f"available: {jax.devices()}") from e
+        raise SystemExit(
+            f"--device {name}: no such JAX platform here ({e}); available: {jax.devices()}"
+        ) from e
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--backend", choices=BACKENDS, default="jax_vmm",
-                   help="KV cache: jax_vmm arena, or the plain-JAX preallocated baseline")
-    p.add_argument("--preset", choices=("auto", *M.PRESETS), default="auto",
-                   help="model and serving size; auto = gpu on a GPU, else cpu")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        default="jax_vmm",
+        help="KV cache: jax_vmm arena, or the plain-JAX preallocated baseline",
+    )
+    p.add_argument(
+        "--preset",
+        choices=("auto", *M.PRESETS),
+        default="auto",
+        help="model and serving size; auto = gpu on a GPU, else cpu",
+    )
     p.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto")
-    p.add_argument("--attention", choices=ATTENTION_CHOICES, default="auto",
-                   help="auto = jax_vmm.decode_attention for jax_vmm on a GPU, else reference")
+    p.add_argument(
+        "--attention",
+        choices=ATTENTION_CHOICES,
+        default="auto",
+        help="auto = jax_vmm.decode_attention for jax_vmm on a GPU, else reference",
+    )
     p.add_argument("--batch", type=int, help="sequence slots decoded together")
     p.add_argument("--max-tokens", type=int, help="per-sequence cache capacity")
     p.add_argument("--requests", type=int, help="number of requests to serve")
@@ -74,12 +100,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--new-tokens", type=int, nargs=2, metavar=("MIN", "MAX"))
     p.add_argument("--layers", type=int, help="override the preset's layer count")
     p.add_argument("--chunk-bytes", type=int, help="arena commit granularity (jax_vmm)")
-    p.add_argument("--write", choices=WRITE_MODES, default="auto",
-                   help="jax_vmm writes: kv_write with the cache donated (auto on a GPU) or "
-                        "kv_write_through (auto on the CPU, where donation copies)")
+    p.add_argument(
+        "--write",
+        choices=WRITE_MODES,
+        default="auto",
+        help="jax_vmm writes: kv_write with the cache donated (auto on a GPU) or "
+        "kv_write_through (auto on the CPU, where donation copies)",
+    )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=Path("out/decode"),
-                   help="directory for the memory plot and summary.json")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=Path("out/decode"),
+        help="directory for the memory plot and summary.json",
+    )
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--no-progress", action="store_true")
     return p.parse_args(argv)
@@ -95,41 +129,60 @@ def main(argv: list[str] | None = None) -> dict:
     if args.layers:
         cfg = dataclasses.replace(cfg, num_layers=args.layers)
     serving = dict(SERVING[preset])
-    overrides = {"batch": args.batch, "max_tokens": args.max_tokens,
-                 "requests": args.requests,
-                 "prompt_len": tuple(args.prompt_len) if args.prompt_len else None,
-                 "new_tokens": tuple(args.new_tokens) if args.new_tokens else None,
-                 "chunk_bytes": args.chunk_bytes}
+    overrides = {
+        "batch": args.batch,
+        "max_tokens": args.max_tokens,
+        "requests": args.requests,
+        "prompt_len": tuple(args.prompt_len) if args.prompt_len else None,
+        "new_tokens": tuple(args.new_tokens) if args.new_tokens else None,
+        "chunk_bytes": args.chunk_bytes,
+    }
     serving.update({k: v for k, v in overrides.items() if v is not None})
 
     with jax.default_device(device):
         params = M.init_params(cfg, seed=args.seed)
-        requests = E.make_requests(cfg, num=serving["requests"],
-                                   prompt_len=serving["prompt_len"],
-                                   new_tokens=serving["new_tokens"], seed=args.seed + 1)
-        cache = make_cache(args.backend, cfg, max_seqs=serving["batch"],
-                           max_tokens=serving["max_tokens"], device=device,
-                           chunk_bytes=serving["chunk_bytes"], write=args.write)
+        requests = E.make_requests(
+            cfg,
+            num=serving["requests"],
+            prompt_len=serving["prompt_len"],
+            new_tokens=serving["new_tokens"],
+            seed=args.seed + 1,
+        )
+        cache = make_cache(
+            args.backend,
+            cfg,
+            max_seqs=serving["batch"],
+            max_tokens=serving["max_tokens"],
+            device=device,
+            chunk_bytes=serving["chunk_bytes"],
+            write=args.write,
+        )
         try:
             attn_name, attend = choose_attention(
-                args.attention, backend=args.backend, platform=device.platform,
+                args.attention,
+                backend=args.backend,
+                platform=device.platform,
                 write_through=cache.write_through,
-                tail_may_be_garbage=cache.tail_may_be_garbage)
+                tail_may_be_garbage=cache.tail_may_be_garbage,
+            )
         except (ValueError, RuntimeError) as e:  # a bad flag combination: say which
             cache.close()
             raise SystemExit(f"decode.py: {e}") from None
         gen = E.Generator(params, cfg, cache, attend)
         print(f"model: {M.config_summary(cfg)}")
-        print(f"serving {len(requests)} requests (prompts {serving['prompt_len'][0]}-"
-              f"{serving['prompt_len'][1]}, new tokens {serving['new_tokens'][0]}-"
-              f"{serving['new_tokens'][1]}) on {serving['batch']} slots x "
-              f"{serving['max_tokens']} tokens | backend {cache.name}, writes "
-              f"{_write_name(cache)}, attention {attn_name}, device {device.platform}")
+        print(
+            f"serving {len(requests)} requests (prompts {serving['prompt_len'][0]}-"
+            f"{serving['prompt_len'][1]}, new tokens {serving['new_tokens'][0]}-"
+            f"{serving['new_tokens'][1]}) on {serving['batch']} slots x "
+            f"{serving['max_tokens']} tokens | backend {cache.name}, writes "
+            f"{_write_name(cache)}, attention {attn_name}, device {device.platform}"
+        )
         gen.precompile(requests)  # before the progress bar: compile time is not serving
         total = sum(r.max_new_tokens for r in requests)
         bar = None
         if not args.no_progress:
             from tqdm import tqdm
+
             bar = tqdm(total=total, unit="tok", desc="generating", dynamic_ncols=True)
         try:
             report = gen.run(requests, progress=bar.update if bar else None)
@@ -145,9 +198,13 @@ def main(argv: list[str] | None = None) -> dict:
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2))
     if not args.no_plot:
         path = args.out / f"decode_memory_{cache.name}.png"
-        plot_memory(report.trace, summary["capacity_bytes"], path,
-                    title=f"KV memory per step ({cache.name}, {device.platform}, "
-                          f"{serving['batch']} slots x {serving['max_tokens']} tokens)")
+        plot_memory(
+            report.trace,
+            summary["capacity_bytes"],
+            path,
+            title=f"KV memory per step ({cache.name}, {device.platform}, "
+            f"{serving['batch']} slots x {serving['max_tokens']} tokens)",
+        )
         print(f"plot: {path}")
     return summary
 
@@ -158,20 +215,36 @@ def _write_name(cache) -> str:
     return "kv_write_through" if cache.write_through else "kv_write (donated)"
 
 
-def summarize(report: E.RunReport, stats: dict, cache, cfg: M.ModelConfig, serving: dict,
-              device: jax.Device, attention: str) -> dict:
+def summarize(
+    report: E.RunReport,
+    stats: dict,
+    cache,
+    cfg: M.ModelConfig,
+    serving: dict,
+    device: jax.Device,
+    attention: str,
+) -> dict:
     capacity = capacity_bytes(cfg, serving["batch"], serving["max_tokens"])
-    peak_backed = max(max((r.backed_bytes for r in report.trace), default=0),
-                      int(stats.get("peak_backed_bytes", 0)))
+    peak_backed = max(
+        max((r.backed_bytes for r in report.trace), default=0),
+        int(stats.get("peak_backed_bytes", 0)),
+    )
     return {
-        "backend": cache.name, "writes": _write_name(cache), "attention": attention,
+        "backend": cache.name,
+        "writes": _write_name(cache),
+        "attention": attention,
         "device": device.platform,
-        "model": dataclasses.asdict(cfg), "serving": serving,
-        "generated_tokens": report.generated_tokens, "seconds": report.seconds,
+        "model": dataclasses.asdict(cfg),
+        "serving": serving,
+        "generated_tokens": report.generated_tokens,
+        "seconds": report.seconds,
         "tokens_per_second": report.generated_tokens / max(report.seconds, 1e-9),
-        "compile_seconds": report.compile_seconds, "decode_steps": report.decode_steps,
-        "prefills": report.prefills, "host_memory_seconds": report.ensure_seconds,
-        "capacity_bytes": capacity, "reserved_bytes": cache.reserved_bytes(),
+        "compile_seconds": report.compile_seconds,
+        "decode_steps": report.decode_steps,
+        "prefills": report.prefills,
+        "host_memory_seconds": report.ensure_seconds,
+        "capacity_bytes": capacity,
+        "reserved_bytes": cache.reserved_bytes(),
         "peak_backed_bytes": peak_backed,
         "final_backed_bytes": report.trace[-1].backed_bytes if report.trace else 0,
         "peak_live_bytes": max((r.live_bytes for r in report.trace), default=0),
@@ -186,23 +259,31 @@ def summarize(report: E.RunReport, stats: dict, cache, cfg: M.ModelConfig, servi
 
 def print_summary(s: dict) -> None:
     cap = s["capacity_bytes"]
-    print(f"\n{s['generated_tokens']} tokens in {s['seconds']:.2f} s = "
-          f"{s['tokens_per_second']:.0f} tokens/s ({s['decode_steps']} decode steps, "
-          f"{s['prefills']} prefills; compile {s['compile_seconds']:.1f} s, not counted)")
-    print(f"KV memory: reserved {fmt_bytes(s['reserved_bytes'])} | backed peak "
-          f"{fmt_bytes(s['peak_backed_bytes'])} ({100 * s['peak_backed_bytes'] / cap:.0f}% of "
-          f"a preallocated cache: {fmt_bytes(cap)}) | live tokens peak "
-          f"{fmt_bytes(s['peak_live_bytes'])} | backed at end "
-          f"{fmt_bytes(s['final_backed_bytes'])}")
+    print(
+        f"\n{s['generated_tokens']} tokens in {s['seconds']:.2f} s = "
+        f"{s['tokens_per_second']:.0f} tokens/s ({s['decode_steps']} decode steps, "
+        f"{s['prefills']} prefills; compile {s['compile_seconds']:.1f} s, not counted)"
+    )
+    print(
+        f"KV memory: reserved {fmt_bytes(s['reserved_bytes'])} | backed peak "
+        f"{fmt_bytes(s['peak_backed_bytes'])} ({100 * s['peak_backed_bytes'] / cap:.0f}% of "
+        f"a preallocated cache: {fmt_bytes(cap)}) | live tokens peak "
+        f"{fmt_bytes(s['peak_live_bytes'])} | backed at end "
+        f"{fmt_bytes(s['final_backed_bytes'])}"
+    )
     if s["backend"] == "jax_vmm":
-        print(f"commits: {s['commit_calls']} calls, {1e3 * s['commit_seconds']:.1f} ms | "
-              f"decommits: {s['decommit_calls']} calls, "
-              f"{1e3 * s['decommit_seconds']:.1f} ms | host time in ensure/release "
-              f"{1e3 * s['host_memory_seconds']:.1f} ms")
+        print(
+            f"commits: {s['commit_calls']} calls, {1e3 * s['commit_seconds']:.1f} ms | "
+            f"decommits: {s['decommit_calls']} calls, "
+            f"{1e3 * s['decommit_seconds']:.1f} ms | host time in ensure/release "
+            f"{1e3 * s['host_memory_seconds']:.1f} ms"
+        )
         if s["alias_misses"]:
-            print(f"WARNING: {s['alias_misses']} of {s['decode_steps'] + s['prefills']} "
-                  "steps returned an XLA copy of the cache instead of the arena (donation "
-                  "not honoured): the cache lived outside the arena; use --write through")
+            print(
+                f"WARNING: {s['alias_misses']} of {s['decode_steps'] + s['prefills']} "
+                "steps returned an XLA copy of the cache instead of the arena (donation "
+                "not honoured): the cache lived outside the arena; use --write through"
+            )
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ import collections
 import dataclasses
 import functools
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -44,6 +44,7 @@ class Result:
 class StepRecord:
     """Memory after one engine step (a prefill or a decode step), finished sequences
     already released."""
+
     kind: str  # "prefill" | "decode"
     backed_bytes: int  # physical KV memory held by the backend
     live_bytes: int  # bytes of the tokens actually cached
@@ -62,16 +63,26 @@ class RunReport:
     ensure_seconds: float  # host time spent in cache.ensure/release
 
 
-def make_requests(cfg: M.ModelConfig, *, num: int, prompt_len: tuple[int, int],
-                  new_tokens: tuple[int, int], seed: int) -> list[Request]:
+def make_requests(
+    cfg: M.ModelConfig,
+    *,
+    num: int,
+    prompt_len: tuple[int, int],
+    new_tokens: tuple[int, int],
+    seed: int,
+) -> list[Request]:
     """Seeded requests with prompt lengths and generation lengths uniform in the ranges."""
     rng = np.random.default_rng(seed)
     out = []
     for i in range(num):
         plen = int(rng.integers(prompt_len[0], prompt_len[1] + 1))
-        out.append(Request(
-            id=i, prompt=rng.integers(0, cfg.vocab, plen, dtype=np.int32),
-            max_new_tokens=int(rng.integers(new_tokens[0], new_tokens[1] + 1))))
+        out.append(
+            Request(
+                id=i,
+                prompt=rng.integers(0, cfg.vocab, plen, dtype=np.int32),
+                max_new_tokens=int(rng.integers(new_tokens[0], new_tokens[1] + 1)),
+            )
+        )
     return out
 
 
@@ -96,19 +107,24 @@ class Generator:
     """Compiled prefill/decode steps for one model, cache backend and attention choice.
     Not thread-safe."""
 
-    def __init__(self, params: M.Params, cfg: M.ModelConfig, cache: KVCache,
-                 attend: M.AttendFn) -> None:
+    def __init__(
+        self, params: M.Params, cfg: M.ModelConfig, cache: KVCache, attend: M.AttendFn
+    ) -> None:
         self.params, self.cfg, self.cache = params, cfg, cache
         through = cache.write_through
         # A functional cache is donated (updated in place where XLA can); a write-through
         # cache is an ordinary argument that the step neither returns nor donates.
         donate = () if through else (1,)
         self._decode = jax.jit(
-            functools.partial(M.decode_step, cfg=cfg, write=cache.write, attend=attend,
-                              write_through=through), donate_argnums=donate)
+            functools.partial(
+                M.decode_step, cfg=cfg, write=cache.write, attend=attend, write_through=through
+            ),
+            donate_argnums=donate,
+        )
         self._prefill = jax.jit(
             functools.partial(M.prefill, cfg=cfg, write=cache.write, write_through=through),
-            donate_argnums=donate)
+            donate_argnums=donate,
+        )
         self._compiled: dict[tuple, Callable] = {}
         self.compile_seconds = 0.0
 
@@ -123,8 +139,12 @@ class Generator:
     def decode(self, tokens: np.ndarray, positions: np.ndarray) -> tuple[jax.Array, jax.Array]:
         """One decode step over all slots (positions -1 = idle). Returns (logits, next)."""
         cache = self.cache.arrays()
-        args = (self.params, cache, jnp.asarray(tokens, jnp.int32),
-                jnp.asarray(positions, jnp.int32))
+        args = (
+            self.params,
+            cache,
+            jnp.asarray(tokens, jnp.int32),
+            jnp.asarray(positions, jnp.int32),
+        )
         fn = self._get(("decode",), self._decode, *args)
         logits, nxt, out = fn(*args)
         if not self.cache.write_through:  # else `out` is the write statuses: not needed
@@ -136,8 +156,13 @@ class Generator:
         bucket = prompt_bucket(len(prompt))
         padded = np.zeros(bucket, np.int32)
         padded[: len(prompt)] = prompt
-        args = (self.params, self.cache.arrays(), jnp.asarray(padded),
-                jnp.int32(len(prompt)), jnp.int32(seq))
+        args = (
+            self.params,
+            self.cache.arrays(),
+            jnp.asarray(padded),
+            jnp.int32(len(prompt)),
+            jnp.int32(seq),
+        )
         fn = self._get(("prefill", bucket), self._prefill, *args)
         logits, out = fn(*args)
         if not self.cache.write_through:
@@ -158,13 +183,23 @@ class Generator:
         args = (self.params, self.cache.arrays(), jnp.asarray(z), jnp.asarray(z))
         self._get(("decode",), self._decode, *args)
         for bucket in sorted({prompt_bucket(len(r.prompt)) for r in requests}):
-            args = (self.params, self.cache.arrays(), jnp.zeros(bucket, jnp.int32),
-                    jnp.int32(1), jnp.int32(0))
+            args = (
+                self.params,
+                self.cache.arrays(),
+                jnp.zeros(bucket, jnp.int32),
+                jnp.int32(1),
+                jnp.int32(0),
+            )
             self._get(("prefill", bucket), self._prefill, *args)
 
-    def run(self, requests: list[Request], *, record_logits: bool = False,
-            progress: Callable[[int], None] | None = None,
-            force_tokens: dict[int, list[int]] | None = None) -> RunReport:
+    def run(
+        self,
+        requests: list[Request],
+        *,
+        record_logits: bool = False,
+        progress: Callable[[int], None] | None = None,
+        force_tokens: dict[int, list[int]] | None = None,
+    ) -> RunReport:
         """Serves all requests with continuous batching; greedy sampling.
 
         force_tokens (request id -> tokens): feed these back instead of the greedy ones
@@ -176,7 +211,8 @@ class Generator:
             if len(r.prompt) < 1 or r.max_new_tokens < 1 or need > max_tokens:
                 raise ValueError(
                     f"request {r.id}: prompt {len(r.prompt)} + {r.max_new_tokens} new tokens "
-                    f"needs {need} cached tokens; the cache holds 1..{max_tokens} per sequence")
+                    f"needs {need} cached tokens; the cache holds 1..{max_tokens} per sequence"
+                )
         self.precompile(requests)
         bpt = self.cfg.kv_bytes_per_token
         queue = collections.deque(requests)
@@ -188,8 +224,11 @@ class Generator:
 
         def record(kind: str) -> None:
             live = sum(s.position for s in slots if s is not None)
-            trace.append(StepRecord(kind, cache.backed_bytes(), live * bpt,
-                                    sum(s is not None for s in slots)))
+            trace.append(
+                StepRecord(
+                    kind, cache.backed_bytes(), live * bpt, sum(s is not None for s in slots)
+                )
+            )
 
         def emit(seq: int, token: int, logits: np.ndarray | None) -> None:
             nonlocal generated, host_seconds
@@ -224,8 +263,7 @@ class Generator:
                     logits = self.prefill(seq, req.prompt)
                     host_logits = np.asarray(logits)
                     prefills += 1
-                    emit(seq, int(np.argmax(host_logits)),
-                         host_logits if record_logits else None)
+                    emit(seq, int(np.argmax(host_logits)), host_logits if record_logits else None)
                     record("prefill")
             if not any(slots):
                 continue
@@ -246,12 +284,17 @@ class Generator:
                     slots[seq].position += 1
             for seq in range(cache.max_seqs):
                 if slots[seq] is not None:
-                    emit(seq, int(nxt[seq]),
-                         host_logits[seq] if host_logits is not None else None)
+                    emit(seq, int(nxt[seq]), host_logits[seq] if host_logits is not None else None)
             record("decode")
         seconds = time.perf_counter() - t_start
         cache.check()  # no write was dropped (every token was committed before its step)
         return RunReport(
-            results=[results[r.id] for r in requests], trace=trace, seconds=seconds,
-            compile_seconds=self.compile_seconds, generated_tokens=generated,
-            decode_steps=decode_steps, prefills=prefills, ensure_seconds=host_seconds)
+            results=[results[r.id] for r in requests],
+            trace=trace,
+            seconds=seconds,
+            compile_seconds=self.compile_seconds,
+            generated_tokens=generated,
+            decode_steps=decode_steps,
+            prefills=prefills,
+            ensure_seconds=host_seconds,
+        )

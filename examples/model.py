@@ -21,7 +21,8 @@ Two ways to write the cache, chosen by the cache backend (`write_through`):
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, NamedTuple, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -53,7 +54,8 @@ class ModelConfig:
         if self.num_q_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_q_heads ({self.num_q_heads}) must be a multiple of num_kv_heads "
-                f"({self.num_kv_heads}) for grouped-query attention")
+                f"({self.num_kv_heads}) for grouped-query attention"
+            )
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
 
@@ -67,8 +69,13 @@ class ModelConfig:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.jnp_dtype.itemsize
 
     def num_params(self) -> int:
-        d, hq, hk, hd, f = (self.d_model, self.num_q_heads, self.num_kv_heads,
-                            self.head_dim, self.ffn_dim)
+        d, hq, hk, hd, f = (
+            self.d_model,
+            self.num_q_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.ffn_dim,
+        )
         per_layer = 2 * d + d * hq * hd * 2 + d * hk * hd * 2 + 3 * d * f
         return 2 * self.vocab * d + d + self.num_layers * per_layer
 
@@ -77,8 +84,16 @@ PRESETS: dict[str, ModelConfig] = {
     # Runs on a 2-core CPU in seconds.
     "cpu": ModelConfig(),
     # A realistic decode shape: 8 layers, 32 query / 8 KV heads of 128, bf16 (~1.4B params).
-    "gpu": ModelConfig(vocab=32_000, d_model=4096, num_layers=8, num_q_heads=32,
-                       num_kv_heads=8, head_dim=128, ffn_dim=8192, dtype="bfloat16"),
+    "gpu": ModelConfig(
+        vocab=32_000,
+        d_model=4096,
+        num_layers=8,
+        num_q_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        ffn_dim=8192,
+        dtype="bfloat16",
+    ),
 }
 
 
@@ -123,13 +138,16 @@ def init_params(cfg: ModelConfig, seed: int = 0) -> Params:
             w_up=dense((d, cfg.ffn_dim)),
             w_down=dense((cfg.ffn_dim, d)),
         )
-        for _ in range(cfg.num_layers))
+        for _ in range(cfg.num_layers)
+    )
     embed = jax.random.normal(next(keys), (cfg.vocab, d), jnp.float32).astype(dt)
-    return Params(embed=embed, layers=layers, final_norm=jnp.ones((d,), dt),
-                  unembed=dense((d, cfg.vocab)))
+    return Params(
+        embed=embed, layers=layers, final_norm=jnp.ones((d,), dt), unembed=dense((d, cfg.vocab))
+    )
 
 
 # ----------------------------------------------------------------------------- blocks
+
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     xf = x.astype(jnp.float32)
@@ -152,8 +170,9 @@ def _matmul(x: jax.Array, w: jax.Array) -> jax.Array:
     return jnp.matmul(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
 
 
-def qkv_projection(lp: LayerParams, h: jax.Array, positions: jax.Array,
-                   cfg: ModelConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
+def qkv_projection(
+    lp: LayerParams, h: jax.Array, positions: jax.Array, cfg: ModelConfig
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """h: (N, d_model) normed -> q (N, H_q, D), k and v (N, H_kv, D); q and k rotated."""
     n = h.shape[0]
     q = _matmul(h, lp.wq).reshape(n, cfg.num_q_heads, cfg.head_dim)
@@ -174,8 +193,9 @@ def logits_from_hidden(params: Params, x: jax.Array, cfg: ModelConfig) -> jax.Ar
     return jnp.matmul(h, params.unembed, preferred_element_type=jnp.float32)
 
 
-def causal_prompt_attention(q: jax.Array, k: jax.Array, v: jax.Array,
-                            length: jax.Array) -> jax.Array:
+def causal_prompt_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, length: jax.Array
+) -> jax.Array:
     """Causal GQA attention within one prompt. q: (P, H_q, D); k, v: (P, H_kv, D).
     Keys at positions >= length are padding and never attended to."""
     p, hq, d = q.shape
@@ -197,9 +217,17 @@ def causal_prompt_attention(q: jax.Array, k: jax.Array, v: jax.Array,
 Cache = tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]  # (k per layer, v per layer)
 
 
-def prefill(params: Params, cache: Cache, tokens: jax.Array, length: jax.Array,
-            seq: jax.Array, *, cfg: ModelConfig, write: WriteFn, write_through: bool = False
-            ) -> tuple[jax.Array, Any]:
+def prefill(
+    params: Params,
+    cache: Cache,
+    tokens: jax.Array,
+    length: jax.Array,
+    seq: jax.Array,
+    *,
+    cfg: ModelConfig,
+    write: WriteFn,
+    write_through: bool = False,
+) -> tuple[jax.Array, Any]:
     """Runs one prompt (tokens: int32 (P,), first `length` real, rest padding) for
     sequence `seq`, writes its K/V at positions [0, length) and returns the logits of the
     last real token (vocab,) and the updated cache (write-through: the write statuses).
@@ -224,9 +252,17 @@ def prefill(params: Params, cache: Cache, tokens: jax.Array, length: jax.Array,
     return logits_from_hidden(params, last, cfg), out
 
 
-def decode_step(params: Params, cache: Cache, tokens: jax.Array, positions: jax.Array,
-                *, cfg: ModelConfig, write: WriteFn, attend: AttendFn,
-                write_through: bool = False) -> tuple[jax.Array, jax.Array, Any]:
+def decode_step(
+    params: Params,
+    cache: Cache,
+    tokens: jax.Array,
+    positions: jax.Array,
+    *,
+    cfg: ModelConfig,
+    write: WriteFn,
+    attend: AttendFn,
+    write_through: bool = False,
+) -> tuple[jax.Array, jax.Array, Any]:
     """One token for every sequence slot. tokens: int32 (B,); positions: int32 (B,), the
     position of that token (= tokens already cached), -1 for an idle slot (its write is
     dropped and its output ignored). Returns (logits (B, vocab) fp32, greedy next tokens
@@ -236,8 +272,9 @@ def decode_step(params: Params, cache: Cache, tokens: jax.Array, positions: jax.
     batch, max_tokens = ks[0].shape[0], ks[0].shape[1]
     active = positions >= 0
     pos = jnp.maximum(positions, 0)
-    slots = jnp.where(active, jnp.arange(batch, dtype=jnp.int32) * max_tokens + pos,
-                      -1).astype(jnp.int32)
+    slots = jnp.where(active, jnp.arange(batch, dtype=jnp.int32) * max_tokens + pos, -1).astype(
+        jnp.int32
+    )
     lengths = jnp.where(active, pos + 1, 0).astype(jnp.int32)
     x = params.embed[tokens]
     for i, lp in enumerate(params.layers):
@@ -269,12 +306,23 @@ def forward_no_cache(params: Params, tokens: jax.Array, *, cfg: ModelConfig) -> 
 
 
 def config_summary(cfg: ModelConfig) -> str:
-    return (f"{cfg.num_layers} layers, d_model {cfg.d_model}, {cfg.num_q_heads} q / "
-            f"{cfg.num_kv_heads} kv heads x {cfg.head_dim}, ffn {cfg.ffn_dim}, "
-            f"vocab {cfg.vocab}, {cfg.dtype} ({cfg.num_params() / 1e6:.1f}M params)")
+    return (
+        f"{cfg.num_layers} layers, d_model {cfg.d_model}, {cfg.num_q_heads} q / "
+        f"{cfg.num_kv_heads} kv heads x {cfg.head_dim}, ffn {cfg.ffn_dim}, "
+        f"vocab {cfg.vocab}, {cfg.dtype} ({cfg.num_params() / 1e6:.1f}M params)"
+    )
 
 
 __all__: Sequence[str] = [
-    "ModelConfig", "PRESETS", "Params", "LayerParams", "init_params", "prefill",
-    "decode_step", "forward_no_cache", "config_summary", "rms_norm", "rope",
+    "ModelConfig",
+    "PRESETS",
+    "Params",
+    "LayerParams",
+    "init_params",
+    "prefill",
+    "decode_step",
+    "forward_no_cache",
+    "config_summary",
+    "rms_norm",
+    "rope",
 ]

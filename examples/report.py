@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 
 def fmt_bytes(n: float) -> str:
@@ -18,18 +18,26 @@ def plot_memory(trace: Sequence, capacity_bytes: int, path: Path, *, title: str)
     """Backed KV memory and live-token bytes per engine step, against the constant
     footprint of a preallocated cache of the same capacity. `trace`: StepRecords."""
     import matplotlib
+
     matplotlib.use("Agg")  # files only, no display needed
     import matplotlib.pyplot as plt
 
-    mib = 1024.0 ** 2
+    mib = 1024.0**2
     steps = list(range(len(trace)))
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=120)
-    ax.axhline(capacity_bytes / mib, color="tab:red", ls="--",
-               label="preallocated cache (plain JAX)")
-    ax.step(steps, [r.backed_bytes / mib for r in trace], where="post", color="tab:blue",
-            label="backed KV memory")
-    ax.plot(steps, [r.live_bytes / mib for r in trace], color="tab:green", lw=1,
-            label="live tokens")
+    ax.axhline(
+        capacity_bytes / mib, color="tab:red", ls="--", label="preallocated cache (plain JAX)"
+    )
+    ax.step(
+        steps,
+        [r.backed_bytes / mib for r in trace],
+        where="post",
+        color="tab:blue",
+        label="backed KV memory",
+    )
+    ax.plot(
+        steps, [r.live_bytes / mib for r in trace], color="tab:green", lw=1, label="live tokens"
+    )
     ax.set_xlabel("engine step (prefills and decode steps)")
     ax.set_ylabel("MiB")
     ax.set_ylim(bottom=0)

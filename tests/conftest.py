@@ -15,8 +15,9 @@ from __future__ import annotations
 import ctypes
 import functools
 import sys
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -32,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "oracles"))
 import maps_oracle as mo  # noqa: E402
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def cuda_vmm_device() -> tuple[jax.Device | None, str]:
     """(the first JAX CUDA device whose driver supports VMM, or None; why not)."""
     try:
@@ -89,8 +90,9 @@ def _cuda_memcpy_htod(ordinal: int, dst: int, src: np.ndarray) -> None:
     except ImportError:
         pytest.skip("writing test data into GPU arena memory needs cupy")
     with cupy.cuda.Device(ordinal):
-        cupy.cuda.runtime.memcpy(dst, src.ctypes.data, src.nbytes,
-                                 cupy.cuda.runtime.memcpyHostToDevice)
+        cupy.cuda.runtime.memcpy(
+            dst, src.ctypes.data, src.nbytes, cupy.cuda.runtime.memcpyHostToDevice
+        )
         # A pageable-memory copy may return before its DMA lands; JAX reads on its own
         # streams next, so wait for the device.
         cupy.cuda.runtime.deviceSynchronize()
@@ -133,9 +135,17 @@ def chunk_states(buf: jax_vmm.Buffer) -> tuple[bool, ...]:
 
 
 STAT_KEYS_STABLE = (
-    "reserved_bytes", "placed_bytes", "backed_bytes", "peak_backed_bytes", "num_buffers",
-    "commit_calls", "decommit_calls", "chunks_created", "chunks_released",
-    "set_access_calls", "closed",
+    "reserved_bytes",
+    "placed_bytes",
+    "backed_bytes",
+    "peak_backed_bytes",
+    "num_buffers",
+    "commit_calls",
+    "decommit_calls",
+    "chunks_created",
+    "chunks_released",
+    "set_access_calls",
+    "closed",
 )
 
 
@@ -166,8 +176,10 @@ class CudaBackingOracle:
 
     def assert_backed_exactly(self, ranges: Iterable[tuple[int, int]]) -> None:
         ranges = mo.merge(ranges)
-        want = tuple("rw" if any(lo <= off < hi for lo, hi in ranges) else "zero"
-                     for off in range(0, self.size, self.chunk))
+        want = tuple(
+            "rw" if any(lo <= off < hi for lo, hi in ranges) else "zero"
+            for off in range(0, self.size, self.chunk)
+        )
         got = self.kinds()
         assert got == want, f"driver says {got}, expected {want}"
 
@@ -175,10 +187,11 @@ class CudaBackingOracle:
         self.assert_backed_exactly([])
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cuda_driver_oracle(ordinal: int) -> Any:
     try:
         import cuda_oracle
+
         return cuda_oracle.CudaOracle(ordinal)
     except Exception:  # noqa: BLE001 - no cuda-python: data and bookkeeping checks only
         return None
@@ -213,7 +226,8 @@ class Harness:
     def arena(self, reserve_bytes: int, chunk_bytes: int | None = None) -> jax_vmm.Arena:
         return self._track(
             lambda: jax_vmm.Arena(reserve_bytes, device=self.device, chunk_bytes=chunk_bytes),
-            lambda a: a)
+            lambda a: a,
+        )
 
     def kv(self, **kw: Any) -> jax_vmm.KVArena:
         kw.setdefault("device", self.device)
@@ -254,7 +268,8 @@ class Harness:
                 continue
             want = tuple(
                 any(lo <= b.offset + i * c and b.offset + (i + 1) * c <= hi for lo, hi in ranges)
-                for i in range(len(states)))
+                for i in range(len(states))
+            )
             assert states == want, f"{b.name}: page table {states}, expected {want}"
         o = self.oracle(arena)
         if o is not None:
@@ -291,4 +306,3 @@ def host_vm(cpu_device) -> Harness:
     h = Harness(cpu_device)
     yield h
     h.close_all()
-

@@ -121,7 +121,14 @@ def test_overlapping_ranges(vm):
     vm.assert_backed(arena, [chunk_range(a, 0, 1), chunk_range(a, 4, 5)])
     # One all-or-nothing call with ranges overlapping each other and what is backed.
     added = arena._handle.commit_ranges(
-        [(a.id, 0, 2 * c), (a.id, c + 1, 3 * c), (b.id, 0, c), (a.id, 2 * c, 3 * c), (b.id, 1, 2 * c)])
+        [
+            (a.id, 0, 2 * c),
+            (a.id, c + 1, 3 * c),
+            (b.id, 0, c),
+            (a.id, 2 * c, 3 * c),
+            (b.id, 1, 2 * c),
+        ]
+    )
     assert added == 4 * c  # a: chunks 1, 2; b: chunks 0, 1
     vm.assert_backed(arena, [chunk_range(a, 0, 3), chunk_range(a, 4, 5), chunk_range(b, 0, 2)])
     runs = arena.stats()["set_access_calls"]
@@ -147,8 +154,8 @@ def test_data_survives_neighbouring_commits_and_decommits(vm):
     other.decommit()
     buf.commit(2 * c, 3 * c)
     got = read_bytes(buf)
-    np.testing.assert_array_equal(got[3 * c:5 * c], data)
-    assert not got[:3 * c].any() and not got[5 * c:].any()
+    np.testing.assert_array_equal(got[3 * c : 5 * c], data)
+    assert not got[: 3 * c].any() and not got[5 * c :].any()
     vm.assert_backed(arena, [chunk_range(buf, 0, 5), chunk_range(buf, 6, 8)])
 
 
@@ -171,10 +178,10 @@ def test_decommitted_data_reads_zeros_after_recommit(vm):
     assert read_bytes(buf).all()
     buf.decommit(c, 3 * c)
     got = read_bytes(buf)
-    assert not got[c:3 * c].any() and got[:c].all() and got[3 * c:].all()
+    assert not got[c : 3 * c].any() and got[:c].all() and got[3 * c :].all()
     buf.commit(c, 3 * c)  # new physical memory must not show old (or foreign) bytes
     got = read_bytes(buf)
-    assert not got[c:3 * c].any(), "recommitted memory is not zero"
+    assert not got[c : 3 * c].any(), "recommitted memory is not zero"
 
 
 def test_full_array_ops_over_a_mostly_unbacked_1gib_buffer(vm):
@@ -289,8 +296,9 @@ def test_arena_is_destroyed_after_its_last_view(cpu_device):
     # Not through the harness: it would keep the arena alive.
     before = mo.jax_vmm_memfds()
     arena = jax_vmm.Arena(1 << 20, device=cpu_device)
-    oracle = mo.HostOracle(arena.base, arena.reserved_bytes,
-                           mo.MemfdProbe.between(before, mo.jax_vmm_memfds()))
+    oracle = mo.HostOracle(
+        arena.base, arena.reserved_bytes, mo.MemfdProbe.between(before, mo.jax_vmm_memfds())
+    )
     buf = arena.allocate((1 << 16,), jnp.float32)
     buf.commit()
     write_bytes(buf, 0, np.full(1 << 16, 2, np.float32))
@@ -309,8 +317,9 @@ def test_arena_is_destroyed_after_its_last_view(cpu_device):
 def test_closed_arena_is_destroyed_after_its_last_view(cpu_device):
     before = mo.jax_vmm_memfds()
     arena = jax_vmm.Arena(1 << 20, device=cpu_device)
-    oracle = mo.HostOracle(arena.base, arena.reserved_bytes,
-                           mo.MemfdProbe.between(before, mo.jax_vmm_memfds()))
+    oracle = mo.HostOracle(
+        arena.base, arena.reserved_bytes, mo.MemfdProbe.between(before, mo.jax_vmm_memfds())
+    )
     buf = arena.allocate((1 << 10,), jnp.float32)
     buf.commit()
     views = [buf.array, buf.view((4096,), jnp.uint8)]
@@ -347,8 +356,11 @@ def _multi_run_setup(vm):
     return arena, (a, b), ranges, after
 
 
-FAULTS = [("create", n) for n in (1, 2, 7, 12)] + [("map", n) for n in (1, 2, 7, 12)] + [
-    ("set_access", n) for n in (1, 2, 3, 5)]
+FAULTS = (
+    [("create", n) for n in (1, 2, 7, 12)]
+    + [("map", n) for n in (1, 2, 7, 12)]
+    + [("set_access", n) for n in (1, 2, 3, 5)]
+)
 
 
 @pytest.mark.parametrize("op,nth", FAULTS)
@@ -368,8 +380,9 @@ def test_failed_commit_leaves_everything_as_before(vm, op, nth):
     vm.assert_backed(arena, after)
     c = vm.chunk
     for buf, chunk in ((bufs[0], 3), (bufs[0], 4), (bufs[0], 9), (bufs[1], 1)):
-        np.testing.assert_array_equal(read_bytes(buf, chunk * c, chunk * c + c),
-                                      pattern(c, seed=chunk))
+        np.testing.assert_array_equal(
+            read_bytes(buf, chunk * c, chunk * c + c), pattern(c, seed=chunk)
+        )
 
 
 @pytest.mark.parametrize("op", ["create", "map", "set_access"])

@@ -6,7 +6,7 @@ be intact. (Commit/decommit release the GIL, so the threads really run in parall
 from __future__ import annotations
 
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 import jax.numpy as jnp
 import numpy as np
@@ -30,6 +30,7 @@ def _run(workers: list[Callable[[], None]]) -> None:
                 fn()
             except BaseException as exc:  # noqa: BLE001 - reported below
                 errors.append(exc)
+
         return run
 
     threads = [threading.Thread(target=wrap(w)) for w in workers]
@@ -78,6 +79,7 @@ def test_threads_on_one_arena(vm):
             own[i].commit(i * c, (i + 2) * c)
             write_bytes(own[i], i * c, pattern(2 * c, seed=i))
             _random_ops(shared, rng, 20)  # the others are still churning
+
         return run
 
     def reader():  # full-array reads racing with commits (host: mapping swaps are atomic)
@@ -95,6 +97,7 @@ def test_threads_on_one_arena(vm):
                 last()
             finally:
                 stop.set()
+
         workers[THREADS - 1] = last_then_stop
     try:
         _run(workers)
@@ -126,10 +129,12 @@ def test_threads_on_several_arenas(vm):
                     # Arenas created and closed while others work (registry, memfds).
                     with jax_vmm.Arena(8 * c, device=vm.device) as tmp:
                         tmp.allocate(2 * c, jnp.uint8).commit()
-                    if vm.is_host and mo.ranges_of(mo.layout(tmp.base, tmp.reserved_bytes),
-                                                   mo.BACKED):
+                    if vm.is_host and mo.ranges_of(
+                        mo.layout(tmp.base, tmp.reserved_bytes), mo.BACKED
+                    ):
                         leftovers.append(f"closed arena at 0x{tmp.base:x} still backed")
             my_bufs[i][0].commit(0, c)  # a known chunk in every private arena
+
         return run
 
     _run([worker(i) for i in range(THREADS)])
@@ -146,8 +151,14 @@ def test_threads_on_kv_sequences(vm):
     no release may take memory from a sequence that ensured it."""
     tpc = vm.chunk // (2 * 64 * 2)
     t = tpc + tpc // 2
-    kv = vm.kv(num_layers=2, num_kv_heads=2, head_dim=64, max_tokens=t, max_seqs=THREADS,
-               dtype=jnp.bfloat16)
+    kv = vm.kv(
+        num_layers=2,
+        num_kv_heads=2,
+        head_dim=64,
+        max_tokens=t,
+        max_seqs=THREADS,
+        dtype=jnp.bfloat16,
+    )
     tb = kv.token_bytes
 
     def writer(q: int) -> Callable[[], None]:
@@ -156,6 +167,7 @@ def test_threads_on_kv_sequences(vm):
                 kv.ensure(n, seq=q)
             for i, b in enumerate(kv.buffers):
                 write_bytes(b, q * kv.seq_bytes, pattern(t * tb, seed=10 * q + i))
+
         return run
 
     def churner(q: int) -> Callable[[], None]:
@@ -166,6 +178,7 @@ def test_threads_on_kv_sequences(vm):
                 if rng.random() < 0.5:
                     kv.release(q)
             kv.release(q)
+
         return run
 
     _run([writer(q) if q % 2 == 0 else churner(q) for q in range(THREADS)])

@@ -11,7 +11,8 @@ import dataclasses
 import functools
 import pathlib
 import re
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 from unittest import mock
 
 import jax
@@ -101,6 +102,7 @@ def _no_cuda_driver() -> str | None:
 
 def _has_gpu() -> str | None:
     from conftest import cuda_vmm_device
+
     return None if cuda_vmm_device()[0] is not None else "needs a CUDA GPU"
 
 
@@ -118,8 +120,11 @@ def _non_vmm_arena(ctx: Ctx) -> Any:
 
 
 def _too_many_buffers(ctx: Ctx) -> None:
-    arena = ctx.vm.arena(4097 * 4096, chunk_bytes=4096) if ctx.vm.is_host else ctx.vm.arena(
-        4097 * ctx.c)
+    arena = (
+        ctx.vm.arena(4097 * 4096, chunk_bytes=4096)
+        if ctx.vm.is_host
+        else ctx.vm.arena(4097 * ctx.c)
+    )
     for _ in range(4097):
         arena.allocate(1, jnp.uint8)
 
@@ -149,100 +154,255 @@ ROWS = [
     # -- Arena(reserve_bytes, device, chunk_bytes) --
     Row("A1", lambda x: x.new_arena(0), ValueError, r"reserve_bytes must be > 0"),
     Row("A2", lambda x: x.new_arena(-1), ValueError, r"reserve_bytes must be >= 0, got -1"),
-    Row("A3", lambda x: x.new_arena(1.5), TypeError, r"reserve_bytes must be an integer, got float"),
-    Row("A4", lambda x: x.new_arena(2**64 + 5), ValueError, r"reserve_bytes.*2\^64|reserve_bytes.*too large",
-        fails_with=TypeError),
-    Row("A5", lambda x: x.new_arena(1 << 62), (ValueError, jax_vmm.DriverError),
+    Row(
+        "A3", lambda x: x.new_arena(1.5), TypeError, r"reserve_bytes must be an integer, got float"
+    ),
+    Row(
+        "A4",
+        lambda x: x.new_arena(2**64 + 5),
+        ValueError,
+        r"reserve_bytes.*2\^64|reserve_bytes.*too large",
+        fails_with=TypeError,
+    ),
+    Row(
+        "A5",
+        lambda x: x.new_arena(1 << 62),
+        (ValueError, jax_vmm.DriverError),
         r"reserve",
-        fails_with=MemoryError),
-    Row("A6", lambda x: x.new_arena(chunk_bytes=1000), ValueError,
-        r"chunk_bytes=1000 .*multiple of .*(page size 4096|granularity)"),
-    Row("A7", lambda x: x.new_arena(chunk_bytes=0), ValueError, r"chunk_bytes must be > 0 \(or None"),
+        fails_with=MemoryError,
+    ),
+    Row(
+        "A6",
+        lambda x: x.new_arena(chunk_bytes=1000),
+        ValueError,
+        r"chunk_bytes=1000 .*multiple of .*(page size 4096|granularity)",
+    ),
+    Row(
+        "A7", lambda x: x.new_arena(chunk_bytes=0), ValueError, r"chunk_bytes must be > 0 \(or None"
+    ),
     Row("A8", lambda x: x.new_arena(chunk_bytes=-4096), ValueError, r"chunk_bytes must be >= 0"),
-    Row("A9", lambda x: x.new_arena(chunk_bytes=4096.0), TypeError, r"chunk_bytes must be an integer"),
-    Row("A10", lambda x: x.new_arena(device="cpu"), TypeError,
-        r"device must be a jax.Device .* got str"),
+    Row(
+        "A9",
+        lambda x: x.new_arena(chunk_bytes=4096.0),
+        TypeError,
+        r"chunk_bytes must be an integer",
+    ),
+    Row(
+        "A10",
+        lambda x: x.new_arena(device="cpu"),
+        TypeError,
+        r"device must be a jax.Device .* got str",
+    ),
     Row("A11", lambda x: x.new_arena(device=object()), TypeError, r"device must be a jax.Device"),
-    Row("A12", lambda x: x.new_arena(device=fake_device("tpu")), ValueError,
-        r"does not support devices of platform 'tpu'.*use a CUDA GPU or the CPU"),
-    Row("A13", lambda x: x.new_arena(device=fake_device("gpu", "rocm 6.2")), ValueError,
-        r"ROCm GPU; jax_vmm supports CUDA GPUs and the CPU"),
-    Row("A14", lambda x: x.new_arena(device=fake_device("gpu", "cuda 12.8")), jax_vmm.DriverError,
+    Row(
+        "A12",
+        lambda x: x.new_arena(device=fake_device("tpu")),
+        ValueError,
+        r"does not support devices of platform 'tpu'.*use a CUDA GPU or the CPU",
+    ),
+    Row(
+        "A13",
+        lambda x: x.new_arena(device=fake_device("gpu", "rocm 6.2")),
+        ValueError,
+        r"ROCm GPU; jax_vmm supports CUDA GPUs and the CPU",
+    ),
+    Row(
+        "A14",
+        lambda x: x.new_arena(device=fake_device("gpu", "cuda 12.8")),
+        jax_vmm.DriverError,
         r"cannot load the CUDA driver library .*libcuda.*install an NVIDIA driver, or use the host",
-        requires=_no_cuda_driver),
-    Row("A15", lambda x: x.new_arena(device=fake_device("gpu", "cuda", ordinal=999)), ValueError,
+        requires=_no_cuda_driver,
+    ),
+    Row(
+        "A15",
+        lambda x: x.new_arena(device=fake_device("gpu", "cuda", ordinal=999)),
+        ValueError,
         r"CUDA device ordinal 999 does not exist; this process sees \d+ CUDA device",
-        requires=_has_gpu),
-    Row("A16", _non_vmm_arena, jax_vmm.DriverError,
-        r"does not support CUDA virtual memory management", requires=_has_non_vmm_gpu),
+        requires=_has_gpu,
+    ),
+    Row(
+        "A16",
+        _non_vmm_arena,
+        jax_vmm.DriverError,
+        r"does not support CUDA virtual memory management",
+        requires=_has_non_vmm_gpu,
+    ),
     # -- Arena.allocate(shape, dtype, name) --
     Row("B1", lambda x: x.arena.allocate(()), ValueError, r"at least one dimension.*got \(\)"),
     Row("B2", lambda x: x.arena.allocate((4, 0)), ValueError, r"all sizes > 0, got \(4, 0\)"),
     Row("B3", lambda x: x.arena.allocate(-3), ValueError, r"all sizes > 0, got \(-3,\)"),
     Row("B4", lambda x: x.arena.allocate((2.5,)), TypeError, r"shape must be a tuple of ints"),
-    Row("B5", lambda x: x.arena.allocate(None), TypeError, r"shape must be a tuple of ints, got None"),
-    Row("B6", lambda x: x.arena.allocate(4, jnp.complex64), TypeError,
-        r"dtype complex64 cannot back an arena buffer; use a float"),
-    Row("B7", lambda x: x.arena.allocate(4, jnp.float8_e4m3fn), TypeError,
-        r"float8_e4m3fn cannot back an arena buffer"),
+    Row(
+        "B5",
+        lambda x: x.arena.allocate(None),
+        TypeError,
+        r"shape must be a tuple of ints, got None",
+    ),
+    Row(
+        "B6",
+        lambda x: x.arena.allocate(4, jnp.complex64),
+        TypeError,
+        r"dtype complex64 cannot back an arena buffer; use a float",
+    ),
+    Row(
+        "B7",
+        lambda x: x.arena.allocate(4, jnp.float8_e4m3fn),
+        TypeError,
+        r"float8_e4m3fn cannot back an arena buffer",
+    ),
     Row("B8", lambda x: x.arena.allocate(4, "float33"), TypeError, r"'float33' is not a JAX dtype"),
-    Row("B9", lambda x: x.arena.allocate(4, name=3), TypeError, r"name must be a str or None, got int"),
-    Row("B10", lambda x: (x.buf, x.arena.allocate(7 * x.c, jnp.uint8, name="big")), jax_vmm.ReservationFullError,
-        r"allocate\('big'\): needs \d+ bytes .*largest free range .* larger reserve_bytes"),
-    Row("B11", lambda x: x.arena.allocate((2**40, 2**40)), (ValueError, jax_vmm.ReservationFullError),
+    Row(
+        "B9",
+        lambda x: x.arena.allocate(4, name=3),
+        TypeError,
+        r"name must be a str or None, got int",
+    ),
+    Row(
+        "B10",
+        lambda x: (x.buf, x.arena.allocate(7 * x.c, jnp.uint8, name="big")),
+        jax_vmm.ReservationFullError,
+        r"allocate\('big'\): needs \d+ bytes .*largest free range .* larger reserve_bytes",
+    ),
+    Row(
+        "B11",
+        lambda x: x.arena.allocate((2**40, 2**40)),
+        (ValueError, jax_vmm.ReservationFullError),
         r"bytes",
-        fails_with=TypeError),
+        fails_with=TypeError,
+    ),
     Row("B12", _too_many_buffers, jax_vmm.ReservationFullError, r"already holds 4096 buffers"),
-    Row("B13", lambda x: x.closed_buf.arena.allocate(4), jax_vmm.ArenaClosedError,
-        r"Arena.allocate: the arena is closed; create a new arena"),
+    Row(
+        "B13",
+        lambda x: x.closed_buf.arena.allocate(4),
+        jax_vmm.ArenaClosedError,
+        r"Arena.allocate: the arena is closed; create a new arena",
+    ),
     # -- Buffer.commit / decommit / backed_prefix / view / free --
-    Row("C1", lambda x: x.buf.commit(10, 5), ValueError,
-        r"'buf': byte range \[10, 5\) is outside \[0, \d+\); expected 0 <= start <= stop <= nbytes"),
+    Row(
+        "C1",
+        lambda x: x.buf.commit(10, 5),
+        ValueError,
+        r"'buf': byte range \[10, 5\) is outside \[0, \d+\); expected 0 <= start <= stop <= nbytes",
+    ),
     Row("C2", lambda x: x.buf.commit(0, x.buf.nbytes + 1), ValueError, r"is outside \[0, \d+\)"),
     Row("C3", lambda x: x.buf.commit(-1), ValueError, r"start must be >= 0, got -1"),
     Row("C4", lambda x: x.buf.commit(0.5), TypeError, r"start must be an integer, got float"),
     Row("C5", lambda x: x.buf.decommit(None), TypeError, r"start must be an integer, got NoneType"),
     Row("C6", lambda x: x.buf.decommit(0, x.buf.nbytes + 1), ValueError, r"is outside"),
     Row("C7", lambda x: x.buf.backed_prefix(5, 1), ValueError, r"is outside"),
-    Row("C8", lambda x: x.buf.view((x.buf.nbytes + 1,), jnp.uint8), ValueError,
-        r"shape needs \d+ bytes but buffer 'buf' has \d+"),
+    Row(
+        "C8",
+        lambda x: x.buf.view((x.buf.nbytes + 1,), jnp.uint8),
+        ValueError,
+        r"shape needs \d+ bytes but buffer 'buf' has \d+",
+    ),
     Row("C9", lambda x: x.buf.view((4,), jnp.complex64), TypeError, r"cannot back an arena buffer"),
-    Row("C10a", lambda x: x.closed_buf.commit(), jax_vmm.ArenaClosedError, r"commit: the arena is closed"),
-    Row("C10b", lambda x: x.closed_buf.decommit(), jax_vmm.ArenaClosedError, r"decommit: the arena is closed"),
-    Row("C10c", lambda x: x.closed_buf.array, jax_vmm.ArenaClosedError, r"Buffer.array: the arena is closed"),
-    Row("C10d", lambda x: x.closed_buf.free(), jax_vmm.ArenaClosedError, r"Buffer.free: the arena is closed"),
-    Row("C11a", lambda x: x.freed_buf.commit(), ValueError, r"no buffer with id \d+ .*was it freed\?"),
+    Row(
+        "C10a",
+        lambda x: x.closed_buf.commit(),
+        jax_vmm.ArenaClosedError,
+        r"commit: the arena is closed",
+    ),
+    Row(
+        "C10b",
+        lambda x: x.closed_buf.decommit(),
+        jax_vmm.ArenaClosedError,
+        r"decommit: the arena is closed",
+    ),
+    Row(
+        "C10c",
+        lambda x: x.closed_buf.array,
+        jax_vmm.ArenaClosedError,
+        r"Buffer.array: the arena is closed",
+    ),
+    Row(
+        "C10d",
+        lambda x: x.closed_buf.free(),
+        jax_vmm.ArenaClosedError,
+        r"Buffer.free: the arena is closed",
+    ),
+    Row(
+        "C11a",
+        lambda x: x.freed_buf.commit(),
+        ValueError,
+        r"no buffer with id \d+ .*was it freed\?",
+    ),
     Row("C11b", lambda x: x.freed_buf.array, ValueError, r"no buffer with id \d+ .*was it freed\?"),
     Row("C12", lambda x: x.freed_buf.free(), ValueError, r"no buffer with id \d+ .*was it freed\?"),
     # -- test hooks and driver failures --
-    Row("D1", lambda x: x.arena.inject_fault("mmap", 1), ValueError,
-        r"unknown driver op 'mmap'; expected 'create', 'map' or 'set_access'"),
-    Row("D2", _oom, (MemoryError, jax_vmm.OutOfMemoryError),
+    Row(
+        "D1",
+        lambda x: x.arena.inject_fault("mmap", 1),
+        ValueError,
+        r"unknown driver op 'mmap'; expected 'create', 'map' or 'set_access'",
+    ),
+    Row(
+        "D2",
+        _oom,
+        (MemoryError, jax_vmm.OutOfMemoryError),
         r"out of physical memory .*\d+ bytes free.*Nothing was committed.*XLA_PYTHON_CLIENT_PREALLOCATE"
-        r".*XLA_PYTHON_CLIENT_MEM_FRACTION"),
+        r".*XLA_PYTHON_CLIENT_MEM_FRACTION",
+    ),
     Row("D3", _injected, jax_vmm.InjectedFault, r"injected fault in driver map"),
     # -- kv_arena(...) --
     Row("E1", lambda x: x.kv_args(num_layers=0), ValueError, r"num_layers must be > 0, got 0"),
     Row("E2", lambda x: x.kv_args(head_dim=-2), ValueError, r"head_dim must be >= 0, got -2"),
-    Row("E3", lambda x: x.kv_args(max_tokens=8.0), TypeError, r"max_tokens must be an integer, got float"),
+    Row(
+        "E3",
+        lambda x: x.kv_args(max_tokens=8.0),
+        TypeError,
+        r"max_tokens must be an integer, got float",
+    ),
     Row("E4", lambda x: x.kv_args(max_seqs=0), ValueError, r"max_seqs must be > 0 or None"),
-    Row("E5", lambda x: x.kv_args(initial_tokens=17), ValueError,
-        r"initial_tokens=17 exceeds max_tokens=16"),
+    Row(
+        "E5",
+        lambda x: x.kv_args(initial_tokens=17),
+        ValueError,
+        r"initial_tokens=17 exceeds max_tokens=16",
+    ),
     Row("E6", lambda x: x.kv_args(dtype=jnp.complex64), TypeError, r"cannot back an arena buffer"),
     Row("E7", lambda x: x.kv_args(device="gpu"), TypeError, r"device must be a jax.Device"),
-    Row("E8", lambda x: x.kv1.ensure(17), ValueError, r"KVArena.ensure: num_tokens=17 exceeds max_tokens=16"),
+    Row(
+        "E8",
+        lambda x: x.kv1.ensure(17),
+        ValueError,
+        r"KVArena.ensure: num_tokens=17 exceeds max_tokens=16",
+    ),
     Row("E9a", lambda x: x.kv1.ensure(-1), ValueError, r"num_tokens must be >= 0, got -1"),
     Row("E9b", lambda x: x.kv1.ensure(2.0), TypeError, r"num_tokens must be an integer, got float"),
-    Row("E10", lambda x: x.kv1.ensure(4, seq=0), ValueError,
-        r"no per-sequence layout \(max_seqs=None\); pass seq=None"),
+    Row(
+        "E10",
+        lambda x: x.kv1.ensure(4, seq=0),
+        ValueError,
+        r"no per-sequence layout \(max_seqs=None\); pass seq=None",
+    ),
     Row("E11", lambda x: x.kv3.ensure(4), ValueError, r"has max_seqs=3; pass seq=<0..2>"),
-    Row("E12", lambda x: x.kv3.release(3), ValueError,
-        r"KVArena.release: seq=3 is out of range; expected 0 <= seq < 3"),
+    Row(
+        "E12",
+        lambda x: x.kv3.release(3),
+        ValueError,
+        r"KVArena.release: seq=3 is out of range; expected 0 <= seq < 3",
+    ),
     Row("E13", lambda x: x.kv1.shrink(17), ValueError, r"KVArena.shrink: num_tokens=17 exceeds"),
     Row("E14", lambda x: x.kv1.k[2], IndexError, r"layer 2 out of range for 2 layers"),
-    Row("E15a", lambda x: x.kv_closed.ensure(8), jax_vmm.ArenaClosedError, r"KVArena.ensure: the arena is closed"),
-    Row("E15b", lambda x: x.kv_closed.shrink(0), jax_vmm.ArenaClosedError, r"KVArena.shrink: the arena is closed"),
-    Row("E15c", lambda x: x.kv_closed.release(), jax_vmm.ArenaClosedError, r"KVArena.release: the arena is closed"),
+    Row(
+        "E15a",
+        lambda x: x.kv_closed.ensure(8),
+        jax_vmm.ArenaClosedError,
+        r"KVArena.ensure: the arena is closed",
+    ),
+    Row(
+        "E15b",
+        lambda x: x.kv_closed.shrink(0),
+        jax_vmm.ArenaClosedError,
+        r"KVArena.shrink: the arena is closed",
+    ),
+    Row(
+        "E15c",
+        lambda x: x.kv_closed.release(),
+        jax_vmm.ArenaClosedError,
+        r"KVArena.release: the arena is closed",
+    ),
 ]
 
 
@@ -275,7 +435,12 @@ def test_bad_input_leaves_the_arena_usable(vm):
 def test_the_table_and_the_rows_agree():
     text = DOC.read_text()
     doc_ids = re.findall(r"^\|\s*([A-Z]\d+[a-z]?)\s*\|", text, flags=re.M)
-    tested_elsewhere = set(re.findall(r"^\|\s*([A-Z]\d+[a-z]?)\s*\|.*(?:tested in tests/|untestable here)",
-                                      text, flags=re.M | re.I))
+    tested_elsewhere = set(
+        re.findall(
+            r"^\|\s*([A-Z]\d+[a-z]?)\s*\|.*(?:tested in tests/|untestable here)",
+            text,
+            flags=re.M | re.I,
+        )
+    )
     assert len(doc_ids) == len(set(doc_ids)), "duplicate row ids in docs/errors.md"
     assert set(doc_ids) - tested_elsewhere == {r.id for r in ROWS}

@@ -55,8 +55,9 @@ def _assert_tokens(kv, seq, first, count, seed):
     base = (0 if seq is None else seq) * kv.seq_bytes
     for i, b in enumerate(kv.buffers):
         got = read_bytes(b, base + first * tb, base + (first + count) * tb)
-        np.testing.assert_array_equal(got, pattern(count * tb, seed=seed * 100 + i),
-                                      err_msg=f"{b.name} seq={seq}")
+        np.testing.assert_array_equal(
+            got, pattern(count * tb, seed=seed * 100 + i), err_msg=f"{b.name} seq={seq}"
+        )
 
 
 # -- layout ------------------------------------------------------------------------------
@@ -205,9 +206,20 @@ def test_stats(vm):
     kv = _make(vm, max_tokens=4 * tpc, max_seqs=2, num_layers=2)
     c = vm.chunk
     s = kv.stats()
-    for key in ("reserved_bytes", "backed_bytes", "peak_backed_bytes", "commit_calls",
-                "decommit_calls", "commit_seconds", "decommit_seconds", "driver",
-                "granularity", "chunk_bytes", "num_buffers", "backed_tokens"):
+    for key in (
+        "reserved_bytes",
+        "backed_bytes",
+        "peak_backed_bytes",
+        "commit_calls",
+        "decommit_calls",
+        "commit_seconds",
+        "decommit_seconds",
+        "driver",
+        "granularity",
+        "chunk_bytes",
+        "num_buffers",
+        "backed_tokens",
+    ):
         assert key in s, key
     assert s["driver"] == ("host" if vm.is_host else "cuda")
     assert s["granularity"] == kv.arena.granularity and s["chunk_bytes"] == c
@@ -227,9 +239,18 @@ def test_stats(vm):
 # -- faults and close ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("op,nth", [("create", 1), ("create", 4), ("create", 12),
-                                    ("map", 2), ("map", 11), ("set_access", 1),
-                                    ("set_access", 6)])
+@pytest.mark.parametrize(
+    "op,nth",
+    [
+        ("create", 1),
+        ("create", 4),
+        ("create", 12),
+        ("map", 2),
+        ("map", 11),
+        ("set_access", 1),
+        ("set_access", 6),
+    ],
+)
 def test_ensure_is_all_or_nothing(vm, op, nth):
     tpc = _tpc(vm)
     kv = _make(vm, max_tokens=4 * tpc, max_seqs=2)  # 6 buffers
@@ -275,7 +296,8 @@ def test_close(vm):
             call()
     assert int(jnp.count_nonzero(k0)) == 0  # the old view reads zeros
     assert kv.backed_tokens() == 0
-    with jax_vmm.kv_arena(num_layers=1, num_kv_heads=1, head_dim=8, max_tokens=8,
-                          device=vm.device) as kv2:
+    with jax_vmm.kv_arena(
+        num_layers=1, num_kv_heads=1, head_dim=8, max_tokens=8, device=vm.device
+    ) as kv2:
         kv2.ensure(8)
     assert kv2.arena.closed

@@ -154,8 +154,8 @@ def test_views_keep_their_address_across_commits(gpu_device):
         assert new.unsafe_buffer_pointer() == old.unsafe_buffer_pointer() == buf.address
         data = (np.arange(c) % 251 + 1).astype(np.uint8)
         write_bytes(buf, 3 * c, data)  # written after `old` was made: it sees it anyway
-        np.testing.assert_array_equal(np.asarray(old[3 * c:]), data)
-        assert not np.asarray(old[c:3 * c]).any()
+        np.testing.assert_array_equal(np.asarray(old[3 * c :]), data)
+        assert not np.asarray(old[c : 3 * c]).any()
 
 
 def test_donation_keeps_the_arena_address(gpu_device):
@@ -172,8 +172,10 @@ def test_donation_keeps_the_arena_address(gpu_device):
 # -- failures roll back -------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("op,nth", [("create", 1), ("create", 3), ("map", 1), ("map", 4),
-                                    ("set_access", 1), ("set_access", 2)])
+@pytest.mark.parametrize(
+    "op,nth",
+    [("create", 1), ("create", 3), ("map", 1), ("map", 4), ("set_access", 1), ("set_access", 2)],
+)
 def test_injected_fault_rolls_back(gpu_device, oracle, op, nth):
     # Large chunks: a leaked chunk would show as 64 MiB missing from the driver's free count.
     with jax_vmm.Arena(1 * GiB, device=gpu_device, chunk_bytes=64 * MiB) as arena:
@@ -282,8 +284,10 @@ def test_threads_commit_and_decommit(gpu_device, oracle, num_arenas, bufs_per_ar
         free0 = oracle.mem_free()
         work = [(a, a.allocate((8 * c,), jnp.uint8)) for a in arenas for _ in range(bufs_per_arena)]
         errors: list[BaseException] = []
-        threads = [threading.Thread(target=_churn, args=(oracle, a, b, i, 20, errors))
-                   for i, (a, b) in enumerate(work)]
+        threads = [
+            threading.Thread(target=_churn, args=(oracle, a, b, i, 20, errors))
+            for i, (a, b) in enumerate(work)
+        ]
         for t in threads:
             t.start()
         for t in threads:
@@ -335,10 +339,16 @@ def test_commit_while_device_reads_unbacked_memory(gpu_device):
     arena must not let that kernel see a hole (the GPU would fault and kill the
     process), so this runs in a subprocess and checks it survived."""
     env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(cuda_ordinal(gpu_device)))
-    proc = subprocess.run([sys.executable, "-c", _READ_WHILE_COMMIT], env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", _READ_WHILE_COMMIT],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), (
-        f"rc={proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+        f"rc={proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    )
 
 
 # -- driver facts jax_vmm relies on -------------------------------------------------------

@@ -27,33 +27,55 @@ from examples.attention import choose_attention, vmm_kernel_available  # noqa: E
 from examples.cache import capacity_bytes, make_cache  # noqa: E402
 
 # Small enough to compile and run in seconds on a 2-core CPU.
-SMALL = M.ModelConfig(vocab=256, d_model=64, num_layers=2, num_q_heads=4, num_kv_heads=2,
-                      head_dim=16, ffn_dim=128)
+SMALL = M.ModelConfig(
+    vocab=256, d_model=64, num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=16, ffn_dim=128
+)
 
 
-def generate(backend: str, cfg: M.ModelConfig, requests: list[E.Request], *, batch: int,
-             max_tokens: int, device: jax.Device, attention: str = "reference",
-             chunk_bytes: int | None = None, write: str = "auto",
-             force_tokens: dict[int, list[int]] | None = None
-             ) -> tuple[E.RunReport, dict]:
+def generate(
+    backend: str,
+    cfg: M.ModelConfig,
+    requests: list[E.Request],
+    *,
+    batch: int,
+    max_tokens: int,
+    device: jax.Device,
+    attention: str = "reference",
+    chunk_bytes: int | None = None,
+    write: str = "auto",
+    force_tokens: dict[int, list[int]] | None = None,
+) -> tuple[E.RunReport, dict]:
     with jax.default_device(device):
         params = M.init_params(cfg, seed=0)
-        cache = make_cache(backend, cfg, max_seqs=batch, max_tokens=max_tokens,
-                           device=device, chunk_bytes=chunk_bytes, write=write)
-        _, attend = choose_attention(attention, backend=backend, platform=device.platform,
-                                     write_through=cache.write_through,
-                                     tail_may_be_garbage=cache.tail_may_be_garbage)
+        cache = make_cache(
+            backend,
+            cfg,
+            max_seqs=batch,
+            max_tokens=max_tokens,
+            device=device,
+            chunk_bytes=chunk_bytes,
+            write=write,
+        )
+        _, attend = choose_attention(
+            attention,
+            backend=backend,
+            platform=device.platform,
+            write_through=cache.write_through,
+            tail_may_be_garbage=cache.tail_may_be_garbage,
+        )
         try:
             report = E.Generator(params, cfg, cache, attend).run(
-                requests, record_logits=True, force_tokens=force_tokens)
+                requests, record_logits=True, force_tokens=force_tokens
+            )
             stats = cache.stats()
         finally:
             cache.close()
     return report, stats
 
 
-def assert_same_generation(ref: E.RunReport, got: E.RunReport, *, tol: float,
-                           allow_near_ties: bool) -> int:
+def assert_same_generation(
+    ref: E.RunReport, got: E.RunReport, *, tol: float, allow_near_ties: bool
+) -> int:
     """Logits within `tol` and identical greedy tokens, request by request. With
     `allow_near_ties`, a request may diverge at a step where both runs' logits agree
     within tol and the token `got` chose is within 2*tol of the reference's best (the
@@ -63,21 +85,22 @@ def assert_same_generation(ref: E.RunReport, got: E.RunReport, *, tol: float,
         assert r.id == g.id and len(r.tokens) == len(g.tokens)
         for step, (rl, gl) in enumerate(zip(r.logits, g.logits, strict=True)):
             err = float(np.max(np.abs(rl - gl)))
-            assert err <= tol, (f"request {r.id} step {step}: logits differ by {err:.3g} > "
-                                f"{tol:.3g}")
+            assert err <= tol, f"request {r.id} step {step}: logits differ by {err:.3g} > {tol:.3g}"
             compared += 1
             if r.tokens[step] != g.tokens[step]:
                 margin = float(rl.max() - rl[g.tokens[step]])
                 assert allow_near_ties and margin <= 2 * tol, (
                     f"request {r.id} step {step}: greedy tokens differ ({r.tokens[step]} vs "
                     f"{g.tokens[step]}); reference prefers its token by {margin:.3g} "
-                    f"(> {2 * tol:.3g}: not a near-tie)")
+                    f"(> {2 * tol:.3g}: not a near-tie)"
+                )
                 break
     return compared
 
 
-def _requests(cfg: M.ModelConfig, num: int, prompt_len: tuple[int, int],
-              new_tokens: tuple[int, int]) -> list[E.Request]:
+def _requests(
+    cfg: M.ModelConfig, num: int, prompt_len: tuple[int, int], new_tokens: tuple[int, int]
+) -> list[E.Request]:
     return E.make_requests(cfg, num=num, prompt_len=prompt_len, new_tokens=new_tokens, seed=7)
 
 
@@ -96,26 +119,40 @@ def test_prealloc_matches_recompute_without_cache() -> None:
             seq = np.concatenate([req.prompt, np.asarray(res.tokens[:-1], np.int32)])
             padded = np.zeros(width, np.int32)
             padded[: len(seq)] = seq
-            full = np.asarray(fwd(jnp.asarray(padded)))[len(req.prompt) - 1: len(seq)]
-            np.testing.assert_allclose(np.stack(res.logits), full, rtol=1e-4, atol=1e-4,
-                                       err_msg=f"request {req.id}")
+            full = np.asarray(fwd(jnp.asarray(padded)))[len(req.prompt) - 1 : len(seq)]
+            np.testing.assert_allclose(
+                np.stack(res.logits), full, rtol=1e-4, atol=1e-4, err_msg=f"request {req.id}"
+            )
             assert res.tokens == [int(t) for t in full.argmax(-1)]
 
 
-@pytest.mark.parametrize("write,attention", [
-    ("through", "reference"),  # the CPU default: kv_write_through, arena written in place
-    ("kv_write", "reference"),  # the GPU default's write path (donated kv_write)
-    ("kv_write", "jax_vmm"),  # ... with jax_vmm.decode_attention (its CPU handler)
-])
-def test_jax_vmm_matches_prealloc_on_cpu(cpu_device: jax.Device, write: str,
-                                         attention: str) -> None:
+@pytest.mark.parametrize(
+    "write,attention",
+    [
+        ("through", "reference"),  # the CPU default: kv_write_through, arena written in place
+        ("kv_write", "reference"),  # the GPU default's write path (donated kv_write)
+        ("kv_write", "jax_vmm"),  # ... with jax_vmm.decode_attention (its CPU handler)
+    ],
+)
+def test_jax_vmm_matches_prealloc_on_cpu(
+    cpu_device: jax.Device, write: str, attention: str
+) -> None:
     cpu = cpu_device
     reqs = _requests(SMALL, 6, (3, 60), (1, 40))  # 6 requests on 3 slots
     batch, max_tokens = 3, 128
     ref, _ = generate("prealloc", SMALL, reqs, batch=batch, max_tokens=max_tokens, device=cpu)
     # 4 KiB chunks = 32 tokens per layer buffer: memory visibly follows each sequence.
-    got, stats = generate("jax_vmm", SMALL, reqs, batch=batch, max_tokens=max_tokens,
-                          device=cpu, chunk_bytes=4096, write=write, attention=attention)
+    got, stats = generate(
+        "jax_vmm",
+        SMALL,
+        reqs,
+        batch=batch,
+        max_tokens=max_tokens,
+        device=cpu,
+        chunk_bytes=4096,
+        write=write,
+        attention=attention,
+    )
     assert [r.tokens for r in got.results] == [r.tokens for r in ref.results]
     # Same arithmetic with the reference attention (the write-through path sums the new
     # token last: float32 rounding); the kernel accumulates in its own order.
@@ -141,14 +178,14 @@ def compare_forced(ref: E.RunReport, got: E.RunReport, tol: float) -> tuple[floa
         for step, (rl, gl) in enumerate(zip(r.logits, g.logits, strict=True)):
             err = float(np.max(np.abs(rl - gl)))
             worst = max(worst, err)
-            assert err <= tol, (f"request {r.id} step {step}: logits differ by {err:.3g} > "
-                                f"{tol:.3g}")
+            assert err <= tol, f"request {r.id} step {step}: logits differ by {err:.3g} > {tol:.3g}"
             if r.greedy[step] != g.greedy[step]:
                 margin = float(rl.max() - rl[g.greedy[step]])
                 assert margin <= 2 * tol, (
                     f"request {r.id} step {step}: greedy tokens differ ({r.greedy[step]} vs "
                     f"{g.greedy[step]}); the reference prefers its token by {margin:.3g} "
-                    f"(> {2 * tol:.3g}: not a near-tie)")
+                    f"(> {2 * tol:.3g}: not a near-tie)"
+                )
                 ties += 1
     return worst, ties
 
@@ -159,8 +196,9 @@ _REFERENCE_RUNS: dict[str, tuple[E.RunReport, float]] = {}
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("attention", ["reference", "jax_vmm"])
-def test_jax_vmm_matches_prealloc_gpu_preset(gpu_device: jax.Device, attention: str,
-                                             dtype: str) -> None:
+def test_jax_vmm_matches_prealloc_gpu_preset(
+    gpu_device: jax.Device, attention: str, dtype: str
+) -> None:
     """The realistic preset shape (8 layers, 32/8 heads x 128) on the GPU, jax_vmm with
     the plain-XLA attention and with its decode_attention kernel, against the
     preallocated baseline. Teacher-forced with the baseline's tokens so every step is
@@ -175,26 +213,42 @@ def test_jax_vmm_matches_prealloc_gpu_preset(gpu_device: jax.Device, attention: 
     batch, max_tokens = 4, 1024
     with jax.default_matmul_precision("highest" if dtype == "float32" else "default"):
         if dtype not in _REFERENCE_RUNS:  # one baseline serves both attention variants
-            ref = generate("prealloc", cfg, reqs, batch=batch, max_tokens=max_tokens,
-                           device=gpu)[0]
+            ref = generate("prealloc", cfg, reqs, batch=batch, max_tokens=max_tokens, device=gpu)[0]
             forced = {r.id: r.tokens for r in ref.results}
-            other = generate("prealloc", cfg, reqs, batch=batch, max_tokens=2 * max_tokens,
-                             device=gpu, force_tokens=forced)[0]
+            other = generate(
+                "prealloc",
+                cfg,
+                reqs,
+                batch=batch,
+                max_tokens=2 * max_tokens,
+                device=gpu,
+                force_tokens=forced,
+            )[0]
             floor, _ = compare_forced(ref, other, tol=float("inf"))
             _REFERENCE_RUNS[dtype] = (ref, floor)
         ref, floor = _REFERENCE_RUNS[dtype]
         forced = {r.id: r.tokens for r in ref.results}
-        got, stats = generate("jax_vmm", cfg, reqs, batch=batch, max_tokens=max_tokens,
-                              device=gpu, attention=attention, force_tokens=forced)
+        got, stats = generate(
+            "jax_vmm",
+            cfg,
+            reqs,
+            batch=batch,
+            max_tokens=max_tokens,
+            device=gpu,
+            attention=attention,
+            force_tokens=forced,
+        )
     scale = float(np.std(np.concatenate([np.stack(r.logits) for r in ref.results])))
     if dtype == "float32":
         tol = 1e-3 * scale
     else:
-        tol = max(2 * floor, 4 * 2.0 ** -8 * scale)
+        tol = max(2 * floor, 4 * 2.0**-8 * scale)
     worst, ties = compare_forced(ref, got, tol)
     total = sum(r.max_new_tokens for r in reqs)
-    print(f"{dtype}/{attention}: worst logit diff {worst:.3g} (tol {tol:.3g}, baseline noise "
-          f"{floor:.3g}, scale {scale:.3g}), near-tie greedy differences {ties}/{total}")
+    print(
+        f"{dtype}/{attention}: worst logit diff {worst:.3g} (tol {tol:.3g}, baseline noise "
+        f"{floor:.3g}, scale {scale:.3g}), near-tie greedy differences {ties}/{total}"
+    )
     assert ties <= total // 20, f"{ties}/{total} near-tie disagreements: too many to be ties"
     assert stats["backed_bytes"] == 0 and stats["commit_calls"] > 0
     # Donation honoured: every step's returned cache was the arena itself, not a copy.
@@ -205,20 +259,36 @@ def test_decode_cli_runs_end_to_end(tmp_path: Path) -> None:
     """The README's first command, shrunk: serves every request, memory back to 0."""
     from examples import decode
 
-    summary = decode.main(["--device", "cpu", "--requests", "3", "--batch", "2",
-                           "--max-tokens", "256", "--prompt-len", "4", "20",
-                           "--new-tokens", "2", "12", "--no-plot", "--no-progress",
-                           "--out", str(tmp_path)])
-    reqs = E.make_requests(M.PRESETS["cpu"], num=3, prompt_len=(4, 20), new_tokens=(2, 12),
-                           seed=1)
+    summary = decode.main(
+        [
+            "--device",
+            "cpu",
+            "--requests",
+            "3",
+            "--batch",
+            "2",
+            "--max-tokens",
+            "256",
+            "--prompt-len",
+            "4",
+            "20",
+            "--new-tokens",
+            "2",
+            "12",
+            "--no-plot",
+            "--no-progress",
+            "--out",
+            str(tmp_path),
+        ]
+    )
+    reqs = E.make_requests(M.PRESETS["cpu"], num=3, prompt_len=(4, 20), new_tokens=(2, 12), seed=1)
     assert summary["generated_tokens"] == sum(r.max_new_tokens for r in reqs)
     assert summary["backend"] == "jax_vmm" and summary["final_backed_bytes"] == 0
     assert 0 < summary["peak_backed_bytes"] < summary["capacity_bytes"]
     assert (tmp_path / "summary.json").exists()
 
 
-def test_vmm_cache_keeps_a_chunk_shared_with_a_finished_neighbour(cpu_device: jax.Device
-                                                                  ) -> None:
+def test_vmm_cache_keeps_a_chunk_shared_with_a_finished_neighbour(cpu_device: jax.Device) -> None:
     """Sequences need not start on chunk boundaries. The cache skips ensure() for tokens
     the arena already backs, so it must claim them: otherwise a neighbour's release
     frees the shared chunk under tokens that were written without asking."""
@@ -239,8 +309,7 @@ def test_vmm_cache_keeps_a_chunk_shared_with_a_finished_neighbour(cpu_device: ja
 
 
 def _report(tokens: list[int], logits: list[np.ndarray], greedy: list[int] | None = None):
-    res = E.Result(0, 1, tokens=tokens, greedy=tokens if greedy is None else greedy,
-                   logits=logits)
+    res = E.Result(0, 1, tokens=tokens, greedy=tokens if greedy is None else greedy, logits=logits)
     return E.RunReport([res], [], 0, 0, len(tokens), 0, 1, 0)
 
 
@@ -249,22 +318,33 @@ def test_tie_rule_rejects_a_clear_mismatch() -> None:
     near-ties allowed (proves the GPU test can see a wrong token)."""
     logits = np.array([0.0, 5.0, 1.0], np.float32)
     with pytest.raises(AssertionError, match="not a near-tie"):
-        assert_same_generation(_report([1], [logits]), _report([2], [logits]), tol=0.1,
-                               allow_near_ties=True)
+        assert_same_generation(
+            _report([1], [logits]), _report([2], [logits]), tol=0.1, allow_near_ties=True
+        )
     with pytest.raises(AssertionError, match="not a near-tie"):
         compare_forced(_report([1], [logits]), _report([1], [logits], greedy=[2]), tol=0.1)
     with pytest.raises(AssertionError, match="logits differ"):
         compare_forced(_report([1], [logits]), _report([1], [logits + 0.2]), tol=0.1)
     tie = np.array([0.0, 5.0, 4.95], np.float32)
-    assert assert_same_generation(_report([1, 0], [tie, tie]), _report([2, 1], [tie, tie]),
-                                  tol=0.1, allow_near_ties=True) == 1
-    assert compare_forced(_report([1, 0], [tie, tie]),
-                          _report([1, 0], [tie, tie], greedy=[2, 0]), tol=0.1) == (0.0, 1)
+    assert (
+        assert_same_generation(
+            _report([1, 0], [tie, tie]), _report([2, 1], [tie, tie]), tol=0.1, allow_near_ties=True
+        )
+        == 1
+    )
+    assert compare_forced(
+        _report([1, 0], [tie, tie]), _report([1, 0], [tie, tie], greedy=[2, 0]), tol=0.1
+    ) == (0.0, 1)
 
 
 def test_config_presets_are_consistent() -> None:
     gpu = M.PRESETS["gpu"]
-    assert (gpu.num_layers, gpu.num_q_heads, gpu.num_kv_heads, gpu.head_dim, gpu.dtype) == \
-        (8, 32, 8, 128, "bfloat16")
+    assert (gpu.num_layers, gpu.num_q_heads, gpu.num_kv_heads, gpu.head_dim, gpu.dtype) == (
+        8,
+        32,
+        8,
+        128,
+        "bfloat16",
+    )
     with pytest.raises(ValueError, match="multiple of num_kv_heads"):
         dataclasses.replace(SMALL, num_q_heads=3)

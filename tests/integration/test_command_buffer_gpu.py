@@ -80,12 +80,14 @@ def _decode_step(max_tokens: int, dest, through: bool = False):
         return acc + 0.0 * jnp.sum(aux, axis=(1, 2))
 
     if through:
+
         def step(k, v, pos, acc, x):
             nk, nv = values(x, pos)
             slots = jnp.arange(B, dtype=jnp.int32) * max_tokens + pos
             st = ops.kv_write_through(k, v, nk, nv, slots, dest=dest)
             written = jnp.sum(st == ops.WRITTEN, axis=0).astype(jnp.float32)
             return pos + 1, tail(x, acc + written)
+
         return step
 
     def step(k, v, pos, acc, x):
@@ -93,6 +95,7 @@ def _decode_step(max_tokens: int, dest, through: bool = False):
         slots = jnp.arange(B, dtype=jnp.int32) * max_tokens + pos
         k, v = ops.kv_write(k, v, nk, nv, slots, dest=dest)
         return k, v, pos + 1, tail(x, readback(k, slots, acc))
+
     return step
 
 
@@ -118,8 +121,11 @@ class _DecodeRun:
         step = _decode_step(kv.max_tokens, kv.dest(0), through)
         donate = (2, 3) if through else (0, 1, 2, 3)
         self.k, self.v = kv.k[0], kv.v[0]
-        self.exe = jax.jit(step, donate_argnums=donate).lower(
-            self.k, self.v, self.pos, self.acc, self.x).compile()
+        self.exe = (
+            jax.jit(step, donate_argnums=donate)
+            .lower(self.k, self.v, self.pos, self.acc, self.x)
+            .compile()
+        )
         self.positions: list[int] = []
         self._next = pos0
 
@@ -128,8 +134,9 @@ class _DecodeRun:
             if self.through:
                 self.pos, self.acc = self.exe(self.k, self.v, self.pos, self.acc, self.x)
             else:
-                self.k, self.v, self.pos, self.acc = self.exe(self.k, self.v, self.pos, self.acc,
-                                                              self.x)
+                self.k, self.v, self.pos, self.acc = self.exe(
+                    self.k, self.v, self.pos, self.acc, self.x
+                )
             self.positions.append(self._next)
             self._next += 1
         jax.block_until_ready((self.pos, self.acc))
@@ -139,9 +146,15 @@ def _kv(dev, chunks_per_seq: int = 2):
     """A (B, T, H, D) bfloat16 KV arena with chunk 0 of every sequence backed."""
     chunk = _core.resolve_chunk_bytes("cuda", cuda_ordinal(dev), 0)
     tpc = chunk // (H * D * 2)  # tokens per chunk
-    kv = jax_vmm.kv_arena(num_layers=1, num_kv_heads=H, head_dim=D,
-                          max_tokens=chunks_per_seq * tpc, dtype=jnp.bfloat16, device=dev,
-                          max_seqs=B)
+    kv = jax_vmm.kv_arena(
+        num_layers=1,
+        num_kv_heads=H,
+        head_dim=D,
+        max_tokens=chunks_per_seq * tpc,
+        dtype=jnp.bfloat16,
+        device=dev,
+        max_seqs=B,
+    )
     for q in range(B):
         kv.ensure(tpc, seq=q)
     return kv, tpc
@@ -167,12 +180,14 @@ def test_decode_step_is_captured_then_replayed_without_handler_calls(through):
         captured = s1[handler]["captured_calls"] - s0[handler]["captured_calls"]
         assert captured >= 1, (
             "the kv_write handler never saw a capturing stream: the step was not put in a "
-            f"command buffer under the default XLA flags (stats {s1})")
+            f"command buffer under the default XLA flags (stats {s1})"
+        )
         run.run(20)
         s2 = ops.kv_write_stats()
         assert s2[handler]["calls"] == s1[handler]["calls"], (
             "the handler was called again although no address changed: the graph was "
-            f"re-recorded instead of replayed ({s1} -> {s2})")
+            f"re-recorded instead of replayed ({s1} -> {s2})"
+        )
         if not through:
             assert s2["kv_write"]["alias_misses"] == s0["kv_write"]["alias_misses"]
         # Every replay wrote its own token (slots come from device state).
@@ -180,15 +195,23 @@ def test_decode_step_is_captured_then_replayed_without_handler_calls(through):
             for q in range(B):
                 np.testing.assert_array_equal(
                     _arena_token(kv, kv.k_buffers[0], q, p).view(np.uint16),
-                    _expected_token(run.x_host, p, q).view(np.uint16), err_msg=f"k seq {q} pos {p}")
+                    _expected_token(run.x_host, p, q).view(np.uint16),
+                    err_msg=f"k seq {q} pos {p}",
+                )
                 np.testing.assert_array_equal(
                     _arena_token(kv, kv.v_buffers[0], q, p).view(np.uint16),
-                    (-_expected_token(run.x_host, p, q).astype(np.float32)).astype(jnp.bfloat16).view(np.uint16))
+                    (-_expected_token(run.x_host, p, q).astype(np.float32))
+                    .astype(jnp.bfloat16)
+                    .view(np.uint16),
+                )
         if through:
             np.testing.assert_array_equal(np.asarray(run.acc), np.full(B, 2.0 * len(run.positions)))
         else:
-            want = sum(_expected_token(run.x_host, p, q).astype(np.float32).sum()
-                       for p in run.positions for q in range(B))
+            want = sum(
+                _expected_token(run.x_host, p, q).astype(np.float32).sum()
+                for p in run.positions
+                for q in range(B)
+            )
             np.testing.assert_allclose(np.asarray(run.acc).sum(), want, rtol=1e-5)
         kv.check()
     finally:
@@ -213,13 +236,16 @@ def test_growth_under_a_captured_graph():
         run.run(4)  # positions tpc+2 .. tpc+5: the same executable, into the new pages
         s2 = ops.kv_write_stats()
         assert s2["kv_write"]["calls"] == s1["kv_write"]["calls"], (
-            "the graph was re-recorded: committing pages must not move any address")
+            "the graph was re-recorded: committing pages must not move any address"
+        )
         kv.check()  # nothing dropped after the growth
         for p in run.positions[:3] + run.positions[5:]:
             for q in range(B):
                 np.testing.assert_array_equal(
                     _arena_token(kv, kv.k_buffers[0], q, p).view(np.uint16),
-                    _expected_token(run.x_host, p, q).view(np.uint16), err_msg=f"seq {q} pos {p}")
+                    _expected_token(run.x_host, p, q).view(np.uint16),
+                    err_msg=f"seq {q} pos {p}",
+                )
     finally:
         kv.close()
 
@@ -252,12 +278,14 @@ def _kv_write_instructions(dump: Path) -> set[str]:
 def test_xla_dump_shows_kv_write_inside_a_command_buffer(tmp_path):
     _gpu()
     dump = tmp_path / "dump"
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="0",
-               TF_CPP_VMODULE="command_buffer_conversion_pass=2")
+    env = dict(
+        os.environ, TF_CPP_MIN_LOG_LEVEL="0", TF_CPP_VMODULE="command_buffer_conversion_pass=2"
+    )
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_dump_to={dump}").strip()
     script = _DUMP_SCRIPT.format(tests=str(Path(__file__).parent))
-    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     artifacts = os.environ.get("JAX_VMM_TEST_ARTIFACTS")
     if artifacts:  # for a human to read the evidence (ARTIFACTS=1 bash tools/gpu/run.sh sets it)
@@ -268,8 +296,10 @@ def test_xla_dump_shows_kv_write_inside_a_command_buffer(tmp_path):
     assert names, f"no jax_vmm_kv_write custom call in the optimized HLO dump in {dump}"
     groups = [line for line in proc.stderr.splitlines() if _CONVERSION_LOG in line]
     hits = [line for line in groups if any(n in line for n in names)]
-    assert hits, (f"no command buffer holds the kv_write instruction(s) {sorted(names)}; "
-                  f"command buffers formed: {groups[:10]}\n{proc.stderr[-3000:]}")
+    assert hits, (
+        f"no command buffer holds the kv_write instruction(s) {sorted(names)}; "
+        f"command buffers formed: {groups[:10]}\n{proc.stderr[-3000:]}"
+    )
 
 
 # -- the scratch hazard ---------------------------------------------------------------
@@ -285,6 +315,7 @@ def _probe_program(n: int, reserve_at: str, dev):
         y2, _ = scratch.scratch_probe(y1 * 2.0, 4 * n, reserve_at=reserve_at, device=dev)
         y3, _ = scratch.scratch_probe(y2 - 3.0, 4 * n, reserve_at=reserve_at, device=dev)
         return h, y3, addr  # h, y3, addr alias the donated x, y, a: stable addresses
+
     return f
 
 
@@ -294,8 +325,11 @@ class _ProbeRun:
         self.x = jax.device_put(jnp.asarray(self.x_host), dev)
         self.y = jax.device_put(jnp.zeros((n,), jnp.float32), dev)
         self.a = jax.device_put(jnp.zeros((2,), jnp.int32), dev)
-        self.exe = jax.jit(_probe_program(n, reserve_at, dev), donate_argnums=(0, 1, 2)).lower(
-            self.x, self.y, self.a).compile()
+        self.exe = (
+            jax.jit(_probe_program(n, reserve_at, dev), donate_argnums=(0, 1, 2))
+            .lower(self.x, self.y, self.a)
+            .compile()
+        )
         self.runs = 0
 
     def run(self, times: int) -> None:
@@ -340,25 +374,31 @@ def hazard_scenario(mode: str, free_on_growth: bool, log=print) -> dict:
         p1 = scratch.scratch_probe_stats()
         small.run(2)
         p2 = scratch.scratch_probe_stats()
-        out = {"captured": p1["captured_calls"] - p0["captured_calls"],
-               "settled_handler_calls": p2["calls"] - p1["calls"],
-               "small_ok_before": small.correct()}
+        out = {
+            "captured": p1["captured_calls"] - p0["captured_calls"],
+            "settled_handler_calls": p2["calls"] - p1["calls"],
+            "small_ok_before": small.correct(),
+        }
         small_addr = scratch.address_of(small.a)
         large.run(2)
         out["large_ok"] = large.correct()
         out["large_addr"] = scratch.address_of(large.a)
         out["small_addr"] = small_addr
         # What the small graph will touch: is it still memory after the growth?
-        out["small_workspace_live"] = (_live_device_memory(dev, small_addr) and
-                                       _live_device_memory(dev, small_addr + 4 * SMALL - 1))
+        out["small_workspace_live"] = _live_device_memory(dev, small_addr) and _live_device_memory(
+            dev, small_addr + 4 * SMALL - 1
+        )
         log("REPLAYING the small bucket after the growth", flush=True)
         p3 = scratch.scratch_probe_stats()
         small.run(3)
         p4 = scratch.scratch_probe_stats()
         out["replay_handler_calls"] = p4["calls"] - p3["calls"]
         out["small_ok_after"] = small.correct()
-        out["workspaces"] = [w for w in scratch.scratch_stats()
-                             if w["current"] and w["device"] == f"cuda:{cuda_ordinal(dev)}"]
+        out["workspaces"] = [
+            w
+            for w in scratch.scratch_stats()
+            if w["current"] and w["device"] == f"cuda:{cuda_ordinal(dev)}"
+        ]
         return out
     finally:
         scratch.set_debug_free_on_growth(False)
@@ -370,10 +410,12 @@ def test_scratch_hazard_replay_after_growth(mode):
     r = hazard_scenario(mode, free_on_growth=False)
     assert r["captured"] >= 1, f"the probe was never captured into a command buffer: {r}"
     assert r["settled_handler_calls"] == 0, (
-        f"the small graph kept being re-recorded before any growth: {r}")
+        f"the small graph kept being re-recorded before any growth: {r}"
+    )
     assert r["small_ok_before"] and r["large_ok"], r
     assert r["replay_handler_calls"] == 0, (
-        f"the small graph was re-recorded, so the hazard was not exercised: {r}")
+        f"the small graph was re-recorded, so the hazard was not exercised: {r}"
+    )
     if mode == "grow":
         assert r["large_addr"] == r["small_addr"], r  # grown in place
     else:
@@ -393,18 +435,24 @@ def test_free_on_growth_breaks_the_replay(mode, tmp_path):
     result = tmp_path / "result.json"
     proc = subprocess.run(
         [sys.executable, __file__, "hazard", mode, "free", str(result)],
-        capture_output=True, text=True, timeout=300)
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert "REPLAYING" in proc.stdout, (
-        f"the scenario did not reach the replay (setup failed?):\n{proc.stdout}\n{proc.stderr[-4000:]}")
+        f"the scenario did not reach the replay (setup failed?):\n{proc.stdout}\n{proc.stderr[-4000:]}"
+    )
     if proc.returncode == 0:
         r = json.loads(result.read_text())
         assert r["replay_handler_calls"] == 0, f"the graph was re-recorded, nothing to detect: {r}"
         assert not (r["small_workspace_live"] and r["small_ok_after"]), (
             f"with free-on-growth the replay still looked right: the test cannot see the "
-            f"bug it guards against: {r}")
+            f"bug it guards against: {r}"
+        )
     else:
-        assert "CUDA" in proc.stderr or "illegal" in proc.stderr.lower() or proc.returncode < 0, \
+        assert "CUDA" in proc.stderr or "illegal" in proc.stderr.lower() or proc.returncode < 0, (
             proc.stderr[-4000:]
+        )
 
 
 if __name__ == "__main__" and len(sys.argv) >= 5 and sys.argv[1] == "hazard":

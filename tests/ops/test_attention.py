@@ -10,7 +10,6 @@ a read.
 
 from __future__ import annotations
 
-import ctypes
 import math
 import os
 import signal
@@ -24,10 +23,14 @@ import numpy as np
 import pytest
 
 import jax_vmm
-from jax_vmm.attention import (DEBUG_READ_ALL_TOKENS, DEBUG_SKIP_OUTPUT, _decode_attention, attention_plan,
-                               attention_stats)
-
 from conftest import write_bytes
+from jax_vmm.attention import (
+    DEBUG_READ_ALL_TOKENS,
+    DEBUG_SKIP_OUTPUT,
+    _decode_attention,
+    attention_plan,
+    attention_stats,
+)
 
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
 # ||out - ref|| / ||ref|| bounds: float32 accumulation everywhere; the output (and on
@@ -40,9 +43,11 @@ REL_TOL = {np.dtype(BF16): 1e-2, np.dtype(F16): 2e-3, np.dtype(F32): 1e-5}
 
 def random_inputs(rng: np.random.Generator, B: int, T: int, Hq: int, Hkv: int, D: int, dtype):
     """q, k, v as arrays of `dtype` (values representable in it), plus float64 copies."""
+
     def draw(shape):
         x = jnp.asarray(rng.standard_normal(shape, dtype=np.float32)).astype(dtype)
         return x, np.asarray(x.astype(jnp.float32), np.float64)
+
     (q, q64), (k, k64), (v, v64) = draw((B, Hq, D)), draw((B, T, Hkv, D)), draw((B, T, Hkv, D))
     return (q, k, v), (q64, k64, v64)
 
@@ -69,7 +74,9 @@ def reference(q64, k64, v64, lengths, scale=None) -> np.ndarray:
 def assert_close(out, ref: np.ndarray, dtype, what: str = "") -> None:
     out = np.asarray(jnp.asarray(out).astype(jnp.float32), np.float64)
     assert out.shape == ref.shape, (out.shape, ref.shape)
-    assert np.isfinite(out).all(), f"{what}: non-finite output at {np.argwhere(~np.isfinite(out))[:5]}"
+    assert np.isfinite(out).all(), (
+        f"{what}: non-finite output at {np.argwhere(~np.isfinite(out))[:5]}"
+    )
     tol = REL_TOL[np.dtype(dtype)]
     denom = max(np.linalg.norm(ref), 1e-30)
     rel = np.linalg.norm(out - ref) / denom
@@ -87,20 +94,26 @@ def gpu_dtypes_and_impls(device):
     """(dtype, impl) pairs to run on `device`: every GPU kernel, the CPU's one handler."""
     if device.platform == "cpu":
         return [(BF16, "auto"), (F16, "auto"), (F32, "auto")]
-    return [(BF16, "tensor_core"), (F16, "tensor_core"), (BF16, "tensor_core_u1"), (BF16, "simple"),
-            (F32, "simple"), (F16, "simple")]
+    return [
+        (BF16, "tensor_core"),
+        (F16, "tensor_core"),
+        (BF16, "tensor_core_u1"),
+        (BF16, "simple"),
+        (F32, "simple"),
+        (F16, "simple"),
+    ]
 
 
 # -- correctness -------------------------------------------------------------------
 
 SHAPES = [
     # B, T, Hq, Hkv, D
-    (4, 100, 4, 4, 64),    # MHA
-    (4, 300, 8, 2, 128),   # GQA 4
-    (3, 77, 16, 2, 64),    # GQA 8
-    (2, 64, 6, 1, 64),     # GQA 6: head group 6 (not a power of two)
-    (2, 50, 12, 1, 128),   # GQA 12: two tensor-core head tiles
-    (2, 40, 32, 1, 64),    # GQA 32: head group 16, two blocks per KV head
+    (4, 100, 4, 4, 64),  # MHA
+    (4, 300, 8, 2, 128),  # GQA 4
+    (3, 77, 16, 2, 64),  # GQA 8
+    (2, 64, 6, 1, 64),  # GQA 6: head group 6 (not a power of two)
+    (2, 50, 12, 1, 128),  # GQA 12: two tensor-core head tiles
+    (2, 40, 32, 1, 64),  # GQA 32: head group 16, two blocks per KV head
     (2, 33, 4, 2, 256),
 ]
 
@@ -116,7 +129,9 @@ def test_matches_reference(device, shape):
         q, k, v, lens = on(device, q, k, v, jnp.asarray(lengths))
         out = jax.jit(lambda *a: _decode_attention(*a, impl=impl))(q, k, v, lens)
         assert out.dtype == q.dtype and out.shape == q.shape
-        assert_close(out, reference(q64, k64, v64, lengths), dtype, f"{dtype.__name__} {impl} {shape}")
+        assert_close(
+            out, reference(q64, k64, v64, lengths), dtype, f"{dtype.__name__} {impl} {shape}"
+        )
         zero = np.asarray(out.astype(jnp.float32))[lengths == 0]
         assert (zero == 0).all(), "length 0 must give exact zeros"
 
@@ -131,7 +146,9 @@ def test_forced_plans(device, chunk, splits):
         (q, k, v), (q64, k64, v64) = random_inputs(rng, B, T, Hq, Hkv, D, dtype)
         q, k, v, lens = on(device, q, k, v, jnp.asarray(lengths))
         out = _decode_attention(q, k, v, lens, chunk=chunk, splits=splits, impl=impl)
-        assert_close(out, reference(q64, k64, v64, lengths), dtype, f"chunk={chunk} splits={splits} {impl}")
+        assert_close(
+            out, reference(q64, k64, v64, lengths), dtype, f"chunk={chunk} splits={splits} {impl}"
+        )
 
 
 def test_every_output_element_written(device):
@@ -144,7 +161,9 @@ def test_every_output_element_written(device):
         (q, k, v), (q64, k64, v64) = random_inputs(rng, B, T, Hq, Hkv, D, dtype)
         q, k, v, lens = on(device, q, k, v, jnp.asarray(lengths))
         poison = jax.device_put(jnp.full(q.shape, jnp.nan, q.dtype), device)
-        out = jax.jit(lambda *a: _decode_attention(*a[:4], impl=impl, out_init=a[4]))(q, k, v, lens, poison)
+        out = jax.jit(lambda *a: _decode_attention(*a[:4], impl=impl, out_init=a[4]))(
+            q, k, v, lens, poison
+        )
         assert_close(out, reference(q64, k64, v64, lengths), dtype, f"poisoned {impl}")
 
 
@@ -166,7 +185,9 @@ def test_poison_check_sees_unwritten_output(device):
 def test_lengths_are_clamped(device):
     B, T, Hq, Hkv, D = 3, 40, 4, 2, 64
     rng = np.random.default_rng(3)
-    (q, k, v), (q64, k64, v64) = random_inputs(rng, B, T, Hq, Hkv, D, F32 if device.platform == "cpu" else BF16)
+    (q, k, v), (q64, k64, v64) = random_inputs(
+        rng, B, T, Hq, Hkv, D, F32 if device.platform == "cpu" else BF16
+    )
     lengths = np.array([-5, 41, 10**9], np.int32)
     q, k, v, lens = on(device, q, k, v, jnp.asarray(lengths))
     out = jax_vmm.decode_attention(q, k, v, lens)
@@ -181,14 +202,18 @@ def test_scale_and_xla_workspace(device):
     q, k, v, lens = on(device, q, k, v, jnp.asarray(lengths))
     ref = reference(q64, k64, v64, lengths, scale=0.3)
     for workspace in ("scratch", "xla"):
-        out = jax.jit(lambda *a: _decode_attention(*a, scale=0.3, workspace=workspace))(q, k, v, lens)
+        out = jax.jit(lambda *a: _decode_attention(*a, scale=0.3, workspace=workspace))(
+            q, k, v, lens
+        )
         assert_close(out, ref, BF16, workspace)
 
 
 def test_vmap_is_sequential(device):
     B, T, Hq, Hkv, D = 2, 24, 4, 2, 64
     rng = np.random.default_rng(5)
-    (q, k, v), (q64, k64, v64) = random_inputs(rng, B, T, Hq, Hkv, D, F32 if device.platform == "cpu" else BF16)
+    (q, k, v), (q64, k64, v64) = random_inputs(
+        rng, B, T, Hq, Hkv, D, F32 if device.platform == "cpu" else BF16
+    )
     qs = jnp.stack([q, q[::-1]])
     lens = jnp.asarray(np.array([[24, 3], [5, 0]], np.int32))
     qs, k, v, lens = on(device, qs, k, v, lens)
@@ -200,16 +225,29 @@ def test_vmap_is_sequential(device):
 # -- the KV arena: growth, poison past the length, the unbacked tail ---------------------
 
 
-def _fill_kv(kv: jax_vmm.KVArena, rng: np.random.Generator, seq: int, start: int, stop: int,
-             dtype, values: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+def _fill_kv(
+    kv: jax_vmm.KVArena,
+    rng: np.random.Generator,
+    seq: int,
+    start: int,
+    stop: int,
+    dtype,
+    values: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
     """Write tokens [start, stop) of sequence `seq` (layer 0, K and V) through memcpy."""
     H, D = kv.num_kv_heads, kv.head_dim
     out = []
     for buf in (kv.k_buffers[0], kv.v_buffers[0]):
         if values is None:
-            data = np.asarray(jnp.asarray(rng.standard_normal((stop - start, H, D), dtype=np.float32)).astype(dtype))
+            data = np.asarray(
+                jnp.asarray(rng.standard_normal((stop - start, H, D), dtype=np.float32)).astype(
+                    dtype
+                )
+            )
         else:
-            data = np.broadcast_to(np.asarray(jnp.asarray(values).astype(dtype)), (stop - start, H, D)).copy()
+            data = np.broadcast_to(
+                np.asarray(jnp.asarray(values).astype(dtype)), (stop - start, H, D)
+            ).copy()
         write_bytes(buf, (seq * kv.max_tokens + start) * kv.token_bytes, data.view(np.uint8))
         out.append(np.asarray(jnp.asarray(data).astype(jnp.float32), np.float64))
     return out[0], out[1]
@@ -221,8 +259,15 @@ def test_growth_under_jit_with_poison_past_length(vm):
     kv.ensure and the same executable serves the longer sequences, no retrace."""
     dtype = BF16
     B, T, Hkv, D, Hq = 3, 256, 2, 64, 8
-    kv = vm.kv(num_layers=1, num_kv_heads=Hkv, head_dim=D, max_tokens=T, dtype=dtype, max_seqs=B,
-               chunk_bytes=max(vm.chunk, 4096))
+    kv = vm.kv(
+        num_layers=1,
+        num_kv_heads=Hkv,
+        head_dim=D,
+        max_tokens=T,
+        dtype=dtype,
+        max_seqs=B,
+        chunk_bytes=max(vm.chunk, 4096),
+    )
     rng = np.random.default_rng(21)
     k64 = np.zeros((B, T, Hkv, D))
     v64 = np.zeros((B, T, Hkv, D))
@@ -235,7 +280,9 @@ def test_growth_under_jit_with_poison_past_length(vm):
             n = int(n)
             kv.ensure(n, seq=s)
             if n > current[s]:
-                k64[s, current[s]:n], v64[s, current[s]:n] = _fill_kv(kv, rng, s, int(current[s]), n, dtype)
+                k64[s, current[s] : n], v64[s, current[s] : n] = _fill_kv(
+                    kv, rng, s, int(current[s]), n, dtype
+                )
             current[s] = n
             backed = kv.backed_tokens(s)
             if backed > n:  # committed but past the length: poison it
@@ -312,16 +359,27 @@ _PROBE = textwrap.dedent("""
 
 def _run_probe(debug: int) -> subprocess.CompletedProcess:
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(jax_vmm.__file__))] + sys.path)
-    return subprocess.run([sys.executable, "-c", _PROBE, str(debug)],
-                          env=env, capture_output=True, text=True, timeout=240)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [os.path.dirname(os.path.dirname(jax_vmm.__file__))] + sys.path
+    )
+    return subprocess.run(
+        [sys.executable, "-c", _PROBE, str(debug)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
 
 
 def test_unbacked_tail_is_never_read_cpu():
     """Real oracle: the tail of every sequence (past its committed prefix) is PROT_NONE,
     so a single read kills the process. decode_attention runs and is correct."""
     r = _run_probe(debug=0)
-    assert r.returncode == 0 and "PROBE-OK" in r.stdout, (r.returncode, r.stdout[-2000:], r.stderr[-4000:])
+    assert r.returncode == 0 and "PROBE-OK" in r.stdout, (
+        r.returncode,
+        r.stdout[-2000:],
+        r.stderr[-4000:],
+    )
 
 
 def test_unbacked_tail_oracle_detects_a_read_cpu():
@@ -344,10 +402,21 @@ def test_trace_time_validation():
         (dict(v=k[:, :8]), ValueError, "v has shape"),
         (dict(q=jnp.zeros((3, 8, 64), BF16)), ValueError, "batch"),
         (dict(q=jnp.zeros((2, 8, 32), BF16)), ValueError, "head_dim"),
-        (dict(q=jnp.zeros((2, 6, 64), BF16), k=jnp.zeros((2, 16, 4, 64), BF16),
-              v=jnp.zeros((2, 16, 4, 64), BF16)), ValueError, "multiple of kv_heads"),
+        (
+            dict(
+                q=jnp.zeros((2, 6, 64), BF16),
+                k=jnp.zeros((2, 16, 4, 64), BF16),
+                v=jnp.zeros((2, 16, 4, 64), BF16),
+            ),
+            ValueError,
+            "multiple of kv_heads",
+        ),
         (dict(q=q.astype(F16)), TypeError, "share one dtype"),
-        (dict(q=q.astype(jnp.int8), k=k.astype(jnp.int8), v=k.astype(jnp.int8)), TypeError, "not supported"),
+        (
+            dict(q=q.astype(jnp.int8), k=k.astype(jnp.int8), v=k.astype(jnp.int8)),
+            TypeError,
+            "not supported",
+        ),
         (dict(lengths=jnp.zeros((3,), jnp.int32)), ValueError, "lengths must have shape"),
         (dict(lengths=jnp.zeros((2,), jnp.float32)), TypeError, "integers"),
     ]
@@ -366,9 +435,18 @@ def test_trace_time_validation():
     assert out.shape == q.shape
 
 
-@pytest.mark.parametrize("B,T,Hq,Hkv,D,units", [
-    (32, 8192, 32, 8, 128, 132), (1, 8192, 32, 8, 128, 132), (4, 1000, 8, 8, 64, 132),
-    (8, 131072, 64, 8, 128, 132), (2, 5, 12, 1, 64, 8), (3, 1, 40, 2, 64, 8), (1, 16, 1, 1, 256, 1)])
+@pytest.mark.parametrize(
+    "B,T,Hq,Hkv,D,units",
+    [
+        (32, 8192, 32, 8, 128, 132),
+        (1, 8192, 32, 8, 128, 132),
+        (4, 1000, 8, 8, 64, 132),
+        (8, 131072, 64, 8, 128, 132),
+        (2, 5, 12, 1, 64, 8),
+        (3, 1, 40, 2, 64, 8),
+        (1, 16, 1, 1, 256, 1),
+    ],
+)
 def test_plan_invariants(B, T, Hq, Hkv, D, units):
     p = attention_plan(B, T, Hq, Hkv, D, parallel_units=units)
     G = Hq // Hkv
@@ -431,8 +509,15 @@ def test_gpu_step_is_captured_and_replays_with_device_lengths(gpu_device):
     correct while the arena grows under the captured graph."""
     dtype = BF16
     L, B, T, Hkv, D, Hq = 5, 4, 4096, 8, 128, 32
-    kv = jax_vmm.kv_arena(num_layers=L, num_kv_heads=Hkv, head_dim=D, max_tokens=T, dtype=dtype,
-                          max_seqs=B, device=gpu_device)
+    kv = jax_vmm.kv_arena(
+        num_layers=L,
+        num_kv_heads=Hkv,
+        head_dim=D,
+        max_tokens=T,
+        dtype=dtype,
+        max_seqs=B,
+        device=gpu_device,
+    )
     lens_arena = jax_vmm.Arena(1 << 21, device=gpu_device)
     try:
         lens_buf = lens_arena.allocate((B,), jnp.int32, name="lengths")
@@ -440,8 +525,10 @@ def test_gpu_step_is_captured_and_replays_with_device_lengths(gpu_device):
         rng = np.random.default_rng(5)
         k64 = np.zeros((L, B, T, Hkv, D))
         v64 = np.zeros((L, B, T, Hkv, D))
-        qs = jax.device_put(jnp.asarray(rng.standard_normal((L, B, Hq, D), dtype=np.float32)).astype(dtype),
-                            gpu_device)
+        qs = jax.device_put(
+            jnp.asarray(rng.standard_normal((L, B, Hq, D), dtype=np.float32)).astype(dtype),
+            gpu_device,
+        )
         q64 = np.asarray(qs.astype(jnp.float32), np.float64)
         ks, vs = [kv.k[l] for l in range(L)], [kv.v[l] for l in range(L)]
 
@@ -451,8 +538,14 @@ def test_gpu_step_is_captured_and_replays_with_device_lengths(gpu_device):
 
         lengths = np.zeros(B, np.int32)
         calls = []
-        schedule = ([5, 1, 0, 300], [6, 2, 1, 301], [600, 3, 2, 302], [601, 1500, 3, 303],
-                    [602, 1501, 4, 4096], [603, 1502, 5, 4096])
+        schedule = (
+            [5, 1, 0, 300],
+            [6, 2, 1, 301],
+            [600, 3, 2, 302],
+            [601, 1500, 3, 303],
+            [602, 1501, 4, 4096],
+            [603, 1502, 5, 4096],
+        )
         for i, new in enumerate(schedule):
             new = np.array(new, np.int32)
             for s in range(B):
@@ -460,24 +553,35 @@ def test_gpu_step_is_captured_and_replays_with_device_lengths(gpu_device):
                 if new[s] > lengths[s]:
                     for l in range(L):
                         for buf, ref in ((kv.k_buffers[l], k64), (kv.v_buffers[l], v64)):
-                            x = jnp.asarray(rng.standard_normal((new[s] - lengths[s], Hkv, D),
-                                                                dtype=np.float32)).astype(dtype)
-                            write_bytes(buf, (s * T + int(lengths[s])) * kv.token_bytes,
-                                        np.asarray(x).view(np.uint8))
-                            ref[l, s, lengths[s]:new[s]] = np.asarray(x.astype(jnp.float32))
+                            x = jnp.asarray(
+                                rng.standard_normal((new[s] - lengths[s], Hkv, D), dtype=np.float32)
+                            ).astype(dtype)
+                            write_bytes(
+                                buf,
+                                (s * T + int(lengths[s])) * kv.token_bytes,
+                                np.asarray(x).view(np.uint8),
+                            )
+                            ref[l, s, lengths[s] : new[s]] = np.asarray(x.astype(jnp.float32))
             lengths = new
             write_bytes(lens_buf, 0, lengths.view(np.uint8))  # same address, new contents
             before = attention_stats()["cuda_execute_calls"]
             outs = step(qs, ks, vs, lens_buf.array)
             for l in range(L):
-                assert_close(outs[l], reference(q64[l], k64[l], v64[l], lengths), dtype, f"step {i} layer {l}")
+                assert_close(
+                    outs[l],
+                    reference(q64[l], k64[l], v64[l], lengths),
+                    dtype,
+                    f"step {i} layer {l}",
+                )
             del outs  # let the next step's outputs reuse the same addresses
             calls.append(attention_stats()["cuda_execute_calls"] - before)
         stats = attention_stats()
         print(f"handler execute calls per step: {calls}; stats {stats}")
         assert stats["cuda_captured_calls"] > 0, f"never captured into a CUDA graph: {stats}"
-        assert min(calls[2:]) == 0, (f"handler calls per step {calls}: no step was a pure graph "
-                                     "replay (did a buffer address change every step?)")
+        assert min(calls[2:]) == 0, (
+            f"handler calls per step {calls}: no step was a pure graph "
+            "replay (did a buffer address change every step?)"
+        )
     finally:
         kv.close()
         lens_arena.close()

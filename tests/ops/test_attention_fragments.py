@@ -26,7 +26,7 @@ def lanes():
 
 def load16(row: np.ndarray, start: int) -> list[Reg]:
     """A 16-byte load of 8 elements as 4 registers."""
-    v = row[start:start + 8]
+    v = row[start : start + 8]
     return [(v[2 * j], v[2 * j + 1]) for j in range(4)]
 
 
@@ -39,16 +39,18 @@ def byte_perm(x: Reg, y: Reg, sel: int) -> Reg:
     return (x[0], y[0]) if sel == 0x5410 else (x[1], y[1])
 
 
-def mma(c: list[list[float]], a: dict[int, tuple[Reg, Reg, Reg, Reg]], b: dict[int, tuple[Reg, Reg]]) -> None:
+def mma(
+    c: list[list[float]], a: dict[int, tuple[Reg, Reg, Reg, Reg]], b: dict[int, tuple[Reg, Reg]]
+) -> None:
     """D = A B + C for m16n8k16 with the PTX fragment layouts (per-lane registers)."""
     A = np.full((16, 16), np.nan)
     B = np.full((16, 8), np.nan)
     for lane, g, t in lanes():
         a0, a1, a2, a3 = a[lane]
         b0, b1 = b[lane]
-        A[g, 2 * t:2 * t + 2], A[g + 8, 2 * t:2 * t + 2] = a0, a1
-        A[g, 2 * t + 8:2 * t + 10], A[g + 8, 2 * t + 8:2 * t + 10] = a2, a3
-        B[2 * t:2 * t + 2, g], B[2 * t + 8:2 * t + 10, g] = b0, b1
+        A[g, 2 * t : 2 * t + 2], A[g + 8, 2 * t : 2 * t + 2] = a0, a1
+        A[g, 2 * t + 8 : 2 * t + 10], A[g + 8, 2 * t + 8 : 2 * t + 10] = a2, a3
+        B[2 * t : 2 * t + 2, g], B[2 * t + 8 : 2 * t + 10, g] = b0, b1
     assert not np.isnan(A).any() and not np.isnan(B).any(), "a fragment element was never set"
     R = A @ B
     for lane, g, t in lanes():
@@ -68,20 +70,40 @@ def model_tile(D: int, GB: int, n: int, rng: np.random.Generator) -> None:
     V[n:] = np.nan
 
     # Q fragments: lane (g, t) holds dims [32 j + 8 t, +8) of head 8 nt + g.
-    qf = {(lane, nt, j): load16(Q[nt * 8 + g], 32 * j + 8 * t) if nt * 8 + g < GB else ZERO
-          for lane, g, t in lanes() for nt in range(NQT) for j in range(kKB)}
+    qf = {
+        (lane, nt, j): load16(Q[nt * 8 + g], 32 * j + 8 * t) if nt * 8 + g < GB else ZERO
+        for lane, g, t in lanes()
+        for nt in range(NQT)
+        for j in range(kKB)
+    }
     # Phase 1: A rows g and g + 8 are tokens; same permutation of the dims as Q.
     sc = [[[0.0] * 4 for _ in range(32)] for _ in range(NQT)]
-    ka = {(lane, j): load16(K[g], 32 * j + 8 * t) if g < n else ZERO
-          for lane, g, t in lanes() for j in range(kKB)}
-    kb = {(lane, j): load16(K[g + 8], 32 * j + 8 * t) if g + 8 < n else ZERO
-          for lane, g, t in lanes() for j in range(kKB)}
+    ka = {
+        (lane, j): load16(K[g], 32 * j + 8 * t) if g < n else ZERO
+        for lane, g, t in lanes()
+        for j in range(kKB)
+    }
+    kb = {
+        (lane, j): load16(K[g + 8], 32 * j + 8 * t) if g + 8 < n else ZERO
+        for lane, g, t in lanes()
+        for j in range(kKB)
+    }
     for j in range(kKB):
         for nt in range(NQT):
             for half in range(2):
-                a = {lane: (ka[lane, j][2 * half], kb[lane, j][2 * half], ka[lane, j][2 * half + 1],
-                            kb[lane, j][2 * half + 1]) for lane in range(32)}
-                b = {lane: (qf[lane, nt, j][2 * half], qf[lane, nt, j][2 * half + 1]) for lane in range(32)}
+                a = {
+                    lane: (
+                        ka[lane, j][2 * half],
+                        kb[lane, j][2 * half],
+                        ka[lane, j][2 * half + 1],
+                        kb[lane, j][2 * half + 1],
+                    )
+                    for lane in range(32)
+                }
+                b = {
+                    lane: (qf[lane, nt, j][2 * half], qf[lane, nt, j][2 * half + 1])
+                    for lane in range(32)
+                }
                 mma(sc[nt], a, b)
     logits = np.full((GB, 16), np.nan)
     for lane, g, t in lanes():
@@ -99,9 +121,16 @@ def model_tile(D: int, GB: int, n: int, rng: np.random.Generator) -> None:
     # Phase 3: O^T = V^T P^T; P is zero past n (phase 2 zero-fills the tile tail).
     P = rng.random((GB, 16))
     P[:, n:] = 0.0
-    pb = {(lane, nt): ((P[nt * 8 + g, 2 * t], P[nt * 8 + g, 2 * t + 1]),
-                       (P[nt * 8 + g, 2 * t + 8], P[nt * 8 + g, 2 * t + 9])) if nt * 8 + g < GB
-          else ((0.0, 0.0), (0.0, 0.0)) for lane, g, t in lanes() for nt in range(NQT)}
+    pb = {
+        (lane, nt): (
+            (P[nt * 8 + g, 2 * t], P[nt * 8 + g, 2 * t + 1]),
+            (P[nt * 8 + g, 2 * t + 8], P[nt * 8 + g, 2 * t + 9]),
+        )
+        if nt * 8 + g < GB
+        else ((0.0, 0.0), (0.0, 0.0))
+        for lane, g, t in lanes()
+        for nt in range(NQT)
+    }
     vr = {}
     for lane, g, t in lanes():
         for t4 in range(4):
@@ -114,8 +143,12 @@ def model_tile(D: int, GB: int, n: int, rng: np.random.Generator) -> None:
             a = {}
             for lane in range(32):
                 w0, w1, w2, w3 = (vr[lane, t4, x] for t4 in range(4))
-                a[lane] = (byte_perm(w0[i2], w1[i2], 0x5410), byte_perm(w0[i2], w1[i2], 0x7632),
-                           byte_perm(w2[i2], w3[i2], 0x5410), byte_perm(w2[i2], w3[i2], 0x7632))
+                a[lane] = (
+                    byte_perm(w0[i2], w1[i2], 0x5410),
+                    byte_perm(w0[i2], w1[i2], 0x7632),
+                    byte_perm(w2[i2], w3[i2], 0x5410),
+                    byte_perm(w2[i2], w3[i2], 0x7632),
+                )
             for nt in range(NQT):
                 mma(acc[nt * kMT + 4 * x + i2], a, {lane: pb[lane, nt] for lane in range(32)})
     O = np.full((GB, D), np.nan)
@@ -126,7 +159,9 @@ def model_tile(D: int, GB: int, n: int, rng: np.random.Generator) -> None:
                 if head < GB:
                     for mt in range(kMT):
                         d = 64 * (mt // 4) + 8 * g + 2 * (mt % 4)
-                        assert np.isnan(O[head, d]) and np.isnan(O[head, d + 1]), "dim written twice"
+                        assert np.isnan(O[head, d]) and np.isnan(O[head, d + 1]), (
+                            "dim written twice"
+                        )
                         O[head, d] = acc[nt * kMT + mt][lane][e]
                         O[head, d + 1] = acc[nt * kMT + mt][lane][2 + e]
     assert not np.isnan(O).any(), "an output dim was never written"

@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 
 import jax_vmm
-from jax_vmm import ops
 from conftest import read_bytes, write_bytes
+from jax_vmm import ops
 
 H, D = 2, 8
 
@@ -76,8 +76,9 @@ def _apply(cache: np.ndarray, new: np.ndarray, slots, valid) -> np.ndarray:
 
 
 def _same(a: np.ndarray, b: np.ndarray, msg: str = "") -> None:
-    np.testing.assert_array_equal(np.ascontiguousarray(a).view(np.uint8),
-                                  np.ascontiguousarray(b).view(np.uint8), err_msg=msg)
+    np.testing.assert_array_equal(
+        np.ascontiguousarray(a).view(np.uint8), np.ascontiguousarray(b).view(np.uint8), err_msg=msg
+    )
 
 
 def _put(vm, x):
@@ -85,9 +86,10 @@ def _put(vm, x):
 
 
 def _stats_delta(before: dict, after: dict) -> dict:
-    return {h: {k: after[h][k] - before[h][k] for k in after[h]}
-            for h in ("kv_write", "kv_write_through")} | {
-        "dropped_writes": after["dropped_writes"] - before["dropped_writes"]}
+    return {
+        h: {k: after[h][k] - before[h][k] for k in after[h]}
+        for h in ("kv_write", "kv_write_through")
+    } | {"dropped_writes": after["dropped_writes"] - before["dropped_writes"]}
 
 
 # -- trace-time validation ------------------------------------------------------------
@@ -134,8 +136,9 @@ def test_kv_write_returns_updated_cache(vm, donate, how):
     if how == "eager" and donate:
         pytest.skip("an eager call cannot donate")
     dtype = jnp.float32
-    kv = vm.kv(num_layers=1, num_kv_heads=H, head_dim=D, max_tokens=64, dtype=dtype,
-               initial_tokens=64)
+    kv = vm.kv(
+        num_layers=1, num_kv_heads=H, head_dim=D, max_tokens=64, dtype=dtype, initial_tokens=64
+    )
     before_k, before_v = _fill(kv, dtype)
     slots = np.array([3, -1, 40, 7], np.int32)  # -1: padding
     nk, nv = _values((4, H, D), dtype, 5), _values((4, H, D), dtype, 6)
@@ -147,8 +150,7 @@ def test_kv_write_returns_updated_cache(vm, donate, how):
         f = ops.kv_write
     else:
         dest = kv.dest(0) if how == "jit_dest" else None
-        f = jax.jit(lambda *a: ops.kv_write(*a, dest=dest),
-                    donate_argnums=(0, 1) if donate else ())
+        f = jax.jit(lambda *a: ops.kv_write(*a, dest=dest), donate_argnums=(0, 1) if donate else ())
     ko, vo = f(kv.k[0], kv.v[0], _put(vm, nk), _put(vm, nv), _put(vm, slots))
     jax.block_until_ready((ko, vo))
     d = _stats_delta(s0, ops.kv_write_stats())
@@ -177,8 +179,9 @@ def test_kv_write_returns_updated_cache(vm, donate, how):
 @pytest.mark.parametrize("donate", [False, True], ids=["keep", "donate"])
 def test_kv_write_in_loops(vm, loop, donate):
     dtype = jnp.bfloat16
-    kv = vm.kv(num_layers=1, num_kv_heads=H, head_dim=D, max_tokens=32, dtype=dtype,
-               initial_tokens=32)
+    kv = vm.kv(
+        num_layers=1, num_kv_heads=H, head_dim=D, max_tokens=32, dtype=dtype, initial_tokens=32
+    )
     before_k, before_v = _fill(kv, dtype)
     steps, per = 5, 2
     slots = np.array([[2 * i, 31 - i] for i in range(steps)], np.int32)
@@ -188,12 +191,15 @@ def test_kv_write_in_loops(vm, loop, donate):
 
     def run(k, v, nk, nv, slots):
         if loop == "scan":
+
             def body(c, xs):
                 return ops.kv_write(c[0], c[1], *xs, dest=dest), None
+
             return jax.lax.scan(body, (k, v), (nk, nv, slots))[0]
 
         def body(i, c):
             return ops.kv_write(c[0], c[1], nk[i], nv[i], slots[i], dest=dest)
+
         return jax.lax.fori_loop(0, steps, body, (k, v))
 
     s0 = ops.kv_write_stats()
@@ -224,14 +230,20 @@ def test_xla_hands_a_kept_cache_over_as_a_copy(cpu_device):
     first = calls[0].split("custom-call(", 1)[1].split(",", 1)[0]
     assert "copy" in first, f"the cache operand is not XLA's copy any more: {calls[0]}"
     # kv_write_through (no aliasing) reads the argument itself: no copy at all.
-    hlo = jax.jit(ops.kv_write_through).lower(k, k, nk, nk, jnp.array([1], jnp.int32)).compile().as_text()
+    hlo = (
+        jax.jit(ops.kv_write_through)
+        .lower(k, k, nk, nk, jnp.array([1], jnp.int32))
+        .compile()
+        .as_text()
+    )
     assert " copy(" not in hlo, hlo
 
 
 def test_dest_errors_leave_the_arena_unchanged(vm):
     dtype = jnp.float32
-    kv = vm.kv(num_layers=2, num_kv_heads=H, head_dim=D, max_tokens=16, dtype=dtype,
-               initial_tokens=16)
+    kv = vm.kv(
+        num_layers=2, num_kv_heads=H, head_dim=D, max_tokens=16, dtype=dtype, initial_tokens=16
+    )
     before = _fill(kv, dtype)
     nk = _put(vm, np.ones((1, H, D), np.float32))
     slots = _put(vm, np.array([1], np.int32))
@@ -250,8 +262,12 @@ def test_dest_errors_leave_the_arena_unchanged(vm):
     plain = _put(vm, np.zeros((16, H, D), np.float32))
     jax.block_until_ready(step(plain, plain, nk, slots))  # compiled against layer 1
     ones = np.ones((1, H, D), np.float32)
-    want = [before[0], _apply(before[1], ones, [1], [True]), before[2],
-            _apply(before[3], ones, [1], [True])]  # k0, k1, v0, v1: only layer 1 written
+    want = [
+        before[0],
+        _apply(before[1], ones, [1], [True]),
+        before[2],
+        _apply(before[3], ones, [1], [True]),
+    ]  # k0, k1, v0, v1: only layer 1 written
     for buf, w in zip(kv.buffers, want):
         _same(_cache(buf, dtype), w, buf.name)
     kv.close()
@@ -284,8 +300,7 @@ def test_kv_write_on_plain_arrays(vm):
 def test_kv_write_through_per_sequence_layout(vm):
     dtype = jnp.bfloat16
     seqs, t = 3, 16
-    kv = vm.kv(num_layers=2, num_kv_heads=H, head_dim=D, max_tokens=t, dtype=dtype,
-               max_seqs=seqs)
+    kv = vm.kv(num_layers=2, num_kv_heads=H, head_dim=D, max_tokens=t, dtype=dtype, max_seqs=seqs)
     for q in range(seqs):
         kv.ensure(t, seq=q)
     before = _fill(kv, dtype)
@@ -312,8 +327,9 @@ def test_kv_write_through_per_sequence_layout(vm):
 @pytest.mark.parametrize("loop", ["scan", "fori"])
 def test_kv_write_through_in_loops_without_donation(vm, loop):
     dtype = jnp.float32
-    kv = vm.kv(num_layers=1, num_kv_heads=H, head_dim=D, max_tokens=32, dtype=dtype,
-               initial_tokens=32)
+    kv = vm.kv(
+        num_layers=1, num_kv_heads=H, head_dim=D, max_tokens=32, dtype=dtype, initial_tokens=32
+    )
     before_k, before_v = _fill(kv, dtype)
     steps = 6
     slots = np.array([[i, 20 + i] for i in range(steps)], np.int32)
@@ -322,14 +338,17 @@ def test_kv_write_through_in_loops_without_donation(vm, loop):
 
     def run(k, v, nk, nv, slots):  # the cache is loop-invariant: XLA never copies it
         if loop == "scan":
+
             def body(n, xs):
                 st = ops.kv_write_through(k, v, *xs)
                 return n + jnp.sum(st == ops.WRITTEN), None
+
             return jax.lax.scan(body, jnp.int32(0), (nk, nv, slots))[0]
 
         def body(i, n):
             st = ops.kv_write_through(k, v, nk[i], nv[i], slots[i])
             return n + jnp.sum(st == ops.WRITTEN)
+
         return jax.lax.fori_loop(0, steps, body, jnp.int32(0))
 
     written = jax.jit(run)(kv.k[0], kv.v[0], _put(vm, nk), _put(vm, nv), _put(vm, slots))
@@ -347,7 +366,8 @@ def test_kv_write_through_refuses_copies(vm):
     nk = _put(vm, np.ones((1, H, D), np.float32))
     with pytest.raises(Exception, match="not memory of a jax_vmm arena"):
         jax.block_until_ready(
-            jax.jit(ops.kv_write_through)(k, k, nk, nk, _put(vm, np.array([1], np.int32))))
+            jax.jit(ops.kv_write_through)(k, k, nk, nk, _put(vm, np.array([1], np.int32)))
+        )
 
 
 # -- device-side validation ---------------------------------------------------------------
@@ -361,19 +381,27 @@ def test_out_of_range_and_unbacked_slots_are_dropped_and_counted(vm, op):
     kv.ensure(tpc)  # chunk 0 backed, chunks 1 and 2 not
     before = _fill(kv, dtype)
     slots = np.array([2, -1, kv.num_slots + 5, tpc + 3, tpc - 1, 2 * tpc], np.int32)
-    codes = [ops.WRITTEN, ops.PADDING, ops.DROPPED_OUT_OF_RANGE, ops.DROPPED_UNBACKED,
-             ops.WRITTEN, ops.DROPPED_UNBACKED]
+    codes = [
+        ops.WRITTEN,
+        ops.PADDING,
+        ops.DROPPED_OUT_OF_RANGE,
+        ops.DROPPED_UNBACKED,
+        ops.WRITTEN,
+        ops.DROPPED_UNBACKED,
+    ]
     valid = [c == ops.WRITTEN for c in codes]
     nk, nv = _values((6, H, D), dtype, 31), _values((6, H, D), dtype, 32)
     s0 = ops.kv_write_stats()
     if op == "through":
-        status = jax.jit(ops.kv_write_through)(kv.k[0], kv.v[0], _put(vm, nk), _put(vm, nv),
-                                               _put(vm, slots))
+        status = jax.jit(ops.kv_write_through)(
+            kv.k[0], kv.v[0], _put(vm, nk), _put(vm, nv), _put(vm, slots)
+        )
         np.testing.assert_array_equal(np.asarray(status), np.array([codes, codes]))
     else:  # donated (in place on a GPU; on the CPU the dest names the arena)
         dest = kv.dest(0)
         ko, vo = jax.jit(lambda *a: ops.kv_write(*a, dest=dest), donate_argnums=(0, 1))(
-            kv.k[0], kv.v[0], _put(vm, nk), _put(vm, nv), _put(vm, slots))
+            kv.k[0], kv.v[0], _put(vm, nk), _put(vm, nv), _put(vm, slots)
+        )
         jax.block_until_ready((ko, vo))
         _same(np.asarray(ko), _apply(before[0], nk, slots, valid))
     d = _stats_delta(s0, ops.kv_write_stats())
@@ -391,8 +419,9 @@ def test_out_of_range_and_unbacked_slots_are_dropped_and_counted(vm, op):
     kv.check()  # the count was reset
     # Committing the page makes the same slot writable.
     kv.ensure(2 * tpc)
-    status = jax.jit(ops.kv_write_through)(kv.k[0], kv.v[0], _put(vm, nk[3:4]), _put(vm, nv[3:4]),
-                                           _put(vm, slots[3:4]))
+    status = jax.jit(ops.kv_write_through)(
+        kv.k[0], kv.v[0], _put(vm, nk[3:4]), _put(vm, nv[3:4]), _put(vm, slots[3:4])
+    )
     np.testing.assert_array_equal(np.asarray(status), [[ops.WRITTEN], [ops.WRITTEN]])
     _same(_cache(kv.k_buffers[0], dtype)[tpc + 3], nk[3])
 
@@ -407,35 +436,58 @@ def test_checks_would_catch_unchecked_writes():
         pytest.skip("already the child process")
     env = dict(os.environ, JAX_VMM_TEST_UNCHECKED_WRITES="1")
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider",
-         "-k", "dropped_and_counted and cpu and through"],
-        env=env, cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            __file__,
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-k",
+            "dropped_and_counted and cpu and through",
+        ],
+        env=env,
+        cwd=Path(__file__).resolve().parents[2],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, f"with unchecked writes the test still passed:\n{out[-3000:]}"
     assert "1 passed" not in out
-    assert ("1 failed" in out or "Segmentation fault" in out or "Fatal Python error" in out
-            or proc.returncode < 0), out[-3000:]
+    assert (
+        "1 failed" in out
+        or "Segmentation fault" in out
+        or "Fatal Python error" in out
+        or proc.returncode < 0
+    ), out[-3000:]
 
 
 # -- geometries and copy widths ---------------------------------------------------------
 
 
-@pytest.mark.parametrize("h,d,dtype", [
-    (1, 3, jnp.float16),     # 6-byte tokens: 2-byte copies
-    (3, 5, jnp.float32),     # 60-byte tokens: 4-byte copies
-    (1, 1, jnp.int8),        # 1-byte tokens
-    (2, 64, jnp.bfloat16),   # 256 bytes: 16-byte copies
-    (8, 128, jnp.bfloat16),  # 2 KiB tokens: every thread of a block copies
-])
+@pytest.mark.parametrize(
+    "h,d,dtype",
+    [
+        (1, 3, jnp.float16),  # 6-byte tokens: 2-byte copies
+        (3, 5, jnp.float32),  # 60-byte tokens: 4-byte copies
+        (1, 1, jnp.int8),  # 1-byte tokens
+        (2, 64, jnp.bfloat16),  # 256 bytes: 16-byte copies
+        (8, 128, jnp.bfloat16),  # 2 KiB tokens: every thread of a block copies
+    ],
+)
 def test_geometries(vm, h, d, dtype):
-    kv = vm.kv(num_layers=1, num_kv_heads=h, head_dim=d, max_tokens=40, dtype=dtype,
-               initial_tokens=40)
+    kv = vm.kv(
+        num_layers=1, num_kv_heads=h, head_dim=d, max_tokens=40, dtype=dtype, initial_tokens=40
+    )
     before = _fill(kv, dtype)
     slots = np.array([39, 0, 17, -5, 1], np.int32)
     nk, nv = _values((5, h, d), dtype, 41), _values((5, h, d), dtype, 42)
     valid = slots >= 0
-    status = jax.jit(ops.kv_write_through)(kv.k[0], kv.v[0], _put(vm, nk), _put(vm, nv),
-                                           _put(vm, slots))
+    status = jax.jit(ops.kv_write_through)(
+        kv.k[0], kv.v[0], _put(vm, nk), _put(vm, nv), _put(vm, slots)
+    )
     assert (np.asarray(status) == ops.WRITTEN).sum() == 2 * valid.sum()
     _same(_cache(kv.k_buffers[0], dtype, h, d), _apply(before[0], nk, slots, valid))
     _same(_cache(kv.v_buffers[0], dtype, h, d), _apply(before[1], nv, slots, valid))

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Iterator
+from collections.abc import Iterator
 
 from cuda.bindings import driver as cu
 
@@ -125,8 +125,9 @@ class CudaOracle:
         """The state of every chunk of ``[base, base + nbytes)`` (base chunk-aligned)."""
         return [self.state(base + off) for off in range(0, nbytes, chunk)]
 
-    def kinds(self, base: int, nbytes: int, chunk: int,
-              zero_handle: int | None = None) -> list[str]:
+    def kinds(
+        self, base: int, nbytes: int, chunk: int, zero_handle: int | None = None
+    ) -> list[str]:
         """Per chunk: 'rw' (own writable memory), 'zero' (read-only; when ``zero_handle``
         is given, also the shared zero chunk), 'ro' (read-only, other memory), 'hole'."""
         out = []
@@ -158,8 +159,15 @@ def _access(ordinal: int, flags: int) -> cu.CUmemAccessDesc:
 def granularity(ordinal: int = 0) -> int:
     oracle = CudaOracle(ordinal)
     with oracle.context():
-        return int(_ok("cuMemGetAllocationGranularity", cu.cuMemGetAllocationGranularity(
-            _prop(ordinal), cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM)))
+        return int(
+            _ok(
+                "cuMemGetAllocationGranularity",
+                cu.cuMemGetAllocationGranularity(
+                    _prop(ordinal),
+                    cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM,
+                ),
+            )
+        )
 
 
 def probe_driver_facts(ordinal: int = 0) -> dict:
@@ -191,7 +199,8 @@ def probe_driver_facts(ordinal: int = 0) -> dict:
             for i in range(2):
                 _ok("cuMemMap", cu.cuMemMap(va + i * g, g, 0, handles[0], 0))
             facts["read_only_access_ok"] = (
-                cu.cuMemSetAccess(va, 2 * g, [_access(ordinal, READ)], 1)[0] == ok)
+                cu.cuMemSetAccess(va, 2 * g, [_access(ordinal, READ)], 1)[0] == ok
+            )
             facts["access_flags_seen"] = oracle.access(va + g)
             h0, h1 = oracle.allocation_handle(va), oracle.allocation_handle(va + g)
             facts["retained_handle_is_original"] = h0 == h1 == int(handles[0])

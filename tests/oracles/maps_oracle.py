@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 MEMFD_PATH = "/memfd:jax_vmm"
 
@@ -152,17 +152,19 @@ class MemfdProbe:
         self.inode = inode
 
     @classmethod
-    def between(cls, before: dict[int, int], after: dict[int, int]) -> "MemfdProbe":
+    def between(cls, before: dict[int, int], after: dict[int, int]) -> MemfdProbe:
         new = {fd: ino for fd, ino in after.items() if before.get(fd) != ino}
         if len(new) != 1:
             raise AssertionError(f"expected exactly one new jax_vmm memfd, found {new}")
-        (fd, ino), = new.items()
+        ((fd, ino),) = new.items()
         return cls(fd, ino)
 
     def is_open(self) -> bool:
         try:
-            return (os.readlink(f"/proc/self/fd/{self.fd}").startswith(MEMFD_PATH)
-                    and os.stat(f"/proc/self/fd/{self.fd}").st_ino == self.inode)
+            return (
+                os.readlink(f"/proc/self/fd/{self.fd}").startswith(MEMFD_PATH)
+                and os.stat(f"/proc/self/fd/{self.fd}").st_ino == self.inode
+            )
         except OSError:
             return False
 

@@ -18,9 +18,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import cuda_ordinal
 from jax_vmm import scratch
 from jax_vmm._loader import core as _core
-from conftest import cuda_ordinal
 
 HOST = -1
 KIB = 1024
@@ -39,8 +39,11 @@ def _get(stream: int, nbytes: int, capturing: bool = False, device: int = HOST) 
 
 
 def _ws(stream: int, device: str = "cpu") -> dict:
-    found = [s for s in scratch.scratch_stats()
-             if s["device"] == device and s["stream"] == stream and s["current"]]
+    found = [
+        s
+        for s in scratch.scratch_stats()
+        if s["device"] == device and s["stream"] == stream and s["current"]
+    ]
     assert len(found) == 1, found
     return found[0]
 
@@ -203,8 +206,9 @@ def test_probe_copies_through_a_workspace(cpu_device):
     np.testing.assert_array_equal(np.asarray(y), np.asarray(x))
     assert scratch.scratch_probe_stats()["calls"] == s0["calls"] + 1
     ptr = scratch.address_of(addr)
-    hosts = {w["address"]: w for w in scratch.scratch_stats()
-             if w["device"] == "cpu" and w["current"]}
+    hosts = {
+        w["address"]: w for w in scratch.scratch_stats() if w["device"] == "cpu" and w["current"]
+    }
     assert ptr in hosts and hosts[ptr]["capacity"] >= 200_000
 
 
@@ -237,8 +241,13 @@ def test_gpu_probe_and_growth(gpu_device, mode):
     np.testing.assert_array_equal(np.asarray(y), np.asarray(big))
     s1 = scratch.scratch_probe_stats()
     assert s1["initialize_calls"] > s0["initialize_calls"], "kInitialize stage never ran"
-    ws = [w for w in scratch.scratch_stats() if w["device"] == dev and w["current"]
-          and w["address"] in (scratch.address_of(a_small), scratch.address_of(a_big))]
+    ws = [
+        w
+        for w in scratch.scratch_stats()
+        if w["device"] == dev
+        and w["current"]
+        and w["address"] in (scratch.address_of(a_small), scratch.address_of(a_big))
+    ]
     assert ws, scratch.scratch_stats()
     w = max(ws, key=lambda w: w["capacity"])
     assert w["mode"] == mode and w["capacity"] >= 8_000_000

@@ -27,8 +27,9 @@ def main() -> None:
         k = jnp.asarray(rng.standard_normal((B, T, Hkv, D), dtype=np.float32)).astype(dtype)
         lens = jnp.asarray([T, 1] + [T // 3] * (B - 2), jnp.int32)
         for workspace in ("scratch", "xla"):
-            out = _decode_attention(q, k, k, lens, impl=impl, workspace=workspace, chunk=48,
-                                    splits=2)
+            out = _decode_attention(
+                q, k, k, lens, impl=impl, workspace=workspace, chunk=48, splits=2
+            )
             if not np.isfinite(np.asarray(out.astype(jnp.float32))).all():
                 raise SystemExit(f"non-finite output: B={B} T={T} D={D} {impl} {workspace}")
     print("memcheck workload done", attention_stats())
