@@ -218,7 +218,8 @@ def fmt_us(t: float | None) -> str:
 
 def print_table(rows: list[dict], copy_bw: float) -> None:
     print(
-        f"\ncopy bandwidth (read + write): {copy_bw / 1e9:.0f} GB/s; times are us per attention call"
+        f"\ncopy bandwidth (read + write): {copy_bw / 1e9:.0f} GB/s; "
+        "times are us per attention call"
     )
     print(TABLE.header())
     print(TABLE.rule())

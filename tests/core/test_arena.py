@@ -263,7 +263,7 @@ def test_close_releases_everything_and_refuses_work(vm):
         "view": lambda: buf.view((8,), jnp.uint8),
         "free": lambda: buf.free(),
     }
-    for name, call in calls.items():
+    for call in calls.values():
         with pytest.raises(jax_vmm.ArenaClosedError, match="closed"):
             call()
     arena.close()  # idempotent

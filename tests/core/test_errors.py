@@ -340,8 +340,8 @@ ROWS = [
         "D2",
         _oom,
         (MemoryError, jax_vmm.OutOfMemoryError),
-        r"out of physical memory .*\d+ bytes free.*Nothing was committed.*XLA_PYTHON_CLIENT_PREALLOCATE"
-        r".*XLA_PYTHON_CLIENT_MEM_FRACTION",
+        r"out of physical memory .*\d+ bytes free.*Nothing was committed"
+        r".*XLA_PYTHON_CLIENT_PREALLOCATE.*XLA_PYTHON_CLIENT_MEM_FRACTION",
     ),
     Row("D3", _injected, jax_vmm.InjectedFault, r"injected fault in driver map"),
     # -- kv_arena(...) --

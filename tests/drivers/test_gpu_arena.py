@@ -293,7 +293,7 @@ def test_threads_commit_and_decommit(gpu_device, oracle, num_arenas, bufs_per_ar
         for t in threads:
             t.join()
         assert not errors, errors[0]
-        for a, b in work:
+        for _a, b in work:
             assert b.backed_bytes == 0
             assert "rw" not in oracle.kinds(b.address, b.nbytes, c)
         for a in arenas:

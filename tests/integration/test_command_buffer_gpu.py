@@ -440,7 +440,8 @@ def test_free_on_growth_breaks_the_replay(mode, tmp_path):
         timeout=300,
     )
     assert "REPLAYING" in proc.stdout, (
-        f"the scenario did not reach the replay (setup failed?):\n{proc.stdout}\n{proc.stderr[-4000:]}"
+        f"the scenario did not reach the replay (setup failed?):\n{proc.stdout}\n"
+        f"{proc.stderr[-4000:]}"
     )
     if proc.returncode == 0:
         r = json.loads(result.read_text())
