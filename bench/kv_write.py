@@ -139,6 +139,14 @@ def per_write(kind, num_slots, n, loop, args, device, repeats) -> float:
         w.close()
 
 
+def per_write_each(num_slots, n, loop, args, device) -> dict[str, float]:
+    """Seconds per write of every writer: ours, through, xla."""
+    return {
+        k: per_write(k, num_slots, n, loop, args, device, args.repeats)
+        for k in ("ours", "through", "xla")
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     dev = jax.devices()[0]
     gpu = dev.platform != "cpu"
@@ -185,10 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         num_slots = int(cap_gib * GiB) // (2 * tb)
         for n in args.batches:
             for mode, loop in (("loop", args.loop), ("call", 1)):
-                t = {
-                    k: per_write(k, num_slots, n, loop, args, dev, args.repeats)
-                    for k in ("ours", "through", "xla")
-                }
+                t = per_write_each(num_slots, n, loop, args, dev)
                 row = dict(
                     kind="decode",
                     capacity_gib=cap_gib,
@@ -222,10 +227,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         moved = 2 * 2 * n * tb  # K and V, each read once and written once
         loop = max(1, min(args.loop, num_slots // n))
-        t = {
-            k: per_write(k, num_slots, n, loop, args, dev, args.repeats)
-            for k in ("ours", "through", "xla")
-        }
+        t = per_write_each(num_slots, n, loop, args, dev)
         row = dict(
             kind="prefill",
             capacity_gib=cap_gib,
