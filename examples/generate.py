@@ -56,6 +56,10 @@ class ServeOptions:
     chunk_bytes: int | None = None
 
 
+GREEDY = SamplingConfig()
+DEFAULT_SERVING = ServeOptions()
+
+
 def encode_prompts(ckpt: Checkpoint, prompts: Sequence[str | Sequence[int]]) -> list[Prompt]:
     """Text prompts through the checkpoint's tokenizer; id prompts checked against the
     model's vocabulary (an out-of-range id would be clamped by the embedding gather)."""
@@ -81,9 +85,11 @@ def encode_prompts(ckpt: Checkpoint, prompts: Sequence[str | Sequence[int]]) -> 
 
 def serve(ckpt: Checkpoint, requests: list[E.Request], opts: ServeOptions, *,
           device: jax.Device, select_token: Callable[[int, np.ndarray], int] | None = None,
-          record_logits: bool = False) -> E.RunReport:
+          record_logits: bool = False, force_tokens: dict[int, list[int]] | None = None
+          ) -> E.RunReport:
     """The engine-facing glue: one cache, one Generator, one run. `requests` are served
-    on min(batch, len(requests)) slots, each with room for its prompt and new tokens."""
+    on min(batch, len(requests)) slots, each with room for its prompt and new tokens.
+    select_token, record_logits, force_tokens: as `Generator.run`."""
     cfg = ckpt.config
     slots = min(opts.batch or DEFAULT_MAX_SLOTS, len(requests))
     max_tokens = max(len(r.prompt) + r.max_new_tokens - 1 for r in requests)
@@ -95,15 +101,16 @@ def serve(ckpt: Checkpoint, requests: list[E.Request], opts: ServeOptions, *,
                                      write_through=cache.write_through,
                                      tail_may_be_garbage=cache.tail_may_be_garbage)
         return E.Generator(ckpt.params, cfg, cache, attend).run(
-            requests, select_token=select_token, record_logits=record_logits)
+            requests, select_token=select_token, record_logits=record_logits,
+            force_tokens=force_tokens)
     finally:
         cache.close()
 
 
 def generate(ckpt: Checkpoint, prompts: Sequence[str | Sequence[int]], *,
-             max_new_tokens: int, sampling: SamplingConfig = SamplingConfig(),
+             max_new_tokens: int, sampling: SamplingConfig = GREEDY,
              stop_at_eos: bool = False, eos_token_ids: Sequence[int] | None = None,
-             opts: ServeOptions = ServeOptions(), device: jax.Device | None = None,
+             opts: ServeOptions = DEFAULT_SERVING, device: jax.Device | None = None,
              record_logits: bool = False) -> dict[str, Any]:
     """Generates `max_new_tokens` per prompt (text, or a sequence of token ids).
 
@@ -228,7 +235,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         raise SystemExit(f"generate.py: {e}") from None
     for i, r in enumerate(result["requests"]):
         shown = r["prompt"] if r["prompt"] is not None else r["prompt_ids"]
-        body = r["text"] if r["text"] is not None else r["generated_ids"]
+        # Ids the tokenizer does not know decode to nothing (a random model's): show ids.
+        body = r["text"] if r["text"] else r["generated_ids"]
         print(f"[{i}] {shown!r} -> {body!r}")
     print(f"{result['generated_tokens']} tokens in {result['seconds']:.2f} s = "
           f"{result['tokens_per_second']:.1f} tokens/s ({result['slots']} slots, backend "

@@ -96,24 +96,22 @@ def parse_config(raw: dict[str, Any], *, dtype: str = "float32",
                     "without biases on the attention and MLP projections only")
     heads = get.int_("num_attention_heads")
     hidden = get.int_("hidden_size")
-    kv_heads = get.int_("num_key_value_heads", optional=True) or heads
-    head_dim = get.int_("head_dim", optional=True) or hidden // heads
-    theta, scaling = parse_rope(raw, where=where,
-                                max_position=get.int_("max_position_embeddings"))
+    max_position = get.int_("max_position_embeddings")
+    theta, scaling = parse_rope(raw, where=where, max_position=max_position)
+    fields = dict(
+        vocab=get.int_("vocab_size"), d_model=hidden, num_layers=get.int_("num_hidden_layers"),
+        num_q_heads=heads, num_kv_heads=get.int_("num_key_value_heads", optional=True) or heads,
+        head_dim=get.int_("head_dim", optional=True) or hidden // heads,
+        ffn_dim=get.int_("intermediate_size"), rope_theta=theta,
+        norm_eps=get.float_("rms_norm_eps"), dtype=dtype, rope_scaling=scaling,
+        qkv_bias=arch == "Qwen2ForCausalLM", tie_embeddings=get.bool_("tie_word_embeddings"))
     try:
-        cfg = M.ModelConfig(
-            vocab=get.int_("vocab_size"), d_model=hidden,
-            num_layers=get.int_("num_hidden_layers"), num_q_heads=heads,
-            num_kv_heads=kv_heads, head_dim=head_dim,
-            ffn_dim=get.int_("intermediate_size"), rope_theta=theta,
-            norm_eps=get.float_("rms_norm_eps"), dtype=dtype, rope_scaling=scaling,
-            qkv_bias=arch == "Qwen2ForCausalLM",
-            tie_embeddings=get.bool_("tie_word_embeddings"))
-    except ValueError as e:  # GQA ratio, odd head_dim, bad RoPE numbers
+        cfg = M.ModelConfig(**fields)
+    except ValueError as e:  # the GQA ratio, an odd head_dim
         raise CheckpointError(f"{where}: {e}") from None
     return HFModelSpec(
         architecture=arch, config=cfg, sliding_window=_sliding_window(arch, get, cfg),
-        max_position_embeddings=get.int_("max_position_embeddings"),
+        max_position_embeddings=max_position,
         bos_token_id=get.int_("bos_token_id", optional=True, minimum=0),
         eos_token_ids=_token_ids(raw, "eos_token_id", where,
                                  default=_DEFAULTS[arch]["eos_token_id"]))
@@ -154,18 +152,21 @@ def parse_rope(raw: dict[str, Any], *, where: str, max_position: int
                                   f"got {value!r}")
         return value
 
-    try:
-        if kind == "linear":
-            return float(theta), M.RopeScaling("linear", float(number("factor")))
-        if kind == "llama3":
-            return float(theta), M.RopeScaling(
-                "llama3", float(number("factor")),
-                low_freq_factor=float(number("low_freq_factor")),
-                high_freq_factor=float(number("high_freq_factor")),
-                original_max_position=int(number("original_max_position_embeddings",
-                                                 max_position)))
-    except ValueError as e:
-        raise CheckpointError(f"{where}: {e}") from None
+    if kind == "linear":
+        fields = dict(factor=float(number("factor")))
+    elif kind == "llama3":
+        fields = dict(factor=float(number("factor")),
+                      low_freq_factor=float(number("low_freq_factor")),
+                      high_freq_factor=float(number("high_freq_factor")),
+                      original_max_position=int(number("original_max_position_embeddings",
+                                                       max_position)))
+    else:
+        fields = None
+    if fields is not None:
+        try:
+            return float(theta), M.RopeScaling(kind, **fields)
+        except ValueError as e:  # a factor <= 0, low >= high
+            raise CheckpointError(f"{where}: {e}") from None
     raise CheckpointError(
         f"{where}: RoPE type {kind!r} is not supported; the example implements "
         f"'default', {', '.join(repr(k) for k in M.ROPE_SCALING_KINDS)}")

@@ -15,8 +15,9 @@ generation_config.json, model.safetensors or shards + model.safetensors.index.js
 tokenizer.json, tokenizer_config.json) and expected.json: the prompts, their ids from
 transformers' tokenizer, and for each prompt the ids that transformers'
 `model.generate(do_sample=False)` produced from the checkpoint as written to disk
-(reloaded with from_pretrained, float32, eager attention), the decoded text, and per
-step the top-1 logit and its margin over the top-2.
+(reloaded with from_pretrained, float32, eager attention), the decoded text, per step
+the top-1 logit and its margin over the top-2, and transformers' own bfloat16 error on
+those top-1 logits (bf16_top1_error).
 
 The weights are random but large (unit-scale embeddings, projections of 1/sqrt(fan_in)
 times the gains in _GAINS, norm weights and biases away from 1 and 0, so that a mapping
@@ -202,10 +203,14 @@ def check_reloaded(model: torch.nn.Module, spec: dict[str, Any]) -> None:
 
 
 def reference_outputs(model_dir: Path, prompts: tuple[str, ...], max_new_tokens: int,
-                      spec: dict[str, Any]) -> list[dict[str, Any]]:
+                      spec: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """transformers' float32 greedy generation per prompt (ids, text, per-step top-1
+    logit and margin). spec: a FIXTURES entry, to check transformers read the written
+    config as meant."""
     model = transformers.AutoModelForCausalLM.from_pretrained(
         model_dir, dtype=torch.float32, attn_implementation="eager").eval()
-    check_reloaded(model, spec)
+    if spec is not None:
+        check_reloaded(model, spec)
     tok = transformers.AutoTokenizer.from_pretrained(model_dir)
     model.generation_config.eos_token_id = None  # exactly max_new_tokens, no early stop
     out = []
@@ -234,6 +239,22 @@ def reference_outputs(model_dir: Path, prompts: tuple[str, ...], max_new_tokens:
     return out
 
 
+def add_bf16_errors(model_dir: Path, outputs: list[dict[str, Any]]) -> None:
+    """transformers' own bfloat16 error: the same checkpoint in bfloat16, teacher-forced
+    with the float32 greedy ids, against the float32 top-1 logit of every step. The
+    tests allow a bfloat16 run of the example a small multiple of it."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.bfloat16, attn_implementation="eager").eval()
+    for o in outputs:
+        seq = o["prompt_ids"] + o["generated_ids"][:-1]
+        with torch.no_grad():
+            logits = model(torch.tensor([seq])).logits[0].float()
+        first = len(o["prompt_ids"]) - 1
+        errs = [abs(float(logits[first + s, tok]) - o["top1_logits"][s])
+                for s, tok in enumerate(o["generated_ids"])]
+        o["bf16_top1_error"] = round(max(errs), 5)
+
+
 def write_checkpoint(out: Path, spec: dict[str, Any], seed: int,
                      tokenizer: Tokenizer) -> None:
     config = dict(spec["config"], vocab_size=tokenizer.get_vocab_size())
@@ -259,6 +280,7 @@ def make_fixture(name: str, out_root: Path) -> dict[str, Any]:
                 print(f"{name}: seed {seed}: smallest margin {lowest:.4f} < {MIN_MARGIN}; "
                       "next seed")
                 continue
+            add_bf16_errors(tmp_dir, outputs)
             lengths = [len(o["prompt_ids"]) for o in outputs]
             assert len(set(lengths)) == len(lengths) and max(lengths) <= 64, lengths
             expected = dict(
