@@ -83,6 +83,13 @@ def encode_prompts(ckpt: Checkpoint, prompts: Sequence[str | Sequence[int]]) -> 
     return out
 
 
+def num_slots(opts: ServeOptions, num_requests: int) -> int:
+    if opts.batch is not None and (isinstance(opts.batch, bool) or
+                                   not isinstance(opts.batch, int) or opts.batch < 1):
+        raise ValueError(f"batch (sequence slots) must be an integer >= 1, got {opts.batch!r}")
+    return min(opts.batch or DEFAULT_MAX_SLOTS, num_requests)
+
+
 def serve(ckpt: Checkpoint, requests: list[E.Request], opts: ServeOptions, *,
           device: jax.Device, select_token: Callable[[int, np.ndarray], int] | None = None,
           record_logits: bool = False, force_tokens: dict[int, list[int]] | None = None
@@ -91,7 +98,7 @@ def serve(ckpt: Checkpoint, requests: list[E.Request], opts: ServeOptions, *,
     on min(batch, len(requests)) slots, each with room for its prompt and new tokens.
     select_token, record_logits, force_tokens: as `Generator.run`."""
     cfg = ckpt.config
-    slots = min(opts.batch or DEFAULT_MAX_SLOTS, len(requests))
+    slots = num_slots(opts, len(requests))
     max_tokens = max(len(r.prompt) + r.max_new_tokens - 1 for r in requests)
     cache = make_cache(opts.backend, cfg, max_seqs=slots, max_tokens=max_tokens,
                        device=device, chunk_bytes=opts.chunk_bytes, write=opts.write)
@@ -119,16 +126,18 @@ def generate(ckpt: Checkpoint, prompts: Sequence[str | Sequence[int]], *,
     `eos_token_ids` (default: the checkpoint's). The engine has no early stop yet, so it
     generates all tokens and the cut happens here; tokens_per_second counts what the
     engine generated. record_logits: each request also gets "logits", the float32
-    (steps, vocab) array each generated token was chosen from."""
+    (steps, vocab) array each generated token was chosen from. device: where the steps
+    run (default: where the checkpoint's weights are)."""
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) \
             or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
     if not prompts:
         raise ValueError("no prompts: give at least one (--prompt or --prompt-ids)")
-    device = device or jax.devices()[0]
+    device = device or next(iter(ckpt.params.embed.devices()))  # where the weights are
     encoded = encode_prompts(ckpt, prompts)
     window = ckpt.spec.sliding_window
-    longest = max(len(p.ids) for p in encoded) + max_new_tokens
+    # The last new token is never fed back: the longest context is prompt + N - 1.
+    longest = max(len(p.ids) for p in encoded) + max_new_tokens - 1
     if window is not None and longest > window:
         raise ValueError(
             f"{ckpt.path}: the model attends within a sliding window of {window} tokens; "
@@ -163,7 +172,7 @@ def generate(ckpt: Checkpoint, prompts: Sequence[str | Sequence[int]], *,
         "compile_seconds": report.compile_seconds, "decode_steps": report.decode_steps,
         "model": str(ckpt.path), "architecture": ckpt.spec.architecture,
         "dtype": ckpt.config.dtype, "backend": opts.backend, "device": device.platform,
-        "slots": min(opts.batch or DEFAULT_MAX_SLOTS, len(requests)),
+        "slots": num_slots(opts, len(requests)),
         "sampling": dataclasses.asdict(sampling),
     }
 
@@ -219,18 +228,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     if not args.prompts:
         raise SystemExit("generate.py: give at least one --prompt or --prompt-ids")
-    if args.batch is not None and args.batch < 1:
-        raise SystemExit(f"generate.py: --batch must be >= 1, got {args.batch}")
     device = resolve_device(args.device)
     try:
         sampling = SamplingConfig(args.temperature, args.top_k, args.top_p, args.seed)
+        opts = ServeOptions(backend=args.backend, batch=args.batch, attention=args.attention,
+                            write=args.write)
+        num_slots(opts, len(args.prompts))  # bad options fail before a long load
         with jax.default_device(device):
             ckpt = load_checkpoint(args.model, dtype=args.dtype, device=device)
         print(f"model: {ckpt.spec.architecture}, {M.config_summary(ckpt.config)}")
         result = generate(ckpt, args.prompts, max_new_tokens=args.max_new_tokens,
                           sampling=sampling, stop_at_eos=args.stop_at_eos, device=device,
-                          opts=ServeOptions(backend=args.backend, batch=args.batch,
-                                            attention=args.attention, write=args.write))
+                          opts=opts)
     except (CheckpointError, ValueError, RuntimeError) as e:
         raise SystemExit(f"generate.py: {e}") from None
     for i, r in enumerate(result["requests"]):

@@ -248,9 +248,16 @@ def test_request_errors_name_the_problem(cpu_device: jax.Device, tmp_path) -> No
         G.generate(ckpt, ["Hi"], max_new_tokens=0, device=cpu_device)
     with pytest.raises(ValueError, match="no prompts"):
         G.generate(ckpt, [], max_new_tokens=2, device=cpu_device)
-    narrow = dataclasses.replace(ckpt, spec=dataclasses.replace(ckpt.spec, sliding_window=8))
-    with pytest.raises(ValueError, match="sliding window of 8 tokens"):
-        G.generate(narrow, ["The quick brown fox jumps."], max_new_tokens=2,
+    with pytest.raises(ValueError, match=r"batch \(sequence slots\) must be an integer >= 1"):
+        G.generate(ckpt, ["Hi"], max_new_tokens=2, device=cpu_device,
+                   opts=G.ServeOptions(batch=0))
+    with pytest.raises(ValueError, match="backend must be one of"):
+        G.generate(ckpt, ["Hi"], max_new_tokens=2, device=cpu_device,
+                   opts=G.ServeOptions(backend="paged"))
+    # 14 prompt tokens + 3 new: the last new one is never fed back, the context is 16.
+    narrow = dataclasses.replace(ckpt, spec=dataclasses.replace(ckpt.spec, sliding_window=15))
+    with pytest.raises(ValueError, match="sliding window of 15 tokens.* reach 16"):
+        G.generate(narrow, ["The quick brown fox jumps."], max_new_tokens=3,
                    device=cpu_device)
     no_eos = dataclasses.replace(ckpt, spec=dataclasses.replace(ckpt.spec, eos_token_ids=()))
     with pytest.raises(ValueError, match="names no EOS token"):
