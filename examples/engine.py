@@ -199,12 +199,15 @@ class Generator:
         record_logits: bool = False,
         progress: Callable[[int], None] | None = None,
         force_tokens: dict[int, list[int]] | None = None,
+        select_token: Callable[[int, np.ndarray], int] | None = None,
     ) -> RunReport:
         """Serves all requests with continuous batching; greedy sampling.
 
         force_tokens (request id -> tokens): feed these back instead of the greedy ones
         (teacher forcing), so that two runs compare logits at every step even after a
-        near-tie; ``Result.greedy`` still records each step's argmax."""
+        near-tie; ``Result.greedy`` still records each step's argmax.
+        select_token(request id, logits (vocab,) fp32) -> token: choose each fed-back
+        token on the host instead (sampling); every step's logits then come to the host."""
         cache, max_tokens = self.cache, self.cache.max_tokens
         for r in requests:
             need = len(r.prompt) + r.max_new_tokens - 1
@@ -215,6 +218,7 @@ class Generator:
                 )
         self.precompile(requests)
         bpt = self.cfg.kv_bytes_per_token
+        host_logits_needed = record_logits or select_token is not None
         queue = collections.deque(requests)
         slots: list[_Slot | None] = [None] * cache.max_seqs
         results: dict[int, Result] = {}
@@ -236,8 +240,10 @@ class Generator:
             s.result.greedy.append(token)
             if force_tokens is not None:
                 token = int(force_tokens[s.request.id][len(s.result.tokens)])
+            elif select_token is not None:
+                token = int(select_token(s.request.id, logits))
             s.result.tokens.append(token)
-            if logits is not None:
+            if record_logits:
                 s.result.logits.append(logits)
             s.last_token = token
             generated += 1
@@ -263,7 +269,11 @@ class Generator:
                     logits = self.prefill(seq, req.prompt)
                     host_logits = np.asarray(logits)
                     prefills += 1
-                    emit(seq, int(np.argmax(host_logits)), host_logits if record_logits else None)
+                    emit(
+                        seq,
+                        int(np.argmax(host_logits)),
+                        host_logits if host_logits_needed else None,
+                    )
                     record("prefill")
             if not any(slots):
                 continue
@@ -277,7 +287,7 @@ class Generator:
             host_seconds += time.perf_counter() - t0
             logits, nxt = self.decode(tokens, positions)
             nxt = np.asarray(nxt)
-            host_logits = np.asarray(logits) if record_logits else None
+            host_logits = np.asarray(logits) if host_logits_needed else None
             decode_steps += 1
             for seq in range(cache.max_seqs):
                 if slots[seq] is not None:

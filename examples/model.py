@@ -1,5 +1,10 @@
 """A small decoder-only transformer in plain JAX (RMSNorm, rotary embeddings, GQA, SwiGLU).
 
+The architecture of Llama, Mistral and Qwen2: `ModelConfig` carries what differs between
+them (RoPE theta and scaling, q/k/v biases, tied embeddings, head_dim, RMSNorm eps), and
+`examples/hf_checkpoint.py` builds a config and `Params` from a Hugging Face checkpoint.
+The random presets (`PRESETS`, `init_params`) need none of that.
+
 The model knows nothing about where its KV cache lives: every function that touches the
 cache takes a `write` callable (scatter new K/V into the cache at flat token slots) and an
 `attend` callable (decode attention over per-sequence live lengths). `examples/cache.py`
@@ -37,6 +42,42 @@ WriteFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array], Any]
 AttendFn = Callable[..., jax.Array]
 
 
+ROPE_SCALING_KINDS = ("linear", "llama3")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """Rescaled rotary frequencies, as Hugging Face's `rope_type` "linear" and "llama3".
+
+    linear: every inverse frequency divided by `factor`.
+    llama3: wavelengths below original_max_position / high_freq_factor kept, above
+    original_max_position / low_freq_factor divided by `factor`, and in between a linear
+    blend of the two, weighted by how many turns the wavelength makes over the original
+    context."""
+
+    kind: str
+    factor: float
+    low_freq_factor: float = 1.0  # llama3 only
+    high_freq_factor: float = 4.0  # llama3 only
+    original_max_position: int = 8192  # llama3 only
+
+    def __post_init__(self) -> None:
+        if self.kind not in ROPE_SCALING_KINDS:
+            raise ValueError(
+                f"RoPE scaling kind must be one of {ROPE_SCALING_KINDS}, got {self.kind!r}"
+            )
+        if not self.factor > 0:
+            raise ValueError(f"RoPE scaling factor must be > 0, got {self.factor}")
+        if self.kind == "llama3" and not (
+            0 < self.low_freq_factor < self.high_freq_factor and self.original_max_position > 0
+        ):
+            raise ValueError(
+                "llama3 RoPE scaling needs 0 < low_freq_factor < high_freq_factor and "
+                f"original_max_position > 0, got {self.low_freq_factor}, "
+                f"{self.high_freq_factor}, {self.original_max_position}"
+            )
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     vocab: int = 512
@@ -49,6 +90,9 @@ class ModelConfig:
     rope_theta: float = 10_000.0
     norm_eps: float = 1e-6
     dtype: str = "float32"  # activations, weights and KV cache
+    rope_scaling: RopeScaling | None = None
+    qkv_bias: bool = False  # biases on the q, k and v projections (Qwen2)
+    tie_embeddings: bool = False  # logits use the embedding table (no separate unembed)
 
     def __post_init__(self) -> None:
         if self.num_q_heads % self.num_kv_heads:
@@ -77,7 +121,10 @@ class ModelConfig:
             self.ffn_dim,
         )
         per_layer = 2 * d + d * hq * hd * 2 + d * hk * hd * 2 + 3 * d * f
-        return 2 * self.vocab * d + d + self.num_layers * per_layer
+        if self.qkv_bias:
+            per_layer += (hq + 2 * hk) * hd
+        tables = 1 if self.tie_embeddings else 2
+        return tables * self.vocab * d + d + self.num_layers * per_layer
 
 
 PRESETS: dict[str, ModelConfig] = {
@@ -107,23 +154,41 @@ class LayerParams(NamedTuple):
     w_gate: jax.Array
     w_up: jax.Array
     w_down: jax.Array
+    # q/k/v projection biases (cfg.qkv_bias), else None (an empty pytree node).
+    bq: jax.Array | None = None
+    bk: jax.Array | None = None
+    bv: jax.Array | None = None
 
 
 class Params(NamedTuple):
-    embed: jax.Array
+    embed: jax.Array  # (vocab, d_model)
     layers: tuple[LayerParams, ...]
     final_norm: jax.Array
-    unembed: jax.Array
+    unembed: jax.Array | None = None  # (d_model, vocab); None: tied, logits use embed
+
+
+def unembedding(params: Params) -> jax.Array:
+    """(d_model, vocab): the separate unembedding, or the embedding table's transpose."""
+    return params.embed.T if params.unembed is None else params.unembed
 
 
 def init_params(cfg: ModelConfig, seed: int = 0) -> Params:
-    """Seeded random weights, scaled 1/sqrt(fan_in) so activations stay O(1)."""
+    """Seeded random weights, scaled 1/sqrt(fan_in) so activations stay O(1). Biases
+    (cfg.qkv_bias) come from a stream of their own, so the other weights do not depend
+    on whether the config has them."""
     dt = cfg.jnp_dtype
-    keys = iter(jax.random.split(jax.random.key(seed), 2 + 7 * cfg.num_layers))
+    root = jax.random.key(seed)
+    keys = iter(jax.random.split(root, 2 + 7 * cfg.num_layers))
+    bias_keys = iter(jax.random.split(jax.random.fold_in(root, 1), 3 * cfg.num_layers))
 
     def dense(shape: tuple[int, int]) -> jax.Array:
         w = jax.random.normal(next(keys), shape, jnp.float32) / np.sqrt(shape[0])
         return w.astype(dt)
+
+    def bias(width: int) -> jax.Array | None:
+        if not cfg.qkv_bias:
+            return None
+        return (0.1 * jax.random.normal(next(bias_keys), (width,), jnp.float32)).astype(dt)
 
     d, hd = cfg.d_model, cfg.head_dim
     layers = tuple(
@@ -137,12 +202,18 @@ def init_params(cfg: ModelConfig, seed: int = 0) -> Params:
             w_gate=dense((d, cfg.ffn_dim)),
             w_up=dense((d, cfg.ffn_dim)),
             w_down=dense((cfg.ffn_dim, d)),
+            bq=bias(cfg.num_q_heads * hd),
+            bk=bias(cfg.num_kv_heads * hd),
+            bv=bias(cfg.num_kv_heads * hd),
         )
         for _ in range(cfg.num_layers)
     )
     embed = jax.random.normal(next(keys), (cfg.vocab, d), jnp.float32).astype(dt)
     return Params(
-        embed=embed, layers=layers, final_norm=jnp.ones((d,), dt), unembed=dense((d, cfg.vocab))
+        embed=embed,
+        layers=layers,
+        final_norm=jnp.ones((d,), dt),
+        unembed=None if cfg.tie_embeddings else dense((d, cfg.vocab)),
     )
 
 
@@ -155,10 +226,31 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return (xf * weight.astype(jnp.float32)).astype(x.dtype)
 
 
-def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
-    """Rotary embedding (rotate-half form). x: (N, H, D); positions: int (N,)."""
-    half = x.shape[-1] // 2
+def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> jax.Array:
+    """Inverse frequencies (head_dim // 2,) float32: theta^(-2i/head_dim), rescaled."""
+    half = head_dim // 2
     freqs = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    if scaling is None:
+        return freqs
+    if scaling.kind == "linear":
+        return freqs / scaling.factor
+    # llama3: by wavelength against the original context length.
+    wavelength = 2 * np.pi / freqs
+    turns = scaling.original_max_position / wavelength  # over the original context
+    short = wavelength < scaling.original_max_position / scaling.high_freq_factor
+    long = wavelength > scaling.original_max_position / scaling.low_freq_factor
+    blend = (turns - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    between = (1 - blend) * freqs / scaling.factor + blend * freqs
+    return jnp.where(short, freqs, jnp.where(long, freqs / scaling.factor, between))
+
+
+def rope(
+    x: jax.Array, positions: jax.Array, theta: float, scaling: RopeScaling | None = None
+) -> jax.Array:
+    """Rotary embedding (rotate-half form: dimension i pairs with i + D/2, as in Hugging
+    Face's Llama). x: (N, H, D); positions: int (N,)."""
+    half = x.shape[-1] // 2
+    freqs = rope_frequencies(x.shape[-1], theta, scaling)
     angles = positions.astype(jnp.float32)[:, None] * freqs[None, :]  # (N, half)
     cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
     x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
@@ -166,8 +258,12 @@ def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
     return out.astype(x.dtype)
 
 
-def _matmul(x: jax.Array, w: jax.Array) -> jax.Array:
-    return jnp.matmul(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+def _matmul(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
+    """x @ w (+ b), accumulated in float32 and rounded once to x's dtype."""
+    y = jnp.matmul(x, w, preferred_element_type=jnp.float32)
+    if b is not None:
+        y = y + b.astype(jnp.float32)
+    return y.astype(x.dtype)
 
 
 def qkv_projection(
@@ -175,10 +271,11 @@ def qkv_projection(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """h: (N, d_model) normed -> q (N, H_q, D), k and v (N, H_kv, D); q and k rotated."""
     n = h.shape[0]
-    q = _matmul(h, lp.wq).reshape(n, cfg.num_q_heads, cfg.head_dim)
-    k = _matmul(h, lp.wk).reshape(n, cfg.num_kv_heads, cfg.head_dim)
-    v = _matmul(h, lp.wv).reshape(n, cfg.num_kv_heads, cfg.head_dim)
-    return rope(q, positions, cfg.rope_theta), rope(k, positions, cfg.rope_theta), v
+    q = _matmul(h, lp.wq, lp.bq).reshape(n, cfg.num_q_heads, cfg.head_dim)
+    k = _matmul(h, lp.wk, lp.bk).reshape(n, cfg.num_kv_heads, cfg.head_dim)
+    v = _matmul(h, lp.wv, lp.bv).reshape(n, cfg.num_kv_heads, cfg.head_dim)
+    theta, scaling = cfg.rope_theta, cfg.rope_scaling
+    return rope(q, positions, theta, scaling), rope(k, positions, theta, scaling), v
 
 
 def mlp(lp: LayerParams, x: jax.Array, cfg: ModelConfig) -> jax.Array:
@@ -190,7 +287,7 @@ def mlp(lp: LayerParams, x: jax.Array, cfg: ModelConfig) -> jax.Array:
 def logits_from_hidden(params: Params, x: jax.Array, cfg: ModelConfig) -> jax.Array:
     h = rms_norm(x, params.final_norm, cfg.norm_eps)
     # fp32 logits: greedy argmax then compares well across cache backends.
-    return jnp.matmul(h, params.unembed, preferred_element_type=jnp.float32)
+    return jnp.matmul(h, unembedding(params), preferred_element_type=jnp.float32)
 
 
 def causal_prompt_attention(
@@ -306,15 +403,23 @@ def forward_no_cache(params: Params, tokens: jax.Array, *, cfg: ModelConfig) -> 
 
 
 def config_summary(cfg: ModelConfig) -> str:
+    extras = [
+        f"rope {cfg.rope_scaling.kind} x{cfg.rope_scaling.factor:g}" if cfg.rope_scaling else "",
+        "qkv bias" if cfg.qkv_bias else "",
+        "tied embeddings" if cfg.tie_embeddings else "",
+    ]
+    extra = "".join(f", {e}" for e in extras if e)
     return (
         f"{cfg.num_layers} layers, d_model {cfg.d_model}, {cfg.num_q_heads} q / "
         f"{cfg.num_kv_heads} kv heads x {cfg.head_dim}, ffn {cfg.ffn_dim}, "
-        f"vocab {cfg.vocab}, {cfg.dtype} ({cfg.num_params() / 1e6:.1f}M params)"
+        f"vocab {cfg.vocab}{extra}, {cfg.dtype} "
+        f"({cfg.num_params() / 1e6:.1f}M params)"
     )
 
 
 __all__: Sequence[str] = [
     "ModelConfig",
+    "RopeScaling",
     "PRESETS",
     "Params",
     "LayerParams",
@@ -325,4 +430,6 @@ __all__: Sequence[str] = [
     "config_summary",
     "rms_norm",
     "rope",
+    "rope_frequencies",
+    "unembedding",
 ]

@@ -1,0 +1,331 @@
+"""Generate text with a Hugging Face checkpoint (Llama, Mistral, Qwen2) on the jax_vmm cache.
+
+    python examples/generate.py --model DIR --prompt "text" [--prompt "text2" ...] \\
+        [--prompt-ids 1,2,3 ...] --max-new-tokens N [--dtype float32|bfloat16] \\
+        [--backend jax_vmm|prealloc] [--stop-at-eos] [--json OUT.json]
+
+Greedy by default; --temperature > 0 samples (with --top-k, --top-p, --seed). The
+prompts are served together on --batch sequence slots with continuous batching, by the
+same engine, cache backends and attention as examples/decode.py. Without --stop-at-eos
+exactly N tokens are generated per prompt; with it, a sequence ends at its first EOS
+token (kept in the ids, not in the text).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: make `examples` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+# examples.decode sets XLA_PYTHON_CLIENT_PREALLOCATE before jax starts its GPU backend.
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from examples import engine as E  # noqa: E402
+from examples import model as M  # noqa: E402
+from examples.attention import ATTENTION_CHOICES, choose_attention  # noqa: E402
+from examples.cache import BACKENDS, WRITE_MODES, make_cache  # noqa: E402
+from examples.decode import resolve_device  # noqa: E402
+from examples.hf_checkpoint import DTYPES, Checkpoint, CheckpointError, load_checkpoint  # noqa: E402,E501
+from examples.sampling import RequestSampler, SamplingConfig  # noqa: E402
+
+DEFAULT_MAX_SLOTS = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class Prompt:
+    text: str | None  # None: given as token ids
+    ids: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeOptions:
+    """How the engine serves the requests (the knobs of examples/decode.py)."""
+
+    backend: str = "jax_vmm"
+    batch: int | None = None  # sequence slots; None: min(prompts, 8)
+    attention: str = "auto"
+    write: str = "auto"
+    chunk_bytes: int | None = None
+
+
+GREEDY = SamplingConfig()
+DEFAULT_SERVING = ServeOptions()
+
+
+def encode_prompts(ckpt: Checkpoint, prompts: Sequence[str | Sequence[int]]) -> list[Prompt]:
+    """Text prompts through the checkpoint's tokenizer; id prompts checked against the
+    model's vocabulary (an out-of-range id would be clamped by the embedding gather)."""
+    out = []
+    vocab = ckpt.config.vocab
+    for i, p in enumerate(prompts):
+        if isinstance(p, str):
+            if ckpt.tokenizer is None:
+                raise CheckpointError(
+                    f"prompt {i} is text, but {ckpt.path} has no "
+                    "tokenizer.json; give token ids (--prompt-ids)"
+                )
+            ids, text = ckpt.tokenizer.encode(p), p
+        else:
+            ids, text = [int(t) for t in p], None
+        if not ids:
+            raise ValueError(f"prompt {i} ({p!r}) has no tokens; a prompt needs at least one")
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(
+                f"prompt {i}: token ids {bad[:5]} are outside the model's vocabulary [0, {vocab})"
+            )
+        out.append(Prompt(text, tuple(ids)))
+    return out
+
+
+def num_slots(opts: ServeOptions, num_requests: int) -> int:
+    if opts.batch is not None and (
+        isinstance(opts.batch, bool) or not isinstance(opts.batch, int) or opts.batch < 1
+    ):
+        raise ValueError(f"batch (sequence slots) must be an integer >= 1, got {opts.batch!r}")
+    return min(opts.batch or DEFAULT_MAX_SLOTS, num_requests)
+
+
+def serve(
+    ckpt: Checkpoint,
+    requests: list[E.Request],
+    opts: ServeOptions,
+    *,
+    device: jax.Device,
+    select_token: Callable[[int, np.ndarray], int] | None = None,
+    record_logits: bool = False,
+    force_tokens: dict[int, list[int]] | None = None,
+) -> E.RunReport:
+    """The engine-facing glue: one cache, one Generator, one run. `requests` are served
+    on min(batch, len(requests)) slots, each with room for its prompt and new tokens.
+    select_token, record_logits, force_tokens: as `Generator.run`."""
+    cfg = ckpt.config
+    slots = num_slots(opts, len(requests))
+    max_tokens = max(len(r.prompt) + r.max_new_tokens - 1 for r in requests)
+    cache = make_cache(
+        opts.backend,
+        cfg,
+        max_seqs=slots,
+        max_tokens=max_tokens,
+        device=device,
+        chunk_bytes=opts.chunk_bytes,
+        write=opts.write,
+    )
+    try:
+        _, attend = choose_attention(
+            opts.attention,
+            backend=opts.backend,
+            platform=device.platform,
+            write_through=cache.write_through,
+            tail_may_be_garbage=cache.tail_may_be_garbage,
+        )
+        return E.Generator(ckpt.params, cfg, cache, attend).run(
+            requests,
+            select_token=select_token,
+            record_logits=record_logits,
+            force_tokens=force_tokens,
+        )
+    finally:
+        cache.close()
+
+
+def generate(
+    ckpt: Checkpoint,
+    prompts: Sequence[str | Sequence[int]],
+    *,
+    max_new_tokens: int,
+    sampling: SamplingConfig = GREEDY,
+    stop_at_eos: bool = False,
+    eos_token_ids: Sequence[int] | None = None,
+    opts: ServeOptions = DEFAULT_SERVING,
+    device: jax.Device | None = None,
+    record_logits: bool = False,
+) -> dict[str, Any]:
+    """Generates `max_new_tokens` per prompt (text, or a sequence of token ids).
+
+    Returns {"requests": [{"prompt", "prompt_ids", "generated_ids", "text"}, ...],
+    "tokens_per_second", ...}. stop_at_eos: cut each sequence after its first token in
+    `eos_token_ids` (default: the checkpoint's). The engine has no early stop yet, so it
+    generates all tokens and the cut happens here; tokens_per_second counts what the
+    engine generated. record_logits: each request also gets "logits", the float32
+    (steps, vocab) array each generated token was chosen from. device: where the steps
+    run (default: where the checkpoint's weights are)."""
+    if (
+        isinstance(max_new_tokens, bool)
+        or not isinstance(max_new_tokens, int)
+        or max_new_tokens < 1
+    ):
+        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    if not prompts:
+        raise ValueError("no prompts: give at least one (--prompt or --prompt-ids)")
+    device = device or next(iter(ckpt.params.embed.devices()))  # where the weights are
+    encoded = encode_prompts(ckpt, prompts)
+    window = ckpt.spec.sliding_window
+    # The last new token is never fed back: the longest context is prompt + N - 1.
+    longest = max(len(p.ids) for p in encoded) + max_new_tokens - 1
+    if window is not None and longest > window:
+        raise ValueError(
+            f"{ckpt.path}: the model attends within a sliding window of {window} tokens; "
+            f"the example attends to the whole context, the same only up to {window} "
+            f"tokens, and a prompt + new tokens here reach {longest}"
+        )
+    eos = set(ckpt.spec.eos_token_ids if eos_token_ids is None else eos_token_ids)
+    if stop_at_eos and not eos:
+        raise ValueError(
+            f"--stop-at-eos: {ckpt.path} names no EOS token "
+            "(eos_token_id in config.json / generation_config.json)"
+        )
+    requests = [
+        E.Request(i, np.asarray(p.ids, np.int32), max_new_tokens) for i, p in enumerate(encoded)
+    ]
+    select = None if sampling.greedy else RequestSampler(sampling)
+    # float32 means float32: no TF32 matmuls on GPUs (the default precision there).
+    precision = "highest" if ckpt.config.dtype == "float32" else "default"
+    with jax.default_device(device), jax.default_matmul_precision(precision):
+        report = serve(
+            ckpt, requests, opts, device=device, select_token=select, record_logits=record_logits
+        )
+    out = []
+    for prompt, res in zip(encoded, report.results, strict=True):
+        ids = list(res.tokens)
+        if stop_at_eos:
+            ids = _cut_after_eos(ids, eos)
+        text = ckpt.tokenizer.decode(ids) if ckpt.tokenizer is not None else None
+        out.append(
+            {
+                "prompt": prompt.text,
+                "prompt_ids": list(prompt.ids),
+                "generated_ids": ids,
+                "text": text,
+            }
+        )
+        if record_logits:
+            out[-1]["logits"] = np.stack(res.logits)[: len(ids)]
+    return {
+        "requests": out,
+        "tokens_per_second": report.generated_tokens / max(report.seconds, 1e-9),
+        "generated_tokens": report.generated_tokens,
+        "seconds": report.seconds,
+        "compile_seconds": report.compile_seconds,
+        "decode_steps": report.decode_steps,
+        "model": str(ckpt.path),
+        "architecture": ckpt.spec.architecture,
+        "dtype": ckpt.config.dtype,
+        "backend": opts.backend,
+        "device": device.platform,
+        "slots": num_slots(opts, len(requests)),
+        "sampling": dataclasses.asdict(sampling),
+    }
+
+
+def _cut_after_eos(ids: list[int], eos: set[int]) -> list[int]:
+    for i, t in enumerate(ids):
+        if t in eos:
+            return ids[: i + 1]
+    return ids
+
+
+class _PromptAction(argparse.Action):
+    """--prompt and --prompt-ids append to one list, so prompts keep their order."""
+
+    def __call__(self, parser, namespace, value, option_string=None):
+        prompts = getattr(namespace, self.dest) or []
+        if option_string == "--prompt-ids":
+            try:
+                value = [int(t) for t in value.split(",") if t.strip()]
+            except ValueError:
+                parser.error(f"--prompt-ids {value!r}: expected comma-separated integers")
+        prompts.append(value)
+        setattr(namespace, self.dest, prompts)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--model",
+        type=Path,
+        required=True,
+        help="checkpoint directory: config.json, model*.safetensors, tokenizer.json",
+    )
+    p.add_argument(
+        "--prompt",
+        "--prompt-ids",
+        dest="prompts",
+        action=_PromptAction,
+        metavar="TEXT|IDS",
+        help="a prompt (repeatable); --prompt-ids takes comma-separated token ids",
+    )
+    p.add_argument("--max-new-tokens", type=int, required=True)
+    p.add_argument("--dtype", choices=DTYPES, default="float32")
+    p.add_argument("--backend", choices=BACKENDS, default="jax_vmm")
+    p.add_argument("--stop-at-eos", action="store_true")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--batch", type=int, help=f"sequence slots (default: min(prompts, {DEFAULT_MAX_SLOTS}))"
+    )
+    p.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto")
+    p.add_argument("--attention", choices=ATTENTION_CHOICES, default="auto")
+    p.add_argument("--write", choices=WRITE_MODES, default="auto")
+    p.add_argument("--json", type=Path, help="also write the results here")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    if not args.prompts:
+        raise SystemExit("generate.py: give at least one --prompt or --prompt-ids")
+    device = resolve_device(args.device)
+    try:
+        sampling = SamplingConfig(args.temperature, args.top_k, args.top_p, args.seed)
+        opts = ServeOptions(
+            backend=args.backend, batch=args.batch, attention=args.attention, write=args.write
+        )
+        num_slots(opts, len(args.prompts))  # bad options fail before a long load
+        with jax.default_device(device):
+            ckpt = load_checkpoint(args.model, dtype=args.dtype, device=device)
+        print(f"model: {ckpt.spec.architecture}, {M.config_summary(ckpt.config)}")
+        result = generate(
+            ckpt,
+            args.prompts,
+            max_new_tokens=args.max_new_tokens,
+            sampling=sampling,
+            stop_at_eos=args.stop_at_eos,
+            device=device,
+            opts=opts,
+        )
+    except (CheckpointError, ValueError, RuntimeError) as e:
+        raise SystemExit(f"generate.py: {e}") from None
+    for i, r in enumerate(result["requests"]):
+        shown = r["prompt"] if r["prompt"] is not None else r["prompt_ids"]
+        # Ids the tokenizer does not know decode to nothing (a random model's): show ids.
+        body = r["text"] if r["text"] else r["generated_ids"]
+        print(f"[{i}] {shown!r} -> {body!r}")
+    print(
+        f"{result['generated_tokens']} tokens in {result['seconds']:.2f} s = "
+        f"{result['tokens_per_second']:.1f} tokens/s ({result['slots']} slots, backend "
+        f"{result['backend']}, {result['dtype']}, {result['device']}; compile "
+        f"{result['compile_seconds']:.1f} s, not counted)"
+    )
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(BrokenPipeError):
+        main()

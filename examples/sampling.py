@@ -1,0 +1,100 @@
+"""Next-token choice from one step's logits: greedy, or seeded sampling with temperature,
+top-k and top-p (in that order, as transformers applies them).
+
+* temperature 0: greedy (argmax; the lowest id wins an exact tie, as `np.argmax`).
+* top_k k > 0: only the k most likely tokens (exactly k: ties at the boundary are broken
+  by the lower id, so top_k=1 is greedy).
+* top_p p < 1: only the smallest set of most likely tokens whose probability adds up to
+  at least p (after temperature and top-k), renormalised.
+
+Every request draws from its own generator, seeded by (seed, request id), so what a
+request samples does not depend on which other requests share the batch or the order in
+which the engine serves them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+    temperature: float = 0.0
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0  # 1: off
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not (
+            isinstance(self.temperature, (int, float))
+            and self.temperature >= 0
+            and np.isfinite(self.temperature)
+        ):
+            raise ValueError(
+                f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}"
+            )
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+            raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p!r}")
+        if self.greedy and (self.top_k or self.top_p < 1):
+            raise ValueError(
+                "top_k and top_p shape the sampling distribution: they need "
+                "a temperature > 0 (temperature 0 is greedy decoding)"
+            )
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def next_token_probabilities(logits: np.ndarray, cfg: SamplingConfig) -> np.ndarray:
+    """The distribution a sampling step draws from: (vocab,) float64, zero outside the
+    top-k / top-p set, summing to 1. Not for greedy configs."""
+    order, p = _candidates(logits, cfg)
+    out = np.zeros(np.shape(logits)[-1], np.float64)
+    out[order] = p
+    return out
+
+
+def choose_token(logits: np.ndarray, cfg: SamplingConfig, rng: np.random.Generator) -> int:
+    if cfg.greedy:
+        return int(np.argmax(logits))
+    order, p = _candidates(logits, cfg)
+    # Inverse CDF with one uniform draw: one number per step from the request's stream.
+    i = int(np.searchsorted(np.cumsum(p), rng.random(), side="right"))
+    return int(order[min(i, len(order) - 1)])  # min: a cumsum that ends just below 1
+
+
+def _candidates(logits: np.ndarray, cfg: SamplingConfig) -> tuple[np.ndarray, np.ndarray]:
+    """(token ids, their probabilities) of the kept set, most likely first."""
+    if cfg.greedy:
+        raise ValueError("a greedy config has no sampling distribution")
+    x = np.asarray(logits, np.float64).reshape(-1) / cfg.temperature
+    order = np.argsort(-x, kind="stable")  # ties: the lower id first
+    if cfg.top_k:
+        order = order[: cfg.top_k]
+    p = np.exp(x[order] - x[order[0]])
+    p /= p.sum()
+    if cfg.top_p < 1:
+        # The smallest prefix with mass >= top_p (the token that crosses it is kept).
+        n = int(np.searchsorted(np.cumsum(p), cfg.top_p, side="left")) + 1
+        order, p = order[:n], p[:n] / p[:n].sum()
+    return order, p
+
+
+class RequestSampler:
+    """choose(request_id, logits) -> token, one seeded stream per request. Not
+    thread-safe."""
+
+    def __init__(self, cfg: SamplingConfig) -> None:
+        self.cfg = cfg
+        self._rngs: dict[int, np.random.Generator] = {}
+
+    def __call__(self, request_id: int, logits: np.ndarray) -> int:
+        rng = self._rngs.get(request_id)
+        if rng is None:
+            rng = self._rngs[request_id] = np.random.default_rng([self.cfg.seed, request_id])
+        return choose_token(logits, self.cfg, rng)
