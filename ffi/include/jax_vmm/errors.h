@@ -1,5 +1,5 @@
 // Typed errors of the jax_vmm core. The nanobind module maps each to one Python
-// exception type (see ffi/src/module.cc), so every message here reaches users:
+// exception type (see ffi/src/python/module.cc), so every message here reaches users:
 // name the operation, the expected and the actual values.
 #pragma once
 

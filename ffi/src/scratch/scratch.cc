@@ -21,7 +21,7 @@
 
 #include "jax_vmm/driver.h"
 #include "jax_vmm/scratch.h"
-#include "scratch_internal.h"
+#include "scratch/scratch_internal.h"
 
 namespace jax_vmm::scratch {
 namespace {

@@ -9,7 +9,7 @@
 #include <string>
 
 #include "jax_vmm/arena.h"
-#include "jax_vmm/bindings.h"
+#include "python/bindings.h"
 #include "jax_vmm/driver.h"
 #include "jax_vmm/errors.h"
 

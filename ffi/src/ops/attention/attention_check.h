@@ -5,7 +5,7 @@
 
 #include <string>
 
-#include "attention_plan.h"
+#include "ops/attention/attention_plan.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_vmm::attention {

@@ -3,8 +3,8 @@
 #include <cstring>
 #include <string>
 
-#include "jax_vmm/ffi_targets.h"
-#include "kv_write_common.h"
+#include "common/ffi_targets.h"
+#include "ops/kv_write/kv_write_common.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;

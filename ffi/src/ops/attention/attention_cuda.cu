@@ -38,8 +38,8 @@
 #include <string>
 #include <type_traits>
 
-#include "attention_check.h"
-#include "attention_plan.h"
+#include "ops/attention/attention_check.h"
+#include "ops/attention/attention_plan.h"
 #include "jax_vmm/scratch.h"
 #include "xla/ffi/api/ffi.h"
 

@@ -11,8 +11,8 @@
 #include <set>
 #include <string>
 
-#include "jax_vmm/ffi_targets.h"
-#include "kv_write_common.h"
+#include "common/ffi_targets.h"
+#include "ops/kv_write/kv_write_common.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;

@@ -7,10 +7,10 @@
 #include <stdexcept>
 #include <string>
 
-#include "jax_vmm/bindings.h"
+#include "python/bindings.h"
 #include "jax_vmm/errors.h"
 #include "jax_vmm/scratch.h"
-#include "scratch_probe.h"
+#include "testing/scratch_probe.h"
 #include "xla/ffi/api/c_api.h"
 
 namespace nb = nanobind;

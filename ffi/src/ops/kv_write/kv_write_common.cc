@@ -1,5 +1,5 @@
 // Host-side helpers shared by the kv_write handlers (see kv_write_common.h).
-#include "kv_write_common.h"
+#include "ops/kv_write/kv_write_common.h"
 
 #include <cstdio>
 #include <cstring>

@@ -8,9 +8,9 @@
 #include <cstdlib>
 #include <string>
 
-#include "jax_vmm/bindings.h"
+#include "python/bindings.h"
 #include "jax_vmm/errors.h"
-#include "jax_vmm/ffi_targets.h"
+#include "common/ffi_targets.h"
 
 namespace nb = nanobind;
 

@@ -5,9 +5,9 @@
 #include <cstring>
 #include <string>
 
-#include "jax_vmm/ffi_targets.h"
+#include "common/ffi_targets.h"
 #include "jax_vmm/scratch.h"
-#include "scratch_probe.h"
+#include "testing/scratch_probe.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;

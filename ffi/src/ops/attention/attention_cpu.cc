@@ -18,9 +18,9 @@
 #include <string>
 #include <vector>
 
-#include "attention_check.h"
-#include "attention_plan.h"
-#include "jax_vmm/ffi_targets.h"
+#include "ops/attention/attention_check.h"
+#include "ops/attention/attention_plan.h"
+#include "common/ffi_targets.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;

@@ -15,7 +15,7 @@
 #include <string>
 
 #include "jax_vmm/scratch.h"
-#include "scratch_probe.h"
+#include "testing/scratch_probe.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;

@@ -8,7 +8,7 @@
 #include <string>
 
 #include "jax_vmm/driver.h"
-#include "scratch_internal.h"
+#include "scratch/scratch_internal.h"
 
 namespace jax_vmm::scratch {
 namespace {

@@ -1,4 +1,4 @@
-#include "jax_vmm/ffi_targets.h"
+#include "common/ffi_targets.h"
 
 namespace jax_vmm {
 std::vector<FfiTarget>& FfiTargets() {

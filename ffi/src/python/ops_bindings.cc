@@ -3,8 +3,8 @@
 
 #include <cstdint>
 
-#include "jax_vmm/bindings.h"
-#include "kv_write_common.h"
+#include "python/bindings.h"
+#include "ops/kv_write/kv_write_common.h"
 
 namespace nb = nanobind;
 
