@@ -52,8 +52,8 @@ struct ArenaStats {
 struct BufferInfo {
   int64_t id = -1;
   std::string name;
-  size_t offset = 0;   // from the arena base, chunk-aligned
-  size_t nbytes = 0;   // as requested
+  size_t offset = 0;  // from the arena base, chunk-aligned
+  size_t nbytes = 0;  // as requested
   size_t backed_bytes = 0;
   uintptr_t address = 0;
 };
@@ -65,7 +65,7 @@ struct BufferRef {
   size_t buffer_bytes = 0;
   uintptr_t arena_base = 0;
   size_t chunk_bytes = 0;
-  const uint8_t* page_table = nullptr;     // indexed by (addr - arena_base) / chunk_bytes
+  const uint8_t* page_table = nullptr;         // indexed by (addr - arena_base) / chunk_bytes
   unsigned long long* drop_counter = nullptr;  // this buffer's dropped-write counter
   int64_t buffer_id = -1;
   int device_ordinal = 0;
@@ -126,10 +126,10 @@ class Arena : public std::enable_shared_from_this<Arena> {
   bool FindBufferLocked(uintptr_t ptr, size_t bytes, BufferRef* out) const;
 
   // Called when a handler may bake this arena's addresses into a CUDA graph (any CUDA
-  // kv_write on arena memory, static `dest` or not): the graph may then replay with this arena's page table and drop-counter
-  // addresses after the arena is gone. From now on the destructor zeroes the page table
-  // (so such a replay drops every write) and keeps both allocations (num_chunks bytes +
-  // 32 KiB) for the life of the process instead of freeing them. Thread-safe.
+  // kv_write on arena memory, static `dest` or not): the graph may then replay with this arena's
+  // page table and drop-counter addresses after the arena is gone. From now on the destructor
+  // zeroes the page table (so such a replay drops every write) and keeps both allocations
+  // (num_chunks bytes + 32 KiB) for the life of the process instead of freeing them. Thread-safe.
   void PinMetadataForGraphs() const { metadata_pinned_ = true; }
 
   // TEST ONLY: when on, a failed commit leaks the chunks it built instead of unwinding
@@ -147,7 +147,7 @@ class Arena : public std::enable_shared_from_this<Arena> {
   struct Placement {
     BufferInfo info;
     std::vector<std::unique_ptr<Chunk>> chunks;  // one slot per chunk of the buffer
-    int64_t counter_slot = 0;                      // index into the drop counters
+    int64_t counter_slot = 0;                    // index into the drop counters
   };
   Arena(std::unique_ptr<Driver> driver, size_t reserve_bytes);
 

@@ -53,15 +53,15 @@ const char* ModeName(ScratchMode mode);
 
 struct WorkspaceStats {
   int device = 0;
-  uintptr_t stream = 0;          // 0: the device's default workspace
-  int64_t generation = 0;        // bumped by SetMode(); older workspaces are retired
-  bool current = true;           // false once retired by a mode change
+  uintptr_t stream = 0;                      // 0: the device's default workspace
+  int64_t generation = 0;                    // bumped by SetMode(); older workspaces are retired
+  bool current = true;                       // false once retired by a mode change
   ScratchMode mode = ScratchMode::kDefault;  // effective strategy; kDefault until allocated
-  bool vmm = false;              // memory from the VMM driver (else plain allocations)
-  uintptr_t address = 0;         // current workspace pointer
-  size_t capacity = 0;           // bytes usable at `address`
-  size_t reserved_bytes = 0;     // virtual range (grow-in-place), else == capacity
-  size_t backed_bytes = 0;       // physical bytes held, including retired blocks
+  bool vmm = false;                          // memory from the VMM driver (else plain allocations)
+  uintptr_t address = 0;                     // current workspace pointer
+  size_t capacity = 0;                       // bytes usable at `address`
+  size_t reserved_bytes = 0;                 // virtual range (grow-in-place), else == capacity
+  size_t backed_bytes = 0;                   // physical bytes held, including retired blocks
   int64_t retired_blocks = 0;
   size_t retired_bytes = 0;
   int64_t growth_events = 0;
@@ -91,8 +91,7 @@ std::string Reserve(int device, void* stream, size_t bytes);
 std::string Get(int device, void* stream, size_t bytes, void** ptr);
 
 // Same as Get() with the capture state given by the caller (tests; host platforms).
-std::string GetWithCaptureState(int device, void* stream, size_t bytes, bool capturing,
-                                void** ptr);
+std::string GetWithCaptureState(int device, void* stream, size_t bytes, bool capturing, void** ptr);
 
 std::vector<WorkspaceStats> Stats();
 

@@ -27,7 +27,6 @@ struct FfiTargetRegistrar {
 
 #define JAX_VMM_FFI_CONCAT_INNER(a, b) a##b
 #define JAX_VMM_FFI_CONCAT(a, b) JAX_VMM_FFI_CONCAT_INNER(a, b)
-#define JAX_VMM_FFI_TARGET(name, platform, symbol)                           \
-  static ::jax_vmm::FfiTargetRegistrar JAX_VMM_FFI_CONCAT(jax_vmm_ffi_reg_, \
-                                                          __COUNTER__)(      \
+#define JAX_VMM_FFI_TARGET(name, platform, symbol)                                        \
+  static ::jax_vmm::FfiTargetRegistrar JAX_VMM_FFI_CONCAT(jax_vmm_ffi_reg_, __COUNTER__)( \
       name, platform, reinterpret_cast<void*>(symbol))

@@ -35,9 +35,7 @@ double SecondsSince(std::chrono::steady_clock::time_point t0) {
 // One committed chunk: owns its physical handle and, once mapped, its mapping. The
 // destructor undoes both, so a half-built commit unwinds itself on any exception.
 struct Arena::Chunk {
-  Chunk(Driver* d, uintptr_t address) : driver(d), va(address) {
-    handle = driver->Create();
-  }
+  Chunk(Driver* d, uintptr_t address) : driver(d), va(address) { handle = driver->Create(); }
   ~Chunk() {
     if (mapped) driver->Unmap(va);
     driver->Release(handle);
@@ -73,8 +71,7 @@ Arena::Arena(std::unique_ptr<Driver> driver, size_t reserve_bytes) : driver_(std
     device_page_table_ = static_cast<uint8_t*>(driver_->AllocMetadata(num_chunks_));
     driver_->CopyToMetadata(device_page_table_, host_page_table_.data(), num_chunks_);
     const size_t counters = kMaxBuffers * sizeof(unsigned long long);
-    device_drop_counters_ =
-        static_cast<unsigned long long*>(driver_->AllocMetadata(counters));
+    device_drop_counters_ = static_cast<unsigned long long*>(driver_->AllocMetadata(counters));
     std::vector<unsigned long long> zeros(kMaxBuffers, 0);
     driver_->CopyToMetadata(device_drop_counters_, zeros.data(), counters);
   } catch (...) {
@@ -142,8 +139,7 @@ BufferInfo Arena::Allocate(size_t nbytes, const std::string& name) {
   ThrowIfClosed("allocate");
   if (nbytes == 0) throw InvalidArgument("Arena.allocate: a buffer needs at least 1 byte");
   if (static_cast<int64_t>(buffers_.size()) >= kMaxBuffers) {
-    throw ReservationFull("Arena.allocate: the arena already holds " +
-                          std::to_string(kMaxBuffers) +
+    throw ReservationFull("Arena.allocate: the arena already holds " + std::to_string(kMaxBuffers) +
                           " buffers, the most it can track; free() unused buffers or "
                           "use another arena");
   }
@@ -153,10 +149,11 @@ BufferInfo Arena::Allocate(size_t nbytes, const std::string& name) {
   if (fit == free_ranges_.end()) {
     size_t largest = 0;
     for (const auto& r : free_ranges_) largest = std::max(largest, r.second);
-    throw ReservationFull("Arena.allocate(" + (name.empty() ? std::string("unnamed buffer") : "'" + name + "'") + "): needs " + Bytes(placed) +
-                          " of address space but the largest free range of the " +
-                          Bytes(reserved_bytes_) + " reservation is " + Bytes(largest) +
-                          "; create the arena with a larger reserve_bytes");
+    throw ReservationFull(
+        "Arena.allocate(" + (name.empty() ? std::string("unnamed buffer") : "'" + name + "'") +
+        "): needs " + Bytes(placed) + " of address space but the largest free range of the " +
+        Bytes(reserved_bytes_) + " reservation is " + Bytes(largest) +
+        "; create the arena with a larger reserve_bytes");
   }
   const size_t offset = fit->first;
   const size_t left = fit->second - placed;
@@ -242,7 +239,7 @@ size_t Arena::CommitRanges(const std::vector<Range>& ranges) {
     std::unique_ptr<Chunk> chunk;
   };
   std::vector<Pending> pending;
-  std::unordered_set<size_t> pending_global;  // arena-wide chunk indexes in `pending`
+  std::unordered_set<size_t> pending_global;       // arena-wide chunk indexes in `pending`
   std::vector<std::pair<size_t, size_t>> touched;  // arena-wide [first, end) per range
   int64_t set_access_calls = 0;
   std::string names;
@@ -317,8 +314,7 @@ size_t Arena::CommitRanges(const std::vector<Range>& ranges) {
         for (size_t i = run_first_pending; i < pending.size(); ++i) {
           handles.push_back(pending[i].chunk->handle);
         }
-        driver_->MapRun(p.info.address + run_begin * chunk_bytes_, handles.data(),
-                        handles.size());
+        driver_->MapRun(p.info.address + run_begin * chunk_bytes_, handles.data(), handles.size());
         for (size_t i = run_first_pending; i < pending.size(); ++i) {
           pending[i].chunk->mapped = true;
         }
@@ -337,10 +333,9 @@ size_t Arena::CommitRanges(const std::vector<Range>& ranges) {
     unwind();
     const size_t free_bytes = driver_->mem_info().free_bytes;
     throw OutOfMemory("commit of buffer(s) " + names + ": out of physical memory on " +
-                          driver_->kind() + " device " +
-                          std::to_string(driver_->device_ordinal()) + ": asked for " +
-                          Bytes(asked) + " (chunks of " + Bytes(chunk_bytes_) + "), failed after " +
-                          Bytes(got) + "; " + Bytes(free_bytes) +
+                          driver_->kind() + " device " + std::to_string(driver_->device_ordinal()) +
+                          ": asked for " + Bytes(asked) + " (chunks of " + Bytes(chunk_bytes_) +
+                          "), failed after " + Bytes(got) + "; " + Bytes(free_bytes) +
                           " free. Nothing was committed. Driver said: " + e.what(),
                       asked, free_bytes);
   } catch (...) {

@@ -7,10 +7,14 @@ namespace jax_vmm {
 
 const char* DriverOpName(DriverOp op) {
   switch (op) {
-    case DriverOp::kCreate: return "create";
-    case DriverOp::kMap: return "map";
-    case DriverOp::kSetAccess: return "set_access";
-    default: return "unknown";
+    case DriverOp::kCreate:
+      return "create";
+    case DriverOp::kMap:
+      return "map";
+    case DriverOp::kSetAccess:
+      return "set_access";
+    default:
+      return "unknown";
   }
 }
 
@@ -33,8 +37,8 @@ void FaultInjector::Check(DriverOp op, size_t bytes) {
   if (left != 1) return;
   injected_.fetch_add(1);
   if (as_oom_[i].load()) {
-    throw OutOfMemory("injected out-of-memory in driver " + std::string(DriverOpName(op)) +
-                          " of " + std::to_string(bytes) + " bytes",
+    throw OutOfMemory("injected out-of-memory in driver " + std::string(DriverOpName(op)) + " of " +
+                          std::to_string(bytes) + " bytes",
                       bytes, 0);
   }
   throw InjectedFault(std::string("injected fault in driver ") + DriverOpName(op) + " of " +

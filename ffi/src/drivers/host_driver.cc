@@ -54,8 +54,7 @@ class HostDriver final : public Driver {
     chunk_ = chunk_bytes == 0 ? std::max<size_t>(64 * 1024, page_) : chunk_bytes;
     if (chunk_ % page_ != 0) {
       throw InvalidArgument("chunk_bytes=" + std::to_string(chunk_bytes) +
-                            " must be a multiple of the host page size " +
-                            std::to_string(page_));
+                            " must be a multiple of the host page size " + std::to_string(page_));
     }
     fd_ = memfd_create("jax_vmm", MFD_CLOEXEC);
     if (fd_ < 0) throw DriverError(Errno("memfd_create"));
@@ -73,8 +72,7 @@ class HostDriver final : public Driver {
   uintptr_t Reserve(size_t bytes) override {
     // Over-reserve by one chunk so the range can start chunk-aligned.
     const size_t padded = bytes + chunk_;
-    void* p = mmap(nullptr, padded, PROT_READ, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
-                   -1, 0);
+    void* p = mmap(nullptr, padded, PROT_READ, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     if (p == MAP_FAILED) {
       throw DriverError(Errno("mmap(reserve)") + " for " + std::to_string(bytes) + " bytes");
     }
@@ -113,8 +111,8 @@ class HostDriver final : public Driver {
       if (err == ENOSPC || err == ENOMEM) {
         const size_t free_bytes = ReadMemInfo().free_bytes;
         throw OutOfMemory("host driver: out of memory committing a chunk of " +
-                              std::to_string(chunk_) + " bytes (" +
-                              std::to_string(free_bytes) + " bytes available)",
+                              std::to_string(chunk_) + " bytes (" + std::to_string(free_bytes) +
+                              " bytes available)",
                           chunk_, free_bytes);
       }
       errno = err;
@@ -126,15 +124,14 @@ class HostDriver final : public Driver {
   void Release(PhysicalHandle handle) noexcept override {
     const off_t offset = static_cast<off_t>(handle);
     // Punching the hole frees the pages now; the offset is recycled for a later chunk.
-    fallocate(fd_, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, offset,
-              static_cast<off_t>(chunk_));
+    fallocate(fd_, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, offset, static_cast<off_t>(chunk_));
     ReturnOffset(offset);
   }
 
   void Map(uintptr_t va, PhysicalHandle handle) override {
     faults_.Check(DriverOp::kMap, chunk_);
-    void* p = mmap(reinterpret_cast<void*>(va), chunk_, PROT_READ, MAP_SHARED | MAP_FIXED,
-                   fd_, static_cast<off_t>(handle));
+    void* p = mmap(reinterpret_cast<void*>(va), chunk_, PROT_READ, MAP_SHARED | MAP_FIXED, fd_,
+                   static_cast<off_t>(handle));
     if (p == MAP_FAILED) {
       const std::string msg = Errno("mmap(map chunk)");
       RestoreZero(va, chunk_);

@@ -10,9 +10,9 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 
+#include "jax_vmm/errors.h"
 #include "ops/attention/attention_plan.h"
 #include "python/bindings.h"
-#include "jax_vmm/errors.h"
 
 namespace nb = nanobind;
 
@@ -57,7 +57,8 @@ void BindAttention(nb::module_& m) {
       },
       nb::arg("batch"), nb::arg("max_tokens"), nb::arg("q_heads"), nb::arg("kv_heads"),
       nb::arg("head_dim"), nb::arg("parallel_units"), nb::arg("chunk") = 0, nb::arg("splits") = 0,
-      "Split-K plan of decode_attention for static shapes (see ffi/src/ops/attention/attention_plan.h).");
+      "Split-K plan of decode_attention for static shapes (see "
+      "ffi/src/ops/attention/attention_plan.h).");
 
   m.def(
       "attention_cuda_bundles",

@@ -8,9 +8,9 @@
 #include <cstdlib>
 #include <string>
 
-#include "python/bindings.h"
-#include "jax_vmm/errors.h"
 #include "common/ffi_targets.h"
+#include "jax_vmm/errors.h"
+#include "python/bindings.h"
 
 namespace nb = nanobind;
 
@@ -34,7 +34,8 @@ void TranslateOutOfMemory(const std::exception_ptr& p, void*) {
   try {
     std::rethrow_exception(p);
   } catch (const OutOfMemory& e) {
-    std::string msg = std::string(e.what()) + ". JAX allocator settings: " + JaxAllocatorSettings() +
+    std::string msg = std::string(e.what()) +
+                      ". JAX allocator settings: " + JaxAllocatorSettings() +
                       ". JAX preallocates 75% of GPU memory by default, leaving the arena the "
                       "rest: set XLA_PYTHON_CLIENT_PREALLOCATE=false or a lower "
                       "XLA_PYTHON_CLIENT_MEM_FRACTION before importing jax, or commit less.";
@@ -63,11 +64,11 @@ NB_MODULE(_core, m) {
   nb::exception<DriverError>(m, "DriverError", PyExc_RuntimeError);
   nb::exception<InjectedFault>(m, "InjectedFault", PyExc_RuntimeError);
   // InvalidArgument derives from std::invalid_argument, which nanobind maps to ValueError.
-  static nb::object oom_type = nb::steal(
-      PyErr_NewExceptionWithDoc("jax_vmm._core.OutOfMemoryError",
-                                "Physical memory could not be committed. Attributes: "
-                                "requested_bytes, free_bytes.",
-                                PyExc_MemoryError, nullptr));
+  static nb::object oom_type =
+      nb::steal(PyErr_NewExceptionWithDoc("jax_vmm._core.OutOfMemoryError",
+                                          "Physical memory could not be committed. Attributes: "
+                                          "requested_bytes, free_bytes.",
+                                          PyExc_MemoryError, nullptr));
   m.attr("OutOfMemoryError") = oom_type;
   g_out_of_memory_type = oom_type.ptr();
   nb::register_exception_translator(TranslateOutOfMemory);

@@ -7,9 +7,9 @@
 #include <stdexcept>
 #include <string>
 
-#include "python/bindings.h"
 #include "jax_vmm/errors.h"
 #include "jax_vmm/scratch.h"
+#include "python/bindings.h"
 #include "testing/scratch_probe.h"
 #include "xla/ffi/api/c_api.h"
 
@@ -30,14 +30,14 @@ ScratchMode ParseMode(const std::string& mode) {
   if (mode == "default") return ScratchMode::kDefault;
   if (mode == "grow") return ScratchMode::kGrowInPlace;
   if (mode == "retire") return ScratchMode::kRetire;
-  throw InvalidArgument("scratch mode must be 'default', 'grow' or 'retire', got '" + mode +
-                        "'");
+  throw InvalidArgument("scratch mode must be 'default', 'grow' or 'retire', got '" + mode + "'");
 }
 
 nb::dict StatsDict(const scratch::WorkspaceStats& s) {
   nb::dict d;
-  d["device"] = s.device == scratch::kHostDevice ? nb::str("cpu")
-                                                 : nb::str(("cuda:" + std::to_string(s.device)).c_str());
+  d["device"] = s.device == scratch::kHostDevice
+                    ? nb::str("cpu")
+                    : nb::str(("cuda:" + std::to_string(s.device)).c_str());
   d["stream"] = static_cast<uint64_t>(s.stream);
   d["generation"] = s.generation;
   d["current"] = s.current;

@@ -185,9 +185,8 @@ class Workspace {
         if (i < mapped) driver_->Unmap(range.va + (first + i) * chunk);
         driver_->Release(fresh[i]);
       }
-      return std::string("jax_vmm scratch: growing the workspace on ") +
-             DeviceName(stats_.device) + " to " + std::to_string(want_chunks * chunk) +
-             " bytes failed: " + e.what();
+      return std::string("jax_vmm scratch: growing the workspace on ") + DeviceName(stats_.device) +
+             " to " + std::to_string(want_chunks * chunk) + " bytes failed: " + e.what();
     }
     range.handles.insert(range.handles.end(), fresh.begin(), fresh.end());
     return "";
@@ -265,8 +264,8 @@ class Workspace {
     std::string err;
     void* block = platform_.alloc(stats_.device, need, &err);
     if (block == nullptr) {
-      return "jax_vmm scratch: allocating a " + std::to_string(need) +
-             "-byte workspace block on " + DeviceName(stats_.device) + " failed: " + err;
+      return "jax_vmm scratch: allocating a " + std::to_string(need) + "-byte workspace block on " +
+             DeviceName(stats_.device) + " failed: " + err;
     }
     if (stats_.address != 0) {
       if (free_on_growth) {
@@ -456,7 +455,8 @@ std::string GetWithCaptureState(int device, void* stream, size_t bytes, bool cap
          std::to_string(largest) +
          " bytes. Growing under capture is refused (the graph would keep a pointer to "
          "memory that could move). Reserve before capture: jax_vmm.scratch.reserve(" +
-         std::to_string(bytes) + ", device=...) from Python, or scratch::Reserve() at "
+         std::to_string(bytes) +
+         ", device=...) from Python, or scratch::Reserve() at "
          "the handler's kInitialize stage.";
 }
 

@@ -14,8 +14,8 @@ namespace jax_vmm::scratch {
 namespace {
 
 std::string CudaError(const char* call, cudaError_t err) {
-  return std::string(call) + " failed: " + cudaGetErrorName(err) + " (" +
-         cudaGetErrorString(err) + ")";
+  return std::string(call) + " failed: " + cudaGetErrorName(err) + " (" + cudaGetErrorString(err) +
+         ")";
 }
 
 // Runs `fn` with `device` current, restoring the caller's device afterwards.

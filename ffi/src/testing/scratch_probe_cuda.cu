@@ -23,8 +23,8 @@ namespace ffi = xla::ffi;
 namespace jax_vmm::scratch {
 namespace {
 
-__global__ void CopyKernel(const uint8_t* __restrict__ src, uint8_t* __restrict__ dst,
-                           size_t bytes, uint32_t* addr, uint64_t ws) {
+__global__ void CopyKernel(const uint8_t* __restrict__ src, uint8_t* __restrict__ dst, size_t bytes,
+                           uint32_t* addr, uint64_t ws) {
   const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
   for (size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < bytes;
        i += stride) {
@@ -84,9 +84,9 @@ ffi::Error ProbeExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
     auto* ws8 = static_cast<uint8_t*>(ws);
     CopyKernel<<<blocks, threads, 0, stream>>>(static_cast<const uint8_t*>(x.untyped_data()), ws8,
                                                bytes, nullptr, 0);
-    CopyKernel<<<blocks, threads, 0, stream>>>(
-        ws8, static_cast<uint8_t*>(y->untyped_data()), bytes,
-        reinterpret_cast<uint32_t*>(addr->typed_data()), reinterpret_cast<uintptr_t>(ws));
+    CopyKernel<<<blocks, threads, 0, stream>>>(ws8, static_cast<uint8_t*>(y->untyped_data()), bytes,
+                                               reinterpret_cast<uint32_t*>(addr->typed_data()),
+                                               reinterpret_cast<uintptr_t>(ws));
   }
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return CudaError("kernel launch", e);
   return ffi::Error::Success();
@@ -95,8 +95,7 @@ ffi::Error ProbeExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
 }  // namespace
 }  // namespace jax_vmm::scratch
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxVmmScratchProbeCudaInitialize,
-                              jax_vmm::scratch::ProbeInitialize,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxVmmScratchProbeCudaInitialize, jax_vmm::scratch::ProbeInitialize,
                               ffi::Ffi::BindInitialize()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Ctx<ffi::DeviceOrdinal>()

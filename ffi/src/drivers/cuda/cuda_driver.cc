@@ -171,8 +171,7 @@ Api LoadApi() {
   bind(api.cuDeviceGetName, "cuDeviceGetName", "cuDeviceGetName");
   bind(api.cuDeviceGetAttribute, "cuDeviceGetAttribute", "cuDeviceGetAttribute");
   bind(api.cuDevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain", "cuDevicePrimaryCtxRetain");
-  bind(api.cuDevicePrimaryCtxRelease, "cuDevicePrimaryCtxRelease",
-       "cuDevicePrimaryCtxRelease_v2");
+  bind(api.cuDevicePrimaryCtxRelease, "cuDevicePrimaryCtxRelease", "cuDevicePrimaryCtxRelease_v2");
   bind(api.cuCtxPushCurrent, "cuCtxPushCurrent", "cuCtxPushCurrent_v2");
   bind(api.cuCtxPopCurrent, "cuCtxPopCurrent", "cuCtxPopCurrent_v2");
   bind(api.cuCtxSynchronize, "cuCtxSynchronize", "cuCtxSynchronize");
@@ -237,8 +236,7 @@ std::string Failure(const Api& api, int ordinal, const std::string& call, CUresu
   return "jax_vmm: " + call + " failed" + where + " with " + ResultName(api, r);
 }
 
-[[noreturn]] void ThrowDriver(const Api& api, int ordinal, const std::string& call,
-                              CUresult r) {
+[[noreturn]] void ThrowDriver(const Api& api, int ordinal, const std::string& call, CUresult r) {
   throw DriverError(Failure(api, ordinal, call, r));
 }
 
@@ -276,8 +274,7 @@ class PrimaryContext {
   PrimaryContext(const Api& api, CUdevice dev, int ordinal) : api_(api), dev_(dev) {
     CUresult r = api_.cuDevicePrimaryCtxRetain(&ctx_, dev_);
     if (r != CUDA_SUCCESS) {
-      ThrowDriver(api_, ordinal, "cuDevicePrimaryCtxRetain(device=" + std::to_string(dev) + ")",
-                  r);
+      ThrowDriver(api_, ordinal, "cuDevicePrimaryCtxRetain(device=" + std::to_string(dev) + ")", r);
     }
   }
   ~PrimaryContext() {
@@ -305,8 +302,7 @@ class ContextGuard {
     pushed_ = true;
   }
   // Non-throwing form, for destructors and noexcept methods: check ok().
-  ContextGuard(const Api& api, CUcontext ctx, int ordinal, std::nothrow_t) noexcept
-      : api_(api) {
+  ContextGuard(const Api& api, CUcontext ctx, int ordinal, std::nothrow_t) noexcept : api_(api) {
     CUresult r = api_.cuCtxPushCurrent(ctx);
     if (r != CUDA_SUCCESS) {
       Report(api_, ordinal, "cuCtxPushCurrent", r);
@@ -537,9 +533,8 @@ class CudaDriver final : public Driver {
       if (r != CUDA_SUCCESS) {
         ThrowDriver(api_, ordinal_,
                     "cuMemMap(zero chunk, va=" + Hex(at) + ", size=" +
-                        std::to_string(chunk_bytes_) + ") at chunk " + std::to_string(i) +
-                        " of " + std::to_string(n) + " while reserving " +
-                        std::to_string(bytes) + " bytes",
+                        std::to_string(chunk_bytes_) + ") at chunk " + std::to_string(i) + " of " +
+                        std::to_string(n) + " while reserving " + std::to_string(bytes) + " bytes",
                     r);
       }
       guard.count_mapped();
@@ -601,9 +596,9 @@ class CudaDriver final : public Driver {
     if (r != CUDA_SUCCESS) {
       const bool restored = MapZeroRun(va, count, /*careful=*/true);
       ThrowDriver(api_, ordinal_,
-                  "cuMemUnmap(zero mappings, va=" + Hex(va) + ", chunks=" +
-                      std::to_string(count) + " of " + std::to_string(chunk_bytes_) +
-                      " bytes) before mapping" + (restored ? "" : RestoreFailed()),
+                  "cuMemUnmap(zero mappings, va=" + Hex(va) + ", chunks=" + std::to_string(count) +
+                      " of " + std::to_string(chunk_bytes_) + " bytes) before mapping" +
+                      (restored ? "" : RestoreFailed()),
                   r);
     }
     size_t mapped = 0;
@@ -649,10 +644,9 @@ class CudaDriver final : public Driver {
     ContextGuard g(api_, ctx_.get(), ordinal_);
     CUresult r = api_.cuMemSetAccess(va, bytes, &read_write_, 1);
     if (r != CUDA_SUCCESS) {
-      ThrowDriver(api_, ordinal_,
-                  "cuMemSetAccess(READWRITE, va=" + Hex(va) + ", size=" + std::to_string(bytes) +
-                      ")",
-                  r);
+      ThrowDriver(
+          api_, ordinal_,
+          "cuMemSetAccess(READWRITE, va=" + Hex(va) + ", size=" + std::to_string(bytes) + ")", r);
     }
     r = api_.cuMemsetD8Async(va, 0, bytes, stream_.get());
     if (r == CUDA_SUCCESS) r = api_.cuStreamSynchronize(stream_.get());
@@ -791,8 +785,8 @@ class CudaDriver final : public Driver {
     if (all) {
       const CUresult r = api_.cuMemSetAccess(va, count * chunk_bytes_, &read_only_, 1);
       if (r == CUDA_SUCCESS) return true;
-      Report(api_, ordinal_, "cuMemSetAccess(READ, va=" + Hex(va) + ", chunks=" +
-                                 std::to_string(count) + ")", r);
+      Report(api_, ordinal_,
+             "cuMemSetAccess(READ, va=" + Hex(va) + ", chunks=" + std::to_string(count) + ")", r);
     }
     // Slow path: chunk by chunk, for what is mapped.
     bool ok = all;

@@ -29,7 +29,8 @@ inline ffi::Error CheckOperands(const char* name, const ffi::AnyBuffer& q, const
   const std::string who = std::string(name) + ": ";
   auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
   if (qd.size() != 3 || kd.size() != 4) {
-    return ffi::Error::InvalidArgument(who + "q must be (B, H_q, D) and k, v (B, T, H_kv, D); got q " +
+    return ffi::Error::InvalidArgument(who +
+                                       "q must be (B, H_q, D) and k, v (B, T, H_kv, D); got q " +
                                        DimsString(qd) + ", k " + DimsString(kd));
   }
   if (DimsString(kd) != DimsString(vd)) {
@@ -42,7 +43,8 @@ inline ffi::Error CheckOperands(const char* name, const ffi::AnyBuffer& q, const
   shapes->max_tokens = kd[1];
   shapes->kv_heads = kd[2];
   if (kd[0] != qd[0] || kd[3] != qd[2]) {
-    return ffi::Error::InvalidArgument(who + "k " + DimsString(kd) + " does not match q " + DimsString(qd) +
+    return ffi::Error::InvalidArgument(who + "k " + DimsString(kd) + " does not match q " +
+                                       DimsString(qd) +
                                        " (expected k = (B, T, H_kv, D) with q's B and D)");
   }
   if (std::string err = ValidateShapes(*shapes); !err.empty()) {
@@ -50,8 +52,8 @@ inline ffi::Error CheckOperands(const char* name, const ffi::AnyBuffer& q, const
   }
   auto ld = lengths.dimensions();
   if (ld.size() != 1 || ld[0] != qd[0]) {
-    return ffi::Error::InvalidArgument(who + "lengths has shape " + DimsString(ld) + ", expected (" +
-                                       std::to_string(qd[0]) + ",)");
+    return ffi::Error::InvalidArgument(who + "lengths has shape " + DimsString(ld) +
+                                       ", expected (" + std::to_string(qd[0]) + ",)");
   }
   if (!IsSupportedDtype(q.element_type()) || k.element_type() != q.element_type() ||
       v.element_type() != q.element_type() || out.element_type() != q.element_type()) {

@@ -18,9 +18,9 @@
 #include <string>
 #include <vector>
 
+#include "common/ffi_targets.h"
 #include "ops/attention/attention_check.h"
 #include "ops/attention/attention_plan.h"
-#include "common/ffi_targets.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -131,7 +131,8 @@ void Compute(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi::AnyBuf
              const int32_t* lengths, ffi::AnyBuffer& out, const Shapes& sh, const Plan& plan,
              float scale, bool debug_read_all, float* ws) {
   const Converter cv{q.element_type()};
-  const int64_t B = sh.batch, T = sh.max_tokens, Hq = sh.q_heads, Hkv = sh.kv_heads, D = sh.head_dim;
+  const int64_t B = sh.batch, T = sh.max_tokens, Hq = sh.q_heads, Hkv = sh.kv_heads,
+                D = sh.head_dim;
   const int64_t G = Hq / Hkv, S = plan.splits, chunk = plan.chunk;
   const int64_t P = B * Hq * S;
   float* ws_acc = ws;
@@ -233,10 +234,10 @@ ffi::Error Run(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Buffer
   float* ws;
   if (workspace != nullptr) {
     if (static_cast<int64_t>(workspace->size_bytes()) < plan.workspace_bytes) {
-      return ffi::Error::InvalidArgument(std::string(kName) + ": workspace result has " +
-                                         std::to_string(workspace->size_bytes()) + " bytes, the plan needs " +
-                                         std::to_string(plan.workspace_bytes) +
-                                         " (Python and C++ plans disagree: rebuild jax_vmm)");
+      return ffi::Error::InvalidArgument(
+          std::string(kName) + ": workspace result has " + std::to_string(workspace->size_bytes()) +
+          " bytes, the plan needs " + std::to_string(plan.workspace_bytes) +
+          " (Python and C++ plans disagree: rebuild jax_vmm)");
     }
     ws = static_cast<float*>(workspace->untyped_data());
   } else {
@@ -244,7 +245,8 @@ ffi::Error Run(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Buffer
     ws = local.data();
   }
   if (debug & kDebugSkipOutput) return ffi::Error::Success();
-  Compute(q, k, v, lengths.typed_data(), out, sh, plan, scale, (debug & kDebugReadAllTokens) != 0, ws);
+  Compute(q, k, v, lengths.typed_data(), out, sh, plan, scale, (debug & kDebugReadAllTokens) != 0,
+          ws);
   return ffi::Error::Success();
 }
 
@@ -269,8 +271,9 @@ ffi::Error DecodeAttentionCpuXlaWorkspaceImpl(ffi::AnyBuffer q, ffi::AnyBuffer k
 
 ffi::Error DecodeAttentionCpuPrefilledImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                                            ffi::Buffer<ffi::S32> lengths, ffi::AnyBuffer out_init,
-                                           ffi::Result<ffi::AnyBuffer> out, float scale, int64_t chunk,
-                                           int64_t splits, int64_t impl, int64_t debug) {
+                                           ffi::Result<ffi::AnyBuffer> out, float scale,
+                                           int64_t chunk, int64_t splits, int64_t impl,
+                                           int64_t debug) {
   (void)impl;
   (void)out_init;  // aliased to `out` by XLA; never read
   return Run(q, k, v, lengths, *out, nullptr, scale, chunk, splits, debug);
@@ -280,11 +283,11 @@ ffi::Error DecodeAttentionCpuPrefilledImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, f
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DecodeAttentionCpu, DecodeAttentionCpuImpl,
                               ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()  // q
-                                  .Arg<ffi::AnyBuffer>()  // k
-                                  .Arg<ffi::AnyBuffer>()  // v
+                                  .Arg<ffi::AnyBuffer>()         // q
+                                  .Arg<ffi::AnyBuffer>()         // k
+                                  .Arg<ffi::AnyBuffer>()         // v
                                   .Arg<ffi::Buffer<ffi::S32>>()  // lengths
-                                  .Ret<ffi::AnyBuffer>()  // out
+                                  .Ret<ffi::AnyBuffer>()         // out
                                   .Attr<float>("scale")
                                   .Attr<int64_t>("chunk")
                                   .Attr<int64_t>("splits")

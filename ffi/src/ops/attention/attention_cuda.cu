@@ -38,9 +38,9 @@
 #include <string>
 #include <type_traits>
 
+#include "jax_vmm/scratch.h"
 #include "ops/attention/attention_check.h"
 #include "ops/attention/attention_plan.h"
-#include "jax_vmm/scratch.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -54,19 +54,19 @@ constexpr int kWarps = kThreads / 32;
 constexpr int kStatRows = 16;  // per-head softmax state slots (>= kMaxHeadGroup)
 
 struct Params {
-  const void* q;          // (B, Hq, D)
-  const void* k;          // (B, T, Hkv, D)
+  const void* q;  // (B, Hq, D)
+  const void* k;  // (B, T, Hkv, D)
   const void* v;
-  const int32_t* lengths; // (B,)
-  void* out;              // (B, Hq, D)
-  float* ws_acc;          // [P][D], P = B * Hq * splits
-  float* ws_m;            // [P]
-  float* ws_l;            // [P]
+  const int32_t* lengths;  // (B,)
+  void* out;               // (B, Hq, D)
+  float* ws_acc;           // [P][D], P = B * Hq * splits
+  float* ws_m;             // [P]
+  float* ws_l;             // [P]
   int batch, max_tokens, q_heads, kv_heads, head_dim;
-  int group;              // q_heads / kv_heads
-  int head_group;         // query heads per tensor-core block
+  int group;       // q_heads / kv_heads
+  int head_group;  // query heads per tensor-core block
   int chunk, splits;
-  float scale_log2;       // softmax scale * log2(e): logits are kept in log2 units
+  float scale_log2;  // softmax scale * log2(e): logits are kept in log2 units
 };
 
 // ---------------------------------------------------------------------------------
@@ -96,15 +96,23 @@ __device__ __forceinline__ float ToFloat(__nv_bfloat16 x) { return __bfloat162fl
 template <typename T>
 __device__ __forceinline__ T FromFloat(float x);
 template <>
-__device__ __forceinline__ float FromFloat<float>(float x) { return x; }
+__device__ __forceinline__ float FromFloat<float>(float x) {
+  return x;
+}
 template <>
-__device__ __forceinline__ __half FromFloat<__half>(float x) { return __float2half_rn(x); }
+__device__ __forceinline__ __half FromFloat<__half>(float x) {
+  return __float2half_rn(x);
+}
 template <>
-__device__ __forceinline__ __nv_bfloat16 FromFloat<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+__device__ __forceinline__ __nv_bfloat16 FromFloat<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
 
 // 16-byte read-only load (ld.global.nc.v4). Callers guard it: it is never issued for a
 // token at or past the sequence length.
-__device__ __forceinline__ uint4 Load16(const void* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
+__device__ __forceinline__ uint4 Load16(const void* p) {
+  return __ldg(reinterpret_cast<const uint4*>(p));
+}
 
 // Tensor-core ops per element type: D(16x8, f32) += A(16x16, row) * B(16x8, col).
 // Fragment layout (PTX ISA, mma.m16n8k16, 16-bit inputs), lane = 4 * grp + tig:
@@ -185,7 +193,7 @@ __device__ __forceinline__ void ChunkSoftmax(float* row, int n, int padded, floa
 template <typename T, int D, int NQT, int U>
 __global__ void __launch_bounds__(kThreads) SplitKernelTensorCore(const Params p) {
   using TC = TensorCore<T>;
-  constexpr int kRows = 8 * NQT;  // heads held per block
+  constexpr int kRows = 8 * NQT;    // heads held per block
   constexpr int kKBlocks = D / 32;  // QK: 32-dim blocks per K row
   constexpr int kVChunks = D / 64;  // PV: 64-dim chunks per V row
   constexpr int kMTiles = D / 16;   // PV: output m-tiles of 16 dims
@@ -205,15 +213,17 @@ __global__ void __launch_bounds__(kThreads) SplitKernelTensorCore(const Params p
   const int ls = p.chunk + 4;  // logits row stride: +4 makes the C-fragment stores conflict-free
 
   extern __shared__ float smem[];
-  float* logits = smem;                           // [kRows][ls]
-  float* red = logits + kRows * ls;               // [kRows][kRedStride]
-  float* m_s = red + kRows * kRedStride;          // [kStatRows]
+  float* logits = smem;                   // [kRows][ls]
+  float* red = logits + kRows * ls;       // [kRows][kRedStride]
+  float* m_s = red + kRows * kRedStride;  // [kStatRows]
   float* l_s = m_s + kStatRows;
   float* alpha_s = l_s + kStatRows;
 
   const int64_t tstride = static_cast<int64_t>(p.kv_heads) * D;  // elements between tokens
-  const T* kseq = static_cast<const T*>(p.k) + static_cast<int64_t>(b) * p.max_tokens * tstride + kvh * D;
-  const T* vseq = static_cast<const T*>(p.v) + static_cast<int64_t>(b) * p.max_tokens * tstride + kvh * D;
+  const T* kseq =
+      static_cast<const T*>(p.k) + static_cast<int64_t>(b) * p.max_tokens * tstride + kvh * D;
+  const T* vseq =
+      static_cast<const T*>(p.v) + static_cast<int64_t>(b) * p.max_tokens * tstride + kvh * D;
 
   // Q as the B operand of QK (k = head dim, n = head). The reduction dimension is
   // permuted: for 32-dim block j the lane (grp, tig) holds dims [32j + 8tig, +8) of head
@@ -223,7 +233,8 @@ __global__ void __launch_bounds__(kThreads) SplitKernelTensorCore(const Params p
 #pragma unroll
   for (int nt = 0; nt < NQT; ++nt) {
     const int head = nt * 8 + grp;
-    const T* qrow = static_cast<const T*>(p.q) + (static_cast<int64_t>(b) * p.q_heads + h0 + head) * D;
+    const T* qrow =
+        static_cast<const T*>(p.q) + (static_cast<int64_t>(b) * p.q_heads + h0 + head) * D;
 #pragma unroll
     for (int j = 0; j < kKBlocks; ++j) {
       const uint4 w = head < GB ? Load16(qrow + 32 * j + 8 * tig) : make_uint4(0, 0, 0, 0);
@@ -245,7 +256,8 @@ __global__ void __launch_bounds__(kThreads) SplitKernelTensorCore(const Params p
 #pragma unroll
   for (int nt = 0; nt < NQT; ++nt) {
 #pragma unroll
-    for (int mt = 0; mt < kMTiles; ++mt) acc[nt][mt][0] = acc[nt][mt][1] = acc[nt][mt][2] = acc[nt][mt][3] = 0.f;
+    for (int mt = 0; mt < kMTiles; ++mt)
+      acc[nt][mt][0] = acc[nt][mt][1] = acc[nt][mt][2] = acc[nt][mt][3] = 0.f;
   }
   __syncthreads();
 
@@ -280,8 +292,10 @@ __global__ void __launch_bounds__(kThreads) SplitKernelTensorCore(const Params p
         for (int j = 0; j < kKBlocks; ++j) {
 #pragma unroll
           for (int nt = 0; nt < NQT; ++nt) {
-            TC::Mma(sc[nt], ka[u][j].x, kb[u][j].x, ka[u][j].y, kb[u][j].y, qf[nt][j][0], qf[nt][j][1]);
-            TC::Mma(sc[nt], ka[u][j].z, kb[u][j].z, ka[u][j].w, kb[u][j].w, qf[nt][j][2], qf[nt][j][3]);
+            TC::Mma(sc[nt], ka[u][j].x, kb[u][j].x, ka[u][j].y, kb[u][j].y, qf[nt][j][0],
+                    qf[nt][j][1]);
+            TC::Mma(sc[nt], ka[u][j].z, kb[u][j].z, ka[u][j].w, kb[u][j].w, qf[nt][j][2],
+                    qf[nt][j][3]);
           }
         }
 #pragma unroll
@@ -349,7 +363,8 @@ __global__ void __launch_bounds__(kThreads) SplitKernelTensorCore(const Params p
           const int row = rb + 2 * tig + (t4 & 1) + (t4 >> 1) * 8;
 #pragma unroll
           for (int x = 0; x < kVChunks; ++x) {
-            vr[u][t4][x] = row < n ? Load16(vc + row * tstride + 64 * x + 8 * grp) : make_uint4(0, 0, 0, 0);
+            vr[u][t4][x] =
+                row < n ? Load16(vc + row * tstride + 64 * x + 8 * grp) : make_uint4(0, 0, 0, 0);
           }
         }
       }
@@ -358,10 +373,14 @@ __global__ void __launch_bounds__(kThreads) SplitKernelTensorCore(const Params p
         if (tile0 + u >= ntiles) break;  // warp-uniform
 #pragma unroll
         for (int x = 0; x < kVChunks; ++x) {
-          const uint32_t w0[4] = {vr[u][0][x].x, vr[u][0][x].y, vr[u][0][x].z, vr[u][0][x].w};  // token 2tig
-          const uint32_t w1[4] = {vr[u][1][x].x, vr[u][1][x].y, vr[u][1][x].z, vr[u][1][x].w};  // 2tig + 1
-          const uint32_t w2[4] = {vr[u][2][x].x, vr[u][2][x].y, vr[u][2][x].z, vr[u][2][x].w};  // 2tig + 8
-          const uint32_t w3[4] = {vr[u][3][x].x, vr[u][3][x].y, vr[u][3][x].z, vr[u][3][x].w};  // 2tig + 9
+          const uint32_t w0[4] = {vr[u][0][x].x, vr[u][0][x].y, vr[u][0][x].z,
+                                  vr[u][0][x].w};  // token 2tig
+          const uint32_t w1[4] = {vr[u][1][x].x, vr[u][1][x].y, vr[u][1][x].z,
+                                  vr[u][1][x].w};  // 2tig + 1
+          const uint32_t w2[4] = {vr[u][2][x].x, vr[u][2][x].y, vr[u][2][x].z,
+                                  vr[u][2][x].w};  // 2tig + 8
+          const uint32_t w3[4] = {vr[u][3][x].x, vr[u][3][x].y, vr[u][3][x].z,
+                                  vr[u][3][x].w};  // 2tig + 9
 #pragma unroll
           for (int i2 = 0; i2 < 4; ++i2) {
             const uint32_t a0 = __byte_perm(w0[i2], w1[i2], 0x5410u);  // low halves: dim d
@@ -429,14 +448,16 @@ __global__ void __launch_bounds__(kThreads) SplitKernelSimple(const Params p) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
 
   extern __shared__ float smem[];
-  float* qs = smem;          // [D]
-  float* acc = qs + D;       // [D]
-  float* logits = acc + D;   // [chunk]
+  float* qs = smem;              // [D]
+  float* acc = qs + D;           // [D]
+  float* logits = acc + D;       // [chunk]
   float* st = logits + p.chunk;  // m, l, alpha
 
   const int64_t tstride = static_cast<int64_t>(p.kv_heads) * D;
-  const T* kseq = static_cast<const T*>(p.k) + static_cast<int64_t>(b) * p.max_tokens * tstride + static_cast<int64_t>(kvh) * D;
-  const T* vseq = static_cast<const T*>(p.v) + static_cast<int64_t>(b) * p.max_tokens * tstride + static_cast<int64_t>(kvh) * D;
+  const T* kseq = static_cast<const T*>(p.k) + static_cast<int64_t>(b) * p.max_tokens * tstride +
+                  static_cast<int64_t>(kvh) * D;
+  const T* vseq = static_cast<const T*>(p.v) + static_cast<int64_t>(b) * p.max_tokens * tstride +
+                  static_cast<int64_t>(kvh) * D;
   const T* qrow = static_cast<const T*>(p.q) + (static_cast<int64_t>(b) * p.q_heads + h) * D;
   for (int d = threadIdx.x; d < D; d += kThreads) {
     qs[d] = ToFloat(qrow[d]);
@@ -465,7 +486,8 @@ __global__ void __launch_bounds__(kThreads) SplitKernelSimple(const Params p) {
     const float alpha = st[2];
     for (int d = threadIdx.x; d < D; d += kThreads) {
       float a = acc[d] * alpha;
-      for (int i = 0; i < n; ++i) a += logits[i] * ToFloat(vseq[static_cast<int64_t>(t0 + i) * tstride + d]);
+      for (int i = 0; i < n; ++i)
+        a += logits[i] * ToFloat(vseq[static_cast<int64_t>(t0 + i) * tstride + d]);
       acc[d] = a;
     }
     __syncthreads();
@@ -513,8 +535,8 @@ __global__ void __launch_bounds__(kThreads) CombineKernel(const Params p) {
 // Host side
 
 ffi::Error CudaFailure(const char* what, cudaError_t e) {
-  return ffi::Error::Internal(std::string(kName) + ": " + what + " failed: " + cudaGetErrorName(e) + " (" +
-                              cudaGetErrorString(e) + ")");
+  return ffi::Error::Internal(std::string(kName) + ": " + what + " failed: " + cudaGetErrorName(e) +
+                              " (" + cudaGetErrorString(e) + ")");
 }
 
 // SM count per device ordinal (cached; a device attribute query, legal under capture).
@@ -549,34 +571,44 @@ struct Call {
   bool one_tile = false;  // tensor-core kernel with one tile in flight per warp
 };
 
-ffi::Error Prepare(int device, const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
-                   const ffi::Buffer<ffi::S32>& lengths, const ffi::AnyBuffer& out, int64_t chunk,
-                   int64_t splits, int64_t impl, Call* call) {
-  if (ffi::Error err = CheckOperands(kName, q, k, v, lengths, out, &call->shapes); err.failure()) return err;
+ffi::Error Prepare(int device, const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
+                   const ffi::AnyBuffer& v, const ffi::Buffer<ffi::S32>& lengths,
+                   const ffi::AnyBuffer& out, int64_t chunk, int64_t splits, int64_t impl,
+                   Call* call) {
+  if (ffi::Error err = CheckOperands(kName, q, k, v, lengths, out, &call->shapes); err.failure())
+    return err;
   const Shapes& sh = call->shapes;
   call->dtype = q.element_type();
   const bool tc_ok = TensorCoreSupported(call->dtype, sh.head_dim);
   switch (static_cast<Impl>(impl)) {
-    case Impl::kAuto: call->tensor_core = tc_ok; break;
-    case Impl::kSimple: call->tensor_core = false; break;
+    case Impl::kAuto:
+      call->tensor_core = tc_ok;
+      break;
+    case Impl::kSimple:
+      call->tensor_core = false;
+      break;
     case Impl::kTensorCore:
     case Impl::kTensorCoreOneTile:
       if (!tc_ok) {
-        return ffi::Error::InvalidArgument(std::string(kName) +
-                                           ": impl=tensor_core needs bfloat16/float16 and head_dim 64, "
-                                           "128 or 256; got head_dim=" + std::to_string(sh.head_dim));
+        return ffi::Error::InvalidArgument(
+            std::string(kName) +
+            ": impl=tensor_core needs bfloat16/float16 and head_dim 64, "
+            "128 or 256; got head_dim=" +
+            std::to_string(sh.head_dim));
       }
       call->tensor_core = true;
       call->one_tile = static_cast<Impl>(impl) == Impl::kTensorCoreOneTile;
       break;
     default:
-      return ffi::Error::InvalidArgument(std::string(kName) + ": unknown impl " + std::to_string(impl) +
+      return ffi::Error::InvalidArgument(std::string(kName) + ": unknown impl " +
+                                         std::to_string(impl) +
                                          " (expected 0 auto, 1 tensor_core, 2 simple)");
   }
   int sms = 0;
   if (chunk <= 0 || splits <= 0) {
     if (int e = SmCount(device, &sms); e != 0) {
-      return CudaFailure("cudaDeviceGetAttribute(MultiProcessorCount)", static_cast<cudaError_t>(e));
+      return CudaFailure("cudaDeviceGetAttribute(MultiProcessorCount)",
+                         static_cast<cudaError_t>(e));
     }
   }
   call->plan = MakePlan(sh, sms, chunk, splits);
@@ -588,8 +620,9 @@ ffi::Error Prepare(int device, const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
                                        " exceed the CUDA grid limit of 65535");
   }
   if (sh.max_tokens > INT32_MAX || sh.head_dim > 4096) {
-    return ffi::Error::InvalidArgument(std::string(kName) + ": max_tokens must be < 2^31 and head_dim <= 4096; got " +
-                                       std::to_string(sh.max_tokens) + ", " + std::to_string(sh.head_dim));
+    return ffi::Error::InvalidArgument(
+        std::string(kName) + ": max_tokens must be < 2^31 and head_dim <= 4096; got " +
+        std::to_string(sh.max_tokens) + ", " + std::to_string(sh.head_dim));
   }
   return ffi::Error::Success();
 }
@@ -605,7 +638,8 @@ cudaError_t LaunchTensorCore(const Params& p, cudaStream_t stream) {
 
 template <typename T, int D, int U>
 cudaError_t LaunchTensorCoreHeads(const Params& p, cudaStream_t stream) {
-  return p.head_group > 8 ? LaunchTensorCore<T, D, 2, U>(p, stream) : LaunchTensorCore<T, D, 1, U>(p, stream);
+  return p.head_group > 8 ? LaunchTensorCore<T, D, 2, U>(p, stream)
+                          : LaunchTensorCore<T, D, 1, U>(p, stream);
 }
 
 // Tiles in flight per warp: 2 where registers allow it without spilling (head_dim
@@ -613,9 +647,14 @@ cudaError_t LaunchTensorCoreHeads(const Params& p, cudaStream_t stream) {
 template <typename T>
 cudaError_t LaunchTensorCoreDispatch(const Params& p, bool one_tile, cudaStream_t stream) {
   switch (p.head_dim) {
-    case 64: return one_tile ? LaunchTensorCoreHeads<T, 64, 1>(p, stream) : LaunchTensorCoreHeads<T, 64, 2>(p, stream);
-    case 128: return one_tile ? LaunchTensorCoreHeads<T, 128, 1>(p, stream) : LaunchTensorCoreHeads<T, 128, 2>(p, stream);
-    default: return LaunchTensorCoreHeads<T, 256, 1>(p, stream);
+    case 64:
+      return one_tile ? LaunchTensorCoreHeads<T, 64, 1>(p, stream)
+                      : LaunchTensorCoreHeads<T, 64, 2>(p, stream);
+    case 128:
+      return one_tile ? LaunchTensorCoreHeads<T, 128, 1>(p, stream)
+                      : LaunchTensorCoreHeads<T, 128, 2>(p, stream);
+    default:
+      return LaunchTensorCoreHeads<T, 256, 1>(p, stream);
   }
 }
 
@@ -641,17 +680,21 @@ ffi::Error LaunchAll(const Params& p, bool tensor_core, bool one_tile, cudaStrea
   return ffi::Error::Success();
 }
 
-ffi::Error Execute(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                   ffi::Buffer<ffi::S32> lengths, ffi::AnyBuffer out, ffi::AnyBuffer* workspace, float scale,
-                   int64_t chunk, int64_t splits, int64_t impl, int64_t debug) {
+ffi::Error Execute(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                   ffi::AnyBuffer v, ffi::Buffer<ffi::S32> lengths, ffi::AnyBuffer out,
+                   ffi::AnyBuffer* workspace, float scale, int64_t chunk, int64_t splits,
+                   int64_t impl, int64_t debug) {
   Counters& counters = GetCounters();
   counters.cuda_execute_calls.fetch_add(1, std::memory_order_relaxed);
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  if (cudaStreamIsCapturing(stream, &capture) == cudaSuccess && capture == cudaStreamCaptureStatusActive) {
+  if (cudaStreamIsCapturing(stream, &capture) == cudaSuccess &&
+      capture == cudaStreamCaptureStatusActive) {
     counters.cuda_captured_calls.fetch_add(1, std::memory_order_relaxed);
   }
   Call call;
-  if (ffi::Error err = Prepare(device, q, k, v, lengths, out, chunk, splits, impl, &call); err.failure()) return err;
+  if (ffi::Error err = Prepare(device, q, k, v, lengths, out, chunk, splits, impl, &call);
+      err.failure())
+    return err;
   const Shapes& sh = call.shapes;
   const Plan& pl = call.plan;
   if (sh.batch == 0 || (debug & kDebugSkipOutput)) return ffi::Error::Success();
@@ -659,17 +702,18 @@ ffi::Error Execute(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi::A
   void* ws = nullptr;
   if (workspace != nullptr) {
     if (static_cast<int64_t>(workspace->size_bytes()) < pl.workspace_bytes) {
-      return ffi::Error::InvalidArgument(std::string(kName) + ": workspace result has " +
-                                         std::to_string(workspace->size_bytes()) + " bytes, the plan needs " +
-                                         std::to_string(pl.workspace_bytes) +
-                                         " (Python and C++ plans disagree: rebuild jax_vmm)");
+      return ffi::Error::InvalidArgument(
+          std::string(kName) + ": workspace result has " + std::to_string(workspace->size_bytes()) +
+          " bytes, the plan needs " + std::to_string(pl.workspace_bytes) +
+          " (Python and C++ plans disagree: rebuild jax_vmm)");
     }
     ws = workspace->untyped_data();
   } else {
     // Grown at the initialize stage; Get() only grows when the stream is not capturing
     // and refuses (with a message) when a capture would need more than is mapped.
     std::string err = scratch::Get(device, stream, static_cast<size_t>(pl.workspace_bytes), &ws);
-    if (!err.empty()) return ffi::Error::Internal(std::string(kName) + ": graph-safe scratch: " + err);
+    if (!err.empty())
+      return ffi::Error::Internal(std::string(kName) + ": graph-safe scratch: " + err);
   }
 
   Params p;
@@ -694,57 +738,69 @@ ffi::Error Execute(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi::A
   p.scale_log2 = scale * 1.4426950408889634f;
 
   switch (call.dtype) {
-    case ffi::DataType::BF16: return LaunchAll<__nv_bfloat16>(p, call.tensor_core, call.one_tile, stream);
-    case ffi::DataType::F16: return LaunchAll<__half>(p, call.tensor_core, call.one_tile, stream);
-    default: return LaunchAll<float>(p, false, false, stream);
+    case ffi::DataType::BF16:
+      return LaunchAll<__nv_bfloat16>(p, call.tensor_core, call.one_tile, stream);
+    case ffi::DataType::F16:
+      return LaunchAll<__half>(p, call.tensor_core, call.one_tile, stream);
+    default:
+      return LaunchAll<float>(p, false, false, stream);
   }
 }
 
 ffi::Error InitializeImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k,
-                          ffi::AnyBuffer v, ffi::Buffer<ffi::S32> lengths, ffi::Result<ffi::AnyBuffer> out,
-                          float scale, int64_t chunk, int64_t splits, int64_t impl, int64_t debug) {
+                          ffi::AnyBuffer v, ffi::Buffer<ffi::S32> lengths,
+                          ffi::Result<ffi::AnyBuffer> out, float scale, int64_t chunk,
+                          int64_t splits, int64_t impl, int64_t debug) {
   (void)scale;
   (void)debug;
   GetCounters().cuda_initialize_calls.fetch_add(1, std::memory_order_relaxed);
   Call call;
-  if (ffi::Error err = Prepare(device, q, k, v, lengths, *out, chunk, splits, impl, &call); err.failure()) {
+  if (ffi::Error err = Prepare(device, q, k, v, lengths, *out, chunk, splits, impl, &call);
+      err.failure()) {
     return err;
   }
   if (call.shapes.batch == 0) return ffi::Error::Success();
   // Never under capture (XLA initializes thunks before it records command buffers): the
   // one place where the workspace may grow for a graph that will bake its address.
-  std::string err = scratch::Reserve(device, stream, static_cast<size_t>(call.plan.workspace_bytes));
-  if (!err.empty()) return ffi::Error::Internal(std::string(kName) + ": growing the graph-safe scratch: " + err);
+  std::string err =
+      scratch::Reserve(device, stream, static_cast<size_t>(call.plan.workspace_bytes));
+  if (!err.empty())
+    return ffi::Error::Internal(std::string(kName) + ": growing the graph-safe scratch: " + err);
   return ffi::Error::Success();
 }
 
-ffi::Error ExecuteImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                       ffi::Buffer<ffi::S32> lengths, ffi::Result<ffi::AnyBuffer> out, float scale, int64_t chunk,
-                       int64_t splits, int64_t impl, int64_t debug) {
-  return Execute(stream, device, q, k, v, lengths, *out, nullptr, scale, chunk, splits, impl, debug);
+ffi::Error ExecuteImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                       ffi::AnyBuffer v, ffi::Buffer<ffi::S32> lengths,
+                       ffi::Result<ffi::AnyBuffer> out, float scale, int64_t chunk, int64_t splits,
+                       int64_t impl, int64_t debug) {
+  return Execute(stream, device, q, k, v, lengths, *out, nullptr, scale, chunk, splits, impl,
+                 debug);
 }
 
-ffi::Error InitializePrefilledImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k,
-                                   ffi::AnyBuffer v, ffi::Buffer<ffi::S32> lengths, ffi::AnyBuffer out_init,
-                                   ffi::Result<ffi::AnyBuffer> out, float scale, int64_t chunk, int64_t splits,
-                                   int64_t impl, int64_t debug) {
+ffi::Error InitializePrefilledImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q,
+                                   ffi::AnyBuffer k, ffi::AnyBuffer v,
+                                   ffi::Buffer<ffi::S32> lengths, ffi::AnyBuffer out_init,
+                                   ffi::Result<ffi::AnyBuffer> out, float scale, int64_t chunk,
+                                   int64_t splits, int64_t impl, int64_t debug) {
   (void)out_init;
   return InitializeImpl(stream, device, q, k, v, lengths, out, scale, chunk, splits, impl, debug);
 }
 
-ffi::Error ExecutePrefilledImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k,
-                                ffi::AnyBuffer v, ffi::Buffer<ffi::S32> lengths, ffi::AnyBuffer out_init,
-                                ffi::Result<ffi::AnyBuffer> out, float scale, int64_t chunk, int64_t splits,
-                                int64_t impl, int64_t debug) {
+ffi::Error ExecutePrefilledImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q,
+                                ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Buffer<ffi::S32> lengths,
+                                ffi::AnyBuffer out_init, ffi::Result<ffi::AnyBuffer> out,
+                                float scale, int64_t chunk, int64_t splits, int64_t impl,
+                                int64_t debug) {
   (void)out_init;  // aliased to `out` by XLA; never read
-  return Execute(stream, device, q, k, v, lengths, *out, nullptr, scale, chunk, splits, impl, debug);
+  return Execute(stream, device, q, k, v, lengths, *out, nullptr, scale, chunk, splits, impl,
+                 debug);
 }
 
-ffi::Error ExecuteXlaWorkspaceImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k,
-                                   ffi::AnyBuffer v, ffi::Buffer<ffi::S32> lengths,
-                                   ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> workspace,
-                                   float scale, int64_t chunk, int64_t splits, int64_t impl,
-                                   int64_t debug) {
+ffi::Error ExecuteXlaWorkspaceImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q,
+                                   ffi::AnyBuffer k, ffi::AnyBuffer v,
+                                   ffi::Buffer<ffi::S32> lengths, ffi::Result<ffi::AnyBuffer> out,
+                                   ffi::Result<ffi::AnyBuffer> workspace, float scale,
+                                   int64_t chunk, int64_t splits, int64_t impl, int64_t debug) {
   ffi::AnyBuffer ws = *workspace;
   return Execute(stream, device, q, k, v, lengths, *out, &ws, scale, chunk, splits, impl, debug);
 }
@@ -832,10 +888,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DecodeAttentionCudaPrefilledExecute, ExecutePrefil
                                   .Attr<int64_t>("debug"),
                               {ffi::Traits::kCmdBufferCompatible});
 
-void* CudaPrefilledInitializeHandler() { return reinterpret_cast<void*>(DecodeAttentionCudaPrefilledInitialize); }
-void* CudaPrefilledExecuteHandler() { return reinterpret_cast<void*>(DecodeAttentionCudaPrefilledExecute); }
+void* CudaPrefilledInitializeHandler() {
+  return reinterpret_cast<void*>(DecodeAttentionCudaPrefilledInitialize);
+}
+void* CudaPrefilledExecuteHandler() {
+  return reinterpret_cast<void*>(DecodeAttentionCudaPrefilledExecute);
+}
 void* CudaInitializeHandler() { return reinterpret_cast<void*>(DecodeAttentionCudaInitialize); }
 void* CudaExecuteHandler() { return reinterpret_cast<void*>(DecodeAttentionCudaExecute); }
-void* CudaXlaWorkspaceExecuteHandler() { return reinterpret_cast<void*>(DecodeAttentionCudaXlaWorkspaceExecute); }
+void* CudaXlaWorkspaceExecuteHandler() {
+  return reinterpret_cast<void*>(DecodeAttentionCudaXlaWorkspaceExecute);
+}
 
 }  // namespace jax_vmm::attention

@@ -23,11 +23,11 @@
 
 namespace jax_vmm::attention {
 
-inline constexpr int64_t kTile = 16;            // tokens per tensor-core tile (chunk multiple)
-inline constexpr int64_t kMinAutoChunk = 64;    // smallest chunk the automatic plan picks
-inline constexpr int64_t kMaxHeadGroup = 16;    // query heads one CUDA block serves
-inline constexpr int64_t kBlocksPerUnit = 16;   // target blocks per SM (CPU: per "unit")
-inline constexpr int64_t kCpuParallelUnits = 8; // fixed, so CPU plans are machine independent
+inline constexpr int64_t kTile = 16;             // tokens per tensor-core tile (chunk multiple)
+inline constexpr int64_t kMinAutoChunk = 64;     // smallest chunk the automatic plan picks
+inline constexpr int64_t kMaxHeadGroup = 16;     // query heads one CUDA block serves
+inline constexpr int64_t kBlocksPerUnit = 16;    // target blocks per SM (CPU: per "unit")
+inline constexpr int64_t kCpuParallelUnits = 8;  // fixed, so CPU plans are machine independent
 
 struct Shapes {
   int64_t batch = 0;
@@ -38,10 +38,10 @@ struct Shapes {
 };
 
 struct Plan {
-  int64_t chunk = 0;        // tokens per chunk, a multiple of kTile
-  int64_t splits = 0;       // partial results per (sequence, query head), >= 1
-  int64_t head_group = 0;   // query heads per CUDA block: divides q_heads / kv_heads
-  int64_t max_chunks = 0;   // ceil(max_tokens / chunk)
+  int64_t chunk = 0;       // tokens per chunk, a multiple of kTile
+  int64_t splits = 0;      // partial results per (sequence, query head), >= 1
+  int64_t head_group = 0;  // query heads per CUDA block: divides q_heads / kv_heads
+  int64_t max_chunks = 0;  // ceil(max_tokens / chunk)
   int64_t workspace_bytes = 0;
 };
 
@@ -49,12 +49,14 @@ struct Plan {
 inline std::string ValidateShapes(const Shapes& s) {
   if (s.batch < 0 || s.max_tokens < 0 || s.q_heads <= 0 || s.kv_heads <= 0 || s.head_dim <= 0) {
     return "sizes must be positive (batch=" + std::to_string(s.batch) +
-           ", max_tokens=" + std::to_string(s.max_tokens) + ", q_heads=" + std::to_string(s.q_heads) +
-           ", kv_heads=" + std::to_string(s.kv_heads) + ", head_dim=" + std::to_string(s.head_dim) + ")";
+           ", max_tokens=" + std::to_string(s.max_tokens) +
+           ", q_heads=" + std::to_string(s.q_heads) + ", kv_heads=" + std::to_string(s.kv_heads) +
+           ", head_dim=" + std::to_string(s.head_dim) + ")";
   }
   if (s.q_heads % s.kv_heads != 0) {
-    return "q_heads=" + std::to_string(s.q_heads) + " is not a multiple of kv_heads=" +
-           std::to_string(s.kv_heads) + " (grouped-query attention needs H_q % H_kv == 0)";
+    return "q_heads=" + std::to_string(s.q_heads) +
+           " is not a multiple of kv_heads=" + std::to_string(s.kv_heads) +
+           " (grouped-query attention needs H_q % H_kv == 0)";
   }
   return {};
 }

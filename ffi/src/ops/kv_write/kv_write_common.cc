@@ -32,8 +32,7 @@ DeviceDropHooks& Hooks() {
 }  // namespace
 
 std::string CheckGeometry(const char* op, const Dims& k, const Dims& v, const Dims& new_k,
-                          const Dims& new_v, const Dims& slots, const Dims* status,
-                          Geometry* out) {
+                          const Dims& new_v, const Dims& slots, const Dims* status, Geometry* out) {
   const std::string pre = std::string(op) + ": ";
   if (k.rank < 3) {
     return pre + "the cache k must have rank >= 3 (..., num_kv_heads, head_dim), got shape " +
@@ -41,13 +40,11 @@ std::string CheckGeometry(const char* op, const Dims& k, const Dims& v, const Di
   }
   if (k.rank != v.rank || std::memcmp(k.d, v.d, sizeof(int64_t) * k.rank) != 0 ||
       k.dtype != v.dtype) {
-    return pre + "k and v must have the same shape and dtype, got " + Shape(k) + " and " +
-           Shape(v);
+    return pre + "k and v must have the same shape and dtype, got " + Shape(k) + " and " + Shape(v);
   }
   if (new_k.rank != 3 || new_v.rank != 3 || new_k.d[1] != k.d[k.rank - 2] ||
-      new_k.d[2] != k.d[k.rank - 1] ||
-      std::memcmp(new_k.d, new_v.d, sizeof(int64_t) * 3) != 0 || new_k.dtype != k.dtype ||
-      new_v.dtype != k.dtype) {
+      new_k.d[2] != k.d[k.rank - 1] || std::memcmp(new_k.d, new_v.d, sizeof(int64_t) * 3) != 0 ||
+      new_k.dtype != k.dtype || new_v.dtype != k.dtype) {
     return pre + "new_k/new_v must be (n, " + std::to_string(k.d[k.rank - 2]) + ", " +
            std::to_string(k.d[k.rank - 1]) + ") in the cache's dtype, got " + Shape(new_k) +
            " and " + Shape(new_v);
@@ -102,8 +99,8 @@ std::string Hex(uintptr_t x) {
 
 }  // namespace
 
-std::string ResolveSides(Op op, const char* driver_kind, bool require_arena,
-                         const SideInput in[2], Params* p, Resolution* out) {
+std::string ResolveSides(Op op, const char* driver_kind, bool require_arena, const SideInput in[2],
+                         Params* p, Resolution* out) {
   const char* name = op == Op::kWrite ? "jax_vmm.kv_write" : "jax_vmm.kv_write_through";
   *out = Resolution{};
   for (int s = 0; s < 2; ++s) {
@@ -156,8 +153,8 @@ std::string PrepareCall(Op op, const char* driver_kind, bool require_arena, cons
                         Params* p, Resolution* r) {
   const char* name = op == Op::kWrite ? "jax_vmm_kv_write" : "jax_vmm_kv_write_through";
   Geometry g;
-  std::string err = CheckGeometry(name, dims[0], dims[1], dims[2], dims[3], dims[4],
-                                  status_dims, &g);
+  std::string err =
+      CheckGeometry(name, dims[0], dims[1], dims[2], dims[3], dims[4], status_dims, &g);
   if (!err.empty()) return err;
   p->slots = slots;
   p->n = g.n;

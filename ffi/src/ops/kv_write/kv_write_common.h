@@ -36,14 +36,14 @@ enum TokenStatus : int32_t {
 
 // Where one side (k or v) of a call reads and writes. Plain data: passed to kernels.
 struct Side {
-  uint8_t* dst = nullptr;          // the target: arena buffer, or a plain output; null: none
-  uint8_t* dst2 = nullptr;         // kv_write's output when it is not the target, else null
-  const uint8_t* src = nullptr;    // new tokens, n * token_bytes
+  uint8_t* dst = nullptr;               // the target: arena buffer, or a plain output; null: none
+  uint8_t* dst2 = nullptr;              // kv_write's output when it is not the target, else null
+  const uint8_t* src = nullptr;         // new tokens, n * token_bytes
   const uint8_t* page_table = nullptr;  // arena page table, null when dst is not arena
   uintptr_t arena_base = 0;
   uint64_t chunk_bytes = 1;
   unsigned long long* drop_counter = nullptr;  // the arena buffer's, or null
-  int32_t* status = nullptr;       // n entries (write-through), or null
+  int32_t* status = nullptr;                   // n entries (write-through), or null
 };
 
 struct Params {
@@ -90,8 +90,7 @@ struct Dims {
 
 // Empty string when (k, v, new_k, new_v, slots[, status]) fit together; else the error.
 std::string CheckGeometry(const char* op, const Dims& k, const Dims& v, const Dims& new_k,
-                          const Dims& new_v, const Dims& slots, const Dims* status,
-                          Geometry* out);
+                          const Dims& new_v, const Dims& slots, const Dims* status, Geometry* out);
 
 enum class Op { kWrite, kWriteThrough };
 
@@ -112,8 +111,8 @@ struct Resolution {
 // Fills p->side[0..1] for a call of `op` on `driver_kind` ("host" or "cuda"). Returns an
 // error message (empty on success): a dest that is not a live arena buffer of at least
 // `bytes` starting at that address, or (require_arena) a write-through without arena.
-std::string ResolveSides(Op op, const char* driver_kind, bool require_arena,
-                         const SideInput in[2], Params* p, Resolution* out);
+std::string ResolveSides(Op op, const char* driver_kind, bool require_arena, const SideInput in[2],
+                         Params* p, Resolution* out);
 
 // Everything a handler does before touching memory: checks the geometry of
 // (k, v, new_k, new_v, slots[, status]), fills *p (slots, sizes, debug switch) and

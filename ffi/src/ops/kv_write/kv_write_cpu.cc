@@ -35,7 +35,8 @@ void RunTokens(const Params& p, Counters& counters) {
       if (side.status != nullptr) side.status[t] = st;
       if (st == kDroppedOutOfRange || st == kDroppedUnbacked) {
         counters.host_dropped.fetch_add(1);
-        if (side.drop_counter != nullptr) __atomic_fetch_add(side.drop_counter, 1ULL, __ATOMIC_RELAXED);
+        if (side.drop_counter != nullptr)
+          __atomic_fetch_add(side.drop_counter, 1ULL, __ATOMIC_RELAXED);
       }
       if (st != kValid) continue;
       const uint64_t offset = static_cast<uint64_t>(p.slots[t]) * p.token_bytes;
@@ -47,8 +48,8 @@ void RunTokens(const Params& p, Counters& counters) {
 }
 
 // The common part of both handlers once the buffers are known.
-ffi::Error Run(Op op, Handler h, const Dims dims[5], const Dims* status_dims,
-               const int32_t* slots, const SideInput in[2], bool require_arena) {
+ffi::Error Run(Op op, Handler h, const Dims dims[5], const Dims* status_dims, const int32_t* slots,
+               const SideInput in[2], bool require_arena) {
   Counters& counters = GetCounters(h);
   counters.calls.fetch_add(1);
   Params p;
@@ -61,10 +62,9 @@ ffi::Error Run(Op op, Handler h, const Dims dims[5], const Dims* status_dims,
   return ffi::Error::Success();
 }
 
-ffi::Error WriteImpl(ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer new_k,
-                     ffi::AnyBuffer new_v, ffi::Buffer<ffi::S32> slots,
-                     ffi::Result<ffi::AnyBuffer> k_out, ffi::Result<ffi::AnyBuffer> v_out,
-                     uint64_t dest_k, uint64_t dest_v) {
+ffi::Error WriteImpl(ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer new_k, ffi::AnyBuffer new_v,
+                     ffi::Buffer<ffi::S32> slots, ffi::Result<ffi::AnyBuffer> k_out,
+                     ffi::Result<ffi::AnyBuffer> v_out, uint64_t dest_k, uint64_t dest_v) {
   const Dims dims[5] = {DimsOf(k), DimsOf(v), DimsOf(new_k), DimsOf(new_v), DimsOfS32(slots)};
   if (k_out->size_bytes() != k.size_bytes() || v_out->size_bytes() != v.size_bytes()) {
     return ffi::Error::InvalidArgument("jax_vmm_kv_write: outputs must match k and v");
@@ -95,8 +95,8 @@ ffi::Error WriteThroughImpl(ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer n
   const SideInput in[2] = {
       {dest_k, k.untyped_data(), k.size_bytes(), new_k.untyped_data(), status->typed_data()},
       {dest_v, v.untyped_data(), v.size_bytes(), new_v.untyped_data(), status->typed_data() + n}};
-  return Run(Op::kWriteThrough, Handler::kWriteThrough, dims, &status_dims, slots.typed_data(),
-             in, require_arena);
+  return Run(Op::kWriteThrough, Handler::kWriteThrough, dims, &status_dims, slots.typed_data(), in,
+             require_arena);
 }
 
 }  // namespace

@@ -84,11 +84,21 @@ cudaError_t Launch(const Params& p, cudaStream_t stream) {
   const int64_t blocks = std::min<int64_t>((p.n + groups - 1) / groups, 65535);
   const dim3 grid(static_cast<unsigned>(blocks), 2);
   switch (vb) {
-    case 16: KvKernel<uint4><<<grid, kThreads, 0, stream>>>(p, tpt); break;
-    case 8: KvKernel<uint2><<<grid, kThreads, 0, stream>>>(p, tpt); break;
-    case 4: KvKernel<uint32_t><<<grid, kThreads, 0, stream>>>(p, tpt); break;
-    case 2: KvKernel<uint16_t><<<grid, kThreads, 0, stream>>>(p, tpt); break;
-    default: KvKernel<uint8_t><<<grid, kThreads, 0, stream>>>(p, tpt); break;
+    case 16:
+      KvKernel<uint4><<<grid, kThreads, 0, stream>>>(p, tpt);
+      break;
+    case 8:
+      KvKernel<uint2><<<grid, kThreads, 0, stream>>>(p, tpt);
+      break;
+    case 4:
+      KvKernel<uint32_t><<<grid, kThreads, 0, stream>>>(p, tpt);
+      break;
+    case 2:
+      KvKernel<uint16_t><<<grid, kThreads, 0, stream>>>(p, tpt);
+      break;
+    default:
+      KvKernel<uint8_t><<<grid, kThreads, 0, stream>>>(p, tpt);
+      break;
   }
   return cudaGetLastError();
 }
@@ -137,9 +147,8 @@ ffi::Error CountCall(Handler h, cudaStream_t stream, const char* op, bool* captu
 }
 
 // The common part of both handlers once the buffers are known.
-ffi::Error Run(Op op, Handler h, cudaStream_t stream, const Dims dims[5],
-               const Dims* status_dims, const int32_t* slots, const SideInput in[2],
-               bool require_arena) {
+ffi::Error Run(Op op, Handler h, cudaStream_t stream, const Dims dims[5], const Dims* status_dims,
+               const int32_t* slots, const SideInput in[2], bool require_arena) {
   const char* name = op == Op::kWrite ? "jax_vmm_kv_write" : "jax_vmm_kv_write_through";
   bool capturing = false;
   if (ffi::Error e = CountCall(h, stream, name, &capturing); e.failure()) return e;
@@ -155,8 +164,8 @@ ffi::Error Run(Op op, Handler h, cudaStream_t stream, const Dims dims[5],
   return ffi::Error::Success();
 }
 
-ffi::Error WriteImpl(cudaStream_t stream, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                     ffi::AnyBuffer new_k, ffi::AnyBuffer new_v, ffi::Buffer<ffi::S32> slots,
+ffi::Error WriteImpl(cudaStream_t stream, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer new_k,
+                     ffi::AnyBuffer new_v, ffi::Buffer<ffi::S32> slots,
                      ffi::Result<ffi::AnyBuffer> k_out, ffi::Result<ffi::AnyBuffer> v_out,
                      uint64_t dest_k, uint64_t dest_v) {
   const Dims dims[5] = {DimsOf(k), DimsOf(v), DimsOf(new_k), DimsOf(new_v), DimsOfS32(slots)};
@@ -174,16 +183,15 @@ ffi::Error WriteImpl(cudaStream_t stream, ffi::AnyBuffer k, ffi::AnyBuffer v,
       return CudaFailure("jax_vmm_kv_write", "cudaMemcpyAsync", e);
     }
   }
-  const SideInput in[2] = {
-      {dest_k, outs[0], k.size_bytes(), new_k.untyped_data(), nullptr},
-      {dest_v, outs[1], v.size_bytes(), new_v.untyped_data(), nullptr}};
+  const SideInput in[2] = {{dest_k, outs[0], k.size_bytes(), new_k.untyped_data(), nullptr},
+                           {dest_v, outs[1], v.size_bytes(), new_v.untyped_data(), nullptr}};
   return Run(Op::kWrite, Handler::kWrite, stream, dims, nullptr, slots.typed_data(), in, false);
 }
 
 ffi::Error WriteThroughImpl(cudaStream_t stream, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                            ffi::AnyBuffer new_k, ffi::AnyBuffer new_v,
-                            ffi::Buffer<ffi::S32> slots, ffi::Result<ffi::Buffer<ffi::S32>> status,
-                            bool require_arena, uint64_t dest_k, uint64_t dest_v) {
+                            ffi::AnyBuffer new_k, ffi::AnyBuffer new_v, ffi::Buffer<ffi::S32> slots,
+                            ffi::Result<ffi::Buffer<ffi::S32>> status, bool require_arena,
+                            uint64_t dest_k, uint64_t dest_v) {
   const Dims dims[5] = {DimsOf(k), DimsOf(v), DimsOf(new_k), DimsOf(new_v), DimsOfS32(slots)};
   const Dims status_dims = DimsOfS32(*status);
   if (status_dims.rank != 2 || status_dims.d[0] != 2) {
