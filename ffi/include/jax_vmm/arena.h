@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "jax_vmm/driver.h"
+#include "jax_vmm/errors.h"
 
 namespace jax_vmm {
 
@@ -156,6 +157,21 @@ class Arena : public std::enable_shared_from_this<Arena> {
   void ThrowIfClosed(const char* op) const;
   size_t DecommitLocked(Placement& p, size_t first_chunk, size_t end_chunk);
   void PublishPageTable(size_t first_chunk_index, size_t count);
+  size_t TakeFreeRange(size_t placed, const std::string& name);
+  void ReturnFreeRange(size_t offset, size_t bytes);
+  int64_t FreeCounterSlot() const;
+  // Arena-wide index of chunk `buffer_chunk` of a buffer (into the page tables).
+  size_t ArenaChunk(const Placement& p, size_t buffer_chunk) const;
+
+  // The steps of CommitRanges (core/arena_commit.cc), all under mu_.
+  struct CommitPlan;    // what a commit will create, worked out before any driver call
+  struct PendingChunk;  // a chunk built by a commit, not yet in its buffer
+  CommitPlan PlanCommit(const std::vector<Range>& ranges);
+  void MapRuns(const CommitPlan& plan, std::vector<PendingChunk>* pending);
+  void PublishCommit(const CommitPlan& plan, const std::vector<PendingChunk>& pending);
+  void UnwindCommit(const CommitPlan& plan, std::vector<PendingChunk>* pending) noexcept;
+  size_t AccountCommit(const CommitPlan& plan, std::vector<PendingChunk>* pending, double seconds);
+  OutOfMemory CommitOutOfMemory(const CommitPlan& plan, size_t got, const OutOfMemory& e) const;
 
   std::unique_ptr<Driver> driver_;
   uintptr_t base_ = 0;

@@ -1,30 +1,20 @@
+// Arena: placement of buffers, decommit, close, queries (see jax_vmm/arena.h). The
+// commit path is in arena_commit.cc, the process-wide registry in arena_registry.cc.
 #include "jax_vmm/arena.h"
 
 #include <algorithm>
 #include <chrono>
-#include <cstring>
 #include <string>
-#include <unordered_set>
 #include <utility>
 
+#include "common/format.h"
+#include "common/math.h"
+#include "core/arena_internal.h"
+#include "core/arena_registry.h"
 #include "jax_vmm/errors.h"
 
 namespace jax_vmm {
 namespace {
-
-size_t RoundUp(size_t x, size_t m) { return (x + m - 1) / m * m; }
-
-std::string Bytes(size_t n) { return std::to_string(n) + " bytes"; }
-
-// Every live arena, so FFI handlers can map a raw pointer back to its buffer.
-std::mutex& RegistryMutex() {
-  static std::mutex mu;
-  return mu;
-}
-std::vector<Arena*>& Registry() {
-  static std::vector<Arena*> arenas;
-  return arenas;
-}
 
 double SecondsSince(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -32,27 +22,9 @@ double SecondsSince(std::chrono::steady_clock::time_point t0) {
 
 }  // namespace
 
-// One committed chunk: owns its physical handle and, once mapped, its mapping. The
-// destructor undoes both, so a half-built commit unwinds itself on any exception.
-struct Arena::Chunk {
-  Chunk(Driver* d, uintptr_t address) : driver(d), va(address) { handle = driver->Create(); }
-  ~Chunk() {
-    if (mapped) driver->Unmap(va);
-    driver->Release(handle);
-  }
-  Chunk(const Chunk&) = delete;
-  Chunk& operator=(const Chunk&) = delete;
-
-  Driver* driver;
-  uintptr_t va;
-  PhysicalHandle handle = 0;
-  bool mapped = false;
-};
-
 std::shared_ptr<Arena> Arena::Create(std::unique_ptr<Driver> driver, size_t reserve_bytes) {
   std::shared_ptr<Arena> arena(new Arena(std::move(driver), reserve_bytes));
-  std::lock_guard<std::mutex> lock(RegistryMutex());
-  Registry().push_back(arena.get());
+  internal::RegisterArena(arena.get());
   return arena;
 }
 
@@ -75,6 +47,7 @@ Arena::Arena(std::unique_ptr<Driver> driver, size_t reserve_bytes) : driver_(std
     std::vector<unsigned long long> zeros(kMaxBuffers, 0);
     driver_->CopyToMetadata(device_drop_counters_, zeros.data(), counters);
   } catch (...) {
+    if (device_drop_counters_) driver_->FreeMetadata(device_drop_counters_);
     if (device_page_table_) driver_->FreeMetadata(device_page_table_);
     driver_->Unreserve(base_, reserved_bytes_);
     throw;
@@ -88,11 +61,7 @@ Arena::Arena(std::unique_ptr<Driver> driver, size_t reserve_bytes) : driver_(std
 }
 
 Arena::~Arena() {
-  {
-    std::lock_guard<std::mutex> lock(RegistryMutex());
-    auto& r = Registry();
-    r.erase(std::remove(r.begin(), r.end(), this), r.end());
-  }
+  internal::UnregisterArena(this);
   try {
     driver_->Synchronize();
   } catch (...) {
@@ -144,6 +113,25 @@ BufferInfo Arena::Allocate(size_t nbytes, const std::string& name) {
                           "use another arena");
   }
   const size_t placed = RoundUp(nbytes, chunk_bytes_);
+  Placement p;
+  p.info.offset = TakeFreeRange(placed, name);
+  p.info.id = next_id_++;
+  p.info.name = name.empty() ? "buffer" + std::to_string(p.info.id) : name;
+  p.info.nbytes = nbytes;
+  p.info.address = base_ + p.info.offset;
+  p.chunks.resize(placed / chunk_bytes_);
+  p.counter_slot = FreeCounterSlot();
+  const unsigned long long zero = 0;
+  driver_->CopyToMetadata(device_drop_counters_ + p.counter_slot, &zero, sizeof(zero));
+  const BufferInfo info = p.info;
+  buffers_.emplace(info.id, std::move(p));
+  stats_.placed_bytes += placed;
+  stats_.num_buffers = static_cast<int64_t>(buffers_.size());
+  return info;
+}
+
+// First fit: the offset of a free range of `placed` bytes, now taken.
+size_t Arena::TakeFreeRange(size_t placed, const std::string& name) {
   auto fit = std::find_if(free_ranges_.begin(), free_ranges_.end(),
                           [&](const auto& r) { return r.second >= placed; });
   if (fit == free_ranges_.end()) {
@@ -159,36 +147,12 @@ BufferInfo Arena::Allocate(size_t nbytes, const std::string& name) {
   const size_t left = fit->second - placed;
   free_ranges_.erase(fit);
   if (left > 0) free_ranges_[offset + placed] = left;
-
-  Placement p;
-  p.info.id = next_id_++;
-  p.info.name = name.empty() ? "buffer" + std::to_string(p.info.id) : name;
-  p.info.offset = offset;
-  p.info.nbytes = nbytes;
-  p.info.address = base_ + offset;
-  p.chunks.resize(placed / chunk_bytes_);
-  // Counter slots are recycled; find one no live buffer uses.
-  std::vector<bool> used(kMaxBuffers, false);
-  for (const auto& [id, q] : buffers_) used[q.counter_slot] = true;
-  p.counter_slot = static_cast<int64_t>(std::find(used.begin(), used.end(), false) - used.begin());
-  const unsigned long long zero = 0;
-  driver_->CopyToMetadata(device_drop_counters_ + p.counter_slot, &zero, sizeof(zero));
-  const BufferInfo info = p.info;
-  buffers_.emplace(info.id, std::move(p));
-  stats_.placed_bytes += placed;
-  stats_.num_buffers = static_cast<int64_t>(buffers_.size());
-  return info;
+  return offset;
 }
 
-void Arena::Free(int64_t buffer_id) {
-  std::lock_guard<std::mutex> lock(mu_);
-  Placement& p = PlacementOrThrow(buffer_id, "Arena.free");
-  DecommitLocked(p, 0, p.chunks.size());
-  const size_t placed = p.chunks.size() * chunk_bytes_;
-  size_t offset = p.info.offset;
-  size_t bytes = placed;
-  buffers_.erase(buffer_id);
-  // Coalesce with neighbours so large buffers can be placed again.
+// Gives [offset, offset + bytes) back, coalesced with its neighbours so that large
+// buffers can be placed again.
+void Arena::ReturnFreeRange(size_t offset, size_t bytes) {
   auto next = free_ranges_.lower_bound(offset);
   if (next != free_ranges_.end() && next->first == offset + bytes) {
     bytes += next->second;
@@ -203,11 +167,29 @@ void Arena::Free(int64_t buffer_id) {
     }
   }
   free_ranges_[offset] = bytes;
+}
+
+// Counter slots are recycled: the first one no live buffer uses (there are kMaxBuffers
+// slots and Allocate refuses a buffer past kMaxBuffers).
+int64_t Arena::FreeCounterSlot() const {
+  std::vector<bool> used(kMaxBuffers, false);
+  for (const auto& [id, q] : buffers_) used[q.counter_slot] = true;
+  return static_cast<int64_t>(std::find(used.begin(), used.end(), false) - used.begin());
+}
+
+void Arena::Free(int64_t buffer_id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Placement& p = PlacementOrThrow(buffer_id, "Arena.free");
+  DecommitLocked(p, 0, p.chunks.size());
+  const size_t placed = p.chunks.size() * chunk_bytes_;
+  const size_t offset = p.info.offset;
+  buffers_.erase(buffer_id);
+  ReturnFreeRange(offset, placed);
   stats_.placed_bytes -= placed;
   stats_.num_buffers = static_cast<int64_t>(buffers_.size());
 }
 
-static void CheckRange(const BufferInfo& info, size_t start, size_t stop, const char* op) {
+void CheckRange(const BufferInfo& info, size_t start, size_t stop, const char* op) {
   if (start > stop || stop > info.nbytes) {
     throw InvalidArgument(std::string(op) + "('" + info.name + "'): range [" +
                           std::to_string(start) + ", " + std::to_string(stop) +
@@ -218,143 +200,6 @@ static void CheckRange(const BufferInfo& info, size_t start, size_t stop, const 
 
 size_t Arena::Commit(int64_t buffer_id, size_t start, size_t stop) {
   return CommitRanges({Range{buffer_id, start, stop}});
-}
-
-size_t Arena::CommitRanges(const std::vector<Range>& ranges) {
-  std::lock_guard<std::mutex> lock(mu_);
-  ThrowIfClosed("commit");
-  // Validate everything before the first driver call.
-  for (const Range& r : ranges) {
-    Placement& p = PlacementOrThrow(r.buffer_id, "Buffer.commit");
-    CheckRange(p.info, r.start, r.stop, "Buffer.commit");
-  }
-  const auto t0 = std::chrono::steady_clock::now();
-
-  // Build every missing chunk first; nothing enters the page tables until all driver
-  // calls succeeded, so on any exception `pending` unwinds (unmap + release) and the
-  // arena is exactly as before.
-  struct Pending {
-    Placement* placement;
-    size_t chunk_index;
-    std::unique_ptr<Chunk> chunk;
-  };
-  std::vector<Pending> pending;
-  std::unordered_set<size_t> pending_global;       // arena-wide chunk indexes in `pending`
-  std::vector<std::pair<size_t, size_t>> touched;  // arena-wide [first, end) per range
-  int64_t set_access_calls = 0;
-  std::string names;
-  // Mapping a chunk replaces the zero mapping at its address. A kernel still reading
-  // those zeros (a full-array op over the cache) would fault mid-swap, so wait for
-  // in-flight device work first, but only when this call really maps something.
-  // Also what the commit asks for, for an out-of-memory message: missing chunks (counted
-  // once when ranges overlap) and the buffers they belong to.
-  std::unordered_set<size_t> missing;
-  for (const Range& r : ranges) {
-    if (r.start == r.stop) continue;
-    const Placement& p = buffers_.at(r.buffer_id);
-    const size_t chunk0 = p.info.offset / chunk_bytes_;
-    bool any = false;
-    for (size_t c = r.start / chunk_bytes_; c < (r.stop + chunk_bytes_ - 1) / chunk_bytes_; ++c) {
-      if (!p.chunks[c] && missing.insert(chunk0 + c).second) any = true;
-    }
-    if (any && names.find("'" + p.info.name + "'") == std::string::npos) {
-      names += (names.empty() ? "'" : ", '") + p.info.name + "'";
-    }
-  }
-  if (missing.empty()) return 0;
-  const size_t asked = missing.size() * chunk_bytes_;
-  driver_->Synchronize();
-  // Undo a failed commit: the device page table must say "unbacked" again *before* the
-  // chunks are unmapped (a kernel must never see 1 for a chunk that is gone).
-  auto unwind = [&]() noexcept {
-    for (const Pending& q : pending) {
-      host_page_table_[q.placement->info.offset / chunk_bytes_ + q.chunk_index] = 0;
-    }
-    for (const auto& [first, end] : touched) {
-      try {
-        PublishPageTable(first, end - first);
-      } catch (...) {
-        // The table copy only fails when the device is already broken.
-      }
-    }
-    if (debug_skip_rollback_) {
-      for (Pending& q : pending) q.chunk.release();  // TEST ONLY: leak, mapped
-    }
-    pending.clear();
-    ++stats_.failed_commits;
-  };
-  try {
-    for (const Range& r : ranges) {
-      if (r.start == r.stop) continue;
-      Placement& p = buffers_.at(r.buffer_id);
-      const size_t first = r.start / chunk_bytes_;
-      const size_t end = (r.stop + chunk_bytes_ - 1) / chunk_bytes_;
-      const size_t chunk0 = p.info.offset / chunk_bytes_;
-      touched.emplace_back(chunk0 + first, chunk0 + end);
-      size_t c = first;
-      while (c < end) {
-        // Skip chunks already backed, or already pending from an overlapping range.
-        auto is_pending = [&](size_t i) {
-          return !pending_global.empty() && pending_global.count(chunk0 + i) > 0;
-        };
-        if (p.chunks[c] || is_pending(c)) {
-          ++c;
-          continue;
-        }
-        const size_t run_begin = c;
-        const size_t run_first_pending = pending.size();
-        for (; c < end && !p.chunks[c] && !is_pending(c); ++c) {
-          pending.push_back({&p, c, nullptr});
-          pending.back().chunk =
-              std::make_unique<Chunk>(driver_.get(), p.info.address + c * chunk_bytes_);
-          pending_global.insert(chunk0 + c);
-        }
-        // One map call per run (all-or-nothing), so the driver can batch its work.
-        std::vector<PhysicalHandle> handles;
-        for (size_t i = run_first_pending; i < pending.size(); ++i) {
-          handles.push_back(pending[i].chunk->handle);
-        }
-        driver_->MapRun(p.info.address + run_begin * chunk_bytes_, handles.data(), handles.size());
-        for (size_t i = run_first_pending; i < pending.size(); ++i) {
-          pending[i].chunk->mapped = true;
-        }
-        // One access call per contiguous run: it dominates the driver cost.
-        driver_->SetAccess(p.info.address + run_begin * chunk_bytes_,
-                           (c - run_begin) * chunk_bytes_);
-        ++set_access_calls;
-      }
-    }
-    for (const Pending& q : pending) {
-      host_page_table_[q.placement->info.offset / chunk_bytes_ + q.chunk_index] = 1;
-    }
-    for (const auto& [first, end] : touched) PublishPageTable(first, end - first);
-  } catch (const OutOfMemory& e) {
-    const size_t got = pending.empty() ? 0 : (pending.size() - 1) * chunk_bytes_;
-    unwind();
-    const size_t free_bytes = driver_->mem_info().free_bytes;
-    throw OutOfMemory("commit of buffer(s) " + names + ": out of physical memory on " +
-                          driver_->kind() + " device " + std::to_string(driver_->device_ordinal()) +
-                          ": asked for " + Bytes(asked) + " (chunks of " + Bytes(chunk_bytes_) +
-                          "), failed after " + Bytes(got) + "; " + Bytes(free_bytes) +
-                          " free. Nothing was committed. Driver said: " + e.what(),
-                      asked, free_bytes);
-  } catch (...) {
-    unwind();
-    throw;
-  }
-  if (pending.empty()) return 0;
-  for (Pending& q : pending) {
-    q.placement->chunks[q.chunk_index] = std::move(q.chunk);
-    q.placement->info.backed_bytes += chunk_bytes_;
-  }
-  const size_t added = pending.size() * chunk_bytes_;
-  stats_.backed_bytes += added;
-  stats_.peak_backed_bytes = std::max(stats_.peak_backed_bytes, stats_.backed_bytes);
-  stats_.chunks_created += static_cast<int64_t>(pending.size());
-  stats_.set_access_calls += set_access_calls;
-  stats_.commit_calls += 1;
-  stats_.commit_seconds += SecondsSince(t0);
-  return added;
 }
 
 size_t Arena::BackedPrefix(int64_t buffer_id, size_t start, size_t stop) const {
@@ -418,6 +263,10 @@ size_t Arena::DecommitLocked(Placement& p, size_t first, size_t end) {
   stats_.decommit_calls += 1;
   stats_.decommit_seconds += SecondsSince(t0);
   return bytes;
+}
+
+size_t Arena::ArenaChunk(const Placement& p, size_t buffer_chunk) const {
+  return p.info.offset / chunk_bytes_ + buffer_chunk;
 }
 
 void Arena::PublishPageTable(size_t first_chunk_index, size_t count) {
@@ -487,17 +336,6 @@ bool Arena::FindBufferLocked(uintptr_t ptr, size_t bytes, BufferRef* out) const 
       out->buffer_id = id;
       out->device_ordinal = driver_->device_ordinal();
       out->driver_kind = driver_->kind();
-      return true;
-    }
-  }
-  return false;
-}
-
-bool FindArenaBuffer(uintptr_t ptr, size_t bytes, BufferRef* out, bool pin_metadata) {
-  std::lock_guard<std::mutex> lock(RegistryMutex());
-  for (const Arena* arena : Registry()) {
-    if (arena->FindBufferLocked(ptr, bytes, out)) {
-      if (pin_metadata) arena->PinMetadataForGraphs();
       return true;
     }
   }

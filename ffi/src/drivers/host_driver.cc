@@ -23,6 +23,7 @@
 #include <string>
 #include <vector>
 
+#include "common/math.h"
 #include "jax_vmm/driver.h"
 #include "jax_vmm/errors.h"
 
@@ -77,7 +78,7 @@ class HostDriver final : public Driver {
       throw DriverError(Errno("mmap(reserve)") + " for " + std::to_string(bytes) + " bytes");
     }
     const uintptr_t raw = reinterpret_cast<uintptr_t>(p);
-    const uintptr_t base = (raw + chunk_ - 1) / chunk_ * chunk_;
+    const uintptr_t base = RoundUp(raw, chunk_);
     if (base > raw) munmap(p, base - raw);
     const uintptr_t end = base + bytes;
     if (raw + padded > end) munmap(reinterpret_cast<void*>(end), raw + padded - end);
@@ -149,7 +150,7 @@ class HostDriver final : public Driver {
   }
 
   void* AllocMetadata(size_t bytes) override {
-    void* p = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
+    void* p = std::aligned_alloc(64, RoundUp(bytes, 64));
     if (p == nullptr) throw OutOfMemory("host driver: metadata allocation failed", bytes, 0);
     std::memset(p, 0, bytes);
     return p;

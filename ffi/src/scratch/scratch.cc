@@ -19,6 +19,8 @@
 #include <utility>
 #include <vector>
 
+#include "common/format.h"
+#include "common/math.h"
 #include "jax_vmm/driver.h"
 #include "jax_vmm/scratch.h"
 #include "scratch/scratch_internal.h"
@@ -27,14 +29,6 @@ namespace jax_vmm::scratch {
 namespace {
 
 constexpr size_t kDefaultReserveBytes = size_t{1} << 30;
-
-size_t RoundUp(size_t n, size_t m) { return m <= 1 ? n : (n + m - 1) / m * m; }
-
-std::string Hex(uintptr_t v) {
-  char buf[32];
-  std::snprintf(buf, sizeof(buf), "0x%llx", static_cast<unsigned long long>(v));
-  return buf;
-}
 
 std::string DeviceName(int device) {
   return device == kHostDevice ? std::string("host") : "cuda:" + std::to_string(device);

@@ -7,16 +7,12 @@
 #include <memory>
 #include <string>
 
+#include "common/cuda_error.h"
 #include "jax_vmm/driver.h"
 #include "scratch/scratch_internal.h"
 
 namespace jax_vmm::scratch {
 namespace {
-
-std::string CudaError(const char* call, cudaError_t err) {
-  return std::string(call) + " failed: " + cudaGetErrorName(err) + " (" + cudaGetErrorString(err) +
-         ")";
-}
 
 // Runs `fn` with `device` current, restoring the caller's device afterwards.
 template <typename Fn>
@@ -34,7 +30,7 @@ bool CudaIsCapturing(void* stream, std::string* error) {
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
   cudaError_t err = cudaStreamIsCapturing(static_cast<cudaStream_t>(stream), &status);
   if (err != cudaSuccess) {
-    *error = "jax_vmm scratch: " + CudaError("cudaStreamIsCapturing", err);
+    *error = "jax_vmm scratch: " + CudaErrorMessage("cudaStreamIsCapturing", err);
     return false;
   }
   return status != cudaStreamCaptureStatusNone;
@@ -45,7 +41,7 @@ void* CudaAlloc(int device, size_t bytes, std::string* error) {
   cudaError_t err = OnDevice(device, [&] { return cudaMalloc(&p, bytes); });
   if (err != cudaSuccess) {
     cudaGetLastError();  // an allocation failure is not sticky: clear the last-error slot
-    *error = CudaError("cudaMalloc", err) +
+    *error = CudaErrorMessage("cudaMalloc", err) +
              ". JAX preallocates 75% of GPU memory by default: set "
              "XLA_PYTHON_CLIENT_PREALLOCATE=false or lower XLA_PYTHON_CLIENT_MEM_FRACTION";
     return nullptr;

@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <string>
 
+#include "common/cuda_error.h"
 #include "jax_vmm/scratch.h"
 #include "testing/scratch_probe.h"
 #include "xla/ffi/api/ffi.h"
@@ -36,10 +37,7 @@ __global__ void CopyKernel(const uint8_t* __restrict__ src, uint8_t* __restrict_
   }
 }
 
-ffi::Error CudaError(const char* what, cudaError_t err) {
-  return ffi::Error::Internal(std::string("jax_vmm_scratch_probe: ") + what + ": " +
-                              cudaGetErrorName(err) + " (" + cudaGetErrorString(err) + ")");
-}
+constexpr const char* kName = "jax_vmm_scratch_probe";
 
 ffi::Error CheckArgs(const ffi::AnyBuffer& x, const ffi::AnyBuffer& y,
                      const ffi::Buffer<ffi::S32>& addr, int64_t workspace_bytes) {
@@ -70,7 +68,7 @@ ffi::Error ProbeExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
   ProbeCounters().calls.fetch_add(1);
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   if (cudaError_t e = cudaStreamIsCapturing(stream, &capture); e != cudaSuccess) {
-    return CudaError("cudaStreamIsCapturing", e);
+    return CudaFfiError(kName, "cudaStreamIsCapturing", e);
   }
   if (capture != cudaStreamCaptureStatusNone) ProbeCounters().captured_calls.fetch_add(1);
   if (ffi::Error e = CheckArgs(x, *y, *addr, workspace_bytes); e.failure()) return e;
@@ -88,7 +86,8 @@ ffi::Error ProbeExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
                                                reinterpret_cast<uint32_t*>(addr->typed_data()),
                                                reinterpret_cast<uintptr_t>(ws));
   }
-  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return CudaError("kernel launch", e);
+  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess)
+    return CudaFfiError(kName, "kernel launch", e);
   return ffi::Error::Success();
 }
 

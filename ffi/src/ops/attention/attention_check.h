@@ -5,6 +5,7 @@
 
 #include <string>
 
+#include "common/format.h"
 #include "ops/attention/attention_plan.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -13,9 +14,7 @@ namespace jax_vmm::attention {
 namespace ffi = xla::ffi;
 
 inline std::string DimsString(ffi::AnyBuffer::Dimensions d) {
-  std::string s = "(";
-  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
-  return s + (d.size() == 1 ? ",)" : ")");
+  return ShapeString(d.begin(), d.size());
 }
 
 inline bool IsSupportedDtype(ffi::DataType t) {

@@ -38,6 +38,7 @@
 #include <string>
 #include <type_traits>
 
+#include "common/cuda_error.h"
 #include "jax_vmm/scratch.h"
 #include "ops/attention/attention_check.h"
 #include "ops/attention/attention_plan.h"
@@ -534,10 +535,7 @@ __global__ void __launch_bounds__(kThreads) CombineKernel(const Params p) {
 // ---------------------------------------------------------------------------------
 // Host side
 
-ffi::Error CudaFailure(const char* what, cudaError_t e) {
-  return ffi::Error::Internal(std::string(kName) + ": " + what + " failed: " + cudaGetErrorName(e) +
-                              " (" + cudaGetErrorString(e) + ")");
-}
+ffi::Error CudaFailure(const char* what, cudaError_t e) { return CudaFfiError(kName, what, e); }
 
 // SM count per device ordinal (cached; a device attribute query, legal under capture).
 int SmCount(int device, int* out) {

@@ -21,6 +21,8 @@
 #include <cstdint>
 #include <string>
 
+#include "common/math.h"
+
 namespace jax_vmm::attention {
 
 inline constexpr int64_t kTile = 16;             // tokens per tensor-core tile (chunk multiple)
@@ -61,8 +63,6 @@ inline std::string ValidateShapes(const Shapes& s) {
   return {};
 }
 
-inline int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
 // Largest divisor of the GQA group size that is <= kMaxHeadGroup: every block's heads
 // then share one K/V head, so each K/V byte is loaded once per block.
 inline int64_t HeadGroup(int64_t q_heads, int64_t kv_heads) {
@@ -79,7 +79,7 @@ inline int64_t MaxChunk(int64_t head_group) { return head_group > 8 ? 256 : 512;
 inline int64_t WorkspaceBytes(const Shapes& s, int64_t splits) {
   const int64_t partials = s.batch * s.q_heads * splits;
   const int64_t bytes = partials * (s.head_dim + 2) * static_cast<int64_t>(sizeof(float));
-  return (bytes + 255) / 256 * 256;
+  return RoundUp(bytes, 256);
 }
 
 // parallel_units: SM count on CUDA (kCpuParallelUnits on the CPU). chunk_override /

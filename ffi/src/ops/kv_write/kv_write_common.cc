@@ -1,20 +1,16 @@
 // Host-side helpers shared by the kv_write handlers (see kv_write_common.h).
 #include "ops/kv_write/kv_write_common.h"
 
-#include <cstdio>
 #include <cstring>
 #include <string>
 
+#include "common/format.h"
 #include "jax_vmm/arena.h"
 
 namespace jax_vmm::kv {
 namespace {
 
-std::string Shape(const Dims& d) {
-  std::string s = "(";
-  for (int64_t i = 0; i < d.rank; ++i) s += (i ? ", " : "") + std::to_string(d.d[i]);
-  return s + (d.rank == 1 ? ",)" : ")");
-}
+std::string Shape(const Dims& d) { return ShapeString(d.d, static_cast<size_t>(d.rank)); }
 
 int64_t Product(const Dims& d, int64_t from, int64_t to) {
   int64_t p = 1;
@@ -89,12 +85,6 @@ bool ResolveHanded(void* handed, size_t bytes, const char* driver_kind, BufferRe
          FindArenaBuffer(reinterpret_cast<uintptr_t>(handed), bytes, ref, Pin(driver_kind)) &&
          std::strcmp(ref->driver_kind, driver_kind) == 0 && ref->page_table != nullptr &&
          ref->chunk_bytes != 0;
-}
-
-std::string Hex(uintptr_t x) {
-  char buf[32];
-  std::snprintf(buf, sizeof(buf), "0x%llx", static_cast<unsigned long long>(x));
-  return buf;
 }
 
 }  // namespace

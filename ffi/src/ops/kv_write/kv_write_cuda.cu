@@ -11,6 +11,7 @@
 #include <set>
 #include <string>
 
+#include "common/cuda_error.h"
 #include "common/ffi_targets.h"
 #include "ops/kv_write/kv_write_common.h"
 #include "xla/ffi/api/ffi.h"
@@ -103,11 +104,6 @@ cudaError_t Launch(const Params& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-ffi::Error CudaFailure(const char* op, const char* what, cudaError_t err) {
-  return ffi::Error::Internal(std::string(op) + ": " + what + " failed: " + cudaGetErrorName(err) +
-                              " (" + cudaGetErrorString(err) + ")");
-}
-
 Dims DimsOf(const ffi::AnyBuffer& b) {
   auto d = b.dimensions();
   return Dims{d.begin(), static_cast<int64_t>(d.size()), b.size_bytes(),
@@ -134,7 +130,7 @@ ffi::Error CountCall(Handler h, cudaStream_t stream, const char* op, bool* captu
   c.calls.fetch_add(1);
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   if (cudaError_t e = cudaStreamIsCapturing(stream, &capture); e != cudaSuccess) {
-    return CudaFailure(op, "cudaStreamIsCapturing", e);
+    return CudaFfiError(op, "cudaStreamIsCapturing", e);
   }
   *capturing = capture != cudaStreamCaptureStatusNone;
   if (*capturing) c.captured_calls.fetch_add(1);
@@ -159,7 +155,7 @@ ffi::Error Run(Op op, Handler h, cudaStream_t stream, const Dims dims[5], const 
   if (r.alias_miss) GetCounters(h).alias_misses.fetch_add(1);
   if (r.non_arena) GetCounters(h).non_arena.fetch_add(1);
   if (cudaError_t e = Launch(p, stream); e != cudaSuccess) {
-    return CudaFailure(name, "kernel launch", e);
+    return CudaFfiError(name, "kernel launch", e);
   }
   return ffi::Error::Success();
 }
@@ -180,7 +176,7 @@ ffi::Error WriteImpl(cudaStream_t stream, ffi::AnyBuffer k, ffi::AnyBuffer v, ff
     if (cudaError_t e = cudaMemcpyAsync(outs[s], ins[s]->untyped_data(), ins[s]->size_bytes(),
                                         cudaMemcpyDeviceToDevice, stream);
         e != cudaSuccess) {
-      return CudaFailure("jax_vmm_kv_write", "cudaMemcpyAsync", e);
+      return CudaFfiError("jax_vmm_kv_write", "cudaMemcpyAsync", e);
     }
   }
   const SideInput in[2] = {{dest_k, outs[0], k.size_bytes(), new_k.untyped_data(), nullptr},
