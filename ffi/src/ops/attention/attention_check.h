@@ -66,4 +66,14 @@ inline ffi::Error CheckOperands(const char* name, const ffi::AnyBuffer& q, const
   return ffi::Error::Success();
 }
 
+// The XLA workspace result (workspace="xla") must hold the plan's partials; Python sizes
+// it from the same plan, so a mismatch means the two halves of jax_vmm disagree.
+inline ffi::Error CheckWorkspace(const char* name, size_t workspace_bytes, const Plan& plan) {
+  if (static_cast<int64_t>(workspace_bytes) >= plan.workspace_bytes) return ffi::Error::Success();
+  return ffi::Error::InvalidArgument(std::string(name) + ": workspace result has " +
+                                     std::to_string(workspace_bytes) + " bytes, the plan needs " +
+                                     std::to_string(plan.workspace_bytes) +
+                                     " (Python and C++ plans disagree: rebuild jax_vmm)");
+}
+
 }  // namespace jax_vmm::attention

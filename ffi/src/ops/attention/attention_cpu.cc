@@ -233,11 +233,8 @@ ffi::Error Run(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Buffer
   std::vector<float> local;
   float* ws;
   if (workspace != nullptr) {
-    if (static_cast<int64_t>(workspace->size_bytes()) < plan.workspace_bytes) {
-      return ffi::Error::InvalidArgument(
-          std::string(kName) + ": workspace result has " + std::to_string(workspace->size_bytes()) +
-          " bytes, the plan needs " + std::to_string(plan.workspace_bytes) +
-          " (Python and C++ plans disagree: rebuild jax_vmm)");
+    if (ffi::Error err = CheckWorkspace(kName, workspace->size_bytes(), plan); err.failure()) {
+      return err;
     }
     ws = static_cast<float*>(workspace->untyped_data());
   } else {
