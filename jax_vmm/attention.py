@@ -11,14 +11,13 @@ are not committed at all -- are never read. See docs/attention.md.
 from __future__ import annotations
 
 import math
-import threading
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._ffi import ensure_registered
+from ._ffi import register
 from ._loader import core as _core
 from .scratch import reserve as _scratch_reserve
 
@@ -36,10 +35,6 @@ _CPU_PARALLEL_UNITS = 8  # kCpuParallelUnits in ffi/src/ops/attention/attention_
 DEBUG_READ_ALL_TOKENS = 1  # kDebugReadAllTokens
 DEBUG_SKIP_OUTPUT = 2  # kDebugSkipOutput
 _DEFAULT_SM_COUNT = 132  # H100/H200, when JAX does not report core_count
-
-_cuda_lock = threading.Lock()
-_cuda_registered = False
-
 
 def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, *,
                      scale: float | None = None) -> jax.Array:
@@ -108,7 +103,7 @@ def _decode_attention(q: Any, k: Any, v: Any, lengths: Any, *, scale: float | No
         return jnp.zeros(q.shape, q.dtype)
 
     device, units = _target(q, k, v, lengths)
-    _ensure_registered(device.platform)
+    _register(device.platform)
     plan = attention_plan(B, T, Hq, Hkv, D, parallel_units=units, chunk=chunk, splits=splits)
     if device.platform != "cpu" and workspace == "scratch":
         # Belt and braces: the handler grows the scratch at XLA's initialize stage, which
@@ -193,25 +188,10 @@ def _target(*arrays: jax.Array) -> tuple[jax.Device, int]:
     return device, int(getattr(device, "core_count", 0) or _DEFAULT_SM_COUNT)
 
 
-def _has_cuda_backend() -> bool:
-    try:
-        return bool(jax.devices("cuda"))
-    except RuntimeError:  # no CUDA backend in this process
-        return False
-
-
-def _ensure_registered(platform: str) -> None:
-    """Registers the CPU targets (the lead's registry) and, whenever JAX has a CUDA
-    backend, the CUDA handler bundles (initialize + execute stages)."""
-    global _cuda_registered
-    ensure_registered()
-    if not _cuda_registered:
-        with _cuda_lock:
-            if not _cuda_registered and _has_cuda_backend():
-                for name, bundle in _core.attention_cuda_bundles().items():
-                    jax.ffi.register_ffi_target(name, dict(bundle), platform="CUDA")
-                _cuda_registered = True
-    if platform != "cpu" and not _core.attention_cuda_bundles():
+def _register(platform: str) -> None:
+    """Registers jax_vmm's targets; on a GPU the module must have its CUDA kernels."""
+    register()
+    if platform != "cpu" and not _core.built_with_cuda_kernels:
         raise RuntimeError(
             "decode_attention on a GPU needs jax_vmm built with CUDA kernels "
             "(jax_vmm._core.built_with_cuda_kernels is False): reinstall with nvcc on PATH, "

@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._ffi import ensure_registered
+from ._ffi import register
 from ._loader import core as _core
 
 __all__ = ["KVDest", "kv_write", "kv_write_through", "kv_write_stats", "reset_kv_write_stats",
@@ -165,7 +165,7 @@ def kv_write(k: jax.Array, v: jax.Array, new_k: jax.Array, new_v: jax.Array,
     attrs = _dest_attrs("kv_write", k, v, dest)
     if n == 0:
         return k, v
-    ensure_registered()
+    register()
     out = jax.ffi.ffi_call(
         _WRITE,
         (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
@@ -187,7 +187,7 @@ def kv_write_through(k: jax.Array, v: jax.Array, new_k: jax.Array, new_v: jax.Ar
     attrs = _dest_attrs("kv_write_through", k, v, dest)
     if n == 0:
         return jnp.zeros((2, 0), jnp.int32)
-    ensure_registered()
+    register()
     return jax.ffi.ffi_call(_THROUGH, jax.ShapeDtypeStruct((2, n), jnp.int32))(
         k, v, new_k, new_v, slots, require_arena=True, **attrs)
 

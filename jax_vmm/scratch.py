@@ -13,13 +13,12 @@ so the graph hazard can be tested without a real consumer.
 
 from __future__ import annotations
 
-import threading
 from typing import Literal
 
 import jax
 import jax.numpy as jnp
 
-from ._ffi import ensure_registered
+from ._ffi import register
 from ._loader import core as _core
 
 __all__ = ["scratch_stats", "set_scratch_mode", "get_scratch_mode", "reserve",
@@ -29,8 +28,6 @@ __all__ = ["scratch_stats", "set_scratch_mode", "get_scratch_mode", "reserve",
 Mode = Literal["default", "grow", "retire"]
 
 _PROBE = "jax_vmm_scratch_probe"
-_probe_lock = threading.Lock()
-_probe_cuda_registered = False
 
 
 def scratch_stats() -> list[dict]:
@@ -105,21 +102,6 @@ def debug_free_on_growth() -> bool:
     return bool(_core.scratch_debug_free_on_growth())
 
 
-def _ensure_probe_registered() -> None:
-    global _probe_cuda_registered
-    ensure_registered()
-    if _probe_cuda_registered:
-        return
-    with _probe_lock:
-        if _probe_cuda_registered:
-            return
-        handlers = _core.scratch_probe_cuda_handlers()
-        if handlers is not None and any(d.platform in ("gpu", "cuda") for d in jax.devices()):
-            # Two stages: kInitialize reserves the workspace outside capture.
-            jax.ffi.register_ffi_target(_PROBE, handlers, platform="CUDA")
-        _probe_cuda_registered = True
-
-
 def scratch_probe(x: jax.Array, workspace_bytes: int | None = None, *,
                   reserve_at: Literal["initialize", "trace"] = "initialize",
                   device: jax.Device | None = None) -> tuple[jax.Array, jax.Array]:
@@ -136,7 +118,7 @@ def scratch_probe(x: jax.Array, workspace_bytes: int | None = None, *,
         raise ValueError(f"workspace_bytes={ws} is smaller than the input ({nbytes} bytes)")
     if reserve_at not in ("initialize", "trace"):
         raise ValueError(f"reserve_at must be 'initialize' or 'trace', got {reserve_at!r}")
-    _ensure_probe_registered()
+    register()
     if reserve_at == "trace":
         reserve(ws, device)
     y, addr = jax.ffi.ffi_call(

@@ -1,38 +1,16 @@
 // Python-facing helpers of the decode-attention feature:
 //   attention_plan(...)          the split-K plan (Python sizes the optional XLA workspace
 //                                with it and passes chunk/splits explicitly)
-//   attention_cuda_bundles()     {target: {"initialize": capsule, "execute": capsule}} of
-//                                the CUDA handlers (empty without CUDA kernels); a bundle,
-//                                not one capsule, because the scratch is grown at the
-//                                initialize stage, which the lead's single-capsule
-//                                registry cannot express
 //   attention_stats()            handler counters (calls, captured calls, kernel choice)
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 
 #include "jax_vmm/errors.h"
 #include "ops/attention/attention_plan.h"
+#include "ops/attention/attention_stats.h"
 #include "python/bindings.h"
 
 namespace nb = nanobind;
-
-namespace jax_vmm::attention {
-
-Counters& GetCounters() {
-  static Counters counters;
-  return counters;
-}
-
-#ifdef JAX_VMM_HAVE_CUDA_KERNELS
-// Defined in attention_cuda.cu.
-void* CudaInitializeHandler();
-void* CudaExecuteHandler();
-void* CudaXlaWorkspaceExecuteHandler();
-void* CudaPrefilledInitializeHandler();
-void* CudaPrefilledExecuteHandler();
-#endif
-
-}  // namespace jax_vmm::attention
 
 namespace jax_vmm {
 
@@ -59,27 +37,6 @@ void BindAttention(nb::module_& m) {
       nb::arg("head_dim"), nb::arg("parallel_units"), nb::arg("chunk") = 0, nb::arg("splits") = 0,
       "Split-K plan of decode_attention for static shapes (see "
       "ffi/src/ops/attention/attention_plan.h).");
-
-  m.def(
-      "attention_cuda_bundles",
-      []() {
-        nb::dict out;
-#ifdef JAX_VMM_HAVE_CUDA_KERNELS
-        nb::dict scratch_bundle;
-        scratch_bundle["initialize"] = nb::capsule(CudaInitializeHandler());
-        scratch_bundle["execute"] = nb::capsule(CudaExecuteHandler());
-        out["jax_vmm_decode_attention"] = scratch_bundle;
-        nb::dict xla_bundle;
-        xla_bundle["execute"] = nb::capsule(CudaXlaWorkspaceExecuteHandler());
-        out["jax_vmm_decode_attention_xla_workspace"] = xla_bundle;
-        nb::dict prefilled_bundle;
-        prefilled_bundle["initialize"] = nb::capsule(CudaPrefilledInitializeHandler());
-        prefilled_bundle["execute"] = nb::capsule(CudaPrefilledExecuteHandler());
-        out["jax_vmm_decode_attention_prefilled"] = prefilled_bundle;
-#endif
-        return out;
-      },
-      "FFI handler bundles of the CUDA decode-attention targets, by target name.");
 
   m.def(
       "attention_stats",

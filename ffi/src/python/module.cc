@@ -8,9 +8,14 @@
 #include <cstdlib>
 #include <string>
 
-#include "common/ffi_targets.h"
+#include "common/ffi_registry.h"
 #include "jax_vmm/errors.h"
+#include "ops/attention/attention_targets.h"
+#include "ops/kv_write/kv_write_targets.h"
 #include "python/bindings.h"
+#include "python/registrations.h"
+#include "scratch/scratch_internal.h"
+#include "testing/scratch_probe.h"
 
 namespace nb = nanobind;
 
@@ -52,6 +57,20 @@ void TranslateOutOfMemory(const std::exception_ptr& p, void*) {
   }
 }
 
+// Every production FFI target of this build.
+FfiRegistry ProductionTargets() {
+  FfiRegistry registry;
+  kv::AddCpuTargets(registry);
+  attention::AddCpuTargets(registry);
+  scratch::AddProbeCpuTargets(registry);
+#ifdef JAX_VMM_HAVE_CUDA_KERNELS
+  kv::AddCudaTargets(registry);
+  attention::AddCudaTargets(registry);
+  scratch::AddProbeCudaTargets(registry);
+#endif
+  return registry;
+}
+
 }  // namespace
 }  // namespace jax_vmm
 
@@ -73,18 +92,11 @@ NB_MODULE(_core, m) {
   g_out_of_memory_type = oom_type.ptr();
   nb::register_exception_translator(TranslateOutOfMemory);
 
-  m.def(
-      "registrations",
-      []() {
-        std::vector<std::tuple<std::string, std::string, nb::capsule>> out;
-        for (const FfiTarget& t : FfiTargets()) {
-          out.emplace_back(t.name, t.platform, nb::capsule(t.handler));
-        }
-        return out;
-      },
-      "(name, platform, capsule) of every XLA FFI handler in this build.");
+  BindRegistrations(m, ProductionTargets());
 #ifdef JAX_VMM_HAVE_CUDA_KERNELS
   m.attr("built_with_cuda_kernels") = true;
+  kv::InstallCudaDropHooks();
+  scratch::internal::InstallCudaPlatform();
 #else
   m.attr("built_with_cuda_kernels") = false;
 #endif

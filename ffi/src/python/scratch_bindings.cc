@@ -1,5 +1,5 @@
 // Python bindings of the graph-safe scratch API (jax_vmm/scratch.h), used by
-// jax_vmm/scratch.py, plus the stage capsules of the CUDA scratch probe.
+// jax_vmm/scratch.py.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 
@@ -11,15 +11,8 @@
 #include "jax_vmm/scratch.h"
 #include "python/bindings.h"
 #include "testing/scratch_probe.h"
-#include "xla/ffi/api/c_api.h"
 
 namespace nb = nanobind;
-
-#ifdef JAX_VMM_HAVE_CUDA_KERNELS
-// Defined in scratch_probe_cuda.cu: the probe's kInitialize and kExecute handlers.
-extern "C" XLA_FFI_Error* JaxVmmScratchProbeCudaInitialize(XLA_FFI_CallFrame* frame);
-extern "C" XLA_FFI_Error* JaxVmmScratchProbeCudaExecute(XLA_FFI_CallFrame* frame);
-#endif
 
 namespace jax_vmm {
 namespace {
@@ -109,19 +102,6 @@ void BindScratch(nb::module_& m) {
     d["initialize_calls"] = scratch::ProbeCounters().initialize_calls.load();
     return d;
   });
-  m.def(
-      "scratch_probe_cuda_handlers",
-      []() -> nb::object {
-#ifdef JAX_VMM_HAVE_CUDA_KERNELS
-        nb::dict d;
-        d["initialize"] = nb::capsule(reinterpret_cast<void*>(&JaxVmmScratchProbeCudaInitialize));
-        d["execute"] = nb::capsule(reinterpret_cast<void*>(&JaxVmmScratchProbeCudaExecute));
-        return d;
-#else
-        return nb::none();
-#endif
-      },
-      "Stage handlers of the CUDA scratch probe ({'initialize', 'execute'}), or None.");
 }
 
 }  // namespace jax_vmm

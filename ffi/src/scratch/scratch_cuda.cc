@@ -1,7 +1,5 @@
 // The CUDA device platform for graph-safe scratch (see scratch_internal.h). Only built
 // into modules with CUDA kernels; without them scratch serves host workspaces only.
-#ifdef JAX_VMM_HAVE_CUDA_KERNELS
-
 #include <cuda_runtime_api.h>
 
 #include <memory>
@@ -62,7 +60,9 @@ std::unique_ptr<Driver> CudaMakeDriver(int device, std::string* error) {
   }
 }
 
-[[maybe_unused]] const bool kRegistered = [] {
+}  // namespace
+
+void internal::InstallCudaPlatform() {
   internal::DevicePlatform p;
   p.name = "cuda";
   p.is_capturing = CudaIsCapturing;
@@ -71,10 +71,6 @@ std::unique_ptr<Driver> CudaMakeDriver(int device, std::string* error) {
   p.make_driver = CudaMakeDriver;
   p.alloc_granularity = size_t{2} << 20;  // like the VMM granularity: comparable stats
   internal::RegisterCudaPlatform(p);
-  return true;
-}();
+}
 
-}  // namespace
 }  // namespace jax_vmm::scratch
-
-#endif  // JAX_VMM_HAVE_CUDA_KERNELS

@@ -1,6 +1,6 @@
 // Private to the scratch implementation: what a device platform must provide so that
 // scratch.cc can serve workspaces on it. scratch.cc provides the host platform;
-// scratch_cuda.cc registers the CUDA one in builds with CUDA kernels.
+// scratch_cuda.cc the CUDA one, installed by the module init in builds with CUDA kernels.
 #pragma once
 
 #include <cstddef>
@@ -25,7 +25,12 @@ struct DevicePlatform {
   size_t alloc_granularity = 1;
 };
 
-// Called once at static-initialisation time by scratch_cuda.cc.
 void RegisterCudaPlatform(const DevicePlatform& platform);
+
+#ifdef JAX_VMM_HAVE_CUDA_KERNELS
+// RegisterCudaPlatform() with the CUDA runtime's platform (scratch_cuda.cc). Called once
+// from the module init.
+void InstallCudaPlatform();
+#endif
 
 }  // namespace jax_vmm::scratch::internal

@@ -4,6 +4,8 @@
 #include <atomic>
 #include <cstdint>
 
+#include "common/ffi_registry.h"
+
 namespace jax_vmm::scratch {
 
 struct ProbeStats {
@@ -13,5 +15,11 @@ struct ProbeStats {
 };
 
 ProbeStats& ProbeCounters();
+
+// jax_vmm_scratch_probe on "cpu" and (CUDA builds) "CUDA", with an initialize stage.
+void AddProbeCpuTargets(FfiRegistry& registry);
+#ifdef JAX_VMM_HAVE_CUDA_KERNELS
+void AddProbeCudaTargets(FfiRegistry& registry);
+#endif
 
 }  // namespace jax_vmm::scratch

@@ -5,7 +5,6 @@
 #include <cstring>
 #include <string>
 
-#include "common/ffi_targets.h"
 #include "jax_vmm/scratch.h"
 #include "testing/scratch_probe.h"
 #include "xla/ffi/api/ffi.h"
@@ -61,4 +60,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxVmmScratchProbeCpu, jax_vmm::scratch::ProbeCpu,
                                   .Attr<int64_t>("workspace_bytes")
                                   .Attr<bool>("reserve_at_initialize"));
 
-JAX_VMM_FFI_TARGET("jax_vmm_scratch_probe", "cpu", JaxVmmScratchProbeCpu);
+void jax_vmm::scratch::AddProbeCpuTargets(FfiRegistry& registry) {
+  registry.Add("jax_vmm_scratch_probe", "cpu", JaxVmmScratchProbeCpu);
+}

@@ -5,8 +5,6 @@
 //                unless reserve_at_initialize is false (then jax_vmm.scratch.reserve()
 //                must have sized the device default workspace);
 //   kExecute     gets the workspace; under capture it can only use what is there.
-// Registered from Python as a stage bundle (jax_vmm/scratch.py), not through
-// JAX_VMM_FFI_TARGET, which carries single-stage handlers.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -114,3 +112,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxVmmScratchProbeCudaExecute, jax_vmm::scratch::P
                                   .Attr<int64_t>("workspace_bytes")
                                   .Attr<bool>("reserve_at_initialize"),
                               {ffi::Traits::kCmdBufferCompatible});
+
+void jax_vmm::scratch::AddProbeCudaTargets(FfiRegistry& registry) {
+  registry.Add(
+      "jax_vmm_scratch_probe", "CUDA",
+      FfiRegistry::Stages{JaxVmmScratchProbeCudaInitialize, JaxVmmScratchProbeCudaExecute});
+}

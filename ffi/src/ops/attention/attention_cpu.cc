@@ -18,9 +18,10 @@
 #include <string>
 #include <vector>
 
-#include "common/ffi_targets.h"
 #include "ops/attention/attention_check.h"
 #include "ops/attention/attention_plan.h"
+#include "ops/attention/attention_stats.h"
+#include "ops/attention/attention_targets.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -319,8 +320,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DecodeAttentionCpuPrefilled, DecodeAttentionCpuPre
                                   .Attr<int64_t>("impl")
                                   .Attr<int64_t>("debug"));
 
-JAX_VMM_FFI_TARGET("jax_vmm_decode_attention", "cpu", DecodeAttentionCpu);
-JAX_VMM_FFI_TARGET("jax_vmm_decode_attention_prefilled", "cpu", DecodeAttentionCpuPrefilled);
-JAX_VMM_FFI_TARGET("jax_vmm_decode_attention_xla_workspace", "cpu", DecodeAttentionCpuXlaWorkspace);
+void AddCpuTargets(FfiRegistry& registry) {
+  registry.Add("jax_vmm_decode_attention", "cpu", DecodeAttentionCpu);
+  registry.Add("jax_vmm_decode_attention_prefilled", "cpu", DecodeAttentionCpuPrefilled);
+  registry.Add("jax_vmm_decode_attention_xla_workspace", "cpu", DecodeAttentionCpuXlaWorkspace);
+}
 
 }  // namespace jax_vmm::attention

@@ -20,6 +20,8 @@
 #include "ops/attention/attention_check.h"
 #include "ops/attention/attention_kernels.h"
 #include "ops/attention/attention_plan.h"
+#include "ops/attention/attention_stats.h"
+#include "ops/attention/attention_targets.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -370,16 +372,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DecodeAttentionCudaPrefilledExecute, ExecutePrefil
                                   .Attr<int64_t>("debug"),
                               {ffi::Traits::kCmdBufferCompatible});
 
-void* CudaPrefilledInitializeHandler() {
-  return reinterpret_cast<void*>(DecodeAttentionCudaPrefilledInitialize);
-}
-void* CudaPrefilledExecuteHandler() {
-  return reinterpret_cast<void*>(DecodeAttentionCudaPrefilledExecute);
-}
-void* CudaInitializeHandler() { return reinterpret_cast<void*>(DecodeAttentionCudaInitialize); }
-void* CudaExecuteHandler() { return reinterpret_cast<void*>(DecodeAttentionCudaExecute); }
-void* CudaXlaWorkspaceExecuteHandler() {
-  return reinterpret_cast<void*>(DecodeAttentionCudaXlaWorkspaceExecute);
+void AddCudaTargets(FfiRegistry& registry) {
+  registry.Add("jax_vmm_decode_attention", "CUDA",
+               FfiRegistry::Stages{DecodeAttentionCudaInitialize, DecodeAttentionCudaExecute});
+  registry.Add("jax_vmm_decode_attention_xla_workspace", "CUDA",
+               DecodeAttentionCudaXlaWorkspaceExecute);
+  registry.Add("jax_vmm_decode_attention_prefilled", "CUDA",
+               FfiRegistry::Stages{DecodeAttentionCudaPrefilledInitialize,
+                                   DecodeAttentionCudaPrefilledExecute});
 }
 
 }  // namespace jax_vmm::attention

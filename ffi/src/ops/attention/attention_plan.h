@@ -17,7 +17,6 @@
 #pragma once
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <string>
 
@@ -116,18 +115,6 @@ inline Plan MakePlan(const Shapes& s, int64_t parallel_units, int64_t chunk_over
   p.workspace_bytes = WorkspaceBytes(s, p.splits);
   return p;
 }
-
-// Process-wide counters (defined in attention_bindings.cc), read by
-// jax_vmm._core.attention_stats(). Relaxed atomics: statistics only.
-struct Counters {
-  std::atomic<int64_t> cpu_calls{0};
-  std::atomic<int64_t> cuda_initialize_calls{0};
-  std::atomic<int64_t> cuda_execute_calls{0};
-  std::atomic<int64_t> cuda_captured_calls{0};  // execute calls made under stream capture
-  std::atomic<int64_t> cuda_tensor_core_launches{0};
-  std::atomic<int64_t> cuda_simple_launches{0};
-};
-Counters& GetCounters();
 
 // Bits of the `debug` attribute (test-only switches that remove a protection, so tests
 // can show that they detect its absence).

@@ -3,8 +3,8 @@
 #include <cstring>
 #include <string>
 
-#include "common/ffi_targets.h"
 #include "ops/kv_write/kv_write_common.h"
+#include "ops/kv_write/kv_write_targets.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -126,5 +126,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxVmmKvWriteThroughCpu, jax_vmm::kv::WriteThrough
                                   .Attr<uint64_t>("dest_k")
                                   .Attr<uint64_t>("dest_v"));
 
-JAX_VMM_FFI_TARGET("jax_vmm_kv_write_through", "cpu", JaxVmmKvWriteThroughCpu);
-JAX_VMM_FFI_TARGET("jax_vmm_kv_write", "cpu", JaxVmmKvWriteCpu);
+namespace jax_vmm::kv {
+
+void AddCpuTargets(FfiRegistry& registry) {
+  registry.Add("jax_vmm_kv_write_through", "cpu", JaxVmmKvWriteThroughCpu);
+  registry.Add("jax_vmm_kv_write", "cpu", JaxVmmKvWriteCpu);
+}
+
+}  // namespace jax_vmm::kv

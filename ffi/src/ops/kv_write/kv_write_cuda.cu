@@ -12,8 +12,8 @@
 #include <string>
 
 #include "common/cuda_error.h"
-#include "common/ffi_targets.h"
 #include "ops/kv_write/kv_write_common.h"
+#include "ops/kv_write/kv_write_targets.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -239,11 +239,6 @@ void ResetDeviceDrops() {
   cudaSetDevice(previous);
 }
 
-[[maybe_unused]] const bool kHooksInstalled = [] {
-  SetDeviceDropHooks(DeviceDropHooks{ReadDeviceDrops, ResetDeviceDrops});
-  return true;
-}();
-
 }  // namespace
 }  // namespace jax_vmm::kv
 
@@ -275,5 +270,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxVmmKvWriteCuda, jax_vmm::kv::WriteImpl,
                                   .Attr<uint64_t>("dest_v"),
                               {ffi::Traits::kCmdBufferCompatible});
 
-JAX_VMM_FFI_TARGET("jax_vmm_kv_write_through", "CUDA", JaxVmmKvWriteThroughCuda);
-JAX_VMM_FFI_TARGET("jax_vmm_kv_write", "CUDA", JaxVmmKvWriteCuda);
+namespace jax_vmm::kv {
+
+void AddCudaTargets(FfiRegistry& registry) {
+  registry.Add("jax_vmm_kv_write_through", "CUDA", JaxVmmKvWriteThroughCuda);
+  registry.Add("jax_vmm_kv_write", "CUDA", JaxVmmKvWriteCuda);
+}
+
+void InstallCudaDropHooks() {
+  SetDeviceDropHooks(DeviceDropHooks{ReadDeviceDrops, ResetDeviceDrops});
+}
+
+}  // namespace jax_vmm::kv
