@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 5 on the GPU: decode attention (ffi/src/attention_cuda.cu) -- tests, a memcheck
+# Issue 5 on the GPU: decode attention (ffi/src/ops/attention/) -- tests, a memcheck
 # run, the benchmark. Run from the repo root after
 # `python3 -m pip install --no-build-isolation --no-deps .`:
 #   bash tools/gpu/attention.sh [test] [memcheck] [bench]      (default: all three)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU checks of the CUDA VMM driver (ffi/src/cuda_driver.cc, issue 2), on the GPU box from
+# GPU checks of the CUDA VMM driver (ffi/src/drivers/cuda/, issue 2), on the GPU box from
 # the repo root after `python3 -m pip install --no-build-isolation --no-deps .`.
 # Logs go to $OUT (default ./out) as cuda-driver_*.log. Exit status non-zero when a step
 # failed. What to look for:

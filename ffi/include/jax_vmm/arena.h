@@ -133,10 +133,6 @@ class Arena : public std::enable_shared_from_this<Arena> {
   // (num_chunks bytes + 32 KiB) for the life of the process instead of freeing them. Thread-safe.
   void PinMetadataForGraphs() const { metadata_pinned_ = true; }
 
-  // TEST ONLY: when on, a failed commit leaks the chunks it built instead of unwinding
-  // them, so tests can show their checks would catch a broken rollback.
-  void set_debug_skip_rollback(bool on) { debug_skip_rollback_ = on; }
-
   uintptr_t base() const { return base_; }
   size_t reserved_bytes() const { return reserved_bytes_; }
   size_t chunk_bytes() const { return chunk_bytes_; }
@@ -180,7 +176,6 @@ class Arena : public std::enable_shared_from_this<Arena> {
   size_t num_chunks_ = 0;
 
   mutable std::mutex mu_;
-  std::atomic<bool> debug_skip_rollback_{false};
   mutable std::atomic<bool> metadata_pinned_{false};
   bool closed_ = false;
   int64_t next_id_ = 0;

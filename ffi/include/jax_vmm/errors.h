@@ -43,10 +43,4 @@ class DriverError : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-// A fault injected by the test hook (see FaultInjector). -> jax_vmm.InjectedFault
-class InjectedFault : public std::runtime_error {
- public:
-  using std::runtime_error::runtime_error;
-};
-
 }  // namespace jax_vmm

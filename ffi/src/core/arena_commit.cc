@@ -149,9 +149,6 @@ void Arena::UnwindCommit(const CommitPlan& plan, std::vector<PendingChunk>* pend
       // The table copy only fails when the device is already broken.
     }
   }
-  if (debug_skip_rollback_) {
-    for (PendingChunk& q : *pending) q.chunk.release();  // TEST ONLY: leak, mapped
-  }
   pending->clear();  // Chunk destructors unmap and release
   ++stats_.failed_commits;
 }

@@ -52,57 +52,62 @@ nb::dict StatsDict(const ArenaStats& s) {
   return d;
 }
 
-DriverOp ParseOp(const std::string& op) {
-  if (op == "create") return DriverOp::kCreate;
-  if (op == "map") return DriverOp::kMap;
-  if (op == "set_access") return DriverOp::kSetAccess;
-  throw InvalidArgument("fault injection: unknown driver op '" + op +
-                        "'; expected 'create', 'map' or 'set_access'");
+// A DLPack-capable view of a buffer. The view holds a reference to the Python arena
+// object: a view keeps its arena (and so its address range) alive.
+nb::ndarray<> View(nb::handle self, int64_t buffer_id, std::vector<size_t> shape, uint8_t code,
+                   uint8_t bits, int device_type, int device_id) {
+  Arena& a = nb::cast<Arena&>(self);
+  const BufferInfo b = a.Buffer(buffer_id);
+  size_t elems = 1;
+  for (size_t s : shape) elems *= s;
+  if (elems * bits / 8 > b.nbytes) {
+    throw InvalidArgument("Arena.view: shape needs " + std::to_string(elems * bits / 8) +
+                          " bytes but buffer '" + b.name + "' has " + std::to_string(b.nbytes));
+  }
+  nb::dlpack::dtype dt{code, bits, 1};
+  return nb::ndarray<>(reinterpret_cast<void*>(b.address), shape.size(), shape.data(), self,
+                       nullptr, dt, device_type, device_id);
 }
 
-std::unique_ptr<Driver> MakeDriver(const std::string& driver, int device, size_t chunk_bytes) {
-  if (driver == "host") return MakeHostDriver(chunk_bytes);
-  if (driver == "cuda") return MakeCudaDriver(device, chunk_bytes);
-  throw InvalidArgument("unknown driver '" + driver + "'; expected 'host' or 'cuda'");
+nb::object FindBuffer(uint64_t address, size_t nbytes) {
+  BufferRef ref;
+  if (!FindArenaBuffer(static_cast<uintptr_t>(address), nbytes, &ref)) return nb::none();
+  nb::dict d;
+  d["buffer_base"] = static_cast<uint64_t>(ref.buffer_base);
+  d["buffer_bytes"] = ref.buffer_bytes;
+  d["buffer_id"] = ref.buffer_id;
+  d["driver_kind"] = std::string(ref.driver_kind);
+  d["device_ordinal"] = ref.device_ordinal;
+  return d;
 }
 
-}  // namespace
+nb::tuple CudaDevices() {
+  std::string error;
+  nb::list devices;
+  for (const CudaDeviceInfo& d : QueryCudaDevices(&error)) {
+    nb::dict e;
+    e["ordinal"] = d.ordinal;
+    e["name"] = d.name;
+    e["vmm_supported"] = d.vmm_supported;
+    e["granularity_min"] = d.granularity_min;
+    e["granularity_recommended"] = d.granularity_recommended;
+    e["free_bytes"] = d.free_bytes;
+    e["total_bytes"] = d.total_bytes;
+    devices.append(e);
+  }
+  return nb::make_tuple(devices, error);
+}
 
-void BindArena(nb::module_& m) {
-  nb::class_<Arena>(m, "Arena",
-                    "A reserved virtual range with buffers committed chunk by chunk. "
-                    "Thread-safe. Use jax_vmm.Arena (Python) rather than this class.")
-      .def_prop_ro("base", [](const Arena& a) { return static_cast<uint64_t>(a.base()); })
+// Properties and queries of the Arena class.
+void BindArenaQueries(nb::class_<Arena>& c) {
+  c.def_prop_ro("base", [](const Arena& a) { return static_cast<uint64_t>(a.base()); })
       .def_prop_ro("reserved_bytes", &Arena::reserved_bytes)
       .def_prop_ro("chunk_bytes", &Arena::chunk_bytes)
       .def_prop_ro("granularity", [](const Arena& a) { return a.driver().granularity(); })
       .def_prop_ro("driver_kind", [](const Arena& a) { return std::string(a.driver().kind()); })
       .def_prop_ro("device_ordinal", [](const Arena& a) { return a.driver().device_ordinal(); })
       .def_prop_ro("closed", &Arena::closed)
-      .def(
-          "allocate",
-          [](Arena& a, size_t nbytes, const std::string& name) {
-            BufferInfo info;
-            {
-              nb::gil_scoped_release release;
-              info = a.Allocate(nbytes, name);
-            }
-            return BufferDict(info);
-          },
-          nb::arg("nbytes"), nb::arg("name") = "")
       .def("backed_prefix", &Arena::BackedPrefix)
-      .def(
-          "commit_ranges",
-          [](Arena& a, const std::vector<std::tuple<int64_t, size_t, size_t>>& r) {
-            std::vector<Arena::Range> ranges;
-            for (const auto& [id, start, stop] : r) ranges.push_back({id, start, stop});
-            nb::gil_scoped_release release;
-            return a.CommitRanges(ranges);
-          },
-          "All-or-nothing commit of (buffer_id, start, stop) ranges.")
-      .def("free", &Arena::Free, nb::call_guard<nb::gil_scoped_release>())
-      .def("commit", &Arena::Commit, nb::call_guard<nb::gil_scoped_release>())
-      .def("decommit", &Arena::Decommit, nb::call_guard<nb::gil_scoped_release>())
       .def("buffer", [](const Arena& a, int64_t id) { return BufferDict(a.Buffer(id)); })
       .def("buffers",
            [](const Arena& a) {
@@ -116,47 +121,53 @@ void BindArena(nb::module_& m) {
              const MemInfo mi = a.driver().mem_info();
              d["device_free_bytes"] = mi.free_bytes;
              d["device_total_bytes"] = mi.total_bytes;
-             d["injected_faults"] = const_cast<Arena&>(a).driver().faults().injected_count();
              return d;
            })
+      .def("drop_count", &Arena::DropCount)
+      .def("view", &View, nb::rv_policy::reference,
+           "A DLPack-capable view of a buffer (pass to jax.dlpack.from_dlpack).");
+}
+
+// The methods of the Arena class that change it (the GIL is released around driver work).
+void BindArenaChanges(nb::class_<Arena>& c) {
+  c.def(
+       "allocate",
+       [](Arena& a, size_t nbytes, const std::string& name) {
+         BufferInfo info;
+         {
+           nb::gil_scoped_release release;
+           info = a.Allocate(nbytes, name);
+         }
+         return BufferDict(info);
+       },
+       nb::arg("nbytes"), nb::arg("name") = "")
+      .def(
+          "commit_ranges",
+          [](Arena& a, const std::vector<std::tuple<int64_t, size_t, size_t>>& r) {
+            std::vector<Arena::Range> ranges;
+            for (const auto& [id, start, stop] : r) ranges.push_back({id, start, stop});
+            nb::gil_scoped_release release;
+            return a.CommitRanges(ranges);
+          },
+          "All-or-nothing commit of (buffer_id, start, stop) ranges.")
+      .def("free", &Arena::Free, nb::call_guard<nb::gil_scoped_release>())
+      .def("commit", &Arena::Commit, nb::call_guard<nb::gil_scoped_release>())
+      .def("decommit", &Arena::Decommit, nb::call_guard<nb::gil_scoped_release>())
       .def("close", &Arena::Close, nb::call_guard<nb::gil_scoped_release>())
       .def("pin_metadata_for_graphs", &Arena::PinMetadataForGraphs,
            "Keep the page table and drop counters allocated after destruction: compiled "
            "code holds this arena's addresses (kv_write's static dest).")
-      .def("drop_count", &Arena::DropCount)
-      .def("reset_drop_count", &Arena::ResetDropCount)
-      .def(
-          "inject_fault",
-          [](Arena& a, const std::string& op, int64_t nth, bool oom) {
-            a.driver().faults().Arm(ParseOp(op), nth, oom);
-          },
-          nb::arg("op"), nb::arg("nth"), nb::arg("out_of_memory") = false,
-          "Test hook: fail the nth (1-based) future driver call of op.")
-      .def("set_debug_skip_rollback", &Arena::set_debug_skip_rollback,
-           "TEST ONLY: a failed commit leaks what it built instead of rolling back.")
-      .def("disarm_faults", [](Arena& a) { a.driver().faults().DisarmAll(); })
-      .def(
-          "view",
-          [](nb::handle self, int64_t buffer_id, std::vector<size_t> shape, uint8_t code,
-             uint8_t bits, int device_type, int device_id) {
-            Arena& a = nb::cast<Arena&>(self);
-            const BufferInfo b = a.Buffer(buffer_id);
-            size_t elems = 1;
-            for (size_t s : shape) elems *= s;
-            if (elems * bits / 8 > b.nbytes) {
-              throw InvalidArgument("Arena.view: shape needs " + std::to_string(elems * bits / 8) +
-                                    " bytes but buffer '" + b.name + "' has " +
-                                    std::to_string(b.nbytes));
-            }
-            nb::dlpack::dtype dt{code, bits, 1};
-            // The view holds a reference to the Python arena object: a view keeps its arena
-            // (and so its address range) alive.
-            return nb::ndarray<>(reinterpret_cast<void*>(b.address), shape.size(), shape.data(),
-                                 self, nullptr, dt, device_type, device_id);
-          },
-          nb::rv_policy::reference,
-          "A DLPack-capable view of a buffer (pass to jax.dlpack.from_dlpack).");
+      .def("reset_drop_count", &Arena::ResetDropCount);
+}
 
+}  // namespace
+
+void BindArena(nb::module_& m) {
+  nb::class_<Arena> arena(m, "Arena",
+                          "A reserved virtual range with buffers committed chunk by chunk. "
+                          "Thread-safe. Use jax_vmm.Arena (Python) rather than this class.");
+  BindArenaQueries(arena);
+  BindArenaChanges(arena);
   m.def(
       "create_arena",
       [](const std::string& driver, int device, size_t reserve_bytes, size_t chunk_bytes) {
@@ -164,49 +175,16 @@ void BindArena(nb::module_& m) {
       },
       nb::arg("driver"), nb::arg("device"), nb::arg("reserve_bytes"), nb::arg("chunk_bytes") = 0,
       nb::call_guard<nb::gil_scoped_release>());
-
-  m.def(
-      "find_arena_buffer",
-      [](uint64_t address, size_t nbytes) -> nb::object {
-        BufferRef ref;
-        if (!FindArenaBuffer(static_cast<uintptr_t>(address), nbytes, &ref)) return nb::none();
-        nb::dict d;
-        d["buffer_base"] = static_cast<uint64_t>(ref.buffer_base);
-        d["buffer_bytes"] = ref.buffer_bytes;
-        d["buffer_id"] = ref.buffer_id;
-        d["driver_kind"] = std::string(ref.driver_kind);
-        d["device_ordinal"] = ref.device_ordinal;
-        return d;
-      },
-      nb::arg("address"), nb::arg("nbytes"),
-      "The live (open) arena buffer holding [address, address + nbytes), or None.");
-
+  m.def("find_arena_buffer", &FindBuffer, nb::arg("address"), nb::arg("nbytes"),
+        "The live (open) arena buffer holding [address, address + nbytes), or None.");
   m.def(
       "resolve_chunk_bytes",
       [](const std::string& driver, int device, size_t chunk_bytes) {
         return MakeDriver(driver, device, chunk_bytes)->chunk_bytes();
       },
       "The chunk size an arena with these arguments would use (0 = the driver default).");
-
-  m.def(
-      "query_cuda_devices",
-      []() {
-        std::string error;
-        nb::list devices;
-        for (const CudaDeviceInfo& d : QueryCudaDevices(&error)) {
-          nb::dict e;
-          e["ordinal"] = d.ordinal;
-          e["name"] = d.name;
-          e["vmm_supported"] = d.vmm_supported;
-          e["granularity_min"] = d.granularity_min;
-          e["granularity_recommended"] = d.granularity_recommended;
-          e["free_bytes"] = d.free_bytes;
-          e["total_bytes"] = d.total_bytes;
-          devices.append(e);
-        }
-        return nb::make_tuple(devices, error);
-      },
-      "([device dicts], error): what the CUDA driver offers; error says why the list is empty.");
+  m.def("query_cuda_devices", &CudaDevices,
+        "([device dicts], error): what the CUDA driver offers; error says why the list is empty.");
 }
 
 }  // namespace jax_vmm

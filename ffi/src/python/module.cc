@@ -14,8 +14,10 @@
 #include "ops/kv_write/kv_write_targets.h"
 #include "python/bindings.h"
 #include "python/registrations.h"
-#include "scratch/scratch_internal.h"
-#include "testing/scratch_probe.h"
+#include "scratch/device_platform.h"
+#ifdef JAX_VMM_TESTING
+#include "testing/testing_module.h"
+#endif
 
 namespace nb = nanobind;
 
@@ -62,11 +64,9 @@ FfiRegistry ProductionTargets() {
   FfiRegistry registry;
   kv::AddCpuTargets(registry);
   attention::AddCpuTargets(registry);
-  scratch::AddProbeCpuTargets(registry);
 #ifdef JAX_VMM_HAVE_CUDA_KERNELS
   kv::AddCudaTargets(registry);
   attention::AddCudaTargets(registry);
-  scratch::AddProbeCudaTargets(registry);
 #endif
   return registry;
 }
@@ -81,7 +81,6 @@ NB_MODULE(_core, m) {
   nb::exception<ArenaClosed>(m, "ArenaClosedError", PyExc_RuntimeError);
   nb::exception<ReservationFull>(m, "ReservationFullError", PyExc_RuntimeError);
   nb::exception<DriverError>(m, "DriverError", PyExc_RuntimeError);
-  nb::exception<InjectedFault>(m, "InjectedFault", PyExc_RuntimeError);
   // InvalidArgument derives from std::invalid_argument, which nanobind maps to ValueError.
   static nb::object oom_type =
       nb::steal(PyErr_NewExceptionWithDoc("jax_vmm._core.OutOfMemoryError",
@@ -105,4 +104,10 @@ NB_MODULE(_core, m) {
   BindScratch(m);
   BindOps(m);
   BindAttention(m);
+#ifdef JAX_VMM_TESTING
+  nb::module_ t = m.def_submodule(
+      "testing", "Test-only hooks of jax_vmm's C++ core; use them through jax_vmm.testing.");
+  BindRegistrations(t, testing::TestingTargets());
+  testing::BindTestingHooks(t);
+#endif
 }

@@ -1,9 +1,9 @@
-// Python bindings of the kv_write statistics (see kv_write_common.h).
+// Python bindings of the kv_write statistics (see ops/kv_write/kv_write_stats.h).
 #include <nanobind/nanobind.h>
 
 #include <cstdint>
 
-#include "ops/kv_write/kv_write_common.h"
+#include "ops/kv_write/kv_write_stats.h"
 #include "python/bindings.h"
 
 namespace nb = nanobind;
@@ -42,10 +42,6 @@ void BindOps(nb::module_& m) {
       "Host counters of the kv_write handlers (calls, captured calls, alias misses, "
       "non-arena operands) and the dropped token writes counted on the host and devices "
       "(reading the device counter synchronises the devices).");
-  m.def(
-      "kv_write_set_debug_unchecked", [](bool enabled) { kv::SetDebugUnchecked(enabled); },
-      "TEST ONLY: skip kv_write's slot range and page checks.");
-  m.def("kv_write_debug_unchecked", []() { return kv::DebugUnchecked(); });
   m.def("kv_write_reset_stats", []() {
     nb::gil_scoped_release release;
     kv::ResetCounters();

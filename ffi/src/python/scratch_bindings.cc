@@ -10,7 +10,6 @@
 #include "jax_vmm/errors.h"
 #include "jax_vmm/scratch.h"
 #include "python/bindings.h"
-#include "testing/scratch_probe.h"
 
 namespace nb = nanobind;
 
@@ -69,9 +68,6 @@ void BindScratch(nb::module_& m) {
   m.def("scratch_get_mode", []() { return std::string(scratch::ModeName(scratch::GetMode())); });
   m.def("scratch_set_reserve_bytes", [](size_t n) { scratch::SetReserveBytes(n); });
   m.def("scratch_get_reserve_bytes", []() { return scratch::GetReserveBytes(); });
-  m.def("scratch_set_debug_free_on_growth",
-        [](bool enabled) { scratch::SetDebugFreeOnGrowth(enabled); });
-  m.def("scratch_debug_free_on_growth", []() { return scratch::DebugFreeOnGrowth(); });
   m.def(
       "scratch_reserve",
       [](int device, size_t nbytes, uint64_t stream) {
@@ -80,28 +76,6 @@ void BindScratch(nb::module_& m) {
       },
       nb::arg("device"), nb::arg("nbytes"), nb::arg("stream") = 0,
       "Grow the workspace of (device, stream) to nbytes; device -1 is the host.");
-  m.def(
-      "scratch_get_for_test",
-      [](int device, uint64_t stream, size_t nbytes, bool capturing) {
-        void* ptr = nullptr;
-        std::string err;
-        {
-          nb::gil_scoped_release release;
-          err = scratch::GetWithCaptureState(device, reinterpret_cast<void*>(stream), nbytes,
-                                             capturing, &ptr);
-        }
-        ThrowIfError(err);
-        return static_cast<uint64_t>(reinterpret_cast<uintptr_t>(ptr));
-      },
-      nb::arg("device"), nb::arg("stream"), nb::arg("nbytes"), nb::arg("capturing"),
-      "Test hook: Get() with the capture state given; returns the workspace address.");
-  m.def("scratch_probe_stats", []() {
-    nb::dict d;
-    d["calls"] = scratch::ProbeCounters().calls.load();
-    d["captured_calls"] = scratch::ProbeCounters().captured_calls.load();
-    d["initialize_calls"] = scratch::ProbeCounters().initialize_calls.load();
-    return d;
-  });
 }
 
 }  // namespace jax_vmm

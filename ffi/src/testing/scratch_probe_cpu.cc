@@ -1,17 +1,17 @@
-// Test-only custom call "jax_vmm_scratch_probe" (CPU): copies x into a graph-safe scratch
-// workspace of `workspace_bytes` and back out into y, and reports the workspace address.
-// It exercises the scratch API independently of any real consumer (decode attention).
+// The CPU handler of the test-only jax_vmm_scratch_probe (see scratch_probe.h): copies x
+// into a host workspace and back out into y.
 #include <cstdint>
 #include <cstring>
 #include <string>
 
 #include "jax_vmm/scratch.h"
 #include "testing/scratch_probe.h"
+#include "testing/testing_targets.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
-namespace jax_vmm::scratch {
+namespace jax_vmm::testing {
 namespace {
 
 // Host workspaces are per thread: XLA:CPU may run custom calls on several threads.
@@ -24,16 +24,13 @@ ffi::Error ProbeCpu(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
                     ffi::Result<ffi::Buffer<ffi::S32>> addr, int64_t workspace_bytes,
                     bool /*reserve_at_initialize: CUDA only*/) {
   ProbeCounters().calls.fetch_add(1);
-  const size_t bytes = x.size_bytes();
-  if (workspace_bytes < static_cast<int64_t>(bytes) || y->size_bytes() != bytes ||
-      addr->element_count() != 2) {
-    return ffi::Error::InvalidArgument(
-        "jax_vmm_scratch_probe: workspace_bytes=" + std::to_string(workspace_bytes) +
-        " must be >= the input's " + std::to_string(bytes) +
-        " bytes, y must match x and addr must have 2 int32 elements");
+  if (ffi::Error e = CheckProbeArgs(x, *y, addr->element_count(), workspace_bytes); e.failure()) {
+    return e;
   }
+  const size_t bytes = x.size_bytes();
   void* ws = nullptr;
-  std::string err = Get(kHostDevice, ThreadStreamKey(), static_cast<size_t>(workspace_bytes), &ws);
+  std::string err = scratch::Get(scratch::kHostDevice, ThreadStreamKey(),
+                                 static_cast<size_t>(workspace_bytes), &ws);
   if (!err.empty()) return ffi::Error::Internal(err);
   std::memcpy(ws, x.untyped_data(), bytes);
   std::memcpy(y->untyped_data(), ws, bytes);
@@ -50,9 +47,9 @@ ProbeStats& ProbeCounters() {
   return stats;
 }
 
-}  // namespace jax_vmm::scratch
+}  // namespace jax_vmm::testing
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxVmmScratchProbeCpu, jax_vmm::scratch::ProbeCpu,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxVmmScratchProbeCpu, jax_vmm::testing::ProbeCpu,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::AnyBuffer>()         // x
                                   .Ret<ffi::AnyBuffer>()         // y = x, through scratch
@@ -60,6 +57,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxVmmScratchProbeCpu, jax_vmm::scratch::ProbeCpu,
                                   .Attr<int64_t>("workspace_bytes")
                                   .Attr<bool>("reserve_at_initialize"));
 
-void jax_vmm::scratch::AddProbeCpuTargets(FfiRegistry& registry) {
+void jax_vmm::testing::AddProbeCpuTargets(FfiRegistry& registry) {
   registry.Add("jax_vmm_scratch_probe", "cpu", JaxVmmScratchProbeCpu);
 }

@@ -15,11 +15,12 @@
 #include "common/cuda_error.h"
 #include "jax_vmm/scratch.h"
 #include "testing/scratch_probe.h"
+#include "testing/testing_targets.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
-namespace jax_vmm::scratch {
+namespace jax_vmm::testing {
 namespace {
 
 __global__ void CopyKernel(const uint8_t* __restrict__ src, uint8_t* __restrict__ dst, size_t bytes,
@@ -37,25 +38,14 @@ __global__ void CopyKernel(const uint8_t* __restrict__ src, uint8_t* __restrict_
 
 constexpr const char* kName = "jax_vmm_scratch_probe";
 
-ffi::Error CheckArgs(const ffi::AnyBuffer& x, const ffi::AnyBuffer& y,
-                     const ffi::Buffer<ffi::S32>& addr, int64_t workspace_bytes) {
-  if (workspace_bytes < static_cast<int64_t>(x.size_bytes()) || y.size_bytes() != x.size_bytes() ||
-      addr.element_count() != 2) {
-    return ffi::Error::InvalidArgument(
-        "jax_vmm_scratch_probe: workspace_bytes=" + std::to_string(workspace_bytes) +
-        " must be >= the input's " + std::to_string(x.size_bytes()) +
-        " bytes, y must match x and addr must have 2 int32 elements");
-  }
-  return ffi::Error::Success();
-}
-
 ffi::Error ProbeInitialize(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
                            ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Buffer<ffi::S32>> addr,
                            int64_t workspace_bytes, bool reserve_at_initialize) {
   ProbeCounters().initialize_calls.fetch_add(1);
-  if (ffi::Error e = CheckArgs(x, *y, *addr, workspace_bytes); e.failure()) return e;
+  if (ffi::Error e = CheckProbeArgs(x, *y, addr->element_count(), workspace_bytes); e.failure())
+    return e;
   if (!reserve_at_initialize) return ffi::Error::Success();
-  std::string err = Reserve(device, stream, static_cast<size_t>(workspace_bytes));
+  std::string err = scratch::Reserve(device, stream, static_cast<size_t>(workspace_bytes));
   if (!err.empty()) return ffi::Error::Internal(err);
   return ffi::Error::Success();
 }
@@ -69,9 +59,10 @@ ffi::Error ProbeExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
     return CudaFfiError(kName, "cudaStreamIsCapturing", e);
   }
   if (capture != cudaStreamCaptureStatusNone) ProbeCounters().captured_calls.fetch_add(1);
-  if (ffi::Error e = CheckArgs(x, *y, *addr, workspace_bytes); e.failure()) return e;
+  if (ffi::Error e = CheckProbeArgs(x, *y, addr->element_count(), workspace_bytes); e.failure())
+    return e;
   void* ws = nullptr;
-  std::string err = Get(device, stream, static_cast<size_t>(workspace_bytes), &ws);
+  std::string err = scratch::Get(device, stream, static_cast<size_t>(workspace_bytes), &ws);
   if (!err.empty()) return ffi::Error::Internal(err);
   const size_t bytes = x.size_bytes();
   if (bytes > 0) {
@@ -90,9 +81,9 @@ ffi::Error ProbeExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
 }
 
 }  // namespace
-}  // namespace jax_vmm::scratch
+}  // namespace jax_vmm::testing
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxVmmScratchProbeCudaInitialize, jax_vmm::scratch::ProbeInitialize,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxVmmScratchProbeCudaInitialize, jax_vmm::testing::ProbeInitialize,
                               ffi::Ffi::BindInitialize()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Ctx<ffi::DeviceOrdinal>()
@@ -102,7 +93,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxVmmScratchProbeCudaInitialize, jax_vmm::scratch
                                   .Attr<int64_t>("workspace_bytes")
                                   .Attr<bool>("reserve_at_initialize"));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxVmmScratchProbeCudaExecute, jax_vmm::scratch::ProbeExecute,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxVmmScratchProbeCudaExecute, jax_vmm::testing::ProbeExecute,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Ctx<ffi::DeviceOrdinal>()
@@ -113,7 +104,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxVmmScratchProbeCudaExecute, jax_vmm::scratch::P
                                   .Attr<bool>("reserve_at_initialize"),
                               {ffi::Traits::kCmdBufferCompatible});
 
-void jax_vmm::scratch::AddProbeCudaTargets(FfiRegistry& registry) {
+void jax_vmm::testing::AddProbeCudaTargets(FfiRegistry& registry) {
   registry.Add(
       "jax_vmm_scratch_probe", "CUDA",
       FfiRegistry::Stages{JaxVmmScratchProbeCudaInitialize, JaxVmmScratchProbeCudaExecute});

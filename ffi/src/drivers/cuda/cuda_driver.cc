@@ -29,11 +29,10 @@ namespace {
 //
 // Thread-safety: every method may be called from any thread concurrently. After
 // construction the object holds only immutable state (device, context, stream, zero
-// chunk, prebuilt descriptors) plus atomics (the FaultInjector's, the learned
-// span_unmap_ flag); each call pushes the primary context on the calling thread's own
-// context stack and pops it on return. Calls on the same chunk must not overlap (the
-// arena serialises per-buffer work). Concurrent calls may share the private stream:
-// each one only waits for it to drain, so correctness holds.
+// chunk, prebuilt descriptors) plus one atomic (the learned span_unmap_ flag); each call pushes the
+// primary context on the calling thread's own context stack and pops it on return. Calls on the
+// same chunk must not overlap (the arena serialises per-buffer work). Concurrent calls may share
+// the private stream: each one only waits for it to drain, so correctness holds.
 class CudaDriver final : public Driver {
  public:
   CudaDriver(const Api& api, int ordinal, CUdevice dev, size_t granularity, size_t chunk_bytes)
@@ -123,7 +122,6 @@ class CudaDriver final : public Driver {
   }
 
   PhysicalHandle Create() override {
-    faults_.Check(DriverOp::kCreate, chunk_bytes_);
     ContextGuard g(api_, ctx_.get(), ordinal_);
     CUmemGenericAllocationHandle handle = 0;
     CUresult r = api_.cuMemCreate(&handle, chunk_bytes_, &prop_, 0);
@@ -149,7 +147,6 @@ class CudaDriver final : public Driver {
   // One cuMemUnmap for the run's zero mappings (where the driver allows), one cuMemMap
   // per chunk. On failure the run reads zeros again.
   void MapRun(uintptr_t va, const PhysicalHandle* handles, size_t count) override {
-    for (size_t i = 0; i < count; ++i) faults_.Check(DriverOp::kMap, chunk_bytes_);
     if (count == 0) return;
     ContextGuard g(api_, ctx_.get(), ordinal_);
     CUresult r = UnmapChunks(va, count);
@@ -200,7 +197,6 @@ class CudaDriver final : public Driver {
   // zeros like unbacked memory does, as on the host driver. Cost: one memset of the run
   // on the driver's stream (~HBM bandwidth) plus one stream sync.
   void SetAccess(uintptr_t va, size_t bytes) override {
-    faults_.Check(DriverOp::kSetAccess, bytes);
     ContextGuard g(api_, ctx_.get(), ordinal_);
     CUresult r = api_.cuMemSetAccess(va, bytes, &read_write_, 1);
     if (r != CUDA_SUCCESS) {

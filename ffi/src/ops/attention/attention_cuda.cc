@@ -6,8 +6,6 @@
 //   jax_vmm_decode_attention               {initialize: grow the scratch to the plan's
 //       size (never under capture); execute: fetch it and launch}, kCmdBufferCompatible.
 //   jax_vmm_decode_attention_xla_workspace {execute}: partials in a second XLA output.
-//   jax_vmm_decode_attention_prefilled     as the first, plus an ignored fifth operand
-//       that Python aliases to the output (tests: a NaN-filled output buffer).
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
@@ -18,6 +16,8 @@
 #include "common/cuda_error.h"
 #include "jax_vmm/scratch.h"
 #include "ops/attention/attention_check.h"
+#include "ops/attention/attention_cuda.h"
+#include "ops/attention/attention_ffi.h"
 #include "ops/attention/attention_kernels.h"
 #include "ops/attention/attention_plan.h"
 #include "ops/attention/attention_stats.h"
@@ -212,33 +212,48 @@ void CountExecute(cudaStream_t stream) {
   }
 }
 
-ffi::Error Execute(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k,
-                   ffi::AnyBuffer v, ffi::Buffer<ffi::S32> lengths, ffi::AnyBuffer out,
-                   ffi::AnyBuffer* workspace, float scale, int64_t chunk, int64_t splits,
-                   int64_t impl, int64_t debug) {
+// Statistics, validation and plan of one execute call.
+ffi::Error BeginExecute(cudaStream_t stream, int32_t device, const ffi::AnyBuffer& q,
+                        const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
+                        const ffi::Buffer<ffi::S32>& lengths, const ffi::AnyBuffer& out,
+                        int64_t chunk, int64_t splits, int64_t impl, Call* call) {
   CountExecute(stream);
-  Call call;
-  if (ffi::Error err = Prepare(device, q, k, v, lengths, out, chunk, splits, impl, &call);
-      err.failure()) {
-    return err;
-  }
-  if (call.shapes.batch == 0 || (debug & kDebugSkipOutput)) return ffi::Error::Success();
-  void* ws = nullptr;
-  if (ffi::Error err = ResolveWorkspace(stream, device, workspace, call.plan, &ws); err.failure()) {
-    return err;
-  }
-  return Launch(MakeKernelParams(q, k, v, lengths, out, ws, call, scale), call, stream);
+  return Prepare(device, q, k, v, lengths, out, chunk, splits, impl, call);
 }
 
 ffi::Error InitializeImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k,
                           ffi::AnyBuffer v, ffi::Buffer<ffi::S32> lengths,
                           ffi::Result<ffi::AnyBuffer> out, float scale, int64_t chunk,
-                          int64_t splits, int64_t impl, int64_t debug) {
+                          int64_t splits, int64_t impl) {
   (void)scale;
-  (void)debug;
+  return CudaInitialize(stream, device, q, k, v, lengths, *out, chunk, splits, impl);
+}
+
+ffi::Error ExecuteImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                       ffi::AnyBuffer v, ffi::Buffer<ffi::S32> lengths,
+                       ffi::Result<ffi::AnyBuffer> out, float scale, int64_t chunk, int64_t splits,
+                       int64_t impl) {
+  return CudaExecute(stream, device, q, k, v, lengths, *out, nullptr, scale, chunk, splits, impl);
+}
+
+ffi::Error ExecuteXlaWorkspaceImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q,
+                                   ffi::AnyBuffer k, ffi::AnyBuffer v,
+                                   ffi::Buffer<ffi::S32> lengths, ffi::Result<ffi::AnyBuffer> out,
+                                   ffi::Result<ffi::AnyBuffer> workspace, float scale,
+                                   int64_t chunk, int64_t splits, int64_t impl) {
+  ffi::AnyBuffer ws = *workspace;
+  return CudaExecute(stream, device, q, k, v, lengths, *out, &ws, scale, chunk, splits, impl);
+}
+
+}  // namespace
+
+ffi::Error CudaInitialize(cudaStream_t stream, int32_t device, const ffi::AnyBuffer& q,
+                          const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
+                          const ffi::Buffer<ffi::S32>& lengths, const ffi::AnyBuffer& out,
+                          int64_t chunk, int64_t splits, int64_t impl) {
   GetCounters().cuda_initialize_calls.fetch_add(1, std::memory_order_relaxed);
   Call call;
-  if (ffi::Error err = Prepare(device, q, k, v, lengths, *out, chunk, splits, impl, &call);
+  if (ffi::Error err = Prepare(device, q, k, v, lengths, out, chunk, splits, impl, &call);
       err.failure()) {
     return err;
   }
@@ -253,133 +268,64 @@ ffi::Error InitializeImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q,
   return ffi::Error::Success();
 }
 
-ffi::Error ExecuteImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k,
-                       ffi::AnyBuffer v, ffi::Buffer<ffi::S32> lengths,
-                       ffi::Result<ffi::AnyBuffer> out, float scale, int64_t chunk, int64_t splits,
-                       int64_t impl, int64_t debug) {
-  return Execute(stream, device, q, k, v, lengths, *out, nullptr, scale, chunk, splits, impl,
-                 debug);
+ffi::Error CudaBeginExecute(cudaStream_t stream, int32_t device, const ffi::AnyBuffer& q,
+                            const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
+                            const ffi::Buffer<ffi::S32>& lengths, const ffi::AnyBuffer& out,
+                            int64_t chunk, int64_t splits, int64_t impl) {
+  Call call;
+  return BeginExecute(stream, device, q, k, v, lengths, out, chunk, splits, impl, &call);
 }
 
-ffi::Error InitializePrefilledImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q,
-                                   ffi::AnyBuffer k, ffi::AnyBuffer v,
-                                   ffi::Buffer<ffi::S32> lengths, ffi::AnyBuffer out_init,
-                                   ffi::Result<ffi::AnyBuffer> out, float scale, int64_t chunk,
-                                   int64_t splits, int64_t impl, int64_t debug) {
-  (void)out_init;
-  return InitializeImpl(stream, device, q, k, v, lengths, out, scale, chunk, splits, impl, debug);
+ffi::Error CudaExecute(cudaStream_t stream, int32_t device, const ffi::AnyBuffer& q,
+                       const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
+                       const ffi::Buffer<ffi::S32>& lengths, ffi::AnyBuffer out,
+                       ffi::AnyBuffer* workspace, float scale, int64_t chunk, int64_t splits,
+                       int64_t impl) {
+  Call call;
+  if (ffi::Error err =
+          BeginExecute(stream, device, q, k, v, lengths, out, chunk, splits, impl, &call);
+      err.failure()) {
+    return err;
+  }
+  if (call.shapes.batch == 0) return ffi::Error::Success();
+  void* ws = nullptr;
+  if (ffi::Error err = ResolveWorkspace(stream, device, workspace, call.plan, &ws); err.failure()) {
+    return err;
+  }
+  return Launch(MakeKernelParams(q, k, v, lengths, out, ws, call, scale), call, stream);
 }
 
-ffi::Error ExecutePrefilledImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q,
-                                ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Buffer<ffi::S32> lengths,
-                                ffi::AnyBuffer out_init, ffi::Result<ffi::AnyBuffer> out,
-                                float scale, int64_t chunk, int64_t splits, int64_t impl,
-                                int64_t debug) {
-  (void)out_init;  // aliased to `out` by XLA; never read
-  return Execute(stream, device, q, k, v, lengths, *out, nullptr, scale, chunk, splits, impl,
-                 debug);
-}
+}  // namespace jax_vmm::attention
 
-ffi::Error ExecuteXlaWorkspaceImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q,
-                                   ffi::AnyBuffer k, ffi::AnyBuffer v,
-                                   ffi::Buffer<ffi::S32> lengths, ffi::Result<ffi::AnyBuffer> out,
-                                   ffi::Result<ffi::AnyBuffer> workspace, float scale,
-                                   int64_t chunk, int64_t splits, int64_t impl, int64_t debug) {
-  ffi::AnyBuffer ws = *workspace;
-  return Execute(stream, device, q, k, v, lengths, *out, &ws, scale, chunk, splits, impl, debug);
-}
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    DecodeAttentionCudaInitialize, jax_vmm::attention::InitializeImpl,
+    jax_vmm::attention::BindAttrs(
+        jax_vmm::attention::BindInputs(
+            jax_vmm::attention::BindCudaContext(xla::ffi::Ffi::BindInitialize()))
+            .Ret<xla::ffi::AnyBuffer>()));  // out
 
-}  // namespace
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    DecodeAttentionCudaExecute, jax_vmm::attention::ExecuteImpl,
+    jax_vmm::attention::BindAttrs(
+        jax_vmm::attention::BindInputs(jax_vmm::attention::BindCudaContext(xla::ffi::Ffi::Bind()))
+            .Ret<xla::ffi::AnyBuffer>()),  // out
+    {xla::ffi::Traits::kCmdBufferCompatible});
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(DecodeAttentionCudaInitialize, InitializeImpl,
-                              ffi::Ffi::BindInitialize()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()         // q
-                                  .Arg<ffi::AnyBuffer>()         // k
-                                  .Arg<ffi::AnyBuffer>()         // v
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // lengths
-                                  .Ret<ffi::AnyBuffer>()         // out
-                                  .Attr<float>("scale")
-                                  .Attr<int64_t>("chunk")
-                                  .Attr<int64_t>("splits")
-                                  .Attr<int64_t>("impl")
-                                  .Attr<int64_t>("debug"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    DecodeAttentionCudaXlaWorkspaceExecute, jax_vmm::attention::ExecuteXlaWorkspaceImpl,
+    jax_vmm::attention::BindAttrs(
+        jax_vmm::attention::BindInputs(jax_vmm::attention::BindCudaContext(xla::ffi::Ffi::Bind()))
+            .Ret<xla::ffi::AnyBuffer>()    // out
+            .Ret<xla::ffi::AnyBuffer>()),  // workspace (uint8)
+    {xla::ffi::Traits::kCmdBufferCompatible});
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(DecodeAttentionCudaExecute, ExecuteImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<float>("scale")
-                                  .Attr<int64_t>("chunk")
-                                  .Attr<int64_t>("splits")
-                                  .Attr<int64_t>("impl")
-                                  .Attr<int64_t>("debug"),
-                              {ffi::Traits::kCmdBufferCompatible});
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(DecodeAttentionCudaXlaWorkspaceExecute, ExecuteXlaWorkspaceImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::AnyBuffer>()  // out
-                                  .Ret<ffi::AnyBuffer>()  // workspace (uint8)
-                                  .Attr<float>("scale")
-                                  .Attr<int64_t>("chunk")
-                                  .Attr<int64_t>("splits")
-                                  .Attr<int64_t>("impl")
-                                  .Attr<int64_t>("debug"),
-                              {ffi::Traits::kCmdBufferCompatible});
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(DecodeAttentionCudaPrefilledInitialize, InitializePrefilledImpl,
-                              ffi::Ffi::BindInitialize()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::AnyBuffer>()  // out_init
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<float>("scale")
-                                  .Attr<int64_t>("chunk")
-                                  .Attr<int64_t>("splits")
-                                  .Attr<int64_t>("impl")
-                                  .Attr<int64_t>("debug"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(DecodeAttentionCudaPrefilledExecute, ExecutePrefilledImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::AnyBuffer>()  // out_init
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<float>("scale")
-                                  .Attr<int64_t>("chunk")
-                                  .Attr<int64_t>("splits")
-                                  .Attr<int64_t>("impl")
-                                  .Attr<int64_t>("debug"),
-                              {ffi::Traits::kCmdBufferCompatible});
+namespace jax_vmm::attention {
 
 void AddCudaTargets(FfiRegistry& registry) {
   registry.Add("jax_vmm_decode_attention", "CUDA",
                FfiRegistry::Stages{DecodeAttentionCudaInitialize, DecodeAttentionCudaExecute});
   registry.Add("jax_vmm_decode_attention_xla_workspace", "CUDA",
                DecodeAttentionCudaXlaWorkspaceExecute);
-  registry.Add("jax_vmm_decode_attention_prefilled", "CUDA",
-               FfiRegistry::Stages{DecodeAttentionCudaPrefilledInitialize,
-                                   DecodeAttentionCudaPrefilledExecute});
 }
 
 }  // namespace jax_vmm::attention

@@ -20,7 +20,43 @@ namespace jax_vmm::attention {
 namespace kernels {
 namespace {
 
-// Simple split kernel: one query head per block, CUDA cores, any head_dim.
+// Simple split kernel: one query head per block, CUDA cores, any head_dim. Shared memory:
+// q and the accumulator [D] each, the chunk's logits [chunk], the softmax state m, l,
+// alpha.
+struct SimpleShared {
+  float* qs;
+  float* acc;
+  float* logits;
+  float* st;
+};
+
+// Logits of tokens [t0, t0 + n) (warp w takes tokens w, w + 4, ...), in log2 units.
+template <typename T>
+__device__ __forceinline__ void SimpleLogits(const KernelParams& p, const T* kseq, int64_t tstride,
+                                             int t0, int n, const SimpleShared& sh) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  for (int i = warp; i < n; i += kWarps) {
+    const T* krow = kseq + static_cast<int64_t>(t0 + i) * tstride;
+    float dot = 0.f;
+    for (int d = lane; d < p.head_dim; d += 32) dot += sh.qs[d] * ToFloat(krow[d]);
+    dot = WarpSum(dot);
+    if (lane == 0) sh.logits[i] = dot * p.scale_log2;
+  }
+}
+
+// acc = alpha * acc + P V over tokens [t0, t0 + n) (thread d takes dims d, d + 128, ...).
+template <typename T>
+__device__ __forceinline__ void SimpleAccumulate(const KernelParams& p, const T* vseq,
+                                                 int64_t tstride, int t0, int n,
+                                                 const SimpleShared& sh) {
+  const float alpha = sh.st[2];
+  for (int d = threadIdx.x; d < p.head_dim; d += kThreads) {
+    float a = sh.acc[d] * alpha;
+    for (int i = 0; i < n; ++i)
+      a += sh.logits[i] * ToFloat(vseq[static_cast<int64_t>(t0 + i) * tstride + d]);
+    sh.acc[d] = a;
+  }
+}
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads) SplitKernelSimple(const KernelParams p) {
@@ -30,14 +66,9 @@ __global__ void __launch_bounds__(kThreads) SplitKernelSimple(const KernelParams
   if (s >= nchunks) return;
   const int D = p.head_dim;
   const int kvh = h / p.group;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
 
   extern __shared__ float smem[];
-  float* qs = smem;              // [D]
-  float* acc = qs + D;           // [D]
-  float* logits = acc + D;       // [chunk]
-  float* st = logits + p.chunk;  // m, l, alpha
-
+  const SimpleShared sh{smem, smem + D, smem + 2 * D, smem + 2 * D + p.chunk};
   const int64_t tstride = static_cast<int64_t>(p.kv_heads) * D;
   const T* kseq = static_cast<const T*>(p.k) + static_cast<int64_t>(b) * p.max_tokens * tstride +
                   static_cast<int64_t>(kvh) * D;
@@ -45,44 +76,32 @@ __global__ void __launch_bounds__(kThreads) SplitKernelSimple(const KernelParams
                   static_cast<int64_t>(kvh) * D;
   const T* qrow = static_cast<const T*>(p.q) + (static_cast<int64_t>(b) * p.q_heads + h) * D;
   for (int d = threadIdx.x; d < D; d += kThreads) {
-    qs[d] = ToFloat(qrow[d]);
-    acc[d] = 0.f;
+    sh.qs[d] = ToFloat(qrow[d]);
+    sh.acc[d] = 0.f;
   }
   if (threadIdx.x == 0) {
-    st[0] = -INFINITY;
-    st[1] = 0.f;
-    st[2] = 0.f;
+    sh.st[0] = -INFINITY;
+    sh.st[1] = 0.f;
+    sh.st[2] = 0.f;
   }
   __syncthreads();
 
   for (int c = s; c < nchunks; c += p.splits) {
     const int t0 = c * p.chunk;
     const int n = min(p.chunk, len - t0);
-    for (int i = warp; i < n; i += kWarps) {
-      const T* krow = kseq + static_cast<int64_t>(t0 + i) * tstride;
-      float dot = 0.f;
-      for (int d = lane; d < D; d += 32) dot += qs[d] * ToFloat(krow[d]);
-      dot = WarpSum(dot);
-      if (lane == 0) logits[i] = dot * p.scale_log2;
-    }
+    SimpleLogits<T>(p, kseq, tstride, t0, n, sh);
     __syncthreads();
-    if (warp == 0) ChunkSoftmax(logits, n, n, st, st + 1, st + 2, lane);
+    if (threadIdx.x < 32) ChunkSoftmax(sh.logits, n, n, sh.st, sh.st + 1, sh.st + 2, threadIdx.x);
     __syncthreads();
-    const float alpha = st[2];
-    for (int d = threadIdx.x; d < D; d += kThreads) {
-      float a = acc[d] * alpha;
-      for (int i = 0; i < n; ++i)
-        a += logits[i] * ToFloat(vseq[static_cast<int64_t>(t0 + i) * tstride + d]);
-      acc[d] = a;
-    }
+    SimpleAccumulate<T>(p, vseq, tstride, t0, n, sh);
     __syncthreads();
   }
 
   const int64_t pi = (static_cast<int64_t>(b) * p.q_heads + h) * p.splits + s;
-  for (int d = threadIdx.x; d < D; d += kThreads) p.ws_acc[pi * D + d] = acc[d];
+  for (int d = threadIdx.x; d < D; d += kThreads) p.ws_acc[pi * D + d] = sh.acc[d];
   if (threadIdx.x == 0) {
-    p.ws_m[pi] = st[0];
-    p.ws_l[pi] = st[1];
+    p.ws_m[pi] = sh.st[0];
+    p.ws_l[pi] = sh.st[1];
   }
 }
 

@@ -116,11 +116,6 @@ inline Plan MakePlan(const Shapes& s, int64_t parallel_units, int64_t chunk_over
   return p;
 }
 
-// Bits of the `debug` attribute (test-only switches that remove a protection, so tests
-// can show that they detect its absence).
-inline constexpr int64_t kDebugReadAllTokens = 1;  // CPU: also touch every token up to T
-inline constexpr int64_t kDebugSkipOutput = 2;     // write nothing to the output
-
 // Values of the `impl` attribute.
 // kTensorCoreOneTile: the tensor-core kernel with one tile in flight per warp (the
 // default loads two where registers allow); kept for benchmarking the choice.

@@ -6,7 +6,7 @@
 
 namespace jax_vmm::attention {
 
-// jax_vmm_decode_attention(_xla_workspace, _prefilled) on "cpu".
+// jax_vmm_decode_attention and jax_vmm_decode_attention_xla_workspace on "cpu".
 void AddCpuTargets(FfiRegistry& registry);
 
 #ifdef JAX_VMM_HAVE_CUDA_KERNELS

@@ -1,4 +1,4 @@
-// The CUDA device platform for graph-safe scratch (see scratch_internal.h). Only built
+// The CUDA device platform for graph-safe scratch (see device_platform.h). Only built
 // into modules with CUDA kernels; without them scratch serves host workspaces only.
 #include <cuda_runtime_api.h>
 
@@ -7,7 +7,7 @@
 
 #include "common/cuda_error.h"
 #include "jax_vmm/driver.h"
-#include "scratch/scratch_internal.h"
+#include "scratch/device_platform.h"
 
 namespace jax_vmm::scratch {
 namespace {

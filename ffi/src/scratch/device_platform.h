@@ -1,6 +1,6 @@
-// Private to the scratch implementation: what a device platform must provide so that
-// scratch.cc can serve workspaces on it. scratch.cc provides the host platform;
-// scratch_cuda.cc the CUDA one, installed by the module init in builds with CUDA kernels.
+// Private to scratch/: what a device platform must provide so that workspaces can be
+// served on it. host_platform.cc provides the host one; cuda_platform.cc the CUDA one,
+// installed by the module init in builds with CUDA kernels.
 #pragma once
 
 #include <cstddef>
@@ -8,6 +8,7 @@
 #include <string>
 
 #include "jax_vmm/driver.h"
+#include "jax_vmm/scratch.h"
 
 namespace jax_vmm::scratch::internal {
 
@@ -25,10 +26,20 @@ struct DevicePlatform {
   size_t alloc_granularity = 1;
 };
 
+// "host" or "cuda:N", for messages.
+inline std::string DeviceName(int device) {
+  return device == kHostDevice ? std::string("host") : "cuda:" + std::to_string(device);
+}
+
+// The platform serving `device` (kHostDevice or a CUDA ordinal), or nullptr and *error
+// (no CUDA platform in this build, a negative ordinal).
+const DevicePlatform* PlatformFor(int device, std::string* error);
+
+// Called once, before any workspace is served on a CUDA device.
 void RegisterCudaPlatform(const DevicePlatform& platform);
 
 #ifdef JAX_VMM_HAVE_CUDA_KERNELS
-// RegisterCudaPlatform() with the CUDA runtime's platform (scratch_cuda.cc). Called once
+// RegisterCudaPlatform() with the CUDA runtime's platform (cuda_platform.cc). Called once
 // from the module init.
 void InstallCudaPlatform();
 #endif
