@@ -11,6 +11,7 @@
 #include <atomic>
 #include <cstdint>
 #include <string>
+#include <utility>
 
 #include "common/cuda_error.h"
 #include "jax_vmm/scratch.h"
@@ -80,28 +81,27 @@ ffi::Error ProbeExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
   return ffi::Error::Success();
 }
 
+// Context, operand, results and attributes of both stages, after `b` (the stage).
+template <typename B>
+auto BindProbe(B&& b) {
+  return std::forward<B>(b)
+      .template Ctx<ffi::PlatformStream<cudaStream_t>>()
+      .template Ctx<ffi::DeviceOrdinal>()
+      .template Arg<ffi::AnyBuffer>()         // x
+      .template Ret<ffi::AnyBuffer>()         // y = x, through scratch
+      .template Ret<ffi::Buffer<ffi::S32>>()  // workspace address (lo, hi)
+      .template Attr<int64_t>("workspace_bytes")
+      .template Attr<bool>("reserve_at_initialize");
+}
+
 }  // namespace
 }  // namespace jax_vmm::testing
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxVmmScratchProbeCudaInitialize, jax_vmm::testing::ProbeInitialize,
-                              ffi::Ffi::BindInitialize()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Attr<int64_t>("workspace_bytes")
-                                  .Attr<bool>("reserve_at_initialize"));
+                              jax_vmm::testing::BindProbe(ffi::Ffi::BindInitialize()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxVmmScratchProbeCudaExecute, jax_vmm::testing::ProbeExecute,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Attr<int64_t>("workspace_bytes")
-                                  .Attr<bool>("reserve_at_initialize"),
+                              jax_vmm::testing::BindProbe(ffi::Ffi::Bind()),
                               {ffi::Traits::kCmdBufferCompatible});
 
 void jax_vmm::testing::AddProbeCudaTargets(FfiRegistry& registry) {

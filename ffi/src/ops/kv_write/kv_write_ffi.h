@@ -85,30 +85,30 @@ inline ffi::Error CheckStatusResult(const Dims& status_dims) {
   return ffi::Error::Success();
 }
 
-// Operands, results and attributes of the two custom calls, after the platform's
-// context arguments in `b` (none on the CPU, the stream on CUDA).
+// The operands both custom calls take, after the platform's context arguments in `b`
+// (none on the CPU, the stream on CUDA).
+template <typename B>
+auto BindOperands(B&& b) {
+  return std::forward<B>(b)
+      .template Arg<ffi::AnyBuffer>()          // k
+      .template Arg<ffi::AnyBuffer>()          // v
+      .template Arg<ffi::AnyBuffer>()          // new_k
+      .template Arg<ffi::AnyBuffer>()          // new_v
+      .template Arg<ffi::Buffer<ffi::S32>>();  // slots
+}
+
 template <typename B>
 auto BindWrite(B&& b) {
-  return std::forward<B>(b)
-      .template Arg<ffi::AnyBuffer>()         // k
-      .template Arg<ffi::AnyBuffer>()         // v
-      .template Arg<ffi::AnyBuffer>()         // new_k
-      .template Arg<ffi::AnyBuffer>()         // new_v
-      .template Arg<ffi::Buffer<ffi::S32>>()  // slots
-      .template Ret<ffi::AnyBuffer>()         // k (aliases operand 0)
-      .template Ret<ffi::AnyBuffer>()         // v (aliases operand 1)
+  return BindOperands(std::forward<B>(b))
+      .template Ret<ffi::AnyBuffer>()  // k (aliases operand 0)
+      .template Ret<ffi::AnyBuffer>()  // v (aliases operand 1)
       .template Attr<uint64_t>("dest_k")
       .template Attr<uint64_t>("dest_v");
 }
 
 template <typename B>
 auto BindWriteThrough(B&& b) {
-  return std::forward<B>(b)
-      .template Arg<ffi::AnyBuffer>()         // k
-      .template Arg<ffi::AnyBuffer>()         // v
-      .template Arg<ffi::AnyBuffer>()         // new_k
-      .template Arg<ffi::AnyBuffer>()         // new_v
-      .template Arg<ffi::Buffer<ffi::S32>>()  // slots
+  return BindOperands(std::forward<B>(b))
       .template Ret<ffi::Buffer<ffi::S32>>()  // status (2, n)
       .template Attr<bool>("require_arena")
       .template Attr<uint64_t>("dest_k")
