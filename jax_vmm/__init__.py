@@ -15,7 +15,6 @@ from .arena import Arena, Buffer  # noqa: E402
 from .errors import (  # noqa: E402
     ArenaClosedError,
     DriverError,
-    InjectedFault,
     OutOfBoundsWrite,
     OutOfMemoryError,
     ReservationFullError,
@@ -31,7 +30,6 @@ __all__ = [
     "kv_arena",
     "ArenaClosedError",
     "DriverError",
-    "InjectedFault",
     "OutOfBoundsWrite",
     "OutOfMemoryError",
     "ReservationFullError",

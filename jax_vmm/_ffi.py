@@ -1,37 +1,80 @@
-"""Registers jax_vmm's XLA FFI handlers with JAX, once, on first use."""
+"""Registers jax_vmm's XLA FFI targets with JAX: one ``register()`` for every op wrapper.
+
+The compiled modules hand their targets over as ``registrations(platform)`` dicts
+(``{name: capsule | {stage: capsule}}``, platform ``"cpu"`` or ``"CUDA"``). The production
+targets come from ``_core.registrations``; ``jax_vmm.testing`` adds the test-only ones of
+``_core.testing`` with :func:`add_source`.
+"""
 
 from __future__ import annotations
 
 import threading
+from typing import Callable
 
 import jax
 
 from ._loader import core as _core
 
+Registrations = Callable[[str], dict]
+
 _lock = threading.Lock()
-_registered: set[str] = set()
+_sources: list[Registrations] = [_core.registrations]
+_done: set[tuple[int, str]] = set()  # (index into _sources, platform) already registered
+_registered: list[str] = []  # "platform:name", for registered_targets()
+_complete = False  # every source registered on every platform: the fast path
 
 
-def ensure_registered() -> None:
-    """Register every handler compiled into ``_core`` for its platform.
+def _has_cuda_backend() -> bool:
+    try:
+        return bool(jax.devices("cuda"))
+    except RuntimeError:  # no CUDA backend in this process
+        return False
 
-    Called lazily by the op wrappers (kv_write, decode_attention) rather than at import:
-    the CPU backend must have started before FFI targets are registered on it, and a
-    CUDA handler is only registered when JAX has a CUDA backend.
+
+def _platforms() -> list[str]:
+    # jax.devices() starts the backends: on the CPU platform FFI targets must be
+    # registered only after the backend started.
+    jax.devices()
+    return ["cpu", "CUDA"] if _has_cuda_backend() else ["cpu"]
+
+
+def register() -> None:
+    """Register every FFI target of every source with JAX, once per target and platform:
+    the CPU always, CUDA when JAX has a CUDA backend.
+
+    Op wrappers call it right before ``jax.ffi.ffi_call`` rather than at import, because
+    the CPU backend must have started before targets are registered on it. Thread-safe.
     """
-    if _registered:
+    global _complete
+    if _complete:
         return
     with _lock:
-        if _registered:
+        if _complete:
             return
-        platforms = {d.platform for d in jax.devices()} | {"cpu"}
-        for name, platform, capsule in _core.registrations():
-            if platform == "CUDA" and not ({"gpu", "cuda"} & platforms):
-                continue
-            jax.ffi.register_ffi_target(name, capsule, platform=platform)
-            _registered.add(f"{platform}:{name}")
-        _registered.add("done")
+        platforms = _platforms()
+        for i, source in enumerate(_sources):
+            for platform in platforms:
+                if (i, platform) in _done:
+                    continue
+                for name, handler in source(platform).items():
+                    target = dict(handler) if isinstance(handler, dict) else handler
+                    jax.ffi.register_ffi_target(name, target, platform=platform)
+                    _registered.append(f"{platform}:{name}")
+                _done.add((i, platform))
+        _complete = True
+
+
+def add_source(registrations: Registrations) -> None:
+    """Make :func:`register` also register the targets of ``registrations(platform)``
+    (used by ``jax_vmm.testing`` for ``_core.testing.registrations``). Idempotent."""
+    global _complete
+    with _lock:
+        if registrations not in _sources:
+            _sources.append(registrations)
+            _complete = False
 
 
 def registered_targets() -> list[str]:
-    return sorted(t for t in _registered if t != "done")
+    """``"platform:name"`` of every target registered so far."""
+    with _lock:
+        return sorted(_registered)

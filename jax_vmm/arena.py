@@ -56,6 +56,17 @@ def _as_shape(shape: Any) -> tuple[int, ...]:
     return dims
 
 
+def _create_core_arena(driver: str, ordinal: int, reserve_bytes: int, chunk_bytes: int) -> Any:
+    return _core.create_arena(driver, ordinal, reserve_bytes, chunk_bytes)
+
+
+#: Makes the C++ arena behind every :class:`Arena` (and so every ``kv_arena``):
+#: ``(driver, ordinal, reserve_bytes, chunk_bytes) -> core arena``. The one seam for test
+#: hooks: ``jax_vmm.testing.fault_injection()`` replaces it for the duration of its
+#: with-block; nothing else should.
+_core_arena_factory = _create_core_arena
+
+
 class _DLPackCapsule:
     """Presents a DLPack capsule from the core through the ``__dlpack__`` protocol that
     ``jax.dlpack.from_dlpack`` expects. Single use, like the capsule."""
@@ -199,8 +210,8 @@ class Arena:
         if chunk_bytes is not None and chunk == 0:
             raise ValueError("chunk_bytes must be > 0 (or None for the default)")
         self._target: DeviceTarget = resolve_device(device)
-        self._handle = _core.create_arena(self._target.driver, self._target.ordinal,
-                                          reserve_bytes, chunk)
+        self._handle = _core_arena_factory(self._target.driver, self._target.ordinal,
+                                           reserve_bytes, chunk)
         self._lock = threading.Lock()
         self._buffers: list[Buffer] = []
         log.debug("reserved %d bytes on %s at 0x%x", self._handle.reserved_bytes,
@@ -289,15 +300,6 @@ class Arena:
     def _check_open(self, op: str) -> None:
         if self._handle.closed:
             raise ArenaClosedError(f"{op}: the arena is closed; create a new arena")
-
-    # -- test hooks ------------------------------------------------------------------
-    def inject_fault(self, op: str, nth: int = 1, out_of_memory: bool = False) -> None:
-        """Test hook: make the ``nth`` future driver call of ``op`` ('create', 'map',
-        'set_access') fail, as an InjectedFault or (create only) an out-of-memory."""
-        self._handle.inject_fault(op, nth, out_of_memory)
-
-    def disarm_faults(self) -> None:
-        self._handle.disarm_faults()
 
     def __repr__(self) -> str:
         s = self._handle.stats()

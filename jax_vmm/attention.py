@@ -10,15 +10,15 @@ are not committed at all -- are never read. See docs/attention.md.
 
 from __future__ import annotations
 
+import dataclasses
 import math
-import threading
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._ffi import ensure_registered
+from ._ffi import register
 from ._loader import core as _core
 from .scratch import reserve as _scratch_reserve
 
@@ -26,20 +26,13 @@ __all__ = ["decode_attention", "reference_decode_attention", "attention_plan", "
 
 _TARGET = "jax_vmm_decode_attention"
 _TARGET_XLA_WORKSPACE = "jax_vmm_decode_attention_xla_workspace"
-_TARGET_PREFILLED = "jax_vmm_decode_attention_prefilled"
 _IMPLS = {"auto": 0, "tensor_core": 1, "simple": 2, "tensor_core_u1": 3}
 _WORKSPACES = ("scratch", "xla")
 _DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.float32))
 _TENSOR_CORE_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 _TENSOR_CORE_HEAD_DIMS = (64, 128, 256)
-_CPU_PARALLEL_UNITS = 8  # kCpuParallelUnits in ffi/src/attention_plan.h
-DEBUG_READ_ALL_TOKENS = 1  # kDebugReadAllTokens
-DEBUG_SKIP_OUTPUT = 2  # kDebugSkipOutput
+_CPU_PARALLEL_UNITS = 8  # kCpuParallelUnits in ffi/src/ops/attention/attention_plan.h
 _DEFAULT_SM_COUNT = 132  # H100/H200, when JAX does not report core_count
-
-_cuda_lock = threading.Lock()
-_cuda_registered = False
-
 
 def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, *,
                      scale: float | None = None) -> jax.Array:
@@ -69,21 +62,44 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arra
 
 def _decode_attention(q: Any, k: Any, v: Any, lengths: Any, *, scale: float | None = None,
                       chunk: int = 0, splits: int = 0, impl: str = "auto",
-                      workspace: str = "scratch", debug: int = 0,
-                      out_init: Any = None) -> jax.Array:
+                      workspace: str = "scratch") -> jax.Array:
     """decode_attention with the knobs that tests and benchmarks need.
 
     chunk / splits: force the split-K plan (0 = automatic). impl: "auto",
     "tensor_core", "tensor_core_u1" (one tile in flight per warp) or "simple" (CUDA
     kernel choice; the CPU has one). workspace: "scratch" keeps the
     split partials in jax_vmm's graph-safe scratch (grown at the FFI initialize stage);
-    "xla" makes them a second, discarded output that XLA allocates. debug (tests only:
-    flags that remove a protection, so tests can show that they notice):
-    DEBUG_READ_ALL_TOKENS (CPU) also touches every token up to T; DEBUG_SKIP_OUTPUT
-    writes no output. out_init (tests): an array of q's shape and dtype that becomes the
-    output buffer before the kernel runs (aliased), e.g. NaN, to show that every output
-    element is written.
+    "xla" makes them a second, discarded output that XLA allocates.
     """
+    call = _prepare(q, k, v, lengths, scale=scale, chunk=chunk, splits=splits, impl=impl,
+                    workspace=workspace)
+    if call is None:
+        return jnp.zeros(jnp.shape(q), jnp.asarray(q).dtype)
+    if workspace == "scratch":
+        ffi = jax.ffi.ffi_call(_TARGET, call.out_type, vmap_method="sequential")
+        return ffi(*call.operands, **call.attrs)
+    ws_type = jax.ShapeDtypeStruct((call.plan["workspace_bytes"],), jnp.uint8)
+    ffi = jax.ffi.ffi_call(_TARGET_XLA_WORKSPACE, (call.out_type, ws_type),
+                           vmap_method="sequential")
+    return ffi(*call.operands, **call.attrs)[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Call:
+    """One validated call: operands (q, k, v, int32 lengths), the FFI attributes, the
+    output type, the plan and the device it is planned for."""
+
+    operands: tuple
+    attrs: dict
+    out_type: jax.ShapeDtypeStruct
+    plan: dict
+    device: jax.Device
+
+
+def _prepare(q: Any, k: Any, v: Any, lengths: Any, *, scale: float | None, chunk: int,
+             splits: int, impl: str, workspace: str) -> _Call | None:
+    """Validates a call and registers the targets; None for an empty batch (the result is
+    then all zeros without a custom call). Shared with jax_vmm.testing's variant."""
     q, k, v = (x if isinstance(x, jax.Array) else jnp.asarray(x) for x in (q, k, v))
     lengths = jnp.asarray(lengths)
     B, Hq, D, T, Hkv = _check(q, k, v, lengths)
@@ -105,10 +121,10 @@ def _decode_attention(q: Any, k: Any, v: Any, lengths: Any, *, scale: float | No
         raise ValueError(f"scale must be finite, got {scale}")
     lengths = lengths.astype(jnp.int32)
     if B == 0:
-        return jnp.zeros(q.shape, q.dtype)
+        return None
 
     device, units = _target(q, k, v, lengths)
-    _ensure_registered(device.platform)
+    _register(device.platform)
     plan = attention_plan(B, T, Hq, Hkv, D, parallel_units=units, chunk=chunk, splits=splits)
     if device.platform != "cpu" and workspace == "scratch":
         # Belt and braces: the handler grows the scratch at XLA's initialize stage, which
@@ -116,24 +132,8 @@ def _decode_attention(q: Any, k: Any, v: Any, lengths: Any, *, scale: float | No
         # handler falls back to the device's default workspace, sized here.
         _scratch_reserve(plan["workspace_bytes"], device)
     attrs = dict(scale=np.float32(scale), chunk=np.int64(plan["chunk"]),
-                 splits=np.int64(plan["splits"]), impl=np.int64(_IMPLS[impl]),
-                 debug=np.int64(debug))
-    out_type = jax.ShapeDtypeStruct(q.shape, q.dtype)
-    if out_init is not None:
-        out_init = jnp.asarray(out_init)
-        if out_init.shape != q.shape or out_init.dtype != q.dtype:
-            raise ValueError(f"out_init must match q: {q.shape} {q.dtype}, got {out_init.shape} {out_init.dtype}")
-        if workspace != "scratch":
-            raise ValueError("out_init is only supported with workspace='scratch'")
-        call = jax.ffi.ffi_call(_TARGET_PREFILLED, out_type, vmap_method="sequential",
-                                input_output_aliases={4: 0})
-        return call(q, k, v, lengths, out_init, **attrs)
-    if workspace == "scratch":
-        call = jax.ffi.ffi_call(_TARGET, out_type, vmap_method="sequential")
-        return call(q, k, v, lengths, **attrs)
-    ws_type = jax.ShapeDtypeStruct((plan["workspace_bytes"],), jnp.uint8)
-    call = jax.ffi.ffi_call(_TARGET_XLA_WORKSPACE, (out_type, ws_type), vmap_method="sequential")
-    return call(q, k, v, lengths, **attrs)[0]
+                 splits=np.int64(plan["splits"]), impl=np.int64(_IMPLS[impl]))
+    return _Call((q, k, v, lengths), attrs, jax.ShapeDtypeStruct(q.shape, q.dtype), plan, device)
 
 
 def _check(q: jax.Array, k: jax.Array, v: jax.Array,
@@ -193,25 +193,10 @@ def _target(*arrays: jax.Array) -> tuple[jax.Device, int]:
     return device, int(getattr(device, "core_count", 0) or _DEFAULT_SM_COUNT)
 
 
-def _has_cuda_backend() -> bool:
-    try:
-        return bool(jax.devices("cuda"))
-    except RuntimeError:  # no CUDA backend in this process
-        return False
-
-
-def _ensure_registered(platform: str) -> None:
-    """Registers the CPU targets (the lead's registry) and, whenever JAX has a CUDA
-    backend, the CUDA handler bundles (initialize + execute stages)."""
-    global _cuda_registered
-    ensure_registered()
-    if not _cuda_registered:
-        with _cuda_lock:
-            if not _cuda_registered and _has_cuda_backend():
-                for name, bundle in _core.attention_cuda_bundles().items():
-                    jax.ffi.register_ffi_target(name, dict(bundle), platform="CUDA")
-                _cuda_registered = True
-    if platform != "cpu" and not _core.attention_cuda_bundles():
+def _register(platform: str) -> None:
+    """Registers jax_vmm's targets; on a GPU the module must have its CUDA kernels."""
+    register()
+    if platform != "cpu" and not _core.built_with_cuda_kernels:
         raise RuntimeError(
             "decode_attention on a GPU needs jax_vmm built with CUDA kernels "
             "(jax_vmm._core.built_with_cuda_kernels is False): reinstall with nvcc on PATH, "

@@ -14,8 +14,6 @@ ArenaClosedError = _core.ArenaClosedError
 ReservationFullError = _core.ReservationFullError
 #: The OS or the CUDA driver failed (not for lack of memory), or a device lacks VMM.
 DriverError = _core.DriverError
-#: A driver call failed because the fault-injection test hook told it to.
-InjectedFault = _core.InjectedFault
 #: Physical memory could not be committed. Subclass of ``MemoryError`` with
 #: ``requested_bytes`` and ``free_bytes`` attributes; the arena is left unchanged.
 OutOfMemoryError = _core.OutOfMemoryError
@@ -34,7 +32,6 @@ __all__ = [
     "ArenaClosedError",
     "ReservationFullError",
     "DriverError",
-    "InjectedFault",
     "OutOfMemoryError",
     "OutOfBoundsWrite",
 ]

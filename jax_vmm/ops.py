@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._ffi import ensure_registered
+from ._ffi import register
 from ._loader import core as _core
 
 __all__ = ["KVDest", "kv_write", "kv_write_through", "kv_write_stats", "reset_kv_write_stats",
@@ -51,8 +51,18 @@ __all__ = ["KVDest", "kv_write", "kv_write_through", "kv_write_stats", "reset_kv
 #: Per-token status codes returned by :func:`kv_write_through`.
 PADDING, WRITTEN, DROPPED_OUT_OF_RANGE, DROPPED_UNBACKED = 0, 1, 2, 3
 
-_THROUGH = "jax_vmm_kv_write_through"
-_WRITE = "jax_vmm_kv_write"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Targets:
+    write: str = "jax_vmm_kv_write"
+    through: str = "jax_vmm_kv_write_through"
+
+
+#: The FFI targets the wrappers call. ``jax_vmm.testing.unchecked_kv_writes()`` swaps in
+#: the testing layer's unchecked variants for the duration of its with-block (the one
+#: seam for that test hook); nothing else should.
+_targets = _Targets()
 
 
 def _shape_dtype(x: Any, name: str) -> tuple[tuple[int, ...], np.dtype]:
@@ -165,9 +175,9 @@ def kv_write(k: jax.Array, v: jax.Array, new_k: jax.Array, new_v: jax.Array,
     attrs = _dest_attrs("kv_write", k, v, dest)
     if n == 0:
         return k, v
-    ensure_registered()
+    register()
     out = jax.ffi.ffi_call(
-        _WRITE,
+        _targets.write,
         (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
         input_output_aliases={0: 0, 1: 1})(k, v, new_k, new_v, slots, **attrs)
     return out[0], out[1]
@@ -187,8 +197,8 @@ def kv_write_through(k: jax.Array, v: jax.Array, new_k: jax.Array, new_v: jax.Ar
     attrs = _dest_attrs("kv_write_through", k, v, dest)
     if n == 0:
         return jnp.zeros((2, 0), jnp.int32)
-    ensure_registered()
-    return jax.ffi.ffi_call(_THROUGH, jax.ShapeDtypeStruct((2, n), jnp.int32))(
+    register()
+    return jax.ffi.ffi_call(_targets.through, jax.ShapeDtypeStruct((2, n), jnp.int32))(
         k, v, new_k, new_v, slots, require_arena=True, **attrs)
 
 
@@ -210,9 +220,3 @@ def reset_kv_write_stats() -> None:
     """Zero every kv_write counter (waits for the devices)."""
     _core.kv_write_reset_stats()
 
-
-def set_debug_unchecked_writes(enabled: bool) -> None:
-    """TEST ONLY. When on, the kv_write handlers skip the slot range and page checks
-    and writes wherever a slot points: out-of-range slots corrupt neighbouring memory and
-    unbacked pages fault. Tests use it to show that their checks notice."""
-    _core.kv_write_set_debug_unchecked(bool(enabled))

@@ -1,4 +1,4 @@
-"""Graph-safe scratch workspaces: statistics, mode selection and a test probe.
+"""Graph-safe scratch workspaces: statistics, mode selection and reservation.
 
 Custom calls get a per (device, stream) workspace from the C++ API in
 ``ffi/include/jax_vmm/scratch.h``. Its address stays valid for every CUDA graph that
@@ -7,30 +7,22 @@ tail); in ``"retire"`` mode a larger block replaces it and the old block is kept
 life of the process. A workspace never grows while its stream is capturing a graph: size
 it before capture (the handler's kInitialize stage, or :func:`reserve`).
 
-``scratch_probe`` is a test-only custom call that copies its input through a workspace,
-so the graph hazard can be tested without a real consumer.
+The test-only probe custom call and the free-on-growth emulation are in
+:mod:`jax_vmm.testing`.
 """
 
 from __future__ import annotations
 
-import threading
 from typing import Literal
 
 import jax
-import jax.numpy as jnp
 
-from ._ffi import ensure_registered
 from ._loader import core as _core
 
 __all__ = ["scratch_stats", "set_scratch_mode", "get_scratch_mode", "reserve",
-           "set_reserve_bytes", "get_reserve_bytes", "set_debug_free_on_growth",
-           "debug_free_on_growth", "scratch_probe", "scratch_probe_stats", "address_of"]
+           "set_reserve_bytes", "get_reserve_bytes"]
 
 Mode = Literal["default", "grow", "retire"]
-
-_PROBE = "jax_vmm_scratch_probe"
-_probe_lock = threading.Lock()
-_probe_cuda_registered = False
 
 
 def scratch_stats() -> list[dict]:
@@ -40,9 +32,9 @@ def scratch_stats() -> list[dict]:
     ``generation``/``current`` (a mode change retires the current workspaces), ``mode``
     ("grow" or "retire"), ``address``, ``capacity``, ``reserved_bytes``, ``backed_bytes``
     (including retired blocks), ``retired_blocks``, ``retired_bytes``, ``growth_events``
-    (every capacity increase, the first allocation included), ``freed_blocks`` (debug
-    switch only), ``capture_refusals`` and ``fallback_reason`` (why "default" chose
-    "retire").
+    (every capacity increase, the first allocation included), ``freed_blocks`` (0 unless
+    ``jax_vmm.testing.free_scratch_on_growth()`` emulates the bug), ``capture_refusals``
+    and ``fallback_reason`` (why "default" chose "retire").
     """
     return list(_core.scratch_stats())
 
@@ -92,66 +84,3 @@ def reserve(nbytes: int, device: jax.Device | None = None) -> None:
     if int(nbytes) <= 0:
         raise ValueError(f"nbytes must be > 0, got {nbytes}")
     _core.scratch_reserve(_ordinal(device), int(nbytes))
-
-
-def set_debug_free_on_growth(enabled: bool) -> None:
-    """TEST ONLY. When on, growth moves the workspace and frees the outgrown block at
-    once (the bug graph-safe scratch exists to prevent): a graph captured before the
-    growth then replays into freed memory. Tests use it to show they can see that."""
-    _core.scratch_set_debug_free_on_growth(bool(enabled))
-
-
-def debug_free_on_growth() -> bool:
-    return bool(_core.scratch_debug_free_on_growth())
-
-
-def _ensure_probe_registered() -> None:
-    global _probe_cuda_registered
-    ensure_registered()
-    if _probe_cuda_registered:
-        return
-    with _probe_lock:
-        if _probe_cuda_registered:
-            return
-        handlers = _core.scratch_probe_cuda_handlers()
-        if handlers is not None and any(d.platform in ("gpu", "cuda") for d in jax.devices()):
-            # Two stages: kInitialize reserves the workspace outside capture.
-            jax.ffi.register_ffi_target(_PROBE, handlers, platform="CUDA")
-        _probe_cuda_registered = True
-
-
-def scratch_probe(x: jax.Array, workspace_bytes: int | None = None, *,
-                  reserve_at: Literal["initialize", "trace"] = "initialize",
-                  device: jax.Device | None = None) -> tuple[jax.Array, jax.Array]:
-    """TEST ONLY: ``y = x`` copied through a scratch workspace of ``workspace_bytes``
-    (default ``x.nbytes``). Returns ``(y, address)``: ``address`` is the int32 ``(lo, hi)``
-    pair of the workspace pointer the call used (see :func:`address_of`).
-
-    ``reserve_at`` says where the workspace is sized before any capture: "initialize"
-    (the CUDA handler's kInitialize stage reserves it on its stream) or "trace" (this
-    function calls :func:`reserve` for ``device`` now, at trace time)."""
-    nbytes = int(x.size) * jnp.dtype(x.dtype).itemsize
-    ws = nbytes if workspace_bytes is None else int(workspace_bytes)
-    if ws < nbytes:
-        raise ValueError(f"workspace_bytes={ws} is smaller than the input ({nbytes} bytes)")
-    if reserve_at not in ("initialize", "trace"):
-        raise ValueError(f"reserve_at must be 'initialize' or 'trace', got {reserve_at!r}")
-    _ensure_probe_registered()
-    if reserve_at == "trace":
-        reserve(ws, device)
-    y, addr = jax.ffi.ffi_call(
-        _PROBE, (jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct((2,), jnp.int32)),
-    )(x, workspace_bytes=ws, reserve_at_initialize=reserve_at == "initialize")
-    return y, addr
-
-
-def scratch_probe_stats() -> dict:
-    """TEST ONLY: host invocations of the probe: ``calls``, ``captured_calls`` (made while
-    a CUDA graph was captured) and ``initialize_calls`` (CUDA kInitialize stage)."""
-    return dict(_core.scratch_probe_stats())
-
-
-def address_of(addr: jax.Array) -> int:
-    """The pointer from a :func:`scratch_probe` ``address`` result."""
-    lo, hi = (int(a) & 0xFFFFFFFF for a in jax.device_get(addr))
-    return (hi << 32) | lo

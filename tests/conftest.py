@@ -5,7 +5,8 @@ CUDA GPU with VMM support when there is one (those params carry ``@pytest.mark.g
 ``gpu_device`` is for GPU-only tests and skips cleanly without a CUDA GPU.
 
 The ``vm`` fixture builds arenas/KV arenas on ``device``, closes them after the test, and
-checks backing against an independent oracle: on the host, ``/proc/self/maps`` plus the
+checks backing against an independent oracle (with the ``faults`` fixture, the arenas it
+builds can be made to fail driver calls): on the host, ``/proc/self/maps`` plus the
 memfd's allocated blocks (tests/oracles/maps_oracle.py); on a GPU, the CUDA driver's own answer
 per chunk through cuda-python (tests/oracles/cuda_oracle.py, when importable).
 """
@@ -25,6 +26,7 @@ import numpy as np
 import pytest
 
 import jax_vmm
+import jax_vmm.testing
 from jax_vmm._loader import core as _core
 
 # The oracles are plain modules imported by name, by the tests and by test files run as
@@ -298,6 +300,14 @@ def vm(device) -> Harness:
     h = Harness(device)
     yield h
     h.close_all()
+
+
+@pytest.fixture
+def faults() -> jax_vmm.testing.FaultInjection:
+    """Arenas the test creates (``vm.arena``, ``vm.kv``, ``jax_vmm.Arena``) get a
+    fault-injecting driver; arm it with ``faults.arm(arena, op, nth)``."""
+    with jax_vmm.testing.fault_injection() as f:
+        yield f
 
 
 @pytest.fixture

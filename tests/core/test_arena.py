@@ -15,6 +15,7 @@ import pytest
 import jax_vmm
 import maps_oracle as mo
 from conftest import chunk_range, pattern, read_bytes, stable_stats, write_bytes
+from jax_vmm.testing import InjectedFault
 
 # -- placement and views ------------------------------------------------------------------
 
@@ -364,15 +365,16 @@ FAULTS = (
 
 
 @pytest.mark.parametrize("op,nth", FAULTS)
-def test_failed_commit_leaves_everything_as_before(vm, op, nth):
+def test_failed_commit_leaves_everything_as_before(vm, faults, op, nth):
     arena, bufs, ranges, after = _multi_run_setup(vm)
     before = vm.snapshot(arena, bufs)
     s0 = arena.stats()
-    arena.inject_fault(op, nth)
-    with pytest.raises(jax_vmm.InjectedFault, match=op):
+    injected0 = faults.injected(arena)
+    faults.arm(arena, op, nth)
+    with pytest.raises(InjectedFault, match=op):
         arena._handle.commit_ranges(ranges)
     s1 = arena.stats()
-    assert s1["injected_faults"] == s0["injected_faults"] + 1  # the fault did fire
+    assert faults.injected(arena) == injected0 + 1  # the fault did fire
     assert s1["failed_commits"] == s0["failed_commits"] + 1
     assert vm.snapshot(arena, bufs) == before
     # The hook is spent: the same commit now succeeds and data is intact.
@@ -386,31 +388,31 @@ def test_failed_commit_leaves_everything_as_before(vm, op, nth):
 
 
 @pytest.mark.parametrize("op", ["create", "map", "set_access"])
-def test_failed_single_buffer_commit_rolls_back(vm, op):
+def test_failed_single_buffer_commit_rolls_back(vm, faults, op):
     c = vm.chunk
     arena = vm.arena(8 * c)
     buf = arena.allocate(6 * c, jnp.uint8)
     buf.commit(2 * c, 3 * c)
     before = vm.snapshot(arena, [buf])
-    arena.inject_fault(op, 2)
-    with pytest.raises(jax_vmm.InjectedFault):
+    faults.arm(arena, op, 2)
+    with pytest.raises(InjectedFault):
         buf.commit()
     assert vm.snapshot(arena, [buf]) == before
     assert buf.commit() == 5 * c
     vm.assert_backed(arena, [chunk_range(buf, 0, 6)])
 
 
-def test_fault_armed_past_the_last_call_does_not_fire(vm):
+def test_fault_armed_past_the_last_call_does_not_fire(vm, faults):
     arena, bufs, ranges, after = _multi_run_setup(vm)
-    arena.inject_fault("create", 13)  # this commit makes 12
+    faults.arm(arena, "create", 13)  # this commit makes 12
     assert arena._handle.commit_ranges(ranges) == 12 * vm.chunk
-    assert arena.stats()["injected_faults"] == 0
-    arena.disarm_faults()
+    assert faults.injected(arena) == 0
+    faults.disarm(arena)
     bufs[0].commit()  # would have been the 13th create
-    assert arena.stats()["injected_faults"] == 0
+    assert faults.injected(arena) == 0
 
 
-def test_the_rollback_check_sees_a_leaked_chunk(host_vm):
+def test_the_rollback_check_sees_a_leaked_chunk(host_vm, faults):
     """The snapshot comparison above is sensitive to what a broken rollback leaves:
     a fault at map #5 strikes after chunks 0..3 were created and mapped. Backing exactly
     those chunks (what a rollback that forgot them would leave) must fail the check."""
@@ -418,8 +420,8 @@ def test_the_rollback_check_sees_a_leaked_chunk(host_vm):
     arena = host_vm.arena(8 * c)
     buf = arena.allocate(6 * c, jnp.uint8)
     before = host_vm.snapshot(arena, [buf])
-    arena.inject_fault("map", 5)
-    with pytest.raises(jax_vmm.InjectedFault):
+    faults.arm(arena, "map", 5)
+    with pytest.raises(InjectedFault):
         buf.commit()
     assert host_vm.snapshot(arena, [buf]) == before
     buf.commit(0, 4 * c)  # the state at the moment of the fault
@@ -430,22 +432,21 @@ def test_the_rollback_check_sees_a_leaked_chunk(host_vm):
 
 
 @pytest.mark.parametrize("op", ["create", "map", "set_access"])
-def test_rollback_protection_is_what_keeps_the_state(host_vm, op):
-    """With the arena's rollback switched off (a C++ debug switch), the same failed
-    commit leaves chunks behind and the checks of the rollback tests fail."""
+def test_rollback_protection_is_what_keeps_the_state(host_vm, faults, op):
+    """With the rollback's release and unmap calls broken (the testing layer's
+    fault-injecting driver), the same failed commit leaves chunks behind and the checks
+    of the rollback tests fail."""
     c = host_vm.chunk
     arena = host_vm.arena(8 * c)
-    if not hasattr(arena._handle, "set_debug_skip_rollback"):
-        pytest.skip("needs the core's Arena.set_debug_skip_rollback debug switch")
     buf = arena.allocate(6 * c, jnp.uint8)
     before = host_vm.snapshot(arena, [buf])
-    arena._handle.set_debug_skip_rollback(True)
+    faults.break_release(arena)
     try:
-        arena.inject_fault(op, 3 if op != "set_access" else 1)
-        with pytest.raises(jax_vmm.InjectedFault):
+        faults.arm(arena, op, 3 if op != "set_access" else 1)
+        with pytest.raises(InjectedFault):
             buf.commit()
     finally:
-        arena._handle.set_debug_skip_rollback(False)
+        faults.disarm(arena)
     after = host_vm.snapshot(arena, [buf])
     with pytest.raises(AssertionError):
         assert after == before
@@ -456,10 +457,10 @@ def test_rollback_protection_is_what_keeps_the_state(host_vm, op):
 # -- out of memory ------------------------------------------------------------------------------
 
 
-def test_out_of_memory_raises_memory_error_and_changes_nothing(vm):
+def test_out_of_memory_raises_memory_error_and_changes_nothing(vm, faults):
     arena, bufs, ranges, _ = _multi_run_setup(vm)
     before = vm.snapshot(arena, bufs)
-    arena.inject_fault("create", 3, out_of_memory=True)
+    faults.arm(arena, "create", 3, out_of_memory=True)
     with pytest.raises(MemoryError) as info:
         arena._handle.commit_ranges(ranges)
     e = info.value
@@ -473,22 +474,22 @@ def test_out_of_memory_raises_memory_error_and_changes_nothing(vm):
     assert arena._handle.commit_ranges(ranges) == 12 * vm.chunk
 
 
-def test_out_of_memory_through_buffer_commit(vm):
+def test_out_of_memory_through_buffer_commit(vm, faults):
     c = vm.chunk
     arena = vm.arena(8 * c)
     buf = arena.allocate(4 * c, jnp.uint8, name="kcache")
-    arena.inject_fault("create", 1, out_of_memory=True)
+    faults.arm(arena, "create", 1, out_of_memory=True)
     with pytest.raises(jax_vmm.OutOfMemoryError):
         buf.commit()
     assert buf.backed_bytes == 0 and arena.stats()["failed_commits"] == 1
     vm.assert_backed(arena, [])
 
 
-def test_out_of_memory_names_the_buffer_and_the_bytes_asked(vm):
+def test_out_of_memory_names_the_buffer_and_the_bytes_asked(vm, faults):
     c = vm.chunk
     arena = vm.arena(8 * c)
     buf = arena.allocate(4 * c, jnp.uint8, name="kcache")
-    arena.inject_fault("create", 2, out_of_memory=True)
+    faults.arm(arena, "create", 2, out_of_memory=True)
     with pytest.raises(jax_vmm.OutOfMemoryError) as info:
         buf.commit()
     assert "'kcache'" in str(info.value)

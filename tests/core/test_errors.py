@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import pytest
 
 import jax_vmm
+import jax_vmm.testing
 from jax_vmm._loader import core as _core
 
 DOC = pathlib.Path(__file__).resolve().parents[2] / "docs" / "errors.md"
@@ -129,14 +130,28 @@ def _too_many_buffers(ctx: Ctx) -> None:
         arena.allocate(1, jnp.uint8)
 
 
+def _fault_injecting_arena(ctx: Ctx) -> tuple[jax_vmm.Arena, jax_vmm.testing.FaultInjection]:
+    with jax_vmm.testing.fault_injection() as faults:
+        return ctx.vm.arena(8 * ctx.c), faults
+
+
+def _unknown_op(ctx: Ctx) -> None:
+    arena, faults = _fault_injecting_arena(ctx)
+    faults.arm(arena, "mmap", 1)
+
+
 def _oom(ctx: Ctx) -> None:
-    ctx.arena.inject_fault("create", 1, out_of_memory=True)
-    ctx.buf.commit()
+    arena, faults = _fault_injecting_arena(ctx)
+    buf = arena.allocate(2 * ctx.c, jnp.uint8, name="buf")
+    faults.arm(arena, "create", 1, out_of_memory=True)
+    buf.commit()
 
 
 def _injected(ctx: Ctx) -> None:
-    ctx.arena.inject_fault("map", 2)
-    ctx.buf.commit()
+    arena, faults = _fault_injecting_arena(ctx)
+    buf = arena.allocate(2 * ctx.c, jnp.uint8, name="buf")
+    faults.arm(arena, "map", 2)
+    buf.commit()
 
 
 @dataclasses.dataclass
@@ -332,7 +347,7 @@ ROWS = [
     # -- test hooks and driver failures --
     Row(
         "D1",
-        lambda x: x.arena.inject_fault("mmap", 1),
+        _unknown_op,
         ValueError,
         r"unknown driver op 'mmap'; expected 'create', 'map' or 'set_access'",
     ),
@@ -341,9 +356,10 @@ ROWS = [
         _oom,
         (MemoryError, jax_vmm.OutOfMemoryError),
         r"out of physical memory .*\d+ bytes free.*Nothing was committed"
-        r".*XLA_PYTHON_CLIENT_PREALLOCATE.*XLA_PYTHON_CLIENT_MEM_FRACTION",
+        r".*XLA_PYTHON_CLIENT_PREALLOCATE"
+        r".*XLA_PYTHON_CLIENT_MEM_FRACTION",
     ),
-    Row("D3", _injected, jax_vmm.InjectedFault, r"injected fault in driver map"),
+    Row("D3", _injected, jax_vmm.testing.InjectedFault, r"injected fault in driver map"),
     # -- kv_arena(...) --
     Row("E1", lambda x: x.kv_args(num_layers=0), ValueError, r"num_layers must be > 0, got 0"),
     Row("E2", lambda x: x.kv_args(head_dim=-2), ValueError, r"head_dim must be >= 0, got -2"),

@@ -11,6 +11,7 @@ import pytest
 
 import jax_vmm
 from conftest import pattern, read_bytes, write_bytes
+from jax_vmm.testing import InjectedFault
 
 H, D = 2, 64  # bfloat16: 256 bytes per token per buffer
 
@@ -251,7 +252,7 @@ def test_stats(vm):
         ("set_access", 6),
     ],
 )
-def test_ensure_is_all_or_nothing(vm, op, nth):
+def test_ensure_is_all_or_nothing(vm, faults, op, nth):
     tpc = _tpc(vm)
     kv = _make(vm, max_tokens=4 * tpc, max_seqs=2)  # 6 buffers
     kv.ensure(tpc // 2, seq=0)
@@ -259,21 +260,21 @@ def test_ensure_is_all_or_nothing(vm, op, nth):
     _write_tokens(kv, 0, 0, tpc // 2, seed=30)
     before = vm.snapshot(kv.arena, kv.buffers)
     tokens = [kv.backed_tokens(0), kv.backed_tokens(1)]
-    kv.arena.inject_fault(op, nth)  # ensure(3*tpc) makes 2 chunks per buffer: 12 in all
-    with pytest.raises(jax_vmm.InjectedFault):
+    faults.arm(kv, op, nth)  # ensure(3*tpc) makes 2 chunks per buffer: 12 in all
+    with pytest.raises(InjectedFault):
         kv.ensure(3 * tpc, seq=0)
-    assert kv.arena.stats()["injected_faults"] == 1
+    assert faults.injected(kv) == 1
     assert [kv.backed_tokens(0), kv.backed_tokens(1)] == tokens
     assert vm.snapshot(kv.arena, kv.buffers) == before
     assert kv.ensure(3 * tpc, seq=0) == 6 * 2 * vm.chunk
     _assert_tokens(kv, 0, 0, tpc // 2, seed=30)
 
 
-def test_ensure_out_of_memory(vm):
+def test_ensure_out_of_memory(vm, faults):
     tpc = _tpc(vm)
     kv = _make(vm, max_tokens=2 * tpc)
     before = vm.snapshot(kv.arena, kv.buffers)
-    kv.arena.inject_fault("create", 5, out_of_memory=True)
+    faults.arm(kv, "create", 5, out_of_memory=True)
     with pytest.raises(MemoryError, match="XLA_PYTHON_CLIENT_PREALLOCATE"):
         kv.ensure(2 * tpc)
     assert vm.snapshot(kv.arena, kv.buffers) == before

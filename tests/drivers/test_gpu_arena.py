@@ -23,6 +23,7 @@ import pytest
 
 import jax_vmm
 from conftest import cuda_ordinal, read_bytes, stable_stats, write_bytes
+from jax_vmm.testing import InjectedFault
 
 cu_oracle = pytest.importorskip("cuda_oracle", reason="needs cuda-python (cuda.bindings)")
 
@@ -176,7 +177,7 @@ def test_donation_keeps_the_arena_address(gpu_device):
     "op,nth",
     [("create", 1), ("create", 3), ("map", 1), ("map", 4), ("set_access", 1), ("set_access", 2)],
 )
-def test_injected_fault_rolls_back(gpu_device, oracle, op, nth):
+def test_injected_fault_rolls_back(gpu_device, oracle, faults, op, nth):
     # Large chunks: a leaked chunk would show as 64 MiB missing from the driver's free count.
     with jax_vmm.Arena(1 * GiB, device=gpu_device, chunk_bytes=64 * MiB) as arena:
         c = arena.chunk_bytes
@@ -188,11 +189,11 @@ def test_injected_fault_rolls_back(gpu_device, oracle, op, nth):
         before_stats = stable_stats(arena)
         failed = arena.stats()["failed_commits"]
         free0 = oracle.mem_free()
-        arena.inject_fault(op, nth)
+        faults.arm(arena, op, nth)
         # chunks 1-2 and 4-7: two runs, so two set-access calls
-        with pytest.raises(jax_vmm.InjectedFault):
+        with pytest.raises(InjectedFault):
             buf.commit(0, 8 * c)
-        arena.disarm_faults()
+        faults.disarm(arena)
         assert kinds(oracle, arena, buf) == before_kinds
         assert [oracle.allocation_handle(buf.address + i * c) for i in (0, 3)] == before_handles
         assert stable_stats(arena) == before_stats
@@ -203,24 +204,22 @@ def test_injected_fault_rolls_back(gpu_device, oracle, op, nth):
         assert buf.commit(0, 8 * c) == 6 * c  # and the arena still works
 
 
-def test_rollback_checks_catch_a_broken_rollback(gpu_device, oracle):
-    """With the arena's rollback switched off (the core's debug switch), the same kind of
-    failed commit keeps physical memory, and the driver oracle sees it: the checks above
-    would fail. (The chunks leak for the rest of this process: 64 MiB each.)"""
+def test_rollback_checks_catch_a_broken_rollback(gpu_device, oracle, faults):
+    """With the rollback's release and unmap calls broken (the testing layer's
+    fault-injecting driver), the same kind of failed commit keeps physical memory, and the
+    driver oracle sees it: the checks above would fail. (The chunks leak for the rest of
+    this process: 64 MiB each.)"""
     with jax_vmm.Arena(1 * GiB, device=gpu_device, chunk_bytes=64 * MiB) as arena:
-        if not hasattr(arena._handle, "set_debug_skip_rollback"):
-            pytest.skip("needs the core's Arena.set_debug_skip_rollback debug switch")
         c = arena.chunk_bytes
         buf = arena.allocate((4 * c,), jnp.uint8)
         free0 = oracle.mem_free()
-        arena._handle.set_debug_skip_rollback(True)
+        faults.break_release(arena)
         try:
-            arena.inject_fault("map", 3)
-            with pytest.raises(jax_vmm.InjectedFault):
+            faults.arm(arena, "map", 3)
+            with pytest.raises(InjectedFault):
                 buf.commit()
         finally:
-            arena._handle.set_debug_skip_rollback(False)
-            arena.disarm_faults()
+            faults.disarm(arena)
         assert free0 - oracle.mem_free() >= 2 * c, "leaked chunks should hold driver memory"
 
 
@@ -245,11 +244,11 @@ def test_out_of_memory_is_memory_error_and_rolls_back(gpu_device, oracle):
         assert abs(oracle.mem_free() - free0) < chunk // 2, "the failed commit kept memory"
 
 
-def test_injected_out_of_memory(gpu_device, oracle):
+def test_injected_out_of_memory(gpu_device, oracle, faults):
     with jax_vmm.Arena(64 * MiB, device=gpu_device) as arena:
         c = arena.chunk_bytes
         buf = arena.allocate((4 * c,), jnp.uint8)
-        arena.inject_fault("create", 2, out_of_memory=True)
+        faults.arm(arena, "create", 2, out_of_memory=True)
         with pytest.raises(MemoryError, match="XLA_PYTHON_CLIENT_PREALLOCATE"):
             buf.commit()
         assert kinds(oracle, arena, buf) == ["zero"] * 4

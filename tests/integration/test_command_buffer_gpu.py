@@ -11,9 +11,10 @@
   stream's scratch; the larger grows it after the smaller was captured; replaying the
   smaller must be correct in both scratch modes, and the driver (cuda-python) must say
   the workspace it replays into is still memory (``-k hazard``, also under
-  ``compute-sanitizer --tool memcheck``). With the debug free-on-growth switch the same
-  scenario must fail: ``test_free_on_growth_breaks_the_replay`` runs it in a child
-  process and checks that it does.
+  ``compute-sanitizer --tool memcheck``). With the testing layer's free-on-growth
+  emulation (``jax_vmm.testing.free_scratch_on_growth``) the same scenario must fail:
+  ``test_free_on_growth_breaks_the_replay`` runs it in a child process and checks that
+  it does.
 
 Every executable here is compiled once (``jit(...).lower(...).compile()``), so "no
 recompile" holds by construction, and all its outputs alias donated inputs, so buffer
@@ -22,6 +23,7 @@ addresses are stable from the second run on (XLA re-records a graph when they ch
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -34,7 +36,7 @@ import numpy as np
 import pytest
 
 import jax_vmm
-from jax_vmm import ops, scratch
+from jax_vmm import ops, scratch, testing
 from jax_vmm._loader import core as _core
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: conftest, as a script too
@@ -288,7 +290,7 @@ def test_xla_dump_shows_kv_write_inside_a_command_buffer(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     artifacts = os.environ.get("JAX_VMM_TEST_ARTIFACTS")
-    if artifacts:  # for a human to read the evidence (ARTIFACTS=1 bash tools/gpu/run.sh sets it)
+    if artifacts:  # for a human to read the evidence (tools/gpu/round.sh sets it)
         Path(artifacts).mkdir(parents=True, exist_ok=True)
         (Path(artifacts) / "command_buffer_dump.stderr").write_text(proc.stderr)
         subprocess.run(["cp", "-r", str(dump), str(Path(artifacts) / "command_buffer_dump")])
@@ -311,9 +313,9 @@ SMALL, LARGE = 1 << 18, 1 << 21  # float32 elements: 1 MiB and 8 MiB workspaces
 def _probe_program(n: int, reserve_at: str, dev):
     def f(x, y, a):
         h = x + 1.0
-        y1, addr = scratch.scratch_probe(h, 4 * n, reserve_at=reserve_at, device=dev)
-        y2, _ = scratch.scratch_probe(y1 * 2.0, 4 * n, reserve_at=reserve_at, device=dev)
-        y3, _ = scratch.scratch_probe(y2 - 3.0, 4 * n, reserve_at=reserve_at, device=dev)
+        y1, addr = testing.scratch_probe(h, 4 * n, reserve_at=reserve_at, device=dev)
+        y2, _ = testing.scratch_probe(y1 * 2.0, 4 * n, reserve_at=reserve_at, device=dev)
+        y3, _ = testing.scratch_probe(y2 - 3.0, 4 * n, reserve_at=reserve_at, device=dev)
         return h, y3, addr  # h, y3, addr alias the donated x, y, a: stable addresses
 
     return f
@@ -365,43 +367,43 @@ def hazard_scenario(mode: str, free_on_growth: bool, log=print) -> dict:
     dev = _gpu()
     scratch.set_scratch_mode("retire" if mode == "grow" else "grow")
     scratch.set_scratch_mode(mode)  # a fresh generation of workspaces in `mode`
-    scratch.set_debug_free_on_growth(free_on_growth)
+    emulation = testing.free_scratch_on_growth() if free_on_growth else contextlib.nullcontext()
     try:
-        small = _ProbeRun(SMALL, "initialize", dev)
-        large = _ProbeRun(LARGE, "initialize", dev)
-        p0 = scratch.scratch_probe_stats()
-        small.run(SETTLE_RUNS)
-        p1 = scratch.scratch_probe_stats()
-        small.run(2)
-        p2 = scratch.scratch_probe_stats()
-        out = {
-            "captured": p1["captured_calls"] - p0["captured_calls"],
-            "settled_handler_calls": p2["calls"] - p1["calls"],
-            "small_ok_before": small.correct(),
-        }
-        small_addr = scratch.address_of(small.a)
-        large.run(2)
-        out["large_ok"] = large.correct()
-        out["large_addr"] = scratch.address_of(large.a)
-        out["small_addr"] = small_addr
-        # What the small graph will touch: is it still memory after the growth?
-        out["small_workspace_live"] = _live_device_memory(dev, small_addr) and _live_device_memory(
-            dev, small_addr + 4 * SMALL - 1
-        )
-        log("REPLAYING the small bucket after the growth", flush=True)
-        p3 = scratch.scratch_probe_stats()
-        small.run(3)
-        p4 = scratch.scratch_probe_stats()
-        out["replay_handler_calls"] = p4["calls"] - p3["calls"]
-        out["small_ok_after"] = small.correct()
-        out["workspaces"] = [
-            w
-            for w in scratch.scratch_stats()
-            if w["current"] and w["device"] == f"cuda:{cuda_ordinal(dev)}"
-        ]
-        return out
+        with emulation:
+            small = _ProbeRun(SMALL, "initialize", dev)
+            large = _ProbeRun(LARGE, "initialize", dev)
+            p0 = testing.scratch_probe_stats()
+            small.run(SETTLE_RUNS)
+            p1 = testing.scratch_probe_stats()
+            small.run(2)
+            p2 = testing.scratch_probe_stats()
+            out = {
+                "captured": p1["captured_calls"] - p0["captured_calls"],
+                "settled_handler_calls": p2["calls"] - p1["calls"],
+                "small_ok_before": small.correct(),
+            }
+            small_addr = testing.address_of(small.a)
+            large.run(2)
+            out["large_ok"] = large.correct()
+            out["large_addr"] = testing.address_of(large.a)
+            out["small_addr"] = small_addr
+            # What the small graph will touch: is it still memory after the growth?
+            out["small_workspace_live"] = _live_device_memory(
+                dev, small_addr
+            ) and _live_device_memory(dev, small_addr + 4 * SMALL - 1)
+            log("REPLAYING the small bucket after the growth", flush=True)
+            p3 = testing.scratch_probe_stats()
+            small.run(3)
+            p4 = testing.scratch_probe_stats()
+            out["replay_handler_calls"] = p4["calls"] - p3["calls"]
+            out["small_ok_after"] = small.correct()
+            out["workspaces"] = [
+                w
+                for w in scratch.scratch_stats()
+                if w["current"] and w["device"] == f"cuda:{cuda_ordinal(dev)}"
+            ]
+            return out
     finally:
-        scratch.set_debug_free_on_growth(False)
         scratch.set_scratch_mode("default")
 
 
@@ -440,8 +442,8 @@ def test_free_on_growth_breaks_the_replay(mode, tmp_path):
         timeout=300,
     )
     assert "REPLAYING" in proc.stdout, (
-        f"the scenario did not reach the replay (setup failed?):\n{proc.stdout}\n"
-        f"{proc.stderr[-4000:]}"
+        "the scenario did not reach the replay (setup failed?):\n"
+        f"{proc.stdout}\n{proc.stderr[-4000:]}"
     )
     if proc.returncode == 0:
         r = json.loads(result.read_text())

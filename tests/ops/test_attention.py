@@ -4,8 +4,8 @@ written, only live tokens read, trace-time validation, the split-K plan, GPU ker
 The `device` fixture runs each device-generic test on the CPU and (marked gpu) on the
 first CUDA GPU. "Never reads the unbacked tail" is proven on the CPU with a real oracle:
 the tail pages are made PROT_NONE, so any read kills the (sub)process; the same test with
-the handler's debug switch that reads every token must die, showing that it would see
-a read.
+the testing target that reads every token (jax_vmm.testing.decode_attention) must die,
+showing that it would see a read.
 """
 
 from __future__ import annotations
@@ -23,14 +23,9 @@ import numpy as np
 import pytest
 
 import jax_vmm
+import jax_vmm.testing
 from conftest import write_bytes
-from jax_vmm.attention import (
-    DEBUG_READ_ALL_TOKENS,
-    DEBUG_SKIP_OUTPUT,
-    _decode_attention,
-    attention_plan,
-    attention_stats,
-)
+from jax_vmm.attention import _decode_attention, attention_plan, attention_stats
 
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
 # ||out - ref|| / ||ref|| bounds: float32 accumulation everywhere; the output (and on
@@ -161,24 +156,26 @@ def test_every_output_element_written(device):
         (q, k, v), (q64, k64, v64) = random_inputs(rng, B, T, Hq, Hkv, D, dtype)
         q, k, v, lens = on(device, q, k, v, jnp.asarray(lengths))
         poison = jax.device_put(jnp.full(q.shape, jnp.nan, q.dtype), device)
-        out = jax.jit(lambda *a: _decode_attention(*a[:4], impl=impl, out_init=a[4]))(
-            q, k, v, lens, poison
-        )
+        out = jax.jit(
+            lambda *a: jax_vmm.testing.decode_attention(*a[:4], impl=impl, out_init=a[4])
+        )(q, k, v, lens, poison)
         assert_close(out, reference(q64, k64, v64, lengths), dtype, f"poisoned {impl}")
 
 
 def test_poison_check_sees_unwritten_output(device):
-    """The check above would see an unwritten element: with the debug switch that skips
+    """The check above would see an unwritten element: with the testing switch that skips
     the output write, the aliased NaN buffer comes back untouched."""
     q = jax.device_put(jnp.ones((2, 4, 64), BF16), device)
     k = jax.device_put(jnp.ones((2, 8, 2, 64), BF16), device)
     lens = jax.device_put(jnp.array([3, 0], jnp.int32), device)
     poison = jax.device_put(jnp.full(q.shape, jnp.nan, BF16), device)
-    out = _decode_attention(q, k, k, lens, out_init=poison, debug=DEBUG_SKIP_OUTPUT)
+    out = jax_vmm.testing.decode_attention(q, k, k, lens, out_init=poison, skip_output=True)
     assert np.isnan(np.asarray(out.astype(jnp.float32))).all()
     with pytest.raises(AssertionError, match="non-finite"):
         assert_close(out, np.ones(q.shape), BF16)
-    out = _decode_attention(q, k, k, lens, out_init=poison)  # the real thing overwrites it
+    out = jax_vmm.testing.decode_attention(
+        q, k, k, lens, out_init=poison
+    )  # the real thing overwrites it
     assert_close(out, np.concatenate([np.ones((1, 4, 64)), np.zeros((1, 4, 64))]), BF16)
 
 
@@ -311,14 +308,15 @@ def test_growth_under_jit_with_poison_past_length(vm):
 
 
 _PROBE = textwrap.dedent("""
-    import ctypes, sys
+    import ctypes, functools, sys
     import jax
     jax.config.update("jax_platforms", "cpu")
     import jax.numpy as jnp, numpy as np
     import jax_vmm
+    import jax_vmm.testing
     from jax_vmm.attention import _decode_attention
 
-    debug = int(sys.argv[1])
+    read_all = sys.argv[1] == "read_all"
     B, T, H, D, Hq = 2, 512, 2, 64, 4
     kv = jax_vmm.kv_arena(num_layers=1, num_kv_heads=H, head_dim=D, max_tokens=T,
                           dtype=jnp.bfloat16, max_seqs=B, chunk_bytes=4096)
@@ -343,8 +341,9 @@ _PROBE = textwrap.dedent("""
                 raise OSError(ctypes.get_errno(), "mprotect")
         data[name] = x.astype(np.float32)
     q = jnp.asarray(rng.standard_normal((B, Hq, D), dtype=np.float32)).astype(jnp.bfloat16)
-    out = _decode_attention(q, kv.k[0], kv.v[0], jnp.asarray(lengths, jnp.int32),
-                            debug=debug).block_until_ready()
+    attend = (functools.partial(jax_vmm.testing.decode_attention, read_all_tokens=True)
+              if read_all else _decode_attention)
+    out = attend(q, kv.k[0], kv.v[0], jnp.asarray(lengths, jnp.int32)).block_until_ready()
     out = np.asarray(out.astype(jnp.float32))
     qf = np.asarray(q.astype(jnp.float32))
     for s, n in enumerate(lengths):
@@ -357,24 +356,20 @@ _PROBE = textwrap.dedent("""
 """)
 
 
-def _run_probe(debug: int) -> subprocess.CompletedProcess:
+def _run_probe(mode: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env["PYTHONPATH"] = os.pathsep.join(
         [os.path.dirname(os.path.dirname(jax_vmm.__file__))] + sys.path
     )
     return subprocess.run(
-        [sys.executable, "-c", _PROBE, str(debug)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
+        [sys.executable, "-c", _PROBE, mode], env=env, capture_output=True, text=True, timeout=240
     )
 
 
 def test_unbacked_tail_is_never_read_cpu():
     """Real oracle: the tail of every sequence (past its committed prefix) is PROT_NONE,
     so a single read kills the process. decode_attention runs and is correct."""
-    r = _run_probe(debug=0)
+    r = _run_probe("production")
     assert r.returncode == 0 and "PROBE-OK" in r.stdout, (
         r.returncode,
         r.stdout[-2000:],
@@ -383,9 +378,9 @@ def test_unbacked_tail_is_never_read_cpu():
 
 
 def test_unbacked_tail_oracle_detects_a_read_cpu():
-    """The same probe with the handler's debug switch that touches every token up to T
-    must die with SIGSEGV: the oracle above would catch a kernel that read the tail."""
-    r = _run_probe(debug=DEBUG_READ_ALL_TOKENS)
+    """The same probe through the testing target that touches every token up to T must
+    die with SIGSEGV: the oracle above would catch a kernel that read the tail."""
+    r = _run_probe("read_all")
     assert r.returncode == -signal.SIGSEGV, (r.returncode, r.stdout[-2000:], r.stderr[-2000:])
 
 

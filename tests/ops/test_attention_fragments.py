@@ -1,5 +1,5 @@
-"""A numpy model of the tensor-core kernel's fragment bookkeeping (ffi/src/
-attention_cuda.cu, SplitKernelTensorCore), checked on the CPU.
+"""A numpy model of the tensor-core kernel's fragment bookkeeping (ffi/src/ops/attention/
+attention_tensor_core.cuh, SplitKernelTensorCore), checked on the CPU.
 
 The kernel feeds mma.sync.m16n8k16 straight from row-major K/V rows by permuting the
 reduction dimension (QK) and pairing tokens with byte permutes (PV). This model follows

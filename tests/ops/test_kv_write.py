@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 import jax_vmm
+import jax_vmm.testing
 from conftest import read_bytes, write_bytes
 from jax_vmm import ops
 
@@ -30,12 +31,11 @@ H, D = 2, 8
 def _unchecked_writes_from_env():
     """test_checks_would_catch_unchecked_writes runs a test of this file in a child
     process with the protection removed."""
-    unchecked = os.environ.get("JAX_VMM_TEST_UNCHECKED_WRITES") == "1"
-    if unchecked:
-        ops.set_debug_unchecked_writes(True)
-    yield
-    if unchecked:
-        ops.set_debug_unchecked_writes(False)
+    if os.environ.get("JAX_VMM_TEST_UNCHECKED_WRITES") == "1":
+        with jax_vmm.testing.unchecked_kv_writes():
+            yield
+    else:
+        yield
 
 
 def _is_gpu(vm) -> bool:

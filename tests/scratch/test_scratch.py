@@ -1,10 +1,11 @@
 """Graph-safe scratch: grow-in-place keeps the address, retire keeps old blocks alive,
 no growth under capture (clear error), resolution of captured streams, mode switches,
-the debug free-on-growth switch, and the scratch probe custom call.
+the free-on-growth emulation, and the scratch probe custom call (both in jax_vmm.testing).
 
 Host workspaces (device -1) exercise the same C++ code as GPU ones, with the host
 driver (mmap/memfd) for grow-in-place; the GPU variants run when a CUDA GPU is present.
-Capture is simulated on the host through the ``capturing`` argument of the test hook.
+Capture is simulated on the host through the ``capturing`` argument of
+jax_vmm.testing.scratch_get.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import numpy as np
 import pytest
 
 from conftest import cuda_ordinal
-from jax_vmm import scratch
+from jax_vmm import scratch, testing
 from jax_vmm._loader import core as _core
 
 HOST = -1
@@ -35,7 +36,7 @@ def _stream() -> int:
 
 
 def _get(stream: int, nbytes: int, capturing: bool = False, device: int = HOST) -> int:
-    return _core.scratch_get_for_test(device, stream, nbytes, capturing)
+    return testing.scratch_get(device, stream, nbytes, capturing)
 
 
 def _ws(stream: int, device: str = "cpu") -> dict:
@@ -57,7 +58,6 @@ def _new_generation(mode: str) -> None:
 @pytest.fixture(autouse=True)
 def _restore_scratch_settings():
     yield
-    scratch.set_debug_free_on_growth(False)
     scratch.set_scratch_mode("default")
     scratch.set_reserve_bytes(0)
 
@@ -102,16 +102,15 @@ def test_retire_keeps_outgrown_blocks_alive():
 
 @pytest.mark.parametrize("mode", ["grow", "retire"])
 def test_debug_free_on_growth_frees_the_outgrown_block(mode):
-    """The test-only switch re-creates the seed's bug: the workspace moves and the old
-    block's memory is given back (not retired). Its address range stays reserved,
-    read-only zeros, so a stale writer faults (GPU tests rely on that)."""
+    """The testing layer's emulation re-creates the seed's bug: the workspace moves and
+    the old block's memory is given back (not retired). Its address range stays
+    reserved, read-only zeros, so a stale writer faults (GPU tests rely on that)."""
     _new_generation(mode)
-    scratch.set_debug_free_on_growth(True)
-    assert scratch.debug_free_on_growth()
-    s = _stream()
-    a1 = _get(s, 10_000)
-    ctypes.memset(a1, 0xAB, 10_000)
-    a2 = _get(s, 300_000)
+    with testing.free_scratch_on_growth():
+        s = _stream()
+        a1 = _get(s, 10_000)
+        ctypes.memset(a1, 0xAB, 10_000)
+        a2 = _get(s, 300_000)
     assert a2 != a1
     assert ctypes.string_at(a1, 10_000) == bytes(10_000), "the old block still holds data"
     w = _ws(s)
@@ -200,12 +199,12 @@ def test_probe_copies_through_a_workspace(cpu_device):
     _new_generation("grow")
     # On a GPU machine jnp's default device is the GPU: put the input on the CPU.
     x = jax.device_put(jnp.arange(3000, dtype=jnp.float32), cpu_device)
-    s0 = scratch.scratch_probe_stats()
-    f = jax.jit(lambda x: scratch.scratch_probe(x, 200_000))
+    s0 = testing.scratch_probe_stats()
+    f = jax.jit(lambda x: testing.scratch_probe(x, 200_000))
     y, addr = f(x)
     np.testing.assert_array_equal(np.asarray(y), np.asarray(x))
-    assert scratch.scratch_probe_stats()["calls"] == s0["calls"] + 1
-    ptr = scratch.address_of(addr)
+    assert testing.scratch_probe_stats()["calls"] == s0["calls"] + 1
+    ptr = testing.address_of(addr)
     hosts = {
         w["address"]: w for w in scratch.scratch_stats() if w["device"] == "cpu" and w["current"]
     }
@@ -218,7 +217,7 @@ def test_errors():
     with pytest.raises(ValueError, match="> 0"):
         scratch.reserve(0)
     with pytest.raises(ValueError, match="smaller than the input"):
-        scratch.scratch_probe(jnp.zeros(100), 10)
+        testing.scratch_probe(jnp.zeros(100), 10)
     if not _core.built_with_cuda_kernels:
         with pytest.raises(RuntimeError, match="no CUDA kernels"):
             _get(_stream(), 100, device=0)
@@ -232,28 +231,28 @@ def test_errors():
 def test_gpu_probe_and_growth(gpu_device, mode):
     _new_generation(mode)
     dev = f"cuda:{cuda_ordinal(gpu_device)}"
-    s0 = scratch.scratch_probe_stats()
+    s0 = testing.scratch_probe_stats()
     small = jax.device_put(jnp.arange(1000, dtype=jnp.float32), gpu_device)
     big = jax.device_put(jnp.arange(2_000_000, dtype=jnp.float32), gpu_device)  # 8 MB
-    y, a_small = jax.jit(scratch.scratch_probe)(small)
+    y, a_small = jax.jit(testing.scratch_probe)(small)
     np.testing.assert_array_equal(np.asarray(y), np.asarray(small))
-    y, a_big = jax.jit(scratch.scratch_probe)(big)
+    y, a_big = jax.jit(testing.scratch_probe)(big)
     np.testing.assert_array_equal(np.asarray(y), np.asarray(big))
-    s1 = scratch.scratch_probe_stats()
+    s1 = testing.scratch_probe_stats()
     assert s1["initialize_calls"] > s0["initialize_calls"], "kInitialize stage never ran"
     ws = [
         w
         for w in scratch.scratch_stats()
         if w["device"] == dev
         and w["current"]
-        and w["address"] in (scratch.address_of(a_small), scratch.address_of(a_big))
+        and w["address"] in (testing.address_of(a_small), testing.address_of(a_big))
     ]
     assert ws, scratch.scratch_stats()
     w = max(ws, key=lambda w: w["capacity"])
     assert w["mode"] == mode and w["capacity"] >= 8_000_000
     if mode == "grow":
-        assert scratch.address_of(a_small) == scratch.address_of(a_big)
+        assert testing.address_of(a_small) == testing.address_of(a_big)
         assert w["retired_blocks"] == 0
     else:
-        assert scratch.address_of(a_small) != scratch.address_of(a_big)
+        assert testing.address_of(a_small) != testing.address_of(a_big)
         assert w["retired_blocks"] >= 1

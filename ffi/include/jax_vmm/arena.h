@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "jax_vmm/driver.h"
+#include "jax_vmm/errors.h"
 
 namespace jax_vmm {
 
@@ -52,8 +53,8 @@ struct ArenaStats {
 struct BufferInfo {
   int64_t id = -1;
   std::string name;
-  size_t offset = 0;   // from the arena base, chunk-aligned
-  size_t nbytes = 0;   // as requested
+  size_t offset = 0;  // from the arena base, chunk-aligned
+  size_t nbytes = 0;  // as requested
   size_t backed_bytes = 0;
   uintptr_t address = 0;
 };
@@ -65,7 +66,7 @@ struct BufferRef {
   size_t buffer_bytes = 0;
   uintptr_t arena_base = 0;
   size_t chunk_bytes = 0;
-  const uint8_t* page_table = nullptr;     // indexed by (addr - arena_base) / chunk_bytes
+  const uint8_t* page_table = nullptr;         // indexed by (addr - arena_base) / chunk_bytes
   unsigned long long* drop_counter = nullptr;  // this buffer's dropped-write counter
   int64_t buffer_id = -1;
   int device_ordinal = 0;
@@ -126,15 +127,11 @@ class Arena : public std::enable_shared_from_this<Arena> {
   bool FindBufferLocked(uintptr_t ptr, size_t bytes, BufferRef* out) const;
 
   // Called when a handler may bake this arena's addresses into a CUDA graph (any CUDA
-  // kv_write on arena memory, static `dest` or not): the graph may then replay with this arena's page table and drop-counter
-  // addresses after the arena is gone. From now on the destructor zeroes the page table
-  // (so such a replay drops every write) and keeps both allocations (num_chunks bytes +
-  // 32 KiB) for the life of the process instead of freeing them. Thread-safe.
+  // kv_write on arena memory, static `dest` or not): the graph may then replay with this arena's
+  // page table and drop-counter addresses after the arena is gone. From now on the destructor
+  // zeroes the page table (so such a replay drops every write) and keeps both allocations
+  // (num_chunks bytes + 32 KiB) for the life of the process instead of freeing them. Thread-safe.
   void PinMetadataForGraphs() const { metadata_pinned_ = true; }
-
-  // TEST ONLY: when on, a failed commit leaks the chunks it built instead of unwinding
-  // them, so tests can show their checks would catch a broken rollback.
-  void set_debug_skip_rollback(bool on) { debug_skip_rollback_ = on; }
 
   uintptr_t base() const { return base_; }
   size_t reserved_bytes() const { return reserved_bytes_; }
@@ -147,7 +144,7 @@ class Arena : public std::enable_shared_from_this<Arena> {
   struct Placement {
     BufferInfo info;
     std::vector<std::unique_ptr<Chunk>> chunks;  // one slot per chunk of the buffer
-    int64_t counter_slot = 0;                      // index into the drop counters
+    int64_t counter_slot = 0;                    // index into the drop counters
   };
   Arena(std::unique_ptr<Driver> driver, size_t reserve_bytes);
 
@@ -156,6 +153,21 @@ class Arena : public std::enable_shared_from_this<Arena> {
   void ThrowIfClosed(const char* op) const;
   size_t DecommitLocked(Placement& p, size_t first_chunk, size_t end_chunk);
   void PublishPageTable(size_t first_chunk_index, size_t count);
+  size_t TakeFreeRange(size_t placed, const std::string& name);
+  void ReturnFreeRange(size_t offset, size_t bytes);
+  int64_t FreeCounterSlot() const;
+  // Arena-wide index of chunk `buffer_chunk` of a buffer (into the page tables).
+  size_t ArenaChunk(const Placement& p, size_t buffer_chunk) const;
+
+  // The steps of CommitRanges (core/arena_commit.cc), all under mu_.
+  struct CommitPlan;    // what a commit will create, worked out before any driver call
+  struct PendingChunk;  // a chunk built by a commit, not yet in its buffer
+  CommitPlan PlanCommit(const std::vector<Range>& ranges);
+  void MapRuns(const CommitPlan& plan, std::vector<PendingChunk>* pending);
+  void PublishCommit(const CommitPlan& plan, const std::vector<PendingChunk>& pending);
+  void UnwindCommit(const CommitPlan& plan, std::vector<PendingChunk>* pending) noexcept;
+  size_t AccountCommit(const CommitPlan& plan, std::vector<PendingChunk>* pending, double seconds);
+  OutOfMemory CommitOutOfMemory(const CommitPlan& plan, size_t got, const OutOfMemory& e) const;
 
   std::unique_ptr<Driver> driver_;
   uintptr_t base_ = 0;
@@ -164,7 +176,6 @@ class Arena : public std::enable_shared_from_this<Arena> {
   size_t num_chunks_ = 0;
 
   mutable std::mutex mu_;
-  std::atomic<bool> debug_skip_rollback_{false};
   mutable std::atomic<bool> metadata_pinned_{false};
   bool closed_ = false;
   int64_t next_id_ = 0;

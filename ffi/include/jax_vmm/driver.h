@@ -14,9 +14,11 @@
 //
 // Thread-safety: a Driver may be called from several threads at once; implementations
 // keep no mutable state besides atomics (the arena serialises per-buffer work itself).
+//
+// Tests fail driver calls on purpose through testing/fault_injecting_driver.h, a Driver
+// that wraps another one; drivers themselves carry no test hooks.
 #pragma once
 
-#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -28,29 +30,6 @@ namespace jax_vmm {
 struct MemInfo {
   size_t free_bytes = 0;
   size_t total_bytes = 0;
-};
-
-// Which driver calls the fault-injection hook can fail.
-enum class DriverOp : int { kCreate = 0, kMap = 1, kSetAccess = 2, kCount = 3 };
-
-const char* DriverOpName(DriverOp op);
-
-// Test hook: make the Nth future call of one operation fail. Thread-safe (atomics).
-// An injected create failure can pose as out-of-memory, to test the MemoryError path.
-class FaultInjector {
- public:
-  // Fail the `nth` (1-based) call of `op` from now on. nth <= 0 disarms.
-  void Arm(DriverOp op, int64_t nth, bool as_out_of_memory = false);
-  void DisarmAll();
-  // Called by drivers at the start of each hookable operation; throws InjectedFault
-  // (or OutOfMemory) when this call is the armed one.
-  void Check(DriverOp op, size_t bytes);
-  int64_t injected_count() const { return injected_.load(); }
-
- private:
-  std::atomic<int64_t> countdown_[static_cast<int>(DriverOp::kCount)] = {};
-  std::atomic<bool> as_oom_[static_cast<int>(DriverOp::kCount)] = {};
-  std::atomic<int64_t> injected_{0};
 };
 
 using PhysicalHandle = uint64_t;
@@ -80,7 +59,6 @@ class Driver {
   // run, so a driver can batch its expensive calls (CUDA: one cuMemUnmap and one
   // cuMemSetAccess per run instead of one per chunk). The defaults loop over Map/Unmap.
   // MapRun is all-or-nothing: when it throws, every chunk of the run reads zeros again.
-  // It fails like `count` Map calls would (fault injection counts each chunk).
   virtual void MapRun(uintptr_t va, const PhysicalHandle* handles, size_t count);
   virtual void UnmapRun(uintptr_t va, size_t count) noexcept;
 
@@ -92,11 +70,6 @@ class Driver {
   virtual void CopyFromMetadata(void* dst, const void* src, size_t bytes) = 0;
   // Wait until device work that may touch arena memory has finished (before unmap).
   virtual void Synchronize() = 0;
-
-  FaultInjector& faults() { return faults_; }
-
- protected:
-  FaultInjector faults_;
 };
 
 // Host driver: a real virtual-memory backend for JAX's cpu platform.
@@ -107,6 +80,10 @@ std::unique_ptr<Driver> MakeHostDriver(size_t chunk_bytes);
 // granularity (0 picks the granularity). Throws DriverError when no CUDA driver is
 // loadable or the device lacks VMM support.
 std::unique_ptr<Driver> MakeCudaDriver(int device_ordinal, size_t chunk_bytes);
+
+// By name: "host" (MakeHostDriver; `device` is ignored) or "cuda" (MakeCudaDriver);
+// InvalidArgument for another name.
+std::unique_ptr<Driver> MakeDriver(const std::string& kind, int device, size_t chunk_bytes);
 
 // What the CUDA driver offers on this machine, without creating anything.
 struct CudaDeviceInfo {

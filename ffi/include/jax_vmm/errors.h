@@ -1,5 +1,5 @@
 // Typed errors of the jax_vmm core. The nanobind module maps each to one Python
-// exception type (see ffi/src/module.cc), so every message here reaches users:
+// exception type (see ffi/src/python/module.cc), so every message here reaches users:
 // name the operation, the expected and the actual values.
 #pragma once
 
@@ -39,12 +39,6 @@ class OutOfMemory : public std::runtime_error {
 
 // The OS or CUDA driver failed for a reason other than memory. -> jax_vmm.DriverError
 class DriverError : public std::runtime_error {
- public:
-  using std::runtime_error::runtime_error;
-};
-
-// A fault injected by the test hook (see FaultInjector). -> jax_vmm.InjectedFault
-class InjectedFault : public std::runtime_error {
  public:
   using std::runtime_error::runtime_error;
 };

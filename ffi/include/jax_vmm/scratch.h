@@ -53,19 +53,19 @@ const char* ModeName(ScratchMode mode);
 
 struct WorkspaceStats {
   int device = 0;
-  uintptr_t stream = 0;          // 0: the device's default workspace
-  int64_t generation = 0;        // bumped by SetMode(); older workspaces are retired
-  bool current = true;           // false once retired by a mode change
+  uintptr_t stream = 0;                      // 0: the device's default workspace
+  int64_t generation = 0;                    // bumped by SetMode(); older workspaces are retired
+  bool current = true;                       // false once retired by a mode change
   ScratchMode mode = ScratchMode::kDefault;  // effective strategy; kDefault until allocated
-  bool vmm = false;              // memory from the VMM driver (else plain allocations)
-  uintptr_t address = 0;         // current workspace pointer
-  size_t capacity = 0;           // bytes usable at `address`
-  size_t reserved_bytes = 0;     // virtual range (grow-in-place), else == capacity
-  size_t backed_bytes = 0;       // physical bytes held, including retired blocks
+  bool vmm = false;                          // memory from the VMM driver (else plain allocations)
+  uintptr_t address = 0;                     // current workspace pointer
+  size_t capacity = 0;                       // bytes usable at `address`
+  size_t reserved_bytes = 0;                 // virtual range (grow-in-place), else == capacity
+  size_t backed_bytes = 0;                   // physical bytes held, including retired blocks
   int64_t retired_blocks = 0;
   size_t retired_bytes = 0;
   int64_t growth_events = 0;
-  int64_t freed_blocks = 0;      // only with SetDebugFreeOnGrowth(true)
+  int64_t freed_blocks = 0;      // outgrown blocks given back: 0 unless a test emulates the bug
   int64_t capture_refusals = 0;  // Get() calls refused because growth was needed under capture
   std::string fallback_reason;   // why kDefault resolved to kRetire, if it did
 };
@@ -90,18 +90,6 @@ std::string Reserve(int device, void* stream, size_t bytes);
 // returns an error (and counts a capture refusal). Empty string on success.
 std::string Get(int device, void* stream, size_t bytes, void** ptr);
 
-// Same as Get() with the capture state given by the caller (tests; host platforms).
-std::string GetWithCaptureState(int device, void* stream, size_t bytes, bool capturing,
-                                void** ptr);
-
 std::vector<WorkspaceStats> Stats();
-
-// Test only: when true, growth moves the workspace to a new block and frees the
-// outgrown one immediately, in both modes (the seed's bug), so tests can show they
-// detect a dangling pointer in a replayed graph. A freed VMM block keeps its virtual
-// range reserved (read-only zeros): a stale write faults instead of landing in memory
-// that something else reused.
-void SetDebugFreeOnGrowth(bool enabled);
-bool DebugFreeOnGrowth();
 
 }  // namespace jax_vmm::scratch

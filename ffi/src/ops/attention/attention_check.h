@@ -1,0 +1,79 @@
+// Operand validation shared by the CPU and CUDA decode-attention handlers. Python
+// validates first (at trace time); this is the handler's own guard, with messages that
+// name the operand, its shape and what was expected.
+#pragma once
+
+#include <string>
+
+#include "common/format.h"
+#include "ops/attention/attention_plan.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace jax_vmm::attention {
+
+namespace ffi = xla::ffi;
+
+inline std::string DimsString(ffi::AnyBuffer::Dimensions d) {
+  return ShapeString(d.begin(), d.size());
+}
+
+inline bool IsSupportedDtype(ffi::DataType t) {
+  return t == ffi::DataType::F32 || t == ffi::DataType::BF16 || t == ffi::DataType::F16;
+}
+
+// Checks ranks, shapes and dtypes of (q, k, v, lengths, out); fills *shapes.
+inline ffi::Error CheckOperands(const char* name, const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
+                                const ffi::AnyBuffer& v, const ffi::Buffer<ffi::S32>& lengths,
+                                const ffi::AnyBuffer& out, Shapes* shapes) {
+  const std::string who = std::string(name) + ": ";
+  auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
+  if (qd.size() != 3 || kd.size() != 4) {
+    return ffi::Error::InvalidArgument(who +
+                                       "q must be (B, H_q, D) and k, v (B, T, H_kv, D); got q " +
+                                       DimsString(qd) + ", k " + DimsString(kd));
+  }
+  if (DimsString(kd) != DimsString(vd)) {
+    return ffi::Error::InvalidArgument(who + "k " + DimsString(kd) + " and v " + DimsString(vd) +
+                                       " must have the same shape");
+  }
+  shapes->batch = qd[0];
+  shapes->q_heads = qd[1];
+  shapes->head_dim = qd[2];
+  shapes->max_tokens = kd[1];
+  shapes->kv_heads = kd[2];
+  if (kd[0] != qd[0] || kd[3] != qd[2]) {
+    return ffi::Error::InvalidArgument(who + "k " + DimsString(kd) + " does not match q " +
+                                       DimsString(qd) +
+                                       " (expected k = (B, T, H_kv, D) with q's B and D)");
+  }
+  if (std::string err = ValidateShapes(*shapes); !err.empty()) {
+    return ffi::Error::InvalidArgument(who + err);
+  }
+  auto ld = lengths.dimensions();
+  if (ld.size() != 1 || ld[0] != qd[0]) {
+    return ffi::Error::InvalidArgument(who + "lengths has shape " + DimsString(ld) +
+                                       ", expected (" + std::to_string(qd[0]) + ",)");
+  }
+  if (!IsSupportedDtype(q.element_type()) || k.element_type() != q.element_type() ||
+      v.element_type() != q.element_type() || out.element_type() != q.element_type()) {
+    return ffi::Error::InvalidArgument(
+        who + "q, k, v and the output must share one dtype out of float32, bfloat16, float16");
+  }
+  if (DimsString(out.dimensions()) != DimsString(qd)) {
+    return ffi::Error::InvalidArgument(who + "output shape " + DimsString(out.dimensions()) +
+                                       " differs from q " + DimsString(qd));
+  }
+  return ffi::Error::Success();
+}
+
+// The XLA workspace result (workspace="xla") must hold the plan's partials; Python sizes
+// it from the same plan, so a mismatch means the two halves of jax_vmm disagree.
+inline ffi::Error CheckWorkspace(const char* name, size_t workspace_bytes, const Plan& plan) {
+  if (static_cast<int64_t>(workspace_bytes) >= plan.workspace_bytes) return ffi::Error::Success();
+  return ffi::Error::InvalidArgument(std::string(name) + ": workspace result has " +
+                                     std::to_string(workspace_bytes) + " bytes, the plan needs " +
+                                     std::to_string(plan.workspace_bytes) +
+                                     " (Python and C++ plans disagree: rebuild jax_vmm)");
+}
+
+}  // namespace jax_vmm::attention

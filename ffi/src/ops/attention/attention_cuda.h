@@ -1,0 +1,45 @@
+// The CUDA decode-attention handlers' bodies (attention_cuda.cc), shared with the
+// testing layer's variants.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <utility>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace jax_vmm::attention {
+
+// The initialize stage: validates, plans and grows the graph-safe scratch to the plan's
+// workspace (never under capture).
+xla::ffi::Error CudaInitialize(cudaStream_t stream, int32_t device, const xla::ffi::AnyBuffer& q,
+                               const xla::ffi::AnyBuffer& k, const xla::ffi::AnyBuffer& v,
+                               const xla::ffi::Buffer<xla::ffi::S32>& lengths,
+                               const xla::ffi::AnyBuffer& out, int64_t chunk, int64_t splits,
+                               int64_t impl);
+
+// The execute stage: validates, plans, fetches the workspace (`workspace`, the XLA
+// result, or the graph-safe scratch when null) and launches the kernels.
+xla::ffi::Error CudaExecute(cudaStream_t stream, int32_t device, const xla::ffi::AnyBuffer& q,
+                            const xla::ffi::AnyBuffer& k, const xla::ffi::AnyBuffer& v,
+                            const xla::ffi::Buffer<xla::ffi::S32>& lengths, xla::ffi::AnyBuffer out,
+                            xla::ffi::AnyBuffer* workspace, float scale, int64_t chunk,
+                            int64_t splits, int64_t impl);
+
+// What CudaExecute does before it touches memory (statistics, validation, plan).
+xla::ffi::Error CudaBeginExecute(cudaStream_t stream, int32_t device, const xla::ffi::AnyBuffer& q,
+                                 const xla::ffi::AnyBuffer& k, const xla::ffi::AnyBuffer& v,
+                                 const xla::ffi::Buffer<xla::ffi::S32>& lengths,
+                                 const xla::ffi::AnyBuffer& out, int64_t chunk, int64_t splits,
+                                 int64_t impl);
+
+// The context every CUDA target binds before its operands: stream, device ordinal.
+template <typename B>
+auto BindCudaContext(B&& b) {
+  return std::forward<B>(b)
+      .template Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+      .template Ctx<xla::ffi::DeviceOrdinal>();
+}
+
+}  // namespace jax_vmm::attention

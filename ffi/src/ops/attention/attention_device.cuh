@@ -1,0 +1,134 @@
+// Device helpers shared by the decode-attention kernels (attention_kernels.cu,
+// attention_tensor_core.cuh): block shape, length clamping, warp reductions, dtype
+// conversion, the 16-byte load, the tensor-core ops and the chunk softmax. Device code
+// only; include from .cu files.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+
+namespace jax_vmm::attention::kernels {
+
+constexpr int kThreads = 128;
+constexpr int kWarps = kThreads / 32;
+constexpr int kStatRows = 16;  // per-head softmax state slots (>= kMaxHeadGroup)
+
+// lengths[b] clamped to [0, max_tokens].
+__device__ __forceinline__ int LiveLength(const int32_t* lengths, int b, int max_tokens) {
+  const int n = __ldg(lengths + b);
+  return n < 0 ? 0 : (n > max_tokens ? max_tokens : n);
+}
+
+__device__ __forceinline__ float WarpMax(float x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+  return x;
+}
+
+__device__ __forceinline__ float WarpSum(float x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  return x;
+}
+
+__device__ __forceinline__ float ToFloat(float x) { return x; }
+__device__ __forceinline__ float ToFloat(__half x) { return __half2float(x); }
+__device__ __forceinline__ float ToFloat(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <typename T>
+__device__ __forceinline__ T FromFloat(float x);
+template <>
+__device__ __forceinline__ float FromFloat<float>(float x) {
+  return x;
+}
+template <>
+__device__ __forceinline__ __half FromFloat<__half>(float x) {
+  return __float2half_rn(x);
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 FromFloat<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
+
+// 16-byte read-only load (ld.global.nc.v4). Callers guard it: it is never issued for a
+// token at or past the sequence length.
+__device__ __forceinline__ uint4 Load16(const void* p) {
+  return __ldg(reinterpret_cast<const uint4*>(p));
+}
+
+// Tensor-core ops per element type: D(16x8, f32) += A(16x16, row) * B(16x8, col).
+// Fragment layout (PTX ISA, mma.m16n8k16, 16-bit inputs), lane = 4 * grp + tig:
+//   A regs: a0 = (row grp,   k 2tig..2tig+1), a1 = (row grp+8, k 2tig..+1),
+//           a2 = (row grp,   k 2tig+8..+9),   a3 = (row grp+8, k 2tig+8..+9)
+//   B regs: b0 = (k 2tig..2tig+1, col grp),  b1 = (k 2tig+8..+9, col grp)
+//   C/D:    c0, c1 = (row grp, col 2tig, 2tig+1), c2, c3 = (row grp+8, same cols)
+// In each 32-bit register the lower k index sits in the low 16 bits.
+template <typename T>
+struct TensorCore;
+
+template <>
+struct TensorCore<__nv_bfloat16> {
+  static __device__ __forceinline__ void Mma(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                             uint32_t a3, uint32_t b0, uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  }
+  static __device__ __forceinline__ uint32_t Pack(float lo, float hi) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // .x (low half) = lo
+    uint32_t r;
+    memcpy(&r, &v, 4);
+    return r;
+  }
+};
+
+template <>
+struct TensorCore<__half> {
+  static __device__ __forceinline__ void Mma(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                             uint32_t a3, uint32_t b0, uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  }
+  static __device__ __forceinline__ uint32_t Pack(float lo, float hi) {
+    const __half2 v = __floats2half2_rn(lo, hi);
+    uint32_t r;
+    memcpy(&r, &v, 4);
+    return r;
+  }
+};
+
+// Folds one chunk's logits row (n valid entries, log2 units) into the running softmax
+// state of its head: rewrites the row as p = exp2(logit - m_new), zero-fills the row up
+// to `padded` (the tile tail that PV reads), and updates m, l and the accumulator
+// rescale factor alpha. Called by a whole warp.
+__device__ __forceinline__ void ChunkSoftmax(float* row, int n, int padded, float* m, float* l,
+                                             float* alpha, int lane) {
+  float mx = -INFINITY;
+  for (int i = lane; i < n; i += 32) mx = fmaxf(mx, row[i]);
+  mx = WarpMax(mx);
+  const float m_old = *m;  // every lane reads before lane 0 writes (after WarpSum below)
+  const float m_new = fmaxf(m_old, mx);
+  float sum = 0.f;
+  for (int i = lane; i < n; i += 32) {
+    const float e = exp2f(row[i] - m_new);
+    row[i] = e;
+    sum += e;
+  }
+  for (int i = n + lane; i < padded; i += 32) row[i] = 0.f;
+  sum = WarpSum(sum);
+  if (lane == 0) {
+    const float a = exp2f(m_old - m_new);  // m_old = -inf on the first chunk: a = 0
+    *alpha = a;
+    *l = *l * a + sum;
+    *m = m_new;
+  }
+}
+
+}  // namespace jax_vmm::attention::kernels

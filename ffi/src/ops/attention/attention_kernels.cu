@@ -1,0 +1,211 @@
+// Device code of jax_vmm_decode_attention (declared in attention_kernels.h): the split
+// kernels, the combine kernel and their launch functions.
+//
+//   SplitKernelTensorCore  bf16/fp16, head_dim 64/128/256 (attention_tensor_core.cuh).
+//   SplitKernelSimple      any dtype/head_dim, CUDA cores, one query head per block:
+//       obviously correct, used as the fallback and as the GPU oracle of the fast path.
+//   CombineKernel          merges the live splits of each (sequence, head); length 0
+//       gives zeros.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "ops/attention/attention_device.cuh"
+#include "ops/attention/attention_kernels.h"
+#include "ops/attention/attention_tensor_core.cuh"
+
+namespace jax_vmm::attention {
+namespace kernels {
+namespace {
+
+// Simple split kernel: one query head per block, CUDA cores, any head_dim. Shared memory:
+// q and the accumulator [D] each, the chunk's logits [chunk], the softmax state m, l,
+// alpha.
+struct SimpleShared {
+  float* qs;
+  float* acc;
+  float* logits;
+  float* st;
+};
+
+// Logits of tokens [t0, t0 + n) (warp w takes tokens w, w + 4, ...), in log2 units.
+template <typename T>
+__device__ __forceinline__ void SimpleLogits(const KernelParams& p, const T* kseq, int64_t tstride,
+                                             int t0, int n, const SimpleShared& sh) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  for (int i = warp; i < n; i += kWarps) {
+    const T* krow = kseq + static_cast<int64_t>(t0 + i) * tstride;
+    float dot = 0.f;
+    for (int d = lane; d < p.head_dim; d += 32) dot += sh.qs[d] * ToFloat(krow[d]);
+    dot = WarpSum(dot);
+    if (lane == 0) sh.logits[i] = dot * p.scale_log2;
+  }
+}
+
+// acc = alpha * acc + P V over tokens [t0, t0 + n) (thread d takes dims d, d + 128, ...).
+template <typename T>
+__device__ __forceinline__ void SimpleAccumulate(const KernelParams& p, const T* vseq,
+                                                 int64_t tstride, int t0, int n,
+                                                 const SimpleShared& sh) {
+  const float alpha = sh.st[2];
+  for (int d = threadIdx.x; d < p.head_dim; d += kThreads) {
+    float a = sh.acc[d] * alpha;
+    for (int i = 0; i < n; ++i)
+      a += sh.logits[i] * ToFloat(vseq[static_cast<int64_t>(t0 + i) * tstride + d]);
+    sh.acc[d] = a;
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) SplitKernelSimple(const KernelParams p) {
+  const int s = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  const int len = LiveLength(p.lengths, b, p.max_tokens);
+  const int nchunks = (len + p.chunk - 1) / p.chunk;
+  if (s >= nchunks) return;
+  const int D = p.head_dim;
+  const int kvh = h / p.group;
+
+  extern __shared__ float smem[];
+  const SimpleShared sh{smem, smem + D, smem + 2 * D, smem + 2 * D + p.chunk};
+  const int64_t tstride = static_cast<int64_t>(p.kv_heads) * D;
+  const T* kseq = static_cast<const T*>(p.k) + static_cast<int64_t>(b) * p.max_tokens * tstride +
+                  static_cast<int64_t>(kvh) * D;
+  const T* vseq = static_cast<const T*>(p.v) + static_cast<int64_t>(b) * p.max_tokens * tstride +
+                  static_cast<int64_t>(kvh) * D;
+  const T* qrow = static_cast<const T*>(p.q) + (static_cast<int64_t>(b) * p.q_heads + h) * D;
+  for (int d = threadIdx.x; d < D; d += kThreads) {
+    sh.qs[d] = ToFloat(qrow[d]);
+    sh.acc[d] = 0.f;
+  }
+  if (threadIdx.x == 0) {
+    sh.st[0] = -INFINITY;
+    sh.st[1] = 0.f;
+    sh.st[2] = 0.f;
+  }
+  __syncthreads();
+
+  for (int c = s; c < nchunks; c += p.splits) {
+    const int t0 = c * p.chunk;
+    const int n = min(p.chunk, len - t0);
+    SimpleLogits<T>(p, kseq, tstride, t0, n, sh);
+    __syncthreads();
+    if (threadIdx.x < 32) ChunkSoftmax(sh.logits, n, n, sh.st, sh.st + 1, sh.st + 2, threadIdx.x);
+    __syncthreads();
+    SimpleAccumulate<T>(p, vseq, tstride, t0, n, sh);
+    __syncthreads();
+  }
+
+  const int64_t pi = (static_cast<int64_t>(b) * p.q_heads + h) * p.splits + s;
+  for (int d = threadIdx.x; d < D; d += kThreads) p.ws_acc[pi * D + d] = sh.acc[d];
+  if (threadIdx.x == 0) {
+    p.ws_m[pi] = sh.st[0];
+    p.ws_l[pi] = sh.st[1];
+  }
+}
+
+// ---------------------------------------------------------------------------------
+// Combine: out = sum_s acc_s * 2^(m_s - M) / sum_s l_s * 2^(m_s - M) over live splits.
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) CombineKernel(const KernelParams p) {
+  const int h = blockIdx.x, b = blockIdx.y;
+  const int D = p.head_dim;
+  const int len = LiveLength(p.lengths, b, p.max_tokens);
+  const int live = min((len + p.chunk - 1) / p.chunk, p.splits);
+  T* o = static_cast<T*>(p.out) + (static_cast<int64_t>(b) * p.q_heads + h) * D;
+  if (live == 0) {
+    for (int d = threadIdx.x; d < D; d += kThreads) o[d] = FromFloat<T>(0.f);
+    return;
+  }
+  extern __shared__ float weight[];  // [splits]
+  const int64_t base = (static_cast<int64_t>(b) * p.q_heads + h) * p.splits;
+  float mx = -INFINITY;
+  for (int i = 0; i < live; ++i) mx = fmaxf(mx, p.ws_m[base + i]);
+  for (int i = threadIdx.x; i < live; i += kThreads) weight[i] = exp2f(p.ws_m[base + i] - mx);
+  __syncthreads();
+  float total = 0.f;
+  for (int i = 0; i < live; ++i) total += p.ws_l[base + i] * weight[i];
+  const float inv = 1.f / total;  // total >= 1: each live split has a token with p = 1
+  for (int d = threadIdx.x; d < D; d += kThreads) {
+    float a = 0.f;
+    for (int i = 0; i < live; ++i) a += p.ws_acc[(base + i) * D + d] * weight[i];
+    o[d] = FromFloat<T>(a * inv);
+  }
+}
+template <typename T, int D, int NQT, int U>
+cudaError_t LaunchTensorCore(const KernelParams& p, cudaStream_t stream) {
+  const dim3 grid(p.splits, p.q_heads / p.head_group, p.batch);
+  SplitKernelTensorCore<T, D, NQT, U><<<grid, kThreads, SharedBytes<D, NQT>(p.chunk), stream>>>(p);
+  return cudaGetLastError();
+}
+
+template <typename T, int D, int U>
+cudaError_t LaunchTensorCoreHeads(const KernelParams& p, cudaStream_t stream) {
+  return p.head_group > 8 ? LaunchTensorCore<T, D, 2, U>(p, stream)
+                          : LaunchTensorCore<T, D, 1, U>(p, stream);
+}
+
+// Tiles in flight per warp: 2 where registers allow it without spilling (head_dim
+// <= 128), 1 for head_dim 256 or when asked for (impl tensor_core_u1, for comparison).
+template <typename T>
+cudaError_t LaunchTensorCoreDispatch(const KernelParams& p, bool one_tile, cudaStream_t stream) {
+  switch (p.head_dim) {
+    case 64:
+      return one_tile ? LaunchTensorCoreHeads<T, 64, 1>(p, stream)
+                      : LaunchTensorCoreHeads<T, 64, 2>(p, stream);
+    case 128:
+      return one_tile ? LaunchTensorCoreHeads<T, 128, 1>(p, stream)
+                      : LaunchTensorCoreHeads<T, 128, 2>(p, stream);
+    default:
+      return LaunchTensorCoreHeads<T, 256, 1>(p, stream);
+  }
+}
+
+template <typename T>
+cudaError_t LaunchSimple(const KernelParams& p, cudaStream_t stream) {
+  const size_t smem = sizeof(float) * (2 * p.head_dim + p.chunk + 4);
+  SplitKernelSimple<T><<<dim3(p.splits, p.q_heads, p.batch), kThreads, smem, stream>>>(p);
+  return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t LaunchSplit(const KernelParams& p, SplitKernel kernel, cudaStream_t stream) {
+  if (kernel == SplitKernel::kSimple) return LaunchSimple<T>(p, stream);
+  return LaunchTensorCoreDispatch<T>(p, kernel == SplitKernel::kTensorCoreOneTile, stream);
+}
+
+template <typename T>
+cudaError_t LaunchCombine(const KernelParams& p, cudaStream_t stream) {
+  CombineKernel<T><<<dim3(p.q_heads, p.batch), kThreads, sizeof(float) * p.splits, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace
+}  // namespace kernels
+
+cudaError_t LaunchSplitKernel(const KernelParams& p, ElementType type, SplitKernel kernel,
+                              cudaStream_t stream) {
+  switch (type) {
+    case ElementType::kBF16:
+      return kernels::LaunchSplit<__nv_bfloat16>(p, kernel, stream);
+    case ElementType::kF16:
+      return kernels::LaunchSplit<__half>(p, kernel, stream);
+    default:  // no float32 tensor-core kernel (the host never asks for one)
+      return kernels::LaunchSimple<float>(p, stream);
+  }
+}
+
+cudaError_t LaunchCombineKernel(const KernelParams& p, ElementType type, cudaStream_t stream) {
+  switch (type) {
+    case ElementType::kBF16:
+      return kernels::LaunchCombine<__nv_bfloat16>(p, stream);
+    case ElementType::kF16:
+      return kernels::LaunchCombine<__half>(p, stream);
+    default:
+      return kernels::LaunchCombine<float>(p, stream);
+  }
+}
+
+}  // namespace jax_vmm::attention

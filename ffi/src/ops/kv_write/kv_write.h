@@ -1,0 +1,80 @@
+// The kv_write custom calls: their contract, and the per-token check shared by host and
+// device code.
+//
+// Two custom calls (Python wrappers and the user contract: jax_vmm/ops.py):
+//   jax_vmm_kv_write(k, v, new_k, new_v, slots) -> (k, v), outputs aliased {0:0, 1:1}
+//   jax_vmm_kv_write_through(k, v, new_k, new_v, slots) -> status s32[2, n]
+// Attributes dest_k / dest_v (u64, 0 = none) name the arena buffers to write: the
+// static destination. Each side's *target* is that buffer, or without one the buffer XLA
+// handed over (kv_write: its output; write-through: its operand) when it is arena memory.
+// Tokens are validated against the target (slot range; page table), written into the
+// target, and kv_write also writes them into its output when that is not the target (an
+// "alias miss": XLA copied the cache, so the returned arrays hold the tokens too).
+// Per token and side the status is 0 padding (slot < 0), 1 written,
+// 2 dropped: slot out of range, 3 dropped: slot on an unbacked chunk.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#ifdef __CUDACC__
+#define JAX_VMM_HD __host__ __device__
+#else
+#define JAX_VMM_HD
+#endif
+
+namespace jax_vmm::kv {
+
+enum TokenStatus : int32_t {
+  kPadding = 0,
+  kValid = 1,
+  kDroppedOutOfRange = 2,
+  kDroppedUnbacked = 3,
+};
+
+// Where one side (k or v) of a call reads and writes. Plain data: passed to kernels.
+struct Side {
+  uint8_t* dst = nullptr;               // the target: arena buffer, or a plain output; null: none
+  uint8_t* dst2 = nullptr;              // kv_write's output when it is not the target, else null
+  const uint8_t* src = nullptr;         // new tokens, n * token_bytes
+  const uint8_t* page_table = nullptr;  // arena page table, null when dst is not arena
+  uintptr_t arena_base = 0;
+  uint64_t chunk_bytes = 1;
+  unsigned long long* drop_counter = nullptr;  // the arena buffer's, or null
+  int32_t* status = nullptr;                   // n entries (write-through), or null
+};
+
+struct Params {
+  Side side[2];
+  const int32_t* slots = nullptr;
+  int64_t n = 0;
+  int64_t num_slots = 0;
+  uint64_t token_bytes = 0;
+};
+
+inline constexpr JAX_VMM_HD bool IsDropped(int32_t status) {
+  return status == kDroppedOutOfRange || status == kDroppedUnbacked;
+}
+
+// The check every production handler runs per token and side, on the host (CPU) or in
+// the kernel (CUDA): the token's status (TokenStatus). The handlers take the check as a
+// template argument (Tokens::Check) so that the testing layer can build its unchecked
+// variant without a branch in production code.
+struct CheckedTokens {
+  static JAX_VMM_HD int32_t Check(int32_t slot, const Params& p, const Side& s) {
+    if (slot < 0) return kPadding;
+    if (slot >= p.num_slots) return kDroppedOutOfRange;
+    if (s.page_table != nullptr) {
+      const uint64_t start = reinterpret_cast<uintptr_t>(s.dst) - s.arena_base +
+                             static_cast<uint64_t>(slot) * p.token_bytes;
+      const uint64_t first = start / s.chunk_bytes;
+      const uint64_t last = (start + p.token_bytes - 1) / s.chunk_bytes;
+      for (uint64_t c = first; c <= last; ++c) {
+        if (s.page_table[c] != 1) return kDroppedUnbacked;
+      }
+    }
+    return kValid;
+  }
+};
+
+}  // namespace jax_vmm::kv

@@ -1,0 +1,86 @@
+// Device code of the kv_write CUDA handlers (see kv_write_kernels.h): the production
+// instantiation of the kernel, and the per-device counter of dropped writes behind
+// kv_write_stats().
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <mutex>
+#include <set>
+
+#include "ops/kv_write/kv_write.h"
+#include "ops/kv_write/kv_write_kernel.cuh"
+#include "ops/kv_write/kv_write_kernels.h"
+#include "ops/kv_write/kv_write_stats.h"
+#include "ops/kv_write/kv_write_targets.h"
+
+namespace jax_vmm::kv {
+namespace {
+
+// Dropped token writes on this device (all buffers, both handlers); read by
+// kv_write_stats() through cudaMemcpyFromSymbol.
+__device__ unsigned long long g_dropped_writes;
+
+struct CheckedOnDevice {
+  static __device__ int32_t Check(int32_t slot, const Params& p, const Side& s) {
+    return CheckedTokens::Check(slot, p, s);
+  }
+  static __device__ void CountDrop() { atomicAdd(&g_dropped_writes, 1ULL); }
+};
+
+// Devices whose counter kv_write_stats() must read.
+std::mutex g_devices_mu;
+std::set<int>& SeenDevices() {
+  static std::set<int> devices;
+  return devices;
+}
+
+std::set<int> DevicesSeen() {
+  std::lock_guard<std::mutex> lock(g_devices_mu);
+  return SeenDevices();
+}
+
+// Runs fn(device) with each device the handlers ran on current, then restores the
+// caller's device.
+template <typename Fn>
+void ForEachSeenDevice(Fn fn) {
+  int previous = 0;
+  cudaGetDevice(&previous);
+  for (int d : DevicesSeen()) {
+    if (cudaSetDevice(d) == cudaSuccess) fn();
+  }
+  cudaSetDevice(previous);
+}
+
+// Device counters for kv_write_stats(): summed over the devices the handlers ran on.
+uint64_t ReadDeviceDrops() {
+  uint64_t total = 0;
+  ForEachSeenDevice([&] {
+    unsigned long long value = 0;
+    if (cudaMemcpyFromSymbol(&value, g_dropped_writes, sizeof(value)) == cudaSuccess) {
+      total += value;
+    }
+  });
+  return total;
+}
+
+void ResetDeviceDrops() {
+  const unsigned long long zero = 0;
+  ForEachSeenDevice([&] { cudaMemcpyToSymbol(g_dropped_writes, &zero, sizeof(zero)); });
+}
+
+}  // namespace
+
+cudaError_t LaunchKvWrite(const Params& p, cudaStream_t stream) {
+  return kernels::LaunchKvKernel<CheckedOnDevice>(p, stream);
+}
+
+void NoteDevice(int device) {
+  std::lock_guard<std::mutex> lock(g_devices_mu);
+  SeenDevices().insert(device);
+}
+
+void InstallCudaDropHooks() {
+  SetDeviceDropHooks(DeviceDropHooks{ReadDeviceDrops, ResetDeviceDrops});
+}
+
+}  // namespace jax_vmm::kv

@@ -1,0 +1,190 @@
+// Python bindings of Arena, the drivers' factory functions and the device query.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/shared_ptr.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+
+#include <string>
+
+#include "jax_vmm/arena.h"
+#include "jax_vmm/driver.h"
+#include "jax_vmm/errors.h"
+#include "python/bindings.h"
+
+namespace nb = nanobind;
+
+namespace jax_vmm {
+namespace {
+
+nb::dict BufferDict(const BufferInfo& b) {
+  nb::dict d;
+  d["id"] = b.id;
+  d["name"] = b.name;
+  d["offset"] = b.offset;
+  d["nbytes"] = b.nbytes;
+  d["backed_bytes"] = b.backed_bytes;
+  d["address"] = static_cast<uint64_t>(b.address);
+  return d;
+}
+
+nb::dict StatsDict(const ArenaStats& s) {
+  nb::dict d;
+  d["driver"] = s.driver_kind;
+  d["device_ordinal"] = s.device_ordinal;
+  d["granularity"] = s.granularity;
+  d["chunk_bytes"] = s.chunk_bytes;
+  d["reserved_bytes"] = s.reserved_bytes;
+  d["placed_bytes"] = s.placed_bytes;
+  d["backed_bytes"] = s.backed_bytes;
+  d["peak_backed_bytes"] = s.peak_backed_bytes;
+  d["num_buffers"] = s.num_buffers;
+  d["commit_calls"] = s.commit_calls;
+  d["decommit_calls"] = s.decommit_calls;
+  d["commit_seconds"] = s.commit_seconds;
+  d["decommit_seconds"] = s.decommit_seconds;
+  d["chunks_created"] = s.chunks_created;
+  d["chunks_released"] = s.chunks_released;
+  d["set_access_calls"] = s.set_access_calls;
+  d["failed_commits"] = s.failed_commits;
+  d["closed"] = s.closed;
+  return d;
+}
+
+// A DLPack-capable view of a buffer. The view holds a reference to the Python arena
+// object: a view keeps its arena (and so its address range) alive.
+nb::ndarray<> View(nb::handle self, int64_t buffer_id, std::vector<size_t> shape, uint8_t code,
+                   uint8_t bits, int device_type, int device_id) {
+  Arena& a = nb::cast<Arena&>(self);
+  const BufferInfo b = a.Buffer(buffer_id);
+  size_t elems = 1;
+  for (size_t s : shape) elems *= s;
+  if (elems * bits / 8 > b.nbytes) {
+    throw InvalidArgument("Arena.view: shape needs " + std::to_string(elems * bits / 8) +
+                          " bytes but buffer '" + b.name + "' has " + std::to_string(b.nbytes));
+  }
+  nb::dlpack::dtype dt{code, bits, 1};
+  return nb::ndarray<>(reinterpret_cast<void*>(b.address), shape.size(), shape.data(), self,
+                       nullptr, dt, device_type, device_id);
+}
+
+nb::object FindBuffer(uint64_t address, size_t nbytes) {
+  BufferRef ref;
+  if (!FindArenaBuffer(static_cast<uintptr_t>(address), nbytes, &ref)) return nb::none();
+  nb::dict d;
+  d["buffer_base"] = static_cast<uint64_t>(ref.buffer_base);
+  d["buffer_bytes"] = ref.buffer_bytes;
+  d["buffer_id"] = ref.buffer_id;
+  d["driver_kind"] = std::string(ref.driver_kind);
+  d["device_ordinal"] = ref.device_ordinal;
+  return d;
+}
+
+nb::tuple CudaDevices() {
+  std::string error;
+  nb::list devices;
+  for (const CudaDeviceInfo& d : QueryCudaDevices(&error)) {
+    nb::dict e;
+    e["ordinal"] = d.ordinal;
+    e["name"] = d.name;
+    e["vmm_supported"] = d.vmm_supported;
+    e["granularity_min"] = d.granularity_min;
+    e["granularity_recommended"] = d.granularity_recommended;
+    e["free_bytes"] = d.free_bytes;
+    e["total_bytes"] = d.total_bytes;
+    devices.append(e);
+  }
+  return nb::make_tuple(devices, error);
+}
+
+// Properties and queries of the Arena class.
+void BindArenaQueries(nb::class_<Arena>& c) {
+  c.def_prop_ro("base", [](const Arena& a) { return static_cast<uint64_t>(a.base()); })
+      .def_prop_ro("reserved_bytes", &Arena::reserved_bytes)
+      .def_prop_ro("chunk_bytes", &Arena::chunk_bytes)
+      .def_prop_ro("granularity", [](const Arena& a) { return a.driver().granularity(); })
+      .def_prop_ro("driver_kind", [](const Arena& a) { return std::string(a.driver().kind()); })
+      .def_prop_ro("device_ordinal", [](const Arena& a) { return a.driver().device_ordinal(); })
+      .def_prop_ro("closed", &Arena::closed)
+      .def("backed_prefix", &Arena::BackedPrefix)
+      .def("buffer", [](const Arena& a, int64_t id) { return BufferDict(a.Buffer(id)); })
+      .def("buffers",
+           [](const Arena& a) {
+             nb::list out;
+             for (const auto& b : a.Buffers()) out.append(BufferDict(b));
+             return out;
+           })
+      .def("stats",
+           [](const Arena& a) {
+             nb::dict d = StatsDict(a.Stats());
+             const MemInfo mi = a.driver().mem_info();
+             d["device_free_bytes"] = mi.free_bytes;
+             d["device_total_bytes"] = mi.total_bytes;
+             return d;
+           })
+      .def("drop_count", &Arena::DropCount)
+      .def("view", &View, nb::rv_policy::reference,
+           "A DLPack-capable view of a buffer (pass to jax.dlpack.from_dlpack).");
+}
+
+// The methods of the Arena class that change it (the GIL is released around driver work).
+void BindArenaChanges(nb::class_<Arena>& c) {
+  c.def(
+       "allocate",
+       [](Arena& a, size_t nbytes, const std::string& name) {
+         BufferInfo info;
+         {
+           nb::gil_scoped_release release;
+           info = a.Allocate(nbytes, name);
+         }
+         return BufferDict(info);
+       },
+       nb::arg("nbytes"), nb::arg("name") = "")
+      .def(
+          "commit_ranges",
+          [](Arena& a, const std::vector<std::tuple<int64_t, size_t, size_t>>& r) {
+            std::vector<Arena::Range> ranges;
+            for (const auto& [id, start, stop] : r) ranges.push_back({id, start, stop});
+            nb::gil_scoped_release release;
+            return a.CommitRanges(ranges);
+          },
+          "All-or-nothing commit of (buffer_id, start, stop) ranges.")
+      .def("free", &Arena::Free, nb::call_guard<nb::gil_scoped_release>())
+      .def("commit", &Arena::Commit, nb::call_guard<nb::gil_scoped_release>())
+      .def("decommit", &Arena::Decommit, nb::call_guard<nb::gil_scoped_release>())
+      .def("close", &Arena::Close, nb::call_guard<nb::gil_scoped_release>())
+      .def("pin_metadata_for_graphs", &Arena::PinMetadataForGraphs,
+           "Keep the page table and drop counters allocated after destruction: compiled "
+           "code holds this arena's addresses (kv_write's static dest).")
+      .def("reset_drop_count", &Arena::ResetDropCount);
+}
+
+}  // namespace
+
+void BindArena(nb::module_& m) {
+  nb::class_<Arena> arena(m, "Arena",
+                          "A reserved virtual range with buffers committed chunk by chunk. "
+                          "Thread-safe. Use jax_vmm.Arena (Python) rather than this class.");
+  BindArenaQueries(arena);
+  BindArenaChanges(arena);
+  m.def(
+      "create_arena",
+      [](const std::string& driver, int device, size_t reserve_bytes, size_t chunk_bytes) {
+        return Arena::Create(MakeDriver(driver, device, chunk_bytes), reserve_bytes);
+      },
+      nb::arg("driver"), nb::arg("device"), nb::arg("reserve_bytes"), nb::arg("chunk_bytes") = 0,
+      nb::call_guard<nb::gil_scoped_release>());
+  m.def("find_arena_buffer", &FindBuffer, nb::arg("address"), nb::arg("nbytes"),
+        "The live (open) arena buffer holding [address, address + nbytes), or None.");
+  m.def(
+      "resolve_chunk_bytes",
+      [](const std::string& driver, int device, size_t chunk_bytes) {
+        return MakeDriver(driver, device, chunk_bytes)->chunk_bytes();
+      },
+      "The chunk size an arena with these arguments would use (0 = the driver default).");
+  m.def("query_cuda_devices", &CudaDevices,
+        "([device dicts], error): what the CUDA driver offers; error says why the list is empty.");
+}
+
+}  // namespace jax_vmm

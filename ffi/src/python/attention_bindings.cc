@@ -1,0 +1,57 @@
+// Python-facing helpers of the decode-attention feature:
+//   attention_plan(...)          the split-K plan (Python sizes the optional XLA workspace
+//                                with it and passes chunk/splits explicitly)
+//   attention_stats()            handler counters (calls, captured calls, kernel choice)
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+
+#include "jax_vmm/errors.h"
+#include "ops/attention/attention_plan.h"
+#include "ops/attention/attention_stats.h"
+#include "python/bindings.h"
+
+namespace nb = nanobind;
+
+namespace jax_vmm {
+
+void BindAttention(nb::module_& m) {
+  using namespace jax_vmm::attention;
+  m.def(
+      "attention_plan",
+      [](int64_t batch, int64_t max_tokens, int64_t q_heads, int64_t kv_heads, int64_t head_dim,
+         int64_t parallel_units, int64_t chunk, int64_t splits) {
+        const Shapes s{batch, max_tokens, q_heads, kv_heads, head_dim};
+        if (std::string err = ValidateShapes(s); !err.empty()) {
+          throw InvalidArgument("decode_attention: " + err);
+        }
+        const Plan p = MakePlan(s, parallel_units, chunk, splits);
+        nb::dict d;
+        d["chunk"] = p.chunk;
+        d["splits"] = p.splits;
+        d["head_group"] = p.head_group;
+        d["max_chunks"] = p.max_chunks;
+        d["workspace_bytes"] = p.workspace_bytes;
+        return d;
+      },
+      nb::arg("batch"), nb::arg("max_tokens"), nb::arg("q_heads"), nb::arg("kv_heads"),
+      nb::arg("head_dim"), nb::arg("parallel_units"), nb::arg("chunk") = 0, nb::arg("splits") = 0,
+      "Split-K plan of decode_attention for static shapes (see "
+      "ffi/src/ops/attention/attention_plan.h).");
+
+  m.def(
+      "attention_stats",
+      []() {
+        Counters& c = GetCounters();
+        nb::dict d;
+        d["cpu_calls"] = c.cpu_calls.load();
+        d["cuda_initialize_calls"] = c.cuda_initialize_calls.load();
+        d["cuda_execute_calls"] = c.cuda_execute_calls.load();
+        d["cuda_captured_calls"] = c.cuda_captured_calls.load();
+        d["cuda_tensor_core_launches"] = c.cuda_tensor_core_launches.load();
+        d["cuda_simple_launches"] = c.cuda_simple_launches.load();
+        return d;
+      },
+      "Counters of the decode-attention handlers (process-wide).");
+}
+
+}  // namespace jax_vmm

@@ -1,0 +1,12 @@
+// Each feature binds its own Python functions in its own file; module.cc calls these.
+// Add a line here and in module.cc when a feature needs Python-facing functions.
+#pragma once
+
+#include <nanobind/nanobind.h>
+
+namespace jax_vmm {
+void BindArena(nanobind::module_& m);      // arena_bindings.cc
+void BindScratch(nanobind::module_& m);    // scratch_bindings.cc
+void BindOps(nanobind::module_& m);        // ops_bindings.cc (kv_write / attention stats)
+void BindAttention(nanobind::module_& m);  // attention_bindings.cc
+}  // namespace jax_vmm

@@ -1,0 +1,113 @@
+// The nanobind module jax_vmm._core: exception mapping, FFI target capsules, and the
+// per-feature bindings (arena_bindings.cc, scratch_bindings.cc, ops_bindings.cc, ...).
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+
+#include <cstdlib>
+#include <string>
+
+#include "common/ffi_registry.h"
+#include "jax_vmm/errors.h"
+#include "ops/attention/attention_targets.h"
+#include "ops/kv_write/kv_write_targets.h"
+#include "python/bindings.h"
+#include "python/registrations.h"
+#include "scratch/device_platform.h"
+#ifdef JAX_VMM_TESTING
+#include "testing/testing_module.h"
+#endif
+
+namespace nb = nanobind;
+
+namespace jax_vmm {
+namespace {
+
+// The JAX allocator settings that decide how much device memory an arena can get.
+std::string JaxAllocatorSettings() {
+  std::string out;
+  for (const char* name : {"XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_MEM_FRACTION",
+                           "XLA_PYTHON_CLIENT_ALLOCATOR"}) {
+    const char* value = std::getenv(name);
+    out += std::string(out.empty() ? "" : ", ") + name + "=" + (value ? value : "<unset>");
+  }
+  return out;
+}
+
+PyObject* g_out_of_memory_type = nullptr;
+
+void TranslateOutOfMemory(const std::exception_ptr& p, void*) {
+  try {
+    std::rethrow_exception(p);
+  } catch (const OutOfMemory& e) {
+    std::string msg = std::string(e.what()) +
+                      ". JAX allocator settings: " + JaxAllocatorSettings() +
+                      ". JAX preallocates 75% of GPU memory by default, leaving the arena the "
+                      "rest: set XLA_PYTHON_CLIENT_PREALLOCATE=false or a lower "
+                      "XLA_PYTHON_CLIENT_MEM_FRACTION before importing jax, or commit less.";
+    PyObject* exc = PyObject_CallFunction(g_out_of_memory_type, "s", msg.c_str());
+    if (exc == nullptr) return;
+    PyObject* req = PyLong_FromSize_t(e.requested_bytes);
+    PyObject* fre = PyLong_FromSize_t(e.free_bytes);
+    PyObject_SetAttrString(exc, "requested_bytes", req);
+    PyObject_SetAttrString(exc, "free_bytes", fre);
+    Py_XDECREF(req);
+    Py_XDECREF(fre);
+    PyErr_SetObject(g_out_of_memory_type, exc);
+    Py_DECREF(exc);
+  }
+}
+
+// Every production FFI target of this build.
+FfiRegistry ProductionTargets() {
+  FfiRegistry registry;
+  kv::AddCpuTargets(registry);
+  attention::AddCpuTargets(registry);
+#ifdef JAX_VMM_HAVE_CUDA_KERNELS
+  kv::AddCudaTargets(registry);
+  attention::AddCudaTargets(registry);
+#endif
+  return registry;
+}
+
+}  // namespace
+}  // namespace jax_vmm
+
+NB_MODULE(_core, m) {
+  using namespace jax_vmm;
+  m.doc() = "jax_vmm C++ core: virtual-memory arenas, drivers and XLA FFI handlers";
+
+  nb::exception<ArenaClosed>(m, "ArenaClosedError", PyExc_RuntimeError);
+  nb::exception<ReservationFull>(m, "ReservationFullError", PyExc_RuntimeError);
+  nb::exception<DriverError>(m, "DriverError", PyExc_RuntimeError);
+  // InvalidArgument derives from std::invalid_argument, which nanobind maps to ValueError.
+  static nb::object oom_type =
+      nb::steal(PyErr_NewExceptionWithDoc("jax_vmm._core.OutOfMemoryError",
+                                          "Physical memory could not be committed. Attributes: "
+                                          "requested_bytes, free_bytes.",
+                                          PyExc_MemoryError, nullptr));
+  m.attr("OutOfMemoryError") = oom_type;
+  g_out_of_memory_type = oom_type.ptr();
+  nb::register_exception_translator(TranslateOutOfMemory);
+
+  BindRegistrations(m, ProductionTargets());
+#ifdef JAX_VMM_HAVE_CUDA_KERNELS
+  m.attr("built_with_cuda_kernels") = true;
+  kv::InstallCudaDropHooks();
+  scratch::internal::InstallCudaPlatform();
+#else
+  m.attr("built_with_cuda_kernels") = false;
+#endif
+
+  BindArena(m);
+  BindScratch(m);
+  BindOps(m);
+  BindAttention(m);
+#ifdef JAX_VMM_TESTING
+  nb::module_ t = m.def_submodule(
+      "testing", "Test-only hooks of jax_vmm's C++ core; use them through jax_vmm.testing.");
+  BindRegistrations(t, testing::TestingTargets());
+  testing::BindTestingHooks(t);
+#endif
+}

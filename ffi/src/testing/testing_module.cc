@@ -1,0 +1,106 @@
+// jax_vmm._core.testing (see testing_module.h): the testing FFI targets, fault injection
+// into arenas, the scratch probe's counters, simulated capture and the free-on-growth
+// emulation of scratch. The Python side and its documentation: jax_vmm/testing.py.
+#include "testing/testing_module.h"
+
+#include <nanobind/stl/shared_ptr.h>
+#include <nanobind/stl/string.h>
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include "common/ffi_registry.h"
+#include "jax_vmm/arena.h"
+#include "scratch/simulated_capture.h"
+#include "testing/fault_injecting_driver.h"
+#include "testing/scratch_free_on_growth.h"
+#include "testing/scratch_probe.h"
+#include "testing/testing_targets.h"
+
+namespace nb = nanobind;
+
+namespace jax_vmm::testing {
+namespace {
+
+void BindFaultInjection(nb::module_& m);
+void BindScratchHooks(nb::module_& m);
+
+}  // namespace
+
+FfiRegistry TestingTargets() {
+  FfiRegistry registry;
+  AddUncheckedKvWriteCpuTargets(registry);
+  AddDebugAttentionCpuTargets(registry);
+  AddProbeCpuTargets(registry);
+#ifdef JAX_VMM_HAVE_CUDA_KERNELS
+  AddUncheckedKvWriteCudaTargets(registry);
+  AddDebugAttentionCudaTargets(registry);
+  AddProbeCudaTargets(registry);
+#endif
+  return registry;
+}
+
+void BindTestingHooks(nb::module_& m) {
+  BindFaultInjection(m);
+  BindScratchHooks(m);
+}
+
+namespace {
+
+void BindFaultInjection(nb::module_& m) {
+  nb::exception<InjectedFault>(m, "InjectedFault", PyExc_RuntimeError);
+  m.def("create_fault_injecting_arena", &CreateFaultInjectingArena, nb::arg("driver"),
+        nb::arg("device"), nb::arg("reserve_bytes"), nb::arg("chunk_bytes") = 0,
+        nb::call_guard<nb::gil_scoped_release>(),
+        "create_arena() with its driver wrapped in a fault-injecting driver.");
+  m.def(
+      "arm_fault",
+      [](Arena& arena, const std::string& op, int64_t nth, bool out_of_memory) {
+        const DriverOp parsed = ParseDriverOp(op);
+        FaultsOf(arena).Arm(parsed, nth, out_of_memory);
+      },
+      nb::arg("arena"), nb::arg("op"), nb::arg("nth"), nb::arg("out_of_memory") = false,
+      "Fail the nth (1-based) future driver call of op ('create', 'map', 'set_access').");
+  m.def(
+      "disarm_faults", [](Arena& arena) { FaultsOf(arena).Disarm(); }, nb::arg("arena"),
+      "Disarm every op and repair release.");
+  m.def(
+      "break_release", [](Arena& arena, bool broken) { FaultsOf(arena).BreakRelease(broken); },
+      nb::arg("arena"), nb::arg("broken"),
+      "While broken, the driver's release and unmap calls do nothing (rollbacks leak).");
+  m.def(
+      "injected_faults", [](Arena& arena) { return FaultsOf(arena).injected(); }, nb::arg("arena"),
+      "Faults thrown into this arena's driver so far.");
+}
+
+void BindScratchHooks(nb::module_& m) {
+  m.def(
+      "scratch_get",
+      [](int device, uint64_t stream, size_t nbytes, bool capturing) {
+        void* ptr = nullptr;
+        std::string err;
+        {
+          nb::gil_scoped_release release;
+          err = scratch::GetWithCaptureState(device, reinterpret_cast<void*>(stream), nbytes,
+                                             capturing, &ptr);
+        }
+        if (!err.empty()) throw std::runtime_error(err);
+        return static_cast<uint64_t>(reinterpret_cast<uintptr_t>(ptr));
+      },
+      nb::arg("device"), nb::arg("stream"), nb::arg("nbytes"), nb::arg("capturing"),
+      "scratch Get() with the capture state given; returns the workspace address.");
+  m.def("scratch_set_free_on_growth", &SetScratchFreeOnGrowth, nb::arg("enabled"));
+  m.def("scratch_free_on_growth", &ScratchFreeOnGrowth);
+  m.def("scratch_probe_stats", []() {
+    nb::dict d;
+    d["calls"] = ProbeCounters().calls.load();
+    d["captured_calls"] = ProbeCounters().captured_calls.load();
+    d["initialize_calls"] = ProbeCounters().initialize_calls.load();
+    return d;
+  });
+}
+
+}  // namespace
+
+}  // namespace jax_vmm::testing

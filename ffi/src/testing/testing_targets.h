@@ -1,0 +1,31 @@
+// The FFI targets of the testing layer, returned by _core.testing.registrations(platform)
+// (testing_module.cc). Each is a production handler built with one protection removed, so
+// that tests can show their checks would catch its absence; none is registered by the
+// production module.
+#pragma once
+
+#include "common/ffi_registry.h"
+
+namespace jax_vmm::testing {
+
+// jax_vmm_testing_kv_write_unchecked, jax_vmm_testing_kv_write_through_unchecked: the
+// kv_write handlers without the slot range and page checks (they write wherever a slot
+// points). kv_write_unchecked_cpu.cc, kv_write_unchecked_cuda.cu.
+void AddUncheckedKvWriteCpuTargets(FfiRegistry& registry);
+
+// jax_vmm_testing_decode_attention: decode attention with an operand `out_init` aliased
+// to the output, and the attributes read_all_tokens (CPU: also touch every token up to
+// T, as a kernel that ignored the lengths would) and skip_output (write nothing).
+// attention_debug_cpu.cc, attention_debug_cuda.cc.
+void AddDebugAttentionCpuTargets(FfiRegistry& registry);
+
+// jax_vmm_scratch_probe: y = x through a graph-safe scratch workspace (scratch_probe.h).
+void AddProbeCpuTargets(FfiRegistry& registry);
+
+#ifdef JAX_VMM_HAVE_CUDA_KERNELS
+void AddUncheckedKvWriteCudaTargets(FfiRegistry& registry);
+void AddDebugAttentionCudaTargets(FfiRegistry& registry);
+void AddProbeCudaTargets(FfiRegistry& registry);
+#endif
+
+}  // namespace jax_vmm::testing

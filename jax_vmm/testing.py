@@ -1,0 +1,226 @@
+"""Test hooks of jax_vmm: switches that remove one protection each, so that a test can
+show its checks would catch the failure they guard against.
+
+Nothing here is for production use, and the production ``jax_vmm`` namespace exposes
+none of it. The hooks live in the C++ testing layer (``ffi/src/testing/``, the submodule
+``jax_vmm._core.testing``, built unless CMake's ``JAX_VMM_TESTING`` is OFF); this module is
+the only Python code that imports it.
+
+* :func:`fault_injection`: arenas created inside the with-block get a fault-injecting
+  driver; :class:`FaultInjection` arms faults per arena (the nth ``create``, ``map`` or
+  ``set_access`` driver call fails with :class:`InjectedFault` or an out-of-memory) and
+  can break release/unmap so that a rollback leaks observably.
+* :func:`unchecked_kv_writes`: ``jax_vmm.kv_write`` / ``kv_write_through`` call variants
+  without the slot range and page checks.
+* :func:`decode_attention`: decode attention with an aliased ``out_init`` output buffer,
+  ``skip_output`` and (CPU) ``read_all_tokens``.
+* :func:`scratch_probe` (with :func:`scratch_probe_stats`, :func:`address_of`): a custom
+  call that copies its input through a graph-safe scratch workspace;
+  :func:`scratch_get` serves a workspace with a simulated capture state;
+  :func:`free_scratch_on_growth` re-creates the bug graph-safe scratch prevents.
+
+Thread-safety: the switches are process-wide. Use them from one test at a time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, Literal
+
+import jax
+import jax.numpy as jnp
+
+from . import _ffi
+from . import arena as _arena
+from . import attention as _attention
+from . import ops as _ops
+from ._loader import core as _core
+
+_testing = getattr(_core, "testing", None)
+if _testing is None:  # pragma: no cover - only in a build with JAX_VMM_TESTING=OFF
+    raise ImportError(
+        "jax_vmm.testing needs the testing layer, which this build of jax_vmm left out "
+        "(CMake option JAX_VMM_TESTING=OFF); rebuild with -DJAX_VMM_TESTING=ON")
+_ffi.add_source(_testing.registrations)
+
+__all__ = ["InjectedFault", "FaultInjection", "fault_injection", "unchecked_kv_writes",
+           "decode_attention", "scratch_probe", "scratch_probe_stats", "address_of",
+           "scratch_get", "free_scratch_on_growth"]
+
+#: A driver call failed because a test armed a fault (:meth:`FaultInjection.arm`).
+#: A ``RuntimeError``.
+InjectedFault = _testing.InjectedFault
+
+
+# -- fault injection ------------------------------------------------------------------
+
+
+def _core_arena(arena: Any) -> Any:
+    """The C++ arena of a jax_vmm.Arena or jax_vmm.KVArena."""
+    from .kv import KVArena
+
+    if isinstance(arena, KVArena):
+        arena = arena.arena
+    if not isinstance(arena, _arena.Arena):
+        raise TypeError(f"expected a jax_vmm.Arena or KVArena, got {type(arena).__name__}")
+    return arena._handle
+
+
+class FaultInjection:
+    """Arms faults in the drivers of arenas created inside :func:`fault_injection`.
+
+    Every method takes a ``jax_vmm.Arena`` or ``KVArena`` and raises ``ValueError`` for an
+    arena created outside the with-block. The handle stays usable after the block ends
+    (the arenas keep their fault-injecting driver).
+    """
+
+    def arm(self, arena: Any, op: str, nth: int = 1, out_of_memory: bool = False) -> None:
+        """Make the ``nth`` (1-based) future driver call of ``op`` (``"create"``, ``"map"``,
+        ``"set_access"``) fail: with :class:`InjectedFault`, or with an out-of-memory
+        (``jax_vmm.OutOfMemoryError``) when ``out_of_memory``. ``nth <= 0`` disarms ``op``.
+        A commit maps a run of chunks at once; ``map`` counts each chunk."""
+        _testing.arm_fault(_core_arena(arena), op, int(nth), bool(out_of_memory))
+
+    def disarm(self, arena: Any) -> None:
+        """Disarm every op and repair release (undo :meth:`break_release`)."""
+        _testing.disarm_faults(_core_arena(arena))
+
+    def break_release(self, arena: Any, broken: bool = True) -> None:
+        """While broken, the driver's release and unmap calls do nothing: a failed commit
+        (or a decommit) keeps its physical memory, as a rollback that forgot its chunks
+        would. The memory stays held until the arena is destroyed."""
+        _testing.break_release(_core_arena(arena), bool(broken))
+
+    def injected(self, arena: Any) -> int:
+        """Faults thrown into this arena's driver so far."""
+        return int(_testing.injected_faults(_core_arena(arena)))
+
+
+@contextlib.contextmanager
+def fault_injection() -> Iterator[FaultInjection]:
+    """Arenas created inside the with-block (``jax_vmm.Arena``, ``jax_vmm.kv_arena``, on
+    any device) get a fault-injecting driver; yields the :class:`FaultInjection` that arms
+    them. Nests; restores the previous factory on exit. Not for concurrent use with
+    threads that create arenas outside the block."""
+    previous = _arena._core_arena_factory
+    _arena._core_arena_factory = _testing.create_fault_injecting_arena
+    try:
+        yield FaultInjection()
+    finally:
+        _arena._core_arena_factory = previous
+
+
+# -- kv_write without its checks ------------------------------------------------------
+
+
+@contextlib.contextmanager
+def unchecked_kv_writes() -> Iterator[None]:
+    """Inside the with-block ``jax_vmm.kv_write`` / ``kv_write_through`` call variants that
+    skip the slot range and page checks and write wherever a slot points: out-of-range
+    slots corrupt neighbouring memory and unbacked pages fault. Applies to calls traced
+    inside the block (a function jitted before keeps its checked call)."""
+    previous = _ops._targets
+    _ops._targets = _ops._Targets(write="jax_vmm_testing_kv_write_unchecked",
+                                  through="jax_vmm_testing_kv_write_through_unchecked")
+    try:
+        yield
+    finally:
+        _ops._targets = previous
+
+
+# -- decode attention with its protections removable ---------------------------------
+
+
+def decode_attention(q: Any, k: Any, v: Any, lengths: Any, *, out_init: Any = None,
+                     read_all_tokens: bool = False, skip_output: bool = False,
+                     scale: float | None = None, chunk: int = 0, splits: int = 0,
+                     impl: str = "auto") -> jax.Array:
+    """``jax_vmm.decode_attention`` (graph-safe scratch workspace) through the testing
+    target, with the same validation and plan.
+
+    out_init: an array of q's shape and dtype that becomes the output buffer before the
+      kernel runs (aliased; default zeros), e.g. NaN, to show that every element is
+      written.
+    skip_output: write nothing to the output (out_init comes back unchanged).
+    read_all_tokens: (CPU only) also touch every token up to T, as a kernel that ignored
+      the lengths would.
+    """
+    call = _attention._prepare(q, k, v, lengths, scale=scale, chunk=chunk, splits=splits,
+                               impl=impl, workspace="scratch")
+    if call is None:
+        return jnp.zeros(jnp.shape(q), jnp.asarray(q).dtype)
+    if read_all_tokens and call.device.platform != "cpu":
+        raise ValueError("read_all_tokens is implemented by the CPU handler only")
+    q = call.operands[0]
+    out_init = jnp.zeros(q.shape, q.dtype) if out_init is None else jnp.asarray(out_init)
+    if out_init.shape != q.shape or out_init.dtype != q.dtype:
+        raise ValueError(f"out_init must match q: {q.shape} {q.dtype}, got {out_init.shape} "
+                         f"{out_init.dtype}")
+    ffi = jax.ffi.ffi_call("jax_vmm_testing_decode_attention", call.out_type,
+                           vmap_method="sequential", input_output_aliases={4: 0})
+    return ffi(*call.operands, out_init, read_all_tokens=bool(read_all_tokens),
+               skip_output=bool(skip_output), **call.attrs)
+
+
+# -- scratch --------------------------------------------------------------------------
+
+
+def scratch_probe(x: jax.Array, workspace_bytes: int | None = None, *,
+                  reserve_at: Literal["initialize", "trace"] = "initialize",
+                  device: jax.Device | None = None) -> tuple[jax.Array, jax.Array]:
+    """``y = x`` copied through a scratch workspace of ``workspace_bytes`` (default
+    ``x.nbytes``). Returns ``(y, address)``: ``address`` is the int32 ``(lo, hi)`` pair of
+    the workspace pointer the call used (see :func:`address_of`).
+
+    ``reserve_at`` says where the workspace is sized before any capture: "initialize"
+    (the CUDA handler's kInitialize stage reserves it on its stream) or "trace" (this
+    function calls ``jax_vmm.scratch.reserve`` for ``device`` now, at trace time)."""
+    from .scratch import reserve
+
+    nbytes = int(x.size) * jnp.dtype(x.dtype).itemsize
+    ws = nbytes if workspace_bytes is None else int(workspace_bytes)
+    if ws < nbytes:
+        raise ValueError(f"workspace_bytes={ws} is smaller than the input ({nbytes} bytes)")
+    if reserve_at not in ("initialize", "trace"):
+        raise ValueError(f"reserve_at must be 'initialize' or 'trace', got {reserve_at!r}")
+    _ffi.register()
+    if reserve_at == "trace":
+        reserve(ws, device)
+    y, addr = jax.ffi.ffi_call(
+        "jax_vmm_scratch_probe",
+        (jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct((2,), jnp.int32)),
+    )(x, workspace_bytes=ws, reserve_at_initialize=reserve_at == "initialize")
+    return y, addr
+
+
+def scratch_probe_stats() -> dict:
+    """Host invocations of the probe: ``calls``, ``captured_calls`` (made while a CUDA
+    graph was captured) and ``initialize_calls`` (CUDA kInitialize stage)."""
+    return dict(_testing.scratch_probe_stats())
+
+
+def address_of(addr: jax.Array) -> int:
+    """The pointer from a :func:`scratch_probe` ``address`` result."""
+    lo, hi = (int(a) & 0xFFFFFFFF for a in jax.device_get(addr))
+    return (hi << 32) | lo
+
+
+def scratch_get(device: int, stream: int, nbytes: int, capturing: bool) -> int:
+    """The address of a workspace of at least ``nbytes`` for (``device``, ``stream``), as
+    a custom call's Get() would serve it, with ``capturing`` standing for the stream's
+    capture state (device -1 is the host). Raises ``RuntimeError`` where Get() refuses."""
+    return int(_testing.scratch_get(int(device), int(stream), int(nbytes), bool(capturing)))
+
+
+@contextlib.contextmanager
+def free_scratch_on_growth() -> Iterator[None]:
+    """Inside the with-block every scratch growth moves the workspace and frees the
+    outgrown block at once, in both modes: the bug graph-safe scratch exists to prevent
+    (a graph captured before the growth then replays into freed memory). A freed VMM
+    block keeps its virtual range reserved, reading zeros, so a stale writer faults."""
+    previous = bool(_testing.scratch_free_on_growth())
+    _testing.scratch_set_free_on_growth(True)
+    try:
+        yield
+    finally:
+        _testing.scratch_set_free_on_growth(previous)
