@@ -34,20 +34,38 @@ def _dlpack_dtype(dtype: np.dtype) -> tuple[int, int]:
     return kind, dtype.itemsize * 8
 
 
-def _as_index(value: Any, what: str) -> int:
+def _as_int(value: Any, what: str) -> int:
+    """``value`` as an int: anything ``operator.index`` accepts (numpy and concrete JAX
+    integer scalars too), except bools (True is not a size or an index)."""
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{what} must be an integer, got bool")
     try:
-        i = operator.index(value)
+        return operator.index(value)
     except TypeError:
         raise TypeError(f"{what} must be an integer, got {type(value).__name__}") from None
-    if i < 0:
-        raise ValueError(f"{what} must be >= 0, got {i}")
+
+
+def _as_index(value: Any, what: str, minimum: int = 0) -> int:
+    """``value`` as an int >= ``minimum`` (0 or 1), see :func:`_as_int`."""
+    i = _as_int(value, what)
+    if i < minimum:
+        raise ValueError(f"{what} must be {'> 0' if minimum == 1 else '>= 0'}, got {i}")
     return i
 
 
+def _refuse_copy(what: str, device: Any, copy_out: str) -> TypeError:
+    return TypeError(
+        f"jax_vmm.{what} cannot be pickled or copied: it owns a reservation of virtual memory "
+        f"on {device}. Share the object itself (it is thread-safe), or copy data out with "
+        f"{copy_out}")
+
+
 def _as_shape(shape: Any) -> tuple[int, ...]:
-    if isinstance(shape, (int, np.integer)):
+    if isinstance(shape, (int, np.integer)) and not isinstance(shape, (bool, np.bool_)):
         shape = (shape,)
     try:
+        if any(isinstance(d, (bool, np.bool_)) for d in shape):
+            raise TypeError
         dims = tuple(operator.index(d) for d in shape)
     except TypeError:
         raise TypeError(f"shape must be a tuple of ints, got {shape!r}") from None
@@ -65,6 +83,18 @@ def _create_core_arena(driver: str, ordinal: int, reserve_bytes: int, chunk_byte
 #: hooks: ``jax_vmm.testing.fault_injection()`` replaces it for the duration of its
 #: with-block; nothing else should.
 _core_arena_factory = _create_core_arena
+
+
+def _lease_view(handle: Any, buffer_id: int, shape: list[int], code: int, bits: int,
+                device_type: int, ordinal: int) -> Any:
+    return handle.view(buffer_id, shape, code, bits, device_type, ordinal)
+
+
+#: Makes the DLPack capsule behind every view: ``(core arena, buffer id, shape, dtype
+#: code, bits, DLPack device type, ordinal) -> capsule``. The capsule's deleter releases a
+#: view lease and needs no GIL. The seam for ``jax_vmm.testing.legacy_views()``, which
+#: swaps in views without a lease (GIL-taking deleter) for its with-block; nothing else.
+_core_view_factory = _lease_view
 
 
 class _DLPackCapsule:
@@ -100,6 +130,8 @@ class Buffer:
     def __init__(self, arena: "Arena", info: dict, shape: tuple[int, ...], dtype: np.dtype):
         self._arena = arena
         self._id: int = info["id"]
+        self._uid: int = info["uid"]
+        self._freed = False
         self.name: str = info["name"]
         self.offset: int = info["offset"]
         self.address: int = info["address"]
@@ -109,15 +141,33 @@ class Buffer:
 
     @property
     def id(self) -> int:
+        """Index of the buffer in its arena (an index may be used again after free())."""
         return self._id
+
+    @property
+    def uid(self) -> int:
+        """Process-unique identity: no other buffer or arena of this process has it, ever
+        (addresses, by contrast, are reused)."""
+        return self._uid
 
     @property
     def arena(self) -> "Arena":
         return self._arena
 
     @property
+    def freed(self) -> bool:
+        return self._freed
+
+    @property
     def backed_bytes(self) -> int:
+        self._check_live("Buffer.backed_bytes")
         return self._arena._handle.buffer(self._id)["backed_bytes"]
+
+    def live_views(self) -> int:
+        """Views of this buffer alive now (JAX releases a view when the array is deleted
+        and no computation uses it any more, on any thread)."""
+        self._check_live("Buffer.live_views")
+        return self._arena._handle.buffer_live_views(self._id)
 
     @property
     def array(self) -> jax.Array:
@@ -127,13 +177,14 @@ class Buffer:
         """A zero-copy ``jax.Array`` over this buffer's memory with another shape/dtype
         (it must fit in :attr:`nbytes`)."""
         self._arena._check_open("Buffer.array")
+        self._check_live("Buffer.array")
         shape = self.shape if shape is None else _as_shape(shape)
         dtype = self.dtype if dtype is None else np.dtype(jnp.dtype(dtype))
         code, bits = _dlpack_dtype(dtype)
         t = self._arena._target
-        capsule = self._arena._handle.view(
-            self._id, list(shape), code, bits, t.dlpack_device_type, t.ordinal
-        )
+        capsule = _core_view_factory(
+            self._arena._handle, self._id, list(shape), code, bits, t.dlpack_device_type,
+            t.ordinal)
         return jax.dlpack.from_dlpack(
             _DLPackCapsule(capsule, t.dlpack_device_type, t.ordinal), copy=False
         )
@@ -142,6 +193,7 @@ class Buffer:
         """Back bytes ``[start, stop)`` with physical memory (rounded out to whole chunks).
         Idempotent. Returns the bytes newly backed. Raises ``MemoryError``
         (:class:`~jax_vmm.errors.OutOfMemoryError`) leaving the buffer unchanged."""
+        self._check_live("Buffer.commit")
         start, stop = self._range(start, stop)
         return self._arena._handle.commit(self._id, start, stop)
 
@@ -152,18 +204,35 @@ class Buffer:
 
         The caller must make sure no running computation still uses the range (call
         ``block_until_ready`` on its results first)."""
+        self._check_live("Buffer.decommit")
         start, stop = self._range(start, stop)
         return self._arena._handle.decommit(self._id, start, stop)
 
     def backed_prefix(self, start: int, stop: int) -> int:
         """Bytes backed contiguously from ``start`` (stops at ``stop`` or the first hole)."""
+        self._check_live("Buffer.backed_prefix")
         start, stop = self._range(start, stop)
         return self._arena._handle.backed_prefix(self._id, start, stop)
 
     def free(self) -> None:
-        """Decommit the buffer and return its address range to the arena."""
+        """Decommit the buffer and return its address range to the arena. Views made
+        before stay valid and read zeros; the range is placed again only once the last of
+        them is gone. Later calls on this Buffer raise ``ValueError``."""
         self._arena._check_open("Buffer.free")
+        self._check_live("Buffer.free")
         self._arena._handle.free(self._id)
+        self._freed = True
+        self._arena._forget(self)
+
+    def _check_live(self, op: str) -> None:
+        if self._freed:
+            raise ValueError(f"{op}: buffer '{self.name}' was freed (Buffer.free()); allocate "
+                             "a new buffer")
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError("jax_vmm.Buffer cannot be pickled or copied: it is memory of its "
+                        "arena. Share the object itself, or copy data out with "
+                        "np.asarray(buf.array)")
 
     def _range(self, start: int, stop: int | None) -> tuple[int, int]:
         start = _as_index(start, "start")
@@ -178,7 +247,7 @@ class Buffer:
     def __repr__(self) -> str:
         return (
             f"Buffer(name={self.name!r}, shape={self.shape}, dtype={self.dtype}, "
-            f"address=0x{self.address:x}, nbytes={self.nbytes})"
+            f"address=0x{self.address:x}, nbytes={self.nbytes}{', freed' if self._freed else ''})"
         )
 
 
@@ -200,15 +269,16 @@ class Arena:
 
     def __init__(self, reserve_bytes: int, device: jax.Device | None = None,
                  chunk_bytes: int | None = None):
-        reserve_bytes = _as_index(reserve_bytes, "reserve_bytes")
-        if reserve_bytes == 0:
-            raise ValueError("reserve_bytes must be > 0 (the size of the virtual range to reserve)")
+        reserve_bytes = _as_int(reserve_bytes, "reserve_bytes")
+        if reserve_bytes <= 0:
+            raise ValueError("reserve_bytes must be > 0 (the size of the virtual range to "
+                             f"reserve), got {reserve_bytes}")
         if reserve_bytes >= 1 << 64:
             raise ValueError(f"reserve_bytes={reserve_bytes} is too large: it must be below 2^64 "
                              "(and fit the process's virtual address space); reserve less")
-        chunk = 0 if chunk_bytes is None else _as_index(chunk_bytes, "chunk_bytes")
-        if chunk_bytes is not None and chunk == 0:
-            raise ValueError("chunk_bytes must be > 0 (or None for the default)")
+        chunk = 0 if chunk_bytes is None else _as_int(chunk_bytes, "chunk_bytes")
+        if chunk_bytes is not None and chunk <= 0:
+            raise ValueError(f"chunk_bytes must be > 0 (or None for the default), got {chunk}")
         self._target: DeviceTarget = resolve_device(device)
         self._handle = _core_arena_factory(self._target.driver, self._target.ordinal,
                                            reserve_bytes, chunk)
@@ -243,6 +313,12 @@ class Arena:
         return buf
 
     # -- properties ------------------------------------------------------------------
+    @property
+    def uid(self) -> int:
+        """Process-unique identity: no other arena or buffer of this process has it, ever
+        (a new arena may reuse a destroyed one's addresses, never its uid)."""
+        return self._handle.uid
+
     @property
     def device(self) -> jax.Device:
         return self._target.device
@@ -282,8 +358,18 @@ class Arena:
 
     def stats(self) -> dict:
         """A plain dict: reserved/backed/peak bytes, commit and decommit counts and
-        cumulative seconds, driver kind, granularity, chunk size, and more."""
+        cumulative seconds, driver kind, granularity, chunk size, live views and the bytes
+        of freed buffers they hold back (``retired_bytes``), and more."""
         return dict(self._handle.stats())
+
+    def live_views(self) -> int:
+        """Views of this arena's buffers alive now (freed buffers' included). A view is
+        released when JAX deletes its array and no computation uses it any more."""
+        return self._handle.live_views()
+
+    def _forget(self, buf: Buffer) -> None:
+        with self._lock:
+            self._buffers.remove(buf)
 
     # -- lifetime --------------------------------------------------------------------
     def close(self) -> None:
@@ -300,6 +386,9 @@ class Arena:
     def _check_open(self, op: str) -> None:
         if self._handle.closed:
             raise ArenaClosedError(f"{op}: the arena is closed; create a new arena")
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise _refuse_copy("Arena", self._target.device, "np.asarray(buf.array)")
 
     def __repr__(self) -> str:
         s = self._handle.stats()

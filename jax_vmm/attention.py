@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from typing import Any
 
 import jax
@@ -101,7 +102,7 @@ def _prepare(q: Any, k: Any, v: Any, lengths: Any, *, scale: float | None, chunk
     """Validates a call and registers the targets; None for an empty batch (the result is
     then all zeros without a custom call). Shared with jax_vmm.testing's variant."""
     q, k, v = (x if isinstance(x, jax.Array) else jnp.asarray(x) for x in (q, k, v))
-    lengths = jnp.asarray(lengths)
+    lengths = _clamped_lengths(lengths, k)
     B, Hq, D, T, Hkv = _check(q, k, v, lengths)
     if impl not in _IMPLS:
         raise ValueError(f"impl must be one of {sorted(_IMPLS)}, got {impl!r}")
@@ -116,6 +117,10 @@ def _prepare(q: Any, k: Any, v: Any, lengths: Any, *, scale: float | None, chunk
             raise ValueError(f"{name} must be an integer >= 0 (0 = automatic), got {value!r}")
     if scale is None:
         scale = 1.0 / math.sqrt(D)
+    if isinstance(scale, (str, bytes, bool, np.bool_)) or not isinstance(
+            scale, (numbers.Real, np.floating, np.integer)):
+        raise TypeError(f"scale must be a real number (the softmax scale), got "
+                        f"{type(scale).__name__}")
     scale = float(scale)
     if not math.isfinite(scale):
         raise ValueError(f"scale must be finite, got {scale}")
@@ -134,6 +139,24 @@ def _prepare(q: Any, k: Any, v: Any, lengths: Any, *, scale: float | None, chunk
     attrs = dict(scale=np.float32(scale), chunk=np.int64(plan["chunk"]),
                  splits=np.int64(plan["splits"]), impl=np.int64(_IMPLS[impl]))
     return _Call((q, k, v, lengths), attrs, jax.ShapeDtypeStruct(q.shape, q.dtype), plan, device)
+
+
+def _clamped_lengths(lengths: Any, k: jax.Array) -> jax.Array:
+    """``lengths`` as an array, integers wider than int32 clamped to [0, T] first: the
+    int32 cast must not wrap (2**32 + 1 would become 1). Host values are clamped before
+    JAX sees them (without x64, JAX itself would truncate an int64 array to int32)."""
+    T = k.shape[1] if k.ndim == 4 else None
+    if not isinstance(lengths, jax.Array):
+        try:
+            host = np.asarray(lengths)
+        except Exception:  # noqa: BLE001 - e.g. a list of traced scalars: JAX stacks it
+            return jnp.asarray(lengths)
+        if T is not None and np.issubdtype(host.dtype, np.integer) and host.dtype.itemsize >= 4:
+            host = np.clip(host, 0, T).astype(np.int32)
+        return jnp.asarray(host)
+    if T is not None and jnp.issubdtype(lengths.dtype, jnp.integer) and lengths.dtype.itemsize >= 4:
+        lengths = jnp.clip(lengths, 0, T)
+    return lengths
 
 
 def _check(q: jax.Array, k: jax.Array, v: jax.Array,

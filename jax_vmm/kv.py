@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import operator
 import threading
 from typing import Any, Sequence
@@ -11,16 +10,36 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .arena import Arena, Buffer, _as_index
-from .errors import OutOfBoundsWrite
+from .arena import Arena, Buffer, _as_index, _as_int, _refuse_copy
+from .errors import DriverError, OutOfBoundsWrite
+
+
+def _layer_index(layer: Any, num_layers: int, op: str) -> int:
+    """A layer index in [-num_layers, num_layers) as a non-negative int. It must be static:
+    a layer picks buffers on the host, when a step is traced."""
+    if isinstance(layer, jax.core.Tracer):
+        raise TypeError(
+            f"{op}: the layer must be static (a Python int), got a traced value. A dest names "
+            "buffers when the step is traced: pass the layer as a static argument "
+            "(static_argnums) or loop over layers in Python")
+    if isinstance(layer, (bool, np.bool_)):
+        raise TypeError(f"{op}: layer must be an integer, got bool")
+    try:
+        i = operator.index(layer)
+    except TypeError:
+        raise TypeError(f"{op}: layer must be an integer, got {type(layer).__name__}") from None
+    if not -num_layers <= i < num_layers:
+        raise IndexError(f"{op}: layer {i} is out of range for {num_layers} layers")
+    return i % num_layers
 
 
 class _LayerViews(Sequence[jax.Array]):
     """``kv.k[l]``: a zero-copy view of layer ``l``'s buffer. Views are cached and made
     anew once JAX has consumed (donated) the cached one."""
 
-    def __init__(self, buffers: list[Buffer]):
+    def __init__(self, buffers: list[Buffer], name: str):
         self._buffers = buffers
+        self._name = name
         self._cache: list[jax.Array | None] = [None] * len(buffers)
 
     def __len__(self) -> int:
@@ -29,9 +48,7 @@ class _LayerViews(Sequence[jax.Array]):
     def __getitem__(self, layer):  # type: ignore[override]
         if isinstance(layer, slice):
             return [self[i] for i in range(*layer.indices(len(self)))]
-        layer = operator.index(layer)
-        if not -len(self) <= layer < len(self):
-            raise IndexError(f"layer {layer} out of range for {len(self)} layers")
+        layer = _layer_index(layer, len(self), self._name)
         cached = self._cache[layer]
         if cached is None or cached.is_deleted():
             cached = self._buffers[layer].array
@@ -56,10 +73,12 @@ class KVArena:
                  chunk_bytes: int | None = None):
         for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads),
                             ("head_dim", head_dim), ("max_tokens", max_tokens)):
-            if _as_index(value, name) == 0:
-                raise ValueError(f"{name} must be > 0, got {value}")
-        if max_seqs is not None and _as_index(max_seqs, "max_seqs") == 0:
-            raise ValueError("max_seqs must be > 0 or None")
+            _as_index(value, name, minimum=1)
+        if max_seqs is not None:
+            if isinstance(max_seqs, (bool, np.bool_)):
+                raise TypeError("max_seqs must be an integer or None, got bool")
+            if _as_int(max_seqs, "max_seqs") <= 0:
+                raise ValueError(f"max_seqs must be > 0 or None, got {max_seqs}")
         initial_tokens = _as_index(initial_tokens, "initial_tokens")
         if initial_tokens > max_tokens:
             raise ValueError(f"initial_tokens={initial_tokens} exceeds max_tokens={max_tokens}")
@@ -83,12 +102,17 @@ class KVArena:
         chunk = _core.resolve_chunk_bytes(target.driver, target.ordinal,
                                           0 if chunk_bytes is None else _as_index(chunk_bytes, "chunk_bytes"))
         buffer_bytes = seqs * self.seq_bytes
-        reserve = 2 * self.num_layers * math.ceil(buffer_bytes / chunk) * chunk
-        self.arena = Arena(reserve, device=device, chunk_bytes=chunk)
+        reserve = 2 * self.num_layers * -(-buffer_bytes // chunk) * chunk
+        try:
+            self.arena = Arena(reserve, device=device, chunk_bytes=chunk)
+        except (DriverError, ValueError) as e:  # the reservation itself: name our arguments
+            raise type(e)(f"{self._signature()}: needs {reserve} bytes of address space "
+                          f"({self._size_formula()}, in whole chunks), and the reservation "
+                          f"failed: {e}. Lower max_tokens or max_seqs") from e
         self.k_buffers = [self.arena.allocate(shape, self.dtype, name=f"k{l}") for l in range(self.num_layers)]
         self.v_buffers = [self.arena.allocate(shape, self.dtype, name=f"v{l}") for l in range(self.num_layers)]
-        self.k = _LayerViews(self.k_buffers)
-        self.v = _LayerViews(self.v_buffers)
+        self.k = _LayerViews(self.k_buffers, "kv.k")
+        self.v = _LayerViews(self.v_buffers, "kv.v")
         self._lock = threading.RLock()
         # Tokens each sequence asked for through ensure(): decides which chunks shared
         # by two sequences may be released (actual backing can be larger: chunk rounding).
@@ -96,6 +120,16 @@ class KVArena:
         if initial_tokens:
             for seq in range(seqs):
                 self.ensure(initial_tokens, None if self.max_seqs is None else seq)
+
+    def _signature(self) -> str:
+        return (f"kv_arena(num_layers={self.num_layers}, num_kv_heads={self.num_kv_heads}, "
+                f"head_dim={self.head_dim}, max_tokens={self.max_tokens}, "
+                f"max_seqs={self.max_seqs}, dtype={self.dtype})")
+
+    def _size_formula(self) -> str:
+        seqs = "" if self.max_seqs is None else " x max_seqs"
+        return (f"2 x num_layers{seqs} x max_tokens x num_kv_heads x head_dim x "
+                f"{self.dtype.itemsize} bytes")
 
     # -- geometry ------------------------------------------------------------------
     @property
@@ -207,27 +241,34 @@ class KVArena:
         """The static destination of layer ``layer`` for :func:`jax_vmm.kv_write` /
         ``kv_write_through`` (``dest=kv.dest(l)``): inside ``jit`` it makes the tokens land
         in this arena whatever buffer XLA hands the custom call (a copy when the cache is
-        not donated, or on CPU)."""
+        not donated, or on CPU). It names the layer's buffers by uid: once this arena is
+        closed or gone, a step traced with it refuses to run instead of writing whatever
+        sits at those addresses then."""
         from .ops import KVDest
 
-        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or not (
-                -self.num_layers <= int(layer) < self.num_layers):
-            raise IndexError(f"KVArena.dest: layer must be an int in [0, {self.num_layers}), "
-                             f"got {layer!r}")
+        layer = _layer_index(layer, self.num_layers, "KVArena.dest")
         self.arena._check_open("KVArena.dest")
-        k, v = self.k_buffers[int(layer)], self.v_buffers[int(layer)]
-        return KVDest(k_address=k.address, v_address=v.address, nbytes=k.nbytes)
+        k, v = self.k_buffers[layer], self.v_buffers[layer]
+        return KVDest(k_address=k.address, v_address=v.address, nbytes=k.nbytes, k_uid=k.uid,
+                      v_uid=v.uid)
 
     # -- checks and stats ------------------------------------------------------------------
-    def dropped_writes(self) -> int:
+    def dropped_writes(self, *arrays: Any) -> int:
         """Token writes dropped by kv_write (slot out of range or on an unbacked page)
-        since the last :meth:`check`, summed over K and V of every layer."""
+        since the last :meth:`check`, summed over K and V of every layer. Waits first, as
+        :meth:`check` does."""
+        _wait_for_writes(arrays)
         return sum(self.arena._handle.drop_count(b.id) for b in self.buffers)
 
-    def check(self) -> None:
+    def check(self, *arrays: Any) -> None:
         """Raise :class:`~jax_vmm.errors.OutOfBoundsWrite` if any write was dropped since
-        the last check (and reset the count). Wait for the writing step first."""
-        count = self.dropped_writes()
+        the last check (and reset the count).
+
+        Waits for the writes that can still count first: for ``arrays`` (any pytrees of
+        arrays, e.g. a step's results) and, through ``jax.effects_barrier()``, for every
+        computation with a kv_write that this thread dispatched. A step dispatched from
+        another thread is covered only by passing its results here."""
+        count = self.dropped_writes(*arrays)
         if count:
             for b in self.buffers:
                 self.arena._handle.reset_drop_count(b.id)
@@ -255,6 +296,9 @@ class KVArena:
     def close(self) -> None:
         self.arena.close()
 
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise _refuse_copy("KVArena", self.arena.device, "np.asarray(kv.k[layer])")
+
     def __enter__(self) -> "KVArena":
         return self
 
@@ -265,6 +309,14 @@ class KVArena:
         return (f"KVArena(layers={self.num_layers}, max_seqs={self.max_seqs}, max_tokens={self.max_tokens}, "
                 f"heads={self.num_kv_heads}, head_dim={self.head_dim}, dtype={self.dtype}, "
                 f"backed={self.arena.backed_bytes})")
+
+
+def _wait_for_writes(arrays: tuple) -> None:
+    """Blocks until the given arrays are computed and every computation with a side
+    effect (kv_write, kv_write_through) dispatched from this thread has finished."""
+    if arrays:
+        jax.block_until_ready(arrays)
+    jax.effects_barrier()
 
 
 def kv_arena(*, num_layers: int, num_kv_heads: int, head_dim: int, max_tokens: int,

@@ -15,7 +15,12 @@ argument intact and gives the call a copy; on CPU, PjRt copies a donated DLPack 
 :class:`KVDest` from :meth:`jax_vmm.KVArena.dest`, is baked into the compiled call
 (arena addresses never move, which is the point of the arena). With it the tokens
 always land in the arena, donated or not, CPU or GPU. Called eagerly on arena views,
-``dest`` is found from the arrays themselves.
+``dest`` is found from the arrays themselves. A dest names its buffers by uid: a step
+traced with the dest of an arena closed or destroyed since refuses to run
+(``JaxRuntimeError``), even when a newer arena now sits at the same addresses.
+
+Both calls have a side effect (the arena), so XLA never removes one whose result is
+unused, and ``jax.effects_barrier()`` (which ``kv.check()`` calls) waits for them.
 
 ``kv_write(k, v, new_k, new_v, slots, dest=None) -> (k, v)`` is functional too: the
 returned arrays hold the tokens. With the cache donated on a GPU the outputs *are* the
@@ -59,9 +64,9 @@ class _Targets:
     through: str = "jax_vmm_kv_write_through"
 
 
-#: The FFI targets the wrappers call. ``jax_vmm.testing.unchecked_kv_writes()`` swaps in
-#: the testing layer's unchecked variants for the duration of its with-block (the one
-#: seam for that test hook); nothing else should.
+#: The FFI targets the wrappers call. ``jax_vmm.testing.unchecked_kv_writes()`` and
+#: ``address_only_dests()`` swap in the testing layer's variants for the duration of their
+#: with-block (the one seam for those test hooks); nothing else should.
 _targets = _Targets()
 
 
@@ -106,50 +111,80 @@ def _check(op: str, k: Any, v: Any, new_k: Any, new_v: Any, slots: Any) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class KVDest:
-    """Where a kv_write lands: one layer's K and V arena buffers, by address.
+    """Where a kv_write lands: one layer's K and V arena buffers, by uid (the identity,
+    never reused) and address (checked to match).
 
     Static and hashable (it becomes attributes of the compiled custom call, and may be a
-    ``static_argnums`` argument). Get it from :meth:`jax_vmm.KVArena.dest`. The handlers
-    check at every host call that both addresses still start live arena buffers of the
-    cache's size; a closed arena raises instead of being written.
+    ``static_argnums`` argument; dests of two arenas differ, so a step jitted over one is
+    never reused for the other). Get it from :meth:`jax_vmm.KVArena.dest`. The handlers
+    check at every host call that both uids still name buffers of an open arena, at these
+    addresses; otherwise the call fails and writes nothing.
     """
 
     k_address: int
     v_address: int
     nbytes: int  # bytes of each of the two buffers
+    k_uid: int
+    v_uid: int
 
 
-def _arena_address(x: Any, nbytes: int) -> int:
-    """The address of the arena buffer that concrete array ``x`` views, or 0."""
+def _arena_buffer(x: Any, nbytes: int) -> dict | None:
+    """The open arena buffer that concrete array ``x`` views (starting at its base), or
+    None: a tracer, not arena memory, or not a single-device buffer."""
     if isinstance(x, jax.core.Tracer) or not isinstance(x, jax.Array):
-        return 0
+        return None
     try:
-        # Wait with the GIL released first: unsafe_buffer_pointer blocks holding it, and
-        # finishing the producer may need it (releasing a donated DLPack arena view).
-        x.block_until_ready()
         address = int(x.unsafe_buffer_pointer())
-    except Exception:  # sharded, deleted, or not a single-device buffer
-        return 0
+    except Exception:  # noqa: BLE001 - sharded, deleted, or not a single-device buffer
+        return None
     found = _core.find_arena_buffer(address, nbytes)
-    return address if found is not None and found["buffer_base"] == address else 0
+    return found if found is not None and found["buffer_base"] == address else None
+
+
+def _describe(uid: int) -> str:
+    found = _core.find_arena_buffer_by_uid(uid)
+    name = "?" if found is None else found["name"]
+    return f"buffer '{name}' (uid {uid})"
+
+
+def _check_views_match_dest(op: str, k: Any, v: Any, dest: KVDest) -> None:
+    """An eager call's concrete arena views must be the dest's own buffers."""
+    for side, x, uid in (("k", k, dest.k_uid), ("v", v, dest.v_uid)):
+        found = _arena_buffer(x, dest.nbytes)
+        if found is not None and found["buffer_uid"] != uid:
+            raise ValueError(
+                f"{op}: {side} is a view of {_describe(found['buffer_uid'])} but dest names "
+                f"{_describe(uid)}; pass dest=kv.dest(layer) of the layer whose views you "
+                "write, or leave dest out in eager calls (it is found from the views)")
+
+
+#: Checks an eager call's views against its dest. The seam for
+#: ``jax_vmm.testing.address_only_dests()``, which removes the check for its with-block;
+#: nothing else should.
+_verify_views = _check_views_match_dest
 
 
 def _dest_attrs(op: str, k: Any, v: Any, dest: KVDest | None) -> dict:
     nbytes = int(np.prod(k.shape)) * np.dtype(k.dtype).itemsize
     if dest is None:
-        ka, va = _arena_address(k, nbytes), _arena_address(v, nbytes)
-        if not (ka and va):
-            ka = va = 0
-    elif not isinstance(dest, KVDest):
+        kb, vb = _arena_buffer(k, nbytes), _arena_buffer(v, nbytes)
+        if kb is None or vb is None:
+            return _attrs(0, 0, 0, 0)
+        return _attrs(kb["buffer_base"], vb["buffer_base"], kb["buffer_uid"], vb["buffer_uid"])
+    if not isinstance(dest, KVDest):
         raise TypeError(f"{op}: dest must be a jax_vmm.KVDest from kv.dest(layer), got "
                         f"{type(dest).__name__}")
-    elif dest.nbytes != nbytes:
+    if dest.nbytes != nbytes:
         raise ValueError(f"{op}: dest names buffers of {dest.nbytes} bytes but the cache "
                          f"{tuple(k.shape)} {np.dtype(k.dtype)} has {nbytes}; pass the dest of "
                          f"the KV arena (and layer) whose views you write")
-    else:
-        ka, va = dest.k_address, dest.v_address
-    return {"dest_k": np.uint64(ka), "dest_v": np.uint64(va)}
+    _verify_views(op, k, v, dest)
+    return _attrs(dest.k_address, dest.v_address, dest.k_uid, dest.v_uid)
+
+
+def _attrs(k_address: int, v_address: int, k_uid: int, v_uid: int) -> dict:
+    return {"dest_k": np.uint64(k_address), "dest_v": np.uint64(v_address),
+            "dest_k_uid": np.uint64(k_uid), "dest_v_uid": np.uint64(v_uid)}
 
 
 def kv_write(k: jax.Array, v: jax.Array, new_k: jax.Array, new_v: jax.Array,
@@ -179,7 +214,8 @@ def kv_write(k: jax.Array, v: jax.Array, new_k: jax.Array, new_v: jax.Array,
     out = jax.ffi.ffi_call(
         _targets.write,
         (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
-        input_output_aliases={0: 0, 1: 1})(k, v, new_k, new_v, slots, **attrs)
+        input_output_aliases={0: 0, 1: 1}, has_side_effect=True)(k, v, new_k, new_v, slots,
+                                                                  **attrs)
     return out[0], out[1]
 
 
@@ -190,16 +226,18 @@ def kv_write_through(k: jax.Array, v: jax.Array, new_k: jax.Array, new_v: jax.Ar
     Same arguments as :func:`kv_write`. Without ``dest``, ``k``/``v`` must be arena memory
     when the program runs (jit arguments that no other op updates; on CPU not donated),
     otherwise the call fails with an error saying so. Returns the ``(2, n)`` int32 status
-    (see :data:`WRITTEN` and friends); keep it alive (return it, or feed it to the op that
-    reads the cache next), since XLA removes calls whose result is unused.
+    (see :data:`WRITTEN` and friends). The call runs even when the status is unused (it
+    has a side effect); feed the status to the op that reads the cache next to order that
+    read after the write.
     """
     n = _check("kv_write_through", k, v, new_k, new_v, slots)
     attrs = _dest_attrs("kv_write_through", k, v, dest)
     if n == 0:
         return jnp.zeros((2, 0), jnp.int32)
     register()
-    return jax.ffi.ffi_call(_targets.through, jax.ShapeDtypeStruct((2, n), jnp.int32))(
-        k, v, new_k, new_v, slots, require_arena=True, **attrs)
+    return jax.ffi.ffi_call(_targets.through, jax.ShapeDtypeStruct((2, n), jnp.int32),
+                            has_side_effect=True)(k, v, new_k, new_v, slots, require_arena=True,
+                                                  **attrs)
 
 
 def kv_write_stats() -> dict:

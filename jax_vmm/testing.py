@@ -12,6 +12,11 @@ the only Python code that imports it.
   can break release/unmap so that a rollback leaks observably.
 * :func:`unchecked_kv_writes`: ``jax_vmm.kv_write`` / ``kv_write_through`` call variants
   without the slot range and page checks.
+* :func:`address_only_dests`: a ``KVDest`` identified by its addresses alone (no uid
+  check in the handlers, no check of eager views against the dest), as before buffers
+  had uids.
+* :func:`legacy_views`: views without a view lease, whose DLPack deleter takes the GIL
+  (a plain nanobind ndarray owning a reference to the arena), as before leases.
 * :func:`decode_attention`: decode attention with an aliased ``out_init`` output buffer,
   ``skip_output`` and (CPU) ``read_all_tokens``.
 * :func:`scratch_probe` (with :func:`scratch_probe_stats`, :func:`address_of`): a custom
@@ -44,8 +49,8 @@ if _testing is None:  # pragma: no cover - only in a build with JAX_VMM_TESTING=
 _ffi.add_source(_testing.registrations)
 
 __all__ = ["InjectedFault", "FaultInjection", "fault_injection", "unchecked_kv_writes",
-           "decode_attention", "scratch_probe", "scratch_probe_stats", "address_of",
-           "scratch_get", "free_scratch_on_growth"]
+           "address_only_dests", "legacy_views", "decode_attention", "scratch_probe",
+           "scratch_probe_stats", "address_of", "scratch_get", "free_scratch_on_growth"]
 
 #: A driver call failed because a test armed a fault (:meth:`FaultInjection.arm`).
 #: A ``RuntimeError``.
@@ -126,6 +131,41 @@ def unchecked_kv_writes() -> Iterator[None]:
         yield
     finally:
         _ops._targets = previous
+
+
+@contextlib.contextmanager
+def address_only_dests() -> Iterator[None]:
+    """Inside the with-block a ``KVDest`` is identified by its addresses alone: the
+    kv_write call variants traced there take the uid of whatever live buffer starts at
+    the dest address when they run (so a step traced with the dest of a destroyed arena
+    writes a newer arena placed at the same address), and eager calls no longer check
+    their views against the dest. Applies to calls traced inside the block."""
+    previous = _ops._targets, _ops._verify_views
+    _ops._targets = _ops._Targets(write="jax_vmm_testing_kv_write_address_only",
+                                  through="jax_vmm_testing_kv_write_through_address_only")
+    _ops._verify_views = lambda *args: None
+    try:
+        yield
+    finally:
+        _ops._targets, _ops._verify_views = previous
+
+
+# -- views without leases -------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def legacy_views() -> Iterator[None]:
+    """Views made inside the with-block (``buf.array``, ``kv.k[l]``) have no view lease:
+    they keep the arena alive through a Python reference that their DLPack deleter drops
+    with the GIL taken (on whatever thread XLA releases them, also during interpreter
+    exit), and ``free()`` does not see them (their range may be placed again under
+    them)."""
+    previous = _arena._core_view_factory
+    _arena._core_view_factory = _testing.legacy_view
+    try:
+        yield
+    finally:
+        _arena._core_view_factory = previous
 
 
 # -- decode attention with its protections removable ---------------------------------

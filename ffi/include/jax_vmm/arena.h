@@ -10,9 +10,16 @@
 //  * A device-visible page table (one byte per chunk of the whole reservation, 1 =
 //    backed and writable) mirrors the host page table, so device code can check a write
 //    target without host code running (CUDA graph replay).
+//  * Identity is a uid, not an address: every arena and every buffer gets a 64-bit uid
+//    that no other arena or buffer of the process ever gets (addresses are reused: a new
+//    arena often lands where a destroyed one was).
+//  * A buffer range is placed again only when the buffer is freed and no view lease of
+//    it is alive, so a view never sees a newer buffer (it reads zeros once freed).
 //
 // Thread-safety: all public methods may be called concurrently from any thread; one
-// mutex per arena serialises them. The registry functions at the bottom are thread-safe.
+// mutex per arena serialises them, and a second one (never held across driver calls)
+// guards the live-view counts, so a view lease can be released from any thread without
+// waiting for device work. The registry functions at the bottom are thread-safe.
 #pragma once
 
 #include <atomic>
@@ -47,11 +54,15 @@ struct ArenaStats {
   int64_t chunks_released = 0;
   int64_t set_access_calls = 0;
   int64_t failed_commits = 0;  // commits that threw and were rolled back
+  int64_t live_views = 0;      // view leases alive (all buffers)
+  size_t retired_bytes = 0;    // ranges of freed buffers held back by live views
   bool closed = false;
 };
 
 struct BufferInfo {
-  int64_t id = -1;
+  int64_t id = -1;   // index within its arena (reused after free)
+  uint64_t uid = 0;  // process-unique, never reused
+  uint64_t arena_uid = 0;
   std::string name;
   size_t offset = 0;  // from the arena base, chunk-aligned
   size_t nbytes = 0;  // as requested
@@ -69,8 +80,39 @@ struct BufferRef {
   const uint8_t* page_table = nullptr;         // indexed by (addr - arena_base) / chunk_bytes
   unsigned long long* drop_counter = nullptr;  // this buffer's dropped-write counter
   int64_t buffer_id = -1;
+  uint64_t buffer_uid = 0;
+  uint64_t arena_uid = 0;
   int device_ordinal = 0;
   const char* driver_kind = "";
+};
+
+// Where a registry lookup by uid ended (FindArenaBufferByUid).
+enum class UidLookup {
+  kFound,   // a buffer of an open arena
+  kClosed,  // the buffer's arena was closed (the BufferRef and name are filled in)
+  kGone,    // no live arena has it: the arena was destroyed, or the buffer freed
+};
+
+class Arena;
+
+// A live zero-copy view of one buffer (a DLPack import, say). While it exists the arena
+// object (and so its reservation, which reads zeros where unbacked) stays alive and the
+// buffer counts a live view: Arena::Free of the buffer keeps its range out of reuse until
+// the last lease is gone. Destruction takes only the arena's view lock: no driver call,
+// no device wait, no Python. Thread-safe: create and destroy from any thread.
+class ViewLease {
+ public:
+  ~ViewLease();
+  ViewLease(const ViewLease&) = delete;
+  ViewLease& operator=(const ViewLease&) = delete;
+  uint64_t buffer_uid() const { return buffer_uid_; }
+
+ private:
+  friend class Arena;
+  ViewLease(std::shared_ptr<Arena> arena, uint64_t buffer_uid)
+      : arena_(std::move(arena)), buffer_uid_(buffer_uid) {}
+  std::shared_ptr<Arena> arena_;
+  uint64_t buffer_uid_;
 };
 
 class Arena : public std::enable_shared_from_this<Arena> {
@@ -86,8 +128,15 @@ class Arena : public std::enable_shared_from_this<Arena> {
 
   // Places a buffer of nbytes (> 0) at a chunk-aligned offset. Nothing is backed.
   BufferInfo Allocate(size_t nbytes, const std::string& name);
-  // Decommits the buffer and frees its placement for reuse.
+  // Decommits the buffer and frees its placement for reuse, once no view lease of it is
+  // left (until then the range stays out of the free list and reads zeros).
   void Free(int64_t buffer_id);
+
+  // A lease for one new view of a buffer (see ViewLease). Throws for a freed buffer.
+  std::shared_ptr<ViewLease> LeaseView(int64_t buffer_id);
+  // View leases alive: of every buffer (freed ones included), or of one live buffer.
+  int64_t LiveViews() const;
+  int64_t LiveViews(int64_t buffer_id) const;
 
   // Back / unback [start, stop) bytes of a buffer, rounded out to whole chunks
   // (decommit rounds inwards to chunks fully inside the range, except that a range
@@ -122,9 +171,17 @@ class Arena : public std::enable_shared_from_this<Arena> {
   uint64_t DropCount(int64_t buffer_id) const;
   void ResetDropCount(int64_t buffer_id);
 
-  // Registry lookup (see FindArenaBuffer); takes this arena's lock. A closed arena
-  // finds nothing.
+  // Registry lookups (see FindArenaBuffer, FindArenaBufferByUid); take this arena's lock.
+  // A closed arena finds nothing by address; by uid it answers kClosed (and fills *out
+  // and *name), so errors can say what happened.
   bool FindBufferLocked(uintptr_t ptr, size_t bytes, BufferRef* out) const;
+  bool FindBufferByUidLocked(uint64_t buffer_uid, BufferRef* out, std::string* name,
+                             bool* closed) const;
+  // Whether [ptr, ptr + bytes) lies inside this arena's reservation (any state). No lock:
+  // the reservation never changes.
+  bool Holds(uintptr_t ptr, size_t bytes) const {
+    return ptr >= base_ && bytes <= reserved_bytes_ && ptr - base_ <= reserved_bytes_ - bytes;
+  }
 
   // Called when a handler may bake this arena's addresses into a CUDA graph (any CUDA
   // kv_write on arena memory, static `dest` or not): the graph may then replay with this arena's
@@ -133,6 +190,7 @@ class Arena : public std::enable_shared_from_this<Arena> {
   // (num_chunks bytes + 32 KiB) for the life of the process instead of freeing them. Thread-safe.
   void PinMetadataForGraphs() const { metadata_pinned_ = true; }
 
+  uint64_t uid() const { return uid_; }
   uintptr_t base() const { return base_; }
   size_t reserved_bytes() const { return reserved_bytes_; }
   size_t chunk_bytes() const { return chunk_bytes_; }
@@ -156,6 +214,10 @@ class Arena : public std::enable_shared_from_this<Arena> {
   size_t TakeFreeRange(size_t placed, const std::string& name);
   void ReturnFreeRange(size_t offset, size_t bytes);
   int64_t FreeCounterSlot() const;
+  friend class ViewLease;
+  void ReleaseView(uint64_t buffer_uid) noexcept;  // ~ViewLease
+  void ReturnUnleasedRanges();                     // under mu_: ranges whose last view died
+  void FillRef(const Placement& p, BufferRef* out) const;
   // Arena-wide index of chunk `buffer_chunk` of a buffer (into the page tables).
   size_t ArenaChunk(const Placement& p, size_t buffer_chunk) const;
 
@@ -170,6 +232,7 @@ class Arena : public std::enable_shared_from_this<Arena> {
   OutOfMemory CommitOutOfMemory(const CommitPlan& plan, size_t got, const OutOfMemory& e) const;
 
   std::unique_ptr<Driver> driver_;
+  const uint64_t uid_;
   uintptr_t base_ = 0;
   size_t reserved_bytes_ = 0;
   size_t chunk_bytes_ = 0;
@@ -185,6 +248,18 @@ class Arena : public std::enable_shared_from_this<Arena> {
   uint8_t* device_page_table_ = nullptr;
   unsigned long long* device_drop_counters_ = nullptr;  // kMaxBuffers entries
   ArenaStats stats_;
+
+  // View leases, under views_mu_ (taken after mu_ when both are needed, never held across
+  // a driver call): live leases per buffer uid; freed buffers whose range waits for its
+  // last lease (uid -> offset, bytes); ranges whose last lease died, for the free list.
+  struct HeldRange {
+    size_t offset;
+    size_t bytes;
+  };
+  mutable std::mutex views_mu_;
+  std::map<uint64_t, int64_t> live_views_;
+  std::map<uint64_t, HeldRange> retired_;
+  std::vector<HeldRange> unleased_;
 };
 
 // Registry: finds the arena buffer that contains [ptr, ptr + bytes). Returns false when
@@ -193,5 +268,18 @@ class Arena : public std::enable_shared_from_this<Arena> {
 // pin_metadata: also PinMetadataForGraphs() on the arena found (CUDA handlers, which may
 // be recorded into graphs).
 bool FindArenaBuffer(uintptr_t ptr, size_t bytes, BufferRef* out, bool pin_metadata = false);
+
+// Registry: the buffer with this uid. kFound: an open arena's buffer (*out filled, and
+// pin_metadata as above); kClosed: its arena was closed (*out and *name filled); kGone:
+// no live arena holds it (destroyed arena, freed buffer, or a uid never handed out).
+UidLookup FindArenaBufferByUid(uint64_t buffer_uid, BufferRef* out, std::string* name,
+                               bool pin_metadata = false);
+
+// Registry: whether [ptr, ptr + bytes) lies in the reservation of any live arena (open or
+// closed), whatever it holds there (a buffer, a freed range, nothing).
+bool InArenaReservation(uintptr_t ptr, size_t bytes);
+
+// A uid no arena or buffer of this process had before (never 0, never reused).
+uint64_t NewUid();
 
 }  // namespace jax_vmm

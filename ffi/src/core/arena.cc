@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdint>
 #include <string>
 #include <utility>
 
@@ -28,16 +29,29 @@ std::shared_ptr<Arena> Arena::Create(std::unique_ptr<Driver> driver, size_t rese
   return arena;
 }
 
-Arena::Arena(std::unique_ptr<Driver> driver, size_t reserve_bytes) : driver_(std::move(driver)) {
+Arena::Arena(std::unique_ptr<Driver> driver, size_t reserve_bytes)
+    : driver_(std::move(driver)), uid_(NewUid()) {
   if (reserve_bytes == 0) {
     throw InvalidArgument("Arena: reserve_bytes must be > 0");
   }
   chunk_bytes_ = driver_->chunk_bytes();
+  if (reserve_bytes > SIZE_MAX - chunk_bytes_) {
+    throw InvalidArgument("Arena(reserve_bytes=" + std::to_string(reserve_bytes) +
+                          "): too large for the address space; reserve less");
+  }
   reserved_bytes_ = RoundUp(reserve_bytes, chunk_bytes_);
   num_chunks_ = reserved_bytes_ / chunk_bytes_;
   // Reserve first: an impossible size fails here, with the OS's answer, before the
   // 1-byte-per-chunk page tables are allocated.
-  base_ = driver_->Reserve(reserved_bytes_);
+  try {
+    base_ = driver_->Reserve(reserved_bytes_);
+  } catch (const DriverError& e) {
+    throw DriverError("Arena(reserve_bytes=" + std::to_string(reserve_bytes) +
+                      "): cannot reserve " + std::to_string(reserved_bytes_) +
+                      " bytes of address space on " + driver_->kind() + " device " +
+                      std::to_string(driver_->device_ordinal()) + ": " + e.what() +
+                      "; create the arena with a smaller reserve_bytes");
+  }
   try {
     host_page_table_.assign(num_chunks_, 0);
     device_page_table_ = static_cast<uint8_t*>(driver_->AllocMetadata(num_chunks_));
@@ -106,6 +120,7 @@ const Arena::Placement& Arena::PlacementOrThrow(int64_t buffer_id, const char* o
 BufferInfo Arena::Allocate(size_t nbytes, const std::string& name) {
   std::lock_guard<std::mutex> lock(mu_);
   ThrowIfClosed("allocate");
+  ReturnUnleasedRanges();
   if (nbytes == 0) throw InvalidArgument("Arena.allocate: a buffer needs at least 1 byte");
   if (static_cast<int64_t>(buffers_.size()) >= kMaxBuffers) {
     throw ReservationFull("Arena.allocate: the arena already holds " + std::to_string(kMaxBuffers) +
@@ -116,6 +131,8 @@ BufferInfo Arena::Allocate(size_t nbytes, const std::string& name) {
   Placement p;
   p.info.offset = TakeFreeRange(placed, name);
   p.info.id = next_id_++;
+  p.info.uid = NewUid();
+  p.info.arena_uid = uid_;
   p.info.name = name.empty() ? "buffer" + std::to_string(p.info.id) : name;
   p.info.nbytes = nbytes;
   p.info.address = base_ + p.info.offset;
@@ -182,11 +199,69 @@ void Arena::Free(int64_t buffer_id) {
   Placement& p = PlacementOrThrow(buffer_id, "Arena.free");
   DecommitLocked(p, 0, p.chunks.size());
   const size_t placed = p.chunks.size() * chunk_bytes_;
-  const size_t offset = p.info.offset;
+  const HeldRange range{p.info.offset, placed};
+  const uint64_t uid = p.info.uid;
   buffers_.erase(buffer_id);
-  ReturnFreeRange(offset, placed);
   stats_.placed_bytes -= placed;
   stats_.num_buffers = static_cast<int64_t>(buffers_.size());
+  {
+    // A live view still points into the range: keep it out of the free list (it reads
+    // zeros now) until ReleaseView sees the last lease go.
+    std::lock_guard<std::mutex> views(views_mu_);
+    if (live_views_.count(uid) != 0) {
+      retired_[uid] = range;
+      return;
+    }
+  }
+  ReturnFreeRange(range.offset, range.bytes);
+}
+
+std::shared_ptr<ViewLease> Arena::LeaseView(int64_t buffer_id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const uint64_t uid = PlacementOrThrow(buffer_id, "Arena.view").info.uid;
+  std::lock_guard<std::mutex> views(views_mu_);
+  ++live_views_[uid];
+  return std::shared_ptr<ViewLease>(new ViewLease(shared_from_this(), uid));
+}
+
+ViewLease::~ViewLease() { arena_->ReleaseView(buffer_uid_); }
+
+void Arena::ReleaseView(uint64_t buffer_uid) noexcept {
+  std::lock_guard<std::mutex> views(views_mu_);
+  auto it = live_views_.find(buffer_uid);
+  if (it == live_views_.end() || --it->second > 0) return;
+  live_views_.erase(it);
+  auto retired = retired_.find(buffer_uid);
+  if (retired == retired_.end()) return;
+  // free_ranges_ belongs to mu_, which a lease must not wait for (it is held across
+  // driver calls): hand the range over; the next Allocate puts it back.
+  try {
+    unleased_.push_back(retired->second);
+  } catch (...) {
+    return;  // out of memory: the range stays retired (leaked address space, no harm)
+  }
+  retired_.erase(retired);
+}
+
+void Arena::ReturnUnleasedRanges() {
+  std::lock_guard<std::mutex> views(views_mu_);
+  for (const HeldRange& r : unleased_) ReturnFreeRange(r.offset, r.bytes);
+  unleased_.clear();
+}
+
+int64_t Arena::LiveViews() const {
+  std::lock_guard<std::mutex> views(views_mu_);
+  int64_t n = 0;
+  for (const auto& [uid, count] : live_views_) n += count;
+  return n;
+}
+
+int64_t Arena::LiveViews(int64_t buffer_id) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  const uint64_t uid = PlacementOrThrow(buffer_id, "Arena.live_views").info.uid;
+  std::lock_guard<std::mutex> views(views_mu_);
+  auto it = live_views_.find(uid);
+  return it == live_views_.end() ? 0 : it->second;
 }
 
 void CheckRange(const BufferInfo& info, size_t start, size_t stop, const char* op) {
@@ -291,6 +366,9 @@ ArenaStats Arena::Stats() const {
   std::lock_guard<std::mutex> lock(mu_);
   ArenaStats s = stats_;
   s.closed = closed_;
+  std::lock_guard<std::mutex> views(views_mu_);
+  for (const auto& [uid, count] : live_views_) s.live_views += count;
+  for (const auto& [uid, range] : retired_) s.retired_bytes += range.bytes;
   return s;
 }
 
@@ -321,21 +399,41 @@ void Arena::ResetDropCount(int64_t buffer_id) {
   driver_->CopyToMetadata(device_drop_counters_ + p.counter_slot, &zero, sizeof(zero));
 }
 
+void Arena::FillRef(const Placement& p, BufferRef* out) const {
+  out->buffer_base = p.info.address;
+  out->buffer_bytes = p.info.nbytes;
+  out->arena_base = base_;
+  out->chunk_bytes = chunk_bytes_;
+  out->page_table = device_page_table_;
+  out->drop_counter = device_drop_counters_ + p.counter_slot;
+  out->buffer_id = p.info.id;
+  out->buffer_uid = p.info.uid;
+  out->arena_uid = uid_;
+  out->device_ordinal = driver_->device_ordinal();
+  out->driver_kind = driver_->kind();
+}
+
 bool Arena::FindBufferLocked(uintptr_t ptr, size_t bytes, BufferRef* out) const {
   std::lock_guard<std::mutex> lock(mu_);
-  if (closed_ || ptr < base_ || ptr + bytes > base_ + reserved_bytes_) return false;
+  if (closed_ || !Holds(ptr, bytes)) return false;
   for (const auto& [id, p] : buffers_) {
     const uintptr_t b = p.info.address;
-    if (ptr >= b && ptr + bytes <= b + p.info.nbytes) {
-      out->buffer_base = b;
-      out->buffer_bytes = p.info.nbytes;
-      out->arena_base = base_;
-      out->chunk_bytes = chunk_bytes_;
-      out->page_table = device_page_table_;
-      out->drop_counter = device_drop_counters_ + p.counter_slot;
-      out->buffer_id = id;
-      out->device_ordinal = driver_->device_ordinal();
-      out->driver_kind = driver_->kind();
+    if (ptr >= b && ptr - b <= p.info.nbytes && bytes <= p.info.nbytes - (ptr - b)) {
+      FillRef(p, out);
+      return true;
+    }
+  }
+  return false;
+}
+
+bool Arena::FindBufferByUidLocked(uint64_t buffer_uid, BufferRef* out, std::string* name,
+                                  bool* closed) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const auto& [id, p] : buffers_) {
+    if (p.info.uid == buffer_uid) {
+      FillRef(p, out);
+      *name = p.info.name;
+      *closed = closed_;
       return true;
     }
   }

@@ -1,26 +1,44 @@
 // Python bindings of Arena, the drivers' factory functions and the device query.
 #include <nanobind/nanobind.h>
-#include <nanobind/ndarray.h>
 #include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include <cstdint>
 #include <string>
 
 #include "jax_vmm/arena.h"
 #include "jax_vmm/driver.h"
 #include "jax_vmm/errors.h"
 #include "python/bindings.h"
+#include "python/dlpack_capsule.h"
 
 namespace nb = nanobind;
 
 namespace jax_vmm {
+
+void CheckViewFits(const BufferInfo& b, const std::vector<size_t>& shape, uint8_t bits) {
+  unsigned __int128 bytes = bits / 8;  // 128 bits: no shape of 64-bit sizes overflows it
+  bool overflow = false;
+  for (size_t s : shape) {
+    bytes *= s;
+    overflow = overflow || bytes > SIZE_MAX;
+  }
+  if (overflow || bytes > b.nbytes) {
+    throw InvalidArgument(
+        "Arena.view: shape needs " +
+        (overflow ? std::string("more than 2^64") : std::to_string(static_cast<size_t>(bytes))) +
+        " bytes but buffer '" + b.name + "' has " + std::to_string(b.nbytes));
+  }
+}
+
 namespace {
 
 nb::dict BufferDict(const BufferInfo& b) {
   nb::dict d;
   d["id"] = b.id;
+  d["uid"] = b.uid;
   d["name"] = b.name;
   d["offset"] = b.offset;
   d["nbytes"] = b.nbytes;
@@ -48,36 +66,54 @@ nb::dict StatsDict(const ArenaStats& s) {
   d["chunks_released"] = s.chunks_released;
   d["set_access_calls"] = s.set_access_calls;
   d["failed_commits"] = s.failed_commits;
+  d["live_views"] = s.live_views;
+  d["retired_bytes"] = s.retired_bytes;
   d["closed"] = s.closed;
   return d;
 }
 
-// A DLPack-capable view of a buffer. The view holds a reference to the Python arena
-// object: a view keeps its arena (and so its address range) alive.
-nb::ndarray<> View(nb::handle self, int64_t buffer_id, std::vector<size_t> shape, uint8_t code,
-                   uint8_t bits, int device_type, int device_id) {
-  Arena& a = nb::cast<Arena&>(self);
+// A DLPack capsule over a buffer whose deleter drops a view lease (no GIL): the view
+// keeps the arena's reservation alive and counts as a live view of the buffer.
+nb::object View(Arena& a, int64_t buffer_id, std::vector<size_t> shape, uint8_t code, uint8_t bits,
+                int device_type, int device_id) {
   const BufferInfo b = a.Buffer(buffer_id);
-  size_t elems = 1;
-  for (size_t s : shape) elems *= s;
-  if (elems * bits / 8 > b.nbytes) {
-    throw InvalidArgument("Arena.view: shape needs " + std::to_string(elems * bits / 8) +
-                          " bytes but buffer '" + b.name + "' has " + std::to_string(b.nbytes));
-  }
-  nb::dlpack::dtype dt{code, bits, 1};
-  return nb::ndarray<>(reinterpret_cast<void*>(b.address), shape.size(), shape.data(), self,
-                       nullptr, dt, device_type, device_id);
+  CheckViewFits(b, shape, bits);
+  DlpackView view;
+  view.data = reinterpret_cast<void*>(b.address);
+  view.shape.assign(shape.begin(), shape.end());
+  view.dtype_code = code;
+  view.dtype_bits = bits;
+  view.device_type = device_type;
+  view.device_id = device_id;
+  return MakeDlpackCapsule(view, a.LeaseView(buffer_id));
+}
+
+nb::dict RefDict(const BufferRef& ref) {
+  nb::dict d;
+  d["buffer_base"] = static_cast<uint64_t>(ref.buffer_base);
+  d["buffer_bytes"] = ref.buffer_bytes;
+  d["buffer_id"] = ref.buffer_id;
+  d["buffer_uid"] = ref.buffer_uid;
+  d["arena_uid"] = ref.arena_uid;
+  d["driver_kind"] = std::string(ref.driver_kind);
+  d["device_ordinal"] = ref.device_ordinal;
+  return d;
 }
 
 nb::object FindBuffer(uint64_t address, size_t nbytes) {
   BufferRef ref;
   if (!FindArenaBuffer(static_cast<uintptr_t>(address), nbytes, &ref)) return nb::none();
-  nb::dict d;
-  d["buffer_base"] = static_cast<uint64_t>(ref.buffer_base);
-  d["buffer_bytes"] = ref.buffer_bytes;
-  d["buffer_id"] = ref.buffer_id;
-  d["driver_kind"] = std::string(ref.driver_kind);
-  d["device_ordinal"] = ref.device_ordinal;
+  return RefDict(ref);
+}
+
+nb::object FindBufferByUid(uint64_t uid) {
+  BufferRef ref;
+  std::string name;
+  const UidLookup found = FindArenaBufferByUid(uid, &ref, &name);
+  if (found == UidLookup::kGone) return nb::none();
+  nb::dict d = RefDict(ref);
+  d["name"] = name;
+  d["closed"] = found == UidLookup::kClosed;
   return d;
 }
 
@@ -100,7 +136,8 @@ nb::tuple CudaDevices() {
 
 // Properties and queries of the Arena class.
 void BindArenaQueries(nb::class_<Arena>& c) {
-  c.def_prop_ro("base", [](const Arena& a) { return static_cast<uint64_t>(a.base()); })
+  c.def_prop_ro("uid", &Arena::uid)
+      .def_prop_ro("base", [](const Arena& a) { return static_cast<uint64_t>(a.base()); })
       .def_prop_ro("reserved_bytes", &Arena::reserved_bytes)
       .def_prop_ro("chunk_bytes", &Arena::chunk_bytes)
       .def_prop_ro("granularity", [](const Arena& a) { return a.driver().granularity(); })
@@ -124,8 +161,13 @@ void BindArenaQueries(nb::class_<Arena>& c) {
              return d;
            })
       .def("drop_count", &Arena::DropCount)
-      .def("view", &View, nb::rv_policy::reference,
-           "A DLPack-capable view of a buffer (pass to jax.dlpack.from_dlpack).");
+      .def("live_views", nb::overload_cast<>(&Arena::LiveViews, nb::const_),
+           "View leases alive, of every buffer (freed ones included).")
+      .def("buffer_live_views", nb::overload_cast<int64_t>(&Arena::LiveViews, nb::const_),
+           nb::arg("buffer_id"))
+      .def("view", &View,
+           "A DLPack capsule over a buffer (pass to jax.dlpack.from_dlpack); its deleter "
+           "releases a view lease and needs no GIL.");
 }
 
 // The methods of the Arena class that change it (the GIL is released around driver work).
@@ -177,6 +219,9 @@ void BindArena(nb::module_& m) {
       nb::call_guard<nb::gil_scoped_release>());
   m.def("find_arena_buffer", &FindBuffer, nb::arg("address"), nb::arg("nbytes"),
         "The live (open) arena buffer holding [address, address + nbytes), or None.");
+  m.def("find_arena_buffer_by_uid", &FindBufferByUid, nb::arg("uid"),
+        "The buffer with this uid (with its name and whether its arena is closed), or None "
+        "when no live arena has it.");
   m.def(
       "resolve_chunk_bytes",
       [](const std::string& driver, int device, size_t chunk_bytes) {

@@ -3,8 +3,10 @@
 // emulation of scratch. The Python side and its documentation: jax_vmm/testing.py.
 #include "testing/testing_module.h"
 
+#include <nanobind/ndarray.h>
 #include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 
 #include <cstdint>
 #include <stdexcept>
@@ -12,6 +14,7 @@
 
 #include "common/ffi_registry.h"
 #include "jax_vmm/arena.h"
+#include "python/bindings.h"
 #include "scratch/simulated_capture.h"
 #include "testing/fault_injecting_driver.h"
 #include "testing/scratch_free_on_growth.h"
@@ -25,16 +28,19 @@ namespace {
 
 void BindFaultInjection(nb::module_& m);
 void BindScratchHooks(nb::module_& m);
+void BindLegacyViews(nb::module_& m);
 
 }  // namespace
 
 FfiRegistry TestingTargets() {
   FfiRegistry registry;
   AddUncheckedKvWriteCpuTargets(registry);
+  AddAddressOnlyKvWriteCpuTargets(registry);
   AddDebugAttentionCpuTargets(registry);
   AddProbeCpuTargets(registry);
 #ifdef JAX_VMM_HAVE_CUDA_KERNELS
   AddUncheckedKvWriteCudaTargets(registry);
+  AddAddressOnlyKvWriteCudaTargets(registry);
   AddDebugAttentionCudaTargets(registry);
   AddProbeCudaTargets(registry);
 #endif
@@ -44,6 +50,7 @@ FfiRegistry TestingTargets() {
 void BindTestingHooks(nb::module_& m) {
   BindFaultInjection(m);
   BindScratchHooks(m);
+  BindLegacyViews(m);
 }
 
 namespace {
@@ -99,6 +106,26 @@ void BindScratchHooks(nb::module_& m) {
     d["initialize_calls"] = ProbeCounters().initialize_calls.load();
     return d;
   });
+}
+
+// Views as they were before view leases: a nanobind ndarray that owns a reference to the
+// Python arena object. Its DLPack deleter takes the GIL (to drop that reference), on
+// whatever thread XLA releases the view, and it counts as no live view of its buffer.
+void BindLegacyViews(nb::module_& m) {
+  m.def(
+      "legacy_view",
+      [](nb::handle arena_object, int64_t buffer_id, std::vector<size_t> shape, uint8_t code,
+         uint8_t bits, int device_type, int device_id) {
+        Arena& arena = nb::cast<Arena&>(arena_object);
+        const BufferInfo b = arena.Buffer(buffer_id);
+        CheckViewFits(b, shape, bits);
+        return nb::ndarray<>(reinterpret_cast<void*>(b.address), shape.size(), shape.data(),
+                             arena_object, nullptr, nb::dlpack::dtype{code, bits, 1}, device_type,
+                             device_id);
+      },
+      nb::rv_policy::reference, nb::arg("arena"), nb::arg("buffer_id"), nb::arg("shape"),
+      nb::arg("code"), nb::arg("bits"), nb::arg("device_type"), nb::arg("device_id"),
+      "Arena.view as it was before view leases (GIL-taking deleter, no lease).");
 }
 
 }  // namespace

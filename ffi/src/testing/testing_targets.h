@@ -13,6 +13,12 @@ namespace jax_vmm::testing {
 // points). kv_write_unchecked_cpu.cc, kv_write_unchecked_cuda.cu.
 void AddUncheckedKvWriteCpuTargets(FfiRegistry& registry);
 
+// jax_vmm_testing_kv_write_address_only, jax_vmm_testing_kv_write_through_address_only:
+// the kv_write handlers with a dest's identity reduced to its address, as before buffers
+// had uids (a dest of a destroyed arena writes a newer arena placed at the same address).
+// kv_write_address_only.h, kv_write_address_only_cpu.cc, kv_write_address_only_cuda.cc.
+void AddAddressOnlyKvWriteCpuTargets(FfiRegistry& registry);
+
 // jax_vmm_testing_decode_attention: decode attention with an operand `out_init` aliased
 // to the output, and the attributes read_all_tokens (CPU: also touch every token up to
 // T, as a kernel that ignored the lengths would) and skip_output (write nothing).
@@ -24,6 +30,7 @@ void AddProbeCpuTargets(FfiRegistry& registry);
 
 #ifdef JAX_VMM_HAVE_CUDA_KERNELS
 void AddUncheckedKvWriteCudaTargets(FfiRegistry& registry);
+void AddAddressOnlyKvWriteCudaTargets(FfiRegistry& registry);
 void AddDebugAttentionCudaTargets(FfiRegistry& registry);
 void AddProbeCudaTargets(FfiRegistry& registry);
 #endif

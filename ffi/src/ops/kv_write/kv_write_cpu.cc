@@ -29,7 +29,7 @@ ffi::Error Run(HostTokenWriter write, Op op, Handler h, const CallOperands& in,
 ffi::Error CpuWrite(HostTokenWriter write, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer new_k,
                     ffi::AnyBuffer new_v, ffi::Buffer<ffi::S32> slots,
                     ffi::Result<ffi::AnyBuffer> k_out, ffi::Result<ffi::AnyBuffer> v_out,
-                    uint64_t dest_k, uint64_t dest_v) {
+                    const Dest& dest) {
   if (ffi::Error e = CheckWriteResults(k, v, *k_out, *v_out); e.failure()) return e;
   // XLA aliases each output with its operand; if it ever did not, keep the op's meaning.
   if (k_out->untyped_data() != k.untyped_data()) {
@@ -38,19 +38,19 @@ ffi::Error CpuWrite(HostTokenWriter write, ffi::AnyBuffer k, ffi::AnyBuffer v, f
   if (v_out->untyped_data() != v.untyped_data()) {
     std::memcpy(v_out->untyped_data(), v.untyped_data(), v.size_bytes());
   }
-  const CallOperands in = WriteOperands(k, v, new_k, new_v, slots, k_out->untyped_data(),
-                                        v_out->untyped_data(), dest_k, dest_v);
+  const CallOperands in =
+      WriteOperands(k, v, new_k, new_v, slots, k_out->untyped_data(), v_out->untyped_data(), dest);
   return Run(write, Op::kWrite, Handler::kWrite, in, false);
 }
 
 ffi::Error CpuWriteThrough(HostTokenWriter write, ffi::AnyBuffer k, ffi::AnyBuffer v,
                            ffi::AnyBuffer new_k, ffi::AnyBuffer new_v, ffi::Buffer<ffi::S32> slots,
                            ffi::Result<ffi::Buffer<ffi::S32>> status, bool require_arena,
-                           uint64_t dest_k, uint64_t dest_v) {
+                           const Dest& dest) {
   const Dims status_dims = DimsOfS32(*status);
   if (ffi::Error e = CheckStatusResult(status_dims); e.failure()) return e;
   const CallOperands in =
-      WriteThroughOperands(k, v, new_k, new_v, slots, *status, status_dims, dest_k, dest_v);
+      WriteThroughOperands(k, v, new_k, new_v, slots, *status, status_dims, dest);
   return Run(write, Op::kWriteThrough, Handler::kWriteThrough, in, require_arena);
 }
 

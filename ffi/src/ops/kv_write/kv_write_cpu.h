@@ -42,12 +42,12 @@ using HostTokenWriter = void (*)(const Params&, Counters&);
 ffi::Error CpuWrite(HostTokenWriter write, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer new_k,
                     ffi::AnyBuffer new_v, ffi::Buffer<ffi::S32> slots,
                     ffi::Result<ffi::AnyBuffer> k_out, ffi::Result<ffi::AnyBuffer> v_out,
-                    uint64_t dest_k, uint64_t dest_v);
+                    const Dest& dest);
 
 ffi::Error CpuWriteThrough(HostTokenWriter write, ffi::AnyBuffer k, ffi::AnyBuffer v,
                            ffi::AnyBuffer new_k, ffi::AnyBuffer new_v, ffi::Buffer<ffi::S32> slots,
                            ffi::Result<ffi::Buffer<ffi::S32>> status, bool require_arena,
-                           uint64_t dest_k, uint64_t dest_v);
+                           const Dest& dest);
 
 // The handler functions XLA_FFI_DEFINE_HANDLER_SYMBOL binds (with BindWrite /
 // BindWriteThrough of kv_write_ffi.h).
@@ -55,18 +55,20 @@ template <typename Tokens>
 ffi::Error CpuWriteImpl(ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer new_k,
                         ffi::AnyBuffer new_v, ffi::Buffer<ffi::S32> slots,
                         ffi::Result<ffi::AnyBuffer> k_out, ffi::Result<ffi::AnyBuffer> v_out,
-                        uint64_t dest_k, uint64_t dest_v) {
-  return CpuWrite(WriteTokensOnHost<Tokens>, k, v, new_k, new_v, slots, k_out, v_out, dest_k,
-                  dest_v);
+                        uint64_t dest_k, uint64_t dest_v, uint64_t dest_k_uid,
+                        uint64_t dest_v_uid) {
+  return CpuWrite(WriteTokensOnHost<Tokens>, k, v, new_k, new_v, slots, k_out, v_out,
+                  Dest{dest_k, dest_v, dest_k_uid, dest_v_uid});
 }
 
 template <typename Tokens>
 ffi::Error CpuWriteThroughImpl(ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer new_k,
                                ffi::AnyBuffer new_v, ffi::Buffer<ffi::S32> slots,
                                ffi::Result<ffi::Buffer<ffi::S32>> status, bool require_arena,
-                               uint64_t dest_k, uint64_t dest_v) {
+                               uint64_t dest_k, uint64_t dest_v, uint64_t dest_k_uid,
+                               uint64_t dest_v_uid) {
   return CpuWriteThrough(WriteTokensOnHost<Tokens>, k, v, new_k, new_v, slots, status,
-                         require_arena, dest_k, dest_v);
+                         require_arena, Dest{dest_k, dest_v, dest_k_uid, dest_v_uid});
 }
 
 }  // namespace jax_vmm::kv

@@ -58,23 +58,23 @@ ffi::Error CopyUnaliased(const ffi::AnyBuffer& in, void* out, cudaStream_t strea
 ffi::Error CudaWrite(KernelLauncher launch, cudaStream_t stream, ffi::AnyBuffer k, ffi::AnyBuffer v,
                      ffi::AnyBuffer new_k, ffi::AnyBuffer new_v, ffi::Buffer<ffi::S32> slots,
                      ffi::Result<ffi::AnyBuffer> k_out, ffi::Result<ffi::AnyBuffer> v_out,
-                     uint64_t dest_k, uint64_t dest_v) {
+                     const Dest& dest) {
   if (ffi::Error e = CheckWriteResults(k, v, *k_out, *v_out); e.failure()) return e;
   if (ffi::Error e = CopyUnaliased(k, k_out->untyped_data(), stream); e.failure()) return e;
   if (ffi::Error e = CopyUnaliased(v, v_out->untyped_data(), stream); e.failure()) return e;
-  const CallOperands in = WriteOperands(k, v, new_k, new_v, slots, k_out->untyped_data(),
-                                        v_out->untyped_data(), dest_k, dest_v);
+  const CallOperands in =
+      WriteOperands(k, v, new_k, new_v, slots, k_out->untyped_data(), v_out->untyped_data(), dest);
   return Run(launch, Op::kWrite, Handler::kWrite, stream, in, false);
 }
 
 ffi::Error CudaWriteThrough(KernelLauncher launch, cudaStream_t stream, ffi::AnyBuffer k,
                             ffi::AnyBuffer v, ffi::AnyBuffer new_k, ffi::AnyBuffer new_v,
                             ffi::Buffer<ffi::S32> slots, ffi::Result<ffi::Buffer<ffi::S32>> status,
-                            bool require_arena, uint64_t dest_k, uint64_t dest_v) {
+                            bool require_arena, const Dest& dest) {
   const Dims status_dims = DimsOfS32(*status);
   if (ffi::Error e = CheckStatusResult(status_dims); e.failure()) return e;
   const CallOperands in =
-      WriteThroughOperands(k, v, new_k, new_v, slots, *status, status_dims, dest_k, dest_v);
+      WriteThroughOperands(k, v, new_k, new_v, slots, *status, status_dims, dest);
   return Run(launch, Op::kWriteThrough, Handler::kWriteThrough, stream, in, require_arena);
 }
 

@@ -24,12 +24,12 @@ using KernelLauncher = cudaError_t (*)(const Params&, cudaStream_t);
 ffi::Error CudaWrite(KernelLauncher launch, cudaStream_t stream, ffi::AnyBuffer k, ffi::AnyBuffer v,
                      ffi::AnyBuffer new_k, ffi::AnyBuffer new_v, ffi::Buffer<ffi::S32> slots,
                      ffi::Result<ffi::AnyBuffer> k_out, ffi::Result<ffi::AnyBuffer> v_out,
-                     uint64_t dest_k, uint64_t dest_v);
+                     const Dest& dest);
 
 ffi::Error CudaWriteThrough(KernelLauncher launch, cudaStream_t stream, ffi::AnyBuffer k,
                             ffi::AnyBuffer v, ffi::AnyBuffer new_k, ffi::AnyBuffer new_v,
                             ffi::Buffer<ffi::S32> slots, ffi::Result<ffi::Buffer<ffi::S32>> status,
-                            bool require_arena, uint64_t dest_k, uint64_t dest_v);
+                            bool require_arena, const Dest& dest);
 
 // The handler functions XLA_FFI_DEFINE_HANDLER_SYMBOL binds (with
 // BindWrite(Bind().Ctx<PlatformStream>()) and BindWriteThrough of kv_write_ffi.h).
@@ -37,8 +37,10 @@ template <KernelLauncher kLaunch>
 ffi::Error CudaWriteImpl(cudaStream_t stream, ffi::AnyBuffer k, ffi::AnyBuffer v,
                          ffi::AnyBuffer new_k, ffi::AnyBuffer new_v, ffi::Buffer<ffi::S32> slots,
                          ffi::Result<ffi::AnyBuffer> k_out, ffi::Result<ffi::AnyBuffer> v_out,
-                         uint64_t dest_k, uint64_t dest_v) {
-  return CudaWrite(kLaunch, stream, k, v, new_k, new_v, slots, k_out, v_out, dest_k, dest_v);
+                         uint64_t dest_k, uint64_t dest_v, uint64_t dest_k_uid,
+                         uint64_t dest_v_uid) {
+  return CudaWrite(kLaunch, stream, k, v, new_k, new_v, slots, k_out, v_out,
+                   Dest{dest_k, dest_v, dest_k_uid, dest_v_uid});
 }
 
 template <KernelLauncher kLaunch>
@@ -46,9 +48,10 @@ ffi::Error CudaWriteThroughImpl(cudaStream_t stream, ffi::AnyBuffer k, ffi::AnyB
                                 ffi::AnyBuffer new_k, ffi::AnyBuffer new_v,
                                 ffi::Buffer<ffi::S32> slots,
                                 ffi::Result<ffi::Buffer<ffi::S32>> status, bool require_arena,
-                                uint64_t dest_k, uint64_t dest_v) {
-  return CudaWriteThrough(kLaunch, stream, k, v, new_k, new_v, slots, status, require_arena, dest_k,
-                          dest_v);
+                                uint64_t dest_k, uint64_t dest_v, uint64_t dest_k_uid,
+                                uint64_t dest_v_uid) {
+  return CudaWriteThrough(kLaunch, stream, k, v, new_k, new_v, slots, status, require_arena,
+                          Dest{dest_k, dest_v, dest_k_uid, dest_v_uid});
 }
 
 // The context the CUDA handlers bind before their operands: the stream.
