@@ -106,6 +106,9 @@ def test_dest_carries_the_buffer_uids(vm):
             kv.v_buffers[layer].address,
         )
     assert kv.dest(0) != kv.dest(1)
+    # Any integer scalar names a layer, as for kv.k[...]; negative ones count from the end.
+    assert kv.dest(jnp.int32(1)) == kv.dest(np.int64(1)) == kv.dest(-1) == kv.dest(1)
+    assert kv.k[jnp.int32(1)].unsafe_buffer_pointer() == kv.k_buffers[1].address
     other = _make(vm)
     assert other.dest(0) != kv.dest(0), "dests of two arenas must differ (jit caches by dest)"
 
