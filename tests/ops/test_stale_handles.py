@@ -233,6 +233,46 @@ def test_closed_destination_fails_the_same_way_in_every_path(vm):
         kv.dest(0)
 
 
+def test_a_refused_step_does_not_break_later_checks(vm):
+    """A step refused while running in the background (its error surfaces when its
+    results are awaited) leaves kv.check() of another arena working: JAX's effects
+    barrier would re-raise that step's error at every call."""
+    kv = _make(vm)
+    dest = kv.dest(0)
+    kv.close()
+    other = _make(vm)
+    x = _put(vm, np.full((1500, 1500), 1e-3, np.float32))
+
+    @jax.jit
+    def step(x):
+        y = jnp.sin(x @ x @ x)  # a while on a CPU: the refusal comes after dispatch
+        cache = jnp.zeros((T, H, D), jnp.float32) + y[0, 0]
+        new = jnp.ones((1, H, D), jnp.float32)
+        return ops.kv_write_through(cache, cache, new, new, jnp.array([1], jnp.int32), dest=dest)
+
+    with pytest.raises(jax.errors.JaxRuntimeError, match="which was closed"):
+        jax.block_until_ready(step(x))
+    other.check()  # nothing dropped, and no stale error
+    slot = _put(vm, np.array([other.num_slots], np.int32))  # out of range: dropped
+    one = _put(vm, np.ones((1, H, D), np.float32))
+    ops.kv_write_through(other.k[0], other.v[0], one, one, slot, dest=other.dest(0))
+    with pytest.raises(jax_vmm.OutOfBoundsWrite):
+        other.check()
+
+
+@pytest.mark.gpu
+def test_a_dest_of_another_platform_is_refused(gpu_device):
+    host = jax_vmm.kv_arena(num_layers=1, num_kv_heads=H, head_dim=D, max_tokens=T,
+                            dtype=jnp.float32, device=jax.devices("cpu")[0])
+    cache = jax.device_put(jnp.zeros((T, H, D), jnp.float32), gpu_device)
+    one = jax.device_put(jnp.ones((1, H, D), jnp.float32), gpu_device)
+    slot = jax.device_put(jnp.array([1], jnp.int32), gpu_device)
+    with pytest.raises(jax.errors.JaxRuntimeError, match="memory of a host arena, but the call "
+                                                         "runs on cuda"):
+        jax.block_until_ready(ops.kv_write(cache, cache, one, one, slot, dest=host.dest(0)))
+    host.close()
+
+
 @pytest.mark.gpu
 def test_donated_view_of_another_buffer_is_refused_on_the_gpu(gpu_device):
     """On a GPU a donated view is handed over in place: a view of layer 1 with the dest

@@ -62,7 +62,6 @@ struct ArenaStats {
 struct BufferInfo {
   int64_t id = -1;   // index within its arena (reused after free)
   uint64_t uid = 0;  // process-unique, never reused
-  uint64_t arena_uid = 0;
   std::string name;
   size_t offset = 0;  // from the arena base, chunk-aligned
   size_t nbytes = 0;  // as requested

@@ -132,7 +132,6 @@ BufferInfo Arena::Allocate(size_t nbytes, const std::string& name) {
   p.info.offset = TakeFreeRange(placed, name);
   p.info.id = next_id_++;
   p.info.uid = NewUid();
-  p.info.arena_uid = uid_;
   p.info.name = name.empty() ? "buffer" + std::to_string(p.info.id) : name;
   p.info.nbytes = nbytes;
   p.info.address = base_ + p.info.offset;

@@ -82,7 +82,7 @@ std::string BufferName(const std::string& name, const BufferRef& ref) {
 }
 
 // Why the dest of one side cannot be written, for the error message.
-std::string StaleDestMessage(Op op, char side, const SideInput& in) {
+std::string StaleDestMessage(Op op, const char* driver_kind, char side, const SideInput& in) {
   const std::string pre = std::string(OpName(op)) + ": dest_" + side + " is ";
   const std::string remedy =
       ": a KVDest names the buffers of one arena for good. Make a new one with "
@@ -105,6 +105,11 @@ std::string StaleDestMessage(Op op, char side, const SideInput& in) {
     }
     case UidLookup::kFound:
       break;
+  }
+  if (!Usable(ref, driver_kind)) {
+    return pre + BufferName(name, ref) + ", memory of a " + ref.driver_kind +
+           " arena, but the call runs on " + driver_kind +
+           ": pass the dest of a KV arena on the device the step runs on";
   }
   return pre + BufferName(name, ref) + " at " + Hex(ref.buffer_base) + " of " +
          std::to_string(ref.buffer_bytes) + " bytes, but the call names address " + Hex(in.dest) +
@@ -160,7 +165,8 @@ std::string ResolveSide(Op op, const char* driver_kind, bool require_arena, int 
   const bool in_reservation = in.handed != nullptr && InArenaReservation(handed, in.bytes);
   BufferRef ref;
   if (in.dest != 0) {
-    if (!ResolveDest(in, driver_kind, &ref)) return StaleDestMessage(op, side_name, in);
+    if (!ResolveDest(in, driver_kind, &ref))
+      return StaleDestMessage(op, driver_kind, side_name, in);
     side->dst = reinterpret_cast<uint8_t*>(in.dest);
     if (in_reservation && !(handed_arena && handed_ref.buffer_uid == in.dest_uid)) {
       return StaleHandedMessage(op, side_name, in, handed_arena ? &handed_ref : nullptr);
