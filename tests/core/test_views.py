@@ -32,8 +32,9 @@ from conftest import write_bytes
 REPO = Path(__file__).resolve().parents[2]
 
 # Eight sequences of 32768 x 8 x 128 float32 (1 GiB per buffer, unbacked: it reads zeros
-# and costs no memory). On the CPU one pass takes seconds; on a GPU a loop of passes keeps
-# the device busy well past the end of the script.
+# and costs no memory), read by a loop of passes: one takes seconds on a CPU, 20000 take
+# seconds on an H200. The script checks that the computation it leaves behind is still
+# running (and takes ten times more passes until one is).
 _EXIT_SCRIPT = r"""
 import contextlib, sys
 import jax, jax.numpy as jnp
@@ -45,10 +46,15 @@ kv = jax_vmm.kv_arena(num_layers=1, num_kv_heads=8, head_dim=128, max_tokens=327
 legacy = jax_vmm.testing.legacy_views() if views == "legacy" else contextlib.nullcontext()
 with legacy:
     k = kv.k[0]
-passes = 1 if platform == "cpu" else 4000
-out = jax.jit(lambda k: jax.lax.fori_loop(
-    0, passes, lambda i, s: s + jnp.sin(k + i.astype(k.dtype)).sum(), 0.0))(k)
-print("dispatched", flush=True)
+reduce = jax.jit(lambda k, n: jax.lax.fori_loop(
+    0, n, lambda i, s: s + jnp.sin(k + i.astype(k.dtype)).sum(), 0.0))
+passes = 1 if platform == "cpu" else 20000
+while True:
+    out = reduce(k, jax.device_put(jnp.int32(passes), device))
+    if not out.is_ready():
+        break
+    passes *= 10
+print(f"dispatched, in flight: {passes} passes", flush=True)
 if end == "raise":
     raise RuntimeError("the script fails before block_until_ready")
 """
@@ -68,7 +74,7 @@ def _run_exit_script(platform: str, end: str, views: str) -> subprocess.Complete
 
 def _assert_clean_exit(proc: subprocess.CompletedProcess, end: str) -> None:
     out = proc.stdout + proc.stderr
-    assert "dispatched" in proc.stdout, out[-3000:]
+    assert "dispatched, in flight" in proc.stdout, out[-3000:]
     assert "terminate called" not in out, out[-3000:]
     if end == "raise":
         assert proc.returncode == 1, out[-3000:]  # the traceback, and nothing else
@@ -86,7 +92,7 @@ def test_the_exit_check_catches_a_deleter_that_takes_the_gil(cpu_device):
     """The same script with views whose deleter takes the GIL (a plain nanobind ndarray,
     as before the leases) aborts at exit: the check above sees the failure."""
     proc = _run_exit_script("cpu", "raise", "legacy")
-    assert "dispatched" in proc.stdout, proc.stderr[-3000:]
+    assert "dispatched, in flight" in proc.stdout, proc.stderr[-3000:]
     with pytest.raises(AssertionError, match="terminate called|assert -6 == 1|assert 134 == 1"):
         _assert_clean_exit(proc, "raise")
 
