@@ -44,6 +44,7 @@ import numpy as np
 
 from ._ffi import register
 from ._loader import core as _core
+from .fp8 import FP8_STORAGE, quantize_fp8
 
 __all__ = ["KVDest", "kv_write", "kv_write_through", "kv_write_stats", "reset_kv_write_stats",
            "PADDING", "WRITTEN", "DROPPED_OUT_OF_RANGE", "DROPPED_UNBACKED"]

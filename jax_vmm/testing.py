@@ -12,8 +12,9 @@ the only Python code that imports it.
   can break release/unmap so that a rollback leaks observably.
 * :func:`unchecked_kv_writes`: ``jax_vmm.kv_write`` / ``kv_write_through`` call variants
   without the slot range and page checks.
-* :func:`decode_attention`: decode attention with an aliased ``out_init`` output buffer,
-  ``skip_output`` and (CPU) ``read_all_tokens``.
+* :func:`decode_attention`: decode attention (split-K or streaming kernel) with an
+  aliased ``out_init`` output buffer, ``skip_output`` and (split-K, CPU)
+  ``read_all_tokens``; :func:`stream_partition`: the streaming kernel's work partition.
 * :func:`scratch_probe` (with :func:`scratch_probe_stats`, :func:`address_of`): a custom
   call that copies its input through a graph-safe scratch workspace;
   :func:`scratch_get` serves a workspace with a simulated capture state;
@@ -44,7 +45,7 @@ if _testing is None:  # pragma: no cover - only in a build with JAX_VMM_TESTING=
 _ffi.add_source(_testing.registrations)
 
 __all__ = ["InjectedFault", "FaultInjection", "fault_injection", "unchecked_kv_writes",
-           "decode_attention", "scratch_probe", "scratch_probe_stats", "address_of",
+           "decode_attention", "stream_partition", "scratch_probe", "scratch_probe_stats", "address_of",
            "scratch_get", "free_scratch_on_growth"]
 
 #: A driver call failed because a test armed a fault (:meth:`FaultInjection.arm`).
@@ -134,32 +135,51 @@ def unchecked_kv_writes() -> Iterator[None]:
 def decode_attention(q: Any, k: Any, v: Any, lengths: Any, *, out_init: Any = None,
                      read_all_tokens: bool = False, skip_output: bool = False,
                      scale: float | None = None, chunk: int = 0, splits: int = 0,
-                     impl: str = "auto") -> jax.Array:
+                     impl: str = "auto", k_scale: Any = None, v_scale: Any = None,
+                     ctas: int = 0, stages: int = 0, min_tiles: int = 0) -> jax.Array:
     """``jax_vmm.decode_attention`` (graph-safe scratch workspace) through the testing
-    target, with the same validation and plan.
+    targets, with the same validation, kernel choice and plan as the private
+    ``jax_vmm.attention._decode_attention`` (the split-K kernel, or the streaming one for
+    fp8 caches and impl "stream*", with their plan knobs).
 
     out_init: an array of q's shape and dtype that becomes the output buffer before the
       kernel runs (aliased; default zeros), e.g. NaN, to show that every element is
       written.
     skip_output: write nothing to the output (out_init comes back unchanged).
-    read_all_tokens: (CPU only) also touch every token up to T, as a kernel that ignored
-      the lengths would.
+    read_all_tokens: (the split-K CPU handler only) also touch every token up to T, as a
+      kernel that ignored the lengths would.
     """
     call = _attention._prepare(q, k, v, lengths, scale=scale, chunk=chunk, splits=splits,
-                               impl=impl, workspace="scratch")
+                               impl=impl, workspace="scratch", k_scale=k_scale,
+                               v_scale=v_scale, ctas=ctas, stages=stages, min_tiles=min_tiles)
     if call is None:
         return jnp.zeros(jnp.shape(q), jnp.asarray(q).dtype)
-    if read_all_tokens and call.device.platform != "cpu":
-        raise ValueError("read_all_tokens is implemented by the CPU handler only")
+    if read_all_tokens and (call.device.platform != "cpu" or call.stream):
+        raise ValueError("read_all_tokens is implemented by the split-K CPU handler only")
     q = call.operands[0]
     out_init = jnp.zeros(q.shape, q.dtype) if out_init is None else jnp.asarray(out_init)
     if out_init.shape != q.shape or out_init.dtype != q.dtype:
         raise ValueError(f"out_init must match q: {q.shape} {q.dtype}, got {out_init.shape} "
                          f"{out_init.dtype}")
-    ffi = jax.ffi.ffi_call("jax_vmm_testing_decode_attention", call.out_type,
-                           vmap_method="sequential", input_output_aliases={4: 0})
-    return ffi(*call.operands, out_init, read_all_tokens=bool(read_all_tokens),
-               skip_output=bool(skip_output), **call.attrs)
+    attrs = dict(call.attrs, skip_output=bool(skip_output))
+    if call.stream:
+        target = "jax_vmm_testing_decode_attention_v2"
+    else:
+        target = "jax_vmm_testing_decode_attention"
+        attrs["read_all_tokens"] = bool(read_all_tokens)
+    ffi = jax.ffi.ffi_call(target, call.out_type, vmap_method="sequential",
+                           input_output_aliases={len(call.operands): 0})
+    return ffi(*call.operands, out_init, **attrs)
+
+
+def stream_partition(lengths: Any, max_tokens: int, unit_groups: int, ctas: int,
+                     min_tiles: int) -> list[list[tuple[int, ...]]]:
+    """The streaming attention kernel's partition as the kernel computes it
+    (ffi/src/ops/attention/stream_plan.h): per working CTA, its pieces as tuples (b, hg,
+    first_tile, tiles, slot or -1 for a whole unit, first_owner, last_owner)."""
+    parts = _testing.attention_stream_partition([int(n) for n in lengths], int(max_tokens),
+                                                int(unit_groups), int(ctas), int(min_tiles))
+    return [list(pieces) for pieces in parts]
 
 
 # -- scratch --------------------------------------------------------------------------

@@ -64,9 +64,11 @@ FfiRegistry ProductionTargets() {
   FfiRegistry registry;
   kv::AddCpuTargets(registry);
   attention::AddCpuTargets(registry);
+  attention::AddStreamCpuTargets(registry);
 #ifdef JAX_VMM_HAVE_CUDA_KERNELS
   kv::AddCudaTargets(registry);
   attention::AddCudaTargets(registry);
+  attention::AddStreamCudaTargets(registry);
 #endif
   return registry;
 }

@@ -19,12 +19,18 @@ void AddUncheckedKvWriteCpuTargets(FfiRegistry& registry);
 // attention_debug_cpu.cc, attention_debug_cuda.cc.
 void AddDebugAttentionCpuTargets(FfiRegistry& registry);
 
+// jax_vmm_testing_decode_attention_v2: the streaming decode attention with an operand
+// `out_init` aliased to the output and the attribute skip_output (write nothing).
+// stream_debug_cpu.cc, stream_debug_cuda.cc.
+void AddDebugStreamCpuTargets(FfiRegistry& registry);
+
 // jax_vmm_scratch_probe: y = x through a graph-safe scratch workspace (scratch_probe.h).
 void AddProbeCpuTargets(FfiRegistry& registry);
 
 #ifdef JAX_VMM_HAVE_CUDA_KERNELS
 void AddUncheckedKvWriteCudaTargets(FfiRegistry& registry);
 void AddDebugAttentionCudaTargets(FfiRegistry& registry);
+void AddDebugStreamCudaTargets(FfiRegistry& registry);
 void AddProbeCudaTargets(FfiRegistry& registry);
 #endif
 
