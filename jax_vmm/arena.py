@@ -20,16 +20,21 @@ log = logging.getLogger("jax_vmm")
 
 # DLPack dtype codes (dlpack.h).
 _DL_INT, _DL_UINT, _DL_FLOAT, _DL_BFLOAT, _DL_BOOL = 0, 1, 2, 4, 6
+_DL_FLOAT8_E4M3FN = 10  # DLPack 1.1; jax 0.10.2 imports it zero-copy as float8_e4m3fn
 
 
 def _dlpack_dtype(dtype: np.dtype) -> tuple[int, int]:
     if dtype == jnp.bfloat16:
         return _DL_BFLOAT, 16
+    if dtype == jnp.float8_e4m3fn:
+        return _DL_FLOAT8_E4M3FN, 8
     kind = {"i": _DL_INT, "u": _DL_UINT, "f": _DL_FLOAT, "b": _DL_BOOL}.get(dtype.kind)
+    if kind == _DL_FLOAT and dtype.itemsize < 2:
+        kind = None  # other 8-bit floats (float8_e5m2, ...) have no plain DLPack float code
     if kind is None or dtype.itemsize not in (1, 2, 4, 8):
         raise TypeError(
             f"dtype {dtype} cannot back an arena buffer; use a float (float16, bfloat16, "
-            "float32, float64), integer or bool dtype"
+            "float32, float64, float8_e4m3fn), integer or bool dtype"
         )
     return kind, dtype.itemsize * 8
 

@@ -1,5 +1,6 @@
 """Test hooks of jax_vmm: switches that remove one protection each, so that a test can
-show its checks would catch the failure they guard against.
+show its checks would catch the failure they guard against, or force one production path
+that tests would not reach otherwise.
 
 Nothing here is for production use, and the production ``jax_vmm`` namespace exposes
 none of it. The hooks live in the C++ testing layer (``ffi/src/testing/``, the submodule
@@ -11,7 +12,8 @@ the only Python code that imports it.
   ``set_access`` driver call fails with :class:`InjectedFault` or an out-of-memory) and
   can break release/unmap so that a rollback leaks observably.
 * :func:`unchecked_kv_writes`: ``jax_vmm.kv_write`` / ``kv_write_through`` call variants
-  without the slot range and page checks.
+  without the slot range and page checks; :func:`token_kernel_kv_writes`: the same calls
+  with the (checked) token kernel that production keeps for huge tokens.
 * :func:`decode_attention`: decode attention (split-K or streaming kernel) with an
   aliased ``out_init`` output buffer, ``skip_output`` and (split-K, CPU)
   ``read_all_tokens``; :func:`stream_partition`: the streaming kernel's work partition.
@@ -45,6 +47,7 @@ if _testing is None:  # pragma: no cover - only in a build with JAX_VMM_TESTING=
 _ffi.add_source(_testing.registrations)
 
 __all__ = ["InjectedFault", "FaultInjection", "fault_injection", "unchecked_kv_writes",
+           "token_kernel_kv_writes",
            "decode_attention", "stream_partition", "scratch_probe", "scratch_probe_stats", "address_of",
            "scratch_get", "free_scratch_on_growth"]
 
@@ -115,18 +118,33 @@ def fault_injection() -> Iterator[FaultInjection]:
 
 
 @contextlib.contextmanager
-def unchecked_kv_writes() -> Iterator[None]:
-    """Inside the with-block ``jax_vmm.kv_write`` / ``kv_write_through`` call variants that
-    skip the slot range and page checks and write wherever a slot points: out-of-range
-    slots corrupt neighbouring memory and unbacked pages fault. Applies to calls traced
-    inside the block (a function jitted before keeps its checked call)."""
+def _kv_write_targets(targets: Any) -> Iterator[None]:
+    """``jax_vmm.kv_write`` / ``kv_write_through`` call `targets` inside the with-block."""
     previous = _ops._targets
-    _ops._targets = _ops._Targets(write="jax_vmm_testing_kv_write_unchecked",
-                                  through="jax_vmm_testing_kv_write_through_unchecked")
+    _ops._targets = targets
     try:
         yield
     finally:
         _ops._targets = previous
+
+
+def unchecked_kv_writes() -> contextlib.AbstractContextManager[None]:
+    """Inside the with-block ``jax_vmm.kv_write`` / ``kv_write_through`` call variants that
+    skip the slot range and page checks and write wherever a slot points: out-of-range
+    slots corrupt neighbouring memory and unbacked pages fault. Applies to calls traced
+    inside the block (a function jitted before keeps its checked call)."""
+    return _kv_write_targets(_ops._Targets(write="jax_vmm_testing_kv_write_unchecked",
+                                           through="jax_vmm_testing_kv_write_through_unchecked"))
+
+
+def token_kernel_kv_writes() -> contextlib.AbstractContextManager[None]:
+    """Inside the with-block ``jax_vmm.kv_write`` / ``kv_write_through`` run, on a GPU, the
+    token kernel (one thread group per token) instead of the tiled kernel: the checked
+    fallback that production picks only for tokens too large for the tiled kernel, so that
+    tests reach it and benchmarks compare the two. On the CPU (one writer) nothing changes.
+    Applies to calls traced inside the block."""
+    return _kv_write_targets(_ops._Targets(write="jax_vmm_testing_kv_write_token_kernel",
+                                           through="jax_vmm_testing_kv_write_through_token_kernel"))
 
 
 # -- decode attention with its protections removable ---------------------------------

@@ -37,11 +37,13 @@ void BindStreamPartition(nb::module_& m);
 FfiRegistry TestingTargets() {
   FfiRegistry registry;
   AddUncheckedKvWriteCpuTargets(registry);
+  AddTokenKernelKvWriteCpuTargets(registry);
   AddDebugAttentionCpuTargets(registry);
   AddDebugStreamCpuTargets(registry);
   AddProbeCpuTargets(registry);
 #ifdef JAX_VMM_HAVE_CUDA_KERNELS
   AddUncheckedKvWriteCudaTargets(registry);
+  AddTokenKernelKvWriteCudaTargets(registry);
   AddDebugAttentionCudaTargets(registry);
   AddDebugStreamCudaTargets(registry);
   AddProbeCudaTargets(registry);

@@ -1,7 +1,7 @@
 // The FFI targets of the testing layer, returned by _core.testing.registrations(platform)
 // (testing_module.cc). Each is a production handler built with one protection removed, so
-// that tests can show their checks would catch its absence; none is registered by the
-// production module.
+// that tests can show their checks would catch its absence (or one production choice
+// forced, so that tests reach it); none is registered by the production module.
 #pragma once
 
 #include "common/ffi_registry.h"
@@ -12,6 +12,11 @@ namespace jax_vmm::testing {
 // kv_write handlers without the slot range and page checks (they write wherever a slot
 // points). kv_write_unchecked_cpu.cc, kv_write_unchecked_cuda.cu.
 void AddUncheckedKvWriteCpuTargets(FfiRegistry& registry);
+
+// jax_vmm_testing_kv_write_token_kernel, jax_vmm_testing_kv_write_through_token_kernel:
+// the checked kv_write handlers with the token kernel instead of the tiled one (CUDA; the
+// CPU has one writer). kv_write_token_kernel_cpu.cc, kv_write_token_kernel_cuda.cc.
+void AddTokenKernelKvWriteCpuTargets(FfiRegistry& registry);
 
 // jax_vmm_testing_decode_attention: decode attention with an operand `out_init` aliased
 // to the output, and the attributes read_all_tokens (CPU: also touch every token up to
@@ -29,6 +34,7 @@ void AddProbeCpuTargets(FfiRegistry& registry);
 
 #ifdef JAX_VMM_HAVE_CUDA_KERNELS
 void AddUncheckedKvWriteCudaTargets(FfiRegistry& registry);
+void AddTokenKernelKvWriteCudaTargets(FfiRegistry& registry);
 void AddDebugAttentionCudaTargets(FfiRegistry& registry);
 void AddDebugStreamCudaTargets(FfiRegistry& registry);
 void AddProbeCudaTargets(FfiRegistry& registry);
