@@ -14,13 +14,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_attention import BF16, F16, assert_close, on, random_inputs, reference
 
 import jax_vmm
 import jax_vmm.testing
 from jax_vmm.attention import FP8_DTYPE, _decode_attention, dequantize_fp8, stream_attention_plan
 from jax_vmm.ops import quantize_fp8
-
-from test_attention import BF16, F16, assert_close, on, random_inputs, reference
 
 FP8 = jnp.float8_e4m3fn
 # fp8 tolerance: against float64 on the *dequantized* cache, so only the kernel's own
@@ -37,7 +36,11 @@ def fp8_inputs(rng, B, T, Hq, Hkv, D, q_dtype):
     k = quantize_fp8(jnp.asarray(rng.standard_normal((B, T, Hkv, D), dtype=np.float32)), ks)
     v = quantize_fp8(jnp.asarray(rng.standard_normal((B, T, Hkv, D), dtype=np.float32)), vs)
     f64 = lambda x: np.asarray(x, np.float64)  # noqa: E731
-    return (q, k, v, ks, vs), (f64(q.astype(jnp.float32)), f64(dequantize_fp8(k, ks)), f64(dequantize_fp8(v, vs)))
+    return (q, k, v, ks, vs), (
+        f64(q.astype(jnp.float32)),
+        f64(dequantize_fp8(k, ks)),
+        f64(dequantize_fp8(v, vs)),
+    )
 
 
 def close_fp8(out, ref, q_dtype, what=""):
@@ -57,7 +60,7 @@ SHAPES = [
     (2, 70, 4, 2, 256),
     (2, 40, 16, 1, 256),  # two head tiles at head_dim 256 (the largest register footprint)
     (2, 64, 12, 1, 128),  # a head group of 12: the second head tile half used
-    (3, 50, 6, 1, 64),    # a head group of 6 (not a power of two)
+    (3, 50, 6, 1, 64),  # a head group of 6 (not a power of two)
 ]
 
 
@@ -76,7 +79,9 @@ def test_stream_matches_reference(device, shape, impl):
         q, k, v, lens = on(device, q, k, v, jnp.asarray(lengths))
         out = jax.jit(lambda *a: _decode_attention(*a, impl=impl))(q, k, v, lens)
         assert out.dtype == q.dtype and out.shape == q.shape
-        assert_close(out, reference(q64, k64, v64, lengths), dtype, f"{dtype.__name__} {impl} {shape}")
+        assert_close(
+            out, reference(q64, k64, v64, lengths), dtype, f"{dtype.__name__} {impl} {shape}"
+        )
         assert (np.asarray(out.astype(jnp.float32))[lengths == 0] == 0).all()
 
 
@@ -94,8 +99,11 @@ def test_forced_partitions(device, ctas, min_tiles):
         assert_close(out, ref, BF16, f"ctas={ctas} min_tiles={min_tiles} {impl}")
 
 
-@pytest.mark.parametrize("shape", [(3, 300, 8, 2, 128), (2, 70, 4, 4, 64), (2, 50, 16, 2, 256),
-                                   (2, 90, 8, 1, 64)], ids=lambda s: "B{}T{}Hq{}Hkv{}D{}".format(*s))
+@pytest.mark.parametrize(
+    "shape",
+    [(3, 300, 8, 2, 128), (2, 70, 4, 4, 64), (2, 50, 16, 2, 256), (2, 90, 8, 1, 64)],
+    ids=lambda s: "B{}T{}Hq{}Hkv{}D{}".format(*s),
+)
 def test_fp8_matches_reference_on_the_dequantized_cache(device, shape):
     B, T, Hq, Hkv, D = shape
     rng = np.random.default_rng(sum(shape))
@@ -104,15 +112,22 @@ def test_fp8_matches_reference_on_the_dequantized_cache(device, shape):
         (q, k, v, ks, vs), (q64, k64, v64) = fp8_inputs(rng, B, T, Hq, Hkv, D, q_dtype)
         q, k, v, ks, vs, lens = on(device, q, k, v, ks, vs, jnp.asarray(lengths))
         out = jax.jit(lambda *a: jax_vmm.decode_attention(*a[:4], k_scale=a[4], v_scale=a[5]))(
-            q, k, v, lens, ks, vs)
+            q, k, v, lens, ks, vs
+        )
         assert out.dtype == q.dtype
-        close_fp8(out, reference(q64, k64, v64, lengths), q_dtype, f"fp8 q {q_dtype.__name__} {shape}")
+        close_fp8(
+            out, reference(q64, k64, v64, lengths), q_dtype, f"fp8 q {q_dtype.__name__} {shape}"
+        )
         tma = _decode_attention(q, k, v, lens, k_scale=ks, v_scale=vs, impl="stream_tma")
-        close_fp8(tma, reference(q64, k64, v64, lengths), q_dtype, f"fp8 tma {q_dtype.__name__} {shape}")
+        close_fp8(
+            tma, reference(q64, k64, v64, lengths), q_dtype, f"fp8 tma {q_dtype.__name__} {shape}"
+        )
         # uint8 holding the same bits is the same cache
         k8, v8 = (jax.lax.bitcast_convert_type(x, jnp.uint8) for x in (k, v))
         out8 = jax_vmm.decode_attention(q, k8, v8, lens, k_scale=ks, v_scale=vs)
-        assert np.array_equal(np.asarray(out8.astype(jnp.float32)), np.asarray(out.astype(jnp.float32)))
+        assert np.array_equal(
+            np.asarray(out8.astype(jnp.float32)), np.asarray(out.astype(jnp.float32))
+        )
 
 
 def test_fp8_large_queries_and_extreme_scales(device):
@@ -139,11 +154,16 @@ def test_every_output_element_written(device):
     q, k, v, lens = on(device, q, k, v, jnp.asarray(lengths))
     poison = jax.device_put(jnp.full(q.shape, jnp.nan, q.dtype), device)
     for impl in ("stream", "stream_combine", "stream_tma"):
-        out = jax.jit(lambda *a: jax_vmm.testing.decode_attention(*a[:4], impl=impl, out_init=a[4], ctas=5,
-                                                                  min_tiles=1))(q, k, v, lens, poison)
+        out = jax.jit(
+            lambda *a: jax_vmm.testing.decode_attention(
+                *a[:4], impl=impl, out_init=a[4], ctas=5, min_tiles=1
+            )
+        )(q, k, v, lens, poison)
         assert_close(out, reference(q64, k64, v64, lengths), BF16, f"poisoned {impl}")
     # the check can fail: with the output write skipped, the NaNs come back
-    out = jax_vmm.testing.decode_attention(q, k, v, lens, impl="stream", out_init=poison, skip_output=True)
+    out = jax_vmm.testing.decode_attention(
+        q, k, v, lens, impl="stream", out_init=poison, skip_output=True
+    )
     assert np.isnan(np.asarray(out.astype(jnp.float32))).all()
 
 
@@ -162,9 +182,17 @@ def test_matches_the_split_kernel(device):
 # -- partition and plan ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("lengths,groups,ctas,min_tiles", [
-    ([8192] * 32, 8, 264, 16), ([6000, 1, 0, 17, 16, 15], 4, 37, 1), ([0, 0, 5], 2, 16, 1),
-    ([1000], 8, 264, 16), ([33] * 7, 1, 100, 1), ([16 * 9] * 3, 3, 4, 1)])
+@pytest.mark.parametrize(
+    "lengths,groups,ctas,min_tiles",
+    [
+        ([8192] * 32, 8, 264, 16),
+        ([6000, 1, 0, 17, 16, 15], 4, 37, 1),
+        ([0, 0, 5], 2, 16, 1),
+        ([1000], 8, 264, 16),
+        ([33] * 7, 1, 100, 1),
+        ([16 * 9] * 3, 3, 4, 1),
+    ],
+)
 def test_partition_covers_every_tile_once_with_balanced_ctas(lengths, groups, ctas, min_tiles):
     parts = jax_vmm.testing.stream_partition(lengths, 8192, groups, ctas, min_tiles)
     tiles = [math.ceil(n / 16) for n in lengths]
@@ -226,8 +254,9 @@ def test_validation():
     with pytest.raises(TypeError, match="bfloat16 or float16"):
         jax_vmm.decode_attention(q.astype(jnp.float32), k8, k8, L, k_scale=s, v_scale=s)
     with pytest.raises(ValueError, match="head_dim"):
-        jax_vmm.decode_attention(jnp.zeros((2, 8, 32), BF16), k8[..., :32], k8[..., :32], L,
-                                 k_scale=s, v_scale=s)
+        jax_vmm.decode_attention(
+            jnp.zeros((2, 8, 32), BF16), k8[..., :32], k8[..., :32], L, k_scale=s, v_scale=s
+        )
     with pytest.raises(ValueError, match="impl"):
         _decode_attention(q, k8, k8, L, k_scale=s, v_scale=s, impl="tensor_core")
     with pytest.raises(ValueError, match="stages"):
@@ -251,7 +280,12 @@ def test_gpu_ring_depths_agree(gpu_device, stages):
     q, k, v, lens = on(gpu_device, q, k, v, jnp.asarray(lengths))
     ref = reference(q64, k64, v64, lengths)
     for impl in ("stream", "stream_combine", "stream_tma"):
-        assert_close(_decode_attention(q, k, v, lens, impl=impl, stages=stages), ref, BF16, f"{impl} {stages}")
+        assert_close(
+            _decode_attention(q, k, v, lens, impl=impl, stages=stages),
+            ref,
+            BF16,
+            f"{impl} {stages}",
+        )
 
 
 @pytest.mark.gpu
@@ -263,20 +297,34 @@ def test_gpu_same_inputs_same_bits(gpu_device):
     (q, k, v), _ = random_inputs(rng, B, T, Hq, Hkv, D, BF16)
     q, k, v, lens = on(gpu_device, q, k, v, jnp.asarray([3000, 1, 2999, 1500], jnp.int32))
     for impl in ("stream", "stream_tma"):
-        runs = [np.asarray(_decode_attention(q, k, v, lens, impl=impl, min_tiles=1).astype(jnp.float32))
-                for _ in range(5)]
+        runs = [
+            np.asarray(_decode_attention(q, k, v, lens, impl=impl, min_tiles=1).astype(jnp.float32))
+            for _ in range(5)
+        ]
         assert all(np.array_equal(runs[0], r) for r in runs[1:]), impl
     # the two copy mechanisms feed identical tiles: identical results
-    assert np.array_equal(runs[0], np.asarray(_decode_attention(q, k, v, lens, impl="stream", min_tiles=1)
-                                              .astype(jnp.float32)))
+    assert np.array_equal(
+        runs[0],
+        np.asarray(
+            _decode_attention(q, k, v, lens, impl="stream", min_tiles=1).astype(jnp.float32)
+        ),
+    )
 
 
 @pytest.mark.gpu
 def test_gpu_fp8_arena_views(gpu_device):
     """An fp8 kv_arena: kv_write_fp8 fills it, decode_attention reads it."""
     B, T, Hq, Hkv, D = 2, 256, 8, 2, 128
-    kv = jax_vmm.kv_arena(num_layers=1, num_kv_heads=Hkv, head_dim=D, max_tokens=T, dtype=FP8,
-                          max_seqs=B, initial_tokens=T, device=gpu_device)
+    kv = jax_vmm.kv_arena(
+        num_layers=1,
+        num_kv_heads=Hkv,
+        head_dim=D,
+        max_tokens=T,
+        dtype=FP8,
+        max_seqs=B,
+        initial_tokens=T,
+        device=gpu_device,
+    )
     try:
         rng = np.random.default_rng(4)
         n = np.array([256, 77])
@@ -288,10 +336,21 @@ def test_gpu_fp8_arena_views(gpu_device):
         nk, nv, sl, ks, vs = on(gpu_device, nk, nv, jnp.asarray(slots), ks, vs)
         jax_vmm.kv_write_fp8(kv.k[0], kv.v[0], nk, nv, sl, ks, vs)
         q = jax.device_put(jnp.asarray(rng.standard_normal((B, Hq, D)), BF16), gpu_device)
-        out = jax_vmm.decode_attention(q, kv.k[0], kv.v[0], jax.device_put(jnp.asarray(n, jnp.int32), gpu_device),
-                                       k_scale=ks, v_scale=vs)
+        out = jax_vmm.decode_attention(
+            q,
+            kv.k[0],
+            kv.v[0],
+            jax.device_put(jnp.asarray(n, jnp.int32), gpu_device),
+            k_scale=ks,
+            v_scale=vs,
+        )
         k64 = np.asarray(dequantize_fp8(kv.k[0], ks), np.float64)
         v64 = np.asarray(dequantize_fp8(kv.v[0], vs), np.float64)
-        close_fp8(out, reference(np.asarray(q.astype(jnp.float32), np.float64), k64, v64, n), BF16, "arena")
+        close_fp8(
+            out,
+            reference(np.asarray(q.astype(jnp.float32), np.float64), k64, v64, n),
+            BF16,
+            "arena",
+        )
     finally:
         kv.close()

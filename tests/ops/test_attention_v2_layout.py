@@ -58,8 +58,8 @@ def test_swizzle_is_a_bijection_and_the_copy_lands_every_byte(eb, D):
     for q in range(16 * rb // 16):  # the kernel's chunk loop: chunk q -> (row, col)
         row, col = divmod(q, rb // 16)
         dst = ring_offset(row, col * 16, rb)
-        assert tile[dst:dst + 16].max() == -1, "two chunks written to one place"
-        tile[dst:dst + 16] = np.arange(16) + (row * rb + col * 16)
+        assert tile[dst : dst + 16].max() == -1, "two chunks written to one place"
+        tile[dst : dst + 16] = np.arange(16) + (row * rb + col * 16)
     assert (np.sort(tile) == np.arange(16 * rb)).all()
     # and every (row, byte) read through ring_offset finds that source byte
     for row in range(16):
@@ -73,7 +73,10 @@ def test_qk_fragment_reads_are_conflict_free(eb, D):
     width = 8 * eb  # 8 elements per lane-load
     for j in range(D // 32):
         for rowsel in (0, 8):
-            acc = [(ring_offset(grp + rowsel, (32 * j + 8 * tig) * eb, rb), width) for _, grp, tig in lanes()]
+            acc = [
+                (ring_offset(grp + rowsel, (32 * j + 8 * tig) * eb, rb), width)
+                for _, grp, tig in lanes()
+            ]
             assert wavefronts(acc) == 32 * width // 128, (j, rowsel, wavefronts(acc))
 
 
@@ -83,8 +86,13 @@ def test_pv_fragment_reads_are_conflict_free(eb, D):
     width = 8 * eb
     for x in range(D // 64):
         for t4 in range(4):
-            acc = [(ring_offset(2 * tig + (t4 & 1) + 8 * (t4 >> 1), (64 * x + 8 * grp) * eb, rb), width)
-                   for _, grp, tig in lanes()]
+            acc = [
+                (
+                    ring_offset(2 * tig + (t4 & 1) + 8 * (t4 >> 1), (64 * x + 8 * grp) * eb, rb),
+                    width,
+                )
+                for _, grp, tig in lanes()
+            ]
             assert wavefronts(acc) == 32 * width // 128, (x, t4, wavefronts(acc))
 
 
@@ -103,15 +111,18 @@ def test_movmatrix_turns_the_logit_layout_into_the_pv_operand():
     the m16n8k16 B fragment b0 (k = tokens 2tig.., n = head grp); the grp + 8 half gives b1."""
     rng = np.random.default_rng(0)
     P = rng.standard_normal((16, 8))  # tokens x heads
-    held = {lane: ((P[g, 2 * t], P[g, 2 * t + 1]), (P[g + 8, 2 * t], P[g + 8, 2 * t + 1])) for lane, g, t in lanes()}
+    held = {
+        lane: ((P[g, 2 * t], P[g, 2 * t + 1]), (P[g + 8, 2 * t], P[g + 8, 2 * t + 1]))
+        for lane, g, t in lanes()
+    }
     for half in (0, 1):
         M = np.zeros((8, 8))  # the 8x8 matrix the warp holds, lane 4r + c: row r, cols 2c, 2c+1
         for lane, g, t in lanes():
-            M[g, 2 * t:2 * t + 2] = held[lane][half]
+            M[g, 2 * t : 2 * t + 2] = held[lane][half]
         MT = M.T
-        for lane, g, t in lanes():
-            got = MT[g, 2 * t:2 * t + 2]
-            want = P[8 * half + 2 * t:8 * half + 2 * t + 2, g]  # b0 / b1 of the PV mma
+        for _, g, t in lanes():
+            got = MT[g, 2 * t : 2 * t + 2]
+            want = P[8 * half + 2 * t : 8 * half + 2 * t + 2, g]  # b0 / b1 of the PV mma
             assert np.array_equal(got, want)
 
 
@@ -125,10 +136,18 @@ def test_padded_rows_are_conflict_free(eb, D):
     rb, width = D * eb, 8 * eb
     for j in range(D // 32):
         for rowsel in (0, 8):
-            acc = [(padded_offset(grp + rowsel, (32 * j + 8 * tig) * eb, rb), width) for _, grp, tig in lanes()]
+            acc = [
+                (padded_offset(grp + rowsel, (32 * j + 8 * tig) * eb, rb), width)
+                for _, grp, tig in lanes()
+            ]
             assert wavefronts(acc) == 32 * width // 128, ("qk", j, rowsel)
     for x in range(D // 64):
         for t4 in range(4):
-            acc = [(padded_offset(2 * tig + (t4 & 1) + 8 * (t4 >> 1), (64 * x + 8 * grp) * eb, rb), width)
-                   for _, grp, tig in lanes()]
+            acc = [
+                (
+                    padded_offset(2 * tig + (t4 & 1) + 8 * (t4 >> 1), (64 * x + 8 * grp) * eb, rb),
+                    width,
+                )
+                for _, grp, tig in lanes()
+            ]
             assert wavefronts(acc) == 32 * width // 128, ("pv", x, t4)

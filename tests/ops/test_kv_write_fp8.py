@@ -58,9 +58,15 @@ def test_quantize_reference_matches_the_format():
     table = fp8_table()
     vals = np.unique(table[~np.isnan(table)])
     mids = (vals[1:] + vals[:-1]) / 2
-    x = np.concatenate([vals, mids, mids * (1 + 1e-6), [500.0, -1e30, np.inf, -np.inf, np.nan, 1e-12]])
+    x = np.concatenate(
+        [vals, mids, mids * (1 + 1e-6), [500.0, -1e30, np.inf, -np.inf, np.nan, 1e-12]]
+    )
     x = x.astype(np.float32)
-    got = np.asarray(quantize_fp8(jnp.asarray(x)[:, None, None], jnp.ones((1,), jnp.float32))).view(np.uint8).ravel()
+    got = (
+        np.asarray(quantize_fp8(jnp.asarray(x)[:, None, None], jnp.ones((1,), jnp.float32)))
+        .view(np.uint8)
+        .ravel()
+    )
     want = independent_quantize(x)
     nan = np.isnan(x)
     assert np.array_equal(got[~nan], want[~nan])
@@ -68,8 +74,15 @@ def test_quantize_reference_matches_the_format():
 
 
 def _cache(vm, H, D, T, seqs):
-    return vm.kv(num_layers=1, num_kv_heads=H, head_dim=D, max_tokens=T, dtype=FP8, max_seqs=seqs,
-                 initial_tokens=T)
+    return vm.kv(
+        num_layers=1,
+        num_kv_heads=H,
+        head_dim=D,
+        max_tokens=T,
+        dtype=FP8,
+        max_seqs=seqs,
+        initial_tokens=T,
+    )
 
 
 def _bits(x) -> np.ndarray:
@@ -82,7 +95,16 @@ def test_writes_quantized_tokens_and_counts_drops(vm, src):
     kv = _cache(vm, H, D, T, 2)
     rng = np.random.default_rng(1)
     nk = jnp.asarray(rng.standard_normal((6, H, D)) * 20, jnp.float32)
-    nk = nk.at[0, 0, 0].set(1e6).at[1, 1, 3].set(jnp.nan).at[1, 1, 4].set(-jnp.inf).at[2, 0, 5].set(1e-6)
+    nk = (
+        nk.at[0, 0, 0]
+        .set(1e6)
+        .at[1, 1, 3]
+        .set(jnp.nan)
+        .at[1, 1, 4]
+        .set(-jnp.inf)
+        .at[2, 0, 5]
+        .set(1e-6)
+    )
     nk, nv = nk.astype(src), jnp.asarray(rng.standard_normal((6, H, D)), src)
     ks = jnp.array([0.05, 0.2], jnp.float32)
     vs = jnp.array([0.01, 0.03], jnp.float32)
@@ -141,13 +163,21 @@ def test_gpu_quantization_matches_the_cpu(gpu_device):
     """The CUDA conversion (cvt.rn.satfinite) and the CPU one give the same bytes."""
     H, D, n = 4, 128, 300
     rng = np.random.default_rng(9)
-    x = (rng.standard_normal((n, H, D)) * np.exp(rng.uniform(-12, 12, (n, H, 1)))).astype(np.float32)
+    x = (rng.standard_normal((n, H, D)) * np.exp(rng.uniform(-12, 12, (n, H, 1)))).astype(
+        np.float32
+    )
     ks = jnp.asarray(rng.uniform(0.001, 2.0, H), jnp.float32)
     out = {}
     for dev in (jax.devices("cpu")[0], gpu_device):
         cache = jax.device_put(jnp.zeros((n, H, D), FP8), dev)
-        k, _ = kv_write_fp8(cache, cache, *(jax.device_put(a, dev) for a in (
-            jnp.asarray(x), jnp.asarray(x), jnp.arange(n, dtype=jnp.int32), ks, ks)))
+        k, _ = kv_write_fp8(
+            cache,
+            cache,
+            *(
+                jax.device_put(a, dev)
+                for a in (jnp.asarray(x), jnp.asarray(x), jnp.arange(n, dtype=jnp.int32), ks, ks)
+            ),
+        )
         out[dev.platform] = _bits(k)
     assert np.array_equal(out["cpu"], [o for p, o in out.items() if p != "cpu"][0])
 
@@ -158,8 +188,15 @@ def test_gpu_bulk_copy_prefill_and_decode_sizes(gpu_device, n):
     """The tiled kv_write kernel: contiguous prefill runs and scattered decode slots land
     exactly, with drops counted (one out-of-range slot per call)."""
     H, D, T = 8, 128, 8192
-    kv = jax_vmm.kv_arena(num_layers=1, num_kv_heads=H, head_dim=D, max_tokens=T, dtype=jnp.bfloat16,
-                          initial_tokens=T, device=gpu_device)
+    kv = jax_vmm.kv_arena(
+        num_layers=1,
+        num_kv_heads=H,
+        head_dim=D,
+        max_tokens=T,
+        dtype=jnp.bfloat16,
+        initial_tokens=T,
+        device=gpu_device,
+    )
     try:
         rng = np.random.default_rng(n)
         nk = jnp.asarray(rng.standard_normal((n, H, D)), jnp.bfloat16)
