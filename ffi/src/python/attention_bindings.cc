@@ -15,6 +15,19 @@
 namespace nb = nanobind;
 
 namespace jax_vmm {
+namespace {
+
+// The static shapes of a plan; InvalidArgument (ValueError) when unusable.
+attention::Shapes CheckedShapes(int64_t batch, int64_t max_tokens, int64_t q_heads,
+                                int64_t kv_heads, int64_t head_dim) {
+  const attention::Shapes s{batch, max_tokens, q_heads, kv_heads, head_dim};
+  if (std::string err = attention::ValidateShapes(s); !err.empty()) {
+    throw InvalidArgument("decode_attention: " + err);
+  }
+  return s;
+}
+
+}  // namespace
 
 void BindAttention(nb::module_& m) {
   using namespace jax_vmm::attention;
@@ -22,10 +35,7 @@ void BindAttention(nb::module_& m) {
       "attention_plan",
       [](int64_t batch, int64_t max_tokens, int64_t q_heads, int64_t kv_heads, int64_t head_dim,
          int64_t parallel_units, int64_t chunk, int64_t splits) {
-        const Shapes s{batch, max_tokens, q_heads, kv_heads, head_dim};
-        if (std::string err = ValidateShapes(s); !err.empty()) {
-          throw InvalidArgument("decode_attention: " + err);
-        }
+        const Shapes s = CheckedShapes(batch, max_tokens, q_heads, kv_heads, head_dim);
         const Plan p = MakePlan(s, parallel_units, chunk, splits);
         nb::dict d;
         d["chunk"] = p.chunk;
@@ -44,10 +54,7 @@ void BindAttention(nb::module_& m) {
       "attention_stream_plan",
       [](int64_t batch, int64_t max_tokens, int64_t q_heads, int64_t kv_heads, int64_t head_dim,
          int64_t storage_bytes, int64_t sm_count, int64_t ctas, int64_t min_tiles) {
-        const Shapes s{batch, max_tokens, q_heads, kv_heads, head_dim};
-        if (std::string err = ValidateShapes(s); !err.empty()) {
-          throw InvalidArgument("decode_attention: " + err);
-        }
+        const Shapes s = CheckedShapes(batch, max_tokens, q_heads, kv_heads, head_dim);
         const stream::Plan p = stream::MakeStreamPlan(
             s, stream::DefaultCtas(sm_count, head_dim, storage_bytes), ctas, min_tiles);
         nb::dict d;
