@@ -6,7 +6,8 @@ import logging
 import math
 import operator
 import threading
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -80,8 +81,9 @@ class _DLPackCapsule:
         self._capsule = capsule
         self._device = (device_type, device_id)
 
-    def __dlpack__(self, stream: Any = None, max_version: Any = None, dl_device: Any = None,
-                   copy: Any = None) -> Any:
+    def __dlpack__(
+        self, stream: Any = None, max_version: Any = None, dl_device: Any = None, copy: Any = None
+    ) -> Any:
         # Arena memory is written only by host code that has already synchronised, so
         # no stream ordering is needed for the consumer.
         capsule, self._capsule = self._capsule, None
@@ -102,7 +104,7 @@ class Buffer:
     address range alive. Thread-safe: the arena serialises commits.
     """
 
-    def __init__(self, arena: "Arena", info: dict, shape: tuple[int, ...], dtype: np.dtype):
+    def __init__(self, arena: Arena, info: dict, shape: tuple[int, ...], dtype: np.dtype):
         self._arena = arena
         self._id: int = info["id"]
         self.name: str = info["name"]
@@ -117,7 +119,7 @@ class Buffer:
         return self._id
 
     @property
-    def arena(self) -> "Arena":
+    def arena(self) -> Arena:
         return self._arena
 
     @property
@@ -175,8 +177,8 @@ class Buffer:
         stop = self.nbytes if stop is None else _as_index(stop, "stop")
         if start > stop or stop > self.nbytes:
             raise ValueError(
-                f"Buffer '{self.name}': byte range [{start}, {stop}) is outside [0, {self.nbytes}); "
-                "expected 0 <= start <= stop <= nbytes"
+                f"Buffer '{self.name}': byte range [{start}, {stop}) is outside "
+                f"[0, {self.nbytes}); expected 0 <= start <= stop <= nbytes"
             )
         return start, stop
 
@@ -203,28 +205,37 @@ class Arena:
     context manager. Thread-safe.
     """
 
-    def __init__(self, reserve_bytes: int, device: jax.Device | None = None,
-                 chunk_bytes: int | None = None):
+    def __init__(
+        self, reserve_bytes: int, device: jax.Device | None = None, chunk_bytes: int | None = None
+    ):
         reserve_bytes = _as_index(reserve_bytes, "reserve_bytes")
         if reserve_bytes == 0:
             raise ValueError("reserve_bytes must be > 0 (the size of the virtual range to reserve)")
         if reserve_bytes >= 1 << 64:
-            raise ValueError(f"reserve_bytes={reserve_bytes} is too large: it must be below 2^64 "
-                             "(and fit the process's virtual address space); reserve less")
+            raise ValueError(
+                f"reserve_bytes={reserve_bytes} is too large: it must be below 2^64 "
+                "(and fit the process's virtual address space); reserve less"
+            )
         chunk = 0 if chunk_bytes is None else _as_index(chunk_bytes, "chunk_bytes")
         if chunk_bytes is not None and chunk == 0:
             raise ValueError("chunk_bytes must be > 0 (or None for the default)")
         self._target: DeviceTarget = resolve_device(device)
-        self._handle = _core_arena_factory(self._target.driver, self._target.ordinal,
-                                           reserve_bytes, chunk)
+        self._handle = _core_arena_factory(
+            self._target.driver, self._target.ordinal, reserve_bytes, chunk
+        )
         self._lock = threading.Lock()
         self._buffers: list[Buffer] = []
-        log.debug("reserved %d bytes on %s at 0x%x", self._handle.reserved_bytes,
-                  self._target.device, self._handle.base)
+        log.debug(
+            "reserved %d bytes on %s at 0x%x",
+            self._handle.reserved_bytes,
+            self._target.device,
+            self._handle.base,
+        )
 
     # -- placement -----------------------------------------------------------------
-    def allocate(self, shape: Sequence[int] | int, dtype: Any = jnp.float32,
-                 name: str | None = None) -> Buffer:
+    def allocate(
+        self, shape: Sequence[int] | int, dtype: Any = jnp.float32, name: str | None = None
+    ) -> Buffer:
         """Place a buffer of ``shape`` and ``dtype``; nothing is backed yet."""
         self._check_open("Arena.allocate")
         shape = _as_shape(shape)
@@ -240,7 +251,8 @@ class Arena:
             raise ReservationFullError(
                 f"Arena.allocate({name!r}): shape {shape} of {np_dtype} needs {nbytes} bytes, more "
                 f"than the whole {self._handle.reserved_bytes} bytes reservation; create the arena "
-                "with a larger reserve_bytes")
+                "with a larger reserve_bytes"
+            )
         info = self._handle.allocate(nbytes, name or "")
         buf = Buffer(self, info, shape, np_dtype)
         with self._lock:
@@ -296,7 +308,7 @@ class Arena:
         :class:`~jax_vmm.errors.ArenaClosedError`; live views read zeros. Idempotent."""
         self._handle.close()
 
-    def __enter__(self) -> "Arena":
+    def __enter__(self) -> Arena:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -309,6 +321,6 @@ class Arena:
     def __repr__(self) -> str:
         s = self._handle.stats()
         return (
-            f"Arena(driver={s['driver']}, device={self._target.device}, reserved={s['reserved_bytes']}, "
-            f"backed={s['backed_bytes']}, closed={s['closed']})"
+            f"Arena(driver={s['driver']}, device={self._target.device}, "
+            f"reserved={s['reserved_bytes']}, backed={s['backed_bytes']}, closed={s['closed']})"
         )

@@ -39,9 +39,8 @@ scale per KV head (the format: jax_vmm/fp8.py).
 
 from __future__ import annotations
 
-from typing import Any
-
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -51,16 +50,25 @@ from ._ffi import register
 from ._loader import core as _core
 from .fp8 import FP8_STORAGE, quantize_fp8
 
-__all__ = ["KVDest", "kv_write", "kv_write_fp8", "quantize_fp8", "kv_write_through",
-           "kv_write_stats", "reset_kv_write_stats",
-           "PADDING", "WRITTEN", "DROPPED_OUT_OF_RANGE", "DROPPED_UNBACKED"]
+__all__ = [
+    "KVDest",
+    "kv_write",
+    "kv_write_fp8",
+    "quantize_fp8",
+    "kv_write_through",
+    "kv_write_stats",
+    "reset_kv_write_stats",
+    "PADDING",
+    "WRITTEN",
+    "DROPPED_OUT_OF_RANGE",
+    "DROPPED_UNBACKED",
+]
 
 #: Per-token status codes returned by :func:`kv_write_through`.
 PADDING, WRITTEN, DROPPED_OUT_OF_RANGE, DROPPED_UNBACKED = 0, 1, 2, 3
 
 _WRITE_FP8 = "jax_vmm_kv_write_fp8"
 _FP8_SOURCES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
-
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,34 +99,48 @@ def _check(op: str, k: Any, v: Any, new_k: Any, new_v: Any, slots: Any, fp8: boo
     nvs, nvd = _shape_dtype(new_v, "new_v")
     ss, sd = _shape_dtype(slots, "slots")
     if len(ks) < 3:
-        raise ValueError(f"{op}: k must be a KV-cache view of shape (..., num_kv_heads, head_dim) "
-                         f"with rank >= 3, e.g. kv.k[layer]; got shape {ks}")
+        raise ValueError(
+            f"{op}: k must be a KV-cache view of shape (..., num_kv_heads, head_dim) "
+            f"with rank >= 3, e.g. kv.k[layer]; got shape {ks}"
+        )
     if (ks, kd) != (vs, vd):
-        raise ValueError(f"{op}: k and v must have the same shape and dtype; got k {ks} {kd} "
-                         f"and v {vs} {vd}")
+        raise ValueError(
+            f"{op}: k and v must have the same shape and dtype; got k {ks} {kd} and v {vs} {vd}"
+        )
     heads = ks[-2:]
     for name, s, d in (("new_k", nks, nkd), ("new_v", nvs, nvd)):
         if len(s) != 3 or s[1:] != heads:
-            raise ValueError(f"{op}: {name} must have shape (n, {heads[0]}, {heads[1]}) to match "
-                             f"the cache {ks}; got {s}")
+            raise ValueError(
+                f"{op}: {name} must have shape (n, {heads[0]}, {heads[1]}) to match "
+                f"the cache {ks}; got {s}"
+            )
         if fp8:
             if kd not in FP8_STORAGE:
-                raise TypeError(f"{op}: the cache must be float8_e4m3fn (or uint8 bits), got {kd}; "
-                                f"use kv_write for other dtypes")
+                raise TypeError(
+                    f"{op}: the cache must be float8_e4m3fn (or uint8 bits), got {kd}; "
+                    f"use kv_write for other dtypes"
+                )
             if d not in _FP8_SOURCES:
                 raise TypeError(f"{op}: {name} must be float32, bfloat16 or float16, got {d}")
         elif d != kd:
-            raise TypeError(f"{op}: {name} has dtype {d} but the cache holds {kd}; cast it with "
-                            f"{name}.astype({kd.name!r})")
+            raise TypeError(
+                f"{op}: {name} has dtype {d} but the cache holds {kd}; cast it with "
+                f"{name}.astype({kd.name!r})"
+            )
     if nks != nvs or nkd != nvd:
-        raise ValueError(f"{op}: new_k {nks} {nkd} and new_v {nvs} {nvd} must have the same shape "
-                         f"and dtype")
+        raise ValueError(
+            f"{op}: new_k {nks} {nkd} and new_v {nvs} {nvd} must have the same shape and dtype"
+        )
     n = nks[0]
     if ss != (n,):
-        raise ValueError(f"{op}: slots must have shape ({n},), one flat slot per new token; got {ss}")
+        raise ValueError(
+            f"{op}: slots must have shape ({n},), one flat slot per new token; got {ss}"
+        )
     if sd != np.dtype(np.int32):
-        raise TypeError(f"{op}: slots must be int32 (flat slot = seq * max_tokens + position); got "
-                        f"{sd}; use slots.astype(jnp.int32)")
+        raise TypeError(
+            f"{op}: slots must be int32 (flat slot = seq * max_tokens + position); got "
+            f"{sd}; use slots.astype(jnp.int32)"
+        )
     return n
 
 
@@ -159,19 +181,29 @@ def _dest_attrs(op: str, k: Any, v: Any, dest: KVDest | None) -> dict:
         if not (ka and va):
             ka = va = 0
     elif not isinstance(dest, KVDest):
-        raise TypeError(f"{op}: dest must be a jax_vmm.KVDest from kv.dest(layer), got "
-                        f"{type(dest).__name__}")
+        raise TypeError(
+            f"{op}: dest must be a jax_vmm.KVDest from kv.dest(layer), got {type(dest).__name__}"
+        )
     elif dest.nbytes != nbytes:
-        raise ValueError(f"{op}: dest names buffers of {dest.nbytes} bytes but the cache "
-                         f"{tuple(k.shape)} {np.dtype(k.dtype)} has {nbytes}; pass the dest of "
-                         f"the KV arena (and layer) whose views you write")
+        raise ValueError(
+            f"{op}: dest names buffers of {dest.nbytes} bytes but the cache "
+            f"{tuple(k.shape)} {np.dtype(k.dtype)} has {nbytes}; pass the dest of "
+            f"the KV arena (and layer) whose views you write"
+        )
     else:
         ka, va = dest.k_address, dest.v_address
     return {"dest_k": np.uint64(ka), "dest_v": np.uint64(va)}
 
 
-def kv_write(k: jax.Array, v: jax.Array, new_k: jax.Array, new_v: jax.Array,
-             slots: jax.Array, *, dest: KVDest | None = None) -> tuple[jax.Array, jax.Array]:
+def kv_write(
+    k: jax.Array,
+    v: jax.Array,
+    new_k: jax.Array,
+    new_v: jax.Array,
+    slots: jax.Array,
+    *,
+    dest: KVDest | None = None,
+) -> tuple[jax.Array, jax.Array]:
     """Write ``n`` tokens into a KV cache; returns the updated ``(k, v)``.
 
     Args:
@@ -197,13 +229,22 @@ def kv_write(k: jax.Array, v: jax.Array, new_k: jax.Array, new_v: jax.Array,
     out = jax.ffi.ffi_call(
         _targets.write,
         (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
-        input_output_aliases={0: 0, 1: 1})(k, v, new_k, new_v, slots, **attrs)
+        input_output_aliases={0: 0, 1: 1},
+    )(k, v, new_k, new_v, slots, **attrs)
     return out[0], out[1]
 
 
-def kv_write_fp8(k: jax.Array, v: jax.Array, new_k: jax.Array, new_v: jax.Array,
-                 slots: jax.Array, k_scale: jax.Array, v_scale: jax.Array, *,
-                 dest: KVDest | None = None) -> tuple[jax.Array, jax.Array]:
+def kv_write_fp8(
+    k: jax.Array,
+    v: jax.Array,
+    new_k: jax.Array,
+    new_v: jax.Array,
+    slots: jax.Array,
+    k_scale: jax.Array,
+    v_scale: jax.Array,
+    *,
+    dest: KVDest | None = None,
+) -> tuple[jax.Array, jax.Array]:
     """:func:`kv_write` into an fp8 cache: quantizes on the device.
 
     Args:
@@ -225,8 +266,10 @@ def kv_write_fp8(k: jax.Array, v: jax.Array, new_k: jax.Array, new_v: jax.Array,
     H = k.shape[-2]
     for name, x in (("k_scale", ks), ("v_scale", vs)):
         if x.shape != (H,) or np.dtype(x.dtype) != np.float32:
-            raise ValueError(f"kv_write_fp8: {name} must be float32 of shape ({H},), one scale per "
-                             f"KV head; got {x.dtype} {x.shape}")
+            raise ValueError(
+                f"kv_write_fp8: {name} must be float32 of shape ({H},), one scale per "
+                f"KV head; got {x.dtype} {x.shape}"
+            )
     attrs = _dest_attrs("kv_write_fp8", k, v, dest)
     if n == 0:
         return k, v
@@ -234,12 +277,20 @@ def kv_write_fp8(k: jax.Array, v: jax.Array, new_k: jax.Array, new_v: jax.Array,
     out = jax.ffi.ffi_call(
         _WRITE_FP8,
         (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
-        input_output_aliases={0: 0, 1: 1})(k, v, new_k, new_v, slots, ks, vs, **attrs)
+        input_output_aliases={0: 0, 1: 1},
+    )(k, v, new_k, new_v, slots, ks, vs, **attrs)
     return out[0], out[1]
 
 
-def kv_write_through(k: jax.Array, v: jax.Array, new_k: jax.Array, new_v: jax.Array,
-                     slots: jax.Array, *, dest: KVDest | None = None) -> jax.Array:
+def kv_write_through(
+    k: jax.Array,
+    v: jax.Array,
+    new_k: jax.Array,
+    new_v: jax.Array,
+    slots: jax.Array,
+    *,
+    dest: KVDest | None = None,
+) -> jax.Array:
     """Write ``n`` tokens straight into the arena buffers of ``k``/``v``.
 
     Same arguments as :func:`kv_write`. Without ``dest``, ``k``/``v`` must be arena memory
@@ -254,7 +305,8 @@ def kv_write_through(k: jax.Array, v: jax.Array, new_k: jax.Array, new_v: jax.Ar
         return jnp.zeros((2, 0), jnp.int32)
     register()
     return jax.ffi.ffi_call(_targets.through, jax.ShapeDtypeStruct((2, n), jnp.int32))(
-        k, v, new_k, new_v, slots, require_arena=True, **attrs)
+        k, v, new_k, new_v, slots, require_arena=True, **attrs
+    )
 
 
 def kv_write_stats() -> dict:
@@ -274,4 +326,3 @@ def kv_write_stats() -> dict:
 def reset_kv_write_stats() -> None:
     """Zero every kv_write counter (waits for the devices)."""
     _core.kv_write_reset_stats()
-

@@ -28,7 +28,8 @@ Thread-safety: the switches are process-wide. Use them from one test at a time.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Literal
+from collections.abc import Iterator
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -43,13 +44,24 @@ _testing = getattr(_core, "testing", None)
 if _testing is None:  # pragma: no cover - only in a build with JAX_VMM_TESTING=OFF
     raise ImportError(
         "jax_vmm.testing needs the testing layer, which this build of jax_vmm left out "
-        "(CMake option JAX_VMM_TESTING=OFF); rebuild with -DJAX_VMM_TESTING=ON")
+        "(CMake option JAX_VMM_TESTING=OFF); rebuild with -DJAX_VMM_TESTING=ON"
+    )
 _ffi.add_source(_testing.registrations)
 
-__all__ = ["InjectedFault", "FaultInjection", "fault_injection", "unchecked_kv_writes",
-           "token_kernel_kv_writes",
-           "decode_attention", "stream_partition", "scratch_probe", "scratch_probe_stats", "address_of",
-           "scratch_get", "free_scratch_on_growth"]
+__all__ = [
+    "InjectedFault",
+    "FaultInjection",
+    "fault_injection",
+    "unchecked_kv_writes",
+    "token_kernel_kv_writes",
+    "decode_attention",
+    "stream_partition",
+    "scratch_probe",
+    "scratch_probe_stats",
+    "address_of",
+    "scratch_get",
+    "free_scratch_on_growth",
+]
 
 #: A driver call failed because a test armed a fault (:meth:`FaultInjection.arm`).
 #: A ``RuntimeError``.
@@ -133,8 +145,12 @@ def unchecked_kv_writes() -> contextlib.AbstractContextManager[None]:
     skip the slot range and page checks and write wherever a slot points: out-of-range
     slots corrupt neighbouring memory and unbacked pages fault. Applies to calls traced
     inside the block (a function jitted before keeps its checked call)."""
-    return _kv_write_targets(_ops._Targets(write="jax_vmm_testing_kv_write_unchecked",
-                                           through="jax_vmm_testing_kv_write_through_unchecked"))
+    return _kv_write_targets(
+        _ops._Targets(
+            write="jax_vmm_testing_kv_write_unchecked",
+            through="jax_vmm_testing_kv_write_through_unchecked",
+        )
+    )
 
 
 def token_kernel_kv_writes() -> contextlib.AbstractContextManager[None]:
@@ -143,18 +159,36 @@ def token_kernel_kv_writes() -> contextlib.AbstractContextManager[None]:
     fallback that production picks only for tokens too large for the tiled kernel, so that
     tests reach it and benchmarks compare the two. On the CPU (one writer) nothing changes.
     Applies to calls traced inside the block."""
-    return _kv_write_targets(_ops._Targets(write="jax_vmm_testing_kv_write_token_kernel",
-                                           through="jax_vmm_testing_kv_write_through_token_kernel"))
+    return _kv_write_targets(
+        _ops._Targets(
+            write="jax_vmm_testing_kv_write_token_kernel",
+            through="jax_vmm_testing_kv_write_through_token_kernel",
+        )
+    )
 
 
 # -- decode attention with its protections removable ---------------------------------
 
 
-def decode_attention(q: Any, k: Any, v: Any, lengths: Any, *, out_init: Any = None,
-                     read_all_tokens: bool = False, skip_output: bool = False,
-                     scale: float | None = None, chunk: int = 0, splits: int = 0,
-                     impl: str = "auto", k_scale: Any = None, v_scale: Any = None,
-                     ctas: int = 0, stages: int = 0, min_tiles: int = 0) -> jax.Array:
+def decode_attention(
+    q: Any,
+    k: Any,
+    v: Any,
+    lengths: Any,
+    *,
+    out_init: Any = None,
+    read_all_tokens: bool = False,
+    skip_output: bool = False,
+    scale: float | None = None,
+    chunk: int = 0,
+    splits: int = 0,
+    impl: str = "auto",
+    k_scale: Any = None,
+    v_scale: Any = None,
+    ctas: int = 0,
+    stages: int = 0,
+    min_tiles: int = 0,
+) -> jax.Array:
     """``jax_vmm.decode_attention`` (graph-safe scratch workspace) through the testing
     targets, with the same validation, kernel choice and plan as the private
     ``jax_vmm.attention._decode_attention`` (the split-K kernel, or the streaming one for
@@ -167,9 +201,22 @@ def decode_attention(q: Any, k: Any, v: Any, lengths: Any, *, out_init: Any = No
     read_all_tokens: (the split-K CPU handler only) also touch every token up to T, as a
       kernel that ignored the lengths would.
     """
-    call = _attention._prepare(q, k, v, lengths, scale=scale, chunk=chunk, splits=splits,
-                               impl=impl, workspace="scratch", k_scale=k_scale,
-                               v_scale=v_scale, ctas=ctas, stages=stages, min_tiles=min_tiles)
+    call = _attention._prepare(
+        q,
+        k,
+        v,
+        lengths,
+        scale=scale,
+        chunk=chunk,
+        splits=splits,
+        impl=impl,
+        workspace="scratch",
+        k_scale=k_scale,
+        v_scale=v_scale,
+        ctas=ctas,
+        stages=stages,
+        min_tiles=min_tiles,
+    )
     if call is None:
         return jnp.zeros(jnp.shape(q), jnp.asarray(q).dtype)
     if read_all_tokens and (call.device.platform != "cpu" or call.stream):
@@ -177,35 +224,46 @@ def decode_attention(q: Any, k: Any, v: Any, lengths: Any, *, out_init: Any = No
     q = call.operands[0]
     out_init = jnp.zeros(q.shape, q.dtype) if out_init is None else jnp.asarray(out_init)
     if out_init.shape != q.shape or out_init.dtype != q.dtype:
-        raise ValueError(f"out_init must match q: {q.shape} {q.dtype}, got {out_init.shape} "
-                         f"{out_init.dtype}")
+        raise ValueError(
+            f"out_init must match q: {q.shape} {q.dtype}, got {out_init.shape} {out_init.dtype}"
+        )
     attrs = dict(call.attrs, skip_output=bool(skip_output))
     if call.stream:
         target = "jax_vmm_testing_decode_attention_v2"
     else:
         target = "jax_vmm_testing_decode_attention"
         attrs["read_all_tokens"] = bool(read_all_tokens)
-    ffi = jax.ffi.ffi_call(target, call.out_type, vmap_method="sequential",
-                           input_output_aliases={len(call.operands): 0})
+    ffi = jax.ffi.ffi_call(
+        target,
+        call.out_type,
+        vmap_method="sequential",
+        input_output_aliases={len(call.operands): 0},
+    )
     return ffi(*call.operands, out_init, **attrs)
 
 
-def stream_partition(lengths: Any, max_tokens: int, unit_groups: int, ctas: int,
-                     min_tiles: int) -> list[list[tuple[int, ...]]]:
+def stream_partition(
+    lengths: Any, max_tokens: int, unit_groups: int, ctas: int, min_tiles: int
+) -> list[list[tuple[int, ...]]]:
     """The streaming attention kernel's partition as the kernel computes it
     (ffi/src/ops/attention/stream_plan.h): per working CTA, its pieces as tuples (b, hg,
     first_tile, tiles, slot or -1 for a whole unit, first_owner, last_owner)."""
-    parts = _testing.attention_stream_partition([int(n) for n in lengths], int(max_tokens),
-                                                int(unit_groups), int(ctas), int(min_tiles))
+    parts = _testing.attention_stream_partition(
+        [int(n) for n in lengths], int(max_tokens), int(unit_groups), int(ctas), int(min_tiles)
+    )
     return [list(pieces) for pieces in parts]
 
 
 # -- scratch --------------------------------------------------------------------------
 
 
-def scratch_probe(x: jax.Array, workspace_bytes: int | None = None, *,
-                  reserve_at: Literal["initialize", "trace"] = "initialize",
-                  device: jax.Device | None = None) -> tuple[jax.Array, jax.Array]:
+def scratch_probe(
+    x: jax.Array,
+    workspace_bytes: int | None = None,
+    *,
+    reserve_at: Literal["initialize", "trace"] = "initialize",
+    device: jax.Device | None = None,
+) -> tuple[jax.Array, jax.Array]:
     """``y = x`` copied through a scratch workspace of ``workspace_bytes`` (default
     ``x.nbytes``). Returns ``(y, address)``: ``address`` is the int32 ``(lo, hi)`` pair of
     the workspace pointer the call used (see :func:`address_of`).
