@@ -318,7 +318,8 @@ def _prepare_stream(
         )
     _register(device.platform)
     if device.platform != "cpu":
-        _scratch_reserve(plan["workspace_bytes"], device)  # as in _prepare
+        # Belt and braces, as for split-K (_prepare): the initialize stage grows it first.
+        _scratch_reserve(plan["workspace_bytes"], device)
     combine, bulk = _STREAM_IMPLS[impl]
     attrs = dict(
         scale=np.float32(scale),
@@ -512,9 +513,10 @@ def stream_attention_plan(
 
 
 def attention_stats() -> dict:
-    """Process-wide handler counters: cpu_calls, cuda_initialize_calls,
-    cuda_execute_calls, cuda_captured_calls (execute calls under CUDA-graph capture),
-    cuda_tensor_core_launches, cuda_simple_launches."""
+    """Process-wide handler counters of both kernels (split-K and streaming): cpu_calls,
+    cuda_initialize_calls, cuda_execute_calls, cuda_captured_calls (execute calls under
+    CUDA-graph capture), cuda_tensor_core_launches (the streaming kernel's too),
+    cuda_simple_launches."""
     return dict(_core.attention_stats())
 
 

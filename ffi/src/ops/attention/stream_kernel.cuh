@@ -1,166 +1,56 @@
 // The streaming ("stream-K") decode-attention kernel. Host view: stream_kernels.h.
 //
 // StreamKernel<S, QT, D, NQT, kBulk> (S: storage type of K/V, QT: type of q and the
-// output, NQT: head tiles of 8 query heads, kBulk: tiles by bulk copies):
-//   1. one persistent wave: the grid is the plan's CTA count; each CTA reads the lengths,
-//      builds the tile prefix in shared memory (BuildTables, stream_tables.cuh), writes
-//      zeros for empty sequences and takes its equal share of all live tiles, whatever
-//      the lengths (stream_plan.h);
-//   2. each of the 4 warps streams its own 16-token tiles (tile w, w + 4, ... of the CTA's
-//      range) through a private ring of `stages` shared-memory slots (IssueTile,
-//      stream_ring.cuh; nothing past a length is read). No block barrier in the steady
-//      state: a warp waits only for its own copies;
-//   3. per tile, QK^T and PV on tensor cores (mma.sync m16n8k16, fp32 accumulation) with
-//      the fragment layout of the split kernel (attention_tensor_core.cuh: permuted
-//      reduction dimension for QK, byte-permuted token pairs for PV), read from the ring;
-//      online softmax in registers: the QK accumulator (tokens x heads) becomes the PV B
-//      operand (tokens x heads, transposed fragment) with movmatrix.trans, so logits
-//      never go through shared memory;
+// output, NQT: head tiles of 8 query heads, kBulk: tiles by bulk copies), in phases:
+//   1. lengths and tile prefix: each CTA reads the lengths and builds the prefix of
+//      16-token tiles per sequence in shared memory (Tables, stream_tables.cuh);
+//   2. zeros for empty sequences, spread over the grid;
+//   3. this CTA's equal share of all live tiles, whatever the lengths (stream_plan.h):
+//      each of the 4 warps streams its own tiles (w, w + 4, ... of the CTA's range)
+//      through a private ring of `stages` shared-memory slots (stream_ring.cuh: 16-byte
+//      cp.async into a swizzled ring, or bulk copies on mbarriers; nothing past a length
+//      is read), with no block barrier in the steady state. Per tile, QK^T and PV on
+//      tensor cores (mma.sync m16n8k16, fp32 accumulation) with the split kernel's
+//      fragment layout (attention_tensor_core.cuh: permuted reduction dimension for QK,
+//      byte-permuted token pairs for PV); online softmax in registers: the QK accumulator
+//      (tokens x heads) becomes the PV B operand with movmatrix.trans, so logits never go
+//      through shared memory;
 //   4. at the end of each piece of a unit the 4 warps merge in a fixed order
 //      (deterministic); a whole unit is written out, a piece goes to its workspace slot;
 //      with the fused combine the piece that arrives last (per-unit counter) merges the
-//      unit's pieces and writes the output (CombineUnit), else CombineKernel does it
-//      afterwards (stream_kernels.cu).
+//      unit's pieces and writes the output (CombineUnit, stream_unit.cuh), else CombineKernel does
+//      it afterwards (stream_kernels.cu).
 // fp8 (e4m3fn) caches are converted to fp16 in registers (exact); bf16 queries are rounded
 // to fp16 after a power-of-two scale that puts each head's largest |q| in [2^14, 2^15)
-// (undone in the logit scale, LoadQuery); the per-KV-head k_scale folds into the logit
-// scale and v_scale into the output.
+// (undone in the logit scale, LoadQuery in stream_unit.cuh); the per-KV-head k_scale folds into the
+// logit scale and v_scale into the output.
 //
-// Why phases 3 and 4 stay in the kernel body: moved into __device__ __forceinline__
-// helpers (tried: the piece merge, the piece write-out, the ring carve as a struct), nvcc
-// allocates registers differently and the head_dim 256 instantiations with two head tiles
-// spill 8-60 bytes more, and head_dim 128 ones start to spill (ptxas -v). Phases 1-2, the
-// tile copy and the query load are helpers: with them every instantiation allocates no more
-// registers and spills no more than the single-function kernel did.
+// Why the phases stay in one function body (the query load, the piece combine, the
+// ring layout and copies, the tables and the partition are helpers): moved into
+// __device__ __forceinline__ helpers, each phase changed nvcc's register allocation. The
+// piece merge or write-out as helpers, or the shared-memory carve as a struct, spilled
+// 8-60 bytes more in the head_dim 256 instantiations with two head tiles and made head_dim
+// 128 ones spill; the prefix build, the zero fill and the tile copy as helpers spilled no
+// more but moved register counts by up to +5 (and -28) per instantiation (ptxas -v,
+// sm_90, 48 instantiations). As one body every instantiation has the registers and spills
+// of the kernel before the split into files.
 // Device code only; included by stream_kernels.cu.
 #pragma once
 
 #include <cstdint>
-#include <type_traits>
 
 #include "ops/attention/attention_device.cuh"
 #include "ops/attention/stream_kernels.h"
 #include "ops/attention/stream_plan.h"
 #include "ops/attention/stream_ring.cuh"
 #include "ops/attention/stream_tables.cuh"
+#include "ops/attention/stream_unit.cuh"
 
 namespace jax_vmm::attention::stream {
 
 using kernels::AccumulateWarpsInOrder;
 using kernels::FromFloat;
-using kernels::Load16;
 using kernels::TensorCore;
-
-// Merges the pieces of unit (b, hg), owned by CTAs [first, last], from the workspace and
-// writes the output. Called by a whole CTA; `tot` is shared scratch of 2 * head_group
-// floats.
-template <typename QT, int D>
-__device__ void CombineUnit(const StreamParams& p, int b, int hg, int first, int last, float* tot) {
-  const int GB = p.head_group;
-  if (threadIdx.x < GB) {
-    const int h = threadIdx.x;
-    float M = -INFINITY;
-    for (int c = first; c <= last; ++c) {
-      M = fmaxf(M, __ldcg(p.ws_m + PartialRow(c, ContributorSlot(c, first), GB, h)));
-    }
-    float L = 0.f;
-    for (int c = first; c <= last; ++c) {
-      const int64_t r = PartialRow(c, ContributorSlot(c, first), GB, h);
-      L += __ldcg(p.ws_l + r) * exp2f(__ldcg(p.ws_m + r) - M);
-    }
-    tot[h] = M;
-    tot[GB + h] = 1.f / L;  // L >= 1: each piece holds a token of weight 1
-  }
-  __syncthreads();
-  QT* o = static_cast<QT*>(p.out) + (static_cast<int64_t>(b) * p.q_heads + hg * GB) * D;
-  for (int idx = threadIdx.x; idx < GB * D; idx += blockDim.x) {
-    const int h = idx / D, d = idx - h * D;
-    float a = 0.f;
-    for (int c = first; c <= last; ++c) {
-      const int64_t r = PartialRow(c, ContributorSlot(c, first), GB, h);
-      a += __ldcg(p.ws_acc + r * D + d) * exp2f(__ldcg(p.ws_m + r) - tot[h]);
-    }
-    o[idx] = FromFloat<QT>(a * tot[GB + h]);
-  }
-}
-
-// Empty sequences get zeros (spread over the whole grid).
-template <typename QT, int D>
-__device__ __forceinline__ void ZeroEmptySequences(const StreamParams& p, const int* lens) {
-  for (int b = blockIdx.x; b < p.batch; b += gridDim.x) {
-    if (lens[b] != 0) continue;
-    QT* o = static_cast<QT*>(p.out) + static_cast<int64_t>(b) * p.q_heads * D;
-    for (int i = threadIdx.x; i < p.q_heads * D; i += kThreads) o[i] = FromFloat<QT>(0.f);
-  }
-}
-
-// Loads the query heads of unit (b, hg) as QK B fragments (the permutation of the split
-// kernel: lane (grp, tig) holds dims [32 j + 8 tig, +8) of head 8 nt + grp) and sets the
-// per-column logit factor of the lane's heads 8 nt + 2 tig + e.
-template <typename QT, typename T, int D, int NQT>
-__device__ __forceinline__ void LoadQuery(const StreamParams& p, int b, int hg, float kscale,
-                                          uint32_t (&qf)[NQT][D / 32][4], float (&lscale)[NQT][2]) {
-  constexpr int kKBlocks = D / 32;
-  const int lane = threadIdx.x & 31, grp = lane >> 2, tig = lane & 3;
-  const int GB = p.head_group;
-#pragma unroll
-  for (int nt = 0; nt < NQT; ++nt) {
-    const int head = nt * 8 + grp;
-    const QT* qrow =
-        static_cast<const QT*>(p.q) + (static_cast<int64_t>(b) * p.q_heads + hg * GB + head) * D;
-    uint4 w[kKBlocks];
-#pragma unroll
-    for (int j = 0; j < kKBlocks; ++j) {
-      w[j] = head < GB ? Load16(qrow + 32 * j + 8 * tig) : make_uint4(0, 0, 0, 0);
-    }
-    float qscale = 1.f;
-    if constexpr (!std::is_same_v<QT, T>) {
-      // bf16 -> fp16: scale by a power of two so that the head's largest |q| lands in
-      // [2^14, 2^15) (no overflow, small entries keep their bits), undone in lscale.
-      float amax = 0.f;
-#pragma unroll
-      for (int j = 0; j < kKBlocks; ++j) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const uint32_t x = Word(w[j], i);
-          amax = fmaxf(amax, fmaxf(fabsf(__uint_as_float(x << 16)),
-                                   fabsf(__uint_as_float(x & 0xffff0000u))));
-        }
-      }
-      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
-      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
-      if (amax > 0.f && isfinite(amax)) {
-        int ex = 0;
-        frexpf(amax, &ex);  // amax = m * 2^ex, m in [0.5, 1)
-        qscale = ldexpf(1.f, min(15 - ex, 100));
-      }
-#pragma unroll
-      for (int j = 0; j < kKBlocks; ++j) {
-        uint32_t h[4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const uint32_t x = Word(w[j], i);
-          h[i] = TensorCore<T>::Pack(__uint_as_float(x << 16) * qscale,
-                                     __uint_as_float(x & 0xffff0000u) * qscale);
-        }
-        w[j] = make_uint4(h[0], h[1], h[2], h[3]);
-      }
-    }
-#pragma unroll
-    for (int j = 0; j < kKBlocks; ++j) {
-      qf[nt][j][0] = w[j].x;
-      qf[nt][j][1] = w[j].y;
-      qf[nt][j][2] = w[j].z;
-      qf[nt][j][3] = w[j].w;
-    }
-    // columns of this lane: heads 8 nt + 2 tig + e, whose scale lane 4 * head computed
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const float s = __shfl_sync(0xffffffffu, qscale, 4 * (2 * tig + e));
-      lscale[nt][e] = p.scale_log2 * kscale / s;
-    }
-  }
-}
 
 template <typename S, typename QT, int D, int NQT, bool kBulk>
 __global__ void __launch_bounds__(kThreads) StreamKernel(const StreamParams p) {
@@ -174,14 +64,15 @@ __global__ void __launch_bounds__(kThreads) StreamKernel(const StreamParams p) {
   constexpr int RB = D * St::kBytes;  // bytes of one token row of one KV head
   constexpr int kRowStride = kBulk ? RB + 16 : RB;
   constexpr int kTileBytes = 16 * kRowStride;  // one K (or V) tile
+  constexpr int kChunksPerRow = RB / 16;
   constexpr int kRedStride = D + 4;
   static_assert(D % 64 == 0 && RB % 64 == 0, "head_dim must be a multiple of 64");
+  static_assert(RB % 32 == 0, "tile chunks must split evenly over a warp");
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, grp = lane >> 2, tig = lane & 3;
   const int B = p.batch, HG = p.unit_groups, GB = p.head_group;
   const int stages = p.stages;
 
-  // The warps' rings, then what FixedSharedBytes (stream_kernels.h) counts, in its order.
   extern __shared__ __align__(128) uint8_t smem[];
   uint8_t* ring = smem + static_cast<size_t>(warp) * stages * 2 * kTileBytes;
   uint64_t* bars =
@@ -197,11 +88,47 @@ __global__ void __launch_bounds__(kThreads) StreamKernel(const StreamParams p) {
   float* tot = lw + kWarps * kRows;                        // [2][kRows]
   int* flag = reinterpret_cast<int*>(tot + 2 * kRows);
 
-  // 1. Lengths and the tile prefix.
-  const Tables tab = BuildTables(p.lengths, B, p.max_tokens, HG, lens, prefix, scan);
-  const int total = tab.Total();
+  // 1. Lengths and the exclusive prefix of tiles per sequence (thread t owns sequences
+  // [t per, (t + 1) per); warp scans with shuffles, then the 4 warp totals).
+  const int per = (B + kThreads - 1) / kThreads;
+  int mine = 0;
+  for (int i = 0; i < per; ++i) {
+    const int b = threadIdx.x * per + i;
+    if (b < B) {
+      lens[b] = kernels::LiveLength(p.lengths, b, p.max_tokens);
+      mine += TilesOf(lens[b]);
+    }
+  }
+  int incl = mine;  // inclusive scan over the warp
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int x = __shfl_up_sync(0xffffffffu, incl, o);
+    if (lane >= o) incl += x;
+  }
+  if (lane == 31) scan[warp] = incl;
+  __syncthreads();
+  {
+    int run = incl - mine;  // exclusive within the warp, plus the earlier warps' totals
+    for (int w = 0; w < warp; ++w) run += scan[w];
+    for (int i = 0; i < per; ++i) {
+      const int b = threadIdx.x * per + i;
+      if (b < B) {
+        prefix[b] = run;
+        run += TilesOf(lens[b]);
+      }
+    }
+    if (threadIdx.x == kThreads - 1) prefix[B] = run;
+  }
+  __syncthreads();
+  const Tables tab{lens, prefix, B, HG};
+  const int total = HG * prefix[B];
 
-  ZeroEmptySequences<QT, D>(p, lens);  // 2. zeros for empty sequences
+  // 2. Empty sequences get zeros (spread over the whole grid).
+  for (int b = blockIdx.x; b < B; b += gridDim.x) {
+    if (lens[b] != 0) continue;
+    QT* o = static_cast<QT*>(p.out) + static_cast<int64_t>(b) * p.q_heads * D;
+    for (int i = threadIdx.x; i < p.q_heads * D; i += kThreads) o[i] = FromFloat<QT>(0.f);
+  }
 
   // 3. This CTA's tiles.
   const int C = EffectiveCtas(gridDim.x, total, p.min_tiles);
@@ -214,8 +141,9 @@ __global__ void __launch_bounds__(kThreads) StreamKernel(const StreamParams p) {
   const uint8_t* kbytes = static_cast<const uint8_t*>(p.k);
   const uint8_t* vbytes = static_cast<const uint8_t*>(p.v);
 
-  // One ring step: tile c's live tokens into slot `slot`, or nothing past the warp's last
-  // tile (cp.async: one commit group per step, so that the group count stays in step).
+  // Copies tile c (or, past the end, nothing) into ring slot `slot` (cp.async: one commit
+  // group each; bulk: one copy per live row, lanes 0-15 K and 16-31 V, rows past the
+  // length zeroed, the slot's barrier expecting the bytes).
   auto issue = [&](const Cursor& c, bool valid, int slot) {
     if (valid) {
       const int t0 = c.tile * kTileTokens;
@@ -223,8 +151,32 @@ __global__ void __launch_bounds__(kThreads) StreamKernel(const StreamParams p) {
       const int kvh = c.hg * GB / p.group;
       const int64_t base = (static_cast<int64_t>(c.b) * p.max_tokens + t0) * tstride +
                            static_cast<int64_t>(kvh) * RB;
-      IssueTile<RB, kBulk>(ring + slot * 2 * kTileBytes, bars + slot, kbytes, vbytes, base, tstride,
-                           n, lane);
+      uint8_t* dst = ring + slot * 2 * kTileBytes;
+      if constexpr (kBulk) {
+        if (lane == 0) MbarArriveExpectTx(bars + slot, 2u * n * RB);
+        __syncwarp();
+        const int row = lane & 15;
+        const bool is_v = lane >= 16;
+        uint8_t* d = dst + (is_v ? kTileBytes : 0) + row * kRowStride;
+        if (row < n) {
+          BulkCopy(d, (is_v ? vbytes : kbytes) + base + row * tstride, RB, bars + slot);
+        } else {
+#pragma unroll
+          for (int i = 0; i < RB / 16; ++i) reinterpret_cast<uint4*>(d)[i] = make_uint4(0, 0, 0, 0);
+          FenceProxyAsync();
+        }
+      } else {
+#pragma unroll
+        for (int i = 0; i < RB / 32; ++i) {
+          const int q = lane + 32 * i;  // chunk q of the tile: consecutive lanes, consecutive bytes
+          const int row = q / kChunksPerRow, col = q % kChunksPerRow;
+          const bool live = row < n;
+          const int64_t off = base + (live ? row : 0) * tstride + col * 16;
+          const uint32_t d = SharedAddress(dst + RingOffset<RB>(row, col * 16));
+          CpAsync16(d, kbytes + off, live ? 16 : 0);
+          CpAsync16(d + kTileBytes, vbytes + off, live ? 16 : 0);
+        }
+      }
     }
     if constexpr (!kBulk) CpAsyncCommit();
   };
@@ -436,7 +388,15 @@ __global__ void __launch_bounds__(kThreads) StreamKernel(const StreamParams p) {
     __syncthreads();  // red, mw, lw, tot are reused by the next piece
 
     g = seg_end;
-    if (g < g1) tab.NextUnit(seg);  // the next unit with tiles
+    if (g < g1) {  // the next unit with tiles
+      seg.tile = 0;
+      do {
+        if (++seg.hg == HG) {
+          seg.hg = 0;
+          ++seg.b;
+        }
+      } while (tab.Tiles(seg.b) == 0);
+    }
   }
   if constexpr (!kBulk) CpAsyncWait(0);
 }

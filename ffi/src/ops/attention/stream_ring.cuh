@@ -180,46 +180,6 @@ __device__ __forceinline__ void FenceProxyAsync() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
-// Starts the copy of one tile into the ring slot at `dst`: tokens [0, n) of the K and V
-// rows at byte `base` of the caches k and v (tstride bytes apart), rows past n zeroed. cp.async:
-// 16-byte chunks into the swizzled layout (the caller commits the group); bulk: one copy per live
-// row, lanes 0-15 K and 16-31 V, completing on `bar`, which expects the bytes. Called by a whole
-// warp.
-template <int RB, bool kBulk>
-__device__ __forceinline__ void IssueTile(uint8_t* dst, uint64_t* bar, const uint8_t* k,
-                                          const uint8_t* v, int64_t base, int64_t tstride, int n,
-                                          int lane) {
-  constexpr int kRowStride = kBulk ? RB + 16 : RB;
-  constexpr int kTileBytes = 16 * kRowStride;  // one K (or V) tile
-  constexpr int kChunksPerRow = RB / 16;
-  static_assert(RB % 32 == 0, "tile chunks must split evenly over a warp");
-  if constexpr (kBulk) {
-    if (lane == 0) MbarArriveExpectTx(bar, 2u * n * RB);
-    __syncwarp();
-    const int row = lane & 15;
-    const bool is_v = lane >= 16;
-    uint8_t* d = dst + (is_v ? kTileBytes : 0) + row * kRowStride;
-    if (row < n) {
-      BulkCopy(d, (is_v ? v : k) + base + row * tstride, RB, bar);
-    } else {
-#pragma unroll
-      for (int i = 0; i < RB / 16; ++i) reinterpret_cast<uint4*>(d)[i] = make_uint4(0, 0, 0, 0);
-      FenceProxyAsync();
-    }
-  } else {
-#pragma unroll
-    for (int i = 0; i < RB / 32; ++i) {
-      const int q = lane + 32 * i;  // chunk q of the tile: consecutive lanes, consecutive bytes
-      const int row = q / kChunksPerRow, col = q % kChunksPerRow;
-      const bool live = row < n;
-      const int64_t off = base + (live ? row : 0) * tstride + col * 16;
-      const uint32_t d = SharedAddress(dst + RingOffset<RB>(row, col * 16));
-      CpAsync16(d, k + off, live ? 16 : 0);
-      CpAsync16(d + kTileBytes, v + off, live ? 16 : 0);
-    }
-  }
-}
-
 // Transposes the warp's 8x8 matrix of 16-bit pairs (lane 4 r + c holds row r, columns
 // 2c, 2c + 1): afterwards the lane holds row r, columns 2c, 2c + 1 of the transpose.
 __device__ __forceinline__ uint32_t MoveTransposed(uint32_t x) {
