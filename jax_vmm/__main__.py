@@ -18,8 +18,10 @@ def _prog() -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=_prog(), description=DESCRIPTION)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    sub.add_parser("info", help="platforms, VMM support per device, granularity, memory, "
-                                "JAX allocator settings")
+    sub.add_parser(
+        "info",
+        help="platforms, VMM support per device, granularity, memory, JAX allocator settings",
+    )
     args = parser.parse_args(argv)
     if args.command is None:  # a bare command: say what it can do
         parser.print_help()

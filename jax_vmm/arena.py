@@ -6,7 +6,8 @@ import logging
 import math
 import operator
 import threading
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -20,16 +21,21 @@ log = logging.getLogger("jax_vmm")
 
 # DLPack dtype codes (dlpack.h).
 _DL_INT, _DL_UINT, _DL_FLOAT, _DL_BFLOAT, _DL_BOOL = 0, 1, 2, 4, 6
+_DL_FLOAT8_E4M3FN = 10  # DLPack 1.1; jax 0.10.2 imports it zero-copy as float8_e4m3fn
 
 
 def _dlpack_dtype(dtype: np.dtype) -> tuple[int, int]:
     if dtype == jnp.bfloat16:
         return _DL_BFLOAT, 16
+    if dtype == jnp.float8_e4m3fn:
+        return _DL_FLOAT8_E4M3FN, 8
     kind = {"i": _DL_INT, "u": _DL_UINT, "f": _DL_FLOAT, "b": _DL_BOOL}.get(dtype.kind)
+    if kind == _DL_FLOAT and dtype.itemsize < 2:
+        kind = None  # other 8-bit floats (float8_e5m2, ...) have no plain DLPack float code
     if kind is None or dtype.itemsize not in (1, 2, 4, 8):
         raise TypeError(
             f"dtype {dtype} cannot back an arena buffer; use a float (float16, bfloat16, "
-            "float32, float64), integer or bool dtype"
+            "float32, float64, float8_e4m3fn), integer or bool dtype"
         )
     return kind, dtype.itemsize * 8
 
@@ -57,7 +63,8 @@ def _refuse_copy(what: str, device: Any, copy_out: str) -> TypeError:
     return TypeError(
         f"jax_vmm.{what} cannot be pickled or copied: it owns a reservation of virtual memory "
         f"on {device}. Share the object itself (it is thread-safe), or copy data out with "
-        f"{copy_out}")
+        f"{copy_out}"
+    )
 
 
 def _as_shape(shape: Any) -> tuple[int, ...]:
@@ -85,8 +92,15 @@ def _create_core_arena(driver: str, ordinal: int, reserve_bytes: int, chunk_byte
 _core_arena_factory = _create_core_arena
 
 
-def _lease_view(handle: Any, buffer_id: int, shape: list[int], code: int, bits: int,
-                device_type: int, ordinal: int) -> Any:
+def _lease_view(
+    handle: Any,
+    buffer_id: int,
+    shape: list[int],
+    code: int,
+    bits: int,
+    device_type: int,
+    ordinal: int,
+) -> Any:
     return handle.view(buffer_id, shape, code, bits, device_type, ordinal)
 
 
@@ -105,8 +119,9 @@ class _DLPackCapsule:
         self._capsule = capsule
         self._device = (device_type, device_id)
 
-    def __dlpack__(self, stream: Any = None, max_version: Any = None, dl_device: Any = None,
-                   copy: Any = None) -> Any:
+    def __dlpack__(
+        self, stream: Any = None, max_version: Any = None, dl_device: Any = None, copy: Any = None
+    ) -> Any:
         # Arena memory is written only by host code that has already synchronised, so
         # no stream ordering is needed for the consumer.
         capsule, self._capsule = self._capsule, None
@@ -127,7 +142,7 @@ class Buffer:
     address range alive. Thread-safe: the arena serialises commits.
     """
 
-    def __init__(self, arena: "Arena", info: dict, shape: tuple[int, ...], dtype: np.dtype):
+    def __init__(self, arena: Arena, info: dict, shape: tuple[int, ...], dtype: np.dtype):
         self._arena = arena
         self._id: int = info["id"]
         self._uid: int = info["uid"]
@@ -151,7 +166,7 @@ class Buffer:
         return self._uid
 
     @property
-    def arena(self) -> "Arena":
+    def arena(self) -> Arena:
         return self._arena
 
     @property
@@ -183,8 +198,8 @@ class Buffer:
         code, bits = _dlpack_dtype(dtype)
         t = self._arena._target
         capsule = _core_view_factory(
-            self._arena._handle, self._id, list(shape), code, bits, t.dlpack_device_type,
-            t.ordinal)
+            self._arena._handle, self._id, list(shape), code, bits, t.dlpack_device_type, t.ordinal
+        )
         return jax.dlpack.from_dlpack(
             _DLPackCapsule(capsule, t.dlpack_device_type, t.ordinal), copy=False
         )
@@ -226,20 +241,24 @@ class Buffer:
 
     def _check_live(self, op: str) -> None:
         if self._freed:
-            raise ValueError(f"{op}: buffer '{self.name}' was freed (Buffer.free()); allocate "
-                             "a new buffer")
+            raise ValueError(
+                f"{op}: buffer '{self.name}' was freed (Buffer.free()); allocate a new buffer"
+            )
 
     def __reduce_ex__(self, protocol: Any) -> Any:
-        raise TypeError("jax_vmm.Buffer cannot be pickled or copied: it is memory of its "
-                        "arena. Share the object itself, or copy data out with "
-                        "np.asarray(buf.array)")
+        raise TypeError(
+            "jax_vmm.Buffer cannot be pickled or copied: it is memory of its "
+            "arena. Share the object itself, or copy data out with "
+            "np.asarray(buf.array)"
+        )
 
     def _range(self, start: int, stop: int | None) -> tuple[int, int]:
         start = _as_index(start, "start")
         stop = self.nbytes if stop is None else _as_index(stop, "stop")
         if start > stop or stop > self.nbytes:
             raise ValueError(
-                f"Buffer '{self.name}': byte range [{start}, {stop}) is outside [0, {self.nbytes}); "
+                f"Buffer '{self.name}': byte range [{start}, {stop}) is outside "
+                f"[0, {self.nbytes}); "
                 "expected 0 <= start <= stop <= nbytes"
             )
         return start, stop
@@ -267,29 +286,40 @@ class Arena:
     context manager. Thread-safe.
     """
 
-    def __init__(self, reserve_bytes: int, device: jax.Device | None = None,
-                 chunk_bytes: int | None = None):
+    def __init__(
+        self, reserve_bytes: int, device: jax.Device | None = None, chunk_bytes: int | None = None
+    ):
         reserve_bytes = _as_int(reserve_bytes, "reserve_bytes")
         if reserve_bytes <= 0:
-            raise ValueError("reserve_bytes must be > 0 (the size of the virtual range to "
-                             f"reserve), got {reserve_bytes}")
+            raise ValueError(
+                "reserve_bytes must be > 0 (the size of the virtual range to "
+                f"reserve), got {reserve_bytes}"
+            )
         if reserve_bytes >= 1 << 64:
-            raise ValueError(f"reserve_bytes={reserve_bytes} is too large: it must be below 2^64 "
-                             "(and fit the process's virtual address space); reserve less")
+            raise ValueError(
+                f"reserve_bytes={reserve_bytes} is too large: it must be below 2^64 "
+                "(and fit the process's virtual address space); reserve less"
+            )
         chunk = 0 if chunk_bytes is None else _as_int(chunk_bytes, "chunk_bytes")
         if chunk_bytes is not None and chunk <= 0:
             raise ValueError(f"chunk_bytes must be > 0 (or None for the default), got {chunk}")
         self._target: DeviceTarget = resolve_device(device)
-        self._handle = _core_arena_factory(self._target.driver, self._target.ordinal,
-                                           reserve_bytes, chunk)
+        self._handle = _core_arena_factory(
+            self._target.driver, self._target.ordinal, reserve_bytes, chunk
+        )
         self._lock = threading.Lock()
         self._buffers: list[Buffer] = []
-        log.debug("reserved %d bytes on %s at 0x%x", self._handle.reserved_bytes,
-                  self._target.device, self._handle.base)
+        log.debug(
+            "reserved %d bytes on %s at 0x%x",
+            self._handle.reserved_bytes,
+            self._target.device,
+            self._handle.base,
+        )
 
     # -- placement -----------------------------------------------------------------
-    def allocate(self, shape: Sequence[int] | int, dtype: Any = jnp.float32,
-                 name: str | None = None) -> Buffer:
+    def allocate(
+        self, shape: Sequence[int] | int, dtype: Any = jnp.float32, name: str | None = None
+    ) -> Buffer:
         """Place a buffer of ``shape`` and ``dtype``; nothing is backed yet."""
         self._check_open("Arena.allocate")
         shape = _as_shape(shape)
@@ -305,7 +335,8 @@ class Arena:
             raise ReservationFullError(
                 f"Arena.allocate({name!r}): shape {shape} of {np_dtype} needs {nbytes} bytes, more "
                 f"than the whole {self._handle.reserved_bytes} bytes reservation; create the arena "
-                "with a larger reserve_bytes")
+                "with a larger reserve_bytes"
+            )
         info = self._handle.allocate(nbytes, name or "")
         buf = Buffer(self, info, shape, np_dtype)
         with self._lock:
@@ -377,7 +408,7 @@ class Arena:
         :class:`~jax_vmm.errors.ArenaClosedError`; live views read zeros. Idempotent."""
         self._handle.close()
 
-    def __enter__(self) -> "Arena":
+    def __enter__(self) -> Arena:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -393,6 +424,7 @@ class Arena:
     def __repr__(self) -> str:
         s = self._handle.stats()
         return (
-            f"Arena(driver={s['driver']}, device={self._target.device}, reserved={s['reserved_bytes']}, "
+            f"Arena(driver={s['driver']}, device={self._target.device}, "
+            f"reserved={s['reserved_bytes']}, "
             f"backed={s['backed_bytes']}, closed={s['closed']})"
         )

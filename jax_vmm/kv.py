@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import operator
 import threading
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +13,9 @@ import numpy as np
 
 from .arena import Arena, Buffer, _as_index, _as_int, _refuse_copy
 from .errors import DriverError, OutOfBoundsWrite
+
+if TYPE_CHECKING:
+    from .ops import KVDest
 
 
 def _layer_index(layer: Any, num_layers: int, op: str) -> int:
@@ -21,7 +25,8 @@ def _layer_index(layer: Any, num_layers: int, op: str) -> int:
         raise TypeError(
             f"{op}: the layer must be static (a Python int), got a traced value. A dest names "
             "buffers when the step is traced: pass the layer as a static argument "
-            "(static_argnums) or loop over layers in Python")
+            "(static_argnums) or loop over layers in Python"
+        )
     if isinstance(layer, (bool, np.bool_)):
         raise TypeError(f"{op}: layer must be an integer, got bool")
     try:
@@ -67,12 +72,25 @@ class KVArena:
     Thread-safe: one lock serialises growth and release; views may be read anywhere.
     """
 
-    def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, max_tokens: int,
-                 dtype: Any = jnp.bfloat16, device: jax.Device | None = None,
-                 initial_tokens: int = 0, max_seqs: int | None = None,
-                 chunk_bytes: int | None = None):
-        for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads),
-                            ("head_dim", head_dim), ("max_tokens", max_tokens)):
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        max_tokens: int,
+        dtype: Any = jnp.bfloat16,
+        device: jax.Device | None = None,
+        initial_tokens: int = 0,
+        max_seqs: int | None = None,
+        chunk_bytes: int | None = None,
+    ):
+        for name, value in (
+            ("num_layers", num_layers),
+            ("num_kv_heads", num_kv_heads),
+            ("head_dim", head_dim),
+            ("max_tokens", max_tokens),
+        ):
             _as_index(value, name, minimum=1)
         if max_seqs is not None:
             if isinstance(max_seqs, (bool, np.bool_)):
@@ -99,18 +117,27 @@ class KVArena:
         from ._loader import core as _core
 
         target = resolve_device(device)
-        chunk = _core.resolve_chunk_bytes(target.driver, target.ordinal,
-                                          0 if chunk_bytes is None else _as_index(chunk_bytes, "chunk_bytes"))
+        chunk = _core.resolve_chunk_bytes(
+            target.driver,
+            target.ordinal,
+            0 if chunk_bytes is None else _as_index(chunk_bytes, "chunk_bytes"),
+        )
         buffer_bytes = seqs * self.seq_bytes
         reserve = 2 * self.num_layers * -(-buffer_bytes // chunk) * chunk
         try:
             self.arena = Arena(reserve, device=device, chunk_bytes=chunk)
         except (DriverError, ValueError) as e:  # the reservation itself: name our arguments
-            raise type(e)(f"{self._signature()}: needs {reserve} bytes of address space "
-                          f"({self._size_formula()}, in whole chunks), and the reservation "
-                          f"failed: {e}. Lower max_tokens or max_seqs") from e
-        self.k_buffers = [self.arena.allocate(shape, self.dtype, name=f"k{l}") for l in range(self.num_layers)]
-        self.v_buffers = [self.arena.allocate(shape, self.dtype, name=f"v{l}") for l in range(self.num_layers)]
+            raise type(e)(
+                f"{self._signature()}: needs {reserve} bytes of address space "
+                f"({self._size_formula()}, in whole chunks), and the reservation "
+                f"failed: {e}. Lower max_tokens or max_seqs"
+            ) from e
+        self.k_buffers = [
+            self.arena.allocate(shape, self.dtype, name=f"k{l}") for l in range(self.num_layers)
+        ]
+        self.v_buffers = [
+            self.arena.allocate(shape, self.dtype, name=f"v{l}") for l in range(self.num_layers)
+        ]
         self.k = _LayerViews(self.k_buffers, "kv.k")
         self.v = _LayerViews(self.v_buffers, "kv.v")
         self._lock = threading.RLock()
@@ -122,14 +149,18 @@ class KVArena:
                 self.ensure(initial_tokens, None if self.max_seqs is None else seq)
 
     def _signature(self) -> str:
-        return (f"kv_arena(num_layers={self.num_layers}, num_kv_heads={self.num_kv_heads}, "
-                f"head_dim={self.head_dim}, max_tokens={self.max_tokens}, "
-                f"max_seqs={self.max_seqs}, dtype={self.dtype})")
+        return (
+            f"kv_arena(num_layers={self.num_layers}, num_kv_heads={self.num_kv_heads}, "
+            f"head_dim={self.head_dim}, max_tokens={self.max_tokens}, "
+            f"max_seqs={self.max_seqs}, dtype={self.dtype})"
+        )
 
     def _size_formula(self) -> str:
         seqs = "" if self.max_seqs is None else " x max_seqs"
-        return (f"2 x num_layers{seqs} x max_tokens x num_kv_heads x head_dim x "
-                f"{self.dtype.itemsize} bytes")
+        return (
+            f"2 x num_layers{seqs} x max_tokens x num_kv_heads x head_dim x "
+            f"{self.dtype.itemsize} bytes"
+        )
 
     # -- geometry ------------------------------------------------------------------
     @property
@@ -143,13 +174,20 @@ class KVArena:
     def _seq_base(self, seq: int | None, op: str) -> int:
         if self.max_seqs is None:
             if seq is not None:
-                raise ValueError(f"{op}: this KV arena has no per-sequence layout (max_seqs=None); pass seq=None")
+                raise ValueError(
+                    f"{op}: this KV arena has no per-sequence layout (max_seqs=None); pass seq=None"
+                )
             return 0
         if seq is None:
-            raise ValueError(f"{op}: this KV arena has max_seqs={self.max_seqs}; pass seq=<0..{self.max_seqs - 1}>")
+            raise ValueError(
+                f"{op}: this KV arena has max_seqs={self.max_seqs}; "
+                f"pass seq=<0..{self.max_seqs - 1}>"
+            )
         seq = _as_index(seq, "seq")
         if seq >= self.max_seqs:
-            raise ValueError(f"{op}: seq={seq} is out of range; expected 0 <= seq < {self.max_seqs}")
+            raise ValueError(
+                f"{op}: seq={seq} is out of range; expected 0 <= seq < {self.max_seqs}"
+            )
         return seq * self.seq_bytes
 
     def _check_tokens(self, n: Any, op: str) -> int:
@@ -185,8 +223,12 @@ class KVArena:
             for seq in range(1 if self.max_seqs is None else self.max_seqs):
                 base = seq * self.seq_bytes
                 q = None if self.max_seqs is None else seq
-                released += self._decommit_span(base + num_tokens * self.token_bytes, base + self.seq_bytes, q,
-                                                keep_before=num_tokens > 0)
+                released += self._decommit_span(
+                    base + num_tokens * self.token_bytes,
+                    base + self.seq_bytes,
+                    q,
+                    keep_before=num_tokens > 0,
+                )
                 self._ensured[seq] = min(self._ensured[seq], num_tokens)
         return released
 
@@ -200,7 +242,9 @@ class KVArena:
             self._ensured[0 if seq is None else int(seq)] = 0
             return released
 
-    def _decommit_span(self, start: int, stop: int, seq: int | None, keep_before: bool = False) -> int:
+    def _decommit_span(
+        self, start: int, stop: int, seq: int | None, keep_before: bool = False
+    ) -> int:
         # Sequences need not start on chunk boundaries. A chunk that straddles the span's
         # edge is freed only when the neighbouring sequence holds no tokens in it.
         chunk = self.arena.chunk_bytes
@@ -237,7 +281,7 @@ class KVArena:
         prefix = min(b.backed_prefix(base, stop) for b in self.buffers)
         return prefix // self.token_bytes
 
-    def dest(self, layer: int) -> "KVDest":
+    def dest(self, layer: int) -> KVDest:
         """The static destination of layer ``layer`` for :func:`jax_vmm.kv_write` /
         ``kv_write_through`` (``dest=kv.dest(l)``): inside ``jit`` it makes the tokens land
         in this arena whatever buffer XLA hands the custom call (a copy when the cache is
@@ -249,8 +293,9 @@ class KVArena:
         layer = _layer_index(layer, self.num_layers, "KVArena.dest")
         self.arena._check_open("KVArena.dest")
         k, v = self.k_buffers[layer], self.v_buffers[layer]
-        return KVDest(k_address=k.address, v_address=v.address, nbytes=k.nbytes, k_uid=k.uid,
-                      v_uid=v.uid)
+        return KVDest(
+            k_address=k.address, v_address=v.address, nbytes=k.nbytes, k_uid=k.uid, v_uid=v.uid
+        )
 
     # -- checks and stats ------------------------------------------------------------------
     def dropped_writes(self, *arrays: Any) -> int:
@@ -299,16 +344,19 @@ class KVArena:
     def __reduce_ex__(self, protocol: Any) -> Any:
         raise _refuse_copy("KVArena", self.arena.device, "np.asarray(kv.k[layer])")
 
-    def __enter__(self) -> "KVArena":
+    def __enter__(self) -> KVArena:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
     def __repr__(self) -> str:
-        return (f"KVArena(layers={self.num_layers}, max_seqs={self.max_seqs}, max_tokens={self.max_tokens}, "
-                f"heads={self.num_kv_heads}, head_dim={self.head_dim}, dtype={self.dtype}, "
-                f"backed={self.arena.backed_bytes})")
+        return (
+            f"KVArena(layers={self.num_layers}, max_seqs={self.max_seqs}, "
+            f"max_tokens={self.max_tokens}, "
+            f"heads={self.num_kv_heads}, head_dim={self.head_dim}, dtype={self.dtype}, "
+            f"backed={self.arena.backed_bytes})"
+        )
 
 
 def _wait_for_writes(arrays: tuple) -> None:
@@ -325,10 +373,27 @@ def _wait_for_writes(arrays: tuple) -> None:
         pass
 
 
-def kv_arena(*, num_layers: int, num_kv_heads: int, head_dim: int, max_tokens: int,
-             dtype: Any = jnp.bfloat16, device: jax.Device | None = None, initial_tokens: int = 0,
-             max_seqs: int | None = None, chunk_bytes: int | None = None) -> KVArena:
+def kv_arena(
+    *,
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    max_tokens: int,
+    dtype: Any = jnp.bfloat16,
+    device: jax.Device | None = None,
+    initial_tokens: int = 0,
+    max_seqs: int | None = None,
+    chunk_bytes: int | None = None,
+) -> KVArena:
     """Create a :class:`KVArena`: K/V buffers for every layer in one reserved range."""
-    return KVArena(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                   max_tokens=max_tokens, dtype=dtype, device=device,
-                   initial_tokens=initial_tokens, max_seqs=max_seqs, chunk_bytes=chunk_bytes)
+    return KVArena(
+        num_layers=num_layers,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        max_tokens=max_tokens,
+        dtype=dtype,
+        device=device,
+        initial_tokens=initial_tokens,
+        max_seqs=max_seqs,
+        chunk_bytes=chunk_bytes,
+    )

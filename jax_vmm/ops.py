@@ -1,4 +1,5 @@
-"""KV-cache writes as XLA FFI custom calls: ``kv_write`` and ``kv_write_through``.
+"""KV-cache writes as XLA FFI custom calls: ``kv_write``, ``kv_write_through`` and
+``kv_write_fp8``.
 
 Both take KV-cache views (``kv.k[l]``, ``kv.v[l]``), ``n`` new tokens and their flat
 slots (``slot = seq * max_tokens + position`` for a per-sequence layout; the cache is seen
@@ -35,13 +36,16 @@ donation needed, zero copy cost in ``lax.scan``/``fori_loop`` too) and returns a
 range, 3 dropped: page not committed). XLA does not know that the cache changed, so order
 later reads of it by data dependence on ``status`` (a custom call such as attention that
 takes it as an operand), or read the arena after the step.
+
+``kv_write_fp8(k, v, new_k, new_v, slots, k_scale, v_scale, dest=None) -> (k, v)`` is
+``kv_write`` into a float8_e4m3fn cache, quantizing float tokens on the device with one
+scale per KV head (the format: jax_vmm/fp8.py).
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -49,13 +53,27 @@ import numpy as np
 
 from ._ffi import register
 from ._loader import core as _core
+from .fp8 import FP8_STORAGE, quantize_fp8
 
-__all__ = ["KVDest", "kv_write", "kv_write_through", "kv_write_stats", "reset_kv_write_stats",
-           "PADDING", "WRITTEN", "DROPPED_OUT_OF_RANGE", "DROPPED_UNBACKED"]
+__all__ = [
+    "KVDest",
+    "kv_write",
+    "kv_write_fp8",
+    "quantize_fp8",
+    "kv_write_through",
+    "kv_write_stats",
+    "reset_kv_write_stats",
+    "PADDING",
+    "WRITTEN",
+    "DROPPED_OUT_OF_RANGE",
+    "DROPPED_UNBACKED",
+]
 
 #: Per-token status codes returned by :func:`kv_write_through`.
 PADDING, WRITTEN, DROPPED_OUT_OF_RANGE, DROPPED_UNBACKED = 0, 1, 2, 3
 
+_WRITE_FP8 = "jax_vmm_kv_write_fp8"
+_FP8_SOURCES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,35 +95,57 @@ def _shape_dtype(x: Any, name: str) -> tuple[tuple[int, ...], np.dtype]:
         raise TypeError(f"kv_write: {name} must be an array, got {type(x).__name__}") from None
 
 
-def _check(op: str, k: Any, v: Any, new_k: Any, new_v: Any, slots: Any) -> int:
-    """Trace-time validation; returns the number of tokens n."""
+def _check(op: str, k: Any, v: Any, new_k: Any, new_v: Any, slots: Any, fp8: bool = False) -> int:
+    """Trace-time validation; returns the number of tokens n. fp8: the cache holds
+    float8_e4m3fn (or uint8) and the new tokens a float type."""
     ks, kd = _shape_dtype(k, "k")
     vs, vd = _shape_dtype(v, "v")
     nks, nkd = _shape_dtype(new_k, "new_k")
     nvs, nvd = _shape_dtype(new_v, "new_v")
     ss, sd = _shape_dtype(slots, "slots")
     if len(ks) < 3:
-        raise ValueError(f"{op}: k must be a KV-cache view of shape (..., num_kv_heads, head_dim) "
-                         f"with rank >= 3, e.g. kv.k[layer]; got shape {ks}")
+        raise ValueError(
+            f"{op}: k must be a KV-cache view of shape (..., num_kv_heads, head_dim) "
+            f"with rank >= 3, e.g. kv.k[layer]; got shape {ks}"
+        )
     if (ks, kd) != (vs, vd):
-        raise ValueError(f"{op}: k and v must have the same shape and dtype; got k {ks} {kd} "
-                         f"and v {vs} {vd}")
+        raise ValueError(
+            f"{op}: k and v must have the same shape and dtype; got k {ks} {kd} and v {vs} {vd}"
+        )
     heads = ks[-2:]
     for name, s, d in (("new_k", nks, nkd), ("new_v", nvs, nvd)):
         if len(s) != 3 or s[1:] != heads:
-            raise ValueError(f"{op}: {name} must have shape (n, {heads[0]}, {heads[1]}) to match "
-                             f"the cache {ks}; got {s}")
-        if d != kd:
-            raise TypeError(f"{op}: {name} has dtype {d} but the cache holds {kd}; cast it with "
-                            f"{name}.astype({kd.name!r})")
-    if nks != nvs:
-        raise ValueError(f"{op}: new_k {nks} and new_v {nvs} must have the same shape")
+            raise ValueError(
+                f"{op}: {name} must have shape (n, {heads[0]}, {heads[1]}) to match "
+                f"the cache {ks}; got {s}"
+            )
+        if fp8:
+            if kd not in FP8_STORAGE:
+                raise TypeError(
+                    f"{op}: the cache must be float8_e4m3fn (or uint8 bits), got {kd}; "
+                    f"use kv_write for other dtypes"
+                )
+            if d not in _FP8_SOURCES:
+                raise TypeError(f"{op}: {name} must be float32, bfloat16 or float16, got {d}")
+        elif d != kd:
+            raise TypeError(
+                f"{op}: {name} has dtype {d} but the cache holds {kd}; cast it with "
+                f"{name}.astype({kd.name!r})"
+            )
+    if nks != nvs or nkd != nvd:
+        raise ValueError(
+            f"{op}: new_k {nks} {nkd} and new_v {nvs} {nvd} must have the same shape and dtype"
+        )
     n = nks[0]
     if ss != (n,):
-        raise ValueError(f"{op}: slots must have shape ({n},), one flat slot per new token; got {ss}")
+        raise ValueError(
+            f"{op}: slots must have shape ({n},), one flat slot per new token; got {ss}"
+        )
     if sd != np.dtype(np.int32):
-        raise TypeError(f"{op}: slots must be int32 (flat slot = seq * max_tokens + position); got "
-                        f"{sd}; use slots.astype(jnp.int32)")
+        raise TypeError(
+            f"{op}: slots must be int32 (flat slot = seq * max_tokens + position); got "
+            f"{sd}; use slots.astype(jnp.int32)"
+        )
     return n
 
 
@@ -155,7 +195,8 @@ def _check_views_match_dest(op: str, k: Any, v: Any, dest: KVDest) -> None:
             raise ValueError(
                 f"{op}: {side} is a view of {_describe(found['buffer_uid'])} but dest names "
                 f"{_describe(uid)}; pass dest=kv.dest(layer) of the layer whose views you "
-                "write, or leave dest out in eager calls (it is found from the views)")
+                "write, or leave dest out in eager calls (it is found from the views)"
+            )
 
 
 #: Checks an eager call's views against its dest. The seam for
@@ -172,23 +213,37 @@ def _dest_attrs(op: str, k: Any, v: Any, dest: KVDest | None) -> dict:
             return _attrs(0, 0, 0, 0)
         return _attrs(kb["buffer_base"], vb["buffer_base"], kb["buffer_uid"], vb["buffer_uid"])
     if not isinstance(dest, KVDest):
-        raise TypeError(f"{op}: dest must be a jax_vmm.KVDest from kv.dest(layer), got "
-                        f"{type(dest).__name__}")
+        raise TypeError(
+            f"{op}: dest must be a jax_vmm.KVDest from kv.dest(layer), got {type(dest).__name__}"
+        )
     if dest.nbytes != nbytes:
-        raise ValueError(f"{op}: dest names buffers of {dest.nbytes} bytes but the cache "
-                         f"{tuple(k.shape)} {np.dtype(k.dtype)} has {nbytes}; pass the dest of "
-                         f"the KV arena (and layer) whose views you write")
+        raise ValueError(
+            f"{op}: dest names buffers of {dest.nbytes} bytes but the cache "
+            f"{tuple(k.shape)} {np.dtype(k.dtype)} has {nbytes}; pass the dest of "
+            f"the KV arena (and layer) whose views you write"
+        )
     _verify_views(op, k, v, dest)
     return _attrs(dest.k_address, dest.v_address, dest.k_uid, dest.v_uid)
 
 
 def _attrs(k_address: int, v_address: int, k_uid: int, v_uid: int) -> dict:
-    return {"dest_k": np.uint64(k_address), "dest_v": np.uint64(v_address),
-            "dest_k_uid": np.uint64(k_uid), "dest_v_uid": np.uint64(v_uid)}
+    return {
+        "dest_k": np.uint64(k_address),
+        "dest_v": np.uint64(v_address),
+        "dest_k_uid": np.uint64(k_uid),
+        "dest_v_uid": np.uint64(v_uid),
+    }
 
 
-def kv_write(k: jax.Array, v: jax.Array, new_k: jax.Array, new_v: jax.Array,
-             slots: jax.Array, *, dest: KVDest | None = None) -> tuple[jax.Array, jax.Array]:
+def kv_write(
+    k: jax.Array,
+    v: jax.Array,
+    new_k: jax.Array,
+    new_v: jax.Array,
+    slots: jax.Array,
+    *,
+    dest: KVDest | None = None,
+) -> tuple[jax.Array, jax.Array]:
     """Write ``n`` tokens into a KV cache; returns the updated ``(k, v)``.
 
     Args:
@@ -214,13 +269,69 @@ def kv_write(k: jax.Array, v: jax.Array, new_k: jax.Array, new_v: jax.Array,
     out = jax.ffi.ffi_call(
         _targets.write,
         (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
-        input_output_aliases={0: 0, 1: 1}, has_side_effect=True)(k, v, new_k, new_v, slots,
-                                                                  **attrs)
+        input_output_aliases={0: 0, 1: 1},
+        has_side_effect=True,
+    )(k, v, new_k, new_v, slots, **attrs)
     return out[0], out[1]
 
 
-def kv_write_through(k: jax.Array, v: jax.Array, new_k: jax.Array, new_v: jax.Array,
-                     slots: jax.Array, *, dest: KVDest | None = None) -> jax.Array:
+def kv_write_fp8(
+    k: jax.Array,
+    v: jax.Array,
+    new_k: jax.Array,
+    new_v: jax.Array,
+    slots: jax.Array,
+    k_scale: jax.Array,
+    v_scale: jax.Array,
+    *,
+    dest: KVDest | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """:func:`kv_write` into an fp8 cache: quantizes on the device.
+
+    Args:
+      k, v: the fp8 cache ``(..., H, D)``: float8_e4m3fn (``kv_arena(...,
+        dtype=jnp.float8_e4m3fn)`` views), or uint8 holding its bits.
+      new_k, new_v: ``(n, H, D)`` float32, bfloat16 or float16 tokens (one dtype).
+      slots, dest: as for :func:`kv_write`.
+      k_scale, v_scale: float32 ``(H,)``: the cache holds ``fp8(x * (1 / scale[h]))``
+        (round to nearest even, saturated to +-448, NaN kept: :func:`quantize_fp8`), and
+        ``decode_attention(q, k, v, lengths, k_scale=..., v_scale=...)`` reads
+        ``fp8 * scale[h]``. Device arrays, so they may change between steps without a
+        recompile; a scale must be positive and finite (not checked on the device).
+
+    Returns the updated ``(k, v)``, like :func:`kv_write` (validation, status and drop
+    counting identical; the CUDA handler needs head_dim a multiple of 8).
+    """
+    n = _check("kv_write_fp8", k, v, new_k, new_v, slots, fp8=True)
+    ks, vs = jnp.asarray(k_scale), jnp.asarray(v_scale)
+    H = k.shape[-2]
+    for name, x in (("k_scale", ks), ("v_scale", vs)):
+        if x.shape != (H,) or np.dtype(x.dtype) != np.float32:
+            raise ValueError(
+                f"kv_write_fp8: {name} must be float32 of shape ({H},), one scale per "
+                f"KV head; got {x.dtype} {x.shape}"
+            )
+    attrs = _dest_attrs("kv_write_fp8", k, v, dest)
+    if n == 0:
+        return k, v
+    register()
+    out = jax.ffi.ffi_call(
+        _WRITE_FP8,
+        (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
+        input_output_aliases={0: 0, 1: 1},
+    )(k, v, new_k, new_v, slots, ks, vs, **attrs)
+    return out[0], out[1]
+
+
+def kv_write_through(
+    k: jax.Array,
+    v: jax.Array,
+    new_k: jax.Array,
+    new_v: jax.Array,
+    slots: jax.Array,
+    *,
+    dest: KVDest | None = None,
+) -> jax.Array:
     """Write ``n`` tokens straight into the arena buffers of ``k``/``v``.
 
     Same arguments as :func:`kv_write`. Without ``dest``, ``k``/``v`` must be arena memory
@@ -235,9 +346,9 @@ def kv_write_through(k: jax.Array, v: jax.Array, new_k: jax.Array, new_v: jax.Ar
     if n == 0:
         return jnp.zeros((2, 0), jnp.int32)
     register()
-    return jax.ffi.ffi_call(_targets.through, jax.ShapeDtypeStruct((2, n), jnp.int32),
-                            has_side_effect=True)(k, v, new_k, new_v, slots, require_arena=True,
-                                                  **attrs)
+    return jax.ffi.ffi_call(
+        _targets.through, jax.ShapeDtypeStruct((2, n), jnp.int32), has_side_effect=True
+    )(k, v, new_k, new_v, slots, require_arena=True, **attrs)
 
 
 def kv_write_stats() -> dict:
@@ -257,4 +368,3 @@ def kv_write_stats() -> dict:
 def reset_kv_write_stats() -> None:
     """Zero every kv_write counter (waits for the devices)."""
     _core.kv_write_reset_stats()
-

@@ -1,5 +1,6 @@
 """Test hooks of jax_vmm: switches that remove one protection each, so that a test can
-show its checks would catch the failure they guard against.
+show its checks would catch the failure they guard against, or force one production path
+that tests would not reach otherwise.
 
 Nothing here is for production use, and the production ``jax_vmm`` namespace exposes
 none of it. The hooks live in the C++ testing layer (``ffi/src/testing/``, the submodule
@@ -11,14 +12,16 @@ the only Python code that imports it.
   ``set_access`` driver call fails with :class:`InjectedFault` or an out-of-memory) and
   can break release/unmap so that a rollback leaks observably.
 * :func:`unchecked_kv_writes`: ``jax_vmm.kv_write`` / ``kv_write_through`` call variants
-  without the slot range and page checks.
+  without the slot range and page checks; :func:`token_kernel_kv_writes`: the same calls
+  with the (checked) token kernel that production keeps for huge tokens.
+* :func:`decode_attention`: decode attention (split-K or streaming kernel) with an
+  aliased ``out_init`` output buffer, ``skip_output`` and (split-K, CPU)
+  ``read_all_tokens``; :func:`stream_partition`: the streaming kernel's work partition.
 * :func:`address_only_dests`: a ``KVDest`` identified by its addresses alone (no uid
   check in the handlers, no check of eager views against the dest), as before buffers
   had uids.
 * :func:`legacy_views`: views without a view lease, whose DLPack deleter takes the GIL
   (a plain nanobind ndarray owning a reference to the arena), as before leases.
-* :func:`decode_attention`: decode attention with an aliased ``out_init`` output buffer,
-  ``skip_output`` and (CPU) ``read_all_tokens``.
 * :func:`scratch_probe` (with :func:`scratch_probe_stats`, :func:`address_of`): a custom
   call that copies its input through a graph-safe scratch workspace;
   :func:`scratch_get` serves a workspace with a simulated capture state;
@@ -30,7 +33,8 @@ Thread-safety: the switches are process-wide. Use them from one test at a time.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Literal
+from collections.abc import Iterator
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -45,12 +49,26 @@ _testing = getattr(_core, "testing", None)
 if _testing is None:  # pragma: no cover - only in a build with JAX_VMM_TESTING=OFF
     raise ImportError(
         "jax_vmm.testing needs the testing layer, which this build of jax_vmm left out "
-        "(CMake option JAX_VMM_TESTING=OFF); rebuild with -DJAX_VMM_TESTING=ON")
+        "(CMake option JAX_VMM_TESTING=OFF); rebuild with -DJAX_VMM_TESTING=ON"
+    )
 _ffi.add_source(_testing.registrations)
 
-__all__ = ["InjectedFault", "FaultInjection", "fault_injection", "unchecked_kv_writes",
-           "address_only_dests", "legacy_views", "decode_attention", "scratch_probe",
-           "scratch_probe_stats", "address_of", "scratch_get", "free_scratch_on_growth"]
+__all__ = [
+    "InjectedFault",
+    "FaultInjection",
+    "fault_injection",
+    "unchecked_kv_writes",
+    "token_kernel_kv_writes",
+    "address_only_dests",
+    "legacy_views",
+    "decode_attention",
+    "stream_partition",
+    "scratch_probe",
+    "scratch_probe_stats",
+    "address_of",
+    "scratch_get",
+    "free_scratch_on_growth",
+]
 
 #: A driver call failed because a test armed a fault (:meth:`FaultInjection.arm`).
 #: A ``RuntimeError``.
@@ -119,18 +137,41 @@ def fault_injection() -> Iterator[FaultInjection]:
 
 
 @contextlib.contextmanager
-def unchecked_kv_writes() -> Iterator[None]:
-    """Inside the with-block ``jax_vmm.kv_write`` / ``kv_write_through`` call variants that
-    skip the slot range and page checks and write wherever a slot points: out-of-range
-    slots corrupt neighbouring memory and unbacked pages fault. Applies to calls traced
-    inside the block (a function jitted before keeps its checked call)."""
+def _kv_write_targets(targets: Any) -> Iterator[None]:
+    """``jax_vmm.kv_write`` / ``kv_write_through`` call `targets` inside the with-block."""
     previous = _ops._targets
-    _ops._targets = _ops._Targets(write="jax_vmm_testing_kv_write_unchecked",
-                                  through="jax_vmm_testing_kv_write_through_unchecked")
+    _ops._targets = targets
     try:
         yield
     finally:
         _ops._targets = previous
+
+
+def unchecked_kv_writes() -> contextlib.AbstractContextManager[None]:
+    """Inside the with-block ``jax_vmm.kv_write`` / ``kv_write_through`` call variants that
+    skip the slot range and page checks and write wherever a slot points: out-of-range
+    slots corrupt neighbouring memory and unbacked pages fault. Applies to calls traced
+    inside the block (a function jitted before keeps its checked call)."""
+    return _kv_write_targets(
+        _ops._Targets(
+            write="jax_vmm_testing_kv_write_unchecked",
+            through="jax_vmm_testing_kv_write_through_unchecked",
+        )
+    )
+
+
+def token_kernel_kv_writes() -> contextlib.AbstractContextManager[None]:
+    """Inside the with-block ``jax_vmm.kv_write`` / ``kv_write_through`` run, on a GPU, the
+    token kernel (one thread group per token) instead of the tiled kernel: the checked
+    fallback that production picks only for tokens too large for the tiled kernel, so that
+    tests reach it and benchmarks compare the two. On the CPU (one writer) nothing changes.
+    Applies to calls traced inside the block."""
+    return _kv_write_targets(
+        _ops._Targets(
+            write="jax_vmm_testing_kv_write_token_kernel",
+            through="jax_vmm_testing_kv_write_through_token_kernel",
+        )
+    )
 
 
 @contextlib.contextmanager
@@ -141,8 +182,10 @@ def address_only_dests() -> Iterator[None]:
     writes a newer arena placed at the same address), and eager calls no longer check
     their views against the dest. Applies to calls traced inside the block."""
     previous = _ops._targets, _ops._verify_views
-    _ops._targets = _ops._Targets(write="jax_vmm_testing_kv_write_address_only",
-                                  through="jax_vmm_testing_kv_write_through_address_only")
+    _ops._targets = _ops._Targets(
+        write="jax_vmm_testing_kv_write_address_only",
+        through="jax_vmm_testing_kv_write_through_address_only",
+    )
     _ops._verify_views = lambda *args: None
     try:
         yield
@@ -171,43 +214,100 @@ def legacy_views() -> Iterator[None]:
 # -- decode attention with its protections removable ---------------------------------
 
 
-def decode_attention(q: Any, k: Any, v: Any, lengths: Any, *, out_init: Any = None,
-                     read_all_tokens: bool = False, skip_output: bool = False,
-                     scale: float | None = None, chunk: int = 0, splits: int = 0,
-                     impl: str = "auto") -> jax.Array:
+def decode_attention(
+    q: Any,
+    k: Any,
+    v: Any,
+    lengths: Any,
+    *,
+    out_init: Any = None,
+    read_all_tokens: bool = False,
+    skip_output: bool = False,
+    scale: float | None = None,
+    chunk: int = 0,
+    splits: int = 0,
+    impl: str = "auto",
+    k_scale: Any = None,
+    v_scale: Any = None,
+    ctas: int = 0,
+    stages: int = 0,
+    min_tiles: int = 0,
+) -> jax.Array:
     """``jax_vmm.decode_attention`` (graph-safe scratch workspace) through the testing
-    target, with the same validation and plan.
+    targets, with the same validation, kernel choice and plan as the private
+    ``jax_vmm.attention._decode_attention`` (the split-K kernel, or the streaming one for
+    fp8 caches and impl "stream*", with their plan knobs).
 
     out_init: an array of q's shape and dtype that becomes the output buffer before the
       kernel runs (aliased; default zeros), e.g. NaN, to show that every element is
       written.
     skip_output: write nothing to the output (out_init comes back unchanged).
-    read_all_tokens: (CPU only) also touch every token up to T, as a kernel that ignored
-      the lengths would.
+    read_all_tokens: (the split-K CPU handler only) also touch every token up to T, as a
+      kernel that ignored the lengths would.
     """
-    call = _attention._prepare(q, k, v, lengths, scale=scale, chunk=chunk, splits=splits,
-                               impl=impl, workspace="scratch")
+    call = _attention._prepare(
+        q,
+        k,
+        v,
+        lengths,
+        scale=scale,
+        chunk=chunk,
+        splits=splits,
+        impl=impl,
+        workspace="scratch",
+        k_scale=k_scale,
+        v_scale=v_scale,
+        ctas=ctas,
+        stages=stages,
+        min_tiles=min_tiles,
+    )
     if call is None:
         return jnp.zeros(jnp.shape(q), jnp.asarray(q).dtype)
-    if read_all_tokens and call.device.platform != "cpu":
-        raise ValueError("read_all_tokens is implemented by the CPU handler only")
+    if read_all_tokens and (call.device.platform != "cpu" or call.stream):
+        raise ValueError("read_all_tokens is implemented by the split-K CPU handler only")
     q = call.operands[0]
     out_init = jnp.zeros(q.shape, q.dtype) if out_init is None else jnp.asarray(out_init)
     if out_init.shape != q.shape or out_init.dtype != q.dtype:
-        raise ValueError(f"out_init must match q: {q.shape} {q.dtype}, got {out_init.shape} "
-                         f"{out_init.dtype}")
-    ffi = jax.ffi.ffi_call("jax_vmm_testing_decode_attention", call.out_type,
-                           vmap_method="sequential", input_output_aliases={4: 0})
-    return ffi(*call.operands, out_init, read_all_tokens=bool(read_all_tokens),
-               skip_output=bool(skip_output), **call.attrs)
+        raise ValueError(
+            f"out_init must match q: {q.shape} {q.dtype}, got {out_init.shape} {out_init.dtype}"
+        )
+    attrs = dict(call.attrs, skip_output=bool(skip_output))
+    if call.stream:
+        target = "jax_vmm_testing_decode_attention_v2"
+    else:
+        target = "jax_vmm_testing_decode_attention"
+        attrs["read_all_tokens"] = bool(read_all_tokens)
+    ffi = jax.ffi.ffi_call(
+        target,
+        call.out_type,
+        vmap_method="sequential",
+        input_output_aliases={len(call.operands): 0},
+    )
+    return ffi(*call.operands, out_init, **attrs)
+
+
+def stream_partition(
+    lengths: Any, max_tokens: int, unit_groups: int, ctas: int, min_tiles: int
+) -> list[list[tuple[int, ...]]]:
+    """The streaming attention kernel's partition as the kernel computes it
+    (ffi/src/ops/attention/stream_plan.h): per working CTA, its pieces as tuples (b, hg,
+    first_tile, tiles, slot or -1 for a whole unit, first_owner, last_owner)."""
+    parts = _testing.attention_stream_partition(
+        [int(n) for n in lengths], int(max_tokens), int(unit_groups), int(ctas), int(min_tiles)
+    )
+    return [list(pieces) for pieces in parts]
 
 
 # -- scratch --------------------------------------------------------------------------
 
 
-def scratch_probe(x: jax.Array, workspace_bytes: int | None = None, *,
-                  reserve_at: Literal["initialize", "trace"] = "initialize",
-                  device: jax.Device | None = None) -> tuple[jax.Array, jax.Array]:
+def scratch_probe(
+    x: jax.Array,
+    workspace_bytes: int | None = None,
+    *,
+    reserve_at: Literal["initialize", "trace"] = "initialize",
+    device: jax.Device | None = None,
+) -> tuple[jax.Array, jax.Array]:
     """``y = x`` copied through a scratch workspace of ``workspace_bytes`` (default
     ``x.nbytes``). Returns ``(y, address)``: ``address`` is the int32 ``(lo, hi)`` pair of
     the workspace pointer the call used (see :func:`address_of`).

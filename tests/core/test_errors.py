@@ -245,7 +245,7 @@ ROWS = [
     Row("B4", lambda x: x.arena.allocate((2.5,))),
     Row("B5", lambda x: x.arena.allocate(None)),
     Row("B6", lambda x: x.arena.allocate(4, jnp.complex64)),
-    Row("B7", lambda x: x.arena.allocate(4, jnp.float8_e4m3fn)),
+    Row("B7", lambda x: x.arena.allocate(4, jnp.float8_e5m2)),
     Row("B8", lambda x: x.arena.allocate(4, "float33")),
     Row("B9", lambda x: x.arena.allocate(4, name=3)),
     Row("B10", lambda x: (x.buf, x.arena.allocate(7 * x.c, jnp.uint8, name="big"))),

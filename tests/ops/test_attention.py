@@ -519,7 +519,8 @@ def test_gpu_kernels_agree_on_the_benchmark_shape(gpu_device):
 
 
 @pytest.mark.gpu
-def test_gpu_step_is_captured_and_replays_with_device_lengths(gpu_device):
+@pytest.mark.parametrize("impl", ["auto", "stream"])
+def test_gpu_step_is_captured_and_replays_with_device_lengths(gpu_device, impl):
     """A jitted decode step over 5 layers (XLA turns >= 5 adjacent commands into a CUDA
     graph) is captured; with every buffer address stable -- the lengths live in an arena
     buffer updated in place between steps -- later steps replay the graph without calling
@@ -552,7 +553,7 @@ def test_gpu_step_is_captured_and_replays_with_device_lengths(gpu_device):
 
         @jax.jit
         def step(qs, ks, vs, lens):
-            return [jax_vmm.decode_attention(qs[l], ks[l], vs[l], lens) for l in range(L)]
+            return [_decode_attention(qs[l], ks[l], vs[l], lens, impl=impl) for l in range(L)]
 
         lengths = np.zeros(B, np.int32)
         calls = []

@@ -1,6 +1,7 @@
 // jax_vmm._core.testing (see testing_module.h): the testing FFI targets, fault injection
-// into arenas, the scratch probe's counters, simulated capture and the free-on-growth
-// emulation of scratch. The Python side and its documentation: jax_vmm/testing.py.
+// into arenas, the scratch probe's counters, simulated capture, the free-on-growth
+// emulation of scratch and the streaming attention's partition. The Python side and its
+// documentation: jax_vmm/testing.py.
 #include "testing/testing_module.h"
 
 #include <nanobind/ndarray.h>
@@ -8,12 +9,15 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "common/ffi_registry.h"
 #include "jax_vmm/arena.h"
+#include "ops/attention/stream_plan.h"
 #include "python/bindings.h"
 #include "scratch/simulated_capture.h"
 #include "testing/fault_injecting_driver.h"
@@ -29,6 +33,7 @@ namespace {
 void BindFaultInjection(nb::module_& m);
 void BindScratchHooks(nb::module_& m);
 void BindLegacyViews(nb::module_& m);
+void BindStreamPartition(nb::module_& m);
 
 }  // namespace
 
@@ -36,12 +41,16 @@ FfiRegistry TestingTargets() {
   FfiRegistry registry;
   AddUncheckedKvWriteCpuTargets(registry);
   AddAddressOnlyKvWriteCpuTargets(registry);
+  AddTokenKernelKvWriteCpuTargets(registry);
   AddDebugAttentionCpuTargets(registry);
+  AddDebugStreamCpuTargets(registry);
   AddProbeCpuTargets(registry);
 #ifdef JAX_VMM_HAVE_CUDA_KERNELS
   AddUncheckedKvWriteCudaTargets(registry);
   AddAddressOnlyKvWriteCudaTargets(registry);
+  AddTokenKernelKvWriteCudaTargets(registry);
   AddDebugAttentionCudaTargets(registry);
+  AddDebugStreamCudaTargets(registry);
   AddProbeCudaTargets(registry);
 #endif
   return registry;
@@ -51,6 +60,7 @@ void BindTestingHooks(nb::module_& m) {
   BindFaultInjection(m);
   BindScratchHooks(m);
   BindLegacyViews(m);
+  BindStreamPartition(m);
 }
 
 namespace {
@@ -126,6 +136,48 @@ void BindLegacyViews(nb::module_& m) {
       nb::rv_policy::reference, nb::arg("arena"), nb::arg("buffer_id"), nb::arg("shape"),
       nb::arg("code"), nb::arg("bits"), nb::arg("device_type"), nb::arg("device_id"),
       "Arena.view as it was before view leases (GIL-taking deleter, no lease).");
+}
+
+// The streaming kernel's partition as the kernel computes it (stream_plan.h), for the
+// tests of its invariants.
+void BindStreamPartition(nb::module_& m) {
+  m.def(
+      "attention_stream_partition",
+      [](const std::vector<int64_t>& lengths, int64_t max_tokens, int64_t unit_groups, int64_t ctas,
+         int64_t min_tiles) {
+        namespace stream = attention::stream;
+        const int B = static_cast<int>(lengths.size());
+        std::vector<int> prefix(B + 1, 0);
+        for (int b = 0; b < B; ++b) {
+          const int len = static_cast<int>(std::clamp<int64_t>(lengths[b], 0, max_tokens));
+          prefix[b + 1] = prefix[b] + stream::TilesOf(len);
+        }
+        const int G = static_cast<int>(unit_groups);
+        const int total = G * prefix[B];
+        const int C =
+            stream::EffectiveCtas(static_cast<int>(ctas), total, static_cast<int>(min_tiles));
+        nb::list out;
+        for (int c = 0; c < C && total > 0; ++c) {
+          nb::list pieces;
+          const int g1 = stream::RangeStart(c + 1, total, C);
+          for (int g = stream::RangeStart(c, total, C); g < g1;) {
+            const stream::UnitTile u = stream::LocateTile(prefix.data(), B, G, g);
+            const int tiles = prefix[u.b + 1] - prefix[u.b];
+            const int start = g - u.tile, end = std::min(g1, start + tiles);
+            const bool whole = u.tile == 0 && end == start + tiles;
+            pieces.append(nb::make_tuple(
+                u.b, u.hg, u.tile, end - g, whole ? -1 : stream::SlotOf(u.tile == 0),
+                stream::OwnerOf(start, total, C), stream::OwnerOf(start + tiles - 1, total, C)));
+            g = end;
+          }
+          out.append(pieces);
+        }
+        return out;
+      },
+      nb::arg("lengths"), nb::arg("max_tokens"), nb::arg("unit_groups"), nb::arg("ctas"),
+      nb::arg("min_tiles"),
+      "Per CTA, the pieces (b, hg, first_tile, tiles, slot or -1 for a whole unit, "
+      "first_owner, last_owner) of the streaming kernel's partition.");
 }
 
 }  // namespace

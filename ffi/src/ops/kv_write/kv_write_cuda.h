@@ -12,14 +12,29 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <functional>
 
 #include "ops/kv_write/kv_write.h"
+#include "ops/kv_write/kv_write_call.h"
 #include "ops/kv_write/kv_write_ffi.h"
+#include "ops/kv_write/kv_write_stats.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_vmm::kv {
 
 using KernelLauncher = cudaError_t (*)(const Params&, cudaStream_t);
+
+// What every CUDA handler does once its operands are unpacked: counts the call (and a
+// capturing stream), prepares it (kv_write_call.h), counts the resolution, then
+// launch(params) starts the kernel.
+ffi::Error RunOnDevice(Op op, Handler h, cudaStream_t stream, const CallOperands& in,
+                       bool require_arena, const std::function<cudaError_t(const Params&)>& launch);
+
+// kv_write's results: checks their sizes and, should XLA not alias them with k and v,
+// copies k and v into them on `stream` (the op's meaning). `op` names the op in errors.
+ffi::Error PrepareWriteResultsOnDevice(const char* op, const ffi::AnyBuffer& k,
+                                       const ffi::AnyBuffer& v, ffi::AnyBuffer& k_out,
+                                       ffi::AnyBuffer& v_out, cudaStream_t stream);
 
 ffi::Error CudaWrite(KernelLauncher launch, cudaStream_t stream, ffi::AnyBuffer k, ffi::AnyBuffer v,
                      ffi::AnyBuffer new_k, ffi::AnyBuffer new_v, ffi::Buffer<ffi::S32> slots,

@@ -69,11 +69,13 @@ inline CallOperands WriteThroughOperands(const ffi::AnyBuffer& k, const ffi::Any
   return in;
 }
 
-// The checks both handlers make before they touch their results.
-inline ffi::Error CheckWriteResults(const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
-                                    const ffi::AnyBuffer& k_out, const ffi::AnyBuffer& v_out) {
+// The checks the aliasing handlers (kv_write, kv_write_fp8: `op`) make before they touch
+// their results.
+inline ffi::Error CheckWriteResults(const char* op, const ffi::AnyBuffer& k,
+                                    const ffi::AnyBuffer& v, const ffi::AnyBuffer& k_out,
+                                    const ffi::AnyBuffer& v_out) {
   if (k_out.size_bytes() != k.size_bytes() || v_out.size_bytes() != v.size_bytes()) {
-    return ffi::Error::InvalidArgument("jax_vmm_kv_write: outputs must match k and v");
+    return ffi::Error::InvalidArgument(std::string(op) + ": outputs must match k and v");
   }
   return ffi::Error::Success();
 }
