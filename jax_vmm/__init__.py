@@ -12,9 +12,11 @@ from pkgutil import extend_path
 __path__ = extend_path(__path__, __name__)
 
 from .arena import Arena, Buffer  # noqa: E402
+from .cache import ArenaNotWrittenWarning, KVCache, KVLayer, LayerId  # noqa: E402
 from .errors import (  # noqa: E402
     ArenaClosedError,
     DriverError,
+    OutOfBoundsRead,
     OutOfBoundsWrite,
     OutOfMemoryError,
     ReservationFullError,
@@ -28,14 +30,20 @@ __all__ = [
     "Buffer",
     "KVArena",
     "kv_arena",
+    "KVCache",
+    "KVLayer",
+    "LayerId",
+    "ArenaNotWrittenWarning",
     "ArenaClosedError",
     "DriverError",
     "OutOfBoundsWrite",
+    "OutOfBoundsRead",
     "OutOfMemoryError",
     "ReservationFullError",
 ]
 
 # Ops from feature modules (added by their owners; keep one import line each).
 from .attention import decode_attention  # noqa: E402,F401
+from .cache_ops import ordered_views  # noqa: E402,F401
 from .ops import KVDest, kv_write, kv_write_fp8, kv_write_through  # noqa: E402,F401
 from .scratch import scratch_stats  # noqa: E402,F401

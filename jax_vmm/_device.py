@@ -49,3 +49,10 @@ def resolve_device(device: jax.Device | None) -> DeviceTarget:
         f"jax_vmm does not support devices of platform {platform!r} ({device}); "
         "use a CUDA GPU or the CPU (jax.devices('cpu')[0])"
     )
+
+
+def xla_device_ordinal(device: jax.Device) -> int:
+    """The device ordinal XLA hands FFI handlers running on ``device`` (its local hardware
+    id: on the CPU the host device's index, on a GPU the CUDA ordinal)."""
+    ordinal = getattr(device, "local_hardware_id", None)
+    return int(device.id if ordinal is None else ordinal)

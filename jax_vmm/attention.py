@@ -54,9 +54,9 @@ _DEFAULT_SM_COUNT = 132  # H100/H200, when JAX does not report core_count
 
 def decode_attention(
     q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    lengths: jax.Array,
+    k: Any,
+    v: Any = None,
+    lengths: Any = None,
     *,
     scale: float | None = None,
     k_scale: jax.Array | None = None,
@@ -64,21 +64,29 @@ def decode_attention(
 ) -> jax.Array:
     """Attention of one new query token per sequence over that sequence's live KV tokens.
 
+    Two forms: ``decode_attention(q, layer, lengths)`` over a :class:`~jax_vmm.KVLayer`
+    (the cache API), and ``decode_attention(q, k, v, lengths)`` over arrays.
+
     Args:
       q: ``(B, H_q, D)``, the query of each sequence's new token.
-      k, v: ``(B, T, H_kv, D)``, e.g. ``kv.k[layer]`` / ``kv.v[layer]`` of a
-        ``kv_arena(..., max_seqs=B)``; the same dtype as ``q`` (bfloat16, float16 or
-        float32). Grouped-query attention when ``H_q`` is a multiple of ``H_kv``: query
-        head ``h`` reads KV head ``h // (H_q // H_kv)``.
+      layer: ``cache[l]`` of ``kv.cache()`` (a ``kv_arena(..., max_seqs=B)``) or an array
+        layer. An arena layer is read in place (the kernel finds the arena by the layer's
+        identity; no copy) after the writes that produced the layer (its token is an
+        operand), and each length is clamped to the tokens its sequence ensured: a
+        sequence asked to read past them is counted, and ``kv.check()`` raises
+        :class:`~jax_vmm.OutOfBoundsRead`. An fp8 layer carries its scales.
+      k, v: ``(B, T, H_kv, D)`` arrays (any, arena views or not); the same dtype as ``q``
+        (bfloat16, float16 or float32). Grouped-query attention when ``H_q`` is a
+        multiple of ``H_kv``: query head ``h`` reads KV head ``h // (H_q // H_kv)``.
       lengths: ``(B,)`` integers, live tokens per sequence (cast to int32). Only tokens
         ``[0, lengths[b])`` of sequence ``b`` are read; values are clamped to ``[0, T]``.
         A sequence of length 0 gets an all-zero output.
       scale: softmax scale, default ``1 / sqrt(D)``.
-      k_scale, v_scale: for an fp8 cache (``k``/``v`` of dtype float8_e4m3fn, or uint8
-        holding its bits; ``q`` bfloat16 or float16, head_dim 64, 128 or 256): float32
-        ``(H_kv,)`` dequantization scales, one per KV head (the cache holds ``k / k_scale``
-        rounded to fp8, see ``jax_vmm.kv_write_fp8``). Required for fp8 caches, refused
-        otherwise.
+      k_scale, v_scale: (array form) for an fp8 cache (``k``/``v`` of dtype
+        float8_e4m3fn, or uint8 holding its bits; ``q`` bfloat16 or float16, head_dim 64,
+        128 or 256): float32 ``(H_kv,)`` dequantization scales, one per KV head (the cache
+        holds ``k / k_scale`` rounded to fp8, see ``jax_vmm.kv_write_fp8``). Required for
+        fp8 caches, refused otherwise.
 
     Returns:
       ``(B, H_q, D)`` in ``q``'s dtype: ``softmax(scale * q . k[:len]) @ v[:len]`` per
@@ -94,8 +102,8 @@ def decode_attention(
 def _decode_attention(
     q: Any,
     k: Any,
-    v: Any,
-    lengths: Any,
+    v: Any = None,
+    lengths: Any = None,
     *,
     scale: float | None = None,
     chunk: int = 0,
@@ -119,7 +127,40 @@ def _decode_attention(
     tiles per CTA), 0 = automatic. workspace: "scratch" keeps the partials in jax_vmm's
     graph-safe scratch (grown at the FFI initialize stage); "xla" (split-K only) makes
     them a second, discarded output that XLA allocates.
+
+    ``k`` may be a KVLayer: ``_decode_attention(q, layer, lengths)`` (or with ``v=None``
+    and ``lengths=``), with the same knobs.
     """
+    from .cache import KVLayer
+
+    if isinstance(k, KVLayer):
+        if lengths is not None and v is not None:
+            raise TypeError("decode_attention(q, layer, lengths): too many arguments")
+        if k_scale is not None or v_scale is not None:
+            raise ValueError(
+                "decode_attention(q, layer, lengths): an fp8 layer carries its scales; "
+                "k_scale/v_scale are for the array form"
+            )
+        from . import cache_ops
+
+        return cache_ops.attention(
+            q,
+            k,
+            v if lengths is None else lengths,
+            scale=scale,
+            chunk=chunk,
+            splits=splits,
+            impl=impl,
+            workspace=workspace,
+            ctas=ctas,
+            stages=stages,
+            min_tiles=min_tiles,
+        )
+    if v is None or lengths is None:
+        raise TypeError(
+            "decode_attention takes (q, layer, lengths) or (q, k, v, lengths); got "
+            f"k of type {type(k).__name__} and a missing {'v' if v is None else 'lengths'}"
+        )
     call = _prepare(
         q,
         k,
@@ -183,7 +224,10 @@ def _prepare(
     """Validates a call, picks the kernel (split-K or streaming) and registers the
     targets; None for an empty batch (the result is then all zeros without a custom call).
     Shared with jax_vmm.testing's variant."""
-    q, k, v = (x if isinstance(x, jax.Array) else jnp.asarray(x) for x in (q, k, v))
+    # k, v may be ShapeDtypeStructs: the shapes of an arena layer (jax_vmm/cache_ops.py).
+    q, k, v = (
+        x if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) else jnp.asarray(x) for x in (q, k, v)
+    )
     lengths = _clamped_lengths(lengths, k)
     if impl not in _IMPLS and impl not in _STREAM_IMPLS:
         raise ValueError(

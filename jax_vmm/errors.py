@@ -20,8 +20,21 @@ OutOfMemoryError = _core.OutOfMemoryError
 
 
 class OutOfBoundsWrite(RuntimeError):
-    """Writes into a KV arena were dropped because their slot was outside the buffer or
-    on a page that was not committed. ``count`` is the number of dropped token writes."""
+    """Writes into a KV arena were dropped because their slot was outside the buffer, on a
+    page that was not committed, or past the tokens its sequence ensured. ``count`` is the
+    number of dropped token writes; ``dropped_reads`` the reads clamped in the same period
+    (see :class:`OutOfBoundsRead`)."""
+
+    def __init__(self, message: str, count: int, dropped_reads: int = 0):
+        super().__init__(message)
+        self.count = count
+        self.dropped_reads = dropped_reads
+
+
+class OutOfBoundsRead(RuntimeError):
+    """``decode_attention`` over a KV cache layer was asked to read more tokens of a
+    sequence than the sequence ensured; the read was clamped to them. ``count`` is the
+    number of such (sequence, call) pairs."""
 
     def __init__(self, message: str, count: int):
         super().__init__(message)
@@ -34,4 +47,5 @@ __all__ = [
     "DriverError",
     "OutOfMemoryError",
     "OutOfBoundsWrite",
+    "OutOfBoundsRead",
 ]

@@ -12,9 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from .arena import Arena, Buffer, _as_index, _as_int, _refuse_copy
-from .errors import DriverError, OutOfBoundsWrite
+from .errors import DriverError, OutOfBoundsRead, OutOfBoundsWrite
+from .fp8 import FP8_STORAGE
 
 if TYPE_CHECKING:
+    from .cache import KVCache
     from .ops import KVDest
 
 
@@ -67,7 +69,13 @@ class KVArena:
     Layout per layer and per K/V: ``(max_tokens, num_kv_heads, head_dim)``, or with
     ``max_seqs`` ``(max_seqs, max_tokens, num_kv_heads, head_dim)`` (each sequence
     contiguous; flat slot = ``seq * max_tokens + position``). Physical memory follows
-    :meth:`ensure`, :meth:`shrink` and :meth:`release`. Create with :func:`kv_arena`.
+    :meth:`ensure`, :meth:`shrink` and :meth:`release`. Create with :func:`kv_arena`;
+    step with :meth:`cache` (the :class:`~jax_vmm.KVCache` pytree).
+
+    The tokens each sequence has ensured form a device-visible table that the kernels
+    read: a write past them is dropped and a read past them clamped, both counted for
+    :meth:`check`, even where chunk rounding happens to back the memory (a neighbour's
+    release may take such a chunk away).
 
     Thread-safe: one lock serialises growth and release; views may be read anywhere.
     """
@@ -84,6 +92,8 @@ class KVArena:
         initial_tokens: int = 0,
         max_seqs: int | None = None,
         chunk_bytes: int | None = None,
+        k_scales: Any = None,
+        v_scales: Any = None,
     ):
         for name, value in (
             ("num_layers", num_layers),
@@ -140,6 +150,25 @@ class KVArena:
         ]
         self.k = _LayerViews(self.k_buffers, "kv.k")
         self.v = _LayerViews(self.v_buffers, "kv.v")
+        self._scales = self._fp8_scales(k_scales, v_scales, target.device)
+        from .cache import _register_arena
+        from ._device import xla_device_ordinal
+
+        # The identity the cache pytree carries, and the table of ensured tokens.
+        self._core_cache = _core.create_kv_cache(
+            self.arena._handle,
+            [b.id for b in self.k_buffers],
+            [b.id for b in self.v_buffers],
+            seqs,
+            self.max_seqs is not None,
+            self.max_tokens,
+            self.num_kv_heads,
+            self.head_dim,
+            self.dtype.name,
+            self.dtype.itemsize,
+            xla_device_ordinal(target.device),
+        )
+        _register_arena(self)
         self._lock = threading.RLock()
         # Tokens each sequence asked for through ensure(): decides which chunks shared
         # by two sequences may be released (actual backing can be larger: chunk rounding).
@@ -147,6 +176,70 @@ class KVArena:
         if initial_tokens:
             for seq in range(seqs):
                 self.ensure(initial_tokens, None if self.max_seqs is None else seq)
+
+    def _fp8_scales(self, k_scales: Any, v_scales: Any, device: jax.Device) -> tuple | None:
+        """Per-layer, per-KV-head float32 scales of an fp8 arena, on its device (None for
+        other dtypes)."""
+        if self.dtype not in FP8_STORAGE:
+            if k_scales is not None or v_scales is not None:
+                raise ValueError(
+                    f"k_scales/v_scales are for fp8 arenas (dtype float8_e4m3fn); this one "
+                    f"holds {self.dtype}"
+                )
+            return None
+        shape = (self.num_layers, self.num_kv_heads)
+        out = []
+        for name, given in (("k_scales", k_scales), ("v_scales", v_scales)):
+            x = np.ones(shape, np.float32) if given is None else np.asarray(given)
+            if x.dtype != np.float32 or x.shape != shape:
+                raise ValueError(
+                    f"{name} must be float32 of shape {shape} (num_layers, num_kv_heads), "
+                    f"got {x.dtype} {x.shape}"
+                )
+            if not (np.all(np.isfinite(x)) and np.all(x > 0)):
+                raise ValueError(f"{name} must be positive and finite, got {x}")
+            out.append(tuple(jax.device_put(row, device) for row in x))
+        return tuple(out)
+
+    @property
+    def uid(self) -> int:
+        """Process-unique identity of this KV cache (never reused): what a
+        :class:`~jax_vmm.KVCache` of it names."""
+        return self._core_cache.uid
+
+    def cache(self) -> KVCache:
+        """This arena as a :class:`~jax_vmm.KVCache`: one arena layer per layer. It carries
+        no big array (the arena is the state): pass it into and out of jitted steps,
+        ``lax.scan``, ``fori_loop``, ``while_loop``; ``jax_vmm.kv_write(cache[l], ...)``
+        writes the arena in place and ``jax_vmm.decode_attention(q, cache[l], lengths)``
+        reads it. Cheap: call it again for a fresh cache (the arena is the same)."""
+        from .cache import KVCache, KVLayer, LayerId
+
+        self.arena._check_open("KVArena.cache")
+        device = self.arena.device
+        shape = tuple(self.k_buffers[0].shape)
+        layers = []
+        for layer in range(self.num_layers):
+            lid = LayerId(
+                cache_uid=self.uid,
+                layer=layer,
+                num_layers=self.num_layers,
+                shape=shape,
+                dtype=self.dtype.name,
+                platform="cpu" if device.platform == "cpu" else "gpu",
+            )
+            token = jax.device_put(np.int32(0), device)
+            scales = () if self._scales is None else (self._scales[0][layer], self._scales[1][layer])
+            layers.append(KVLayer._arena(lid, token, scales))
+        return KVCache(layers)
+
+    def scales(self, layer: int) -> tuple[jax.Array, jax.Array] | None:
+        """(k_scale, v_scale) of an fp8 arena's layer: float32 ``(num_kv_heads,)``, what
+        its tokens are quantized with (None for other dtypes)."""
+        layer = _layer_index(layer, self.num_layers, "KVArena.scales")
+        if self._scales is None:
+            return None
+        return self._scales[0][layer], self._scales[1][layer]
 
     def _signature(self) -> str:
         return (
@@ -211,6 +304,8 @@ class KVArena:
             added = self.arena._handle.commit_ranges(ranges)
             q = 0 if seq is None else int(seq)
             self._ensured[q] = max(self._ensured[q], num_tokens)
+            # Published after the memory: the kernels may write what the table admits.
+            self._core_cache.set_limit(q, self._ensured[q])
             return added
 
     def shrink(self, num_tokens: int) -> int:
@@ -223,13 +318,15 @@ class KVArena:
             for seq in range(1 if self.max_seqs is None else self.max_seqs):
                 base = seq * self.seq_bytes
                 q = None if self.max_seqs is None else seq
+                # The table first: no kernel may write what is about to go.
+                self._ensured[seq] = min(self._ensured[seq], num_tokens)
+                self._core_cache.set_limit(seq, self._ensured[seq])
                 released += self._decommit_span(
                     base + num_tokens * self.token_bytes,
                     base + self.seq_bytes,
                     q,
                     keep_before=num_tokens > 0,
                 )
-                self._ensured[seq] = min(self._ensured[seq], num_tokens)
         return released
 
     def release(self, seq: int | None = None) -> int:
@@ -238,9 +335,10 @@ class KVArena:
         base = self._seq_base(seq, "KVArena.release")
         with self._lock:
             self.arena._check_open("KVArena.release")
-            released = self._decommit_span(base, base + self.seq_bytes, seq)
-            self._ensured[0 if seq is None else int(seq)] = 0
-            return released
+            q = 0 if seq is None else int(seq)
+            self._ensured[q] = 0  # the table first: no kernel may write what is about to go
+            self._core_cache.set_limit(q, 0)
+            return self._decommit_span(base, base + self.seq_bytes, seq)
 
     def _decommit_span(
         self, start: int, stop: int, seq: int | None, keep_before: bool = False
@@ -299,30 +397,55 @@ class KVArena:
 
     # -- checks and stats ------------------------------------------------------------------
     def dropped_writes(self, *arrays: Any) -> int:
-        """Token writes dropped by kv_write (slot out of range or on an unbacked page)
-        since the last :meth:`check`, summed over K and V of every layer. Waits first, as
-        :meth:`check` does."""
+        """Token writes dropped by kv_write (slot out of range, on an unbacked page, or past
+        its sequence's ensured tokens) since the last :meth:`check`, summed over K and V of
+        every layer. Waits first, as :meth:`check` does."""
         _wait_for_writes(arrays)
         return sum(self.arena._handle.drop_count(b.id) for b in self.buffers)
 
-    def check(self, *arrays: Any) -> None:
-        """Raise :class:`~jax_vmm.errors.OutOfBoundsWrite` if any write was dropped since
-        the last check (and reset the count).
+    def dropped_reads(self, *arrays: Any) -> int:
+        """Sequences that ``decode_attention`` over a layer of this cache asked to read past
+        their ensured tokens since the last :meth:`check` (each was clamped to them), over
+        every layer and call. Waits first, as :meth:`check` does."""
+        _wait_for_writes(arrays)
+        return int(self._core_cache.read_clamps())
 
-        Waits for the writes that can still count first: for ``arrays`` (any pytrees of
-        arrays, e.g. a step's results) and, through ``jax.effects_barrier()``, for every
-        computation with a kv_write that this thread dispatched. A step dispatched from
-        another thread is covered only by passing its results here."""
-        count = self.dropped_writes(*arrays)
-        if count:
-            for b in self.buffers:
-                self.arena._handle.reset_drop_count(b.id)
+    def check(self, *arrays: Any) -> None:
+        """Raise if a write was dropped or a read clamped since the last check (and reset
+        both counts): :class:`~jax_vmm.errors.OutOfBoundsWrite` for dropped writes (its
+        message also counts clamped reads), else
+        :class:`~jax_vmm.errors.OutOfBoundsRead`.
+
+        Waits for what can still count first: for ``arrays`` (any pytrees of arrays, e.g.
+        a step's results) and, through ``jax.effects_barrier()``, for every computation
+        with a kv_write that this thread dispatched. A step dispatched from another thread,
+        or one that only reads (decode_attention has no side effect), is covered only by
+        passing its results here."""
+        writes = self.dropped_writes(*arrays)
+        reads = int(self._core_cache.read_clamps())
+        if not writes and not reads:
+            return
+        for b in self.buffers:
+            self.arena._handle.reset_drop_count(b.id)
+        self._core_cache.reset_read_clamps()
+        read_note = (
+            f"{reads} decode_attention reads of a sequence asked for more tokens than it "
+            "ensured and were clamped to them"
+        )
+        if writes:
             raise OutOfBoundsWrite(
-                f"{count} token writes into this KV arena were dropped: their slot was >= "
-                f"num_slots={self.num_slots} or on a page not committed. Call kv.ensure(n, seq) "
-                "for every token before writing it (slot = seq * max_tokens + position).",
-                count,
+                f"{writes} token writes into this KV arena were dropped: their slot was >= "
+                f"num_slots={self.num_slots}, on a page not committed, or past the tokens its "
+                "sequence ensured. Call kv.ensure(n, seq) for every token before writing it "
+                "(slot = seq * max_tokens + position)." + (f" Also {read_note}." if reads else ""),
+                writes,
+                dropped_reads=reads,
             )
+        raise OutOfBoundsRead(
+            f"{read_note} (lengths past kv.ensure(n, seq) would read zeros or a neighbour's "
+            "memory). Pass lengths of at most the tokens each sequence ensured.",
+            reads,
+        )
 
     def stats(self) -> dict:
         s = self.arena.stats()
@@ -339,6 +462,9 @@ class KVArena:
         return s
 
     def close(self) -> None:
+        """Close the arena (its memory goes at once; views read zeros). A KVCache of it,
+        and a step traced with one, refuse to run after this."""
+        self._core_cache.close()
         self.arena.close()
 
     def __reduce_ex__(self, protocol: Any) -> Any:
@@ -384,8 +510,16 @@ def kv_arena(
     initial_tokens: int = 0,
     max_seqs: int | None = None,
     chunk_bytes: int | None = None,
+    k_scales: Any = None,
+    v_scales: Any = None,
 ) -> KVArena:
-    """Create a :class:`KVArena`: K/V buffers for every layer in one reserved range."""
+    """Create a :class:`KVArena`: K/V buffers for every layer in one reserved range.
+
+    An fp8 arena (``dtype=jnp.float8_e4m3fn``) holds ``k_scales``, ``v_scales``: float32
+    ``(num_layers, num_kv_heads)``, the per-layer, per-KV-head scales its tokens are
+    quantized with (default 1.0; see docs/kv_cache.md for choosing them). Its cache
+    layers carry them: ``kv_write(layer, ...)`` quantizes float tokens, and
+    ``decode_attention(q, layer, lengths)`` dequantizes."""
     return KVArena(
         num_layers=num_layers,
         num_kv_heads=num_kv_heads,
@@ -396,4 +530,6 @@ def kv_arena(
         initial_tokens=initial_tokens,
         max_seqs=max_seqs,
         chunk_bytes=chunk_bytes,
+        k_scales=k_scales,
+        v_scales=v_scales,
     )

@@ -1,7 +1,12 @@
 """KV-cache writes as XLA FFI custom calls: ``kv_write``, ``kv_write_through`` and
 ``kv_write_fp8``.
 
-Both take KV-cache views (``kv.k[l]``, ``kv.v[l]``), ``n`` new tokens and their flat
+The cache API comes first: ``kv_write(layer, new_k, new_v, slots)`` on a
+:class:`~jax_vmm.KVLayer` of ``kv.cache()`` writes the arena with nothing to remember
+and nothing copied (jax_vmm/cache_ops.py, docs/kv_cache.md). The rest of this module is
+the array level, for power users.
+
+The array-level calls take KV-cache views (``kv.k[l]``, ``kv.v[l]``), ``n`` new tokens and their flat
 slots (``slot = seq * max_tokens + position`` for a per-sequence layout; the cache is seen
 as ``(num_slots, num_kv_heads, head_dim)``; a negative slot is padding and is skipped).
 Slots are validated on the device, so the checks hold when XLA replays a captured CUDA
@@ -45,6 +50,7 @@ scale per KV head (the format: jax_vmm/fp8.py).
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any
 
 import jax
@@ -67,10 +73,11 @@ __all__ = [
     "WRITTEN",
     "DROPPED_OUT_OF_RANGE",
     "DROPPED_UNBACKED",
+    "DROPPED_NOT_ENSURED",
 ]
 
 #: Per-token status codes returned by :func:`kv_write_through`.
-PADDING, WRITTEN, DROPPED_OUT_OF_RANGE, DROPPED_UNBACKED = 0, 1, 2, 3
+PADDING, WRITTEN, DROPPED_OUT_OF_RANGE, DROPPED_UNBACKED, DROPPED_NOT_ENSURED = 0, 1, 2, 3, 4
 
 _WRITE_FP8 = "jax_vmm_kv_write_fp8"
 _FP8_SOURCES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
@@ -235,7 +242,80 @@ def _attrs(k_address: int, v_address: int, k_uid: int, v_uid: int) -> dict:
     }
 
 
-def kv_write(
+def kv_write(cache: Any, *args: Any, dest: KVDest | None = None) -> Any:
+    """Write ``n`` tokens into a KV cache. Two forms:
+
+    ``kv_write(layer, new_k, new_v, slots) -> KVLayer`` (the cache API): ``layer`` is a
+    :class:`~jax_vmm.KVLayer` (``cache[l]`` of ``kv.cache()``, or an array layer). For an
+    arena layer the arena holds the tokens when the call returns (eager) or runs (inside
+    ``jit``, donated or not, CPU or GPU, in any loop): one custom call finds the arena
+    buffers by the layer's static identity, nothing is copied, and the returned layer's
+    token orders every later read of it (``decode_attention(q, layer, lengths)``) after
+    the write. An fp8 arena layer quantizes float tokens with its scales. For an array
+    layer it is a checked functional scatter. Put the result back with
+    ``cache.replace(l, layer)``.
+
+    ``kv_write(k, v, new_k, new_v, slots, dest=None) -> (k, v)`` (array level, for power
+    users): ``k``, ``v`` are arrays (or arena views ``kv.k[l]``, ``kv.v[l]``), seen as
+    ``(num_slots, H, D)``; returns them updated. Inside ``jit`` the arena is written only
+    with ``dest=kv.dest(l)`` (or with the cache donated on a GPU): without it, a call on
+    arrays shaped like a live KV arena's layer warns (:class:`~jax_vmm.ArenaNotWrittenWarning`).
+
+    Common arguments: ``new_k``, ``new_v``: ``(n, H, D)`` in the cache's dtype (fp8:
+    float32/bfloat16/float16); ``slots``: int32 ``(n,)``, flat slot ``seq * max_tokens +
+    position``; negative slots are skipped. A slot out of range, on a page not committed,
+    or past the tokens its sequence ensured (``kv.ensure``) is not written and is counted:
+    ``kv.check()`` raises :class:`~jax_vmm.OutOfBoundsWrite`.
+    """
+    from .cache import KVLayer
+
+    if isinstance(cache, KVLayer):
+        if dest is not None:
+            raise TypeError(
+                "kv_write(layer, ...): a KVLayer names its arena itself; dest= is for the "
+                "array form kv_write(k, v, new_k, new_v, slots, dest=kv.dest(l))"
+            )
+        if len(args) != 3:
+            raise TypeError(
+                f"kv_write(layer, new_k, new_v, slots) takes 3 arguments after the layer, got "
+                f"{len(args)}"
+            )
+        from . import cache_ops
+
+        return cache_ops.write(cache, *args)
+    if len(args) != 4:
+        raise TypeError(
+            "kv_write takes (layer, new_k, new_v, slots) or (k, v, new_k, new_v, slots, "
+            f"dest=...); got {1 + len(args)} positional arguments"
+        )
+    return _kv_write_arrays(cache, *args, dest=dest)
+
+
+def _warn_if_arena_not_written(op: str, k: Any, dest: KVDest | None) -> None:
+    """Inside jit, an array-level write without dest on arrays shaped like a live KV
+    arena's layer writes XLA's copy, not the arena (unless donated on a GPU): say so."""
+    if dest is not None or not isinstance(k, jax.core.Tracer):
+        return
+    from .cache import ArenaNotWrittenWarning, _live_arenas
+
+    shape, dtype = tuple(k.shape), np.dtype(k.dtype)
+    for kv in _live_arenas():
+        if tuple(kv.k_buffers[0].shape) == shape and kv.dtype == dtype:
+            warnings.warn(
+                ArenaNotWrittenWarning(
+                    f"{op} inside jit on a cache shaped like a layer of a live KV arena "
+                    f"({shape} {dtype}) without dest=: XLA hands the call its own copy "
+                    "(always on the CPU, on a GPU unless the cache is donated), so the arena "
+                    "is NOT written and a later read of it misses these tokens. Use the "
+                    "cache API: cache = kv.cache(); layer = jax_vmm.kv_write(cache[l], new_k, "
+                    "new_v, slots); or pass dest=kv.dest(l)"
+                ),
+                stacklevel=4,
+            )
+            return
+
+
+def _kv_write_arrays(
     k: jax.Array,
     v: jax.Array,
     new_k: jax.Array,
@@ -244,25 +324,16 @@ def kv_write(
     *,
     dest: KVDest | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """Write ``n`` tokens into a KV cache; returns the updated ``(k, v)``.
+    """The array form of :func:`kv_write`.
 
-    Args:
-      k, v: the cache, shape ``(..., num_kv_heads, head_dim)`` (a KV-arena view
-        ``kv.k[l]``/``kv.v[l]``, or any array), seen as ``(num_slots, H, D)``.
-      new_k, new_v: ``(n, H, D)`` in the cache's dtype.
-      slots: int32 ``(n,)``, the flat slot of each token; negative slots are skipped.
-      dest: ``kv.dest(l)``: the arena buffers to write, whatever XLA hands the call. Needed
-        inside ``jit`` for the arena to be written without donation or on CPU; found
-        automatically when ``k``/``v`` are concrete arena views.
-
-    Returns:
-      ``(k, v)`` with the tokens written (dropped slots excepted). Use them in place of
-      the inputs. Donate the cache (``jax.jit(..., donate_argnums=...)``) on a GPU for an
-      in-place update of the arena without any copy. Works in ``jit``, ``lax.scan`` and
-      ``fori_loop``.
+    Returns ``(k, v)`` with the tokens written (dropped slots excepted); use them in place
+    of the inputs. With ``dest`` (``kv.dest(l)``) the arena buffers are written whatever
+    XLA hands the call; found automatically when ``k``/``v`` are concrete arena views.
+    Donate the cache on a GPU for an in-place update without any copy.
     """
     n = _check("kv_write", k, v, new_k, new_v, slots)
     attrs = _dest_attrs("kv_write", k, v, dest)
+    _warn_if_arena_not_written("kv_write", k, dest)
     if n == 0:
         return k, v
     register()
@@ -312,6 +383,7 @@ def kv_write_fp8(
                 f"KV head; got {x.dtype} {x.shape}"
             )
     attrs = _dest_attrs("kv_write_fp8", k, v, dest)
+    _warn_if_arena_not_written("kv_write_fp8", k, dest)
     if n == 0:
         return k, v
     register()

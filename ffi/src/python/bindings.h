@@ -18,4 +18,5 @@ void BindArena(nanobind::module_& m);      // arena_bindings.cc
 void BindScratch(nanobind::module_& m);    // scratch_bindings.cc
 void BindOps(nanobind::module_& m);        // ops_bindings.cc (kv_write / attention stats)
 void BindAttention(nanobind::module_& m);  // attention_bindings.cc
+void BindKvCache(nanobind::module_& m);    // kv_cache_bindings.cc
 }  // namespace jax_vmm

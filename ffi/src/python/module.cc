@@ -11,6 +11,7 @@
 #include "common/ffi_registry.h"
 #include "jax_vmm/errors.h"
 #include "ops/attention/attention_targets.h"
+#include "ops/kv_cache/kv_cache_targets.h"
 #include "ops/kv_write/kv_write_targets.h"
 #include "python/bindings.h"
 #include "python/registrations.h"
@@ -66,11 +67,15 @@ FfiRegistry ProductionTargets() {
   kv::AddFp8CpuTargets(registry);
   attention::AddCpuTargets(registry);
   attention::AddStreamCpuTargets(registry);
+  attention::AddCacheCpuTargets(registry);
+  kvcache::AddCpuTargets(registry);
 #ifdef JAX_VMM_HAVE_CUDA_KERNELS
   kv::AddCudaTargets(registry);
   kv::AddFp8CudaTargets(registry);
   attention::AddCudaTargets(registry);
   attention::AddStreamCudaTargets(registry);
+  attention::AddCacheCudaTargets(registry);
+  kvcache::AddCudaTargets(registry);
 #endif
   return registry;
 }
@@ -108,6 +113,7 @@ NB_MODULE(_core, m) {
   BindScratch(m);
   BindOps(m);
   BindAttention(m);
+  BindKvCache(m);
 #ifdef JAX_VMM_TESTING
   nb::module_ t = m.def_submodule(
       "testing", "Test-only hooks of jax_vmm's C++ core; use them through jax_vmm.testing.");

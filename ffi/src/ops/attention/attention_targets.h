@@ -13,6 +13,10 @@ void AddCpuTargets(FfiRegistry& registry);
 // jax_vmm_decode_attention_v2, the streaming kernel's CPU model, on "cpu" (stream_cpu.cc).
 void AddStreamCpuTargets(FfiRegistry& registry);
 
+// jax_vmm_decode_attention_cache and jax_vmm_decode_attention_v2_cache (over a KVCache
+// layer) on "cpu" (attention_cache_cpu.cc).
+void AddCacheCpuTargets(FfiRegistry& registry);
+
 #ifdef JAX_VMM_HAVE_CUDA_KERNELS
 // The split-K targets on "CUDA": the scratch ones with an initialize stage
 // (attention_cuda.cc).
@@ -20,6 +24,9 @@ void AddCudaTargets(FfiRegistry& registry);
 
 // jax_vmm_decode_attention_v2 on "CUDA", with an initialize stage (stream_cuda.cc).
 void AddStreamCudaTargets(FfiRegistry& registry);
+
+// The two KVCache-layer targets on "CUDA", with initialize stages (attention_cache_cuda.cc).
+void AddCacheCudaTargets(FfiRegistry& registry);
 #endif
 
 }  // namespace jax_vmm::attention

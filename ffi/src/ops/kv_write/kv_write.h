@@ -13,7 +13,10 @@
 // target, and kv_write also writes them into its output when that is not the target (an
 // "alias miss": XLA copied the cache, so the returned arrays hold the tokens too).
 // Per token and side the status is 0 padding (slot < 0), 1 written,
-// 2 dropped: slot out of range, 3 dropped: slot on an unbacked chunk.
+// 2 dropped: slot out of range, 3 dropped: slot on an unbacked chunk, 4 dropped: the
+// target is a KV cache buffer and the token lies past its sequence's ensured tokens
+// (backed only because a chunk is shared or rounded up: such memory may vanish when a
+// neighbouring sequence is released).
 #pragma once
 
 #include <cstddef>
@@ -32,6 +35,7 @@ enum TokenStatus : int32_t {
   kValid = 1,
   kDroppedOutOfRange = 2,
   kDroppedUnbacked = 3,
+  kDroppedNotEnsured = 4,
 };
 
 // Where one side (k or v) of a call reads and writes. Plain data: passed to kernels.
@@ -44,6 +48,13 @@ struct Side {
   uint64_t chunk_bytes = 1;
   unsigned long long* drop_counter = nullptr;  // the arena buffer's, or null
   int32_t* status = nullptr;                   // n entries (write-through), or null
+  // When the target is a buffer of a KV cache (ops/kv_cache/kv_cache.h): its table of
+  // tokens ensured per sequence, where dst lies in the buffer, and the cache's sequence
+  // and token sizes. A token is written only inside its sequence's ensured prefix.
+  const int32_t* limits = nullptr;  // null: not a KV cache buffer
+  uint64_t limit_offset = 0;        // dst - buffer base
+  uint64_t seq_bytes = 1;
+  uint64_t cache_token_bytes = 0;
 };
 
 struct Params {
@@ -55,7 +66,8 @@ struct Params {
 };
 
 inline constexpr JAX_VMM_HD bool IsDropped(int32_t status) {
-  return status == kDroppedOutOfRange || status == kDroppedUnbacked;
+  return status == kDroppedOutOfRange || status == kDroppedUnbacked ||
+         status == kDroppedNotEnsured;
 }
 
 // The check every production handler runs per token and side, on the host (CPU) or in
@@ -74,6 +86,14 @@ struct CheckedTokens {
       for (uint64_t c = first; c <= last; ++c) {
         if (s.page_table[c] != 1) return kDroppedUnbacked;
       }
+    }
+    if (s.limits != nullptr) {
+      // Byte offsets in the buffer: any view geometry of it is checked the same way.
+      const uint64_t off = s.limit_offset + static_cast<uint64_t>(slot) * p.token_bytes;
+      const uint64_t seq = off / s.seq_bytes;
+      const uint64_t ensured_end =
+          seq * s.seq_bytes + static_cast<uint64_t>(s.limits[seq]) * s.cache_token_bytes;
+      if (off + p.token_bytes > ensured_end) return kDroppedNotEnsured;
     }
     return kValid;
   }

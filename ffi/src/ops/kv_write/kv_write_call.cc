@@ -6,6 +6,7 @@
 
 #include "common/format.h"
 #include "jax_vmm/arena.h"
+#include "ops/kv_cache/kv_cache.h"
 
 namespace jax_vmm::kv {
 namespace {
@@ -73,7 +74,15 @@ bool Usable(const BufferRef& ref, const char* driver_kind) {
 }
 
 const char* OpName(Op op) {
-  return op == Op::kWrite ? "jax_vmm.kv_write" : "jax_vmm.kv_write_through";
+  switch (op) {
+    case Op::kWrite:
+      return "jax_vmm.kv_write";
+    case Op::kWriteThrough:
+      return "jax_vmm.kv_write_through";
+    case Op::kCacheWrite:
+      break;
+  }
+  return "jax_vmm.kv_write (KVCache layer)";
 }
 
 std::string BufferName(const std::string& name, const BufferRef& ref) {
@@ -152,9 +161,33 @@ std::string StaleHandedMessage(Op op, char side, const SideInput& in, const Buff
          "arena, taken after any close() or free()) with their own dest=kv.dest(layer)";
 }
 
+// A target that is a buffer of a KV cache is checked against the cache's table of
+// ensured tokens; an error message when the call sees the buffer with a token size the
+// cache does not have (the table could not say which token is which), or "".
+std::string AttachLimits(Op op, char side_name, const BufferRef& ref, uint64_t token_bytes,
+                         Side* side) {
+  const std::shared_ptr<kvcache::KvCache> cache = kvcache::FindKvCacheOfBuffer(ref.buffer_uid);
+  if (cache == nullptr) return "";
+  const kvcache::Geometry& g = cache->geometry();
+  if (token_bytes != g.token_bytes()) {
+    return std::string(OpName(op)) + ": the cache " + side_name + " is a view of a buffer of KV cache " +
+           std::to_string(cache->uid()) + " whose tokens are " + std::to_string(g.token_bytes()) +
+           " bytes, but the call writes tokens of " + std::to_string(token_bytes) +
+           " bytes: write it through views of its own shape (kv.k[layer], kv.v[layer])";
+  }
+  side->limits = cache->device_limits();
+  side->limit_offset = reinterpret_cast<uintptr_t>(side->dst) - ref.buffer_base;
+  side->seq_bytes = g.seq_bytes();
+  side->cache_token_bytes = g.token_bytes();
+  // The table outlives the call: a closed cache keeps it (zeroed) while its arena lives,
+  // and a CUDA graph that bakes it in pins it.
+  if (std::strcmp(ref.driver_kind, "cuda") == 0) cache->PinMetadataForGraphs();
+  return "";
+}
+
 // Fills the target of side `s` (0 = k, 1 = v); an error message, or "".
 std::string ResolveSide(Op op, const char* driver_kind, bool require_arena, int s,
-                        const SideInput& in, Side* side, Resolution* out) {
+                        const SideInput& in, uint64_t token_bytes, Side* side, Resolution* out) {
   const char side_name = s == 0 ? 'k' : 'v';
   *side = Side{};
   side->src = static_cast<const uint8_t*>(in.src);
@@ -196,7 +229,7 @@ std::string ResolveSide(Op op, const char* driver_kind, bool require_arena, int 
     side->dst2 = static_cast<uint8_t*>(in.handed);
     out->alias_miss = true;
   }
-  return "";
+  return AttachLimits(op, side_name, ref, token_bytes, side);
 }
 
 }  // namespace
@@ -205,7 +238,8 @@ std::string ResolveSides(Op op, const char* driver_kind, bool require_arena, con
                          Params* p, Resolution* out) {
   *out = Resolution{};
   for (int s = 0; s < 2; ++s) {
-    std::string err = ResolveSide(op, driver_kind, require_arena, s, in[s], &p->side[s], out);
+    std::string err =
+        ResolveSide(op, driver_kind, require_arena, s, in[s], p->token_bytes, &p->side[s], out);
     if (!err.empty()) return err;
   }
   return "";
@@ -213,7 +247,7 @@ std::string ResolveSides(Op op, const char* driver_kind, bool require_arena, con
 
 std::string PrepareCall(Op op, const char* driver_kind, bool require_arena, const CallOperands& in,
                         Params* p, Resolution* r) {
-  const char* name = op == Op::kWrite ? "jax_vmm_kv_write" : "jax_vmm_kv_write_through";
+  const char* name = op == Op::kWriteThrough ? "jax_vmm_kv_write_through" : "jax_vmm_kv_write";
   Geometry g;
   std::string err = CheckGeometry(name, in.k, in.v, in.new_k, in.new_v, in.slots, in.status, &g);
   if (!err.empty()) return err;

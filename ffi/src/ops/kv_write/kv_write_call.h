@@ -31,7 +31,10 @@ struct Dims {
 std::string CheckGeometry(const char* op, const Dims& k, const Dims& v, const Dims& new_k,
                           const Dims& new_v, const Dims& slots, const Dims* status, Geometry* out);
 
-enum class Op { kWrite, kWriteThrough };
+// kWrite / kWriteThrough: the array-level calls (jax_vmm.kv_write(k, v, ...),
+// kv_write_through); kCacheWrite: kv_write on a KVCache layer, whose sides name their
+// buffers by dest alone (no buffer is handed over: the arena is not an XLA value).
+enum class Op { kWrite, kWriteThrough, kCacheWrite };
 
 // The static destination attributes of a call (0 = none).
 struct Dest {
@@ -59,7 +62,8 @@ struct Resolution {
 // whose address or size does not match that buffer); a handed buffer that lies in an
 // arena's reservation but is not the target (a view of another buffer, of a freed buffer
 // or of a closed arena: writing it would skip its page checks); or (require_arena) a
-// write-through without arena.
+// write-through without arena. A target that is a KV cache's buffer gets that cache's
+// table of ensured tokens (Side::limits), whatever the op.
 std::string ResolveSides(Op op, const char* driver_kind, bool require_arena, const SideInput in[2],
                          Params* p, Resolution* out);
 

@@ -1,9 +1,11 @@
 // The kv_write CPU handlers (see kv_write_cpu.h) and their FFI targets.
 #include "ops/kv_write/kv_write_cpu.h"
 
+#include <algorithm>
 #include <cstring>
 #include <string>
 
+#include "ops/kv_write/kv_write_cache.h"
 #include "ops/kv_write/kv_write_call.h"
 #include "ops/kv_write/kv_write_targets.h"
 
@@ -59,7 +61,32 @@ ffi::Error CpuWriteThrough(HostTokenWriter write, ffi::AnyBuffer k, ffi::AnyBuff
   return RunOnHost(Op::kWriteThrough, Handler::kWriteThrough, in, require_arena, write);
 }
 
+void PassTokenOnHost(const ffi::AnyBuffer& token, ffi::AnyBuffer& token_out) {
+  if (!TokenAliased(token, token_out)) {
+    std::memcpy(token_out.untyped_data(), token.untyped_data(),
+                std::min(token.size_bytes(), token_out.size_bytes()));
+  }
+}
+
+ffi::Error CpuCacheWrite(HostTokenWriter write, int32_t device, ffi::AnyBuffer new_k,
+                         ffi::AnyBuffer new_v, ffi::Buffer<ffi::S32> slots, ffi::AnyBuffer token,
+                         ffi::Result<ffi::AnyBuffer> token_out, uint64_t cache_uid,
+                         int64_t layer) {
+  CacheWriteCall call;
+  if (std::string err =
+          PrepareCacheWrite("host", device, cache_uid, layer, new_k, new_v, slots, &call);
+      !err.empty()) {
+    return ffi::Error::InvalidArgument(err);
+  }
+  PassTokenOnHost(token, *token_out);
+  return RunOnHost(Op::kCacheWrite, Handler::kCacheWrite, call.in, false, write);
+}
+
 }  // namespace jax_vmm::kv
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxVmmKvCacheWriteCpu,
+                              jax_vmm::kv::CpuCacheWriteImpl<jax_vmm::kv::CheckedTokens>,
+                              jax_vmm::kv::BindCacheWrite(xla::ffi::Ffi::Bind()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxVmmKvWriteCpu,
                               jax_vmm::kv::CpuWriteImpl<jax_vmm::kv::CheckedTokens>,
@@ -74,6 +101,7 @@ namespace jax_vmm::kv {
 void AddCpuTargets(FfiRegistry& registry) {
   registry.Add("jax_vmm_kv_write_through", "cpu", JaxVmmKvWriteThroughCpu);
   registry.Add("jax_vmm_kv_write", "cpu", JaxVmmKvWriteCpu);
+  registry.Add("jax_vmm_kv_cache_write", "cpu", JaxVmmKvCacheWriteCpu);
 }
 
 }  // namespace jax_vmm::kv

@@ -71,8 +71,17 @@ ffi::Error CpuWriteThrough(HostTokenWriter write, ffi::AnyBuffer k, ffi::AnyBuff
                            ffi::Result<ffi::Buffer<ffi::S32>> status, bool require_arena,
                            const Dest& dest);
 
+// kv_write on a KVCache layer (kv_write_cache.h): resolves the layer, writes it with
+// `write`, passes the token on.
+ffi::Error CpuCacheWrite(HostTokenWriter write, int32_t device, ffi::AnyBuffer new_k,
+                         ffi::AnyBuffer new_v, ffi::Buffer<ffi::S32> slots, ffi::AnyBuffer token,
+                         ffi::Result<ffi::AnyBuffer> token_out, uint64_t cache_uid, int64_t layer);
+
+// The token result of a cache op: its operand's value (XLA aliases the two).
+void PassTokenOnHost(const ffi::AnyBuffer& token, ffi::AnyBuffer& token_out);
+
 // The handler functions XLA_FFI_DEFINE_HANDLER_SYMBOL binds (with BindWrite /
-// BindWriteThrough of kv_write_ffi.h).
+// BindWriteThrough of kv_write_ffi.h, BindCacheWrite of kv_write_cache.h).
 template <typename Tokens>
 ffi::Error CpuWriteImpl(ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer new_k,
                         ffi::AnyBuffer new_v, ffi::Buffer<ffi::S32> slots,
@@ -91,6 +100,15 @@ ffi::Error CpuWriteThroughImpl(ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffe
                                uint64_t dest_v_uid) {
   return CpuWriteThrough(WriteTokensOnHost<Tokens>, k, v, new_k, new_v, slots, status,
                          require_arena, Dest{dest_k, dest_v, dest_k_uid, dest_v_uid});
+}
+
+template <typename Tokens>
+ffi::Error CpuCacheWriteImpl(int32_t device, ffi::AnyBuffer new_k, ffi::AnyBuffer new_v,
+                             ffi::Buffer<ffi::S32> slots, ffi::AnyBuffer token,
+                             ffi::Result<ffi::AnyBuffer> token_out, uint64_t cache_uid,
+                             int64_t layer) {
+  return CpuCacheWrite(WriteTokensOnHost<Tokens>, device, new_k, new_v, slots, token, token_out,
+                       cache_uid, layer);
 }
 
 }  // namespace jax_vmm::kv

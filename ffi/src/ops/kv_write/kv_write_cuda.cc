@@ -4,6 +4,7 @@
 #include <string>
 
 #include "common/cuda_error.h"
+#include "ops/kv_write/kv_write_cache.h"
 #include "ops/kv_write/kv_write_call.h"
 #include "ops/kv_write/kv_write_kernels.h"
 #include "ops/kv_write/kv_write_stats.h"
@@ -42,7 +43,7 @@ ffi::Error CopyUnaliased(const char* op, const ffi::AnyBuffer& in, void* out, cu
 ffi::Error RunOnDevice(Op op, Handler h, cudaStream_t stream, const CallOperands& in,
                        bool require_arena,
                        const std::function<cudaError_t(const Params&)>& launch) {
-  const char* name = op == Op::kWrite ? "jax_vmm_kv_write" : "jax_vmm_kv_write_through";
+  const char* name = op == Op::kWriteThrough ? "jax_vmm_kv_write_through" : "jax_vmm_kv_write";
   if (ffi::Error e = CountCall(h, stream, name); e.failure()) return e;
   Params p;
   Resolution r;
@@ -89,7 +90,33 @@ ffi::Error CudaWriteThrough(KernelLauncher launch, cudaStream_t stream, ffi::Any
                      [&](const Params& p) { return launch(p, stream); });
 }
 
+ffi::Error PassTokenOnDevice(const ffi::AnyBuffer& token, ffi::AnyBuffer& token_out,
+                             cudaStream_t stream) {
+  if (TokenAliased(token, token_out)) return ffi::Error::Success();
+  return CopyUnaliased("jax_vmm_kv_cache_write (token)", token, token_out.untyped_data(), stream);
+}
+
+ffi::Error CudaCacheWrite(KernelLauncher launch, cudaStream_t stream, int32_t device,
+                          ffi::AnyBuffer new_k, ffi::AnyBuffer new_v, ffi::Buffer<ffi::S32> slots,
+                          ffi::AnyBuffer token, ffi::Result<ffi::AnyBuffer> token_out,
+                          uint64_t cache_uid, int64_t layer) {
+  CacheWriteCall call;
+  if (std::string err =
+          PrepareCacheWrite("cuda", device, cache_uid, layer, new_k, new_v, slots, &call);
+      !err.empty()) {
+    return ffi::Error::InvalidArgument(err);
+  }
+  if (ffi::Error e = PassTokenOnDevice(token, *token_out, stream); e.failure()) return e;
+  return RunOnDevice(Op::kCacheWrite, Handler::kCacheWrite, stream, call.in, false,
+                     [&](const Params& p) { return launch(p, stream); });
+}
+
 }  // namespace jax_vmm::kv
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxVmmKvCacheWriteCuda,
+                              jax_vmm::kv::CudaCacheWriteImpl<jax_vmm::kv::LaunchKvWrite>,
+                              jax_vmm::kv::BindCacheWrite(jax_vmm::kv::BindCudaContext()),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxVmmKvWriteThroughCuda,
                               jax_vmm::kv::CudaWriteThroughImpl<jax_vmm::kv::LaunchKvWrite>,
@@ -106,6 +133,7 @@ namespace jax_vmm::kv {
 void AddCudaTargets(FfiRegistry& registry) {
   registry.Add("jax_vmm_kv_write_through", "CUDA", JaxVmmKvWriteThroughCuda);
   registry.Add("jax_vmm_kv_write", "CUDA", JaxVmmKvWriteCuda);
+  registry.Add("jax_vmm_kv_cache_write", "CUDA", JaxVmmKvCacheWriteCuda);
 }
 
 }  // namespace jax_vmm::kv

@@ -46,8 +46,20 @@ ffi::Error CudaWriteThrough(KernelLauncher launch, cudaStream_t stream, ffi::Any
                             ffi::Buffer<ffi::S32> slots, ffi::Result<ffi::Buffer<ffi::S32>> status,
                             bool require_arena, const Dest& dest);
 
+// kv_write on a KVCache layer (kv_write_cache.h): resolves the layer, launches `launch`,
+// passes the token on.
+ffi::Error CudaCacheWrite(KernelLauncher launch, cudaStream_t stream, int32_t device,
+                          ffi::AnyBuffer new_k, ffi::AnyBuffer new_v, ffi::Buffer<ffi::S32> slots,
+                          ffi::AnyBuffer token, ffi::Result<ffi::AnyBuffer> token_out,
+                          uint64_t cache_uid, int64_t layer);
+
+// The token result of a cache op on `stream`: its operand's value (XLA aliases the two).
+ffi::Error PassTokenOnDevice(const ffi::AnyBuffer& token, ffi::AnyBuffer& token_out,
+                             cudaStream_t stream);
+
 // The handler functions XLA_FFI_DEFINE_HANDLER_SYMBOL binds (with
-// BindWrite(Bind().Ctx<PlatformStream>()) and BindWriteThrough of kv_write_ffi.h).
+// BindWrite(Bind().Ctx<PlatformStream>()) and BindWriteThrough of kv_write_ffi.h,
+// BindCacheWrite of kv_write_cache.h).
 template <KernelLauncher kLaunch>
 ffi::Error CudaWriteImpl(cudaStream_t stream, ffi::AnyBuffer k, ffi::AnyBuffer v,
                          ffi::AnyBuffer new_k, ffi::AnyBuffer new_v, ffi::Buffer<ffi::S32> slots,
@@ -67,6 +79,15 @@ ffi::Error CudaWriteThroughImpl(cudaStream_t stream, ffi::AnyBuffer k, ffi::AnyB
                                 uint64_t dest_v_uid) {
   return CudaWriteThrough(kLaunch, stream, k, v, new_k, new_v, slots, status, require_arena,
                           Dest{dest_k, dest_v, dest_k_uid, dest_v_uid});
+}
+
+template <KernelLauncher kLaunch>
+ffi::Error CudaCacheWriteImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer new_k,
+                              ffi::AnyBuffer new_v, ffi::Buffer<ffi::S32> slots,
+                              ffi::AnyBuffer token, ffi::Result<ffi::AnyBuffer> token_out,
+                              uint64_t cache_uid, int64_t layer) {
+  return CudaCacheWrite(kLaunch, stream, device, new_k, new_v, slots, token, token_out, cache_uid,
+                        layer);
 }
 
 // The context the CUDA handlers bind before their operands: the stream.

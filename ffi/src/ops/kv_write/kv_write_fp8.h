@@ -20,6 +20,32 @@ namespace jax_vmm::kv {
 
 inline constexpr const char* kFp8Name = "jax_vmm_kv_write_fp8";
 
+// Whether a cache of this dtype holds fp8 codes.
+inline bool IsFp8Cache(ffi::DataType t) {
+  return t == ffi::DataType::F8E4M3FN || t == ffi::DataType::U8;
+}
+
+// The new tokens' and the scales' dtypes, and the scales' shape for `heads` KV heads;
+// *src_type receives the new tokens' dtype. Empty string when fine.
+inline std::string CheckFp8Sources(const ffi::AnyBuffer& new_k, const ffi::AnyBuffer& new_v,
+                                   const ffi::AnyBuffer& k_scale, const ffi::AnyBuffer& v_scale,
+                                   int64_t heads, ffi::DataType* src_type) {
+  const std::string op = std::string(kFp8Name) + ": ";
+  const ffi::DataType st = new_k.element_type();
+  if ((st != ffi::DataType::F32 && st != ffi::DataType::BF16 && st != ffi::DataType::F16) ||
+      new_v.element_type() != st) {
+    return op + "new_k and new_v must be float32, bfloat16 or float16, one dtype";
+  }
+  *src_type = st;
+  for (const ffi::AnyBuffer* s : {&k_scale, &v_scale}) {
+    auto d = s->dimensions();
+    if (s->element_type() != ffi::DataType::F32 || d.size() != 1 || d[0] != heads) {
+      return op + "k_scale and v_scale must be float32 of shape (" + std::to_string(heads) + ",)";
+    }
+  }
+  return "";
+}
+
 // Dtype and scale checks (the shapes are CheckGeometry's); *src_type receives the new
 // tokens' dtype. Empty string when fine.
 inline std::string CheckFp8Write(const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
@@ -28,42 +54,34 @@ inline std::string CheckFp8Write(const ffi::AnyBuffer& k, const ffi::AnyBuffer& 
                                  ffi::DataType* src_type) {
   const std::string op = std::string(kFp8Name) + ": ";
   const ffi::DataType ct = k.element_type();
-  if ((ct != ffi::DataType::F8E4M3FN && ct != ffi::DataType::U8) || v.element_type() != ct) {
+  if (!IsFp8Cache(ct) || v.element_type() != ct) {
     return op + "the cache k, v must be float8_e4m3fn (or uint8 bits), one dtype";
   }
-  const ffi::DataType st = new_k.element_type();
-  if ((st != ffi::DataType::F32 && st != ffi::DataType::BF16 && st != ffi::DataType::F16) ||
-      new_v.element_type() != st) {
-    return op + "new_k and new_v must be float32, bfloat16 or float16, one dtype";
-  }
-  *src_type = st;
   auto kd = k.dimensions();
   if (kd.size() < 3) return op + "the cache must have rank >= 3 (..., heads, head_dim)";
-  for (const ffi::AnyBuffer* s : {&k_scale, &v_scale}) {
-    auto d = s->dimensions();
-    if (s->element_type() != ffi::DataType::F32 || d.size() != 1 || d[0] != kd[kd.size() - 2]) {
-      return op + "k_scale and v_scale must be float32 of shape (" +
-             std::to_string(kd[kd.size() - 2]) + ",)";
-    }
-  }
-  return "";
+  return CheckFp8Sources(new_k, new_v, k_scale, v_scale, kd[kd.size() - 2], src_type);
 }
 
 // Bytes of one new-token element.
 inline int SourceBytes(ffi::DataType src_type) { return src_type == ffi::DataType::F32 ? 4 : 2; }
 
-// kv_write's operands of a kv_write_fp8 call: the new tokens, `src_bytes`-wide floats,
-// seen as tokens of the cache's one-byte dtype, so that CheckGeometry checks their shape
-// and size like a plain write's.
+// kv_write's operands of an fp8 write (`in`, with new tokens of `src_bytes`-wide floats)
+// made to see the new tokens as tokens of the cache's one-byte dtype, so that
+// CheckGeometry checks their shape and size like a plain write's.
+inline void AsFp8Sources(CallOperands* in, int src_bytes) {
+  for (Dims* d : {&in->new_k, &in->new_v}) {
+    d->bytes /= static_cast<size_t>(src_bytes);
+    d->dtype = in->k.dtype;
+  }
+}
+
+// kv_write's operands of a kv_write_fp8 call (AsFp8Sources applied).
 inline CallOperands Fp8WriteOperands(const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
                                      const ffi::AnyBuffer& new_k, const ffi::AnyBuffer& new_v,
                                      const ffi::Buffer<ffi::S32>& slots, void* k_out, void* v_out,
                                      const Dest& dest, int src_bytes) {
   CallOperands in = WriteOperands(k, v, new_k, new_v, slots, k_out, v_out, dest);
-  for (Dims* d : {&in.new_k, &in.new_v}) {
-    d->bytes /= static_cast<size_t>(src_bytes);
-    d->dtype = in.k.dtype;
-  }
+  AsFp8Sources(&in, src_bytes);
   return in;
 }
 

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <string>
 
+#include "ops/kv_write/kv_write_cache.h"
 #include "ops/kv_write/kv_write_cuda.h"
 #include "ops/kv_write/kv_write_fp8.h"
 #include "ops/kv_write/kv_write_kernels.h"
@@ -26,6 +27,31 @@ Fp8Quantization::Source SourceOf(ffi::DataType t) {
   }
 }
 
+// The tiled kernel's limits on an fp8 write of `heads` x `head_dim` codes per token.
+ffi::Error CheckFp8Tokens(int64_t heads, int64_t head_dim) {
+  const int64_t token_bytes = head_dim * heads;
+  if (head_dim % 8 != 0 || token_bytes / 8 > kMaxTiledVectorsPerToken) {
+    return ffi::Error::InvalidArgument(
+        std::string(kFp8Name) + " (CUDA): head_dim must be a multiple of 8 and a token at most " +
+        std::to_string(8 * kMaxTiledVectorsPerToken) + " bytes; got head_dim " +
+        std::to_string(head_dim) + ", " + std::to_string(token_bytes) + " bytes");
+  }
+  return ffi::Error::Success();
+}
+
+// Launches the quantizing write of the prepared operands `in` (AsFp8Sources applied).
+ffi::Error WriteFp8OnDevice(Op op, Handler h, cudaStream_t stream, const CallOperands& in,
+                            ffi::DataType src, const ffi::AnyBuffer& k_scale,
+                            const ffi::AnyBuffer& v_scale) {
+  Fp8Quantization q;
+  q.source = SourceOf(src);
+  q.head_dim = static_cast<int>(in.k.d[in.k.rank - 1]);
+  q.scale[0] = static_cast<const float*>(k_scale.untyped_data());
+  q.scale[1] = static_cast<const float*>(v_scale.untyped_data());
+  return RunOnDevice(op, h, stream, in, false,
+                     [&](const Params& p) { return LaunchKvWriteFp8(p, q, stream); });
+}
+
 ffi::Error CudaWriteFp8Impl(cudaStream_t stream, ffi::AnyBuffer k, ffi::AnyBuffer v,
                             ffi::AnyBuffer new_k, ffi::AnyBuffer new_v, ffi::Buffer<ffi::S32> slots,
                             ffi::AnyBuffer k_scale, ffi::AnyBuffer v_scale,
@@ -38,26 +64,39 @@ ffi::Error CudaWriteFp8Impl(cudaStream_t stream, ffi::AnyBuffer k, ffi::AnyBuffe
     return ffi::Error::InvalidArgument(err);
   }
   const auto kd = k.dimensions();
-  const int64_t head_dim = kd[kd.size() - 1], token_bytes = head_dim * kd[kd.size() - 2];
-  if (head_dim % 8 != 0 || token_bytes / 8 > kMaxTiledVectorsPerToken) {
-    return ffi::Error::InvalidArgument(
-        std::string(kFp8Name) + " (CUDA): head_dim must be a multiple of 8 and a token at most " +
-        std::to_string(8 * kMaxTiledVectorsPerToken) + " bytes; got head_dim " +
-        std::to_string(head_dim) + ", " + std::to_string(token_bytes) + " bytes");
-  }
+  if (ffi::Error e = CheckFp8Tokens(kd[kd.size() - 2], kd[kd.size() - 1]); e.failure()) return e;
   if (ffi::Error e = PrepareWriteResultsOnDevice(kFp8Name, k, v, *k_out, *v_out, stream);
       e.failure()) {
     return e;
   }
   const CallOperands in = Fp8WriteOperands(k, v, new_k, new_v, slots, k_out->untyped_data(),
                                            v_out->untyped_data(), dest, SourceBytes(src));
-  Fp8Quantization q;
-  q.source = SourceOf(src);
-  q.head_dim = static_cast<int>(head_dim);
-  q.scale[0] = static_cast<const float*>(k_scale.untyped_data());
-  q.scale[1] = static_cast<const float*>(v_scale.untyped_data());
-  return RunOnDevice(Op::kWrite, Handler::kWrite, stream, in, false,
-                     [&](const Params& p) { return LaunchKvWriteFp8(p, q, stream); });
+  return WriteFp8OnDevice(Op::kWrite, Handler::kWrite, stream, in, src, k_scale, v_scale);
+}
+
+// kv_write_fp8 on a KVCache layer (kv_write_cache.h).
+ffi::Error CudaCacheWriteFp8Impl(cudaStream_t stream, int32_t device, ffi::AnyBuffer new_k,
+                                 ffi::AnyBuffer new_v, ffi::Buffer<ffi::S32> slots,
+                                 ffi::AnyBuffer token, ffi::AnyBuffer k_scale,
+                                 ffi::AnyBuffer v_scale, ffi::Result<ffi::AnyBuffer> token_out,
+                                 uint64_t cache_uid, int64_t layer) {
+  CacheWriteCall call;
+  if (std::string err =
+          PrepareCacheWrite("cuda", device, cache_uid, layer, new_k, new_v, slots, &call);
+      !err.empty()) {
+    return ffi::Error::InvalidArgument(err);
+  }
+  const kvcache::Geometry& g = call.layer.cache->geometry();
+  ffi::DataType src = ffi::DataType::F32;
+  std::string err = IsFp8Cache(static_cast<ffi::DataType>(g.dtype))
+                        ? CheckFp8Sources(new_k, new_v, k_scale, v_scale, g.kv_heads, &src)
+                        : std::string(kFp8Name) + ": the KV cache does not hold float8_e4m3fn";
+  if (!err.empty()) return ffi::Error::InvalidArgument(err);
+  if (ffi::Error e = CheckFp8Tokens(g.kv_heads, g.head_dim); e.failure()) return e;
+  AsFp8Sources(&call.in, SourceBytes(src));
+  if (ffi::Error e = PassTokenOnDevice(token, *token_out, stream); e.failure()) return e;
+  return WriteFp8OnDevice(Op::kCacheWrite, Handler::kCacheWrite, stream, call.in, src, k_scale,
+                          v_scale);
 }
 
 }  // namespace
@@ -67,10 +106,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxVmmKvWriteFp8Cuda, jax_vmm::kv::CudaWriteFp8Imp
                               jax_vmm::kv::BindWriteFp8(jax_vmm::kv::BindCudaContext()),
                               {xla::ffi::Traits::kCmdBufferCompatible});
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxVmmKvCacheWriteFp8Cuda, jax_vmm::kv::CudaCacheWriteFp8Impl,
+                              jax_vmm::kv::BindCacheWriteFp8(jax_vmm::kv::BindCudaContext()),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+
 namespace jax_vmm::kv {
 
 void AddFp8CudaTargets(FfiRegistry& registry) {
   registry.Add("jax_vmm_kv_write_fp8", "CUDA", JaxVmmKvWriteFp8Cuda);
+  registry.Add("jax_vmm_kv_cache_write_fp8", "CUDA", JaxVmmKvCacheWriteFp8Cuda);
 }
 
 }  // namespace jax_vmm::kv

@@ -9,7 +9,8 @@ namespace jax_vmm::kv {
 
 struct Resolution;
 
-enum class Handler : int { kWriteThrough = 0, kWrite = 1, kCount = 2 };
+// kCacheWrite: kv_write on a KVCache layer (plain and fp8).
+enum class Handler : int { kWriteThrough = 0, kWrite = 1, kCacheWrite = 2, kCount = 3 };
 
 // Host-side counters, incremented when a handler runs on the host: every call of a
 // CPU handler; for CUDA, every launch or graph recording (graph replays run no host

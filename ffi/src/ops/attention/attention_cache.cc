@@ -1,0 +1,66 @@
+// What the CPU and CUDA handlers of decode attention over a KVCache layer share
+// (attention_cache.h): the layer's resolution and the host clamp of the lengths.
+#include "ops/attention/attention_cache.h"
+
+#include <algorithm>
+#include <string>
+
+#include "common/format.h"
+
+namespace jax_vmm::attention {
+
+std::string PrepareCacheAttention(const char* op, const char* driver_kind, int device,
+                                  uint64_t cache_uid, int64_t layer, const ffi::AnyBuffer& q,
+                                  const ffi::Buffer<ffi::S32>& lengths,
+                                  const ffi::Buffer<ffi::S32>& read_lengths, CacheAttention* out) {
+  const bool cuda = std::string(driver_kind) == "cuda";
+  if (std::string err = kvcache::ResolveCacheLayer(op, driver_kind, device, cache_uid, layer, cuda,
+                                                   &out->layer);
+      !err.empty()) {
+    return err;
+  }
+  const kvcache::Geometry& g = out->layer.cache->geometry();
+  const std::string who = std::string(op) + ": ";
+  if (!g.per_sequence) {
+    return who + "decode attention needs a KV arena with one buffer row per sequence "
+                 "(kv_arena(..., max_seqs=batch))";
+  }
+  auto qd = q.dimensions(), ld = lengths.dimensions(), rd = read_lengths.dimensions();
+  if (qd.size() != 3 || qd[0] != g.max_seqs) {
+    return who + "q must be (" + std::to_string(g.max_seqs) + ", H_q, D), one query per sequence "
+                 "of the KV cache; got " + ShapeString(qd.begin(), qd.size());
+  }
+  for (auto d : {ld, rd}) {
+    if (d.size() != 1 || d[0] != g.max_seqs) {
+      return who + "lengths must be (" + std::to_string(g.max_seqs) + ",), got " +
+             ShapeString(d.begin(), d.size());
+    }
+  }
+  out->k = kvcache::LayerBuffer(reinterpret_cast<void*>(out->layer.buffers.k_address), g.dtype,
+                                out->layer.dims);
+  out->v = kvcache::LayerBuffer(reinterpret_cast<void*>(out->layer.buffers.v_address), g.dtype,
+                                out->layer.dims);
+  return "";
+}
+
+void ClampLengthsOnHost(const CacheAttention& call, const int32_t* lengths, int32_t* read,
+                        bool use_limits) {
+  const int64_t T = call.max_tokens();
+  const int32_t* limits = call.layer.cache->device_limits();  // host memory on the CPU
+  unsigned long long clamped = 0;
+  for (int64_t b = 0; b < call.batch(); ++b) {
+    const int64_t n = std::clamp<int64_t>(lengths[b], 0, T);
+    if (!use_limits) {
+      read[b] = static_cast<int32_t>(n);
+      continue;
+    }
+    const int32_t ensured = __atomic_load_n(limits + b, __ATOMIC_RELAXED);
+    if (lengths[b] > ensured) ++clamped;
+    read[b] = static_cast<int32_t>(std::min<int64_t>(n, ensured));
+  }
+  if (clamped != 0) {
+    __atomic_fetch_add(call.layer.cache->device_read_clamps(), clamped, __ATOMIC_RELAXED);
+  }
+}
+
+}  // namespace jax_vmm::attention

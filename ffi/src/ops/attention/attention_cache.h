@@ -1,0 +1,88 @@
+// Decode attention over a KVCache layer (jax_vmm/cache_ops.py): the custom calls
+//   jax_vmm_decode_attention_cache(q, lengths, token) -> (out, read_lengths)
+//   jax_vmm_decode_attention_v2_cache(q, lengths, token, k_scale, v_scale)
+//       -> (out, read_lengths)
+// with attributes cache_uid (u64), layer (s64), then those of the split-K kernel
+// (attention_ffi.h BindAttrs) or of the streaming kernel (stream_ffi.h BindStreamAttrs).
+// The K/V cache is not an operand: the handlers find the layer's buffers through the KV
+// cache registry (ops/kv_cache/kv_cache_call.h) and run the unchanged handler bodies of
+// the two kernels on them. `token` is the layer's ordering token (the kv_writes of the
+// layer that produced it ran before this call); it is not read.
+//
+// read_lengths (s32 (B,), a discarded result XLA allocates) is what the kernels read:
+// min(clamp(lengths[b], 0, T), ensured[b]), ensured = the cache's table of tokens ensured
+// per sequence. A sequence whose length exceeds its ensured tokens is counted in the
+// cache's read-clamp counter (kv.check() reports it): past the ensured tokens the memory
+// may be unbacked (zeros) or hold a neighbour's chunk. On CUDA a small kernel computes
+// read_lengths from device memory, so a replayed graph clamps against today's table.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <utility>
+
+#include "ops/attention/stream_ffi.h"
+#include "ops/kv_cache/kv_cache_call.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace jax_vmm::attention {
+
+namespace ffi = xla::ffi;
+
+// One call's resolved layer, with its buffers as FFI buffers for the handler bodies.
+struct CacheAttention {
+  kvcache::CacheLayer layer;
+  XLA_FFI_Buffer k{}, v{};
+  ffi::AnyBuffer K() const { return ffi::AnyBuffer(&k); }
+  ffi::AnyBuffer V() const { return ffi::AnyBuffer(&v); }
+  int64_t batch() const { return layer.cache->geometry().max_seqs; }
+  int64_t max_tokens() const { return layer.cache->geometry().max_tokens; }
+};
+
+// Resolves the layer for `op` and checks what the kernels' own checks cannot see: a cache
+// with a per-sequence layout whose max_seqs is q's batch, and lengths / read_lengths of
+// shape (B,). An error message, or "".
+std::string PrepareCacheAttention(const char* op, const char* driver_kind, int device,
+                                  uint64_t cache_uid, int64_t layer, const ffi::AnyBuffer& q,
+                                  const ffi::Buffer<ffi::S32>& lengths,
+                                  const ffi::Buffer<ffi::S32>& read_lengths, CacheAttention* out);
+
+// read_lengths on the host (the CPU handlers); clamped sequences counted. use_limits:
+// false only in the testing layer (the clamp to T remains, nothing is counted).
+void ClampLengthsOnHost(const CacheAttention& call, const int32_t* lengths, int32_t* read,
+                        bool use_limits);
+
+// The CPU handler bodies (attention_cache_cpu.cc) of the split-K and the streaming
+// target, shared with the testing layer's variants (use_limits: see ClampLengthsOnHost).
+ffi::Error CacheCpu(bool use_limits, int32_t device, ffi::AnyBuffer q,
+                    ffi::Buffer<ffi::S32> lengths, ffi::AnyBuffer out,
+                    ffi::Buffer<ffi::S32> read_lengths, uint64_t cache_uid, int64_t layer,
+                    float scale, int64_t chunk, int64_t splits);
+ffi::Error StreamCacheCpu(bool use_limits, int32_t device, ffi::AnyBuffer q,
+                          ffi::Buffer<ffi::S32> lengths, ffi::AnyBuffer k_scale,
+                          ffi::AnyBuffer v_scale, ffi::AnyBuffer out,
+                          ffi::Buffer<ffi::S32> read_lengths, uint64_t cache_uid, int64_t layer,
+                          const stream::StreamAttrs& attrs);
+
+// The operands both targets start with, after the platform's context arguments in `b`
+// (CPU: the device ordinal; CUDA: stream and device ordinal). The streaming target's
+// k_scale and v_scale follow.
+template <typename B>
+auto BindCacheInputs(B&& b) {
+  return std::forward<B>(b)
+      .template Arg<ffi::AnyBuffer>()          // q
+      .template Arg<ffi::Buffer<ffi::S32>>()   // lengths
+      .template Arg<ffi::AnyBuffer>();         // token
+}
+
+// The results of both targets and the cache's attributes (the kernel's attributes follow).
+template <typename B>
+auto BindCacheResults(B&& b) {
+  return std::forward<B>(b)
+      .template Ret<ffi::AnyBuffer>()          // out
+      .template Ret<ffi::Buffer<ffi::S32>>()   // read_lengths
+      .template Attr<uint64_t>("cache_uid")
+      .template Attr<int64_t>("layer");
+}
+
+}  // namespace jax_vmm::attention

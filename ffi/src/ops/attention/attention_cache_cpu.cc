@@ -1,0 +1,104 @@
+// CPU handlers of decode attention over a KVCache layer (attention_cache.h): the split-K
+// and streaming CPU bodies (attention_cpu.h, stream_cpu.h) run on the layer's buffers
+// with the lengths clamped to the tokens each sequence has ensured.
+#include <cstdint>
+#include <string>
+
+#include "ops/attention/attention_cache.h"
+#include "ops/attention/attention_cpu.h"
+#include "ops/attention/attention_ffi.h"
+#include "ops/attention/attention_targets.h"
+#include "ops/attention/stream_cpu.h"
+#include "ops/attention/stream_ffi.h"
+
+namespace jax_vmm::attention {
+namespace {
+
+constexpr const char* kCacheName = "jax_vmm.decode_attention (KVCache layer, cpu)";
+
+// Resolves the layer and fills read_lengths; an error, or success.
+ffi::Error PrepareOnHost(bool use_limits, int32_t device, uint64_t cache_uid, int64_t layer,
+                         const ffi::AnyBuffer& q, const ffi::Buffer<ffi::S32>& lengths,
+                         ffi::Buffer<ffi::S32>& read_lengths, CacheAttention* call) {
+  if (std::string err = PrepareCacheAttention(kCacheName, "host", device, cache_uid, layer, q,
+                                              lengths, read_lengths, call);
+      !err.empty()) {
+    return ffi::Error::InvalidArgument(err);
+  }
+  ClampLengthsOnHost(*call, lengths.typed_data(), read_lengths.typed_data(), use_limits);
+  return ffi::Error::Success();
+}
+
+ffi::Error CacheCpuImpl(int32_t device, ffi::AnyBuffer q, ffi::Buffer<ffi::S32> lengths,
+                        ffi::AnyBuffer token, ffi::Result<ffi::AnyBuffer> out,
+                        ffi::Result<ffi::Buffer<ffi::S32>> read_lengths, uint64_t cache_uid,
+                        int64_t layer, float scale, int64_t chunk, int64_t splits, int64_t impl) {
+  (void)token;  // orders the call after the layer's writes; not read
+  (void)impl;   // a CUDA kernel choice
+  return CacheCpu(true, device, q, lengths, *out, *read_lengths, cache_uid, layer, scale, chunk,
+                  splits);
+}
+
+ffi::Error StreamCacheCpuImpl(int32_t device, ffi::AnyBuffer q, ffi::Buffer<ffi::S32> lengths,
+                              ffi::AnyBuffer token, ffi::AnyBuffer k_scale, ffi::AnyBuffer v_scale,
+                              ffi::Result<ffi::AnyBuffer> out,
+                              ffi::Result<ffi::Buffer<ffi::S32>> read_lengths, uint64_t cache_uid,
+                              int64_t layer, float scale, int64_t ctas, int64_t stages,
+                              int64_t min_tiles, int64_t combine, int64_t bulk) {
+  (void)token;
+  return StreamCacheCpu(true, device, q, lengths, k_scale, v_scale, *out, *read_lengths,
+                        cache_uid, layer,
+                        stream::StreamAttrs{scale, ctas, stages, min_tiles, combine, bulk});
+}
+
+}  // namespace
+
+ffi::Error CacheCpu(bool use_limits, int32_t device, ffi::AnyBuffer q,
+                    ffi::Buffer<ffi::S32> lengths, ffi::AnyBuffer out,
+                    ffi::Buffer<ffi::S32> read_lengths, uint64_t cache_uid, int64_t layer,
+                    float scale, int64_t chunk, int64_t splits) {
+  CacheAttention call;
+  if (ffi::Error e = PrepareOnHost(use_limits, device, cache_uid, layer, q, lengths, read_lengths,
+                                   &call);
+      e.failure()) {
+    return e;
+  }
+  return RunCpu(q, call.K(), call.V(), read_lengths, out, nullptr, scale, chunk, splits);
+}
+
+ffi::Error StreamCacheCpu(bool use_limits, int32_t device, ffi::AnyBuffer q,
+                          ffi::Buffer<ffi::S32> lengths, ffi::AnyBuffer k_scale,
+                          ffi::AnyBuffer v_scale, ffi::AnyBuffer out,
+                          ffi::Buffer<ffi::S32> read_lengths, uint64_t cache_uid, int64_t layer,
+                          const stream::StreamAttrs& attrs) {
+  CacheAttention call;
+  if (ffi::Error e = PrepareOnHost(use_limits, device, cache_uid, layer, q, lengths, read_lengths,
+                                   &call);
+      e.failure()) {
+    return e;
+  }
+  return stream::RunCpu(q, call.K(), call.V(), read_lengths, k_scale, v_scale, out, attrs);
+}
+
+}  // namespace jax_vmm::attention
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    DecodeAttentionCacheCpu, jax_vmm::attention::CacheCpuImpl,
+    jax_vmm::attention::BindAttrs(jax_vmm::attention::BindCacheResults(
+        jax_vmm::attention::BindCacheInputs(xla::ffi::Ffi::Bind().Ctx<xla::ffi::DeviceOrdinal>()))));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    DecodeAttentionStreamCacheCpu, jax_vmm::attention::StreamCacheCpuImpl,
+    jax_vmm::attention::stream::BindStreamAttrs(jax_vmm::attention::BindCacheResults(
+        jax_vmm::attention::BindCacheInputs(xla::ffi::Ffi::Bind().Ctx<xla::ffi::DeviceOrdinal>())
+            .Arg<xla::ffi::AnyBuffer>()     // k_scale
+            .Arg<xla::ffi::AnyBuffer>())));  // v_scale
+
+namespace jax_vmm::attention {
+
+void AddCacheCpuTargets(FfiRegistry& registry) {
+  registry.Add("jax_vmm_decode_attention_cache", "cpu", DecodeAttentionCacheCpu);
+  registry.Add("jax_vmm_decode_attention_v2_cache", "cpu", DecodeAttentionStreamCacheCpu);
+}
+
+}  // namespace jax_vmm::attention

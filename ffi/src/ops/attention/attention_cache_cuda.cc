@@ -1,0 +1,212 @@
+// CUDA handlers of decode attention over a KVCache layer (attention_cache.h): the
+// split-K and streaming CUDA stages (attention_cuda.h, stream_cuda.h) on the layer's
+// buffers, after a clamp kernel that computes read_lengths from the device-visible table
+// of ensured tokens. Both targets are command-buffer compatible like the kernels' own:
+// host code resolves pointers and launches; what changes between steps (lengths, the
+// table) is read by the kernels from device memory.
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <string>
+#include <utility>
+
+#include "common/cuda_error.h"
+#include "ops/attention/attention_cache.h"
+#include "ops/attention/attention_cache_cuda.h"
+#include "ops/attention/attention_cuda.h"
+#include "ops/attention/attention_ffi.h"
+#include "ops/attention/attention_targets.h"
+#include "ops/attention/stream_cuda.h"
+#include "ops/attention/stream_ffi.h"
+#include "ops/kv_cache/kv_cache_kernels.h"
+
+namespace jax_vmm::attention {
+namespace {
+
+constexpr const char* kCacheName = "jax_vmm.decode_attention (KVCache layer, CUDA)";
+
+ffi::Error Prepare(int32_t device, uint64_t cache_uid, int64_t layer, const ffi::AnyBuffer& q,
+                   const ffi::Buffer<ffi::S32>& lengths, const ffi::Buffer<ffi::S32>& read_lengths,
+                   CacheAttention* call) {
+  if (std::string err = PrepareCacheAttention(kCacheName, "cuda", device, cache_uid, layer, q,
+                                              lengths, read_lengths, call);
+      !err.empty()) {
+    return ffi::Error::InvalidArgument(err);
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error Clamp(bool use_limits, const CacheAttention& call, const ffi::Buffer<ffi::S32>& lengths,
+                 ffi::Buffer<ffi::S32>& read_lengths, cudaStream_t stream) {
+  const kvcache::KvCache& cache = *call.layer.cache;
+  if (cudaError_t e = kvcache::LaunchClampLengths(
+          lengths.typed_data(), use_limits ? cache.device_limits() : nullptr,
+          read_lengths.typed_data(), static_cast<int>(call.batch()),
+          static_cast<int>(call.max_tokens()), cache.device_read_clamps(), stream);
+      e != cudaSuccess) {
+    return CudaFfiError(kCacheName, "clamp kernel launch", e);
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error InitializeImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q,
+                          ffi::Buffer<ffi::S32> lengths, ffi::AnyBuffer token,
+                          ffi::Result<ffi::AnyBuffer> out,
+                          ffi::Result<ffi::Buffer<ffi::S32>> read_lengths, uint64_t cache_uid,
+                          int64_t layer, float scale, int64_t chunk, int64_t splits,
+                          int64_t impl) {
+  (void)token;
+  (void)scale;
+  return CacheCudaInitialize(stream, device, q, lengths, *out, *read_lengths, cache_uid, layer,
+                             chunk, splits, impl);
+}
+
+ffi::Error ExecuteImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q,
+                       ffi::Buffer<ffi::S32> lengths, ffi::AnyBuffer token,
+                       ffi::Result<ffi::AnyBuffer> out,
+                       ffi::Result<ffi::Buffer<ffi::S32>> read_lengths, uint64_t cache_uid,
+                       int64_t layer, float scale, int64_t chunk, int64_t splits, int64_t impl) {
+  (void)token;  // orders the call after the layer's writes; not read
+  return CacheCudaExecute(true, stream, device, q, lengths, *out, *read_lengths, cache_uid, layer,
+                          scale, chunk, splits, impl);
+}
+
+ffi::Error StreamInitializeImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q,
+                                ffi::Buffer<ffi::S32> lengths, ffi::AnyBuffer token,
+                                ffi::AnyBuffer k_scale, ffi::AnyBuffer v_scale,
+                                ffi::Result<ffi::AnyBuffer> out,
+                                ffi::Result<ffi::Buffer<ffi::S32>> read_lengths,
+                                uint64_t cache_uid, int64_t layer, float scale, int64_t ctas,
+                                int64_t stages, int64_t min_tiles, int64_t combine, int64_t bulk) {
+  (void)token;
+  return StreamCacheCudaInitialize(
+      stream, device, q, lengths, k_scale, v_scale, *out, *read_lengths, cache_uid, layer,
+      stream::StreamAttrs{scale, ctas, stages, min_tiles, combine, bulk});
+}
+
+ffi::Error StreamExecuteImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q,
+                             ffi::Buffer<ffi::S32> lengths, ffi::AnyBuffer token,
+                             ffi::AnyBuffer k_scale, ffi::AnyBuffer v_scale,
+                             ffi::Result<ffi::AnyBuffer> out,
+                             ffi::Result<ffi::Buffer<ffi::S32>> read_lengths, uint64_t cache_uid,
+                             int64_t layer, float scale, int64_t ctas, int64_t stages,
+                             int64_t min_tiles, int64_t combine, int64_t bulk) {
+  (void)token;
+  return StreamCacheCudaExecute(true, stream, device, q, lengths, k_scale, v_scale, *out,
+                                *read_lengths, cache_uid, layer,
+                                stream::StreamAttrs{scale, ctas, stages, min_tiles, combine, bulk});
+}
+
+}  // namespace
+
+ffi::Error CacheCudaInitialize(cudaStream_t stream, int32_t device, const ffi::AnyBuffer& q,
+                               const ffi::Buffer<ffi::S32>& lengths, const ffi::AnyBuffer& out,
+                               const ffi::Buffer<ffi::S32>& read_lengths, uint64_t cache_uid,
+                               int64_t layer, int64_t chunk, int64_t splits, int64_t impl) {
+  CacheAttention call;
+  if (ffi::Error e = Prepare(device, cache_uid, layer, q, lengths, read_lengths, &call);
+      e.failure()) {
+    return e;
+  }
+  return CudaInitialize(stream, device, q, call.K(), call.V(), lengths, out, chunk, splits, impl);
+}
+
+ffi::Error CacheCudaExecute(bool use_limits, cudaStream_t stream, int32_t device,
+                            const ffi::AnyBuffer& q, const ffi::Buffer<ffi::S32>& lengths,
+                            ffi::AnyBuffer out, ffi::Buffer<ffi::S32> read_lengths,
+                            uint64_t cache_uid, int64_t layer, float scale, int64_t chunk,
+                            int64_t splits, int64_t impl) {
+  CacheAttention call;
+  if (ffi::Error e = Prepare(device, cache_uid, layer, q, lengths, read_lengths, &call);
+      e.failure()) {
+    return e;
+  }
+  if (ffi::Error e = Clamp(use_limits, call, lengths, read_lengths, stream); e.failure()) return e;
+  return CudaExecute(stream, device, q, call.K(), call.V(), read_lengths, out, nullptr, scale,
+                     chunk, splits, impl);
+}
+
+ffi::Error StreamCacheCudaInitialize(cudaStream_t stream, int32_t device,
+                                     const ffi::AnyBuffer& q,
+                                     const ffi::Buffer<ffi::S32>& lengths,
+                                     const ffi::AnyBuffer& k_scale, const ffi::AnyBuffer& v_scale,
+                                     const ffi::AnyBuffer& out,
+                                     const ffi::Buffer<ffi::S32>& read_lengths,
+                                     uint64_t cache_uid, int64_t layer,
+                                     const stream::StreamAttrs& attrs) {
+  CacheAttention call;
+  if (ffi::Error e = Prepare(device, cache_uid, layer, q, lengths, read_lengths, &call);
+      e.failure()) {
+    return e;
+  }
+  return stream::CudaInitialize(stream, device, q, call.K(), call.V(), lengths, k_scale, v_scale,
+                                out, attrs);
+}
+
+ffi::Error StreamCacheCudaExecute(bool use_limits, cudaStream_t stream, int32_t device,
+                                  const ffi::AnyBuffer& q, const ffi::Buffer<ffi::S32>& lengths,
+                                  const ffi::AnyBuffer& k_scale, const ffi::AnyBuffer& v_scale,
+                                  ffi::AnyBuffer out, ffi::Buffer<ffi::S32> read_lengths,
+                                  uint64_t cache_uid, int64_t layer,
+                                  const stream::StreamAttrs& attrs) {
+  CacheAttention call;
+  if (ffi::Error e = Prepare(device, cache_uid, layer, q, lengths, read_lengths, &call);
+      e.failure()) {
+    return e;
+  }
+  if (ffi::Error e = Clamp(use_limits, call, lengths, read_lengths, stream); e.failure()) return e;
+  return stream::CudaExecute(stream, device, q, call.K(), call.V(), read_lengths, k_scale, v_scale,
+                             out, attrs);
+}
+
+}  // namespace jax_vmm::attention
+
+namespace jax_vmm::attention {
+namespace {
+
+// The CUDA context and the operands both targets start with.
+template <typename B>
+auto CacheCudaInputs(B&& b) {
+  return BindCacheInputs(BindCudaContext(std::forward<B>(b)));
+}
+
+}  // namespace
+}  // namespace jax_vmm::attention
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DecodeAttentionCacheCudaInitialize,
+                              jax_vmm::attention::InitializeImpl,
+                              jax_vmm::attention::BindAttrs(jax_vmm::attention::BindCacheResults(
+                                  jax_vmm::attention::CacheCudaInputs(xla::ffi::Ffi::BindInitialize()))));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DecodeAttentionCacheCudaExecute, jax_vmm::attention::ExecuteImpl,
+                              jax_vmm::attention::BindAttrs(
+                                  jax_vmm::attention::BindCacheResults(jax_vmm::attention::CacheCudaInputs(xla::ffi::Ffi::Bind()))),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    DecodeAttentionStreamCacheCudaInitialize, jax_vmm::attention::StreamInitializeImpl,
+    jax_vmm::attention::stream::BindStreamAttrs(
+        jax_vmm::attention::BindCacheResults(jax_vmm::attention::CacheCudaInputs(xla::ffi::Ffi::BindInitialize())
+                                                 .Arg<xla::ffi::AnyBuffer>()      // k_scale
+                                                 .Arg<xla::ffi::AnyBuffer>())));  // v_scale
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    DecodeAttentionStreamCacheCudaExecute, jax_vmm::attention::StreamExecuteImpl,
+    jax_vmm::attention::stream::BindStreamAttrs(
+        jax_vmm::attention::BindCacheResults(jax_vmm::attention::CacheCudaInputs(xla::ffi::Ffi::Bind())
+                                                 .Arg<xla::ffi::AnyBuffer>()      // k_scale
+                                                 .Arg<xla::ffi::AnyBuffer>())),  // v_scale
+    {xla::ffi::Traits::kCmdBufferCompatible});
+
+namespace jax_vmm::attention {
+
+void AddCacheCudaTargets(FfiRegistry& registry) {
+  registry.Add("jax_vmm_decode_attention_cache", "CUDA",
+               FfiRegistry::Stages{DecodeAttentionCacheCudaInitialize,
+                                   DecodeAttentionCacheCudaExecute});
+  registry.Add("jax_vmm_decode_attention_v2_cache", "CUDA",
+               FfiRegistry::Stages{DecodeAttentionStreamCacheCudaInitialize,
+                                   DecodeAttentionStreamCacheCudaExecute});
+}
+
+}  // namespace jax_vmm::attention

@@ -1,0 +1,137 @@
+// A KV cache as the FFI handlers see it: one K and one V buffer per layer in one arena,
+// and per sequence the tokens ensured so far (`ensure` in jax_vmm/kv.py), in a
+// device-visible table that the kernels read (so a replayed CUDA graph checks against
+// today's table, not the one it was recorded with).
+//
+// Identity is a uid (jax_vmm/cache.py carries it as the static data of the KVCache
+// pytree): the handlers find the cache through the registry below by (uid, device
+// ordinal), then its buffers by their own uids. Uids are never reused; a closed cache
+// answers kClosed, a destroyed one kGone, and handlers refuse both.
+//
+// The table (int32 per sequence) and the count of attention reads clamped to it (uint64)
+// live in one allocation of the arena's driver metadata (device memory on CUDA). A CUDA
+// handler that may be recorded into a graph pins it (PinMetadataForGraphs): closing the
+// cache then zeroes the table (a stale replay writes nothing and reads no token) and the
+// allocation is kept for the life of the process.
+//
+// Thread-safety: every method may be called from any thread; one mutex per cache guards
+// the table and its host mirror. The registry functions are thread-safe.
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "jax_vmm/arena.h"
+
+namespace jax_vmm::kvcache {
+
+// The shape every layer buffer of the cache has: (max_seqs, max_tokens, heads, head_dim),
+// or (max_tokens, heads, head_dim) without a per-sequence layout (max_seqs then 1).
+struct Geometry {
+  int64_t num_layers = 0;
+  int64_t max_seqs = 1;
+  int64_t max_tokens = 0;
+  int64_t kv_heads = 0;
+  int64_t head_dim = 0;
+  bool per_sequence = true;
+  int dtype = 0;             // xla::ffi::DataType of the buffers
+  size_t element_bytes = 0;  // bytes of one element
+
+  int64_t rank() const { return per_sequence ? 4 : 3; }
+  // The buffer's dimensions, rank() of them.
+  std::vector<int64_t> dims() const;
+  uint64_t token_bytes() const {
+    return static_cast<uint64_t>(kv_heads * head_dim) * element_bytes;
+  }
+  uint64_t seq_bytes() const { return token_bytes() * static_cast<uint64_t>(max_tokens); }
+  int64_t num_slots() const { return max_seqs * max_tokens; }
+  size_t buffer_bytes() const { return static_cast<size_t>(seq_bytes()) * max_seqs; }
+};
+
+// The two buffers of one layer.
+struct LayerBuffers {
+  uint64_t k_uid = 0, v_uid = 0;
+  uintptr_t k_address = 0, v_address = 0;
+};
+
+class KvCache {
+ public:
+  // Registers a cache over buffers k_ids[l], v_ids[l] of `arena` (each of
+  // geometry.buffer_bytes() bytes) under a new uid, for XLA device ordinal
+  // `device_ordinal`. Every sequence starts with 0 tokens ensured.
+  static std::shared_ptr<KvCache> Create(std::shared_ptr<Arena> arena,
+                                         const std::vector<int64_t>& k_ids,
+                                         const std::vector<int64_t>& v_ids, const Geometry& g,
+                                         int device_ordinal);
+  ~KvCache();  // unregisters; frees the table, or (pinned) zeroes and keeps it
+  KvCache(const KvCache&) = delete;
+  KvCache& operator=(const KvCache&) = delete;
+
+  uint64_t uid() const { return uid_; }
+  int device_ordinal() const { return device_ordinal_; }
+  const char* driver_kind() const { return arena_->driver().kind(); }
+  const Geometry& geometry() const { return geometry_; }
+  const LayerBuffers& layer(int64_t l) const { return layers_.at(static_cast<size_t>(l)); }
+  // Whether uid is one of this cache's buffers.
+  bool Owns(uint64_t buffer_uid) const;
+
+  // Tokens ensured for sequence `seq` (0 <= tokens <= max_tokens), published to the
+  // device before it returns. Raise it after the memory is committed, lower it before
+  // the memory is given back.
+  void SetLimit(int64_t seq, int64_t tokens);
+  std::vector<int32_t> Limits() const;
+
+  // Attention reads whose length exceeded the ensured tokens (each counted once per
+  // sequence and call; the read was clamped). Reading does not wait for the device.
+  uint64_t ReadClamps() const;
+  void ResetReadClamps();
+
+  // Zeroes the table and refuses further use (the registry answers kClosed). Idempotent.
+  void Close();
+  // Closed, or its arena closed.
+  bool closed() const;
+
+  // Device-visible pointers for kernels (and host code on the CPU).
+  const int32_t* device_limits() const { return limits_; }
+  unsigned long long* device_read_clamps() const { return read_clamps_; }
+  // Called by CUDA handlers that may bake the pointers above into a graph.
+  void PinMetadataForGraphs() const { pinned_ = true; }
+
+ private:
+  KvCache(std::shared_ptr<Arena> arena, const Geometry& g, int device_ordinal);
+  void WriteTableLocked();  // host mirror -> device table
+
+  std::shared_ptr<Arena> arena_;  // the buffers' arena (and the driver of the metadata)
+  const uint64_t uid_;
+  const Geometry geometry_;
+  const int device_ordinal_;
+  std::vector<LayerBuffers> layers_;
+
+  mutable std::mutex mu_;
+  bool closed_ = false;
+  std::vector<int32_t> host_limits_;
+  void* metadata_ = nullptr;  // limits (max_seqs int32, padded to 8 bytes) | read clamps
+  int32_t* limits_ = nullptr;
+  unsigned long long* read_clamps_ = nullptr;
+  mutable std::atomic<bool> pinned_{false};
+};
+
+// Where a registry lookup ended (FindKvCache).
+enum class CacheLookup {
+  kFound,        // an open cache on this device ordinal (*out filled)
+  kClosed,       // the cache was closed (*out filled)
+  kGone,         // no live cache has this uid (destroyed, or never made)
+  kOtherDevice,  // the cache lives on another device ordinal (*out filled)
+};
+
+CacheLookup FindKvCache(uint64_t cache_uid, int device_ordinal, std::shared_ptr<KvCache>* out);
+
+// The open cache one of whose buffers has this uid, or null.
+std::shared_ptr<KvCache> FindKvCacheOfBuffer(uint64_t buffer_uid);
+
+}  // namespace jax_vmm::kvcache

@@ -1,0 +1,18 @@
+// The FFI targets of the KV cache folder itself; called from python/module.cc at module
+// initialisation. (kv_write and decode attention over a KVCache layer are registered by
+// their own folders.)
+#pragma once
+
+#include "common/ffi_registry.h"
+
+namespace jax_vmm::kvcache {
+
+// jax_vmm_kv_cache_check_views on "cpu" (ordered_views.cc).
+void AddCpuTargets(FfiRegistry& registry);
+
+#ifdef JAX_VMM_HAVE_CUDA_KERNELS
+// jax_vmm_kv_cache_check_views on "CUDA" (ordered_views_cuda.cc).
+void AddCudaTargets(FfiRegistry& registry);
+#endif
+
+}  // namespace jax_vmm::kvcache
