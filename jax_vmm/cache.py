@@ -125,16 +125,22 @@ class KVLayer:
     """One layer of a KV cache: an arena layer (``kv.cache()[l]``) or an array layer
     (:meth:`from_arrays`). Immutable: ``kv_write`` returns a new one."""
 
-    __slots__ = ("_id", "_leaves")
+    __slots__ = ("_id", "_leaves", "_written_in_trace")
 
     def __init__(self, layer_id: LayerId | _ArraysId, leaves: tuple):
         self._id = layer_id
         self._leaves = tuple(leaves)
+        # Set by kv_write when it ran inside the trace that holds this object (not pytree
+        # data: a layer that crossed a jit or loop boundary was written in an earlier
+        # computation or iteration). jax_vmm.ordered_views refuses such a layer.
+        self._written_in_trace = False
 
     # -- construction ----------------------------------------------------------------
     @classmethod
     def _arena(cls, lid: LayerId, token: Any, scales: tuple = ()) -> KVLayer:
-        return cls(lid, (token, *scales))
+        layer = cls(lid, (token, *scales))
+        layer._written_in_trace = isinstance(token, jax.core.Tracer)
+        return layer
 
     @classmethod
     def from_arrays(
@@ -174,8 +180,10 @@ class KVLayer:
                 "KVLayer.from_arrays: an fp8 cache (float8_e4m3fn, or uint8 bits) needs "
                 "k_scale and v_scale, float32 (H,); other caches take none"
             )
-        scales = () if not fp8 else (_check_scale(k_scale, k.shape[-2], "k_scale"),
-                                     _check_scale(v_scale, k.shape[-2], "v_scale"))
+        heads = k.shape[-2]
+        scales = ()
+        if fp8:
+            scales = (_check_scale(k_scale, heads, "k_scale"), _check_scale(v_scale, heads, "v_scale"))
         return cls(_ArraysId(fp8), (k, v, *scales))
 
     # -- pytree ----------------------------------------------------------------------
@@ -189,7 +197,7 @@ class KVLayer:
         # No checks: JAX unflattens with placeholder leaves while tracing.
         if isinstance(aux, _ViewsId):
             return aux.unflatten(leaves)
-        return cls(aux, tuple(leaves))
+        return cls(aux, tuple(leaves))  # _written_in_trace False: it crossed a boundary
 
     # -- what it is ------------------------------------------------------------------
     @property

@@ -155,24 +155,41 @@ def attention(q: Any, layer: KVLayer, lengths: Any, *, scale: float | None = Non
 
 
 def ordered_views(layer: KVLayer, k: Any, v: Any) -> tuple[Any, Any]:
-    """Order reads of an arena layer by plain XLA ops after the layer's writes.
+    """Read an arena layer with plain XLA ops (cuDNN or XLA attention) after its writes.
 
-    Inside ``jit`` an arena layer has no arrays (the arena is not an XLA value). To run
-    another attention (cuDNN, XLA's) over it, pass ``kv.k[l]`` and ``kv.v[l]`` into the
-    jitted function as arguments (neither donated nor returned nor updated there) and
-    write ``k, v = jax_vmm.ordered_views(layer, k, v)``: the returned arrays are the same
-    buffers, ordered after every write that produced ``layer`` (an optimization barrier
-    with the layer's token). A small custom call checks at run time that the buffers XLA
-    hands over ARE the layer's arena buffers, and fails the step otherwise (a donated view
-    on the CPU, for instance, reaches the step as XLA's copy, which the writes never
-    touch). Outside ``jit`` it waits for the layer's writes and checks the views.
+    Inside ``jit`` an arena layer has no arrays (the arena is not an XLA value). Pass
+    ``kv.k[l]`` and ``kv.v[l]`` into the jitted function as arguments (neither donated nor
+    returned nor updated there) with the layer, and write
+    ``k, v = jax_vmm.ordered_views(layer, k, v)``: the same buffers, no copy.
+
+    Ordering: ``layer`` must come into the computation (a jit argument, a loop carry), not
+    from a ``kv_write`` earlier in the same function. XLA starts a computation (and a loop
+    iteration) once its inputs are ready, so reads there follow the writes that produced
+    the layer. Within one computation nothing orders a plain read of the views after a
+    ``kv_write``: as far as XLA knows the views never change, and it may read them
+    whenever it likes (it may, say, copy them into another layout first); a layer written
+    in the same function is refused here (``ValueError``). Read such a layer with
+    ``jax_vmm.decode_attention(q, layer, lengths)``, which takes the token as an operand.
+
+    A small custom call checks at run time that the buffers XLA hands over ARE the
+    layer's arena buffers, and fails the step otherwise (a donated view on the CPU, for
+    instance, reaches the step as XLA's copy, which the writes never touch). Outside
+    ``jit`` it checks the views and waits for the layer's writes.
     """
     if not isinstance(layer, KVLayer) or not layer.is_arena:
         raise TypeError(
             "ordered_views takes an arena layer (kv.cache()[l]); an array layer's arrays are "
-            "layer.k and layer.v"
+            "layer.k and layer.v, ordered by data dependence already"
         )
     lid = layer.id
+    if layer._written_in_trace:
+        raise ValueError(
+            f"ordered_views: {lid.describe()} was written by a kv_write in this same "
+            "computation, and XLA cannot order plain reads of the arena views after it (the "
+            "views never change as far as XLA knows). Read it with "
+            "jax_vmm.decode_attention(q, layer, lengths), or read the views in the next "
+            "step (pass the layer in as an argument or loop carry)"
+        )
     for name, x in (("k", k), ("v", v)):
         if tuple(getattr(x, "shape", ())) != lid.shape or np.dtype(x.dtype) != np.dtype(lid.dtype):
             raise ValueError(
@@ -184,10 +201,10 @@ def ordered_views(layer: KVLayer, k: Any, v: Any) -> tuple[Any, Any]:
         jax.block_until_ready(layer.token)
         return k, v
     register()
-    token = jax.ffi.ffi_call(_targets.check_views, _TOKEN, input_output_aliases={2: 0})(
+    # A side effect: the check runs even though nothing uses its result.
+    jax.ffi.ffi_call(_targets.check_views, _TOKEN, has_side_effect=True)(
         k, v, layer.token, **_identity_attrs(lid)
     )
-    k, v, _ = jax.lax.optimization_barrier((k, v, token))
     return k, v
 
 

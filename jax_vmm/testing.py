@@ -20,6 +20,12 @@ the only Python code that imports it.
 * :func:`address_only_dests`: a ``KVDest`` identified by its addresses alone (no uid
   check in the handlers, no check of eager views against the dest), as before buffers
   had uids.
+* :func:`identity_stripped`: an arena layer of a ``KVCache`` flattens to its arena views
+  (an array layer) instead of its static identity: the naive cache pytree, whose arrays
+  XLA copies, so the arena is not written inside ``jit``.
+* :func:`limits_ignored`: the KVCache-layer kv_write and decode attention without the
+  table of ensured tokens (writes past them land where a chunk is backed; reads are not
+  clamped or counted).
 * :func:`legacy_views`: views without a view lease, whose DLPack deleter takes the GIL
   (a plain nanobind ndarray owning a reference to the arena), as before leases.
 * :func:`scratch_probe` (with :func:`scratch_probe_stats`, :func:`address_of`): a custom
@@ -42,6 +48,8 @@ import jax.numpy as jnp
 from . import _ffi
 from . import arena as _arena
 from . import attention as _attention
+from . import cache as _cache
+from . import cache_ops as _cache_ops
 from . import ops as _ops
 from ._loader import core as _core
 
@@ -60,6 +68,8 @@ __all__ = [
     "unchecked_kv_writes",
     "token_kernel_kv_writes",
     "address_only_dests",
+    "identity_stripped",
+    "limits_ignored",
     "legacy_views",
     "decode_attention",
     "stream_partition",
@@ -191,6 +201,48 @@ def address_only_dests() -> Iterator[None]:
         yield
     finally:
         _ops._targets, _ops._verify_views = previous
+
+
+# -- the KV cache pytree without its protections ----------------------------------------
+
+
+def _flatten_with_views(layer: Any) -> tuple[tuple, Any]:
+    scales = (layer.k_scale, layer.v_scale) if layer.fp8 else ()
+    return (layer.k, layer.v, *scales), _cache._ViewsId(layer.fp8)
+
+
+@contextlib.contextmanager
+def identity_stripped() -> Iterator[None]:
+    """Inside the with-block an arena layer of a ``KVCache`` flattens to its arena views
+    (``kv.k[l]``, ``kv.v[l]``) as leaves and unflattens as an array layer: a cache pytree
+    that carries the big arrays, without the static identity. Inside ``jit`` XLA then
+    hands the writes its own copy (always on the CPU, on a GPU unless donated), so the
+    arena is not written: what the identity exists to prevent."""
+    previous = _cache._arena_flatten
+    _cache._arena_flatten = _flatten_with_views
+    try:
+        yield
+    finally:
+        _cache._arena_flatten = previous
+
+
+@contextlib.contextmanager
+def limits_ignored() -> Iterator[None]:
+    """Inside the with-block ``jax_vmm.kv_write(layer, ...)`` and
+    ``jax_vmm.decode_attention(q, layer, lengths)`` on arena layers call variants without
+    the table of ensured tokens: a write past a sequence's ensured tokens lands wherever
+    its chunk happens to be backed (and is not counted), a read is clamped only to T (and
+    not counted). Applies to calls traced inside the block."""
+    previous = _cache_ops._targets
+    _cache_ops._targets = _cache_ops._Targets(
+        write="jax_vmm_testing_kv_cache_write_no_limits",
+        attention="jax_vmm_testing_decode_attention_cache_no_limits",
+        attention_stream="jax_vmm_testing_decode_attention_v2_cache_no_limits",
+    )
+    try:
+        yield
+    finally:
+        _cache_ops._targets = previous
 
 
 # -- views without leases -------------------------------------------------------------

@@ -121,6 +121,21 @@ def read_bytes(buf: jax_vmm.Buffer, start: int = 0, stop: int | None = None) -> 
     return np.array(view[start:stop])
 
 
+def arena_bytes(buf: jax_vmm.Buffer, start: int = 0, stop: int | None = None) -> np.ndarray:
+    """Bytes [start, stop) at the buffer's address, read without JAX (the oracle of what an
+    arena holds): a host memcpy from the address (ctypes) on the CPU, ``cuMemcpyDtoH`` at
+    the device address on a GPU (after a device synchronize). Wait for the writes first."""
+    stop = buf.nbytes if stop is None else stop
+    assert 0 <= start <= stop <= buf.nbytes
+    target = buf.arena._target
+    if target.driver == "host":
+        return np.frombuffer(ctypes.string_at(buf.address + start, stop - start), np.uint8).copy()
+    oracle = _cuda_driver_oracle(target.ordinal)
+    if oracle is None:
+        pytest.skip("reading GPU arena memory outside JAX needs cuda-python")
+    return np.frombuffer(oracle.read(buf.address + start, stop - start), np.uint8).copy()
+
+
 def pattern(n: int, seed: int) -> np.ndarray:
     """n distinctive non-zero bytes."""
     return (np.arange(n, dtype=np.uint64) * 2654435761 + seed * 97 + 1).astype(np.uint8) | 1

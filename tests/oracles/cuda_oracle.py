@@ -13,6 +13,8 @@ What the driver tells us about an address inside an arena's reservation:
   reservation share the zero chunk's allocation.
 * ``address_range(addr)``: ``cuMemGetAddressRange`` of the mapping.
 * ``mem_free()``: ``cuMemGetInfo`` free bytes, to see physical memory come and go.
+* ``read(addr, n)``: the bytes there, by ``cuMemcpyDtoH`` (what a KV arena holds, read
+  without JAX).
 
 Also ``probe_driver_facts()``: raw VMM experiments whose answers shape the driver (can
 one ``cuMemUnmap`` span several mappings; is read-only access supported; is a re-created
@@ -106,6 +108,15 @@ class CudaOracle:
         if err != cu.CUresult.CUDA_SUCCESS:
             return None
         return int(base), int(size)
+
+    def read(self, addr: int, nbytes: int) -> bytes:
+        """``nbytes`` at device address ``addr``, copied by ``cuMemcpyDtoH`` after the
+        device finished its work (``cuCtxSynchronize``): what memory holds, outside JAX."""
+        out = bytearray(nbytes)
+        with self.context():
+            _ok("cuCtxSynchronize", cu.cuCtxSynchronize())
+            _ok("cuMemcpyDtoH", cu.cuMemcpyDtoH(out, addr, nbytes))
+        return bytes(out)
 
     def state(self, addr: int) -> ChunkState:
         return ChunkState(self.access(addr), self.allocation_handle(addr))

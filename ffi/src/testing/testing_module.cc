@@ -44,6 +44,7 @@ FfiRegistry TestingTargets() {
   AddTokenKernelKvWriteCpuTargets(registry);
   AddDebugAttentionCpuTargets(registry);
   AddDebugStreamCpuTargets(registry);
+  AddNoLimitsCacheCpuTargets(registry);
   AddProbeCpuTargets(registry);
 #ifdef JAX_VMM_HAVE_CUDA_KERNELS
   AddUncheckedKvWriteCudaTargets(registry);
@@ -51,6 +52,7 @@ FfiRegistry TestingTargets() {
   AddTokenKernelKvWriteCudaTargets(registry);
   AddDebugAttentionCudaTargets(registry);
   AddDebugStreamCudaTargets(registry);
+  AddNoLimitsCacheCudaTargets(registry);
   AddProbeCudaTargets(registry);
 #endif
   return registry;

@@ -34,6 +34,13 @@ void AddDebugAttentionCpuTargets(FfiRegistry& registry);
 // stream_debug_cpu.cc, stream_debug_cuda.cc.
 void AddDebugStreamCpuTargets(FfiRegistry& registry);
 
+// jax_vmm_testing_kv_cache_write_no_limits, jax_vmm_testing_decode_attention_cache_no_limits,
+// jax_vmm_testing_decode_attention_v2_cache_no_limits: the KVCache-layer kv_write and
+// decode attention without the table of ensured tokens (writes past them land where a
+// chunk happens to be backed; reads go up to T, uncounted). kv_cache_no_limits_cpu.cc,
+// kv_cache_no_limits_cuda.cc.
+void AddNoLimitsCacheCpuTargets(FfiRegistry& registry);
+
 // jax_vmm_scratch_probe: y = x through a graph-safe scratch workspace (scratch_probe.h).
 void AddProbeCpuTargets(FfiRegistry& registry);
 
@@ -43,6 +50,7 @@ void AddAddressOnlyKvWriteCudaTargets(FfiRegistry& registry);
 void AddTokenKernelKvWriteCudaTargets(FfiRegistry& registry);
 void AddDebugAttentionCudaTargets(FfiRegistry& registry);
 void AddDebugStreamCudaTargets(FfiRegistry& registry);
+void AddNoLimitsCacheCudaTargets(FfiRegistry& registry);
 void AddProbeCudaTargets(FfiRegistry& registry);
 #endif
 

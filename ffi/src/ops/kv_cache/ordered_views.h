@@ -2,11 +2,14 @@
 // KVCache layer with plain XLA ops (cuDNN attention, say) gets the arena views as jit
 // arguments and orders them after the layer's writes with the layer's token. Its custom
 // call
-//   jax_vmm_kv_cache_check_views(k, v, token) -> token   (aliased {2:0})
-// with attributes cache_uid (u64) and layer (s64) does no device work: at host time it
-// checks that the buffers XLA hands over ARE the layer's arena buffers (not a copy: a
-// view donated on the CPU, or updated by another op, reaches the step as XLA's copy,
-// which the layer's writes never touch). The checks shared by its CPU and CUDA handlers.
+//   jax_vmm_kv_cache_check_views(k, v, token) -> zero   (s32 scalar)
+// with attributes cache_uid (u64) and layer (s64) checks at host time that the buffers
+// XLA hands over ARE the layer's arena buffers (not a copy: a view donated on the CPU,
+// or updated by another op, reaches the step as XLA's copy, which the layer's writes
+// never touch), and writes 0 into its result: a value XLA cannot know, which the Python
+// side adds to the small inputs of the read (the query, the lengths) so that they depend
+// on the check, hence on the token, hence on the writes. The checks shared by its CPU
+// and CUDA handlers.
 #pragma once
 
 #include <cstdint>
@@ -31,7 +34,7 @@ auto BindCheckViews(B&& b) {
       .template Arg<ffi::AnyBuffer>()   // k
       .template Arg<ffi::AnyBuffer>()   // v
       .template Arg<ffi::AnyBuffer>()   // token
-      .template Ret<ffi::AnyBuffer>()   // token (aliases operand 2)
+      .template Ret<ffi::AnyBuffer>()   // zero (s32 scalar)
       .template Attr<uint64_t>("cache_uid")
       .template Attr<int64_t>("layer");
 }

@@ -1,6 +1,6 @@
-// The CUDA target of jax_vmm_kv_cache_check_views (ordered_views.h): host checks only;
-// command-buffer compatible (a replay runs no host code, and XLA re-records when the
-// buffers it hands over move).
+// The CUDA target of jax_vmm_kv_cache_check_views (ordered_views.h): host checks and a
+// 4-byte memset; command-buffer compatible (a replay runs no host code, and XLA
+// re-records when the buffers it hands over move).
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
@@ -14,16 +14,15 @@ namespace jax_vmm::kvcache {
 namespace {
 
 ffi::Error CheckViewsCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                          ffi::AnyBuffer token, ffi::Result<ffi::AnyBuffer> token_out,
+                          ffi::AnyBuffer token, ffi::Result<ffi::AnyBuffer> zero,
                           uint64_t cache_uid, int64_t layer) {
+  (void)token;  // orders the call after the layer's writes
   if (std::string err = CheckOrderedViews("cuda", device, cache_uid, layer, k, v); !err.empty()) {
     return ffi::Error::InvalidArgument(err);
   }
-  if (token.untyped_data() == token_out->untyped_data()) return ffi::Error::Success();
-  if (cudaError_t e = cudaMemcpyAsync(token_out->untyped_data(), token.untyped_data(),
-                                      token.size_bytes(), cudaMemcpyDeviceToDevice, stream);
+  if (cudaError_t e = cudaMemsetAsync(zero->untyped_data(), 0, zero->size_bytes(), stream);
       e != cudaSuccess) {
-    return CudaFfiError("jax_vmm_kv_cache_check_views", "cudaMemcpyAsync(token)", e);
+    return CudaFfiError("jax_vmm_kv_cache_check_views", "cudaMemsetAsync(zero)", e);
   }
   return ffi::Error::Success();
 }

@@ -1,0 +1,653 @@
+"""The KV cache as a JAX pytree (issue #10): ``kv.cache()`` -> ``KVCache`` of
+``KVLayer`` s; ``kv_write(layer, ...)`` -> ``KVLayer``; ``decode_attention(q, layer,
+lengths)``; ``cache.replace(l, layer)``.
+
+What must hold whatever the user does with the cache (donated or not, eager, ``jit``,
+``lax.scan`` of 64 steps, ``fori_loop``, ``while_loop``; CPU and GPU):
+
+* after the step the arena holds every written token. The oracle reads the arena memory
+  without JAX: a memcpy from its address on the host, ``cuMemcpyDtoH`` on a GPU
+  (conftest.arena_bytes);
+* attention later in the same step reads them (checked against a float64 reference of
+  the tokens written so far: the write is ordered before the read by the layer's token);
+* dropped writes (slot out of range, unbacked, past the ensured tokens) and reads past
+  the ensured tokens are counted where ``kv.check()`` sees them;
+* the same arena never retraces (trace counter), two arenas and an array cache go
+  through the same step.
+
+Each safety test is shown to catch its failure with the protection removed through
+``jax_vmm.testing``: ``identity_stripped()`` (the cache pytree carries the arena views
+as arrays: XLA copies them and the arena is not written), ``limits_ignored()`` (no table
+of ensured tokens: a write past them lands and a read past them is not counted).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_vmm
+import jax_vmm.testing
+from conftest import arena_bytes
+
+L, B, T, HKV, HQ, D = 2, 2, 128, 2, 4, 64
+DT = np.float32
+
+
+def _kv(vm, **kw):
+    kw = dict(num_layers=L, num_kv_heads=HKV, head_dim=D, max_tokens=T, max_seqs=B, dtype=DT) | kw
+    return vm.kv(**kw)
+
+
+def _tokens(steps: int, seed: int) -> dict[str, np.ndarray]:
+    """Per step: new K/V (L, B, H_kv, D) and q (L, B, H_q, D), finite and distinct."""
+    rng = np.random.default_rng(seed)
+    return {
+        "k": rng.standard_normal((steps, L, B, HKV, D)).astype(DT),
+        "v": rng.standard_normal((steps, L, B, HKV, D)).astype(DT),
+        "q": rng.standard_normal((steps, L, B, HQ, D)).astype(DT),
+    }
+
+
+def _step(cache, q, new_k, new_v, pos):
+    """One decode step: every sequence writes the token at `pos` into every layer, then
+    attends over tokens [0, pos]."""
+    slots = (jnp.arange(B, dtype=jnp.int32) * T + pos).astype(jnp.int32)
+    lengths = jnp.full((B,), pos + 1, jnp.int32)
+    outs = []
+    for layer in range(L):
+        written = jax_vmm.kv_write(cache[layer], new_k[layer], new_v[layer], slots)
+        outs.append(jax_vmm.decode_attention(q[layer], written, lengths))
+        cache = cache.replace(layer, written)
+    return cache, jnp.stack(outs)
+
+
+def _reference(data: dict, step: int) -> np.ndarray:
+    """float64 attention of step `step` over the tokens of steps 0..step: (L, B, H_q, D)."""
+    k = data["k"][: step + 1].astype(np.float64)  # (t, L, B, H, D)
+    v = data["v"][: step + 1].astype(np.float64)
+    q = data["q"][step].astype(np.float64)  # (L, B, H_q, D)
+    g = HQ // HKV
+    s = np.einsum("lbhgd,tlbhd->lbhgt", q.reshape(L, B, HKV, g, D), k) / np.sqrt(D)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    return np.einsum("lbhgt,tlbhd->lbhgd", p, v).reshape(L, B, HQ, D)
+
+
+def _run(how: str, kv, data: dict, steps: int):
+    """Runs `steps` decode steps the way `how` says; returns the final cache and the
+    attention outputs (steps, L, B, H_q, D)."""
+    cache = kv.cache()
+    dev = kv.arena.device
+    put = lambda x: jax.device_put(jnp.asarray(x), dev)  # noqa: E731
+    q, nk, nv = put(data["q"]), put(data["k"]), put(data["v"])
+    if how in ("eager", "jit", "jit_donated"):
+        fn = {
+            "eager": _step,
+            "jit": jax.jit(_step),
+            "jit_donated": jax.jit(_step, donate_argnums=0),
+        }[how]
+        outs = []
+        for i in range(steps):
+            cache, out = fn(cache, q[i], nk[i], nv[i], jnp.int32(i))
+            outs.append(out)
+        return cache, jnp.stack(outs)
+    if how == "scan":
+
+        def body(c, x):
+            return _step(c, *x)
+
+        run = jax.jit(lambda c, xs: jax.lax.scan(body, c, xs), donate_argnums=0)
+        return run(cache, (q[:steps], nk[:steps], nv[:steps], jnp.arange(steps, dtype=jnp.int32)))
+    out0 = jnp.zeros((steps, L, B, HQ, D), DT)
+    if how == "fori":
+
+        def fbody(i, carry):
+            c, outs = carry
+            c, out = _step(c, q[i], nk[i], nv[i], i)
+            return c, outs.at[i].set(out)
+
+        return jax.jit(lambda c, o: jax.lax.fori_loop(0, steps, fbody, (c, o)))(cache, out0)
+    if how == "while":
+
+        def wbody(carry):
+            i, c, outs = carry
+            c, out = _step(c, q[i], nk[i], nv[i], i)
+            return i + 1, c, outs.at[i].set(out)
+
+        run = jax.jit(lambda c, o: jax.lax.while_loop(lambda s: s[0] < steps, wbody, (0, c, o)))
+        _, c, outs = run(cache, out0)
+        return c, outs
+    raise AssertionError(how)
+
+
+def _arena_tokens(kv, side: str, layer: int, steps: int) -> np.ndarray:
+    """What the arena holds at positions [0, steps) of every sequence: (steps, B, H, D)."""
+    buf = (kv.k_buffers if side == "k" else kv.v_buffers)[layer]
+    raw = arena_bytes(buf).view(DT).reshape(B, T, HKV, D)
+    return raw[:, :steps].transpose(1, 0, 2, 3)
+
+
+def _assert_arena_holds(kv, data: dict, steps: int) -> None:
+    for layer in range(L):
+        for side in ("k", "v"):
+            np.testing.assert_array_equal(
+                _arena_tokens(kv, side, layer, steps),
+                data[side][:steps, layer],
+                err_msg=f"arena {side}{layer} does not hold the written tokens",
+            )
+
+
+HOWS = [
+    ("eager", 3),
+    ("jit", 4),
+    ("jit_donated", 4),
+    ("scan", 64),
+    ("fori", 16),
+    ("while", 16),
+]
+
+
+@pytest.mark.parametrize("how,steps", HOWS, ids=[h for h, _ in HOWS])
+def test_the_arena_holds_every_token_and_attention_reads_them(vm, how, steps):
+    kv = _kv(vm)
+    for seq in range(B):
+        kv.ensure(steps, seq)
+    data = _tokens(steps, seed=steps)
+    cache, outs = _run(how, kv, data, steps)
+    kv.check(outs, cache)  # nothing dropped, nothing read past the ensured tokens
+    _assert_arena_holds(kv, data, steps)
+    outs = np.asarray(outs)
+    for i in range(steps):
+        np.testing.assert_allclose(
+            outs[i], _reference(data, i), rtol=2e-5, atol=2e-5, err_msg=f"{how} step {i}"
+        )
+    # The cache that came back names the same arena: a concrete read sees the tokens.
+    np.testing.assert_array_equal(
+        np.asarray(cache[1].v)[:, :steps].transpose(1, 0, 2, 3), data["v"][:steps, 1]
+    )
+
+
+@pytest.mark.parametrize("how", ["jit", "scan"])
+def test_with_the_identity_stripped_the_arena_misses_the_tokens(vm, how):
+    """The oracle of the test above catches the naive cache pytree (the arena views as
+    leaves, not donated): XLA writes its copy and the arena keeps zeros."""
+    kv = _kv(vm)
+    for seq in range(B):
+        kv.ensure(8, seq)
+    data = _tokens(8, seed=3)
+    with jax_vmm.testing.identity_stripped():
+        cache, outs = _run(how, kv, data, 8 if how == "scan" else 2)
+        jax.block_until_ready(outs)
+    assert not cache[0].is_arena  # the copies came back as an array cache
+    assert not np.any(_arena_tokens(kv, "k", 0, 2)), "the arena was written after all"
+    with pytest.raises(AssertionError, match="does not hold the written tokens"):
+        _assert_arena_holds(kv, data, 2)
+
+
+def test_the_cache_is_a_pytree_that_carries_no_big_array(vm):
+    kv = _kv(vm)
+    cache = kv.cache()
+    leaves, treedef = jax.tree_util.tree_flatten(cache)
+    assert len(cache) == L and len(leaves) == L
+    assert all(np.shape(x) == () and np.dtype(x.dtype) == np.int32 for x in leaves)
+    again = jax.tree_util.tree_unflatten(treedef, leaves)
+    assert again[1].id == cache[1].id and again[1].is_arena
+    assert jax.tree_util.tree_structure(kv.cache()) == treedef  # the same arena: same key
+    other = _kv(vm)
+    assert jax.tree_util.tree_structure(other.cache()) != treedef
+    assert cache[0].id.cache_uid == kv.uid and cache[0].id.shape == (B, T, HKV, D)
+    assert hash(cache[0].id) == hash(kv.cache()[0].id)
+    # Nothing big is an XLA value: the step's arguments and results are a few bytes.
+    data = _tokens(1, 0)
+    lowered = jax.jit(_step).lower(
+        cache, jnp.asarray(data["q"][0]), jnp.asarray(data["k"][0]), jnp.asarray(data["v"][0]),
+        jnp.int32(0),
+    )
+    mem = lowered.compile().memory_analysis()
+    cache_bytes = 2 * L * B * T * HKV * D * np.dtype(DT).itemsize
+    if mem is not None:
+        assert mem.argument_size_in_bytes < cache_bytes / 8
+        assert mem.output_size_in_bytes < cache_bytes / 8
+
+
+def test_the_same_arena_never_retraces_another_one_does(vm):
+    kv, other = _kv(vm), _kv(vm)
+    for a in (kv, other):
+        for seq in range(B):
+            a.ensure(4, seq)
+    traces = []
+
+    @jax.jit
+    def step(cache, q, nk, nv, pos):
+        traces.append(1)
+        return _step(cache, q, nk, nv, pos)
+
+    data = _tokens(3, 1)
+    args = lambda i: (jnp.asarray(data["q"][i]), jnp.asarray(data["k"][i]), jnp.asarray(data["v"][i]))  # noqa: E731
+    cache = kv.cache()
+    for i in range(3):
+        cache, _ = step(cache, *args(i), jnp.int32(i))
+    step(kv.cache(), *args(0), jnp.int32(0))  # a fresh cache of the same arena
+    assert len(traces) == 1
+    step(other.cache(), *args(0), jnp.int32(0))
+    assert len(traces) == 2, "another arena must not reuse the first arena's executable"
+    kv.check()
+    other.check()
+    np.testing.assert_array_equal(_arena_tokens(other, "k", 0, 1), data["k"][:1, 0])
+
+
+def test_two_arenas_and_an_array_cache_in_one_step(vm):
+    a, b = _kv(vm), _kv(vm)
+    for x in (a, b):
+        for seq in range(B):
+            x.ensure(4, seq)
+    zeros = lambda: jax.device_put(jnp.zeros((B, T, HKV, D), DT), vm.device)  # noqa: E731
+    plain = jax_vmm.KVCache.from_arrays([zeros() for _ in range(L)], [zeros() for _ in range(L)])
+    data = _tokens(2, 5)
+
+    @jax.jit
+    def step(ca, cb, cp, q, nk, nv, pos):
+        ca, oa = _step(ca, q, nk, nv, pos)
+        cb, ob = _step(cb, q, nv, nk, pos)  # the other arena gets k and v swapped
+        cp, op = _step(cp, q, nk, nv, pos)
+        return ca, cb, cp, oa, ob, op
+
+    caches = (a.cache(), b.cache(), plain)
+    for i in range(2):
+        *caches, oa, ob, op = step(
+            *caches, jnp.asarray(data["q"][i]), jnp.asarray(data["k"][i]),
+            jnp.asarray(data["v"][i]), jnp.int32(i)
+        )
+        np.testing.assert_allclose(np.asarray(oa), _reference(data, i), rtol=2e-5, atol=2e-5)
+        np.testing.assert_allclose(np.asarray(op), np.asarray(oa), rtol=1e-6, atol=1e-6)
+    a.check()
+    b.check()
+    _assert_arena_holds(a, data, 2)
+    swapped = {"k": data["v"], "v": data["k"]}
+    _assert_arena_holds(b, swapped, 2)
+    # The array cache holds the same tokens, in its own arrays.
+    got = np.asarray(caches[2][0].k)[:, :2].transpose(1, 0, 2, 3)
+    np.testing.assert_array_equal(got, data["k"][:2, 0])
+
+
+def test_an_array_cache_drops_slots_outside_it_and_skips_padding(cpu_device):
+    k = jnp.zeros((B, T, HKV, D), DT)
+    layer = jax_vmm.KVLayer.from_arrays(k, k)
+    new = jnp.ones((3, HKV, D), DT)
+    out = jax.jit(jax_vmm.kv_write)(layer, new, 2 * new, jnp.array([-1, 5, B * T], jnp.int32))
+    flat = np.asarray(out.v).reshape(-1, HKV, D)
+    assert np.all(flat[5] == 2) and np.count_nonzero(flat) == HKV * D
+    assert not out.is_arena and np.asarray(layer.k).sum() == 0  # functional
+
+
+# -- what kv.check() reports -----------------------------------------------------------------
+
+
+def _write_one(kv, slot: int, value: float = 1.0):
+    """A jitted kv_write of one token at `slot` in layer 0 (not donated)."""
+    new = jax.device_put(jnp.full((1, HKV, D), value, DT), kv.arena.device)
+    layer = jax.jit(jax_vmm.kv_write)(kv.cache()[0], new, new, jnp.array([slot], jnp.int32))
+    return layer
+
+
+@pytest.mark.parametrize(
+    "where", ["out_of_range", "past_the_ensured_tokens", "unbacked"], ids=lambda w: w
+)
+def test_dropped_writes_are_reported_by_check(vm, where):
+    kv = _kv(vm)
+    kv.ensure(10, 0)  # sequence 0: 10 tokens ensured; its chunk backs more (rounding)
+    slot = {"out_of_range": B * T, "past_the_ensured_tokens": 50, "unbacked": T + 3}[where]
+    if where == "past_the_ensured_tokens":
+        assert kv.backed_tokens(0) > 50, "the token must lie in a backed chunk"
+    if where == "unbacked" and kv.backed_tokens(1) > 3:
+        pytest.skip("this device's chunk backs sequence 1 too")
+    before = arena_bytes(kv.k_buffers[0])
+    _write_one(kv, slot)
+    with pytest.raises(jax_vmm.OutOfBoundsWrite) as info:
+        kv.check()
+    assert info.value.count == 2  # k and v
+    kv.check()  # reset
+    np.testing.assert_array_equal(arena_bytes(kv.k_buffers[0]), before)
+
+
+def test_a_write_past_the_ensured_tokens_needs_the_table(vm):
+    """#11.7: without the table of ensured tokens the write lands in the chunk that
+    rounding backs, and check() passes: the test above would see it."""
+    kv = _kv(vm)
+    kv.ensure(10, 0)
+    with jax_vmm.testing.limits_ignored():
+        _write_one(kv, 50, 7.0)
+    kv.check()  # nothing counted
+    got = arena_bytes(kv.k_buffers[0]).view(DT).reshape(B, T, HKV, D)[0, 50]
+    assert np.all(got == 7.0), "the unchecked write should have landed"
+
+
+def test_a_token_a_release_took_away_is_never_written(vm):
+    """A neighbour's release can take a chunk a sequence only got by rounding: writes
+    there are dropped because they were never ensured, not because the page is gone."""
+    kv = _kv(vm)
+    kv.ensure(T, 0)
+    kv.ensure(2, 1)
+    kv.release(0)
+    _write_one(kv, T + 1)  # ensured: lands (sequence 1's own chunk is backed)
+    _write_one(kv, T + 5)  # not ensured: dropped, whatever backs it
+    with pytest.raises(jax_vmm.OutOfBoundsWrite) as info:
+        kv.check()
+    assert info.value.count == 2
+    tokens = arena_bytes(kv.k_buffers[0]).view(DT).reshape(B, T, HKV, D)[1]
+    assert np.all(tokens[1] == 1.0) and not np.any(tokens[5])
+
+
+def _attend(kv, lengths, q=None):
+    cache = kv.cache()
+    q = jnp.ones((B, HQ, D), DT) if q is None else q
+    fn = jax.jit(lambda c, q, n: jax_vmm.decode_attention(q, c[0], n))
+    return np.asarray(fn(cache, jax.device_put(q, kv.arena.device), jnp.asarray(lengths, jnp.int32)))
+
+
+def test_reads_past_the_ensured_tokens_are_clamped_and_reported(vm):
+    """#11.5: lengths beyond the ensured tokens read only those, and check() says so."""
+    kv = _kv(vm)
+    kv.ensure(4, 0)
+    kv.ensure(6, 1)
+    data = _tokens(1, 9)
+    slots = np.concatenate([np.arange(8), T + np.arange(8)]).astype(np.int32)
+    with jax_vmm.testing.limits_ignored():  # tokens past the ensured ones, in backed chunks
+        new = jnp.asarray(np.random.default_rng(9).standard_normal((16, HKV, D)), DT)
+        jax.jit(jax_vmm.kv_write)(kv.cache()[0], new, new, jnp.asarray(slots))
+    kv.check()
+    q = jnp.asarray(data["q"][0, 0])
+    exact = _attend(kv, [4, 6], q)
+    kv.check()  # within the ensured tokens: nothing to report
+    clamped = _attend(kv, [8, 6], q)
+    with pytest.raises(jax_vmm.OutOfBoundsRead) as info:
+        kv.check()
+    assert info.value.count == 1
+    np.testing.assert_array_equal(clamped, exact)
+    with jax_vmm.testing.limits_ignored():
+        unclamped = _attend(kv, [8, 6], q)
+    kv.check()  # not counted without the table: the test above would see it
+    assert not np.allclose(unclamped[0], exact[0]), "without the clamp tokens 4..7 are read"
+
+
+def test_wide_lengths_are_clamped_before_the_int32_cast(vm):
+    kv = _kv(vm)
+    kv.ensure(T, 0)
+    kv.ensure(T, 1)
+    out = _attend(kv, np.array([2**32 + 1, 3], np.int64))
+    assert np.all(np.isfinite(out))
+
+
+# -- identity: closed, destroyed, other devices --------------------------------------------------
+
+
+def test_a_closed_or_destroyed_cache_refuses_to_run(vm):
+    kv = jax_vmm.kv_arena(
+        num_layers=L, num_kv_heads=HKV, head_dim=D, max_tokens=T, max_seqs=B, dtype=DT,
+        device=vm.device, initial_tokens=4,
+    )
+    cache = kv.cache()
+    new = jax.device_put(jnp.ones((1, HKV, D), DT), vm.device)
+    step = jax.jit(lambda c, x: jax_vmm.kv_write(c[0], x, x, jnp.array([1], jnp.int32)))
+    jax.block_until_ready(step(cache, new))
+    kv.close()
+    with pytest.raises(jax.errors.JaxRuntimeError, match=r"KV cache \d+ was closed"):
+        jax.block_until_ready(step(cache, new))
+    with pytest.raises(jax.errors.JaxRuntimeError, match="was closed"):
+        jax.block_until_ready(
+            jax.jit(lambda c, q: jax_vmm.decode_attention(q, c[0], jnp.ones((B,), jnp.int32)))(
+                cache, jax.device_put(jnp.ones((B, HQ, D), DT), vm.device)
+            )
+        )
+    with pytest.raises(jax_vmm.ArenaClosedError, match="KVLayer.k: the arena is closed"):
+        cache[0].k  # noqa: B018
+    with pytest.raises(jax_vmm.ArenaClosedError):
+        kv.cache()
+    del kv
+    gc.collect()
+    with pytest.raises(jax.errors.JaxRuntimeError, match=r"KV cache \d+ no longer exists"):
+        jax.block_until_ready(step(cache, new))
+    with pytest.raises(ValueError, match="no longer exists"):
+        cache[0].k  # noqa: B018
+
+
+def test_kv_write_on_a_layer_refuses_bad_arguments(vm):
+    kv = _kv(vm)
+    layer = kv.cache()[0]
+    new = jnp.ones((1, HKV, D), DT)
+    slot = jnp.array([0], jnp.int32)
+    with pytest.raises(TypeError, match="dest= is for the array form"):
+        jax_vmm.kv_write(layer, new, new, slot, dest=kv.dest(0))
+    with pytest.raises(TypeError, match="takes 3 arguments"):
+        jax_vmm.kv_write(layer, new, new)
+    with pytest.raises(TypeError, match="has dtype float16"):
+        jax_vmm.kv_write(layer, new.astype(jnp.float16), new, slot)
+    with pytest.raises(ValueError, match="new_k must have shape"):
+        jax_vmm.kv_write(layer, jnp.ones((1, HKV, D + 1), DT), new, slot)
+    with pytest.raises(TypeError, match="slots must be int32"):
+        jax_vmm.kv_write(layer, new, new, slot.astype(jnp.float32))
+    with pytest.raises(ValueError, match="cannot take its place"):
+        kv.cache().replace(0, layer.__class__._arena(kv.cache()[1].id, layer.token))
+    with pytest.raises(ValueError, match="view of arena buffer"):
+        jax_vmm.KVLayer.from_arrays(kv.k[0], kv.v[0])
+    with pytest.raises(TypeError, match="inside jit an arena layer has no k array"):
+        jax.jit(lambda c: c[0].k)(kv.cache())
+    with pytest.raises(ValueError, match="an fp8 layer carries its scales|k_scale/v_scale"):
+        jax_vmm.decode_attention(jnp.ones((B, HQ, D), DT), layer, jnp.ones(B, jnp.int32),
+                                 k_scale=jnp.ones(HKV, jnp.float32))
+
+
+def test_a_layer_read_outside_jit_waits_for_its_writes(vm):
+    kv = _kv(vm)
+    kv.ensure(4, 1)
+    layer = _write_one(kv, T + 2, 3.0)
+    view = layer.v  # waits for the write, then a fresh zero-copy view
+    assert view.unsafe_buffer_pointer() == kv.v_buffers[0].address
+    assert np.all(np.asarray(view)[1, 2] == 3.0)
+
+
+# -- reads by plain XLA ops ----------------------------------------------------------------------
+
+
+def test_ordered_views_let_xla_read_the_arena_after_the_writes(vm):
+    """The "jax_vmm + cuDNN" pattern: a write step, then a read step over the views that
+    takes the layer (XLA starts it once the writes' token is ready)."""
+    kv = _kv(vm)
+    for seq in range(B):
+        kv.ensure(4, seq)
+    data = _tokens(3, 11)
+
+    @jax.jit
+    def write(cache, nk, nv, pos):
+        slots = (jnp.arange(B, dtype=jnp.int32) * T + pos).astype(jnp.int32)
+        return cache.replace(0, jax_vmm.kv_write(cache[0], nk[0], nv[0], slots))
+
+    @jax.jit
+    def read(cache, kview, vview, q, pos):
+        k, v = jax_vmm.ordered_views(cache[0], kview, vview)
+        lengths = jnp.full((B,), pos + 1, jnp.int32)
+        return jax_vmm.attention.reference_decode_attention(q[0], k, v, lengths)
+
+    cache = kv.cache()
+    for i in range(3):
+        pos = jnp.int32(i)
+        cache = write(cache, jnp.asarray(data["k"][i]), jnp.asarray(data["v"][i]), pos)
+        out = read(cache, kv.k[0], kv.v[0], jnp.asarray(data["q"][i]), pos)
+        np.testing.assert_allclose(np.asarray(out), _reference(data, i)[0], rtol=2e-5, atol=2e-5)
+    # Eager: checks the views and waits for the layer's writes.
+    k, v = jax_vmm.ordered_views(cache[0], kv.k[0], kv.v[0])
+    assert k.unsafe_buffer_pointer() == kv.k_buffers[0].address
+    with pytest.raises(ValueError, match="not a view of"):
+        jax_vmm.ordered_views(cache[0], kv.k[1], kv.v[0])
+
+
+def test_ordered_views_refuse_a_layer_written_in_the_same_function(vm):
+    kv = _kv(vm)
+    kv.ensure(2, 0)
+    new = jnp.ones((1, HKV, D), DT)
+
+    def step(cache, k, v):
+        layer = jax_vmm.kv_write(cache[0], new, new, jnp.array([0], jnp.int32))
+        return jax_vmm.ordered_views(layer, k, v)
+
+    with pytest.raises(ValueError, match="written by a kv_write in this same computation"):
+        jax.jit(step)(kv.cache(), kv.k[0], kv.v[0])
+
+
+def test_ordered_views_refuse_a_copy_of_the_arena(vm):
+    """A view that reaches the step as XLA's copy (another layer's buffer here, or a view
+    donated on the CPU) fails the step instead of reading stale memory."""
+    kv = _kv(vm)
+    kv.ensure(2, 0)
+    step = jax.jit(lambda c, k, v: jax_vmm.ordered_views(c[0], k, v)[0].sum())
+    assert float(step(kv.cache(), kv.k[0], kv.v[0])) == 0.0
+    with pytest.raises(jax.errors.JaxRuntimeError, match="not KV cache .* layer 0's k buffer"):
+        jax.block_until_ready(step(kv.cache(), kv.k[1], kv.v[0]))
+    copy = jax.device_put(jnp.zeros((B, T, HKV, D), DT), vm.device)
+    with pytest.raises(jax.errors.JaxRuntimeError, match="memory outside the arena"):
+        jax.block_until_ready(step(kv.cache(), copy, kv.v[0]))
+
+
+# -- the array level without dest -------------------------------------------------------------
+
+
+def test_an_arena_shaped_array_write_without_dest_warns_and_misses_the_arena(cpu_device):
+    """The issue's repro: jax.jit(jax_vmm.kv_write)(kv.k[0], kv.v[0], ...) returns correct
+    arrays but leaves the arena unwritten on the CPU; now it warns at trace time."""
+    kv = jax_vmm.kv_arena(
+        num_layers=1, num_kv_heads=HKV, head_dim=D, max_tokens=T, max_seqs=B, dtype=DT,
+        initial_tokens=4,
+    )
+    try:
+        new = jnp.ones((1, HKV, D), DT)
+        slot = jnp.array([1], jnp.int32)
+        with pytest.warns(jax_vmm.ArenaNotWrittenWarning, match="the arena is NOT written"):
+            k, v = jax.jit(jax_vmm.kv_write)(kv.k[0], kv.v[0], new, new, slot)
+        assert np.all(np.asarray(k)[0, 1] == 1.0)  # the returned arrays hold the token ...
+        assert not np.any(arena_bytes(kv.k_buffers[0]))  # ... the arena does not
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            jax.jit(lambda *a: jax_vmm.kv_write(*a, dest=kv.dest(0)))(
+                kv.k[0], kv.v[0], new, new, slot
+            )
+            jax.block_until_ready(jax.jit(jax_vmm.kv_write)(kv.cache()[0], new, new, slot).token)
+        assert np.all(arena_bytes(kv.k_buffers[0]).view(DT).reshape(B, T, HKV, D)[0, 1] == 1)
+    finally:
+        kv.close()
+
+
+# -- fp8 arenas and the streaming kernel -------------------------------------------------------
+
+
+def test_an_fp8_arena_layer_quantizes_writes_and_dequantizes_reads(vm):
+    d = 64
+    scales = np.array([[0.5, 2.0]] * L, np.float32)
+    kv = vm.kv(
+        num_layers=L, num_kv_heads=HKV, head_dim=d, max_tokens=T, max_seqs=B,
+        dtype=jnp.float8_e4m3fn, k_scales=scales, v_scales=2 * scales,
+    )
+    for seq in range(B):
+        kv.ensure(8, seq)
+    rng = np.random.default_rng(2)
+    new_k = jnp.asarray(rng.standard_normal((B * 8, HKV, d)), jnp.bfloat16)
+    new_v = jnp.asarray(rng.standard_normal((B * 8, HKV, d)), jnp.bfloat16)
+    slots = jnp.asarray(np.concatenate([np.arange(8), T + np.arange(8)]), jnp.int32)
+    q = jnp.asarray(rng.standard_normal((B, HQ, d)), jnp.bfloat16)
+    lengths = jnp.array([8, 5], jnp.int32)
+
+    @jax.jit
+    def step(cache, q):
+        layer = jax_vmm.kv_write(cache[1], new_k, new_v, slots)
+        return cache.replace(1, layer), jax_vmm.decode_attention(q, layer, lengths)
+
+    cache, out = step(kv.cache(), q)
+    kv.check(out)
+    layer = cache[1]
+    assert layer.fp8 and layer.k_scale.shape == (HKV,)
+    want = np.asarray(jax_vmm.fp8.quantize_fp8(new_k, jnp.asarray(scales[1])))
+    got = arena_bytes(kv.k_buffers[1]).view(jnp.float8_e4m3fn).reshape(B, T, HKV, d)
+    np.testing.assert_array_equal(got[:, :8].reshape(-1, HKV, d).view(np.uint8), want.view(np.uint8))
+    ref = jax_vmm.attention.reference_decode_attention(
+        q, jnp.asarray(got), jnp.asarray(arena_bytes(kv.v_buffers[1]).view(jnp.float8_e4m3fn)
+                                         .reshape(B, T, HKV, d)),
+        lengths, k_scale=jnp.asarray(scales[1]), v_scale=jnp.asarray(2 * scales[1]),
+    )
+    err = np.linalg.norm(np.asarray(out, np.float32) - np.asarray(ref, np.float32))
+    assert err / np.linalg.norm(np.asarray(ref, np.float32)) < 1e-2
+
+
+def test_the_streaming_kernel_reads_an_arena_layer_as_split_k_does(vm):
+    kv = vm.kv(num_layers=1, num_kv_heads=HKV, head_dim=D, max_tokens=T, max_seqs=B,
+               dtype=jnp.bfloat16)
+    kv.ensure(40, 0)
+    kv.ensure(17, 1)
+    rng = np.random.default_rng(4)
+    new = jnp.asarray(rng.standard_normal((57, HKV, D)), jnp.bfloat16)
+    slots = jnp.asarray(np.concatenate([np.arange(40), T + np.arange(17)]), jnp.int32)
+    layer = jax_vmm.kv_write(kv.cache()[0], new, new * 2, slots)
+    q = jnp.asarray(rng.standard_normal((B, HQ, D)), jnp.bfloat16)
+    lengths = jnp.array([40, 17], jnp.int32)
+    split = jax_vmm.attention._decode_attention(q, layer, lengths=lengths)
+    stream = jax_vmm.attention._decode_attention(q, layer, lengths=lengths, impl="stream")
+    ref = jax_vmm.attention.reference_decode_attention(q, kv.k[0], kv.v[0], lengths)
+    for got in (split, stream):
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(ref, np.float32),
+                                   rtol=2e-2, atol=2e-2)
+    kv.check()
+
+
+def test_vmap_over_queries_with_the_layer_unbatched(vm):
+    kv = _kv(vm)
+    kv.ensure(3, 0)
+    kv.ensure(3, 1)
+    layer = kv.cache()[0]
+    qs = jax.device_put(jnp.ones((5, B, HQ, D), DT), vm.device)
+    lengths = jnp.array([3, 2], jnp.int32)
+    outs = jax.jit(jax.vmap(lambda q, c: jax_vmm.decode_attention(q, c, lengths), (0, None)))(
+        qs, layer
+    )
+    single = jax_vmm.decode_attention(qs[0], layer, lengths)
+    np.testing.assert_allclose(np.asarray(outs), np.broadcast_to(np.asarray(single), outs.shape))
+
+
+# -- devices ---------------------------------------------------------------------------------------
+
+_DEVICES_CHILD = """
+import jax, jax.numpy as jnp, numpy as np, jax_vmm
+cpu0, cpu1 = jax.devices("cpu")[:2]
+kv = jax_vmm.kv_arena(num_layers=1, num_kv_heads=2, head_dim=8, max_tokens=16, max_seqs=2,
+                      dtype=jnp.float32, device=cpu1, initial_tokens=4)
+new = jax.device_put(jnp.ones((1, 2, 8), jnp.float32), cpu1)
+step = jax.jit(lambda c, x: jax_vmm.kv_write(c[0], x, x, jnp.array([1], jnp.int32)))
+jax.block_until_ready(step(kv.cache(), new).token)
+kv.check()
+assert float(np.asarray(kv.k[0])[0, 1].sum()) == 16.0
+moved = jax.device_put(kv.cache(), cpu0)
+try:
+    jax.block_until_ready(step(moved, jax.device_put(new, cpu0)).token)
+except jax.errors.JaxRuntimeError as e:
+    print("REFUSED:", str(e).splitlines()[0])
+"""
+
+
+def test_the_cpu_hands_handlers_each_host_device_ordinal(tmp_path):
+    """The handlers find a cache by (uid, device ordinal), which XLA's CPU runtime hands
+    them too: a cache of cpu:1 works there and is refused on cpu:0."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+               JAX_PLATFORMS="cpu")
+    repo = Path(__file__).resolve().parents[2]
+    env["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p] + [str(repo)])
+    proc = subprocess.run([sys.executable, "-c", _DEVICES_CHILD], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "lives on host device 1, but the call runs on device 0" in proc.stdout, proc.stdout
