@@ -1,8 +1,11 @@
 """Decode attention for the example: a plain-JAX reference and the jax_vmm kernel.
 
-Both take q (B, H_q, D), k/v (B, T, H_kv, D) and live lengths int32 (B,); positions
->= length are masked. The reference reads the whole (B, T) cache (masked), the jax_vmm
-kernel reads only the live tokens of each sequence.
+Both are `attend(q, layer, lengths)`: q (B, H_q, D), a `jax_vmm.KVLayer` whose k/v are
+(B, T, H_kv, D), and live lengths int32 (B,); positions >= length are masked. The
+reference reads the whole (B, T) cache (masked) with plain XLA ops, so it needs the
+layer's arrays: an array layer (the preallocated backend). The jax_vmm kernel reads only
+the live tokens of each sequence, of either kind of layer: an arena layer in place,
+after the step's writes (the layer's token orders it).
 """
 
 from __future__ import annotations
@@ -23,29 +26,20 @@ def reference_decode_attention(
     v: jax.Array,
     lengths: jax.Array,
     *,
-    current: tuple[jax.Array, jax.Array] | None = None,
     tail_may_be_garbage: bool = True,
 ) -> jax.Array:
     """Masked GQA attention over the whole cache, fp32 softmax and accumulation.
 
-    current: (k_new, v_new), each (B, H_kv, D): one more token per sequence, attended to
-    after the cache's first `lengths` tokens (for write-through caches, where the step
-    may not read back the token it writes).
     tail_may_be_garbage: zero V past each length before use. Needed when the tail can
-    hold non-finite bit patterns (freshly committed device pages of an arena, a token
-    being written by a write-through call); a `jnp.zeros` cache written only by the
-    model holds finite values there, so its baseline skips this extra pass over V."""
+    hold non-finite bit patterns (freshly committed device pages); a `jnp.zeros` cache
+    written only by the model holds finite values there, so its baseline skips this extra
+    pass over V."""
     b, hq, d = q.shape
     t, hk = k.shape[1], k.shape[2]
     qg = q.reshape(b, hk, hq // hk, d)
     s = jnp.einsum("bhgd,bthd->bhgt", qg, k, preferred_element_type=jnp.float32) / np.sqrt(d)
     live = jnp.arange(t, dtype=jnp.int32)[None, :] < lengths[:, None]  # (B, T)
     s = jnp.where(live[:, None, None, :], s, -jnp.inf)
-    if current is not None:
-        s_cur = jnp.einsum("bhgd,bhd->bhg", qg, current[0], preferred_element_type=jnp.float32)[
-            ..., None
-        ] / np.sqrt(d)
-        s = jnp.concatenate([s, s_cur], axis=-1)
     m = jnp.max(s, axis=-1, keepdims=True)
     m = jnp.where(jnp.isfinite(m), m, 0.0)  # length 0: all masked, output 0, no NaN
     w = jnp.exp(s - m)
@@ -54,10 +48,17 @@ def reference_decode_attention(
     v_live = (
         jnp.where(live[:, :, None, None], v, jnp.zeros((), v.dtype)) if tail_may_be_garbage else v
     )
-    out = jnp.einsum("bhgt,bthd->bhgd", w[..., :t], v_live, preferred_element_type=jnp.float32)
-    if current is not None:
-        out = out + w[..., t:] * current[1].astype(jnp.float32)[:, :, None, :]
+    out = jnp.einsum("bhgt,bthd->bhgd", w, v_live, preferred_element_type=jnp.float32)
     return out.reshape(b, hq, d).astype(q.dtype)
+
+
+def reference_over_layer(
+    q: jax.Array, layer, lengths: jax.Array, *, tail_may_be_garbage: bool = True
+) -> jax.Array:
+    """The reference over an array layer's K/V."""
+    return reference_decode_attention(
+        q, layer.k, layer.v, lengths, tail_may_be_garbage=tail_may_be_garbage
+    )
 
 
 def vmm_kernel_available() -> bool:
@@ -73,31 +74,26 @@ def choose_attention(
     *,
     backend: str,
     platform: str,
-    write_through: bool = False,
     tail_may_be_garbage: bool = True,
 ) -> tuple[str, Callable[..., jax.Array]]:
     """Resolves --attention. 'auto' uses jax_vmm.decode_attention for the jax_vmm backend
-    on a GPU when the kernel exists, else the reference. Returns (name, fn).
+    (any platform), the reference for the preallocated one. Returns (name, attend).
     tail_may_be_garbage: see reference_decode_attention (the cache backend knows)."""
+    del platform  # both choices run on every platform
     if choice not in ATTENTION_CHOICES:
         raise ValueError(f"attention must be one of {ATTENTION_CHOICES}, got {choice!r}")
     if choice == "auto":
-        use_kernel = (
-            backend == "jax_vmm"
-            and platform == "gpu"
-            and not write_through
-            and vmm_kernel_available()
-        )
-        choice = "jax_vmm" if use_kernel else "reference"
-    if choice == "jax_vmm" and write_through:
+        choice = "jax_vmm" if backend == "jax_vmm" and vmm_kernel_available() else "reference"
+    if choice == "reference" and backend == "jax_vmm":
         raise ValueError(
-            "--attention jax_vmm reads the new token from the cache, which a write-through "
-            "step may not do (XLA cannot order the read after the write); use --write "
-            "kv_write (the cache donated, as on a GPU) or --attention reference"
+            "--attention reference reads the cache with plain XLA ops; over the jax_vmm arena "
+            "nothing orders such reads after the step's own kv_write (the arena is not an XLA "
+            "value: that is why it is never copied). Use --attention jax_vmm (it reads the "
+            "arena after the writes), or --backend prealloc"
         )
     if choice == "reference":
         return "reference", functools.partial(
-            reference_decode_attention, tail_may_be_garbage=tail_may_be_garbage
+            reference_over_layer, tail_may_be_garbage=tail_may_be_garbage
         )
     if not vmm_kernel_available():
         raise RuntimeError(

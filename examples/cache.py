@@ -1,23 +1,21 @@
 """KV-cache backends for the example, behind one small interface.
 
-* `PreallocatedCache`: the plain-JAX baseline. One `jnp.zeros` (B, T, H_kv, D) per layer
-  for K and V, updated by a donated scatter (`.at[slots].set`). All memory is held from
-  the start, whatever the sequences need.
-* `VmmCache`: `jax_vmm.kv_arena(..., max_seqs=B)`. Physical memory is committed per
-  sequence just before a step needs it (`ensure`) and given back when the sequence
-  finishes (`release`). Both ways of writing (`write=`) name the layer's arena buffers
-  with `dest=kv.dest(layer)`, so the tokens always land in the arena:
-  - "kv_write" (default on a GPU): `jax_vmm.kv_write`, the cache donated to the step and
-    returned by it. With donation honoured (GPU) the returned arrays are the arena
-    itself, updated in place, no copy.
-  - "through" (default on the CPU): `jax_vmm.kv_write_through`, the cache passed but
-    neither donated nor returned. On the CPU, PjRt copies a donated buffer before the
-    program runs, so kv_write would also fill an XLA copy of the whole cache every
-    step; write-through writes only the arena, with no copy at all.
+Both backends are a `jax_vmm.KVCache` pytree that the jitted steps take and return
+(donated), and both are written by `jax_vmm.kv_write(layer, ...)` and read by the chosen
+attention: the model does not know which backend it runs on.
 
-The jitted steps see only `arrays()` (a pytree of per-layer K and V) and the `write`
-function; the host-side methods move memory between steps.
-Not thread-safe: one decode loop drives one cache.
+* `PreallocatedCache`: the plain-JAX baseline. One `jnp.zeros` (B, T, H_kv, D) per layer
+  for K and V (`jax_vmm.KVCache.from_arrays`), written by the checked functional scatter
+  of array layers; donated, so XLA updates it in place. All memory is held from the
+  start, whatever the sequences need.
+* `VmmCache`: `jax_vmm.kv_arena(..., max_seqs=B)` and its `kv.cache()`. The pytree
+  carries no big array (one token per layer): every step writes the arena in place on
+  any platform, with nothing copied and nothing to donate. Physical memory is committed
+  per sequence just before a step needs it (`ensure`) and given back when the sequence
+  finishes (`release`).
+
+The host-side methods move memory between steps. Not thread-safe: one decode loop drives
+one cache.
 """
 
 from __future__ import annotations
@@ -28,33 +26,32 @@ from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from examples.model import Cache, ModelConfig
+import jax_vmm
+from examples.model import ModelConfig
 
 BACKENDS = ("jax_vmm", "prealloc")
 
 
-WRITE_MODES = ("auto", "kv_write", "through")
+def write_layer(
+    layer: jax_vmm.KVLayer, new_k: jax.Array, new_v: jax.Array, slots: jax.Array
+) -> jax_vmm.KVLayer:
+    """What both backends write with (the model's `write`): jax_vmm's cache API."""
+    return jax_vmm.kv_write(layer, new_k, new_v, slots)
 
 
-class KVCache(Protocol):
+class CacheBackend(Protocol):
     name: str
     max_seqs: int
     max_tokens: int
-    write_through: bool  # steps return write statuses, not the cache (nothing donated)
     tail_may_be_garbage: bool  # past a sequence's length: maybe non-finite bit patterns
 
-    def arrays(self) -> Cache: ...
-    def update(self, cache: Cache) -> None: ...
+    def cache(self) -> jax_vmm.KVCache: ...
+    def update(self, cache: jax_vmm.KVCache) -> None: ...
     def write(
-        self,
-        layer: int,
-        k: jax.Array,
-        v: jax.Array,
-        new_k: jax.Array,
-        new_v: jax.Array,
-        slots: jax.Array,
-    ) -> Any: ...
+        self, layer: jax_vmm.KVLayer, new_k: jax.Array, new_v: jax.Array, slots: jax.Array
+    ) -> jax_vmm.KVLayer: ...
     def ensure(self, seq: int, num_tokens: int) -> None: ...
     def release(self, seq: int) -> None: ...
     def check(self) -> None: ...
@@ -62,6 +59,18 @@ class KVCache(Protocol):
     def reserved_bytes(self) -> int: ...
     def stats(self) -> dict[str, Any]: ...
     def close(self) -> None: ...
+
+
+class _ReturnedBytes:
+    """The largest cache a step returned, in bytes of its arrays: the copy a step would
+    pay for a cache pytree that carries its arrays (an arena cache carries tokens)."""
+
+    def __init__(self) -> None:
+        self.max = 0
+
+    def note(self, cache: jax_vmm.KVCache) -> None:
+        self.max = max(self.max, sum(int(np.prod(x.shape)) * x.dtype.itemsize
+                                     for x in jax.tree_util.tree_leaves(cache)))
 
 
 def capacity_bytes(cfg: ModelConfig, max_seqs: int, max_tokens: int) -> int:
@@ -73,8 +82,8 @@ class PreallocatedCache:
     """Plain-JAX baseline: zeros for the full (max_seqs, max_tokens) from the start."""
 
     name = "prealloc"
-    write_through = False
     tail_may_be_garbage = False  # zeros, or finite tokens the model wrote earlier
+    write = staticmethod(write_layer)
 
     def __init__(
         self, cfg: ModelConfig, *, max_seqs: int, max_tokens: int, device: jax.Device | None = None
@@ -83,30 +92,19 @@ class PreallocatedCache:
         shape = (max_seqs, max_tokens, cfg.num_kv_heads, cfg.head_dim)
         with jax.default_device(device) if device is not None else contextlib.nullcontext():
             zeros = jax.jit(lambda: jnp.zeros(shape, cfg.jnp_dtype))
-            self._k = tuple(zeros() for _ in range(cfg.num_layers))
-            self._v = tuple(zeros() for _ in range(cfg.num_layers))
+            ks = [zeros() for _ in range(cfg.num_layers)]
+            vs = [zeros() for _ in range(cfg.num_layers)]
+        self._cache = jax_vmm.KVCache.from_arrays(ks, vs)
         self._bytes = capacity_bytes(cfg, max_seqs, max_tokens)
+        self._returned = _ReturnedBytes()
 
-    def arrays(self) -> Cache:
-        return self._k, self._v
+    def cache(self) -> jax_vmm.KVCache:
+        return self._cache
 
-    def update(self, cache: Cache) -> None:
-        self._k, self._v = cache
-
-    @staticmethod
-    def write(
-        layer: int, k: jax.Array, v: jax.Array, new_k: jax.Array, new_v: jax.Array, slots: jax.Array
-    ) -> tuple[jax.Array, jax.Array]:
-        b, t, h, d = k.shape
-        # Negative slots would wrap around in JAX indexing: send them out of range, where
-        # mode="drop" skips them.
-        idx = jnp.where(slots < 0, b * t, slots)
-
-        def scatter(cache: jax.Array, new: jax.Array) -> jax.Array:
-            flat = cache.reshape(b * t, h, d).at[idx].set(new.astype(cache.dtype), mode="drop")
-            return flat.reshape(b, t, h, d)
-
-        return scatter(k, new_k), scatter(v, new_v)
+    def update(self, cache: jax_vmm.KVCache) -> None:
+        """Takes a step's returned cache (the donated input, updated in place)."""
+        self._returned.note(cache)
+        self._cache = cache
 
     def ensure(self, seq: int, num_tokens: int) -> None:
         if num_tokens > self.max_tokens:
@@ -133,12 +131,13 @@ class PreallocatedCache:
             "peak_backed_bytes": self._bytes,
             "commit_calls": 0,
             "commit_seconds": 0.0,
+            "returned_cache_bytes": self._returned.max,
         }
 
     def close(self) -> None:
-        for a in (*self._k, *self._v):
+        for a in jax.tree_util.tree_leaves(self._cache):
             a.delete()
-        self._k = self._v = ()
+        self._cache = jax_vmm.KVCache([])
 
 
 class VmmCache:
@@ -146,6 +145,7 @@ class VmmCache:
     sequence finishes."""
 
     name = "jax_vmm"
+    write = staticmethod(write_layer)
 
     def __init__(
         self,
@@ -155,20 +155,11 @@ class VmmCache:
         max_tokens: int,
         device: jax.Device | None = None,
         chunk_bytes: int | None = None,
-        write: str = "auto",
     ) -> None:
-        import jax_vmm  # only this backend needs the extension
-
-        if write not in WRITE_MODES:
-            raise ValueError(f"write must be one of {WRITE_MODES}, got {write!r}")
         device = device or jax.devices()[0]
-        if write == "auto":
-            write = "through" if device.platform == "cpu" else "kv_write"
-        self.write_through = write == "through"
         # Host arenas hand out zero-filled pages (memfd) and read zeros where unbacked;
         # CUDA physical memory (cuMemCreate) comes uninitialised.
         self.tail_may_be_garbage = device.platform != "cpu"
-        self._write_fn = jax_vmm.kv_write_through if self.write_through else jax_vmm.kv_write
         self.max_seqs, self.max_tokens = max_seqs, max_tokens
         self.kv = jax_vmm.kv_arena(
             num_layers=cfg.num_layers,
@@ -180,45 +171,20 @@ class VmmCache:
             max_seqs=max_seqs,
             chunk_bytes=chunk_bytes,
         )
-        self._dests = [self.kv.dest(i) for i in range(cfg.num_layers)]
+        self._cache = self.kv.cache()
+        self._returned = _ReturnedBytes()
         self._backed_tokens = [0] * max_seqs  # host mirror: skip no-op ensure() calls
-        self._cache: Cache | None = None
-        self.alias_misses = 0  # steps whose outputs were XLA copies, not the arena
         self.ensure_calls = 0
         self.ensure_seconds = 0.0
 
-    def write(
-        self,
-        layer: int,
-        k: jax.Array,
-        v: jax.Array,
-        new_k: jax.Array,
-        new_v: jax.Array,
-        slots: jax.Array,
-    ) -> Any:
-        return self._write_fn(k, v, new_k, new_v, slots, dest=self._dests[layer])
+    def cache(self) -> jax_vmm.KVCache:
+        return self._cache
 
-    def arrays(self) -> Cache:
-        if self._cache is not None:
-            return self._cache
-        # Zero-copy views of the arena (kv_arena caches them until a donation uses one up).
-        return (
-            tuple(self.kv.k[i] for i in range(self.kv.num_layers)),
-            tuple(self.kv.v[i] for i in range(self.kv.num_layers)),
-        )
-
-    def update(self, cache: Cache) -> None:
-        """Takes a kv_write step's returned cache. With donation honoured (GPU) those
-        arrays ARE the arena buffers, updated in place: keep them. Otherwise (an alias
-        miss) they are XLA copies; the arena got the same tokens (dest), so drop the
-        copies and go on from fresh arena views. Counted: each miss cost a cache copy."""
-        aliased = all(
-            _address(a) == buf.address
-            for arrs, bufs in ((cache[0], self.kv.k_buffers), (cache[1], self.kv.v_buffers))
-            for a, buf in zip(arrs, bufs)
-        )
-        self.alias_misses += not aliased
-        self._cache = cache if aliased else None
+    def update(self, cache: jax_vmm.KVCache) -> None:
+        """Takes a step's returned cache: the same arena, with the tokens that order the
+        next step after this one's writes."""
+        self._returned.note(cache)
+        self._cache = cache
 
     def ensure(self, seq: int, num_tokens: int) -> None:
         if num_tokens <= self._backed_tokens[seq]:
@@ -229,7 +195,7 @@ class VmmCache:
         if backed > num_tokens:
             # Claim the rounded-up tokens too (no new memory): the steps will write them
             # without asking again, so a neighbour sharing the last chunk must not
-            # release it when it finishes.
+            # release it when it finishes, and the kernels admit writes there.
             self.kv.ensure(backed, seq)
         self.ensure_seconds += time.perf_counter() - t0
         self.ensure_calls += 1
@@ -240,7 +206,8 @@ class VmmCache:
         self._backed_tokens[seq] = 0
 
     def check(self) -> None:
-        """Raises jax_vmm.OutOfBoundsWrite if a write was dropped (slot not committed)."""
+        """Raises jax_vmm.OutOfBoundsWrite if a write was dropped (a token not ensured),
+        jax_vmm.OutOfBoundsRead if attention read past the ensured tokens."""
         self.kv.check()
 
     def backed_bytes(self) -> int:
@@ -250,18 +217,10 @@ class VmmCache:
         return int(self.kv.arena.reserved_bytes)
 
     def stats(self) -> dict[str, Any]:
-        return dict(self.kv.stats(), alias_misses=self.alias_misses)
+        return dict(self.kv.stats(), returned_cache_bytes=self._returned.max)
 
     def close(self) -> None:
-        self._cache = None
         self.kv.close()
-
-
-def _address(a: jax.Array) -> int:
-    try:
-        return a.unsafe_buffer_pointer()
-    except Exception:  # deleted or not a single-device array: treat as not aliasing
-        return -1
 
 
 def make_cache(
@@ -272,8 +231,7 @@ def make_cache(
     max_tokens: int,
     device: jax.Device | None = None,
     chunk_bytes: int | None = None,
-    write: str = "auto",
-) -> KVCache:
+) -> CacheBackend:
     if backend == "prealloc":
         return PreallocatedCache(cfg, max_seqs=max_seqs, max_tokens=max_tokens, device=device)
     if backend == "jax_vmm":
@@ -283,6 +241,5 @@ def make_cache(
             max_tokens=max_tokens,
             device=device,
             chunk_bytes=chunk_bytes,
-            write=write,
         )
     raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")

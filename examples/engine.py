@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from examples import model as M
-from examples.cache import KVCache
+from examples.cache import CacheBackend
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,22 +108,17 @@ class Generator:
     Not thread-safe."""
 
     def __init__(
-        self, params: M.Params, cfg: M.ModelConfig, cache: KVCache, attend: M.AttendFn
+        self, params: M.Params, cfg: M.ModelConfig, cache: CacheBackend, attend: M.AttendFn
     ) -> None:
         self.params, self.cfg, self.cache = params, cfg, cache
-        through = cache.write_through
-        # A functional cache is donated (updated in place where XLA can); a write-through
-        # cache is an ordinary argument that the step neither returns nor donates.
-        donate = () if through else (1,)
+        # The cache (a jax_vmm.KVCache) is donated: an array cache is updated in place where
+        # XLA can; an arena cache carries only tokens (the arena is written in place anyway).
         self._decode = jax.jit(
-            functools.partial(
-                M.decode_step, cfg=cfg, write=cache.write, attend=attend, write_through=through
-            ),
-            donate_argnums=donate,
+            functools.partial(M.decode_step, cfg=cfg, write=cache.write, attend=attend),
+            donate_argnums=(1,),
         )
         self._prefill = jax.jit(
-            functools.partial(M.prefill, cfg=cfg, write=cache.write, write_through=through),
-            donate_argnums=donate,
+            functools.partial(M.prefill, cfg=cfg, write=cache.write), donate_argnums=(1,)
         )
         self._compiled: dict[tuple, Callable] = {}
         self.compile_seconds = 0.0
@@ -138,17 +133,15 @@ class Generator:
 
     def decode(self, tokens: np.ndarray, positions: np.ndarray) -> tuple[jax.Array, jax.Array]:
         """One decode step over all slots (positions -1 = idle). Returns (logits, next)."""
-        cache = self.cache.arrays()
         args = (
             self.params,
-            cache,
+            self.cache.cache(),
             jnp.asarray(tokens, jnp.int32),
             jnp.asarray(positions, jnp.int32),
         )
         fn = self._get(("decode",), self._decode, *args)
         logits, nxt, out = fn(*args)
-        if not self.cache.write_through:  # else `out` is the write statuses: not needed
-            self.cache.update(out)
+        self.cache.update(out)
         return logits, nxt
 
     def prefill(self, seq: int, prompt: np.ndarray) -> jax.Array:
@@ -158,15 +151,14 @@ class Generator:
         padded[: len(prompt)] = prompt
         args = (
             self.params,
-            self.cache.arrays(),
+            self.cache.cache(),
             jnp.asarray(padded),
             jnp.int32(len(prompt)),
             jnp.int32(seq),
         )
         fn = self._get(("prefill", bucket), self._prefill, *args)
         logits, out = fn(*args)
-        if not self.cache.write_through:
-            self.cache.update(out)
+        self.cache.update(out)
         return logits
 
     def decode_temp_bytes(self) -> int:
@@ -180,12 +172,12 @@ class Generator:
         """Compiles every step `run` will need, without running any."""
         b = self.cache.max_seqs
         z = np.zeros(b, np.int32)
-        args = (self.params, self.cache.arrays(), jnp.asarray(z), jnp.asarray(z))
+        args = (self.params, self.cache.cache(), jnp.asarray(z), jnp.asarray(z))
         self._get(("decode",), self._decode, *args)
         for bucket in sorted({prompt_bucket(len(r.prompt)) for r in requests}):
             args = (
                 self.params,
-                self.cache.arrays(),
+                self.cache.cache(),
                 jnp.zeros(bucket, jnp.int32),
                 jnp.int32(1),
                 jnp.int32(0),

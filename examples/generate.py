@@ -32,7 +32,7 @@ import numpy as np  # noqa: E402
 from examples import engine as E  # noqa: E402
 from examples import model as M  # noqa: E402
 from examples.attention import ATTENTION_CHOICES, choose_attention  # noqa: E402
-from examples.cache import BACKENDS, WRITE_MODES, make_cache  # noqa: E402
+from examples.cache import BACKENDS, make_cache  # noqa: E402
 from examples.decode import resolve_device  # noqa: E402
 from examples.hf_checkpoint import DTYPES, Checkpoint, CheckpointError, load_checkpoint  # noqa: E402,E501
 from examples.sampling import RequestSampler, SamplingConfig  # noqa: E402
@@ -53,7 +53,6 @@ class ServeOptions:
     backend: str = "jax_vmm"
     batch: int | None = None  # sequence slots; None: min(prompts, 8)
     attention: str = "auto"
-    write: str = "auto"
     chunk_bytes: int | None = None
 
 
@@ -118,14 +117,12 @@ def serve(
         max_tokens=max_tokens,
         device=device,
         chunk_bytes=opts.chunk_bytes,
-        write=opts.write,
     )
     try:
         _, attend = choose_attention(
             opts.attention,
             backend=opts.backend,
             platform=device.platform,
-            write_through=cache.write_through,
             tail_may_be_garbage=cache.tail_may_be_garbage,
         )
         return E.Generator(ckpt.params, cfg, cache, attend).run(
@@ -279,7 +276,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto")
     p.add_argument("--attention", choices=ATTENTION_CHOICES, default="auto")
-    p.add_argument("--write", choices=WRITE_MODES, default="auto")
     p.add_argument("--json", type=Path, help="also write the results here")
     return p.parse_args(argv)
 
@@ -291,9 +287,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     device = resolve_device(args.device)
     try:
         sampling = SamplingConfig(args.temperature, args.top_k, args.top_p, args.seed)
-        opts = ServeOptions(
-            backend=args.backend, batch=args.batch, attention=args.attention, write=args.write
-        )
+        opts = ServeOptions(backend=args.backend, batch=args.batch, attention=args.attention)
         num_slots(opts, len(args.prompts))  # bad options fail before a long load
         with jax.default_device(device):
             ckpt = load_checkpoint(args.model, dtype=args.dtype, device=device)

@@ -5,22 +5,16 @@ them (RoPE theta and scaling, q/k/v biases, tied embeddings, head_dim, RMSNorm e
 `examples/hf_checkpoint.py` builds a config and `Params` from a Hugging Face checkpoint.
 The random presets (`PRESETS`, `init_params`) need none of that.
 
-The model knows nothing about where its KV cache lives: every function that touches the
-cache takes a `write` callable (scatter new K/V into the cache at flat token slots) and an
-`attend` callable (decode attention over per-sequence live lengths). `examples/cache.py`
-provides the two writers (plain-JAX preallocated cache, jax_vmm arena) and
-`examples/attention.py` the attention implementations.
+The model knows nothing about where its KV cache lives: the cache is a
+`jax_vmm.KVCache` (one `KVLayer` per layer: a jax_vmm arena layer or a plain array
+layer), every function that touches it takes a `write` callable (new K/V into a layer
+at flat token slots, returning the layer: `jax_vmm.kv_write`) and an `attend` callable
+(decode attention of a query over a layer's per-sequence live lengths). The steps return
+the updated cache, which the caller donates. `examples/cache.py` provides the two cache
+backends and `examples/attention.py` the attention implementations.
 
 Cache layout, per layer: k, v of shape (max_seqs, max_tokens, num_kv_heads, head_dim);
 flat slot of (seq, position) = seq * max_tokens + position; a negative slot is padding.
-
-Two ways to write the cache, chosen by the cache backend (`write_through`):
-* functional (default): `write` returns the updated (k, v); the steps return the cache,
-  which the caller donates. Attention then reads the new token from the cache.
-* write-through: `write` updates the arena in place and returns a status array; the
-  steps return the statuses, not the cache (nothing to donate, nothing copied). XLA does
-  not know the cache changed, so nothing in the step may read the token it writes:
-  attention reads the cache up to the previous token and gets the new one as `current`.
 """
 
 from __future__ import annotations
@@ -33,13 +27,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-# write(layer, k, v, new_k, new_v, slots); new_*: (n, H_kv, D), slots: int32 (n,). Returns the
-# updated (k, v) (functional writers), or a small status array (write-through writers,
-# which update the arena in place and return no cache; see `write_through` below).
-WriteFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array], Any]
-# attend(q, k, v, lengths, [current=(k_new, v_new)]) -> out; q: (B, H_q, D), k/v:
-# (B, T, H_kv, D), lengths: int32 (B,).
-AttendFn = Callable[..., jax.Array]
+# write(layer, new_k, new_v, slots) -> layer; new_*: (n, H_kv, D), slots: int32 (n,).
+WriteFn = Callable[[Any, jax.Array, jax.Array, jax.Array], Any]
+# attend(q, layer, lengths) -> out; q: (B, H_q, D), the layer's k/v (B, T, H_kv, D),
+# lengths: int32 (B,).
+AttendFn = Callable[[jax.Array, Any, jax.Array], jax.Array]
 
 
 ROPE_SCALING_KINDS = ("linear", "llama3")
@@ -311,62 +303,51 @@ def causal_prompt_attention(
 
 # ----------------------------------------------------------------------------- steps
 
-Cache = tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]  # (k per layer, v per layer)
-
 
 def prefill(
     params: Params,
-    cache: Cache,
+    cache: Any,
     tokens: jax.Array,
     length: jax.Array,
     seq: jax.Array,
     *,
     cfg: ModelConfig,
     write: WriteFn,
-    write_through: bool = False,
 ) -> tuple[jax.Array, Any]:
     """Runs one prompt (tokens: int32 (P,), first `length` real, rest padding) for
-    sequence `seq`, writes its K/V at positions [0, length) and returns the logits of the
-    last real token (vocab,) and the updated cache (write-through: the write statuses).
-    The prompt attends to its own K/V, never to the cache."""
-    ks, vs = list(cache[0]), list(cache[1])
-    statuses = []
-    max_tokens = ks[0].shape[1]
+    sequence `seq` of the cache (a jax_vmm.KVCache), writes its K/V at positions
+    [0, length) and returns the logits of the last real token (vocab,) and the updated
+    cache. The prompt attends to its own K/V, never to the cache."""
+    max_tokens = cache[0].shape[1]
     positions = jnp.arange(tokens.shape[0], dtype=jnp.int32)
     slots = jnp.where(positions < length, seq * max_tokens + positions, -1).astype(jnp.int32)
     x = params.embed[tokens]
     for i, lp in enumerate(params.layers):
         q, k, v = qkv_projection(lp, rms_norm(x, lp.attn_norm, cfg.norm_eps), positions, cfg)
-        if write_through:
-            statuses.append(write(i, ks[i], vs[i], k, v, slots))
-        else:
-            ks[i], vs[i] = write(i, ks[i], vs[i], k, v, slots)
+        cache = cache.replace(i, write(cache[i], k, v, slots))
         o = causal_prompt_attention(q, k, v, length)
         x = x + _matmul(o.reshape(o.shape[0], -1), lp.wo)
         x = x + mlp(lp, x, cfg)
     last = jax.lax.dynamic_index_in_dim(x, length - 1, axis=0, keepdims=False)
-    out = tuple(statuses) if write_through else (tuple(ks), tuple(vs))
-    return logits_from_hidden(params, last, cfg), out
+    return logits_from_hidden(params, last, cfg), cache
 
 
 def decode_step(
     params: Params,
-    cache: Cache,
+    cache: Any,
     tokens: jax.Array,
     positions: jax.Array,
     *,
     cfg: ModelConfig,
     write: WriteFn,
     attend: AttendFn,
-    write_through: bool = False,
 ) -> tuple[jax.Array, jax.Array, Any]:
     """One token for every sequence slot. tokens: int32 (B,); positions: int32 (B,), the
     position of that token (= tokens already cached), -1 for an idle slot (its write is
-    dropped and its output ignored). Returns (logits (B, vocab) fp32, greedy next tokens
-    int32 (B,), updated cache or, write-through, the write statuses)."""
-    ks, vs = list(cache[0]), list(cache[1])
-    statuses = []
-    batch, max_tokens = ks[0].shape[0], ks[0].shape[1]
+    dropped and its output ignored). Writes each layer's new K/V, then attends over the
+    layer including them. Returns (logits (B, vocab) fp32, greedy next tokens int32 (B,),
+    the updated cache)."""
+    batch, max_tokens = cache[0].shape[0], cache[0].shape[1]
     active = positions >= 0
     pos = jnp.maximum(positions, 0)
     slots = jnp.where(active, jnp.arange(batch, dtype=jnp.int32) * max_tokens + pos, -1).astype(
@@ -376,17 +357,13 @@ def decode_step(
     x = params.embed[tokens]
     for i, lp in enumerate(params.layers):
         q, k, v = qkv_projection(lp, rms_norm(x, lp.attn_norm, cfg.norm_eps), pos, cfg)
-        if write_through:  # the cache holds positions < pos; the new token comes aside
-            statuses.append(write(i, ks[i], vs[i], k, v, slots))
-            o = attend(q, ks[i], vs[i], jnp.where(active, pos, 0), current=(k, v))
-        else:
-            ks[i], vs[i] = write(i, ks[i], vs[i], k, v, slots)
-            o = attend(q, ks[i], vs[i], lengths)
+        layer = write(cache[i], k, v, slots)
+        o = attend(q, layer, lengths)  # after the write: the layer carries the order
+        cache = cache.replace(i, layer)
         x = x + _matmul(o.reshape(batch, -1), lp.wo)
         x = x + mlp(lp, x, cfg)
     logits = logits_from_hidden(params, x, cfg)
-    out = tuple(statuses) if write_through else (tuple(ks), tuple(vs))
-    return logits, jnp.argmax(logits, axis=-1).astype(jnp.int32), out
+    return logits, jnp.argmax(logits, axis=-1).astype(jnp.int32), cache
 
 
 def forward_no_cache(params: Params, tokens: jax.Array, *, cfg: ModelConfig) -> jax.Array:

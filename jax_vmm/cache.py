@@ -152,7 +152,7 @@ class KVLayer:
 
         Views of a KV arena are refused: inside ``jit`` XLA copies them, so writes would
         miss the arena; use ``kv.cache()[l]``."""
-        from .ops import _arena_buffer
+        from .ops import _arena_buffer, _describe
 
         for name, x in (("k", k), ("v", v)):
             if not hasattr(x, "shape") or not hasattr(x, "dtype"):
@@ -161,8 +161,8 @@ class KVLayer:
             found = _arena_buffer(x, nbytes)
             if found is not None:
                 raise ValueError(
-                    f"KVLayer.from_arrays: {name} is a view of arena buffer "
-                    f"'{found.get('name', '?')}'. Inside jit XLA would copy it and the arena "
+                    f"KVLayer.from_arrays: {name} is a view of arena "
+                    f"{_describe(found['buffer_uid'])}. Inside jit XLA would copy it and the arena "
                     "would not be written: use the arena's own cache, kv.cache()[layer]"
                 )
         if tuple(k.shape) != tuple(v.shape) or np.dtype(k.dtype) != np.dtype(v.dtype):

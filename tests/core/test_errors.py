@@ -214,6 +214,74 @@ def _destroyed_dest(ctx: Ctx) -> None:
     jax.block_until_ready(ctx.write(dest))
 
 
+def _cache_step(ctx: Ctx, kv: jax_vmm.KVArena):
+    """A jitted kv_write of one token into layer 0 of `kv`'s cache."""
+    return jax.jit(lambda c: jax_vmm.kv_write(c[0], ctx.one, ctx.one, ctx.slot).token)
+
+
+def _clamped_read_then_check(ctx: Ctx) -> None:
+    kv = ctx.kv(max_seqs=2, head_dim=64, initial_tokens=2)
+    q = ctx.put(np.ones((2, 1, 64), np.float32))
+    out = jax_vmm.decode_attention(q, kv.cache()[0], ctx.put(np.array([5, 1], np.int32)))
+    kv.check(out)
+
+
+def _closed_cache(ctx: Ctx) -> None:
+    kv = ctx.kv(initial_tokens=4)
+    cache = kv.cache()
+    kv.close()
+    jax.block_until_ready(_cache_step(ctx, kv)(cache))
+
+
+def _destroyed_cache(ctx: Ctx) -> None:
+    kv = ctx.kv_args(dtype=jnp.float32, initial_tokens=4)
+    cache = kv.cache()
+    step = _cache_step(ctx, kv)
+    kv.close()
+    del kv
+    gc.collect()
+    jax.block_until_ready(step(cache))
+
+
+def _written_then_ordered_views(ctx: Ctx) -> None:
+    kv = ctx.kv1
+
+    def step(cache, k, v):
+        layer = jax_vmm.kv_write(cache[0], ctx.one, ctx.one, ctx.slot)
+        return jax_vmm.ordered_views(layer, k, v)
+
+    jax.jit(step)(kv.cache(), kv.k[0], kv.v[0])
+
+
+def _ordered_views_of_another_layer(ctx: Ctx) -> None:
+    kv = ctx.kv1
+    step = jax.jit(lambda c, k, v: jax_vmm.ordered_views(c[0], k, v)[0].sum())
+    jax.block_until_ready(step(kv.cache(), kv.k[1], kv.v[0]))
+
+
+def _array_write_without_dest(ctx: Ctx) -> None:
+    import warnings
+
+    kv = ctx.kv1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", jax_vmm.ArenaNotWrittenWarning)
+        jax.jit(ops.kv_write)(kv.k[0], kv.v[0], ctx.one, ctx.one, ctx.slot)
+
+
+def _cache_on_another_device(ctx: Ctx) -> None:
+    kv = ctx.kv(initial_tokens=4)
+    fake = _core.create_kv_cache(  # the same buffers, registered for another device ordinal
+        kv.arena._handle, [b.id for b in kv.k_buffers], [b.id for b in kv.v_buffers], 1, False,
+        16, 1, 8, "float32", 4, 7,
+    )
+    ctx.keep = fake
+    from jax_vmm.cache import KVCache, KVLayer, LayerId
+
+    lid = dataclasses.replace(kv.cache()[0].id, cache_uid=fake.uid)
+    cache = KVCache([KVLayer._arena(lid, ctx.put(np.int32(0)))])
+    jax.block_until_ready(_cache_step(ctx, kv)(cache))
+
+
 ROWS = [
     # -- Arena(reserve_bytes, device, chunk_bytes) --
     Row("A1", lambda x: x.new_arena(0)),
@@ -320,6 +388,20 @@ ROWS = [
     Row("E25", lambda x: jax.block_until_ready(jax.jit(ops.kv_write_through)(
         x.put(np.zeros((16, 1, 8), np.float32)), x.put(np.zeros((16, 1, 8), np.float32)),
         x.one, x.one, x.slot))),
+    # -- the cache API --
+    Row("F1", _clamped_read_then_check),
+    Row("F2", _closed_cache),
+    Row("F3", _destroyed_cache),
+    Row("F4", lambda x: jax.jit(lambda c: c[0].k)(x.kv1.cache())),
+    Row("F5", lambda x: jax_vmm.kv_write(x.kv1.cache()[0], x.one, x.one, x.slot,
+                                         dest=x.kv1.dest(0))),
+    Row("F6", lambda x: x.kv1.cache().replace(0, x.kv1.cache()[1])),
+    Row("F7", lambda x: jax_vmm.KVLayer.from_arrays(x.kv1.k[0], x.kv1.v[0])),
+    Row("F8", _written_then_ordered_views),
+    Row("F9", _ordered_views_of_another_layer),
+    Row("F10", _array_write_without_dest),
+    Row("F11", _cache_on_another_device),
+    Row("F12", lambda x: x.kv_args(dtype=jnp.float32, k_scales=np.ones((2, 1), np.float32))),
 ]
 
 
