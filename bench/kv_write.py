@@ -4,13 +4,16 @@ Decode-size writes (n = batch, one token per sequence) into a KV cache of a give
 capacity (K + V), side by side with XLA's donated ``cache.at[slots].set(...)`` on an
 equal, fully preallocated cache:
 
-  ours      jax_vmm.kv_write on kv_arena views, cache donated (in place on a GPU)
-  through   jax_vmm.kv_write_through on kv_arena views (arena as the state, no donation)
+  cache     the cache API: jax_vmm.kv_write(layer, ...) on ``kv.cache()[0]``, the
+            KVCache pytree carried through the loop (it holds one token: nothing to
+            copy or donate; the arena is written in place)
+  dest      the array level: jax_vmm.kv_write(k, v, ..., dest=kv.dest(0)) on kv_arena
+            views, cache donated (in place on a GPU; on the CPU XLA's copy is written too)
   xla       k.at[slots].set(new_k), v.at[...] on plain donated jnp arrays
 
 Each executable runs L writes in a ``fori_loop`` (device time per write, dispatch
 amortised); "call" rows run one write per executable call (what a decode step pays,
-dispatch included). Goal: ours/xla <= 1.0 and flat from 1 GiB to 32 GiB.
+dispatch included). Goal: cache/xla <= 1.0 and flat from 1 GiB to 32 GiB.
 
 Prefill-size writes (n contiguous tokens) report bandwidth (bytes read + written per
 second) as a share of the measured device copy bandwidth (a 1 GiB device-to-device
@@ -34,23 +37,24 @@ import jax_vmm
 from _common import GiB, MiB, Table, copy_bandwidth, median_time, parse_list, write_json
 from jax_vmm import ops
 
+KINDS = ("cache", "dest", "xla")
 DECODE = Table(
     ("capacity", 10),
     ("n", 5),
     ("mode", 5),
-    ("ours", 9),
-    ("through", 9),
+    ("cache", 9),
+    ("dest", 9),
     ("xla", 9),
-    ("ours/xla", 9),
-    ("thr/xla", 8),
+    ("cache/xla", 9),
+    ("dest/xla", 8),
 )
 PREFILL = Table(
     ("capacity", 10),
     ("n", 6),
-    ("ours GB/s", 10),
-    ("ours %", 7),
-    ("thr GB/s", 9),
-    ("thr %", 6),
+    ("cache GB/s", 10),
+    ("cache %", 7),
+    ("dest GB/s", 9),
+    ("dest %", 6),
     ("xla GB/s", 9),
     ("xla %", 6),
 )
@@ -66,7 +70,7 @@ class Writer:
         rng = np.random.default_rng(n)
         self.nk = jax.device_put(jnp.asarray(rng.standard_normal((n, h, d)), dtype), device)
         self.nv = jax.device_put(jnp.asarray(rng.standard_normal((n, h, d)), dtype), device)
-        self.kv = None
+        self.kv = self.cache = None
         if kind == "xla":
             self.k = jax.device_put(jnp.zeros((num_slots, h, d), dtype), device)
             self.v = jax.device_put(jnp.zeros((num_slots, h, d), dtype), device)
@@ -91,24 +95,23 @@ class Writer:
 
     def _compile(self):
         nk, nv, loop = self.nk, self.nv, self.loop
-        if self.kind == "through":
+        if self.kind == "cache":
+            self.cache = self.kv.cache()
 
-            def f(k, v, start, nk, nv):
-                def body(i, acc):
-                    st = ops.kv_write_through(k, v, nk, nv, self._slots(start, i))
-                    return acc + st[0, 0]
+            def c(cache, start):
+                def body(i, cache):
+                    layer = jax_vmm.kv_write(cache[0], nk, nv, self._slots(start, i))
+                    return cache.replace(0, layer)
 
-                acc = jax.lax.fori_loop(0, loop, body, jnp.int32(0))
-                return start + loop * self.n, acc
+                return jax.lax.fori_loop(0, loop, body, cache), start + loop * self.n
 
-            return (
-                jax.jit(f, donate_argnums=(2,)).lower(self.k, self.v, self.start, nk, nv).compile()
-            )
+            return jax.jit(c, donate_argnums=(0, 1)).lower(self.cache, self.start).compile()
+        dest = self.kv.dest(0) if self.kind == "dest" else None
 
         def update(k, v, slots):
             if self.kind == "xla":
                 return k.at[slots].set(nk, mode="drop"), v.at[slots].set(nv, mode="drop")
-            return ops.kv_write(k, v, nk, nv, slots)
+            return ops.kv_write(k, v, nk, nv, slots, dest=dest)
 
         def g(k, v, start):
             k, v = jax.lax.fori_loop(
@@ -119,14 +122,16 @@ class Writer:
         return jax.jit(g, donate_argnums=(0, 1, 2)).lower(self.k, self.v, self.start).compile()
 
     def step(self):
-        if self.kind == "through":
-            self.start, acc = self.exe(self.k, self.v, self.start, self.nk, self.nv)
-            return acc
+        if self.kind == "cache":
+            self.cache, self.start = self.exe(self.cache, self.start)
+            return self.start
         self.k, self.v, self.start = self.exe(self.k, self.v, self.start)
+        if self.kind == "dest":  # donation may have used the views up: take fresh ones
+            self.k, self.v = self.kv.k[0], self.kv.v[0]
         return self.start
 
     def close(self) -> None:
-        self.k = self.v = None
+        self.k = self.v = self.cache = None
         if self.kv is not None:
             self.kv.close()
 
@@ -140,11 +145,8 @@ def per_write(kind, num_slots, n, loop, args, device, repeats) -> float:
 
 
 def per_write_each(num_slots, n, loop, args, device) -> dict[str, float]:
-    """Seconds per write of every writer: ours, through, xla."""
-    return {
-        k: per_write(k, num_slots, n, loop, args, device, args.repeats)
-        for k in ("ours", "through", "xla")
-    }
+    """Seconds per write of every writer (KINDS)."""
+    return {k: per_write(k, num_slots, n, loop, args, device, args.repeats) for k in KINDS}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -187,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     bw = copy_bandwidth(dev, (1 * GiB) if gpu else 64 * MiB)
     print(f"device copy bandwidth (read + write): {bw / 1e9:.1f} GB/s\n")
 
-    print("decode: time per write of n tokens (us); ratio = ours / xla")
+    print("decode: time per write of n tokens (us); ratios against xla")
     print(DECODE.header())
     for cap_gib in args.capacities:
         num_slots = int(cap_gib * GiB) // (2 * tb)
@@ -200,8 +202,8 @@ def main(argv: list[str] | None = None) -> int:
                     n=n,
                     mode=mode,
                     **{f"{k}_us": v * 1e6 for k, v in t.items()},
-                    ours_over_xla=t["ours"] / t["xla"],
-                    through_over_xla=t["through"] / t["xla"],
+                    cache_over_xla=t["cache"] / t["xla"],
+                    dest_over_xla=t["dest"] / t["xla"],
                 )
                 rows.append(row)
                 print(
@@ -209,11 +211,11 @@ def main(argv: list[str] | None = None) -> int:
                         f"{cap_gib:g}G",
                         n,
                         mode,
-                        f"{row['ours_us']:.2f}",
-                        f"{row['through_us']:.2f}",
+                        f"{row['cache_us']:.2f}",
+                        f"{row['dest_us']:.2f}",
                         f"{row['xla_us']:.2f}",
-                        f"{row['ours_over_xla']:.3f}",
-                        f"{row['through_over_xla']:.3f}",
+                        f"{row['cache_over_xla']:.3f}",
+                        f"{row['dest_over_xla']:.3f}",
                     )
                 )
 
@@ -241,10 +243,10 @@ def main(argv: list[str] | None = None) -> int:
             PREFILL.row(
                 f"{cap_gib:g}G",
                 n,
-                f"{row['ours_gbps']:.1f}",
-                f"{row['ours_pct_of_copy']:.1f}%",
-                f"{row['through_gbps']:.1f}",
-                f"{row['through_pct_of_copy']:.1f}%",
+                f"{row['cache_gbps']:.1f}",
+                f"{row['cache_pct_of_copy']:.1f}%",
+                f"{row['dest_gbps']:.1f}",
+                f"{row['dest_pct_of_copy']:.1f}%",
                 f"{row['xla_gbps']:.1f}",
                 f"{row['xla_pct_of_copy']:.1f}%",
             )

@@ -69,8 +69,10 @@ class _ReturnedBytes:
         self.max = 0
 
     def note(self, cache: jax_vmm.KVCache) -> None:
-        self.max = max(self.max, sum(int(np.prod(x.shape)) * x.dtype.itemsize
-                                     for x in jax.tree_util.tree_leaves(cache)))
+        self.max = max(
+            self.max,
+            sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree_util.tree_leaves(cache)),
+        )
 
 
 def capacity_bytes(cfg: ModelConfig, max_seqs: int, max_tokens: int) -> int:

@@ -5,10 +5,11 @@
     python examples/decode.py --preset gpu        # realistic size (default on a GPU)
 
 Prefill, then greedy token-by-token decode in a jitted step that takes and returns the
-cache (a `jax_vmm.KVCache` pytree; donated), with continuous batching: each of --batch slots serves requests one after another; a finished
-sequence releases its KV memory and its slot takes the next request. Prints a progress
-bar and a summary, and writes a plot of backed KV memory per step next to what a
-preallocated cache of the same capacity holds.
+cache (a `jax_vmm.KVCache` pytree; donated), with continuous batching: each of --batch
+slots serves requests one after another; a finished sequence releases its KV memory and
+its slot takes the next request. Prints a progress bar and a summary, and writes a plot
+of backed KV memory per step next to what a preallocated cache of the same capacity
+holds.
 """
 
 from __future__ import annotations

@@ -143,9 +143,7 @@ class KVLayer:
         return layer
 
     @classmethod
-    def from_arrays(
-        cls, k: Any, v: Any, *, k_scale: Any = None, v_scale: Any = None
-    ) -> KVLayer:
+    def from_arrays(cls, k: Any, v: Any, *, k_scale: Any = None, v_scale: Any = None) -> KVLayer:
         """An array layer over ``k``, ``v`` (same shape and dtype, ``(..., H, D)``; for
         attention ``(B, T, H, D)``). An fp8 cache (float8_e4m3fn, or uint8 bits) needs
         ``k_scale``, ``v_scale``: float32 ``(H,)`` per-KV-head scales.
@@ -183,7 +181,10 @@ class KVLayer:
         heads = k.shape[-2]
         scales = ()
         if fp8:
-            scales = (_check_scale(k_scale, heads, "k_scale"), _check_scale(v_scale, heads, "v_scale"))
+            scales = (
+                _check_scale(k_scale, heads, "k_scale"),
+                _check_scale(v_scale, heads, "v_scale"),
+            )
         return cls(_ArraysId(fp8), (k, v, *scales))
 
     # -- pytree ----------------------------------------------------------------------
@@ -277,10 +278,7 @@ class KVLayer:
 
     def __repr__(self) -> str:
         if self.is_arena:
-            return (
-                f"KVLayer({self._id.describe()}, shape={self._id.shape}, "
-                f"dtype={self._id.dtype})"
-            )
+            return f"KVLayer({self._id.describe()}, shape={self._id.shape}, dtype={self._id.dtype})"
         return f"KVLayer(arrays, shape={self.shape}, dtype={self.dtype})"
 
 

@@ -123,8 +123,14 @@ def attention(q: Any, layer: KVLayer, lengths: Any, *, scale: float | None = Non
     ``jax_vmm.attention._decode_attention`` (impl, chunk, splits, ctas, ...)."""
     if not layer.is_arena:
         return _attention._decode_attention(
-            q, layer.k, layer.v, lengths, scale=scale, k_scale=layer.k_scale,
-            v_scale=layer.v_scale, **knobs
+            q,
+            layer.k,
+            layer.v,
+            lengths,
+            scale=scale,
+            k_scale=layer.k_scale,
+            v_scale=layer.v_scale,
+            **knobs,
         )
     lid = layer.id
     if len(lid.shape) != 4:
@@ -137,8 +143,15 @@ def attention(q: Any, layer: KVLayer, lengths: Any, *, scale: float | None = Non
     knobs.pop("workspace", None)
     spec = _spec(lid)
     call = _attention._prepare(
-        q, spec, spec, lengths, scale=scale, k_scale=layer.k_scale, v_scale=layer.v_scale,
-        workspace="scratch", **knobs
+        q,
+        spec,
+        spec,
+        lengths,
+        scale=scale,
+        k_scale=layer.k_scale,
+        v_scale=layer.v_scale,
+        workspace="scratch",
+        **knobs,
     )
     if call is None:
         return jnp.zeros(jnp.shape(q), jnp.asarray(q).dtype)

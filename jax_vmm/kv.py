@@ -151,8 +151,8 @@ class KVArena:
         self.k = _LayerViews(self.k_buffers, "kv.k")
         self.v = _LayerViews(self.v_buffers, "kv.v")
         self._scales = self._fp8_scales(k_scales, v_scales, target.device)
-        from .cache import _register_arena
         from ._device import xla_device_ordinal
+        from .cache import _register_arena
 
         # The identity the cache pytree carries, and the table of ensured tokens.
         self._core_cache = _core.create_kv_cache(
@@ -229,7 +229,9 @@ class KVArena:
                 platform="cpu" if device.platform == "cpu" else "gpu",
             )
             token = jax.device_put(np.int32(0), device)
-            scales = () if self._scales is None else (self._scales[0][layer], self._scales[1][layer])
+            scales = (
+                () if self._scales is None else (self._scales[0][layer], self._scales[1][layer])
+            )
             layers.append(KVLayer._arena(lid, token, scales))
         return KVCache(layers)
 

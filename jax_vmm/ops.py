@@ -6,9 +6,10 @@ The cache API comes first: ``kv_write(layer, new_k, new_v, slots)`` on a
 and nothing copied (jax_vmm/cache_ops.py, docs/kv_cache.md). The rest of this module is
 the array level, for power users.
 
-The array-level calls take KV-cache views (``kv.k[l]``, ``kv.v[l]``), ``n`` new tokens and their flat
-slots (``slot = seq * max_tokens + position`` for a per-sequence layout; the cache is seen
-as ``(num_slots, num_kv_heads, head_dim)``; a negative slot is padding and is skipped).
+The array-level calls take KV-cache views (``kv.k[l]``, ``kv.v[l]``), ``n`` new tokens
+and their flat slots (``slot = seq * max_tokens + position`` for a per-sequence layout;
+the cache is seen as ``(num_slots, num_kv_heads, head_dim)``; a negative slot is padding
+and is skipped).
 Slots are validated on the device, so the checks hold when XLA replays a captured CUDA
 graph: a slot past the buffer, or on a page that is not committed, is dropped, never
 written, and counted in the buffer's drop counter (``kv.check()`` raises
@@ -426,7 +427,8 @@ def kv_write_through(
 def kv_write_stats() -> dict:
     """Counters of the kv_write handlers.
 
-    ``{"kv_write_through": {...}, "kv_write": {...}, "dropped_writes": int}``; each
+    ``{"kv_write_through": {...}, "kv_write": {...}, "kv_cache_write": {...},
+    "dropped_writes": int}`` (``kv_cache_write``: kv_write on KVCache layers); each
     handler has ``calls`` and ``captured_calls`` (host invocations, and those made while
     XLA captured a CUDA graph; graph replays run no host code and are not counted),
     ``alias_misses`` (kv_write's output was not arena memory: the tokens went into an XLA

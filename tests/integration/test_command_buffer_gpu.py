@@ -11,6 +11,10 @@
   new arena of the same shapes (usually at the same addresses, so XLA replays without
   host code), writes nothing into the new arena: the old page table, pinned and zeroed,
   drops every write (and should XLA re-record, the handler refuses the stale dest).
+* The KV cache pytree: a cache step (kv_write into an arena layer, decode_attention over
+  it) is recorded once and replayed; the replayed kernels check the table of ensured
+  tokens (drops past it, reads clamped to it) and follow it as it rises; a stale cache
+  step, replayed against a newer arena at the same addresses, writes and reads nothing.
 * The seed's scratch hazard: two executables of different batch buckets share one
   stream's scratch; the larger grows it after the smaller was captured; replaying the
   smaller must be correct in both scratch modes, and the driver (cuda-python) must say
@@ -62,6 +66,19 @@ def _gpu() -> jax.Device:
 # -- the decode step --------------------------------------------------------------------
 
 
+def _values(x, pos):
+    """The new tokens of a step: they depend on pos, so every replay writes other data."""
+    val = x * (pos.astype(jnp.float32) + 1.0)[:, None, None]
+    return val.astype(jnp.bfloat16), (-val).astype(jnp.bfloat16)
+
+
+def _tail(x, acc):  # more separate kernels: XLA only forms graphs of a minimum size
+    aux = x
+    for _ in range(3):
+        aux = jnp.tanh(aux) * 1.5 + jnp.mean(aux, axis=(1, 2), keepdims=True)
+    return acc + 0.0 * jnp.sum(aux, axis=(1, 2))
+
+
 def _decode_step(max_tokens: int, dest, through: bool = False):
     """A decode step whose only inputs that change are device state donated and
     returned in place: k, v (the arena), pos (B,) and acc (B,). x is a constant input.
@@ -69,22 +86,13 @@ def _decode_step(max_tokens: int, dest, through: bool = False):
 
     through=True uses kv_write_through with the cache as a plain (not donated) input.
     Both name the arena with the static dest."""
-
-    def values(x, pos):
-        val = x * (pos.astype(jnp.float32) + 1.0)[:, None, None]
-        return val.astype(jnp.bfloat16), (-val).astype(jnp.bfloat16)
+    values, tail = _values, _tail
 
     def readback(k, slots, acc):  # a few dependent fusions, like a model's tail
         got = k.reshape(-1, H, D)[slots].astype(jnp.float32)
         c1 = jnp.sum(got, axis=(1, 2))
         c2 = jnp.max(jnp.abs(got) + c1[:, None, None], axis=(1, 2))
         return acc + c1 + 0.0 * c2
-
-    def tail(x, acc):  # more separate kernels: XLA only forms graphs of a minimum size
-        aux = x
-        for _ in range(3):
-            aux = jnp.tanh(aux) * 1.5 + jnp.mean(aux, axis=(1, 2), keepdims=True)
-        return acc + 0.0 * jnp.sum(aux, axis=(1, 2))
 
     if through:
 
@@ -283,6 +291,158 @@ def test_a_stale_replay_never_writes_a_newer_arena():
         after = [read_bytes(b).tobytes() for b in kv2.buffers]
         assert after == before, "a stale step wrote the newer arena"
         kv2.check()  # and nothing was counted against it
+    finally:
+        kv2.close()
+
+
+# -- the KV cache pytree under command buffers ---------------------------------------------
+
+
+def _cache_step(max_tokens: int):
+    """The decode step of the cache API: kv_write into the arena layer, decode_attention
+    over it; its inputs are the cache (a token), pos and acc (donated, returned in place)
+    and x, q (constants). acc collects the attention outputs."""
+
+    def step(cache, pos, acc, x, q):
+        nk, nv = _values(x, pos)
+        slots = jnp.arange(B, dtype=jnp.int32) * max_tokens + pos
+        layer = jax_vmm.kv_write(cache[0], nk, nv, slots)
+        out = jax_vmm.decode_attention(q, layer, pos + 1)
+        acc = acc + jnp.sum(out.astype(jnp.float32), axis=(1, 2))
+        return cache.replace(0, layer), pos + 1, _tail(x, acc)
+
+    return step
+
+
+class _CacheRun:
+    """The compiled cache step on a KV arena; keeps the donated state between calls."""
+
+    def __init__(self, kv, pos0: int):
+        dev = _gpu()
+        self.kv, self.x_host = kv, _x()
+        self.q_host = (np.arange(B * H * D, dtype=np.float32).reshape(B, H, D) % 5 - 2) / 4
+        self.x = jax.device_put(jnp.asarray(self.x_host), dev)
+        self.q = jax.device_put(jnp.asarray(self.q_host, jnp.bfloat16), dev)
+        self.pos = jax.device_put(jnp.full((B,), pos0, jnp.int32), dev)
+        self.acc = jax.device_put(jnp.zeros((B,), jnp.float32), dev)
+        self.cache = kv.cache()
+        self.exe = (
+            jax.jit(_cache_step(kv.max_tokens), donate_argnums=(0, 1, 2))
+            .lower(self.cache, self.pos, self.acc, self.x, self.q)
+            .compile()
+        )
+        self.positions: list[int] = []
+        self._next = pos0
+
+    def run(self, steps: int) -> None:
+        for _ in range(steps):
+            self.cache, self.pos, self.acc = self.exe(
+                self.cache, self.pos, self.acc, self.x, self.q
+            )
+            self.positions.append(self._next)
+            self._next += 1
+        jax.block_until_ready((self.cache, self.pos, self.acc))
+
+
+def _expected_outputs(run: _CacheRun, written: set[int], ensured: dict[int, int]) -> np.ndarray:
+    """float64 sum over run.positions p of each sequence's attention output over tokens
+    [0, min(p + 1, ensured[p])), those not `written` being zeros."""
+    total = np.zeros(B)
+    for p in run.positions:
+        for q in range(B):
+            ks = [_expected_token(run.x_host, t, q).astype(np.float64) if t in written
+                  else np.zeros((H, D)) for t in range(min(p + 1, ensured[p]))]
+            k = np.stack(ks)  # (t, H, D)
+            s = np.einsum("hd,thd->ht", run.q_host.astype(np.float64)[q], k) / np.sqrt(D)
+            w = np.exp(s - s.max(-1, keepdims=True))
+            w /= w.sum(-1, keepdims=True)
+            total[q] += np.einsum("ht,thd->", w, -k)
+    return total
+
+
+def test_a_cache_step_is_captured_replayed_and_checks_the_ensured_tokens():
+    """The cache API under command buffers: the step is recorded once, then replays with
+    no handler call; every replay writes its token into the arena (read back with
+    cuMemcpyDtoH) and attention reads it in the same step. Writes past a sequence's
+    ensured tokens, backed only by the chunk, are dropped and counted by the replayed
+    kernels (the table is read on the device); after kv.ensure() raises the table the
+    same graph writes there, with no re-recording."""
+    from conftest import arena_bytes
+
+    dev = _gpu()
+    kv, tpc = _kv(dev)
+    try:
+        kv.shrink(6)  # every sequence: 6 tokens ensured; its first chunk stays (tpc tokens)
+        assert tpc >= 16 and kv.backed_tokens(0) >= 16
+        run = _CacheRun(kv, pos0=0)
+        s0 = ops.kv_write_stats()["kv_cache_write"]
+        run.run(3)
+        s1 = ops.kv_write_stats()["kv_cache_write"]
+        assert s1["captured_calls"] - s0["captured_calls"] >= 1, (
+            f"the cache write never saw a capturing stream ({s1})"
+        )
+        run.run(3)  # positions 3..5: ensured; replays
+        kv.check(run.acc)
+        run.run(2)  # positions 6, 7: backed by the chunk but not ensured -> dropped
+        assert kv.dropped_writes(run.acc) == 2 * B * 2
+        with pytest.raises(jax_vmm.OutOfBoundsWrite) as info:
+            kv.check()
+        assert info.value.dropped_reads == 2 * B  # and each read past 6 was clamped
+        for q in range(B):
+            kv.ensure(16, seq=q)  # no new memory: the table rises
+        run.run(4)  # positions 8..11: land
+        s2 = ops.kv_write_stats()["kv_cache_write"]
+        assert s2["calls"] == s1["calls"], f"re-recorded instead of replayed ({s1} -> {s2})"
+        kv.check(run.acc)
+        written = set(range(6)) | set(range(8, 12))
+        raw = arena_bytes(kv.k_buffers[0]).view(jnp.bfloat16).reshape(B, kv.max_tokens, H, D)
+        for p in range(12):
+            for q in range(B):
+                want = _expected_token(run.x_host, p, q) if p in written else np.zeros((H, D))
+                np.testing.assert_array_equal(
+                    raw[q, p].astype(np.float32), np.asarray(want, np.float32),
+                    err_msg=f"seq {q} pos {p}",
+                )
+        ensured = {p: 6 if p < 8 else 16 for p in run.positions}
+        np.testing.assert_allclose(
+            np.asarray(run.acc), _expected_outputs(run, written, ensured), rtol=3e-2, atol=3e-2
+        )
+    finally:
+        kv.close()
+
+
+def test_a_stale_cache_step_writes_and_reads_nothing():
+    """A cache step recorded against an arena closed and destroyed since: its inputs are
+    tokens, so XLA replays it without host code even when a newer arena sits at the same
+    addresses; the pinned, zeroed page table and table of ensured tokens make it write
+    nothing there and read no token (or, should XLA re-record, the handler refuses)."""
+    dev = _gpu()
+    kv, _ = _kv(dev)
+    run = _CacheRun(kv, pos0=0)
+    run.run(3)
+    calls = ops.kv_write_stats()["kv_cache_write"]["calls"]
+    exe, cache, pos, acc, x, q = run.exe, run.cache, run.pos, run.acc, run.x, run.q
+    acc_before = np.asarray(acc)
+    kv.close()
+    del kv, run
+    gc.collect()
+    kv2, _ = _kv(dev)
+    try:
+        before = [read_bytes(b).tobytes() for b in kv2.buffers]
+        refused = None
+        try:
+            _, _, acc2 = exe(cache, pos, acc, x, q)
+            jax.block_until_ready(acc2)
+            # Nothing read: the attention outputs added are zeros (lengths clamped to 0).
+            np.testing.assert_array_equal(np.asarray(acc2), acc_before)
+        except jax.errors.JaxRuntimeError as e:  # XLA re-recorded: the handler ran
+            refused = str(e)
+            assert "no longer exists" in refused, refused
+        replayed = refused is None and ops.kv_write_stats()["kv_cache_write"]["calls"] == calls
+        print(f"replayed without host code: {replayed}, refused: {refused is not None}")
+        after = [read_bytes(b).tobytes() for b in kv2.buffers]
+        assert after == before, "a stale cache step wrote the newer arena"
+        kv2.check()
     finally:
         kv2.close()
 

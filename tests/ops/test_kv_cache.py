@@ -210,7 +210,10 @@ def test_the_cache_is_a_pytree_that_carries_no_big_array(vm):
     # Nothing big is an XLA value: the step's arguments and results are a few bytes.
     data = _tokens(1, 0)
     lowered = jax.jit(_step).lower(
-        cache, jnp.asarray(data["q"][0]), jnp.asarray(data["k"][0]), jnp.asarray(data["v"][0]),
+        cache,
+        jnp.asarray(data["q"][0]),
+        jnp.asarray(data["k"][0]),
+        jnp.asarray(data["v"][0]),
         jnp.int32(0),
     )
     mem = lowered.compile().memory_analysis()
@@ -233,7 +236,9 @@ def test_the_same_arena_never_retraces_another_one_does(vm):
         return _step(cache, q, nk, nv, pos)
 
     data = _tokens(3, 1)
-    args = lambda i: (jnp.asarray(data["q"][i]), jnp.asarray(data["k"][i]), jnp.asarray(data["v"][i]))  # noqa: E731
+    def args(i):
+        return jnp.asarray(data["q"][i]), jnp.asarray(data["k"][i]), jnp.asarray(data["v"][i])
+
     cache = kv.cache()
     for i in range(3):
         cache, _ = step(cache, *args(i), jnp.int32(i))
@@ -265,8 +270,11 @@ def test_two_arenas_and_an_array_cache_in_one_step(vm):
     caches = (a.cache(), b.cache(), plain)
     for i in range(2):
         *caches, oa, ob, op = step(
-            *caches, jnp.asarray(data["q"][i]), jnp.asarray(data["k"][i]),
-            jnp.asarray(data["v"][i]), jnp.int32(i)
+            *caches,
+            jnp.asarray(data["q"][i]),
+            jnp.asarray(data["k"][i]),
+            jnp.asarray(data["v"][i]),
+            jnp.int32(i),
         )
         np.testing.assert_allclose(np.asarray(oa), _reference(data, i), rtol=2e-5, atol=2e-5)
         np.testing.assert_allclose(np.asarray(op), np.asarray(oa), rtol=1e-6, atol=1e-6)
@@ -352,7 +360,9 @@ def _attend(kv, lengths, q=None):
     cache = kv.cache()
     q = jnp.ones((B, HQ, D), DT) if q is None else q
     fn = jax.jit(lambda c, q, n: jax_vmm.decode_attention(q, c[0], n))
-    return np.asarray(fn(cache, jax.device_put(q, kv.arena.device), jnp.asarray(lengths, jnp.int32)))
+    return np.asarray(
+        fn(cache, jax.device_put(q, kv.arena.device), jnp.asarray(lengths, jnp.int32))
+    )
 
 
 def test_reads_past_the_ensured_tokens_are_clamped_and_reported(vm):
@@ -393,8 +403,14 @@ def test_wide_lengths_are_clamped_before_the_int32_cast(vm):
 
 def test_a_closed_or_destroyed_cache_refuses_to_run(vm):
     kv = jax_vmm.kv_arena(
-        num_layers=L, num_kv_heads=HKV, head_dim=D, max_tokens=T, max_seqs=B, dtype=DT,
-        device=vm.device, initial_tokens=4,
+        num_layers=L,
+        num_kv_heads=HKV,
+        head_dim=D,
+        max_tokens=T,
+        max_seqs=B,
+        dtype=DT,
+        device=vm.device,
+        initial_tokens=4,
     )
     cache = kv.cache()
     new = jax.device_put(jnp.ones((1, HKV, D), DT), vm.device)
@@ -443,8 +459,12 @@ def test_kv_write_on_a_layer_refuses_bad_arguments(vm):
     with pytest.raises(TypeError, match="inside jit an arena layer has no k array"):
         jax.jit(lambda c: c[0].k)(kv.cache())
     with pytest.raises(ValueError, match="an fp8 layer carries its scales|k_scale/v_scale"):
-        jax_vmm.decode_attention(jnp.ones((B, HQ, D), DT), layer, jnp.ones(B, jnp.int32),
-                                 k_scale=jnp.ones(HKV, jnp.float32))
+        jax_vmm.decode_attention(
+            jnp.ones((B, HQ, D), DT),
+            layer,
+            jnp.ones(B, jnp.int32),
+            k_scale=jnp.ones(HKV, jnp.float32),
+        )
 
 
 def test_a_layer_read_outside_jit_waits_for_its_writes(vm):
@@ -525,7 +545,12 @@ def test_an_arena_shaped_array_write_without_dest_warns_and_misses_the_arena(cpu
     """The issue's repro: jax.jit(jax_vmm.kv_write)(kv.k[0], kv.v[0], ...) returns correct
     arrays but leaves the arena unwritten on the CPU; now it warns at trace time."""
     kv = jax_vmm.kv_arena(
-        num_layers=1, num_kv_heads=HKV, head_dim=D, max_tokens=T, max_seqs=B, dtype=DT,
+        num_layers=1,
+        num_kv_heads=HKV,
+        head_dim=D,
+        max_tokens=T,
+        max_seqs=B,
+        dtype=DT,
         initial_tokens=4,
     )
     try:
@@ -553,8 +578,14 @@ def test_an_fp8_arena_layer_quantizes_writes_and_dequantizes_reads(vm):
     d = 64
     scales = np.array([[0.5, 2.0]] * L, np.float32)
     kv = vm.kv(
-        num_layers=L, num_kv_heads=HKV, head_dim=d, max_tokens=T, max_seqs=B,
-        dtype=jnp.float8_e4m3fn, k_scales=scales, v_scales=2 * scales,
+        num_layers=L,
+        num_kv_heads=HKV,
+        head_dim=d,
+        max_tokens=T,
+        max_seqs=B,
+        dtype=jnp.float8_e4m3fn,
+        k_scales=scales,
+        v_scales=2 * scales,
     )
     for seq in range(B):
         kv.ensure(8, seq)
@@ -576,19 +607,25 @@ def test_an_fp8_arena_layer_quantizes_writes_and_dequantizes_reads(vm):
     assert layer.fp8 and layer.k_scale.shape == (HKV,)
     want = np.asarray(jax_vmm.fp8.quantize_fp8(new_k, jnp.asarray(scales[1])))
     got = arena_bytes(kv.k_buffers[1]).view(jnp.float8_e4m3fn).reshape(B, T, HKV, d)
-    np.testing.assert_array_equal(got[:, :8].reshape(-1, HKV, d).view(np.uint8), want.view(np.uint8))
+    np.testing.assert_array_equal(
+        got[:, :8].reshape(-1, HKV, d).view(np.uint8), want.view(np.uint8)
+    )
     ref = jax_vmm.attention.reference_decode_attention(
-        q, jnp.asarray(got), jnp.asarray(arena_bytes(kv.v_buffers[1]).view(jnp.float8_e4m3fn)
-                                         .reshape(B, T, HKV, d)),
-        lengths, k_scale=jnp.asarray(scales[1]), v_scale=jnp.asarray(2 * scales[1]),
+        q,
+        jnp.asarray(got),
+        jnp.asarray(arena_bytes(kv.v_buffers[1]).view(jnp.float8_e4m3fn).reshape(B, T, HKV, d)),
+        lengths,
+        k_scale=jnp.asarray(scales[1]),
+        v_scale=jnp.asarray(2 * scales[1]),
     )
     err = np.linalg.norm(np.asarray(out, np.float32) - np.asarray(ref, np.float32))
     assert err / np.linalg.norm(np.asarray(ref, np.float32)) < 1e-2
 
 
 def test_the_streaming_kernel_reads_an_arena_layer_as_split_k_does(vm):
-    kv = vm.kv(num_layers=1, num_kv_heads=HKV, head_dim=D, max_tokens=T, max_seqs=B,
-               dtype=jnp.bfloat16)
+    kv = vm.kv(
+        num_layers=1, num_kv_heads=HKV, head_dim=D, max_tokens=T, max_seqs=B, dtype=jnp.bfloat16
+    )
     kv.ensure(40, 0)
     kv.ensure(17, 1)
     rng = np.random.default_rng(4)
@@ -601,8 +638,9 @@ def test_the_streaming_kernel_reads_an_arena_layer_as_split_k_does(vm):
     stream = jax_vmm.attention._decode_attention(q, layer, lengths=lengths, impl="stream")
     ref = jax_vmm.attention.reference_decode_attention(q, kv.k[0], kv.v[0], lengths)
     for got in (split, stream):
-        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(ref, np.float32),
-                                   rtol=2e-2, atol=2e-2)
+        np.testing.assert_allclose(
+            np.asarray(got, np.float32), np.asarray(ref, np.float32), rtol=2e-2, atol=2e-2
+        )
     kv.check()
 
 
@@ -643,11 +681,13 @@ except jax.errors.JaxRuntimeError as e:
 def test_the_cpu_hands_handlers_each_host_device_ordinal(tmp_path):
     """The handlers find a cache by (uid, device ordinal), which XLA's CPU runtime hands
     them too: a cache of cpu:1 works there and is refused on cpu:0."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
-               JAX_PLATFORMS="cpu")
+    env = dict(
+        os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu"
+    )
     repo = Path(__file__).resolve().parents[2]
     env["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p] + [str(repo)])
-    proc = subprocess.run([sys.executable, "-c", _DEVICES_CHILD], env=env, capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", _DEVICES_CHILD], env=env, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "lives on host device 1, but the call runs on device 0" in proc.stdout, proc.stdout

@@ -27,6 +27,11 @@ from jax_vmm import ops
 
 H, D = 2, 8
 
+# The array level is tested here, the trap of a jitted write without dest included (its
+# results are right, the arena is not written): the ArenaNotWrittenWarning it raises is
+# checked in tests/ops/test_kv_cache.py.
+pytestmark = pytest.mark.filterwarnings("ignore::jax_vmm.ArenaNotWrittenWarning")
+
 
 @pytest.fixture(autouse=True)
 def _unchecked_writes_from_env():

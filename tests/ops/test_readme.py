@@ -1,7 +1,8 @@
-"""The README's "Using it" block runs as written, in its order: the step writes, and
-``kv.check()`` right after it reports a dropped write. (That check() waits for a step
-still in flight is shown by tests/ops/test_kv_write.py::test_check_waits_for_the_writes_in_flight,
-with a step slow enough to still be running.)"""
+"""The README's "Using it" block runs as written, in its order: the step writes the arena
+and attends over it, and ``kv.check()`` right after it reports a dropped write. (That
+check() waits for a step still in flight is shown by
+tests/ops/test_kv_write.py::test_check_waits_for_the_writes_in_flight, with a step slow
+enough to still be running.)"""
 
 from __future__ import annotations
 
@@ -24,12 +25,17 @@ def _using_it_block() -> str:
 
 
 def _run(position: int) -> dict:
-    """The block, with one new token of sequence 3 at ``position``."""
+    """The block, with one new token of sequence 3 at ``position`` and attention over
+    positions [0, position] of sequence 3 (0 tokens elsewhere)."""
+    lengths = np.zeros(32, np.int32)
+    lengths[3] = position + 1
     scope = {
         "prompt_len": 5,
+        "q": jnp.ones((32, 16, 128), jnp.bfloat16),
         "new_k": jnp.full((1, 8, 128), 2, jnp.bfloat16),
         "new_v": jnp.full((1, 8, 128), 3, jnp.bfloat16),
         "slots": jnp.array([3 * 8192 + position], jnp.int32),
+        "lengths": jnp.asarray(lengths),
         "print": lambda *a: None,
     }
     exec(compile(_using_it_block(), str(README), "exec"), scope)  # noqa: S102
@@ -40,7 +46,11 @@ def test_the_readme_block_writes_the_arena(cpu_device):
     scope = _run(position=5)  # ensure(prompt_len + 1) backs it; check() passed
     kv = scope["kv"]
     try:
-        assert float(np.asarray(scope["k0"][3, 5]).astype(np.float32).max()) == 2.0
+        # Attention in the step read the token the step wrote into the arena: its key
+        # (all 2s) scores ~22 above the zero keys before it, so sequence 3 gets its V (3).
+        out = np.asarray(scope["out"]).astype(np.float32)
+        np.testing.assert_allclose(out[3], 3.0, atol=0.05)
+        assert not out[:3].any()  # length 0: zeros
         assert kv.stats()["commit_calls"] == 1
         assert kv.backed_tokens(3) == 0  # released at the end of the block
     finally:

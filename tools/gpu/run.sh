@@ -19,6 +19,13 @@
 #                       split-K (tensor-core, simple) and streaming kernels (bf16/fp16/fp8)
 #                       against a float64 reference, NaN-prefilled outputs, forced plans,
 #                       ring depths, determinism, capture + replay + growth
+#   tests:kv_cache      the KV cache pytree (issue 10) -m gpu: tests/ops/test_kv_cache.py (the
+#                       arena written in every mode, donated or not, eager / jit / scan of 64 /
+#                       fori / while, attention after the write against float64, read back by
+#                       cuMemcpyDtoH; drops and clamped reads counted; identity-stripped and
+#                       limits-ignored variants caught), the cache API's error rows F*, the
+#                       example's GPU preset (jax_vmm cache against prealloc, no copy per step)
+#                       and the command-buffer replay of a cache step
 #   facts               raw CUDA driver facts (tests/oracles/cuda_oracle.py) -> facts.json:
 #                       read_only_access_ok must be true; unmap_spans_mappings=true means one
 #                       cuMemUnmap may cover a whole run
@@ -40,7 +47,9 @@
 #   bench:commit        bench/commit.py: arena vs raw cuda-python, 64 GiB creation -> bench_commit.json
 #   bench:decode        bench/decode.py -> decode.json, decode.png
 #   bench:growth        bench/growth.py 16 -> 20 GiB -> growth/growth.json, growth.png
-#   bench               the five benches
+#   bench:capacity      bench/capacity.py: one decode step over 1 GiB and 32 GiB caches, as a
+#                       ratio (arena: ~1.0) -> bench_capacity.json
+#   bench               the six benches
 #   probe:kernels       tools/gpu/kernels_probe.py -> kernels.json: every decode-attention kernel
 #                       (split-K, streaming, fp8) checked against float64 with NaN-prefilled
 #                       outputs, then timed beside cuDNN and the copy/read ceilings per shape;
@@ -93,6 +102,9 @@ step_tests() {
     "") pytest_run tests -ra ;;
     gpu) pytest_run tests -m gpu -rs ;;
     attention) pytest_run tests/ops/test_attention.py tests/ops/test_attention_v2.py -m gpu -rs ;;
+    kv_cache) pytest_run tests/ops/test_kv_cache.py tests/core/test_errors.py \
+                tests/example/test_decode_example.py tests/integration/test_command_buffer_gpu.py \
+                -m gpu -rs ;;
     *) [ -d "tests/$1" ] || { echo "no folder tests/$1"; return 2; }
        pytest_run "tests/$1" -ra ;;
   esac
@@ -166,10 +178,10 @@ step_example() {
 
 step_bench() {
   case "${1:-}" in
-    attention|kv_write|commit) "$PY" "bench/$1.py" --json "$RUN_DIR/bench_$1.json" ;;
+    attention|kv_write|commit|capacity) "$PY" "bench/$1.py" --json "$RUN_DIR/bench_$1.json" ;;
     decode) "$PY" bench/decode.py --out "$RUN_DIR" ;;
     growth) "$PY" bench/growth.py --out "$RUN_DIR/growth" ;;
-    *) echo "unknown bench ${1:-} (attention, kv_write, commit, decode, growth)"; return 2 ;;
+    *) echo "unknown bench ${1:-} (attention, kv_write, commit, decode, growth, capacity)"; return 2 ;;
   esac
 }
 
@@ -188,7 +200,7 @@ limit_of() {  # STEP -> seconds
   local var="LIMIT_${1//:/_}" limit
   case "$1" in
     build|tests|tests:*|sanitize:hazard|bench:attention|bench:decode|probe:kernels) limit=600 ;;
-    sanitize:attention|bench:kv_write|bench:growth) limit=400 ;;
+    sanitize:attention|bench:kv_write|bench:growth|bench:capacity) limit=400 ;;
     example) limit=300 ;;
     info|facts|diag:*|bench:commit) limit=150 ;;
     *) limit=600 ;;
@@ -199,7 +211,7 @@ limit_of() {  # STEP -> seconds
 expand() {  # STEP -> the steps it stands for
   case "$1" in
     sanitize) echo sanitize:hazard sanitize:attention ;;
-    bench) echo bench:attention bench:kv_write bench:commit bench:decode bench:growth ;;
+    bench) echo bench:attention bench:kv_write bench:commit bench:decode bench:growth bench:capacity ;;
     probe) echo probe:kernels ;;
     all) echo build info tests facts; expand sanitize; echo example; expand bench; expand probe ;;
     *) echo "$1" ;;

@@ -28,12 +28,20 @@ using kvcache::KvCache;
 // The XLA element type of a numpy dtype name (what the handlers compare tokens against).
 int XlaDtype(const std::string& name) {
   using T = xla::ffi::DataType;
-  static const std::map<std::string, T> types = {
-      {"float32", T::F32},        {"float16", T::F16},   {"bfloat16", T::BF16},
-      {"float64", T::F64},        {"float8_e4m3fn", T::F8E4M3FN},
-      {"uint8", T::U8},           {"uint16", T::U16},    {"uint32", T::U32},
-      {"uint64", T::U64},         {"int8", T::S8},       {"int16", T::S16},
-      {"int32", T::S32},          {"int64", T::S64},     {"bool", T::PRED}};
+  static const std::map<std::string, T> types = {{"float32", T::F32},
+                                                 {"float16", T::F16},
+                                                 {"bfloat16", T::BF16},
+                                                 {"float64", T::F64},
+                                                 {"float8_e4m3fn", T::F8E4M3FN},
+                                                 {"uint8", T::U8},
+                                                 {"uint16", T::U16},
+                                                 {"uint32", T::U32},
+                                                 {"uint64", T::U64},
+                                                 {"int8", T::S8},
+                                                 {"int16", T::S16},
+                                                 {"int32", T::S32},
+                                                 {"int64", T::S64},
+                                                 {"bool", T::PRED}};
   auto it = types.find(name);
   if (it == types.end()) {
     throw InvalidArgument("KV cache: dtype " + name + " has no XLA element type here");
@@ -87,8 +95,7 @@ void BindKvCache(nb::module_& m) {
            "Tokens ensured for a sequence, published to the device before it returns.")
       .def("limits", &KvCache::Limits)
       .def("read_clamps", &KvCache::ReadClamps, nb::call_guard<nb::gil_scoped_release>())
-      .def("reset_read_clamps", &KvCache::ResetReadClamps,
-           nb::call_guard<nb::gil_scoped_release>())
+      .def("reset_read_clamps", &KvCache::ResetReadClamps, nb::call_guard<nb::gil_scoped_release>())
       .def("close", &KvCache::Close, nb::call_guard<nb::gil_scoped_release>());
   m.def("create_kv_cache", &Create, nb::arg("arena"), nb::arg("k_ids"), nb::arg("v_ids"),
         nb::arg("max_seqs"), nb::arg("per_sequence"), nb::arg("max_tokens"), nb::arg("kv_heads"),

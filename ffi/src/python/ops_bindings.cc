@@ -29,13 +29,17 @@ void BindOps(nb::module_& m) {
         nb::dict d;
         d["kv_write_through"] = CountersDict(kv::GetCounters(kv::Handler::kWriteThrough));
         d["kv_write"] = CountersDict(kv::GetCounters(kv::Handler::kWrite));
+        d["kv_cache_write"] = CountersDict(kv::GetCounters(kv::Handler::kCacheWrite));
         uint64_t device = 0;
         {
           nb::gil_scoped_release release;
           device = kv::DeviceDroppedWrites();
         }
-        const int64_t host = kv::GetCounters(kv::Handler::kWriteThrough).host_dropped.load() +
-                             kv::GetCounters(kv::Handler::kWrite).host_dropped.load();
+        int64_t host = 0;
+        for (kv::Handler h :
+             {kv::Handler::kWriteThrough, kv::Handler::kWrite, kv::Handler::kCacheWrite}) {
+          host += kv::GetCounters(h).host_dropped.load();
+        }
         d["dropped_writes"] = static_cast<uint64_t>(host) + device;
         return d;
       },

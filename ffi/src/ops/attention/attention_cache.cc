@@ -14,21 +14,24 @@ std::string PrepareCacheAttention(const char* op, const char* driver_kind, int d
                                   const ffi::Buffer<ffi::S32>& lengths,
                                   const ffi::Buffer<ffi::S32>& read_lengths, CacheAttention* out) {
   const bool cuda = std::string(driver_kind) == "cuda";
-  if (std::string err = kvcache::ResolveCacheLayer(op, driver_kind, device, cache_uid, layer, cuda,
-                                                   &out->layer);
+  if (std::string err =
+          kvcache::ResolveCacheLayer(op, driver_kind, device, cache_uid, layer, cuda, &out->layer);
       !err.empty()) {
     return err;
   }
   const kvcache::Geometry& g = out->layer.cache->geometry();
   const std::string who = std::string(op) + ": ";
   if (!g.per_sequence) {
-    return who + "decode attention needs a KV arena with one buffer row per sequence "
-                 "(kv_arena(..., max_seqs=batch))";
+    return who +
+           "decode attention needs a KV arena with one buffer row per sequence "
+           "(kv_arena(..., max_seqs=batch))";
   }
   auto qd = q.dimensions(), ld = lengths.dimensions(), rd = read_lengths.dimensions();
   if (qd.size() != 3 || qd[0] != g.max_seqs) {
-    return who + "q must be (" + std::to_string(g.max_seqs) + ", H_q, D), one query per sequence "
-                 "of the KV cache; got " + ShapeString(qd.begin(), qd.size());
+    return who + "q must be (" + std::to_string(g.max_seqs) +
+           ", H_q, D), one query per sequence "
+           "of the KV cache; got " +
+           ShapeString(qd.begin(), qd.size());
   }
   for (auto d : {ld, rd}) {
     if (d.size() != 1 || d[0] != g.max_seqs) {

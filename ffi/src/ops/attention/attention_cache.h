@@ -21,6 +21,7 @@
 #include <string>
 #include <utility>
 
+#include "ops/attention/attention_ffi.h"
 #include "ops/attention/stream_ffi.h"
 #include "ops/kv_cache/kv_cache_call.h"
 #include "xla/ffi/api/ffi.h"
@@ -70,19 +71,58 @@ ffi::Error StreamCacheCpu(bool use_limits, int32_t device, ffi::AnyBuffer q,
 template <typename B>
 auto BindCacheInputs(B&& b) {
   return std::forward<B>(b)
-      .template Arg<ffi::AnyBuffer>()          // q
-      .template Arg<ffi::Buffer<ffi::S32>>()   // lengths
-      .template Arg<ffi::AnyBuffer>();         // token
+      .template Arg<ffi::AnyBuffer>()         // q
+      .template Arg<ffi::Buffer<ffi::S32>>()  // lengths
+      .template Arg<ffi::AnyBuffer>();        // token
 }
 
 // The results of both targets and the cache's attributes (the kernel's attributes follow).
 template <typename B>
 auto BindCacheResults(B&& b) {
   return std::forward<B>(b)
-      .template Ret<ffi::AnyBuffer>()          // out
-      .template Ret<ffi::Buffer<ffi::S32>>()   // read_lengths
+      .template Ret<ffi::AnyBuffer>()         // out
+      .template Ret<ffi::Buffer<ffi::S32>>()  // read_lengths
       .template Attr<uint64_t>("cache_uid")
       .template Attr<int64_t>("layer");
+}
+
+// The CPU handler functions XLA_FFI_DEFINE_HANDLER_SYMBOL binds (production: kUseLimits
+// true, attention_cache_cpu.cc; the testing layer instantiates false), and their bindings.
+template <bool kUseLimits>
+ffi::Error CacheCpuImpl(int32_t device, ffi::AnyBuffer q, ffi::Buffer<ffi::S32> lengths,
+                        ffi::AnyBuffer token, ffi::Result<ffi::AnyBuffer> out,
+                        ffi::Result<ffi::Buffer<ffi::S32>> read_lengths, uint64_t cache_uid,
+                        int64_t layer, float scale, int64_t chunk, int64_t splits, int64_t impl) {
+  (void)token;  // orders the call after the layer's writes; not read
+  (void)impl;   // a CUDA kernel choice
+  return CacheCpu(kUseLimits, device, q, lengths, *out, *read_lengths, cache_uid, layer, scale,
+                  chunk, splits);
+}
+
+template <bool kUseLimits>
+ffi::Error StreamCacheCpuImpl(int32_t device, ffi::AnyBuffer q, ffi::Buffer<ffi::S32> lengths,
+                              ffi::AnyBuffer token, ffi::AnyBuffer k_scale, ffi::AnyBuffer v_scale,
+                              ffi::Result<ffi::AnyBuffer> out,
+                              ffi::Result<ffi::Buffer<ffi::S32>> read_lengths, uint64_t cache_uid,
+                              int64_t layer, float scale, int64_t ctas, int64_t stages,
+                              int64_t min_tiles, int64_t combine, int64_t bulk) {
+  (void)token;
+  return StreamCacheCpu(kUseLimits, device, q, lengths, k_scale, v_scale, *out, *read_lengths,
+                        cache_uid, layer,
+                        stream::StreamAttrs{scale, ctas, stages, min_tiles, combine, bulk});
+}
+
+// The full signatures of the two targets after the platform's context in `b`.
+template <typename B>
+auto BindCacheTarget(B&& b) {
+  return BindAttrs(BindCacheResults(BindCacheInputs(std::forward<B>(b))));
+}
+
+template <typename B>
+auto BindStreamCacheTarget(B&& b) {
+  return stream::BindStreamAttrs(BindCacheResults(BindCacheInputs(std::forward<B>(b))
+                                                      .template Arg<ffi::AnyBuffer>()     // k_scale
+                                                      .template Arg<ffi::AnyBuffer>()));  // v_scale
 }
 
 }  // namespace jax_vmm::attention

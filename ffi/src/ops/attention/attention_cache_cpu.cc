@@ -6,10 +6,8 @@
 
 #include "ops/attention/attention_cache.h"
 #include "ops/attention/attention_cpu.h"
-#include "ops/attention/attention_ffi.h"
 #include "ops/attention/attention_targets.h"
 #include "ops/attention/stream_cpu.h"
-#include "ops/attention/stream_ffi.h"
 
 namespace jax_vmm::attention {
 namespace {
@@ -29,28 +27,6 @@ ffi::Error PrepareOnHost(bool use_limits, int32_t device, uint64_t cache_uid, in
   return ffi::Error::Success();
 }
 
-ffi::Error CacheCpuImpl(int32_t device, ffi::AnyBuffer q, ffi::Buffer<ffi::S32> lengths,
-                        ffi::AnyBuffer token, ffi::Result<ffi::AnyBuffer> out,
-                        ffi::Result<ffi::Buffer<ffi::S32>> read_lengths, uint64_t cache_uid,
-                        int64_t layer, float scale, int64_t chunk, int64_t splits, int64_t impl) {
-  (void)token;  // orders the call after the layer's writes; not read
-  (void)impl;   // a CUDA kernel choice
-  return CacheCpu(true, device, q, lengths, *out, *read_lengths, cache_uid, layer, scale, chunk,
-                  splits);
-}
-
-ffi::Error StreamCacheCpuImpl(int32_t device, ffi::AnyBuffer q, ffi::Buffer<ffi::S32> lengths,
-                              ffi::AnyBuffer token, ffi::AnyBuffer k_scale, ffi::AnyBuffer v_scale,
-                              ffi::Result<ffi::AnyBuffer> out,
-                              ffi::Result<ffi::Buffer<ffi::S32>> read_lengths, uint64_t cache_uid,
-                              int64_t layer, float scale, int64_t ctas, int64_t stages,
-                              int64_t min_tiles, int64_t combine, int64_t bulk) {
-  (void)token;
-  return StreamCacheCpu(true, device, q, lengths, k_scale, v_scale, *out, *read_lengths,
-                        cache_uid, layer,
-                        stream::StreamAttrs{scale, ctas, stages, min_tiles, combine, bulk});
-}
-
 }  // namespace
 
 ffi::Error CacheCpu(bool use_limits, int32_t device, ffi::AnyBuffer q,
@@ -58,8 +34,8 @@ ffi::Error CacheCpu(bool use_limits, int32_t device, ffi::AnyBuffer q,
                     ffi::Buffer<ffi::S32> read_lengths, uint64_t cache_uid, int64_t layer,
                     float scale, int64_t chunk, int64_t splits) {
   CacheAttention call;
-  if (ffi::Error e = PrepareOnHost(use_limits, device, cache_uid, layer, q, lengths, read_lengths,
-                                   &call);
+  if (ffi::Error e =
+          PrepareOnHost(use_limits, device, cache_uid, layer, q, lengths, read_lengths, &call);
       e.failure()) {
     return e;
   }
@@ -72,8 +48,8 @@ ffi::Error StreamCacheCpu(bool use_limits, int32_t device, ffi::AnyBuffer q,
                           ffi::Buffer<ffi::S32> read_lengths, uint64_t cache_uid, int64_t layer,
                           const stream::StreamAttrs& attrs) {
   CacheAttention call;
-  if (ffi::Error e = PrepareOnHost(use_limits, device, cache_uid, layer, q, lengths, read_lengths,
-                                   &call);
+  if (ffi::Error e =
+          PrepareOnHost(use_limits, device, cache_uid, layer, q, lengths, read_lengths, &call);
       e.failure()) {
     return e;
   }
@@ -83,16 +59,13 @@ ffi::Error StreamCacheCpu(bool use_limits, int32_t device, ffi::AnyBuffer q,
 }  // namespace jax_vmm::attention
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    DecodeAttentionCacheCpu, jax_vmm::attention::CacheCpuImpl,
-    jax_vmm::attention::BindAttrs(jax_vmm::attention::BindCacheResults(
-        jax_vmm::attention::BindCacheInputs(xla::ffi::Ffi::Bind().Ctx<xla::ffi::DeviceOrdinal>()))));
+    DecodeAttentionCacheCpu, jax_vmm::attention::CacheCpuImpl<true>,
+    jax_vmm::attention::BindCacheTarget(xla::ffi::Ffi::Bind().Ctx<xla::ffi::DeviceOrdinal>()));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    DecodeAttentionStreamCacheCpu, jax_vmm::attention::StreamCacheCpuImpl,
-    jax_vmm::attention::stream::BindStreamAttrs(jax_vmm::attention::BindCacheResults(
-        jax_vmm::attention::BindCacheInputs(xla::ffi::Ffi::Bind().Ctx<xla::ffi::DeviceOrdinal>())
-            .Arg<xla::ffi::AnyBuffer>()     // k_scale
-            .Arg<xla::ffi::AnyBuffer>())));  // v_scale
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DecodeAttentionStreamCacheCpu,
+                              jax_vmm::attention::StreamCacheCpuImpl<true>,
+                              jax_vmm::attention::BindStreamCacheTarget(
+                                  xla::ffi::Ffi::Bind().Ctx<xla::ffi::DeviceOrdinal>()));
 
 namespace jax_vmm::attention {
 

@@ -53,48 +53,24 @@ ffi::Error InitializeImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q,
                           ffi::Buffer<ffi::S32> lengths, ffi::AnyBuffer token,
                           ffi::Result<ffi::AnyBuffer> out,
                           ffi::Result<ffi::Buffer<ffi::S32>> read_lengths, uint64_t cache_uid,
-                          int64_t layer, float scale, int64_t chunk, int64_t splits,
-                          int64_t impl) {
+                          int64_t layer, float scale, int64_t chunk, int64_t splits, int64_t impl) {
   (void)token;
   (void)scale;
   return CacheCudaInitialize(stream, device, q, lengths, *out, *read_lengths, cache_uid, layer,
                              chunk, splits, impl);
 }
 
-ffi::Error ExecuteImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q,
-                       ffi::Buffer<ffi::S32> lengths, ffi::AnyBuffer token,
-                       ffi::Result<ffi::AnyBuffer> out,
-                       ffi::Result<ffi::Buffer<ffi::S32>> read_lengths, uint64_t cache_uid,
-                       int64_t layer, float scale, int64_t chunk, int64_t splits, int64_t impl) {
-  (void)token;  // orders the call after the layer's writes; not read
-  return CacheCudaExecute(true, stream, device, q, lengths, *out, *read_lengths, cache_uid, layer,
-                          scale, chunk, splits, impl);
-}
-
 ffi::Error StreamInitializeImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q,
                                 ffi::Buffer<ffi::S32> lengths, ffi::AnyBuffer token,
                                 ffi::AnyBuffer k_scale, ffi::AnyBuffer v_scale,
                                 ffi::Result<ffi::AnyBuffer> out,
-                                ffi::Result<ffi::Buffer<ffi::S32>> read_lengths,
-                                uint64_t cache_uid, int64_t layer, float scale, int64_t ctas,
-                                int64_t stages, int64_t min_tiles, int64_t combine, int64_t bulk) {
+                                ffi::Result<ffi::Buffer<ffi::S32>> read_lengths, uint64_t cache_uid,
+                                int64_t layer, float scale, int64_t ctas, int64_t stages,
+                                int64_t min_tiles, int64_t combine, int64_t bulk) {
   (void)token;
   return StreamCacheCudaInitialize(
       stream, device, q, lengths, k_scale, v_scale, *out, *read_lengths, cache_uid, layer,
       stream::StreamAttrs{scale, ctas, stages, min_tiles, combine, bulk});
-}
-
-ffi::Error StreamExecuteImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q,
-                             ffi::Buffer<ffi::S32> lengths, ffi::AnyBuffer token,
-                             ffi::AnyBuffer k_scale, ffi::AnyBuffer v_scale,
-                             ffi::Result<ffi::AnyBuffer> out,
-                             ffi::Result<ffi::Buffer<ffi::S32>> read_lengths, uint64_t cache_uid,
-                             int64_t layer, float scale, int64_t ctas, int64_t stages,
-                             int64_t min_tiles, int64_t combine, int64_t bulk) {
-  (void)token;
-  return StreamCacheCudaExecute(true, stream, device, q, lengths, k_scale, v_scale, *out,
-                                *read_lengths, cache_uid, layer,
-                                stream::StreamAttrs{scale, ctas, stages, min_tiles, combine, bulk});
 }
 
 }  // namespace
@@ -126,14 +102,12 @@ ffi::Error CacheCudaExecute(bool use_limits, cudaStream_t stream, int32_t device
                      chunk, splits, impl);
 }
 
-ffi::Error StreamCacheCudaInitialize(cudaStream_t stream, int32_t device,
-                                     const ffi::AnyBuffer& q,
+ffi::Error StreamCacheCudaInitialize(cudaStream_t stream, int32_t device, const ffi::AnyBuffer& q,
                                      const ffi::Buffer<ffi::S32>& lengths,
                                      const ffi::AnyBuffer& k_scale, const ffi::AnyBuffer& v_scale,
                                      const ffi::AnyBuffer& out,
-                                     const ffi::Buffer<ffi::S32>& read_lengths,
-                                     uint64_t cache_uid, int64_t layer,
-                                     const stream::StreamAttrs& attrs) {
+                                     const ffi::Buffer<ffi::S32>& read_lengths, uint64_t cache_uid,
+                                     int64_t layer, const stream::StreamAttrs& attrs) {
   CacheAttention call;
   if (ffi::Error e = Prepare(device, cache_uid, layer, q, lengths, read_lengths, &call);
       e.failure()) {
@@ -161,49 +135,30 @@ ffi::Error StreamCacheCudaExecute(bool use_limits, cudaStream_t stream, int32_t 
 
 }  // namespace jax_vmm::attention
 
-namespace jax_vmm::attention {
-namespace {
-
-// The CUDA context and the operands both targets start with.
-template <typename B>
-auto CacheCudaInputs(B&& b) {
-  return BindCacheInputs(BindCudaContext(std::forward<B>(b)));
-}
-
-}  // namespace
-}  // namespace jax_vmm::attention
-
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DecodeAttentionCacheCudaInitialize,
                               jax_vmm::attention::InitializeImpl,
-                              jax_vmm::attention::BindAttrs(jax_vmm::attention::BindCacheResults(
-                                  jax_vmm::attention::CacheCudaInputs(xla::ffi::Ffi::BindInitialize()))));
+                              jax_vmm::attention::BindCacheCuda(xla::ffi::Ffi::BindInitialize()));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(DecodeAttentionCacheCudaExecute, jax_vmm::attention::ExecuteImpl,
-                              jax_vmm::attention::BindAttrs(
-                                  jax_vmm::attention::BindCacheResults(jax_vmm::attention::CacheCudaInputs(xla::ffi::Ffi::Bind()))),
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DecodeAttentionCacheCudaExecute,
+                              jax_vmm::attention::CacheExecuteImpl<true>,
+                              jax_vmm::attention::BindCacheCuda(xla::ffi::Ffi::Bind()),
                               {xla::ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     DecodeAttentionStreamCacheCudaInitialize, jax_vmm::attention::StreamInitializeImpl,
-    jax_vmm::attention::stream::BindStreamAttrs(
-        jax_vmm::attention::BindCacheResults(jax_vmm::attention::CacheCudaInputs(xla::ffi::Ffi::BindInitialize())
-                                                 .Arg<xla::ffi::AnyBuffer>()      // k_scale
-                                                 .Arg<xla::ffi::AnyBuffer>())));  // v_scale
+    jax_vmm::attention::BindStreamCacheCuda(xla::ffi::Ffi::BindInitialize()));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    DecodeAttentionStreamCacheCudaExecute, jax_vmm::attention::StreamExecuteImpl,
-    jax_vmm::attention::stream::BindStreamAttrs(
-        jax_vmm::attention::BindCacheResults(jax_vmm::attention::CacheCudaInputs(xla::ffi::Ffi::Bind())
-                                                 .Arg<xla::ffi::AnyBuffer>()      // k_scale
-                                                 .Arg<xla::ffi::AnyBuffer>())),  // v_scale
-    {xla::ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DecodeAttentionStreamCacheCudaExecute,
+                              jax_vmm::attention::StreamCacheExecuteImpl<true>,
+                              jax_vmm::attention::BindStreamCacheCuda(xla::ffi::Ffi::Bind()),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
 
 namespace jax_vmm::attention {
 
 void AddCacheCudaTargets(FfiRegistry& registry) {
-  registry.Add("jax_vmm_decode_attention_cache", "CUDA",
-               FfiRegistry::Stages{DecodeAttentionCacheCudaInitialize,
-                                   DecodeAttentionCacheCudaExecute});
+  registry.Add(
+      "jax_vmm_decode_attention_cache", "CUDA",
+      FfiRegistry::Stages{DecodeAttentionCacheCudaInitialize, DecodeAttentionCacheCudaExecute});
   registry.Add("jax_vmm_decode_attention_v2_cache", "CUDA",
                FfiRegistry::Stages{DecodeAttentionStreamCacheCudaInitialize,
                                    DecodeAttentionStreamCacheCudaExecute});

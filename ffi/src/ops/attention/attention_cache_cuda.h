@@ -8,8 +8,12 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <utility>
 
+#include "ops/attention/attention_cache.h"
+#include "ops/attention/attention_cuda.h"
 #include "ops/attention/stream_ffi.h"
+#include "xla/ffi/api/api.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_vmm::attention {
@@ -25,14 +29,12 @@ ffi::Error CacheCudaExecute(bool use_limits, cudaStream_t stream, int32_t device
                             uint64_t cache_uid, int64_t layer, float scale, int64_t chunk,
                             int64_t splits, int64_t impl);
 
-ffi::Error StreamCacheCudaInitialize(cudaStream_t stream, int32_t device,
-                                     const ffi::AnyBuffer& q,
+ffi::Error StreamCacheCudaInitialize(cudaStream_t stream, int32_t device, const ffi::AnyBuffer& q,
                                      const ffi::Buffer<ffi::S32>& lengths,
                                      const ffi::AnyBuffer& k_scale, const ffi::AnyBuffer& v_scale,
                                      const ffi::AnyBuffer& out,
-                                     const ffi::Buffer<ffi::S32>& read_lengths,
-                                     uint64_t cache_uid, int64_t layer,
-                                     const stream::StreamAttrs& attrs);
+                                     const ffi::Buffer<ffi::S32>& read_lengths, uint64_t cache_uid,
+                                     int64_t layer, const stream::StreamAttrs& attrs);
 
 ffi::Error StreamCacheCudaExecute(bool use_limits, cudaStream_t stream, int32_t device,
                                   const ffi::AnyBuffer& q, const ffi::Buffer<ffi::S32>& lengths,
@@ -41,4 +43,48 @@ ffi::Error StreamCacheCudaExecute(bool use_limits, cudaStream_t stream, int32_t 
                                   uint64_t cache_uid, int64_t layer,
                                   const stream::StreamAttrs& attrs);
 
+// The execute-stage handler functions (production: kUseLimits true; the testing layer
+// instantiates false) and the targets' bindings after `b` (Ffi::Bind() or
+// Ffi::BindInitialize()).
+template <bool kUseLimits>
+ffi::Error CacheExecuteImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q,
+                            ffi::Buffer<ffi::S32> lengths, ffi::AnyBuffer token,
+                            ffi::Result<ffi::AnyBuffer> out,
+                            ffi::Result<ffi::Buffer<ffi::S32>> read_lengths, uint64_t cache_uid,
+                            int64_t layer, float scale, int64_t chunk, int64_t splits,
+                            int64_t impl) {
+  (void)token;  // orders the call after the layer's writes; not read
+  return CacheCudaExecute(kUseLimits, stream, device, q, lengths, *out, *read_lengths, cache_uid,
+                          layer, scale, chunk, splits, impl);
+}
+
+template <bool kUseLimits>
+ffi::Error StreamCacheExecuteImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q,
+                                  ffi::Buffer<ffi::S32> lengths, ffi::AnyBuffer token,
+                                  ffi::AnyBuffer k_scale, ffi::AnyBuffer v_scale,
+                                  ffi::Result<ffi::AnyBuffer> out,
+                                  ffi::Result<ffi::Buffer<ffi::S32>> read_lengths,
+                                  uint64_t cache_uid, int64_t layer, float scale, int64_t ctas,
+                                  int64_t stages, int64_t min_tiles, int64_t combine,
+                                  int64_t bulk) {
+  (void)token;
+  return StreamCacheCudaExecute(kUseLimits, stream, device, q, lengths, k_scale, v_scale, *out,
+                                *read_lengths, cache_uid, layer,
+                                stream::StreamAttrs{scale, ctas, stages, min_tiles, combine, bulk});
+}
+
+template <typename B>
+auto BindCacheCuda(B&& b) {
+  return BindCacheTarget(BindCudaContext(std::forward<B>(b)));
+}
+
+template <typename B>
+auto BindStreamCacheCuda(B&& b) {
+  return BindStreamCacheTarget(BindCudaContext(std::forward<B>(b)));
+}
+
 }  // namespace jax_vmm::attention
+
+// The initialize stages (no table involved), shared with the testing layer's targets.
+XLA_FFI_DECLARE_HANDLER_SYMBOL(DecodeAttentionCacheCudaInitialize);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(DecodeAttentionStreamCacheCudaInitialize);

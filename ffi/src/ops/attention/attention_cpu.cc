@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <vector>
 
 #include "ops/attention/attention_check.h"
@@ -183,7 +184,10 @@ ffi::Error RunCpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
   }
   c.plan = MakePlan(c.sh, kCpuParallelUnits, chunk, splits);
   if (c.sh.batch == 0) return ffi::Error::Success();
-  std::vector<float> local;
+  // Not zero-filled: only live splits are read, and each is written first. (The plan's
+  // splits grow with max_tokens; clearing the whole workspace would make every call cost
+  // time in proportion to the capacity, not to the live tokens.)
+  std::unique_ptr<float[]> local;
   float* ws;
   if (workspace != nullptr) {
     if (ffi::Error err = CheckWorkspace(kCpuName, workspace->size_bytes(), c.plan); err.failure()) {
@@ -191,8 +195,8 @@ ffi::Error RunCpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
     }
     ws = static_cast<float*>(workspace->untyped_data());
   } else {
-    local.resize(c.plan.workspace_bytes / sizeof(float));
-    ws = local.data();
+    local.reset(new float[static_cast<size_t>(c.plan.workspace_bytes) / sizeof(float)]);
+    ws = local.get();
   }
   const int64_t partials = c.sh.batch * c.sh.q_heads * c.plan.splits;
   c.ws_acc = ws;

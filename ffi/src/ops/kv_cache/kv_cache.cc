@@ -66,8 +66,8 @@ std::shared_ptr<KvCache> KvCache::Create(std::shared_ptr<Arena> arena,
   Driver& driver = arena->driver();
   cache->metadata_ = driver.AllocMetadata(bytes);
   cache->limits_ = static_cast<int32_t*>(cache->metadata_);
-  cache->read_clamps_ = reinterpret_cast<unsigned long long*>(static_cast<uint8_t*>(cache->metadata_) +
-                                                              LimitsBytes(g.max_seqs));
+  cache->read_clamps_ = reinterpret_cast<unsigned long long*>(
+      static_cast<uint8_t*>(cache->metadata_) + LimitsBytes(g.max_seqs));
   try {
     std::vector<uint8_t> zeros(bytes, 0);
     driver.CopyToMetadata(cache->metadata_, zeros.data(), bytes);

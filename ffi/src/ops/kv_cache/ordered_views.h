@@ -31,10 +31,10 @@ std::string CheckOrderedViews(const char* driver_kind, int device, uint64_t cach
 template <typename B>
 auto BindCheckViews(B&& b) {
   return std::forward<B>(b)
-      .template Arg<ffi::AnyBuffer>()   // k
-      .template Arg<ffi::AnyBuffer>()   // v
-      .template Arg<ffi::AnyBuffer>()   // token
-      .template Ret<ffi::AnyBuffer>()   // zero (s32 scalar)
+      .template Arg<ffi::AnyBuffer>()  // k
+      .template Arg<ffi::AnyBuffer>()  // v
+      .template Arg<ffi::AnyBuffer>()  // token
+      .template Ret<ffi::AnyBuffer>()  // zero (s32 scalar)
       .template Attr<uint64_t>("cache_uid")
       .template Attr<int64_t>("layer");
 }

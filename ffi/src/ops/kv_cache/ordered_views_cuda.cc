@@ -30,12 +30,12 @@ ffi::Error CheckViewsCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer k,
 }  // namespace
 }  // namespace jax_vmm::kvcache
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxVmmKvCacheCheckViewsCuda, jax_vmm::kvcache::CheckViewsCuda,
-                              jax_vmm::kvcache::BindCheckViews(
-                                  xla::ffi::Ffi::Bind()
-                                      .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                      .Ctx<xla::ffi::DeviceOrdinal>()),
-                              {xla::ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxVmmKvCacheCheckViewsCuda, jax_vmm::kvcache::CheckViewsCuda,
+    jax_vmm::kvcache::BindCheckViews(xla::ffi::Ffi::Bind()
+                                         .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                         .Ctx<xla::ffi::DeviceOrdinal>()),
+    {xla::ffi::Traits::kCmdBufferCompatible});
 
 namespace jax_vmm::kvcache {
 

@@ -66,8 +66,7 @@ struct Params {
 };
 
 inline constexpr JAX_VMM_HD bool IsDropped(int32_t status) {
-  return status == kDroppedOutOfRange || status == kDroppedUnbacked ||
-         status == kDroppedNotEnsured;
+  return status == kDroppedOutOfRange || status == kDroppedUnbacked || status == kDroppedNotEnsured;
 }
 
 // The check every production handler runs per token and side, on the host (CPU) or in

@@ -63,35 +63,39 @@ inline bool TokenAliased(const ffi::AnyBuffer& token, const ffi::AnyBuffer& toke
   return token.untyped_data() == token_out.untyped_data();
 }
 
-// jax_vmm_kv_cache_write's operands, results and attributes after the platform's context
-// arguments in `b` (none on the CPU, the stream on CUDA).
+// The operands both cache writes start with, after the platform's context arguments in
+// `b` (none on the CPU, the stream on CUDA); the fp8 write's k_scale, v_scale follow.
 template <typename B>
-auto BindCacheWrite(B&& b) {
+auto BindCacheWriteInputs(B&& b) {
   return std::forward<B>(b)
       .template Ctx<ffi::DeviceOrdinal>()
-      .template Arg<ffi::AnyBuffer>()          // new_k
-      .template Arg<ffi::AnyBuffer>()          // new_v
-      .template Arg<ffi::Buffer<ffi::S32>>()   // slots
-      .template Arg<ffi::AnyBuffer>()          // token
-      .template Ret<ffi::AnyBuffer>()          // token (aliases operand 3)
+      .template Arg<ffi::AnyBuffer>()         // new_k
+      .template Arg<ffi::AnyBuffer>()         // new_v
+      .template Arg<ffi::Buffer<ffi::S32>>()  // slots
+      .template Arg<ffi::AnyBuffer>();        // token
+}
+
+// The result and attributes both cache writes end with.
+template <typename B>
+auto BindCacheWriteResult(B&& b) {
+  return std::forward<B>(b)
+      .template Ret<ffi::AnyBuffer>()  // token (aliases operand 3)
       .template Attr<uint64_t>("cache_uid")
       .template Attr<int64_t>("layer");
 }
 
-// jax_vmm_kv_cache_write_fp8: the same with k_scale, v_scale after the token.
+// jax_vmm_kv_cache_write.
+template <typename B>
+auto BindCacheWrite(B&& b) {
+  return BindCacheWriteResult(BindCacheWriteInputs(std::forward<B>(b)));
+}
+
+// jax_vmm_kv_cache_write_fp8.
 template <typename B>
 auto BindCacheWriteFp8(B&& b) {
-  return std::forward<B>(b)
-      .template Ctx<ffi::DeviceOrdinal>()
-      .template Arg<ffi::AnyBuffer>()          // new_k
-      .template Arg<ffi::AnyBuffer>()          // new_v
-      .template Arg<ffi::Buffer<ffi::S32>>()   // slots
-      .template Arg<ffi::AnyBuffer>()          // token
-      .template Arg<ffi::AnyBuffer>()          // k_scale (H,)
-      .template Arg<ffi::AnyBuffer>()          // v_scale (H,)
-      .template Ret<ffi::AnyBuffer>()          // token (aliases operand 3)
-      .template Attr<uint64_t>("cache_uid")
-      .template Attr<int64_t>("layer");
+  return BindCacheWriteResult(BindCacheWriteInputs(std::forward<B>(b))
+                                  .template Arg<ffi::AnyBuffer>()    // k_scale (H,)
+                                  .template Arg<ffi::AnyBuffer>());  // v_scale (H,)
 }
 
 }  // namespace jax_vmm::kv

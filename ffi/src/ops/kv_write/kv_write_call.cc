@@ -170,8 +170,9 @@ std::string AttachLimits(Op op, char side_name, const BufferRef& ref, uint64_t t
   if (cache == nullptr) return "";
   const kvcache::Geometry& g = cache->geometry();
   if (token_bytes != g.token_bytes()) {
-    return std::string(OpName(op)) + ": the cache " + side_name + " is a view of a buffer of KV cache " +
-           std::to_string(cache->uid()) + " whose tokens are " + std::to_string(g.token_bytes()) +
+    return std::string(OpName(op)) + ": the cache " + side_name +
+           " is a view of a buffer of KV cache " + std::to_string(cache->uid()) +
+           " whose tokens are " + std::to_string(g.token_bytes()) +
            " bytes, but the call writes tokens of " + std::to_string(token_bytes) +
            " bytes: write it through views of its own shape (kv.k[layer], kv.v[layer])";
   }

@@ -70,8 +70,7 @@ void PassTokenOnHost(const ffi::AnyBuffer& token, ffi::AnyBuffer& token_out) {
 
 ffi::Error CpuCacheWrite(HostTokenWriter write, int32_t device, ffi::AnyBuffer new_k,
                          ffi::AnyBuffer new_v, ffi::Buffer<ffi::S32> slots, ffi::AnyBuffer token,
-                         ffi::Result<ffi::AnyBuffer> token_out, uint64_t cache_uid,
-                         int64_t layer) {
+                         ffi::Result<ffi::AnyBuffer> token_out, uint64_t cache_uid, int64_t layer) {
   CacheWriteCall call;
   if (std::string err =
           PrepareCacheWrite("host", device, cache_uid, layer, new_k, new_v, slots, &call);
@@ -84,9 +83,10 @@ ffi::Error CpuCacheWrite(HostTokenWriter write, int32_t device, ffi::AnyBuffer n
 
 }  // namespace jax_vmm::kv
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxVmmKvCacheWriteCpu,
-                              jax_vmm::kv::CpuCacheWriteImpl<jax_vmm::kv::CheckedTokens>,
-                              jax_vmm::kv::BindCacheWrite(xla::ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxVmmKvCacheWriteCpu,
+    jax_vmm::kv::CpuCacheWriteImpl<jax_vmm::kv::WriteTokensOnHost<jax_vmm::kv::CheckedTokens>>,
+    jax_vmm::kv::BindCacheWrite(xla::ffi::Ffi::Bind()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxVmmKvWriteCpu,
                               jax_vmm::kv::CpuWriteImpl<jax_vmm::kv::CheckedTokens>,

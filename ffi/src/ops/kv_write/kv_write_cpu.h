@@ -102,13 +102,13 @@ ffi::Error CpuWriteThroughImpl(ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffe
                          require_arena, Dest{dest_k, dest_v, dest_k_uid, dest_v_uid});
 }
 
-template <typename Tokens>
+// kWrite: WriteTokensOnHost<CheckedTokens> in production.
+template <HostTokenWriter kWrite>
 ffi::Error CpuCacheWriteImpl(int32_t device, ffi::AnyBuffer new_k, ffi::AnyBuffer new_v,
                              ffi::Buffer<ffi::S32> slots, ffi::AnyBuffer token,
                              ffi::Result<ffi::AnyBuffer> token_out, uint64_t cache_uid,
                              int64_t layer) {
-  return CpuCacheWrite(WriteTokensOnHost<Tokens>, device, new_k, new_v, slots, token, token_out,
-                       cache_uid, layer);
+  return CpuCacheWrite(kWrite, device, new_k, new_v, slots, token, token_out, cache_uid, layer);
 }
 
 }  // namespace jax_vmm::kv

@@ -12,6 +12,7 @@
 #include <string>
 #include <utility>
 
+#include "ops/kv_write/kv_write_cache.h"
 #include "ops/kv_write/kv_write_call.h"
 #include "ops/kv_write/kv_write_ffi.h"
 #include "xla/ffi/api/ffi.h"
@@ -83,6 +84,33 @@ inline CallOperands Fp8WriteOperands(const ffi::AnyBuffer& k, const ffi::AnyBuff
   CallOperands in = WriteOperands(k, v, new_k, new_v, slots, k_out, v_out, dest);
   AsFp8Sources(&in, src_bytes);
   return in;
+}
+
+// kv_write_fp8 on a KVCache layer (kv_write_cache.h): resolves the layer, checks that the
+// cache holds fp8 codes and the new tokens and scales fit it, and applies AsFp8Sources;
+// *src_type receives the new tokens' dtype. An error message, or "".
+inline std::string PrepareCacheWriteFp8(const char* driver_kind, int device, uint64_t cache_uid,
+                                        int64_t layer, const ffi::AnyBuffer& new_k,
+                                        const ffi::AnyBuffer& new_v,
+                                        const ffi::Buffer<ffi::S32>& slots,
+                                        const ffi::AnyBuffer& k_scale,
+                                        const ffi::AnyBuffer& v_scale, CacheWriteCall* call,
+                                        ffi::DataType* src_type) {
+  if (std::string err =
+          PrepareCacheWrite(driver_kind, device, cache_uid, layer, new_k, new_v, slots, call);
+      !err.empty()) {
+    return err;
+  }
+  const kvcache::Geometry& g = call->layer.cache->geometry();
+  if (!IsFp8Cache(static_cast<ffi::DataType>(g.dtype))) {
+    return std::string(kFp8Name) + ": the KV cache does not hold float8_e4m3fn";
+  }
+  if (std::string err = CheckFp8Sources(new_k, new_v, k_scale, v_scale, g.kv_heads, src_type);
+      !err.empty()) {
+    return err;
+  }
+  AsFp8Sources(&call->in, SourceBytes(*src_type));
+  return "";
 }
 
 // The operands, results and attributes of jax_vmm_kv_write_fp8 after the platform's

@@ -81,18 +81,12 @@ ffi::Error CpuCacheWriteFp8Impl(int32_t device, ffi::AnyBuffer new_k, ffi::AnyBu
                                 ffi::Result<ffi::AnyBuffer> token_out, uint64_t cache_uid,
                                 int64_t layer) {
   CacheWriteCall call;
-  if (std::string err =
-          PrepareCacheWrite("host", device, cache_uid, layer, new_k, new_v, slots, &call);
+  ffi::DataType src = ffi::DataType::F32;
+  if (std::string err = PrepareCacheWriteFp8("host", device, cache_uid, layer, new_k, new_v, slots,
+                                             k_scale, v_scale, &call, &src);
       !err.empty()) {
     return ffi::Error::InvalidArgument(err);
   }
-  const kvcache::Geometry& g = call.layer.cache->geometry();
-  ffi::DataType src = ffi::DataType::F32;
-  std::string err = IsFp8Cache(static_cast<ffi::DataType>(g.dtype))
-                        ? CheckFp8Sources(new_k, new_v, k_scale, v_scale, g.kv_heads, &src)
-                        : std::string(kFp8Name) + ": the KV cache does not hold float8_e4m3fn";
-  if (!err.empty()) return ffi::Error::InvalidArgument(err);
-  AsFp8Sources(&call.in, SourceBytes(src));
   PassTokenOnHost(token, *token_out);
   return WriteFp8OnHost(Op::kCacheWrite, Handler::kCacheWrite, call.in, src,
                         static_cast<const float*>(k_scale.untyped_data()),

@@ -81,19 +81,14 @@ ffi::Error CudaCacheWriteFp8Impl(cudaStream_t stream, int32_t device, ffi::AnyBu
                                  ffi::AnyBuffer v_scale, ffi::Result<ffi::AnyBuffer> token_out,
                                  uint64_t cache_uid, int64_t layer) {
   CacheWriteCall call;
-  if (std::string err =
-          PrepareCacheWrite("cuda", device, cache_uid, layer, new_k, new_v, slots, &call);
+  ffi::DataType src = ffi::DataType::F32;
+  if (std::string err = PrepareCacheWriteFp8("cuda", device, cache_uid, layer, new_k, new_v, slots,
+                                             k_scale, v_scale, &call, &src);
       !err.empty()) {
     return ffi::Error::InvalidArgument(err);
   }
   const kvcache::Geometry& g = call.layer.cache->geometry();
-  ffi::DataType src = ffi::DataType::F32;
-  std::string err = IsFp8Cache(static_cast<ffi::DataType>(g.dtype))
-                        ? CheckFp8Sources(new_k, new_v, k_scale, v_scale, g.kv_heads, &src)
-                        : std::string(kFp8Name) + ": the KV cache does not hold float8_e4m3fn";
-  if (!err.empty()) return ffi::Error::InvalidArgument(err);
   if (ffi::Error e = CheckFp8Tokens(g.kv_heads, g.head_dim); e.failure()) return e;
-  AsFp8Sources(&call.in, SourceBytes(src));
   if (ffi::Error e = PassTokenOnDevice(token, *token_out, stream); e.failure()) return e;
   return WriteFp8OnDevice(Op::kCacheWrite, Handler::kCacheWrite, stream, call.in, src, k_scale,
                           v_scale);
