@@ -236,6 +236,7 @@ def test_the_same_arena_never_retraces_another_one_does(vm):
         return _step(cache, q, nk, nv, pos)
 
     data = _tokens(3, 1)
+
     def args(i):
         return jnp.asarray(data["q"][i]), jnp.asarray(data["k"][i]), jnp.asarray(data["v"][i])
 
@@ -691,3 +692,38 @@ def test_the_cpu_hands_handlers_each_host_device_ordinal(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "lives on host device 1, but the call runs on device 0" in proc.stdout, proc.stdout
+
+
+def test_array_level_writes_into_a_kv_arena_respect_the_ensured_tokens(vm):
+    """#11.7 holds for every write whose target is a KV arena's buffer, not only the cache
+    API: kv_write_through reports status 4 (not ensured) for a slot in a backed chunk, and
+    kv_write_fp8 drops it too."""
+    kv = _kv(vm)
+    kv.ensure(10, 0)
+    new = jax.device_put(jnp.ones((2, HKV, D), DT), vm.device)
+    slots = jnp.array([9, 50], jnp.int32)  # ensured; backed by the chunk only
+    status = jax_vmm.kv_write_through(kv.k[0], kv.v[0], new, new, slots, dest=kv.dest(0))
+    np.testing.assert_array_equal(
+        np.asarray(status), [[jax_vmm.ops.WRITTEN, jax_vmm.ops.DROPPED_NOT_ENSURED]] * 2
+    )
+    with pytest.raises(jax_vmm.OutOfBoundsWrite) as info:
+        kv.check()
+    assert info.value.count == 2
+    fp8 = vm.kv(
+        num_layers=1,
+        num_kv_heads=HKV,
+        head_dim=D,
+        max_tokens=T,
+        max_seqs=B,
+        dtype=jnp.float8_e4m3fn,
+    )
+    fp8.ensure(10, 0)
+    scale = jnp.ones((HKV,), jnp.float32)
+    jax.block_until_ready(
+        jax_vmm.kv_write_fp8(fp8.k[0], fp8.v[0], new, new, slots, scale, scale, dest=fp8.dest(0))
+    )
+    with pytest.raises(jax_vmm.OutOfBoundsWrite) as info:
+        fp8.check()
+    assert info.value.count == 2
+    codes = arena_bytes(fp8.k_buffers[0]).reshape(B, T, HKV, D)
+    assert np.all(codes[0, 9] != 0) and not np.any(codes[0, 50])
