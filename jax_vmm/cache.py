@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
-from .fp8 import FP8_STORAGE
+from .fp8 import FP8_DTYPE
 
 if TYPE_CHECKING:
     from .kv import KVArena
@@ -64,7 +64,8 @@ class LayerId:
 
     @property
     def fp8(self) -> bool:
-        return np.dtype(self.dtype) in FP8_STORAGE
+        """A float8_e4m3fn arena: its layers carry scales (a uint8 arena is plain bytes)."""
+        return np.dtype(self.dtype) == FP8_DTYPE
 
     @property
     def num_kv_heads(self) -> int:
@@ -145,8 +146,9 @@ class KVLayer:
     @classmethod
     def from_arrays(cls, k: Any, v: Any, *, k_scale: Any = None, v_scale: Any = None) -> KVLayer:
         """An array layer over ``k``, ``v`` (same shape and dtype, ``(..., H, D)``; for
-        attention ``(B, T, H, D)``). An fp8 cache (float8_e4m3fn, or uint8 bits) needs
-        ``k_scale``, ``v_scale``: float32 ``(H,)`` per-KV-head scales.
+        attention ``(B, T, H, D)``). An fp8 cache needs ``k_scale``, ``v_scale``: float32
+        ``(H,)`` per-KV-head scales; it is float8_e4m3fn, or uint8 holding its bits (uint8
+        with scales is fp8, without them plain bytes).
 
         Views of a KV arena are refused: inside ``jit`` XLA copies them, so writes would
         miss the arena; use ``kv.cache()[l]``."""
@@ -172,7 +174,8 @@ class KVLayer:
             raise ValueError(
                 f"KVLayer.from_arrays: k must be (..., num_kv_heads, head_dim), got {k.shape}"
             )
-        fp8 = np.dtype(k.dtype) in FP8_STORAGE
+        dtype = np.dtype(k.dtype)
+        fp8 = dtype == FP8_DTYPE or (dtype == np.uint8 and k_scale is not None)
         if fp8 != (k_scale is not None) or (k_scale is None) != (v_scale is None):
             raise ValueError(
                 "KVLayer.from_arrays: an fp8 cache (float8_e4m3fn, or uint8 bits) needs "

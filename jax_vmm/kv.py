@@ -13,7 +13,7 @@ import numpy as np
 
 from .arena import Arena, Buffer, _as_index, _as_int, _refuse_copy
 from .errors import DriverError, OutOfBoundsRead, OutOfBoundsWrite
-from .fp8 import FP8_STORAGE
+from .fp8 import FP8_DTYPE
 
 if TYPE_CHECKING:
     from .cache import KVCache
@@ -180,7 +180,7 @@ class KVArena:
     def _fp8_scales(self, k_scales: Any, v_scales: Any, device: jax.Device) -> tuple | None:
         """Per-layer, per-KV-head float32 scales of an fp8 arena, on its device (None for
         other dtypes)."""
-        if self.dtype not in FP8_STORAGE:
+        if self.dtype != FP8_DTYPE:
             if k_scales is not None or v_scales is not None:
                 raise ValueError(
                     f"k_scales/v_scales are for fp8 arenas (dtype float8_e4m3fn); this one "
