@@ -11,8 +11,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .arena import Arena, Buffer, _as_index
+from .arena import Arena, Buffer, _as_flag, _as_index
 from .errors import OutOfBoundsWrite
+from .transfer import Transfer
+
+#: Largest physical allocation of a KV arena's commit (rounded down to whole chunks): a
+#: prefill or a growth of many chunks takes few driver calls, and a sequence's release
+#: still frees all of its memory (a commit never puts two sequences in one allocation).
+DEFAULT_KV_HANDLE_BYTES = 1 << 30
 
 
 class _LayerViews(Sequence[jax.Array]):
@@ -45,7 +51,14 @@ class KVArena:
     Layout per layer and per K/V: ``(max_tokens, num_kv_heads, head_dim)``, or with
     ``max_seqs`` ``(max_seqs, max_tokens, num_kv_heads, head_dim)`` (each sequence
     contiguous; flat slot = ``seq * max_tokens + position``). Physical memory follows
-    :meth:`ensure`, :meth:`shrink` and :meth:`release`. Create with :func:`kv_arena`.
+    :meth:`ensure`, :meth:`shrink` and :meth:`release`; :meth:`sleep` / :meth:`wake` give
+    all of it back and take it again, :meth:`offload` / :meth:`restore` move one
+    sequence to host memory and back. Create with :func:`kv_arena`.
+
+    Defaults for a cache: ``zero_fill=False`` (tokens are written before the cache API
+    reads them; unwritten tokens read as zeros only with ``zero_fill=True``, else a raw
+    view may show stale bytes past the written tokens) and ``handle_bytes`` =
+    :data:`DEFAULT_KV_HANDLE_BYTES` (a commit of many chunks takes few allocations).
 
     Thread-safe: one lock serialises growth and release; views may be read anywhere.
     """
@@ -53,7 +66,8 @@ class KVArena:
     def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, max_tokens: int,
                  dtype: Any = jnp.bfloat16, device: jax.Device | None = None,
                  initial_tokens: int = 0, max_seqs: int | None = None,
-                 chunk_bytes: int | None = None):
+                 chunk_bytes: int | None = None, handle_bytes: int | None = None,
+                 zero_fill: bool = False):
         for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads),
                             ("head_dim", head_dim), ("max_tokens", max_tokens)):
             if _as_index(value, name) == 0:
@@ -63,6 +77,7 @@ class KVArena:
         initial_tokens = _as_index(initial_tokens, "initial_tokens")
         if initial_tokens > max_tokens:
             raise ValueError(f"initial_tokens={initial_tokens} exceeds max_tokens={max_tokens}")
+        zero_fill = _as_flag(zero_fill, "zero_fill")
         self.num_layers = int(num_layers)
         self.num_kv_heads = int(num_kv_heads)
         self.head_dim = int(head_dim)
@@ -82,9 +97,12 @@ class KVArena:
         target = resolve_device(device)
         chunk = _core.resolve_chunk_bytes(target.driver, target.ordinal,
                                           0 if chunk_bytes is None else _as_index(chunk_bytes, "chunk_bytes"))
+        if handle_bytes is None:
+            handle_bytes = max(chunk, DEFAULT_KV_HANDLE_BYTES // chunk * chunk)
         buffer_bytes = seqs * self.seq_bytes
         reserve = 2 * self.num_layers * math.ceil(buffer_bytes / chunk) * chunk
-        self.arena = Arena(reserve, device=device, chunk_bytes=chunk)
+        self.arena = Arena(reserve, device=device, chunk_bytes=chunk, handle_bytes=handle_bytes,
+                           zero_fill=zero_fill)
         self.k_buffers = [self.arena.allocate(shape, self.dtype, name=f"k{l}") for l in range(self.num_layers)]
         self.v_buffers = [self.arena.allocate(shape, self.dtype, name=f"v{l}") for l in range(self.num_layers)]
         self.k = _LayerViews(self.k_buffers)
@@ -93,6 +111,11 @@ class KVArena:
         # Tokens each sequence asked for through ensure(): decides which chunks shared
         # by two sequences may be released (actual backing can be larger: chunk rounding).
         self._ensured = [0] * seqs
+        # Tokens known backed (whole chunks from the last ensure), valid while the arena's
+        # generation equals _valid_gen: ensure() within them needs no call into the core.
+        self._covered = [0] * seqs
+        self._valid_gen = [-1] * seqs
+        self._offloaded: dict[int, Transfer] = {}
         if initial_tokens:
             for seq in range(seqs):
                 self.ensure(initial_tokens, None if self.max_seqs is None else seq)
@@ -125,48 +148,222 @@ class KVArena:
         return n
 
     # -- growth and release --------------------------------------------------------------
+    def _commit_ranges(self, q: int, num_tokens: int) -> list[tuple[int, int]]:
+        """Byte ranges (inside each buffer) that back tokens [0, num_tokens) of sequence
+        q. A chunk that the sequence shares with a neighbour gets a range of its own, so
+        that no allocation holds memory of two sequences (releasing one then frees all of
+        its own memory)."""
+        c = self.arena.chunk_bytes
+        base = q * self.seq_bytes
+        stop = base + num_tokens * self.token_bytes
+        cuts = {base, stop}
+        if self.max_seqs is not None:
+            if base % c:
+                cuts.add(-(-base // c) * c)
+            end = base + self.seq_bytes
+            if end % c:
+                cuts.add(end // c * c)
+        points = sorted(x for x in cuts if base <= x <= stop)
+        return list(zip(points, points[1:]))
+
+    def _covered_tokens(self, q: int, num_tokens: int) -> int:
+        """Tokens of sequence q backed once tokens [0, num_tokens) are: whole chunks."""
+        c = self.arena.chunk_bytes
+        base = q * self.seq_bytes
+        end = min(-(-(base + num_tokens * self.token_bytes) // c) * c, base + self.seq_bytes)
+        return (end - base) // self.token_bytes
+
+    def _settle(self, q: int) -> None:
+        """Raise if sequence q is away (offloaded, or its transfer in flight); forget a
+        transfer that has ended (restored, or a failed offload: the tokens stayed)."""
+        t = self._offloaded.get(q)
+        if t is None:
+            return
+        state = t.state
+        if state in ("restored", "failed"):
+            del self._offloaded[q]
+            t._finish()
+            return
+        raise ValueError(f"sequence {q} is {state} (kv.offload); call kv.restore({q}) and wait "
+                         "for it before growing, writing or reading it")
+
     def ensure(self, num_tokens: int, seq: int | None = None) -> int:
         """Back the first ``num_tokens`` tokens (of sequence ``seq``) in every layer, all
-        or nothing. Returns the bytes newly committed (0 when already backed)."""
+        or nothing. Returns the bytes newly committed (0 when already backed). Within the
+        chunks an earlier call backed it returns at once; otherwise it never waits for the
+        device unless raw views of the arena are alive."""
         num_tokens = self._check_tokens(num_tokens, "KVArena.ensure")
-        base = self._seq_base(seq, "KVArena.ensure")
+        self._seq_base(seq, "KVArena.ensure")
         if num_tokens == 0:
             return 0
-        stop = base + num_tokens * self.token_bytes
-        ranges = [(b.id, base, stop) for b in self.buffers]
+        q = 0 if seq is None else int(seq)
         with self._lock:
-            self.arena._check_open("KVArena.ensure")
-            added = self.arena._handle.commit_ranges(ranges)
-            q = 0 if seq is None else int(seq)
-            self._ensured[q] = max(self._ensured[q], num_tokens)
-            return added
+            if self._offloaded:
+                self._settle(q)
+            if num_tokens <= self._covered[q] and self._valid_gen[q] == self.arena._generation:
+                if num_tokens > self._ensured[q]:
+                    self._ensured[q] = num_tokens
+                return 0
+            return self._commit_seqs([(q, num_tokens)])
 
-    def shrink(self, num_tokens: int) -> int:
+    def ensure_all(self, num_tokens: Sequence[int]) -> int:
+        """:meth:`ensure` for every sequence at once: ``num_tokens[q]`` tokens of sequence
+        ``q`` (one entry per sequence; 0 asks for nothing), in one all-or-nothing commit.
+        The cheap way to grow a batch each decode step."""
+        seqs = 1 if self.max_seqs is None else self.max_seqs
+        if isinstance(num_tokens, (str, bytes)) or not hasattr(num_tokens, "__len__"):
+            raise TypeError(f"KVArena.ensure_all: num_tokens must be a sequence of {seqs} ints "
+                            f"(one per sequence), got {type(num_tokens).__name__}")
+        if len(num_tokens) != seqs:
+            raise ValueError(f"KVArena.ensure_all: num_tokens has {len(num_tokens)} entries; "
+                             f"expected {seqs} (one per sequence)")
+        tokens = [self._check_tokens(n, "KVArena.ensure_all") for n in num_tokens]
+        with self._lock:
+            gen = self.arena._generation
+            need = []
+            for q, n in enumerate(tokens):
+                if n == 0:
+                    continue
+                if self._offloaded:
+                    self._settle(q)
+                if n <= self._covered[q] and self._valid_gen[q] == gen:
+                    if n > self._ensured[q]:
+                        self._ensured[q] = n
+                else:
+                    need.append((q, n))
+            return self._commit_seqs(need) if need else 0
+
+    def _commit_seqs(self, need: list[tuple[int, int]]) -> int:
+        """One all-or-nothing commit of tokens [0, n) for each (q, n); caller holds the lock."""
+        self.arena._check_open("KVArena.ensure")
+        gen = self.arena._generation
+        ranges = [(b.id, lo, hi) for q, n in need for lo, hi in self._commit_ranges(q, n)
+                  for b in self.buffers]
+        added = self.arena._handle.commit_ranges(ranges)
+        for q, n in need:
+            self._ensured[q] = max(self._ensured[q], n)
+            self._covered[q] = max(self._covered[q] if self._valid_gen[q] == gen else 0,
+                                   self._covered_tokens(q, n))
+            self._valid_gen[q] = gen
+        return added
+
+    def shrink(self, num_tokens: int, *, wait: bool = False) -> int:
         """Release memory past the first ``num_tokens`` tokens (of every sequence).
-        Returns bytes released."""
+        Returns bytes released. Like :meth:`release`, it does not wait for the device
+        (``wait=True``: until the memory is back with the driver). With large allocations
+        (``handle_bytes``), the released chunks of an allocation that keeps other chunks
+        stay held (``stats()['parked_bytes']``) until the rest of it is released."""
         num_tokens = self._check_tokens(num_tokens, "KVArena.shrink")
-        released = 0
+        wait = _as_flag(wait, "wait")
         with self._lock:
             self.arena._check_open("KVArena.shrink")
+            for q in list(self._offloaded):
+                self._settle(q)
+            ranges = []
             for seq in range(1 if self.max_seqs is None else self.max_seqs):
                 base = seq * self.seq_bytes
                 q = None if self.max_seqs is None else seq
-                released += self._decommit_span(base + num_tokens * self.token_bytes, base + self.seq_bytes, q,
-                                                keep_before=num_tokens > 0)
+                ranges += self._release_ranges(base + num_tokens * self.token_bytes,
+                                               base + self.seq_bytes, q, keep_before=num_tokens > 0)
+            released = self.arena._handle.decommit_ranges(ranges, wait)
+            for seq in range(len(self._ensured)):
                 self._ensured[seq] = min(self._ensured[seq], num_tokens)
+                self._covered[seq] = min(self._covered[seq], num_tokens)
         return released
 
-    def release(self, seq: int | None = None) -> int:
-        """Give back all memory of sequence ``seq`` (its tokens read as zeros after).
-        Returns bytes released."""
+    def release(self, seq: int | None = None, *, wait: bool = False) -> int:
+        """Give back all memory of sequence ``seq``. Returns bytes released.
+
+        Kernels launched after the call skip its chunks; its memory goes back to the
+        driver once the device has finished the work launched before (``wait=True``: before
+        returning), so it is safe to call right after dispatching a step that still reads
+        the sequence. An offloaded sequence's host copy is dropped."""
         base = self._seq_base(seq, "KVArena.release")
+        wait = _as_flag(wait, "wait")
+        q = 0 if seq is None else int(seq)
         with self._lock:
             self.arena._check_open("KVArena.release")
-            released = self._decommit_span(base, base + self.seq_bytes, seq)
-            self._ensured[0 if seq is None else int(seq)] = 0
-            return released
+            t = self._offloaded.pop(q, None)
+            if t is not None:
+                t._finish()  # drops the host copy
+            self._ensured[q] = 0
+            self._covered[q] = 0
+            ranges = self._release_ranges(base, base + self.seq_bytes, seq)
+            return self.arena._handle.decommit_ranges(ranges, wait)
 
-    def _decommit_span(self, start: int, stop: int, seq: int | None, keep_before: bool = False) -> int:
+    def reclaim(self) -> int:
+        """:meth:`jax_vmm.Arena.reclaim`: wait for the device and give released memory
+        back now. Returns the bytes given back."""
+        return self.arena.reclaim()
+
+    # -- sleep, offload, restore -------------------------------------------------------------
+    def sleep(self, keep: str = "host") -> None:
+        """:meth:`jax_vmm.Arena.sleep` for the whole cache: all physical memory goes back,
+        contents to host memory (``keep="host"``) or dropped (``"discard"``). See
+        ``docs/sleep.md``."""
+        self.arena.sleep(keep)
+
+    def wake(self) -> None:
+        """:meth:`jax_vmm.Arena.wake`: the cache comes back at the same addresses."""
+        self.arena.wake()
+
+    @property
+    def asleep(self) -> bool:
+        return self.arena.asleep
+
+    def offload(self, seq: int | None = None, *, wait: bool = True) -> Transfer:
+        """Move sequence ``seq``'s tokens (every layer) to host memory and give its device
+        memory back, keeping its addresses: the alternative to recomputing a preempted
+        sequence. Kernels launched after the call skip its chunks (do not read it until
+        :meth:`restore` finished); the copy starts once the device has finished the work
+        launched before, on a copy stream, so it overlaps later steps of the other
+        sequences. ``wait=False`` returns the :class:`Transfer` at once (check
+        ``.done``/``.wait()``)."""
+        base = self._seq_base(seq, "KVArena.offload")
+        wait = _as_flag(wait, "wait")
+        q = 0 if seq is None else int(seq)
+        with self._lock:
+            self.arena._check_open("KVArena.offload")
+            if self._offloaded:
+                self._settle(q)
+            ranges = self._release_ranges(base, base + self.seq_bytes, seq)
+            t = Transfer(self.arena._handle, self.arena._handle.offload(ranges), seq)
+            self._offloaded[q] = t
+            self._covered[q] = 0
+        if wait:
+            try:
+                t.wait()
+            finally:
+                with self._lock:
+                    if self._offloaded.get(q) is t and t.state == "failed":
+                        self._settle(q)
+        return t
+
+    def restore(self, seq: int | None = None, *, wait: bool = True) -> Transfer:
+        """Bring an offloaded sequence back: the same chunks are backed again and its tokens
+        copied back, at the same addresses. ``wait=False``: the copy runs in the background
+        and the chunks join the page table when it lands; the sequence may be written and
+        read once ``.done``. Raises :class:`jax_vmm.TransferError` (the sequence stays
+        offloaded, its host copy intact) when the restore fails."""
+        self._seq_base(seq, "KVArena.restore")
+        wait = _as_flag(wait, "wait")
+        q = 0 if seq is None else int(seq)
+        with self._lock:
+            t = self._offloaded.get(q)
+            if t is None:
+                raise ValueError(f"KVArena.restore: sequence {q} is not offloaded "
+                                 "(kv.offload(seq) first)")
+            self.arena._check_open("KVArena.restore")
+        self.arena._handle.restore(t.ticket, wait)
+        if wait:
+            t.wait()
+            with self._lock:
+                if self._offloaded.get(q) is t:
+                    self._settle(q)
+        return t
+
+    def _release_ranges(self, start: int, stop: int, seq: int | None,
+                        keep_before: bool = False) -> list[tuple[int, int, int]]:
         # Sequences need not start on chunk boundaries. A chunk that straddles the span's
         # edge is freed only when the neighbouring sequence holds no tokens in it.
         chunk = self.arena.chunk_bytes
@@ -177,10 +374,7 @@ class KVArena:
         hi = -(-stop // chunk) * chunk
         if hi > stop and not self._neighbour_uses(stop, hi, seq, before=False):
             stop = hi
-        released = 0
-        for b in self.buffers:
-            released += b.decommit(start, min(stop, b.nbytes))
-        return released
+        return [(b.id, start, min(stop, b.nbytes)) for b in self.buffers if start < min(stop, b.nbytes)]
 
     def _neighbour_uses(self, lo: int, hi: int, seq: int | None, before: bool) -> bool:
         """Does a sequence other than ``seq`` hold ensured tokens in bytes [lo, hi)?"""
@@ -248,6 +442,7 @@ class KVArena:
             max_seqs=self.max_seqs,
             token_bytes_all_layers=2 * self.num_layers * self.token_bytes,
             backed_tokens=tokens,
+            offloaded_seqs=sorted(self._offloaded),
             preallocated_equivalent_bytes=2 * self.num_layers * len(tokens) * self.seq_bytes,
         )
         return s
@@ -269,8 +464,10 @@ class KVArena:
 
 def kv_arena(*, num_layers: int, num_kv_heads: int, head_dim: int, max_tokens: int,
              dtype: Any = jnp.bfloat16, device: jax.Device | None = None, initial_tokens: int = 0,
-             max_seqs: int | None = None, chunk_bytes: int | None = None) -> KVArena:
+             max_seqs: int | None = None, chunk_bytes: int | None = None,
+             handle_bytes: int | None = None, zero_fill: bool = False) -> KVArena:
     """Create a :class:`KVArena`: K/V buffers for every layer in one reserved range."""
     return KVArena(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
                    max_tokens=max_tokens, dtype=dtype, device=device,
-                   initial_tokens=initial_tokens, max_seqs=max_seqs, chunk_bytes=chunk_bytes)
+                   initial_tokens=initial_tokens, max_seqs=max_seqs, chunk_bytes=chunk_bytes,
+                   handle_bytes=handle_bytes, zero_fill=zero_fill)

@@ -254,10 +254,18 @@ class Harness:
             snap["oracle"] = o.snapshot()
         return snap
 
-    def assert_backed(self, arena: jax_vmm.Arena, ranges: Iterable[tuple[int, int]]) -> None:
+    def assert_backed(
+        self,
+        arena: jax_vmm.Arena,
+        ranges: Iterable[tuple[int, int]],
+        held: Iterable[tuple[int, int]] | None = None,
+    ) -> None:
         """Exactly ``ranges`` (bytes relative to the arena base) are committed: by the
-        arena's stats and page tables, and (host) by the kernel."""
+        arena's stats and page tables, and by the oracle (the kernel on the host, the CUDA
+        driver on a GPU). ``held``: the ranges that physically hold memory, when that is
+        more than ``ranges`` (released chunks parked inside a larger allocation)."""
         ranges = mo.merge(ranges)
+        held = ranges if held is None else mo.merge(held)
         total = sum(hi - lo for lo, hi in ranges)
         assert arena.backed_bytes == total, (arena.backed_bytes, total)
         c = arena.chunk_bytes
@@ -273,9 +281,10 @@ class Harness:
                 for i in range(len(states))
             )
             assert states == want, f"{b.name}: page table {states}, expected {want}"
+        assert arena.stats()["held_bytes"] == sum(hi - lo for lo, hi in held)
         o = self.oracle(arena)
         if o is not None:
-            o.assert_backed_exactly(ranges)
+            o.assert_backed_exactly(held)
 
     def close_all(self) -> None:
         for obj in reversed(self._owned):

@@ -349,7 +349,7 @@ ROWS = [
         "D1",
         _unknown_op,
         ValueError,
-        r"unknown driver op 'mmap'; expected 'create', 'map' or 'set_access'",
+        r"unknown driver op 'mmap'; expected one of create, map, set_access, zero_fill, host_alloc",
     ),
     Row(
         "D2",

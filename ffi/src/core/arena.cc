@@ -1,38 +1,42 @@
-// Arena: placement of buffers, decommit, close, queries (see jax_vmm/arena.h). The
-// commit path is in arena_commit.cc, the process-wide registry in arena_registry.cc.
+// Arena: construction, placement of buffers, raw-view accounting, queries, close (see
+// jax_vmm/arena.h). Commit is in arena_commit.cc, release and reclamation in
+// arena_release.cc, sleep/offload/copies in arena_transfer.cc, the process-wide registry
+// in arena_registry.cc.
 #include "jax_vmm/arena.h"
 
 #include <algorithm>
-#include <chrono>
 #include <string>
 #include <utility>
 
 #include "common/format.h"
+#include "common/free_ranges.h"
 #include "common/math.h"
 #include "core/arena_internal.h"
 #include "core/arena_registry.h"
 #include "jax_vmm/errors.h"
 
 namespace jax_vmm {
-namespace {
 
-double SecondsSince(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-}
-
-}  // namespace
-
-std::shared_ptr<Arena> Arena::Create(std::unique_ptr<Driver> driver, size_t reserve_bytes) {
-  std::shared_ptr<Arena> arena(new Arena(std::move(driver), reserve_bytes));
+std::shared_ptr<Arena> Arena::Create(std::unique_ptr<Driver> driver, size_t reserve_bytes,
+                                     const ArenaOptions& options) {
+  std::shared_ptr<Arena> arena(new Arena(std::move(driver), reserve_bytes, options));
   internal::RegisterArena(arena.get());
   return arena;
 }
 
-Arena::Arena(std::unique_ptr<Driver> driver, size_t reserve_bytes) : driver_(std::move(driver)) {
+Arena::Arena(std::unique_ptr<Driver> driver, size_t reserve_bytes, const ArenaOptions& options)
+    : driver_(std::move(driver)) {
   if (reserve_bytes == 0) {
     throw InvalidArgument("Arena: reserve_bytes must be > 0");
   }
   chunk_bytes_ = driver_->chunk_bytes();
+  handle_bytes_ = options.handle_bytes == 0 ? chunk_bytes_ : options.handle_bytes;
+  if (handle_bytes_ % chunk_bytes_ != 0) {
+    throw InvalidArgument("Arena: handle_bytes=" + std::to_string(options.handle_bytes) +
+                          " must be a multiple of chunk_bytes (" + std::to_string(chunk_bytes_) +
+                          "), or 0 for one allocation per chunk");
+  }
+  zero_fill_ = options.zero_fill;
   reserved_bytes_ = RoundUp(reserve_bytes, chunk_bytes_);
   num_chunks_ = reserved_bytes_ / chunk_bytes_;
   // Reserve first: an impossible size fails here, with the OS's answer, before the
@@ -40,6 +44,7 @@ Arena::Arena(std::unique_ptr<Driver> driver, size_t reserve_bytes) : driver_(std
   base_ = driver_->Reserve(reserved_bytes_);
   try {
     host_page_table_.assign(num_chunks_, 0);
+    chunk_mapping_.assign(num_chunks_, nullptr);
     device_page_table_ = static_cast<uint8_t*>(driver_->AllocMetadata(num_chunks_));
     driver_->CopyToMetadata(device_page_table_, host_page_table_.data(), num_chunks_);
     const size_t counters = kMaxBuffers * sizeof(unsigned long long);
@@ -57,17 +62,32 @@ Arena::Arena(std::unique_ptr<Driver> driver, size_t reserve_bytes) : driver_(std
   stats_.device_ordinal = driver_->device_ordinal();
   stats_.granularity = driver_->granularity();
   stats_.chunk_bytes = chunk_bytes_;
+  stats_.handle_bytes = handle_bytes_;
+  stats_.zero_fill = zero_fill_;
   stats_.reserved_bytes = reserved_bytes_;
 }
 
 Arena::~Arena() {
   internal::UnregisterArena(this);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_worker_ = true;
+  }
+  cv_.notify_all();
+  if (worker_.joinable()) worker_.join();
   try {
     driver_->Synchronize();
   } catch (...) {
     // Destructors never throw; the driver already reported the failure.
   }
-  buffers_.clear();  // Chunk destructors unmap and release
+  for (auto& [ticket, record] : transfers_) DropTransferImage(*record);
+  transfers_.clear();
+  DropSleepImage();
+  std::vector<Mapping*> all;
+  for (auto& [first, m] : mappings_) all.push_back(m.get());
+  UnmapGroups(all);   // batched: few zero pieces instead of one restore per allocation
+  DetachMappings(all);  // their destructors release
+  FreeHostCacheLocked();
   if (metadata_pinned_) {
     // A graph may still hold these addresses (see PinMetadataForGraphs): leave them
     // allocated, with every page marked unbacked so a stale replay writes nothing.
@@ -87,6 +107,13 @@ void Arena::ThrowIfClosed(const char* op) const {
   if (closed_) {
     throw ArenaClosed(std::string("Arena.") + op +
                       ": the arena is closed (close() released its memory); create a new arena");
+  }
+}
+
+void Arena::ThrowIfAsleep(const char* op) const {
+  if (sleep_) {
+    throw ArenaAsleep(std::string("Arena.") + op +
+                      ": the arena is asleep (sleep() gave its memory back); call wake() first");
   }
 }
 
@@ -113,13 +140,21 @@ BufferInfo Arena::Allocate(size_t nbytes, const std::string& name) {
                           "use another arena");
   }
   const size_t placed = RoundUp(nbytes, chunk_bytes_);
+  const uint64_t offset = TakeFirstFit(free_ranges_, placed);
+  if (offset == kNoFreeRange) {
+    throw ReservationFull(
+        "Arena.allocate(" + (name.empty() ? std::string("unnamed buffer") : "'" + name + "'") +
+        "): needs " + Bytes(placed) + " of address space but the largest free range of the " +
+        Bytes(reserved_bytes_) + " reservation is " + Bytes(LargestRange(free_ranges_)) +
+        "; create the arena with a larger reserve_bytes");
+  }
   Placement p;
-  p.info.offset = TakeFreeRange(placed, name);
+  p.info.offset = offset;
   p.info.id = next_id_++;
   p.info.name = name.empty() ? "buffer" + std::to_string(p.info.id) : name;
   p.info.nbytes = nbytes;
   p.info.address = base_ + p.info.offset;
-  p.chunks.resize(placed / chunk_bytes_);
+  p.num_chunks = placed / chunk_bytes_;
   p.counter_slot = FreeCounterSlot();
   const unsigned long long zero = 0;
   driver_->CopyToMetadata(device_drop_counters_ + p.counter_slot, &zero, sizeof(zero));
@@ -128,45 +163,6 @@ BufferInfo Arena::Allocate(size_t nbytes, const std::string& name) {
   stats_.placed_bytes += placed;
   stats_.num_buffers = static_cast<int64_t>(buffers_.size());
   return info;
-}
-
-// First fit: the offset of a free range of `placed` bytes, now taken.
-size_t Arena::TakeFreeRange(size_t placed, const std::string& name) {
-  auto fit = std::find_if(free_ranges_.begin(), free_ranges_.end(),
-                          [&](const auto& r) { return r.second >= placed; });
-  if (fit == free_ranges_.end()) {
-    size_t largest = 0;
-    for (const auto& r : free_ranges_) largest = std::max(largest, r.second);
-    throw ReservationFull(
-        "Arena.allocate(" + (name.empty() ? std::string("unnamed buffer") : "'" + name + "'") +
-        "): needs " + Bytes(placed) + " of address space but the largest free range of the " +
-        Bytes(reserved_bytes_) + " reservation is " + Bytes(largest) +
-        "; create the arena with a larger reserve_bytes");
-  }
-  const size_t offset = fit->first;
-  const size_t left = fit->second - placed;
-  free_ranges_.erase(fit);
-  if (left > 0) free_ranges_[offset + placed] = left;
-  return offset;
-}
-
-// Gives [offset, offset + bytes) back, coalesced with its neighbours so that large
-// buffers can be placed again.
-void Arena::ReturnFreeRange(size_t offset, size_t bytes) {
-  auto next = free_ranges_.lower_bound(offset);
-  if (next != free_ranges_.end() && next->first == offset + bytes) {
-    bytes += next->second;
-    next = free_ranges_.erase(next);
-  }
-  if (next != free_ranges_.begin()) {
-    auto prev = std::prev(next);
-    if (prev->first + prev->second == offset) {
-      offset = prev->first;
-      bytes += prev->second;
-      free_ranges_.erase(prev);
-    }
-  }
-  free_ranges_[offset] = bytes;
 }
 
 // Counter slots are recycled: the first one no live buffer uses (there are kMaxBuffers
@@ -178,13 +174,17 @@ int64_t Arena::FreeCounterSlot() const {
 }
 
 void Arena::Free(int64_t buffer_id) {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::unique_lock<std::mutex> lock(mu_);
+  ThrowIfAsleep("free");
   Placement& p = PlacementOrThrow(buffer_id, "Arena.free");
-  DecommitLocked(p, 0, p.chunks.size());
-  const size_t placed = p.chunks.size() * chunk_bytes_;
-  const size_t offset = p.info.offset;
+  const size_t first = ArenaChunk(p, 0);
+  DecommitLocked(lock, {ChunkRun{first, p.num_chunks}}, /*wait=*/false);
+  // The lock may have been dropped while waiting: look the buffer up again.
+  Placement& q = PlacementOrThrow(buffer_id, "Arena.free");
+  const size_t placed = q.num_chunks * chunk_bytes_;
+  const size_t offset = q.info.offset;
   buffers_.erase(buffer_id);
-  ReturnFreeRange(offset, placed);
+  GiveRange(free_ranges_, offset, placed);
   stats_.placed_bytes -= placed;
   stats_.num_buffers = static_cast<int64_t>(buffers_.size());
 }
@@ -198,10 +198,6 @@ void CheckRange(const BufferInfo& info, size_t start, size_t stop, const char* o
   }
 }
 
-size_t Arena::Commit(int64_t buffer_id, size_t start, size_t stop) {
-  return CommitRanges({Range{buffer_id, start, stop}});
-}
-
 size_t Arena::BackedPrefix(int64_t buffer_id, size_t start, size_t stop) const {
   std::lock_guard<std::mutex> lock(mu_);
   const Placement& p = PlacementOrThrow(buffer_id, "Arena.backed_prefix");
@@ -209,64 +205,29 @@ size_t Arena::BackedPrefix(int64_t buffer_id, size_t start, size_t stop) const {
   size_t pos = start;
   while (pos < stop) {
     const size_t c = pos / chunk_bytes_;
-    if (!p.chunks[c]) break;
+    if (!host_page_table_[ArenaChunk(p, c)]) break;
     pos = std::min(stop, (c + 1) * chunk_bytes_);
   }
   return pos - start;
 }
 
-size_t Arena::Decommit(int64_t buffer_id, size_t start, size_t stop) {
-  std::lock_guard<std::mutex> lock(mu_);
-  ThrowIfClosed("decommit");
-  Placement& p = PlacementOrThrow(buffer_id, "Buffer.decommit");
-  CheckRange(p.info, start, stop, "Buffer.decommit");
-  if (start == stop) return 0;
-  // Inward rounding: never drop a chunk that still holds bytes outside [start, stop),
-  // except the buffer's own tail, which belongs to no one else.
-  const size_t first = (start + chunk_bytes_ - 1) / chunk_bytes_;
-  const size_t end = stop == p.info.nbytes ? p.chunks.size() : stop / chunk_bytes_;
-  if (first >= end) return 0;
-  return DecommitLocked(p, first, end);
-}
-
-size_t Arena::DecommitLocked(Placement& p, size_t first, size_t end) {
-  const auto t0 = std::chrono::steady_clock::now();
-  const size_t arena_chunk0 = p.info.offset / chunk_bytes_;
-  size_t removed = 0;
-  for (size_t c = first; c < end; ++c) {
-    if (p.chunks[c]) {
-      host_page_table_[arena_chunk0 + c] = 0;
-      ++removed;
-    }
-  }
-  if (removed == 0) return 0;
-  // Order matters for device code: first tell kernels the chunks are gone, then wait for
-  // work already in flight, then unmap. A kernel launched after this call sees the
-  // cleared table and drops its writes instead of faulting.
-  PublishPageTable(arena_chunk0 + first, end - first);
-  driver_->Synchronize();
-  // Unmap each contiguous run of backed chunks with one call, then release them.
-  for (size_t c = first; c < end;) {
-    if (!p.chunks[c]) {
-      ++c;
-      continue;
-    }
-    const size_t run_begin = c;
-    while (c < end && p.chunks[c]) p.chunks[c++]->mapped = false;
-    driver_->UnmapRun(p.info.address + run_begin * chunk_bytes_, c - run_begin);
-  }
-  for (size_t c = first; c < end; ++c) p.chunks[c].reset();
-  const size_t bytes = removed * chunk_bytes_;
-  p.info.backed_bytes -= bytes;
-  stats_.backed_bytes -= bytes;
-  stats_.chunks_released += static_cast<int64_t>(removed);
-  stats_.decommit_calls += 1;
-  stats_.decommit_seconds += SecondsSince(t0);
-  return bytes;
-}
-
 size_t Arena::ArenaChunk(const Placement& p, size_t buffer_chunk) const {
   return p.info.offset / chunk_bytes_ + buffer_chunk;
+}
+
+void Arena::AccountBacked(size_t first, size_t count, int sign) {
+  const size_t end = first + count;
+  for (auto& [id, p] : buffers_) {
+    const size_t p0 = p.info.offset / chunk_bytes_;
+    const size_t lo = std::max(first, p0);
+    const size_t hi = std::min(end, p0 + p.num_chunks);
+    if (hi <= lo) continue;
+    const size_t bytes = (hi - lo) * chunk_bytes_;
+    p.info.backed_bytes = sign > 0 ? p.info.backed_bytes + bytes : p.info.backed_bytes - bytes;
+  }
+  const size_t bytes = count * chunk_bytes_;
+  stats_.backed_bytes = sign > 0 ? stats_.backed_bytes + bytes : stats_.backed_bytes - bytes;
+  stats_.peak_backed_bytes = std::max(stats_.peak_backed_bytes, stats_.backed_bytes);
 }
 
 void Arena::PublishPageTable(size_t first_chunk_index, size_t count) {
@@ -290,20 +251,66 @@ std::vector<BufferInfo> Arena::Buffers() const {
 ArenaStats Arena::Stats() const {
   std::lock_guard<std::mutex> lock(mu_);
   ArenaStats s = stats_;
+  s.held_bytes = s.retired_bytes = 0;
+  for (const auto& [first, m] : mappings_) {
+    s.held_bytes += m->bytes;
+    if (m->live == 0 && !m->pins) s.retired_bytes += m->bytes;
+  }
+  s.parked_bytes = s.held_bytes - s.backed_bytes - s.retired_bytes;
+  s.live_views = live_views_.load();
+  s.asleep = sleep_ != nullptr;
+  s.sleep_image_bytes = SleepImageBytes();
+  s.offloaded_bytes = s.pending_transfers = 0;
+  for (const auto& [ticket, t] : transfers_) {
+    s.offloaded_bytes += TransferHostBytes(*t);
+    s.pending_transfers += TransferInFlight(*t) ? 1 : 0;
+  }
+  s.host_cached_bytes = 0;
+  for (const auto& [bytes, block] : host_cache_) s.host_cached_bytes += bytes;
   s.closed = closed_;
   return s;
 }
 
+BufferInfo Arena::OpenView(int64_t buffer_id) {
+  std::unique_lock<std::mutex> lock(mu_);
+  PlacementOrThrow(buffer_id, "Arena.view");
+  // From now on a kernel may read any byte of the arena: nothing may be unmapped behind
+  // it later, so finish every deferred release first.
+  // (Parked chunks of a zero-filling arena are zeroed now, after the device wait.)
+  ReclaimAllLocked(lock, /*zero_parked=*/true);
+  // (The wait may have dropped the lock: look the buffer up again.)
+  const BufferInfo info = PlacementOrThrow(buffer_id, "Arena.view").info;
+  live_views_.fetch_add(1);
+  return info;
+}
+
+void Arena::CloseView() noexcept {
+  live_views_.fetch_sub(1);
+  view_deaths_.fetch_add(1);
+}
+
 void Arena::Close() {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::unique_lock<std::mutex> lock(mu_);
   if (closed_) return;
-  for (auto& [id, p] : buffers_) DecommitLocked(p, 0, p.chunks.size());
+  WaitWhileBusy(lock);
+  for (auto& [ticket, record] : transfers_) DropTransferImage(*record);
+  transfers_.clear();
+  DropSleepImage();
+  if (!mappings_.empty()) driver_->Synchronize();  // nothing in flight touches what goes
+  ReleaseAllMemory(lock);
   closed_ = true;
+  FreeHostCacheLocked();
+  cv_.notify_all();
 }
 
 bool Arena::closed() const {
   std::lock_guard<std::mutex> lock(mu_);
   return closed_;
+}
+
+bool Arena::asleep() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return sleep_ != nullptr;
 }
 
 uint64_t Arena::DropCount(int64_t buffer_id) const {

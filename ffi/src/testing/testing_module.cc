@@ -3,14 +3,22 @@
 // emulation of scratch. The Python side and its documentation: jax_vmm/testing.py.
 #include "testing/testing_module.h"
 
+#include <nanobind/ndarray.h>
 #include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
 
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <tuple>
+#include <vector>
 
 #include "common/ffi_registry.h"
+#include "drivers/cuda/zero_allocation.h"
+#include "drivers/cuda/zero_layout.h"
+#include "jax_vmm/errors.h"
 #include "jax_vmm/arena.h"
 #include "scratch/simulated_capture.h"
 #include "testing/fault_injecting_driver.h"
@@ -24,7 +32,10 @@ namespace jax_vmm::testing {
 namespace {
 
 void BindFaultInjection(nb::module_& m);
+void BindZeroLayout(nb::module_& m);
 void BindScratchHooks(nb::module_& m);
+nb::ndarray<> UncountedView(Arena& a, int64_t buffer_id, std::vector<size_t> shape, uint8_t code,
+                            uint8_t bits, int device_type, int device_id);
 
 }  // namespace
 
@@ -43,6 +54,9 @@ FfiRegistry TestingTargets() {
 
 void BindTestingHooks(nb::module_& m) {
   BindFaultInjection(m);
+  BindZeroLayout(m);
+  m.def("uncounted_view", &UncountedView, nb::rv_policy::reference,
+        "A DLPack view that does not count as a live view (see jax_vmm.testing).");
   BindScratchHooks(m);
 }
 
@@ -50,10 +64,17 @@ namespace {
 
 void BindFaultInjection(nb::module_& m) {
   nb::exception<InjectedFault>(m, "InjectedFault", PyExc_RuntimeError);
-  m.def("create_fault_injecting_arena", &CreateFaultInjectingArena, nb::arg("driver"),
-        nb::arg("device"), nb::arg("reserve_bytes"), nb::arg("chunk_bytes") = 0,
-        nb::call_guard<nb::gil_scoped_release>(),
-        "create_arena() with its driver wrapped in a fault-injecting driver.");
+  m.def(
+      "create_fault_injecting_arena",
+      [](const std::string& driver, int device, size_t reserve_bytes, size_t chunk_bytes,
+         size_t handle_bytes, bool zero_fill) {
+        return CreateFaultInjectingArena(driver, device, reserve_bytes, chunk_bytes,
+                                         ArenaOptions{handle_bytes, zero_fill});
+      },
+      nb::arg("driver"), nb::arg("device"), nb::arg("reserve_bytes"), nb::arg("chunk_bytes") = 0,
+      nb::arg("handle_bytes") = 0, nb::arg("zero_fill") = true,
+      nb::call_guard<nb::gil_scoped_release>(),
+      "create_arena() with its driver wrapped in a fault-injecting driver.");
   m.def(
       "arm_fault",
       [](Arena& arena, const std::string& op, int64_t nth, bool out_of_memory) {
@@ -61,17 +82,87 @@ void BindFaultInjection(nb::module_& m) {
         FaultsOf(arena).Arm(parsed, nth, out_of_memory);
       },
       nb::arg("arena"), nb::arg("op"), nb::arg("nth"), nb::arg("out_of_memory") = false,
-      "Fail the nth (1-based) future driver call of op ('create', 'map', 'set_access').");
+      "Fail the nth (1-based) future driver call of op.");
   m.def(
       "disarm_faults", [](Arena& arena) { FaultsOf(arena).Disarm(); }, nb::arg("arena"),
-      "Disarm every op and repair release.");
+      "Disarm every op, repair release, lift every switch and the device hold.");
   m.def(
       "break_release", [](Arena& arena, bool broken) { FaultsOf(arena).BreakRelease(broken); },
       nb::arg("arena"), nb::arg("broken"),
       "While broken, the driver's release and unmap calls do nothing (rollbacks leak).");
   m.def(
+      "skip_device_waits", [](Arena& arena, bool skip) { FaultsOf(arena).SkipDeviceWaits(skip); },
+      nb::arg("arena"), nb::arg("skip"),
+      "While set, device waits do nothing and releases unmap at once (no drain, no deferral).");
+  m.def(
+      "defer_reclaim", [](Arena& arena, bool defer) { FaultsOf(arena).DeferReclaim(defer); },
+      nb::arg("arena"), nb::arg("defer"),
+      "While set, unmapping claims to need a device wait (the host driver defers like CUDA).");
+  m.def(
+      "hold_device", [](Arena& arena, bool hold) { FaultsOf(arena).HoldDevice(hold); },
+      nb::arg("arena"), nb::arg("hold"), nb::call_guard<nb::gil_scoped_release>(),
+      "While held, device waits block (a device that is still busy).");
+  m.def(
+      "device_syncs", [](Arena& arena) { return FaultsOf(arena).syncs(); }, nb::arg("arena"),
+      "Device waits (Synchronize calls) made through this arena's driver so far.");
+  m.def(
       "injected_faults", [](Arena& arena) { return FaultsOf(arena).injected(); }, nb::arg("arena"),
       "Faults thrown into this arena's driver so far.");
+}
+
+// The CUDA driver's zero-mapping bookkeeping, for tests without a GPU.
+void BindZeroLayout(nb::module_& m) {
+  using cuda::ZeroLayout;
+  using cuda::ZeroPiece;
+  auto to_list = [](const std::vector<ZeroPiece>& pieces) {
+    nb::list out;
+    for (const ZeroPiece& p : pieces) out.append(nb::make_tuple(p.va, p.bytes));
+    return out;
+  };
+  auto from_list = [](const std::vector<std::tuple<uint64_t, size_t>>& pieces) {
+    std::vector<ZeroPiece> out;
+    for (const auto& [va, bytes] : pieces) out.push_back({static_cast<uintptr_t>(va), bytes});
+    return out;
+  };
+  nb::class_<ZeroLayout>(m, "ZeroLayout")
+      .def(nb::init<uintptr_t, size_t, size_t>(), nb::arg("base"), nb::arg("bytes"),
+           nb::arg("max_piece"))
+      .def("tile", [to_list](const ZeroLayout& z, uint64_t va, size_t bytes) {
+        return to_list(z.Tile(va, bytes));
+      })
+      .def("plan_clear",
+           [to_list](const ZeroLayout& z, uint64_t va, size_t bytes) {
+             const ZeroLayout::Clear c = z.PlanClear(va, bytes);
+             return nb::make_tuple(to_list(c.unmap), to_list(c.remap), c.hull_va, c.hull_bytes);
+           })
+      .def("add", [from_list](ZeroLayout& z, const std::vector<std::tuple<uint64_t, size_t>>& p) {
+        z.Add(from_list(p));
+      })
+      .def("remove",
+           [from_list](ZeroLayout& z, const std::vector<std::tuple<uint64_t, size_t>>& p) {
+             z.Remove(from_list(p));
+           })
+      .def("pieces", [to_list](const ZeroLayout& z) { return to_list(z.pieces()); })
+      .def("covered", &ZeroLayout::Covered);
+  m.def("zero_piece_bytes", &cuda::ZeroPieceBytes, nb::arg("total_bytes"), nb::arg("granularity"));
+}
+
+// A view that is not counted as a live view of its arena: it stands in for the arena
+// memory that jax_vmm's own ops reach by identity, which never read unbacked chunks.
+nb::ndarray<> UncountedView(Arena& a, int64_t buffer_id, std::vector<size_t> shape, uint8_t code,
+                            uint8_t bits, int device_type, int device_id) {
+  const BufferInfo b = a.Buffer(buffer_id);
+  size_t elems = 1;
+  for (size_t s : shape) elems *= s;
+  if (elems * bits / 8 > b.nbytes) {
+    throw InvalidArgument("uncounted_view: shape needs " + std::to_string(elems * bits / 8) +
+                          " bytes but buffer '" + b.name + "' has " + std::to_string(b.nbytes));
+  }
+  auto* keep = new std::shared_ptr<Arena>(a.shared_from_this());
+  nb::capsule owner(keep, [](void* p) noexcept { delete static_cast<std::shared_ptr<Arena>*>(p); });
+  nb::dlpack::dtype dt{code, bits, 1};
+  return nb::ndarray<>(reinterpret_cast<void*>(b.address), shape.size(), shape.data(), owner,
+                       nullptr, dt, device_type, device_id);
 }
 
 void BindScratchHooks(nb::module_& m) {
