@@ -349,7 +349,9 @@ class Arena:
                 src = jax.device_put(x, self.device)
             src.block_until_ready()
         else:
-            src = np.ascontiguousarray(x)
+            src = np.asarray(x)  # (ascontiguousarray would make a 0-d array 1-d)
+            if not src.flags.c_contiguous:
+                src = np.ascontiguousarray(src)
         shape, dtype = tuple(src.shape), np.dtype(src.dtype)
         if not shape or math.prod(shape) == 0:
             raise ValueError(f"Arena.put: needs an array with at least one dimension and one "

@@ -318,7 +318,9 @@ class KVArena:
         :meth:`restore` finished); the copy starts once the device has finished the work
         launched before, on a copy stream, so it overlaps later steps of the other
         sequences. ``wait=False`` returns the :class:`Transfer` at once (check
-        ``.done``/``.wait()``)."""
+        ``.done``/``.wait()``). A failure leaves the sequence in place: raised at once where
+        the copy runs inline (host driver, raw views alive), else as
+        :class:`jax_vmm.TransferError` from ``wait()``."""
         base = self._seq_base(seq, "KVArena.offload")
         wait = _as_flag(wait, "wait")
         q = 0 if seq is None else int(seq)
@@ -343,8 +345,9 @@ class KVArena:
         """Bring an offloaded sequence back: the same chunks are backed again and its tokens
         copied back, at the same addresses. ``wait=False``: the copy runs in the background
         and the chunks join the page table when it lands; the sequence may be written and
-        read once ``.done``. Raises :class:`jax_vmm.TransferError` (the sequence stays
-        offloaded, its host copy intact) when the restore fails."""
+        read once ``.done``. A failure leaves the sequence offloaded, its host copy intact:
+        raised at once when inline (``wait=True``, host driver), else as
+        :class:`jax_vmm.TransferError` from ``wait()``."""
         self._seq_base(seq, "KVArena.restore")
         wait = _as_flag(wait, "wait")
         q = 0 if seq is None else int(seq)

@@ -121,6 +121,26 @@ def read_bytes(buf: jax_vmm.Buffer, start: int = 0, stop: int | None = None) -> 
     return np.array(view[start:stop])
 
 
+def raw_bytes(buf: jax_vmm.Buffer, start: int = 0, stop: int | None = None) -> np.ndarray:
+    """A host copy of bytes [start, stop) read straight from memory, without a JAX view
+    (a view would count as a raw reader of the arena and change how it releases)."""
+    stop = buf.nbytes if stop is None else stop
+    n = stop - start
+    target = buf.arena._target
+    if target.driver == "host":
+        return np.frombuffer(ctypes.string_at(buf.address + start, n), np.uint8).copy()
+    try:
+        import cupy
+    except ImportError:
+        pytest.skip("reading GPU arena memory without a view needs cupy")
+    out = np.empty(n, np.uint8)
+    with cupy.cuda.Device(target.ordinal):
+        cupy.cuda.runtime.memcpy(
+            out.ctypes.data, buf.address + start, n, cupy.cuda.runtime.memcpyDeviceToHost
+        )
+    return out
+
+
 def pattern(n: int, seed: int) -> np.ndarray:
     """n distinctive non-zero bytes."""
     return (np.arange(n, dtype=np.uint64) * 2654435761 + seed * 97 + 1).astype(np.uint8) | 1
@@ -225,9 +245,9 @@ class Harness:
         self._owned.append(obj)
         return obj
 
-    def arena(self, reserve_bytes: int, chunk_bytes: int | None = None) -> jax_vmm.Arena:
+    def arena(self, reserve_bytes: int, chunk_bytes: int | None = None, **kw: Any) -> jax_vmm.Arena:
         return self._track(
-            lambda: jax_vmm.Arena(reserve_bytes, device=self.device, chunk_bytes=chunk_bytes),
+            lambda: jax_vmm.Arena(reserve_bytes, device=self.device, chunk_bytes=chunk_bytes, **kw),
             lambda a: a,
         )
 
@@ -241,7 +261,9 @@ class Harness:
         return self._oracles.get(id(arena))
 
     def snapshot(self, arena: jax_vmm.Arena, buffers: Iterable[jax_vmm.Buffer]) -> dict:
-        """Everything a failed commit must leave exactly as it was."""
+        """Everything a failed commit must leave exactly as it was (after the releases
+        still in the background have finished: they would change it meanwhile)."""
+        arena.reclaim()
         bufs = list(buffers)
         snap = {
             "stats": stable_stats(arena),
@@ -264,6 +286,7 @@ class Harness:
         arena's stats and page tables, and by the oracle (the kernel on the host, the CUDA
         driver on a GPU). ``held``: the ranges that physically hold memory, when that is
         more than ``ranges`` (released chunks parked inside a larger allocation)."""
+        arena.reclaim()  # releases still in the background (GPU) finish first
         ranges = mo.merge(ranges)
         held = ranges if held is None else mo.merge(held)
         total = sum(hi - lo for lo, hi in ranges)

@@ -59,7 +59,16 @@ size_t Arena::CommitLocked(std::unique_lock<std::mutex>& lock, const std::vector
     }
     if (plan.missing_chunks == 0 && plan.revive.empty()) return 0;
     const auto t0 = std::chrono::steady_clock::now();
-    if (!plan.runs.empty()) DrainIfViewsMayRead();
+    if (zero_fill_ && !plan.revive.empty()) {
+      // Work launched before the release may still read the chunks taken back: the
+      // zeros must not land under it.
+      const uint64_t deaths = view_deaths_.load();
+      driver_->Synchronize();
+      drained_deaths_ = deaths;
+      ++stats_.commit_drains;
+    } else if (!plan.runs.empty()) {
+      DrainIfViewsMayRead();
+    }
     Pending pending;
     try {
       MapRuns(plan, &pending, zero_fill_);

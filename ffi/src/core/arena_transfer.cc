@@ -278,6 +278,7 @@ uint64_t Arena::Offload(const std::vector<Range>& ranges) {
       driver_->CopyToHost(regions.data(), regions.size());
     } catch (const std::exception& e) {
       UndoOffload(t, e.what());
+      transfers_.erase(ticket);  // nothing changed; the caller gets the error, not a ticket
       throw;
     }
     FinishOffload(lock, t, /*reclaimer_sync=*/0);
@@ -384,6 +385,7 @@ void Arena::Restore(uint64_t ticket, bool wait) {
       return;
     }
     // In the background: the allocations join the arena now, pinned and unpublished.
+    stats_.handles_created += static_cast<int64_t>(pending.mappings.size());
     for (auto& m : pending.mappings) {
       std::fill_n(chunk_mapping_.begin() + m->first_chunk, m->num_chunks, m.get());
       m->pins = static_cast<int>(m->num_chunks);
