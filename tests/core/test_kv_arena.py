@@ -272,7 +272,9 @@ def test_ensure_is_all_or_nothing(vm, faults, handles, op, nth):
     """ensure(3*tpc) of seq 0 adds 2 chunks per buffer: 12 allocations and 12 map pieces
     with one allocation per chunk, 6 of each with the KV default (one per run)."""
     tpc = _tpc(vm)
-    kv = _make(vm, max_tokens=4 * tpc, max_seqs=2, handle_bytes=vm.chunk if handles == "chunk" else None)  # 6 buffers
+    kv = _make(
+        vm, max_tokens=4 * tpc, max_seqs=2, handle_bytes=vm.chunk if handles == "chunk" else None
+    )  # 6 buffers
     kv.ensure(tpc // 2, seq=0)
     kv.ensure(tpc, seq=1)
     _write_tokens(kv, 0, 0, tpc // 2, seed=30)

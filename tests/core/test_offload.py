@@ -22,8 +22,15 @@ def _kv(vm, seqs=3, chunks_per_seq=1.5, **kw):
     """Sequences of 1.5 chunks by default: neighbours share a chunk."""
     tpc = vm.chunk // (H * D * 2)
     t = int(chunks_per_seq * tpc)
-    kv = vm.kv(num_layers=2, num_kv_heads=H, head_dim=D, max_tokens=t, max_seqs=seqs,
-               dtype=jnp.bfloat16, **kw)
+    kv = vm.kv(
+        num_layers=2,
+        num_kv_heads=H,
+        head_dim=D,
+        max_tokens=t,
+        max_seqs=seqs,
+        dtype=jnp.bfloat16,
+        **kw,
+    )
     for q in range(seqs):
         kv.ensure(t, seq=q)
         for i, b in enumerate(kv.buffers):
@@ -73,8 +80,12 @@ def test_offload_frees_the_memory_and_restore_brings_it_back_bit_exact(vm):
 def test_an_offloaded_sequence_is_kept_away_from(vm):
     kv, t = _kv(vm)
     kv.offload(0)
-    for call in (lambda: kv.ensure(1, seq=0), lambda: kv.ensure_all([1, 0, 0]),
-                 lambda: kv.offload(0), lambda: kv.shrink(1)):
+    for call in (
+        lambda: kv.ensure(1, seq=0),
+        lambda: kv.ensure_all([1, 0, 0]),
+        lambda: kv.offload(0),
+        lambda: kv.shrink(1),
+    ):
         with pytest.raises(ValueError, match="sequence 0 is offloaded.*restore"):
             call()
     with pytest.raises(ValueError, match="sequence 1 is not offloaded"):

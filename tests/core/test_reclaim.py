@@ -341,8 +341,9 @@ def test_skipping_device_waits_unmaps_under_a_busy_device(vm, faults):
 def _kv_with_two_sequences(vm, tokens_per_chunk_factor: int = 2):
     tpc = vm.chunk // (2 * 64 * 2)
     t = tokens_per_chunk_factor * tpc
-    kv = vm.kv(num_layers=2, num_kv_heads=2, head_dim=64, max_tokens=t, max_seqs=2,
-               dtype=jnp.bfloat16)
+    kv = vm.kv(
+        num_layers=2, num_kv_heads=2, head_dim=64, max_tokens=t, max_seqs=2, dtype=jnp.bfloat16
+    )
     kv.ensure(t, seq=0)
     kv.ensure(t, seq=1)
     for q in range(2):
@@ -417,8 +418,9 @@ def test_threads_churn_with_deferred_releases(vm, faults):
     them; afterwards the oracle agrees with the arena and the writers' data is intact."""
     tpc = vm.chunk // (2 * 64 * 2)
     t = tpc + tpc // 2  # neighbours share chunks
-    kv = vm.kv(num_layers=2, num_kv_heads=2, head_dim=64, max_tokens=t, max_seqs=4,
-               dtype=jnp.bfloat16)
+    kv = vm.kv(
+        num_layers=2, num_kv_heads=2, head_dim=64, max_tokens=t, max_seqs=4, dtype=jnp.bfloat16
+    )
     faults.defer_reclaim(kv)
     tb = kv.token_bytes
 
@@ -428,6 +430,7 @@ def test_threads_churn_with_deferred_releases(vm, faults):
                 kv.ensure(n, seq=q)
             for i, b in enumerate(kv.buffers):
                 write_bytes(b, q * kv.seq_bytes, pattern(t * tb, seed=10 * q + i))
+
         return run
 
     def churner(q):
@@ -438,6 +441,7 @@ def test_threads_churn_with_deferred_releases(vm, faults):
                 if rng.random() < 0.5:
                     kv.release(q)
             kv.release(q)
+
         return run
 
     calls = [_Call(writer(q) if q % 2 == 0 else churner(q)) for q in range(4)]

@@ -361,3 +361,5 @@ def test_driver_facts(gpu_device):
     assert facts["read_only_access_ok"], "the zero chunk needs read-only device mappings"
     assert facts["access_flags_seen"] == cu_oracle.READ
     assert not facts["unmap_partial_mapping_ok"], "cuMemUnmap unmapped part of a mapping"
+    assert facts["partial_allocation_map_ok"], "the zero layout maps parts of one allocation"
+    assert facts["read_only_over_pieces_ok"], "one read-only cuMemSetAccess over zero pieces"
