@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ._prefetch import CommitAhead
 from .arena import Arena, Buffer, _as_flag, _as_index
 from .errors import OutOfBoundsWrite
 from .transfer import Transfer
@@ -57,8 +58,12 @@ class KVArena:
 
     Defaults for a cache: ``zero_fill=False`` (tokens are written before the cache API
     reads them; unwritten tokens read as zeros only with ``zero_fill=True``, else a raw
-    view may show stale bytes past the written tokens) and ``handle_bytes`` =
-    :data:`DEFAULT_KV_HANDLE_BYTES` (a commit of many chunks takes few allocations).
+    view may show stale bytes past the written tokens), ``handle_bytes`` =
+    :data:`DEFAULT_KV_HANDLE_BYTES` (a commit of many chunks takes few allocations) and
+    ``commit_ahead_tokens`` = an eighth of a chunk's tokens: once a sequence is that close
+    to the end of its backed chunks, a background thread backs the next chunk, so that the
+    decode loop's ``ensure`` makes no driver call (0 turns it off; it pauses while raw
+    views of the arena are alive).
 
     Thread-safe: one lock serialises growth and release; views may be read anywhere.
     """
@@ -67,7 +72,7 @@ class KVArena:
                  dtype: Any = jnp.bfloat16, device: jax.Device | None = None,
                  initial_tokens: int = 0, max_seqs: int | None = None,
                  chunk_bytes: int | None = None, handle_bytes: int | None = None,
-                 zero_fill: bool = False):
+                 zero_fill: bool = False, commit_ahead_tokens: int | None = None):
         for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads),
                             ("head_dim", head_dim), ("max_tokens", max_tokens)):
             if _as_index(value, name) == 0:
@@ -116,6 +121,16 @@ class KVArena:
         self._covered = [0] * seqs
         self._valid_gen = [-1] * seqs
         self._offloaded: dict[int, Transfer] = {}
+        # Commit ahead: bumped per sequence when its memory is released, so that a commit
+        # that was on its way is not counted for (or left to) a sequence that is gone.
+        self._epoch = [0] * seqs
+        tokens_per_chunk = max(1, chunk // self.token_bytes)
+        self.commit_ahead_tokens = (max(1, tokens_per_chunk // 8) if commit_ahead_tokens is None
+                                    else _as_index(commit_ahead_tokens, "commit_ahead_tokens"))
+        self._ahead = CommitAhead(self)
+        self._ahead_blocked = [-1] * seqs  # covered tokens when a commit ahead was skipped
+        self._ahead_skipped = 0
+        self._ahead_failures = 0
         if initial_tokens:
             for seq in range(seqs):
                 self.ensure(initial_tokens, None if self.max_seqs is None else seq)
@@ -203,8 +218,11 @@ class KVArena:
             if num_tokens <= self._covered[q] and self._valid_gen[q] == self.arena._generation:
                 if num_tokens > self._ensured[q]:
                     self._ensured[q] = num_tokens
+                self._maybe_ahead(q, num_tokens)
                 return 0
-            return self._commit_seqs([(q, num_tokens)])
+            added = self._commit_seqs([(q, num_tokens)])
+            self._maybe_ahead(q, num_tokens)
+            return added
 
     def ensure_all(self, num_tokens: Sequence[int]) -> int:
         """:meth:`ensure` for every sequence at once: ``num_tokens[q]`` tokens of sequence
@@ -231,7 +249,46 @@ class KVArena:
                         self._ensured[q] = n
                 else:
                     need.append((q, n))
-            return self._commit_seqs(need) if need else 0
+            added = self._commit_seqs(need) if need else 0
+            if self.commit_ahead_tokens:
+                for q, n in enumerate(tokens):
+                    if n:
+                        self._maybe_ahead(q, n)
+            return added
+
+    def _maybe_ahead(self, q: int, n: int) -> None:
+        """Schedule the next chunk of sequence q when n is close to its backed end."""
+        covered = self._covered[q]
+        if (not self.commit_ahead_tokens or covered - n > self.commit_ahead_tokens
+                or covered >= self.max_tokens or self._ahead_blocked[q] == covered):
+            return
+        self._ahead.schedule(q, self._covered_tokens(q, covered + 1))
+
+    def _commit_ahead(self, q: int, tokens: int) -> None:
+        """On the commit-ahead thread: back tokens [0, tokens) of sequence q."""
+        with self._lock:
+            if (q in self._offloaded or self._covered[q] >= tokens or self.arena.closed
+                    or self._valid_gen[q] != self.arena._generation):
+                return
+            epoch, gen, covered = self._epoch[q], self.arena._generation, self._covered[q]
+            ranges = [(b.id, lo, hi) for lo, hi in self._commit_ranges(q, tokens)
+                      for b in self.buffers]
+        try:
+            added = self.arena._handle.commit_ahead(ranges)
+        except (MemoryError, RuntimeError):  # out of memory, closed, asleep: ensure() will say
+            self._ahead_failures += 1
+            return
+        with self._lock:
+            if added < 0:  # raw views are alive: the decode thread commits itself
+                self._ahead_skipped += 1
+                self._ahead_blocked[q] = covered
+            elif self._epoch[q] == epoch and self._valid_gen[q] == gen:
+                self._covered[q] = max(self._covered[q], self._covered_tokens(q, tokens))
+            elif self._ensured[q] == 0 and q not in self._offloaded:
+                # Released while the commit was on its way, and not started again.
+                base = q * self.seq_bytes
+                self.arena._handle.decommit_ranges(
+                    self._release_ranges(base, base + self.seq_bytes, q), False)
 
     def _commit_seqs(self, need: list[tuple[int, int]]) -> int:
         """One all-or-nothing commit of tokens [0, n) for each (q, n); caller holds the lock."""
@@ -269,6 +326,7 @@ class KVArena:
             for seq in range(len(self._ensured)):
                 self._ensured[seq] = min(self._ensured[seq], num_tokens)
                 self._covered[seq] = min(self._covered[seq], num_tokens)
+                self._epoch[seq] += 1
         return released
 
     def release(self, seq: int | None = None, *, wait: bool = False) -> int:
@@ -288,6 +346,7 @@ class KVArena:
                 t._finish()  # drops the host copy
             self._ensured[q] = 0
             self._covered[q] = 0
+            self._epoch[q] += 1
             ranges = self._release_ranges(base, base + self.seq_bytes, seq)
             return self.arena._handle.decommit_ranges(ranges, wait)
 
@@ -332,6 +391,7 @@ class KVArena:
             t = Transfer(self.arena._handle, self.arena._handle.offload(ranges), seq)
             self._offloaded[q] = t
             self._covered[q] = 0
+            self._epoch[q] += 1
         if wait:
             try:
                 t.wait()
@@ -446,11 +506,15 @@ class KVArena:
             token_bytes_all_layers=2 * self.num_layers * self.token_bytes,
             backed_tokens=tokens,
             offloaded_seqs=sorted(self._offloaded),
+            commit_ahead_tokens=self.commit_ahead_tokens,
+            commits_ahead_skipped=self._ahead_skipped,
+            commits_ahead_failed=self._ahead_failures,
             preallocated_equivalent_bytes=2 * self.num_layers * len(tokens) * self.seq_bytes,
         )
         return s
 
     def close(self) -> None:
+        self._ahead.stop()
         self.arena.close()
 
     def __enter__(self) -> "KVArena":
@@ -468,9 +532,11 @@ class KVArena:
 def kv_arena(*, num_layers: int, num_kv_heads: int, head_dim: int, max_tokens: int,
              dtype: Any = jnp.bfloat16, device: jax.Device | None = None, initial_tokens: int = 0,
              max_seqs: int | None = None, chunk_bytes: int | None = None,
-             handle_bytes: int | None = None, zero_fill: bool = False) -> KVArena:
+             handle_bytes: int | None = None, zero_fill: bool = False,
+             commit_ahead_tokens: int | None = None) -> KVArena:
     """Create a :class:`KVArena`: K/V buffers for every layer in one reserved range."""
     return KVArena(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
                    max_tokens=max_tokens, dtype=dtype, device=device,
                    initial_tokens=initial_tokens, max_seqs=max_seqs, chunk_bytes=chunk_bytes,
-                   handle_bytes=handle_bytes, zero_fill=zero_fill)
+                   handle_bytes=handle_bytes, zero_fill=zero_fill,
+                   commit_ahead_tokens=commit_ahead_tokens)

@@ -252,7 +252,11 @@ class Harness:
         )
 
     def kv(self, **kw: Any) -> jax_vmm.KVArena:
+        """A KV arena on this device. Commits ahead of need are off unless asked for
+        (commit_ahead_tokens): the tests check exact backing, which a background commit
+        would change behind them (tests/core/test_commit_ahead.py covers it)."""
         kw.setdefault("device", self.device)
+        kw.setdefault("commit_ahead_tokens", 0)
         return self._track(lambda: jax_vmm.kv_arena(**kw), lambda kv: kv.arena)
 
     def oracle(self, arena: jax_vmm.Arena) -> mo.HostOracle | CudaBackingOracle | None:

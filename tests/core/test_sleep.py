@@ -171,11 +171,12 @@ def test_a_step_compiled_before_sleep_runs_while_asleep_and_after_wake(vm):
     kv.check()
 
 
-def _jax_vmm_files() -> tuple:
-    """The jax_vmm memfds open and every mapping of them, anywhere in the process."""
-    fds = mo.jax_vmm_memfds()
-    maps = sorted((m.start, m.end, m.perms, m.inode) for m in mo.read_maps() if m.is_memfd)
-    return fds, maps
+def _arena_files(probe: mo.MemfdProbe) -> tuple:
+    """Whether the arena's memfd is still open, the jax_vmm memfds open beyond it, and
+    every mapping of its memfd anywhere in the process."""
+    others = {fd for fd, ino in mo.jax_vmm_memfds().items() if ino != probe.inode}
+    maps = sorted((m.start, m.end, m.perms) for m in mo.mappings_of_inode(probe.inode))
+    return probe.is_open(), others, maps
 
 
 def _anonymous_bytes() -> int:
@@ -203,8 +204,10 @@ def test_a_hundred_cycles_leak_nothing(host_vm):
             o.assert_released()
         arena.wake()
         if cycle == 2:
-            files, anon = _jax_vmm_files(), _anonymous_bytes()
-    assert _jax_vmm_files() == files
+            files, anon = _arena_files(o.probe), _anonymous_bytes()
+    is_open, others, maps = _arena_files(o.probe)
+    assert is_open and maps == files[2]
+    assert others <= files[1], "sleep/wake opened a file descriptor and kept it"
     # A staging block kept per cycle would add 97 blocks; other threads' allocations add
     # far less than that.
     assert _anonymous_bytes() - anon < 97 * block

@@ -86,6 +86,7 @@ struct ArenaStats {
   int64_t set_access_calls = 0;
   int64_t failed_commits = 0;    // commits that threw and were rolled back
   int64_t commit_drains = 0;     // commits that waited for the device (raw views alive)
+  int64_t commits_ahead = 0;     // background commits (CommitAhead) that backed something
   int64_t deferred_releases = 0;  // allocations handed to the reclaimer
   int64_t reclaim_syncs = 0;     // device waits made to reclaim memory
   int64_t live_views = 0;
@@ -162,6 +163,11 @@ class Arena : public std::enable_shared_from_this<Arena> {
   // them changed. Runs of new chunks never cross a range boundary, so each allocation
   // lies inside one range (the KV arena gives chunks shared by two sequences their own).
   size_t CommitRanges(const std::vector<Range>& ranges);
+  // CommitRanges from a thread other than the one that dispatches device work (commit
+  // ahead of need): skipped (returns false) while raw views are alive, since a reader
+  // dispatched meanwhile could run over the zero mappings being swapped. Else *added gets
+  // the bytes newly backed.
+  bool CommitAhead(const std::vector<Range>& ranges, size_t* added);
 
   // Unback [start, stop) bytes, rounded inwards to chunks fully inside the range, except
   // that a range reaching the buffer's end also frees its last, partial chunk. Returns
@@ -265,7 +271,9 @@ class Arena : public std::enable_shared_from_this<Arena> {
   const Placement& PlacementOrThrow(int64_t buffer_id, const char* op) const;
   void ThrowIfClosed(const char* op) const;
   void ThrowIfAsleep(const char* op) const;
-  void PublishPageTable(size_t first_chunk_index, size_t count);
+  // Copies the host page table to the device over the hull of `runs`: one copy per
+  // operation (the host mirror is authoritative between the runs too).
+  void PublishPageTable(const std::vector<ChunkRun>& runs);
   int64_t FreeCounterSlot() const;
   // Arena-wide index of chunk `buffer_chunk` of a buffer (into the page tables).
   size_t ArenaChunk(const Placement& p, size_t buffer_chunk) const;
@@ -277,7 +285,10 @@ class Arena : public std::enable_shared_from_this<Arena> {
   // Commit (core/arena_commit.cc), all under mu_.
   struct CommitPlan;  // what a commit will create or take back, before any driver call
   struct Pending;     // allocations a commit built, not yet in the page table
-  size_t CommitLocked(std::unique_lock<std::mutex>& lock, const std::vector<Range>& ranges);
+  // background: give up (return kSkipped) whenever raw views are alive.
+  static constexpr size_t kSkipped = ~size_t{0};
+  size_t CommitLocked(std::unique_lock<std::mutex>& lock, const std::vector<Range>& ranges,
+                      bool background = false);
   CommitPlan PlanCommit(const std::vector<Range>& ranges);
   CommitPlan PlanRuns(const std::vector<ChunkRun>& runs) const;
   void DrainIfViewsMayRead();

@@ -230,10 +230,15 @@ void Arena::AccountBacked(size_t first, size_t count, int sign) {
   stats_.peak_backed_bytes = std::max(stats_.peak_backed_bytes, stats_.backed_bytes);
 }
 
-void Arena::PublishPageTable(size_t first_chunk_index, size_t count) {
-  if (count == 0) return;
-  driver_->CopyToMetadata(device_page_table_ + first_chunk_index,
-                          host_page_table_.data() + first_chunk_index, count);
+void Arena::PublishPageTable(const std::vector<ChunkRun>& runs) {
+  size_t first = num_chunks_, end = 0;
+  for (const ChunkRun& run : runs) {
+    if (run.count == 0) continue;
+    first = std::min(first, run.first);
+    end = std::max(end, run.first + run.count);
+  }
+  if (first >= end) return;
+  driver_->CopyToMetadata(device_page_table_ + first, host_page_table_.data() + first, end - first);
 }
 
 BufferInfo Arena::Buffer(int64_t buffer_id) const {

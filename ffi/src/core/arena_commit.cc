@@ -48,10 +48,22 @@ size_t Arena::CommitRanges(const std::vector<Range>& ranges) {
   return CommitLocked(lock, ranges);
 }
 
-size_t Arena::CommitLocked(std::unique_lock<std::mutex>& lock, const std::vector<Range>& ranges) {
+bool Arena::CommitAhead(const std::vector<Range>& ranges, size_t* added) {
+  std::unique_lock<std::mutex> lock(mu_);
+  const size_t bytes = CommitLocked(lock, ranges, /*background=*/true);
+  if (bytes == kSkipped) return false;
+  *added = bytes;
+  if (bytes > 0) ++stats_.commits_ahead;
+  return true;
+}
+
+size_t Arena::CommitLocked(std::unique_lock<std::mutex>& lock, const std::vector<Range>& ranges,
+                           bool background) {
   for (int attempt = 0;; ++attempt) {
     ThrowIfClosed("commit");
     ThrowIfAsleep("commit");
+    // Rechecked after every wait: a view may have been made meanwhile.
+    if (background && live_views_.load() > 0) return kSkipped;
     const CommitPlan plan = PlanCommit(ranges);
     if (plan.must_wait) {
       cv_.wait(lock);
@@ -106,7 +118,7 @@ Arena::CommitPlan Arena::PlanCommit(const std::vector<Range>& ranges) {
     const Placement& p = buffers_.at(r.buffer_id);
     const size_t first = r.start / chunk_bytes_;
     const size_t end = CeilDiv(r.stop, chunk_bytes_);
-    plan.spans.emplace_back(ArenaChunk(p, first), ArenaChunk(p, end));
+    plan.spans.push_back({ArenaChunk(p, first), end - first});
     bool extends_run = false;  // whether the next missing chunk continues the last run
     bool gets_chunks = false;
     for (size_t c = first; c < end; ++c) {
@@ -138,7 +150,7 @@ Arena::CommitPlan Arena::PlanCommit(const std::vector<Range>& ranges) {
 Arena::CommitPlan Arena::PlanRuns(const std::vector<ChunkRun>& runs) const {
   CommitPlan plan;
   for (const ChunkRun& run : runs) {
-    plan.spans.emplace_back(run.first, run.first + run.count);
+    plan.spans.push_back(run);
     bool extends_run = false;
     for (size_t a = run.first; a < run.first + run.count; ++a) {
       if (host_page_table_[a]) {
@@ -211,7 +223,7 @@ void Arena::PublishCommit(const CommitPlan& plan, Pending* pending) {
     std::fill_n(host_page_table_.begin() + m->first_chunk, m->num_chunks, 1);
   }
   for (size_t a : plan.revive) host_page_table_[a] = 1;
-  for (const auto& [first, end] : plan.spans) PublishPageTable(first, end - first);
+  PublishPageTable(plan.spans);
   // Every call succeeded: the allocations join the arena, the parked chunks come back.
   for (auto& m : pending->mappings) {
     std::fill_n(chunk_mapping_.begin() + m->first_chunk, m->num_chunks, m.get());
@@ -238,12 +250,10 @@ void Arena::UnwindCommit(const CommitPlan& plan, Pending* pending) noexcept {
     if (m) std::fill_n(host_page_table_.begin() + m->first_chunk, m->num_chunks, 0);
   }
   for (size_t a : plan.revive) host_page_table_[a] = 0;
-  for (const auto& [first, end] : plan.spans) {
-    try {
-      PublishPageTable(first, end - first);
-    } catch (...) {
-      // The table copy only fails when the device is already broken.
-    }
+  try {
+    PublishPageTable(plan.spans);
+  } catch (...) {
+    // The table copy only fails when the device is already broken.
   }
   pending->mappings.clear();  // Mapping destructors unmap and release
   ++stats_.failed_commits;

@@ -61,7 +61,7 @@ struct Arena::CommitPlan {
   std::vector<size_t> revive;   // parked or retired chunks to back again, no driver call
   // Arena-wide [first, end) chunks of every non-empty range: what publish (and unwind)
   // copy to the device page table.
-  std::vector<std::pair<size_t, size_t>> spans;
+  std::vector<ChunkRun> spans;
   size_t missing_chunks = 0;
   bool must_wait = false;    // a chunk is being reclaimed or transferred: wait, plan again
   std::string buffer_names;  // "'k0', 'v0'": the buffers that get chunks (error messages)

@@ -93,14 +93,12 @@ std::vector<Arena::Mapping*> Arena::Unpublish(const std::vector<ChunkRun>& runs,
   // Order matters for device code: first tell kernels the chunks are gone (a kernel
   // launched after this drops its writes instead of faulting), only later unmap.
   try {
-    for (const ChunkRun& run : runs) PublishPageTable(run.first, run.count);
+    PublishPageTable(runs);
   } catch (...) {
     for (size_t a : gone) host_page_table_[a] = 1;
-    for (const ChunkRun& run : runs) {
-      try {
-        PublishPageTable(run.first, run.count);
-      } catch (...) {
-      }
+    try {
+      PublishPageTable(runs);
+    } catch (...) {
     }
     throw;
   }

@@ -324,11 +324,11 @@ void Arena::UndoOffload(TransferRecord& t, const std::string& error) noexcept {
     m->live += run.count;
     std::fill_n(host_page_table_.begin() + run.first, run.count, 1);
     for (size_t a = run.first; a < run.first + run.count; ++a) parked_dirty_.erase(a);
-    try {
-      PublishPageTable(run.first, run.count);
-    } catch (...) {
-    }
     AccountBacked(run.first, run.count, +1);
+  }
+  try {
+    PublishPageTable(t.runs);
+  } catch (...) {
   }
   FreeImage(&t.image);
   t.state = TransferState::kFailed;
@@ -411,19 +411,24 @@ void Arena::Restore(uint64_t ticket, bool wait) {
 
 // The copy landed: the chunks join the page table.
 void Arena::FinishRestore(TransferRecord& t) {
+  for (const ChunkRun& run : t.runs) std::fill_n(host_page_table_.begin() + run.first, run.count, 1);
+  try {
+    PublishPageTable(t.runs);
+  } catch (...) {
+    for (const ChunkRun& run : t.runs) std::fill_n(host_page_table_.begin() + run.first, run.count, 0);
+    throw;  // the caller undoes the restore
+  }
+  size_t chunks = 0;
   for (const ChunkRun& run : t.runs) {
     for (size_t a = run.first; a < run.first + run.count; ++a) {
       Mapping* m = chunk_mapping_[a];
       --m->pins;
       ++m->live;
-      host_page_table_[a] = 1;
       parked_dirty_.erase(a);
     }
-    PublishPageTable(run.first, run.count);
     AccountBacked(run.first, run.count, +1);
+    chunks += run.count;
   }
-  size_t chunks = 0;
-  for (const ChunkRun& run : t.runs) chunks += run.count;
   stats_.chunks_created += static_cast<int64_t>(t.created_chunks);
   stats_.chunks_revived += static_cast<int64_t>(chunks - t.created_chunks);
   stats_.commit_calls += 1;

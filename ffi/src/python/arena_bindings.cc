@@ -59,6 +59,7 @@ nb::dict StatsDict(const ArenaStats& s) {
   d["set_access_calls"] = s.set_access_calls;
   d["failed_commits"] = s.failed_commits;
   d["commit_drains"] = s.commit_drains;
+  d["commits_ahead"] = s.commits_ahead;
   d["deferred_releases"] = s.deferred_releases;
   d["reclaim_syncs"] = s.reclaim_syncs;
   d["live_views"] = s.live_views;
@@ -204,6 +205,15 @@ void BindArenaChanges(nb::class_<Arena>& c) {
             return a.CommitRanges(ranges);
           },
           "All-or-nothing commit of (buffer_id, start, stop) ranges.")
+      .def(
+          "commit_ahead",
+          [](Arena& a, const std::vector<std::tuple<int64_t, size_t, size_t>>& r) -> int64_t {
+            const std::vector<Arena::Range> ranges = ToRanges(r);
+            nb::gil_scoped_release release;
+            size_t added = 0;
+            return a.CommitAhead(ranges, &added) ? static_cast<int64_t>(added) : -1;
+          },
+          "commit_ranges from a background thread; -1 (skipped) while raw views are alive.")
       .def("free", &Arena::Free, nb::call_guard<nb::gil_scoped_release>())
       .def("commit", &Arena::Commit, nb::call_guard<nb::gil_scoped_release>())
       .def("decommit", &Arena::Decommit, nb::arg("buffer_id"), nb::arg("start"), nb::arg("stop"),
