@@ -3,8 +3,8 @@ decode loop reaches it, so that ``kv.ensure()`` on the thread that dispatches de
 finds it backed and makes no driver call (cuMemCreate/cuMemMap/cuMemSetAccess cost ~50 us
 per buffer; a sequence crossing a chunk boundary touches every layer's K and V buffer).
 
-The commit runs through ``Arena.commit_ahead``, which skips while raw views of the arena
-are alive (a reader dispatched meanwhile could run over the zero mappings being swapped),
+The commit runs through ``Arena.commit_ahead``, which skips once the arena handed out a
+raw view (a reader dispatched meanwhile could run over the zero mappings being swapped),
 so with views the decode thread commits itself, waiting for the device as before.
 """
 

@@ -148,7 +148,9 @@ class Buffer:
     def commit(self, start: int = 0, stop: int | None = None) -> int:
         """Back bytes ``[start, stop)`` with physical memory (rounded out to whole chunks).
         Idempotent. Returns the bytes newly backed. Raises ``MemoryError``
-        (:class:`~jax_vmm.errors.OutOfMemoryError`) leaving the buffer unchanged."""
+        (:class:`~jax_vmm.errors.OutOfMemoryError`) leaving the buffer unchanged. Waits for
+        the device only once the arena has handed out a raw view (a reader could run over
+        the pages being mapped) or to zero-fill released memory it takes back."""
         start, stop = self._range(start, stop)
         return self._arena._handle.commit(self._id, start, stop)
 
@@ -161,8 +163,9 @@ class Buffer:
         the memory goes back to the driver once the device has finished the work launched
         before it (``wait=True``: before returning; or call :meth:`Arena.reclaim`). Until
         then a raw view of the range may still read the old bytes; afterwards it reads
-        zeros. While raw views of the arena are alive the call waits for the device itself
-        and gives the memory back at once (see ``docs/design.md``)."""
+        zeros. Once the arena has handed out a raw view (``.array``, ``.view``, ``kv.k[l]``)
+        the call waits for the device itself and gives the memory back at once: JAX may
+        keep arrays over arena memory past the view (see ``docs/design.md``)."""
         start, stop = self._range(start, stop)
         wait = _as_flag(wait, "wait")
         self._arena._generation += 1

@@ -62,8 +62,8 @@ class KVArena:
     :data:`DEFAULT_KV_HANDLE_BYTES` (a commit of many chunks takes few allocations) and
     ``commit_ahead_tokens`` = an eighth of a chunk's tokens: once a sequence is that close
     to the end of its backed chunks, a background thread backs the next chunk, so that the
-    decode loop's ``ensure`` makes no driver call (0 turns it off; it pauses while raw
-    views of the arena are alive).
+    decode loop's ``ensure`` makes no driver call (0 turns it off; it stops once the arena
+    handed out a raw view, ``kv.k[l]``: hold none on the decode path).
 
     Thread-safe: one lock serialises growth and release; views may be read anywhere.
     """
@@ -206,7 +206,7 @@ class KVArena:
         """Back the first ``num_tokens`` tokens (of sequence ``seq``) in every layer, all
         or nothing. Returns the bytes newly committed (0 when already backed). Within the
         chunks an earlier call backed it returns at once; otherwise it never waits for the
-        device unless raw views of the arena are alive."""
+        device unless the arena has handed out raw views (``kv.k[l]``)."""
         num_tokens = self._check_tokens(num_tokens, "KVArena.ensure")
         self._seq_base(seq, "KVArena.ensure")
         if num_tokens == 0:
@@ -279,7 +279,7 @@ class KVArena:
             self._ahead_failures += 1
             return
         with self._lock:
-            if added < 0:  # raw views are alive: the decode thread commits itself
+            if added < 0:  # raw views were handed out: the decode thread commits itself
                 self._ahead_skipped += 1
                 self._ahead_blocked[q] = covered
             elif self._epoch[q] == epoch and self._valid_gen[q] == gen:

@@ -151,10 +151,10 @@ def fault_injection() -> Iterator[FaultInjection]:
 
 
 def uncounted_view(buf: Any, shape: Any = None, dtype: Any = None) -> jax.Array:
-    """A zero-copy view of a buffer (like ``buf.view``) that does not count as a live raw
-    view of its arena: commits do not drain and releases are deferred while it lives. It
-    stands in for the arena memory jax_vmm's own ops reach by identity (they never read an
-    unbacked chunk); reading it with XLA ops over unbacked chunks may fault."""
+    """A zero-copy view of a buffer (like ``buf.view``) that does not count as a raw view
+    of its arena: the arena does not switch to waiting commits and releases. It stands in
+    for the arena memory jax_vmm's own ops reach by identity (they never read an unbacked
+    chunk); reading it with XLA ops over unbacked chunks may fault."""
     arena = buf.arena
     arena._check_open("testing.uncounted_view")
     shape = buf.shape if shape is None else _arena._as_shape(shape)

@@ -98,6 +98,26 @@ def test_commit_without_the_drain_faults(tmp_path):
     assert proc.returncode != 0, f"swapping zero mappings under a reader went unnoticed: {r}"
 
 
+def test_a_donated_view_leaves_arena_arrays_without_a_view_and_commits_still_wait():
+    """Why the arena's waits key on "a view was handed out" rather than on live views: the
+    output of a donated view aliases the arena (measured on jax 0.11.2), whether or not the
+    view's lease is still counted. Commits must keep waiting for the device then."""
+    dev = _gpu()
+    with jax_vmm.Arena(64 * MiB, device=dev) as arena:
+        buf = arena.allocate((1024,), jnp.float32)
+        buf.commit()
+        out = jax.jit(lambda x: x.at[3].set(7.0), donate_argnums=0)(buf.array)
+        out.block_until_ready()
+        assert out.unsafe_buffer_pointer() == buf.address
+        s = arena.stats()
+        print(f"live views counted after the donation: {s['live_views']}")
+        assert s["views_exported"]
+        other = arena.allocate((1024,), jnp.float32)
+        other.commit()
+        assert arena.stats()["commit_drains"] == s["commit_drains"] + 1
+        del out
+
+
 # -- sleep and wake -------------------------------------------------------------------------
 
 

@@ -25,8 +25,11 @@
 //
 // Raw views. A view (DLPack export) lets XLA read arena memory anywhere, unbacked chunks
 // included, where a kernel would fault while a zero mapping is swapped for real memory.
-// So while views are alive (OpenView/CloseView count them) a commit first waits for the
-// device, and a release unmaps at once after waiting; with no view alive neither waits.
+// Once an arena has handed out a view, JAX may keep arrays over its memory for good (the
+// output of a donated view aliases the arena after the view and its lease are gone), so
+// from the first view on a commit that maps new memory first waits for the device, and a
+// release waits and unmaps at once. An arena that never handed out a view (reached only by
+// jax_vmm's ops, which never touch unbacked chunks) never waits on commit or release.
 //
 // Thread-safety: all public methods may be called concurrently from any thread; one
 // mutex per arena serialises them (released while waiting for the device or a transfer).
@@ -85,11 +88,12 @@ struct ArenaStats {
   int64_t handles_released = 0;
   int64_t set_access_calls = 0;
   int64_t failed_commits = 0;    // commits that threw and were rolled back
-  int64_t commit_drains = 0;     // commits that waited for the device (raw views alive)
+  int64_t commit_drains = 0;     // commits that waited for the device (views exported)
   int64_t commits_ahead = 0;     // background commits (CommitAhead) that backed something
   int64_t deferred_releases = 0;  // allocations handed to the reclaimer
   int64_t reclaim_syncs = 0;     // device waits made to reclaim memory
   int64_t live_views = 0;
+  bool views_exported = false;  // a raw view was handed out: commits and releases wait
   bool asleep = false;
   size_t sleep_image_bytes = 0;  // contents kept on the host while asleep
   size_t offloaded_bytes = 0;    // contents of offloaded ranges on the host
@@ -164,7 +168,7 @@ class Arena : public std::enable_shared_from_this<Arena> {
   // lies inside one range (the KV arena gives chunks shared by two sequences their own).
   size_t CommitRanges(const std::vector<Range>& ranges);
   // CommitRanges from a thread other than the one that dispatches device work (commit
-  // ahead of need): skipped (returns false) while raw views are alive, since a reader
+  // ahead of need): skipped (returns false) once raw views were handed out, since a reader
   // dispatched meanwhile could run over the zero mappings being swapped. Else *added gets
   // the bytes newly backed.
   bool CommitAhead(const std::vector<Range>& ranges, size_t* added);
@@ -188,7 +192,8 @@ class Arena : public std::enable_shared_from_this<Arena> {
 
   // Raw-view accounting (the DLPack export's lease calls these). OpenView finishes any
   // deferred release first (waiting for the device if some is pending), so that nothing
-  // is unmapped behind a view later, and returns the buffer. CloseView never blocks.
+  // is unmapped behind a view later, marks the arena as exported, and returns the buffer.
+  // CloseView never blocks.
   BufferInfo OpenView(int64_t buffer_id);
   void CloseView() noexcept;
 
@@ -375,10 +380,11 @@ class Arena : public std::enable_shared_from_this<Arena> {
   uint64_t syncs_started_ = 0;            // device waits begun by the reclaimer
   int reclaiming_ = 0;                    // allocations the worker is unmapping now
 
-  // Raw views.
+  // Raw views. Once one was handed out, JAX may hold arrays over arena memory for good:
+  // a donated view's output aliases the arena while the view itself (and its lease) is
+  // gone. So the count is for the statistics; the decisions use views_exported_.
   std::atomic<int64_t> live_views_{0};
-  std::atomic<uint64_t> view_deaths_{0};
-  uint64_t drained_deaths_ = 0;  // view_deaths_ as of the last device wait
+  std::atomic<bool> views_exported_{false};
 
   // Sleep, transfers, host staging memory.
   std::unique_ptr<SleepImage> sleep_;

@@ -263,6 +263,7 @@ ArenaStats Arena::Stats() const {
   }
   s.parked_bytes = s.held_bytes - s.backed_bytes - s.retired_bytes;
   s.live_views = live_views_.load();
+  s.views_exported = views_exported_.load();
   s.asleep = sleep_ != nullptr;
   s.sleep_image_bytes = SleepImageBytes();
   s.offloaded_bytes = s.pending_transfers = 0;
@@ -286,13 +287,11 @@ BufferInfo Arena::OpenView(int64_t buffer_id) {
   // (The wait may have dropped the lock: look the buffer up again.)
   const BufferInfo info = PlacementOrThrow(buffer_id, "Arena.view").info;
   live_views_.fetch_add(1);
+  views_exported_.store(true);
   return info;
 }
 
-void Arena::CloseView() noexcept {
-  live_views_.fetch_sub(1);
-  view_deaths_.fetch_add(1);
-}
+void Arena::CloseView() noexcept { live_views_.fetch_sub(1); }
 
 void Arena::Close() {
   std::unique_lock<std::mutex> lock(mu_);

@@ -11,9 +11,10 @@
 // new allocations unmap and release themselves (RAII), so the page tables, the driver
 // state and the statistics (apart from failed_commits) are exactly as before.
 //
-// A commit waits for the device only when raw views may be reading: mapping a chunk
-// replaces the zero mapping at its address, and a kernel reading those zeros through a
-// view would fault mid-swap. jax_vmm's own kernels never touch unbacked chunks.
+// A commit waits for the device only when raw views may be reading (the arena handed one
+// out): mapping a chunk replaces the zero mapping at its address, and a kernel reading
+// those zeros through a view would fault mid-swap. jax_vmm's own kernels never touch
+// unbacked chunks. A zero-filling commit that takes back released chunks waits too.
 #include <algorithm>
 #include <chrono>
 #include <memory>
@@ -63,7 +64,7 @@ size_t Arena::CommitLocked(std::unique_lock<std::mutex>& lock, const std::vector
     ThrowIfClosed("commit");
     ThrowIfAsleep("commit");
     // Rechecked after every wait: a view may have been made meanwhile.
-    if (background && live_views_.load() > 0) return kSkipped;
+    if (background && views_exported_.load()) return kSkipped;
     const CommitPlan plan = PlanCommit(ranges);
     if (plan.must_wait) {
       cv_.wait(lock);
@@ -74,9 +75,7 @@ size_t Arena::CommitLocked(std::unique_lock<std::mutex>& lock, const std::vector
     if (zero_fill_ && !plan.revive.empty()) {
       // Work launched before the release may still read the chunks taken back: the
       // zeros must not land under it.
-      const uint64_t deaths = view_deaths_.load();
       driver_->Synchronize();
-      drained_deaths_ = deaths;
       ++stats_.commit_drains;
     } else if (!plan.runs.empty()) {
       DrainIfViewsMayRead();
@@ -177,11 +176,8 @@ Arena::CommitPlan Arena::PlanRuns(const std::vector<ChunkRun>& runs) const {
 }
 
 void Arena::DrainIfViewsMayRead() {
-  // A view that died may have left a kernel reading in flight: count deaths as of now.
-  const uint64_t deaths = view_deaths_.load();
-  if (live_views_.load() == 0 && deaths == drained_deaths_) return;
+  if (!views_exported_.load()) return;
   driver_->Synchronize();
-  drained_deaths_ = deaths;
   ++stats_.commit_drains;
 }
 

@@ -13,9 +13,9 @@
 //      releases every allocation retired before that wait began.
 // Work dispatched before a release is finished by the time its memory is unmapped, and
 // work dispatched after it never touches it -- unless a raw view lets XLA read anywhere.
-// So while views are alive a release waits for the device itself and unmaps at once
-// (their readers cannot be dispatched concurrently from the releasing thread), and
-// creating a view first finishes every deferred release (Arena::OpenView).
+// So once the arena handed out a view a release waits for the device itself and unmaps at
+// once (no reader can be dispatched from the releasing thread meanwhile), and the first
+// view finishes every deferred release (Arena::OpenView).
 // The host driver swaps mappings atomically (driver.h, UnmapNeedsQuiescence): there the
 // same steps run at once, inline.
 //
@@ -123,7 +123,7 @@ std::vector<Arena::Mapping*> Arena::Unpublish(const std::vector<ChunkRun>& runs,
 
 void Arena::RetireUnused(std::unique_lock<std::mutex>& lock,
                          const std::vector<Mapping*>& touched) {
-  const bool views = live_views_.load() > 0;
+  const bool views = views_exported_.load();
   const bool quiesce = driver_->UnmapNeedsQuiescence();
   std::vector<Mapping*> now;
   for (Mapping* m : touched) {

@@ -15,8 +15,8 @@
 // reclaimer copies them out after its next device wait (so earlier kernels are done
 // writing), then retires them. Restore maps the chunks again and copies back, inline
 // (wait) or on the reclaimer's thread, which publishes the chunks when the copy landed.
-// Where unmapping needs no device wait (host driver) or raw views are alive, both run
-// inline on the caller's thread.
+// Where unmapping needs no device wait (host driver) or raw views were handed out, both
+// run inline on the caller's thread.
 #include <algorithm>
 #include <chrono>
 #include <memory>
@@ -270,7 +270,7 @@ uint64_t Arena::Offload(const std::vector<Range>& ranges) {
   const uint64_t ticket = next_ticket_++;
   TransferRecord& t = *record;
   transfers_.emplace(ticket, std::move(record));
-  if (!driver_->UnmapNeedsQuiescence() || live_views_.load() > 0) {
+  if (!driver_->UnmapNeedsQuiescence() || views_exported_.load()) {
     std::string error;
     try {
       driver_->Synchronize();  // earlier kernels are done writing these chunks

@@ -63,6 +63,7 @@ nb::dict StatsDict(const ArenaStats& s) {
   d["deferred_releases"] = s.deferred_releases;
   d["reclaim_syncs"] = s.reclaim_syncs;
   d["live_views"] = s.live_views;
+  d["views_exported"] = s.views_exported;
   d["asleep"] = s.asleep;
   d["sleep_image_bytes"] = s.sleep_image_bytes;
   d["offloaded_bytes"] = s.offloaded_bytes;
@@ -213,7 +214,7 @@ void BindArenaChanges(nb::class_<Arena>& c) {
             size_t added = 0;
             return a.CommitAhead(ranges, &added) ? static_cast<int64_t>(added) : -1;
           },
-          "commit_ranges from a background thread; -1 (skipped) while raw views are alive.")
+          "commit_ranges from a background thread; -1 (skipped) once raw views were handed out.")
       .def("free", &Arena::Free, nb::call_guard<nb::gil_scoped_release>())
       .def("commit", &Arena::Commit, nb::call_guard<nb::gil_scoped_release>())
       .def("decommit", &Arena::Decommit, nb::arg("buffer_id"), nb::arg("start"), nb::arg("stop"),
