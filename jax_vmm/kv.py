@@ -115,11 +115,11 @@ class KVArena:
         self._lock = threading.RLock()
         # Tokens each sequence asked for through ensure(): decides which chunks shared
         # by two sequences may be released (actual backing can be larger: chunk rounding).
-        self._ensured = [0] * seqs
+        self._ensured = np.zeros(seqs, np.int64)
         # Tokens known backed (whole chunks from the last ensure), valid while the arena's
         # generation equals _valid_gen: ensure() within them needs no call into the core.
-        self._covered = [0] * seqs
-        self._valid_gen = [-1] * seqs
+        self._covered = np.zeros(seqs, np.int64)
+        self._valid_gen = np.full(seqs, -1, np.int64)
         self._offloaded: dict[int, Transfer] = {}
         # Commit ahead: bumped per sequence when its memory is released, so that a commit
         # that was on its way is not counted for (or left to) a sequence that is gone.
@@ -128,7 +128,7 @@ class KVArena:
         self.commit_ahead_tokens = (max(1, tokens_per_chunk // 8) if commit_ahead_tokens is None
                                     else _as_index(commit_ahead_tokens, "commit_ahead_tokens"))
         self._ahead = CommitAhead(self)
-        self._ahead_blocked = [-1] * seqs  # covered tokens when a commit ahead was skipped
+        self._ahead_blocked = np.full(seqs, -1, np.int64)  # covered when a commit ahead was skipped
         self._ahead_skipped = 0
         self._ahead_failures = 0
         if initial_tokens:
@@ -226,35 +226,43 @@ class KVArena:
 
     def ensure_all(self, num_tokens: Sequence[int]) -> int:
         """:meth:`ensure` for every sequence at once: ``num_tokens[q]`` tokens of sequence
-        ``q`` (one entry per sequence; 0 asks for nothing), in one all-or-nothing commit.
-        The cheap way to grow a batch each decode step."""
-        seqs = 1 if self.max_seqs is None else self.max_seqs
-        if isinstance(num_tokens, (str, bytes)) or not hasattr(num_tokens, "__len__"):
-            raise TypeError(f"KVArena.ensure_all: num_tokens must be a sequence of {seqs} ints "
-                            f"(one per sequence), got {type(num_tokens).__name__}")
-        if len(num_tokens) != seqs:
-            raise ValueError(f"KVArena.ensure_all: num_tokens has {len(num_tokens)} entries; "
-                             f"expected {seqs} (one per sequence)")
-        tokens = [self._check_tokens(n, "KVArena.ensure_all") for n in num_tokens]
+        ``q`` (a list or NumPy array of ints, one per sequence; 0 asks for nothing), in one
+        all-or-nothing commit. The cheap way to grow a batch each decode step: sequences
+        within their backed chunks cost a few vectorised comparisons, no call into the
+        core."""
+        tokens = self._token_array(num_tokens)
         with self._lock:
             gen = self.arena._generation
-            need = []
-            for q, n in enumerate(tokens):
-                if n == 0:
-                    continue
-                if self._offloaded:
+            asked = tokens > 0
+            for q in list(self._offloaded):
+                if tokens[q] > 0:
                     self._settle(q)
-                if n <= self._covered[q] and self._valid_gen[q] == gen:
-                    if n > self._ensured[q]:
-                        self._ensured[q] = n
-                else:
-                    need.append((q, n))
-            added = self._commit_seqs(need) if need else 0
+            fast = asked & (tokens <= self._covered) & (self._valid_gen == gen)
+            np.maximum(self._ensured, np.where(fast, tokens, 0), out=self._ensured)
+            need = np.flatnonzero(asked & ~fast)
+            added = self._commit_seqs([(int(q), int(tokens[q])) for q in need]) if need.size else 0
             if self.commit_ahead_tokens:
-                for q, n in enumerate(tokens):
-                    if n:
-                        self._maybe_ahead(q, n)
+                near = (asked & (self._covered - tokens <= self.commit_ahead_tokens)
+                        & (self._covered < self.max_tokens) & (self._ahead_blocked != self._covered))
+                for q in np.flatnonzero(near):
+                    self._ahead.schedule(int(q), self._covered_tokens(int(q), int(self._covered[q]) + 1))
             return added
+
+    def _token_array(self, num_tokens: Any) -> np.ndarray:
+        seqs = len(self._ensured)
+        if isinstance(num_tokens, (str, bytes)):
+            num_tokens = None
+        arr = np.asarray(num_tokens)
+        if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
+            raise TypeError(f"KVArena.ensure_all: num_tokens must be {seqs} ints (one per "
+                            f"sequence), got {num_tokens!r}")
+        if arr.shape != (seqs,):
+            raise ValueError(f"KVArena.ensure_all: num_tokens has shape {arr.shape}; expected "
+                             f"({seqs},), one entry per sequence")
+        if arr.size and (arr.min() < 0 or arr.max() > self.max_tokens):
+            raise ValueError(f"KVArena.ensure_all: num_tokens must be in [0, {self.max_tokens}] "
+                             f"(max_tokens); got min {arr.min()}, max {arr.max()}")
+        return arr.astype(np.int64)
 
     def _maybe_ahead(self, q: int, n: int) -> None:
         """Schedule the next chunk of sequence q when n is close to its backed end."""
@@ -329,15 +337,21 @@ class KVArena:
                 self._epoch[seq] += 1
         return released
 
-    def release(self, seq: int | None = None, *, wait: bool = False) -> int:
+    def release(self, seq: int | None = None, *, wait: bool = False, reuse: bool = False) -> int:
         """Give back all memory of sequence ``seq``. Returns bytes released.
 
         Kernels launched after the call skip its chunks; its memory goes back to the
         driver once the device has finished the work launched before (``wait=True``: before
         returning), so it is safe to call right after dispatching a step that still reads
-        the sequence. An offloaded sequence's host copy is dropped."""
+        the sequence. An offloaded sequence's host copy is dropped.
+
+        ``reuse=True``: the slot takes a new sequence soon (continuous batching); with
+        commit ahead on, the first chunk is backed again in the background (taking back the
+        memory just released where it can), so the new sequence's first ensure makes no
+        driver call. That chunk stays held until the slot is released without reuse."""
         base = self._seq_base(seq, "KVArena.release")
         wait = _as_flag(wait, "wait")
+        reuse = _as_flag(reuse, "reuse")
         q = 0 if seq is None else int(seq)
         with self._lock:
             self.arena._check_open("KVArena.release")
@@ -348,7 +362,10 @@ class KVArena:
             self._covered[q] = 0
             self._epoch[q] += 1
             ranges = self._release_ranges(base, base + self.seq_bytes, seq)
-            return self.arena._handle.decommit_ranges(ranges, wait)
+            released = self.arena._handle.decommit_ranges(ranges, wait)
+            if reuse and self.commit_ahead_tokens:
+                self._ahead.schedule(q, self._covered_tokens(q, 1))
+            return released
 
     def reclaim(self) -> int:
         """:meth:`jax_vmm.Arena.reclaim`: wait for the device and give released memory

@@ -117,6 +117,19 @@ def test_a_sequence_released_while_its_commit_is_on_the_way_keeps_nothing(vm):
     vm.assert_backed(kv.arena, [])
 
 
+def test_a_reused_slot_gets_its_first_chunk_back_in_the_background(vm):
+    kv, tpc = _kv(vm)
+    kv.ensure(tpc // 2, seq=0)
+    kv.release(0, reuse=True)
+    assert kv._ahead.wait_idle()
+    assert _chunks(kv, 0) == (True, False, False, False)
+    calls = kv.arena.stats()["commit_calls"]
+    assert kv.ensure(1, seq=0) == 0 and kv.arena.stats()["commit_calls"] == calls
+    kv.release(0)  # without reuse: nothing stays
+    assert kv._ahead.wait_idle()
+    vm.assert_backed(kv.arena, [])
+
+
 def test_commit_ahead_off(vm):
     kv, tpc = _kv(vm, commit_ahead_tokens=0)
     kv.ensure(tpc, seq=0)
