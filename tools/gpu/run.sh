@@ -18,10 +18,12 @@
 #   tests:attention     tests/ops/test_attention.py -m gpu: tensor-core and simple kernels
 #                       against a float64 reference, NaN-prefilled outputs, forced plans,
 #                       capture + replay + growth
+#   tests:memory        the memory tests (deferred release, commit ahead, sleep/wake,
+#                       offload, kernels in flight over released pages, the driver tests)
 #   facts               raw CUDA driver facts (tests/oracles/cuda_oracle.py) -> facts.json:
 #                       read_only_access_ok must be true; unmap_spans_mappings=true means one
 #                       cuMemUnmap may cover a whole run
-#   sanitize            sanitize:hazard, then sanitize:attention
+#   sanitize            sanitize:hazard, sanitize:attention, sanitize:memory
 #   sanitize:hazard     compute-sanitizer memcheck (API-error reports off: cuda-python probes
 #                       entry points and gets "invalid argument" by design) on a trivial JAX
 #                       program and on the scratch hazard scenario (the command-buffer test
@@ -32,6 +34,11 @@
 #                       0 sanitizer errors (its own zero-handler-call assertion may fail there)
 #   sanitize:attention  compute-sanitizer memcheck on every decode-attention kernel variant
 #                       (tools/gpu/attention_memcheck.py): 0 errors
+#   sanitize:memory     compute-sanitizer memcheck on tools/gpu/memory_hazard.py: a kernel in
+#                       flight while release() runs on its pages and ensure() maps new pages
+#                       next to them (release safe: 0 errors), a commit under a raw XLA
+#                       reader (commit safe: 0 errors); with the deferral removed (release
+#                       unsafe) memcheck must report errors (or the run fail)
 #   diag:hazard         XLA's command-buffer log around the hazard scenario (its RESULT line)
 #   example             examples/decode.py -> $OUT/example/
 #   bench:attention     bench/attention.py: copy-bandwidth floor, then the table -> bench_attention.json
@@ -39,7 +46,8 @@
 #   bench:commit        bench/commit.py: arena vs raw cuda-python, 64 GiB creation -> bench_commit.json
 #   bench:decode        bench/decode.py -> decode.json, decode.png
 #   bench:growth        bench/growth.py 16 -> 20 GiB -> growth/growth.json, growth.png
-#   bench               the five benches
+#   bench:sleep         bench/sleep.py: 100 sleep/wake cycles of a 20 GiB cache -> bench_sleep.json
+#   bench               the six benches
 #   all                 build info tests facts sanitize example bench
 #
 # Environment: OUT (default ./out), PYTHON (default python3), TAIL (log lines shown, 30),
@@ -86,6 +94,8 @@ step_tests() {
     "") pytest_run tests -ra ;;
     gpu) pytest_run tests -m gpu -rs ;;
     attention) pytest_run tests/ops/test_attention.py -m gpu -rs ;;
+    memory) pytest_run tests/integration/test_memory_gpu.py tests/drivers tests/core/test_reclaim.py \
+              tests/core/test_sleep.py tests/core/test_offload.py tests/core/test_commit_ahead.py -rs ;;
     *) [ -d "tests/$1" ] || { echo "no folder tests/$1"; return 2; }
        pytest_run "tests/$1" -ra ;;
   esac
@@ -108,7 +118,7 @@ sanitizer() {  # prints the compute-sanitizer path, or nothing
 memcheck() {  # NAME EXPECT COMMAND...: one sanitizer run, its own log; EXPECT: clean |
   # errors (memcheck must report some) | sanitizer-clean (0 memcheck errors, the command
   # itself may fail). Returns 0 when the expectation held.
-  local name=$1 expect=$2; shift 2
+  local name=$1 expect=$2; shift 2  # EXPECT also: fails (memcheck errors or a failed run)
   local log="$RUN_DIR/${STEP_FILE}.$name.log"
   timeout 200 "$CS" --tool memcheck --report-api-errors no --error-exitcode 99 "$@" >"$log" 2>&1
   local r=$? summary ok=1
@@ -116,6 +126,7 @@ memcheck() {  # NAME EXPECT COMMAND...: one sanitizer run, its own log; EXPECT: 
   case "$expect" in
     clean) [ "$r" -eq 0 ] && ok=0 ;;
     errors) [[ "$summary" =~ ERROR\ SUMMARY:\ [1-9] ]] && ok=0 ;;
+    fails) { [[ "$summary" =~ ERROR\ SUMMARY:\ [1-9] ]] || [ "$r" -ne 0 ]; } && [ "$r" -ne 124 ] && ok=0 ;;
     sanitizer-clean) [[ "$summary" =~ ERROR\ SUMMARY:\ 0\ errors ]] && [ "$r" -ne 124 ] && ok=0 ;;
   esac
   summary=${summary#*ERROR SUMMARY: }
@@ -139,7 +150,12 @@ step_sanitize() {
       memcheck pytest sanitizer-clean "$PY" -m pytest "$hazard" -k hazard_replay -q -p no:cacheprovider || rc=1 ;;
     attention)
       memcheck attention clean "$PY" tools/gpu/attention_memcheck.py || rc=1 ;;
-    *) echo "unknown sanitize step ${1:-} (hazard, attention)"; return 2 ;;
+    memory)
+      export HAZARD_SMALL=1  # kernels run far slower under the sanitizer
+      memcheck release clean "$PY" tools/gpu/memory_hazard.py release safe || rc=1
+      memcheck commit clean "$PY" tools/gpu/memory_hazard.py commit safe || rc=1
+      memcheck release_unsafe fails "$PY" tools/gpu/memory_hazard.py release unsafe || rc=1 ;;
+    *) echo "unknown sanitize step ${1:-} (hazard, attention, memory)"; return 2 ;;
   esac
   return "$rc"
 }
@@ -159,10 +175,10 @@ step_example() {
 
 step_bench() {
   case "${1:-}" in
-    attention|kv_write|commit) "$PY" "bench/$1.py" --json "$RUN_DIR/bench_$1.json" ;;
+    attention|kv_write|commit|sleep) "$PY" "bench/$1.py" --json "$RUN_DIR/bench_$1.json" ;;
     decode) "$PY" bench/decode.py --out "$RUN_DIR" ;;
     growth) "$PY" bench/growth.py --out "$RUN_DIR/growth" ;;
-    *) echo "unknown bench ${1:-} (attention, kv_write, commit, decode, growth)"; return 2 ;;
+    *) echo "unknown bench ${1:-} (attention, kv_write, commit, decode, growth, sleep)"; return 2 ;;
   esac
 }
 
@@ -172,9 +188,9 @@ limit_of() {  # STEP -> seconds
   local var="LIMIT_${1//:/_}" limit
   case "$1" in
     build|tests|tests:*|sanitize:hazard|bench:attention|bench:decode) limit=600 ;;
-    sanitize:attention|bench:kv_write|bench:growth) limit=400 ;;
-    example) limit=300 ;;
-    info|facts|diag:*|bench:commit) limit=150 ;;
+    sanitize:attention|sanitize:memory|bench:kv_write|bench:growth|bench:sleep) limit=400 ;;
+    example|bench:commit) limit=300 ;;
+    info|facts|diag:*) limit=150 ;;
     *) limit=600 ;;
   esac
   echo "${!var:-$limit}"
@@ -182,8 +198,8 @@ limit_of() {  # STEP -> seconds
 
 expand() {  # STEP -> the steps it stands for
   case "$1" in
-    sanitize) echo sanitize:hazard sanitize:attention ;;
-    bench) echo bench:attention bench:kv_write bench:commit bench:decode bench:growth ;;
+    sanitize) echo sanitize:hazard sanitize:attention sanitize:memory ;;
+    bench) echo bench:attention bench:kv_write bench:commit bench:decode bench:growth bench:sleep ;;
     all) echo build info tests facts; expand sanitize; echo example; expand bench ;;
     *) echo "$1" ;;
   esac
