@@ -14,7 +14,7 @@ import numpy as np
 
 from ._device import DeviceTarget, resolve_device
 from ._loader import core as _core
-from .errors import ArenaClosedError, ReservationFullError
+from .errors import ArenaAsleepError, ArenaClosedError, ReservationFullError
 
 log = logging.getLogger("jax_vmm")
 
@@ -343,6 +343,9 @@ class Arena:
         buffer (``arena.buffers[-1]``) sleeps and wakes with the arena, so a program can
         give its weights' memory back too."""
         self._check_open("Arena.put")
+        if self._handle.asleep:
+            raise ArenaAsleepError("Arena.put: the arena is asleep (sleep() gave its memory "
+                                   "back); call wake() first")
         src = x
         if isinstance(x, jax.Array):
             if len(x.devices()) != 1 or not x.is_fully_addressable:

@@ -17,6 +17,7 @@ from unittest import mock
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import jax_vmm
@@ -420,6 +421,76 @@ ROWS = [
         r"KVArena.release: the arena is closed",
     ),
 ]
+
+
+def _asleep_commit(ctx: Ctx) -> None:
+    arena = ctx.vm.arena(4 * ctx.c)
+    buf = arena.allocate(ctx.c, jnp.uint8)
+    arena.sleep()
+    buf.commit()
+
+
+def _offloaded_ensure(ctx: Ctx) -> None:
+    kv = ctx.kv(max_seqs=3)
+    kv.ensure(4, seq=0)
+    kv.offload(0)
+    kv.ensure(5, seq=0)
+
+
+MEMORY_ROWS = [
+    Row(
+        "M1",
+        lambda x: x.new_arena(handle_bytes=3 * x.c // 2),
+        ValueError,
+        r"handle_bytes=\d+ must be a multiple of chunk_bytes",
+    ),
+    Row(
+        "M2",
+        lambda x: x.new_arena(handle_bytes=0),
+        ValueError,
+        r"handle_bytes must be > 0 \(or None",
+    ),
+    Row("M3", lambda x: x.new_arena(zero_fill=1), TypeError, r"zero_fill must be True or False"),
+    Row(
+        "M4",
+        lambda x: x.arena.sleep(keep="disk"),
+        ValueError,
+        r"Arena.sleep: keep must be 'host' or 'discard', got 'disk'",
+    ),
+    Row("M5", lambda x: x.arena.wake(), ValueError, r"Arena.wake: the arena is not asleep"),
+    Row(
+        "M6",
+        _asleep_commit,
+        jax_vmm.ArenaAsleepError,
+        r"Arena.commit: the arena is asleep .*call wake\(\) first",
+    ),
+    Row("M7", _offloaded_ensure, ValueError, r"sequence 0 is offloaded .*kv.restore\(0\)"),
+    Row(
+        "M8",
+        lambda x: x.kv3.restore(1),
+        ValueError,
+        r"KVArena.restore: sequence 1 is not offloaded",
+    ),
+    Row(
+        "M9",
+        lambda x: x.kv3.ensure_all([1, 2]),
+        ValueError,
+        r"num_tokens has shape \(2,\); expected \(3,\)",
+    ),
+    Row(
+        "M10",
+        lambda x: x.kv3.ensure_all([1.5, 0, 0]),
+        TypeError,
+        r"num_tokens must be 3 ints \(one per sequence\)",
+    ),
+    Row(
+        "M11",
+        lambda x: x.arena.put(np.float32(1)),
+        ValueError,
+        r"Arena.put: needs an array with at least one dimension",
+    ),
+]
+ROWS += MEMORY_ROWS
 
 
 def _param(row: Row) -> Any:
