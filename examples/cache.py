@@ -168,7 +168,6 @@ class VmmCache:
         # Host arenas hand out zero-filled pages (memfd) and read zeros where unbacked;
         # CUDA physical memory (cuMemCreate) comes uninitialised.
         self.tail_may_be_garbage = device.platform != "cpu"
-        self._host = device.platform == "cpu"
         self._write_fn = jax_vmm.kv_write_through if self.write_through else jax_vmm.kv_write
         self.max_seqs, self.max_tokens = max_seqs, max_tokens
         self.kv = jax_vmm.kv_arena(
@@ -213,12 +212,6 @@ class VmmCache:
         arrays ARE the arena buffers, updated in place: keep them. Otherwise (an alias
         miss) they are XLA copies; the arena got the same tokens (dest), so drop the
         copies and go on from fresh arena views. Counted: each miss cost a cache copy."""
-        if self._host:
-            # On the CPU, unsafe_buffer_pointer blocks until the step is done while holding
-            # the GIL, and finishing the step may need the GIL (PjRt releasing a donated
-            # DLPack arena view): wait first, with the GIL released. (On the GPU the pointer
-            # is known at once; waiting here would serialise the decode loop.)
-            jax.block_until_ready(cache)
         aliased = all(
             _address(a) == buf.address
             for arrs, bufs in ((cache[0], self.kv.k_buffers), (cache[1], self.kv.v_buffers))

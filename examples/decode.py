@@ -33,7 +33,7 @@ from examples import engine as E  # noqa: E402
 from examples import model as M  # noqa: E402
 from examples.attention import ATTENTION_CHOICES, choose_attention  # noqa: E402
 from examples.cache import BACKENDS, WRITE_MODES, capacity_bytes, make_cache  # noqa: E402
-from examples.report import fmt_bytes, plot_memory  # noqa: E402
+from examples.report import fmt_bytes, matplotlib_missing, plot_memory  # noqa: E402
 
 # Serving defaults per preset: batch (slots), per-sequence max_tokens, requests, prompt and
 # new-token length ranges, arena chunk size.
@@ -196,7 +196,10 @@ def main(argv: list[str] | None = None) -> dict:
     print_summary(summary)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2))
-    if not args.no_plot:
+    missing = None if args.no_plot else matplotlib_missing()
+    if missing:
+        print(missing)
+    elif not args.no_plot:
         path = args.out / f"decode_memory_{cache.name}.png"
         plot_memory(
             report.trace,

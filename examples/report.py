@@ -14,6 +14,16 @@ def fmt_bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
+def matplotlib_missing() -> str | None:
+    """None when plots can be drawn; else one line saying why not and how to fix it."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return ("plot skipped: matplotlib is not installed; get it with `pip install "
+                "matplotlib` (or `pip install '.[example]'`), or pass --no-plot")
+    return None
+
+
 def plot_memory(trace: Sequence, capacity_bytes: int, path: Path, *, title: str) -> None:
     """Backed KV memory and live-token bytes per engine step, against the constant
     footprint of a preallocated cache of the same capacity. `trace`: StepRecords."""

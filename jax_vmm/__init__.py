@@ -42,5 +42,5 @@ __all__ = [
 
 # Ops from feature modules (added by their owners; keep one import line each).
 from .attention import decode_attention  # noqa: E402,F401
-from .ops import KVDest, kv_write, kv_write_through  # noqa: E402,F401
+from .ops import KVDest, kv_write, kv_write_fp8, kv_write_through  # noqa: E402,F401
 from .scratch import scratch_stats  # noqa: E402,F401

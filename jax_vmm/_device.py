@@ -28,7 +28,8 @@ def resolve_device(device: jax.Device | None) -> DeviceTarget:
         device = jax.devices()[0]
     if not isinstance(device, jax.Device):
         raise TypeError(
-            f"device must be a jax.Device (e.g. jax.devices()[0]) or None, got {type(device).__name__}"
+            "device must be a jax.Device (e.g. jax.devices()[0]) or None, got "
+            f"{type(device).__name__}"
         )
     platform = device.platform
     if platform == "cpu":
@@ -36,7 +37,9 @@ def resolve_device(device: jax.Device | None) -> DeviceTarget:
     if platform in ("gpu", "cuda"):
         kind = getattr(device, "device_kind", "")
         if "rocm" in str(getattr(device.client, "platform_version", "")).lower():
-            raise ValueError(f"device {device} is a ROCm GPU; jax_vmm supports CUDA GPUs and the CPU")
+            raise ValueError(
+                f"device {device} is a ROCm GPU; jax_vmm supports CUDA GPUs and the CPU"
+            )
         ordinal = getattr(device, "local_hardware_id", None)
         if ordinal is None:
             ordinal = device.id

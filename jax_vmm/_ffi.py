@@ -9,7 +9,7 @@ targets come from ``_core.registrations``; ``jax_vmm.testing`` adds the test-onl
 from __future__ import annotations
 
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 

@@ -6,7 +6,8 @@ import logging
 import math
 import operator
 import threading
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -20,27 +21,41 @@ log = logging.getLogger("jax_vmm")
 
 # DLPack dtype codes (dlpack.h).
 _DL_INT, _DL_UINT, _DL_FLOAT, _DL_BFLOAT, _DL_BOOL = 0, 1, 2, 4, 6
+_DL_FLOAT8_E4M3FN = 10  # DLPack 1.1; jax 0.10.2 imports it zero-copy as float8_e4m3fn
 
 
 def _dlpack_dtype(dtype: np.dtype) -> tuple[int, int]:
     if dtype == jnp.bfloat16:
         return _DL_BFLOAT, 16
+    if dtype == jnp.float8_e4m3fn:
+        return _DL_FLOAT8_E4M3FN, 8
     kind = {"i": _DL_INT, "u": _DL_UINT, "f": _DL_FLOAT, "b": _DL_BOOL}.get(dtype.kind)
+    if kind == _DL_FLOAT and dtype.itemsize < 2:
+        kind = None  # other 8-bit floats (float8_e5m2, ...) have no plain DLPack float code
     if kind is None or dtype.itemsize not in (1, 2, 4, 8):
         raise TypeError(
             f"dtype {dtype} cannot back an arena buffer; use a float (float16, bfloat16, "
-            "float32, float64), integer or bool dtype"
+            "float32, float64, float8_e4m3fn), integer or bool dtype"
         )
     return kind, dtype.itemsize * 8
 
 
-def _as_index(value: Any, what: str) -> int:
+def _as_int(value: Any, what: str) -> int:
+    """``value`` as an int: anything ``operator.index`` accepts (numpy and concrete JAX
+    integer scalars too), except bools (True is not a size or an index)."""
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{what} must be an integer, got bool")
     try:
-        i = operator.index(value)
+        return operator.index(value)
     except TypeError:
         raise TypeError(f"{what} must be an integer, got {type(value).__name__}") from None
-    if i < 0:
-        raise ValueError(f"{what} must be >= 0, got {i}")
+
+
+def _as_index(value: Any, what: str, minimum: int = 0) -> int:
+    """``value`` as an int >= ``minimum`` (0 or 1), see :func:`_as_int`."""
+    i = _as_int(value, what)
+    if i < minimum:
+        raise ValueError(f"{what} must be {'> 0' if minimum == 1 else '>= 0'}, got {i}")
     return i
 
 
@@ -48,12 +63,20 @@ def _as_flag(value: Any, what: str) -> bool:
     if not isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{what} must be True or False, got {value!r}")
     return bool(value)
+def _refuse_copy(what: str, device: Any, copy_out: str) -> TypeError:
+    return TypeError(
+        f"jax_vmm.{what} cannot be pickled or copied: it owns a reservation of virtual memory "
+        f"on {device}. Share the object itself (it is thread-safe), or copy data out with "
+        f"{copy_out}"
+    )
 
 
 def _as_shape(shape: Any) -> tuple[int, ...]:
-    if isinstance(shape, (int, np.integer)):
+    if isinstance(shape, (int, np.integer)) and not isinstance(shape, (bool, np.bool_)):
         shape = (shape,)
     try:
+        if any(isinstance(d, (bool, np.bool_)) for d in shape):
+            raise TypeError
         dims = tuple(operator.index(d) for d in shape)
     except TypeError:
         raise TypeError(f"shape must be a tuple of ints, got {shape!r}") from None
@@ -74,6 +97,25 @@ def _create_core_arena(driver: str, ordinal: int, reserve_bytes: int, chunk_byte
 _core_arena_factory = _create_core_arena
 
 
+def _lease_view(
+    handle: Any,
+    buffer_id: int,
+    shape: list[int],
+    code: int,
+    bits: int,
+    device_type: int,
+    ordinal: int,
+) -> Any:
+    return handle.view(buffer_id, shape, code, bits, device_type, ordinal)
+
+
+#: Makes the DLPack capsule behind every view: ``(core arena, buffer id, shape, dtype
+#: code, bits, DLPack device type, ordinal) -> capsule``. The capsule's deleter releases a
+#: view lease and needs no GIL. The seam for ``jax_vmm.testing.legacy_views()``, which
+#: swaps in views without a lease (GIL-taking deleter) for its with-block; nothing else.
+_core_view_factory = _lease_view
+
+
 class _DLPackCapsule:
     """Presents a DLPack capsule from the core through the ``__dlpack__`` protocol that
     ``jax.dlpack.from_dlpack`` expects. Single use, like the capsule."""
@@ -82,8 +124,9 @@ class _DLPackCapsule:
         self._capsule = capsule
         self._device = (device_type, device_id)
 
-    def __dlpack__(self, stream: Any = None, max_version: Any = None, dl_device: Any = None,
-                   copy: Any = None) -> Any:
+    def __dlpack__(
+        self, stream: Any = None, max_version: Any = None, dl_device: Any = None, copy: Any = None
+    ) -> Any:
         # Arena memory is written only by host code that has already synchronised, so
         # no stream ordering is needed for the consumer.
         capsule, self._capsule = self._capsule, None
@@ -104,9 +147,11 @@ class Buffer:
     address range alive. Thread-safe: the arena serialises commits.
     """
 
-    def __init__(self, arena: "Arena", info: dict, shape: tuple[int, ...], dtype: np.dtype):
+    def __init__(self, arena: Arena, info: dict, shape: tuple[int, ...], dtype: np.dtype):
         self._arena = arena
         self._id: int = info["id"]
+        self._uid: int = info["uid"]
+        self._freed = False
         self.name: str = info["name"]
         self.offset: int = info["offset"]
         self.address: int = info["address"]
@@ -116,15 +161,33 @@ class Buffer:
 
     @property
     def id(self) -> int:
+        """Index of the buffer in its arena (an index may be used again after free())."""
         return self._id
 
     @property
-    def arena(self) -> "Arena":
+    def uid(self) -> int:
+        """Process-unique identity: no other buffer or arena of this process has it, ever
+        (addresses, by contrast, are reused)."""
+        return self._uid
+
+    @property
+    def arena(self) -> Arena:
         return self._arena
 
     @property
+    def freed(self) -> bool:
+        return self._freed
+
+    @property
     def backed_bytes(self) -> int:
+        self._check_live("Buffer.backed_bytes")
         return self._arena._handle.buffer(self._id)["backed_bytes"]
+
+    def live_views(self) -> int:
+        """Views of this buffer alive now (JAX releases a view when the array is deleted
+        and no computation uses it any more, on any thread)."""
+        self._check_live("Buffer.live_views")
+        return self._arena._handle.buffer_live_views(self._id)
 
     @property
     def array(self) -> jax.Array:
@@ -134,12 +197,13 @@ class Buffer:
         """A zero-copy ``jax.Array`` over this buffer's memory with another shape/dtype
         (it must fit in :attr:`nbytes`)."""
         self._arena._check_open("Buffer.array")
+        self._check_live("Buffer.array")
         shape = self.shape if shape is None else _as_shape(shape)
         dtype = self.dtype if dtype is None else np.dtype(jnp.dtype(dtype))
         code, bits = _dlpack_dtype(dtype)
         t = self._arena._target
-        capsule = self._arena._handle.view(
-            self._id, list(shape), code, bits, t.dlpack_device_type, t.ordinal
+        capsule = _core_view_factory(
+            self._arena._handle, self._id, list(shape), code, bits, t.dlpack_device_type, t.ordinal
         )
         return jax.dlpack.from_dlpack(
             _DLPackCapsule(capsule, t.dlpack_device_type, t.ordinal), copy=False
@@ -151,6 +215,7 @@ class Buffer:
         (:class:`~jax_vmm.errors.OutOfMemoryError`) leaving the buffer unchanged. Waits for
         the device only once the arena has handed out a raw view (a reader could run over
         the pages being mapped) or to zero-fill released memory it takes back."""
+        self._check_live("Buffer.commit")
         start, stop = self._range(start, stop)
         return self._arena._handle.commit(self._id, start, stop)
 
@@ -166,27 +231,48 @@ class Buffer:
         zeros. Once the arena has handed out a raw view (``.array``, ``.view``, ``kv.k[l]``)
         the call waits for the device itself and gives the memory back at once: JAX may
         keep arrays over arena memory past the view (see ``docs/design.md``)."""
+        self._check_live("Buffer.decommit")
         start, stop = self._range(start, stop)
         wait = _as_flag(wait, "wait")
         self._arena._generation += 1
         return self._arena._handle.decommit(self._id, start, stop, wait)
     def backed_prefix(self, start: int, stop: int) -> int:
         """Bytes backed contiguously from ``start`` (stops at ``stop`` or the first hole)."""
+        self._check_live("Buffer.backed_prefix")
         start, stop = self._range(start, stop)
         return self._arena._handle.backed_prefix(self._id, start, stop)
 
     def free(self) -> None:
-        """Decommit the buffer and return its address range to the arena."""
+        """Decommit the buffer and return its address range to the arena. Views made
+        before stay valid and read zeros; the range is placed again only once the last of
+        them is gone. Later calls on this Buffer raise ``ValueError``."""
         self._arena._check_open("Buffer.free")
+        self._check_live("Buffer.free")
         self._arena._generation += 1
         self._arena._handle.free(self._id)
+        self._freed = True
+        self._arena._forget(self)
+
+    def _check_live(self, op: str) -> None:
+        if self._freed:
+            raise ValueError(
+                f"{op}: buffer '{self.name}' was freed (Buffer.free()); allocate a new buffer"
+            )
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError(
+            "jax_vmm.Buffer cannot be pickled or copied: it is memory of its "
+            "arena. Share the object itself, or copy data out with "
+            "np.asarray(buf.array)"
+        )
 
     def _range(self, start: int, stop: int | None) -> tuple[int, int]:
         start = _as_index(start, "start")
         stop = self.nbytes if stop is None else _as_index(stop, "stop")
         if start > stop or stop > self.nbytes:
             raise ValueError(
-                f"Buffer '{self.name}': byte range [{start}, {stop}) is outside [0, {self.nbytes}); "
+                f"Buffer '{self.name}': byte range [{start}, {stop}) is outside "
+                f"[0, {self.nbytes}); "
                 "expected 0 <= start <= stop <= nbytes"
             )
         return start, stop
@@ -194,7 +280,7 @@ class Buffer:
     def __repr__(self) -> str:
         return (
             f"Buffer(name={self.name!r}, shape={self.shape}, dtype={self.dtype}, "
-            f"address=0x{self.address:x}, nbytes={self.nbytes})"
+            f"address=0x{self.address:x}, nbytes={self.nbytes}{', freed' if self._freed else ''})"
         )
 
 
@@ -219,37 +305,56 @@ class Arena:
     Thread-safe.
     """
 
-    def __init__(self, reserve_bytes: int, device: jax.Device | None = None,
-                 chunk_bytes: int | None = None, *, handle_bytes: int | None = None,
-                 zero_fill: bool = True):
-        reserve_bytes = _as_index(reserve_bytes, "reserve_bytes")
-        if reserve_bytes == 0:
-            raise ValueError("reserve_bytes must be > 0 (the size of the virtual range to reserve)")
+    def __init__(
+        self,
+        reserve_bytes: int,
+        device: jax.Device | None = None,
+        chunk_bytes: int | None = None,
+        *,
+        handle_bytes: int | None = None,
+        zero_fill: bool = True,
+    ):
+        reserve_bytes = _as_int(reserve_bytes, "reserve_bytes")
+        if reserve_bytes <= 0:
+            raise ValueError(
+                "reserve_bytes must be > 0 (the size of the virtual range to "
+                f"reserve), got {reserve_bytes}"
+            )
         if reserve_bytes >= 1 << 64:
-            raise ValueError(f"reserve_bytes={reserve_bytes} is too large: it must be below 2^64 "
-                             "(and fit the process's virtual address space); reserve less")
-        chunk = 0 if chunk_bytes is None else _as_index(chunk_bytes, "chunk_bytes")
-        if chunk_bytes is not None and chunk == 0:
-            raise ValueError("chunk_bytes must be > 0 (or None for the default)")
-        handle = 0 if handle_bytes is None else _as_index(handle_bytes, "handle_bytes")
-        if handle_bytes is not None and handle == 0:
-            raise ValueError("handle_bytes must be > 0 (or None for one allocation per chunk)")
+            raise ValueError(
+                f"reserve_bytes={reserve_bytes} is too large: it must be below 2^64 "
+                "(and fit the process's virtual address space); reserve less"
+            )
+        chunk = 0 if chunk_bytes is None else _as_int(chunk_bytes, "chunk_bytes")
+        if chunk_bytes is not None and chunk <= 0:
+            raise ValueError(f"chunk_bytes must be > 0 (or None for the default), got {chunk}")
+        handle = 0 if handle_bytes is None else _as_int(handle_bytes, "handle_bytes")
+        if handle_bytes is not None and handle <= 0:
+            raise ValueError(
+                f"handle_bytes must be > 0 (or None for one allocation per chunk), got {handle}"
+            )
         zero_fill = _as_flag(zero_fill, "zero_fill")
         self._target: DeviceTarget = resolve_device(device)
-        self._handle = _core_arena_factory(self._target.driver, self._target.ordinal,
-                                           reserve_bytes, chunk, handle, zero_fill)
+        self._handle = _core_arena_factory(
+            self._target.driver, self._target.ordinal, reserve_bytes, chunk, handle, zero_fill
+        )
         self._lock = threading.Lock()
         self._buffers: list[Buffer] = []
         # Bumped by every call that may unback memory behind a KV arena's bookkeeping
         # (Buffer.decommit/free, close, sleep, wake): KVArena.ensure trusts its own record
         # of backed tokens only while this is unchanged.
         self._generation = 0
-        log.debug("reserved %d bytes on %s at 0x%x", self._handle.reserved_bytes,
-                  self._target.device, self._handle.base)
+        log.debug(
+            "reserved %d bytes on %s at 0x%x",
+            self._handle.reserved_bytes,
+            self._target.device,
+            self._handle.base,
+        )
 
     # -- placement -----------------------------------------------------------------
-    def allocate(self, shape: Sequence[int] | int, dtype: Any = jnp.float32,
-                 name: str | None = None) -> Buffer:
+    def allocate(
+        self, shape: Sequence[int] | int, dtype: Any = jnp.float32, name: str | None = None
+    ) -> Buffer:
         """Place a buffer of ``shape`` and ``dtype``; nothing is backed yet."""
         self._check_open("Arena.allocate")
         shape = _as_shape(shape)
@@ -265,7 +370,8 @@ class Arena:
             raise ReservationFullError(
                 f"Arena.allocate({name!r}): shape {shape} of {np_dtype} needs {nbytes} bytes, more "
                 f"than the whole {self._handle.reserved_bytes} bytes reservation; create the arena "
-                "with a larger reserve_bytes")
+                "with a larger reserve_bytes"
+            )
         info = self._handle.allocate(nbytes, name or "")
         buf = Buffer(self, info, shape, np_dtype)
         with self._lock:
@@ -273,6 +379,12 @@ class Arena:
         return buf
 
     # -- properties ------------------------------------------------------------------
+    @property
+    def uid(self) -> int:
+        """Process-unique identity: no other arena or buffer of this process has it, ever
+        (a new arena may reuse a destroyed one's addresses, never its uid)."""
+        return self._handle.uid
+
     @property
     def device(self) -> jax.Device:
         return self._target.device
@@ -327,8 +439,9 @@ class Arena:
         backed + ``parked_bytes`` (released chunks inside allocations still in use) +
         ``retired_bytes`` (released, waiting for the device)); commit and decommit counts
         and cumulative seconds, ``commit_drains`` (commits that waited for the device
-        because raw views were alive), ``live_views``; sleep and transfer state; driver
-        kind, granularity, chunk and handle size, and more."""
+        because raw views were handed out, ``views_exported``), ``live_views`` and the
+        address space of freed buffers they hold back (``held_range_bytes``); sleep and
+        transfer state; driver kind, granularity, chunk and handle size, and more."""
         return dict(self._handle.stats())
 
     # -- memory ----------------------------------------------------------------------
@@ -370,14 +483,21 @@ class Arena:
             self._handle.copy_in(buf.id, 0, int(pointer), buf.nbytes)
         except BaseException:
             buf.free()
-            with self._lock:
-                self._buffers.remove(buf)
             raise
         return buf.array
 
     def free_host_cache(self) -> None:
         """Free the page-locked host memory kept for the next sleep (or offload)."""
         self._handle.free_host_cache()
+
+    def live_views(self) -> int:
+        """Views of this arena's buffers alive now (freed buffers' included). A view is
+        released when JAX deletes its array and no computation uses it any more."""
+        return self._handle.live_views()
+
+    def _forget(self, buf: Buffer) -> None:
+        with self._lock:
+            self._buffers.remove(buf)
 
     # -- lifetime --------------------------------------------------------------------
     def sleep(self, keep: str = "host") -> None:
@@ -408,7 +528,7 @@ class Arena:
         self._generation += 1
         self._handle.close()
 
-    def __enter__(self) -> "Arena":
+    def __enter__(self) -> Arena:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -418,9 +538,13 @@ class Arena:
         if self._handle.closed:
             raise ArenaClosedError(f"{op}: the arena is closed; create a new arena")
 
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise _refuse_copy("Arena", self._target.device, "np.asarray(buf.array)")
+
     def __repr__(self) -> str:
         s = self._handle.stats()
         return (
-            f"Arena(driver={s['driver']}, device={self._target.device}, reserved={s['reserved_bytes']}, "
+            f"Arena(driver={s['driver']}, device={self._target.device}, "
+            f"reserved={s['reserved_bytes']}, "
             f"backed={s['backed_bytes']}, closed={s['closed']})"
         )

@@ -32,7 +32,9 @@ def collect() -> dict[str, Any]:
         "python": platform.python_version(),
         "jax": jax.__version__,
         "jax_vmm_cuda_kernels": bool(_core.built_with_cuda_kernels),
-        "jax_devices": [f"{d.platform}:{d.id} {getattr(d, 'device_kind', '')}" for d in jax.devices()],
+        "jax_devices": [
+            f"{d.platform}:{d.id} {getattr(d, 'device_kind', '')}" for d in jax.devices()
+        ],
         "host": {
             "granularity": host_stats["granularity"],
             "chunk_bytes": host_stats["chunk_bytes"],
@@ -47,23 +49,36 @@ def collect() -> dict[str, Any]:
 
 def main() -> int:
     info = collect()
-    print(f"jax_vmm {__import__('jax_vmm').__version__}  python {info['python']}  jax {info['jax']}")
+    print(
+        f"jax_vmm {__import__('jax_vmm').__version__}  python {info['python']}  jax {info['jax']}"
+    )
     print(f"CUDA kernels compiled in: {'yes' if info['jax_vmm_cuda_kernels'] else 'no'}")
     print("JAX devices: " + ", ".join(info["jax_devices"]))
     h = info["host"]
-    print(f"host driver (cpu): VMM yes, granularity {h['granularity']} B, chunk {h['chunk_bytes']} B, "
-          f"free {_gib(h['free_bytes'])} of {_gib(h['total_bytes'])}")
+    print(
+        f"host driver (cpu): VMM yes, granularity {h['granularity']} B, "
+        f"chunk {h['chunk_bytes']} B, "
+        f"free {_gib(h['free_bytes'])} of {_gib(h['total_bytes'])}"
+    )
     if info["cuda_devices"]:
         for d in info["cuda_devices"]:
-            print(f"cuda:{d['ordinal']} {d['name']}: VMM {'yes' if d['vmm_supported'] else 'NO'}, "
-                  f"granularity {d['granularity_min']} B (recommended {d['granularity_recommended']} B), "
-                  f"free {_gib(d['free_bytes'])} of {_gib(d['total_bytes'])}")
+            print(
+                f"cuda:{d['ordinal']} {d['name']}: VMM {'yes' if d['vmm_supported'] else 'NO'}, "
+                f"granularity {d['granularity_min']} B "
+                f"(recommended {d['granularity_recommended']} B), "
+                f"free {_gib(d['free_bytes'])} of {_gib(d['total_bytes'])}"
+            )
     else:
         print(f"CUDA driver: not available ({info['cuda_error'] or 'no devices'})")
     print("JAX allocator settings (they decide how much GPU memory an arena can get):")
     for k, v in info["allocator_env"].items():
         print(f"  {k}={v if v is not None else '<unset>'}")
-    if any(d.platform == "gpu" for d in jax.devices()) and info["allocator_env"]["XLA_PYTHON_CLIENT_PREALLOCATE"] != "false":
-        print("  note: JAX preallocates 75% of GPU memory by default; arenas get only the rest. "
-              "Set XLA_PYTHON_CLIENT_PREALLOCATE=false before importing jax.")
+    if (
+        any(d.platform == "gpu" for d in jax.devices())
+        and info["allocator_env"]["XLA_PYTHON_CLIENT_PREALLOCATE"] != "false"
+    ):
+        print(
+            "  note: JAX preallocates 75% of GPU memory by default; arenas get only the rest. "
+            "Set XLA_PYTHON_CLIENT_PREALLOCATE=false before importing jax."
+        )
     return 0

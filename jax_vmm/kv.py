@@ -2,19 +2,22 @@
 
 from __future__ import annotations
 
-import math
 import operator
 import threading
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from ._prefetch import CommitAhead
-from .arena import Arena, Buffer, _as_flag, _as_index
-from .errors import OutOfBoundsWrite
+from .arena import Arena, Buffer, _as_flag, _as_index, _as_int, _refuse_copy
+from .errors import DriverError, OutOfBoundsWrite
 from .transfer import Transfer
+
+if TYPE_CHECKING:
+    from .ops import KVDest
 
 #: Largest physical allocation of a KV arena's commit (rounded down to whole chunks): a
 #: prefill or a growth of many chunks takes few driver calls, and a sequence's release
@@ -22,12 +25,33 @@ from .transfer import Transfer
 DEFAULT_KV_HANDLE_BYTES = 1 << 30
 
 
+def _layer_index(layer: Any, num_layers: int, op: str) -> int:
+    """A layer index in [-num_layers, num_layers) as a non-negative int. It must be static:
+    a layer picks buffers on the host, when a step is traced."""
+    if isinstance(layer, jax.core.Tracer):
+        raise TypeError(
+            f"{op}: the layer must be static (a Python int), got a traced value. A dest names "
+            "buffers when the step is traced: pass the layer as a static argument "
+            "(static_argnums) or loop over layers in Python"
+        )
+    if isinstance(layer, (bool, np.bool_)):
+        raise TypeError(f"{op}: layer must be an integer, got bool")
+    try:
+        i = operator.index(layer)
+    except TypeError:
+        raise TypeError(f"{op}: layer must be an integer, got {type(layer).__name__}") from None
+    if not -num_layers <= i < num_layers:
+        raise IndexError(f"{op}: layer {i} is out of range for {num_layers} layers")
+    return i % num_layers
+
+
 class _LayerViews(Sequence[jax.Array]):
     """``kv.k[l]``: a zero-copy view of layer ``l``'s buffer. Views are cached and made
     anew once JAX has consumed (donated) the cached one."""
 
-    def __init__(self, buffers: list[Buffer]):
+    def __init__(self, buffers: list[Buffer], name: str):
         self._buffers = buffers
+        self._name = name
         self._cache: list[jax.Array | None] = [None] * len(buffers)
 
     def __len__(self) -> int:
@@ -36,9 +60,7 @@ class _LayerViews(Sequence[jax.Array]):
     def __getitem__(self, layer):  # type: ignore[override]
         if isinstance(layer, slice):
             return [self[i] for i in range(*layer.indices(len(self)))]
-        layer = operator.index(layer)
-        if not -len(self) <= layer < len(self):
-            raise IndexError(f"layer {layer} out of range for {len(self)} layers")
+        layer = _layer_index(layer, len(self), self._name)
         cached = self._cache[layer]
         if cached is None or cached.is_deleted():
             cached = self._buffers[layer].array
@@ -68,17 +90,34 @@ class KVArena:
     Thread-safe: one lock serialises growth and release; views may be read anywhere.
     """
 
-    def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, max_tokens: int,
-                 dtype: Any = jnp.bfloat16, device: jax.Device | None = None,
-                 initial_tokens: int = 0, max_seqs: int | None = None,
-                 chunk_bytes: int | None = None, handle_bytes: int | None = None,
-                 zero_fill: bool = False, commit_ahead_tokens: int | None = None):
-        for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads),
-                            ("head_dim", head_dim), ("max_tokens", max_tokens)):
-            if _as_index(value, name) == 0:
-                raise ValueError(f"{name} must be > 0, got {value}")
-        if max_seqs is not None and _as_index(max_seqs, "max_seqs") == 0:
-            raise ValueError("max_seqs must be > 0 or None")
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        max_tokens: int,
+        dtype: Any = jnp.bfloat16,
+        device: jax.Device | None = None,
+        initial_tokens: int = 0,
+        max_seqs: int | None = None,
+        chunk_bytes: int | None = None,
+        handle_bytes: int | None = None,
+        zero_fill: bool = False,
+        commit_ahead_tokens: int | None = None,
+    ):
+        for name, value in (
+            ("num_layers", num_layers),
+            ("num_kv_heads", num_kv_heads),
+            ("head_dim", head_dim),
+            ("max_tokens", max_tokens),
+        ):
+            _as_index(value, name, minimum=1)
+        if max_seqs is not None:
+            if isinstance(max_seqs, (bool, np.bool_)):
+                raise TypeError("max_seqs must be an integer or None, got bool")
+            if _as_int(max_seqs, "max_seqs") <= 0:
+                raise ValueError(f"max_seqs must be > 0 or None, got {max_seqs}")
         initial_tokens = _as_index(initial_tokens, "initial_tokens")
         if initial_tokens > max_tokens:
             raise ValueError(f"initial_tokens={initial_tokens} exceeds max_tokens={max_tokens}")
@@ -100,18 +139,37 @@ class KVArena:
         from ._loader import core as _core
 
         target = resolve_device(device)
-        chunk = _core.resolve_chunk_bytes(target.driver, target.ordinal,
-                                          0 if chunk_bytes is None else _as_index(chunk_bytes, "chunk_bytes"))
+        chunk = _core.resolve_chunk_bytes(
+            target.driver,
+            target.ordinal,
+            0 if chunk_bytes is None else _as_index(chunk_bytes, "chunk_bytes"),
+        )
         if handle_bytes is None:
             handle_bytes = max(chunk, DEFAULT_KV_HANDLE_BYTES // chunk * chunk)
         buffer_bytes = seqs * self.seq_bytes
-        reserve = 2 * self.num_layers * math.ceil(buffer_bytes / chunk) * chunk
-        self.arena = Arena(reserve, device=device, chunk_bytes=chunk, handle_bytes=handle_bytes,
-                           zero_fill=zero_fill)
-        self.k_buffers = [self.arena.allocate(shape, self.dtype, name=f"k{l}") for l in range(self.num_layers)]
-        self.v_buffers = [self.arena.allocate(shape, self.dtype, name=f"v{l}") for l in range(self.num_layers)]
-        self.k = _LayerViews(self.k_buffers)
-        self.v = _LayerViews(self.v_buffers)
+        reserve = 2 * self.num_layers * -(-buffer_bytes // chunk) * chunk
+        try:
+            self.arena = Arena(
+                reserve,
+                device=device,
+                chunk_bytes=chunk,
+                handle_bytes=handle_bytes,
+                zero_fill=zero_fill,
+            )
+        except (DriverError, ValueError) as e:  # the reservation itself: name our arguments
+            raise type(e)(
+                f"{self._signature()}: needs {reserve} bytes of address space "
+                f"({self._size_formula()}, in whole chunks), and the reservation "
+                f"failed: {e}. Lower max_tokens or max_seqs"
+            ) from e
+        self.k_buffers = [
+            self.arena.allocate(shape, self.dtype, name=f"k{l}") for l in range(self.num_layers)
+        ]
+        self.v_buffers = [
+            self.arena.allocate(shape, self.dtype, name=f"v{l}") for l in range(self.num_layers)
+        ]
+        self.k = _LayerViews(self.k_buffers, "kv.k")
+        self.v = _LayerViews(self.v_buffers, "kv.v")
         self._lock = threading.RLock()
         # Tokens each sequence asked for through ensure(): decides which chunks shared
         # by two sequences may be released (actual backing can be larger: chunk rounding).
@@ -135,6 +193,20 @@ class KVArena:
             for seq in range(seqs):
                 self.ensure(initial_tokens, None if self.max_seqs is None else seq)
 
+    def _signature(self) -> str:
+        return (
+            f"kv_arena(num_layers={self.num_layers}, num_kv_heads={self.num_kv_heads}, "
+            f"head_dim={self.head_dim}, max_tokens={self.max_tokens}, "
+            f"max_seqs={self.max_seqs}, dtype={self.dtype})"
+        )
+
+    def _size_formula(self) -> str:
+        seqs = "" if self.max_seqs is None else " x max_seqs"
+        return (
+            f"2 x num_layers{seqs} x max_tokens x num_kv_heads x head_dim x "
+            f"{self.dtype.itemsize} bytes"
+        )
+
     # -- geometry ------------------------------------------------------------------
     @property
     def buffers(self) -> list[Buffer]:
@@ -147,13 +219,20 @@ class KVArena:
     def _seq_base(self, seq: int | None, op: str) -> int:
         if self.max_seqs is None:
             if seq is not None:
-                raise ValueError(f"{op}: this KV arena has no per-sequence layout (max_seqs=None); pass seq=None")
+                raise ValueError(
+                    f"{op}: this KV arena has no per-sequence layout (max_seqs=None); pass seq=None"
+                )
             return 0
         if seq is None:
-            raise ValueError(f"{op}: this KV arena has max_seqs={self.max_seqs}; pass seq=<0..{self.max_seqs - 1}>")
+            raise ValueError(
+                f"{op}: this KV arena has max_seqs={self.max_seqs}; "
+                f"pass seq=<0..{self.max_seqs - 1}>"
+            )
         seq = _as_index(seq, "seq")
         if seq >= self.max_seqs:
-            raise ValueError(f"{op}: seq={seq} is out of range; expected 0 <= seq < {self.max_seqs}")
+            raise ValueError(
+                f"{op}: seq={seq} is out of range; expected 0 <= seq < {self.max_seqs}"
+            )
         return seq * self.seq_bytes
 
     def _check_tokens(self, n: Any, op: str) -> int:
@@ -328,8 +407,12 @@ class KVArena:
             for seq in range(1 if self.max_seqs is None else self.max_seqs):
                 base = seq * self.seq_bytes
                 q = None if self.max_seqs is None else seq
-                ranges += self._release_ranges(base + num_tokens * self.token_bytes,
-                                               base + self.seq_bytes, q, keep_before=num_tokens > 0)
+                ranges += self._release_ranges(
+                    base + num_tokens * self.token_bytes,
+                    base + self.seq_bytes,
+                    q,
+                    keep_before=num_tokens > 0,
+                )
             released = self.arena._handle.decommit_ranges(ranges, wait)
             for seq in range(len(self._ensured)):
                 self._ensured[seq] = min(self._ensured[seq], num_tokens)
@@ -477,31 +560,39 @@ class KVArena:
         prefix = min(b.backed_prefix(base, stop) for b in self.buffers)
         return prefix // self.token_bytes
 
-    def dest(self, layer: int) -> "KVDest":
+    def dest(self, layer: int) -> KVDest:
         """The static destination of layer ``layer`` for :func:`jax_vmm.kv_write` /
         ``kv_write_through`` (``dest=kv.dest(l)``): inside ``jit`` it makes the tokens land
         in this arena whatever buffer XLA hands the custom call (a copy when the cache is
-        not donated, or on CPU)."""
+        not donated, or on CPU). It names the layer's buffers by uid: once this arena is
+        closed or gone, a step traced with it refuses to run instead of writing whatever
+        sits at those addresses then."""
         from .ops import KVDest
 
-        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or not (
-                -self.num_layers <= int(layer) < self.num_layers):
-            raise IndexError(f"KVArena.dest: layer must be an int in [0, {self.num_layers}), "
-                             f"got {layer!r}")
+        layer = _layer_index(layer, self.num_layers, "KVArena.dest")
         self.arena._check_open("KVArena.dest")
-        k, v = self.k_buffers[int(layer)], self.v_buffers[int(layer)]
-        return KVDest(k_address=k.address, v_address=v.address, nbytes=k.nbytes)
+        k, v = self.k_buffers[layer], self.v_buffers[layer]
+        return KVDest(
+            k_address=k.address, v_address=v.address, nbytes=k.nbytes, k_uid=k.uid, v_uid=v.uid
+        )
 
     # -- checks and stats ------------------------------------------------------------------
-    def dropped_writes(self) -> int:
+    def dropped_writes(self, *arrays: Any) -> int:
         """Token writes dropped by kv_write (slot out of range or on an unbacked page)
-        since the last :meth:`check`, summed over K and V of every layer."""
+        since the last :meth:`check`, summed over K and V of every layer. Waits first, as
+        :meth:`check` does."""
+        _wait_for_writes(arrays)
         return sum(self.arena._handle.drop_count(b.id) for b in self.buffers)
 
-    def check(self) -> None:
+    def check(self, *arrays: Any) -> None:
         """Raise :class:`~jax_vmm.errors.OutOfBoundsWrite` if any write was dropped since
-        the last check (and reset the count). Wait for the writing step first."""
-        count = self.dropped_writes()
+        the last check (and reset the count).
+
+        Waits for the writes that can still count first: for ``arrays`` (any pytrees of
+        arrays, e.g. a step's results) and, through ``jax.effects_barrier()``, for every
+        computation with a kv_write that this thread dispatched. A step dispatched from
+        another thread is covered only by passing its results here."""
+        count = self.dropped_writes(*arrays)
         if count:
             for b in self.buffers:
                 self.arena._handle.reset_drop_count(b.id)
@@ -534,26 +625,65 @@ class KVArena:
         self._ahead.stop()
         self.arena.close()
 
-    def __enter__(self) -> "KVArena":
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise _refuse_copy("KVArena", self.arena.device, "np.asarray(kv.k[layer])")
+
+    def __enter__(self) -> KVArena:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
     def __repr__(self) -> str:
-        return (f"KVArena(layers={self.num_layers}, max_seqs={self.max_seqs}, max_tokens={self.max_tokens}, "
-                f"heads={self.num_kv_heads}, head_dim={self.head_dim}, dtype={self.dtype}, "
-                f"backed={self.arena.backed_bytes})")
+        return (
+            f"KVArena(layers={self.num_layers}, max_seqs={self.max_seqs}, "
+            f"max_tokens={self.max_tokens}, "
+            f"heads={self.num_kv_heads}, head_dim={self.head_dim}, dtype={self.dtype}, "
+            f"backed={self.arena.backed_bytes})"
+        )
 
 
-def kv_arena(*, num_layers: int, num_kv_heads: int, head_dim: int, max_tokens: int,
-             dtype: Any = jnp.bfloat16, device: jax.Device | None = None, initial_tokens: int = 0,
-             max_seqs: int | None = None, chunk_bytes: int | None = None,
-             handle_bytes: int | None = None, zero_fill: bool = False,
-             commit_ahead_tokens: int | None = None) -> KVArena:
+def _wait_for_writes(arrays: tuple) -> None:
+    """Blocks until the given arrays are computed and every computation with a side
+    effect (kv_write, kv_write_through) dispatched from this thread has finished."""
+    if arrays:
+        jax.block_until_ready(arrays)
+    try:
+        jax.effects_barrier()
+    except jax.errors.JaxRuntimeError:
+        # The last such computation failed (JAX keeps raising its error from every barrier
+        # until another one replaces it): it has finished, and its error belongs to its
+        # own results, not to this check of the counters.
+        pass
+
+
+def kv_arena(
+    *,
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    max_tokens: int,
+    dtype: Any = jnp.bfloat16,
+    device: jax.Device | None = None,
+    initial_tokens: int = 0,
+    max_seqs: int | None = None,
+    chunk_bytes: int | None = None,
+    handle_bytes: int | None = None,
+    zero_fill: bool = False,
+    commit_ahead_tokens: int | None = None,
+) -> KVArena:
     """Create a :class:`KVArena`: K/V buffers for every layer in one reserved range."""
-    return KVArena(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                   max_tokens=max_tokens, dtype=dtype, device=device,
-                   initial_tokens=initial_tokens, max_seqs=max_seqs, chunk_bytes=chunk_bytes,
-                   handle_bytes=handle_bytes, zero_fill=zero_fill,
-                   commit_ahead_tokens=commit_ahead_tokens)
+    return KVArena(
+        num_layers=num_layers,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        max_tokens=max_tokens,
+        dtype=dtype,
+        device=device,
+        initial_tokens=initial_tokens,
+        max_seqs=max_seqs,
+        chunk_bytes=chunk_bytes,
+        handle_bytes=handle_bytes,
+        zero_fill=zero_fill,
+        commit_ahead_tokens=commit_ahead_tokens,
+    )

@@ -1,4 +1,5 @@
-"""KV-cache writes as XLA FFI custom calls: ``kv_write`` and ``kv_write_through``.
+"""KV-cache writes as XLA FFI custom calls: ``kv_write``, ``kv_write_through`` and
+``kv_write_fp8``.
 
 Both take KV-cache views (``kv.k[l]``, ``kv.v[l]``), ``n`` new tokens and their flat
 slots (``slot = seq * max_tokens + position`` for a per-sequence layout; the cache is seen
@@ -15,7 +16,12 @@ argument intact and gives the call a copy; on CPU, PjRt copies a donated DLPack 
 :class:`KVDest` from :meth:`jax_vmm.KVArena.dest`, is baked into the compiled call
 (arena addresses never move, which is the point of the arena). With it the tokens
 always land in the arena, donated or not, CPU or GPU. Called eagerly on arena views,
-``dest`` is found from the arrays themselves.
+``dest`` is found from the arrays themselves. A dest names its buffers by uid: a step
+traced with the dest of an arena closed or destroyed since refuses to run
+(``JaxRuntimeError``), even when a newer arena now sits at the same addresses.
+
+Both calls have a side effect (the arena), so XLA never removes one whose result is
+unused, and ``jax.effects_barrier()`` (which ``kv.check()`` calls) waits for them.
 
 ``kv_write(k, v, new_k, new_v, slots, dest=None) -> (k, v)`` is functional too: the
 returned arrays hold the tokens. With the cache donated on a GPU the outputs *are* the
@@ -30,13 +36,16 @@ donation needed, zero copy cost in ``lax.scan``/``fori_loop`` too) and returns a
 range, 3 dropped: page not committed). XLA does not know that the cache changed, so order
 later reads of it by data dependence on ``status`` (a custom call such as attention that
 takes it as an operand), or read the arena after the step.
+
+``kv_write_fp8(k, v, new_k, new_v, slots, k_scale, v_scale, dest=None) -> (k, v)`` is
+``kv_write`` into a float8_e4m3fn cache, quantizing float tokens on the device with one
+scale per KV head (the format: jax_vmm/fp8.py).
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -44,13 +53,27 @@ import numpy as np
 
 from ._ffi import register
 from ._loader import core as _core
+from .fp8 import FP8_STORAGE, quantize_fp8
 
-__all__ = ["KVDest", "kv_write", "kv_write_through", "kv_write_stats", "reset_kv_write_stats",
-           "PADDING", "WRITTEN", "DROPPED_OUT_OF_RANGE", "DROPPED_UNBACKED"]
+__all__ = [
+    "KVDest",
+    "kv_write",
+    "kv_write_fp8",
+    "quantize_fp8",
+    "kv_write_through",
+    "kv_write_stats",
+    "reset_kv_write_stats",
+    "PADDING",
+    "WRITTEN",
+    "DROPPED_OUT_OF_RANGE",
+    "DROPPED_UNBACKED",
+]
 
 #: Per-token status codes returned by :func:`kv_write_through`.
 PADDING, WRITTEN, DROPPED_OUT_OF_RANGE, DROPPED_UNBACKED = 0, 1, 2, 3
 
+_WRITE_FP8 = "jax_vmm_kv_write_fp8"
+_FP8_SOURCES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,9 +82,9 @@ class _Targets:
     through: str = "jax_vmm_kv_write_through"
 
 
-#: The FFI targets the wrappers call. ``jax_vmm.testing.unchecked_kv_writes()`` swaps in
-#: the testing layer's unchecked variants for the duration of its with-block (the one
-#: seam for that test hook); nothing else should.
+#: The FFI targets the wrappers call. ``jax_vmm.testing.unchecked_kv_writes()`` and
+#: ``address_only_dests()`` swap in the testing layer's variants for the duration of their
+#: with-block (the one seam for those test hooks); nothing else should.
 _targets = _Targets()
 
 
@@ -72,88 +95,155 @@ def _shape_dtype(x: Any, name: str) -> tuple[tuple[int, ...], np.dtype]:
         raise TypeError(f"kv_write: {name} must be an array, got {type(x).__name__}") from None
 
 
-def _check(op: str, k: Any, v: Any, new_k: Any, new_v: Any, slots: Any) -> int:
-    """Trace-time validation; returns the number of tokens n."""
+def _check(op: str, k: Any, v: Any, new_k: Any, new_v: Any, slots: Any, fp8: bool = False) -> int:
+    """Trace-time validation; returns the number of tokens n. fp8: the cache holds
+    float8_e4m3fn (or uint8) and the new tokens a float type."""
     ks, kd = _shape_dtype(k, "k")
     vs, vd = _shape_dtype(v, "v")
     nks, nkd = _shape_dtype(new_k, "new_k")
     nvs, nvd = _shape_dtype(new_v, "new_v")
     ss, sd = _shape_dtype(slots, "slots")
     if len(ks) < 3:
-        raise ValueError(f"{op}: k must be a KV-cache view of shape (..., num_kv_heads, head_dim) "
-                         f"with rank >= 3, e.g. kv.k[layer]; got shape {ks}")
+        raise ValueError(
+            f"{op}: k must be a KV-cache view of shape (..., num_kv_heads, head_dim) "
+            f"with rank >= 3, e.g. kv.k[layer]; got shape {ks}"
+        )
     if (ks, kd) != (vs, vd):
-        raise ValueError(f"{op}: k and v must have the same shape and dtype; got k {ks} {kd} "
-                         f"and v {vs} {vd}")
+        raise ValueError(
+            f"{op}: k and v must have the same shape and dtype; got k {ks} {kd} and v {vs} {vd}"
+        )
     heads = ks[-2:]
     for name, s, d in (("new_k", nks, nkd), ("new_v", nvs, nvd)):
         if len(s) != 3 or s[1:] != heads:
-            raise ValueError(f"{op}: {name} must have shape (n, {heads[0]}, {heads[1]}) to match "
-                             f"the cache {ks}; got {s}")
-        if d != kd:
-            raise TypeError(f"{op}: {name} has dtype {d} but the cache holds {kd}; cast it with "
-                            f"{name}.astype({kd.name!r})")
-    if nks != nvs:
-        raise ValueError(f"{op}: new_k {nks} and new_v {nvs} must have the same shape")
+            raise ValueError(
+                f"{op}: {name} must have shape (n, {heads[0]}, {heads[1]}) to match "
+                f"the cache {ks}; got {s}"
+            )
+        if fp8:
+            if kd not in FP8_STORAGE:
+                raise TypeError(
+                    f"{op}: the cache must be float8_e4m3fn (or uint8 bits), got {kd}; "
+                    f"use kv_write for other dtypes"
+                )
+            if d not in _FP8_SOURCES:
+                raise TypeError(f"{op}: {name} must be float32, bfloat16 or float16, got {d}")
+        elif d != kd:
+            raise TypeError(
+                f"{op}: {name} has dtype {d} but the cache holds {kd}; cast it with "
+                f"{name}.astype({kd.name!r})"
+            )
+    if nks != nvs or nkd != nvd:
+        raise ValueError(
+            f"{op}: new_k {nks} {nkd} and new_v {nvs} {nvd} must have the same shape and dtype"
+        )
     n = nks[0]
     if ss != (n,):
-        raise ValueError(f"{op}: slots must have shape ({n},), one flat slot per new token; got {ss}")
+        raise ValueError(
+            f"{op}: slots must have shape ({n},), one flat slot per new token; got {ss}"
+        )
     if sd != np.dtype(np.int32):
-        raise TypeError(f"{op}: slots must be int32 (flat slot = seq * max_tokens + position); got "
-                        f"{sd}; use slots.astype(jnp.int32)")
+        raise TypeError(
+            f"{op}: slots must be int32 (flat slot = seq * max_tokens + position); got "
+            f"{sd}; use slots.astype(jnp.int32)"
+        )
     return n
 
 
 @dataclasses.dataclass(frozen=True)
 class KVDest:
-    """Where a kv_write lands: one layer's K and V arena buffers, by address.
+    """Where a kv_write lands: one layer's K and V arena buffers, by uid (the identity,
+    never reused) and address (checked to match).
 
     Static and hashable (it becomes attributes of the compiled custom call, and may be a
-    ``static_argnums`` argument). Get it from :meth:`jax_vmm.KVArena.dest`. The handlers
-    check at every host call that both addresses still start live arena buffers of the
-    cache's size; a closed arena raises instead of being written.
+    ``static_argnums`` argument; dests of two arenas differ, so a step jitted over one is
+    never reused for the other). Get it from :meth:`jax_vmm.KVArena.dest`. The handlers
+    check at every host call that both uids still name buffers of an open arena, at these
+    addresses; otherwise the call fails and writes nothing.
     """
 
     k_address: int
     v_address: int
     nbytes: int  # bytes of each of the two buffers
+    k_uid: int
+    v_uid: int
 
 
-def _arena_address(x: Any, nbytes: int) -> int:
-    """The address of the arena buffer that concrete array ``x`` views, or 0."""
+def _arena_buffer(x: Any, nbytes: int) -> dict | None:
+    """The open arena buffer that concrete array ``x`` views (starting at its base), or
+    None: a tracer, not arena memory, or not a single-device buffer."""
     if isinstance(x, jax.core.Tracer) or not isinstance(x, jax.Array):
-        return 0
+        return None
     try:
-        # Wait with the GIL released first: unsafe_buffer_pointer blocks holding it, and
-        # finishing the producer may need it (releasing a donated DLPack arena view).
-        x.block_until_ready()
         address = int(x.unsafe_buffer_pointer())
-    except Exception:  # sharded, deleted, or not a single-device buffer
-        return 0
+    except Exception:  # noqa: BLE001 - sharded, deleted, or not a single-device buffer
+        return None
     found = _core.find_arena_buffer(address, nbytes)
-    return address if found is not None and found["buffer_base"] == address else 0
+    return found if found is not None and found["buffer_base"] == address else None
+
+
+def _describe(uid: int) -> str:
+    found = _core.find_arena_buffer_by_uid(uid)
+    name = "?" if found is None else found["name"]
+    return f"buffer '{name}' (uid {uid})"
+
+
+def _check_views_match_dest(op: str, k: Any, v: Any, dest: KVDest) -> None:
+    """An eager call's concrete arena views must be the dest's own buffers."""
+    for side, x, uid in (("k", k, dest.k_uid), ("v", v, dest.v_uid)):
+        found = _arena_buffer(x, dest.nbytes)
+        if found is not None and found["buffer_uid"] != uid:
+            raise ValueError(
+                f"{op}: {side} is a view of {_describe(found['buffer_uid'])} but dest names "
+                f"{_describe(uid)}; pass dest=kv.dest(layer) of the layer whose views you "
+                "write, or leave dest out in eager calls (it is found from the views)"
+            )
+
+
+#: Checks an eager call's views against its dest. The seam for
+#: ``jax_vmm.testing.address_only_dests()``, which removes the check for its with-block;
+#: nothing else should.
+_verify_views = _check_views_match_dest
 
 
 def _dest_attrs(op: str, k: Any, v: Any, dest: KVDest | None) -> dict:
     nbytes = int(np.prod(k.shape)) * np.dtype(k.dtype).itemsize
     if dest is None:
-        ka, va = _arena_address(k, nbytes), _arena_address(v, nbytes)
-        if not (ka and va):
-            ka = va = 0
-    elif not isinstance(dest, KVDest):
-        raise TypeError(f"{op}: dest must be a jax_vmm.KVDest from kv.dest(layer), got "
-                        f"{type(dest).__name__}")
-    elif dest.nbytes != nbytes:
-        raise ValueError(f"{op}: dest names buffers of {dest.nbytes} bytes but the cache "
-                         f"{tuple(k.shape)} {np.dtype(k.dtype)} has {nbytes}; pass the dest of "
-                         f"the KV arena (and layer) whose views you write")
-    else:
-        ka, va = dest.k_address, dest.v_address
-    return {"dest_k": np.uint64(ka), "dest_v": np.uint64(va)}
+        kb, vb = _arena_buffer(k, nbytes), _arena_buffer(v, nbytes)
+        if kb is None or vb is None:
+            return _attrs(0, 0, 0, 0)
+        return _attrs(kb["buffer_base"], vb["buffer_base"], kb["buffer_uid"], vb["buffer_uid"])
+    if not isinstance(dest, KVDest):
+        raise TypeError(
+            f"{op}: dest must be a jax_vmm.KVDest from kv.dest(layer), got {type(dest).__name__}"
+        )
+    if dest.nbytes != nbytes:
+        raise ValueError(
+            f"{op}: dest names buffers of {dest.nbytes} bytes but the cache "
+            f"{tuple(k.shape)} {np.dtype(k.dtype)} has {nbytes}; pass the dest of "
+            f"the KV arena (and layer) whose views you write"
+        )
+    _verify_views(op, k, v, dest)
+    return _attrs(dest.k_address, dest.v_address, dest.k_uid, dest.v_uid)
 
 
-def kv_write(k: jax.Array, v: jax.Array, new_k: jax.Array, new_v: jax.Array,
-             slots: jax.Array, *, dest: KVDest | None = None) -> tuple[jax.Array, jax.Array]:
+def _attrs(k_address: int, v_address: int, k_uid: int, v_uid: int) -> dict:
+    return {
+        "dest_k": np.uint64(k_address),
+        "dest_v": np.uint64(v_address),
+        "dest_k_uid": np.uint64(k_uid),
+        "dest_v_uid": np.uint64(v_uid),
+    }
+
+
+def kv_write(
+    k: jax.Array,
+    v: jax.Array,
+    new_k: jax.Array,
+    new_v: jax.Array,
+    slots: jax.Array,
+    *,
+    dest: KVDest | None = None,
+) -> tuple[jax.Array, jax.Array]:
     """Write ``n`` tokens into a KV cache; returns the updated ``(k, v)``.
 
     Args:
@@ -179,27 +269,86 @@ def kv_write(k: jax.Array, v: jax.Array, new_k: jax.Array, new_v: jax.Array,
     out = jax.ffi.ffi_call(
         _targets.write,
         (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
-        input_output_aliases={0: 0, 1: 1})(k, v, new_k, new_v, slots, **attrs)
+        input_output_aliases={0: 0, 1: 1},
+        has_side_effect=True,
+    )(k, v, new_k, new_v, slots, **attrs)
     return out[0], out[1]
 
 
-def kv_write_through(k: jax.Array, v: jax.Array, new_k: jax.Array, new_v: jax.Array,
-                     slots: jax.Array, *, dest: KVDest | None = None) -> jax.Array:
+def kv_write_fp8(
+    k: jax.Array,
+    v: jax.Array,
+    new_k: jax.Array,
+    new_v: jax.Array,
+    slots: jax.Array,
+    k_scale: jax.Array,
+    v_scale: jax.Array,
+    *,
+    dest: KVDest | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """:func:`kv_write` into an fp8 cache: quantizes on the device.
+
+    Args:
+      k, v: the fp8 cache ``(..., H, D)``: float8_e4m3fn (``kv_arena(...,
+        dtype=jnp.float8_e4m3fn)`` views), or uint8 holding its bits.
+      new_k, new_v: ``(n, H, D)`` float32, bfloat16 or float16 tokens (one dtype).
+      slots, dest: as for :func:`kv_write`.
+      k_scale, v_scale: float32 ``(H,)``: the cache holds ``fp8(x * (1 / scale[h]))``
+        (round to nearest even, saturated to +-448, NaN kept: :func:`quantize_fp8`), and
+        ``decode_attention(q, k, v, lengths, k_scale=..., v_scale=...)`` reads
+        ``fp8 * scale[h]``. Device arrays, so they may change between steps without a
+        recompile; a scale must be positive and finite (not checked on the device).
+
+    Returns the updated ``(k, v)``, like :func:`kv_write` (validation, status and drop
+    counting identical; the CUDA handler needs head_dim a multiple of 8).
+    """
+    n = _check("kv_write_fp8", k, v, new_k, new_v, slots, fp8=True)
+    ks, vs = jnp.asarray(k_scale), jnp.asarray(v_scale)
+    H = k.shape[-2]
+    for name, x in (("k_scale", ks), ("v_scale", vs)):
+        if x.shape != (H,) or np.dtype(x.dtype) != np.float32:
+            raise ValueError(
+                f"kv_write_fp8: {name} must be float32 of shape ({H},), one scale per "
+                f"KV head; got {x.dtype} {x.shape}"
+            )
+    attrs = _dest_attrs("kv_write_fp8", k, v, dest)
+    if n == 0:
+        return k, v
+    register()
+    out = jax.ffi.ffi_call(
+        _WRITE_FP8,
+        (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
+        input_output_aliases={0: 0, 1: 1},
+    )(k, v, new_k, new_v, slots, ks, vs, **attrs)
+    return out[0], out[1]
+
+
+def kv_write_through(
+    k: jax.Array,
+    v: jax.Array,
+    new_k: jax.Array,
+    new_v: jax.Array,
+    slots: jax.Array,
+    *,
+    dest: KVDest | None = None,
+) -> jax.Array:
     """Write ``n`` tokens straight into the arena buffers of ``k``/``v``.
 
     Same arguments as :func:`kv_write`. Without ``dest``, ``k``/``v`` must be arena memory
     when the program runs (jit arguments that no other op updates; on CPU not donated),
     otherwise the call fails with an error saying so. Returns the ``(2, n)`` int32 status
-    (see :data:`WRITTEN` and friends); keep it alive (return it, or feed it to the op that
-    reads the cache next), since XLA removes calls whose result is unused.
+    (see :data:`WRITTEN` and friends). The call runs even when the status is unused (it
+    has a side effect); feed the status to the op that reads the cache next to order that
+    read after the write.
     """
     n = _check("kv_write_through", k, v, new_k, new_v, slots)
     attrs = _dest_attrs("kv_write_through", k, v, dest)
     if n == 0:
         return jnp.zeros((2, 0), jnp.int32)
     register()
-    return jax.ffi.ffi_call(_targets.through, jax.ShapeDtypeStruct((2, n), jnp.int32))(
-        k, v, new_k, new_v, slots, require_arena=True, **attrs)
+    return jax.ffi.ffi_call(
+        _targets.through, jax.ShapeDtypeStruct((2, n), jnp.int32), has_side_effect=True
+    )(k, v, new_k, new_v, slots, require_arena=True, **attrs)
 
 
 def kv_write_stats() -> dict:
@@ -219,4 +368,3 @@ def kv_write_stats() -> dict:
 def reset_kv_write_stats() -> None:
     """Zero every kv_write counter (waits for the devices)."""
     _core.kv_write_reset_stats()
-

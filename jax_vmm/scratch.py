@@ -19,8 +19,14 @@ import jax
 
 from ._loader import core as _core
 
-__all__ = ["scratch_stats", "set_scratch_mode", "get_scratch_mode", "reserve",
-           "set_reserve_bytes", "get_reserve_bytes"]
+__all__ = [
+    "scratch_stats",
+    "set_scratch_mode",
+    "get_scratch_mode",
+    "reserve",
+    "set_reserve_bytes",
+    "get_reserve_bytes",
+]
 
 Mode = Literal["default", "grow", "retire"]
 

@@ -1,5 +1,6 @@
 """Test hooks of jax_vmm: switches that remove one protection each, so that a test can
-show its checks would catch the failure they guard against.
+show its checks would catch the failure they guard against, or force one production path
+that tests would not reach otherwise.
 
 Nothing here is for production use, and the production ``jax_vmm`` namespace exposes
 none of it. The hooks live in the C++ testing layer (``ffi/src/testing/``, the submodule
@@ -18,9 +19,16 @@ the only Python code that imports it.
 * :func:`uncounted_view`: a view that does not count as a raw view of its arena, standing
   in for memory that jax_vmm's own ops reach by identity.
 * :func:`unchecked_kv_writes`: ``jax_vmm.kv_write`` / ``kv_write_through`` call variants
-  without the slot range and page checks.
-* :func:`decode_attention`: decode attention with an aliased ``out_init`` output buffer,
-  ``skip_output`` and (CPU) ``read_all_tokens``.
+  without the slot range and page checks; :func:`token_kernel_kv_writes`: the same calls
+  with the (checked) token kernel that production keeps for huge tokens.
+* :func:`decode_attention`: decode attention (split-K or streaming kernel) with an
+  aliased ``out_init`` output buffer, ``skip_output`` and (split-K, CPU)
+  ``read_all_tokens``; :func:`stream_partition`: the streaming kernel's work partition.
+* :func:`address_only_dests`: a ``KVDest`` identified by its addresses alone (no uid
+  check in the handlers, no check of eager views against the dest), as before buffers
+  had uids.
+* :func:`legacy_views`: views without a view lease, whose DLPack deleter takes the GIL
+  (a plain nanobind ndarray owning a reference to the arena), as before leases.
 * :func:`scratch_probe` (with :func:`scratch_probe_stats`, :func:`address_of`): a custom
   call that copies its input through a graph-safe scratch workspace;
   :func:`scratch_get` serves a workspace with a simulated capture state;
@@ -32,7 +40,8 @@ Thread-safety: the switches are process-wide. Use them from one test at a time.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Literal
+from collections.abc import Iterator
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -47,13 +56,27 @@ _testing = getattr(_core, "testing", None)
 if _testing is None:  # pragma: no cover - only in a build with JAX_VMM_TESTING=OFF
     raise ImportError(
         "jax_vmm.testing needs the testing layer, which this build of jax_vmm left out "
-        "(CMake option JAX_VMM_TESTING=OFF); rebuild with -DJAX_VMM_TESTING=ON")
+        "(CMake option JAX_VMM_TESTING=OFF); rebuild with -DJAX_VMM_TESTING=ON"
+    )
 _ffi.add_source(_testing.registrations)
 
-__all__ = ["InjectedFault", "FaultInjection", "fault_injection", "uncounted_view",
-           "unchecked_kv_writes",
-           "decode_attention", "scratch_probe", "scratch_probe_stats", "address_of",
-           "scratch_get", "free_scratch_on_growth"]
+__all__ = [
+    "InjectedFault",
+    "FaultInjection",
+    "fault_injection",
+    "uncounted_view",
+    "unchecked_kv_writes",
+    "token_kernel_kv_writes",
+    "address_only_dests",
+    "legacy_views",
+    "decode_attention",
+    "stream_partition",
+    "scratch_probe",
+    "scratch_probe_stats",
+    "address_of",
+    "scratch_get",
+    "free_scratch_on_growth",
+]
 
 #: A driver call failed because a test armed a fault (:meth:`FaultInjection.arm`).
 #: A ``RuntimeError``.
@@ -152,17 +175,18 @@ def fault_injection() -> Iterator[FaultInjection]:
 
 def uncounted_view(buf: Any, shape: Any = None, dtype: Any = None) -> jax.Array:
     """A zero-copy view of a buffer (like ``buf.view``) that does not count as a raw view
-    of its arena: the arena does not switch to waiting commits and releases. It stands in
-    for the arena memory jax_vmm's own ops reach by identity (they never read an unbacked
-    chunk); reading it with XLA ops over unbacked chunks may fault."""
+    of its arena (a view without a lease, as :func:`legacy_views` makes): the arena does
+    not switch to waiting commits and releases. It stands in for the arena memory
+    jax_vmm's own ops reach by identity (they never read an unbacked chunk); reading it
+    with XLA ops over unbacked chunks may fault."""
     arena = buf.arena
     arena._check_open("testing.uncounted_view")
     shape = buf.shape if shape is None else _arena._as_shape(shape)
     np_dtype = buf.dtype if dtype is None else jnp.dtype(dtype)
     code, bits = _arena._dlpack_dtype(np_dtype)
     t = arena._target
-    capsule = _testing.uncounted_view(arena._handle, buf.id, list(shape), code, bits,
-                                      t.dlpack_device_type, t.ordinal)
+    capsule = _testing.legacy_view(arena._handle, buf.id, list(shape), code, bits,
+                                   t.dlpack_device_type, t.ordinal)
     return jax.dlpack.from_dlpack(
         _arena._DLPackCapsule(capsule, t.dlpack_device_type, t.ordinal), copy=False)
 
@@ -171,60 +195,177 @@ def uncounted_view(buf: Any, shape: Any = None, dtype: Any = None) -> jax.Array:
 
 
 @contextlib.contextmanager
-def unchecked_kv_writes() -> Iterator[None]:
-    """Inside the with-block ``jax_vmm.kv_write`` / ``kv_write_through`` call variants that
-    skip the slot range and page checks and write wherever a slot points: out-of-range
-    slots corrupt neighbouring memory and unbacked pages fault. Applies to calls traced
-    inside the block (a function jitted before keeps its checked call)."""
+def _kv_write_targets(targets: Any) -> Iterator[None]:
+    """``jax_vmm.kv_write`` / ``kv_write_through`` call `targets` inside the with-block."""
     previous = _ops._targets
-    _ops._targets = _ops._Targets(write="jax_vmm_testing_kv_write_unchecked",
-                                  through="jax_vmm_testing_kv_write_through_unchecked")
+    _ops._targets = targets
     try:
         yield
     finally:
         _ops._targets = previous
 
 
+def unchecked_kv_writes() -> contextlib.AbstractContextManager[None]:
+    """Inside the with-block ``jax_vmm.kv_write`` / ``kv_write_through`` call variants that
+    skip the slot range and page checks and write wherever a slot points: out-of-range
+    slots corrupt neighbouring memory and unbacked pages fault. Applies to calls traced
+    inside the block (a function jitted before keeps its checked call)."""
+    return _kv_write_targets(
+        _ops._Targets(
+            write="jax_vmm_testing_kv_write_unchecked",
+            through="jax_vmm_testing_kv_write_through_unchecked",
+        )
+    )
+
+
+def token_kernel_kv_writes() -> contextlib.AbstractContextManager[None]:
+    """Inside the with-block ``jax_vmm.kv_write`` / ``kv_write_through`` run, on a GPU, the
+    token kernel (one thread group per token) instead of the tiled kernel: the checked
+    fallback that production picks only for tokens too large for the tiled kernel, so that
+    tests reach it and benchmarks compare the two. On the CPU (one writer) nothing changes.
+    Applies to calls traced inside the block."""
+    return _kv_write_targets(
+        _ops._Targets(
+            write="jax_vmm_testing_kv_write_token_kernel",
+            through="jax_vmm_testing_kv_write_through_token_kernel",
+        )
+    )
+
+
+@contextlib.contextmanager
+def address_only_dests() -> Iterator[None]:
+    """Inside the with-block a ``KVDest`` is identified by its addresses alone: the
+    kv_write call variants traced there take the uid of whatever live buffer starts at
+    the dest address when they run (so a step traced with the dest of a destroyed arena
+    writes a newer arena placed at the same address), and eager calls no longer check
+    their views against the dest. Applies to calls traced inside the block."""
+    previous = _ops._targets, _ops._verify_views
+    _ops._targets = _ops._Targets(
+        write="jax_vmm_testing_kv_write_address_only",
+        through="jax_vmm_testing_kv_write_through_address_only",
+    )
+    _ops._verify_views = lambda *args: None
+    try:
+        yield
+    finally:
+        _ops._targets, _ops._verify_views = previous
+
+
+# -- views without leases -------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def legacy_views() -> Iterator[None]:
+    """Views made inside the with-block (``buf.array``, ``kv.k[l]``) have no view lease:
+    they keep the arena alive through a Python reference that their DLPack deleter drops
+    with the GIL taken (on whatever thread XLA releases them, also during interpreter
+    exit), and ``free()`` does not see them (their range may be placed again under
+    them)."""
+    previous = _arena._core_view_factory
+    _arena._core_view_factory = _testing.legacy_view
+    try:
+        yield
+    finally:
+        _arena._core_view_factory = previous
+
+
 # -- decode attention with its protections removable ---------------------------------
 
 
-def decode_attention(q: Any, k: Any, v: Any, lengths: Any, *, out_init: Any = None,
-                     read_all_tokens: bool = False, skip_output: bool = False,
-                     scale: float | None = None, chunk: int = 0, splits: int = 0,
-                     impl: str = "auto") -> jax.Array:
+def decode_attention(
+    q: Any,
+    k: Any,
+    v: Any,
+    lengths: Any,
+    *,
+    out_init: Any = None,
+    read_all_tokens: bool = False,
+    skip_output: bool = False,
+    scale: float | None = None,
+    chunk: int = 0,
+    splits: int = 0,
+    impl: str = "auto",
+    k_scale: Any = None,
+    v_scale: Any = None,
+    ctas: int = 0,
+    stages: int = 0,
+    min_tiles: int = 0,
+) -> jax.Array:
     """``jax_vmm.decode_attention`` (graph-safe scratch workspace) through the testing
-    target, with the same validation and plan.
+    targets, with the same validation, kernel choice and plan as the private
+    ``jax_vmm.attention._decode_attention`` (the split-K kernel, or the streaming one for
+    fp8 caches and impl "stream*", with their plan knobs).
 
     out_init: an array of q's shape and dtype that becomes the output buffer before the
       kernel runs (aliased; default zeros), e.g. NaN, to show that every element is
       written.
     skip_output: write nothing to the output (out_init comes back unchanged).
-    read_all_tokens: (CPU only) also touch every token up to T, as a kernel that ignored
-      the lengths would.
+    read_all_tokens: (the split-K CPU handler only) also touch every token up to T, as a
+      kernel that ignored the lengths would.
     """
-    call = _attention._prepare(q, k, v, lengths, scale=scale, chunk=chunk, splits=splits,
-                               impl=impl, workspace="scratch")
+    call = _attention._prepare(
+        q,
+        k,
+        v,
+        lengths,
+        scale=scale,
+        chunk=chunk,
+        splits=splits,
+        impl=impl,
+        workspace="scratch",
+        k_scale=k_scale,
+        v_scale=v_scale,
+        ctas=ctas,
+        stages=stages,
+        min_tiles=min_tiles,
+    )
     if call is None:
         return jnp.zeros(jnp.shape(q), jnp.asarray(q).dtype)
-    if read_all_tokens and call.device.platform != "cpu":
-        raise ValueError("read_all_tokens is implemented by the CPU handler only")
+    if read_all_tokens and (call.device.platform != "cpu" or call.stream):
+        raise ValueError("read_all_tokens is implemented by the split-K CPU handler only")
     q = call.operands[0]
     out_init = jnp.zeros(q.shape, q.dtype) if out_init is None else jnp.asarray(out_init)
     if out_init.shape != q.shape or out_init.dtype != q.dtype:
-        raise ValueError(f"out_init must match q: {q.shape} {q.dtype}, got {out_init.shape} "
-                         f"{out_init.dtype}")
-    ffi = jax.ffi.ffi_call("jax_vmm_testing_decode_attention", call.out_type,
-                           vmap_method="sequential", input_output_aliases={4: 0})
-    return ffi(*call.operands, out_init, read_all_tokens=bool(read_all_tokens),
-               skip_output=bool(skip_output), **call.attrs)
+        raise ValueError(
+            f"out_init must match q: {q.shape} {q.dtype}, got {out_init.shape} {out_init.dtype}"
+        )
+    attrs = dict(call.attrs, skip_output=bool(skip_output))
+    if call.stream:
+        target = "jax_vmm_testing_decode_attention_v2"
+    else:
+        target = "jax_vmm_testing_decode_attention"
+        attrs["read_all_tokens"] = bool(read_all_tokens)
+    ffi = jax.ffi.ffi_call(
+        target,
+        call.out_type,
+        vmap_method="sequential",
+        input_output_aliases={len(call.operands): 0},
+    )
+    return ffi(*call.operands, out_init, **attrs)
+
+
+def stream_partition(
+    lengths: Any, max_tokens: int, unit_groups: int, ctas: int, min_tiles: int
+) -> list[list[tuple[int, ...]]]:
+    """The streaming attention kernel's partition as the kernel computes it
+    (ffi/src/ops/attention/stream_plan.h): per working CTA, its pieces as tuples (b, hg,
+    first_tile, tiles, slot or -1 for a whole unit, first_owner, last_owner)."""
+    parts = _testing.attention_stream_partition(
+        [int(n) for n in lengths], int(max_tokens), int(unit_groups), int(ctas), int(min_tiles)
+    )
+    return [list(pieces) for pieces in parts]
 
 
 # -- scratch --------------------------------------------------------------------------
 
 
-def scratch_probe(x: jax.Array, workspace_bytes: int | None = None, *,
-                  reserve_at: Literal["initialize", "trace"] = "initialize",
-                  device: jax.Device | None = None) -> tuple[jax.Array, jax.Array]:
+def scratch_probe(
+    x: jax.Array,
+    workspace_bytes: int | None = None,
+    *,
+    reserve_at: Literal["initialize", "trace"] = "initialize",
+    device: jax.Device | None = None,
+) -> tuple[jax.Array, jax.Array]:
     """``y = x`` copied through a scratch workspace of ``workspace_bytes`` (default
     ``x.nbytes``). Returns ``(y, address)``: ``address`` is the int32 ``(lo, hi)`` pair of
     the workspace pointer the call used (see :func:`address_of`).

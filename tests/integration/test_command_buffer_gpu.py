@@ -7,6 +7,10 @@
 * Growth under a captured graph: the same executable keeps replaying across
   ``kv.ensure()``; writes past the backed pages are dropped and counted on the device,
   and land once the pages are committed, without re-recording or recompiling.
+* A stale replay: the captured step of an arena closed and destroyed since, run on a
+  new arena of the same shapes (usually at the same addresses, so XLA replays without
+  host code), writes nothing into the new arena: the old page table, pinned and zeroed,
+  drops every write (and should XLA re-record, the handler refuses the stale dest).
 * The seed's scratch hazard: two executables of different batch buckets share one
   stream's scratch; the larger grows it after the smaller was captured; replaying the
   smaller must be correct in both scratch modes, and the driver (cuda-python) must say
@@ -24,6 +28,7 @@ addresses are stable from the second run on (XLA re-records a graph when they ch
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import subprocess
@@ -40,7 +45,7 @@ from jax_vmm import ops, scratch, testing
 from jax_vmm._loader import core as _core
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: conftest, as a script too
-from conftest import cuda_ordinal, cuda_vmm_device  # noqa: E402
+from conftest import cuda_ordinal, cuda_vmm_device, read_bytes  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -250,6 +255,36 @@ def test_growth_under_a_captured_graph():
                 )
     finally:
         kv.close()
+
+
+def test_a_stale_replay_never_writes_a_newer_arena():
+    dev = _gpu()
+    kv, _ = _kv(dev)
+    run = _DecodeRun(kv, _x(), pos0=1)
+    run.run(3)  # recorded, then replayed
+    calls = ops.kv_write_stats()["kv_write"]["calls"]
+    exe, pos, acc, x = run.exe, run.pos, run.acc, run.x
+    address = kv.k_buffers[0].address
+    kv.close()
+    del kv, run  # the step's last views of the arena go with the run
+    gc.collect()
+    kv2, _ = _kv(dev)  # the same shapes: usually the same addresses
+    try:
+        before = [read_bytes(b).tobytes() for b in kv2.buffers]
+        refused = None
+        try:
+            jax.block_until_ready(exe(kv2.k[0], kv2.v[0], pos, acc, x))
+        except jax.errors.JaxRuntimeError as e:  # XLA re-recorded: the handler ran
+            refused = str(e)
+            assert "no longer exists" in refused, refused
+        replayed = refused is None and ops.kv_write_stats()["kv_write"]["calls"] == calls
+        print(f"same address: {kv2.k_buffers[0].address == address}, replayed without host "
+              f"code: {replayed}, refused by the handler: {refused is not None}")
+        after = [read_bytes(b).tobytes() for b in kv2.buffers]
+        assert after == before, "a stale step wrote the newer arena"
+        kv2.check()  # and nothing was counted against it
+    finally:
+        kv2.close()
 
 
 _DUMP_SCRIPT = r"""

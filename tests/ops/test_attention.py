@@ -191,6 +191,26 @@ def test_lengths_are_clamped(device):
     assert_close(out, reference(q64, k64, v64, np.clip(lengths, 0, T)), q.dtype)
 
 
+def test_wide_lengths_are_clamped_not_wrapped(device):
+    """Lengths wider than int32 are clamped to [0, T] before the int32 cast: 2**32 + 1
+    must mean "all T tokens", not 1 (its low 32 bits)."""
+    B, T, Hq, Hkv, D = 3, 40, 4, 2, 64
+    rng = np.random.default_rng(5)
+    (q, k, v), (q64, k64, v64) = random_inputs(
+        rng, B, T, Hq, Hkv, D, F32 if device.platform == "cpu" else BF16
+    )
+    q, k, v = on(device, q, k, v)
+    wide = [2**32 + 1, -(2**40), 2**63 - 1]
+    want = reference(q64, k64, v64, [T, 0, T])
+    for lengths in (np.array(wide, np.int64), wide, np.array([2**32 + 1, 0, 2**64 - 1], np.uint64)):
+        assert_close(jax_vmm.decode_attention(q, k, v, lengths), want, q.dtype)
+    with jax.enable_x64(True):
+        lens = jax.device_put(jnp.array(wide, jnp.int64), device)
+        assert_close(jax_vmm.decode_attention(q, k, v, lens), want, q.dtype)
+        jitted = jax.jit(jax_vmm.decode_attention)(q, k, v, lens)
+        assert_close(jitted, want, q.dtype)
+
+
 def test_scale_and_xla_workspace(device):
     B, T, Hq, Hkv, D = 2, 130, 8, 4, 128
     rng = np.random.default_rng(11)
@@ -425,6 +445,9 @@ def test_trace_time_validation():
         _decode_attention(q.astype(F32), k.astype(F32), k.astype(F32), L, impl="tensor_core")
     with pytest.raises(ValueError, match="scale"):
         jax_vmm.decode_attention(q, k, k, L, scale=float("nan"))
+    for bad in ("x", "0.5", [0.5], True):
+        with pytest.raises(TypeError, match=r"scale must be a real number"):
+            jax_vmm.decode_attention(q, k, k, L, scale=bad)
     # int64 / int16 lengths are accepted (cast to int32)
     out = jax_vmm.decode_attention(q, k, k, jnp.array([3, 0], jnp.int16))
     assert out.shape == q.shape
@@ -496,7 +519,8 @@ def test_gpu_kernels_agree_on_the_benchmark_shape(gpu_device):
 
 
 @pytest.mark.gpu
-def test_gpu_step_is_captured_and_replays_with_device_lengths(gpu_device):
+@pytest.mark.parametrize("impl", ["auto", "stream"])
+def test_gpu_step_is_captured_and_replays_with_device_lengths(gpu_device, impl):
     """A jitted decode step over 5 layers (XLA turns >= 5 adjacent commands into a CUDA
     graph) is captured; with every buffer address stable -- the lengths live in an arena
     buffer updated in place between steps -- later steps replay the graph without calling
@@ -529,7 +553,7 @@ def test_gpu_step_is_captured_and_replays_with_device_lengths(gpu_device):
 
         @jax.jit
         def step(qs, ks, vs, lens):
-            return [jax_vmm.decode_attention(qs[l], ks[l], vs[l], lens) for l in range(L)]
+            return [_decode_attention(qs[l], ks[l], vs[l], lens, impl=impl) for l in range(L)]
 
         lengths = np.zeros(B, np.int32)
         calls = []

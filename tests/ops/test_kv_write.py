@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import jax
@@ -130,11 +131,18 @@ def test_zero_tokens_is_a_no_op():
 # -- kv_write: results and where they land ---------------------------------------------
 
 
-@pytest.mark.parametrize("how", ["jit_dest", "eager", "jit_no_dest"])
-@pytest.mark.parametrize("donate", [False, True], ids=["keep", "donate"])
+@pytest.mark.parametrize(
+    "how,donate",
+    [
+        ("eager", False),  # an eager call cannot donate
+        ("jit_dest", False),
+        ("jit_dest", True),
+        ("jit_no_dest", False),
+        ("jit_no_dest", True),
+    ],
+    ids=["eager", "jit_dest-keep", "jit_dest-donate", "jit_no_dest-keep", "jit_no_dest-donate"],
+)
 def test_kv_write_returns_updated_cache(vm, donate, how):
-    if how == "eager" and donate:
-        pytest.skip("an eager call cannot donate")
     dtype = jnp.float32
     kv = vm.kv(
         num_layers=1, num_kv_heads=H, head_dim=D, max_tokens=64, dtype=dtype, initial_tokens=64
@@ -253,7 +261,7 @@ def test_dest_errors_leave_the_arena_unchanged(vm):
     small = vm.kv(num_layers=1, num_kv_heads=H, head_dim=D, max_tokens=8, dtype=dtype)
     with pytest.raises(ValueError, match="dest names buffers of 512 bytes"):
         ops.kv_write(k, v, nk, nk, slots, dest=small.dest(0))
-    with pytest.raises(IndexError, match=r"layer must be an int in \[0, 2\)"):
+    with pytest.raises(IndexError, match=r"layer 2 is out of range for 2 layers"):
         kv.dest(2)
     small.close()
     for buf, want in zip(kv.buffers, before):  # no bad call wrote anything
@@ -271,7 +279,7 @@ def test_dest_errors_leave_the_arena_unchanged(vm):
     for buf, w in zip(kv.buffers, want):
         _same(_cache(buf, dtype), w, buf.name)
     kv.close()
-    with pytest.raises(Exception, match="not the start of a live jax_vmm arena buffer"):
+    with pytest.raises(jax.errors.JaxRuntimeError, match=r"dest_k is buffer 'k1' .*was closed"):
         jax.block_until_ready(step(plain, plain, nk, slots))
     with pytest.raises(jax_vmm.ArenaClosedError):
         kv.dest(0)
@@ -364,10 +372,82 @@ def test_kv_write_through_in_loops_without_donation(vm, loop):
 def test_kv_write_through_refuses_copies(vm):
     k = _put(vm, np.zeros((16, H, D), np.float32))
     nk = _put(vm, np.ones((1, H, D), np.float32))
-    with pytest.raises(Exception, match="not memory of a jax_vmm arena"):
+    with pytest.raises(jax.errors.JaxRuntimeError, match="not memory of a jax_vmm arena"):
         jax.block_until_ready(
             jax.jit(ops.kv_write_through)(k, k, nk, nk, _put(vm, np.array([1], np.int32)))
         )
+
+
+# -- what XLA must keep, and when check() may read the counters ----------------------------
+
+
+@pytest.mark.parametrize("op", ["through", "write"])
+def test_a_write_whose_result_is_unused_still_writes(vm, op):
+    """The custom calls have a side effect (the arena): XLA must not remove them when
+    the step ignores their result."""
+    kv = vm.kv(
+        num_layers=1, num_kv_heads=H, head_dim=D, max_tokens=16, dtype=jnp.float32,
+        initial_tokens=16,
+    )
+    dest = kv.dest(0)
+    write = ops.kv_write_through if op == "through" else ops.kv_write
+
+    @jax.jit
+    def step(k, v, new, slots):
+        write(k, v, new, new, slots, dest=dest)  # result dropped
+        return slots + 1
+
+    new = _values((2, H, D), np.float32, 3)
+    slots = _put(vm, np.array([4, 9], np.int32))
+    jax.block_until_ready(step(kv.k[0], kv.v[0], _put(vm, new), slots))
+    got = _cache(kv.k_buffers[0], np.float32)
+    _same(got[[4, 9]], new, "the write was removed")
+    _same(_cache(kv.v_buffers[0], np.float32)[[4, 9]], new)
+
+
+def _slow_step_dropping(kv, n: int):
+    """A step that computes for a while (seconds on a CPU) and only then writes n tokens
+    to slots past the cache, all dropped and counted."""
+    dest = kv.dest(0)
+
+    @jax.jit
+    def step(k, v, x):
+        y = x
+        for _ in range(4):
+            y = jnp.sin(y @ y)
+        late = (y[0, 0] > 2).astype(jnp.int32)  # 0, but only known after the work
+        slots = kv.num_slots + late + jnp.arange(n, dtype=jnp.int32)
+        new = jnp.ones((n, H, D), k.dtype)
+        return ops.kv_write_through(k, v, new, new, slots, dest=dest)
+
+    return step
+
+
+@pytest.mark.parametrize("wait", ["barrier", "arrays_from_another_thread"])
+def test_check_waits_for_the_writes_in_flight(vm, wait):
+    """kv.check() right after dispatching a step sees that step's drops: it waits for
+    every kv_write dispatched from this thread (jax.effects_barrier), and for the arrays
+    it is given (a step dispatched from another thread)."""
+    kv = vm.kv(num_layers=1, num_kv_heads=H, head_dim=D, max_tokens=16, dtype=jnp.float32)
+    n = 4096
+    step = _slow_step_dropping(kv, n)
+    x = _put(vm, np.full((1500, 1500), 1e-3, np.float32))
+    jax.block_until_ready(step(kv.k[0], kv.v[0], x))  # compile and run once
+    with pytest.raises(jax_vmm.OutOfBoundsWrite):  # reset the count
+        kv.check()
+    if wait == "barrier":
+        step(kv.k[0], kv.v[0], x)  # dispatched; still computing
+        arrays = ()
+    else:
+        box: list = []
+        worker = threading.Thread(target=lambda: box.append(step(kv.k[0], kv.v[0], x)))
+        worker.start()
+        worker.join()  # dispatched from the worker; its result may still be computing
+        arrays = tuple(box)
+    with pytest.raises(jax_vmm.OutOfBoundsWrite) as info:
+        kv.check(*arrays)
+    assert info.value.count == 2 * n
+    kv.check()
 
 
 # -- device-side validation ---------------------------------------------------------------

@@ -1,8 +1,11 @@
 """A few calls of every decode-attention kernel variant, for compute-sanitizer memcheck
-(tools/gpu/run.sh sanitize:attention): tensor-core kernels at head dims 64, 128, 256 in
-bf16 and f16, the simple kernel in f32, each with the scratch and the XLA workspace, with
-ragged lengths (full, 1, a third) and a forced split-K plan. The sanitizer judges the
-memory accesses; this script only checks that every output is finite.
+(tools/gpu/run.sh sanitize:attention): split-K tensor-core kernels at head dims 64, 128,
+256 in bf16 and f16, the simple kernel in f32, each with the scratch and the XLA
+workspace and a forced split-K plan; the streaming kernel (stream, stream_combine,
+stream_tma) on bf16 and fp8 caches at the same head dims, with forced partitions (units cut
+into pieces across CTAs) and the automatic plan. Ragged lengths (full, 1, a third). The
+sanitizer judges the memory accesses; this script only checks that every output is
+finite.
 """
 
 from __future__ import annotations
@@ -11,12 +14,19 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_vmm.attention import _decode_attention, attention_stats
+from jax_vmm.fp8 import quantize_fp8
 
 CASES = [  # (B, T, Hq, Hkv, D, dtype, impl)
     (3, 300, 8, 2, 128, jnp.bfloat16, "tensor_core"),
     (2, 200, 12, 1, 64, jnp.float16, "tensor_core"),
     (2, 64, 4, 4, 256, jnp.bfloat16, "tensor_core"),
     (2, 100, 6, 3, 80, jnp.float32, "simple"),
+]
+STREAM_CASES = [  # (B, T, Hq, Hkv, D, fp8)
+    (3, 300, 8, 2, 128, False),
+    (2, 200, 12, 1, 64, True),
+    (2, 64, 16, 1, 256, False),
+    (2, 64, 4, 4, 256, True),
 ]
 
 
@@ -32,6 +42,23 @@ def main() -> None:
             )
             if not np.isfinite(np.asarray(out.astype(jnp.float32))).all():
                 raise SystemExit(f"non-finite output: B={B} T={T} D={D} {impl} {workspace}")
+    for B, T, Hq, Hkv, D, fp8 in STREAM_CASES:
+        q = jnp.asarray(rng.standard_normal((B, Hq, D), dtype=np.float32)).astype(jnp.bfloat16)
+        k = jnp.asarray(rng.standard_normal((B, T, Hkv, D), dtype=np.float32))
+        scales = {}
+        if fp8:
+            s = jnp.full((Hkv,), 0.01, jnp.float32)
+            k, scales = quantize_fp8(k, s), dict(k_scale=s, v_scale=s)
+        else:
+            k = k.astype(jnp.bfloat16)
+        lens = jnp.asarray([T, 1] + [T // 3] * (B - 2), jnp.int32)
+        for impl in ("stream", "stream_combine", "stream_tma"):
+            for plan in (dict(ctas=5, min_tiles=1), {}):
+                out = _decode_attention(q, k, k, lens, impl=impl, **scales, **plan)
+                if not np.isfinite(np.asarray(out.astype(jnp.float32))).all():
+                    raise SystemExit(
+                        f"non-finite output: B={B} T={T} D={D} fp8={fp8} {impl} {plan}"
+                    )
     print("memcheck workload done", attention_stats())
 
 

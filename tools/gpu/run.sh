@@ -15,9 +15,10 @@
 #   tests               the whole suite, verbose: every [gpu] param listed, skip reasons
 #   tests:LAYER         one folder of tests/: core, drivers, scratch, ops, integration, example
 #   tests:gpu           the GPU tests only (-m gpu), skip reasons listed: none should skip here
-#   tests:attention     tests/ops/test_attention.py -m gpu: tensor-core and simple kernels
+#   tests:attention     tests/ops/test_attention.py and test_attention_v2.py -m gpu: the
+#                       split-K (tensor-core, simple) and streaming kernels (bf16/fp16/fp8)
 #                       against a float64 reference, NaN-prefilled outputs, forced plans,
-#                       capture + replay + growth
+#                       ring depths, determinism, capture + replay + growth
 #   tests:memory        the memory tests (deferred release, commit ahead, sleep/wake,
 #                       offload, kernels in flight over released pages, the driver tests)
 #   facts               raw CUDA driver facts (tests/oracles/cuda_oracle.py) -> facts.json:
@@ -32,8 +33,8 @@
 #                       free-on-growth switch errors must be reported (the sanitizer sees the
 #                       bug the scenario guards against); the pytest form (-k hazard_replay):
 #                       0 sanitizer errors (its own zero-handler-call assertion may fail there)
-#   sanitize:attention  compute-sanitizer memcheck on every decode-attention kernel variant
-#                       (tools/gpu/attention_memcheck.py): 0 errors
+#   sanitize:attention  compute-sanitizer memcheck on every decode-attention kernel variant,
+#                       split-K and streaming (tools/gpu/attention_memcheck.py): 0 errors
 #   sanitize:memory     compute-sanitizer memcheck on tools/gpu/memory_hazard.py: a kernel in
 #                       flight while release() runs on its pages and ensure() maps new pages
 #                       next to them (release safe: 0 errors), a commit under a raw XLA
@@ -48,7 +49,13 @@
 #   bench:growth        bench/growth.py 16 -> 20 GiB -> growth/growth.json, growth.png
 #   bench:sleep         bench/sleep.py: 100 sleep/wake cycles of a 20 GiB cache -> bench_sleep.json
 #   bench               the six benches
-#   all                 build info tests facts sanitize example bench
+#   probe:kernels       tools/gpu/kernels_probe.py -> kernels.json: every decode-attention kernel
+#                       (split-K, streaming, fp8) checked against float64 with NaN-prefilled
+#                       outputs, then timed beside cuDNN and the copy/read ceilings per shape;
+#                       kv_write: the tiled kernel, its token-kernel fallback and XLA's .at[].set,
+#                       kv_write_fp8 (one table at the end; failed variants listed, exit 0)
+#   probe               probe:kernels
+#   all                 build info tests facts sanitize example bench probe
 #
 # Environment: OUT (default ./out), PYTHON (default python3), TAIL (log lines shown, 30),
 # PYTEST_ARGS (added to every tests step), ARTIFACTS=1 (the command-buffer test keeps its
@@ -93,7 +100,7 @@ step_tests() {
   case "${1:-}" in
     "") pytest_run tests -ra ;;
     gpu) pytest_run tests -m gpu -rs ;;
-    attention) pytest_run tests/ops/test_attention.py -m gpu -rs ;;
+    attention) pytest_run tests/ops/test_attention.py tests/ops/test_attention_v2.py -m gpu -rs ;;
     memory) pytest_run tests/integration/test_memory_gpu.py tests/drivers tests/core/test_reclaim.py \
               tests/core/test_sleep.py tests/core/test_offload.py tests/core/test_commit_ahead.py -rs ;;
     *) [ -d "tests/$1" ] || { echo "no folder tests/$1"; return 2; }
@@ -182,12 +189,21 @@ step_bench() {
   esac
 }
 
+step_probe() {
+  case "${1:-}" in
+    kernels)
+      "$PY" tools/gpu/kernels_probe.py --json "$RUN_DIR/kernels.json" || return
+      note "$(grep -E "^correctness: " "$LOG" | tail -1)" ;;
+    *) echo "unknown probe ${1:-} (kernels)"; return 2 ;;
+  esac
+}
+
 # -- the runner ---------------------------------------------------------------------------
 
 limit_of() {  # STEP -> seconds
   local var="LIMIT_${1//:/_}" limit
   case "$1" in
-    build|tests|tests:*|sanitize:hazard|bench:attention|bench:decode) limit=600 ;;
+    build|tests|tests:*|sanitize:hazard|bench:attention|bench:decode|probe:kernels) limit=600 ;;
     sanitize:attention|sanitize:memory|bench:kv_write|bench:growth|bench:sleep) limit=400 ;;
     example|bench:commit) limit=300 ;;
     info|facts|diag:*) limit=150 ;;
@@ -200,7 +216,8 @@ expand() {  # STEP -> the steps it stands for
   case "$1" in
     sanitize) echo sanitize:hazard sanitize:attention sanitize:memory ;;
     bench) echo bench:attention bench:kv_write bench:commit bench:decode bench:growth bench:sleep ;;
-    all) echo build info tests facts; expand sanitize; echo example; expand bench ;;
+    probe) echo probe:kernels ;;
+    all) echo build info tests facts; expand sanitize; echo example; expand bench; expand probe ;;
     *) echo "$1" ;;
   esac
 }

@@ -12,6 +12,11 @@
 //  * A device-visible page table (one byte per chunk of the whole reservation, 1 =
 //    backed and writable) mirrors the host page table, so device code can check a write
 //    target without host code running (CUDA graph replay).
+//  * Identity is a uid, not an address: every arena and every buffer gets a 64-bit uid
+//    that no other arena or buffer of the process ever gets (addresses are reused: a new
+//    arena often lands where a destroyed one was).
+//  * A buffer range is placed again only when the buffer is freed and no view lease of
+//    it is alive, so a view never sees a newer buffer (it reads zeros once freed).
 //  * Memory that device work may still touch is never unmapped: a release first clears
 //    the page table (kernels launched later skip those chunks), then hands the memory to a
 //    reclaimer that unmaps it once the device has finished everything dispatched before
@@ -23,18 +28,21 @@
 // of it is released; a later commit of a parked chunk takes it back without a driver call.
 // handle_bytes == chunk_bytes (the Arena default) gives every chunk its own allocation.
 //
-// Raw views. A view (DLPack export) lets XLA read arena memory anywhere, unbacked chunks
-// included, where a kernel would fault while a zero mapping is swapped for real memory.
-// Once an arena has handed out a view, JAX may keep arrays over its memory for good (the
-// output of a donated view aliases the arena after the view and its lease are gone), so
-// from the first view on a commit that maps new memory first waits for the device, and a
-// release waits and unmaps at once. An arena that never handed out a view (reached only by
-// jax_vmm's ops, which never touch unbacked chunks) never waits on commit or release.
+// Raw views. A view (DLPack export, counted by a ViewLease) lets XLA read arena memory
+// anywhere, unbacked chunks included, where a kernel would fault while a zero mapping is
+// swapped for real memory. Once an arena has handed out a view, JAX may keep arrays over
+// its memory for good (the output of a donated view aliases the arena after the view and
+// its lease are gone), so from the first view on a commit that maps new memory first
+// waits for the device, and a release waits and unmaps at once. An arena that never
+// handed out a view (reached only by jax_vmm's ops, which never touch unbacked chunks)
+// never waits on commit or release.
 //
 // Thread-safety: all public methods may be called concurrently from any thread; one
-// mutex per arena serialises them (released while waiting for the device or a transfer).
-// A background thread per arena (started on first need) reclaims released memory and
-// runs asynchronous transfers. The registry functions at the bottom are thread-safe.
+// mutex per arena serialises them (released while waiting for the device or a transfer),
+// and a second one (never held across driver calls) guards the live-view counts, so a
+// view lease can be released from any thread without waiting for device work. A
+// background thread per arena (started on first need) reclaims released memory and runs
+// asynchronous transfers. The registry functions at the bottom are thread-safe.
 #pragma once
 
 #include <atomic>
@@ -92,8 +100,9 @@ struct ArenaStats {
   int64_t commits_ahead = 0;     // background commits (CommitAhead) that backed something
   int64_t deferred_releases = 0;  // allocations handed to the reclaimer
   int64_t reclaim_syncs = 0;     // device waits made to reclaim memory
-  int64_t live_views = 0;
-  bool views_exported = false;  // a raw view was handed out: commits and releases wait
+  int64_t live_views = 0;        // view leases alive (all buffers)
+  size_t held_range_bytes = 0;   // address ranges of freed buffers held back by live views
+  bool views_exported = false;   // a raw view was handed out: commits and releases wait
   bool asleep = false;
   size_t sleep_image_bytes = 0;  // contents kept on the host while asleep
   size_t offloaded_bytes = 0;    // contents of offloaded ranges on the host
@@ -103,7 +112,8 @@ struct ArenaStats {
 };
 
 struct BufferInfo {
-  int64_t id = -1;
+  int64_t id = -1;   // index within its arena (reused after free)
+  uint64_t uid = 0;  // process-unique, never reused
   std::string name;
   size_t offset = 0;  // from the arena base, chunk-aligned
   size_t nbytes = 0;  // as requested
@@ -121,6 +131,8 @@ struct BufferRef {
   const uint8_t* page_table = nullptr;         // indexed by (addr - arena_base) / chunk_bytes
   unsigned long long* drop_counter = nullptr;  // this buffer's dropped-write counter
   int64_t buffer_id = -1;
+  uint64_t buffer_uid = 0;
+  uint64_t arena_uid = 0;
   int device_ordinal = 0;
   const char* driver_kind = "";
 };
@@ -132,6 +144,35 @@ enum class TransferState : int {
   kRestoring = 2,   // copying back
   kRestored = 3,    // contents back at their addresses; the ticket is spent
   kFailed = 4,      // the offload failed and was undone: the contents never left
+};
+
+// Where a registry lookup by uid ended (FindArenaBufferByUid).
+enum class UidLookup {
+  kFound,   // a buffer of an open arena
+  kClosed,  // the buffer's arena was closed (the BufferRef and name are filled in)
+  kGone,    // no live arena has it: the arena was destroyed, or the buffer freed
+};
+
+class Arena;
+
+// A live zero-copy view of one buffer (a DLPack import, say). While it exists the arena
+// object (and so its reservation, which reads zeros where unbacked) stays alive and the
+// buffer counts a live view: Arena::Free of the buffer keeps its range out of reuse until
+// the last lease is gone. Destruction takes only the arena's view lock: no driver call,
+// no device wait, no Python. Thread-safe: create and destroy from any thread.
+class ViewLease {
+ public:
+  ~ViewLease();
+  ViewLease(const ViewLease&) = delete;
+  ViewLease& operator=(const ViewLease&) = delete;
+  uint64_t buffer_uid() const { return buffer_uid_; }
+
+ private:
+  friend class Arena;
+  ViewLease(std::shared_ptr<Arena> arena, uint64_t buffer_uid)
+      : arena_(std::move(arena)), buffer_uid_(buffer_uid) {}
+  std::shared_ptr<Arena> arena_;
+  uint64_t buffer_uid_;
 };
 
 class Arena : public std::enable_shared_from_this<Arena> {
@@ -148,8 +189,17 @@ class Arena : public std::enable_shared_from_this<Arena> {
 
   // Places a buffer of nbytes (> 0) at a chunk-aligned offset. Nothing is backed.
   BufferInfo Allocate(size_t nbytes, const std::string& name);
-  // Releases the buffer's memory and frees its placement for reuse.
+  // Releases the buffer's memory and frees its placement for reuse, once no view lease of
+  // it is left (until then the range stays out of the free list and reads zeros).
   void Free(int64_t buffer_id);
+
+  // A lease for one new view of a buffer (see ViewLease). Throws for a freed buffer.
+  // Finishes any deferred release first (waiting for the device if some is pending), so
+  // that nothing is unmapped behind a view later, and marks the arena as exported.
+  std::shared_ptr<ViewLease> LeaseView(int64_t buffer_id);
+  // View leases alive: of every buffer (freed ones included), or of one live buffer.
+  int64_t LiveViews() const;
+  int64_t LiveViews(int64_t buffer_id) const;
 
   struct Range {
     int64_t buffer_id;
@@ -190,13 +240,6 @@ class Arena : public std::enable_shared_from_this<Arena> {
   std::vector<BufferInfo> Buffers() const;
   ArenaStats Stats() const;
 
-  // Raw-view accounting (the DLPack export's lease calls these). OpenView finishes any
-  // deferred release first (waiting for the device if some is pending), so that nothing
-  // is unmapped behind a view later, marks the arena as exported, and returns the buffer.
-  // CloseView never blocks.
-  BufferInfo OpenView(int64_t buffer_id);
-  void CloseView() noexcept;
-
   // Copies host or device memory into [offset, offset + bytes) of a buffer, which must
   // be backed. Returns when the bytes are there.
   void CopyIn(int64_t buffer_id, size_t offset, const void* src, size_t bytes);
@@ -236,9 +279,17 @@ class Arena : public std::enable_shared_from_this<Arena> {
   uint64_t DropCount(int64_t buffer_id) const;
   void ResetDropCount(int64_t buffer_id);
 
-  // Registry lookup (see FindArenaBuffer); takes this arena's lock. A closed arena
-  // finds nothing.
+  // Registry lookups (see FindArenaBuffer, FindArenaBufferByUid); take this arena's lock.
+  // A closed arena finds nothing by address; by uid it answers kClosed (and fills *out
+  // and *name), so errors can say what happened.
   bool FindBufferLocked(uintptr_t ptr, size_t bytes, BufferRef* out) const;
+  bool FindBufferByUidLocked(uint64_t buffer_uid, BufferRef* out, std::string* name,
+                             bool* closed) const;
+  // Whether [ptr, ptr + bytes) lies inside this arena's reservation (any state). No lock:
+  // the reservation never changes.
+  bool Holds(uintptr_t ptr, size_t bytes) const {
+    return ptr >= base_ && bytes <= reserved_bytes_ && ptr - base_ <= reserved_bytes_ - bytes;
+  }
 
   // Called when a handler may bake this arena's addresses into a CUDA graph (any CUDA
   // kv_write on arena memory, static `dest` or not): the graph may then replay with this arena's
@@ -247,6 +298,7 @@ class Arena : public std::enable_shared_from_this<Arena> {
   // (num_chunks bytes + 32 KiB) for the life of the process instead of freeing them. Thread-safe.
   void PinMetadataForGraphs() const { metadata_pinned_ = true; }
 
+  uint64_t uid() const { return uid_; }
   uintptr_t base() const { return base_; }
   size_t reserved_bytes() const { return reserved_bytes_; }
   size_t chunk_bytes() const { return chunk_bytes_; }
@@ -280,6 +332,10 @@ class Arena : public std::enable_shared_from_this<Arena> {
   // operation (the host mirror is authoritative between the runs too).
   void PublishPageTable(const std::vector<ChunkRun>& runs);
   int64_t FreeCounterSlot() const;
+  friend class ViewLease;
+  void ReleaseView(uint64_t buffer_uid) noexcept;  // ~ViewLease
+  void ReturnUnleasedRanges();                     // under mu_: ranges whose last view died
+  void FillRef(const Placement& p, BufferRef* out) const;
   // Arena-wide index of chunk `buffer_chunk` of a buffer (into the page tables).
   size_t ArenaChunk(const Placement& p, size_t buffer_chunk) const;
   uintptr_t ChunkAddress(size_t arena_chunk) const { return base_ + arena_chunk * chunk_bytes_; }
@@ -352,6 +408,7 @@ class Arena : public std::enable_shared_from_this<Arena> {
   void RunTransferJobs(std::unique_lock<std::mutex>& lock, uint64_t sync);
 
   std::unique_ptr<Driver> driver_;
+  const uint64_t uid_;
   uintptr_t base_ = 0;
   size_t reserved_bytes_ = 0;
   size_t chunk_bytes_ = 0;
@@ -380,10 +437,9 @@ class Arena : public std::enable_shared_from_this<Arena> {
   uint64_t syncs_started_ = 0;            // device waits begun by the reclaimer
   int reclaiming_ = 0;                    // allocations the worker is unmapping now
 
-  // Raw views. Once one was handed out, JAX may hold arrays over arena memory for good:
-  // a donated view's output aliases the arena while the view itself (and its lease) is
-  // gone. So the count is for the statistics; the decisions use views_exported_.
-  std::atomic<int64_t> live_views_{0};
+  // Once a view was handed out, JAX may hold arrays over arena memory for good: a donated
+  // view's output aliases the arena while the view itself (and its lease) is gone. So the
+  // lease counts are for Free and the statistics; the waits use views_exported_.
   std::atomic<bool> views_exported_{false};
 
   // Sleep, transfers, host staging memory.
@@ -394,6 +450,18 @@ class Arena : public std::enable_shared_from_this<Arena> {
 
   bool stop_worker_ = false;
   std::thread worker_;
+
+  // View leases, under views_mu_ (taken after mu_ when both are needed, never held across
+  // a driver call): live leases per buffer uid; freed buffers whose range waits for its
+  // last lease (uid -> offset, bytes); ranges whose last lease died, for the free list.
+  struct HeldRange {
+    size_t offset;
+    size_t bytes;
+  };
+  mutable std::mutex views_mu_;
+  std::map<uint64_t, int64_t> live_views_;
+  std::map<uint64_t, HeldRange> held_ranges_;
+  std::vector<HeldRange> unleased_;
 };
 
 // Registry: finds the arena buffer that contains [ptr, ptr + bytes). Returns false when
@@ -402,5 +470,18 @@ class Arena : public std::enable_shared_from_this<Arena> {
 // pin_metadata: also PinMetadataForGraphs() on the arena found (CUDA handlers, which may
 // be recorded into graphs).
 bool FindArenaBuffer(uintptr_t ptr, size_t bytes, BufferRef* out, bool pin_metadata = false);
+
+// Registry: the buffer with this uid. kFound: an open arena's buffer (*out filled, and
+// pin_metadata as above); kClosed: its arena was closed (*out and *name filled); kGone:
+// no live arena holds it (destroyed arena, freed buffer, or a uid never handed out).
+UidLookup FindArenaBufferByUid(uint64_t buffer_uid, BufferRef* out, std::string* name,
+                               bool pin_metadata = false);
+
+// Registry: whether [ptr, ptr + bytes) lies in the reservation of any live arena (open or
+// closed), whatever it holds there (a buffer, a freed range, nothing).
+bool InArenaReservation(uintptr_t ptr, size_t bytes);
+
+// A uid no arena or buffer of this process had before (never 0, never reused).
+uint64_t NewUid();
 
 }  // namespace jax_vmm

@@ -5,6 +5,7 @@
 #include "jax_vmm/arena.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <string>
 #include <utility>
 
@@ -25,7 +26,7 @@ std::shared_ptr<Arena> Arena::Create(std::unique_ptr<Driver> driver, size_t rese
 }
 
 Arena::Arena(std::unique_ptr<Driver> driver, size_t reserve_bytes, const ArenaOptions& options)
-    : driver_(std::move(driver)) {
+    : driver_(std::move(driver)), uid_(NewUid()) {
   if (reserve_bytes == 0) {
     throw InvalidArgument("Arena: reserve_bytes must be > 0");
   }
@@ -37,11 +38,23 @@ Arena::Arena(std::unique_ptr<Driver> driver, size_t reserve_bytes, const ArenaOp
                           "), or 0 for one allocation per chunk");
   }
   zero_fill_ = options.zero_fill;
+  if (reserve_bytes > SIZE_MAX - chunk_bytes_) {
+    throw InvalidArgument("Arena(reserve_bytes=" + std::to_string(reserve_bytes) +
+                          "): too large for the address space; reserve less");
+  }
   reserved_bytes_ = RoundUp(reserve_bytes, chunk_bytes_);
   num_chunks_ = reserved_bytes_ / chunk_bytes_;
   // Reserve first: an impossible size fails here, with the OS's answer, before the
   // 1-byte-per-chunk page tables are allocated.
-  base_ = driver_->Reserve(reserved_bytes_);
+  try {
+    base_ = driver_->Reserve(reserved_bytes_);
+  } catch (const DriverError& e) {
+    throw DriverError("Arena(reserve_bytes=" + std::to_string(reserve_bytes) +
+                      "): cannot reserve " + std::to_string(reserved_bytes_) +
+                      " bytes of address space on " + driver_->kind() + " device " +
+                      std::to_string(driver_->device_ordinal()) + ": " + e.what() +
+                      "; create the arena with a smaller reserve_bytes");
+  }
   try {
     host_page_table_.assign(num_chunks_, 0);
     chunk_mapping_.assign(num_chunks_, nullptr);
@@ -133,6 +146,7 @@ const Arena::Placement& Arena::PlacementOrThrow(int64_t buffer_id, const char* o
 BufferInfo Arena::Allocate(size_t nbytes, const std::string& name) {
   std::lock_guard<std::mutex> lock(mu_);
   ThrowIfClosed("allocate");
+  ReturnUnleasedRanges();
   if (nbytes == 0) throw InvalidArgument("Arena.allocate: a buffer needs at least 1 byte");
   if (static_cast<int64_t>(buffers_.size()) >= kMaxBuffers) {
     throw ReservationFull("Arena.allocate: the arena already holds " + std::to_string(kMaxBuffers) +
@@ -151,6 +165,7 @@ BufferInfo Arena::Allocate(size_t nbytes, const std::string& name) {
   Placement p;
   p.info.offset = offset;
   p.info.id = next_id_++;
+  p.info.uid = NewUid();
   p.info.name = name.empty() ? "buffer" + std::to_string(p.info.id) : name;
   p.info.nbytes = nbytes;
   p.info.address = base_ + p.info.offset;
@@ -182,11 +197,76 @@ void Arena::Free(int64_t buffer_id) {
   // The lock may have been dropped while waiting: look the buffer up again.
   Placement& q = PlacementOrThrow(buffer_id, "Arena.free");
   const size_t placed = q.num_chunks * chunk_bytes_;
-  const size_t offset = q.info.offset;
+  const HeldRange range{q.info.offset, placed};
+  const uint64_t uid = q.info.uid;
   buffers_.erase(buffer_id);
-  GiveRange(free_ranges_, offset, placed);
   stats_.placed_bytes -= placed;
   stats_.num_buffers = static_cast<int64_t>(buffers_.size());
+  {
+    // A live view still points into the range: keep it out of the free list (it reads
+    // zeros now) until ReleaseView sees the last lease go.
+    std::lock_guard<std::mutex> views(views_mu_);
+    if (live_views_.count(uid) != 0) {
+      held_ranges_[uid] = range;
+      return;
+    }
+  }
+  GiveRange(free_ranges_, range.offset, range.bytes);
+}
+
+std::shared_ptr<ViewLease> Arena::LeaseView(int64_t buffer_id) {
+  std::unique_lock<std::mutex> lock(mu_);
+  PlacementOrThrow(buffer_id, "Arena.view");
+  // From now on a kernel may read any byte of the arena: nothing may be unmapped behind
+  // it later, so finish every deferred release first (parked chunks of a zero-filling
+  // arena are zeroed then, after the device wait).
+  ReclaimAllLocked(lock, /*zero_parked=*/true);
+  // (The wait may have dropped the lock: look the buffer up again.)
+  const uint64_t uid = PlacementOrThrow(buffer_id, "Arena.view").info.uid;
+  views_exported_.store(true);
+  std::lock_guard<std::mutex> views(views_mu_);
+  ++live_views_[uid];
+  return std::shared_ptr<ViewLease>(new ViewLease(shared_from_this(), uid));
+}
+
+ViewLease::~ViewLease() { arena_->ReleaseView(buffer_uid_); }
+
+void Arena::ReleaseView(uint64_t buffer_uid) noexcept {
+  std::lock_guard<std::mutex> views(views_mu_);
+  auto it = live_views_.find(buffer_uid);
+  if (it == live_views_.end() || --it->second > 0) return;
+  live_views_.erase(it);
+  auto held = held_ranges_.find(buffer_uid);
+  if (held == held_ranges_.end()) return;
+  // free_ranges_ belongs to mu_, which a lease must not wait for (it is held across
+  // driver calls): hand the range over; the next Allocate puts it back.
+  try {
+    unleased_.push_back(held->second);
+  } catch (...) {
+    return;  // out of memory: the range stays held (leaked address space, no harm)
+  }
+  held_ranges_.erase(held);
+}
+
+void Arena::ReturnUnleasedRanges() {
+  std::lock_guard<std::mutex> views(views_mu_);
+  for (const HeldRange& r : unleased_) GiveRange(free_ranges_, r.offset, r.bytes);
+  unleased_.clear();
+}
+
+int64_t Arena::LiveViews() const {
+  std::lock_guard<std::mutex> views(views_mu_);
+  int64_t n = 0;
+  for (const auto& [uid, count] : live_views_) n += count;
+  return n;
+}
+
+int64_t Arena::LiveViews(int64_t buffer_id) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  const uint64_t uid = PlacementOrThrow(buffer_id, "Arena.live_views").info.uid;
+  std::lock_guard<std::mutex> views(views_mu_);
+  auto it = live_views_.find(uid);
+  return it == live_views_.end() ? 0 : it->second;
 }
 
 void CheckRange(const BufferInfo& info, size_t start, size_t stop, const char* op) {
@@ -262,7 +342,6 @@ ArenaStats Arena::Stats() const {
     if (m->live == 0 && !m->pins) s.retired_bytes += m->bytes;
   }
   s.parked_bytes = s.held_bytes - s.backed_bytes - s.retired_bytes;
-  s.live_views = live_views_.load();
   s.views_exported = views_exported_.load();
   s.asleep = sleep_ != nullptr;
   s.sleep_image_bytes = SleepImageBytes();
@@ -274,24 +353,11 @@ ArenaStats Arena::Stats() const {
   s.host_cached_bytes = 0;
   for (const auto& [bytes, block] : host_cache_) s.host_cached_bytes += bytes;
   s.closed = closed_;
+  std::lock_guard<std::mutex> views(views_mu_);
+  for (const auto& [uid, count] : live_views_) s.live_views += count;
+  for (const auto& [uid, range] : held_ranges_) s.held_range_bytes += range.bytes;
   return s;
 }
-
-BufferInfo Arena::OpenView(int64_t buffer_id) {
-  std::unique_lock<std::mutex> lock(mu_);
-  PlacementOrThrow(buffer_id, "Arena.view");
-  // From now on a kernel may read any byte of the arena: nothing may be unmapped behind
-  // it later, so finish every deferred release first.
-  // (Parked chunks of a zero-filling arena are zeroed now, after the device wait.)
-  ReclaimAllLocked(lock, /*zero_parked=*/true);
-  // (The wait may have dropped the lock: look the buffer up again.)
-  const BufferInfo info = PlacementOrThrow(buffer_id, "Arena.view").info;
-  live_views_.fetch_add(1);
-  views_exported_.store(true);
-  return info;
-}
-
-void Arena::CloseView() noexcept { live_views_.fetch_sub(1); }
 
 void Arena::Close() {
   std::unique_lock<std::mutex> lock(mu_);
@@ -332,21 +398,41 @@ void Arena::ResetDropCount(int64_t buffer_id) {
   driver_->CopyToMetadata(device_drop_counters_ + p.counter_slot, &zero, sizeof(zero));
 }
 
+void Arena::FillRef(const Placement& p, BufferRef* out) const {
+  out->buffer_base = p.info.address;
+  out->buffer_bytes = p.info.nbytes;
+  out->arena_base = base_;
+  out->chunk_bytes = chunk_bytes_;
+  out->page_table = device_page_table_;
+  out->drop_counter = device_drop_counters_ + p.counter_slot;
+  out->buffer_id = p.info.id;
+  out->buffer_uid = p.info.uid;
+  out->arena_uid = uid_;
+  out->device_ordinal = driver_->device_ordinal();
+  out->driver_kind = driver_->kind();
+}
+
 bool Arena::FindBufferLocked(uintptr_t ptr, size_t bytes, BufferRef* out) const {
   std::lock_guard<std::mutex> lock(mu_);
-  if (closed_ || ptr < base_ || ptr + bytes > base_ + reserved_bytes_) return false;
+  if (closed_ || !Holds(ptr, bytes)) return false;
   for (const auto& [id, p] : buffers_) {
     const uintptr_t b = p.info.address;
-    if (ptr >= b && ptr + bytes <= b + p.info.nbytes) {
-      out->buffer_base = b;
-      out->buffer_bytes = p.info.nbytes;
-      out->arena_base = base_;
-      out->chunk_bytes = chunk_bytes_;
-      out->page_table = device_page_table_;
-      out->drop_counter = device_drop_counters_ + p.counter_slot;
-      out->buffer_id = id;
-      out->device_ordinal = driver_->device_ordinal();
-      out->driver_kind = driver_->kind();
+    if (ptr >= b && ptr - b <= p.info.nbytes && bytes <= p.info.nbytes - (ptr - b)) {
+      FillRef(p, out);
+      return true;
+    }
+  }
+  return false;
+}
+
+bool Arena::FindBufferByUidLocked(uint64_t buffer_uid, BufferRef* out, std::string* name,
+                                  bool* closed) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const auto& [id, p] : buffers_) {
+    if (p.info.uid == buffer_uid) {
+      FillRef(p, out);
+      *name = p.info.name;
+      *closed = closed_;
       return true;
     }
   }

@@ -15,7 +15,7 @@
 // work dispatched after it never touches it -- unless a raw view lets XLA read anywhere.
 // So once the arena handed out a view a release waits for the device itself and unmaps at
 // once (no reader can be dispatched from the releasing thread meanwhile), and the first
-// view finishes every deferred release (Arena::OpenView).
+// view finishes every deferred release (Arena::LeaseView).
 // The host driver swaps mappings atomically (driver.h, UnmapNeedsQuiescence): there the
 // same steps run at once, inline.
 //

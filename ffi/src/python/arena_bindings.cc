@@ -1,11 +1,11 @@
 // Python bindings of Arena, the drivers' factory functions and the device query.
 #include <nanobind/nanobind.h>
-#include <nanobind/ndarray.h>
 #include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <utility>
@@ -14,15 +14,33 @@
 #include "jax_vmm/driver.h"
 #include "jax_vmm/errors.h"
 #include "python/bindings.h"
+#include "python/dlpack_capsule.h"
 
 namespace nb = nanobind;
 
 namespace jax_vmm {
+
+void CheckViewFits(const BufferInfo& b, const std::vector<size_t>& shape, uint8_t bits) {
+  unsigned __int128 bytes = bits / 8;  // 128 bits: no shape of 64-bit sizes overflows it
+  bool overflow = false;
+  for (size_t s : shape) {
+    bytes *= s;
+    overflow = overflow || bytes > SIZE_MAX;
+  }
+  if (overflow || bytes > b.nbytes) {
+    throw InvalidArgument(
+        "Arena.view: shape needs " +
+        (overflow ? std::string("more than 2^64") : std::to_string(static_cast<size_t>(bytes))) +
+        " bytes but buffer '" + b.name + "' has " + std::to_string(b.nbytes));
+  }
+}
+
 namespace {
 
 nb::dict BufferDict(const BufferInfo& b) {
   nb::dict d;
   d["id"] = b.id;
+  d["uid"] = b.uid;
   d["name"] = b.name;
   d["offset"] = b.offset;
   d["nbytes"] = b.nbytes;
@@ -63,6 +81,7 @@ nb::dict StatsDict(const ArenaStats& s) {
   d["deferred_releases"] = s.deferred_releases;
   d["reclaim_syncs"] = s.reclaim_syncs;
   d["live_views"] = s.live_views;
+  d["held_range_bytes"] = s.held_range_bytes;
   d["views_exported"] = s.views_exported;
   d["asleep"] = s.asleep;
   d["sleep_image_bytes"] = s.sleep_image_bytes;
@@ -73,34 +92,38 @@ nb::dict StatsDict(const ArenaStats& s) {
   return d;
 }
 
-// What a view holds: the C++ arena (so its address range outlives every view) and one
-// count in the arena's live-view total, dropped with the view.
-struct ViewLease {
-  explicit ViewLease(std::shared_ptr<Arena> a) : arena(std::move(a)) {}
-  ~ViewLease() { arena->CloseView(); }
-  std::shared_ptr<Arena> arena;
-};
-
-// A DLPack-capable view of a buffer, counted as a live view of the arena until the last
-// consumer (JAX's buffer) lets it go.
-nb::ndarray<> View(Arena& a, int64_t buffer_id, std::vector<size_t> shape, uint8_t code,
-                   uint8_t bits, int device_type, int device_id) {
-  BufferInfo b;
+// A DLPack capsule over a buffer whose deleter drops a view lease (no GIL): the view
+// keeps the arena's reservation alive and counts as a live view of the buffer. Taking
+// the lease may wait for the device (deferred releases finish first): without the GIL.
+nb::object View(Arena& a, int64_t buffer_id, std::vector<size_t> shape, uint8_t code, uint8_t bits,
+                int device_type, int device_id) {
+  const BufferInfo b = a.Buffer(buffer_id);
+  CheckViewFits(b, shape, bits);
+  DlpackView view;
+  view.data = reinterpret_cast<void*>(b.address);
+  view.shape.assign(shape.begin(), shape.end());
+  view.dtype_code = code;
+  view.dtype_bits = bits;
+  view.device_type = device_type;
+  view.device_id = device_id;
+  std::shared_ptr<ViewLease> lease;
   {
-    nb::gil_scoped_release release;  // may wait for the device (deferred releases)
-    b = a.OpenView(buffer_id);
+    nb::gil_scoped_release release;
+    lease = a.LeaseView(buffer_id);
   }
-  auto* lease = new ViewLease(a.shared_from_this());
-  nb::capsule owner(lease, [](void* p) noexcept { delete static_cast<ViewLease*>(p); });
-  size_t elems = 1;
-  for (size_t s : shape) elems *= s;
-  if (elems * bits / 8 > b.nbytes) {
-    throw InvalidArgument("Arena.view: shape needs " + std::to_string(elems * bits / 8) +
-                          " bytes but buffer '" + b.name + "' has " + std::to_string(b.nbytes));
-  }
-  nb::dlpack::dtype dt{code, bits, 1};
-  return nb::ndarray<>(reinterpret_cast<void*>(b.address), shape.size(), shape.data(), owner,
-                       nullptr, dt, device_type, device_id);
+  return MakeDlpackCapsule(view, std::move(lease));
+}
+
+nb::dict RefDict(const BufferRef& ref) {
+  nb::dict d;
+  d["buffer_base"] = static_cast<uint64_t>(ref.buffer_base);
+  d["buffer_bytes"] = ref.buffer_bytes;
+  d["buffer_id"] = ref.buffer_id;
+  d["buffer_uid"] = ref.buffer_uid;
+  d["arena_uid"] = ref.arena_uid;
+  d["driver_kind"] = std::string(ref.driver_kind);
+  d["device_ordinal"] = ref.device_ordinal;
+  return d;
 }
 
 std::vector<Arena::Range> ToRanges(const std::vector<std::tuple<int64_t, size_t, size_t>>& r) {
@@ -116,12 +139,17 @@ nb::tuple TransferTuple(TransferState state, const std::string& error) {
 nb::object FindBuffer(uint64_t address, size_t nbytes) {
   BufferRef ref;
   if (!FindArenaBuffer(static_cast<uintptr_t>(address), nbytes, &ref)) return nb::none();
-  nb::dict d;
-  d["buffer_base"] = static_cast<uint64_t>(ref.buffer_base);
-  d["buffer_bytes"] = ref.buffer_bytes;
-  d["buffer_id"] = ref.buffer_id;
-  d["driver_kind"] = std::string(ref.driver_kind);
-  d["device_ordinal"] = ref.device_ordinal;
+  return RefDict(ref);
+}
+
+nb::object FindBufferByUid(uint64_t uid) {
+  BufferRef ref;
+  std::string name;
+  const UidLookup found = FindArenaBufferByUid(uid, &ref, &name);
+  if (found == UidLookup::kGone) return nb::none();
+  nb::dict d = RefDict(ref);
+  d["name"] = name;
+  d["closed"] = found == UidLookup::kClosed;
   return d;
 }
 
@@ -144,7 +172,8 @@ nb::tuple CudaDevices() {
 
 // Properties and queries of the Arena class.
 void BindArenaQueries(nb::class_<Arena>& c) {
-  c.def_prop_ro("base", [](const Arena& a) { return static_cast<uint64_t>(a.base()); })
+  c.def_prop_ro("uid", &Arena::uid)
+      .def_prop_ro("base", [](const Arena& a) { return static_cast<uint64_t>(a.base()); })
       .def_prop_ro("reserved_bytes", &Arena::reserved_bytes)
       .def_prop_ro("chunk_bytes", &Arena::chunk_bytes)
       .def_prop_ro("handle_bytes", &Arena::handle_bytes)
@@ -180,9 +209,13 @@ void BindArenaQueries(nb::class_<Arena>& c) {
           },
           "(state, error) of a transfer: 0 offloading, 1 offloaded, 2 restoring, 3 restored, "
           "4 failed.")
-      .def("view", &View, nb::rv_policy::reference,
-           "A DLPack-capable view of a buffer (pass to jax.dlpack.from_dlpack); counted as a "
-           "live view until its consumer lets it go.");
+      .def("live_views", nb::overload_cast<>(&Arena::LiveViews, nb::const_),
+           "View leases alive, of every buffer (freed ones included).")
+      .def("buffer_live_views", nb::overload_cast<int64_t>(&Arena::LiveViews, nb::const_),
+           nb::arg("buffer_id"))
+      .def("view", &View,
+           "A DLPack capsule over a buffer (pass to jax.dlpack.from_dlpack); its deleter "
+           "releases a view lease and needs no GIL.");
 }
 
 // The methods of the Arena class that change it (the GIL is released around driver work).
@@ -291,6 +324,9 @@ void BindArena(nb::module_& m) {
       nb::call_guard<nb::gil_scoped_release>());
   m.def("find_arena_buffer", &FindBuffer, nb::arg("address"), nb::arg("nbytes"),
         "The live (open) arena buffer holding [address, address + nbytes), or None.");
+  m.def("find_arena_buffer_by_uid", &FindBufferByUid, nb::arg("uid"),
+        "The buffer with this uid (with its name and whether its arena is closed), or None "
+        "when no live arena has it.");
   m.def(
       "resolve_chunk_bytes",
       [](const std::string& driver, int device, size_t chunk_bytes) {

@@ -1,6 +1,7 @@
 // Python-facing helpers of the decode-attention feature:
 //   attention_plan(...)          the split-K plan (Python sizes the optional XLA workspace
 //                                with it and passes chunk/splits explicitly)
+//   attention_stream_plan(...)   the streaming kernel's plan (Python reserves its scratch)
 //   attention_stats()            handler counters (calls, captured calls, kernel choice)
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
@@ -8,11 +9,25 @@
 #include "jax_vmm/errors.h"
 #include "ops/attention/attention_plan.h"
 #include "ops/attention/attention_stats.h"
+#include "ops/attention/stream_plan.h"
 #include "python/bindings.h"
 
 namespace nb = nanobind;
 
 namespace jax_vmm {
+namespace {
+
+// The static shapes of a plan; InvalidArgument (ValueError) when unusable.
+attention::Shapes CheckedShapes(int64_t batch, int64_t max_tokens, int64_t q_heads,
+                                int64_t kv_heads, int64_t head_dim) {
+  const attention::Shapes s{batch, max_tokens, q_heads, kv_heads, head_dim};
+  if (std::string err = attention::ValidateShapes(s); !err.empty()) {
+    throw InvalidArgument("decode_attention: " + err);
+  }
+  return s;
+}
+
+}  // namespace
 
 void BindAttention(nb::module_& m) {
   using namespace jax_vmm::attention;
@@ -20,10 +35,7 @@ void BindAttention(nb::module_& m) {
       "attention_plan",
       [](int64_t batch, int64_t max_tokens, int64_t q_heads, int64_t kv_heads, int64_t head_dim,
          int64_t parallel_units, int64_t chunk, int64_t splits) {
-        const Shapes s{batch, max_tokens, q_heads, kv_heads, head_dim};
-        if (std::string err = ValidateShapes(s); !err.empty()) {
-          throw InvalidArgument("decode_attention: " + err);
-        }
+        const Shapes s = CheckedShapes(batch, max_tokens, q_heads, kv_heads, head_dim);
         const Plan p = MakePlan(s, parallel_units, chunk, splits);
         nb::dict d;
         d["chunk"] = p.chunk;
@@ -37,6 +49,28 @@ void BindAttention(nb::module_& m) {
       nb::arg("head_dim"), nb::arg("parallel_units"), nb::arg("chunk") = 0, nb::arg("splits") = 0,
       "Split-K plan of decode_attention for static shapes (see "
       "ffi/src/ops/attention/attention_plan.h).");
+
+  m.def(
+      "attention_stream_plan",
+      [](int64_t batch, int64_t max_tokens, int64_t q_heads, int64_t kv_heads, int64_t head_dim,
+         int64_t storage_bytes, int64_t sm_count, int64_t ctas, int64_t min_tiles) {
+        const Shapes s = CheckedShapes(batch, max_tokens, q_heads, kv_heads, head_dim);
+        const stream::Plan p = stream::MakeStreamPlan(
+            s, stream::DefaultCtas(sm_count, head_dim, storage_bytes), ctas, min_tiles);
+        nb::dict d;
+        d["ctas"] = p.ctas;
+        d["head_group"] = p.head_group;
+        d["unit_groups"] = p.unit_groups;
+        d["min_tiles"] = p.min_tiles;
+        d["workspace_bytes"] = p.workspace_bytes;
+        d["unsupported"] = stream::Unsupported(s);
+        return d;
+      },
+      nb::arg("batch"), nb::arg("max_tokens"), nb::arg("q_heads"), nb::arg("kv_heads"),
+      nb::arg("head_dim"), nb::arg("storage_bytes"), nb::arg("sm_count"), nb::arg("ctas") = 0,
+      nb::arg("min_tiles") = 0,
+      "Plan of the streaming decode attention for static shapes (see "
+      "ffi/src/ops/attention/stream_plan.h); sm_count 0 plans for the CPU model.");
 
   m.def(
       "attention_stats",

@@ -63,10 +63,14 @@ void TranslateOutOfMemory(const std::exception_ptr& p, void*) {
 FfiRegistry ProductionTargets() {
   FfiRegistry registry;
   kv::AddCpuTargets(registry);
+  kv::AddFp8CpuTargets(registry);
   attention::AddCpuTargets(registry);
+  attention::AddStreamCpuTargets(registry);
 #ifdef JAX_VMM_HAVE_CUDA_KERNELS
   kv::AddCudaTargets(registry);
+  kv::AddFp8CudaTargets(registry);
   attention::AddCudaTargets(registry);
+  attention::AddStreamCudaTargets(registry);
 #endif
   return registry;
 }

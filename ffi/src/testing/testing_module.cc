@@ -1,6 +1,7 @@
 // jax_vmm._core.testing (see testing_module.h): the testing FFI targets, fault injection
-// into arenas, the scratch probe's counters, simulated capture and the free-on-growth
-// emulation of scratch. The Python side and its documentation: jax_vmm/testing.py.
+// into arenas, the scratch probe's counters, simulated capture, the free-on-growth
+// emulation of scratch and the streaming attention's partition. The Python side and its
+// documentation: jax_vmm/testing.py.
 #include "testing/testing_module.h"
 
 #include <nanobind/ndarray.h>
@@ -9,6 +10,7 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
@@ -20,6 +22,8 @@
 #include "drivers/cuda/zero_layout.h"
 #include "jax_vmm/errors.h"
 #include "jax_vmm/arena.h"
+#include "ops/attention/stream_plan.h"
+#include "python/bindings.h"
 #include "scratch/simulated_capture.h"
 #include "testing/fault_injecting_driver.h"
 #include "testing/scratch_free_on_growth.h"
@@ -34,19 +38,25 @@ namespace {
 void BindFaultInjection(nb::module_& m);
 void BindZeroLayout(nb::module_& m);
 void BindScratchHooks(nb::module_& m);
-nb::ndarray<> UncountedView(Arena& a, int64_t buffer_id, std::vector<size_t> shape, uint8_t code,
-                            uint8_t bits, int device_type, int device_id);
+void BindLegacyViews(nb::module_& m);
+void BindStreamPartition(nb::module_& m);
 
 }  // namespace
 
 FfiRegistry TestingTargets() {
   FfiRegistry registry;
   AddUncheckedKvWriteCpuTargets(registry);
+  AddAddressOnlyKvWriteCpuTargets(registry);
+  AddTokenKernelKvWriteCpuTargets(registry);
   AddDebugAttentionCpuTargets(registry);
+  AddDebugStreamCpuTargets(registry);
   AddProbeCpuTargets(registry);
 #ifdef JAX_VMM_HAVE_CUDA_KERNELS
   AddUncheckedKvWriteCudaTargets(registry);
+  AddAddressOnlyKvWriteCudaTargets(registry);
+  AddTokenKernelKvWriteCudaTargets(registry);
   AddDebugAttentionCudaTargets(registry);
+  AddDebugStreamCudaTargets(registry);
   AddProbeCudaTargets(registry);
 #endif
   return registry;
@@ -55,9 +65,9 @@ FfiRegistry TestingTargets() {
 void BindTestingHooks(nb::module_& m) {
   BindFaultInjection(m);
   BindZeroLayout(m);
-  m.def("uncounted_view", &UncountedView, nb::rv_policy::reference,
-        "A DLPack view that does not count as a live view (see jax_vmm.testing).");
   BindScratchHooks(m);
+  BindLegacyViews(m);
+  BindStreamPartition(m);
 }
 
 namespace {
@@ -147,24 +157,6 @@ void BindZeroLayout(nb::module_& m) {
   m.def("zero_piece_bytes", &cuda::ZeroPieceBytes, nb::arg("total_bytes"), nb::arg("granularity"));
 }
 
-// A view that is not counted as a live view of its arena: it stands in for the arena
-// memory that jax_vmm's own ops reach by identity, which never read unbacked chunks.
-nb::ndarray<> UncountedView(Arena& a, int64_t buffer_id, std::vector<size_t> shape, uint8_t code,
-                            uint8_t bits, int device_type, int device_id) {
-  const BufferInfo b = a.Buffer(buffer_id);
-  size_t elems = 1;
-  for (size_t s : shape) elems *= s;
-  if (elems * bits / 8 > b.nbytes) {
-    throw InvalidArgument("uncounted_view: shape needs " + std::to_string(elems * bits / 8) +
-                          " bytes but buffer '" + b.name + "' has " + std::to_string(b.nbytes));
-  }
-  auto* keep = new std::shared_ptr<Arena>(a.shared_from_this());
-  nb::capsule owner(keep, [](void* p) noexcept { delete static_cast<std::shared_ptr<Arena>*>(p); });
-  nb::dlpack::dtype dt{code, bits, 1};
-  return nb::ndarray<>(reinterpret_cast<void*>(b.address), shape.size(), shape.data(), owner,
-                       nullptr, dt, device_type, device_id);
-}
-
 void BindScratchHooks(nb::module_& m) {
   m.def(
       "scratch_get",
@@ -190,6 +182,68 @@ void BindScratchHooks(nb::module_& m) {
     d["initialize_calls"] = ProbeCounters().initialize_calls.load();
     return d;
   });
+}
+
+// Views as they were before view leases: a nanobind ndarray that owns a reference to the
+// Python arena object. Its DLPack deleter takes the GIL (to drop that reference), on
+// whatever thread XLA releases the view, and it counts as no live view of its buffer.
+void BindLegacyViews(nb::module_& m) {
+  m.def(
+      "legacy_view",
+      [](nb::handle arena_object, int64_t buffer_id, std::vector<size_t> shape, uint8_t code,
+         uint8_t bits, int device_type, int device_id) {
+        Arena& arena = nb::cast<Arena&>(arena_object);
+        const BufferInfo b = arena.Buffer(buffer_id);
+        CheckViewFits(b, shape, bits);
+        return nb::ndarray<>(reinterpret_cast<void*>(b.address), shape.size(), shape.data(),
+                             arena_object, nullptr, nb::dlpack::dtype{code, bits, 1}, device_type,
+                             device_id);
+      },
+      nb::rv_policy::reference, nb::arg("arena"), nb::arg("buffer_id"), nb::arg("shape"),
+      nb::arg("code"), nb::arg("bits"), nb::arg("device_type"), nb::arg("device_id"),
+      "Arena.view as it was before view leases (GIL-taking deleter, no lease).");
+}
+
+// The streaming kernel's partition as the kernel computes it (stream_plan.h), for the
+// tests of its invariants.
+void BindStreamPartition(nb::module_& m) {
+  m.def(
+      "attention_stream_partition",
+      [](const std::vector<int64_t>& lengths, int64_t max_tokens, int64_t unit_groups, int64_t ctas,
+         int64_t min_tiles) {
+        namespace stream = attention::stream;
+        const int B = static_cast<int>(lengths.size());
+        std::vector<int> prefix(B + 1, 0);
+        for (int b = 0; b < B; ++b) {
+          const int len = static_cast<int>(std::clamp<int64_t>(lengths[b], 0, max_tokens));
+          prefix[b + 1] = prefix[b] + stream::TilesOf(len);
+        }
+        const int G = static_cast<int>(unit_groups);
+        const int total = G * prefix[B];
+        const int C =
+            stream::EffectiveCtas(static_cast<int>(ctas), total, static_cast<int>(min_tiles));
+        nb::list out;
+        for (int c = 0; c < C && total > 0; ++c) {
+          nb::list pieces;
+          const int g1 = stream::RangeStart(c + 1, total, C);
+          for (int g = stream::RangeStart(c, total, C); g < g1;) {
+            const stream::UnitTile u = stream::LocateTile(prefix.data(), B, G, g);
+            const int tiles = prefix[u.b + 1] - prefix[u.b];
+            const int start = g - u.tile, end = std::min(g1, start + tiles);
+            const bool whole = u.tile == 0 && end == start + tiles;
+            pieces.append(nb::make_tuple(
+                u.b, u.hg, u.tile, end - g, whole ? -1 : stream::SlotOf(u.tile == 0),
+                stream::OwnerOf(start, total, C), stream::OwnerOf(start + tiles - 1, total, C)));
+            g = end;
+          }
+          out.append(pieces);
+        }
+        return out;
+      },
+      nb::arg("lengths"), nb::arg("max_tokens"), nb::arg("unit_groups"), nb::arg("ctas"),
+      nb::arg("min_tiles"),
+      "Per CTA, the pieces (b, hg, first_tile, tiles, slot or -1 for a whole unit, "
+      "first_owner, last_owner) of the streaming kernel's partition.");
 }
 
 }  // namespace

@@ -21,10 +21,11 @@ inline bool IsSupportedDtype(ffi::DataType t) {
   return t == ffi::DataType::F32 || t == ffi::DataType::BF16 || t == ffi::DataType::F16;
 }
 
-// Checks ranks, shapes and dtypes of (q, k, v, lengths, out); fills *shapes.
-inline ffi::Error CheckOperands(const char* name, const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
-                                const ffi::AnyBuffer& v, const ffi::Buffer<ffi::S32>& lengths,
-                                const ffi::AnyBuffer& out, Shapes* shapes) {
+// Checks ranks and shapes of (q, k, v, lengths, out), not their dtypes; fills *shapes.
+// Shared with the streaming kernel's checks (stream_check.h), which admit other dtypes.
+inline ffi::Error CheckShapes(const char* name, const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
+                              const ffi::AnyBuffer& v, const ffi::Buffer<ffi::S32>& lengths,
+                              const ffi::AnyBuffer& out, Shapes* shapes) {
   const std::string who = std::string(name) + ": ";
   auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
   if (qd.size() != 3 || kd.size() != 4) {
@@ -54,14 +55,23 @@ inline ffi::Error CheckOperands(const char* name, const ffi::AnyBuffer& q, const
     return ffi::Error::InvalidArgument(who + "lengths has shape " + DimsString(ld) +
                                        ", expected (" + std::to_string(qd[0]) + ",)");
   }
-  if (!IsSupportedDtype(q.element_type()) || k.element_type() != q.element_type() ||
-      v.element_type() != q.element_type() || out.element_type() != q.element_type()) {
-    return ffi::Error::InvalidArgument(
-        who + "q, k, v and the output must share one dtype out of float32, bfloat16, float16");
-  }
   if (DimsString(out.dimensions()) != DimsString(qd)) {
     return ffi::Error::InvalidArgument(who + "output shape " + DimsString(out.dimensions()) +
                                        " differs from q " + DimsString(qd));
+  }
+  return ffi::Error::Success();
+}
+
+// Checks ranks, shapes and dtypes of (q, k, v, lengths, out); fills *shapes.
+inline ffi::Error CheckOperands(const char* name, const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
+                                const ffi::AnyBuffer& v, const ffi::Buffer<ffi::S32>& lengths,
+                                const ffi::AnyBuffer& out, Shapes* shapes) {
+  if (ffi::Error err = CheckShapes(name, q, k, v, lengths, out, shapes); err.failure()) return err;
+  if (!IsSupportedDtype(q.element_type()) || k.element_type() != q.element_type() ||
+      v.element_type() != q.element_type() || out.element_type() != q.element_type()) {
+    return ffi::Error::InvalidArgument(
+        std::string(name) +
+        ": q, k, v and the output must share one dtype out of float32, bfloat16, float16");
   }
   return ffi::Error::Success();
 }

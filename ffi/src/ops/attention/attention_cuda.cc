@@ -33,24 +33,6 @@ constexpr const char* kName = "jax_vmm_decode_attention (CUDA)";
 
 ffi::Error CudaFailure(const char* what, cudaError_t e) { return CudaFfiError(kName, what, e); }
 
-// SM count per device ordinal (cached; a device attribute query, legal under capture).
-cudaError_t SmCount(int device, int* out) {
-  static std::mutex mu;
-  static std::map<int, int> cache;
-  std::lock_guard<std::mutex> lock(mu);
-  auto it = cache.find(device);
-  if (it != cache.end()) {
-    *out = it->second;
-    return cudaSuccess;
-  }
-  int n = 0;
-  const cudaError_t e = cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device);
-  if (e != cudaSuccess) return e;
-  cache[device] = n;
-  *out = n;
-  return cudaSuccess;
-}
-
 bool TensorCoreSupported(ffi::DataType t, int64_t head_dim) {
   return (t == ffi::DataType::BF16 || t == ffi::DataType::F16) &&
          (head_dim == 64 || head_dim == 128 || head_dim == 256);
@@ -202,16 +184,6 @@ ffi::Error Launch(const KernelParams& p, const Call& call, cudaStream_t stream) 
   return ffi::Error::Success();
 }
 
-void CountExecute(cudaStream_t stream) {
-  Counters& counters = GetCounters();
-  counters.cuda_execute_calls.fetch_add(1, std::memory_order_relaxed);
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  if (cudaStreamIsCapturing(stream, &capture) == cudaSuccess &&
-      capture == cudaStreamCaptureStatusActive) {
-    counters.cuda_captured_calls.fetch_add(1, std::memory_order_relaxed);
-  }
-}
-
 // Statistics, validation and plan of one execute call.
 ffi::Error BeginExecute(cudaStream_t stream, int32_t device, const ffi::AnyBuffer& q,
                         const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
@@ -246,6 +218,33 @@ ffi::Error ExecuteXlaWorkspaceImpl(cudaStream_t stream, int32_t device, ffi::Any
 }
 
 }  // namespace
+
+cudaError_t SmCount(int device, int* out) {
+  static std::mutex mu;
+  static std::map<int, int> cache;
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = cache.find(device);
+  if (it != cache.end()) {
+    *out = it->second;
+    return cudaSuccess;
+  }
+  int n = 0;
+  const cudaError_t e = cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device);
+  if (e != cudaSuccess) return e;
+  cache[device] = n;
+  *out = n;
+  return cudaSuccess;
+}
+
+void CountExecute(cudaStream_t stream) {
+  Counters& counters = GetCounters();
+  counters.cuda_execute_calls.fetch_add(1, std::memory_order_relaxed);
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(stream, &capture) == cudaSuccess &&
+      capture == cudaStreamCaptureStatusActive) {
+    counters.cuda_captured_calls.fetch_add(1, std::memory_order_relaxed);
+  }
+}
 
 ffi::Error CudaInitialize(cudaStream_t stream, int32_t device, const ffi::AnyBuffer& q,
                           const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,

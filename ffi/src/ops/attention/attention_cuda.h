@@ -1,5 +1,5 @@
 // The CUDA decode-attention handlers' bodies (attention_cuda.cc), shared with the
-// testing layer's variants.
+// testing layer's variants, and the host helpers of every CUDA attention handler.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -33,6 +33,14 @@ xla::ffi::Error CudaBeginExecute(cudaStream_t stream, int32_t device, const xla:
                                  const xla::ffi::Buffer<xla::ffi::S32>& lengths,
                                  const xla::ffi::AnyBuffer& out, int64_t chunk, int64_t splits,
                                  int64_t impl);
+
+// Host helpers every CUDA decode-attention handler uses (split-K and streaming).
+// The SM count of device ordinal `device` (cached; a device attribute query, legal under
+// stream capture). Thread-safe.
+cudaError_t SmCount(int device, int* out);
+
+// Counts an execute call, and whether `stream` is capturing, in the handler statistics.
+void CountExecute(cudaStream_t stream);
 
 // The context every CUDA target binds before its operands: stream, device ordinal.
 template <typename B>

@@ -1,7 +1,8 @@
-// Device helpers shared by the decode-attention kernels (attention_kernels.cu,
-// attention_tensor_core.cuh): block shape, length clamping, warp reductions, dtype
-// conversion, the 16-byte load, the tensor-core ops and the chunk softmax. Device code
-// only; include from .cu files.
+// Device helpers shared by the decode-attention kernels (the split-K kernels of
+// attention_kernels.cu / attention_tensor_core.cuh and the streaming kernel of
+// stream_kernel.cuh): the split kernels' block shape, length clamping, warp reductions,
+// dtype conversion, the 16-byte load, the tensor-core ops, the fixed-order sum of the
+// warps' PV accumulators and the chunk softmax. Device code only; include from .cu files.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -103,6 +104,39 @@ struct TensorCore<__half> {
     return r;
   }
 };
+
+// Sums the warps' PV accumulators (O^T tiles in the tensor-core layout: lane (grp, tig)
+// of warp w holds heads 8 nt + 2 tig + e at dims 64 (mt / 4) + 8 grp + 2 (mt % 4), + 1 in
+// c[e], c[2 + e]), each scaled by its column factor f[nt][e], into red[head][dim] (row
+// stride `stride`, heads < GB) in warp order 0 .. W - 1, so that the sum is deterministic;
+// warp 0 overwrites. Called by all W warps of the block (it has barriers).
+template <int W, int NQT, int MT>
+__device__ __forceinline__ void AccumulateWarpsInOrder(float* red, int stride, int GB,
+                                                       const float (&acc)[NQT][MT][4],
+                                                       const float (&f)[NQT][2]) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, grp = lane >> 2, tig = lane & 3;
+  for (int w = 0; w < W; ++w) {
+    if (warp == w) {
+#pragma unroll
+      for (int nt = 0; nt < NQT; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int head = nt * 8 + 2 * tig + e;
+          if (head < GB) {
+            float* r = red + head * stride;
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+              const int d = 64 * (mt / 4) + 8 * grp + 2 * (mt % 4);
+              r[d] = (w ? r[d] : 0.f) + f[nt][e] * acc[nt][mt][e];
+              r[d + 1] = (w ? r[d + 1] : 0.f) + f[nt][e] * acc[nt][mt][2 + e];
+            }
+          }
+        }
+      }
+    }
+    __syncthreads();
+  }
+}
 
 // Folds one chunk's logits row (n valid entries, log2 units) into the running softmax
 // state of its head: rewrites the row as p = exp2(logit - m_new), zero-fills the row up

@@ -254,29 +254,11 @@ __device__ __forceinline__ void LoadValues(const T* vc, int64_t tstride, int n, 
 // Sums the four warps' accumulators into sh.red in a fixed order (deterministic).
 template <int D, int NQT>
 __device__ __forceinline__ void ReduceWarps(const float (&acc)[NQT][D / 16][4],
-                                            const BlockShared& sh, int GB, Lane ln) {
-  constexpr int kRedStride = D + 4;
-  for (int w = 0; w < kWarps; ++w) {
-    if (ln.warp == w) {
+                                            const BlockShared& sh, int GB) {
+  float ones[NQT][2];
 #pragma unroll
-      for (int nt = 0; nt < NQT; ++nt) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int head = nt * 8 + 2 * ln.tig + e;
-          if (head < GB) {
-            float* r = sh.red + head * kRedStride;
-#pragma unroll
-            for (int mt = 0; mt < D / 16; ++mt) {
-              const int d = 64 * (mt / 4) + 8 * ln.grp + 2 * (mt % 4);
-              r[d] = (w ? r[d] : 0.f) + acc[nt][mt][e];
-              r[d + 1] = (w ? r[d + 1] : 0.f) + acc[nt][mt][2 + e];
-            }
-          }
-        }
-      }
-    }
-    __syncthreads();
-  }
+  for (int nt = 0; nt < NQT; ++nt) ones[nt][0] = ones[nt][1] = 1.f;
+  AccumulateWarpsInOrder<kWarps, NQT, D / 16>(sh.red, D + 4, GB, acc, ones);
 }
 
 // Partial (m, l, acc) of head h0 + row: index ((b * Hq + h0 + row) * splits + s).
@@ -362,7 +344,7 @@ __global__ void __launch_bounds__(kThreads) SplitKernelTensorCore(const KernelPa
     }
     __syncthreads();  // the next chunk overwrites the logits
   }
-  ReduceWarps<D, NQT>(acc, sh, GB, ln);
+  ReduceWarps<D, NQT>(acc, sh, GB);
   WritePartials<D>(p, sh, b, h0, s, GB);
 }
 

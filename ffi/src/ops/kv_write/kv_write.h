@@ -4,9 +4,11 @@
 // Two custom calls (Python wrappers and the user contract: jax_vmm/ops.py):
 //   jax_vmm_kv_write(k, v, new_k, new_v, slots) -> (k, v), outputs aliased {0:0, 1:1}
 //   jax_vmm_kv_write_through(k, v, new_k, new_v, slots) -> status s32[2, n]
-// Attributes dest_k / dest_v (u64, 0 = none) name the arena buffers to write: the
-// static destination. Each side's *target* is that buffer, or without one the buffer XLA
-// handed over (kv_write: its output; write-through: its operand) when it is arena memory.
+// Attributes dest_k / dest_v (u64 addresses, 0 = none) with dest_k_uid / dest_v_uid (the
+// buffers' uids) name the arena buffers to write: the static destination. The uid is the
+// identity (an address may belong to a newer arena by now); the address must match it.
+// Each side's *target* is that buffer, or without one the buffer XLA handed over
+// (kv_write: its output; write-through: its operand) when it is arena memory.
 // Tokens are validated against the target (slot range; page table), written into the
 // target, and kv_write also writes them into its output when that is not the target (an
 // "alias miss": XLA copied the cache, so the returned arrays hold the tokens too).

@@ -72,10 +72,56 @@ bool Usable(const BufferRef& ref, const char* driver_kind) {
          ref.chunk_bytes != 0;
 }
 
-// The arena buffer that starts exactly at `dest` and holds `bytes`.
-bool ResolveDest(uintptr_t dest, size_t bytes, const char* driver_kind, BufferRef* ref) {
-  return FindArenaBuffer(dest, bytes, ref, Pin(driver_kind)) && ref->buffer_base == dest &&
-         Usable(*ref, driver_kind);
+const char* OpName(Op op) {
+  return op == Op::kWrite ? "jax_vmm.kv_write" : "jax_vmm.kv_write_through";
+}
+
+std::string BufferName(const std::string& name, const BufferRef& ref) {
+  return "buffer '" + name + "' (uid " + std::to_string(ref.buffer_uid) + ") of arena " +
+         std::to_string(ref.arena_uid);
+}
+
+// Why the dest of one side cannot be written, for the error message.
+std::string StaleDestMessage(Op op, const char* driver_kind, char side, const SideInput& in) {
+  const std::string pre = std::string(OpName(op)) + ": dest_" + side + " is ";
+  const std::string remedy =
+      ": a KVDest names the buffers of one arena for good. Make a new one with "
+      "kv.dest(layer) of an open KV arena (a step traced with the old dest must be traced "
+      "again)";
+  BufferRef ref;
+  std::string name;
+  switch (FindArenaBufferByUid(in.dest_uid, &ref, &name)) {
+    case UidLookup::kClosed:
+      return pre + BufferName(name, ref) + ", which was closed" + remedy;
+    case UidLookup::kGone: {
+      std::string now;
+      if (FindArenaBuffer(in.dest, 1, &ref) &&
+          FindArenaBufferByUid(ref.buffer_uid, &ref, &name) == UidLookup::kFound) {
+        now = " (the address now holds " + BufferName(name, ref) +
+              "; addresses are reused, uids never are)";
+      }
+      return pre + "buffer uid " + std::to_string(in.dest_uid) + " at " + Hex(in.dest) +
+             ", which no longer exists: its arena was destroyed or the buffer freed" + now + remedy;
+    }
+    case UidLookup::kFound:
+      break;
+  }
+  if (!Usable(ref, driver_kind)) {
+    return pre + BufferName(name, ref) + ", memory of a " + ref.driver_kind +
+           " arena, but the call runs on " + driver_kind +
+           ": pass the dest of a KV arena on the device the step runs on";
+  }
+  return pre + BufferName(name, ref) + " at " + Hex(ref.buffer_base) + " of " +
+         std::to_string(ref.buffer_bytes) + " bytes, but the call names address " + Hex(in.dest) +
+         " and a cache of " + std::to_string(in.bytes) +
+         " bytes: pass a dest made by kv.dest(layer) for the cache you write";
+}
+
+// The buffer the dest's uid names, if its address and size are the dest's.
+bool ResolveDest(const SideInput& in, const char* driver_kind, BufferRef* ref) {
+  std::string name;
+  return FindArenaBufferByUid(in.dest_uid, ref, &name, Pin(driver_kind)) == UidLookup::kFound &&
+         ref->buffer_base == in.dest && ref->buffer_bytes >= in.bytes && Usable(*ref, driver_kind);
 }
 
 // The arena buffer that holds the `bytes` XLA handed over at `handed`.
@@ -85,31 +131,57 @@ bool ResolveHanded(void* handed, size_t bytes, const char* driver_kind, BufferRe
          Usable(*ref, driver_kind);
 }
 
+// A handed buffer inside some arena's reservation that is not the side's target: a view
+// of another buffer (with a dest of this one), of a freed buffer or of a closed arena.
+// Writing it as plain memory would skip its page checks (unbacked pages are read-only).
+std::string StaleHandedMessage(Op op, char side, const SideInput& in, const BufferRef* found) {
+  std::string what = "a view of a freed buffer or of a closed arena";
+  BufferRef ref;
+  std::string name;
+  if (found != nullptr &&
+      FindArenaBufferByUid(found->buffer_uid, &ref, &name) == UidLookup::kFound) {
+    what = BufferName(name, ref);
+  }
+  std::string dest;
+  if (in.dest != 0 && FindArenaBufferByUid(in.dest_uid, &ref, &name) == UidLookup::kFound) {
+    dest = " but dest names " + BufferName(name, ref);
+  }
+  return std::string(OpName(op)) + ": the cache operand " + side + " (handed over at " +
+         Hex(reinterpret_cast<uintptr_t>(in.handed)) + ") is " + what + dest +
+         ". Pass the views of the buffers you write (kv.k[layer], kv.v[layer] of an open "
+         "arena, taken after any close() or free()) with their own dest=kv.dest(layer)";
+}
+
 // Fills the target of side `s` (0 = k, 1 = v); an error message, or "".
 std::string ResolveSide(Op op, const char* driver_kind, bool require_arena, int s,
                         const SideInput& in, Side* side, Resolution* out) {
-  const char* name = op == Op::kWrite ? "jax_vmm.kv_write" : "jax_vmm.kv_write_through";
+  const char side_name = s == 0 ? 'k' : 'v';
   *side = Side{};
   side->src = static_cast<const uint8_t*>(in.src);
   side->status = in.status;
+  const uintptr_t handed = reinterpret_cast<uintptr_t>(in.handed);
+  BufferRef handed_ref;
+  const bool handed_arena = ResolveHanded(in.handed, in.bytes, driver_kind, &handed_ref);
+  const bool in_reservation = in.handed != nullptr && InArenaReservation(handed, in.bytes);
   BufferRef ref;
   if (in.dest != 0) {
-    if (!ResolveDest(in.dest, in.bytes, driver_kind, &ref)) {
-      return std::string(name) + ": dest_" + (s == 0 ? "k" : "v") + " " + Hex(in.dest) +
-             " is not the start of a live jax_vmm arena buffer of at least " +
-             std::to_string(in.bytes) + " bytes on this platform (" + driver_kind +
-             "). The arena was closed, or the dest belongs to another cache: pass "
-             "dest=kv.dest(layer) of the open KV arena whose views you write.";
-    }
+    if (!ResolveDest(in, driver_kind, &ref))
+      return StaleDestMessage(op, driver_kind, side_name, in);
     side->dst = reinterpret_cast<uint8_t*>(in.dest);
-  } else if (ResolveHanded(in.handed, in.bytes, driver_kind, &ref)) {
+    if (in_reservation && !(handed_arena && handed_ref.buffer_uid == in.dest_uid)) {
+      return StaleHandedMessage(op, side_name, in, handed_arena ? &handed_ref : nullptr);
+    }
+  } else if (handed_arena) {
+    ref = handed_ref;
     side->dst = static_cast<uint8_t*>(in.handed);
+  } else if (in_reservation) {
+    return StaleHandedMessage(op, side_name, in, nullptr);
   } else {
     out->non_arena = true;
     if (op == Op::kWrite) {
       side->dst = static_cast<uint8_t*>(in.handed);  // a plain functional write
     } else if (require_arena) {
-      return std::string(name) +
+      return std::string(OpName(op)) +
              ": the cache operand is not memory of a jax_vmm arena (XLA handed the custom "
              "call a copy) and no dest was given. Pass dest=kv.dest(layer), or the arena "
              "views (kv.k[l], kv.v[l]) directly as jit arguments that no other op updates.";

@@ -33,9 +33,16 @@ std::string CheckGeometry(const char* op, const Dims& k, const Dims& v, const Di
 
 enum class Op { kWrite, kWriteThrough };
 
+// The static destination attributes of a call (0 = none).
+struct Dest {
+  uint64_t k = 0, v = 0;          // buffer addresses
+  uint64_t k_uid = 0, v_uid = 0;  // buffer uids: the identity
+};
+
 // What the handler knows about one side before the writes.
 struct SideInput {
   uintptr_t dest = 0;         // the static destination attribute, 0 = none
+  uint64_t dest_uid = 0;      // its buffer uid
   void* handed = nullptr;     // kv_write: the output buffer; write-through: the operand
   size_t bytes = 0;           // size of the cache (k or v)
   const void* src = nullptr;  // new tokens
@@ -48,8 +55,11 @@ struct Resolution {
 };
 
 // Fills p->side[0..1] for a call of `op` on `driver_kind` ("host" or "cuda"). Returns an
-// error message (empty on success): a dest that is not a live arena buffer of at least
-// `bytes` starting at that address, or (require_arena) a write-through without arena.
+// error message (empty on success): a dest whose uid names no buffer of an open arena (or
+// whose address or size does not match that buffer); a handed buffer that lies in an
+// arena's reservation but is not the target (a view of another buffer, of a freed buffer
+// or of a closed arena: writing it would skip its page checks); or (require_arena) a
+// write-through without arena.
 std::string ResolveSides(Op op, const char* driver_kind, bool require_arena, const SideInput in[2],
                          Params* p, Resolution* out);
 

@@ -8,11 +8,9 @@
 #include "ops/kv_write/kv_write_targets.h"
 
 namespace jax_vmm::kv {
-namespace {
 
-// The common part of both handlers once the operands are unpacked.
-ffi::Error Run(HostTokenWriter write, Op op, Handler h, const CallOperands& in,
-               bool require_arena) {
+ffi::Error RunOnHost(Op op, Handler h, const CallOperands& in, bool require_arena,
+                     const std::function<void(const Params&, Counters&)>& write) {
   Counters& counters = GetCounters(h);
   counters.calls.fetch_add(1);
   Params p;
@@ -24,34 +22,41 @@ ffi::Error Run(HostTokenWriter write, Op op, Handler h, const CallOperands& in,
   return ffi::Error::Success();
 }
 
-}  // namespace
+ffi::Error PrepareWriteResultsOnHost(const char* op, const ffi::AnyBuffer& k,
+                                     const ffi::AnyBuffer& v, ffi::AnyBuffer& k_out,
+                                     ffi::AnyBuffer& v_out) {
+  if (ffi::Error e = CheckWriteResults(op, k, v, k_out, v_out); e.failure()) return e;
+  if (k_out.untyped_data() != k.untyped_data()) {
+    std::memcpy(k_out.untyped_data(), k.untyped_data(), k.size_bytes());
+  }
+  if (v_out.untyped_data() != v.untyped_data()) {
+    std::memcpy(v_out.untyped_data(), v.untyped_data(), v.size_bytes());
+  }
+  return ffi::Error::Success();
+}
 
 ffi::Error CpuWrite(HostTokenWriter write, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer new_k,
                     ffi::AnyBuffer new_v, ffi::Buffer<ffi::S32> slots,
                     ffi::Result<ffi::AnyBuffer> k_out, ffi::Result<ffi::AnyBuffer> v_out,
-                    uint64_t dest_k, uint64_t dest_v) {
-  if (ffi::Error e = CheckWriteResults(k, v, *k_out, *v_out); e.failure()) return e;
-  // XLA aliases each output with its operand; if it ever did not, keep the op's meaning.
-  if (k_out->untyped_data() != k.untyped_data()) {
-    std::memcpy(k_out->untyped_data(), k.untyped_data(), k.size_bytes());
+                    const Dest& dest) {
+  if (ffi::Error e = PrepareWriteResultsOnHost("jax_vmm_kv_write", k, v, *k_out, *v_out);
+      e.failure()) {
+    return e;
   }
-  if (v_out->untyped_data() != v.untyped_data()) {
-    std::memcpy(v_out->untyped_data(), v.untyped_data(), v.size_bytes());
-  }
-  const CallOperands in = WriteOperands(k, v, new_k, new_v, slots, k_out->untyped_data(),
-                                        v_out->untyped_data(), dest_k, dest_v);
-  return Run(write, Op::kWrite, Handler::kWrite, in, false);
+  const CallOperands in =
+      WriteOperands(k, v, new_k, new_v, slots, k_out->untyped_data(), v_out->untyped_data(), dest);
+  return RunOnHost(Op::kWrite, Handler::kWrite, in, false, write);
 }
 
 ffi::Error CpuWriteThrough(HostTokenWriter write, ffi::AnyBuffer k, ffi::AnyBuffer v,
                            ffi::AnyBuffer new_k, ffi::AnyBuffer new_v, ffi::Buffer<ffi::S32> slots,
                            ffi::Result<ffi::Buffer<ffi::S32>> status, bool require_arena,
-                           uint64_t dest_k, uint64_t dest_v) {
+                           const Dest& dest) {
   const Dims status_dims = DimsOfS32(*status);
   if (ffi::Error e = CheckStatusResult(status_dims); e.failure()) return e;
   const CallOperands in =
-      WriteThroughOperands(k, v, new_k, new_v, slots, *status, status_dims, dest_k, dest_v);
-  return Run(write, Op::kWriteThrough, Handler::kWriteThrough, in, require_arena);
+      WriteThroughOperands(k, v, new_k, new_v, slots, *status, status_dims, dest);
+  return RunOnHost(Op::kWriteThrough, Handler::kWriteThrough, in, require_arena, write);
 }
 
 }  // namespace jax_vmm::kv

@@ -12,24 +12,39 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <functional>
 
 #include "ops/kv_write/kv_write.h"
+#include "ops/kv_write/kv_write_call.h"
 #include "ops/kv_write/kv_write_ffi.h"
+#include "ops/kv_write/kv_write_stats.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_vmm::kv {
 
 using KernelLauncher = cudaError_t (*)(const Params&, cudaStream_t);
 
+// What every CUDA handler does once its operands are unpacked: counts the call (and a
+// capturing stream), prepares it (kv_write_call.h), counts the resolution, then
+// launch(params) starts the kernel.
+ffi::Error RunOnDevice(Op op, Handler h, cudaStream_t stream, const CallOperands& in,
+                       bool require_arena, const std::function<cudaError_t(const Params&)>& launch);
+
+// kv_write's results: checks their sizes and, should XLA not alias them with k and v,
+// copies k and v into them on `stream` (the op's meaning). `op` names the op in errors.
+ffi::Error PrepareWriteResultsOnDevice(const char* op, const ffi::AnyBuffer& k,
+                                       const ffi::AnyBuffer& v, ffi::AnyBuffer& k_out,
+                                       ffi::AnyBuffer& v_out, cudaStream_t stream);
+
 ffi::Error CudaWrite(KernelLauncher launch, cudaStream_t stream, ffi::AnyBuffer k, ffi::AnyBuffer v,
                      ffi::AnyBuffer new_k, ffi::AnyBuffer new_v, ffi::Buffer<ffi::S32> slots,
                      ffi::Result<ffi::AnyBuffer> k_out, ffi::Result<ffi::AnyBuffer> v_out,
-                     uint64_t dest_k, uint64_t dest_v);
+                     const Dest& dest);
 
 ffi::Error CudaWriteThrough(KernelLauncher launch, cudaStream_t stream, ffi::AnyBuffer k,
                             ffi::AnyBuffer v, ffi::AnyBuffer new_k, ffi::AnyBuffer new_v,
                             ffi::Buffer<ffi::S32> slots, ffi::Result<ffi::Buffer<ffi::S32>> status,
-                            bool require_arena, uint64_t dest_k, uint64_t dest_v);
+                            bool require_arena, const Dest& dest);
 
 // The handler functions XLA_FFI_DEFINE_HANDLER_SYMBOL binds (with
 // BindWrite(Bind().Ctx<PlatformStream>()) and BindWriteThrough of kv_write_ffi.h).
@@ -37,8 +52,10 @@ template <KernelLauncher kLaunch>
 ffi::Error CudaWriteImpl(cudaStream_t stream, ffi::AnyBuffer k, ffi::AnyBuffer v,
                          ffi::AnyBuffer new_k, ffi::AnyBuffer new_v, ffi::Buffer<ffi::S32> slots,
                          ffi::Result<ffi::AnyBuffer> k_out, ffi::Result<ffi::AnyBuffer> v_out,
-                         uint64_t dest_k, uint64_t dest_v) {
-  return CudaWrite(kLaunch, stream, k, v, new_k, new_v, slots, k_out, v_out, dest_k, dest_v);
+                         uint64_t dest_k, uint64_t dest_v, uint64_t dest_k_uid,
+                         uint64_t dest_v_uid) {
+  return CudaWrite(kLaunch, stream, k, v, new_k, new_v, slots, k_out, v_out,
+                   Dest{dest_k, dest_v, dest_k_uid, dest_v_uid});
 }
 
 template <KernelLauncher kLaunch>
@@ -46,9 +63,10 @@ ffi::Error CudaWriteThroughImpl(cudaStream_t stream, ffi::AnyBuffer k, ffi::AnyB
                                 ffi::AnyBuffer new_k, ffi::AnyBuffer new_v,
                                 ffi::Buffer<ffi::S32> slots,
                                 ffi::Result<ffi::Buffer<ffi::S32>> status, bool require_arena,
-                                uint64_t dest_k, uint64_t dest_v) {
-  return CudaWriteThrough(kLaunch, stream, k, v, new_k, new_v, slots, status, require_arena, dest_k,
-                          dest_v);
+                                uint64_t dest_k, uint64_t dest_v, uint64_t dest_k_uid,
+                                uint64_t dest_v_uid) {
+  return CudaWriteThrough(kLaunch, stream, k, v, new_k, new_v, slots, status, require_arena,
+                          Dest{dest_k, dest_v, dest_k_uid, dest_v_uid});
 }
 
 // The context the CUDA handlers bind before their operands: the stream.

@@ -46,10 +46,10 @@ inline CallOperands Operands(const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
 inline CallOperands WriteOperands(const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
                                   const ffi::AnyBuffer& new_k, const ffi::AnyBuffer& new_v,
                                   const ffi::Buffer<ffi::S32>& slots, void* k_out, void* v_out,
-                                  uint64_t dest_k, uint64_t dest_v) {
+                                  const Dest& dest) {
   CallOperands in = Operands(k, v, new_k, new_v, slots);
-  in.side[0] = {dest_k, k_out, k.size_bytes(), new_k.untyped_data(), nullptr};
-  in.side[1] = {dest_v, v_out, v.size_bytes(), new_v.untyped_data(), nullptr};
+  in.side[0] = {dest.k, dest.k_uid, k_out, k.size_bytes(), new_k.untyped_data(), nullptr};
+  in.side[1] = {dest.v, dest.v_uid, v_out, v.size_bytes(), new_v.untyped_data(), nullptr};
   return in;
 }
 
@@ -58,22 +58,24 @@ inline CallOperands WriteThroughOperands(const ffi::AnyBuffer& k, const ffi::Any
                                          const ffi::AnyBuffer& new_k, const ffi::AnyBuffer& new_v,
                                          const ffi::Buffer<ffi::S32>& slots,
                                          ffi::Buffer<ffi::S32>& status, const Dims& status_dims,
-                                         uint64_t dest_k, uint64_t dest_v) {
+                                         const Dest& dest) {
   CallOperands in = Operands(k, v, new_k, new_v, slots);
   in.status = &status_dims;
   const int64_t n = status_dims.rank == 2 ? status_dims.d[1] : 0;
-  in.side[0] = {dest_k, k.untyped_data(), k.size_bytes(), new_k.untyped_data(),
-                status.typed_data()};
-  in.side[1] = {dest_v, v.untyped_data(), v.size_bytes(), new_v.untyped_data(),
-                status.typed_data() + n};
+  in.side[0] = {dest.k,         dest.k_uid,           k.untyped_data(),
+                k.size_bytes(), new_k.untyped_data(), status.typed_data()};
+  in.side[1] = {dest.v,         dest.v_uid,           v.untyped_data(),
+                v.size_bytes(), new_v.untyped_data(), status.typed_data() + n};
   return in;
 }
 
-// The checks both handlers make before they touch their results.
-inline ffi::Error CheckWriteResults(const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
-                                    const ffi::AnyBuffer& k_out, const ffi::AnyBuffer& v_out) {
+// The checks the aliasing handlers (kv_write, kv_write_fp8: `op`) make before they touch
+// their results.
+inline ffi::Error CheckWriteResults(const char* op, const ffi::AnyBuffer& k,
+                                    const ffi::AnyBuffer& v, const ffi::AnyBuffer& k_out,
+                                    const ffi::AnyBuffer& v_out) {
   if (k_out.size_bytes() != k.size_bytes() || v_out.size_bytes() != v.size_bytes()) {
-    return ffi::Error::InvalidArgument("jax_vmm_kv_write: outputs must match k and v");
+    return ffi::Error::InvalidArgument(std::string(op) + ": outputs must match k and v");
   }
   return ffi::Error::Success();
 }
@@ -97,22 +99,28 @@ auto BindOperands(B&& b) {
       .template Arg<ffi::Buffer<ffi::S32>>();  // slots
 }
 
+// The static destination's attributes, after the others (kv_write_call.h Dest).
+template <typename B>
+auto BindDest(B&& b) {
+  return std::forward<B>(b)
+      .template Attr<uint64_t>("dest_k")
+      .template Attr<uint64_t>("dest_v")
+      .template Attr<uint64_t>("dest_k_uid")
+      .template Attr<uint64_t>("dest_v_uid");
+}
+
 template <typename B>
 auto BindWrite(B&& b) {
-  return BindOperands(std::forward<B>(b))
-      .template Ret<ffi::AnyBuffer>()  // k (aliases operand 0)
-      .template Ret<ffi::AnyBuffer>()  // v (aliases operand 1)
-      .template Attr<uint64_t>("dest_k")
-      .template Attr<uint64_t>("dest_v");
+  return BindDest(BindOperands(std::forward<B>(b))
+                      .template Ret<ffi::AnyBuffer>()    // k (aliases operand 0)
+                      .template Ret<ffi::AnyBuffer>());  // v (aliases operand 1)
 }
 
 template <typename B>
 auto BindWriteThrough(B&& b) {
-  return BindOperands(std::forward<B>(b))
-      .template Ret<ffi::Buffer<ffi::S32>>()  // status (2, n)
-      .template Attr<bool>("require_arena")
-      .template Attr<uint64_t>("dest_k")
-      .template Attr<uint64_t>("dest_v");
+  return BindDest(BindOperands(std::forward<B>(b))
+                      .template Ret<ffi::Buffer<ffi::S32>>()  // status (2, n)
+                      .template Attr<bool>("require_arena"));
 }
 
 }  // namespace jax_vmm::kv

@@ -1,8 +1,13 @@
-// The kv_write kernel as a template over its token policy, and its launch. Device code;
-// included by kv_write_kernels.cu (production) and the testing layer's unchecked variant.
+// The kv_write kernels as templates over their token policy, and their launch. Device
+// code; included by kv_write_kernels.cu (production) and the testing layer's variants.
 //
 // Policy: static __device__ int32_t Check(slot, params, side) (the token's TokenStatus)
 // and static __device__ void CountDrop() (a dropped write, for the device-wide counter).
+//
+// LaunchKvKernel picks the tiled kernel (kv_write_bulk.cuh) for every token whose vector
+// count fits its int indexing (kMaxTiledVectorsPerToken: tokens up to 256 MiB with 16-byte
+// vectors), and this file's token kernel -- one group of threads per token, no index
+// limit -- for larger ones.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -11,6 +16,7 @@
 #include <cstdint>
 
 #include "ops/kv_write/kv_write.h"
+#include "ops/kv_write/kv_write_bulk.cuh"
 
 namespace jax_vmm::kv::kernels {
 
@@ -64,10 +70,9 @@ inline int VectorBytes(const Params& p) {
   return 1;
 }
 
+// The token kernel for p, with vb-byte vectors (VectorBytes).
 template <typename Policy>
-cudaError_t LaunchKvKernel(const Params& p, cudaStream_t stream) {
-  if (p.n == 0) return cudaSuccess;
-  const int vb = VectorBytes(p);
+cudaError_t LaunchTokenKernel(const Params& p, int vb, cudaStream_t stream) {
   const int64_t vecs = static_cast<int64_t>(p.token_bytes) / vb;
   int tpt = 1;
   while (tpt < vecs && tpt < kThreads) tpt *= 2;
@@ -92,6 +97,42 @@ cudaError_t LaunchKvKernel(const Params& p, cudaStream_t stream) {
       break;
   }
   return cudaGetLastError();
+}
+
+// The tiled kernel for p, with vb-byte vectors.
+template <typename Policy>
+cudaError_t LaunchBulkCopy(const Params& p, int vb, cudaStream_t stream) {
+  const int vpt = static_cast<int>(p.token_bytes / vb);
+  switch (vb) {
+    case 16:
+      return LaunchBulkKernel<Policy>(p, CopyVectors<uint4>{vpt}, stream);
+    case 8:
+      return LaunchBulkKernel<Policy>(p, CopyVectors<uint2>{vpt}, stream);
+    case 4:
+      return LaunchBulkKernel<Policy>(p, CopyVectors<uint32_t>{vpt}, stream);
+    case 2:
+      return LaunchBulkKernel<Policy>(p, CopyVectors<uint16_t>{vpt}, stream);
+    default:
+      return LaunchBulkKernel<Policy>(p, CopyVectors<uint8_t>{vpt}, stream);
+  }
+}
+
+// The kernel for p: tiled, or the token kernel for tokens of more vectors than it indexes.
+template <typename Policy>
+cudaError_t LaunchKvKernel(const Params& p, cudaStream_t stream) {
+  if (p.n == 0) return cudaSuccess;
+  const int vb = VectorBytes(p);
+  if (static_cast<int64_t>(p.token_bytes) / vb <= kMaxTiledVectorsPerToken) {
+    return LaunchBulkCopy<Policy>(p, vb, stream);
+  }
+  return LaunchTokenKernel<Policy>(p, vb, stream);
+}
+
+// The token kernel whatever the token size (what LaunchKvKernel picks for huge tokens).
+template <typename Policy>
+cudaError_t LaunchKvTokenKernel(const Params& p, cudaStream_t stream) {
+  if (p.n == 0) return cudaSuccess;
+  return LaunchTokenKernel<Policy>(p, VectorBytes(p), stream);
 }
 
 }  // namespace jax_vmm::kv::kernels

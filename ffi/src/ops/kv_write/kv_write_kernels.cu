@@ -1,6 +1,8 @@
 // Device code of the kv_write CUDA handlers (see kv_write_kernels.h): the production
-// instantiation of the kernel, and the per-device counter of dropped writes behind
+// instantiations of the kernels, and the per-device counter of dropped writes behind
 // kv_write_stats().
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -8,6 +10,7 @@
 #include <set>
 
 #include "ops/kv_write/kv_write.h"
+#include "ops/kv_write/kv_write_fp8.cuh"
 #include "ops/kv_write/kv_write_kernel.cuh"
 #include "ops/kv_write/kv_write_kernels.h"
 #include "ops/kv_write/kv_write_stats.h"
@@ -72,6 +75,36 @@ void ResetDeviceDrops() {
 
 cudaError_t LaunchKvWrite(const Params& p, cudaStream_t stream) {
   return kernels::LaunchKvKernel<CheckedOnDevice>(p, stream);
+}
+
+cudaError_t LaunchKvWriteTokenKernel(const Params& p, cudaStream_t stream) {
+  return kernels::LaunchKvTokenKernel<CheckedOnDevice>(p, stream);
+}
+
+namespace {
+
+template <typename SrcT>
+cudaError_t LaunchQuantize(const Params& p, const Fp8Quantization& q, cudaStream_t stream) {
+  kernels::QuantizeVectors<SrcT> tr;
+  tr.vecs_per_token = static_cast<int>(p.token_bytes / 8);
+  tr.vecs_per_head = q.head_dim / 8;
+  tr.scale[0] = q.scale[0];
+  tr.scale[1] = q.scale[1];
+  return kernels::LaunchBulkKernel<CheckedOnDevice>(p, tr, stream);
+}
+
+}  // namespace
+
+cudaError_t LaunchKvWriteFp8(const Params& p, const Fp8Quantization& q, cudaStream_t stream) {
+  if (p.n == 0) return cudaSuccess;
+  switch (q.source) {
+    case Fp8Quantization::Source::kBF16:
+      return LaunchQuantize<__nv_bfloat16>(p, q, stream);
+    case Fp8Quantization::Source::kF16:
+      return LaunchQuantize<__half>(p, q, stream);
+    default:
+      return LaunchQuantize<float>(p, q, stream);
+  }
 }
 
 void NoteDevice(int device) {

@@ -1,0 +1,42 @@
+"""The fp8 KV-cache format of jax_vmm: float8_e4m3fn values with one float32 scale per
+KV head (and layer).
+
+``jax_vmm.kv_write_fp8`` stores ``fp8(x * (1 / scale[h]))`` (round to nearest even,
+saturated to +-:data:`FP8_MAX`, NaN kept) and ``jax_vmm.decode_attention(...,
+k_scale=, v_scale=)`` reads ``fp8 * scale[h]``. :func:`quantize_fp8` and
+:func:`dequantize_fp8` are the plain-JAX references of the two directions. A uint8 array
+holding float8_e4m3fn bits is accepted wherever an fp8 cache is (the fallback where a
+runtime cannot import float8 DLPack views).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["FP8_DTYPE", "FP8_MAX", "FP8_STORAGE", "quantize_fp8", "dequantize_fp8"]
+
+#: Storage dtype of an fp8 KV cache.
+FP8_DTYPE = np.dtype(jnp.float8_e4m3fn)
+#: Largest finite float8_e4m3fn value (quantization saturates to +-FP8_MAX).
+FP8_MAX = 448.0
+#: The dtypes an fp8 cache may have: float8_e4m3fn, or uint8 holding its bits.
+FP8_STORAGE = (FP8_DTYPE, np.dtype(np.uint8))
+
+
+def quantize_fp8(x: jax.Array, scale: jax.Array) -> jax.Array:
+    """Plain-JAX reference of kv_write_fp8's quantization of ``x`` ``(..., H, D)`` with
+    per-head ``scale`` ``(H,)``: float8_e4m3fn of ``x * (1 / scale)`` (float32), round
+    to nearest even, saturated to +-448; NaN stays NaN."""
+    inv = 1.0 / jnp.asarray(scale, jnp.float32)
+    y = x.astype(jnp.float32) * inv[:, None]
+    return jnp.where(jnp.isnan(y), y, jnp.clip(y, -FP8_MAX, FP8_MAX)).astype(FP8_DTYPE)
+
+
+def dequantize_fp8(x: jax.Array, scale: jax.Array) -> jax.Array:
+    """float32 values of an fp8 cache ``(..., H_kv, D)`` (float8_e4m3fn, or uint8 bits)
+    with per-KV-head ``scale`` ``(H_kv,)``: ``x * scale``."""
+    if np.dtype(x.dtype) == np.uint8:
+        x = jax.lax.bitcast_convert_type(x, FP8_DTYPE)
+    return x.astype(jnp.float32) * jnp.asarray(scale, jnp.float32)[:, None]

@@ -1,0 +1,46 @@
+"""The command line: `jax-vmm` (console script) and `python -m jax_vmm`."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from jax_vmm.__main__ import main
+
+
+@pytest.mark.parametrize(
+    "argv0,prog",
+    [("/venv/bin/jax-vmm", "jax-vmm"), ("/site-packages/jax_vmm/__main__.py", "python -m jax_vmm")],
+)
+def test_help_names_the_command_that_was_run(monkeypatch, capsys, argv0, prog):
+    monkeypatch.setattr(sys, "argv", [argv0])
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: {prog} "), out
+    assert "``" not in out and "info" in out, "the help is plain text and lists the commands"
+
+
+def test_a_bare_command_prints_help(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["/venv/bin/jax-vmm"])
+    assert main([]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: jax-vmm ") and "info" in out
+
+
+def test_python_dash_m(tmp_path):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    proc = subprocess.run(
+        [sys.executable, "-m", "jax_vmm", "--help"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("usage: python -m jax_vmm "), proc.stdout

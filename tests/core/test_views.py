@@ -1,0 +1,166 @@
+"""Zero-copy views and their leases (#11.2, #11.4).
+
+A view (``buf.array``, ``kv.k[l]``) is a DLPack import whose deleter drops a C++ view
+lease: it keeps the arena's reservation alive and counts as a live view of its buffer.
+The deleter runs on whatever thread XLA releases the buffer on and never touches Python.
+
+* Exit with work in flight: a script that ends (or raises) while a computation over an
+  arena view still runs exits cleanly. With the GIL-taking deleter of a plain nanobind
+  ndarray (``jax_vmm.testing.legacy_views()``) the same script aborts.
+* ``Buffer.free()`` with live views: the freed range is not placed again until the last
+  view is gone, so an old view never reads a newer buffer (it reads zeros). With leaseless
+  legacy views the check fails.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_vmm
+import jax_vmm.testing
+from conftest import write_bytes
+
+REPO = Path(__file__).resolve().parents[2]
+
+# Eight sequences of 32768 x 8 x 128 float32 (1 GiB per buffer, unbacked: it reads zeros
+# and costs no memory), read by a loop of passes: one takes seconds on a CPU, 20000 take
+# seconds on an H200. The script checks that the computation it leaves behind is still
+# running (and takes ten times more passes until one is).
+_EXIT_SCRIPT = r"""
+import contextlib, sys
+import jax, jax.numpy as jnp
+import jax_vmm, jax_vmm.testing
+platform, end, views = sys.argv[1:4]
+device = jax.devices(platform)[0]
+kv = jax_vmm.kv_arena(num_layers=1, num_kv_heads=8, head_dim=128, max_tokens=32768,
+                      max_seqs=8, dtype=jnp.float32, device=device)
+legacy = jax_vmm.testing.legacy_views() if views == "legacy" else contextlib.nullcontext()
+with legacy:
+    k = kv.k[0]
+reduce = jax.jit(lambda k, n: jax.lax.fori_loop(
+    0, n, lambda i, s: s + jnp.sin(k + i.astype(k.dtype)).sum(), 0.0))
+passes = 1 if platform == "cpu" else 20000
+while True:
+    out = reduce(k, jax.device_put(jnp.int32(passes), device))
+    if not out.is_ready():
+        break
+    passes *= 10
+print(f"dispatched, in flight: {passes} passes", flush=True)
+if end == "raise":
+    raise RuntimeError("the script fails before block_until_ready")
+"""
+
+
+def _run_exit_script(platform: str, end: str, views: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    return subprocess.run(
+        [sys.executable, "-c", _EXIT_SCRIPT, platform, end, views],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def _assert_clean_exit(proc: subprocess.CompletedProcess, end: str) -> None:
+    out = proc.stdout + proc.stderr
+    assert "dispatched, in flight" in proc.stdout, out[-3000:]
+    assert "terminate called" not in out, out[-3000:]
+    if end == "raise":
+        assert proc.returncode == 1, out[-3000:]  # the traceback, and nothing else
+        assert "the script fails before block_until_ready" in proc.stderr
+    else:
+        assert proc.returncode == 0, out[-3000:]
+
+
+@pytest.mark.parametrize("end", ["return", "raise"])
+def test_exit_with_work_in_flight_is_clean(device, end):
+    _assert_clean_exit(_run_exit_script(device.platform, end, "lease"), end)
+
+
+def test_the_exit_check_catches_a_deleter_that_takes_the_gil(cpu_device):
+    """The same script with views whose deleter takes the GIL (a plain nanobind ndarray,
+    as before the leases) aborts at exit: the check above sees the failure."""
+    proc = _run_exit_script("cpu", "raise", "legacy")
+    assert "dispatched, in flight" in proc.stdout, proc.stderr[-3000:]
+    with pytest.raises(AssertionError, match="terminate called|assert -6 == 1|assert 134 == 1"):
+        _assert_clean_exit(proc, "raise")
+
+
+# -- free() with live views -----------------------------------------------------------------
+
+
+def _stale_view_of_a_freed_buffer(arena: jax_vmm.Arena) -> None:
+    c = arena.chunk_bytes
+    old = arena.allocate((c // 4,), jnp.float32, name="old")
+    old.commit()
+    write_bytes(old, 0, np.full(c // 4, 1, np.float32))
+    view = old.array
+    old.free()
+    new = arena.allocate((c // 4,), jnp.float32, name="new")
+    new.commit()
+    write_bytes(new, 0, np.full(c // 4, 7, np.float32))
+    assert new.address != old.address, "a freed range was placed again under a live view"
+    assert not np.asarray(view).any(), "the view of a freed buffer must read zeros"
+
+
+def test_a_freed_range_is_not_reused_while_a_view_lives(vm):
+    arena = vm.arena(4 * vm.chunk)
+    _stale_view_of_a_freed_buffer(arena)
+    assert arena.live_views() == 0
+    # The last view died with the helper's frame: the range is free again.
+    again = arena.allocate((vm.chunk // 4,), jnp.float32)
+    assert again.address == arena.base, "the freed range came back after its last view"
+
+
+def test_the_freed_range_check_catches_views_without_leases(host_vm):
+    arena = host_vm.arena(4 * host_vm.chunk)
+    with jax_vmm.testing.legacy_views(), pytest.raises(AssertionError, match="placed again"):
+        _stale_view_of_a_freed_buffer(arena)
+
+
+def test_live_views_are_counted_per_buffer(vm):
+    arena = vm.arena(4 * vm.chunk)
+    a = arena.allocate(vm.chunk, jnp.uint8)
+    b = arena.allocate(vm.chunk, jnp.uint8)
+    assert (a.live_views(), b.live_views(), arena.live_views()) == (0, 0, 0)
+    views = [a.array, a.view((8,), jnp.uint8), b.array]
+    assert (a.live_views(), b.live_views(), arena.live_views()) == (2, 1, 3)
+    jax.block_until_ready(jax.jit(lambda x: x + 1)(views[0]))
+    del views[0]
+    gc.collect()
+    assert (a.live_views(), b.live_views()) == (1, 1)
+    views.clear()
+    gc.collect()
+    assert arena.live_views() == 0
+    arena.close()
+    assert arena.live_views() == 0  # still answers after close
+
+
+def test_a_freed_buffer_refuses_further_use(vm):
+    arena = vm.arena(4 * vm.chunk)
+    buf = arena.allocate(vm.chunk, jnp.uint8, name="gone")
+    view = buf.array
+    buf.free()
+    for call in (
+        buf.commit,
+        buf.decommit,
+        lambda: buf.array,
+        lambda: buf.view((8,)),
+        lambda: buf.backed_prefix(0, 8),
+        buf.free,
+    ):
+        with pytest.raises(ValueError, match=r"buffer 'gone' was freed"):
+            call()
+    assert buf not in arena.buffers
+    assert not np.asarray(view).any()
