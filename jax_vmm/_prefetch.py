@@ -35,8 +35,9 @@ class CommitAhead:
                 return
             self._pending[seq] = tokens
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="jax_vmm-commit-ahead",
-                                                daemon=True)
+                self._thread = threading.Thread(
+                    target=self._run, name="jax_vmm-commit-ahead", daemon=True
+                )
                 self._thread.start()
             self._cv.notify()
 

@@ -63,6 +63,8 @@ def _as_flag(value: Any, what: str) -> bool:
     if not isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{what} must be True or False, got {value!r}")
     return bool(value)
+
+
 def _refuse_copy(what: str, device: Any, copy_out: str) -> TypeError:
     return TypeError(
         f"jax_vmm.{what} cannot be pickled or copied: it owns a reservation of virtual memory "
@@ -85,8 +87,14 @@ def _as_shape(shape: Any) -> tuple[int, ...]:
     return dims
 
 
-def _create_core_arena(driver: str, ordinal: int, reserve_bytes: int, chunk_bytes: int,
-                       handle_bytes: int, zero_fill: bool) -> Any:
+def _create_core_arena(
+    driver: str,
+    ordinal: int,
+    reserve_bytes: int,
+    chunk_bytes: int,
+    handle_bytes: int,
+    zero_fill: bool,
+) -> Any:
     return _core.create_arena(driver, ordinal, reserve_bytes, chunk_bytes, handle_bytes, zero_fill)
 
 
@@ -236,6 +244,7 @@ class Buffer:
         wait = _as_flag(wait, "wait")
         self._arena._generation += 1
         return self._arena._handle.decommit(self._id, start, stop, wait)
+
     def backed_prefix(self, start: int, stop: int) -> int:
         """Bytes backed contiguously from ``start`` (stops at ``stop`` or the first hole)."""
         self._check_live("Buffer.backed_prefix")
@@ -457,13 +466,16 @@ class Arena:
         give its weights' memory back too."""
         self._check_open("Arena.put")
         if self._handle.asleep:
-            raise ArenaAsleepError("Arena.put: the arena is asleep (sleep() gave its memory "
-                                   "back); call wake() first")
+            raise ArenaAsleepError(
+                "Arena.put: the arena is asleep (sleep() gave its memory back); call wake() first"
+            )
         src = x
         if isinstance(x, jax.Array):
             if len(x.devices()) != 1 or not x.is_fully_addressable:
-                raise ValueError("Arena.put: the array must live on one device; got one on "
-                                 f"{sorted(str(d) for d in x.devices())}")
+                raise ValueError(
+                    "Arena.put: the array must live on one device; got one on "
+                    f"{sorted(str(d) for d in x.devices())}"
+                )
             if next(iter(x.devices())) != self.device:
                 src = jax.device_put(x, self.device)
             src.block_until_ready()
@@ -473,13 +485,14 @@ class Arena:
                 src = np.ascontiguousarray(src)
         shape, dtype = tuple(src.shape), np.dtype(src.dtype)
         if not shape or math.prod(shape) == 0:
-            raise ValueError(f"Arena.put: needs an array with at least one dimension and one "
-                             f"element; got shape {shape}")
+            raise ValueError(
+                f"Arena.put: needs an array with at least one dimension and one "
+                f"element; got shape {shape}"
+            )
         buf = self.allocate(shape, dtype, name=name)
         try:
             buf.commit()
-            pointer = (src.unsafe_buffer_pointer() if isinstance(src, jax.Array)
-                       else src.ctypes.data)
+            pointer = src.unsafe_buffer_pointer() if isinstance(src, jax.Array) else src.ctypes.data
             self._handle.copy_in(buf.id, 0, int(pointer), buf.nbytes)
         except BaseException:
             buf.free()

@@ -183,8 +183,11 @@ class KVArena:
         # that was on its way is not counted for (or left to) a sequence that is gone.
         self._epoch = [0] * seqs
         tokens_per_chunk = max(1, chunk // self.token_bytes)
-        self.commit_ahead_tokens = (max(1, tokens_per_chunk // 8) if commit_ahead_tokens is None
-                                    else _as_index(commit_ahead_tokens, "commit_ahead_tokens"))
+        self.commit_ahead_tokens = (
+            max(1, tokens_per_chunk // 8)
+            if commit_ahead_tokens is None
+            else _as_index(commit_ahead_tokens, "commit_ahead_tokens")
+        )
         self._ahead = CommitAhead(self)
         self._ahead_blocked = np.full(seqs, -1, np.int64)  # covered when a commit ahead was skipped
         self._ahead_skipped = 0
@@ -278,8 +281,10 @@ class KVArena:
             del self._offloaded[q]
             t._finish()
             return
-        raise ValueError(f"sequence {q} is {state} (kv.offload); call kv.restore({q}) and wait "
-                         "for it before growing, writing or reading it")
+        raise ValueError(
+            f"sequence {q} is {state} (kv.offload); call kv.restore({q}) and wait "
+            "for it before growing, writing or reading it"
+        )
 
     def ensure(self, num_tokens: int, seq: int | None = None) -> int:
         """Back the first ``num_tokens`` tokens (of sequence ``seq``) in every layer, all
@@ -321,10 +326,16 @@ class KVArena:
             need = np.flatnonzero(asked & ~fast)
             added = self._commit_seqs([(int(q), int(tokens[q])) for q in need]) if need.size else 0
             if self.commit_ahead_tokens:
-                near = (asked & (self._covered - tokens <= self.commit_ahead_tokens)
-                        & (self._covered < self.max_tokens) & (self._ahead_blocked != self._covered))
+                near = (
+                    asked
+                    & (self._covered - tokens <= self.commit_ahead_tokens)
+                    & (self._covered < self.max_tokens)
+                    & (self._ahead_blocked != self._covered)
+                )
                 for q in np.flatnonzero(near):
-                    self._ahead.schedule(int(q), self._covered_tokens(int(q), int(self._covered[q]) + 1))
+                    self._ahead.schedule(
+                        int(q), self._covered_tokens(int(q), int(self._covered[q]) + 1)
+                    )
             return added
 
     def _token_array(self, num_tokens: Any) -> np.ndarray:
@@ -333,33 +344,48 @@ class KVArena:
             num_tokens = None
         arr = np.asarray(num_tokens)
         if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
-            raise TypeError(f"KVArena.ensure_all: num_tokens must be {seqs} ints (one per "
-                            f"sequence), got {num_tokens!r}")
+            raise TypeError(
+                f"KVArena.ensure_all: num_tokens must be {seqs} ints (one per "
+                f"sequence), got {num_tokens!r}"
+            )
         if arr.shape != (seqs,):
-            raise ValueError(f"KVArena.ensure_all: num_tokens has shape {arr.shape}; expected "
-                             f"({seqs},), one entry per sequence")
+            raise ValueError(
+                f"KVArena.ensure_all: num_tokens has shape {arr.shape}; expected "
+                f"({seqs},), one entry per sequence"
+            )
         if arr.size and (arr.min() < 0 or arr.max() > self.max_tokens):
-            raise ValueError(f"KVArena.ensure_all: num_tokens must be in [0, {self.max_tokens}] "
-                             f"(max_tokens); got min {arr.min()}, max {arr.max()}")
+            raise ValueError(
+                f"KVArena.ensure_all: num_tokens must be in [0, {self.max_tokens}] "
+                f"(max_tokens); got min {arr.min()}, max {arr.max()}"
+            )
         return arr.astype(np.int64)
 
     def _maybe_ahead(self, q: int, n: int) -> None:
         """Schedule the next chunk of sequence q when n is close to its backed end."""
         covered = self._covered[q]
-        if (not self.commit_ahead_tokens or covered - n > self.commit_ahead_tokens
-                or covered >= self.max_tokens or self._ahead_blocked[q] == covered):
+        if (
+            not self.commit_ahead_tokens
+            or covered - n > self.commit_ahead_tokens
+            or covered >= self.max_tokens
+            or self._ahead_blocked[q] == covered
+        ):
             return
         self._ahead.schedule(q, self._covered_tokens(q, covered + 1))
 
     def _commit_ahead(self, q: int, tokens: int) -> None:
         """On the commit-ahead thread: back tokens [0, tokens) of sequence q."""
         with self._lock:
-            if (q in self._offloaded or self._covered[q] >= tokens or self.arena.closed
-                    or self._valid_gen[q] != self.arena._generation):
+            if (
+                q in self._offloaded
+                or self._covered[q] >= tokens
+                or self.arena.closed
+                or self._valid_gen[q] != self.arena._generation
+            ):
                 return
             epoch, gen, covered = self._epoch[q], self.arena._generation, self._covered[q]
-            ranges = [(b.id, lo, hi) for lo, hi in self._commit_ranges(q, tokens)
-                      for b in self.buffers]
+            ranges = [
+                (b.id, lo, hi) for lo, hi in self._commit_ranges(q, tokens) for b in self.buffers
+            ]
         try:
             added = self.arena._handle.commit_ahead(ranges)
         except (MemoryError, RuntimeError):  # out of memory, closed, asleep: ensure() will say
@@ -375,19 +401,25 @@ class KVArena:
                 # Released while the commit was on its way, and not started again.
                 base = q * self.seq_bytes
                 self.arena._handle.decommit_ranges(
-                    self._release_ranges(base, base + self.seq_bytes, q), False)
+                    self._release_ranges(base, base + self.seq_bytes, q), False
+                )
 
     def _commit_seqs(self, need: list[tuple[int, int]]) -> int:
         """One all-or-nothing commit of tokens [0, n) for each (q, n); caller holds the lock."""
         self.arena._check_open("KVArena.ensure")
         gen = self.arena._generation
-        ranges = [(b.id, lo, hi) for q, n in need for lo, hi in self._commit_ranges(q, n)
-                  for b in self.buffers]
+        ranges = [
+            (b.id, lo, hi)
+            for q, n in need
+            for lo, hi in self._commit_ranges(q, n)
+            for b in self.buffers
+        ]
         added = self.arena._handle.commit_ranges(ranges)
         for q, n in need:
             self._ensured[q] = max(self._ensured[q], n)
-            self._covered[q] = max(self._covered[q] if self._valid_gen[q] == gen else 0,
-                                   self._covered_tokens(q, n))
+            self._covered[q] = max(
+                self._covered[q] if self._valid_gen[q] == gen else 0, self._covered_tokens(q, n)
+            )
             self._valid_gen[q] = gen
         return added
 
@@ -514,8 +546,9 @@ class KVArena:
         with self._lock:
             t = self._offloaded.get(q)
             if t is None:
-                raise ValueError(f"KVArena.restore: sequence {q} is not offloaded "
-                                 "(kv.offload(seq) first)")
+                raise ValueError(
+                    f"KVArena.restore: sequence {q} is not offloaded (kv.offload(seq) first)"
+                )
             self.arena._check_open("KVArena.restore")
         self.arena._handle.restore(t.ticket, wait)
         if wait:
@@ -525,8 +558,9 @@ class KVArena:
                     self._settle(q)
         return t
 
-    def _release_ranges(self, start: int, stop: int, seq: int | None,
-                        keep_before: bool = False) -> list[tuple[int, int, int]]:
+    def _release_ranges(
+        self, start: int, stop: int, seq: int | None, keep_before: bool = False
+    ) -> list[tuple[int, int, int]]:
         # Sequences need not start on chunk boundaries. A chunk that straddles the span's
         # edge is freed only when the neighbouring sequence holds no tokens in it.
         chunk = self.arena.chunk_bytes
@@ -537,7 +571,9 @@ class KVArena:
         hi = -(-stop // chunk) * chunk
         if hi > stop and not self._neighbour_uses(stop, hi, seq, before=False):
             stop = hi
-        return [(b.id, start, min(stop, b.nbytes)) for b in self.buffers if start < min(stop, b.nbytes)]
+        return [
+            (b.id, start, min(stop, b.nbytes)) for b in self.buffers if start < min(stop, b.nbytes)
+        ]
 
     def _neighbour_uses(self, lo: int, hi: int, seq: int | None, before: bool) -> bool:
         """Does a sequence other than ``seq`` hold ensured tokens in bytes [lo, hi)?"""

@@ -185,10 +185,12 @@ def uncounted_view(buf: Any, shape: Any = None, dtype: Any = None) -> jax.Array:
     np_dtype = buf.dtype if dtype is None else jnp.dtype(dtype)
     code, bits = _arena._dlpack_dtype(np_dtype)
     t = arena._target
-    capsule = _testing.legacy_view(arena._handle, buf.id, list(shape), code, bits,
-                                   t.dlpack_device_type, t.ordinal)
+    capsule = _testing.legacy_view(
+        arena._handle, buf.id, list(shape), code, bits, t.dlpack_device_type, t.ordinal
+    )
     return jax.dlpack.from_dlpack(
-        _arena._DLPackCapsule(capsule, t.dlpack_device_type, t.ordinal), copy=False)
+        _arena._DLPackCapsule(capsule, t.dlpack_device_type, t.ordinal), copy=False
+    )
 
 
 # -- kv_write without its checks ------------------------------------------------------

@@ -55,7 +55,7 @@ class Transfer:
         """Nothing is in flight (the last step finished, or failed)."""
         return self._query()[0] not in _IN_FLIGHT
 
-    def wait(self) -> "Transfer":
+    def wait(self) -> Transfer:
         """Block until nothing is in flight. Raises :class:`jax_vmm.TransferError` when the
         offload failed (the sequence stayed in place) or the last restore failed (the
         sequence is still offloaded)."""

@@ -202,8 +202,14 @@ def _closed_dest(ctx: Ctx) -> None:
 
 def _destroyed_dest(ctx: Ctx) -> None:
     def make():
-        return jax_vmm.kv_arena(num_layers=2, num_kv_heads=1, head_dim=8, max_tokens=16,
-                                dtype=jnp.float32, device=ctx.device)
+        return jax_vmm.kv_arena(
+            num_layers=2,
+            num_kv_heads=1,
+            head_dim=8,
+            max_tokens=16,
+            dtype=jnp.float32,
+            device=ctx.device,
+        )
 
     kv = make()
     dest = kv.dest(0)
@@ -229,10 +235,16 @@ ROWS = [
     Row("A11", lambda x: x.new_arena(device=object())),
     Row("A12", lambda x: x.new_arena(device=fake_device("tpu"))),
     Row("A13", lambda x: x.new_arena(device=fake_device("gpu", "rocm 6.2"))),
-    Row("A14", lambda x: x.new_arena(device=fake_device("gpu", "cuda 12.8")),
-        requires=_no_cuda_driver),
-    Row("A15", lambda x: x.new_arena(device=fake_device("gpu", "cuda", ordinal=999)),
-        requires=_has_gpu),
+    Row(
+        "A14",
+        lambda x: x.new_arena(device=fake_device("gpu", "cuda 12.8")),
+        requires=_no_cuda_driver,
+    ),
+    Row(
+        "A15",
+        lambda x: x.new_arena(device=fake_device("gpu", "cuda", ordinal=999)),
+        requires=_has_gpu,
+    ),
     Row("A16", _non_vmm_arena, requires=_has_non_vmm_gpu),
     Row("A17", lambda x: x.new_arena(True)),
     Row("A18", lambda x: x.new_arena(chunk_bytes=True)),
@@ -308,18 +320,33 @@ ROWS = [
     Row("E18a", lambda x: x.write((1, 2))),
     Row("E18b", lambda x: x.write(x.kv(num_kv_heads=2, max_tokens=8).dest(0), heads=2)),
     Row("E19", _closed_dest),
-    Row("E20", lambda x: ops.kv_write(x.kv1.k[1], x.kv1.v[1], x.one, x.one, x.slot,
-                                      dest=x.kv1.dest(0))),
+    Row(
+        "E20",
+        lambda x: ops.kv_write(x.kv1.k[1], x.kv1.v[1], x.one, x.one, x.slot, dest=x.kv1.dest(0)),
+    ),
     Row("E21", _destroyed_dest),
-    Row("E22", lambda x: x.kv_args(num_layers=64, num_kv_heads=64, head_dim=128,
-                                   max_tokens=1 << 30, max_seqs=1024)),
+    Row(
+        "E22",
+        lambda x: x.kv_args(
+            num_layers=64, num_kv_heads=64, head_dim=128, max_tokens=1 << 30, max_seqs=1024
+        ),
+    ),
     Row("E23", lambda x: pickle.dumps(x.kv1)),
     Row("E24a", lambda x: x.kv_args(max_seqs=True)),
     Row("E24b", lambda x: x.kv_args(num_layers=True)),
     Row("E24c", lambda x: x.kv_args(initial_tokens=True)),
-    Row("E25", lambda x: jax.block_until_ready(jax.jit(ops.kv_write_through)(
-        x.put(np.zeros((16, 1, 8), np.float32)), x.put(np.zeros((16, 1, 8), np.float32)),
-        x.one, x.one, x.slot))),
+    Row(
+        "E25",
+        lambda x: jax.block_until_ready(
+            jax.jit(ops.kv_write_through)(
+                x.put(np.zeros((16, 1, 8), np.float32)),
+                x.put(np.zeros((16, 1, 8), np.float32)),
+                x.one,
+                x.one,
+                x.slot,
+            )
+        ),
+    ),
 ]
 
 
@@ -451,8 +478,9 @@ def test_the_text_check_sees_a_wrong_message_or_class():
     pattern = message_pattern("E2", rows)
     assert re.search(pattern, "head_dim must be > 0, got -2")
     assert not re.search(pattern, "head_dim must be >= 0, got -2")
-    assert re.search(message_pattern("C6", rows),
-                     "Buffer 'buf': byte range [0, 9) is outside [0, 8); expected 0 <= start "
-                     "<= stop <= nbytes")
+    assert re.search(
+        message_pattern("C6", rows),
+        "Buffer 'buf': byte range [0, 9) is outside [0, 8); expected 0 <= start <= stop <= nbytes",
+    )
     assert documented_types(rows["D2"]) == {"OutOfMemoryError", "MemoryError"}
     assert "ValueError" not in documented_types(rows["A17"])

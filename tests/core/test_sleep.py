@@ -98,8 +98,13 @@ def test_discarding_sleep_backs_the_same_chunks_without_contents(vm, zero_fill):
 def test_asleep_arena_refuses_commits_and_releases(vm):
     arena, a, b, _ = _filled_arena(vm)
     arena.sleep()
-    calls = [lambda: a.commit(), lambda: a.decommit(), lambda: b.free(), arena.sleep,
-             lambda: arena.put(np.zeros(8, np.float32))]
+    calls = [
+        lambda: a.commit(),
+        lambda: a.decommit(),
+        lambda: b.free(),
+        arena.sleep,
+        lambda: arena.put(np.zeros(8, np.float32)),
+    ]
     for call in calls:
         with pytest.raises(jax_vmm.ArenaAsleepError, match="asleep.*wake"):
             call()
