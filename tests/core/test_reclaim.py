@@ -133,14 +133,20 @@ def test_waiting_release_returns_once_the_memory_is_back(vm, faults, how):
     vm.assert_backed(arena, [])
 
 
-def test_retired_chunks_are_taken_back_without_driver_calls(vm, faults):
-    """Without zero fill (the KV default) a commit takes retired memory back at once: no
-    driver call and no device wait, and the memory still holds what it held."""
+def _written_arena(vm, faults, zero_fill: bool):
+    """A deferring arena with one 4-chunk buffer, committed and filled (pattern seed 2)."""
     c = vm.chunk
-    arena = _deferring(vm, faults, zero_fill=False)
+    arena = _deferring(vm, faults, zero_fill=zero_fill)
     buf = arena.allocate((4 * c,), jnp.uint8)
     buf.commit()
     write_bytes(buf, 0, pattern(4 * c, seed=2))
+    return arena, buf, c
+
+
+def test_retired_chunks_are_taken_back_without_driver_calls(vm, faults):
+    """Without zero fill (the KV default) a commit takes retired memory back at once: no
+    driver call and no device wait, and the memory still holds what it held."""
+    arena, buf, c = _written_arena(vm, faults, zero_fill=False)
     with faults.hold_device(arena):
         buf.decommit(0, 2 * c)
         before = arena.stats()
@@ -157,11 +163,7 @@ def test_retired_chunks_are_taken_back_without_driver_calls(vm, faults):
 def test_zero_filling_arena_waits_before_it_zeroes_retired_memory(vm, faults):
     """Work launched before the release may still read the retired chunks: a zero-filling
     arena takes them back only after waiting for the device, then zeroes them."""
-    c = vm.chunk
-    arena = _deferring(vm, faults, zero_fill=True)
-    buf = arena.allocate((4 * c,), jnp.uint8)
-    buf.commit()
-    write_bytes(buf, 0, pattern(4 * c, seed=2))
+    arena, buf, c = _written_arena(vm, faults, zero_fill=True)
     with faults.hold_device(arena):
         buf.decommit(0, 2 * c)
         syncs = faults.device_syncs(arena)
@@ -420,49 +422,3 @@ def test_neighbour_readers_see_exact_data_while_others_churn(vm, faults, counted
     worker.join()
     results.append(int(f(view)))
     assert results and all(r == want for r in results), "a reader of seq 1 saw wrong data"
-
-
-def test_threads_churn_with_deferred_releases(vm, faults):
-    """Threads ensure and release their own sequences with the reclaimer working behind
-    them; afterwards the oracle agrees with the arena and the writers' data is intact."""
-    tpc = vm.chunk // (2 * 64 * 2)
-    t = tpc + tpc // 2  # neighbours share chunks
-    kv = vm.kv(
-        num_layers=2, num_kv_heads=2, head_dim=64, max_tokens=t, max_seqs=4, dtype=jnp.bfloat16
-    )
-    faults.defer_reclaim(kv)
-    tb = kv.token_bytes
-
-    def writer(q):
-        def run():
-            for n in (1, t // 2, t):
-                kv.ensure(n, seq=q)
-            for i, b in enumerate(kv.buffers):
-                write_bytes(b, q * kv.seq_bytes, pattern(t * tb, seed=10 * q + i))
-
-        return run
-
-    def churner(q):
-        def run():
-            rng = np.random.default_rng(q)
-            for _ in range(25):
-                kv.ensure(int(rng.integers(0, t + 1)), seq=q)
-                if rng.random() < 0.5:
-                    kv.release(q)
-            kv.release(q)
-
-        return run
-
-    calls = [_Call(writer(q) if q % 2 == 0 else churner(q)) for q in range(4)]
-    for call in calls:
-        call.join()
-    kv.reclaim()
-    for q in (0, 2):
-        assert kv.backed_tokens(q) == t
-        for i, b in enumerate(kv.buffers):
-            got = raw_bytes(b, q * kv.seq_bytes, q * kv.seq_bytes + t * tb)
-            np.testing.assert_array_equal(got, pattern(t * tb, seed=10 * q + i))
-    ranges = []
-    for b in kv.buffers:
-        ranges += [chunk_range(b, i, i + 1) for i, s in enumerate(chunk_states(b)) if s]
-    vm.assert_backed(kv.arena, ranges)

@@ -52,9 +52,9 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <thread>
-#include <set>
 #include <unordered_set>
 #include <vector>
 
@@ -95,14 +95,14 @@ struct ArenaStats {
   int64_t handles_created = 0;
   int64_t handles_released = 0;
   int64_t set_access_calls = 0;
-  int64_t failed_commits = 0;    // commits that threw and were rolled back
-  int64_t commit_drains = 0;     // commits that waited for the device (views exported)
-  int64_t commits_ahead = 0;     // background commits (CommitAhead) that backed something
+  int64_t failed_commits = 0;     // commits that threw and were rolled back
+  int64_t commit_drains = 0;      // commits that waited for the device (views exported)
+  int64_t commits_ahead = 0;      // background commits (CommitAhead) that backed something
   int64_t deferred_releases = 0;  // allocations handed to the reclaimer
-  int64_t reclaim_syncs = 0;     // device waits made to reclaim memory
-  int64_t live_views = 0;        // view leases alive (all buffers)
-  size_t held_range_bytes = 0;   // address ranges of freed buffers held back by live views
-  bool views_exported = false;   // a raw view was handed out: commits and releases wait
+  int64_t reclaim_syncs = 0;      // device waits made to reclaim memory
+  int64_t live_views = 0;         // view leases alive (all buffers)
+  size_t held_range_bytes = 0;    // address ranges of freed buffers held back by live views
+  bool views_exported = false;    // a raw view was handed out: commits and releases wait
   bool asleep = false;
   size_t sleep_image_bytes = 0;  // contents kept on the host while asleep
   size_t offloaded_bytes = 0;    // contents of offloaded ranges on the host
@@ -279,7 +279,8 @@ class Arena : public std::enable_shared_from_this<Arena> {
   uint64_t DropCount(int64_t buffer_id) const;
   void ResetDropCount(int64_t buffer_id);
 
-  // Registry lookups (see FindArenaBuffer, FindArenaBufferByUid); take this arena's lock.
+  // Registry lookups (see FindArenaBuffer, FindArenaBufferByUid); take this arena's
+  // placement lock (never held across a driver call).
   // A closed arena finds nothing by address; by uid it answers kClosed (and fills *out
   // and *name), so errors can say what happened.
   bool FindBufferLocked(uintptr_t ptr, size_t bytes, BufferRef* out) const;
@@ -314,7 +315,7 @@ class Arena : public std::enable_shared_from_this<Arena> {
   struct SleepImage;
   struct Placement {
     BufferInfo info;
-    size_t num_chunks = 0;    // chunk slots of the placement
+    size_t num_chunks = 0;     // chunk slots of the placement
     int64_t counter_slot = 0;  // index into the drop counters
   };
   // A run of arena chunks [first, first + count).
@@ -352,6 +353,10 @@ class Arena : public std::enable_shared_from_this<Arena> {
                       bool background = false);
   CommitPlan PlanCommit(const std::vector<Range>& ranges);
   CommitPlan PlanRuns(const std::vector<ChunkRun>& runs) const;
+  void PlanChunk(size_t arena_chunk, CommitPlan* plan, bool* extends_run) const;
+  // The plan's new allocations join the arena and its parked chunks are taken back: as
+  // backed (live), or pinned for a transfer that publishes them later.
+  void AdoptPlanned(const CommitPlan& plan, Pending* pending, bool pinned);
   void DrainIfViewsMayRead();
   void MapRuns(const CommitPlan& plan, Pending* pending, bool zero);
   void ZeroFillRevived(const CommitPlan& plan);
@@ -403,8 +408,7 @@ class Arena : public std::enable_shared_from_this<Arena> {
                      uint64_t reclaimer_sync);
   void UndoOffload(TransferRecord& t, const std::string& error) noexcept;
   void FinishRestore(TransferRecord& t);
-  void UndoRestore(std::unique_lock<std::mutex>& lock, TransferRecord& t,
-                   const std::string& error);
+  void UndoRestore(std::unique_lock<std::mutex>& lock, TransferRecord& t, const std::string& error);
   void RunTransferJobs(std::unique_lock<std::mutex>& lock, uint64_t sync);
 
   std::unique_ptr<Driver> driver_;
@@ -419,11 +423,15 @@ class Arena : public std::enable_shared_from_this<Arena> {
   mutable std::mutex mu_;
   mutable std::condition_variable cv_;  // any change a waiter or the worker may need
   mutable std::atomic<bool> metadata_pinned_{false};
-  bool closed_ = false;
+  std::atomic<bool> closed_{false};  // written under mu_; read by lookups without it
   int64_t next_id_ = 0;
+  // Written under mu_ and placement_mu_; read under either. The registry lookups of FFI
+  // handlers take only placement_mu_, so they never wait for a commit's driver calls
+  // (a commit ahead of need runs on another thread while steps are dispatched).
   std::map<int64_t, Placement> buffers_;
+  mutable std::mutex placement_mu_;
   std::map<uint64_t, uint64_t> free_ranges_;  // offset -> bytes not placed (common/free_ranges.h)
-  std::vector<uint8_t> host_page_table_;  // mirror of the device table
+  std::vector<uint8_t> host_page_table_;      // mirror of the device table
   uint8_t* device_page_table_ = nullptr;
   unsigned long long* device_drop_counters_ = nullptr;  // kMaxBuffers entries
   ArenaStats stats_;

@@ -98,7 +98,7 @@ Arena::~Arena() {
   DropSleepImage();
   std::vector<Mapping*> all;
   for (auto& [first, m] : mappings_) all.push_back(m.get());
-  UnmapGroups(all);   // batched: few zero pieces instead of one restore per allocation
+  UnmapGroups(all);     // batched: few zero pieces instead of one restore per allocation
   DetachMappings(all);  // their destructors release
   FreeHostCacheLocked();
   if (metadata_pinned_) {
@@ -174,7 +174,10 @@ BufferInfo Arena::Allocate(size_t nbytes, const std::string& name) {
   const unsigned long long zero = 0;
   driver_->CopyToMetadata(device_drop_counters_ + p.counter_slot, &zero, sizeof(zero));
   const BufferInfo info = p.info;
-  buffers_.emplace(info.id, std::move(p));
+  {
+    std::lock_guard<std::mutex> placements(placement_mu_);
+    buffers_.emplace(info.id, std::move(p));
+  }
   stats_.placed_bytes += placed;
   stats_.num_buffers = static_cast<int64_t>(buffers_.size());
   return info;
@@ -199,7 +202,10 @@ void Arena::Free(int64_t buffer_id) {
   const size_t placed = q.num_chunks * chunk_bytes_;
   const HeldRange range{q.info.offset, placed};
   const uint64_t uid = q.info.uid;
-  buffers_.erase(buffer_id);
+  {
+    std::lock_guard<std::mutex> placements(placement_mu_);
+    buffers_.erase(buffer_id);
+  }
   stats_.placed_bytes -= placed;
   stats_.num_buffers = static_cast<int64_t>(buffers_.size());
   {
@@ -413,7 +419,7 @@ void Arena::FillRef(const Placement& p, BufferRef* out) const {
 }
 
 bool Arena::FindBufferLocked(uintptr_t ptr, size_t bytes, BufferRef* out) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::lock_guard<std::mutex> lock(placement_mu_);
   if (closed_ || !Holds(ptr, bytes)) return false;
   for (const auto& [id, p] : buffers_) {
     const uintptr_t b = p.info.address;
@@ -427,7 +433,7 @@ bool Arena::FindBufferLocked(uintptr_t ptr, size_t bytes, BufferRef* out) const 
 
 bool Arena::FindBufferByUidLocked(uint64_t buffer_uid, BufferRef* out, std::string* name,
                                   bool* closed) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::lock_guard<std::mutex> lock(placement_mu_);
   for (const auto& [id, p] : buffers_) {
     if (p.info.uid == buffer_uid) {
       FillRef(p, out);

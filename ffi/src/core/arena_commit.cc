@@ -127,23 +127,29 @@ Arena::CommitPlan Arena::PlanCommit(const std::vector<Range>& ranges) {
         continue;
       }
       gets_chunks = true;
-      if (Mapping* m = chunk_mapping_[a]) {
-        plan.must_wait |= m->busy();
-        plan.revive.push_back(a);
-        extends_run = false;
-        continue;
-      }
-      if (extends_run) {
-        ++plan.runs.back().count;
-      } else {
-        plan.runs.push_back({a, 1});
-      }
-      extends_run = true;
-      ++plan.missing_chunks;
+      PlanChunk(a, &plan, &extends_run);
     }
     if (gets_chunks) AppendName(&plan.buffer_names, p.info.name);
   }
   return plan;
+}
+
+// Chunk a needs backing: take its parked allocation back, or extend (or start) a run of
+// new allocations.
+void Arena::PlanChunk(size_t a, CommitPlan* plan, bool* extends_run) const {
+  if (Mapping* m = chunk_mapping_[a]) {
+    plan->must_wait |= m->busy();
+    plan->revive.push_back(a);
+    *extends_run = false;
+    return;
+  }
+  if (*extends_run) {
+    ++plan->runs.back().count;
+  } else {
+    plan->runs.push_back({a, 1});
+  }
+  *extends_run = true;
+  ++plan->missing_chunks;
 }
 
 Arena::CommitPlan Arena::PlanRuns(const std::vector<ChunkRun>& runs) const {
@@ -156,19 +162,7 @@ Arena::CommitPlan Arena::PlanRuns(const std::vector<ChunkRun>& runs) const {
         throw InvalidArgument("Arena: chunk " + std::to_string(a) +
                               " was committed while its contents were away; release it first");
       }
-      if (Mapping* m = chunk_mapping_[a]) {
-        plan.must_wait |= m->busy();
-        plan.revive.push_back(a);
-        extends_run = false;
-        continue;
-      }
-      if (extends_run) {
-        ++plan.runs.back().count;
-      } else {
-        plan.runs.push_back({a, 1});
-      }
-      extends_run = true;
-      ++plan.missing_chunks;
+      PlanChunk(a, &plan, &extends_run);
     }
   }
   plan.buffer_names = "(restored ranges)";
@@ -221,9 +215,13 @@ void Arena::PublishCommit(const CommitPlan& plan, Pending* pending) {
   for (size_t a : plan.revive) host_page_table_[a] = 1;
   PublishPageTable(plan.spans);
   // Every call succeeded: the allocations join the arena, the parked chunks come back.
+  AdoptPlanned(plan, pending, /*pinned=*/false);
+}
+
+void Arena::AdoptPlanned(const CommitPlan& plan, Pending* pending, bool pinned) {
   for (auto& m : pending->mappings) {
     std::fill_n(chunk_mapping_.begin() + m->first_chunk, m->num_chunks, m.get());
-    m->live = m->num_chunks;
+    (pinned ? m->pins : m->live) = m->num_chunks;
     const size_t key = m->first_chunk;
     mappings_.emplace(key, std::move(m));
   }
@@ -234,8 +232,12 @@ void Arena::PublishCommit(const CommitPlan& plan, Pending* pending) {
       retired_.erase(m);
       m->retired = false;
     }
-    ++m->live;
-    parked_dirty_.erase(a);
+    if (pinned) {
+      ++m->pins;
+    } else {
+      ++m->live;
+      parked_dirty_.erase(a);
+    }
   }
 }
 
@@ -282,7 +284,8 @@ OutOfMemory Arena::CommitOutOfMemory(const CommitPlan& plan, size_t got,
       parked == 0 ? std::string()
                   : " This arena holds " + Bytes(parked) +
                         " of released chunks inside allocations still in use (handle_bytes=" +
-                        Bytes(handle_bytes_) + "); release their neighbours or use smaller "
+                        Bytes(handle_bytes_) +
+                        "); release their neighbours or use smaller "
                         "handles to get it back.";
   return OutOfMemory("commit of buffer(s) " + plan.buffer_names + ": out of physical memory on " +
                          driver_->kind() + " device " + std::to_string(driver_->device_ordinal()) +

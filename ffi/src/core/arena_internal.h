@@ -49,7 +49,7 @@ struct Arena::Mapping {
   PhysicalHandle handle = 0;
   bool mapped = false;
   size_t live = 0;
-  int pins = 0;
+  size_t pins = 0;
   bool retired = false;
   bool reclaiming = false;
   uint64_t retired_epoch = 0;
@@ -57,8 +57,8 @@ struct Arena::Mapping {
 
 // What a commit (or a wake, or a restore) will create or take back (core/arena_commit.cc).
 struct Arena::CommitPlan {
-  std::vector<ChunkRun> runs;   // missing chunks (arena indexes): new allocations
-  std::vector<size_t> revive;   // parked or retired chunks to back again, no driver call
+  std::vector<ChunkRun> runs;  // missing chunks (arena indexes): new allocations
+  std::vector<size_t> revive;  // parked or retired chunks to back again, no driver call
   // Arena-wide [first, end) chunks of every non-empty range: what publish (and unwind)
   // copy to the device page table.
   std::vector<ChunkRun> spans;
@@ -87,9 +87,9 @@ struct Arena::TransferRecord {
   TransferState state = TransferState::kOffloading;
   std::vector<ChunkRun> runs;  // the chunks moved, each run inside one allocation
   HostImage image;
-  uint64_t epoch = 0;          // offload: device waits begun when it was queued
-  bool queued = false;         // waiting for the reclaimer
-  size_t created_chunks = 0;   // restore: chunks backed by new allocations
+  uint64_t epoch = 0;         // offload: device waits begun when it was queued
+  bool queued = false;        // waiting for the reclaimer
+  size_t created_chunks = 0;  // restore: chunks backed by new allocations
   std::string error;
 };
 

@@ -65,8 +65,8 @@ size_t Arena::DecommitRanges(const std::vector<Range>& ranges, bool wait) {
   return DecommitLocked(lock, DecommitRuns(ranges), wait);
 }
 
-size_t Arena::DecommitLocked(std::unique_lock<std::mutex>& lock,
-                             const std::vector<ChunkRun>& runs, bool wait) {
+size_t Arena::DecommitLocked(std::unique_lock<std::mutex>& lock, const std::vector<ChunkRun>& runs,
+                             bool wait) {
   const auto t0 = std::chrono::steady_clock::now();
   size_t removed = 0;
   const std::vector<Mapping*> touched = Unpublish(runs, &removed);
@@ -79,8 +79,7 @@ size_t Arena::DecommitLocked(std::unique_lock<std::mutex>& lock,
   return removed * chunk_bytes_;
 }
 
-std::vector<Arena::Mapping*> Arena::Unpublish(const std::vector<ChunkRun>& runs,
-                                              size_t* removed) {
+std::vector<Arena::Mapping*> Arena::Unpublish(const std::vector<ChunkRun>& runs, size_t* removed) {
   std::vector<size_t> gone;
   for (const ChunkRun& run : runs) {
     for (size_t a = run.first; a < run.first + run.count; ++a) {
@@ -121,8 +120,7 @@ std::vector<Arena::Mapping*> Arena::Unpublish(const std::vector<ChunkRun>& runs,
   return touched;
 }
 
-void Arena::RetireUnused(std::unique_lock<std::mutex>& lock,
-                         const std::vector<Mapping*>& touched) {
+void Arena::RetireUnused(std::unique_lock<std::mutex>& lock, const std::vector<Mapping*>& touched) {
   const bool views = views_exported_.load();
   const bool quiesce = driver_->UnmapNeedsQuiescence();
   std::vector<Mapping*> now;
@@ -189,7 +187,8 @@ size_t Arena::ReclaimNow(const std::vector<Mapping*>& batch) {
 }
 
 void Arena::UnmapGroups(std::vector<Mapping*> batch) {
-  std::sort(batch.begin(), batch.end(), [](const Mapping* a, const Mapping* b) { return a->va < b->va; });
+  std::sort(batch.begin(), batch.end(),
+            [](const Mapping* a, const Mapping* b) { return a->va < b->va; });
   size_t i = 0;
   while (i < batch.size()) {
     std::vector<size_t> sizes{batch[i]->bytes};

@@ -89,8 +89,7 @@ void Arena::FreeHostCacheLocked() noexcept {
 }
 
 std::vector<CopyRegion> Arena::ImageRegions(const HostImage& image,
-                                            const std::vector<ChunkRun>& runs,
-                                            bool to_host) const {
+                                            const std::vector<ChunkRun>& runs, bool to_host) const {
   std::vector<CopyRegion> regions;
   size_t block = 0, in_block = 0;
   for (const ChunkRun& run : runs) {
@@ -298,7 +297,7 @@ void Arena::FinishOffload(std::unique_lock<std::mutex>& lock, TransferRecord& t,
   std::vector<Mapping*> touched;
   for (const ChunkRun& run : t.runs) {
     Mapping* m = chunk_mapping_[run.first];
-    m->pins -= static_cast<int>(run.count);
+    m->pins -= run.count;
     touched.push_back(m);
   }
   t.state = TransferState::kOffloaded;
@@ -320,7 +319,7 @@ void Arena::FinishOffload(std::unique_lock<std::mutex>& lock, TransferRecord& t,
 void Arena::UndoOffload(TransferRecord& t, const std::string& error) noexcept {
   for (const ChunkRun& run : t.runs) {
     Mapping* m = chunk_mapping_[run.first];
-    m->pins -= static_cast<int>(run.count);
+    m->pins -= run.count;
     m->live += run.count;
     std::fill_n(host_page_table_.begin() + run.first, run.count, 1);
     for (size_t a = run.first; a < run.first + run.count; ++a) parked_dirty_.erase(a);
@@ -386,20 +385,7 @@ void Arena::Restore(uint64_t ticket, bool wait) {
     }
     // In the background: the allocations join the arena now, pinned and unpublished.
     stats_.handles_created += static_cast<int64_t>(pending.mappings.size());
-    for (auto& m : pending.mappings) {
-      std::fill_n(chunk_mapping_.begin() + m->first_chunk, m->num_chunks, m.get());
-      m->pins = static_cast<int>(m->num_chunks);
-      const size_t key = m->first_chunk;
-      mappings_.emplace(key, std::move(m));
-    }
-    for (size_t a : plan.revive) {
-      Mapping* m = chunk_mapping_[a];
-      if (m->retired) {
-        retired_.erase(m);
-        m->retired = false;
-      }
-      ++m->pins;
-    }
+    AdoptPlanned(plan, &pending, /*pinned=*/true);
     t.created_chunks = plan.missing_chunks;
     t.state = TransferState::kRestoring;
     t.queued = true;
@@ -411,11 +397,13 @@ void Arena::Restore(uint64_t ticket, bool wait) {
 
 // The copy landed: the chunks join the page table.
 void Arena::FinishRestore(TransferRecord& t) {
-  for (const ChunkRun& run : t.runs) std::fill_n(host_page_table_.begin() + run.first, run.count, 1);
+  for (const ChunkRun& run : t.runs)
+    std::fill_n(host_page_table_.begin() + run.first, run.count, 1);
   try {
     PublishPageTable(t.runs);
   } catch (...) {
-    for (const ChunkRun& run : t.runs) std::fill_n(host_page_table_.begin() + run.first, run.count, 0);
+    for (const ChunkRun& run : t.runs)
+      std::fill_n(host_page_table_.begin() + run.first, run.count, 0);
     throw;  // the caller undoes the restore
   }
   size_t chunks = 0;

@@ -203,7 +203,8 @@ class HostDriver final : public Driver {
 
  private:
   static void Copy(const CopyRegion* regions, size_t count) {
-    for (size_t i = 0; i < count; ++i) std::memcpy(regions[i].dst, regions[i].src, regions[i].bytes);
+    for (size_t i = 0; i < count; ++i)
+      std::memcpy(regions[i].dst, regions[i].src, regions[i].bytes);
   }
 
   off_t TakeFileRange(size_t bytes) {
@@ -237,7 +238,7 @@ class HostDriver final : public Driver {
   int fd_ = -1;
   std::mutex mu_;
   off_t file_end_ = 0;
-  FreeRangeMap ranges_;  // recycled file ranges
+  FreeRangeMap ranges_;            // recycled file ranges
   std::map<off_t, size_t> sizes_;  // live allocations: offset -> bytes
 };
 

@@ -7,7 +7,7 @@
 namespace jax_vmm::testing {
 namespace {
 
-constexpr const char* kOpNames[] = {"create",    "map",          "set_access",    "zero_fill",
+constexpr const char* kOpNames[] = {"create",     "map",          "set_access",    "zero_fill",
                                     "host_alloc", "copy_to_host", "copy_to_device"};
 static_assert(sizeof(kOpNames) / sizeof(kOpNames[0]) == static_cast<size_t>(DriverOp::kCount));
 

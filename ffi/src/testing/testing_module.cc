@@ -20,8 +20,8 @@
 #include "common/ffi_registry.h"
 #include "drivers/cuda/zero_allocation.h"
 #include "drivers/cuda/zero_layout.h"
-#include "jax_vmm/errors.h"
 #include "jax_vmm/arena.h"
+#include "jax_vmm/errors.h"
 #include "ops/attention/stream_plan.h"
 #include "python/bindings.h"
 #include "scratch/simulated_capture.h"
@@ -137,17 +137,17 @@ void BindZeroLayout(nb::module_& m) {
   nb::class_<ZeroLayout>(m, "ZeroLayout")
       .def(nb::init<uintptr_t, size_t, size_t>(), nb::arg("base"), nb::arg("bytes"),
            nb::arg("max_piece"))
-      .def("tile", [to_list](const ZeroLayout& z, uint64_t va, size_t bytes) {
-        return to_list(z.Tile(va, bytes));
-      })
+      .def("tile", [to_list](const ZeroLayout& z, uint64_t va,
+                             size_t bytes) { return to_list(z.Tile(va, bytes)); })
       .def("plan_clear",
            [to_list](const ZeroLayout& z, uint64_t va, size_t bytes) {
              const ZeroLayout::Clear c = z.PlanClear(va, bytes);
              return nb::make_tuple(to_list(c.unmap), to_list(c.remap), c.hull_va, c.hull_bytes);
            })
-      .def("add", [from_list](ZeroLayout& z, const std::vector<std::tuple<uint64_t, size_t>>& p) {
-        z.Add(from_list(p));
-      })
+      .def("add",
+           [from_list](ZeroLayout& z, const std::vector<std::tuple<uint64_t, size_t>>& p) {
+             z.Add(from_list(p));
+           })
       .def("remove",
            [from_list](ZeroLayout& z, const std::vector<std::tuple<uint64_t, size_t>>& p) {
              z.Remove(from_list(p));

@@ -112,8 +112,7 @@ class CudaDriver final : public Driver {
               : "cuMemSetAccess(READ, va=" + Hex(va) + ", size=" + std::to_string(bytes) + ")";
       for (size_t i = 0; i < mapped; ++i) api_.cuMemUnmap(tiles[i].va, tiles[i].bytes);
       api_.cuMemAddressFree(va, bytes);
-      ThrowDriver(api_, ordinal_, call + " while reserving " + std::to_string(bytes) + " bytes",
-                  r);
+      ThrowDriver(api_, ordinal_, call + " while reserving " + std::to_string(bytes) + " bytes", r);
     }
     layout.Add(tiles);
     std::lock_guard<std::mutex> lock(zero_mu_);
@@ -199,12 +198,12 @@ class CudaDriver final : public Driver {
     }
     size_t remapped = 0;
     for (; remapped < plan.remap.size() && r == CUDA_SUCCESS; ++remapped) {
-      r = api_.cuMemMap(plan.remap[remapped].va, plan.remap[remapped].bytes, 0, zero_->handle(),
-                        0);
+      r = api_.cuMemMap(plan.remap[remapped].va, plan.remap[remapped].bytes, 0, zero_->handle(), 0);
       if (r != CUDA_SUCCESS) break;
     }
     std::string call;
-    if (r != CUDA_SUCCESS) call = "cuMemMap(zero remainder, va=" + Hex(plan.remap[remapped].va) + ")";
+    if (r != CUDA_SUCCESS)
+      call = "cuMemMap(zero remainder, va=" + Hex(plan.remap[remapped].va) + ")";
     size_t mapped = 0;
     uintptr_t at = va;
     for (; r == CUDA_SUCCESS && mapped < count; ++mapped) {
@@ -257,8 +256,8 @@ class CudaDriver final : public Driver {
     const CUresult r = UnmapConsecutive(va, sizes, &gone);
     if (r != CUDA_SUCCESS) {
       // A piece that refused stays mapped (it keeps reading its old contents, no fault).
-      Report(api_, ordinal_,
-             "cuMemUnmap(va=" + Hex(va) + ", pieces=" + std::to_string(count) + ")", r);
+      Report(api_, ordinal_, "cuMemUnmap(va=" + Hex(va) + ", pieces=" + std::to_string(count) + ")",
+             r);
     }
     std::vector<ZeroPiece> fill;
     uintptr_t at = va;

@@ -33,8 +33,10 @@ ZeroLayout::Clear ZeroLayout::PlanClear(uintptr_t va, size_t bytes) const {
   const uintptr_t end = va + bytes;
   // The piece containing va starts at or before it.
   auto it = pieces_.upper_bound(va);
-  if (it == pieces_.begin()) it = pieces_.end();
-  else --it;
+  if (it == pieces_.begin())
+    it = pieces_.end();
+  else
+    --it;
   uintptr_t covered_to = va;
   if (it == pieces_.end() || it->first + it->second <= va) {
     throw InvalidArgument("ZeroLayout: " + Hex(va) + " is not zero-mapped (clearing [" + Hex(va) +
