@@ -7,21 +7,28 @@ Cache geometry: the gpu preset's (8 layers, 8 KV heads x 128, bf16: 32 KiB per t
 all layers, K and V). Methods, each in its own fresh process so that peak memory is its
 own:
   jax_vmm      kv_arena sized for the final length; growth = kv.ensure(more tokens):
-               commit physical memory under the existing addresses, no copy.
+               commit physical memory under the existing addresses, no copy. Variants:
+               "default" (the kv_arena defaults: 2 MiB chunks, allocations of up to 1 GiB
+               per contiguous run, no zero fill), "+fill" (zero_fill=True), "chunk
+               handles" (handle_bytes = chunk_bytes: one allocation per 2 MiB, zero fill).
+               In the same process: the raw driver committing the same runs with the same
+               allocation size (cuMemCreate + cuMemMap per allocation, one cuMemSetAccess
+               per run), the floor of any VMM growth.
   stacked      plain JAX, one (layers, 2, T, H, D) array: allocate the larger array and
-               copy the old one into it (jit, AOT-compiled, so no compile is timed).
+               copy the old one into it (jit, AOT-compiled, so no compile is timed); its
+               floor is the copy: (old bytes read + new bytes written) / copy bandwidth.
   per-layer    plain JAX, one array per layer and K/V, grown one at a time (old one freed
                before the next): the careful way, lower peak, same copying.
 Reported: growth time (first, and median of --repeats; every repeat grows anew: plain
 JAX from a freshly made old cache, jax_vmm after shrinking back), the ratio to each
-plain-JAX way (goal >= 20x), and the peak memory during growth against the final cache
-size (goal <= 1.05x; a copy needs about 2x). GPU memory: XLA allocator peak (plain
-JAX) or XLA bytes in use + arena backed (jax_vmm; the arena is outside XLA's allocator).
-CPU memory: the cache's own bytes before growth (plain JAX: the old arrays, fully
-written; jax_vmm: the arena's backed bytes, physically allocated at commit by the host
-driver) plus the growth of the resident set during the growth (VmHWM, reset just
-before). Data survive growth in every method
-(sentinel tokens) and the grown region is writable to its end.
+plain-JAX way (goal >= 20x), jax_vmm against its raw floor, and the peak memory during
+growth against the final cache size (goal <= 1.00x; a copy needs about 2x). GPU memory:
+XLA allocator peak (plain JAX) or XLA bytes in use + arena backed (jax_vmm; the arena is
+outside XLA's allocator). CPU memory: the cache's own bytes before growth (plain JAX: the
+old arrays, fully written; jax_vmm: the arena's backed bytes, physically allocated at
+commit by the host driver) plus the growth of the resident set during the growth (VmHWM,
+reset just before). Data survive growth in every method (sentinel tokens) and the grown
+region is writable to its end.
 """
 
 from __future__ import annotations
@@ -42,11 +49,14 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from _common import GiB, Table, command_line, two_panel_figure, write_json  # noqa: E402
+from _common import GiB, Table, command_line, copy_bandwidth, two_panel_figure, write_json  # noqa: E402
+from _raw import RawCuda, raw_for  # noqa: E402
 from examples.memory import device_memory_stats, peak_rss_bytes, reset_peak_rss, rss_bytes  # noqa: E402
 from examples.report import fmt_bytes  # noqa: E402
 
 METHODS = ("jax_vmm", "stacked", "per-layer")
+#: jax_vmm variants: (label, handle_bytes (None: the KV default; 0: one per chunk), zero_fill)
+VARIANTS = {"default": (None, False), "+fill": (None, True), "chunk handles": (0, True)}
 
 
 def geometry(args: argparse.Namespace) -> dict:
@@ -89,37 +99,78 @@ def _sentinel(i: int, g: dict) -> np.ndarray:
 # ------------------------------------------------------------------------ jax_vmm
 
 
-def run_vmm(g: dict, repeats: int, chunk_bytes: int | None) -> dict:
+def _write_tokens(kv, buf, token: int, values: np.ndarray) -> None:
+    """Host copy into one token of a buffer (no raw view: the arena stays view-free)."""
+    data = np.ascontiguousarray(values.astype(kv.dtype))
+    kv.arena._handle.copy_in(buf.id, token * kv.token_bytes, data.ctypes.data, data.nbytes)
+
+
+def raw_growth(raw, runs: int, run_bytes: int, handle: int, repeats: int) -> float | None:
+    """Median seconds for the raw driver to commit `runs` separate runs of run_bytes with
+    allocations of `handle` bytes (the same work as the arena's growth, nothing more)."""
+    if raw is None:
+        return None
+    gap = run_bytes + handle  # runs apart, as the layer buffers are
+    if isinstance(raw, RawCuda):
+        va = raw.reserve(runs * gap, 2 << 20)
+        commit, decommit, _, _ = raw.runs_ops(
+            [(va + i * gap, run_bytes) for i in range(runs)], handle
+        )
+    else:
+        va = raw.reserve(runs * gap)
+        commit, decommit, _, _ = raw.runs_ops(
+            [(va + i * gap, run_bytes) for i in range(runs)], handle, base=va
+        )
+    times = []
+    for i in range(repeats + 1):
+        t0 = time.perf_counter()
+        commit()
+        if i:
+            times.append(time.perf_counter() - t0)
+        decommit()
+    if isinstance(raw, RawCuda):
+        raw.free(va, runs * gap)
+    else:
+        raw.unreserve(va, runs * gap)
+    return float(np.median(times))
+
+
+def run_vmm(g: dict, repeats: int, variant: str) -> dict:
     import jax_vmm
-    from jax_vmm.ops import kv_write_through
 
     device = jax.devices()[0]
     idle = _memory_probe(device)
+    handle, fill = VARIANTS[variant]
+    if handle == 0:  # one allocation per chunk: ask the driver what a chunk is
+        from jax_vmm._device import resolve_device
+        from jax_vmm._loader import core
+
+        target = resolve_device(None)
+        handle = core.resolve_chunk_bytes(target.driver, target.ordinal, 0)
     kv = jax_vmm.kv_arena(
         num_layers=g["layers"],
         num_kv_heads=g["heads"],
         head_dim=g["head_dim"],
         max_tokens=g["tokens_to"],
         dtype=g["dtype"],
-        chunk_bytes=chunk_bytes,
+        zero_fill=fill,
+        handle_bytes=handle,
     )
-    t_from, t_to, dt = g["tokens_from"], g["tokens_to"], jnp.dtype(g["dtype"])
+    t_from, t_to = g["tokens_from"], g["tokens_to"]
     kv.ensure(t_from)
-    # kv_write_through writes the arena itself (kv_write would write an XLA copy on the
-    # CPU, where a donated buffer is copied). It returns a per-token status to wait on.
-    write = jax.jit(kv_write_through)
     for layer in range(g["layers"]):  # sentinels at both ends of the old range
-        ends = jnp.asarray(np.stack([_sentinel(layer, g), _sentinel(layer + 100, g)]), dt)
-        write(
-            kv.k[layer], kv.v[layer], ends, ends, jnp.asarray([0, t_from - 1], jnp.int32)
-        ).block_until_ready()
-    kv.check()
-
+        _write_tokens(kv, kv.k_buffers[layer], 0, _sentinel(layer, g))
+        _write_tokens(kv, kv.k_buffers[layer], t_from - 1, _sentinel(layer + 100, g))
+    # The raw floor, measured now (the arena holds the old cache; the raw runs add the
+    # growth's bytes once more, then give them back).
+    run_bytes = (t_to - t_from) * kv.token_bytes
+    raw = raw_for(device)
+    raw_s = raw_growth(raw, 2 * g["layers"], run_bytes, kv.arena.handle_bytes, repeats)
     before = _memory_probe(device)
     times, peak_rss, reset_ok = [], 0, True
     for i in range(repeats):
         if i:
-            kv.shrink(t_from)  # give the grown part back: the next repeat commits anew
+            kv.shrink(t_from, wait=True)  # give the grown part back: the next repeat commits anew
         reset_ok &= reset_peak_rss()
         t0 = time.perf_counter()
         kv.ensure(t_to)
@@ -135,17 +186,17 @@ def run_vmm(g: dict, repeats: int, chunk_bytes: int | None) -> dict:
             np.array_equal(got[0], _sentinel(layer, g))
             and np.array_equal(got[1], _sentinel(layer + 100, g))
         )
-    last = jnp.full((1, g["heads"], g["head_dim"]), 0.25, dt)
     for layer in range(g["layers"]):  # the grown region is writable, to its very end
-        write(
-            kv.k[layer], kv.v[layer], last, last, jnp.asarray([t_to - 1], jnp.int32)
-        ).block_until_ready()
+        _write_tokens(kv, kv.v_buffers[layer], t_to - 1, np.full((g["heads"], g["head_dim"]), 0.25))
     ok &= bool(np.all(np.asarray(kv.v[g["layers"] - 1][t_to - 1], np.float32) == 0.25))
-    kv.check()
     out = {
         "method": "jax_vmm",
+        "variant": variant,
         "chunk_bytes": stats["chunk_bytes"],
+        "handle_bytes": stats["handle_bytes"],
+        "zero_fill": stats["zero_fill"],
         "times_s": times,
+        "raw_s": raw_s,
         "data_ok": bool(ok),
         "idle": idle,
         "before": before,
@@ -156,6 +207,8 @@ def run_vmm(g: dict, repeats: int, chunk_bytes: int | None) -> dict:
         "commit_calls": stats["commit_calls"],
         "commit_seconds": stats["commit_seconds"],
         "chunks_created": stats["chunks_created"],
+        "handles_created": stats["handles_created"],
+        "commit_drains": stats["commit_drains"],
     }
     kv.close()
     return out
@@ -212,8 +265,12 @@ def run_plain(g: dict, repeats: int, stacked: bool) -> dict:
         and np.all(first[..., 1, :, :] == 2.0)
         and np.all(first[..., 2, :, :] == 0.0)
     )
+    floor = None
+    if stacked:  # the copy's floor: old bytes read + new bytes written at copy bandwidth
+        floor = (g["bytes_from"] + g["bytes_to"]) / copy_bandwidth(device, 1 << 30)
     return {
         "method": "stacked" if stacked else "per-layer",
+        "copy_floor_s": floor,
         "times_s": times,
         "data_ok": ok,
         "idle": idle,
@@ -245,8 +302,7 @@ def peak_growth_bytes(r: dict, g: dict, platform: str) -> int:
 def child(args: argparse.Namespace) -> None:
     g = geometry(args)
     if args.method == "jax_vmm":
-        chunk = None if args.chunk == 0 else args.chunk
-        out = run_vmm(g, args.repeats, chunk)
+        out = run_vmm(g, args.repeats, args.variant)
     else:
         out = run_plain(g, args.repeats, stacked=args.method == "stacked")
     out["platform"] = jax.devices()[0].platform
@@ -265,16 +321,16 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument(
-        "--chunks",
-        type=int,
+        "--variants",
         nargs="+",
-        help="jax_vmm chunk sizes to try, bytes (0 = the arena default); default: "
-        "0 and 64 MiB and 256 MiB on a GPU, 0 and 1 MiB on the CPU",
+        choices=list(VARIANTS),
+        default=list(VARIANTS),
+        help="jax_vmm configurations (default: all)",
     )
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", type=Path, help="directory for growth.json and growth.png")
     p.add_argument("--method", choices=METHODS, help=argparse.SUPPRESS)
-    p.add_argument("--chunk", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--variant", default="default", help=argparse.SUPPRESS)
     p.add_argument("--child-out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     platform = jax.devices()[0].platform  # no allocation: children own the memory
@@ -284,13 +340,12 @@ def main(argv: list[str] | None = None) -> dict:
         child(args)
         return {}
     g = geometry(args)
-    chunks = args.chunks or ([0, 64 << 20, 256 << 20] if platform == "gpu" else [0, 1 << 20])
     print(
         f"grow {fmt_bytes(g['bytes_from'])} -> {fmt_bytes(g['bytes_to'])} "
         f"({g['tokens_from']} -> {g['tokens_to']} tokens, {g['layers']} layers, "
         f"{g['heads']}x{g['head_dim']} {g['dtype']}) on {platform}; {args.repeats} repeats"
     )
-    runs = [("stacked", 0), ("per-layer", 0)] + [("jax_vmm", c) for c in chunks]
+    runs = [("stacked", "-"), ("per-layer", "-")] + [("jax_vmm", v) for v in args.variants]
     results = []
     passthrough = [
         "--from-gib",
@@ -310,7 +365,7 @@ def main(argv: list[str] | None = None) -> dict:
         "--repeats",
         str(args.repeats),
     ]
-    for method, chunk in runs:
+    for method, variant in runs:
         with tempfile.NamedTemporaryFile(suffix=".json") as f:
             cmd = [
                 sys.executable,
@@ -318,18 +373,17 @@ def main(argv: list[str] | None = None) -> dict:
                 *passthrough,
                 "--method",
                 method,
-                "--chunk",
-                str(chunk),
+                "--variant",
+                variant,
                 "--child-out",
                 f.name,
             ]
             proc = subprocess.run(cmd, capture_output=True, text=True)
             if proc.returncode != 0:
                 print(
-                    f"{method} (chunk {chunk}) FAILED (exit {proc.returncode}):\n"
-                    f"{proc.stderr[-3000:]}"
+                    f"{method} ({variant}) FAILED (exit {proc.returncode}):\n{proc.stderr[-3000:]}"
                 )
-                results.append({"method": method, "chunk": chunk, "error": proc.stderr[-3000:]})
+                results.append({"method": method, "variant": variant, "error": proc.stderr[-3000:]})
                 continue
             r = json.loads(Path(f.name).read_text())
         r["peak_growth_bytes"] = peak_growth_bytes(r, g, platform)
@@ -352,19 +406,19 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def _label(r: dict) -> str:
-    return (
-        f"jax_vmm (chunk {fmt_bytes(r['chunk_bytes'])})"
-        if r["method"] == "jax_vmm"
-        else f"plain JAX, {r['method']}"
-    )
+    if r["method"] != "jax_vmm":
+        return f"plain JAX, {r['method']}"
+    return f"jax_vmm {r['variant']} (handles {fmt_bytes(r['handle_bytes'])})"
 
 
 TABLE = Table(
-    ("method", 34, "<"),
+    ("method", 38, "<"),
     ("first", 9),
     ("median", 9),
     ("vs stacked", 10),
     ("vs per-layer", 12),
+    ("floor", 9),
+    ("x floor", 7),
     ("peak mem", 10),
     ("x final", 8),
     ("data", 0, "<"),
@@ -378,16 +432,25 @@ def print_table(report: dict) -> None:
     for r in ok:
         med = float(np.median(r["times_s"]))
         ratios = [f"{plain[m] / med:.1f}x" if m in plain else "-" for m in ("stacked", "per-layer")]
+        floor = r.get("raw_s") if r["method"] == "jax_vmm" else r.get("copy_floor_s")
         print(
             TABLE.row(
                 _label(r),
                 f"{1e3 * r['times_s'][0]:.2f}ms",
                 f"{1e3 * med:.2f}ms",
                 *ratios,
+                f"{1e3 * floor:.2f}ms" if floor else "-",
+                f"{med / floor:.2f}x" if floor else "-",
                 fmt_bytes(r["peak_growth_bytes"]),
                 f"{r['peak_growth_bytes'] / g['bytes_to']:.2f}x",
                 "ok" if r["data_ok"] else "BAD",
             )
+        )
+    if "stacked" in plain:
+        print(
+            f"(floor: jax_vmm = the raw driver committing the same runs and allocation sizes; "
+            f"stacked = the copy at the device's copy bandwidth. Goal: jax_vmm default >= 20x "
+            f"vs stacked = <= {1e3 * plain['stacked'] / 20:.2f} ms)"
         )
 
 

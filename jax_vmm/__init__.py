@@ -14,14 +14,16 @@ __path__ = extend_path(__path__, __name__)
 from .arena import Arena, Buffer  # noqa: E402
 from .cache import ArenaNotWrittenWarning, KVCache, KVLayer, LayerId  # noqa: E402
 from .errors import (  # noqa: E402
+    ArenaAsleepError,
     ArenaClosedError,
     DriverError,
     OutOfBoundsRead,
     OutOfBoundsWrite,
     OutOfMemoryError,
     ReservationFullError,
+    TransferError,
 )
-from .kv import KVArena, kv_arena  # noqa: E402
+from .kv import KVArena, Transfer, kv_arena  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -29,17 +31,20 @@ __all__ = [
     "Arena",
     "Buffer",
     "KVArena",
+    "Transfer",
     "kv_arena",
     "KVCache",
     "KVLayer",
     "LayerId",
     "ArenaNotWrittenWarning",
+    "ArenaAsleepError",
     "ArenaClosedError",
     "DriverError",
     "OutOfBoundsWrite",
     "OutOfBoundsRead",
     "OutOfMemoryError",
     "ReservationFullError",
+    "TransferError",
 ]
 
 # Ops from feature modules (added by their owners; keep one import line each).

@@ -15,7 +15,7 @@ import numpy as np
 
 from ._device import DeviceTarget, resolve_device
 from ._loader import core as _core
-from .errors import ArenaClosedError, ReservationFullError
+from .errors import ArenaAsleepError, ArenaClosedError, ReservationFullError
 
 log = logging.getLogger("jax_vmm")
 
@@ -59,6 +59,12 @@ def _as_index(value: Any, what: str, minimum: int = 0) -> int:
     return i
 
 
+def _as_flag(value: Any, what: str) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{what} must be True or False, got {value!r}")
+    return bool(value)
+
+
 def _refuse_copy(what: str, device: Any, copy_out: str) -> TypeError:
     return TypeError(
         f"jax_vmm.{what} cannot be pickled or copied: it owns a reservation of virtual memory "
@@ -81,14 +87,21 @@ def _as_shape(shape: Any) -> tuple[int, ...]:
     return dims
 
 
-def _create_core_arena(driver: str, ordinal: int, reserve_bytes: int, chunk_bytes: int) -> Any:
-    return _core.create_arena(driver, ordinal, reserve_bytes, chunk_bytes)
+def _create_core_arena(
+    driver: str,
+    ordinal: int,
+    reserve_bytes: int,
+    chunk_bytes: int,
+    handle_bytes: int,
+    zero_fill: bool,
+) -> Any:
+    return _core.create_arena(driver, ordinal, reserve_bytes, chunk_bytes, handle_bytes, zero_fill)
 
 
 #: Makes the C++ arena behind every :class:`Arena` (and so every ``kv_arena``):
-#: ``(driver, ordinal, reserve_bytes, chunk_bytes) -> core arena``. The one seam for test
-#: hooks: ``jax_vmm.testing.fault_injection()`` replaces it for the duration of its
-#: with-block; nothing else should.
+#: ``(driver, ordinal, reserve_bytes, chunk_bytes, handle_bytes, zero_fill) -> core
+#: arena``. The one seam for test hooks: ``jax_vmm.testing.fault_injection()`` replaces it
+#: for the duration of its with-block; nothing else should.
 _core_arena_factory = _create_core_arena
 
 
@@ -207,21 +220,30 @@ class Buffer:
     def commit(self, start: int = 0, stop: int | None = None) -> int:
         """Back bytes ``[start, stop)`` with physical memory (rounded out to whole chunks).
         Idempotent. Returns the bytes newly backed. Raises ``MemoryError``
-        (:class:`~jax_vmm.errors.OutOfMemoryError`) leaving the buffer unchanged."""
+        (:class:`~jax_vmm.errors.OutOfMemoryError`) leaving the buffer unchanged. Waits for
+        the device only once the arena has handed out a raw view (a reader could run over
+        the pages being mapped) or to zero-fill released memory it takes back."""
         self._check_live("Buffer.commit")
         start, stop = self._range(start, stop)
         return self._arena._handle.commit(self._id, start, stop)
 
-    def decommit(self, start: int = 0, stop: int | None = None) -> int:
+    def decommit(self, start: int = 0, stop: int | None = None, *, wait: bool = False) -> int:
         """Give back the physical memory of the chunks that lie fully inside
         ``[start, stop)`` (plus the buffer's last partial chunk when ``stop`` is the end).
-        Those bytes read as zeros afterwards. Returns the bytes released.
+        Returns the bytes no longer backed.
 
-        The caller must make sure no running computation still uses the range (call
-        ``block_until_ready`` on its results first)."""
+        Never waits for the device: kernels launched after the call skip those chunks, and
+        the memory goes back to the driver once the device has finished the work launched
+        before it (``wait=True``: before returning; or call :meth:`Arena.reclaim`). Until
+        then a raw view of the range may still read the old bytes; afterwards it reads
+        zeros. Once the arena has handed out a raw view (``.array``, ``.view``, ``kv.k[l]``)
+        the call waits for the device itself and gives the memory back at once: JAX may
+        keep arrays over arena memory past the view (see ``docs/design.md``)."""
         self._check_live("Buffer.decommit")
         start, stop = self._range(start, stop)
-        return self._arena._handle.decommit(self._id, start, stop)
+        wait = _as_flag(wait, "wait")
+        self._arena._generation += 1
+        return self._arena._handle.decommit(self._id, start, stop, wait)
 
     def backed_prefix(self, start: int, stop: int) -> int:
         """Bytes backed contiguously from ``start`` (stops at ``stop`` or the first hole)."""
@@ -235,6 +257,7 @@ class Buffer:
         them is gone. Later calls on this Buffer raise ``ValueError``."""
         self._arena._check_open("Buffer.free")
         self._check_live("Buffer.free")
+        self._arena._generation += 1
         self._arena._handle.free(self._id)
         self._freed = True
         self._arena._forget(self)
@@ -274,20 +297,31 @@ class Arena:
     """One reserved virtual address range on a device; buffers are placed in it and
     backed page by page.
 
-    ``Arena(reserve_bytes, device=None, chunk_bytes=None)``: ``device`` is a
-    ``jax.Device`` (default ``jax.devices()[0]``); CUDA GPUs use driver VMM, the CPU a
-    host mmap/memfd backend. ``chunk_bytes`` is the physical allocation unit and the
-    decommit granularity: larger chunks make commits cheaper (fewer driver calls) but
-    round every commit up further (default: the device granularity on CUDA, 64 KiB on
-    the host).
+    ``Arena(reserve_bytes, device=None, chunk_bytes=None, *, handle_bytes=None,
+    zero_fill=True)``: ``device`` is a ``jax.Device`` (default ``jax.devices()[0]``); CUDA
+    GPUs use driver VMM, the CPU a host mmap/memfd backend. ``chunk_bytes`` is the unit of
+    commits and releases (default: the device granularity on CUDA, 64 KiB on the host).
+    ``handle_bytes`` (a multiple of ``chunk_bytes``; default ``chunk_bytes``) is the largest
+    physical allocation one commit makes: a commit of a long run takes few, large
+    allocations (fewer driver calls), but a release frees an allocation's memory only
+    once every chunk of it is released. ``zero_fill``: newly backed memory reads zeros
+    (else whatever the memory held: cheaper, for data that is written before it is read).
 
     ``close()`` releases all physical memory at once; views that are still alive then
     read zeros (the address range stays reserved until the last view is gone). Also a
-    context manager. Thread-safe.
+    context manager. ``sleep()`` / ``wake()`` give all physical memory back and take it
+    again at the same addresses, contents kept on the host (``docs/sleep.md``).
+    Thread-safe.
     """
 
     def __init__(
-        self, reserve_bytes: int, device: jax.Device | None = None, chunk_bytes: int | None = None
+        self,
+        reserve_bytes: int,
+        device: jax.Device | None = None,
+        chunk_bytes: int | None = None,
+        *,
+        handle_bytes: int | None = None,
+        zero_fill: bool = True,
     ):
         reserve_bytes = _as_int(reserve_bytes, "reserve_bytes")
         if reserve_bytes <= 0:
@@ -303,12 +337,22 @@ class Arena:
         chunk = 0 if chunk_bytes is None else _as_int(chunk_bytes, "chunk_bytes")
         if chunk_bytes is not None and chunk <= 0:
             raise ValueError(f"chunk_bytes must be > 0 (or None for the default), got {chunk}")
+        handle = 0 if handle_bytes is None else _as_int(handle_bytes, "handle_bytes")
+        if handle_bytes is not None and handle <= 0:
+            raise ValueError(
+                f"handle_bytes must be > 0 (or None for one allocation per chunk), got {handle}"
+            )
+        zero_fill = _as_flag(zero_fill, "zero_fill")
         self._target: DeviceTarget = resolve_device(device)
         self._handle = _core_arena_factory(
-            self._target.driver, self._target.ordinal, reserve_bytes, chunk
+            self._target.driver, self._target.ordinal, reserve_bytes, chunk, handle, zero_fill
         )
         self._lock = threading.Lock()
         self._buffers: list[Buffer] = []
+        # Bumped by every call that may unback memory behind a KV arena's bookkeeping
+        # (Buffer.decommit/free, close, sleep, wake): KVArena.ensure trusts its own record
+        # of backed tokens only while this is unchanged.
+        self._generation = 0
         log.debug(
             "reserved %d bytes on %s at 0x%x",
             self._handle.reserved_bytes,
@@ -375,6 +419,18 @@ class Arena:
         return self._handle.chunk_bytes
 
     @property
+    def handle_bytes(self) -> int:
+        return self._handle.handle_bytes
+
+    @property
+    def zero_fill(self) -> bool:
+        return self._handle.zero_fill
+
+    @property
+    def asleep(self) -> bool:
+        return self._handle.asleep
+
+    @property
     def driver(self) -> str:
         return self._handle.driver_kind
 
@@ -388,10 +444,64 @@ class Arena:
             return list(self._buffers)
 
     def stats(self) -> dict:
-        """A plain dict: reserved/backed/peak bytes, commit and decommit counts and
-        cumulative seconds, driver kind, granularity, chunk size, live views and the bytes
-        of freed buffers they hold back (``retired_bytes``), and more."""
+        """A plain dict: reserved/backed/peak bytes; ``held_bytes`` (physical memory held:
+        backed + ``parked_bytes`` (released chunks inside allocations still in use) +
+        ``retired_bytes`` (released, waiting for the device)); commit and decommit counts
+        and cumulative seconds, ``commit_drains`` (commits that waited for the device
+        because raw views were handed out, ``views_exported``), ``live_views`` and the
+        address space of freed buffers they hold back (``held_range_bytes``); sleep and
+        transfer state; driver kind, granularity, chunk and handle size, and more."""
         return dict(self._handle.stats())
+
+    # -- memory ----------------------------------------------------------------------
+    def reclaim(self) -> int:
+        """Wait for the device, then give every released allocation back to the driver
+        (releases otherwise do it in the background). Returns the bytes given back."""
+        return self._handle.reclaim()
+
+    def put(self, x: Any, *, name: str | None = None) -> jax.Array:
+        """Copy an array (a ``jax.Array`` on one device, or anything ``numpy.asarray``
+        takes) into a new buffer of this arena and return a zero-copy view of it. The
+        buffer (``arena.buffers[-1]``) sleeps and wakes with the arena, so a program can
+        give its weights' memory back too."""
+        self._check_open("Arena.put")
+        if self._handle.asleep:
+            raise ArenaAsleepError(
+                "Arena.put: the arena is asleep (sleep() gave its memory back); call wake() first"
+            )
+        src = x
+        if isinstance(x, jax.Array):
+            if len(x.devices()) != 1 or not x.is_fully_addressable:
+                raise ValueError(
+                    "Arena.put: the array must live on one device; got one on "
+                    f"{sorted(str(d) for d in x.devices())}"
+                )
+            if next(iter(x.devices())) != self.device:
+                src = jax.device_put(x, self.device)
+            src.block_until_ready()
+        else:
+            src = np.asarray(x)  # (ascontiguousarray would make a 0-d array 1-d)
+            if not src.flags.c_contiguous:
+                src = np.ascontiguousarray(src)
+        shape, dtype = tuple(src.shape), np.dtype(src.dtype)
+        if not shape or math.prod(shape) == 0:
+            raise ValueError(
+                f"Arena.put: needs an array with at least one dimension and one "
+                f"element; got shape {shape}"
+            )
+        buf = self.allocate(shape, dtype, name=name)
+        try:
+            buf.commit()
+            pointer = src.unsafe_buffer_pointer() if isinstance(src, jax.Array) else src.ctypes.data
+            self._handle.copy_in(buf.id, 0, int(pointer), buf.nbytes)
+        except BaseException:
+            buf.free()
+            raise
+        return buf.array
+
+    def free_host_cache(self) -> None:
+        """Free the page-locked host memory kept for the next sleep (or offload)."""
+        self._handle.free_host_cache()
 
     def live_views(self) -> int:
         """Views of this arena's buffers alive now (freed buffers' included). A view is
@@ -403,9 +513,32 @@ class Arena:
             self._buffers.remove(buf)
 
     # -- lifetime --------------------------------------------------------------------
+    def sleep(self, keep: str = "host") -> None:
+        """Wait for device work on the arena, copy every backed chunk to page-locked host
+        memory (``keep="host"``) or drop it (``keep="discard"``), and give all physical
+        memory back (the driver's free-memory count shows it on return). Addresses stay:
+        views and compiled programs stay valid; while asleep writes through jax_vmm ops
+        are dropped (and counted), reads see zeros, commits and releases raise
+        :class:`~jax_vmm.errors.ArenaAsleepError`. See ``docs/sleep.md``."""
+        if keep not in ("host", "discard"):
+            raise ValueError(f"Arena.sleep: keep must be 'host' or 'discard', got {keep!r}")
+        self._check_open("Arena.sleep")
+        self._generation += 1
+        self._handle.sleep(keep == "host")
+
+    def wake(self) -> None:
+        """Back exactly the chunks that were backed before :meth:`sleep`, at the same
+        addresses, and copy their contents back (``keep="discard"``: zeros with
+        ``zero_fill``, else undefined). All or nothing: on failure the arena stays asleep
+        with its contents kept, and a later ``wake()`` can succeed."""
+        self._check_open("Arena.wake")
+        self._generation += 1
+        self._handle.wake()
+
     def close(self) -> None:
         """Release all physical memory. Later calls on the arena raise
         :class:`~jax_vmm.errors.ArenaClosedError`; live views read zeros. Idempotent."""
+        self._generation += 1
         self._handle.close()
 
     def __enter__(self) -> Arena:

@@ -10,6 +10,9 @@ from ._loader import core as _core
 
 #: Use of an arena (or one of its buffers) after ``close()``. A ``RuntimeError``.
 ArenaClosedError = _core.ArenaClosedError
+#: Commit or release of an arena that ``sleep()`` emptied; call ``wake()`` first. A
+#: ``RuntimeError``.
+ArenaAsleepError = _core.ArenaAsleepError
 #: The reservation has no free address range large enough for a new buffer.
 ReservationFullError = _core.ReservationFullError
 #: The OS or the CUDA driver failed (not for lack of memory), or a device lacks VMM.
@@ -41,7 +44,15 @@ class OutOfBoundsRead(RuntimeError):
         self.count = count
 
 
+class TransferError(RuntimeError):
+    """An offload or restore of a KV sequence failed. A failed offload leaves the sequence
+    in place; a failed restore leaves it offloaded (its host copy intact), so it can be
+    restored again."""
+
+
 __all__ = [
+    "ArenaAsleepError",
+    "TransferError",
     "ArenaClosedError",
     "ReservationFullError",
     "DriverError",

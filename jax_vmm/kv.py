@@ -11,13 +11,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .arena import Arena, Buffer, _as_index, _as_int, _refuse_copy
+from ._prefetch import CommitAhead
+from .arena import Arena, Buffer, _as_flag, _as_index, _as_int, _refuse_copy
 from .errors import DriverError, OutOfBoundsRead, OutOfBoundsWrite
 from .fp8 import FP8_DTYPE
+from .transfer import Transfer
 
 if TYPE_CHECKING:
     from .cache import KVCache
     from .ops import KVDest
+
+#: Largest physical allocation of a KV arena's commit (rounded down to whole chunks): a
+#: prefill or a growth of many chunks takes few driver calls, and a sequence's release
+#: still frees all of its memory (a commit never puts two sequences in one allocation).
+DEFAULT_KV_HANDLE_BYTES = 1 << 30
 
 
 def _layer_index(layer: Any, num_layers: int, op: str) -> int:
@@ -69,13 +76,24 @@ class KVArena:
     Layout per layer and per K/V: ``(max_tokens, num_kv_heads, head_dim)``, or with
     ``max_seqs`` ``(max_seqs, max_tokens, num_kv_heads, head_dim)`` (each sequence
     contiguous; flat slot = ``seq * max_tokens + position``). Physical memory follows
-    :meth:`ensure`, :meth:`shrink` and :meth:`release`. Create with :func:`kv_arena`;
-    step with :meth:`cache` (the :class:`~jax_vmm.KVCache` pytree).
+    :meth:`ensure`, :meth:`shrink` and :meth:`release`; :meth:`sleep` / :meth:`wake` give
+    all of it back and take it again, :meth:`offload` / :meth:`restore` move one
+    sequence to host memory and back. Create with :func:`kv_arena`.
+
+    Defaults for a cache: ``zero_fill=False`` (tokens are written before the cache API
+    reads them; unwritten tokens read as zeros only with ``zero_fill=True``, else a raw
+    view may show stale bytes past the written tokens), ``handle_bytes`` =
+    :data:`DEFAULT_KV_HANDLE_BYTES` (a commit of many chunks takes few allocations) and
+    ``commit_ahead_tokens`` = an eighth of a chunk's tokens: once a sequence is that close
+    to the end of its backed chunks, a background thread backs the next chunk, so that the
+    decode loop's ``ensure`` makes no driver call (0 turns it off; it stops once the arena
+    handed out a raw view, ``kv.k[l]``: hold none on the decode path). Step with
+    :meth:`cache` (the :class:`~jax_vmm.KVCache` pytree): it makes no raw view.
 
     The tokens each sequence has ensured form a device-visible table that the kernels
     read: a write past them is dropped and a read past them clamped, both counted for
-    :meth:`check`, even where chunk rounding happens to back the memory (a neighbour's
-    release may take such a chunk away).
+    :meth:`check`, even where chunk rounding (or commit ahead) happens to back the memory
+    (a neighbour's release may take such a chunk away).
 
     Thread-safe: one lock serialises growth and release; views may be read anywhere.
     """
@@ -92,6 +110,9 @@ class KVArena:
         initial_tokens: int = 0,
         max_seqs: int | None = None,
         chunk_bytes: int | None = None,
+        handle_bytes: int | None = None,
+        zero_fill: bool = False,
+        commit_ahead_tokens: int | None = None,
         k_scales: Any = None,
         v_scales: Any = None,
     ):
@@ -110,6 +131,7 @@ class KVArena:
         initial_tokens = _as_index(initial_tokens, "initial_tokens")
         if initial_tokens > max_tokens:
             raise ValueError(f"initial_tokens={initial_tokens} exceeds max_tokens={max_tokens}")
+        zero_fill = _as_flag(zero_fill, "zero_fill")
         self.num_layers = int(num_layers)
         self.num_kv_heads = int(num_kv_heads)
         self.head_dim = int(head_dim)
@@ -132,10 +154,18 @@ class KVArena:
             target.ordinal,
             0 if chunk_bytes is None else _as_index(chunk_bytes, "chunk_bytes"),
         )
+        if handle_bytes is None:
+            handle_bytes = max(chunk, DEFAULT_KV_HANDLE_BYTES // chunk * chunk)
         buffer_bytes = seqs * self.seq_bytes
         reserve = 2 * self.num_layers * -(-buffer_bytes // chunk) * chunk
         try:
-            self.arena = Arena(reserve, device=device, chunk_bytes=chunk)
+            self.arena = Arena(
+                reserve,
+                device=device,
+                chunk_bytes=chunk,
+                handle_bytes=handle_bytes,
+                zero_fill=zero_fill,
+            )
         except (DriverError, ValueError) as e:  # the reservation itself: name our arguments
             raise type(e)(
                 f"{self._signature()}: needs {reserve} bytes of address space "
@@ -172,7 +202,25 @@ class KVArena:
         self._lock = threading.RLock()
         # Tokens each sequence asked for through ensure(): decides which chunks shared
         # by two sequences may be released (actual backing can be larger: chunk rounding).
-        self._ensured = [0] * seqs
+        self._ensured = np.zeros(seqs, np.int64)
+        # Tokens known backed (whole chunks from the last ensure), valid while the arena's
+        # generation equals _valid_gen: ensure() within them needs no call into the core.
+        self._covered = np.zeros(seqs, np.int64)
+        self._valid_gen = np.full(seqs, -1, np.int64)
+        self._offloaded: dict[int, Transfer] = {}
+        # Commit ahead: bumped per sequence when its memory is released, so that a commit
+        # that was on its way is not counted for (or left to) a sequence that is gone.
+        self._epoch = [0] * seqs
+        tokens_per_chunk = max(1, chunk // self.token_bytes)
+        self.commit_ahead_tokens = (
+            max(1, tokens_per_chunk // 8)
+            if commit_ahead_tokens is None
+            else _as_index(commit_ahead_tokens, "commit_ahead_tokens")
+        )
+        self._ahead = CommitAhead(self)
+        self._ahead_blocked = np.full(seqs, -1, np.int64)  # covered when a commit ahead was skipped
+        self._ahead_skipped = 0
+        self._ahead_failures = 0
         if initial_tokens:
             for seq in range(seqs):
                 self.ensure(initial_tokens, None if self.max_seqs is None else seq)
@@ -292,59 +340,331 @@ class KVArena:
         return n
 
     # -- growth and release --------------------------------------------------------------
+    def _commit_ranges(self, q: int, num_tokens: int) -> list[tuple[int, int]]:
+        """Byte ranges (inside each buffer) that back tokens [0, num_tokens) of sequence
+        q. A chunk that the sequence shares with a neighbour gets a range of its own, so
+        that no allocation holds memory of two sequences (releasing one then frees all of
+        its own memory)."""
+        c = self.arena.chunk_bytes
+        base = q * self.seq_bytes
+        stop = base + num_tokens * self.token_bytes
+        cuts = {base, stop}
+        if self.max_seqs is not None:
+            if base % c:
+                cuts.add(-(-base // c) * c)
+            end = base + self.seq_bytes
+            if end % c:
+                cuts.add(end // c * c)
+        points = sorted(x for x in cuts if base <= x <= stop)
+        return list(zip(points, points[1:]))
+
+    def _covered_tokens(self, q: int, num_tokens: int) -> int:
+        """Tokens of sequence q backed once tokens [0, num_tokens) are: whole chunks."""
+        c = self.arena.chunk_bytes
+        base = q * self.seq_bytes
+        end = min(-(-(base + num_tokens * self.token_bytes) // c) * c, base + self.seq_bytes)
+        return (end - base) // self.token_bytes
+
+    def _settle(self, q: int) -> None:
+        """Raise if sequence q is away (offloaded, or its transfer in flight); forget a
+        transfer that has ended (restored, or a failed offload: the tokens stayed)."""
+        t = self._offloaded.get(q)
+        if t is None:
+            return
+        state = t.state
+        if state in ("restored", "failed"):
+            del self._offloaded[q]
+            t._finish()
+            return
+        raise ValueError(
+            f"sequence {q} is {state} (kv.offload); call kv.restore({q}) and wait "
+            "for it before growing, writing or reading it"
+        )
+
     def ensure(self, num_tokens: int, seq: int | None = None) -> int:
         """Back the first ``num_tokens`` tokens (of sequence ``seq``) in every layer, all
-        or nothing. Returns the bytes newly committed (0 when already backed)."""
+        or nothing. Returns the bytes newly committed (0 when already backed). Within the
+        chunks an earlier call backed it returns at once; otherwise it never waits for the
+        device unless the arena has handed out raw views (``kv.k[l]``)."""
         num_tokens = self._check_tokens(num_tokens, "KVArena.ensure")
-        base = self._seq_base(seq, "KVArena.ensure")
+        self._seq_base(seq, "KVArena.ensure")
         if num_tokens == 0:
             return 0
-        stop = base + num_tokens * self.token_bytes
-        ranges = [(b.id, base, stop) for b in self.buffers]
+        q = 0 if seq is None else int(seq)
         with self._lock:
-            self.arena._check_open("KVArena.ensure")
-            added = self.arena._handle.commit_ranges(ranges)
-            q = 0 if seq is None else int(seq)
-            self._ensured[q] = max(self._ensured[q], num_tokens)
+            if self._offloaded:
+                self._settle(q)
+            if num_tokens <= self._covered[q] and self._valid_gen[q] == self.arena._generation:
+                if num_tokens > self._ensured[q]:
+                    self._ensured[q] = num_tokens
+                    self._core_cache.set_limit(q, num_tokens)  # the memory is there already
+                self._maybe_ahead(q, num_tokens)
+                return 0
+            added = self._commit_seqs([(q, num_tokens)])
             # Published after the memory: the kernels may write what the table admits.
-            self._core_cache.set_limit(q, self._ensured[q])
+            self._core_cache.set_limit(q, int(self._ensured[q]))
+            self._maybe_ahead(q, num_tokens)
             return added
 
-    def shrink(self, num_tokens: int) -> int:
+    def ensure_all(self, num_tokens: Sequence[int]) -> int:
+        """:meth:`ensure` for every sequence at once: ``num_tokens[q]`` tokens of sequence
+        ``q`` (a list or NumPy array of ints, one per sequence; 0 asks for nothing), in one
+        all-or-nothing commit. The cheap way to grow a batch each decode step: sequences
+        within their backed chunks cost a few vectorised comparisons, no call into the
+        core."""
+        tokens = self._token_array(num_tokens)
+        with self._lock:
+            gen = self.arena._generation
+            asked = tokens > 0
+            for q in list(self._offloaded):
+                if tokens[q] > 0:
+                    self._settle(q)
+            fast = asked & (tokens <= self._covered) & (self._valid_gen == gen)
+            before = self._ensured.copy()
+            np.maximum(self._ensured, np.where(fast, tokens, 0), out=self._ensured)
+            need = np.flatnonzero(asked & ~fast)
+            added = self._commit_seqs([(int(q), int(tokens[q])) for q in need]) if need.size else 0
+            if not np.array_equal(before, self._ensured):  # one copy of the table, after the memory
+                self._core_cache.set_limits(self._ensured.tolist())
+            if self.commit_ahead_tokens:
+                near = (
+                    asked
+                    & (self._covered - tokens <= self.commit_ahead_tokens)
+                    & (self._covered < self.max_tokens)
+                    & (self._ahead_blocked != self._covered)
+                )
+                for q in np.flatnonzero(near):
+                    self._ahead.schedule(
+                        int(q), self._covered_tokens(int(q), int(self._covered[q]) + 1)
+                    )
+            return added
+
+    def _token_array(self, num_tokens: Any) -> np.ndarray:
+        seqs = len(self._ensured)
+        if isinstance(num_tokens, (str, bytes)):
+            num_tokens = None
+        arr = np.asarray(num_tokens)
+        if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
+            raise TypeError(
+                f"KVArena.ensure_all: num_tokens must be {seqs} ints (one per "
+                f"sequence), got {num_tokens!r}"
+            )
+        if arr.shape != (seqs,):
+            raise ValueError(
+                f"KVArena.ensure_all: num_tokens has shape {arr.shape}; expected "
+                f"({seqs},), one entry per sequence"
+            )
+        if arr.size and (arr.min() < 0 or arr.max() > self.max_tokens):
+            raise ValueError(
+                f"KVArena.ensure_all: num_tokens must be in [0, {self.max_tokens}] "
+                f"(max_tokens); got min {arr.min()}, max {arr.max()}"
+            )
+        return arr.astype(np.int64)
+
+    def _maybe_ahead(self, q: int, n: int) -> None:
+        """Schedule the next chunk of sequence q when n is close to its backed end."""
+        covered = self._covered[q]
+        if (
+            not self.commit_ahead_tokens
+            or covered - n > self.commit_ahead_tokens
+            or covered >= self.max_tokens
+            or self._ahead_blocked[q] == covered
+        ):
+            return
+        self._ahead.schedule(q, self._covered_tokens(q, covered + 1))
+
+    def _commit_ahead(self, q: int, tokens: int) -> None:
+        """On the commit-ahead thread: back tokens [0, tokens) of sequence q."""
+        with self._lock:
+            if (
+                q in self._offloaded
+                or self._covered[q] >= tokens
+                or self.arena.closed
+                or self._valid_gen[q] != self.arena._generation
+            ):
+                return
+            epoch, gen, covered = self._epoch[q], self.arena._generation, self._covered[q]
+            ranges = [
+                (b.id, lo, hi) for lo, hi in self._commit_ranges(q, tokens) for b in self.buffers
+            ]
+        try:
+            added = self.arena._handle.commit_ahead(ranges)
+        except (MemoryError, RuntimeError):  # out of memory, closed, asleep: ensure() will say
+            self._ahead_failures += 1
+            return
+        with self._lock:
+            if added < 0:  # raw views were handed out: the decode thread commits itself
+                self._ahead_skipped += 1
+                self._ahead_blocked[q] = covered
+            elif self._epoch[q] == epoch and self._valid_gen[q] == gen:
+                self._covered[q] = max(self._covered[q], self._covered_tokens(q, tokens))
+            elif self._ensured[q] == 0 and q not in self._offloaded:
+                # Released while the commit was on its way, and not started again.
+                base = q * self.seq_bytes
+                self.arena._handle.decommit_ranges(
+                    self._release_ranges(base, base + self.seq_bytes, q), False
+                )
+
+    def _commit_seqs(self, need: list[tuple[int, int]]) -> int:
+        """One all-or-nothing commit of tokens [0, n) for each (q, n); caller holds the lock."""
+        self.arena._check_open("KVArena.ensure")
+        gen = self.arena._generation
+        ranges = [
+            (b.id, lo, hi)
+            for q, n in need
+            for lo, hi in self._commit_ranges(q, n)
+            for b in self.buffers
+        ]
+        added = self.arena._handle.commit_ranges(ranges)
+        for q, n in need:
+            self._ensured[q] = max(self._ensured[q], n)  # the caller publishes the table
+            self._covered[q] = max(
+                self._covered[q] if self._valid_gen[q] == gen else 0, self._covered_tokens(q, n)
+            )
+            self._valid_gen[q] = gen
+        return added
+
+    def shrink(self, num_tokens: int, *, wait: bool = False) -> int:
         """Release memory past the first ``num_tokens`` tokens (of every sequence).
-        Returns bytes released."""
+        Returns bytes released. Like :meth:`release`, it does not wait for the device
+        (``wait=True``: until the memory is back with the driver). With large allocations
+        (``handle_bytes``), the released chunks of an allocation that keeps other chunks
+        stay held (``stats()['parked_bytes']``) until the rest of it is released."""
         num_tokens = self._check_tokens(num_tokens, "KVArena.shrink")
-        released = 0
+        wait = _as_flag(wait, "wait")
         with self._lock:
             self.arena._check_open("KVArena.shrink")
+            for q in list(self._offloaded):
+                self._settle(q)
+            # The table first: no kernel may write what is about to go.
+            self._core_cache.set_limits(np.minimum(self._ensured, num_tokens).tolist())
+            ranges = []
             for seq in range(1 if self.max_seqs is None else self.max_seqs):
                 base = seq * self.seq_bytes
                 q = None if self.max_seqs is None else seq
-                # The table first: no kernel may write what is about to go.
-                self._ensured[seq] = min(self._ensured[seq], num_tokens)
-                self._core_cache.set_limit(seq, self._ensured[seq])
-                released += self._decommit_span(
+                ranges += self._release_ranges(
                     base + num_tokens * self.token_bytes,
                     base + self.seq_bytes,
                     q,
                     keep_before=num_tokens > 0,
                 )
+            released = self.arena._handle.decommit_ranges(ranges, wait)
+            for seq in range(len(self._ensured)):
+                self._ensured[seq] = min(self._ensured[seq], num_tokens)
+                self._covered[seq] = min(self._covered[seq], num_tokens)
+                self._epoch[seq] += 1
         return released
 
-    def release(self, seq: int | None = None) -> int:
-        """Give back all memory of sequence ``seq`` (its tokens read as zeros after).
-        Returns bytes released."""
+    def release(self, seq: int | None = None, *, wait: bool = False, reuse: bool = False) -> int:
+        """Give back all memory of sequence ``seq``. Returns bytes released.
+
+        Kernels launched after the call skip its chunks; its memory goes back to the
+        driver once the device has finished the work launched before (``wait=True``: before
+        returning), so it is safe to call right after dispatching a step that still reads
+        the sequence. An offloaded sequence's host copy is dropped.
+
+        ``reuse=True``: the slot takes a new sequence soon (continuous batching); with
+        commit ahead on, the first chunk is backed again in the background (taking back the
+        memory just released where it can), so the new sequence's first ensure makes no
+        driver call. That chunk stays held until the slot is released without reuse."""
         base = self._seq_base(seq, "KVArena.release")
+        wait = _as_flag(wait, "wait")
+        reuse = _as_flag(reuse, "reuse")
+        q = 0 if seq is None else int(seq)
         with self._lock:
             self.arena._check_open("KVArena.release")
-            q = 0 if seq is None else int(seq)
-            self._ensured[q] = 0  # the table first: no kernel may write what is about to go
-            self._core_cache.set_limit(q, 0)
-            return self._decommit_span(base, base + self.seq_bytes, seq)
+            t = self._offloaded.pop(q, None)
+            if t is not None:
+                t._finish()  # drops the host copy
+            self._ensured[q] = 0
+            self._core_cache.set_limit(q, 0)  # the table first: nothing may write what goes
+            self._covered[q] = 0
+            self._epoch[q] += 1
+            ranges = self._release_ranges(base, base + self.seq_bytes, seq)
+            released = self.arena._handle.decommit_ranges(ranges, wait)
+            if reuse and self.commit_ahead_tokens:
+                self._ahead.schedule(q, self._covered_tokens(q, 1))
+            return released
 
-    def _decommit_span(
+    def reclaim(self) -> int:
+        """:meth:`jax_vmm.Arena.reclaim`: wait for the device and give released memory
+        back now. Returns the bytes given back."""
+        return self.arena.reclaim()
+
+    # -- sleep, offload, restore -------------------------------------------------------------
+    def sleep(self, keep: str = "host") -> None:
+        """:meth:`jax_vmm.Arena.sleep` for the whole cache: all physical memory goes back,
+        contents to host memory (``keep="host"``) or dropped (``"discard"``). See
+        ``docs/sleep.md``."""
+        self.arena.sleep(keep)
+
+    def wake(self) -> None:
+        """:meth:`jax_vmm.Arena.wake`: the cache comes back at the same addresses."""
+        self.arena.wake()
+
+    @property
+    def asleep(self) -> bool:
+        return self.arena.asleep
+
+    def offload(self, seq: int | None = None, *, wait: bool = True) -> Transfer:
+        """Move sequence ``seq``'s tokens (every layer) to host memory and give its device
+        memory back, keeping its addresses: the alternative to recomputing a preempted
+        sequence. Kernels launched after the call skip its chunks (do not read it until
+        :meth:`restore` finished); the copy starts once the device has finished the work
+        launched before, on a copy stream, so it overlaps later steps of the other
+        sequences. ``wait=False`` returns the :class:`Transfer` at once (check
+        ``.done``/``.wait()``). A failure leaves the sequence in place: raised at once where
+        the copy runs inline (host driver, raw views alive), else as
+        :class:`jax_vmm.TransferError` from ``wait()``."""
+        base = self._seq_base(seq, "KVArena.offload")
+        wait = _as_flag(wait, "wait")
+        q = 0 if seq is None else int(seq)
+        with self._lock:
+            self.arena._check_open("KVArena.offload")
+            if self._offloaded:
+                self._settle(q)
+            ranges = self._release_ranges(base, base + self.seq_bytes, seq)
+            t = Transfer(self.arena._handle, self.arena._handle.offload(ranges), seq)
+            self._offloaded[q] = t
+            self._covered[q] = 0
+            self._epoch[q] += 1
+        if wait:
+            try:
+                t.wait()
+            finally:
+                with self._lock:
+                    if self._offloaded.get(q) is t and t.state == "failed":
+                        self._settle(q)
+        return t
+
+    def restore(self, seq: int | None = None, *, wait: bool = True) -> Transfer:
+        """Bring an offloaded sequence back: the same chunks are backed again and its tokens
+        copied back, at the same addresses. ``wait=False``: the copy runs in the background
+        and the chunks join the page table when it lands; the sequence may be written and
+        read once ``.done``. A failure leaves the sequence offloaded, its host copy intact:
+        raised at once when inline (``wait=True``, host driver), else as
+        :class:`jax_vmm.TransferError` from ``wait()``."""
+        self._seq_base(seq, "KVArena.restore")
+        wait = _as_flag(wait, "wait")
+        q = 0 if seq is None else int(seq)
+        with self._lock:
+            t = self._offloaded.get(q)
+            if t is None:
+                raise ValueError(
+                    f"KVArena.restore: sequence {q} is not offloaded (kv.offload(seq) first)"
+                )
+            self.arena._check_open("KVArena.restore")
+        self.arena._handle.restore(t.ticket, wait)
+        if wait:
+            t.wait()
+            with self._lock:
+                if self._offloaded.get(q) is t:
+                    self._settle(q)
+        return t
+
+    def _release_ranges(
         self, start: int, stop: int, seq: int | None, keep_before: bool = False
-    ) -> int:
+    ) -> list[tuple[int, int, int]]:
         # Sequences need not start on chunk boundaries. A chunk that straddles the span's
         # edge is freed only when the neighbouring sequence holds no tokens in it.
         chunk = self.arena.chunk_bytes
@@ -355,10 +675,9 @@ class KVArena:
         hi = -(-stop // chunk) * chunk
         if hi > stop and not self._neighbour_uses(stop, hi, seq, before=False):
             stop = hi
-        released = 0
-        for b in self.buffers:
-            released += b.decommit(start, min(stop, b.nbytes))
-        return released
+        return [
+            (b.id, start, min(stop, b.nbytes)) for b in self.buffers if start < min(stop, b.nbytes)
+        ]
 
     def _neighbour_uses(self, lo: int, hi: int, seq: int | None, before: bool) -> bool:
         """Does a sequence other than ``seq`` hold ensured tokens in bytes [lo, hi)?"""
@@ -459,6 +778,10 @@ class KVArena:
             max_seqs=self.max_seqs,
             token_bytes_all_layers=2 * self.num_layers * self.token_bytes,
             backed_tokens=tokens,
+            offloaded_seqs=sorted(self._offloaded),
+            commit_ahead_tokens=self.commit_ahead_tokens,
+            commits_ahead_skipped=self._ahead_skipped,
+            commits_ahead_failed=self._ahead_failures,
             preallocated_equivalent_bytes=2 * self.num_layers * len(tokens) * self.seq_bytes,
         )
         return s
@@ -466,6 +789,7 @@ class KVArena:
     def close(self) -> None:
         """Close the arena (its memory goes at once; views read zeros). A KVCache of it,
         and a step traced with one, refuse to run after this."""
+        self._ahead.stop()
         self._core_cache.close()
         self.arena.close()
 
@@ -512,6 +836,9 @@ def kv_arena(
     initial_tokens: int = 0,
     max_seqs: int | None = None,
     chunk_bytes: int | None = None,
+    handle_bytes: int | None = None,
+    zero_fill: bool = False,
+    commit_ahead_tokens: int | None = None,
     k_scales: Any = None,
     v_scales: Any = None,
 ) -> KVArena:
@@ -532,6 +859,9 @@ def kv_arena(
         initial_tokens=initial_tokens,
         max_seqs=max_seqs,
         chunk_bytes=chunk_bytes,
+        handle_bytes=handle_bytes,
+        zero_fill=zero_fill,
+        commit_ahead_tokens=commit_ahead_tokens,
         k_scales=k_scales,
         v_scales=v_scales,
     )

@@ -8,9 +8,16 @@ none of it. The hooks live in the C++ testing layer (``ffi/src/testing/``, the s
 the only Python code that imports it.
 
 * :func:`fault_injection`: arenas created inside the with-block get a fault-injecting
-  driver; :class:`FaultInjection` arms faults per arena (the nth ``create``, ``map`` or
-  ``set_access`` driver call fails with :class:`InjectedFault` or an out-of-memory) and
-  can break release/unmap so that a rollback leaks observably.
+  driver; :class:`FaultInjection` arms faults per arena (the nth ``create``, ``map``,
+  ``set_access``, ``zero_fill``, ``host_alloc``, ``copy_to_host`` or ``copy_to_device``
+  driver call fails with :class:`InjectedFault` or an out-of-memory) and can break
+  release/unmap so that a rollback leaks observably.
+* Device-wait switches of :class:`FaultInjection`: ``skip_device_waits`` removes the
+  commit drain and the deferred release (memory is unmapped under running kernels: the
+  failure the deferral prevents); ``defer_reclaim`` and ``hold_device`` make the host
+  driver take the deferred path with a device that stays busy until released.
+* :func:`uncounted_view`: a view that does not count as a raw view of its arena, standing
+  in for memory that jax_vmm's own ops reach by identity.
 * :func:`unchecked_kv_writes`: ``jax_vmm.kv_write`` / ``kv_write_through`` call variants
   without the slot range and page checks; :func:`token_kernel_kv_writes`: the same calls
   with the (checked) token kernel that production keeps for huge tokens.
@@ -65,6 +72,7 @@ __all__ = [
     "InjectedFault",
     "FaultInjection",
     "fault_injection",
+    "uncounted_view",
     "unchecked_kv_writes",
     "token_kernel_kv_writes",
     "address_only_dests",
@@ -108,14 +116,18 @@ class FaultInjection:
     """
 
     def arm(self, arena: Any, op: str, nth: int = 1, out_of_memory: bool = False) -> None:
-        """Make the ``nth`` (1-based) future driver call of ``op`` (``"create"``, ``"map"``,
-        ``"set_access"``) fail: with :class:`InjectedFault`, or with an out-of-memory
-        (``jax_vmm.OutOfMemoryError``) when ``out_of_memory``. ``nth <= 0`` disarms ``op``.
-        A commit maps a run of chunks at once; ``map`` counts each chunk."""
+        """Make the ``nth`` (1-based) future driver call of ``op`` fail: with
+        :class:`InjectedFault`, or with an out-of-memory (``jax_vmm.OutOfMemoryError``) when
+        ``out_of_memory``. ``nth <= 0`` disarms ``op``. Ops: ``"create"`` (one physical
+        allocation), ``"map"`` (one piece of a run: a commit maps a run of allocations at
+        once), ``"set_access"``, ``"zero_fill"``, ``"host_alloc"`` (host staging memory of
+        a sleep or offload), ``"copy_to_host"`` / ``"copy_to_device"`` (one copied region:
+        sleep and offload copy out, wake and restore copy in)."""
         _testing.arm_fault(_core_arena(arena), op, int(nth), bool(out_of_memory))
 
     def disarm(self, arena: Any) -> None:
-        """Disarm every op and repair release (undo :meth:`break_release`)."""
+        """Disarm every op, repair release (undo :meth:`break_release`) and lift every
+        device-wait switch and hold."""
         _testing.disarm_faults(_core_arena(arena))
 
     def break_release(self, arena: Any, broken: bool = True) -> None:
@@ -127,6 +139,31 @@ class FaultInjection:
     def injected(self, arena: Any) -> int:
         """Faults thrown into this arena's driver so far."""
         return int(_testing.injected_faults(_core_arena(arena)))
+
+    def skip_device_waits(self, arena: Any, skip: bool = True) -> None:
+        """While set, the driver's device waits return at once and unmapping claims to need
+        none: a commit never drains and a release unmaps at once, under any kernel still
+        running -- the protection removed, for tests that must see the fault it prevents."""
+        _testing.skip_device_waits(_core_arena(arena), bool(skip))
+
+    def defer_reclaim(self, arena: Any, defer: bool = True) -> None:
+        """While set, unmapping claims to need a device wait, so the host driver defers
+        releases to the reclaimer thread as the CUDA driver does."""
+        _testing.defer_reclaim(_core_arena(arena), bool(defer))
+
+    @contextlib.contextmanager
+    def hold_device(self, arena: Any) -> Iterator[None]:
+        """Inside the with-block the arena's device waits block (a device still busy with
+        earlier work); leaving it lets them finish."""
+        _testing.hold_device(_core_arena(arena), True)
+        try:
+            yield
+        finally:
+            _testing.hold_device(_core_arena(arena), False)
+
+    def device_syncs(self, arena: Any) -> int:
+        """Device waits (driver Synchronize calls) made for this arena so far."""
+        return int(_testing.device_syncs(_core_arena(arena)))
 
 
 @contextlib.contextmanager
@@ -141,6 +178,29 @@ def fault_injection() -> Iterator[FaultInjection]:
         yield FaultInjection()
     finally:
         _arena._core_arena_factory = previous
+
+
+# -- views that do not count ----------------------------------------------------------
+
+
+def uncounted_view(buf: Any, shape: Any = None, dtype: Any = None) -> jax.Array:
+    """A zero-copy view of a buffer (like ``buf.view``) that does not count as a raw view
+    of its arena (a view without a lease, as :func:`legacy_views` makes): the arena does
+    not switch to waiting commits and releases. It stands in for the arena memory
+    jax_vmm's own ops reach by identity (they never read an unbacked chunk); reading it
+    with XLA ops over unbacked chunks may fault."""
+    arena = buf.arena
+    arena._check_open("testing.uncounted_view")
+    shape = buf.shape if shape is None else _arena._as_shape(shape)
+    np_dtype = buf.dtype if dtype is None else jnp.dtype(dtype)
+    code, bits = _arena._dlpack_dtype(np_dtype)
+    t = arena._target
+    capsule = _testing.legacy_view(
+        arena._handle, buf.id, list(shape), code, bits, t.dlpack_device_type, t.ordinal
+    )
+    return jax.dlpack.from_dlpack(
+        _arena._DLPackCapsule(capsule, t.dlpack_device_type, t.ordinal), copy=False
+    )
 
 
 # -- kv_write without its checks ------------------------------------------------------

@@ -121,19 +121,24 @@ def read_bytes(buf: jax_vmm.Buffer, start: int = 0, stop: int | None = None) -> 
     return np.array(view[start:stop])
 
 
-def arena_bytes(buf: jax_vmm.Buffer, start: int = 0, stop: int | None = None) -> np.ndarray:
-    """Bytes [start, stop) at the buffer's address, read without JAX (the oracle of what an
-    arena holds): a host memcpy from the address (ctypes) on the CPU, ``cuMemcpyDtoH`` at
-    the device address on a GPU (after a device synchronize). Wait for the writes first."""
+def raw_bytes(buf: jax_vmm.Buffer, start: int = 0, stop: int | None = None) -> np.ndarray:
+    """A host copy of bytes [start, stop) read straight from memory, without a JAX view
+    (a view would count as a raw reader of the arena and change how it releases)."""
     stop = buf.nbytes if stop is None else stop
-    assert 0 <= start <= stop <= buf.nbytes
+    n = stop - start
     target = buf.arena._target
     if target.driver == "host":
-        return np.frombuffer(ctypes.string_at(buf.address + start, stop - start), np.uint8).copy()
-    oracle = _cuda_driver_oracle(target.ordinal)
-    if oracle is None:
-        pytest.skip("reading GPU arena memory outside JAX needs cuda-python")
-    return np.frombuffer(oracle.read(buf.address + start, stop - start), np.uint8).copy()
+        return np.frombuffer(ctypes.string_at(buf.address + start, n), np.uint8).copy()
+    try:
+        import cupy
+    except ImportError:
+        pytest.skip("reading GPU arena memory without a view needs cupy")
+    out = np.empty(n, np.uint8)
+    with cupy.cuda.Device(target.ordinal):
+        cupy.cuda.runtime.memcpy(
+            out.ctypes.data, buf.address + start, n, cupy.cuda.runtime.memcpyDeviceToHost
+        )
+    return out
 
 
 def pattern(n: int, seed: int) -> np.ndarray:
@@ -240,14 +245,18 @@ class Harness:
         self._owned.append(obj)
         return obj
 
-    def arena(self, reserve_bytes: int, chunk_bytes: int | None = None) -> jax_vmm.Arena:
+    def arena(self, reserve_bytes: int, chunk_bytes: int | None = None, **kw: Any) -> jax_vmm.Arena:
         return self._track(
-            lambda: jax_vmm.Arena(reserve_bytes, device=self.device, chunk_bytes=chunk_bytes),
+            lambda: jax_vmm.Arena(reserve_bytes, device=self.device, chunk_bytes=chunk_bytes, **kw),
             lambda a: a,
         )
 
     def kv(self, **kw: Any) -> jax_vmm.KVArena:
+        """A KV arena on this device. Commits ahead of need are off unless asked for
+        (commit_ahead_tokens): the tests check exact backing, which a background commit
+        would change behind them (tests/core/test_commit_ahead.py covers it)."""
         kw.setdefault("device", self.device)
+        kw.setdefault("commit_ahead_tokens", 0)
         return self._track(lambda: jax_vmm.kv_arena(**kw), lambda kv: kv.arena)
 
     def oracle(self, arena: jax_vmm.Arena) -> mo.HostOracle | CudaBackingOracle | None:
@@ -256,7 +265,9 @@ class Harness:
         return self._oracles.get(id(arena))
 
     def snapshot(self, arena: jax_vmm.Arena, buffers: Iterable[jax_vmm.Buffer]) -> dict:
-        """Everything a failed commit must leave exactly as it was."""
+        """Everything a failed commit must leave exactly as it was (after the releases
+        still in the background have finished: they would change it meanwhile)."""
+        arena.reclaim()
         bufs = list(buffers)
         snap = {
             "stats": stable_stats(arena),
@@ -269,10 +280,19 @@ class Harness:
             snap["oracle"] = o.snapshot()
         return snap
 
-    def assert_backed(self, arena: jax_vmm.Arena, ranges: Iterable[tuple[int, int]]) -> None:
+    def assert_backed(
+        self,
+        arena: jax_vmm.Arena,
+        ranges: Iterable[tuple[int, int]],
+        held: Iterable[tuple[int, int]] | None = None,
+    ) -> None:
         """Exactly ``ranges`` (bytes relative to the arena base) are committed: by the
-        arena's stats and page tables, and (host) by the kernel."""
+        arena's stats and page tables, and by the oracle (the kernel on the host, the CUDA
+        driver on a GPU). ``held``: the ranges that physically hold memory, when that is
+        more than ``ranges`` (released chunks parked inside a larger allocation)."""
+        arena.reclaim()  # releases still in the background (GPU) finish first
         ranges = mo.merge(ranges)
+        held = ranges if held is None else mo.merge(held)
         total = sum(hi - lo for lo, hi in ranges)
         assert arena.backed_bytes == total, (arena.backed_bytes, total)
         c = arena.chunk_bytes
@@ -288,9 +308,10 @@ class Harness:
                 for i in range(len(states))
             )
             assert states == want, f"{b.name}: page table {states}, expected {want}"
+        assert arena.stats()["held_bytes"] == sum(hi - lo for lo, hi in held)
         o = self.oracle(arena)
         if o is not None:
-            o.assert_backed_exactly(ranges)
+            o.assert_backed_exactly(held)
 
     def close_all(self) -> None:
         for obj in reversed(self._owned):

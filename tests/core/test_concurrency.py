@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import jax_vmm
 import maps_oracle as mo
@@ -145,10 +146,12 @@ def test_threads_on_several_arenas(vm):
         _assert_consistent(vm, a, bufs)
 
 
-def test_threads_on_kv_sequences(vm):
+@pytest.mark.parametrize("deferred", [False, True], ids=["inline", "deferred"])
+def test_threads_on_kv_sequences(vm, faults, deferred):
     """Half the threads grow their sequence and write it; the other half keep growing
     and releasing theirs. Sequences are 1.5 chunks long, so neighbours share chunks:
-    no release may take memory from a sequence that ensured it."""
+    no release may take memory from a sequence that ensured it. deferred: releases go to
+    the reclaimer thread (the host defers like the CUDA driver), which works behind them."""
     tpc = vm.chunk // (2 * 64 * 2)
     t = tpc + tpc // 2
     kv = vm.kv(
@@ -159,6 +162,8 @@ def test_threads_on_kv_sequences(vm):
         max_seqs=THREADS,
         dtype=jnp.bfloat16,
     )
+    if deferred:
+        faults.defer_reclaim(kv)
     tb = kv.token_bytes
 
     def writer(q: int) -> Callable[[], None]:

@@ -469,6 +469,36 @@ def documented_types(row: DocRow) -> set[str]:
     return {name.split(".")[-1] for name in re.findall(r"`([\w.]+)`", row.raises)}
 
 
+def _asleep_commit(ctx: Ctx) -> None:
+    arena = ctx.vm.arena(4 * ctx.c)
+    buf = arena.allocate(ctx.c, jnp.uint8)
+    arena.sleep()
+    buf.commit()
+
+
+def _offloaded_ensure(ctx: Ctx) -> None:
+    kv = ctx.kv(max_seqs=3)
+    kv.ensure(4, seq=0)
+    kv.offload(0)
+    kv.ensure(5, seq=0)
+
+
+# -- memory options, sleep, offload --
+ROWS += [
+    Row("M1", lambda x: x.new_arena(handle_bytes=3 * x.c // 2)),
+    Row("M2", lambda x: x.new_arena(handle_bytes=0)),
+    Row("M3", lambda x: x.new_arena(zero_fill=1)),
+    Row("M4", lambda x: x.arena.sleep(keep="disk")),
+    Row("M5", lambda x: x.arena.wake()),
+    Row("M6", _asleep_commit),
+    Row("M7", _offloaded_ensure),
+    Row("M8", lambda x: x.kv3.restore(1)),
+    Row("M9", lambda x: x.kv3.ensure_all([1, 2])),
+    Row("M10", lambda x: x.kv3.ensure_all([1.5, 0, 0])),
+    Row("M11", lambda x: x.arena.put(np.float32(1))),
+]
+
+
 def message_pattern(row_id: str, rows: dict[str, DocRow]) -> str:
     """The *message* column as a regex: `…` is any text, a standalone N one word,
     ` / ` separates alternatives, `as X` is row X's message."""

@@ -124,18 +124,30 @@ def test_initial_tokens(vm, max_seqs):
         vm.assert_backed(kv.arena, _buffer_ranges(kv, [(tpc + 3) * kv.token_bytes] * 3))
 
 
-def test_shrink_single_sequence_keeps_the_first_tokens(vm):
+@pytest.mark.parametrize("handles", ["chunk", "large"])
+def test_shrink_single_sequence_keeps_the_first_tokens(vm, handles):
+    """One allocation per chunk: the released chunks' memory goes. One allocation for the
+    whole commit (the KV default): they are parked, still held, until the rest goes."""
     tpc = _tpc(vm)
-    kv = _make(vm, max_tokens=4 * tpc)
-    kv.ensure(3 * tpc + 10)
-    _write_tokens(kv, None, 0, tpc + 5, seed=2)
     c = vm.chunk
+    kv = _make(vm, max_tokens=4 * tpc, handle_bytes=c if handles == "chunk" else None)
+    kv.ensure(3 * tpc + 10)  # one commit of 4 chunks per buffer
+    _write_tokens(kv, None, 0, tpc + 5, seed=2)
     assert kv.shrink(tpc + 5) == 6 * 2 * c  # chunks 2 and 3 go; chunk 1 holds kept tokens
     assert kv.backed_tokens() == 2 * tpc
     _assert_tokens(kv, None, 0, tpc + 5, seed=2)
-    vm.assert_backed(kv.arena, _buffer_ranges(kv, [2 * c]))
+    held = None if handles == "chunk" else _buffer_ranges(kv, [4 * c])
+    vm.assert_backed(kv.arena, _buffer_ranges(kv, [2 * c]), held=held)
+    assert kv.stats()["parked_bytes"] == (0 if handles == "chunk" else 6 * 2 * c)
     assert kv.shrink(tpc + 5) == 0
-    assert kv.shrink(0) == 6 * 2 * c
+    # Chunk 2 again: a new allocation each, or the parked chunk taken back (no driver call).
+    before = kv.stats()
+    assert kv.ensure(3 * tpc) == 6 * c
+    after = kv.stats()
+    new = after["chunks_created"] - before["chunks_created"]
+    revived = after["chunks_revived"] - before["chunks_revived"]
+    assert (new, revived) == ((6, 0) if handles == "chunk" else (0, 6))
+    assert kv.shrink(0) == 6 * 3 * c
     vm.assert_backed(kv.arena, [])
 
 
@@ -231,7 +243,7 @@ def test_stats(vm):
     kv.release(0)
     s = kv.stats()
     assert s["backed_bytes"] == 4 * c and s["peak_backed_bytes"] == 4 * 3 * c
-    assert s["commit_calls"] == 2 and s["decommit_calls"] == 4  # one per buffer
+    assert s["commit_calls"] == 2 and s["decommit_calls"] == 1  # one call for every buffer
     assert s["commit_seconds"] > 0 and s["decommit_seconds"] > 0
     assert s["backed_tokens"] == [0, tpc]
     assert isinstance(s, dict)
@@ -241,26 +253,34 @@ def test_stats(vm):
 
 
 @pytest.mark.parametrize(
-    "op,nth",
+    "handles,op,nth",
     [
-        ("create", 1),
-        ("create", 4),
-        ("create", 12),
-        ("map", 2),
-        ("map", 11),
-        ("set_access", 1),
-        ("set_access", 6),
+        ("chunk", "create", 1),
+        ("chunk", "create", 4),
+        ("chunk", "create", 12),
+        ("chunk", "map", 2),
+        ("chunk", "map", 11),
+        ("chunk", "set_access", 1),
+        ("chunk", "set_access", 6),
+        ("large", "create", 1),
+        ("large", "create", 6),
+        ("large", "map", 4),
+        ("large", "set_access", 6),
     ],
 )
-def test_ensure_is_all_or_nothing(vm, faults, op, nth):
+def test_ensure_is_all_or_nothing(vm, faults, handles, op, nth):
+    """ensure(3*tpc) of seq 0 adds 2 chunks per buffer: 12 allocations and 12 map pieces
+    with one allocation per chunk, 6 of each with the KV default (one per run)."""
     tpc = _tpc(vm)
-    kv = _make(vm, max_tokens=4 * tpc, max_seqs=2)  # 6 buffers
+    kv = _make(
+        vm, max_tokens=4 * tpc, max_seqs=2, handle_bytes=vm.chunk if handles == "chunk" else None
+    )  # 6 buffers
     kv.ensure(tpc // 2, seq=0)
     kv.ensure(tpc, seq=1)
     _write_tokens(kv, 0, 0, tpc // 2, seed=30)
     before = vm.snapshot(kv.arena, kv.buffers)
     tokens = [kv.backed_tokens(0), kv.backed_tokens(1)]
-    faults.arm(kv, op, nth)  # ensure(3*tpc) makes 2 chunks per buffer: 12 in all
+    faults.arm(kv, op, nth)
     with pytest.raises(InjectedFault):
         kv.ensure(3 * tpc, seq=0)
     assert faults.injected(kv) == 1

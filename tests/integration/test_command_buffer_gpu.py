@@ -157,8 +157,9 @@ class _DecodeRun:
         jax.block_until_ready((self.pos, self.acc))
 
 
-def _kv(dev, chunks_per_seq: int = 2):
-    """A (B, T, H, D) bfloat16 KV arena with chunk 0 of every sequence backed."""
+def _kv(dev, chunks_per_seq: int = 2, zero_fill: bool = False):
+    """A (B, T, H, D) bfloat16 KV arena with chunk 0 of every sequence backed (zero_fill:
+    tokens never written read as zeros)."""
     chunk = _core.resolve_chunk_bytes("cuda", cuda_ordinal(dev), 0)
     tpc = chunk // (H * D * 2)  # tokens per chunk
     kv = jax_vmm.kv_arena(
@@ -169,6 +170,7 @@ def _kv(dev, chunks_per_seq: int = 2):
         dtype=jnp.bfloat16,
         device=dev,
         max_seqs=B,
+        zero_fill=zero_fill,
     )
     for q in range(B):
         kv.ensure(tpc, seq=q)
@@ -362,15 +364,15 @@ def _expected_outputs(run: _CacheRun, written: set[int], ensured: dict[int, int]
 
 def test_a_cache_step_is_captured_replayed_and_checks_the_ensured_tokens():
     """The cache API under command buffers: the step is recorded once, then replays with
-    no handler call; every replay writes its token into the arena (read back with
-    cuMemcpyDtoH) and attention reads it in the same step. Writes past a sequence's
-    ensured tokens, backed only by the chunk, are dropped and counted by the replayed
-    kernels (the table is read on the device); after kv.ensure() raises the table the
-    same graph writes there, with no re-recording."""
-    from conftest import arena_bytes
+    no handler call; every replay writes its token into the arena (read back by a
+    device-to-host memcpy, outside JAX) and attention reads it in the same step. Writes
+    past a sequence's ensured tokens, backed only by the chunk, are dropped and counted by
+    the replayed kernels (the table is read on the device); after kv.ensure() raises the
+    table the same graph writes there, with no re-recording."""
+    from conftest import raw_bytes
 
     dev = _gpu()
-    kv, tpc = _kv(dev)
+    kv, tpc = _kv(dev, zero_fill=True)
     try:
         kv.shrink(6)  # every sequence: 6 tokens ensured; its first chunk stays (tpc tokens)
         assert tpc >= 16 and kv.backed_tokens(0) >= 16
@@ -395,7 +397,7 @@ def test_a_cache_step_is_captured_replayed_and_checks_the_ensured_tokens():
         assert s2["calls"] == s1["calls"], f"re-recorded instead of replayed ({s1} -> {s2})"
         kv.check(run.acc)
         written = set(range(6)) | set(range(8, 12))
-        raw = arena_bytes(kv.k_buffers[0]).view(jnp.bfloat16).reshape(B, kv.max_tokens, H, D)
+        raw = raw_bytes(kv.k_buffers[0]).view(jnp.bfloat16).reshape(B, kv.max_tokens, H, D)
         for p in range(12):
             for q in range(B):
                 want = _expected_token(run.x_host, p, q) if p in written else np.zeros((H, D))

@@ -6,8 +6,8 @@ What must hold whatever the user does with the cache (donated or not, eager, ``j
 ``lax.scan`` of 64 steps, ``fori_loop``, ``while_loop``; CPU and GPU):
 
 * after the step the arena holds every written token. The oracle reads the arena memory
-  without JAX: a memcpy from its address on the host, ``cuMemcpyDtoH`` on a GPU
-  (conftest.arena_bytes);
+  without JAX: a memcpy from its address on the host, a device-to-host cudaMemcpy on a GPU
+  (conftest.raw_bytes);
 * attention later in the same step reads them (checked against a float64 reference of
   the tokens written so far: the write is ordered before the read by the layer's token);
 * dropped writes (slot out of range, unbacked, past the ensured tokens) and reads past
@@ -37,14 +37,26 @@ import pytest
 
 import jax_vmm
 import jax_vmm.testing
-from conftest import arena_bytes
+from conftest import raw_bytes
 
 L, B, T, HKV, HQ, D = 2, 2, 128, 2, 4, 64
 DT = np.float32
 
 
 def _kv(vm, **kw):
-    kw = dict(num_layers=L, num_kv_heads=HKV, head_dim=D, max_tokens=T, max_seqs=B, dtype=DT) | kw
+    """A test KV arena; zero-filled, so that tokens never written read as zeros."""
+    kw = (
+        dict(
+            num_layers=L,
+            num_kv_heads=HKV,
+            head_dim=D,
+            max_tokens=T,
+            max_seqs=B,
+            dtype=DT,
+            zero_fill=True,
+        )
+        | kw
+    )
     return vm.kv(**kw)
 
 
@@ -133,7 +145,7 @@ def _run(how: str, kv, data: dict, steps: int):
 def _arena_tokens(kv, side: str, layer: int, steps: int) -> np.ndarray:
     """What the arena holds at positions [0, steps) of every sequence: (steps, B, H, D)."""
     buf = (kv.k_buffers if side == "k" else kv.v_buffers)[layer]
-    raw = arena_bytes(buf).view(DT).reshape(B, T, HKV, D)
+    raw = raw_bytes(buf).view(DT).reshape(B, T, HKV, D)
     return raw[:, :steps].transpose(1, 0, 2, 3)
 
 
@@ -320,13 +332,13 @@ def test_dropped_writes_are_reported_by_check(vm, where):
         assert kv.backed_tokens(0) > 50, "the token must lie in a backed chunk"
     if where == "unbacked" and kv.backed_tokens(1) > 3:
         pytest.skip("this device's chunk backs sequence 1 too")
-    before = arena_bytes(kv.k_buffers[0])
+    before = raw_bytes(kv.k_buffers[0])
     _write_one(kv, slot)
     with pytest.raises(jax_vmm.OutOfBoundsWrite) as info:
         kv.check()
     assert info.value.count == 2  # k and v
     kv.check()  # reset
-    np.testing.assert_array_equal(arena_bytes(kv.k_buffers[0]), before)
+    np.testing.assert_array_equal(raw_bytes(kv.k_buffers[0]), before)
 
 
 def test_a_write_past_the_ensured_tokens_needs_the_table(vm):
@@ -337,7 +349,7 @@ def test_a_write_past_the_ensured_tokens_needs_the_table(vm):
     with jax_vmm.testing.limits_ignored():
         _write_one(kv, 50, 7.0)
     kv.check()  # nothing counted
-    got = arena_bytes(kv.k_buffers[0]).view(DT).reshape(B, T, HKV, D)[0, 50]
+    got = raw_bytes(kv.k_buffers[0]).view(DT).reshape(B, T, HKV, D)[0, 50]
     assert np.all(got == 7.0), "the unchecked write should have landed"
 
 
@@ -353,7 +365,7 @@ def test_a_token_a_release_took_away_is_never_written(vm):
     with pytest.raises(jax_vmm.OutOfBoundsWrite) as info:
         kv.check()
     assert info.value.count == 2
-    tokens = arena_bytes(kv.k_buffers[0]).view(DT).reshape(B, T, HKV, D)[1]
+    tokens = raw_bytes(kv.k_buffers[0]).view(DT).reshape(B, T, HKV, D)[1]
     assert np.all(tokens[1] == 1.0) and not np.any(tokens[5])
 
 
@@ -553,6 +565,7 @@ def test_an_arena_shaped_array_write_without_dest_warns_and_misses_the_arena(cpu
         max_seqs=B,
         dtype=DT,
         initial_tokens=4,
+        zero_fill=True,
     )
     try:
         new = jnp.ones((1, HKV, D), DT)
@@ -560,14 +573,14 @@ def test_an_arena_shaped_array_write_without_dest_warns_and_misses_the_arena(cpu
         with pytest.warns(jax_vmm.ArenaNotWrittenWarning, match="the arena is NOT written"):
             k, v = jax.jit(jax_vmm.kv_write)(kv.k[0], kv.v[0], new, new, slot)
         assert np.all(np.asarray(k)[0, 1] == 1.0)  # the returned arrays hold the token ...
-        assert not np.any(arena_bytes(kv.k_buffers[0]))  # ... the arena does not
+        assert not np.any(raw_bytes(kv.k_buffers[0]))  # ... the arena does not
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             jax.jit(lambda *a: jax_vmm.kv_write(*a, dest=kv.dest(0)))(
                 kv.k[0], kv.v[0], new, new, slot
             )
             jax.block_until_ready(jax.jit(jax_vmm.kv_write)(kv.cache()[0], new, new, slot).token)
-        assert np.all(arena_bytes(kv.k_buffers[0]).view(DT).reshape(B, T, HKV, D)[0, 1] == 1)
+        assert np.all(raw_bytes(kv.k_buffers[0]).view(DT).reshape(B, T, HKV, D)[0, 1] == 1)
     finally:
         kv.close()
 
@@ -587,6 +600,7 @@ def test_an_fp8_arena_layer_quantizes_writes_and_dequantizes_reads(vm):
         dtype=jnp.float8_e4m3fn,
         k_scales=scales,
         v_scales=2 * scales,
+        zero_fill=True,
     )
     for seq in range(B):
         kv.ensure(8, seq)
@@ -607,14 +621,14 @@ def test_an_fp8_arena_layer_quantizes_writes_and_dequantizes_reads(vm):
     layer = cache[1]
     assert layer.fp8 and layer.k_scale.shape == (HKV,)
     want = np.asarray(jax_vmm.fp8.quantize_fp8(new_k, jnp.asarray(scales[1])))
-    got = arena_bytes(kv.k_buffers[1]).view(jnp.float8_e4m3fn).reshape(B, T, HKV, d)
+    got = raw_bytes(kv.k_buffers[1]).view(jnp.float8_e4m3fn).reshape(B, T, HKV, d)
     np.testing.assert_array_equal(
         got[:, :8].reshape(-1, HKV, d).view(np.uint8), want.view(np.uint8)
     )
     ref = jax_vmm.attention.reference_decode_attention(
         q,
         jnp.asarray(got),
-        jnp.asarray(arena_bytes(kv.v_buffers[1]).view(jnp.float8_e4m3fn).reshape(B, T, HKV, d)),
+        jnp.asarray(raw_bytes(kv.v_buffers[1]).view(jnp.float8_e4m3fn).reshape(B, T, HKV, d)),
         lengths,
         k_scale=jnp.asarray(scales[1]),
         v_scale=jnp.asarray(2 * scales[1]),
@@ -625,7 +639,13 @@ def test_an_fp8_arena_layer_quantizes_writes_and_dequantizes_reads(vm):
 
 def test_the_streaming_kernel_reads_an_arena_layer_as_split_k_does(vm):
     kv = vm.kv(
-        num_layers=1, num_kv_heads=HKV, head_dim=D, max_tokens=T, max_seqs=B, dtype=jnp.bfloat16
+        num_layers=1,
+        num_kv_heads=HKV,
+        head_dim=D,
+        max_tokens=T,
+        max_seqs=B,
+        dtype=jnp.bfloat16,
+        zero_fill=True,
     )
     kv.ensure(40, 0)
     kv.ensure(17, 1)
@@ -716,6 +736,7 @@ def test_array_level_writes_into_a_kv_arena_respect_the_ensured_tokens(vm):
         max_tokens=T,
         max_seqs=B,
         dtype=jnp.float8_e4m3fn,
+        zero_fill=True,
     )
     fp8.ensure(10, 0)
     scale = jnp.ones((HKV,), jnp.float32)
@@ -725,5 +746,5 @@ def test_array_level_writes_into_a_kv_arena_respect_the_ensured_tokens(vm):
     with pytest.raises(jax_vmm.OutOfBoundsWrite) as info:
         fp8.check()
     assert info.value.count == 2
-    codes = arena_bytes(fp8.k_buffers[0]).reshape(B, T, HKV, D)
+    codes = raw_bytes(fp8.k_buffers[0]).reshape(B, T, HKV, D)
     assert np.all(codes[0, 9] != 0) and not np.any(codes[0, 50])

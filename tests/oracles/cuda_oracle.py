@@ -13,8 +13,6 @@ What the driver tells us about an address inside an arena's reservation:
   reservation share the zero chunk's allocation.
 * ``address_range(addr)``: ``cuMemGetAddressRange`` of the mapping.
 * ``mem_free()``: ``cuMemGetInfo`` free bytes, to see physical memory come and go.
-* ``read(addr, n)``: the bytes there, by ``cuMemcpyDtoH`` (what a KV arena holds, read
-  without JAX).
 
 Also ``probe_driver_facts()``: raw VMM experiments whose answers shape the driver (can
 one ``cuMemUnmap`` span several mappings; is read-only access supported; is a re-created
@@ -108,15 +106,6 @@ class CudaOracle:
         if err != cu.CUresult.CUDA_SUCCESS:
             return None
         return int(base), int(size)
-
-    def read(self, addr: int, nbytes: int) -> bytes:
-        """``nbytes`` at device address ``addr``, copied by ``cuMemcpyDtoH`` after the
-        device finished its work (``cuCtxSynchronize``): what memory holds, outside JAX."""
-        out = bytearray(nbytes)
-        with self.context():
-            _ok("cuCtxSynchronize", cu.cuCtxSynchronize())
-            _ok("cuMemcpyDtoH", cu.cuMemcpyDtoH(out, addr, nbytes))
-        return bytes(out)
 
     def state(self, addr: int) -> ChunkState:
         return ChunkState(self.access(addr), self.allocation_handle(addr))
@@ -219,6 +208,21 @@ def probe_driver_facts(ordinal: int = 0) -> dict:
             facts["address_range_if_per_mapping"] = (va + g, g)
             for i in range(2):
                 _ok("cuMemUnmap", cu.cuMemUnmap(va + i * g, g))
+            # 3b. The coalesced zero layout maps the first part of one larger allocation
+            #     (offset 0, smaller size) at several addresses, read-only.
+            big = _ok("cuMemCreate", cu.cuMemCreate(2 * g, _prop(ordinal), 0))
+            try:
+                part = cu.cuMemMap(va, g, 0, big, 0)[0] == ok
+                whole = part and cu.cuMemMap(va + g, 2 * g, 0, big, 0)[0] == ok
+                facts["partial_allocation_map_ok"] = part and whole
+                if facts["partial_allocation_map_ok"]:
+                    facts["read_only_over_pieces_ok"] = (
+                        cu.cuMemSetAccess(va, 3 * g, [_access(ordinal, READ)], 1)[0] == ok
+                    )
+                cu.cuMemUnmap(va, g)
+                cu.cuMemUnmap(va + g, 2 * g)
+            finally:
+                _ok("cuMemRelease", cu.cuMemRelease(big))
             # 4. Is a fresh cuMemCreate zeroed after this process released dirty memory?
             #    (informational: jax_vmm gives committed chunks no zero guarantee)
             _ok("cuMemMap", cu.cuMemMap(va, g, 0, handles[1], 0))

@@ -22,14 +22,16 @@
 #   tests:kv_cache      the KV cache pytree (issue 10) -m gpu: tests/ops/test_kv_cache.py (the
 #                       arena written in every mode, donated or not, eager / jit / scan of 64 /
 #                       fori / while, attention after the write against float64, read back by
-#                       cuMemcpyDtoH; drops and clamped reads counted; identity-stripped and
+#                       a device-to-host memcpy; drops and clamped reads counted; identity-stripped and
 #                       limits-ignored variants caught), the cache API's error rows F*, the
 #                       example's GPU preset (jax_vmm cache against prealloc, no copy per step)
 #                       and the command-buffer replay of a cache step
+#   tests:memory        the memory tests (deferred release, commit ahead, sleep/wake,
+#                       offload, kernels in flight over released pages, the driver tests)
 #   facts               raw CUDA driver facts (tests/oracles/cuda_oracle.py) -> facts.json:
 #                       read_only_access_ok must be true; unmap_spans_mappings=true means one
 #                       cuMemUnmap may cover a whole run
-#   sanitize            sanitize:hazard, then sanitize:attention
+#   sanitize            sanitize:hazard, sanitize:attention, sanitize:memory
 #   sanitize:hazard     compute-sanitizer memcheck (API-error reports off: cuda-python probes
 #                       entry points and gets "invalid argument" by design) on a trivial JAX
 #                       program and on the scratch hazard scenario (the command-buffer test
@@ -40,6 +42,11 @@
 #                       0 sanitizer errors (its own zero-handler-call assertion may fail there)
 #   sanitize:attention  compute-sanitizer memcheck on every decode-attention kernel variant,
 #                       split-K and streaming (tools/gpu/attention_memcheck.py): 0 errors
+#   sanitize:memory     compute-sanitizer memcheck on tools/gpu/memory_hazard.py: a kernel in
+#                       flight while release() runs on its pages and ensure() maps new pages
+#                       next to them (release safe: 0 errors), a commit under a raw XLA
+#                       reader (commit safe: 0 errors); with the deferral removed (release
+#                       unsafe) memcheck must report errors (or the run fail)
 #   diag:hazard         XLA's command-buffer log around the hazard scenario (its RESULT line)
 #   example             examples/decode.py -> $OUT/example/
 #   bench:attention     bench/attention.py: copy-bandwidth floor, then the table -> bench_attention.json
@@ -49,7 +56,8 @@
 #   bench:growth        bench/growth.py 16 -> 20 GiB -> growth/growth.json, growth.png
 #   bench:capacity      bench/capacity.py: one decode step over 1 GiB and 32 GiB caches, as a
 #                       ratio (arena: ~1.0) -> bench_capacity.json
-#   bench               the six benches
+#   bench:sleep         bench/sleep.py: 100 sleep/wake cycles of a 20 GiB cache -> bench_sleep.json
+#   bench               the seven benches
 #   probe:kernels       tools/gpu/kernels_probe.py -> kernels.json: every decode-attention kernel
 #                       (split-K, streaming, fp8) checked against float64 with NaN-prefilled
 #                       outputs, then timed beside cuDNN and the copy/read ceilings per shape;
@@ -105,6 +113,8 @@ step_tests() {
     kv_cache) pytest_run tests/ops/test_kv_cache.py tests/core/test_errors.py \
                 tests/example/test_decode_example.py tests/integration/test_command_buffer_gpu.py \
                 -m gpu -rs ;;
+    memory) pytest_run tests/integration/test_memory_gpu.py tests/drivers tests/core/test_reclaim.py \
+              tests/core/test_sleep.py tests/core/test_offload.py tests/core/test_commit_ahead.py -rs ;;
     *) [ -d "tests/$1" ] || { echo "no folder tests/$1"; return 2; }
        pytest_run "tests/$1" -ra ;;
   esac
@@ -127,7 +137,7 @@ sanitizer() {  # prints the compute-sanitizer path, or nothing
 memcheck() {  # NAME EXPECT COMMAND...: one sanitizer run, its own log; EXPECT: clean |
   # errors (memcheck must report some) | sanitizer-clean (0 memcheck errors, the command
   # itself may fail). Returns 0 when the expectation held.
-  local name=$1 expect=$2; shift 2
+  local name=$1 expect=$2; shift 2  # EXPECT also: fails (memcheck errors or a failed run)
   local log="$RUN_DIR/${STEP_FILE}.$name.log"
   timeout 200 "$CS" --tool memcheck --report-api-errors no --error-exitcode 99 "$@" >"$log" 2>&1
   local r=$? summary ok=1
@@ -135,6 +145,7 @@ memcheck() {  # NAME EXPECT COMMAND...: one sanitizer run, its own log; EXPECT: 
   case "$expect" in
     clean) [ "$r" -eq 0 ] && ok=0 ;;
     errors) [[ "$summary" =~ ERROR\ SUMMARY:\ [1-9] ]] && ok=0 ;;
+    fails) { [[ "$summary" =~ ERROR\ SUMMARY:\ [1-9] ]] || [ "$r" -ne 0 ]; } && [ "$r" -ne 124 ] && ok=0 ;;
     sanitizer-clean) [[ "$summary" =~ ERROR\ SUMMARY:\ 0\ errors ]] && [ "$r" -ne 124 ] && ok=0 ;;
   esac
   summary=${summary#*ERROR SUMMARY: }
@@ -158,7 +169,12 @@ step_sanitize() {
       memcheck pytest sanitizer-clean "$PY" -m pytest "$hazard" -k hazard_replay -q -p no:cacheprovider || rc=1 ;;
     attention)
       memcheck attention clean "$PY" tools/gpu/attention_memcheck.py || rc=1 ;;
-    *) echo "unknown sanitize step ${1:-} (hazard, attention)"; return 2 ;;
+    memory)
+      export HAZARD_SMALL=1  # kernels run far slower under the sanitizer
+      memcheck release clean "$PY" tools/gpu/memory_hazard.py release safe || rc=1
+      memcheck commit clean "$PY" tools/gpu/memory_hazard.py commit safe || rc=1
+      memcheck release_unsafe fails "$PY" tools/gpu/memory_hazard.py release unsafe || rc=1 ;;
+    *) echo "unknown sanitize step ${1:-} (hazard, attention, memory)"; return 2 ;;
   esac
   return "$rc"
 }
@@ -178,10 +194,10 @@ step_example() {
 
 step_bench() {
   case "${1:-}" in
-    attention|kv_write|commit|capacity) "$PY" "bench/$1.py" --json "$RUN_DIR/bench_$1.json" ;;
+    attention|kv_write|commit|sleep|capacity) "$PY" "bench/$1.py" --json "$RUN_DIR/bench_$1.json" ;;
     decode) "$PY" bench/decode.py --out "$RUN_DIR" ;;
     growth) "$PY" bench/growth.py --out "$RUN_DIR/growth" ;;
-    *) echo "unknown bench ${1:-} (attention, kv_write, commit, decode, growth, capacity)"; return 2 ;;
+    *) echo "unknown bench ${1:-} (attention, kv_write, commit, decode, growth, sleep, capacity)"; return 2 ;;
   esac
 }
 
@@ -200,9 +216,9 @@ limit_of() {  # STEP -> seconds
   local var="LIMIT_${1//:/_}" limit
   case "$1" in
     build|tests|tests:*|sanitize:hazard|bench:attention|bench:decode|probe:kernels) limit=600 ;;
-    sanitize:attention|bench:kv_write|bench:growth|bench:capacity) limit=400 ;;
-    example) limit=300 ;;
-    info|facts|diag:*|bench:commit) limit=150 ;;
+    sanitize:attention|sanitize:memory|bench:kv_write|bench:growth|bench:sleep|bench:capacity) limit=400 ;;
+    example|bench:commit) limit=300 ;;
+    info|facts|diag:*) limit=150 ;;
     *) limit=600 ;;
   esac
   echo "${!var:-$limit}"
@@ -210,8 +226,8 @@ limit_of() {  # STEP -> seconds
 
 expand() {  # STEP -> the steps it stands for
   case "$1" in
-    sanitize) echo sanitize:hazard sanitize:attention ;;
-    bench) echo bench:attention bench:kv_write bench:commit bench:decode bench:growth bench:capacity ;;
+    sanitize) echo sanitize:hazard sanitize:attention sanitize:memory ;;
+    bench) echo bench:attention bench:kv_write bench:commit bench:decode bench:growth bench:sleep bench:capacity ;;
     probe) echo probe:kernels ;;
     all) echo build info tests facts; expand sanitize; echo example; expand bench; expand probe ;;
     *) echo "$1" ;;

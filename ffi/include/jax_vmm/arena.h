@@ -1,11 +1,13 @@
 // Arena: one reserved virtual range, buffers placed at chunk-aligned offsets in it,
-// physical memory committed and decommitted chunk by chunk underneath.
+// physical memory committed and released chunk by chunk underneath.
 //
 // Invariants
 //  * A buffer's address never changes while the arena lives (views and captured CUDA
-//    graphs stay valid across every commit/decommit).
-//  * Every byte of the reservation is readable: unbacked chunks read as zeros.
-//  * Commit/Decommit are all-or-nothing: when they throw, the page table, the driver
+//    graphs stay valid across every commit, release, sleep and wake).
+//  * Every byte of the reservation is readable and never faults: unbacked chunks read as
+//    zeros (with zero_fill; without it, a released chunk may read its old bytes until the
+//    allocation holding it is given back).
+//  * Commit/Decommit/Wake are all-or-nothing: when they throw, the page table, the driver
 //    state and the statistics are exactly as before the call.
 //  * A device-visible page table (one byte per chunk of the whole reservation, 1 =
 //    backed and writable) mirrors the host page table, so device code can check a write
@@ -15,20 +17,45 @@
 //    arena often lands where a destroyed one was).
 //  * A buffer range is placed again only when the buffer is freed and no view lease of
 //    it is alive, so a view never sees a newer buffer (it reads zeros once freed).
+//  * Memory that device work may still touch is never unmapped: a release first clears
+//    the page table (kernels launched later skip those chunks), then hands the memory to a
+//    reclaimer that unmaps it once the device has finished everything dispatched before
+//    the release (core/arena_release.cc).
+//
+// Physical memory. A commit backs each contiguous run of missing chunks with allocations
+// of up to handle_bytes, each mapped once. Releasing some chunks of an allocation leaves
+// them "parked" (unbacked in the page table, still mapped, memory held) until every chunk
+// of it is released; a later commit of a parked chunk takes it back without a driver call.
+// handle_bytes == chunk_bytes (the Arena default) gives every chunk its own allocation.
+//
+// Raw views. A view (DLPack export, counted by a ViewLease) lets XLA read arena memory
+// anywhere, unbacked chunks included, where a kernel would fault while a zero mapping is
+// swapped for real memory. Once an arena has handed out a view, JAX may keep arrays over
+// its memory for good (the output of a donated view aliases the arena after the view and
+// its lease are gone), so from the first view on a commit that maps new memory first
+// waits for the device, and a release waits and unmaps at once. An arena that never
+// handed out a view (reached only by jax_vmm's ops, which never touch unbacked chunks)
+// never waits on commit or release.
 //
 // Thread-safety: all public methods may be called concurrently from any thread; one
-// mutex per arena serialises them, and a second one (never held across driver calls)
-// guards the live-view counts, so a view lease can be released from any thread without
-// waiting for device work. The registry functions at the bottom are thread-safe.
+// mutex per arena serialises them (released while waiting for the device or a transfer),
+// and a second one (never held across driver calls) guards the live-view counts, so a
+// view lease can be released from any thread without waiting for device work. A
+// background thread per arena (started on first need) reclaims released memory and runs
+// asynchronous transfers. The registry functions at the bottom are thread-safe.
 #pragma once
 
 #include <atomic>
+#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
+#include <thread>
+#include <unordered_set>
 #include <vector>
 
 #include "jax_vmm/driver.h"
@@ -36,26 +63,51 @@
 
 namespace jax_vmm {
 
+struct ArenaOptions {
+  // Largest physical allocation a commit makes: a multiple of chunk_bytes, 0 = chunk_bytes.
+  size_t handle_bytes = 0;
+  // Newly backed memory reads zeros (else it holds whatever the device memory held).
+  bool zero_fill = true;
+};
+
 struct ArenaStats {
   std::string driver_kind;
   int device_ordinal = 0;
   size_t granularity = 0;
   size_t chunk_bytes = 0;
+  size_t handle_bytes = 0;
+  bool zero_fill = true;
   size_t reserved_bytes = 0;
   size_t placed_bytes = 0;  // sum of live buffers' (chunk-rounded) sizes
-  size_t backed_bytes = 0;
+  size_t backed_bytes = 0;  // chunks in the page table
   size_t peak_backed_bytes = 0;
+  size_t held_bytes = 0;     // physical memory the arena holds: backed + parked + retired
+  size_t parked_bytes = 0;   // unbacked chunks inside allocations that are still in use
+  size_t retired_bytes = 0;  // allocations released, waiting for the device to be given back
   int64_t num_buffers = 0;
   int64_t commit_calls = 0;
   int64_t decommit_calls = 0;
   double commit_seconds = 0;
   double decommit_seconds = 0;
-  int64_t chunks_created = 0;
-  int64_t chunks_released = 0;
+  int64_t chunks_created = 0;   // chunks backed by new physical memory
+  int64_t chunks_released = 0;  // chunks whose physical memory went back to the driver
+  int64_t chunks_revived = 0;   // parked or retired chunks backed again without a driver call
+  int64_t handles_created = 0;
+  int64_t handles_released = 0;
   int64_t set_access_calls = 0;
-  int64_t failed_commits = 0;  // commits that threw and were rolled back
-  int64_t live_views = 0;      // view leases alive (all buffers)
-  size_t retired_bytes = 0;    // ranges of freed buffers held back by live views
+  int64_t failed_commits = 0;     // commits that threw and were rolled back
+  int64_t commit_drains = 0;      // commits that waited for the device (views exported)
+  int64_t commits_ahead = 0;      // background commits (CommitAhead) that backed something
+  int64_t deferred_releases = 0;  // allocations handed to the reclaimer
+  int64_t reclaim_syncs = 0;      // device waits made to reclaim memory
+  int64_t live_views = 0;         // view leases alive (all buffers)
+  size_t held_range_bytes = 0;    // address ranges of freed buffers held back by live views
+  bool views_exported = false;    // a raw view was handed out: commits and releases wait
+  bool asleep = false;
+  size_t sleep_image_bytes = 0;  // contents kept on the host while asleep
+  size_t offloaded_bytes = 0;    // contents of offloaded ranges on the host
+  size_t host_cached_bytes = 0;  // host staging memory kept for the next sleep/offload
+  int64_t pending_transfers = 0;
   bool closed = false;
 };
 
@@ -83,6 +135,15 @@ struct BufferRef {
   uint64_t arena_uid = 0;
   int device_ordinal = 0;
   const char* driver_kind = "";
+};
+
+// State of an offload (Arena::Offload) and of its restore.
+enum class TransferState : int {
+  kOffloading = 0,  // waiting for the device, or copying to the host
+  kOffloaded = 1,   // contents on the host, device memory given back
+  kRestoring = 2,   // copying back
+  kRestored = 3,    // contents back at their addresses; the ticket is spent
+  kFailed = 4,      // the offload failed and was undone: the contents never left
 };
 
 // Where a registry lookup by uid ended (FindArenaBufferByUid).
@@ -120,38 +181,57 @@ class Arena : public std::enable_shared_from_this<Arena> {
 
   // Reserves round_up(reserve_bytes, chunk) bytes of address space. Registers itself in
   // the process-wide registry (see FindArenaBuffer) until destruction.
-  static std::shared_ptr<Arena> Create(std::unique_ptr<Driver> driver, size_t reserve_bytes);
+  static std::shared_ptr<Arena> Create(std::unique_ptr<Driver> driver, size_t reserve_bytes,
+                                       const ArenaOptions& options = {});
   ~Arena();
   Arena(const Arena&) = delete;
   Arena& operator=(const Arena&) = delete;
 
   // Places a buffer of nbytes (> 0) at a chunk-aligned offset. Nothing is backed.
   BufferInfo Allocate(size_t nbytes, const std::string& name);
-  // Decommits the buffer and frees its placement for reuse, once no view lease of it is
-  // left (until then the range stays out of the free list and reads zeros).
+  // Releases the buffer's memory and frees its placement for reuse, once no view lease of
+  // it is left (until then the range stays out of the free list and reads zeros).
   void Free(int64_t buffer_id);
 
   // A lease for one new view of a buffer (see ViewLease). Throws for a freed buffer.
+  // Finishes any deferred release first (waiting for the device if some is pending), so
+  // that nothing is unmapped behind a view later, and marks the arena as exported.
   std::shared_ptr<ViewLease> LeaseView(int64_t buffer_id);
   // View leases alive: of every buffer (freed ones included), or of one live buffer.
   int64_t LiveViews() const;
   int64_t LiveViews(int64_t buffer_id) const;
 
-  // Back / unback [start, stop) bytes of a buffer, rounded out to whole chunks
-  // (decommit rounds inwards to chunks fully inside the range, except that a range
-  // reaching the buffer's end also frees the last partial chunk). Idempotent; ranges may
-  // overlap what is already (un)backed. stop <= nbytes. Returns bytes newly (un)backed.
-  size_t Commit(int64_t buffer_id, size_t start, size_t stop);
-  size_t Decommit(int64_t buffer_id, size_t start, size_t stop);
-
-  // Commit several byte ranges (of one or more buffers) all-or-nothing: when it throws,
-  // none of them changed. Used by the KV arena to grow all layers of a sequence at once.
   struct Range {
     int64_t buffer_id;
     size_t start;
     size_t stop;
   };
+
+  // Back [start, stop) bytes of a buffer, rounded out to whole chunks. Idempotent; ranges
+  // may overlap what is already backed. stop <= nbytes. Returns bytes newly backed. Never
+  // waits for the device unless raw views are alive (or were, since the last wait); on
+  // out-of-memory it first takes back released memory (waiting for the device) and tries
+  // again.
+  size_t Commit(int64_t buffer_id, size_t start, size_t stop);
+  // Several byte ranges (of one or more buffers) all-or-nothing: when it throws, none of
+  // them changed. Runs of new chunks never cross a range boundary, so each allocation
+  // lies inside one range (the KV arena gives chunks shared by two sequences their own).
   size_t CommitRanges(const std::vector<Range>& ranges);
+  // CommitRanges from a thread other than the one that dispatches device work (commit
+  // ahead of need): skipped (returns false) once raw views were handed out, since a reader
+  // dispatched meanwhile could run over the zero mappings being swapped. Else *added gets
+  // the bytes newly backed.
+  bool CommitAhead(const std::vector<Range>& ranges, size_t* added);
+
+  // Unback [start, stop) bytes, rounded inwards to chunks fully inside the range, except
+  // that a range reaching the buffer's end also frees its last, partial chunk. Returns
+  // bytes no longer backed. The page table changes at once (kernels launched after the
+  // call skip those chunks); the memory goes back to the driver once the device has
+  // finished the work dispatched before the call (wait: before returning).
+  size_t Decommit(int64_t buffer_id, size_t start, size_t stop, bool wait = false);
+  size_t DecommitRanges(const std::vector<Range>& ranges, bool wait = false);
+  // Waits for the device and gives every released allocation back. Returns its bytes.
+  size_t Reclaim();
 
   // Bytes backed contiguously from `start` (stopping at `stop` or the first hole).
   size_t BackedPrefix(int64_t buffer_id, size_t start, size_t stop) const;
@@ -159,6 +239,35 @@ class Arena : public std::enable_shared_from_this<Arena> {
   BufferInfo Buffer(int64_t buffer_id) const;
   std::vector<BufferInfo> Buffers() const;
   ArenaStats Stats() const;
+
+  // Copies host or device memory into [offset, offset + bytes) of a buffer, which must
+  // be backed. Returns when the bytes are there.
+  void CopyIn(int64_t buffer_id, size_t offset, const void* src, size_t bytes);
+
+  // Sleep: waits for the device, copies every backed chunk to host memory (keep) or
+  // drops it, and gives all physical memory back; the page table reads all-unbacked
+  // (writes are dropped and counted, reads see zeros). Wake: backs exactly the chunks
+  // that were backed, at the same addresses, and restores their contents (keep) or
+  // leaves them zero-filled / undefined (discard, by zero_fill). Both all-or-nothing.
+  // While asleep, commits and releases raise ArenaAsleep.
+  void Sleep(bool keep_contents);
+  void Wake();
+  bool asleep() const;
+
+  // Offload: the backed chunks of the ranges (rounded as Decommit) leave the page table
+  // now; once the device has finished earlier work their contents are copied to host
+  // memory and their physical memory is given back. Restore: backs the same chunks again
+  // and copies the contents back (wait=false: the copy runs in the background; the chunks
+  // join the page table when it lands). Tickets identify transfers.
+  uint64_t Offload(const std::vector<Range>& ranges);
+  void Restore(uint64_t ticket, bool wait);
+  TransferState TransferStatus(uint64_t ticket, std::string* error) const;
+  // Blocks until the transfer is no longer in flight; returns its state.
+  TransferState WaitTransfer(uint64_t ticket, std::string* error) const;
+  // Forgets an offloaded transfer (its host copy is freed).
+  void DropTransfer(uint64_t ticket);
+  // Frees the host staging memory kept for the next sleep or offload.
+  void FreeHostCache();
 
   // Releases all physical memory and refuses further work (ArenaClosed). The address
   // range stays reserved, reading zeros, until the Arena object is destroyed, so views
@@ -170,7 +279,8 @@ class Arena : public std::enable_shared_from_this<Arena> {
   uint64_t DropCount(int64_t buffer_id) const;
   void ResetDropCount(int64_t buffer_id);
 
-  // Registry lookups (see FindArenaBuffer, FindArenaBufferByUid); take this arena's lock.
+  // Registry lookups (see FindArenaBuffer, FindArenaBufferByUid); take this arena's
+  // placement lock (never held across a driver call).
   // A closed arena finds nothing by address; by uid it answers kClosed (and fills *out
   // and *name), so errors can say what happened.
   bool FindBufferLocked(uintptr_t ptr, size_t bytes, BufferRef* out) const;
@@ -193,25 +303,35 @@ class Arena : public std::enable_shared_from_this<Arena> {
   uintptr_t base() const { return base_; }
   size_t reserved_bytes() const { return reserved_bytes_; }
   size_t chunk_bytes() const { return chunk_bytes_; }
+  size_t handle_bytes() const { return handle_bytes_; }
+  bool zero_fill() const { return zero_fill_; }
   Driver& driver() { return *driver_; }
   const Driver& driver() const { return *driver_; }
 
  private:
-  struct Chunk;  // RAII: physical handle + its mapping
+  struct Mapping;    // one physical allocation, mapped once (core/arena_internal.h)
+  struct HostImage;  // contents kept in host memory (core/arena_transfer.cc)
+  struct TransferRecord;
+  struct SleepImage;
   struct Placement {
     BufferInfo info;
-    std::vector<std::unique_ptr<Chunk>> chunks;  // one slot per chunk of the buffer
-    int64_t counter_slot = 0;                    // index into the drop counters
+    size_t num_chunks = 0;     // chunk slots of the placement
+    int64_t counter_slot = 0;  // index into the drop counters
   };
-  Arena(std::unique_ptr<Driver> driver, size_t reserve_bytes);
+  // A run of arena chunks [first, first + count).
+  struct ChunkRun {
+    size_t first;
+    size_t count;
+  };
+  Arena(std::unique_ptr<Driver> driver, size_t reserve_bytes, const ArenaOptions& options);
 
   Placement& PlacementOrThrow(int64_t buffer_id, const char* op);
   const Placement& PlacementOrThrow(int64_t buffer_id, const char* op) const;
   void ThrowIfClosed(const char* op) const;
-  size_t DecommitLocked(Placement& p, size_t first_chunk, size_t end_chunk);
-  void PublishPageTable(size_t first_chunk_index, size_t count);
-  size_t TakeFreeRange(size_t placed, const std::string& name);
-  void ReturnFreeRange(size_t offset, size_t bytes);
+  void ThrowIfAsleep(const char* op) const;
+  // Copies the host page table to the device over the hull of `runs`: one copy per
+  // operation (the host mirror is authoritative between the runs too).
+  void PublishPageTable(const std::vector<ChunkRun>& runs);
   int64_t FreeCounterSlot() const;
   friend class ViewLease;
   void ReleaseView(uint64_t buffer_uid) noexcept;  // ~ViewLease
@@ -219,16 +339,77 @@ class Arena : public std::enable_shared_from_this<Arena> {
   void FillRef(const Placement& p, BufferRef* out) const;
   // Arena-wide index of chunk `buffer_chunk` of a buffer (into the page tables).
   size_t ArenaChunk(const Placement& p, size_t buffer_chunk) const;
+  uintptr_t ChunkAddress(size_t arena_chunk) const { return base_ + arena_chunk * chunk_bytes_; }
+  // Adds `sign` * the backed bytes of arena chunks [first, first + count) to the buffers
+  // placed over them.
+  void AccountBacked(size_t first, size_t count, int sign);
 
-  // The steps of CommitRanges (core/arena_commit.cc), all under mu_.
-  struct CommitPlan;    // what a commit will create, worked out before any driver call
-  struct PendingChunk;  // a chunk built by a commit, not yet in its buffer
+  // Commit (core/arena_commit.cc), all under mu_.
+  struct CommitPlan;  // what a commit will create or take back, before any driver call
+  struct Pending;     // allocations a commit built, not yet in the page table
+  // background: give up (return kSkipped) whenever raw views are alive.
+  static constexpr size_t kSkipped = ~size_t{0};
+  size_t CommitLocked(std::unique_lock<std::mutex>& lock, const std::vector<Range>& ranges,
+                      bool background = false);
   CommitPlan PlanCommit(const std::vector<Range>& ranges);
-  void MapRuns(const CommitPlan& plan, std::vector<PendingChunk>* pending);
-  void PublishCommit(const CommitPlan& plan, const std::vector<PendingChunk>& pending);
-  void UnwindCommit(const CommitPlan& plan, std::vector<PendingChunk>* pending) noexcept;
-  size_t AccountCommit(const CommitPlan& plan, std::vector<PendingChunk>* pending, double seconds);
+  CommitPlan PlanRuns(const std::vector<ChunkRun>& runs) const;
+  void PlanChunk(size_t arena_chunk, CommitPlan* plan, bool* extends_run) const;
+  // The plan's new allocations join the arena and its parked chunks are taken back: as
+  // backed (live), or pinned for a transfer that publishes them later.
+  void AdoptPlanned(const CommitPlan& plan, Pending* pending, bool pinned);
+  void DrainIfViewsMayRead();
+  void MapRuns(const CommitPlan& plan, Pending* pending, bool zero);
+  void ZeroFillRevived(const CommitPlan& plan);
+  void PublishCommit(const CommitPlan& plan, Pending* pending);
+  void UnwindCommit(const CommitPlan& plan, Pending* pending) noexcept;
+  size_t AccountCommit(const CommitPlan& plan, size_t created, double seconds);
   OutOfMemory CommitOutOfMemory(const CommitPlan& plan, size_t got, const OutOfMemory& e) const;
+
+  // Release (core/arena_release.cc), under mu_ (the reclaimer drops it around driver
+  // calls and device waits; so do the waits here).
+  std::vector<ChunkRun> DecommitRuns(const std::vector<Range>& ranges);
+  size_t DecommitLocked(std::unique_lock<std::mutex>& lock, const std::vector<ChunkRun>& runs,
+                        bool wait);
+  // Takes the backed chunks of `runs` out of the page table (publishing it); returns the
+  // allocations touched and the number of chunks in *removed.
+  std::vector<Mapping*> Unpublish(const std::vector<ChunkRun>& runs, size_t* removed);
+  // Allocations with no backed chunk left go to the reclaimer, or at once where no device
+  // wait is needed (host driver) or raw views are alive (after a wait, on this thread).
+  void RetireUnused(std::unique_lock<std::mutex>& lock, const std::vector<Mapping*>& touched);
+  void WaitWhileBusy(std::unique_lock<std::mutex>& lock);  // no reclaim or transfer running
+  size_t ReclaimAllLocked(std::unique_lock<std::mutex>& lock, bool zero_parked = false);
+  size_t ReclaimNow(const std::vector<Mapping*>& batch);  // unmap + release, on this thread
+  void UnmapGroups(std::vector<Mapping*> batch);          // driver calls only
+  std::vector<std::unique_ptr<Mapping>> DetachMappings(const std::vector<Mapping*>& batch);
+  void ZeroParked();
+  void ReleaseAllMemory(std::unique_lock<std::mutex>& lock);  // the device must be idle
+  void StartWorker();
+  void WorkerLoop();
+  void ReclaimRetiredBefore(std::unique_lock<std::mutex>& lock, uint64_t sync);
+
+  // Host images, sleep and transfers (core/arena_transfer.cc), under mu_.
+  HostImage AllocImage(size_t bytes);
+  void FreeImage(HostImage* image) noexcept;
+  void FreeHostCacheLocked() noexcept;
+  std::vector<CopyRegion> ImageRegions(const HostImage& image, const std::vector<ChunkRun>& runs,
+                                       bool to_host) const;
+  // The backed chunks within `within`, as runs that each lie inside one allocation.
+  std::vector<ChunkRun> BackedRunsByMapping(const std::vector<ChunkRun>& within) const;
+  size_t SleepImageBytes() const;
+  void DropSleepImage() noexcept;
+  bool TransferInFlight(const TransferRecord& t) const;
+  size_t TransferHostBytes(const TransferRecord& t) const;
+  bool AnyTransferInFlight() const;
+  bool HasQueuedOffloads() const;
+  bool HasWorkerWork() const;
+  void DropTransferImage(TransferRecord& t) noexcept;
+  TransferRecord& RecordOrThrow(uint64_t ticket, const char* op);
+  void FinishOffload(std::unique_lock<std::mutex>& lock, TransferRecord& t,
+                     uint64_t reclaimer_sync);
+  void UndoOffload(TransferRecord& t, const std::string& error) noexcept;
+  void FinishRestore(TransferRecord& t);
+  void UndoRestore(std::unique_lock<std::mutex>& lock, TransferRecord& t, const std::string& error);
+  void RunTransferJobs(std::unique_lock<std::mutex>& lock, uint64_t sync);
 
   std::unique_ptr<Driver> driver_;
   const uint64_t uid_;
@@ -236,17 +417,47 @@ class Arena : public std::enable_shared_from_this<Arena> {
   size_t reserved_bytes_ = 0;
   size_t chunk_bytes_ = 0;
   size_t num_chunks_ = 0;
+  size_t handle_bytes_ = 0;
+  bool zero_fill_ = true;
 
   mutable std::mutex mu_;
+  mutable std::condition_variable cv_;  // any change a waiter or the worker may need
   mutable std::atomic<bool> metadata_pinned_{false};
-  bool closed_ = false;
+  std::atomic<bool> closed_{false};  // written under mu_; read by lookups without it
   int64_t next_id_ = 0;
+  // Written under mu_ and placement_mu_; read under either. The registry lookups of FFI
+  // handlers take only placement_mu_, so they never wait for a commit's driver calls
+  // (a commit ahead of need runs on another thread while steps are dispatched).
   std::map<int64_t, Placement> buffers_;
-  std::map<size_t, size_t> free_ranges_;  // offset -> bytes, coalesced
-  std::vector<uint8_t> host_page_table_;  // mirror of the device table
+  mutable std::mutex placement_mu_;
+  std::map<uint64_t, uint64_t> free_ranges_;  // offset -> bytes not placed (common/free_ranges.h)
+  std::vector<uint8_t> host_page_table_;      // mirror of the device table
   uint8_t* device_page_table_ = nullptr;
   unsigned long long* device_drop_counters_ = nullptr;  // kMaxBuffers entries
   ArenaStats stats_;
+
+  // Physical memory: every allocation by its first chunk, and the allocation under each
+  // chunk (nullptr: zero-mapped).
+  std::map<size_t, std::unique_ptr<Mapping>> mappings_;
+  std::vector<Mapping*> chunk_mapping_;
+  std::unordered_set<Mapping*> retired_;  // no chunk backed; waiting for the device
+  std::set<size_t> parked_dirty_;         // parked chunks not zeroed yet (zero_fill only)
+  uint64_t syncs_started_ = 0;            // device waits begun by the reclaimer
+  int reclaiming_ = 0;                    // allocations the worker is unmapping now
+
+  // Once a view was handed out, JAX may hold arrays over arena memory for good: a donated
+  // view's output aliases the arena while the view itself (and its lease) is gone. So the
+  // lease counts are for Free and the statistics; the waits use views_exported_.
+  std::atomic<bool> views_exported_{false};
+
+  // Sleep, transfers, host staging memory.
+  std::unique_ptr<SleepImage> sleep_;
+  std::map<uint64_t, std::unique_ptr<TransferRecord>> transfers_;
+  uint64_t next_ticket_ = 1;
+  std::multimap<size_t, void*> host_cache_;  // bytes -> block
+
+  bool stop_worker_ = false;
+  std::thread worker_;
 
   // View leases, under views_mu_ (taken after mu_ when both are needed, never held across
   // a driver call): live leases per buffer uid; freed buffers whose range waits for its
@@ -257,7 +468,7 @@ class Arena : public std::enable_shared_from_this<Arena> {
   };
   mutable std::mutex views_mu_;
   std::map<uint64_t, int64_t> live_views_;
-  std::map<uint64_t, HeldRange> retired_;
+  std::map<uint64_t, HeldRange> held_ranges_;
   std::vector<HeldRange> unleased_;
 };
 

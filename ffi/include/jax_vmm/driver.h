@@ -1,19 +1,26 @@
 // The driver interface: the only layer that talks to the OS or the CUDA driver.
 //
 // Semantics shared by both implementations (host: mmap/memfd, cuda: driver VMM):
-//   reserve()  -> a virtual range whose every byte reads as zero and never faults
-//                 (host: PROT_READ anonymous mapping; cuda: one shared read-only zero
-//                 chunk mapped at every chunk of the range).
-//   create()   -> one physical chunk of `chunk_bytes()` bytes.
-//   map()      -> put a physical chunk at a chunk-aligned address of the range,
-//                 replacing the zero mapping there (not yet writable).
-//   set_access -> make a run of mapped chunks read-write: one call per contiguous run.
-//   unmap()    -> remove a chunk's mapping and restore the zero mapping.
-//   release()  -> give a physical chunk back.
-// Addresses and sizes handed to map/unmap/set_access are multiples of chunk_bytes().
+//   reserve()    -> a virtual range whose every byte reads as zero and never faults
+//                   (host: PROT_READ anonymous mapping; cuda: a shared read-only zero
+//                   allocation mapped over the whole range, in pieces of at most
+//                   zero_piece_bytes()).
+//   create(n)    -> one physical allocation of n bytes (a multiple of chunk_bytes()).
+//   map_run()    -> put consecutive pieces of physical allocations at a chunk-aligned,
+//                   zero-mapped range, replacing the zero mapping there (not yet
+//                   writable). A piece is (allocation, offset into it, bytes).
+//   set_access   -> make mapped memory read-write: one call per contiguous run.
+//   zero_fill    -> write zeros over mapped, writable memory (returns when done).
+//   unmap_run()  -> remove consecutive pieces (each exactly as one map_run mapped it) and
+//                   restore the zero mapping over them.
+//   release()    -> give a physical allocation back (after its last piece is unmapped).
+// Addresses and sizes handed to map/unmap/set_access/zero_fill are multiples of
+// chunk_bytes().
 //
-// Thread-safety: a Driver may be called from several threads at once; implementations
-// keep no mutable state besides atomics (the arena serialises per-buffer work itself).
+// Thread-safety: a Driver may be called from several threads at once, on disjoint address
+// ranges (the arena serialises work on any one chunk). Implementations keep their own
+// shared state (host: the memfd free list; cuda: the zero-mapping layout) under their
+// own locks.
 //
 // Tests fail driver calls on purpose through testing/fault_injecting_driver.h, a Driver
 // that wraps another one; drivers themselves carry no test hooks.
@@ -34,6 +41,21 @@ struct MemInfo {
 
 using PhysicalHandle = uint64_t;
 
+// `bytes` of allocation `handle` starting `offset` bytes into it.
+struct MapPiece {
+  PhysicalHandle handle = 0;
+  size_t offset = 0;
+  size_t bytes = 0;
+};
+
+// One host <-> device copy: pointers as the device's unified address space sees them
+// (cuda: device addresses and host pointers; host driver: plain pointers).
+struct CopyRegion {
+  void* dst = nullptr;
+  const void* src = nullptr;
+  size_t bytes = 0;
+};
+
 class Driver {
  public:
   virtual ~Driver() = default;
@@ -42,25 +64,35 @@ class Driver {
   virtual int device_ordinal() const = 0;
   // The smallest unit the OS/driver maps (CUDA: minimum VMM granularity).
   virtual size_t granularity() const = 0;
-  // The size of every physical chunk this driver creates: a multiple of granularity().
+  // The arena's page-table unit: every map/unmap/set_access range is a multiple of it.
   virtual size_t chunk_bytes() const = 0;
   virtual MemInfo mem_info() const = 0;
 
   virtual uintptr_t Reserve(size_t bytes) = 0;
   virtual void Unreserve(uintptr_t va, size_t bytes) noexcept = 0;
 
-  virtual PhysicalHandle Create() = 0;
+  // One physical allocation of `bytes` (a positive multiple of chunk_bytes()). Throws
+  // OutOfMemory when the device (or the host) has no room.
+  virtual PhysicalHandle Create(size_t bytes) = 0;
   virtual void Release(PhysicalHandle handle) noexcept = 0;
-  virtual void Map(uintptr_t va, PhysicalHandle handle) = 0;
-  virtual void Unmap(uintptr_t va) noexcept = 0;
-  virtual void SetAccess(uintptr_t va, size_t bytes) = 0;
 
-  // Run forms of map/unmap: `count` chunks starting at `va`, one call per contiguous
-  // run, so a driver can batch its expensive calls (CUDA: one cuMemUnmap and one
-  // cuMemSetAccess per run instead of one per chunk). The defaults loop over Map/Unmap.
-  // MapRun is all-or-nothing: when it throws, every chunk of the run reads zeros again.
-  virtual void MapRun(uintptr_t va, const PhysicalHandle* handles, size_t count);
-  virtual void UnmapRun(uintptr_t va, size_t count) noexcept;
+  // Maps `count` pieces back to back from `va` (chunk-aligned, currently zero-mapped).
+  // All-or-nothing: when it throws, the whole range reads zeros again.
+  virtual void MapRun(uintptr_t va, const MapPiece* pieces, size_t count) = 0;
+  // Unmaps `count` consecutive mappings from `va` (their sizes in `piece_bytes`, each as
+  // one MapRun piece mapped it) and restores the zero mapping over all of them.
+  virtual void UnmapRun(uintptr_t va, const size_t* piece_bytes, size_t count) noexcept = 0;
+  virtual void SetAccess(uintptr_t va, size_t bytes) = 0;
+  // Zeros over mapped, read-write memory; returns once the zeros are in memory.
+  virtual void ZeroFill(uintptr_t va, size_t bytes) = 0;
+
+  // Whether freshly created memory is known to read zeros (host: fallocate'd memfd
+  // pages), so that a zero-filling arena can skip the fill of new runs.
+  virtual bool FreshMemoryIsZero() const = 0;
+  // Whether unmapping memory that device work may still touch needs that work to finish
+  // first (cuda: yes, a kernel would fault; host: no, mmap(MAP_FIXED) swaps the mapping
+  // atomically and the CPU never sees a hole). The arena defers unmapping accordingly.
+  virtual bool UnmapNeedsQuiescence() const = 0;
 
   // Small memory that both the host (through the copies below) and device code can
   // read: the arena's page-valid table and counters live here.
@@ -68,8 +100,18 @@ class Driver {
   virtual void FreeMetadata(void* ptr) noexcept = 0;
   virtual void CopyToMetadata(void* dst, const void* src, size_t bytes) = 0;
   virtual void CopyFromMetadata(void* dst, const void* src, size_t bytes) = 0;
-  // Wait until device work that may touch arena memory has finished (before unmap).
+  // Waits until all device work dispatched before the call has finished (any thread may
+  // call it; it blocks only the caller).
   virtual void Synchronize() = 0;
+
+  // Host memory for device <-> host copies at full speed (cuda: page-locked; host:
+  // page-aligned anonymous memory). Throws OutOfMemory.
+  virtual void* AllocHost(size_t bytes) = 0;
+  virtual void FreeHost(void* ptr, size_t bytes) noexcept = 0;
+  // Copies device memory to host memory / host or device memory to device memory, all
+  // regions issued together on the driver's copy stream; returns when all have landed.
+  virtual void CopyToHost(const CopyRegion* regions, size_t count) = 0;
+  virtual void CopyToDevice(const CopyRegion* regions, size_t count) = 0;
 };
 
 // Host driver: a real virtual-memory backend for JAX's cpu platform.
@@ -84,6 +126,10 @@ std::unique_ptr<Driver> MakeCudaDriver(int device_ordinal, size_t chunk_bytes);
 // By name: "host" (MakeHostDriver; `device` is ignored) or "cuda" (MakeCudaDriver);
 // InvalidArgument for another name.
 std::unique_ptr<Driver> MakeDriver(const std::string& kind, int device, size_t chunk_bytes);
+
+// Convenience forms over the run calls (one chunk-aligned piece of one allocation).
+void MapWhole(Driver& driver, uintptr_t va, PhysicalHandle handle, size_t bytes);
+void UnmapWhole(Driver& driver, uintptr_t va, size_t bytes) noexcept;
 
 // What the CUDA driver offers on this machine, without creating anything.
 struct CudaDeviceInfo {

@@ -21,6 +21,13 @@ class ArenaClosed : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// Commit/release of an arena that sleep() emptied. -> jax_vmm.ArenaAsleepError (a
+// RuntimeError)
+class ArenaAsleep : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
 // The virtual range has no room for a new buffer. -> jax_vmm.ReservationFullError
 class ReservationFull : public std::runtime_error {
  public:

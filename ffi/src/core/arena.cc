@@ -1,40 +1,43 @@
-// Arena: placement of buffers, decommit, close, queries (see jax_vmm/arena.h). The
-// commit path is in arena_commit.cc, the process-wide registry in arena_registry.cc.
+// Arena: construction, placement of buffers, raw-view accounting, queries, close (see
+// jax_vmm/arena.h). Commit is in arena_commit.cc, release and reclamation in
+// arena_release.cc, sleep/offload/copies in arena_transfer.cc, the process-wide registry
+// in arena_registry.cc.
 #include "jax_vmm/arena.h"
 
 #include <algorithm>
-#include <chrono>
 #include <cstdint>
 #include <string>
 #include <utility>
 
 #include "common/format.h"
+#include "common/free_ranges.h"
 #include "common/math.h"
 #include "core/arena_internal.h"
 #include "core/arena_registry.h"
 #include "jax_vmm/errors.h"
 
 namespace jax_vmm {
-namespace {
 
-double SecondsSince(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-}
-
-}  // namespace
-
-std::shared_ptr<Arena> Arena::Create(std::unique_ptr<Driver> driver, size_t reserve_bytes) {
-  std::shared_ptr<Arena> arena(new Arena(std::move(driver), reserve_bytes));
+std::shared_ptr<Arena> Arena::Create(std::unique_ptr<Driver> driver, size_t reserve_bytes,
+                                     const ArenaOptions& options) {
+  std::shared_ptr<Arena> arena(new Arena(std::move(driver), reserve_bytes, options));
   internal::RegisterArena(arena.get());
   return arena;
 }
 
-Arena::Arena(std::unique_ptr<Driver> driver, size_t reserve_bytes)
+Arena::Arena(std::unique_ptr<Driver> driver, size_t reserve_bytes, const ArenaOptions& options)
     : driver_(std::move(driver)), uid_(NewUid()) {
   if (reserve_bytes == 0) {
     throw InvalidArgument("Arena: reserve_bytes must be > 0");
   }
   chunk_bytes_ = driver_->chunk_bytes();
+  handle_bytes_ = options.handle_bytes == 0 ? chunk_bytes_ : options.handle_bytes;
+  if (handle_bytes_ % chunk_bytes_ != 0) {
+    throw InvalidArgument("Arena: handle_bytes=" + std::to_string(options.handle_bytes) +
+                          " must be a multiple of chunk_bytes (" + std::to_string(chunk_bytes_) +
+                          "), or 0 for one allocation per chunk");
+  }
+  zero_fill_ = options.zero_fill;
   if (reserve_bytes > SIZE_MAX - chunk_bytes_) {
     throw InvalidArgument("Arena(reserve_bytes=" + std::to_string(reserve_bytes) +
                           "): too large for the address space; reserve less");
@@ -54,6 +57,7 @@ Arena::Arena(std::unique_ptr<Driver> driver, size_t reserve_bytes)
   }
   try {
     host_page_table_.assign(num_chunks_, 0);
+    chunk_mapping_.assign(num_chunks_, nullptr);
     device_page_table_ = static_cast<uint8_t*>(driver_->AllocMetadata(num_chunks_));
     driver_->CopyToMetadata(device_page_table_, host_page_table_.data(), num_chunks_);
     const size_t counters = kMaxBuffers * sizeof(unsigned long long);
@@ -71,17 +75,32 @@ Arena::Arena(std::unique_ptr<Driver> driver, size_t reserve_bytes)
   stats_.device_ordinal = driver_->device_ordinal();
   stats_.granularity = driver_->granularity();
   stats_.chunk_bytes = chunk_bytes_;
+  stats_.handle_bytes = handle_bytes_;
+  stats_.zero_fill = zero_fill_;
   stats_.reserved_bytes = reserved_bytes_;
 }
 
 Arena::~Arena() {
   internal::UnregisterArena(this);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_worker_ = true;
+  }
+  cv_.notify_all();
+  if (worker_.joinable()) worker_.join();
   try {
     driver_->Synchronize();
   } catch (...) {
     // Destructors never throw; the driver already reported the failure.
   }
-  buffers_.clear();  // Chunk destructors unmap and release
+  for (auto& [ticket, record] : transfers_) DropTransferImage(*record);
+  transfers_.clear();
+  DropSleepImage();
+  std::vector<Mapping*> all;
+  for (auto& [first, m] : mappings_) all.push_back(m.get());
+  UnmapGroups(all);     // batched: few zero pieces instead of one restore per allocation
+  DetachMappings(all);  // their destructors release
+  FreeHostCacheLocked();
   if (metadata_pinned_) {
     // A graph may still hold these addresses (see PinMetadataForGraphs): leave them
     // allocated, with every page marked unbacked so a stale replay writes nothing.
@@ -101,6 +120,13 @@ void Arena::ThrowIfClosed(const char* op) const {
   if (closed_) {
     throw ArenaClosed(std::string("Arena.") + op +
                       ": the arena is closed (close() released its memory); create a new arena");
+  }
+}
+
+void Arena::ThrowIfAsleep(const char* op) const {
+  if (sleep_) {
+    throw ArenaAsleep(std::string("Arena.") + op +
+                      ": the arena is asleep (sleep() gave its memory back); call wake() first");
   }
 }
 
@@ -128,61 +154,33 @@ BufferInfo Arena::Allocate(size_t nbytes, const std::string& name) {
                           "use another arena");
   }
   const size_t placed = RoundUp(nbytes, chunk_bytes_);
+  const uint64_t offset = TakeFirstFit(free_ranges_, placed);
+  if (offset == kNoFreeRange) {
+    throw ReservationFull(
+        "Arena.allocate(" + (name.empty() ? std::string("unnamed buffer") : "'" + name + "'") +
+        "): needs " + Bytes(placed) + " of address space but the largest free range of the " +
+        Bytes(reserved_bytes_) + " reservation is " + Bytes(LargestRange(free_ranges_)) +
+        "; create the arena with a larger reserve_bytes");
+  }
   Placement p;
-  p.info.offset = TakeFreeRange(placed, name);
+  p.info.offset = offset;
   p.info.id = next_id_++;
   p.info.uid = NewUid();
   p.info.name = name.empty() ? "buffer" + std::to_string(p.info.id) : name;
   p.info.nbytes = nbytes;
   p.info.address = base_ + p.info.offset;
-  p.chunks.resize(placed / chunk_bytes_);
+  p.num_chunks = placed / chunk_bytes_;
   p.counter_slot = FreeCounterSlot();
   const unsigned long long zero = 0;
   driver_->CopyToMetadata(device_drop_counters_ + p.counter_slot, &zero, sizeof(zero));
   const BufferInfo info = p.info;
-  buffers_.emplace(info.id, std::move(p));
+  {
+    std::lock_guard<std::mutex> placements(placement_mu_);
+    buffers_.emplace(info.id, std::move(p));
+  }
   stats_.placed_bytes += placed;
   stats_.num_buffers = static_cast<int64_t>(buffers_.size());
   return info;
-}
-
-// First fit: the offset of a free range of `placed` bytes, now taken.
-size_t Arena::TakeFreeRange(size_t placed, const std::string& name) {
-  auto fit = std::find_if(free_ranges_.begin(), free_ranges_.end(),
-                          [&](const auto& r) { return r.second >= placed; });
-  if (fit == free_ranges_.end()) {
-    size_t largest = 0;
-    for (const auto& r : free_ranges_) largest = std::max(largest, r.second);
-    throw ReservationFull(
-        "Arena.allocate(" + (name.empty() ? std::string("unnamed buffer") : "'" + name + "'") +
-        "): needs " + Bytes(placed) + " of address space but the largest free range of the " +
-        Bytes(reserved_bytes_) + " reservation is " + Bytes(largest) +
-        "; create the arena with a larger reserve_bytes");
-  }
-  const size_t offset = fit->first;
-  const size_t left = fit->second - placed;
-  free_ranges_.erase(fit);
-  if (left > 0) free_ranges_[offset + placed] = left;
-  return offset;
-}
-
-// Gives [offset, offset + bytes) back, coalesced with its neighbours so that large
-// buffers can be placed again.
-void Arena::ReturnFreeRange(size_t offset, size_t bytes) {
-  auto next = free_ranges_.lower_bound(offset);
-  if (next != free_ranges_.end() && next->first == offset + bytes) {
-    bytes += next->second;
-    next = free_ranges_.erase(next);
-  }
-  if (next != free_ranges_.begin()) {
-    auto prev = std::prev(next);
-    if (prev->first + prev->second == offset) {
-      offset = prev->first;
-      bytes += prev->second;
-      free_ranges_.erase(prev);
-    }
-  }
-  free_ranges_[offset] = bytes;
 }
 
 // Counter slots are recycled: the first one no live buffer uses (there are kMaxBuffers
@@ -194,13 +192,20 @@ int64_t Arena::FreeCounterSlot() const {
 }
 
 void Arena::Free(int64_t buffer_id) {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::unique_lock<std::mutex> lock(mu_);
+  ThrowIfAsleep("free");
   Placement& p = PlacementOrThrow(buffer_id, "Arena.free");
-  DecommitLocked(p, 0, p.chunks.size());
-  const size_t placed = p.chunks.size() * chunk_bytes_;
-  const HeldRange range{p.info.offset, placed};
-  const uint64_t uid = p.info.uid;
-  buffers_.erase(buffer_id);
+  const size_t first = ArenaChunk(p, 0);
+  DecommitLocked(lock, {ChunkRun{first, p.num_chunks}}, /*wait=*/false);
+  // The lock may have been dropped while waiting: look the buffer up again.
+  Placement& q = PlacementOrThrow(buffer_id, "Arena.free");
+  const size_t placed = q.num_chunks * chunk_bytes_;
+  const HeldRange range{q.info.offset, placed};
+  const uint64_t uid = q.info.uid;
+  {
+    std::lock_guard<std::mutex> placements(placement_mu_);
+    buffers_.erase(buffer_id);
+  }
   stats_.placed_bytes -= placed;
   stats_.num_buffers = static_cast<int64_t>(buffers_.size());
   {
@@ -208,16 +213,23 @@ void Arena::Free(int64_t buffer_id) {
     // zeros now) until ReleaseView sees the last lease go.
     std::lock_guard<std::mutex> views(views_mu_);
     if (live_views_.count(uid) != 0) {
-      retired_[uid] = range;
+      held_ranges_[uid] = range;
       return;
     }
   }
-  ReturnFreeRange(range.offset, range.bytes);
+  GiveRange(free_ranges_, range.offset, range.bytes);
 }
 
 std::shared_ptr<ViewLease> Arena::LeaseView(int64_t buffer_id) {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::unique_lock<std::mutex> lock(mu_);
+  PlacementOrThrow(buffer_id, "Arena.view");
+  // From now on a kernel may read any byte of the arena: nothing may be unmapped behind
+  // it later, so finish every deferred release first (parked chunks of a zero-filling
+  // arena are zeroed then, after the device wait).
+  ReclaimAllLocked(lock, /*zero_parked=*/true);
+  // (The wait may have dropped the lock: look the buffer up again.)
   const uint64_t uid = PlacementOrThrow(buffer_id, "Arena.view").info.uid;
+  views_exported_.store(true);
   std::lock_guard<std::mutex> views(views_mu_);
   ++live_views_[uid];
   return std::shared_ptr<ViewLease>(new ViewLease(shared_from_this(), uid));
@@ -230,21 +242,21 @@ void Arena::ReleaseView(uint64_t buffer_uid) noexcept {
   auto it = live_views_.find(buffer_uid);
   if (it == live_views_.end() || --it->second > 0) return;
   live_views_.erase(it);
-  auto retired = retired_.find(buffer_uid);
-  if (retired == retired_.end()) return;
+  auto held = held_ranges_.find(buffer_uid);
+  if (held == held_ranges_.end()) return;
   // free_ranges_ belongs to mu_, which a lease must not wait for (it is held across
   // driver calls): hand the range over; the next Allocate puts it back.
   try {
-    unleased_.push_back(retired->second);
+    unleased_.push_back(held->second);
   } catch (...) {
-    return;  // out of memory: the range stays retired (leaked address space, no harm)
+    return;  // out of memory: the range stays held (leaked address space, no harm)
   }
-  retired_.erase(retired);
+  held_ranges_.erase(held);
 }
 
 void Arena::ReturnUnleasedRanges() {
   std::lock_guard<std::mutex> views(views_mu_);
-  for (const HeldRange& r : unleased_) ReturnFreeRange(r.offset, r.bytes);
+  for (const HeldRange& r : unleased_) GiveRange(free_ranges_, r.offset, r.bytes);
   unleased_.clear();
 }
 
@@ -272,10 +284,6 @@ void CheckRange(const BufferInfo& info, size_t start, size_t stop, const char* o
   }
 }
 
-size_t Arena::Commit(int64_t buffer_id, size_t start, size_t stop) {
-  return CommitRanges({Range{buffer_id, start, stop}});
-}
-
 size_t Arena::BackedPrefix(int64_t buffer_id, size_t start, size_t stop) const {
   std::lock_guard<std::mutex> lock(mu_);
   const Placement& p = PlacementOrThrow(buffer_id, "Arena.backed_prefix");
@@ -283,70 +291,40 @@ size_t Arena::BackedPrefix(int64_t buffer_id, size_t start, size_t stop) const {
   size_t pos = start;
   while (pos < stop) {
     const size_t c = pos / chunk_bytes_;
-    if (!p.chunks[c]) break;
+    if (!host_page_table_[ArenaChunk(p, c)]) break;
     pos = std::min(stop, (c + 1) * chunk_bytes_);
   }
   return pos - start;
-}
-
-size_t Arena::Decommit(int64_t buffer_id, size_t start, size_t stop) {
-  std::lock_guard<std::mutex> lock(mu_);
-  ThrowIfClosed("decommit");
-  Placement& p = PlacementOrThrow(buffer_id, "Buffer.decommit");
-  CheckRange(p.info, start, stop, "Buffer.decommit");
-  if (start == stop) return 0;
-  // Inward rounding: never drop a chunk that still holds bytes outside [start, stop),
-  // except the buffer's own tail, which belongs to no one else.
-  const size_t first = (start + chunk_bytes_ - 1) / chunk_bytes_;
-  const size_t end = stop == p.info.nbytes ? p.chunks.size() : stop / chunk_bytes_;
-  if (first >= end) return 0;
-  return DecommitLocked(p, first, end);
-}
-
-size_t Arena::DecommitLocked(Placement& p, size_t first, size_t end) {
-  const auto t0 = std::chrono::steady_clock::now();
-  const size_t arena_chunk0 = p.info.offset / chunk_bytes_;
-  size_t removed = 0;
-  for (size_t c = first; c < end; ++c) {
-    if (p.chunks[c]) {
-      host_page_table_[arena_chunk0 + c] = 0;
-      ++removed;
-    }
-  }
-  if (removed == 0) return 0;
-  // Order matters for device code: first tell kernels the chunks are gone, then wait for
-  // work already in flight, then unmap. A kernel launched after this call sees the
-  // cleared table and drops its writes instead of faulting.
-  PublishPageTable(arena_chunk0 + first, end - first);
-  driver_->Synchronize();
-  // Unmap each contiguous run of backed chunks with one call, then release them.
-  for (size_t c = first; c < end;) {
-    if (!p.chunks[c]) {
-      ++c;
-      continue;
-    }
-    const size_t run_begin = c;
-    while (c < end && p.chunks[c]) p.chunks[c++]->mapped = false;
-    driver_->UnmapRun(p.info.address + run_begin * chunk_bytes_, c - run_begin);
-  }
-  for (size_t c = first; c < end; ++c) p.chunks[c].reset();
-  const size_t bytes = removed * chunk_bytes_;
-  p.info.backed_bytes -= bytes;
-  stats_.backed_bytes -= bytes;
-  stats_.chunks_released += static_cast<int64_t>(removed);
-  stats_.decommit_calls += 1;
-  stats_.decommit_seconds += SecondsSince(t0);
-  return bytes;
 }
 
 size_t Arena::ArenaChunk(const Placement& p, size_t buffer_chunk) const {
   return p.info.offset / chunk_bytes_ + buffer_chunk;
 }
 
-void Arena::PublishPageTable(size_t first_chunk_index, size_t count) {
-  if (count == 0) return;
-  driver_->CopyToMetadata(device_page_table_ + first_chunk_index,
-                          host_page_table_.data() + first_chunk_index, count);
+void Arena::AccountBacked(size_t first, size_t count, int sign) {
+  const size_t end = first + count;
+  for (auto& [id, p] : buffers_) {
+    const size_t p0 = p.info.offset / chunk_bytes_;
+    const size_t lo = std::max(first, p0);
+    const size_t hi = std::min(end, p0 + p.num_chunks);
+    if (hi <= lo) continue;
+    const size_t bytes = (hi - lo) * chunk_bytes_;
+    p.info.backed_bytes = sign > 0 ? p.info.backed_bytes + bytes : p.info.backed_bytes - bytes;
+  }
+  const size_t bytes = count * chunk_bytes_;
+  stats_.backed_bytes = sign > 0 ? stats_.backed_bytes + bytes : stats_.backed_bytes - bytes;
+  stats_.peak_backed_bytes = std::max(stats_.peak_backed_bytes, stats_.backed_bytes);
+}
+
+void Arena::PublishPageTable(const std::vector<ChunkRun>& runs) {
+  size_t first = num_chunks_, end = 0;
+  for (const ChunkRun& run : runs) {
+    if (run.count == 0) continue;
+    first = std::min(first, run.first);
+    end = std::max(end, run.first + run.count);
+  }
+  if (first >= end) return;
+  driver_->CopyToMetadata(device_page_table_ + first, host_page_table_.data() + first, end - first);
 }
 
 BufferInfo Arena::Buffer(int64_t buffer_id) const {
@@ -364,23 +342,51 @@ std::vector<BufferInfo> Arena::Buffers() const {
 ArenaStats Arena::Stats() const {
   std::lock_guard<std::mutex> lock(mu_);
   ArenaStats s = stats_;
+  s.held_bytes = s.retired_bytes = 0;
+  for (const auto& [first, m] : mappings_) {
+    s.held_bytes += m->bytes;
+    if (m->live == 0 && !m->pins) s.retired_bytes += m->bytes;
+  }
+  s.parked_bytes = s.held_bytes - s.backed_bytes - s.retired_bytes;
+  s.views_exported = views_exported_.load();
+  s.asleep = sleep_ != nullptr;
+  s.sleep_image_bytes = SleepImageBytes();
+  s.offloaded_bytes = s.pending_transfers = 0;
+  for (const auto& [ticket, t] : transfers_) {
+    s.offloaded_bytes += TransferHostBytes(*t);
+    s.pending_transfers += TransferInFlight(*t) ? 1 : 0;
+  }
+  s.host_cached_bytes = 0;
+  for (const auto& [bytes, block] : host_cache_) s.host_cached_bytes += bytes;
   s.closed = closed_;
   std::lock_guard<std::mutex> views(views_mu_);
   for (const auto& [uid, count] : live_views_) s.live_views += count;
-  for (const auto& [uid, range] : retired_) s.retired_bytes += range.bytes;
+  for (const auto& [uid, range] : held_ranges_) s.held_range_bytes += range.bytes;
   return s;
 }
 
 void Arena::Close() {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::unique_lock<std::mutex> lock(mu_);
   if (closed_) return;
-  for (auto& [id, p] : buffers_) DecommitLocked(p, 0, p.chunks.size());
+  WaitWhileBusy(lock);
+  for (auto& [ticket, record] : transfers_) DropTransferImage(*record);
+  transfers_.clear();
+  DropSleepImage();
+  if (!mappings_.empty()) driver_->Synchronize();  // nothing in flight touches what goes
+  ReleaseAllMemory(lock);
   closed_ = true;
+  FreeHostCacheLocked();
+  cv_.notify_all();
 }
 
 bool Arena::closed() const {
   std::lock_guard<std::mutex> lock(mu_);
   return closed_;
+}
+
+bool Arena::asleep() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return sleep_ != nullptr;
 }
 
 uint64_t Arena::DropCount(int64_t buffer_id) const {
@@ -413,7 +419,7 @@ void Arena::FillRef(const Placement& p, BufferRef* out) const {
 }
 
 bool Arena::FindBufferLocked(uintptr_t ptr, size_t bytes, BufferRef* out) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::lock_guard<std::mutex> lock(placement_mu_);
   if (closed_ || !Holds(ptr, bytes)) return false;
   for (const auto& [id, p] : buffers_) {
     const uintptr_t b = p.info.address;
@@ -427,7 +433,7 @@ bool Arena::FindBufferLocked(uintptr_t ptr, size_t bytes, BufferRef* out) const 
 
 bool Arena::FindBufferByUidLocked(uint64_t buffer_uid, BufferRef* out, std::string* name,
                                   bool* closed) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::lock_guard<std::mutex> lock(placement_mu_);
   for (const auto& [id, p] : buffers_) {
     if (p.info.uid == buffer_uid) {
       FillRef(p, out);

@@ -1,14 +1,20 @@
 // Arena::CommitRanges (contract in jax_vmm/arena.h), in four named steps:
 //   plan     validate every range, then work out the missing chunks as contiguous runs
-//            (ranges may overlap: a chunk is planned once); no driver call yet;
-//   map      create and map each run's chunks (one MapRun) and make the run writable
-//            (one SetAccess: it dominates the driver cost); the chunks are pending;
+//            (never crossing a range boundary; a chunk is planned once) and the parked
+//            chunks to take back; no driver call yet;
+//   map      create each run's allocations (up to handle_bytes each), map them (one
+//            MapRun) and make the run writable (one SetAccess); zero-fill where asked;
 //   publish  the page tables (host mirror, then the device table) say "backed";
-//   account  the pending chunks move into their buffers; statistics.
+//   account  the new allocations join the arena; statistics.
 // Nothing enters a page table before every driver call succeeded. On any exception in
 // map or publish the commit unwinds: the device table says "unbacked" again, then the
-// pending chunks unmap and release themselves (RAII), so the page tables, the driver
+// new allocations unmap and release themselves (RAII), so the page tables, the driver
 // state and the statistics (apart from failed_commits) are exactly as before.
+//
+// A commit waits for the device only when raw views may be reading (the arena handed one
+// out): mapping a chunk replaces the zero mapping at its address, and a kernel reading
+// those zeros through a view would fault mid-swap. jax_vmm's own kernels never touch
+// unbacked chunks. A zero-filling commit that takes back released chunks waits too.
 #include <algorithm>
 #include <chrono>
 #include <memory>
@@ -25,26 +31,6 @@
 
 namespace jax_vmm {
 
-struct Arena::CommitPlan {
-  struct Run {
-    Placement* placement;
-    size_t first;  // buffer-relative index of the run's first chunk
-    size_t count;
-  };
-  std::vector<Run> runs;
-  // Arena-wide [first, end) chunks of every non-empty range: what publish (and unwind)
-  // copy to the device page table.
-  std::vector<std::pair<size_t, size_t>> spans;
-  size_t missing_chunks = 0;
-  std::string buffer_names;  // "'k0', 'v0'": the buffers that get chunks (error messages)
-};
-
-struct Arena::PendingChunk {
-  Placement* placement;
-  size_t index;  // buffer-relative chunk index
-  std::unique_ptr<Chunk> chunk;
-};
-
 namespace {
 
 void AppendName(std::string* names, const std::string& name) {
@@ -54,31 +40,68 @@ void AppendName(std::string* names, const std::string& name) {
 
 }  // namespace
 
+size_t Arena::Commit(int64_t buffer_id, size_t start, size_t stop) {
+  return CommitRanges({Range{buffer_id, start, stop}});
+}
+
 size_t Arena::CommitRanges(const std::vector<Range>& ranges) {
-  std::lock_guard<std::mutex> lock(mu_);
-  ThrowIfClosed("commit");
-  const CommitPlan plan = PlanCommit(ranges);
-  if (plan.missing_chunks == 0) return 0;
-  const auto t0 = std::chrono::steady_clock::now();
-  // Mapping a chunk replaces the zero mapping at its address. A kernel still reading
-  // those zeros (a full-array op over the cache) would fault mid-swap, so wait for
-  // in-flight device work first, but only when this call really maps something.
-  driver_->Synchronize();
-  std::vector<PendingChunk> pending;
-  try {
-    MapRuns(plan, &pending);
-    PublishCommit(plan, pending);
-  } catch (const OutOfMemory& e) {
-    const size_t got = pending.empty() ? 0 : (pending.size() - 1) * chunk_bytes_;
-    UnwindCommit(plan, &pending);
-    throw CommitOutOfMemory(plan, got, e);
-  } catch (...) {
-    UnwindCommit(plan, &pending);
-    throw;
+  std::unique_lock<std::mutex> lock(mu_);
+  return CommitLocked(lock, ranges);
+}
+
+bool Arena::CommitAhead(const std::vector<Range>& ranges, size_t* added) {
+  std::unique_lock<std::mutex> lock(mu_);
+  const size_t bytes = CommitLocked(lock, ranges, /*background=*/true);
+  if (bytes == kSkipped) return false;
+  *added = bytes;
+  if (bytes > 0) ++stats_.commits_ahead;
+  return true;
+}
+
+size_t Arena::CommitLocked(std::unique_lock<std::mutex>& lock, const std::vector<Range>& ranges,
+                           bool background) {
+  for (int attempt = 0;; ++attempt) {
+    ThrowIfClosed("commit");
+    ThrowIfAsleep("commit");
+    // Rechecked after every wait: a view may have been made meanwhile.
+    if (background && views_exported_.load()) return kSkipped;
+    const CommitPlan plan = PlanCommit(ranges);
+    if (plan.must_wait) {
+      cv_.wait(lock);
+      continue;
+    }
+    if (plan.missing_chunks == 0 && plan.revive.empty()) return 0;
+    const auto t0 = std::chrono::steady_clock::now();
+    if (zero_fill_ && !plan.revive.empty()) {
+      // Work launched before the release may still read the chunks taken back: the
+      // zeros must not land under it.
+      driver_->Synchronize();
+      ++stats_.commit_drains;
+    } else if (!plan.runs.empty()) {
+      DrainIfViewsMayRead();
+    }
+    Pending pending;
+    try {
+      MapRuns(plan, &pending, zero_fill_);
+      ZeroFillRevived(plan);
+      PublishCommit(plan, &pending);
+    } catch (const OutOfMemory& e) {
+      size_t got = 0;
+      for (const auto& m : pending.mappings) got += m->bytes;
+      UnwindCommit(plan, &pending);
+      // Memory pressure: released memory waiting for the device comes back first.
+      const bool reclaimable = !retired_.empty() || reclaiming_ > 0 || AnyTransferInFlight();
+      if (attempt == 0 && reclaimable) {
+        ReclaimAllLocked(lock);
+        continue;
+      }
+      throw CommitOutOfMemory(plan, got, e);
+    } catch (...) {
+      UnwindCommit(plan, &pending);
+      throw;
+    }
+    return AccountCommit(plan, plan.missing_chunks, SecondsSince(t0));
   }
-  const double seconds =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  return AccountCommit(plan, &pending, seconds);
 }
 
 Arena::CommitPlan Arena::PlanCommit(const std::vector<Range>& ranges) {
@@ -88,96 +111,187 @@ Arena::CommitPlan Arena::PlanCommit(const std::vector<Range>& ranges) {
                "Buffer.commit");
   }
   CommitPlan plan;
-  std::unordered_set<size_t> planned;  // arena-wide indexes of the chunks in plan.runs
+  std::unordered_set<size_t> planned;  // arena-wide indexes of the chunks in the plan
   for (const Range& r : ranges) {
     if (r.start == r.stop) continue;
-    Placement& p = buffers_.at(r.buffer_id);
+    const Placement& p = buffers_.at(r.buffer_id);
     const size_t first = r.start / chunk_bytes_;
     const size_t end = CeilDiv(r.stop, chunk_bytes_);
-    plan.spans.emplace_back(ArenaChunk(p, first), ArenaChunk(p, end));
-    bool extends_run = false;  // whether chunk c continues the last run
+    plan.spans.push_back({ArenaChunk(p, first), end - first});
+    bool extends_run = false;  // whether the next missing chunk continues the last run
     bool gets_chunks = false;
     for (size_t c = first; c < end; ++c) {
-      if (p.chunks[c] || !planned.insert(ArenaChunk(p, c)).second) {
+      const size_t a = ArenaChunk(p, c);
+      if (host_page_table_[a] || !planned.insert(a).second) {
         extends_run = false;  // backed already, or planned by an overlapping range
         continue;
       }
-      if (extends_run) {
-        ++plan.runs.back().count;
-      } else {
-        plan.runs.push_back({&p, c, 1});
-      }
-      extends_run = gets_chunks = true;
+      gets_chunks = true;
+      PlanChunk(a, &plan, &extends_run);
     }
     if (gets_chunks) AppendName(&plan.buffer_names, p.info.name);
   }
-  plan.missing_chunks = planned.size();
   return plan;
 }
 
-// Everything built is in *pending as soon as it exists, so that an exception anywhere
-// leaves the caller what to unwind.
-void Arena::MapRuns(const CommitPlan& plan, std::vector<PendingChunk>* pending) {
-  for (const CommitPlan::Run& run : plan.runs) {
-    const uintptr_t va = run.placement->info.address + run.first * chunk_bytes_;
-    const size_t begin = pending->size();
-    std::vector<PhysicalHandle> handles;
-    for (size_t i = 0; i < run.count; ++i) {
-      pending->push_back({run.placement, run.first + i, nullptr});
-      pending->back().chunk = std::make_unique<Chunk>(driver_.get(), va + i * chunk_bytes_);
-      handles.push_back(pending->back().chunk->handle);
+// Chunk a needs backing: take its parked allocation back, or extend (or start) a run of
+// new allocations.
+void Arena::PlanChunk(size_t a, CommitPlan* plan, bool* extends_run) const {
+  if (Mapping* m = chunk_mapping_[a]) {
+    plan->must_wait |= m->busy();
+    plan->revive.push_back(a);
+    *extends_run = false;
+    return;
+  }
+  if (*extends_run) {
+    ++plan->runs.back().count;
+  } else {
+    plan->runs.push_back({a, 1});
+  }
+  *extends_run = true;
+  ++plan->missing_chunks;
+}
+
+Arena::CommitPlan Arena::PlanRuns(const std::vector<ChunkRun>& runs) const {
+  CommitPlan plan;
+  for (const ChunkRun& run : runs) {
+    plan.spans.push_back(run);
+    bool extends_run = false;
+    for (size_t a = run.first; a < run.first + run.count; ++a) {
+      if (host_page_table_[a]) {
+        throw InvalidArgument("Arena: chunk " + std::to_string(a) +
+                              " was committed while its contents were away; release it first");
+      }
+      PlanChunk(a, &plan, &extends_run);
     }
-    driver_->MapRun(va, handles.data(), handles.size());  // all-or-nothing
-    for (size_t i = begin; i < pending->size(); ++i) (*pending)[i].chunk->mapped = true;
+  }
+  plan.buffer_names = "(restored ranges)";
+  return plan;
+}
+
+void Arena::DrainIfViewsMayRead() {
+  if (!views_exported_.load()) return;
+  driver_->Synchronize();
+  ++stats_.commit_drains;
+}
+
+// Everything built is in pending as soon as it exists, so that an exception anywhere
+// leaves the caller what to unwind.
+void Arena::MapRuns(const CommitPlan& plan, Pending* pending, bool zero) {
+  const size_t per_handle = handle_bytes_ / chunk_bytes_;
+  const bool fill = zero && !driver_->FreshMemoryIsZero();
+  for (const ChunkRun& run : plan.runs) {
+    const size_t begin = pending->mappings.size();
+    std::vector<MapPiece> pieces;
+    for (size_t done = 0; done < run.count;) {
+      const size_t n = std::min(per_handle, run.count - done);
+      const size_t first = run.first + done;
+      pending->mappings.push_back(
+          std::make_unique<Mapping>(driver_.get(), first, n, chunk_bytes_, ChunkAddress(first)));
+      pieces.push_back({pending->mappings.back()->handle, 0, n * chunk_bytes_});
+      done += n;
+    }
+    const uintptr_t va = ChunkAddress(run.first);
+    driver_->MapRun(va, pieces.data(), pieces.size());  // all-or-nothing
+    for (size_t i = begin; i < pending->mappings.size(); ++i) pending->mappings[i]->mapped = true;
     driver_->SetAccess(va, run.count * chunk_bytes_);
+    if (fill) driver_->ZeroFill(va, run.count * chunk_bytes_);
   }
 }
 
-void Arena::PublishCommit(const CommitPlan& plan, const std::vector<PendingChunk>& pending) {
-  for (const PendingChunk& q : pending) host_page_table_[ArenaChunk(*q.placement, q.index)] = 1;
-  for (const auto& [first, end] : plan.spans) PublishPageTable(first, end - first);
+void Arena::ZeroFillRevived(const CommitPlan& plan) {
+  if (!zero_fill_) return;
+  ForEachRun(
+      plan.revive, [](size_t, size_t) { return true; },
+      [&](size_t first, size_t count) {
+        driver_->ZeroFill(ChunkAddress(first), count * chunk_bytes_);
+      });
+}
+
+void Arena::PublishCommit(const CommitPlan& plan, Pending* pending) {
+  for (const auto& m : pending->mappings) {
+    std::fill_n(host_page_table_.begin() + m->first_chunk, m->num_chunks, 1);
+  }
+  for (size_t a : plan.revive) host_page_table_[a] = 1;
+  PublishPageTable(plan.spans);
+  // Every call succeeded: the allocations join the arena, the parked chunks come back.
+  AdoptPlanned(plan, pending, /*pinned=*/false);
+}
+
+void Arena::AdoptPlanned(const CommitPlan& plan, Pending* pending, bool pinned) {
+  for (auto& m : pending->mappings) {
+    std::fill_n(chunk_mapping_.begin() + m->first_chunk, m->num_chunks, m.get());
+    (pinned ? m->pins : m->live) = m->num_chunks;
+    const size_t key = m->first_chunk;
+    mappings_.emplace(key, std::move(m));
+  }
+  pending->mappings.clear();
+  for (size_t a : plan.revive) {
+    Mapping* m = chunk_mapping_[a];
+    if (m->retired) {
+      retired_.erase(m);
+      m->retired = false;
+    }
+    if (pinned) {
+      ++m->pins;
+    } else {
+      ++m->live;
+      parked_dirty_.erase(a);
+    }
+  }
 }
 
 // The device page table must say "unbacked" again *before* the chunks are unmapped (a
 // kernel must never see 1 for a chunk that is gone).
-void Arena::UnwindCommit(const CommitPlan& plan, std::vector<PendingChunk>* pending) noexcept {
-  for (const PendingChunk& q : *pending) host_page_table_[ArenaChunk(*q.placement, q.index)] = 0;
-  for (const auto& [first, end] : plan.spans) {
-    try {
-      PublishPageTable(first, end - first);
-    } catch (...) {
-      // The table copy only fails when the device is already broken.
-    }
+void Arena::UnwindCommit(const CommitPlan& plan, Pending* pending) noexcept {
+  for (const auto& m : pending->mappings) {
+    if (m) std::fill_n(host_page_table_.begin() + m->first_chunk, m->num_chunks, 0);
   }
-  pending->clear();  // Chunk destructors unmap and release
+  for (size_t a : plan.revive) host_page_table_[a] = 0;
+  try {
+    PublishPageTable(plan.spans);
+  } catch (...) {
+    // The table copy only fails when the device is already broken.
+  }
+  pending->mappings.clear();  // Mapping destructors unmap and release
   ++stats_.failed_commits;
 }
 
-size_t Arena::AccountCommit(const CommitPlan& plan, std::vector<PendingChunk>* pending,
-                            double seconds) {
-  for (PendingChunk& q : *pending) {
-    q.placement->chunks[q.index] = std::move(q.chunk);
-    q.placement->info.backed_bytes += chunk_bytes_;
+size_t Arena::AccountCommit(const CommitPlan& plan, size_t created, double seconds) {
+  for (const ChunkRun& run : plan.runs) AccountBacked(run.first, run.count, +1);
+  ForEachRun(
+      plan.revive, [](size_t, size_t) { return true; },
+      [&](size_t first, size_t count) { AccountBacked(first, count, +1); });
+  const size_t per_handle = handle_bytes_ / chunk_bytes_;
+  for (const ChunkRun& run : plan.runs) {
+    stats_.handles_created += static_cast<int64_t>(CeilDiv(run.count, per_handle));
   }
-  const size_t added = pending->size() * chunk_bytes_;
-  stats_.backed_bytes += added;
-  stats_.peak_backed_bytes = std::max(stats_.peak_backed_bytes, stats_.backed_bytes);
-  stats_.chunks_created += static_cast<int64_t>(pending->size());
+  stats_.chunks_created += static_cast<int64_t>(created);
+  stats_.chunks_revived += static_cast<int64_t>(plan.revive.size());
   stats_.set_access_calls += static_cast<int64_t>(plan.runs.size());
   stats_.commit_calls += 1;
   stats_.commit_seconds += seconds;
-  return added;
+  return (created + plan.revive.size()) * chunk_bytes_;
 }
 
 OutOfMemory Arena::CommitOutOfMemory(const CommitPlan& plan, size_t got,
                                      const OutOfMemory& e) const {
   const size_t asked = plan.missing_chunks * chunk_bytes_;
   const size_t free_bytes = driver_->mem_info().free_bytes;
+  size_t parked = 0;
+  for (const auto& [first, m] : mappings_) parked += (m->num_chunks - m->live) * chunk_bytes_;
+  const std::string held =
+      parked == 0 ? std::string()
+                  : " This arena holds " + Bytes(parked) +
+                        " of released chunks inside allocations still in use (handle_bytes=" +
+                        Bytes(handle_bytes_) +
+                        "); release their neighbours or use smaller "
+                        "handles to get it back.";
   return OutOfMemory("commit of buffer(s) " + plan.buffer_names + ": out of physical memory on " +
                          driver_->kind() + " device " + std::to_string(driver_->device_ordinal()) +
                          ": asked for " + Bytes(asked) + " (chunks of " + Bytes(chunk_bytes_) +
                          "), failed after " + Bytes(got) + "; " + Bytes(free_bytes) +
-                         " free. Nothing was committed. Driver said: " + e.what(),
+                         " free. Nothing was committed." + held + " Driver said: " + e.what(),
                      asked, free_bytes);
 }
 

@@ -1,25 +1,17 @@
-// Default run forms of the Driver interface (drivers without batched calls), and the
-// factory by name.
+// The Driver interface's convenience forms, and the factory by name.
 #include "jax_vmm/driver.h"
 
 #include "jax_vmm/errors.h"
 
 namespace jax_vmm {
 
-void Driver::MapRun(uintptr_t va, const PhysicalHandle* handles, size_t count) {
-  const size_t chunk = chunk_bytes();
-  size_t done = 0;
-  try {
-    for (; done < count; ++done) Map(va + done * chunk, handles[done]);
-  } catch (...) {
-    UnmapRun(va, done);  // all-or-nothing: the chunks mapped so far read zeros again
-    throw;
-  }
+void MapWhole(Driver& driver, uintptr_t va, PhysicalHandle handle, size_t bytes) {
+  const MapPiece piece{handle, 0, bytes};
+  driver.MapRun(va, &piece, 1);
 }
 
-void Driver::UnmapRun(uintptr_t va, size_t count) noexcept {
-  const size_t chunk = chunk_bytes();
-  for (size_t i = 0; i < count; ++i) Unmap(va + i * chunk);
+void UnmapWhole(Driver& driver, uintptr_t va, size_t bytes) noexcept {
+  driver.UnmapRun(va, &bytes, 1);
 }
 
 std::unique_ptr<Driver> MakeDriver(const std::string& kind, int device, size_t chunk_bytes) {

@@ -2,27 +2,34 @@
 //
 //   reserve   mmap(PROT_READ, MAP_PRIVATE|MAP_ANONYMOUS|MAP_NORESERVE): reads as zeros
 //             (the kernel's shared zero page), costs no memory.
-//   physical  one memfd per driver; a chunk is a file range allocated with fallocate()
-//             (so a commit really takes the memory, or fails with ENOSPC/ENOMEM now
-//             rather than SIGBUS later) and freed with FALLOC_FL_PUNCH_HOLE.
-//   map       mmap(MAP_SHARED|MAP_FIXED) of the chunk's file range, read-only until
+//   physical  one memfd per driver; an allocation is a file range allocated with
+//             fallocate() (so a commit really takes the memory, or fails with
+//             ENOSPC/ENOMEM now rather than SIGBUS later) and freed with
+//             FALLOC_FL_PUNCH_HOLE. Ranges are recycled first-fit from a coalesced free
+//             list, so the file does not grow without bound.
+//   map       mmap(MAP_SHARED|MAP_FIXED) of a piece's file range, read-only until
 //   set_access mprotect(PROT_READ|PROT_WRITE) over the whole run.
-//   unmap     mmap the zero reservation mapping back over the chunk.
-// One memfd (not one per chunk) keeps the file-descriptor count constant.
+//   unmap     mmap the zero reservation mapping back over the run: MAP_FIXED replaces
+//             the mapping atomically, so a concurrent reader sees old bytes or zeros and
+//             never a hole (no need to wait for readers before unmapping).
+//   host mem  page-aligned anonymous mappings; copies are memcpy.
+// One memfd (not one per allocation) keeps the file-descriptor count constant.
 #include <fcntl.h>
 #include <linux/falloc.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <map>
 #include <mutex>
 #include <string>
-#include <vector>
 
+#include "common/free_ranges.h"
 #include "common/math.h"
 #include "jax_vmm/driver.h"
 #include "jax_vmm/errors.h"
@@ -46,7 +53,14 @@ MemInfo ReadMemInfo() {
   return info;
 }
 
-// Thread-safety: Create/Release share the chunk free list under `mu_`; every other
+[[noreturn]] void ThrowHostOutOfMemory(const std::string& what, size_t bytes) {
+  const size_t free_bytes = ReadMemInfo().free_bytes;
+  throw OutOfMemory("host driver: out of memory " + what + " of " + std::to_string(bytes) +
+                        " bytes (" + std::to_string(free_bytes) + " bytes available)",
+                    bytes, free_bytes);
+}
+
+// Thread-safety: Create/Release share the file's bookkeeping under `mu_`; every other
 // method is a stateless system call on a range the caller (the arena) owns.
 class HostDriver final : public Driver {
  public:
@@ -69,6 +83,8 @@ class HostDriver final : public Driver {
   size_t granularity() const override { return page_; }
   size_t chunk_bytes() const override { return chunk_; }
   MemInfo mem_info() const override { return ReadMemInfo(); }
+  bool FreshMemoryIsZero() const override { return true; }  // new and punched blocks read 0
+  bool UnmapNeedsQuiescence() const override { return false; }
 
   uintptr_t Reserve(size_t bytes) override {
     // Over-reserve by one chunk so the range can start chunk-aligned.
@@ -89,61 +105,74 @@ class HostDriver final : public Driver {
     munmap(reinterpret_cast<void*>(va), bytes);
   }
 
-  PhysicalHandle Create() override {
-    off_t offset;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (!free_offsets_.empty()) {
-        offset = free_offsets_.back();
-        free_offsets_.pop_back();
-      } else {
-        offset = file_end_;
-        file_end_ += static_cast<off_t>(chunk_);
-        if (ftruncate(fd_, file_end_) != 0) {
-          file_end_ -= static_cast<off_t>(chunk_);
-          throw DriverError(Errno("ftruncate(memfd)"));
-        }
-      }
+  PhysicalHandle Create(size_t bytes) override {
+    if (bytes == 0 || bytes % chunk_ != 0) {
+      throw InvalidArgument("host driver: allocation of " + std::to_string(bytes) +
+                            " bytes; expected a positive multiple of " + std::to_string(chunk_));
     }
-    if (fallocate(fd_, 0, offset, static_cast<off_t>(chunk_)) != 0) {
+    const off_t offset = TakeFileRange(bytes);
+    if (fallocate(fd_, 0, offset, static_cast<off_t>(bytes)) != 0) {
       const int err = errno;
-      ReturnOffset(offset);
-      if (err == ENOSPC || err == ENOMEM) {
-        const size_t free_bytes = ReadMemInfo().free_bytes;
-        throw OutOfMemory("host driver: out of memory committing a chunk of " +
-                              std::to_string(chunk_) + " bytes (" + std::to_string(free_bytes) +
-                              " bytes available)",
-                          chunk_, free_bytes);
-      }
+      // fallocate may have allocated part of the range before failing: give it back.
+      fallocate(fd_, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, offset, static_cast<off_t>(bytes));
+      GiveFileRange(offset, bytes);
+      if (err == ENOSPC || err == ENOMEM) ThrowHostOutOfMemory("committing memory", bytes);
       errno = err;
       throw DriverError(Errno("fallocate(memfd)"));
     }
+    std::lock_guard<std::mutex> lock(mu_);
+    sizes_[offset] = bytes;
     return static_cast<PhysicalHandle>(offset);
   }
 
   void Release(PhysicalHandle handle) noexcept override {
     const off_t offset = static_cast<off_t>(handle);
-    // Punching the hole frees the pages now; the offset is recycled for a later chunk.
-    fallocate(fd_, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, offset, static_cast<off_t>(chunk_));
-    ReturnOffset(offset);
+    size_t bytes = 0;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = sizes_.find(offset);
+      if (it == sizes_.end()) {
+        std::fprintf(stderr, "jax_vmm: host driver asked to release unknown allocation %lld\n",
+                     static_cast<long long>(offset));
+        return;
+      }
+      bytes = it->second;
+      sizes_.erase(it);
+    }
+    // Punching the hole frees the pages now; the range is recycled for a later allocation.
+    fallocate(fd_, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, offset, static_cast<off_t>(bytes));
+    GiveFileRange(offset, bytes);
   }
 
-  void Map(uintptr_t va, PhysicalHandle handle) override {
-    void* p = mmap(reinterpret_cast<void*>(va), chunk_, PROT_READ, MAP_SHARED | MAP_FIXED, fd_,
-                   static_cast<off_t>(handle));
-    if (p == MAP_FAILED) {
-      const std::string msg = Errno("mmap(map chunk)");
-      RestoreZero(va, chunk_);
-      throw DriverError(msg);
+  void MapRun(uintptr_t va, const MapPiece* pieces, size_t count) override {
+    size_t done = 0;
+    for (size_t i = 0; i < count; ++i) {
+      void* p = mmap(reinterpret_cast<void*>(va + done), pieces[i].bytes, PROT_READ,
+                     MAP_SHARED | MAP_FIXED, fd_,
+                     static_cast<off_t>(pieces[i].handle + pieces[i].offset));
+      if (p == MAP_FAILED) {
+        const std::string msg = Errno("mmap(map piece)");
+        RestoreZero(va, done + pieces[i].bytes);
+        throw DriverError(msg);
+      }
+      done += pieces[i].bytes;
     }
   }
 
-  void Unmap(uintptr_t va) noexcept override { RestoreZero(va, chunk_); }
+  void UnmapRun(uintptr_t va, const size_t* piece_bytes, size_t count) noexcept override {
+    size_t bytes = 0;
+    for (size_t i = 0; i < count; ++i) bytes += piece_bytes[i];
+    RestoreZero(va, bytes);
+  }
 
   void SetAccess(uintptr_t va, size_t bytes) override {
     if (mprotect(reinterpret_cast<void*>(va), bytes, PROT_READ | PROT_WRITE) != 0) {
       throw DriverError(Errno("mprotect(set_access)"));
     }
+  }
+
+  void ZeroFill(uintptr_t va, size_t bytes) override {
+    std::memset(reinterpret_cast<void*>(va), 0, bytes);
   }
 
   void* AllocMetadata(size_t bytes) override {
@@ -161,10 +190,37 @@ class HostDriver final : public Driver {
   }
   void Synchronize() override {}
 
+  void* AllocHost(size_t bytes) override {
+    void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) ThrowHostOutOfMemory("allocating host memory", bytes);
+    return p;
+  }
+  void FreeHost(void* ptr, size_t bytes) noexcept override {
+    if (ptr != nullptr) munmap(ptr, bytes);
+  }
+  void CopyToHost(const CopyRegion* regions, size_t count) override { Copy(regions, count); }
+  void CopyToDevice(const CopyRegion* regions, size_t count) override { Copy(regions, count); }
+
  private:
-  void ReturnOffset(off_t offset) {
+  static void Copy(const CopyRegion* regions, size_t count) {
+    for (size_t i = 0; i < count; ++i)
+      std::memcpy(regions[i].dst, regions[i].src, regions[i].bytes);
+  }
+
+  off_t TakeFileRange(size_t bytes) {
     std::lock_guard<std::mutex> lock(mu_);
-    free_offsets_.push_back(offset);
+    const uint64_t recycled = TakeFirstFit(ranges_, bytes);
+    if (recycled != kNoFreeRange) return static_cast<off_t>(recycled);
+    const off_t offset = file_end_;
+    if (ftruncate(fd_, file_end_ + static_cast<off_t>(bytes)) != 0) {
+      throw DriverError(Errno("ftruncate(memfd)"));
+    }
+    file_end_ += static_cast<off_t>(bytes);
+    return offset;
+  }
+  void GiveFileRange(off_t offset, size_t bytes) {
+    std::lock_guard<std::mutex> lock(mu_);
+    GiveRange(ranges_, static_cast<uint64_t>(offset), bytes);
   }
   static void RestoreZero(uintptr_t va, size_t bytes) noexcept {
     // Cannot fail for a range inside our own reservation short of address-space
@@ -182,7 +238,8 @@ class HostDriver final : public Driver {
   int fd_ = -1;
   std::mutex mu_;
   off_t file_end_ = 0;
-  std::vector<off_t> free_offsets_;
+  FreeRangeMap ranges_;            // recycled file ranges
+  std::map<off_t, size_t> sizes_;  // live allocations: offset -> bytes
 };
 
 }  // namespace

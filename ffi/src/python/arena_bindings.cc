@@ -6,7 +6,9 @@
 #include <nanobind/stl/vector.h>
 
 #include <cstdint>
+#include <memory>
 #include <string>
+#include <utility>
 
 #include "jax_vmm/arena.h"
 #include "jax_vmm/driver.h"
@@ -53,10 +55,15 @@ nb::dict StatsDict(const ArenaStats& s) {
   d["device_ordinal"] = s.device_ordinal;
   d["granularity"] = s.granularity;
   d["chunk_bytes"] = s.chunk_bytes;
+  d["handle_bytes"] = s.handle_bytes;
+  d["zero_fill"] = s.zero_fill;
   d["reserved_bytes"] = s.reserved_bytes;
   d["placed_bytes"] = s.placed_bytes;
   d["backed_bytes"] = s.backed_bytes;
   d["peak_backed_bytes"] = s.peak_backed_bytes;
+  d["held_bytes"] = s.held_bytes;
+  d["parked_bytes"] = s.parked_bytes;
+  d["retired_bytes"] = s.retired_bytes;
   d["num_buffers"] = s.num_buffers;
   d["commit_calls"] = s.commit_calls;
   d["decommit_calls"] = s.decommit_calls;
@@ -64,16 +71,30 @@ nb::dict StatsDict(const ArenaStats& s) {
   d["decommit_seconds"] = s.decommit_seconds;
   d["chunks_created"] = s.chunks_created;
   d["chunks_released"] = s.chunks_released;
+  d["chunks_revived"] = s.chunks_revived;
+  d["handles_created"] = s.handles_created;
+  d["handles_released"] = s.handles_released;
   d["set_access_calls"] = s.set_access_calls;
   d["failed_commits"] = s.failed_commits;
+  d["commit_drains"] = s.commit_drains;
+  d["commits_ahead"] = s.commits_ahead;
+  d["deferred_releases"] = s.deferred_releases;
+  d["reclaim_syncs"] = s.reclaim_syncs;
   d["live_views"] = s.live_views;
-  d["retired_bytes"] = s.retired_bytes;
+  d["held_range_bytes"] = s.held_range_bytes;
+  d["views_exported"] = s.views_exported;
+  d["asleep"] = s.asleep;
+  d["sleep_image_bytes"] = s.sleep_image_bytes;
+  d["offloaded_bytes"] = s.offloaded_bytes;
+  d["host_cached_bytes"] = s.host_cached_bytes;
+  d["pending_transfers"] = s.pending_transfers;
   d["closed"] = s.closed;
   return d;
 }
 
 // A DLPack capsule over a buffer whose deleter drops a view lease (no GIL): the view
-// keeps the arena's reservation alive and counts as a live view of the buffer.
+// keeps the arena's reservation alive and counts as a live view of the buffer. Taking
+// the lease may wait for the device (deferred releases finish first): without the GIL.
 nb::object View(Arena& a, int64_t buffer_id, std::vector<size_t> shape, uint8_t code, uint8_t bits,
                 int device_type, int device_id) {
   const BufferInfo b = a.Buffer(buffer_id);
@@ -85,7 +106,12 @@ nb::object View(Arena& a, int64_t buffer_id, std::vector<size_t> shape, uint8_t 
   view.dtype_bits = bits;
   view.device_type = device_type;
   view.device_id = device_id;
-  return MakeDlpackCapsule(view, a.LeaseView(buffer_id));
+  std::shared_ptr<ViewLease> lease;
+  {
+    nb::gil_scoped_release release;
+    lease = a.LeaseView(buffer_id);
+  }
+  return MakeDlpackCapsule(view, std::move(lease));
 }
 
 nb::dict RefDict(const BufferRef& ref) {
@@ -98,6 +124,16 @@ nb::dict RefDict(const BufferRef& ref) {
   d["driver_kind"] = std::string(ref.driver_kind);
   d["device_ordinal"] = ref.device_ordinal;
   return d;
+}
+
+std::vector<Arena::Range> ToRanges(const std::vector<std::tuple<int64_t, size_t, size_t>>& r) {
+  std::vector<Arena::Range> ranges;
+  for (const auto& [id, start, stop] : r) ranges.push_back({id, start, stop});
+  return ranges;
+}
+
+nb::tuple TransferTuple(TransferState state, const std::string& error) {
+  return nb::make_tuple(static_cast<int>(state), error);
 }
 
 nb::object FindBuffer(uint64_t address, size_t nbytes) {
@@ -140,6 +176,9 @@ void BindArenaQueries(nb::class_<Arena>& c) {
       .def_prop_ro("base", [](const Arena& a) { return static_cast<uint64_t>(a.base()); })
       .def_prop_ro("reserved_bytes", &Arena::reserved_bytes)
       .def_prop_ro("chunk_bytes", &Arena::chunk_bytes)
+      .def_prop_ro("handle_bytes", &Arena::handle_bytes)
+      .def_prop_ro("zero_fill", &Arena::zero_fill)
+      .def_prop_ro("asleep", &Arena::asleep)
       .def_prop_ro("granularity", [](const Arena& a) { return a.driver().granularity(); })
       .def_prop_ro("driver_kind", [](const Arena& a) { return std::string(a.driver().kind()); })
       .def_prop_ro("device_ordinal", [](const Arena& a) { return a.driver().device_ordinal(); })
@@ -161,6 +200,15 @@ void BindArenaQueries(nb::class_<Arena>& c) {
              return d;
            })
       .def("drop_count", &Arena::DropCount)
+      .def(
+          "transfer_state",
+          [](const Arena& a, uint64_t ticket) {
+            std::string error;
+            const TransferState state = a.TransferStatus(ticket, &error);
+            return TransferTuple(state, error);
+          },
+          "(state, error) of a transfer: 0 offloading, 1 offloaded, 2 restoring, 3 restored, "
+          "4 failed.")
       .def("live_views", nb::overload_cast<>(&Arena::LiveViews, nb::const_),
            "View leases alive, of every buffer (freed ones included).")
       .def("buffer_live_views", nb::overload_cast<int64_t>(&Arena::LiveViews, nb::const_),
@@ -186,15 +234,69 @@ void BindArenaChanges(nb::class_<Arena>& c) {
       .def(
           "commit_ranges",
           [](Arena& a, const std::vector<std::tuple<int64_t, size_t, size_t>>& r) {
-            std::vector<Arena::Range> ranges;
-            for (const auto& [id, start, stop] : r) ranges.push_back({id, start, stop});
+            const std::vector<Arena::Range> ranges = ToRanges(r);
             nb::gil_scoped_release release;
             return a.CommitRanges(ranges);
           },
           "All-or-nothing commit of (buffer_id, start, stop) ranges.")
+      .def(
+          "commit_ahead",
+          [](Arena& a, const std::vector<std::tuple<int64_t, size_t, size_t>>& r) -> int64_t {
+            const std::vector<Arena::Range> ranges = ToRanges(r);
+            nb::gil_scoped_release release;
+            size_t added = 0;
+            return a.CommitAhead(ranges, &added) ? static_cast<int64_t>(added) : -1;
+          },
+          "commit_ranges from a background thread; -1 (skipped) once raw views were handed out.")
       .def("free", &Arena::Free, nb::call_guard<nb::gil_scoped_release>())
       .def("commit", &Arena::Commit, nb::call_guard<nb::gil_scoped_release>())
-      .def("decommit", &Arena::Decommit, nb::call_guard<nb::gil_scoped_release>())
+      .def("decommit", &Arena::Decommit, nb::arg("buffer_id"), nb::arg("start"), nb::arg("stop"),
+           nb::arg("wait") = false, nb::call_guard<nb::gil_scoped_release>())
+      .def(
+          "decommit_ranges",
+          [](Arena& a, const std::vector<std::tuple<int64_t, size_t, size_t>>& r, bool wait) {
+            const std::vector<Arena::Range> ranges = ToRanges(r);
+            nb::gil_scoped_release release;
+            return a.DecommitRanges(ranges, wait);
+          },
+          nb::arg("ranges"), nb::arg("wait") = false,
+          "Decommit of (buffer_id, start, stop) ranges in one call.")
+      .def("reclaim", &Arena::Reclaim, nb::call_guard<nb::gil_scoped_release>())
+      .def("sleep", &Arena::Sleep, nb::arg("keep_contents"),
+           nb::call_guard<nb::gil_scoped_release>())
+      .def("wake", &Arena::Wake, nb::call_guard<nb::gil_scoped_release>())
+      .def(
+          "offload",
+          [](Arena& a, const std::vector<std::tuple<int64_t, size_t, size_t>>& r) {
+            const std::vector<Arena::Range> ranges = ToRanges(r);
+            nb::gil_scoped_release release;
+            return a.Offload(ranges);
+          },
+          "Offload of (buffer_id, start, stop) ranges; returns the transfer's ticket.")
+      .def("restore", &Arena::Restore, nb::arg("ticket"), nb::arg("wait"),
+           nb::call_guard<nb::gil_scoped_release>())
+      .def(
+          "wait_transfer",
+          [](const Arena& a, uint64_t ticket) {
+            std::string error;
+            TransferState state;
+            {
+              nb::gil_scoped_release release;
+              state = a.WaitTransfer(ticket, &error);
+            }
+            return TransferTuple(state, error);
+          },
+          "Blocks while the transfer is in flight; returns (state, error).")
+      .def("drop_transfer", &Arena::DropTransfer, nb::call_guard<nb::gil_scoped_release>())
+      .def("free_host_cache", &Arena::FreeHostCache, nb::call_guard<nb::gil_scoped_release>())
+      .def(
+          "copy_in",
+          [](Arena& a, int64_t id, size_t offset, uint64_t src, size_t bytes) {
+            nb::gil_scoped_release release;
+            a.CopyIn(id, offset, reinterpret_cast<const void*>(static_cast<uintptr_t>(src)), bytes);
+          },
+          nb::arg("buffer_id"), nb::arg("offset"), nb::arg("src"), nb::arg("nbytes"),
+          "Copy nbytes from address src (host or device memory) into a backed buffer range.")
       .def("close", &Arena::Close, nb::call_guard<nb::gil_scoped_release>())
       .def("pin_metadata_for_graphs", &Arena::PinMetadataForGraphs,
            "Keep the page table and drop counters allocated after destruction: compiled "
@@ -212,10 +314,13 @@ void BindArena(nb::module_& m) {
   BindArenaChanges(arena);
   m.def(
       "create_arena",
-      [](const std::string& driver, int device, size_t reserve_bytes, size_t chunk_bytes) {
-        return Arena::Create(MakeDriver(driver, device, chunk_bytes), reserve_bytes);
+      [](const std::string& driver, int device, size_t reserve_bytes, size_t chunk_bytes,
+         size_t handle_bytes, bool zero_fill) {
+        return Arena::Create(MakeDriver(driver, device, chunk_bytes), reserve_bytes,
+                             ArenaOptions{handle_bytes, zero_fill});
       },
       nb::arg("driver"), nb::arg("device"), nb::arg("reserve_bytes"), nb::arg("chunk_bytes") = 0,
+      nb::arg("handle_bytes") = 0, nb::arg("zero_fill") = true,
       nb::call_guard<nb::gil_scoped_release>());
   m.def("find_arena_buffer", &FindBuffer, nb::arg("address"), nb::arg("nbytes"),
         "The live (open) arena buffer holding [address, address + nbytes), or None.");

@@ -93,6 +93,9 @@ void BindKvCache(nb::module_& m) {
       .def("set_limit", &KvCache::SetLimit, nb::arg("seq"), nb::arg("tokens"),
            nb::call_guard<nb::gil_scoped_release>(),
            "Tokens ensured for a sequence, published to the device before it returns.")
+      .def("set_limits", &KvCache::SetLimits, nb::arg("tokens"),
+           nb::call_guard<nb::gil_scoped_release>(),
+           "Every sequence's ensured tokens at once: one copy to the device.")
       .def("limits", &KvCache::Limits)
       .def("read_clamps", &KvCache::ReadClamps, nb::call_guard<nb::gil_scoped_release>())
       .def("reset_read_clamps", &KvCache::ResetReadClamps, nb::call_guard<nb::gil_scoped_release>())

@@ -88,6 +88,7 @@ NB_MODULE(_core, m) {
   m.doc() = "jax_vmm C++ core: virtual-memory arenas, drivers and XLA FFI handlers";
 
   nb::exception<ArenaClosed>(m, "ArenaClosedError", PyExc_RuntimeError);
+  nb::exception<ArenaAsleep>(m, "ArenaAsleepError", PyExc_RuntimeError);
   nb::exception<ReservationFull>(m, "ReservationFullError", PyExc_RuntimeError);
   nb::exception<DriverError>(m, "DriverError", PyExc_RuntimeError);
   // InvalidArgument derives from std::invalid_argument, which nanobind maps to ValueError.

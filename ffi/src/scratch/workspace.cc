@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "common/math.h"
 
@@ -49,24 +50,30 @@ std::string Workspace::ChooseMode(ScratchMode requested) {
   return "";
 }
 
-// Maps chunks [range.handles.size(), want_chunks) of `range`; all-or-nothing.
+// Maps chunks [range.handles.size(), want_chunks) of `range` (one handle each, one
+// MapRun, one SetAccess); all-or-nothing.
 std::string Workspace::MapChunks(Range& range, size_t want_chunks) {
   const size_t chunk = driver_->chunk_bytes();
   const size_t first = range.handles.size();
+  if (want_chunks <= first) return "";
+  const uintptr_t va = range.va + first * chunk;
   std::vector<PhysicalHandle> fresh;
-  size_t mapped = 0;
+  std::vector<MapPiece> pieces;
+  bool mapped = false;
   try {
     for (size_t i = first; i < want_chunks; ++i) {
-      fresh.push_back(driver_->Create());
-      driver_->Map(range.va + i * chunk, fresh.back());
-      ++mapped;
+      fresh.push_back(driver_->Create(chunk));
+      pieces.push_back({fresh.back(), 0, chunk});
     }
-    driver_->SetAccess(range.va + first * chunk, (want_chunks - first) * chunk);
+    driver_->MapRun(va, pieces.data(), pieces.size());
+    mapped = true;
+    driver_->SetAccess(va, (want_chunks - first) * chunk);
   } catch (const std::exception& e) {
-    for (size_t i = 0; i < fresh.size(); ++i) {
-      if (i < mapped) driver_->Unmap(range.va + (first + i) * chunk);
-      driver_->Release(fresh[i]);
+    if (mapped) {
+      const std::vector<size_t> sizes(pieces.size(), chunk);
+      driver_->UnmapRun(va, sizes.data(), sizes.size());
     }
+    for (PhysicalHandle h : fresh) driver_->Release(h);
     return std::string("jax_vmm scratch: growing the workspace on ") + DeviceName(stats_.device) +
            " to " + std::to_string(want_chunks * chunk) + " bytes failed: " + e.what();
   }
@@ -79,10 +86,9 @@ std::string Workspace::MapChunks(Range& range, size_t want_chunks) {
 // into whatever would reuse the addresses.
 void Workspace::ReleaseChunks(Range& range) noexcept {
   const size_t chunk = driver_->chunk_bytes();
-  for (size_t i = 0; i < range.handles.size(); ++i) {
-    driver_->Unmap(range.va + i * chunk);
-    driver_->Release(range.handles[i]);
-  }
+  const std::vector<size_t> sizes(range.handles.size(), chunk);
+  driver_->UnmapRun(range.va, sizes.data(), sizes.size());
+  for (PhysicalHandle h : range.handles) driver_->Release(h);
   range.handles.clear();
 }
 

@@ -2,22 +2,34 @@
 // request (the adaptor pattern of rmm's failure_callback_resource_adaptor), so production
 // drivers carry no test hooks.
 //
-// Arms per operation: the nth (1-based) future Create, Map or SetAccess call fails with
-// InjectedFault, or with OutOfMemory to test the MemoryError path. MapRun counts each
-// chunk as one Map call; when chunk k of a run is the armed one, the chunks before it are
+// Arms per operation: the nth (1-based) future call of an op fails with InjectedFault, or
+// with OutOfMemory to test the MemoryError path. Ops: create (one allocation), map (one
+// piece of a MapRun: when piece k of a run is the armed one, the pieces before it are
 // really mapped and then unmapped again before the fault is thrown, as a real mid-run
-// failure of the all-or-nothing MapRun would leave it.
-// BreakRelease(true) makes Release, Unmap and UnmapRun do nothing, so a rollback (or a
-// decommit) keeps its chunks: tests use it to show that their checks see a leak.
+// failure of the all-or-nothing MapRun would leave it), set_access, zero_fill, host_alloc,
+// copy_to_host and copy_to_device (one region of a batch: the regions before it are
+// really copied).
 //
-// Thread-safety: every method may be called from any thread (the arming state is atomic);
-// the inner driver's own guarantees hold for the forwarded calls.
+// Switches that remove one protection each, so tests can show their checks catch it:
+//   BreakRelease   release and unmap do nothing: a rollback (or a release) keeps its
+//                  memory.
+//   SkipDeviceWaits  Synchronize does nothing and unmapping claims to need no device wait:
+//                  commits never drain and releases unmap at once, under running kernels.
+// And two that change timing, so the deferred paths run on the host driver too:
+//   DeferReclaim   unmapping claims to need a device wait (the host then defers like CUDA).
+//   HoldDevice     Synchronize blocks until the hold is lifted (a device that is still busy).
+//
+// Thread-safety: every method may be called from any thread (the arming state is atomic,
+// the hold is a mutex + condition variable); the inner driver's own guarantees hold for the
+// forwarded calls.
 #pragma once
 
 #include <atomic>
+#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <stdexcept>
 #include <string>
 
@@ -32,9 +44,19 @@ class InjectedFault : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-enum class DriverOp : int { kCreate = 0, kMap = 1, kSetAccess = 2, kCount = 3 };
+enum class DriverOp : int {
+  kCreate = 0,
+  kMap,
+  kSetAccess,
+  kZeroFill,
+  kHostAlloc,
+  kCopyToHost,
+  kCopyToDevice,
+  kCount
+};
 
-// "create", "map" or "set_access"; InvalidArgument for another name.
+// "create", "map", "set_access", "zero_fill", "host_alloc", "copy_to_host",
+// "copy_to_device"; InvalidArgument for another name.
 DriverOp ParseDriverOp(const std::string& name);
 const char* DriverOpName(DriverOp op);
 
@@ -44,27 +66,32 @@ class FaultInjectingDriver final : public Driver {
 
   // Fail the `nth` (1-based) call of `op` from now on; nth <= 0 disarms `op`.
   void Arm(DriverOp op, int64_t nth, bool as_out_of_memory);
-  // Disarms every operation and repairs Release/Unmap.
+  // Disarms every operation, repairs Release/Unmap, lifts every switch and the hold.
   void Disarm();
   void BreakRelease(bool broken) { release_broken_.store(broken); }
-  // Faults thrown so far.
+  void SkipDeviceWaits(bool skip) { skip_waits_.store(skip); }
+  void DeferReclaim(bool defer) { defer_reclaim_.store(defer); }
+  void HoldDevice(bool hold);
+  // Faults thrown so far; Synchronize calls so far (held or not).
   int64_t injected() const { return injected_.load(); }
+  int64_t syncs() const { return syncs_.load(); }
 
   const char* kind() const override { return inner_->kind(); }
   int device_ordinal() const override { return inner_->device_ordinal(); }
   size_t granularity() const override { return inner_->granularity(); }
   size_t chunk_bytes() const override { return inner_->chunk_bytes(); }
   MemInfo mem_info() const override { return inner_->mem_info(); }
+  bool FreshMemoryIsZero() const override { return inner_->FreshMemoryIsZero(); }
+  bool UnmapNeedsQuiescence() const override;
   uintptr_t Reserve(size_t bytes) override { return inner_->Reserve(bytes); }
   void Unreserve(uintptr_t va, size_t bytes) noexcept override { inner_->Unreserve(va, bytes); }
 
-  PhysicalHandle Create() override;
+  PhysicalHandle Create(size_t bytes) override;
   void Release(PhysicalHandle handle) noexcept override;
-  void Map(uintptr_t va, PhysicalHandle handle) override;
-  void Unmap(uintptr_t va) noexcept override;
+  void MapRun(uintptr_t va, const MapPiece* pieces, size_t count) override;
+  void UnmapRun(uintptr_t va, const size_t* piece_bytes, size_t count) noexcept override;
   void SetAccess(uintptr_t va, size_t bytes) override;
-  void MapRun(uintptr_t va, const PhysicalHandle* handles, size_t count) override;
-  void UnmapRun(uintptr_t va, size_t count) noexcept override;
+  void ZeroFill(uintptr_t va, size_t bytes) override;
 
   void* AllocMetadata(size_t bytes) override { return inner_->AllocMetadata(bytes); }
   void FreeMetadata(void* ptr) noexcept override { inner_->FreeMetadata(ptr); }
@@ -74,7 +101,12 @@ class FaultInjectingDriver final : public Driver {
   void CopyFromMetadata(void* dst, const void* src, size_t bytes) override {
     inner_->CopyFromMetadata(dst, src, bytes);
   }
-  void Synchronize() override { inner_->Synchronize(); }
+  void Synchronize() override;
+
+  void* AllocHost(size_t bytes) override;
+  void FreeHost(void* ptr, size_t bytes) noexcept override { inner_->FreeHost(ptr, bytes); }
+  void CopyToHost(const CopyRegion* regions, size_t count) override;
+  void CopyToDevice(const CopyRegion* regions, size_t count) override;
 
  private:
   static constexpr int kOps = static_cast<int>(DriverOp::kCount);
@@ -84,18 +116,27 @@ class FaultInjectingDriver final : public Driver {
   void Check(DriverOp op, size_t bytes) {
     if (Fires(op)) Throw(op, bytes);
   }
+  // Copies the regions before the armed one (really), then throws; or all of them.
+  void CopyWithFaults(DriverOp op, const CopyRegion* regions, size_t count, bool to_host);
 
   std::unique_ptr<Driver> inner_;
   std::atomic<int64_t> countdown_[kOps] = {};
   std::atomic<bool> as_oom_[kOps] = {};
   std::atomic<int64_t> injected_{0};
+  std::atomic<int64_t> syncs_{0};
   std::atomic<bool> release_broken_{false};
+  std::atomic<bool> skip_waits_{false};
+  std::atomic<bool> defer_reclaim_{false};
+  std::mutex hold_mu_;
+  std::condition_variable hold_cv_;
+  bool held_ = false;
 };
 
 // An arena whose driver (MakeDriver(kind, device, chunk_bytes)) is wrapped in a
 // FaultInjectingDriver.
 std::shared_ptr<Arena> CreateFaultInjectingArena(const std::string& kind, int device,
-                                                 size_t reserve_bytes, size_t chunk_bytes);
+                                                 size_t reserve_bytes, size_t chunk_bytes,
+                                                 const ArenaOptions& options);
 
 // The fault-injecting driver of an arena made by CreateFaultInjectingArena; InvalidArgument
 // for any other arena.

@@ -7,16 +7,21 @@
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "common/ffi_registry.h"
+#include "drivers/cuda/zero_allocation.h"
+#include "drivers/cuda/zero_layout.h"
 #include "jax_vmm/arena.h"
+#include "jax_vmm/errors.h"
 #include "ops/attention/stream_plan.h"
 #include "python/bindings.h"
 #include "scratch/simulated_capture.h"
@@ -31,6 +36,7 @@ namespace jax_vmm::testing {
 namespace {
 
 void BindFaultInjection(nb::module_& m);
+void BindZeroLayout(nb::module_& m);
 void BindScratchHooks(nb::module_& m);
 void BindLegacyViews(nb::module_& m);
 void BindStreamPartition(nb::module_& m);
@@ -60,6 +66,7 @@ FfiRegistry TestingTargets() {
 
 void BindTestingHooks(nb::module_& m) {
   BindFaultInjection(m);
+  BindZeroLayout(m);
   BindScratchHooks(m);
   BindLegacyViews(m);
   BindStreamPartition(m);
@@ -69,10 +76,17 @@ namespace {
 
 void BindFaultInjection(nb::module_& m) {
   nb::exception<InjectedFault>(m, "InjectedFault", PyExc_RuntimeError);
-  m.def("create_fault_injecting_arena", &CreateFaultInjectingArena, nb::arg("driver"),
-        nb::arg("device"), nb::arg("reserve_bytes"), nb::arg("chunk_bytes") = 0,
-        nb::call_guard<nb::gil_scoped_release>(),
-        "create_arena() with its driver wrapped in a fault-injecting driver.");
+  m.def(
+      "create_fault_injecting_arena",
+      [](const std::string& driver, int device, size_t reserve_bytes, size_t chunk_bytes,
+         size_t handle_bytes, bool zero_fill) {
+        return CreateFaultInjectingArena(driver, device, reserve_bytes, chunk_bytes,
+                                         ArenaOptions{handle_bytes, zero_fill});
+      },
+      nb::arg("driver"), nb::arg("device"), nb::arg("reserve_bytes"), nb::arg("chunk_bytes") = 0,
+      nb::arg("handle_bytes") = 0, nb::arg("zero_fill") = true,
+      nb::call_guard<nb::gil_scoped_release>(),
+      "create_arena() with its driver wrapped in a fault-injecting driver.");
   m.def(
       "arm_fault",
       [](Arena& arena, const std::string& op, int64_t nth, bool out_of_memory) {
@@ -80,17 +94,69 @@ void BindFaultInjection(nb::module_& m) {
         FaultsOf(arena).Arm(parsed, nth, out_of_memory);
       },
       nb::arg("arena"), nb::arg("op"), nb::arg("nth"), nb::arg("out_of_memory") = false,
-      "Fail the nth (1-based) future driver call of op ('create', 'map', 'set_access').");
+      "Fail the nth (1-based) future driver call of op.");
   m.def(
       "disarm_faults", [](Arena& arena) { FaultsOf(arena).Disarm(); }, nb::arg("arena"),
-      "Disarm every op and repair release.");
+      "Disarm every op, repair release, lift every switch and the device hold.");
   m.def(
       "break_release", [](Arena& arena, bool broken) { FaultsOf(arena).BreakRelease(broken); },
       nb::arg("arena"), nb::arg("broken"),
       "While broken, the driver's release and unmap calls do nothing (rollbacks leak).");
   m.def(
+      "skip_device_waits", [](Arena& arena, bool skip) { FaultsOf(arena).SkipDeviceWaits(skip); },
+      nb::arg("arena"), nb::arg("skip"),
+      "While set, device waits do nothing and releases unmap at once (no drain, no deferral).");
+  m.def(
+      "defer_reclaim", [](Arena& arena, bool defer) { FaultsOf(arena).DeferReclaim(defer); },
+      nb::arg("arena"), nb::arg("defer"),
+      "While set, unmapping claims to need a device wait (the host driver defers like CUDA).");
+  m.def(
+      "hold_device", [](Arena& arena, bool hold) { FaultsOf(arena).HoldDevice(hold); },
+      nb::arg("arena"), nb::arg("hold"), nb::call_guard<nb::gil_scoped_release>(),
+      "While held, device waits block (a device that is still busy).");
+  m.def(
+      "device_syncs", [](Arena& arena) { return FaultsOf(arena).syncs(); }, nb::arg("arena"),
+      "Device waits (Synchronize calls) made through this arena's driver so far.");
+  m.def(
       "injected_faults", [](Arena& arena) { return FaultsOf(arena).injected(); }, nb::arg("arena"),
       "Faults thrown into this arena's driver so far.");
+}
+
+// The CUDA driver's zero-mapping bookkeeping, for tests without a GPU.
+void BindZeroLayout(nb::module_& m) {
+  using cuda::ZeroLayout;
+  using cuda::ZeroPiece;
+  auto to_list = [](const std::vector<ZeroPiece>& pieces) {
+    nb::list out;
+    for (const ZeroPiece& p : pieces) out.append(nb::make_tuple(p.va, p.bytes));
+    return out;
+  };
+  auto from_list = [](const std::vector<std::tuple<uint64_t, size_t>>& pieces) {
+    std::vector<ZeroPiece> out;
+    for (const auto& [va, bytes] : pieces) out.push_back({static_cast<uintptr_t>(va), bytes});
+    return out;
+  };
+  nb::class_<ZeroLayout>(m, "ZeroLayout")
+      .def(nb::init<uintptr_t, size_t, size_t>(), nb::arg("base"), nb::arg("bytes"),
+           nb::arg("max_piece"))
+      .def("tile", [to_list](const ZeroLayout& z, uint64_t va,
+                             size_t bytes) { return to_list(z.Tile(va, bytes)); })
+      .def("plan_clear",
+           [to_list](const ZeroLayout& z, uint64_t va, size_t bytes) {
+             const ZeroLayout::Clear c = z.PlanClear(va, bytes);
+             return nb::make_tuple(to_list(c.unmap), to_list(c.remap), c.hull_va, c.hull_bytes);
+           })
+      .def("add",
+           [from_list](ZeroLayout& z, const std::vector<std::tuple<uint64_t, size_t>>& p) {
+             z.Add(from_list(p));
+           })
+      .def("remove",
+           [from_list](ZeroLayout& z, const std::vector<std::tuple<uint64_t, size_t>>& p) {
+             z.Remove(from_list(p));
+           })
+      .def("pieces", [to_list](const ZeroLayout& z) { return to_list(z.pieces()); })
+      .def("covered", &ZeroLayout::Covered);
+  m.def("zero_piece_bytes", &cuda::ZeroPieceBytes, nb::arg("total_bytes"), nb::arg("granularity"));
 }
 
 void BindScratchHooks(nb::module_& m) {

@@ -56,6 +56,9 @@ void BindEntryPoints(void* lib, Api& api, std::string* missing) {
   bind(api.cuMemcpyHtoDAsync, "cuMemcpyHtoDAsync", "cuMemcpyHtoDAsync_v2");
   bind(api.cuMemcpyDtoHAsync, "cuMemcpyDtoHAsync", "cuMemcpyDtoHAsync_v2");
   bind(api.cuMemsetD8Async, "cuMemsetD8Async", "cuMemsetD8Async");
+  bind(api.cuMemcpyAsync, "cuMemcpyAsync", "cuMemcpyAsync");
+  bind(api.cuMemHostAlloc, "cuMemHostAlloc", "cuMemHostAlloc");
+  bind(api.cuMemFreeHost, "cuMemFreeHost", "cuMemFreeHost");
   bind(api.cuMemAddressReserve, "cuMemAddressReserve", "cuMemAddressReserve");
   bind(api.cuMemAddressFree, "cuMemAddressFree", "cuMemAddressFree");
   bind(api.cuMemCreate, "cuMemCreate", "cuMemCreate");

@@ -35,6 +35,9 @@ struct Api {
   CUresult (*cuMemcpyHtoDAsync)(CUdeviceptr, const void*, size_t, CUstream) = nullptr;
   CUresult (*cuMemcpyDtoHAsync)(void*, CUdeviceptr, size_t, CUstream) = nullptr;
   CUresult (*cuMemsetD8Async)(CUdeviceptr, unsigned char, size_t, CUstream) = nullptr;
+  CUresult (*cuMemcpyAsync)(CUdeviceptr, CUdeviceptr, size_t, CUstream) = nullptr;
+  CUresult (*cuMemHostAlloc)(void**, size_t, unsigned int) = nullptr;
+  CUresult (*cuMemFreeHost)(void*) = nullptr;
   CUresult (*cuMemAddressReserve)(CUdeviceptr*, size_t, size_t, CUdeviceptr,
                                   unsigned long long) = nullptr;
   CUresult (*cuMemAddressFree)(CUdeviceptr, size_t) = nullptr;

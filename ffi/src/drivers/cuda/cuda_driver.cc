@@ -1,23 +1,30 @@
 // CUDA driver VMM backend of the Driver interface (see driver.h for the semantics).
 //
-// Layout of a reservation: every chunk of the range maps one shared physical "zero
-// chunk" (chunk_bytes, zero-filled once) read-only, so unbacked memory reads as zeros
-// and never faults. Map swaps the zero mapping of one chunk for a real allocation,
-// Unmap swaps it back.
+// Layout of a reservation: every unbacked byte maps the device's shared zero allocation
+// (zero_allocation.h) read-only, in pieces of at most its size aligned to it from the
+// reservation base; ZeroLayout (zero_layout.h) records the pieces. MapRun clears the zero
+// pieces under its range (and maps the parts of them outside the range back), then maps
+// the real pieces; UnmapRun unmaps real pieces and restores zero as aligned pieces.
 //
 // The driver API comes from cuda_api.h (libcuda resolved at run time), its objects are
 // held by the owners of cuda_owners.h, device facts come from cuda_device.h.
+#include <algorithm>
 #include <atomic>
 #include <cstddef>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <new>
 #include <string>
+#include <vector>
 
 #include "common/format.h"
 #include "drivers/cuda/cuda_abi.h"
 #include "drivers/cuda/cuda_api.h"
 #include "drivers/cuda/cuda_device.h"
 #include "drivers/cuda/cuda_owners.h"
+#include "drivers/cuda/zero_allocation.h"
+#include "drivers/cuda/zero_layout.h"
 #include "jax_vmm/driver.h"
 #include "jax_vmm/errors.h"
 
@@ -25,14 +32,18 @@ namespace jax_vmm {
 namespace cuda {
 namespace {
 
+// The largest power of two dividing `x` (x > 0).
+size_t LowestBit(size_t x) { return x & (~x + 1); }
+
 // The driver.
 //
-// Thread-safety: every method may be called from any thread concurrently. After
-// construction the object holds only immutable state (device, context, stream, zero
-// chunk, prebuilt descriptors) plus one atomic (the learned span_unmap_ flag); each call pushes the
-// primary context on the calling thread's own context stack and pops it on return. Calls on the
-// same chunk must not overlap (the arena serialises per-buffer work). Concurrent calls may share
-// the private stream: each one only waits for it to drain, so correctness holds.
+// Thread-safety: every method may be called from any thread concurrently, on disjoint
+// address ranges (the arena serialises work on any one chunk). Immutable state after
+// construction, plus the zero layouts of the reservations (under zero_mu_, held only
+// around bookkeeping, never around driver calls) and one learned atomic flag. Each call
+// pushes the primary context on the calling thread's own context stack and pops it on
+// return. Concurrent calls may share the private streams: each only waits for its stream
+// to drain, so correctness holds.
 class CudaDriver final : public Driver {
  public:
   CudaDriver(const Api& api, int ordinal, CUdevice dev, size_t granularity, size_t chunk_bytes)
@@ -41,23 +52,20 @@ class CudaDriver final : public Driver {
         dev_(dev),
         granularity_(granularity),
         chunk_bytes_(chunk_bytes),
-        // Largest power of two dividing chunk_bytes: reservations are aligned to it so
-        // chunks sit on large-page boundaries. chunk_bytes is a multiple of the
-        // (power-of-two) granularity, so this is at least the granularity.
-        alignment_(chunk_bytes & (~chunk_bytes + 1)),
         prop_(DeviceAllocationProp(dev)),
         read_only_(DeviceAccess(dev, CU_MEM_ACCESS_FLAGS_PROT_READ)),
         read_write_(DeviceAccess(dev, CU_MEM_ACCESS_FLAGS_PROT_READWRITE)),
         ctx_(api, dev, ordinal),
         stream_(api, ctx_.get(), ordinal),
-        zero_(api, ctx_.get(), ordinal) {
-    CreateZeroChunk();
-  }
+        copy_stream_(api, ctx_.get(), ordinal),
+        zero_(ZeroAllocation::ForDevice(api, ordinal, dev, granularity)) {}
 
   const char* kind() const override { return "cuda"; }
   int device_ordinal() const override { return ordinal_; }
   size_t granularity() const override { return granularity_; }
   size_t chunk_bytes() const override { return chunk_bytes_; }
+  bool FreshMemoryIsZero() const override { return false; }  // cuMemCreate: no guarantee
+  bool UnmapNeedsQuiescence() const override { return true; }
 
   MemInfo mem_info() const override {
     ContextGuard g(api_, ctx_.get(), ordinal_);
@@ -67,7 +75,8 @@ class CudaDriver final : public Driver {
     return info;
   }
 
-  // Cost: one cuMemMap per chunk (~2 us each) plus one cuMemSetAccess for the range.
+  // Cost: one cuMemMap per zero piece (bytes / 256 MiB on an H200) plus one
+  // cuMemSetAccess for the range.
   uintptr_t Reserve(size_t bytes) override {
     if (bytes == 0 || bytes % chunk_bytes_ != 0) {
       throw InvalidArgument("jax_vmm: CUDA reservation of " + std::to_string(bytes) +
@@ -75,44 +84,58 @@ class CudaDriver final : public Driver {
                             std::to_string(chunk_bytes_) + ")");
     }
     ContextGuard g(api_, ctx_.get(), ordinal_);
+    // Chunks on large-page boundaries, and zero pieces on their own size where it fits.
+    const size_t alignment =
+        std::max(LowestBit(chunk_bytes_), std::min(zero_->bytes(), FloorPow2(bytes)));
     CUdeviceptr va = 0;
-    CUresult r = api_.cuMemAddressReserve(&va, bytes, alignment_, 0, 0);
+    CUresult r = api_.cuMemAddressReserve(&va, bytes, alignment, 0, 0);
     if (r != CUDA_SUCCESS) {
       ThrowDriver(api_, ordinal_,
                   "cuMemAddressReserve(size=" + std::to_string(bytes) +
-                      ", alignment=" + std::to_string(alignment_) +
+                      ", alignment=" + std::to_string(alignment) +
                       ") (virtual address space; try a smaller reserve_bytes)",
                   r);
     }
-    ScopedReservation guard(api_, ordinal_, va, bytes, chunk_bytes_);
-    const size_t n = bytes / chunk_bytes_;
-    for (size_t i = 0; i < n; ++i) {
-      const CUdeviceptr at = va + i * chunk_bytes_;
-      r = api_.cuMemMap(at, chunk_bytes_, 0, zero_.get(), 0);
-      if (r != CUDA_SUCCESS) {
-        ThrowDriver(api_, ordinal_,
-                    "cuMemMap(zero chunk, va=" + Hex(at) + ", size=" +
-                        std::to_string(chunk_bytes_) + ") at chunk " + std::to_string(i) + " of " +
-                        std::to_string(n) + " while reserving " + std::to_string(bytes) + " bytes",
-                    r);
-      }
-      guard.count_mapped();
+    ZeroLayout layout(va, bytes, zero_->bytes());
+    const std::vector<ZeroPiece> tiles = layout.Tile(va, bytes);
+    size_t mapped = 0;
+    for (; mapped < tiles.size(); ++mapped) {
+      r = api_.cuMemMap(tiles[mapped].va, tiles[mapped].bytes, 0, zero_->handle(), 0);
+      if (r != CUDA_SUCCESS) break;
     }
-    r = api_.cuMemSetAccess(va, bytes, &read_only_, 1);
+    if (r == CUDA_SUCCESS) r = api_.cuMemSetAccess(va, bytes, &read_only_, 1);
     if (r != CUDA_SUCCESS) {
-      ThrowDriver(api_, ordinal_,
-                  "cuMemSetAccess(READ, va=" + Hex(va) + ", size=" + std::to_string(bytes) + ")",
-                  r);
+      const std::string call =
+          mapped < tiles.size()
+              ? "cuMemMap(zero piece, va=" + Hex(tiles[mapped].va) +
+                    ", size=" + std::to_string(tiles[mapped].bytes) + ")"
+              : "cuMemSetAccess(READ, va=" + Hex(va) + ", size=" + std::to_string(bytes) + ")";
+      for (size_t i = 0; i < mapped; ++i) api_.cuMemUnmap(tiles[i].va, tiles[i].bytes);
+      api_.cuMemAddressFree(va, bytes);
+      ThrowDriver(api_, ordinal_, call + " while reserving " + std::to_string(bytes) + " bytes", r);
     }
-    return static_cast<uintptr_t>(guard.release());
+    layout.Add(tiles);
+    std::lock_guard<std::mutex> lock(zero_mu_);
+    layouts_.emplace(va, std::move(layout));
+    return static_cast<uintptr_t>(va);
   }
 
   void Unreserve(uintptr_t va, size_t bytes) noexcept override {
     ContextGuard g(api_, ctx_.get(), ordinal_, std::nothrow);
     if (!g.ok()) return;
-    const CUresult r0 = UnmapChunks(va, bytes / chunk_bytes_);
+    std::vector<ZeroPiece> pieces;
+    {
+      std::lock_guard<std::mutex> lock(zero_mu_);
+      auto it = layouts_.find(va);
+      if (it != layouts_.end()) {
+        pieces = it->second.pieces();
+        layouts_.erase(it);
+      }
+    }
+    std::vector<bool> gone;
+    const CUresult r0 = UnmapPieces(pieces, &gone);
     if (r0 != CUDA_SUCCESS) {
-      Report(api_, ordinal_, "cuMemUnmap in Unreserve(va=" + Hex(va) + ")", r0);
+      Report(api_, ordinal_, "cuMemUnmap(zero pieces) in Unreserve(va=" + Hex(va) + ")", r0);
     }
     CUresult r = api_.cuMemAddressFree(va, bytes);
     if (r != CUDA_SUCCESS) {
@@ -121,15 +144,19 @@ class CudaDriver final : public Driver {
     }
   }
 
-  PhysicalHandle Create() override {
+  PhysicalHandle Create(size_t bytes) override {
+    if (bytes == 0 || bytes % chunk_bytes_ != 0) {
+      throw InvalidArgument("jax_vmm: CUDA allocation of " + std::to_string(bytes) +
+                            " bytes: expected a positive multiple of chunk_bytes (" +
+                            std::to_string(chunk_bytes_) + ")");
+    }
     ContextGuard g(api_, ctx_.get(), ordinal_);
     CUmemGenericAllocationHandle handle = 0;
-    CUresult r = api_.cuMemCreate(&handle, chunk_bytes_, &prop_, 0);
-    if (r == CUDA_ERROR_OUT_OF_MEMORY) ThrowOutOfMemory("cuMemCreate", chunk_bytes_);
+    CUresult r = api_.cuMemCreate(&handle, bytes, &prop_, 0);
+    if (r == CUDA_ERROR_OUT_OF_MEMORY) ThrowOutOfMemory("cuMemCreate", bytes);
     if (r != CUDA_SUCCESS) {
       ThrowDriver(api_, ordinal_,
-                  "cuMemCreate(size=" + std::to_string(chunk_bytes_) + ", pinned device memory)",
-                  r);
+                  "cuMemCreate(size=" + std::to_string(bytes) + ", pinned device memory)", r);
     }
     return handle;
   }
@@ -141,61 +168,118 @@ class CudaDriver final : public Driver {
     if (r != CUDA_SUCCESS) Report(api_, ordinal_, "cuMemRelease(handle=" + Hex(handle) + ")", r);
   }
 
-  void Map(uintptr_t va, PhysicalHandle handle) override { MapRun(va, &handle, 1); }
-  void Unmap(uintptr_t va) noexcept override { UnmapRun(va, 1); }
-
-  // One cuMemUnmap for the run's zero mappings (where the driver allows), one cuMemMap
-  // per chunk. On failure the run reads zeros again.
-  void MapRun(uintptr_t va, const PhysicalHandle* handles, size_t count) override {
-    if (count == 0) return;
+  // Clear the zero pieces under the run (one cuMemUnmap each, or one for all where the
+  // driver allows), map their parts outside the run back, map the real pieces, and make
+  // the zero remainders readable (one cuMemSetAccess over the cleared hull; the arena's
+  // SetAccess then makes the run itself writable). On failure the hull reads zeros again.
+  void MapRun(uintptr_t va, const MapPiece* pieces, size_t count) override {
+    size_t total = 0;
+    for (size_t i = 0; i < count; ++i) total += pieces[i].bytes;
+    if (total == 0) return;
     ContextGuard g(api_, ctx_.get(), ordinal_);
-    CUresult r = UnmapChunks(va, count);
+    ZeroLayout::Clear plan = ClaimZero(va, total);
+    std::vector<bool> gone;
+    CUresult r = UnmapPieces(plan.unmap, &gone);
     if (r != CUDA_SUCCESS) {
-      const bool restored = MapZeroRun(va, count, /*careful=*/true);
+      // Put back what was unmapped; the pieces that refused are still mapped.
+      std::vector<ZeroPiece> kept, holes;
+      for (size_t i = 0; i < plan.unmap.size(); ++i) {
+        (gone[i] ? holes : kept).push_back(plan.unmap[i]);
+      }
+      const std::vector<ZeroPiece> back = MapZero(holes);
+      for (const ZeroPiece& p : back) ReadOnly(p.va, p.bytes);
+      const bool restored = back.size() == holes.size();
+      kept.insert(kept.end(), back.begin(), back.end());
+      RecordZero(va, kept);
       ThrowDriver(api_, ordinal_,
-                  "cuMemUnmap(zero mappings, va=" + Hex(va) + ", chunks=" + std::to_string(count) +
-                      " of " + std::to_string(chunk_bytes_) + " bytes) before mapping" +
-                      (restored ? "" : RestoreFailed()),
+                  "cuMemUnmap(zero pieces under va=" + Hex(va) + ", size=" + std::to_string(total) +
+                      ") before mapping" + (restored ? "" : RestoreFailed()),
                   r);
     }
-    size_t mapped = 0;
-    for (; mapped < count; ++mapped) {
-      r = api_.cuMemMap(va + mapped * chunk_bytes_, chunk_bytes_, 0, handles[mapped], 0);
+    size_t remapped = 0;
+    for (; remapped < plan.remap.size() && r == CUDA_SUCCESS; ++remapped) {
+      r = api_.cuMemMap(plan.remap[remapped].va, plan.remap[remapped].bytes, 0, zero_->handle(), 0);
       if (r != CUDA_SUCCESS) break;
     }
-    if (mapped == count) return;
-    const uintptr_t at = va + mapped * chunk_bytes_;
-    // Undo: the real chunks mapped so far go, the zero chunk returns everywhere.
-    const bool unmapped = UnmapChunks(va, mapped) == CUDA_SUCCESS;
-    const bool restored = MapZeroRun(va, count, /*careful=*/!unmapped) && unmapped;
-    const std::string call = "cuMemMap(va=" + Hex(at) + ", size=" + std::to_string(chunk_bytes_) +
-                             ", handle=" + Hex(handles[mapped]) + ")" +
-                             (restored ? "" : RestoreFailed());
-    if (r == CUDA_ERROR_OUT_OF_MEMORY) ThrowOutOfMemory(call, chunk_bytes_);
+    std::string call;
+    if (r != CUDA_SUCCESS)
+      call = "cuMemMap(zero remainder, va=" + Hex(plan.remap[remapped].va) + ")";
+    size_t mapped = 0;
+    uintptr_t at = va;
+    for (; r == CUDA_SUCCESS && mapped < count; ++mapped) {
+      const MapPiece& p = pieces[mapped];
+      r = api_.cuMemMap(at, p.bytes, p.offset, p.handle, 0);
+      if (r != CUDA_SUCCESS) {
+        call = "cuMemMap(va=" + Hex(at) + ", size=" + std::to_string(p.bytes) +
+               ", offset=" + std::to_string(p.offset) + ", handle=" + Hex(p.handle) + ")";
+        break;
+      }
+      at += p.bytes;
+    }
+    if (r == CUDA_SUCCESS && !plan.remap.empty()) {
+      r = api_.cuMemSetAccess(plan.hull_va, plan.hull_bytes, &read_only_, 1);
+      if (r != CUDA_SUCCESS) {
+        call = "cuMemSetAccess(READ, zero remainders, va=" + Hex(plan.hull_va) + ")";
+      }
+    }
+    if (r == CUDA_SUCCESS) {
+      RecordZero(va, plan.remap);
+      return;
+    }
+    // Undo: the real pieces mapped so far go; zero returns over the run and over the
+    // remainders that were not mapped back.
+    std::vector<size_t> sizes;
+    for (size_t i = 0; i < mapped; ++i) sizes.push_back(pieces[i].bytes);
+    std::vector<bool> real_gone;
+    const bool unmapped = UnmapConsecutive(va, sizes, &real_gone) == CUDA_SUCCESS;
+    std::vector<ZeroPiece> back(plan.remap.begin(), plan.remap.begin() + remapped);
+    std::vector<ZeroPiece> fill = TileOf(va, total);
+    fill.insert(fill.end(), plan.remap.begin() + remapped, plan.remap.end());
+    const std::vector<ZeroPiece> filled = unmapped ? MapZero(fill) : std::vector<ZeroPiece>{};
+    const bool restored = filled.size() == fill.size();
+    back.insert(back.end(), filled.begin(), filled.end());
+    ReadOnly(plan.hull_va, plan.hull_bytes);
+    RecordZero(va, back);
+    call += restored ? "" : RestoreFailed();
+    if (r == CUDA_ERROR_OUT_OF_MEMORY) ThrowOutOfMemory(call, total);
     ThrowDriver(api_, ordinal_, call, r);
   }
 
-  // One cuMemUnmap for the run (where the driver allows), the zero chunk mapped back at
-  // each chunk, one cuMemSetAccess(READ) for the run.
-  void UnmapRun(uintptr_t va, size_t count) noexcept override {
+  // Unmap the real pieces (one call where the driver allows), then zero over what went,
+  // as aligned pieces with one cuMemSetAccess(READ) per contiguous range.
+  void UnmapRun(uintptr_t va, const size_t* piece_bytes, size_t count) noexcept override {
     if (count == 0) return;
     ContextGuard g(api_, ctx_.get(), ordinal_, std::nothrow);
     if (!g.ok()) return;
-    CUresult r = UnmapChunks(va, count);
+    std::vector<size_t> sizes(piece_bytes, piece_bytes + count);
+    std::vector<bool> gone;
+    const CUresult r = UnmapConsecutive(va, sizes, &gone);
     if (r != CUDA_SUCCESS) {
-      // Some chunk is still mapped (it keeps reading its old contents, no fault); put
-      // the zero chunk back where the mapping is gone.
-      Report(api_, ordinal_, "cuMemUnmap(va=" + Hex(va) + ", chunks=" + std::to_string(count) + ")",
+      // A piece that refused stays mapped (it keeps reading its old contents, no fault).
+      Report(api_, ordinal_, "cuMemUnmap(va=" + Hex(va) + ", pieces=" + std::to_string(count) + ")",
              r);
     }
-    MapZeroRun(va, count, /*careful=*/r != CUDA_SUCCESS);
+    std::vector<ZeroPiece> fill;
+    uintptr_t at = va;
+    uintptr_t run_va = va;
+    size_t run_bytes = 0;
+    for (size_t i = 0; i <= count; ++i) {
+      const bool went = i < count && gone[i];
+      if (went) {
+        if (run_bytes == 0) run_va = at;
+        run_bytes += sizes[i];
+      }
+      if (!went && run_bytes > 0) {
+        const std::vector<ZeroPiece> tiles = MapZero(TileOf(run_va, run_bytes));
+        ReadOnly(run_va, run_bytes);
+        fill.insert(fill.end(), tiles.begin(), tiles.end());
+        run_bytes = 0;
+      }
+      if (i < count) at += sizes[i];
+    }
+    RecordZero(va, fill);
   }
 
-  // The run is freshly committed memory (the arena calls this once per new run): make it
-  // read-write and zero-fill it. cuMemCreate gives no content guarantee (a chunk may hold
-  // bytes this process freed earlier, JAX's included), and committed memory must read
-  // zeros like unbacked memory does, as on the host driver. Cost: one memset of the run
-  // on the driver's stream (~HBM bandwidth) plus one stream sync.
   void SetAccess(uintptr_t va, size_t bytes) override {
     ContextGuard g(api_, ctx_.get(), ordinal_);
     CUresult r = api_.cuMemSetAccess(va, bytes, &read_write_, 1);
@@ -204,12 +288,17 @@ class CudaDriver final : public Driver {
           api_, ordinal_,
           "cuMemSetAccess(READWRITE, va=" + Hex(va) + ", size=" + std::to_string(bytes) + ")", r);
     }
-    r = api_.cuMemsetD8Async(va, 0, bytes, stream_.get());
+  }
+
+  // One memset on the private stream (HBM bandwidth) plus one stream sync; it never
+  // waits for JAX's work.
+  void ZeroFill(uintptr_t va, size_t bytes) override {
+    ContextGuard g(api_, ctx_.get(), ordinal_);
+    CUresult r = api_.cuMemsetD8Async(va, 0, bytes, stream_.get());
     if (r == CUDA_SUCCESS) r = api_.cuStreamSynchronize(stream_.get());
     if (r != CUDA_SUCCESS) {
       ThrowDriver(api_, ordinal_,
-                  "cuMemsetD8(zero-fill of newly committed memory, va=" + Hex(va) +
-                      ", size=" + std::to_string(bytes) + ")",
+                  "cuMemsetD8(zero fill, va=" + Hex(va) + ", size=" + std::to_string(bytes) + ")",
                   r);
     }
   }
@@ -264,100 +353,193 @@ class CudaDriver final : public Driver {
     if (r != CUDA_SUCCESS) ThrowDriver(api_, ordinal_, "cuCtxSynchronize", r);
   }
 
+  void* AllocHost(size_t bytes) override {
+    ContextGuard g(api_, ctx_.get(), ordinal_);
+    void* p = nullptr;
+    CUresult r = api_.cuMemHostAlloc(&p, bytes, 0);
+    if (r == CUDA_ERROR_OUT_OF_MEMORY) {
+      throw OutOfMemory("jax_vmm: cuMemHostAlloc of " + std::to_string(bytes) +
+                            " bytes of page-locked host memory failed: out of memory",
+                        bytes, 0);
+    }
+    if (r != CUDA_SUCCESS) {
+      ThrowDriver(api_, ordinal_, "cuMemHostAlloc(size=" + std::to_string(bytes) + ")", r);
+    }
+    return p;
+  }
+
+  void FreeHost(void* ptr, size_t) noexcept override {
+    if (ptr == nullptr) return;
+    ContextGuard g(api_, ctx_.get(), ordinal_, std::nothrow);
+    if (!g.ok()) return;
+    CUresult r = api_.cuMemFreeHost(ptr);
+    if (r != CUDA_SUCCESS) Report(api_, ordinal_, "cuMemFreeHost", r);
+  }
+
+  void CopyToHost(const CopyRegion* regions, size_t count) override {
+    Copy(regions, count, "device to host");
+  }
+  void CopyToDevice(const CopyRegion* regions, size_t count) override {
+    Copy(regions, count, "to device");
+  }
+
  private:
   static CUdeviceptr DevPtr(const void* p) {
     return static_cast<CUdeviceptr>(reinterpret_cast<uintptr_t>(p));
   }
-
-  // Creates the zero chunk and fills it with zeros through a temporary read-write
-  // mapping (fresh allocations carry no content guarantee).
-  void CreateZeroChunk() {
-    ContextGuard g(api_, ctx_.get(), ordinal_);
-    CUresult r = api_.cuMemCreate(zero_.out(), chunk_bytes_, &prop_, 0);
-    if (r == CUDA_ERROR_OUT_OF_MEMORY) ThrowOutOfMemory("cuMemCreate (zero chunk)", chunk_bytes_);
-    if (r != CUDA_SUCCESS) {
-      ThrowDriver(api_, ordinal_,
-                  "cuMemCreate(zero chunk, size=" + std::to_string(chunk_bytes_) + ")", r);
-    }
-    CUdeviceptr va = 0;
-    r = api_.cuMemAddressReserve(&va, chunk_bytes_, alignment_, 0, 0);
-    if (r != CUDA_SUCCESS) {
-      ThrowDriver(api_, ordinal_, "cuMemAddressReserve(size=" + std::to_string(chunk_bytes_) + ")",
-                  r);
-    }
-    ScopedReservation temp(api_, ordinal_, va, chunk_bytes_, chunk_bytes_);
-    r = api_.cuMemMap(va, chunk_bytes_, 0, zero_.get(), 0);
-    if (r != CUDA_SUCCESS) ThrowDriver(api_, ordinal_, "cuMemMap(zero chunk, temporary)", r);
-    temp.count_mapped();
-    r = api_.cuMemSetAccess(va, chunk_bytes_, &read_write_, 1);
-    if (r != CUDA_SUCCESS) ThrowDriver(api_, ordinal_, "cuMemSetAccess(zero chunk, READWRITE)", r);
-    r = api_.cuMemsetD8Async(va, 0, chunk_bytes_, stream_.get());
-    if (r == CUDA_SUCCESS) r = api_.cuStreamSynchronize(stream_.get());
-    if (r != CUDA_SUCCESS) ThrowDriver(api_, ordinal_, "cuMemsetD8(zero chunk)", r);
-    // `temp` unmaps and frees the temporary range; the zero chunk lives on in zero_.
+  static size_t FloorPow2(size_t x) {
+    size_t p = 1;
+    while (p * 2 <= x && p * 2 != 0) p *= 2;
+    return p;
   }
 
-  // Unmaps `count` whole chunk mappings from va: one call when this driver accepts a
-  // range spanning several mappings (tried once, remembered), else one per chunk.
-  // Caller holds the context. Returns the first failure (others reported), or success.
-  CUresult UnmapChunks(uintptr_t va, size_t count) noexcept {
-    if (count == 0) return CUDA_SUCCESS;
-    if (count > 1 && span_unmap_.load(std::memory_order_relaxed) != kNo) {
-      if (api_.cuMemUnmap(va, count * chunk_bytes_) == CUDA_SUCCESS) {
+  // All regions on the copy stream (unified addressing: any direction), one sync.
+  void Copy(const CopyRegion* regions, size_t count, const char* what) {
+    ContextGuard g(api_, ctx_.get(), ordinal_);
+    CUresult r = CUDA_SUCCESS;
+    size_t i = 0;
+    for (; i < count && r == CUDA_SUCCESS; ++i) {
+      r = api_.cuMemcpyAsync(DevPtr(regions[i].dst), DevPtr(regions[i].src), regions[i].bytes,
+                             copy_stream_.get());
+      if (r != CUDA_SUCCESS) break;
+    }
+    // Wait even after a failed issue: earlier copies must not land after we return.
+    const CUresult s = api_.cuStreamSynchronize(copy_stream_.get());
+    if (r == CUDA_SUCCESS) r = s;
+    if (r != CUDA_SUCCESS) {
+      const CopyRegion& at = regions[std::min(i, count - 1)];
+      ThrowDriver(api_, ordinal_,
+                  std::string("cuMemcpyAsync(") + what + ", dst=" + Hex(DevPtr(at.dst)) +
+                      ", src=" + Hex(DevPtr(at.src)) + ", bytes=" + std::to_string(at.bytes) +
+                      ") of " + std::to_string(count) + " regions",
+                  r);
+    }
+  }
+
+  // The reservation's zero layout: the pieces under [va, va + bytes) are planned for
+  // clearing and taken out of the record (they are this call's to unmap).
+  ZeroLayout::Clear ClaimZero(uintptr_t va, size_t bytes) {
+    std::lock_guard<std::mutex> lock(zero_mu_);
+    ZeroLayout& layout = LayoutOf(va);
+    ZeroLayout::Clear plan = layout.PlanClear(va, bytes);
+    layout.Remove(plan.unmap);
+    return plan;
+  }
+
+  void RecordZero(uintptr_t va, const std::vector<ZeroPiece>& pieces) noexcept {
+    if (pieces.empty()) return;
+    std::lock_guard<std::mutex> lock(zero_mu_);
+    try {
+      LayoutOf(va).Add(pieces);
+    } catch (const std::exception& e) {
+      Report(api_, ordinal_, std::string("zero layout bookkeeping: ") + e.what(), -1);
+    }
+  }
+
+  std::vector<ZeroPiece> TileOf(uintptr_t va, size_t bytes) noexcept {
+    std::lock_guard<std::mutex> lock(zero_mu_);
+    try {
+      return LayoutOf(va).Tile(va, bytes);
+    } catch (...) {
+      return {{va, bytes}};  // no layout: one piece (only reached after a bookkeeping bug)
+    }
+  }
+
+  // The layout of the reservation containing va; caller holds zero_mu_.
+  ZeroLayout& LayoutOf(uintptr_t va) {
+    auto it = layouts_.upper_bound(va);
+    if (it != layouts_.begin()) {
+      --it;
+      if (it->second.contains(va)) return it->second;
+    }
+    throw InvalidArgument("jax_vmm: " + Hex(va) + " is not inside a reservation of this driver");
+  }
+
+  // Unmaps the given (consecutive or not) zero pieces: one call for a contiguous group
+  // where the driver accepts a range spanning several mappings, else one each. gone[i]
+  // says whether piece i is unmapped. Returns the first failure.
+  CUresult UnmapPieces(const std::vector<ZeroPiece>& pieces, std::vector<bool>* gone) noexcept {
+    std::vector<size_t> sizes;
+    gone->assign(pieces.size(), false);
+    CUresult first = CUDA_SUCCESS;
+    size_t i = 0;
+    while (i < pieces.size()) {
+      size_t j = i + 1;
+      while (j < pieces.size() && pieces[j].va == pieces[j - 1].va + pieces[j - 1].bytes) ++j;
+      sizes.clear();
+      for (size_t k = i; k < j; ++k) sizes.push_back(pieces[k].bytes);
+      std::vector<bool> part;
+      const CUresult r = UnmapConsecutive(pieces[i].va, sizes, &part);
+      for (size_t k = i; k < j; ++k) (*gone)[k] = part[k - i];
+      if (first == CUDA_SUCCESS) first = r;
+      i = j;
+    }
+    return first;
+  }
+
+  // Unmaps consecutive mappings of the given sizes from va: one call when this driver
+  // accepts a range spanning several mappings (tried once, remembered), else one per
+  // mapping. Caller holds the context. Returns the first failure (others reported).
+  CUresult UnmapConsecutive(uintptr_t va, const std::vector<size_t>& sizes,
+                            std::vector<bool>* gone) noexcept {
+    gone->assign(sizes.size(), false);
+    if (sizes.empty()) return CUDA_SUCCESS;
+    if (sizes.size() > 1 && span_unmap_.load(std::memory_order_relaxed) != kNo) {
+      size_t total = 0;
+      for (size_t s : sizes) total += s;
+      if (api_.cuMemUnmap(va, total) == CUDA_SUCCESS) {
         span_unmap_.store(kYes, std::memory_order_relaxed);
+        gone->assign(sizes.size(), true);
         return CUDA_SUCCESS;
       }
       int unknown = kUnknown;  // a refusal before ever succeeding: stop trying
       span_unmap_.compare_exchange_strong(unknown, kNo, std::memory_order_relaxed);
     }
     CUresult first = CUDA_SUCCESS;
-    for (size_t i = 0; i < count; ++i) {
-      const CUresult r = api_.cuMemUnmap(va + i * chunk_bytes_, chunk_bytes_);
-      if (r == CUDA_SUCCESS) continue;
-      if (first == CUDA_SUCCESS) {
-        first = r;
-      } else {
-        Report(api_, ordinal_, "cuMemUnmap(va=" + Hex(va + i * chunk_bytes_) + ")", r);
+    uintptr_t at = va;
+    for (size_t i = 0; i < sizes.size(); ++i) {
+      const CUresult r = api_.cuMemUnmap(at, sizes[i]);
+      (*gone)[i] = r == CUDA_SUCCESS;
+      if (r != CUDA_SUCCESS) {
+        if (first == CUDA_SUCCESS) {
+          first = r;
+        } else {
+          Report(api_, ordinal_, "cuMemUnmap(va=" + Hex(at) + ")", r);
+        }
       }
+      at += sizes[i];
     }
     return first;
   }
 
-  // Maps the zero chunk at every chunk of the run and makes the run read-only with one
-  // cuMemSetAccess. `careful` (after a failed unmap): skip chunks that are still mapped.
-  // Caller holds the context. Returns false (after reporting) when some chunk could not
-  // get it back: that chunk then faults on access.
-  bool MapZeroRun(uintptr_t va, size_t count, bool careful = false) noexcept {
-    bool all = true;
-    for (size_t i = 0; i < count; ++i) {
-      const uintptr_t at = va + i * chunk_bytes_;
-      if (careful && StillMapped(at)) continue;
-      const CUresult r = api_.cuMemMap(at, chunk_bytes_, 0, zero_.get(), 0);
-      if (r != CUDA_SUCCESS) {
-        Report(api_, ordinal_, "cuMemMap(zero chunk, va=" + Hex(at) + ")", r);
-        all = false;
+  // Maps the zero allocation at each piece (made read-only by the caller); returns the
+  // pieces mapped. A piece that could not get it (reported) faults on access.
+  std::vector<ZeroPiece> MapZero(const std::vector<ZeroPiece>& pieces) noexcept {
+    std::vector<ZeroPiece> mapped;
+    for (const ZeroPiece& p : pieces) {
+      const CUresult r = api_.cuMemMap(p.va, p.bytes, 0, zero_->handle(), 0);
+      if (r == CUDA_SUCCESS) {
+        mapped.push_back(p);
+      } else {
+        Report(api_, ordinal_, "cuMemMap(zero piece, va=" + Hex(p.va) + ")", r);
       }
     }
-    if (all) {
-      const CUresult r = api_.cuMemSetAccess(va, count * chunk_bytes_, &read_only_, 1);
-      if (r == CUDA_SUCCESS) return true;
-      Report(api_, ordinal_,
-             "cuMemSetAccess(READ, va=" + Hex(va) + ", chunks=" + std::to_string(count) + ")", r);
-    }
-    // Slow path: chunk by chunk, for what is mapped.
-    bool ok = all;
-    for (size_t i = 0; i < count; ++i) {
-      const uintptr_t at = va + i * chunk_bytes_;
-      const CUresult r = api_.cuMemSetAccess(at, chunk_bytes_, &read_only_, 1);
-      if (r != CUDA_SUCCESS && StillMapped(at)) {
-        Report(api_, ordinal_, "cuMemSetAccess(READ, va=" + Hex(at) + ")", r);
-        ok = false;
-      }
-    }
-    return ok;
+    return mapped;
   }
 
-  // Whether something is mapped at va (a failed unmap left a real chunk there).
+  // Read-only access over [va, va + bytes); where one call is refused (a hole left by a
+  // failed restore), chunk by chunk for what is mapped.
+  void ReadOnly(uintptr_t va, size_t bytes) noexcept {
+    if (api_.cuMemSetAccess(va, bytes, &read_only_, 1) == CUDA_SUCCESS) return;
+    for (size_t off = 0; off < bytes; off += chunk_bytes_) {
+      const CUresult r = api_.cuMemSetAccess(va + off, chunk_bytes_, &read_only_, 1);
+      if (r != CUDA_SUCCESS && StillMapped(va + off)) {
+        Report(api_, ordinal_, "cuMemSetAccess(READ, va=" + Hex(va + off) + ")", r);
+      }
+    }
+  }
+
+  // Whether something is mapped at va.
   bool StillMapped(uintptr_t va) const noexcept {
     unsigned long long flags = 0;
     CUmemLocation loc{CU_MEM_LOCATION_TYPE_DEVICE, dev_};
@@ -385,15 +567,17 @@ class CudaDriver final : public Driver {
   const CUdevice dev_;
   const size_t granularity_;
   const size_t chunk_bytes_;
-  const size_t alignment_;
   const CUmemAllocationProp prop_;
   const CUmemAccessDesc read_only_;
   const CUmemAccessDesc read_write_;
-  // Declaration order is teardown order reversed: the zero chunk and the stream go
+  // Declaration order is teardown order reversed: the streams and the zero allocation go
   // before the context reference that they need.
   PrimaryContext ctx_;
-  OwnedStream stream_;
-  OwnedHandle zero_;
+  OwnedStream stream_;       // metadata copies and zero fills: small, latency-bound
+  OwnedStream copy_stream_;  // bulk host <-> device copies (sleep, offload, put)
+  std::shared_ptr<const ZeroAllocation> zero_;
+  std::mutex zero_mu_;
+  std::map<uintptr_t, ZeroLayout> layouts_;  // by reservation base
   // Whether cuMemUnmap accepts a range spanning several mappings (learned on first use).
   static constexpr int kUnknown = -1, kNo = 0, kYes = 1;
   std::atomic<int> span_unmap_{kUnknown};

@@ -140,6 +140,25 @@ void KvCache::SetLimit(int64_t seq, int64_t tokens) {
                                   sizeof(int32_t));
 }
 
+void KvCache::SetLimits(const std::vector<int64_t>& tokens) {
+  if (tokens.size() != static_cast<size_t>(geometry_.max_seqs)) {
+    throw InvalidArgument("KvCache.set_limits: " + std::to_string(tokens.size()) + " entries for " +
+                          std::to_string(geometry_.max_seqs) + " sequences");
+  }
+  for (int64_t t : tokens) {
+    if (t < 0 || t > geometry_.max_tokens) {
+      throw InvalidArgument("KvCache.set_limits: tokens " + std::to_string(t) + " is outside [0, " +
+                            std::to_string(geometry_.max_tokens) + "]");
+    }
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  if (closed_) {
+    throw ArenaClosed("KvCache.set_limits: the KV cache is closed; create a new KV arena");
+  }
+  for (size_t i = 0; i < tokens.size(); ++i) host_limits_[i] = static_cast<int32_t>(tokens[i]);
+  WriteTableLocked();
+}
+
 std::vector<int32_t> KvCache::Limits() const {
   std::lock_guard<std::mutex> lock(mu_);
   return host_limits_;

@@ -84,6 +84,8 @@ class KvCache {
   // device before it returns. Raise it after the memory is committed, lower it before
   // the memory is given back.
   void SetLimit(int64_t seq, int64_t tokens);
+  // Every sequence's entry at once (tokens[seq], max_seqs of them): one copy to the device.
+  void SetLimits(const std::vector<int64_t>& tokens);
   std::vector<int32_t> Limits() const;
 
   // Attention reads whose length exceeded the ensured tokens (each counted once per

@@ -1,0 +1,76 @@
+#include "drivers/cuda/zero_allocation.h"
+
+#include <map>
+#include <mutex>
+#include <string>
+
+#include "drivers/cuda/cuda_device.h"
+#include "jax_vmm/errors.h"
+
+namespace jax_vmm::cuda {
+
+size_t ZeroPieceBytes(size_t total_bytes, size_t granularity) {
+  constexpr size_t kMax = size_t{256} << 20;
+  size_t piece = granularity;
+  while (piece * 2 <= kMax && piece * 2 <= total_bytes / 512) piece *= 2;
+  return piece;
+}
+
+ZeroAllocation::ZeroAllocation(const Api& api, int ordinal, CUdevice dev, size_t bytes)
+    : ctx_(api, dev, ordinal), handle_(api, ctx_.get(), ordinal), bytes_(bytes) {
+  ContextGuard g(api, ctx_.get(), ordinal);
+  const CUmemAllocationProp prop = DeviceAllocationProp(dev);
+  CUresult r = api.cuMemCreate(handle_.out(), bytes, &prop, 0);
+  if (r == CUDA_ERROR_OUT_OF_MEMORY) {
+    throw OutOfMemory("jax_vmm: cuMemCreate of the " + std::to_string(bytes) +
+                          "-byte zero allocation on CUDA device " + std::to_string(ordinal) +
+                          ": out of GPU memory",
+                      bytes, 0);
+  }
+  if (r != CUDA_SUCCESS) {
+    ThrowDriver(api, ordinal, "cuMemCreate(zero allocation, size=" + std::to_string(bytes) + ")",
+                r);
+  }
+  // Fresh allocations carry no content guarantee: fill once through a temporary
+  // read-write mapping.
+  CUdeviceptr va = 0;
+  r = api.cuMemAddressReserve(&va, bytes, 0, 0, 0);
+  if (r != CUDA_SUCCESS) {
+    ThrowDriver(api, ordinal, "cuMemAddressReserve(size=" + std::to_string(bytes) + ")", r);
+  }
+  ScopedReservation temp(api, ordinal, va, bytes, bytes);
+  r = api.cuMemMap(va, bytes, 0, handle_.get(), 0);
+  if (r != CUDA_SUCCESS) ThrowDriver(api, ordinal, "cuMemMap(zero allocation, temporary)", r);
+  temp.count_mapped();
+  const CUmemAccessDesc rw = DeviceAccess(dev, CU_MEM_ACCESS_FLAGS_PROT_READWRITE);
+  r = api.cuMemSetAccess(va, bytes, &rw, 1);
+  if (r != CUDA_SUCCESS) {
+    ThrowDriver(api, ordinal, "cuMemSetAccess(zero allocation, READWRITE)", r);
+  }
+  OwnedStream stream(api, ctx_.get(), ordinal);
+  r = api.cuMemsetD8Async(va, 0, bytes, stream.get());
+  if (r == CUDA_SUCCESS) r = api.cuStreamSynchronize(stream.get());
+  if (r != CUDA_SUCCESS) ThrowDriver(api, ordinal, "cuMemsetD8(zero allocation)", r);
+  // `temp` unmaps and frees the temporary range; the allocation lives on in handle_.
+}
+
+std::shared_ptr<const ZeroAllocation> ZeroAllocation::ForDevice(const Api& api, int ordinal,
+                                                                CUdevice dev, size_t granularity) {
+  static std::mutex mu;
+  static std::map<int, std::weak_ptr<const ZeroAllocation>> by_device;
+  std::lock_guard<std::mutex> lock(mu);
+  if (auto live = by_device[ordinal].lock()) return live;
+  size_t free_bytes = 0, total_bytes = 0;
+  {
+    PrimaryContext ctx(api, dev, ordinal);
+    ContextGuard g(api, ctx.get(), ordinal);
+    const CUresult r = api.cuMemGetInfo(&free_bytes, &total_bytes);
+    if (r != CUDA_SUCCESS) ThrowDriver(api, ordinal, "cuMemGetInfo", r);
+  }
+  auto made = std::make_shared<const ZeroAllocation>(api, ordinal, dev,
+                                                     ZeroPieceBytes(total_bytes, granularity));
+  by_device[ordinal] = made;
+  return made;
+}
+
+}  // namespace jax_vmm::cuda

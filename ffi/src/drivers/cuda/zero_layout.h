@@ -1,0 +1,70 @@
+// Which read-only zero mappings cover the unbacked parts of one CUDA reservation, and how
+// they change when real memory is mapped or unmapped.
+//
+// Every unbacked byte of a reservation maps one shared zero allocation of `max_piece`
+// bytes, read-only. Mapping it once per chunk would cost one cuMemMap per chunk at
+// reserve time and one cuMemUnmap per chunk at every commit (both ~20 us); pieces of up
+// to `max_piece` bytes, aligned to `max_piece` from the reservation base, need one call
+// per piece instead. A commit clears the zero pieces that overlap its range and maps the
+// parts of them outside the range back (the "remainders", at most two per commit); an
+// unmap restores zero over its range as aligned pieces (Tile).
+//
+// Pure bookkeeping (no driver calls), so that the CUDA driver's zero-mapping logic can be
+// tested without a GPU (jax_vmm._core.testing.ZeroLayout). Thread-safety: none; the
+// driver holds a mutex around every call.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <vector>
+
+namespace jax_vmm::cuda {
+
+struct ZeroPiece {
+  uintptr_t va = 0;
+  size_t bytes = 0;
+};
+
+class ZeroLayout {
+ public:
+  // A layout of [base, base + bytes) with no piece yet (Tile gives the initial pieces).
+  ZeroLayout(uintptr_t base, size_t bytes, size_t max_piece);
+
+  uintptr_t base() const { return base_; }
+  size_t bytes() const { return bytes_; }
+  size_t max_piece() const { return max_piece_; }
+  bool contains(uintptr_t va) const { return va >= base_ && va < base_ + bytes_; }
+
+  // The pieces that cover [va, va + bytes): cut at multiples of max_piece from the base,
+  // so that a later large, aligned commit finds whole pieces.
+  std::vector<ZeroPiece> Tile(uintptr_t va, size_t bytes) const;
+
+  // What clearing [va, va + bytes) of zero mappings takes: every piece overlapping the
+  // range is unmapped (in address order), and the parts of those pieces outside the
+  // range are mapped back. Throws InvalidArgument when some byte of the range is not
+  // zero-mapped (the caller's bookkeeping is wrong; nothing changed).
+  struct Clear {
+    std::vector<ZeroPiece> unmap;
+    std::vector<ZeroPiece> remap;
+    uintptr_t hull_va = 0;  // the union of `unmap`: contiguous, contains the range
+    size_t hull_bytes = 0;
+  };
+  Clear PlanClear(uintptr_t va, size_t bytes) const;
+
+  // Record pieces as mapped / unmapped. Add throws InvalidArgument on an overlap.
+  void Add(const std::vector<ZeroPiece>& pieces);
+  void Remove(const std::vector<ZeroPiece>& pieces);
+
+  std::vector<ZeroPiece> pieces() const;
+  // Bytes of [va, va + bytes) covered by pieces.
+  size_t Covered(uintptr_t va, size_t bytes) const;
+
+ private:
+  uintptr_t base_;
+  size_t bytes_;
+  size_t max_piece_;
+  std::map<uintptr_t, size_t> pieces_;  // va -> bytes, disjoint
+};
+
+}  // namespace jax_vmm::cuda

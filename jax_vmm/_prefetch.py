@@ -1,0 +1,82 @@
+"""Commit ahead of need: a background thread backs a KV sequence's next chunk before the
+decode loop reaches it, so that ``kv.ensure()`` on the thread that dispatches device work
+finds it backed and makes no driver call (cuMemCreate/cuMemMap/cuMemSetAccess cost ~50 us
+per buffer; a sequence crossing a chunk boundary touches every layer's K and V buffer).
+
+The commit runs through ``Arena.commit_ahead``, which skips once the arena handed out a
+raw view (a reader dispatched meanwhile could run over the zero mappings being swapped),
+so with views the decode thread commits itself, waiting for the device as before.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any
+
+
+class CommitAhead:
+    """One worker thread per KV arena, started on first use; it holds only a weak
+    reference to the arena, so an arena that is dropped without ``close()`` still goes.
+
+    Thread-safety: ``schedule`` and ``stop`` may be called from any thread."""
+
+    def __init__(self, kv: Any):
+        self._kv = weakref.ref(kv)
+        self._cv = threading.Condition()
+        self._pending: dict[int, int] = {}  # seq -> tokens to have backed
+        self._busy = False
+        self._stop = False
+        self._thread: threading.Thread | None = None
+
+    def schedule(self, seq: int, tokens: int) -> None:
+        with self._cv:
+            if self._stop or self._pending.get(seq, 0) >= tokens:
+                return
+            self._pending[seq] = tokens
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="jax_vmm-commit-ahead", daemon=True
+                )
+                self._thread.start()
+            self._cv.notify()
+
+    def idle(self) -> bool:
+        """Nothing scheduled and nothing running."""
+        with self._cv:
+            return not self._pending and not self._busy
+
+    def wait_idle(self, timeout: float = 60.0) -> bool:
+        with self._cv:
+            return self._cv.wait_for(lambda: not self._pending and not self._busy, timeout)
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._pending.clear()
+            self._cv.notify_all()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._pending and not self._stop:
+                    self._cv.wait(timeout=1.0)
+                    if self._kv() is None:
+                        return
+                if self._stop:
+                    return
+                seq, tokens = self._pending.popitem()
+                self._busy = True
+            try:
+                kv = self._kv()
+                if kv is None:
+                    return
+                kv._commit_ahead(seq, tokens)
+                del kv
+            finally:
+                with self._cv:
+                    self._busy = False
+                    self._cv.notify_all()

@@ -1,0 +1,424 @@
+"""Releases that never wait for the device on the releasing thread, and commits that wait
+only while raw views are alive (docs/design.md, "Commits, releases and the device").
+
+The testing layer makes the host driver defer releases like the CUDA driver
+(``faults.defer_reclaim``) and holds the "device" busy (``faults.hold_device``: every
+device wait blocks until the hold is lifted), so the same tests run on the CPU and the
+GPU. Physical memory is checked by the oracle (the kernel's maps and the memfd on the
+host, the CUDA driver on a GPU), never by the arena's counters alone.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_vmm
+from conftest import chunk_range, chunk_states, pattern, raw_bytes, read_bytes, write_bytes
+from jax_vmm.testing import uncounted_view
+
+
+def _wait_until(cond: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
+    t0 = time.monotonic()
+    while not cond():
+        if time.monotonic() - t0 > timeout:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.002)
+
+
+class _Call:
+    """Runs fn in a thread; .done tells whether it returned, .result / .error what."""
+
+    def __init__(self, fn: Callable[[], object]):
+        self.result = self.error = None
+        self._thread = threading.Thread(target=self._run, args=(fn,), daemon=True)
+        self._thread.start()
+
+    def _run(self, fn):
+        try:
+            self.result = fn()
+        except BaseException as exc:  # noqa: BLE001 - re-raised by join()
+            self.error = exc
+
+    @property
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def join(self, timeout: float = 60.0):
+        self._thread.join(timeout)
+        assert not self._thread.is_alive(), "the call hung"
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
+def _deferring(vm, faults, chunks: int = 16, **kw) -> jax_vmm.Arena:
+    arena = vm.arena(chunks * vm.chunk, **kw)
+    faults.defer_reclaim(arena)  # the host defers as the CUDA driver does
+    return arena
+
+
+def _held(vm, arena) -> list[tuple[int, int]]:
+    """What the oracle says physically holds memory (host only; None elsewhere)."""
+    o = vm.oracle(arena)
+    return None if o is None or not vm.is_host else o.backed_ranges()
+
+
+# -- releases are deferred ------------------------------------------------------------
+
+
+def test_release_returns_while_the_device_is_busy(vm, faults):
+    c = vm.chunk
+    arena = _deferring(vm, faults)
+    buf = arena.allocate((4 * c,), jnp.uint8)
+    buf.commit()
+    write_bytes(buf, 0, pattern(4 * c, seed=1))
+    syncs = faults.device_syncs(arena)
+    with faults.hold_device(arena):
+        call = _Call(lambda: buf.decommit(c, 3 * c))
+        assert call.join() == 2 * c  # returned although the device never finished
+        s = arena.stats()
+        assert (s["backed_bytes"], s["retired_bytes"], s["held_bytes"]) == (2 * c, 2 * c, 4 * c)
+        assert s["deferred_releases"] == 2
+        assert chunk_states(buf) == (True, False, False, True)  # the page table: at once
+        if vm.is_host:
+            assert _held(vm, arena) == [chunk_range(buf, 0, 4)], "unmapped under the device"
+        # Work launched before the release may still read the old bytes: they are there.
+        np.testing.assert_array_equal(raw_bytes(buf, c, 3 * c), pattern(4 * c, seed=1)[c : 3 * c])
+        _wait_until(lambda: faults.device_syncs(arena) > syncs, "the reclaimer's device wait")
+    arena.reclaim()  # lets whatever the reclaimer has not finished yet finish here
+    s = arena.stats()
+    assert (s["retired_bytes"], s["held_bytes"], s["chunks_released"]) == (0, 2 * c, 2)
+    vm.assert_backed(arena, [chunk_range(buf, 0, 1), chunk_range(buf, 3, 4)])
+
+
+def test_reclaimer_gives_memory_back_on_its_own(vm, faults):
+    c = vm.chunk
+    arena = _deferring(vm, faults)
+    buf = arena.allocate((4 * c,), jnp.uint8)
+    buf.commit()
+    buf.decommit()
+    _wait_until(lambda: arena.stats()["held_bytes"] == 0, "the background reclaim")
+    s = arena.stats()
+    assert s["retired_bytes"] == 0 and s["reclaim_syncs"] >= 1 and s["chunks_released"] == 4
+    o = vm.oracle(arena)
+    if o is not None:
+        o.assert_released()
+
+
+@pytest.mark.parametrize("how", ["reclaim", "wait"])
+def test_waiting_release_returns_once_the_memory_is_back(vm, faults, how):
+    c = vm.chunk
+    arena = _deferring(vm, faults)
+    buf = arena.allocate((4 * c,), jnp.uint8)
+    buf.commit()
+    with faults.hold_device(arena):
+        if how == "reclaim":
+            buf.decommit()
+            syncs = faults.device_syncs(arena)
+            call = _Call(arena.reclaim)
+        else:
+            syncs = faults.device_syncs(arena)
+            call = _Call(lambda: buf.decommit(wait=True))
+        _wait_until(lambda: faults.device_syncs(arena) > syncs, "a device wait")
+        assert not call.done, "the waiting call returned before the device was done"
+    call.join()
+    assert arena.stats()["held_bytes"] == 0
+    vm.assert_backed(arena, [])
+
+
+def _written_arena(vm, faults, zero_fill: bool):
+    """A deferring arena with one 4-chunk buffer, committed and filled (pattern seed 2)."""
+    c = vm.chunk
+    arena = _deferring(vm, faults, zero_fill=zero_fill)
+    buf = arena.allocate((4 * c,), jnp.uint8)
+    buf.commit()
+    write_bytes(buf, 0, pattern(4 * c, seed=2))
+    return arena, buf, c
+
+
+def test_retired_chunks_are_taken_back_without_driver_calls(vm, faults):
+    """Without zero fill (the KV default) a commit takes retired memory back at once: no
+    driver call and no device wait, and the memory still holds what it held."""
+    arena, buf, c = _written_arena(vm, faults, zero_fill=False)
+    with faults.hold_device(arena):
+        buf.decommit(0, 2 * c)
+        before = arena.stats()
+        assert before["retired_bytes"] == 2 * c
+        assert _Call(lambda: buf.commit(0, 2 * c)).join() == 2 * c  # the device is busy
+        after = arena.stats()
+        assert after["chunks_created"] == before["chunks_created"]  # no cuMemCreate
+        assert after["chunks_revived"] == before["chunks_revived"] + 2
+        assert after["retired_bytes"] == 0 and after["backed_bytes"] == 4 * c
+        np.testing.assert_array_equal(raw_bytes(buf, 0, 2 * c), pattern(4 * c, seed=2)[: 2 * c])
+    vm.assert_backed(arena, [chunk_range(buf, 0, 4)])
+
+
+def test_zero_filling_arena_waits_before_it_zeroes_retired_memory(vm, faults):
+    """Work launched before the release may still read the retired chunks: a zero-filling
+    arena takes them back only after waiting for the device, then zeroes them."""
+    arena, buf, c = _written_arena(vm, faults, zero_fill=True)
+    with faults.hold_device(arena):
+        buf.decommit(0, 2 * c)
+        syncs = faults.device_syncs(arena)
+        call = _Call(lambda: buf.commit(0, 2 * c))
+        _wait_until(lambda: faults.device_syncs(arena) > syncs, "the commit's device wait")
+        assert not call.done, "retired memory was zeroed while the device was busy"
+        np.testing.assert_array_equal(raw_bytes(buf, 0, 2 * c), pattern(4 * c, seed=2)[: 2 * c])
+    assert call.join() == 2 * c
+    assert not raw_bytes(buf, 0, 2 * c).any()
+    vm.assert_backed(arena, [chunk_range(buf, 0, 4)])
+
+
+def test_memory_pressure_reclaims_retired_memory_first(vm, faults):
+    c = vm.chunk
+    arena = _deferring(vm, faults)
+    old = arena.allocate((4 * c,), jnp.uint8)
+    new = arena.allocate((2 * c,), jnp.uint8)
+    old.commit()
+    with faults.hold_device(arena):
+        old.decommit()  # retired: the device is busy
+        assert arena.stats()["retired_bytes"] == 4 * c
+        faults.arm(arena, "create", 1, out_of_memory=True)
+        syncs = faults.device_syncs(arena)
+        call = _Call(new.commit)
+        # The commit ran out of memory, and now waits for the device to take the retired
+        # memory back before trying again.
+        _wait_until(lambda: faults.device_syncs(arena) > syncs, "the commit's device wait")
+        assert not call.done
+    assert call.join() == 2 * c
+    s = arena.stats()
+    assert s["failed_commits"] == 1 and faults.injected(arena) == 1
+    assert s["retired_bytes"] == 0 and s["held_bytes"] == 2 * c
+    vm.assert_backed(arena, [chunk_range(new, 0, 2)])
+
+
+def test_out_of_memory_with_nothing_to_reclaim_raises(vm, faults):
+    c = vm.chunk
+    arena = _deferring(vm, faults)
+    buf = arena.allocate((2 * c,), jnp.uint8)
+    faults.arm(arena, "create", 1, out_of_memory=True)
+    syncs = faults.device_syncs(arena)
+    with pytest.raises(MemoryError):
+        buf.commit()
+    assert faults.device_syncs(arena) == syncs  # nothing retired: no reason to wait
+    vm.assert_backed(arena, [])
+
+
+def test_free_defers_and_the_placement_is_reused(vm, faults):
+    c = vm.chunk
+    arena = _deferring(vm, faults, chunks=4, zero_fill=False)
+    a = arena.allocate((4 * c,), jnp.uint8)
+    a.commit()
+    write_bytes(a, 0, pattern(4 * c, seed=5))
+    with faults.hold_device(arena):
+        a.free()
+        assert arena.stats()["retired_bytes"] == 4 * c
+        b = arena.allocate((4 * c,), jnp.uint8)  # the same range, its memory still retired
+        assert b.offset == a.offset
+        assert b.commit() == 4 * c
+        assert arena.stats()["chunks_revived"] == 4
+        # Without zero fill the new buffer sees the old one's bytes (documented).
+        np.testing.assert_array_equal(raw_bytes(b), pattern(4 * c, seed=5))
+    vm.assert_backed(arena, [chunk_range(b, 0, 4)])
+
+
+# -- raw views --------------------------------------------------------------------------
+
+
+def test_commits_drain_once_a_view_was_handed_out(vm, faults):
+    """A view lets XLA read any byte; once one was handed out JAX may keep arrays over the
+    memory past the view (a donated view's output aliases it), so every commit that maps
+    new memory from then on waits for the device, whether the view lives or not."""
+    c = vm.chunk
+    arena = _deferring(vm, faults)
+    buf = arena.allocate((8 * c,), jnp.uint8)
+    buf.commit(0, c)
+    assert arena.stats()["commit_drains"] == 0 and not arena.stats()["views_exported"]
+    view = buf.array
+    s = arena.stats()
+    assert s["live_views"] == 1 and s["views_exported"]
+    buf.commit(c, 2 * c)
+    assert arena.stats()["commit_drains"] == 1
+    del view
+    assert arena.stats()["live_views"] == 0
+    buf.commit(2 * c, 3 * c)
+    buf.commit(3 * c, 4 * c)
+    assert arena.stats()["commit_drains"] == 3
+    buf.commit(0, 4 * c)  # nothing new to map: no drain
+    assert arena.stats()["commit_drains"] == 3
+
+
+def test_uncounted_views_do_not_count(vm, faults):
+    arena = _deferring(vm, faults)
+    buf = arena.allocate((vm.chunk,), jnp.uint8)
+    v = uncounted_view(buf)
+    assert arena.stats()["live_views"] == 0
+    buf.commit()
+    assert arena.stats()["commit_drains"] == 0
+    assert int(jnp.sum(v.astype(jnp.int32))) == 0
+
+
+@pytest.mark.parametrize("view_alive", [True, False])
+def test_releases_wait_on_the_calling_thread_once_views_were_handed_out(vm, faults, view_alive):
+    """A view lets XLA read anywhere: a release must then not leave the unmap to the
+    reclaimer (a reader dispatched after the release would race it), also after the view
+    died (arrays made from it may live on)."""
+    c = vm.chunk
+    arena = _deferring(vm, faults)
+    buf = arena.allocate((4 * c,), jnp.uint8)
+    buf.commit()
+    view = buf.array
+    if not view_alive:
+        del view
+        view = uncounted_view(buf)
+    with faults.hold_device(arena):
+        syncs = faults.device_syncs(arena)
+        call = _Call(lambda: buf.decommit(0, 2 * c))
+        _wait_until(lambda: faults.device_syncs(arena) > syncs, "the release's device wait")
+        assert not call.done, "the release did not wait for the device"
+    assert call.join() == 2 * c
+    s = arena.stats()
+    assert s["retired_bytes"] == 0 and s["deferred_releases"] == 0 and s["held_bytes"] == 2 * c
+    assert not np.asarray(view[: 2 * c]).any()  # reads zeros at once
+    vm.assert_backed(arena, [chunk_range(buf, 2, 4)])
+
+
+def test_a_new_view_finishes_deferred_releases_first(vm, faults):
+    c = vm.chunk
+    arena = _deferring(vm, faults)
+    buf = arena.allocate((4 * c,), jnp.uint8)
+    buf.commit()
+    write_bytes(buf, 0, pattern(4 * c, seed=3))
+    with faults.hold_device(arena):
+        buf.decommit(0, 2 * c)
+        syncs = faults.device_syncs(arena)
+        call = _Call(lambda: buf.array)
+        _wait_until(lambda: faults.device_syncs(arena) > syncs, "the view's device wait")
+        assert not call.done, "a view was handed out over memory still to be unmapped"
+    view = call.join()
+    assert arena.stats()["retired_bytes"] == 0
+    got = np.asarray(view)
+    assert not got[: 2 * c].any()
+    np.testing.assert_array_equal(got[2 * c :], pattern(4 * c, seed=3)[2 * c :])
+
+
+@pytest.mark.parametrize("handles", [1, 4])
+def test_parked_chunks_read_zeros_through_views_with_zero_fill(vm, faults, handles):
+    """Chunks released inside a still-used allocation stay mapped (parked); a zero-filling
+    arena zeroes them before any view can read them."""
+    c = vm.chunk
+    arena = _deferring(vm, faults, handle_bytes=handles * c)
+    buf = arena.allocate((4 * c,), jnp.uint8)
+    buf.commit()
+    write_bytes(buf, 0, pattern(4 * c, seed=4))
+    buf.decommit(c, 3 * c)
+    got = read_bytes(buf)
+    assert not got[c : 3 * c].any()
+    np.testing.assert_array_equal(got[:c], pattern(4 * c, seed=4)[:c])
+    assert arena.stats()["parked_bytes"] == (2 * c if handles == 4 else 0)
+
+
+# -- the switch that removes the protection -------------------------------------------
+
+
+def test_skipping_device_waits_unmaps_under_a_busy_device(vm, faults):
+    """The testing switch the GPU tests use to show that the deferral is what keeps a
+    running kernel's pages mapped: with it, a release unmaps at once although the device
+    never said it was done."""
+    c = vm.chunk
+    arena = _deferring(vm, faults)
+    buf = arena.allocate((4 * c,), jnp.uint8)
+    buf.commit()
+    faults.skip_device_waits(arena)
+    with faults.hold_device(arena):
+        call = _Call(buf.decommit)
+        call.join()
+        assert arena.stats()["held_bytes"] == 0  # gone while the device was "busy"
+        o = vm.oracle(arena)
+        if o is not None and vm.is_host:
+            o.assert_released()
+
+
+# -- readers in flight (the CPU analogue of a kernel running over the pages) -------------
+
+
+def _kv_with_two_sequences(vm, tokens_per_chunk_factor: int = 2):
+    tpc = vm.chunk // (2 * 64 * 2)
+    t = tokens_per_chunk_factor * tpc
+    kv = vm.kv(
+        num_layers=2, num_kv_heads=2, head_dim=64, max_tokens=t, max_seqs=2, dtype=jnp.bfloat16
+    )
+    kv.ensure(t, seq=0)
+    kv.ensure(t, seq=1)
+    for q in range(2):
+        for i, b in enumerate(kv.buffers):
+            write_bytes(b, q * kv.seq_bytes, pattern(kv.seq_bytes, seed=10 * q + i))
+    return kv, t
+
+
+def _checksum(x: jax.Array) -> jax.Array:
+    """A position-weighted sum over the bytes of a sequence, repeated so that the
+    computation runs a while (the stand-in for a long kernel)."""
+    u = jax.lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32).reshape(-1)
+    w = (jnp.arange(u.shape[0], dtype=jnp.uint32) * jnp.uint32(2654435761)) | 1
+
+    def body(i, acc):
+        return acc + jnp.sum(u * w + i.astype(jnp.uint32))
+
+    return jax.lax.fori_loop(0, 64, body, jnp.uint32(0))
+
+
+def test_reader_in_flight_keeps_its_pages_until_it_is_done(vm, faults):
+    """A computation over sequence 0 is dispatched; sequence 0 is released and sequence
+    1's neighbour pages are re-committed while it may still run. With the deferral the
+    reader sees exactly the old tokens; the memory goes once the device is done."""
+    kv, t = _kv_with_two_sequences(vm)
+    faults.defer_reclaim(kv)
+    k0 = uncounted_view(kv.k_buffers[0])  # what jax_vmm's ops reach by identity
+    f = jax.jit(lambda k: _checksum(k[0]))
+    want = int(f(k0))
+    with faults.hold_device(kv):
+        out = f(k0)  # in flight (or done) ...
+        kv.release(0)  # ... while its pages are released
+        kv.ensure(t // 2, seq=0)
+        kv.release(0)
+        assert int(out) == want, "the reader saw the pages change under it"
+        assert kv.arena.stats()["retired_bytes"] > 0
+    kv.reclaim()
+    assert kv.arena.stats()["retired_bytes"] == 0
+
+
+@pytest.mark.parametrize("counted", [True, False], ids=["views", "no_views"])
+def test_neighbour_readers_see_exact_data_while_others_churn(vm, faults, counted):
+    """Readers of sequence 1 run in a loop while another thread grows and releases
+    sequence 0 (which shares no chunk with it): every result is exact."""
+    kv, t = _kv_with_two_sequences(vm)
+    faults.defer_reclaim(kv)
+    view = kv.k_buffers[0].array if counted else uncounted_view(kv.k_buffers[0])
+    f = jax.jit(lambda k: _checksum(k[1]))
+    want = int(f(view))
+    stop = threading.Event()
+    results: list[int] = []
+
+    def churn():
+        rng = np.random.default_rng(0)
+        try:
+            for _ in range(30):
+                kv.ensure(int(rng.integers(1, t + 1)), seq=0)
+                kv.release(0)
+        finally:
+            stop.set()
+
+    worker = _Call(churn)
+    while not stop.is_set():
+        results.append(int(f(view)))
+    worker.join()
+    results.append(int(f(view)))
+    assert results and all(r == want for r in results), "a reader of seq 1 saw wrong data"
