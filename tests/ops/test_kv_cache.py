@@ -748,3 +748,29 @@ def test_array_level_writes_into_a_kv_arena_respect_the_ensured_tokens(vm):
     assert info.value.count == 2
     codes = raw_bytes(fp8.k_buffers[0]).reshape(B, T, HKV, D)
     assert np.all(codes[0, 9] != 0) and not np.any(codes[0, 50])
+
+
+def test_every_way_of_ensuring_publishes_the_table(vm):
+    """ensure (also within chunks already backed: no commit), ensure_all (one copy of the
+    table), shrink and release all move the device table the kernels check."""
+    kv = _kv(vm)
+    kv.ensure_all([5, 3])
+    _write_one(kv, 4)  # ensured
+    _write_one(kv, T + 3)  # sequence 1 ensured 3 tokens: dropped
+    with pytest.raises(jax_vmm.OutOfBoundsWrite) as info:
+        kv.check()
+    assert info.value.count == 2
+    kv.ensure_all([5, 4])  # within the backed chunk: the fast path
+    kv.ensure(6, 0)  # the same
+    _write_one(kv, T + 3)
+    _write_one(kv, 5)
+    kv.check()
+    kv.shrink(2)
+    _write_one(kv, 3)  # past the shrunk table
+    with pytest.raises(jax_vmm.OutOfBoundsWrite):
+        kv.check()
+    kv.release(0)
+    _write_one(kv, 0)
+    with pytest.raises(jax_vmm.OutOfBoundsWrite):
+        kv.check()
+    assert kv._core_cache.limits() == [0, 2]
