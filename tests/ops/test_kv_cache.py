@@ -591,17 +591,7 @@ def test_an_arena_shaped_array_write_without_dest_warns_and_misses_the_arena(cpu
 def test_an_fp8_arena_layer_quantizes_writes_and_dequantizes_reads(vm):
     d = 64
     scales = np.array([[0.5, 2.0]] * L, np.float32)
-    kv = vm.kv(
-        num_layers=L,
-        num_kv_heads=HKV,
-        head_dim=d,
-        max_tokens=T,
-        max_seqs=B,
-        dtype=jnp.float8_e4m3fn,
-        k_scales=scales,
-        v_scales=2 * scales,
-        zero_fill=True,
-    )
+    kv = _kv(vm, head_dim=d, dtype=jnp.float8_e4m3fn, k_scales=scales, v_scales=2 * scales)
     for seq in range(B):
         kv.ensure(8, seq)
     rng = np.random.default_rng(2)
@@ -638,15 +628,7 @@ def test_an_fp8_arena_layer_quantizes_writes_and_dequantizes_reads(vm):
 
 
 def test_the_streaming_kernel_reads_an_arena_layer_as_split_k_does(vm):
-    kv = vm.kv(
-        num_layers=1,
-        num_kv_heads=HKV,
-        head_dim=D,
-        max_tokens=T,
-        max_seqs=B,
-        dtype=jnp.bfloat16,
-        zero_fill=True,
-    )
+    kv = _kv(vm, num_layers=1, dtype=jnp.bfloat16)
     kv.ensure(40, 0)
     kv.ensure(17, 1)
     rng = np.random.default_rng(4)
@@ -729,15 +711,7 @@ def test_array_level_writes_into_a_kv_arena_respect_the_ensured_tokens(vm):
     with pytest.raises(jax_vmm.OutOfBoundsWrite) as info:
         kv.check()
     assert info.value.count == 2
-    fp8 = vm.kv(
-        num_layers=1,
-        num_kv_heads=HKV,
-        head_dim=D,
-        max_tokens=T,
-        max_seqs=B,
-        dtype=jnp.float8_e4m3fn,
-        zero_fill=True,
-    )
+    fp8 = _kv(vm, num_layers=1, dtype=jnp.float8_e4m3fn)
     fp8.ensure(10, 0)
     scale = jnp.ones((HKV,), jnp.float32)
     jax.block_until_ready(
