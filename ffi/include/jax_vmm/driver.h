@@ -2,9 +2,9 @@
 //
 // Semantics shared by both implementations (host: mmap/memfd, cuda: driver VMM):
 //   reserve()    -> a virtual range whose every byte reads as zero and never faults
-//                   (host: PROT_READ anonymous mapping; cuda: a shared read-only zero
-//                   allocation mapped over the whole range, in pieces of at most
-//                   zero_piece_bytes()).
+//                   (host: PROT_READ anonymous mapping; cuda: shared read-only zero
+//                   allocations mapped over the whole range in aligned power-of-two
+//                   pieces, see drivers/cuda/zero_layout.h).
 //   create(n)    -> one physical allocation of n bytes (a multiple of chunk_bytes()).
 //   map_run()    -> put consecutive pieces of physical allocations at a chunk-aligned,
 //                   zero-mapped range, replacing the zero mapping there (not yet
@@ -41,7 +41,8 @@ struct MemInfo {
 
 using PhysicalHandle = uint64_t;
 
-// `bytes` of allocation `handle` starting `offset` bytes into it.
+// `bytes` of allocation `handle` starting `offset` bytes into it. The CUDA driver maps
+// only whole allocations (offset 0, bytes = the allocation's size): cuMemMap refuses parts.
 struct MapPiece {
   PhysicalHandle handle = 0;
   size_t offset = 0;

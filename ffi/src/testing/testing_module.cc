@@ -137,8 +137,8 @@ void BindZeroLayout(nb::module_& m) {
     return out;
   };
   nb::class_<ZeroLayout>(m, "ZeroLayout")
-      .def(nb::init<uintptr_t, size_t, size_t>(), nb::arg("base"), nb::arg("bytes"),
-           nb::arg("max_piece"))
+      .def(nb::init<uintptr_t, size_t, size_t, size_t>(), nb::arg("base"), nb::arg("bytes"),
+           nb::arg("max_piece"), nb::arg("unit"))
       .def("tile", [to_list](const ZeroLayout& z, uint64_t va,
                              size_t bytes) { return to_list(z.Tile(va, bytes)); })
       .def("plan_clear",

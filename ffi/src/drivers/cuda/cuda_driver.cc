@@ -1,10 +1,11 @@
 // CUDA driver VMM backend of the Driver interface (see driver.h for the semantics).
 //
-// Layout of a reservation: every unbacked byte maps the device's shared zero allocation
-// (zero_allocation.h) read-only, in pieces of at most its size aligned to it from the
-// reservation base; ZeroLayout (zero_layout.h) records the pieces. MapRun clears the zero
-// pieces under its range (and maps the parts of them outside the range back), then maps
-// the real pieces; UnmapRun unmaps real pieces and restores zero as aligned pieces.
+// Layout of a reservation: every unbacked byte maps one of the device's shared zero
+// allocations (zero_allocation.h) read-only, in power-of-two pieces aligned to their size
+// from the reservation base, each mapping the zero allocation of its exact size
+// (cuMemMap maps only whole allocations); ZeroLayout (zero_layout.h) records the pieces. MapRun
+// clears the zero pieces under its range (and maps the parts of them outside the range back), then
+// maps the real pieces; UnmapRun unmaps real pieces and restores zero as aligned pieces.
 //
 // The driver API comes from cuda_api.h (libcuda resolved at run time), its objects are
 // held by the owners of cuda_owners.h, device facts come from cuda_device.h.
@@ -58,7 +59,7 @@ class CudaDriver final : public Driver {
         ctx_(api, dev, ordinal),
         stream_(api, ctx_.get(), ordinal),
         copy_stream_(api, ctx_.get(), ordinal),
-        zero_(ZeroAllocation::ForDevice(api, ordinal, dev, granularity)) {}
+        zero_(ZeroAllocations::ForDevice(api, ordinal, dev, granularity)) {}
 
   const char* kind() const override { return "cuda"; }
   int device_ordinal() const override { return ordinal_; }
@@ -75,7 +76,7 @@ class CudaDriver final : public Driver {
     return info;
   }
 
-  // Cost: one cuMemMap per zero piece (bytes / 256 MiB on an H200) plus one
+  // Cost: one cuMemMap per zero piece (about bytes / 32 MiB on an H200) plus one
   // cuMemSetAccess for the range.
   uintptr_t Reserve(size_t bytes) override {
     if (bytes == 0 || bytes % chunk_bytes_ != 0) {
@@ -86,7 +87,7 @@ class CudaDriver final : public Driver {
     ContextGuard g(api_, ctx_.get(), ordinal_);
     // Chunks on large-page boundaries, and zero pieces on their own size where it fits.
     const size_t alignment =
-        std::max(LowestBit(chunk_bytes_), std::min(zero_->bytes(), FloorPow2(bytes)));
+        std::max(LowestBit(chunk_bytes_), std::min(zero_->max_piece(), FloorPow2(bytes)));
     CUdeviceptr va = 0;
     CUresult r = api_.cuMemAddressReserve(&va, bytes, alignment, 0, 0);
     if (r != CUDA_SUCCESS) {
@@ -96,11 +97,12 @@ class CudaDriver final : public Driver {
                       ") (virtual address space; try a smaller reserve_bytes)",
                   r);
     }
-    ZeroLayout layout(va, bytes, zero_->bytes());
+    ZeroLayout layout(va, bytes, zero_->max_piece(), granularity_);
     const std::vector<ZeroPiece> tiles = layout.Tile(va, bytes);
     size_t mapped = 0;
     for (; mapped < tiles.size(); ++mapped) {
-      r = api_.cuMemMap(tiles[mapped].va, tiles[mapped].bytes, 0, zero_->handle(), 0);
+      r = api_.cuMemMap(tiles[mapped].va, tiles[mapped].bytes, 0,
+                        zero_->handle(tiles[mapped].bytes), 0);
       if (r != CUDA_SUCCESS) break;
     }
     if (r == CUDA_SUCCESS) r = api_.cuMemSetAccess(va, bytes, &read_only_, 1);
@@ -174,7 +176,14 @@ class CudaDriver final : public Driver {
   // SetAccess then makes the run itself writable). On failure the hull reads zeros again.
   void MapRun(uintptr_t va, const MapPiece* pieces, size_t count) override {
     size_t total = 0;
-    for (size_t i = 0; i < count; ++i) total += pieces[i].bytes;
+    for (size_t i = 0; i < count; ++i) {
+      if (pieces[i].offset != 0) {
+        throw InvalidArgument("jax_vmm: CUDA MapRun piece " + std::to_string(i) + " at offset " +
+                              std::to_string(pieces[i].offset) +
+                              ": cuMemMap maps only whole allocations (offset 0)");
+      }
+      total += pieces[i].bytes;
+    }
     if (total == 0) return;
     ContextGuard g(api_, ctx_.get(), ordinal_);
     ZeroLayout::Clear plan = ClaimZero(va, total);
@@ -198,7 +207,8 @@ class CudaDriver final : public Driver {
     }
     size_t remapped = 0;
     for (; remapped < plan.remap.size() && r == CUDA_SUCCESS; ++remapped) {
-      r = api_.cuMemMap(plan.remap[remapped].va, plan.remap[remapped].bytes, 0, zero_->handle(), 0);
+      r = api_.cuMemMap(plan.remap[remapped].va, plan.remap[remapped].bytes, 0,
+                        zero_->handle(plan.remap[remapped].bytes), 0);
       if (r != CUDA_SUCCESS) break;
     }
     std::string call;
@@ -512,12 +522,12 @@ class CudaDriver final : public Driver {
     return first;
   }
 
-  // Maps the zero allocation at each piece (made read-only by the caller); returns the
+  // Maps the zero allocation of each piece's size at it (made read-only by the caller); returns the
   // pieces mapped. A piece that could not get it (reported) faults on access.
   std::vector<ZeroPiece> MapZero(const std::vector<ZeroPiece>& pieces) noexcept {
     std::vector<ZeroPiece> mapped;
     for (const ZeroPiece& p : pieces) {
-      const CUresult r = api_.cuMemMap(p.va, p.bytes, 0, zero_->handle(), 0);
+      const CUresult r = api_.cuMemMap(p.va, p.bytes, 0, zero_->handle(p.bytes), 0);
       if (r == CUDA_SUCCESS) {
         mapped.push_back(p);
       } else {
@@ -570,12 +580,12 @@ class CudaDriver final : public Driver {
   const CUmemAllocationProp prop_;
   const CUmemAccessDesc read_only_;
   const CUmemAccessDesc read_write_;
-  // Declaration order is teardown order reversed: the streams and the zero allocation go
+  // Declaration order is teardown order reversed: the streams and the zero allocations go
   // before the context reference that they need.
   PrimaryContext ctx_;
   OwnedStream stream_;       // metadata copies and zero fills: small, latency-bound
   OwnedStream copy_stream_;  // bulk host <-> device copies (sleep, offload, put)
-  std::shared_ptr<const ZeroAllocation> zero_;
+  std::shared_ptr<const ZeroAllocations> zero_;
   std::mutex zero_mu_;
   std::map<uintptr_t, ZeroLayout> layouts_;  // by reservation base
   // Whether cuMemUnmap accepts a range spanning several mappings (learned on first use).

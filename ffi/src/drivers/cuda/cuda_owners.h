@@ -100,7 +100,7 @@ class OwnedStream {
   CUstream stream_ = nullptr;
 };
 
-// A physical allocation released on destruction (the zero chunk; temporary handles).
+// A physical allocation released on destruction (the zero allocations).
 class OwnedHandle {
  public:
   OwnedHandle(const Api& api, CUcontext ctx, int ordinal)
@@ -110,7 +110,7 @@ class OwnedHandle {
     ContextGuard g(api_, ctx_, ordinal_, std::nothrow);
     if (!g.ok()) return;
     CUresult r = api_.cuMemRelease(handle_);
-    if (r != CUDA_SUCCESS) Report(api_, ordinal_, "cuMemRelease(zero chunk)", r);
+    if (r != CUDA_SUCCESS) Report(api_, ordinal_, "cuMemRelease(zero allocation)", r);
   }
   OwnedHandle(const OwnedHandle&) = delete;
   OwnedHandle& operator=(const OwnedHandle&) = delete;

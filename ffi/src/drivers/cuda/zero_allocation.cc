@@ -10,19 +10,35 @@
 namespace jax_vmm::cuda {
 
 size_t ZeroPieceBytes(size_t total_bytes, size_t granularity) {
-  constexpr size_t kMax = size_t{256} << 20;
+  constexpr size_t kMax = size_t{32} << 20;
   size_t piece = granularity;
   while (piece * 2 <= kMax && piece * 2 <= total_bytes / 512) piece *= 2;
   return piece;
 }
 
-ZeroAllocation::ZeroAllocation(const Api& api, int ordinal, CUdevice dev, size_t bytes)
-    : ctx_(api, dev, ordinal), handle_(api, ctx_.get(), ordinal), bytes_(bytes) {
+ZeroAllocations::ZeroAllocations(const Api& api, int ordinal, CUdevice dev, size_t granularity,
+                                 size_t max_piece)
+    : ctx_(api, dev, ordinal), granularity_(granularity), max_piece_(max_piece) {
   ContextGuard g(api, ctx_.get(), ordinal);
+  for (size_t bytes = granularity; bytes <= max_piece; bytes *= 2) Make(api, ordinal, dev, bytes);
+}
+
+CUmemGenericAllocationHandle ZeroAllocations::handle(size_t bytes) const {
+  size_t k = 0;
+  for (size_t size = granularity_; size < bytes; size *= 2) ++k;
+  if (k >= by_size_.size() || (granularity_ << k) != bytes) return 0;
+  return by_size_[k]->get();
+}
+
+// Fresh allocations carry no content guarantee: each is filled once through a temporary
+// read-write mapping.
+void ZeroAllocations::Make(const Api& api, int ordinal, CUdevice dev, size_t bytes) {
+  by_size_.push_back(std::make_unique<OwnedHandle>(api, ctx_.get(), ordinal));
+  OwnedHandle& handle = *by_size_.back();
   const CUmemAllocationProp prop = DeviceAllocationProp(dev);
-  CUresult r = api.cuMemCreate(handle_.out(), bytes, &prop, 0);
+  CUresult r = api.cuMemCreate(handle.out(), bytes, &prop, 0);
   if (r == CUDA_ERROR_OUT_OF_MEMORY) {
-    throw OutOfMemory("jax_vmm: cuMemCreate of the " + std::to_string(bytes) +
+    throw OutOfMemory("jax_vmm: cuMemCreate of a " + std::to_string(bytes) +
                           "-byte zero allocation on CUDA device " + std::to_string(ordinal) +
                           ": out of GPU memory",
                       bytes, 0);
@@ -31,15 +47,13 @@ ZeroAllocation::ZeroAllocation(const Api& api, int ordinal, CUdevice dev, size_t
     ThrowDriver(api, ordinal, "cuMemCreate(zero allocation, size=" + std::to_string(bytes) + ")",
                 r);
   }
-  // Fresh allocations carry no content guarantee: fill once through a temporary
-  // read-write mapping.
   CUdeviceptr va = 0;
   r = api.cuMemAddressReserve(&va, bytes, 0, 0, 0);
   if (r != CUDA_SUCCESS) {
     ThrowDriver(api, ordinal, "cuMemAddressReserve(size=" + std::to_string(bytes) + ")", r);
   }
   ScopedReservation temp(api, ordinal, va, bytes, bytes);
-  r = api.cuMemMap(va, bytes, 0, handle_.get(), 0);
+  r = api.cuMemMap(va, bytes, 0, handle.get(), 0);
   if (r != CUDA_SUCCESS) ThrowDriver(api, ordinal, "cuMemMap(zero allocation, temporary)", r);
   temp.count_mapped();
   const CUmemAccessDesc rw = DeviceAccess(dev, CU_MEM_ACCESS_FLAGS_PROT_READWRITE);
@@ -51,13 +65,14 @@ ZeroAllocation::ZeroAllocation(const Api& api, int ordinal, CUdevice dev, size_t
   r = api.cuMemsetD8Async(va, 0, bytes, stream.get());
   if (r == CUDA_SUCCESS) r = api.cuStreamSynchronize(stream.get());
   if (r != CUDA_SUCCESS) ThrowDriver(api, ordinal, "cuMemsetD8(zero allocation)", r);
-  // `temp` unmaps and frees the temporary range; the allocation lives on in handle_.
+  // `temp` unmaps and frees the temporary range; the allocation lives on in `handle`.
 }
 
-std::shared_ptr<const ZeroAllocation> ZeroAllocation::ForDevice(const Api& api, int ordinal,
-                                                                CUdevice dev, size_t granularity) {
+std::shared_ptr<const ZeroAllocations> ZeroAllocations::ForDevice(const Api& api, int ordinal,
+                                                                  CUdevice dev,
+                                                                  size_t granularity) {
   static std::mutex mu;
-  static std::map<int, std::weak_ptr<const ZeroAllocation>> by_device;
+  static std::map<int, std::weak_ptr<const ZeroAllocations>> by_device;
   std::lock_guard<std::mutex> lock(mu);
   if (auto live = by_device[ordinal].lock()) return live;
   size_t free_bytes = 0, total_bytes = 0;
@@ -67,8 +82,8 @@ std::shared_ptr<const ZeroAllocation> ZeroAllocation::ForDevice(const Api& api, 
     const CUresult r = api.cuMemGetInfo(&free_bytes, &total_bytes);
     if (r != CUDA_SUCCESS) ThrowDriver(api, ordinal, "cuMemGetInfo", r);
   }
-  auto made = std::make_shared<const ZeroAllocation>(api, ordinal, dev,
-                                                     ZeroPieceBytes(total_bytes, granularity));
+  auto made = std::make_shared<const ZeroAllocations>(api, ordinal, dev, granularity,
+                                                      ZeroPieceBytes(total_bytes, granularity));
   by_device[ordinal] = made;
   return made;
 }

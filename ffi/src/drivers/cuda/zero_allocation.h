@@ -1,10 +1,12 @@
 // The read-only zero memory under every unbacked byte of the CUDA reservations of one
-// device: one physical allocation per device and process, zero-filled once, shared by
-// every driver of that device (arenas, scratch workspaces) and released with the last.
+// device: one physical allocation per zero-piece size (granularity x 2^k up to
+// ZeroPieceBytes), zero-filled once, per device and process, shared by every driver of
+// that device (arenas, scratch workspaces) and released with the last.
 //
-// Its size is the largest zero mapping the driver makes (ZeroLayout's max_piece): a power
-// of two between the granularity and 256 MiB, at most 1/512 of the device's memory
-// (256 MiB on an H200). Larger pieces mean fewer cuMemMap/cuMemUnmap calls per reserved
+// Why one per size: cuMemMap maps an allocation only whole, so a zero piece of n bytes
+// needs an allocation of exactly n bytes (zero_layout.h). All sizes are made up front
+// (2 x the largest in all: 62 MiB on an H200), so that the restore paths, which must not
+// fail, never allocate. Larger pieces mean fewer cuMemMap/cuMemUnmap calls per reserved
 // or committed byte; the memory is spent once per device, not per arena.
 //
 // Thread-safety: ForDevice is thread-safe; the object is immutable after construction.
@@ -12,6 +14,7 @@
 
 #include <cstddef>
 #include <memory>
+#include <vector>
 
 #include "drivers/cuda/cuda_abi.h"
 #include "drivers/cuda/cuda_api.h"
@@ -19,26 +22,34 @@
 
 namespace jax_vmm::cuda {
 
-// The zero-piece size for a device with `total_bytes` of memory and `granularity`.
+// The largest zero piece for a device with `total_bytes` of memory and `granularity`: a
+// power of two times the granularity, at most 32 MiB and 1/512 of the device's memory.
 size_t ZeroPieceBytes(size_t total_bytes, size_t granularity);
 
-class ZeroAllocation {
+class ZeroAllocations {
  public:
-  // The device's zero allocation, made on first use (throws OutOfMemory / DriverError).
-  static std::shared_ptr<const ZeroAllocation> ForDevice(const Api& api, int ordinal, CUdevice dev,
-                                                         size_t granularity);
-  ZeroAllocation(const Api& api, int ordinal, CUdevice dev, size_t bytes);
-  ZeroAllocation(const ZeroAllocation&) = delete;
-  ZeroAllocation& operator=(const ZeroAllocation&) = delete;
+  // The device's zero allocations, made on first use (throws OutOfMemory / DriverError).
+  static std::shared_ptr<const ZeroAllocations> ForDevice(const Api& api, int ordinal, CUdevice dev,
+                                                          size_t granularity);
+  // Allocations of granularity, 2 x granularity, ..., max_piece bytes.
+  ZeroAllocations(const Api& api, int ordinal, CUdevice dev, size_t granularity, size_t max_piece);
+  ZeroAllocations(const ZeroAllocations&) = delete;
+  ZeroAllocations& operator=(const ZeroAllocations&) = delete;
 
-  CUmemGenericAllocationHandle handle() const { return handle_.get(); }
-  size_t bytes() const { return bytes_; }
+  // The allocation of exactly `bytes` (granularity x 2^k, <= max_piece), or 0 for another
+  // size (a bookkeeping bug in the caller; cuMemMap then fails with a clear error).
+  CUmemGenericAllocationHandle handle(size_t bytes) const;
+  size_t granularity() const { return granularity_; }
+  size_t max_piece() const { return max_piece_; }
 
  private:
-  // Declaration order is teardown order reversed: the handle goes before the context.
+  void Make(const Api& api, int ordinal, CUdevice dev, size_t bytes);
+
+  // Declaration order is teardown order reversed: the handles go before the context.
   PrimaryContext ctx_;
-  OwnedHandle handle_;
-  size_t bytes_;
+  size_t granularity_;
+  size_t max_piece_;
+  std::vector<std::unique_ptr<OwnedHandle>> by_size_;  // [k]: granularity << k bytes
 };
 
 }  // namespace jax_vmm::cuda

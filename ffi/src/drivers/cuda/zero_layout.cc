@@ -8,22 +8,37 @@
 
 namespace jax_vmm::cuda {
 
-ZeroLayout::ZeroLayout(uintptr_t base, size_t bytes, size_t max_piece)
-    : base_(base), bytes_(bytes), max_piece_(max_piece) {
-  if (max_piece == 0) throw InvalidArgument("ZeroLayout: max_piece must be > 0");
+namespace {
+bool IsPow2(size_t x) { return x != 0 && (x & (x - 1)) == 0; }
+}  // namespace
+
+ZeroLayout::ZeroLayout(uintptr_t base, size_t bytes, size_t max_piece, size_t unit)
+    : base_(base), bytes_(bytes), max_piece_(max_piece), unit_(unit) {
+  if (!IsPow2(max_piece) || !IsPow2(unit) || unit > max_piece) {
+    throw InvalidArgument("ZeroLayout: max_piece (" + std::to_string(max_piece) + ") and unit (" +
+                          std::to_string(unit) + ") must be powers of two, unit <= max_piece");
+  }
+}
+
+void ZeroLayout::AppendAligned(uintptr_t va, size_t bytes, std::vector<ZeroPiece>* out) const {
+  while (bytes >= unit_) {
+    const size_t from_base = va - base_;
+    size_t piece = max_piece_;
+    while (piece > unit_ && (from_base % piece != 0 || piece > bytes)) piece /= 2;
+    out->push_back({va, piece});
+    va += piece;
+    bytes -= piece;
+  }
+}
+
+bool ZeroLayout::IsAligned(const ZeroPiece& p) const {
+  return p.va >= base_ && IsPow2(p.bytes) && p.bytes >= unit_ && p.bytes <= max_piece_ &&
+         (p.va - base_) % p.bytes == 0;
 }
 
 std::vector<ZeroPiece> ZeroLayout::Tile(uintptr_t va, size_t bytes) const {
   std::vector<ZeroPiece> out;
-  uintptr_t at = va;
-  const uintptr_t end = va + bytes;
-  while (at < end) {
-    const size_t from_base = at - base_;
-    const uintptr_t boundary = base_ + (from_base / max_piece_ + 1) * max_piece_;
-    const uintptr_t stop = std::min(end, boundary);
-    out.push_back({at, stop - at});
-    at = stop;
-  }
+  AppendAligned(va, bytes, &out);
   return out;
 }
 
@@ -49,8 +64,8 @@ ZeroLayout::Clear ZeroLayout::PlanClear(uintptr_t va, size_t bytes) const {
     }
     const uintptr_t p_end = it->first + it->second;
     plan.unmap.push_back({it->first, it->second});
-    if (it->first < va) plan.remap.push_back({it->first, va - it->first});
-    if (p_end > end) plan.remap.push_back({end, p_end - end});
+    if (it->first < va) AppendAligned(it->first, va - it->first, &plan.remap);
+    if (p_end > end) AppendAligned(end, p_end - end, &plan.remap);
     covered_to = p_end;
   }
   if (covered_to < end) {
@@ -63,6 +78,13 @@ ZeroLayout::Clear ZeroLayout::PlanClear(uintptr_t va, size_t bytes) const {
 }
 
 void ZeroLayout::Add(const std::vector<ZeroPiece>& pieces) {
+  for (const ZeroPiece& p : pieces) {
+    if (!IsAligned(p)) {
+      throw InvalidArgument("ZeroLayout: piece [" + Hex(p.va) + ", " + Hex(p.va + p.bytes) +
+                            ") is not a power-of-two piece of " + std::to_string(unit_) + " to " +
+                            std::to_string(max_piece_) + " bytes aligned to its size");
+    }
+  }
   for (const ZeroPiece& p : pieces) {
     auto next = pieces_.lower_bound(p.va);
     const bool overlaps_next = next != pieces_.end() && next->first < p.va + p.bytes;
