@@ -36,7 +36,8 @@ REPO = Path(__file__).resolve().parents[2]
 # seconds on an H200. The script checks that the computation it leaves behind is still
 # running (and takes ten times more passes until one is).
 _EXIT_SCRIPT = r"""
-import contextlib, sys
+import contextlib, faulthandler, sys
+faulthandler.dump_traceback_later(90, exit=True)  # a hang fails with every thread's stack
 import jax, jax.numpy as jnp
 import jax_vmm, jax_vmm.testing
 platform, end, views = sys.argv[1:4]
@@ -53,6 +54,7 @@ while True:
     out = reduce(k, jax.device_put(jnp.int32(passes), device))
     if not out.is_ready():
         break
+    print(f"finished before the check: {passes} passes", flush=True)
     passes *= 10
 print(f"dispatched, in flight: {passes} passes", flush=True)
 if end == "raise":
@@ -68,7 +70,7 @@ def _run_exit_script(platform: str, end: str, views: str) -> subprocess.Complete
         env=env,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=110,  # under pytest-timeout's 120 s; the script dumps its stacks at 90 s
     )
 
 

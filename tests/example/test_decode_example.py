@@ -137,7 +137,12 @@ def test_jax_vmm_matches_prealloc_on_cpu(cpu_device: jax.Device, baseline: str) 
     reqs = _requests(SMALL, 6, (3, 60), (1, 40))  # 6 requests on 3 slots
     batch, max_tokens = 3, 128
     ref, ref_stats = generate(
-        "prealloc", SMALL, reqs, batch=batch, max_tokens=max_tokens, device=cpu,
+        "prealloc",
+        SMALL,
+        reqs,
+        batch=batch,
+        max_tokens=max_tokens,
+        device=cpu,
         attention=baseline,
     )
     # 4 KiB chunks = 32 tokens per layer buffer: memory visibly follows each sequence.
@@ -220,7 +225,12 @@ def _reference_run(cfg: M.ModelConfig, reqs, batch: int, max_tokens: int, gpu, d
         ref = generate("prealloc", cfg, reqs, batch=batch, max_tokens=max_tokens, device=gpu)[0]
         forced = {r.id: r.tokens for r in ref.results}
         other = generate(
-            "prealloc", cfg, reqs, batch=batch, max_tokens=2 * max_tokens, device=gpu,
+            "prealloc",
+            cfg,
+            reqs,
+            batch=batch,
+            max_tokens=2 * max_tokens,
+            device=gpu,
             force_tokens=forced,
         )[0]
         floor, _ = compare_forced(ref, other, tol=float("inf"))
@@ -252,8 +262,14 @@ def test_jax_vmm_matches_prealloc_gpu_preset(
         forced = {r.id: r.tokens for r in ref.results}
         if baseline == "jax_vmm":
             ref = generate(
-                "prealloc", cfg, reqs, batch=batch, max_tokens=max_tokens, device=gpu,
-                attention="jax_vmm", force_tokens=forced,
+                "prealloc",
+                cfg,
+                reqs,
+                batch=batch,
+                max_tokens=max_tokens,
+                device=gpu,
+                attention="jax_vmm",
+                force_tokens=forced,
             )[0]
         got, stats = generate(
             "jax_vmm",
@@ -294,7 +310,12 @@ def test_gpu_preset_comparison_catches_a_wrong_cache(gpu_device: jax.Device) -> 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(cache_module.VmmCache, "write", late)
         got, _ = generate(
-            "jax_vmm", cfg, reqs, batch=batch, max_tokens=max_tokens, device=gpu_device,
+            "jax_vmm",
+            cfg,
+            reqs,
+            batch=batch,
+            max_tokens=max_tokens,
+            device=gpu_device,
             force_tokens=forced,
         )
     with pytest.raises(AssertionError, match="logits differ"):
@@ -323,9 +344,25 @@ def test_decode_cli_without_matplotlib_skips_the_plot(tmp_path: Path, monkeypatc
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` fails
     summary = decode.main(
-        ["--device", "cpu", "--requests", "2", "--batch", "2", "--max-tokens", "64",
-         "--prompt-len", "4", "8", "--new-tokens", "2", "4", "--no-progress",
-         "--out", str(tmp_path)]
+        [
+            "--device",
+            "cpu",
+            "--requests",
+            "2",
+            "--batch",
+            "2",
+            "--max-tokens",
+            "64",
+            "--prompt-len",
+            "4",
+            "8",
+            "--new-tokens",
+            "2",
+            "4",
+            "--no-progress",
+            "--out",
+            str(tmp_path),
+        ]
     )
     out = capsys.readouterr().out
     assert "plot skipped: matplotlib is not installed" in out and "pip install" in out, out

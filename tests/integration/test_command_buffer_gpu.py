@@ -288,8 +288,10 @@ def test_a_stale_replay_never_writes_a_newer_arena():
             refused = str(e)
             assert "no longer exists" in refused, refused
         replayed = refused is None and ops.kv_write_stats()["kv_write"]["calls"] == calls
-        print(f"same address: {kv2.k_buffers[0].address == address}, replayed without host "
-              f"code: {replayed}, refused by the handler: {refused is not None}")
+        print(
+            f"same address: {kv2.k_buffers[0].address == address}, replayed without host "
+            f"code: {replayed}, refused by the handler: {refused is not None}"
+        )
         after = [read_bytes(b).tobytes() for b in kv2.buffers]
         assert after == before, "a stale step wrote the newer arena"
         kv2.check()  # and nothing was counted against it
@@ -352,8 +354,12 @@ def _expected_outputs(run: _CacheRun, written: set[int], ensured: dict[int, int]
     total = np.zeros(B)
     for p in run.positions:
         for q in range(B):
-            ks = [_expected_token(run.x_host, t, q).astype(np.float64) if t in written
-                  else np.zeros((H, D)) for t in range(min(p + 1, ensured[p]))]
+            ks = [
+                _expected_token(run.x_host, t, q).astype(np.float64)
+                if t in written
+                else np.zeros((H, D))
+                for t in range(min(p + 1, ensured[p]))
+            ]
             k = np.stack(ks)  # (t, H, D)
             s = np.einsum("hd,thd->ht", run.q_host.astype(np.float64)[q], k) / np.sqrt(D)
             w = np.exp(s - s.max(-1, keepdims=True))
@@ -402,7 +408,8 @@ def test_a_cache_step_is_captured_replayed_and_checks_the_ensured_tokens():
             for q in range(B):
                 want = _expected_token(run.x_host, p, q) if p in written else np.zeros((H, D))
                 np.testing.assert_array_equal(
-                    raw[q, p].astype(np.float32), np.asarray(want, np.float32),
+                    raw[q, p].astype(np.float32),
+                    np.asarray(want, np.float32),
                     err_msg=f"seq {q} pos {p}",
                 )
         ensured = {p: 6 if p < 8 else 16 for p in run.positions}

@@ -391,7 +391,11 @@ def test_a_write_whose_result_is_unused_still_writes(vm, op):
     """The custom calls have a side effect (the arena): XLA must not remove them when
     the step ignores their result."""
     kv = vm.kv(
-        num_layers=1, num_kv_heads=H, head_dim=D, max_tokens=16, dtype=jnp.float32,
+        num_layers=1,
+        num_kv_heads=H,
+        head_dim=D,
+        max_tokens=16,
+        dtype=jnp.float32,
         initial_tokens=16,
     )
     dest = kv.dest(0)

@@ -262,13 +262,20 @@ def test_a_refused_step_does_not_break_later_checks(vm):
 
 @pytest.mark.gpu
 def test_a_dest_of_another_platform_is_refused(gpu_device):
-    host = jax_vmm.kv_arena(num_layers=1, num_kv_heads=H, head_dim=D, max_tokens=T,
-                            dtype=jnp.float32, device=jax.devices("cpu")[0])
+    host = jax_vmm.kv_arena(
+        num_layers=1,
+        num_kv_heads=H,
+        head_dim=D,
+        max_tokens=T,
+        dtype=jnp.float32,
+        device=jax.devices("cpu")[0],
+    )
     cache = jax.device_put(jnp.zeros((T, H, D), jnp.float32), gpu_device)
     one = jax.device_put(jnp.ones((1, H, D), jnp.float32), gpu_device)
     slot = jax.device_put(jnp.array([1], jnp.int32), gpu_device)
-    with pytest.raises(jax.errors.JaxRuntimeError, match="memory of a host arena, but the call "
-                                                         "runs on cuda"):
+    with pytest.raises(
+        jax.errors.JaxRuntimeError, match="memory of a host arena, but the call runs on cuda"
+    ):
         jax.block_until_ready(ops.kv_write(cache, cache, one, one, slot, dest=host.dest(0)))
     host.close()
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 
 from cuda.bindings import driver as cu
 
@@ -126,13 +126,14 @@ class CudaOracle:
         return [self.state(base + off) for off in range(0, nbytes, chunk)]
 
     def kinds(
-        self, base: int, nbytes: int, chunk: int, zero_handle: int | None = None
+        self, base: int, nbytes: int, chunk: int, zero_handles: Collection[int] | None = None
     ) -> list[str]:
-        """Per chunk: 'rw' (own writable memory), 'zero' (read-only; when ``zero_handle``
-        is given, also the shared zero chunk), 'ro' (read-only, other memory), 'hole'."""
+        """Per chunk: 'rw' (own writable memory), 'zero' (read-only; when ``zero_handles``
+        is given, also one of the shared zero allocations), 'ro' (read-only, other
+        memory), 'hole'."""
         out = []
         for s in self.chunk_states(base, nbytes, chunk):
-            if s.access == READ and (zero_handle is None or s.handle == zero_handle):
+            if s.access == READ and (zero_handles is None or s.handle in zero_handles):
                 out.append("zero")
             else:
                 out.append(s.kind)
@@ -208,17 +209,20 @@ def probe_driver_facts(ordinal: int = 0) -> dict:
             facts["address_range_if_per_mapping"] = (va + g, g)
             for i in range(2):
                 _ok("cuMemUnmap", cu.cuMemUnmap(va + i * g, g))
-            # 3b. The coalesced zero layout maps the first part of one larger allocation
-            #     (offset 0, smaller size) at several addresses, read-only.
+            # 3b. The zero layout maps whole zero allocations of different sizes side by
+            #     side and makes them read-only with one call. (Informational: whether part
+            #     of an allocation maps at all; the H200 refuses it.)
             big = _ok("cuMemCreate", cu.cuMemCreate(2 * g, _prop(ordinal), 0))
             try:
                 part = cu.cuMemMap(va, g, 0, big, 0)[0] == ok
-                whole = part and cu.cuMemMap(va + g, 2 * g, 0, big, 0)[0] == ok
-                facts["partial_allocation_map_ok"] = part and whole
-                if facts["partial_allocation_map_ok"]:
-                    facts["read_only_over_pieces_ok"] = (
-                        cu.cuMemSetAccess(va, 3 * g, [_access(ordinal, READ)], 1)[0] == ok
-                    )
+                facts["partial_allocation_map_ok"] = part
+                if part:
+                    cu.cuMemUnmap(va, g)
+                _ok("cuMemMap", cu.cuMemMap(va, g, 0, handles[0], 0))
+                _ok("cuMemMap", cu.cuMemMap(va + g, 2 * g, 0, big, 0))
+                facts["read_only_over_pieces_ok"] = (
+                    cu.cuMemSetAccess(va, 3 * g, [_access(ordinal, READ)], 1)[0] == ok
+                )
                 cu.cuMemUnmap(va, g)
                 cu.cuMemUnmap(va + g, 2 * g)
             finally:

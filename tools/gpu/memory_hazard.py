@@ -76,9 +76,9 @@ def release_scenario(unsafe: bool) -> dict:
     out = many(q, k, v, lengths)  # in flight ...
     print("RELEASING while the kernels run", flush=True)
     kv.release(0)  # ... its pages released
+    s = kv.arena.stats()  # before the kernels end (then the reclaimer frees the pages)
     kv.ensure(T, seq=1)  # ... and new pages mapped next to them
     got = np.asarray(out)
-    s = kv.arena.stats()
     kv.reclaim()
     return {
         "mode": "unsafe" if unsafe else "safe",
