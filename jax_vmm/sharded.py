@@ -25,7 +25,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from .arena import _as_flag, _refuse_copy
+from .arena import _as_flag, _as_index, _refuse_copy
 from .cache import LayerId, _register_arena
 from .errors import OutOfBoundsRead, OutOfBoundsWrite
 from .kv import KVArena, _check_seq, _layer_index, _wait_for_writes
@@ -151,6 +151,11 @@ def _layout(sharding: Any, global_shape: tuple[int, ...]) -> _Layout:
                 f"that is a multiple of {ways}"
             )
     devices = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+    if not devices:
+        raise ValueError(
+            f"kv_arena: the mesh has no device of this process ({jax.process_index()}); each "
+            "process makes the arenas of its own devices (docs/sharding.md)"
+        )
     platforms = {d.platform for d in devices}
     if len(platforms) != 1:
         raise ValueError(f"kv_arena: the mesh mixes device platforms {sorted(platforms)}")
@@ -208,14 +213,13 @@ class ShardedKVArena:
                 "kv_arena: pass either device= (one arena) or sharding= (one per device of "
                 "the mesh), not both"
             )
-        # The shards check every argument; the layout needs only plain ints here.
+        # The shards check every other argument; the layout needs the geometry first.
         for name in ("num_layers", "num_kv_heads", "head_dim", "max_tokens"):
-            if not isinstance(kw[name], (int, np.integer)) or isinstance(kw[name], bool):
-                raise TypeError(f"kv_arena: {name} must be an int, got {kw[name]!r}")
-        if max_seqs is not None and (
-            not isinstance(max_seqs, (int, np.integer)) or isinstance(max_seqs, bool)
-        ):
-            raise TypeError(f"kv_arena: max_seqs must be an int or None, got {max_seqs!r}")
+            _as_index(kw[name], name, minimum=1)
+        if max_seqs is not None:
+            if isinstance(max_seqs, (bool, np.bool_)):
+                raise TypeError("max_seqs must be an integer or None, got bool")
+            _as_index(max_seqs, "max_seqs", minimum=1)
         shape: tuple[int, ...] = (int(max_tokens), int(heads), int(head_dim))
         if max_seqs is not None:
             shape = (int(max_seqs),) + shape
