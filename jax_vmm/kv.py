@@ -481,32 +481,37 @@ class KVArena:
         gen = self.arena._generation
         return (tokens <= self._covered[seqs]) & (self._valid_gen[seqs] == gen)
 
-    def _ensure_point(self, seqs: Sequence[int]) -> _EnsurePoint:
-        """What :meth:`_roll_back` needs to undo ensures of sequences ``seqs`` that succeed
-        after this call (a sharded cache's commit that failed on another device). Caller
-        holds the lock until the roll back, if any, is done."""
-        prefixes = {}
-        for q in seqs:
+    def _ensure_point(self, asks: dict[int, int]) -> _EnsurePoint:
+        """What :meth:`_roll_back` needs to undo ensures that succeed after this call (a
+        sharded cache's commit that failed on another device): ``asks`` maps each sequence
+        that may commit to the tokens it asks for. Caller holds the lock until the roll
+        back, if any, is done."""
+        spans = {}
+        for q, tokens in asks.items():
             base = q * self.seq_bytes
-            prefixes[q] = min(b.backed_prefix(base, base + self.seq_bytes) for b in self.buffers)
+            prefix = min(b.backed_prefix(base, base + self.seq_bytes) for b in self.buffers)
+            spans[q] = (prefix, tokens * self.token_bytes)
         return _EnsurePoint(
-            self._ensured.copy(), self._covered.copy(), self._valid_gen.copy(), prefixes
+            self._ensured.copy(), self._covered.copy(), self._valid_gen.copy(), spans
         )
 
     def _roll_back(self, point: _EnsurePoint) -> None:
         """Undo the ensures since ``point``: the table and the bookkeeping as they were, and
-        every chunk of the sequences it names that was backed after it given back."""
+        the chunks the asked tokens needed past what was backed from each sequence's start
+        given back (a chunk a neighbouring sequence holds tokens in stays)."""
         with self._lock:
             self._core_cache.set_limits(point.ensured.tolist())  # the table first
             self._ensured[:] = point.ensured
             self._covered[:] = point.covered
             self._valid_gen[:] = point.valid_gen
             ranges = []
-            for q, prefix in point.prefixes.items():
+            for q, (prefix, asked) in point.spans.items():
                 self._epoch[q] += 1  # a commit ahead on its way is not counted for q
+                if asked <= prefix:
+                    continue
                 base = q * self.seq_bytes
                 ranges += self._release_ranges(
-                    base + prefix, base + self.seq_bytes, q, keep_before=prefix > 0
+                    base + prefix, base + asked, q, keep_before=prefix > 0
                 )
             if ranges:
                 self.arena._handle.decommit_ranges(ranges, False)
@@ -886,12 +891,13 @@ class KVArena:
 @dataclasses.dataclass(frozen=True)
 class _EnsurePoint:
     """A KV arena's ensure state (:meth:`KVArena._ensure_point`): the table, the chunks
-    known backed, and per sequence to roll back the bytes backed from its start."""
+    known backed, and per sequence that may commit (bytes backed from its start, bytes its
+    asked tokens span)."""
 
     ensured: np.ndarray
     covered: np.ndarray
     valid_gen: np.ndarray
-    prefixes: dict[int, int]
+    spans: dict[int, tuple[int, int]]
 
 
 def _wait_for_writes(arrays: tuple) -> None:

@@ -385,13 +385,14 @@ class ShardedKVArena:
         return _AllLocks(self.shards)
 
     # -- growth and release: all or nothing ----------------------------------------------
-    def _all_or_nothing(self, steps: list[tuple[KVArena, list[int], Any]]) -> int:
-        """Run ``step()`` for each (shard, local seqs it may commit, step); if one raises, roll
-        back the shards that had succeeded and re-raise. Caller holds every shard's lock."""
+    def _all_or_nothing(self, steps: list[tuple[KVArena, dict[int, int], Any]]) -> int:
+        """Run ``step()`` for each (shard, {local seq: tokens} it may commit, step); if one
+        raises, roll back the shards that had succeeded and re-raise. Caller holds every
+        shard's lock."""
         done: list[tuple[KVArena, Any]] = []
         added = 0
-        for shard, seqs, step in steps:
-            point = shard._ensure_point(seqs)
+        for shard, asks, step in steps:
+            point = shard._ensure_point(asks)
             try:
                 added += step()
             except BaseException:
@@ -413,9 +414,8 @@ class ShardedKVArena:
             for shard, q in holders:
                 q0 = 0 if q is None else q
                 commits = not shard._backed_already(np.array([num_tokens]), [q0])[0]
-                steps.append(
-                    (shard, [q0] if commits else [], lambda s=shard, q=q: s.ensure(num_tokens, q))
-                )
+                asks = {q0: num_tokens} if commits else {}
+                steps.append((shard, asks, lambda s=shard, q=q: s.ensure(num_tokens, q)))
             return self._all_or_nothing(steps)
 
     def ensure_all(self, num_tokens: Sequence[int]) -> int:
@@ -440,7 +440,8 @@ class ShardedKVArena:
             for shard, start in zip(self.shards, self._layout.seq_start):
                 local = shard._token_array(tokens[start : start + n])
                 need = np.flatnonzero((local > 0) & ~shard._backed_already(local))
-                steps.append((shard, need.tolist(), lambda s=shard, t=local: s.ensure_all(t)))
+                asks = {int(q): int(local[q]) for q in need}
+                steps.append((shard, asks, lambda s=shard, t=local: s.ensure_all(t)))
             return self._all_or_nothing(steps)
 
     def shrink(self, num_tokens: int, *, wait: bool = False) -> int:
