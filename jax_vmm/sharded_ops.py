@@ -19,6 +19,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from . import cache_ops
@@ -98,7 +99,7 @@ def attention(q: Any, layer: KVLayer, lengths: Any, *, scale: float | None = Non
             f"decode_attention: {lid.describe()} has shape {lid.shape}; attention needs one "
             "buffer row per sequence (kv_arena(..., max_seqs=batch))"
         )
-    q_shape = tuple(getattr(q, "shape", ()))
+    q_shape = tuple(np.shape(q))
     if len(q_shape) != 3 or q_shape[0] != lid.shape[0] or q_shape[2] != lid.shape[3]:
         raise ValueError(
             f"decode_attention: q must be (max_seqs={lid.shape[0]}, num_q_heads, "
@@ -109,10 +110,10 @@ def attention(q: Any, layer: KVLayer, lengths: Any, *, scale: float | None = Non
             f"decode_attention: num_q_heads={q_shape[1]} must be a multiple of the cache's "
             f"{lid.shape[2]} KV heads"
         )
-    if tuple(getattr(lengths, "shape", ())) != (lid.shape[0],):
+    if tuple(np.shape(lengths)) != (lid.shape[0],):
         raise ValueError(
             f"decode_attention: lengths must be ({lid.shape[0]},), one per sequence, got "
-            f"{getattr(lengths, 'shape', type(lengths).__name__)}"
+            f"shape {tuple(np.shape(lengths))}"
         )
     qspec = P(lid.seq_axes, lid.head_axes, None)
     scales = (layer.k_scale, layer.v_scale) if lid.fp8 else ()
