@@ -157,7 +157,9 @@ class VmmCache:
         max_tokens: int,
         device: jax.Device | None = None,
         chunk_bytes: int | None = None,
+        sharding: Any = None,
     ) -> None:
+        # sharding (examples/tensor_parallel.py): one arena per device of its mesh.
         device = device or jax.devices()[0]
         # Host arenas hand out zero-filled pages (memfd) and read zeros where unbacked;
         # CUDA physical memory (cuMemCreate) comes uninitialised.
@@ -169,9 +171,10 @@ class VmmCache:
             head_dim=cfg.head_dim,
             max_tokens=max_tokens,
             dtype=cfg.jnp_dtype,
-            device=device,
+            device=None if sharding is not None else device,
             max_seqs=max_seqs,
             chunk_bytes=chunk_bytes,
+            sharding=sharding,
         )
         self._cache = self.kv.cache()
         self._returned = _ReturnedBytes()
@@ -213,10 +216,10 @@ class VmmCache:
         self.kv.check()
 
     def backed_bytes(self) -> int:
-        return int(self.kv.arena.backed_bytes)
+        return int(self.kv.backed_bytes)
 
     def reserved_bytes(self) -> int:
-        return int(self.kv.arena.reserved_bytes)
+        return int(self.kv.reserved_bytes)
 
     def stats(self) -> dict[str, Any]:
         return dict(self.kv.stats(), returned_cache_bytes=self._returned.max)
@@ -233,8 +236,11 @@ def make_cache(
     max_tokens: int,
     device: jax.Device | None = None,
     chunk_bytes: int | None = None,
+    sharding: Any = None,
 ) -> CacheBackend:
     if backend == "prealloc":
+        if sharding is not None:
+            raise ValueError("a sharded (--tp) cache needs the jax_vmm backend")
         return PreallocatedCache(cfg, max_seqs=max_seqs, max_tokens=max_tokens, device=device)
     if backend == "jax_vmm":
         return VmmCache(
@@ -243,5 +249,6 @@ def make_cache(
             max_tokens=max_tokens,
             device=device,
             chunk_bytes=chunk_bytes,
+            sharding=sharding,
         )
     raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")

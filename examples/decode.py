@@ -32,6 +32,7 @@ import jax  # noqa: E402
 
 from examples import engine as E  # noqa: E402
 from examples import model as M  # noqa: E402
+from examples import tensor_parallel as TP  # noqa: E402
 from examples.attention import ATTENTION_CHOICES, choose_attention  # noqa: E402
 from examples.cache import BACKENDS, capacity_bytes, make_cache  # noqa: E402
 from examples.report import fmt_bytes, matplotlib_missing, plot_memory  # noqa: E402
@@ -104,6 +105,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--chunk-bytes", type=int, help="arena commit granularity (jax_vmm)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
+        "--tp",
+        type=int,
+        help="tensor parallel over N devices: heads and MLP split, the KV cache split over "
+        "KV heads (examples/tensor_parallel.py); --tp 1 runs that code on one device",
+    )
+    p.add_argument(
         "--out",
         type=Path,
         default=Path("out/decode"),
@@ -136,6 +143,11 @@ def main(argv: list[str] | None = None) -> dict:
 
     with jax.default_device(device):
         params = M.init_params(cfg, seed=args.seed)
+        try:
+            mesh = None if args.tp is None else TP.tp_mesh(args.tp, device.platform)
+            params = params if mesh is None else TP.shard_params(params, cfg, mesh)
+        except ValueError as e:
+            raise SystemExit(f"decode.py: {e}") from None
         requests = E.make_requests(
             cfg,
             num=serving["requests"],
@@ -150,6 +162,7 @@ def main(argv: list[str] | None = None) -> dict:
             max_tokens=serving["max_tokens"],
             device=device,
             chunk_bytes=serving["chunk_bytes"],
+            sharding=None if mesh is None else TP.cache_sharding(mesh),
         )
         try:
             attn_name, attend = choose_attention(

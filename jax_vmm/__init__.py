@@ -24,6 +24,7 @@ from .errors import (  # noqa: E402
     TransferError,
 )
 from .kv import KVArena, Transfer, kv_arena  # noqa: E402
+from .sharded import ShardedKVArena  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -31,6 +32,7 @@ __all__ = [
     "Arena",
     "Buffer",
     "KVArena",
+    "ShardedKVArena",
     "Transfer",
     "kv_arena",
     "KVCache",

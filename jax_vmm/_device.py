@@ -22,6 +22,13 @@ class DeviceTarget:
     def platform(self) -> str:
         return self.device.platform
 
+    @property
+    def dlpack_device_id(self) -> int:
+        """The DLPack device id of views: JAX places a DLPack tensor on the device of that
+        local hardware id (on the CPU the host device's index, so an arena of ``cpu:1``
+        gets its views on ``cpu:1``; on a GPU the CUDA ordinal)."""
+        return xla_device_ordinal(self.device) if self.driver == "host" else self.ordinal
+
 
 def resolve_device(device: jax.Device | None) -> DeviceTarget:
     if device is None:

@@ -211,10 +211,16 @@ class Buffer:
         code, bits = _dlpack_dtype(dtype)
         t = self._arena._target
         capsule = _core_view_factory(
-            self._arena._handle, self._id, list(shape), code, bits, t.dlpack_device_type, t.ordinal
+            self._arena._handle,
+            self._id,
+            list(shape),
+            code,
+            bits,
+            t.dlpack_device_type,
+            t.dlpack_device_id,
         )
         return jax.dlpack.from_dlpack(
-            _DLPackCapsule(capsule, t.dlpack_device_type, t.ordinal), copy=False
+            _DLPackCapsule(capsule, t.dlpack_device_type, t.dlpack_device_id), copy=False
         )
 
     def commit(self, start: int = 0, stop: int | None = None) -> int:

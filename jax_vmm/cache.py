@@ -71,6 +71,11 @@ class LayerId:
     def num_kv_heads(self) -> int:
         return self.shape[-2]
 
+    @property
+    def sharded(self) -> bool:
+        """A layer of a sharded KV arena (jax_vmm/sharded.py: ShardedLayerId)."""
+        return False
+
     def describe(self) -> str:
         return f"layer {self.layer} of KV arena {self.cache_uid}"
 
@@ -88,7 +93,7 @@ def _register_arena(kv: KVArena) -> None:
 
 def _live_arenas() -> list[KVArena]:
     with _arenas_lock:
-        return [kv for kv in _arenas.values() if not kv.arena.closed]
+        return [kv for kv in _arenas.values() if not kv.closed]
 
 
 def _arena_of(lid: LayerId, op: str) -> KVArena:
@@ -99,7 +104,7 @@ def _arena_of(lid: LayerId, op: str) -> KVArena:
             f"{op}: {lid.describe()} no longer exists (the KVArena was closed and "
             "collected); build the cache of an open KV arena (kv.cache())"
         )
-    kv.arena._check_open(op)
+    kv._check_open(op)
     return kv
 
 
@@ -276,8 +281,7 @@ class KVLayer:
             )
         kv = _arena_of(self._id, f"KVLayer.{name}")
         jax.block_until_ready(token)
-        buffers = kv.k_buffers if side == 0 else kv.v_buffers
-        return buffers[self._id.layer].array
+        return kv._fresh_view(side, self._id.layer)
 
     def __repr__(self) -> str:
         if self.is_arena:

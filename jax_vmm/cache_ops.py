@@ -67,6 +67,10 @@ def write(layer: KVLayer, new_k: Any, new_v: Any, slots: Any) -> KVLayer:
     if not layer.is_arena:
         return _write_arrays(layer, new_k, new_v, slots)
     lid = layer.id
+    if lid.sharded:
+        from . import sharded_ops
+
+        return sharded_ops.write(layer, new_k, new_v, slots)
     spec = _spec(lid)
     n = _ops._check("kv_write", spec, spec, new_k, new_v, slots, fp8=lid.fp8)
     if n == 0:
@@ -133,6 +137,10 @@ def attention(q: Any, layer: KVLayer, lengths: Any, *, scale: float | None = Non
             **knobs,
         )
     lid = layer.id
+    if lid.sharded:
+        from . import sharded_ops
+
+        return sharded_ops.attention(q, layer, lengths, scale=scale, **knobs)
     if len(lid.shape) != 4:
         raise ValueError(
             f"decode_attention: {lid.describe()} has shape {lid.shape}; attention needs one "
@@ -195,6 +203,12 @@ def ordered_views(layer: KVLayer, k: Any, v: Any) -> tuple[Any, Any]:
             "layer.k and layer.v, ordered by data dependence already"
         )
     lid = layer.id
+    if lid.sharded:
+        raise TypeError(
+            f"ordered_views: {lid.describe()} is sharded; read it with "
+            "jax_vmm.decode_attention(q, layer, lengths) (plain XLA reads of a sharded arena "
+            "are not ordered or checked per device)"
+        )
     if layer._written_in_trace:
         raise ValueError(
             f"ordered_views: {lid.describe()} was written by a kv_write in this same "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 import threading
 from collections.abc import Sequence
@@ -20,6 +21,7 @@ from .transfer import Transfer
 if TYPE_CHECKING:
     from .cache import KVCache
     from .ops import KVDest
+    from .sharded import ShardedKVArena
 
 #: Largest physical allocation of a KV arena's commit (rounded down to whole chunks): a
 #: prefill or a growth of many chunks takes few driver calls, and a sequence's release
@@ -45,6 +47,25 @@ def _layer_index(layer: Any, num_layers: int, op: str) -> int:
     if not -num_layers <= i < num_layers:
         raise IndexError(f"{op}: layer {i} is out of range for {num_layers} layers")
     return i % num_layers
+
+
+def _check_seq(seq: Any, max_seqs: int | None, op: str) -> int | None:
+    """``seq`` as a sequence index of an arena of ``max_seqs`` sequences (None: an arena
+    without a per-sequence layout, which takes seq=None)."""
+    if max_seqs is None:
+        if seq is not None:
+            raise ValueError(
+                f"{op}: this KV arena has no per-sequence layout (max_seqs=None); pass seq=None"
+            )
+        return None
+    if seq is None:
+        raise ValueError(
+            f"{op}: this KV arena has max_seqs={max_seqs}; pass seq=<0..{max_seqs - 1}>"
+        )
+    seq = _as_index(seq, "seq")
+    if seq >= max_seqs:
+        raise ValueError(f"{op}: seq={seq} is out of range; expected 0 <= seq < {max_seqs}")
+    return seq
 
 
 class _LayerViews(Sequence[jax.Array]):
@@ -115,7 +136,11 @@ class KVArena:
         commit_ahead_tokens: int | None = None,
         k_scales: Any = None,
         v_scales: Any = None,
+        _shard_of: int | None = None,
     ):
+        # _shard_of (jax_vmm.sharded only): this arena is one device's shard of a sharded
+        # cache; 0 for the first shard (a new uid), else the uid of the first shard, which
+        # this one joins. A shard is not registered by uid: its ShardedKVArena is.
         for name, value in (
             ("num_layers", num_layers),
             ("num_kv_heads", num_kv_heads),
@@ -197,8 +222,10 @@ class KVArena:
             self.dtype.name,
             self.dtype.itemsize,
             xla_device_ordinal(target.device),
+            _shard_of or 0,
         )
-        _register_arena(self)
+        if _shard_of is None:
+            _register_arena(self)
         self._lock = threading.RLock()
         # Tokens each sequence asked for through ensure(): decides which chunks shared
         # by two sequences may be released (actual backing can be larger: chunk rounding).
@@ -307,6 +334,30 @@ class KVArena:
 
     # -- geometry ------------------------------------------------------------------
     @property
+    def closed(self) -> bool:
+        return self.arena.closed
+
+    def _check_open(self, op: str) -> None:
+        self.arena._check_open(op)
+
+    @property
+    def backed_bytes(self) -> int:
+        return self.arena.backed_bytes
+
+    @property
+    def reserved_bytes(self) -> int:
+        return self.arena.reserved_bytes
+
+    @property
+    def layer_shape(self) -> tuple[int, ...]:
+        """Shape of each layer's K and V: ``(max_seqs, max_tokens, H, D)`` or ``(T, H, D)``."""
+        return tuple(self.k_buffers[0].shape)
+
+    def _fresh_view(self, side: int, layer: int) -> jax.Array:
+        """A new zero-copy view of layer ``layer``'s K (side 0) or V (side 1) buffer."""
+        return (self.k_buffers if side == 0 else self.v_buffers)[layer].array
+
+    @property
     def buffers(self) -> list[Buffer]:
         return self.k_buffers + self.v_buffers
 
@@ -315,23 +366,8 @@ class KVArena:
         return (1 if self.max_seqs is None else self.max_seqs) * self.max_tokens
 
     def _seq_base(self, seq: int | None, op: str) -> int:
-        if self.max_seqs is None:
-            if seq is not None:
-                raise ValueError(
-                    f"{op}: this KV arena has no per-sequence layout (max_seqs=None); pass seq=None"
-                )
-            return 0
-        if seq is None:
-            raise ValueError(
-                f"{op}: this KV arena has max_seqs={self.max_seqs}; "
-                f"pass seq=<0..{self.max_seqs - 1}>"
-            )
-        seq = _as_index(seq, "seq")
-        if seq >= self.max_seqs:
-            raise ValueError(
-                f"{op}: seq={seq} is out of range; expected 0 <= seq < {self.max_seqs}"
-            )
-        return seq * self.seq_bytes
+        q = _check_seq(seq, self.max_seqs, op)
+        return 0 if q is None else q * self.seq_bytes
 
     def _check_tokens(self, n: Any, op: str) -> int:
         n = _as_index(n, "num_tokens")
@@ -414,12 +450,11 @@ class KVArena:
         core."""
         tokens = self._token_array(num_tokens)
         with self._lock:
-            gen = self.arena._generation
             asked = tokens > 0
             for q in list(self._offloaded):
                 if tokens[q] > 0:
                     self._settle(q)
-            fast = asked & (tokens <= self._covered) & (self._valid_gen == gen)
+            fast = asked & self._backed_already(tokens)
             before = self._ensured.copy()
             np.maximum(self._ensured, np.where(fast, tokens, 0), out=self._ensured)
             need = np.flatnonzero(asked & ~fast)
@@ -438,6 +473,48 @@ class KVArena:
                         int(q), self._covered_tokens(int(q), int(self._covered[q]) + 1)
                     )
             return added
+
+    def _backed_already(self, tokens: np.ndarray, seqs: Any = slice(None)) -> np.ndarray:
+        """Per sequence (of ``seqs``): are its first ``tokens`` tokens within chunks an
+        earlier ensure backed (so ensuring them makes no call into the core)? Caller
+        holds the lock."""
+        gen = self.arena._generation
+        return (tokens <= self._covered[seqs]) & (self._valid_gen[seqs] == gen)
+
+    def _ensure_point(self, asks: dict[int, int]) -> _EnsurePoint:
+        """What :meth:`_roll_back` needs to undo ensures that succeed after this call (a
+        sharded cache's commit that failed on another device): ``asks`` maps each sequence
+        that may commit to the tokens it asks for. Caller holds the lock until the roll
+        back, if any, is done."""
+        spans = {}
+        for q, tokens in asks.items():
+            base = q * self.seq_bytes
+            prefix = min(b.backed_prefix(base, base + self.seq_bytes) for b in self.buffers)
+            spans[q] = (prefix, tokens * self.token_bytes)
+        return _EnsurePoint(
+            self._ensured.copy(), self._covered.copy(), self._valid_gen.copy(), spans
+        )
+
+    def _roll_back(self, point: _EnsurePoint) -> None:
+        """Undo the ensures since ``point``: the table and the bookkeeping as they were, and
+        the chunks the asked tokens needed past what was backed from each sequence's start
+        given back (a chunk a neighbouring sequence holds tokens in stays)."""
+        with self._lock:
+            self._core_cache.set_limits(point.ensured.tolist())  # the table first
+            self._ensured[:] = point.ensured
+            self._covered[:] = point.covered
+            self._valid_gen[:] = point.valid_gen
+            ranges = []
+            for q, (prefix, asked) in point.spans.items():
+                self._epoch[q] += 1  # a commit ahead on its way is not counted for q
+                if asked <= prefix:
+                    continue
+                base = q * self.seq_bytes
+                ranges += self._release_ranges(
+                    base + prefix, base + asked, q, keep_before=prefix > 0
+                )
+            if ranges:
+                self.arena._handle.decommit_ranges(ranges, False)
 
     def _token_array(self, num_tokens: Any) -> np.ndarray:
         seqs = len(self._ensured)
@@ -811,6 +888,18 @@ class KVArena:
         )
 
 
+@dataclasses.dataclass(frozen=True)
+class _EnsurePoint:
+    """A KV arena's ensure state (:meth:`KVArena._ensure_point`): the table, the chunks
+    known backed, and per sequence that may commit (bytes backed from its start, bytes its
+    asked tokens span)."""
+
+    ensured: np.ndarray
+    covered: np.ndarray
+    valid_gen: np.ndarray
+    spans: dict[int, tuple[int, int]]
+
+
 def _wait_for_writes(arrays: tuple) -> None:
     """Blocks until the given arrays are computed and every computation with a side
     effect (kv_write, kv_write_through) dispatched from this thread has finished."""
@@ -841,15 +930,21 @@ def kv_arena(
     commit_ahead_tokens: int | None = None,
     k_scales: Any = None,
     v_scales: Any = None,
-) -> KVArena:
+    sharding: Any = None,
+) -> KVArena | ShardedKVArena:
     """Create a :class:`KVArena`: K/V buffers for every layer in one reserved range.
+
+    ``sharding=jax.sharding.NamedSharding(mesh, spec)`` (``spec`` over the layer shape
+    ``(max_seqs, max_tokens, num_kv_heads, head_dim)``, splitting the sequences and/or the
+    KV heads): a :class:`~jax_vmm.sharded.ShardedKVArena`, one arena per device of the
+    mesh (see docs/sharding.md); ``device`` must then be None.
 
     An fp8 arena (``dtype=jnp.float8_e4m3fn``) holds ``k_scales``, ``v_scales``: float32
     ``(num_layers, num_kv_heads)``, the per-layer, per-KV-head scales its tokens are
     quantized with (default 1.0; see docs/kv_cache.md for choosing them). Its cache
     layers carry them: ``kv_write(layer, ...)`` quantizes float tokens, and
     ``decode_attention(q, layer, lengths)`` dequantizes."""
-    return KVArena(
+    kw = dict(
         num_layers=num_layers,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
@@ -865,3 +960,8 @@ def kv_arena(
         k_scales=k_scales,
         v_scales=v_scales,
     )
+    if sharding is not None:
+        from .sharded import ShardedKVArena
+
+        return ShardedKVArena(sharding=sharding, **kw)
+    return KVArena(**kw)

@@ -301,7 +301,7 @@ def _warn_if_arena_not_written(op: str, k: Any, dest: KVDest | None) -> None:
 
     shape, dtype = tuple(k.shape), np.dtype(k.dtype)
     for kv in _live_arenas():
-        if tuple(kv.k_buffers[0].shape) == shape and kv.dtype == dtype:
+        if kv.layer_shape == shape and kv.dtype == dtype:
             warnings.warn(
                 ArenaNotWrittenWarning(
                     f"{op} inside jit on a cache shaped like a layer of a live KV arena "

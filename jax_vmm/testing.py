@@ -196,10 +196,10 @@ def uncounted_view(buf: Any, shape: Any = None, dtype: Any = None) -> jax.Array:
     code, bits = _arena._dlpack_dtype(np_dtype)
     t = arena._target
     capsule = _testing.legacy_view(
-        arena._handle, buf.id, list(shape), code, bits, t.dlpack_device_type, t.ordinal
+        arena._handle, buf.id, list(shape), code, bits, t.dlpack_device_type, t.dlpack_device_id
     )
     return jax.dlpack.from_dlpack(
-        _arena._DLPackCapsule(capsule, t.dlpack_device_type, t.ordinal), copy=False
+        _arena._DLPackCapsule(capsule, t.dlpack_device_type, t.dlpack_device_id), copy=False
     )
 
 
@@ -303,6 +303,21 @@ def limits_ignored() -> Iterator[None]:
         yield
     finally:
         _cache_ops._targets = previous
+
+
+@contextlib.contextmanager
+def sharded_rollback_skipped() -> Iterator[None]:
+    """Inside the with-block a sharded KV arena does not roll back the shards whose
+    commit succeeded when another device's failed (the protection removed): their memory
+    and ensured tokens stay, which the rollback tests must catch."""
+    from . import sharded
+
+    previous = sharded._roll_back_shard
+    sharded._roll_back_shard = lambda shard, point: None
+    try:
+        yield
+    finally:
+        sharded._roll_back_shard = previous
 
 
 # -- views without leases -------------------------------------------------------------

@@ -483,6 +483,58 @@ def _offloaded_ensure(ctx: Ctx) -> None:
     kv.ensure(5, seq=0)
 
 
+# -- sharded KV arenas (one device here: tests/sharding covers several) --
+def _one_device_sharding(ctx: Ctx, spec: Any) -> Any:
+    from jax.sharding import Mesh, NamedSharding
+
+    return NamedSharding(Mesh(np.array([ctx.device]), ("tp",)), spec)
+
+
+def _sharded_layer(ctx: Ctx) -> jax_vmm.KVLayer:
+    from jax.sharding import PartitionSpec as P
+
+    kv = ctx.kv_args(
+        device=None, max_seqs=2, sharding=_one_device_sharding(ctx, P(None, None, "tp"))
+    )
+    ctx.vm._owned.append(kv)  # closed with the test's arenas
+    return kv.cache()[0]
+
+
+def _sharded_ordered_views(ctx: Ctx) -> None:
+    layer = _sharded_layer(ctx)
+    jax_vmm.ordered_views(layer, None, None)
+
+
+def _sharded_attention_bad_q(ctx: Ctx) -> None:
+    layer = _sharded_layer(ctx)
+    q = jnp.zeros((3, 1, 8), jnp.float32)
+    jax_vmm.decode_attention(q, layer, jnp.ones((2,), jnp.int32))
+
+
+def _spec(*entries: Any) -> Any:
+    from jax.sharding import PartitionSpec as P
+
+    return P(*entries)
+
+
+ROWS += [
+    Row(
+        "S1",
+        lambda x: x.kv_args(device=None, sharding=jax.sharding.SingleDeviceSharding(x.device)),
+    ),
+    Row("S2", lambda x: x.kv_args(sharding=_one_device_sharding(x, _spec(None, None, "tp")))),
+    Row("S3", lambda x: x.kv_args(device=None, sharding=_one_device_sharding(x, _spec("tp")))),
+    Row(
+        "S4",
+        lambda x: x.kv_args(
+            device=None, sharding=_one_device_sharding(x, _spec(None, None, None, "tp"))
+        ),
+    ),
+    Row("S5", _sharded_ordered_views),
+    Row("S6", _sharded_attention_bad_q),
+]
+
+
 # -- memory options, sleep, offload --
 ROWS += [
     Row("M1", lambda x: x.new_arena(handle_bytes=3 * x.c // 2)),

@@ -13,7 +13,8 @@
 #                       not the source tree), nvidia-smi, cupy / cuda-python versions (GPU
 #                       tests that write arena memory need cupy, the driver oracle cuda-python)
 #   tests               the whole suite, verbose: every [gpu] param listed, skip reasons
-#   tests:LAYER         one folder of tests/: core, drivers, scratch, ops, integration, example
+#   tests:LAYER         one folder of tests/: core, drivers, scratch, ops, integration, example,
+#                       sharding (4 host devices in child processes; 1- and 2-GPU tests)
 #   tests:gpu           the GPU tests only (-m gpu), skip reasons listed: none should skip here
 #   tests:attention     tests/ops/test_attention.py and test_attention_v2.py -m gpu: the
 #                       split-K (tensor-core, simple) and streaming kernels (bf16/fp16/fp8)

@@ -53,7 +53,7 @@ std::shared_ptr<KvCache> Create(std::shared_ptr<Arena> arena, const std::vector<
                                 const std::vector<int64_t>& v_ids, int64_t max_seqs,
                                 bool per_sequence, int64_t max_tokens, int64_t kv_heads,
                                 int64_t head_dim, const std::string& dtype, size_t itemsize,
-                                int device_ordinal) {
+                                int device_ordinal, uint64_t shared_uid) {
   kvcache::Geometry g;
   g.num_layers = static_cast<int64_t>(k_ids.size());
   g.max_seqs = max_seqs;
@@ -63,7 +63,7 @@ std::shared_ptr<KvCache> Create(std::shared_ptr<Arena> arena, const std::vector<
   g.head_dim = head_dim;
   g.dtype = XlaDtype(dtype);
   g.element_bytes = itemsize;
-  return KvCache::Create(std::move(arena), k_ids, v_ids, g, device_ordinal);
+  return KvCache::Create(std::move(arena), k_ids, v_ids, g, device_ordinal, shared_uid);
 }
 
 const char* LookupName(kvcache::CacheLookup l) {
@@ -103,7 +103,9 @@ void BindKvCache(nb::module_& m) {
   m.def("create_kv_cache", &Create, nb::arg("arena"), nb::arg("k_ids"), nb::arg("v_ids"),
         nb::arg("max_seqs"), nb::arg("per_sequence"), nb::arg("max_tokens"), nb::arg("kv_heads"),
         nb::arg("head_dim"), nb::arg("dtype"), nb::arg("itemsize"), nb::arg("device_ordinal"),
-        "A KV cache over layer buffers of `arena`, registered under a new uid.");
+        nb::arg("shared_uid") = 0,
+        "A KV cache over layer buffers of `arena`, registered under a new uid, or (shared_uid) "
+        "a shard joining the live cache of that uid on another device ordinal.");
   m.def(
       "find_kv_cache",
       [](uint64_t uid, int device_ordinal) {

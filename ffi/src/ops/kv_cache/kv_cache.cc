@@ -34,13 +34,43 @@ std::vector<int64_t> Geometry::dims() const {
   return {max_tokens, kv_heads, head_dim};
 }
 
-KvCache::KvCache(std::shared_ptr<Arena> arena, const Geometry& g, int device_ordinal)
-    : arena_(std::move(arena)), uid_(NewUid()), geometry_(g), device_ordinal_(device_ordinal) {}
+static bool SameGeometry(const Geometry& a, const Geometry& b) {
+  return a.num_layers == b.num_layers && a.max_seqs == b.max_seqs && a.max_tokens == b.max_tokens &&
+         a.kv_heads == b.kv_heads && a.head_dim == b.head_dim && a.per_sequence == b.per_sequence &&
+         a.dtype == b.dtype && a.element_bytes == b.element_bytes;
+}
+
+// Throws unless a shard may join the caches registered under shared_uid (a live one
+// exists, same geometry, no shard on this device ordinal yet). Caller holds the lock.
+static void CheckJoin(const Registry& r, uint64_t shared_uid, const Geometry& g,
+                      int device_ordinal) {
+  std::string why = "no live KV cache has this uid";
+  for (size_t i = 0; i < r.raw.size(); ++i) {
+    const KvCache& c = *r.raw[i];
+    if (c.uid() != shared_uid || r.caches[i].expired()) continue;
+    why.clear();
+    if (!SameGeometry(c.geometry(), g)) {
+      why = "its geometry differs from the other shards'";
+      break;
+    }
+    if (c.device_ordinal() == device_ordinal) {
+      why = "device ordinal " + std::to_string(device_ordinal) + " has a shard already";
+      break;
+    }
+  }
+  if (!why.empty()) {
+    throw InvalidArgument("KvCache: cannot add a shard to cache " + std::to_string(shared_uid) +
+                          ": " + why);
+  }
+}
+
+KvCache::KvCache(std::shared_ptr<Arena> arena, const Geometry& g, int device_ordinal, uint64_t uid)
+    : arena_(std::move(arena)), uid_(uid), geometry_(g), device_ordinal_(device_ordinal) {}
 
 std::shared_ptr<KvCache> KvCache::Create(std::shared_ptr<Arena> arena,
                                          const std::vector<int64_t>& k_ids,
                                          const std::vector<int64_t>& v_ids, const Geometry& g,
-                                         int device_ordinal) {
+                                         int device_ordinal, uint64_t shared_uid) {
   if (arena == nullptr) throw InvalidArgument("KvCache: no arena");
   if (g.num_layers <= 0 || g.max_seqs <= 0 || g.max_tokens <= 0 || g.kv_heads <= 0 ||
       g.head_dim <= 0 || g.element_bytes == 0 || (!g.per_sequence && g.max_seqs != 1) ||
@@ -52,7 +82,13 @@ std::shared_ptr<KvCache> KvCache::Create(std::shared_ptr<Arena> arena,
                           std::to_string(k_ids.size()) + " and " + std::to_string(v_ids.size()) +
                           " for " + std::to_string(g.num_layers) + " layers");
   }
-  std::shared_ptr<KvCache> cache(new KvCache(arena, g, device_ordinal));
+  if (shared_uid != 0) {  // up front too: nothing is allocated for a refused shard
+    Registry& r = GetRegistry();
+    std::lock_guard<std::mutex> lock(r.mu);
+    CheckJoin(r, shared_uid, g, device_ordinal);
+  }
+  std::shared_ptr<KvCache> cache(
+      new KvCache(arena, g, device_ordinal, shared_uid != 0 ? shared_uid : NewUid()));
   for (size_t l = 0; l < k_ids.size(); ++l) {
     const BufferInfo k = arena->Buffer(k_ids[l]), v = arena->Buffer(v_ids[l]);
     if (k.nbytes < g.buffer_bytes() || v.nbytes < g.buffer_bytes()) {
@@ -79,6 +115,9 @@ std::shared_ptr<KvCache> KvCache::Create(std::shared_ptr<Arena> arena,
   cache->host_limits_.assign(static_cast<size_t>(g.max_seqs), 0);
   Registry& r = GetRegistry();
   std::lock_guard<std::mutex> lock(r.mu);
+  // Again under the lock that registers it (two shards racing for one device ordinal);
+  // on a throw the lock goes first, then the destructor frees the table.
+  if (shared_uid != 0) CheckJoin(r, shared_uid, g, device_ordinal);
   r.caches.push_back(cache);
   r.raw.push_back(cache.get());
   return cache;
@@ -210,8 +249,12 @@ std::shared_ptr<KvCache> FindRegistered(const Match& match) {
 }  // namespace
 
 CacheLookup FindKvCache(uint64_t cache_uid, int device_ordinal, std::shared_ptr<KvCache>* out) {
-  std::shared_ptr<KvCache> found =
-      FindRegistered([&](const KvCache& cache) { return cache.uid() == cache_uid; });
+  std::shared_ptr<KvCache> found = FindRegistered([&](const KvCache& cache) {
+    return cache.uid() == cache_uid && cache.device_ordinal() == device_ordinal;
+  });
+  if (found == nullptr) {
+    found = FindRegistered([&](const KvCache& cache) { return cache.uid() == cache_uid; });
+  }
   if (found == nullptr) return CacheLookup::kGone;
   *out = found;
   if (found->closed()) return CacheLookup::kClosed;

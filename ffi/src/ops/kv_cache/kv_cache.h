@@ -64,10 +64,15 @@ class KvCache {
   // Registers a cache over buffers k_ids[l], v_ids[l] of `arena` (each of
   // geometry.buffer_bytes() bytes) under a new uid, for XLA device ordinal
   // `device_ordinal`. Every sequence starts with 0 tokens ensured.
+  //
+  // shared_uid != 0: a shard of a sharded cache (one per device) that joins the live
+  // cache registered under shared_uid: the same uid, so one set of custom-call
+  // attributes names every shard and each device's handler finds its own. It needs the
+  // same geometry and a device ordinal no shard of that uid has yet.
   static std::shared_ptr<KvCache> Create(std::shared_ptr<Arena> arena,
                                          const std::vector<int64_t>& k_ids,
                                          const std::vector<int64_t>& v_ids, const Geometry& g,
-                                         int device_ordinal);
+                                         int device_ordinal, uint64_t shared_uid = 0);
   ~KvCache();  // unregisters; frees the table, or (pinned) zeroes and keeps it
   KvCache(const KvCache&) = delete;
   KvCache& operator=(const KvCache&) = delete;
@@ -105,7 +110,7 @@ class KvCache {
   void PinMetadataForGraphs() const { pinned_ = true; }
 
  private:
-  KvCache(std::shared_ptr<Arena> arena, const Geometry& g, int device_ordinal);
+  KvCache(std::shared_ptr<Arena> arena, const Geometry& g, int device_ordinal, uint64_t uid);
   void WriteTableLocked();  // host mirror -> device table
 
   std::shared_ptr<Arena> arena_;  // the buffers' arena (and the driver of the metadata)
@@ -131,6 +136,8 @@ enum class CacheLookup {
   kOtherDevice,  // the cache lives on another device ordinal (*out filled)
 };
 
+// The shard of cache_uid on device_ordinal (a sharded cache has one per device); when
+// there is none, any shard of that uid (kClosed or kOtherDevice).
 CacheLookup FindKvCache(uint64_t cache_uid, int device_ordinal, std::shared_ptr<KvCache>* out);
 
 // The open cache one of whose buffers has this uid, or null.

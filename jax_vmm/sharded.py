@@ -1,0 +1,611 @@
+"""A KV arena sharded across devices: ``kv_arena(..., sharding=NamedSharding(mesh, spec))``.
+
+``spec`` describes the per-layer cache shape ``(max_seqs, max_tokens, num_kv_heads,
+head_dim)`` (or ``(max_tokens, num_kv_heads, head_dim)`` without ``max_seqs``): it may
+shard the sequences axis (data parallel) and/or the KV-heads axis (tensor parallel).
+Every device of the mesh gets a :class:`~jax_vmm.KVArena` of its own for its block of
+sequences and heads (a mesh axis the spec does not name holds replicas: each of its
+devices keeps a full copy of its block). All shards share one cache uid, so a jitted step
+names the cache once and each device's handler finds its own shard
+(``ffi/src/ops/kv_cache/kv_cache.h``). ``kv.k[l]`` is a global ``jax.Array`` with that
+sharding whose shards are zero-copy views of the devices' arenas.
+
+Growth and release act on every shard that holds the sequence, all or nothing: a commit
+that fails on one device rolls back the shards that had succeeded. See docs/sharding.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from .arena import _as_flag, _as_index, _refuse_copy
+from .cache import LayerId, _register_arena
+from .errors import OutOfBoundsRead, OutOfBoundsWrite
+from .kv import KVArena, _check_seq, _layer_index, _wait_for_writes
+
+if TYPE_CHECKING:
+    from .cache import KVCache
+
+__all__ = ["ShardedKVArena", "ShardedLayerId"]
+
+SEQS, TOKENS, HEADS, HEAD_DIM = "sequences", "tokens", "KV heads", "head_dim"
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardedLayerId(LayerId):
+    """The static identity of one layer of a sharded KV arena. ``shape`` is the global
+    layer shape; ``local_shape`` what each device's shard holds; ``mesh`` and ``spec``
+    the cache's sharding (``spec`` padded to the layer's rank)."""
+
+    local_shape: tuple[int, ...]
+    mesh: jax.sharding.Mesh
+    spec: PartitionSpec
+
+    @property
+    def sharded(self) -> bool:
+        return True
+
+    @property
+    def seq_axes(self) -> Any:
+        """The mesh axes the sequences are split over (None: not split, or no max_seqs)."""
+        return self.spec[0] if len(self.shape) == 4 else None
+
+    @property
+    def head_axes(self) -> Any:
+        return self.spec[-2]
+
+    def local(self) -> LayerId:
+        """The identity each device's handler sees inside ``shard_map``: same uid, the
+        shard's shape."""
+        return LayerId(
+            cache_uid=self.cache_uid,
+            layer=self.layer,
+            num_layers=self.num_layers,
+            shape=self.local_shape,
+            dtype=self.dtype,
+            platform=self.platform,
+        )
+
+    def describe(self) -> str:
+        return f"layer {self.layer} of sharded KV arena {self.cache_uid}"
+
+
+def _axes(entry: Any) -> tuple[str, ...]:
+    if entry is None:
+        return ()
+    return tuple(entry) if isinstance(entry, tuple) else (entry,)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """Where each device's shard sits in the global layer: its first sequence and head."""
+
+    mesh: jax.sharding.Mesh
+    spec: PartitionSpec  # padded to the layer's rank
+    global_shape: tuple[int, ...]
+    local_shape: tuple[int, ...]
+    devices: tuple[jax.Device, ...]  # the local devices of the mesh, in mesh order
+    seq_start: tuple[int, ...]  # per device
+    head_start: tuple[int, ...]  # per device
+
+    @property
+    def per_sequence(self) -> bool:
+        return len(self.global_shape) == 4
+
+    @property
+    def local_seqs(self) -> int:
+        return self.local_shape[0] if self.per_sequence else 1
+
+    @property
+    def local_heads(self) -> int:
+        return self.local_shape[-2]
+
+    @property
+    def sharding(self) -> NamedSharding:
+        return NamedSharding(self.mesh, self.spec)
+
+
+def _layout(sharding: Any, global_shape: tuple[int, ...]) -> _Layout:
+    """Validate ``sharding`` for a layer of ``global_shape`` and place each device's shard."""
+    if not isinstance(sharding, NamedSharding):
+        raise TypeError(
+            "kv_arena: sharding must be a jax.sharding.NamedSharding(mesh, spec) over the "
+            f"layer shape {global_shape}, got {type(sharding).__name__}"
+        )
+    mesh, spec = sharding.mesh, sharding.spec
+    rank = len(global_shape)
+    names = (SEQS, TOKENS, HEADS, HEAD_DIM) if rank == 4 else (TOKENS, HEADS, HEAD_DIM)
+    if len(spec) > rank:
+        raise ValueError(
+            f"kv_arena: the spec {spec} has {len(spec)} entries; the layer shape "
+            f"{global_shape} ({', '.join(names)}) has {rank}"
+        )
+    entries = tuple(spec) + (None,) * (rank - len(spec))
+    for entry, name, size in zip(entries, names, global_shape):
+        axes = _axes(entry)
+        for a in axes:
+            if a not in mesh.axis_names:
+                raise ValueError(
+                    f"kv_arena: the spec {spec} names mesh axis {a!r}; the mesh has axes "
+                    f"{tuple(mesh.axis_names)}"
+                )
+        if axes and name in (TOKENS, HEAD_DIM):
+            raise ValueError(
+                f"kv_arena: the spec {spec} shards the {name} axis; a KV arena shards only "
+                "the sequences axis (data parallel, needs max_seqs) and the KV-heads axis "
+                "(tensor parallel): a sequence's tokens and a head's vector stay on one device"
+            )
+        ways = math.prod(mesh.shape[a] for a in axes)
+        if size % ways:
+            what = "max_seqs" if name == SEQS else "num_kv_heads"
+            raise ValueError(
+                f"kv_arena: {what}={size} is not divisible by the {ways} devices of mesh "
+                f"axes {axes} that the spec {spec} splits the {name} over; pick a {what} "
+                f"that is a multiple of {ways}"
+            )
+    devices = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+    if not devices:
+        raise ValueError(
+            f"kv_arena: the mesh has no device of this process ({jax.process_index()}); each "
+            "process makes the arenas of its own devices (docs/sharding.md)"
+        )
+    platforms = {d.platform for d in devices}
+    if len(platforms) != 1:
+        raise ValueError(f"kv_arena: the mesh mixes device platforms {sorted(platforms)}")
+    padded = PartitionSpec(*entries)
+    full = NamedSharding(mesh, padded)
+    index_map = full.devices_indices_map(tuple(global_shape))
+    first = index_map[devices[0]]
+    local_shape = tuple(
+        (s.stop if s.stop is not None else n) - (s.start or 0) for s, n in zip(first, global_shape)
+    )
+    head_dim = rank - 2
+    return _Layout(
+        mesh=mesh,
+        spec=padded,
+        global_shape=tuple(global_shape),
+        local_shape=local_shape,
+        devices=tuple(devices),
+        seq_start=tuple((index_map[d][0].start or 0) if rank == 4 else 0 for d in devices),
+        head_start=tuple(index_map[d][head_dim].start or 0 for d in devices),
+    )
+
+
+#: Undoes one shard's ensures after another shard's commit failed (KVArena._roll_back).
+#: The seam for ``jax_vmm.testing.sharded_rollback_skipped()``, which swaps in a no-op to
+#: show the tests catch a missing rollback; nothing else should.
+def _roll_back_shard(shard: KVArena, point: Any) -> None:
+    shard._roll_back(point)
+
+
+class ShardedKVArena:
+    """A KV arena split over the devices of a mesh: one :class:`~jax_vmm.KVArena` per local
+    device (``kv.shards``, in mesh order), each over its block of sequences and KV heads.
+    Create with ``jax_vmm.kv_arena(..., sharding=NamedSharding(mesh, spec))``.
+
+    Sequence numbers and slots are global (``slot = seq * max_tokens + position``);
+    ``ensure``, ``ensure_all``, ``shrink`` and ``release`` act on every shard that holds a
+    sequence, all or nothing for growth (a commit that fails on one device is rolled back
+    on the others). ``check`` and ``stats`` cover every shard. ``kv.k[l]`` / ``kv.v[l]``:
+    global arrays of ``sharding`` whose shards are zero-copy views of the arenas (raw
+    views: see :class:`~jax_vmm.KVArena`). ``cache()``: the :class:`~jax_vmm.KVCache`
+    pytree, whose ops run per device through ``shard_map``.
+
+    Not offered for a sharded cache (yet): sleep/wake, offload/restore, ``dest``,
+    ``ordered_views``; use the shards' own methods only through this class.
+
+    Thread-safe: growth, release and checks take every shard's lock, in mesh order.
+    """
+
+    def __init__(self, *, sharding: Any, **kw: Any):
+        num_layers = kw["num_layers"]
+        max_seqs = kw.get("max_seqs")
+        heads, head_dim, max_tokens = kw["num_kv_heads"], kw["head_dim"], kw["max_tokens"]
+        if kw.get("device") is not None:
+            raise ValueError(
+                "kv_arena: pass either device= (one arena) or sharding= (one per device of "
+                "the mesh), not both"
+            )
+        # The shards check every other argument; the layout needs the geometry first.
+        for name in ("num_layers", "num_kv_heads", "head_dim", "max_tokens"):
+            _as_index(kw[name], name, minimum=1)
+        if max_seqs is not None:
+            if isinstance(max_seqs, (bool, np.bool_)):
+                raise TypeError("max_seqs must be an integer or None, got bool")
+            _as_index(max_seqs, "max_seqs", minimum=1)
+        shape: tuple[int, ...] = (int(max_tokens), int(heads), int(head_dim))
+        if max_seqs is not None:
+            shape = (int(max_seqs),) + shape
+        self._layout = layout = _layout(sharding, shape)
+        self.sharding = layout.sharding
+        self.mesh = layout.mesh
+        self.num_layers = int(num_layers)
+        self.num_kv_heads = int(heads)
+        self.head_dim = int(head_dim)
+        self.max_tokens = int(max_tokens)
+        self.max_seqs = None if max_seqs is None else int(max_seqs)
+        scales = {k: kw.pop(k, None) for k in ("k_scales", "v_scales")}
+        self.shards: list[KVArena] = []
+        try:
+            for i, device in enumerate(layout.devices):
+                h0 = layout.head_start[i]
+                local = {
+                    k: None
+                    if v is None
+                    else np.asarray(v)[:, h0 : h0 + layout.local_heads]
+                    if np.ndim(v) == 2
+                    else v  # a bad shape: the shard says what it needs
+                    for k, v in scales.items()
+                }
+                self.shards.append(
+                    KVArena(
+                        **{
+                            **kw,
+                            "device": device,
+                            "num_kv_heads": layout.local_heads,
+                            "max_seqs": None if max_seqs is None else layout.local_seqs,
+                        },
+                        **local,
+                        _shard_of=self.shards[0].uid if self.shards else 0,
+                    )
+                )
+        except BaseException:
+            for shard in self.shards:
+                shard.close()
+            raise
+        self.dtype = self.shards[0].dtype
+        self.token_bytes = self.shards[0].token_bytes * (self.num_kv_heads // layout.local_heads)
+        self.k = _GlobalViews(self, 0, "kv.k")
+        self.v = _GlobalViews(self, 1, "kv.v")
+        _register_arena(self)
+
+    # -- identity and geometry ---------------------------------------------------------
+    @property
+    def uid(self) -> int:
+        """The cache uid every shard registers under (what a KVCache of it names)."""
+        return self.shards[0].uid
+
+    @property
+    def closed(self) -> bool:
+        return any(s.closed for s in self.shards)
+
+    def _check_open(self, op: str) -> None:
+        for s in self.shards:
+            s._check_open(op)
+
+    @property
+    def backed_bytes(self) -> int:
+        """Bytes backed, summed over the devices."""
+        return sum(s.backed_bytes for s in self.shards)
+
+    @property
+    def reserved_bytes(self) -> int:
+        return sum(s.reserved_bytes for s in self.shards)
+
+    @property
+    def layer_shape(self) -> tuple[int, ...]:
+        return self._layout.global_shape
+
+    @property
+    def num_slots(self) -> int:
+        return (1 if self.max_seqs is None else self.max_seqs) * self.max_tokens
+
+    def layer_id(self, layer: int) -> ShardedLayerId:
+        layer = _layer_index(layer, self.num_layers, "ShardedKVArena.layer_id")
+        device = self._layout.devices[0]
+        return ShardedLayerId(
+            cache_uid=self.uid,
+            layer=layer,
+            num_layers=self.num_layers,
+            shape=self._layout.global_shape,
+            dtype=self.dtype.name,
+            platform="cpu" if device.platform == "cpu" else "gpu",
+            local_shape=self._layout.local_shape,
+            mesh=self.mesh,
+            spec=self._layout.spec,
+        )
+
+    def _global(self, shape: tuple[int, ...], spec: PartitionSpec, parts: list) -> jax.Array:
+        """One global array of ``shape`` and ``spec`` from the shards' per-device arrays."""
+        return jax.make_array_from_single_device_arrays(
+            shape, NamedSharding(self.mesh, spec), parts
+        )
+
+    def cache(self) -> KVCache:
+        """This arena as a :class:`~jax_vmm.KVCache` of sharded arena layers: each carries a
+        token with one element per device (the mesh's shape) and, for fp8, its global
+        ``(num_kv_heads,)`` scales; ``kv_write`` and ``decode_attention`` on it run per
+        device (``shard_map``), with no collective over the cache."""
+        from .cache import KVCache, KVLayer
+
+        self._check_open("ShardedKVArena.cache")
+        axes = tuple(self.mesh.axis_names)
+        token_spec = PartitionSpec(*axes)
+        ones = (1,) * len(axes)
+        layers = []
+        for layer in range(self.num_layers):
+            lid = self.layer_id(layer)
+            token = self._global(
+                tuple(self.mesh.devices.shape),
+                token_spec,
+                [jax.device_put(np.zeros(ones, np.int32), d) for d in self._layout.devices],
+            )
+            scales: tuple = ()
+            if self.shards[0]._scales is not None:
+                spec = PartitionSpec(lid.head_axes)
+                scales = tuple(
+                    self._global(
+                        (self.num_kv_heads,), spec, [s.scales(layer)[i] for s in self.shards]
+                    )
+                    for i in (0, 1)
+                )
+            layers.append(KVLayer._arena(lid, token, scales))
+        return KVCache(layers)
+
+    def scales(self, layer: int) -> tuple[jax.Array, jax.Array] | None:
+        """(k_scale, v_scale) of an fp8 arena's layer as global ``(num_kv_heads,)`` arrays
+        sharded like the KV heads (None for other dtypes)."""
+        lid = self.layer_id(layer)
+        if self.shards[0]._scales is None:
+            return None
+        spec = PartitionSpec(lid.head_axes)
+        return tuple(
+            self._global((self.num_kv_heads,), spec, [s.scales(lid.layer)[i] for s in self.shards])
+            for i in (0, 1)
+        )
+
+    def _fresh_view(self, side: int, layer: int) -> jax.Array:
+        return self._global(
+            self._layout.global_shape,
+            self._layout.spec,
+            [s._fresh_view(side, layer) for s in self.shards],
+        )
+
+    # -- which shards hold a sequence ----------------------------------------------------
+    def _holders(self, seq: Any, op: str) -> list[tuple[KVArena, int | None]]:
+        """(shard, local sequence) for every shard that holds global sequence ``seq``."""
+        seq = _check_seq(seq, self.max_seqs, op)
+        if seq is None:
+            return [(s, None) for s in self.shards]
+        n = self._layout.local_seqs
+        return [
+            (s, int(seq) - start)
+            for s, start in zip(self.shards, self._layout.seq_start)
+            if start <= seq < start + n
+        ]
+
+    def _locked(self) -> _AllLocks:
+        return _AllLocks(self.shards)
+
+    # -- growth and release: all or nothing ----------------------------------------------
+    def _all_or_nothing(self, steps: list[tuple[KVArena, dict[int, int], Any]]) -> int:
+        """Run ``step()`` for each (shard, {local seq: tokens} it may commit, step); if one
+        raises, roll back the shards that had succeeded and re-raise. Caller holds every
+        shard's lock."""
+        done: list[tuple[KVArena, Any]] = []
+        added = 0
+        for shard, asks, step in steps:
+            point = shard._ensure_point(asks)
+            try:
+                added += step()
+            except BaseException:
+                for other, p in reversed(done):
+                    _roll_back_shard(other, p)
+                _roll_back_shard(shard, point)  # a failed ensure undid itself; the table too
+                raise
+            done.append((shard, point))
+        return added
+
+    def ensure(self, num_tokens: int, seq: int | None = None) -> int:
+        """Back the first ``num_tokens`` tokens of global sequence ``seq`` on every shard
+        that holds it, all or nothing across devices. Returns the bytes newly committed,
+        summed over the devices."""
+        num_tokens = self.shards[0]._check_tokens(num_tokens, "ShardedKVArena.ensure")
+        holders = self._holders(seq, "ShardedKVArena.ensure")
+        with self._locked():
+            steps = []
+            for shard, q in holders:
+                q0 = 0 if q is None else q
+                commits = not shard._backed_already(np.array([num_tokens]), [q0])[0]
+                asks = {q0: num_tokens} if commits else {}
+                steps.append((shard, asks, lambda s=shard, q=q: s.ensure(num_tokens, q)))
+            return self._all_or_nothing(steps)
+
+    def ensure_all(self, num_tokens: Sequence[int]) -> int:
+        """:meth:`ensure` for every global sequence at once (``num_tokens[q]`` for sequence
+        ``q``), one all-or-nothing commit across devices."""
+        if self.max_seqs is None:
+            raise ValueError("ShardedKVArena.ensure_all needs a per-sequence layout (max_seqs)")
+        tokens = np.asarray(None if isinstance(num_tokens, (str, bytes)) else num_tokens)
+        if tokens.dtype == np.bool_ or not np.issubdtype(tokens.dtype, np.integer):
+            raise TypeError(
+                f"ShardedKVArena.ensure_all: num_tokens must be {self.max_seqs} ints (one per "
+                f"sequence), got {num_tokens!r}"
+            )
+        if tokens.shape != (self.max_seqs,):
+            raise ValueError(
+                f"ShardedKVArena.ensure_all: num_tokens has shape {tokens.shape}; expected "
+                f"({self.max_seqs},), one entry per sequence"
+            )
+        n = self._layout.local_seqs
+        with self._locked():
+            steps = []
+            for shard, start in zip(self.shards, self._layout.seq_start):
+                local = shard._token_array(tokens[start : start + n])
+                need = np.flatnonzero((local > 0) & ~shard._backed_already(local))
+                asks = {int(q): int(local[q]) for q in need}
+                steps.append((shard, asks, lambda s=shard, t=local: s.ensure_all(t)))
+            return self._all_or_nothing(steps)
+
+    def shrink(self, num_tokens: int, *, wait: bool = False) -> int:
+        """Release memory past the first ``num_tokens`` tokens of every sequence, on every
+        shard. Returns bytes released, summed over the devices."""
+        self.shards[0]._check_tokens(num_tokens, "ShardedKVArena.shrink")
+        wait = _as_flag(wait, "wait")
+        with self._locked():
+            self._check_open("ShardedKVArena.shrink")
+            return _each(self.shards, lambda s: s.shrink(num_tokens, wait=wait))
+
+    def release(self, seq: int | None = None, *, wait: bool = False, reuse: bool = False) -> int:
+        """Give back all memory of global sequence ``seq`` on every shard that holds it.
+        Returns bytes released, summed over the devices. Every shard is released even if
+        one raises (its error is raised after)."""
+        holders = self._holders(seq, "ShardedKVArena.release")
+        wait = _as_flag(wait, "wait")
+        reuse = _as_flag(reuse, "reuse")
+        with self._locked():
+            self._check_open("ShardedKVArena.release")
+            return _each(holders, lambda h: h[0].release(h[1], wait=wait, reuse=reuse))
+
+    def reclaim(self) -> int:
+        return _each(self.shards, lambda s: s.reclaim())
+
+    def backed_tokens(self, seq: int | None = None) -> int:
+        """Tokens from position 0 of global sequence ``seq`` backed on every shard holding it."""
+        return min(
+            s.backed_tokens(q) for s, q in self._holders(seq, "ShardedKVArena.backed_tokens")
+        )
+
+    # -- checks and stats ----------------------------------------------------------------
+    def dropped_writes(self, *arrays: Any) -> int:
+        """Token writes dropped since the last :meth:`check`, summed over every shard (a
+        token dropped on a sequence split over ``h`` head shards counts ``h`` times)."""
+        _wait_for_writes(arrays)
+        return sum(s.dropped_writes() for s in self.shards)
+
+    def dropped_reads(self, *arrays: Any) -> int:
+        _wait_for_writes(arrays)
+        return sum(s.dropped_reads() for s in self.shards)
+
+    def check(self, *arrays: Any) -> None:
+        """:meth:`KVArena.check` over every shard: waits for ``arrays`` and this thread's
+        writes, then raises :class:`~jax_vmm.errors.OutOfBoundsWrite` (or
+        ``OutOfBoundsRead``) if any shard dropped a write (clamped a read), naming the
+        devices; every shard's counts are reset."""
+        _wait_for_writes(arrays)
+        with self._locked():
+            errors = []
+            for shard in self.shards:
+                try:
+                    shard.check()
+                except (OutOfBoundsWrite, OutOfBoundsRead) as e:
+                    errors.append((shard, e))
+        if not errors:
+            return
+        writes = sum(e.count for _, e in errors if isinstance(e, OutOfBoundsWrite))
+        reads = sum(
+            e.dropped_reads if isinstance(e, OutOfBoundsWrite) else e.count for _, e in errors
+        )
+        where = "; ".join(f"{s.arena.device}: {e}" for s, e in errors)
+        if writes:
+            raise OutOfBoundsWrite(
+                f"sharded KV arena: {writes} token writes dropped over "
+                f"{len(errors)} of {len(self.shards)} devices (one per device holding the "
+                f"token's heads) -- {where}",
+                writes,
+                dropped_reads=reads,
+            )
+        raise OutOfBoundsRead(f"sharded KV arena: {where}", reads)
+
+    def stats(self) -> dict:
+        """Totals over the devices (bytes reserved, backed, peak backed and held; commit and
+        decommit calls and seconds), ``backed_tokens`` per global sequence, and
+        ``devices``: each shard's :meth:`KVArena.stats` with its device."""
+        per = [dict(s.stats(), device=str(s.arena.device)) for s in self.shards]
+        totals = (
+            "reserved_bytes",
+            "backed_bytes",
+            "peak_backed_bytes",
+            "held_bytes",
+            "commit_calls",
+            "commit_seconds",
+            "decommit_calls",
+            "decommit_seconds",
+        )
+        out = {key: sum(p[key] for p in per) for key in totals}
+        seqs = [None] if self.max_seqs is None else range(self.max_seqs)
+        out.update(
+            num_layers=self.num_layers,
+            max_tokens=self.max_tokens,
+            max_seqs=self.max_seqs,
+            num_devices=len(self.shards),
+            sharding=str(self.sharding),
+            backed_tokens=[self.backed_tokens(q) for q in seqs],
+            devices=per,
+        )
+        return out
+
+    def close(self) -> None:
+        """Close every shard (idempotent). A KVCache of it refuses to run after this."""
+        for s in self.shards:
+            s.close()
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise _refuse_copy("ShardedKVArena", self._layout.devices[0], "np.asarray(kv.k[layer])")
+
+    def __enter__(self) -> ShardedKVArena:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"ShardedKVArena(layers={self.num_layers}, shape={self._layout.global_shape}, "
+            f"spec={self._layout.spec}, devices={len(self.shards)}, dtype={self.dtype})"
+        )
+
+
+def _each(items: Sequence[Any], op: Any) -> int:
+    """``op(item)`` for every item even if some raise; the sum, or the first error."""
+    total, error = 0, None
+    for item in items:
+        try:
+            total += op(item)
+        except Exception as e:  # noqa: BLE001 - re-raised below, after every shard ran
+            error = error or e
+    if error is not None:
+        raise error
+    return total
+
+
+class _AllLocks:
+    """Every shard's lock, taken in mesh order (one order everywhere: no deadlock)."""
+
+    def __init__(self, shards: Sequence[KVArena]):
+        self._locks = [s._lock for s in shards]
+
+    def __enter__(self) -> None:
+        for lock in self._locks:
+            lock.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        for lock in reversed(self._locks):
+            lock.release()
+
+
+class _GlobalViews(Sequence[jax.Array]):
+    """``kv.k[l]``: a global array of the arena's sharding over the shards' views."""
+
+    def __init__(self, kv: ShardedKVArena, side: int, name: str):
+        self._kv, self._side, self._name = kv, side, name
+
+    def __len__(self) -> int:
+        return self._kv.num_layers
+
+    def __getitem__(self, layer):  # type: ignore[override]
+        if isinstance(layer, slice):
+            return [self[i] for i in range(*layer.indices(len(self)))]
+        layer = _layer_index(layer, len(self), self._name)
+        return self._kv._global(
+            self._kv._layout.global_shape,
+            self._kv._layout.spec,
+            [(s.k if self._side == 0 else s.v)[layer] for s in self._kv.shards],
+        )

@@ -1,0 +1,522 @@
+"""Scenarios of sharded KV arenas on 4 host devices, run in one child process.
+
+CI runs ``pytest tests`` once without XLA_FLAGS, and JAX fixes the number of host
+devices when it starts, so tests/sharding/test_sharded_kv.py runs this file as a script
+with ``XLA_FLAGS=--xla_force_host_platform_device_count=4``. Each scenario prints one JSON
+line ``{"name", "ok", "error"}``; the parent turns each line into a test.
+
+The oracles: ``conftest.raw_bytes`` (a memcpy from a shard's buffer address, no JAX
+view) for what each device's arena holds, ``/proc/self/maps`` (tests/oracles/maps_oracle)
+for what each device's reservation has backed, and a single-device arena run through the
+same step for the expected bytes and attention results.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: conftest, oracles
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import multidevice  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import jax_vmm  # noqa: E402
+import jax_vmm.testing  # noqa: E402
+from conftest import mo, raw_bytes  # noqa: E402
+
+L, S, T, H, HQ, D = 2, 4, 64, 4, 8, 16
+DT = np.float32
+COLLECTIVES = ("all-gather", "all-to-all", "collective-permute", "all-reduce", "reduce-scatter")
+
+SCENARIOS: dict[str, Callable[[], None]] = {}
+
+
+def scenario(fn: Callable[[], None]) -> Callable[[], None]:
+    SCENARIOS[fn.__name__] = fn
+    return fn
+
+
+def mesh_1d() -> Mesh:
+    return Mesh(np.array(jax.devices()[:4]), ("tp",))
+
+
+def mesh_2d() -> Mesh:
+    return Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("dp", "tp"))
+
+
+#: (mesh, spec) pairs every equality scenario runs: a 1-device mesh, heads over 2 and 4,
+#: sequences over 4, sequences x heads over 2 x 2, heads over 2 with the other mesh axis
+#: replicated. The first two run on one and two GPUs too (tests/sharding/test_sharded_gpu.py).
+LAYOUTS = {
+    "one_device": (lambda: Mesh(np.array(jax.devices()[:1]), ("tp",)), P(None, None, "tp")),
+    "heads_over_two": (lambda: Mesh(np.array(jax.devices()[:2]), ("tp",)), P(None, None, "tp")),
+    "heads": (mesh_1d, P(None, None, "tp")),
+    "seqs": (lambda: Mesh(np.array(jax.devices()[:4]), ("dp",)), P("dp")),
+    "seqs_x_heads": (mesh_2d, P("dp", None, "tp")),
+    "heads_replicated": (mesh_2d, P(None, None, "tp")),
+}
+
+
+def make(spec_mesh=None, spec=None, **kw):
+    kw = (
+        dict(
+            num_layers=L,
+            num_kv_heads=H,
+            head_dim=D,
+            max_tokens=T,
+            max_seqs=S,
+            dtype=DT,
+            zero_fill=True,
+            commit_ahead_tokens=0,
+        )
+        | kw
+    )
+    if spec is not None:
+        kw["sharding"] = NamedSharding(spec_mesh, spec)
+    return jax_vmm.kv_arena(**kw)
+
+
+def step_fn(cache, q, new_k, new_v, slots, lengths):
+    """Every layer: write the new tokens, then attend over them (read after write)."""
+    outs = []
+    for layer in range(len(cache)):
+        written = jax_vmm.kv_write(cache[layer], new_k[layer], new_v[layer], slots)
+        outs.append(jax_vmm.decode_attention(q[layer], written, lengths))
+        cache = cache.replace(layer, written)
+    return cache, jnp.stack(outs)
+
+
+STEP = jax.jit(step_fn)
+
+
+def tokens(n: int, seed: int, d: int = D) -> dict:
+    rng = np.random.default_rng(seed)
+    return {
+        "k": rng.standard_normal((L, n, H, d)).astype(DT),
+        "v": rng.standard_normal((L, n, H, d)).astype(DT),
+        "q": rng.standard_normal((L, S, HQ, d)).astype(DT),
+    }
+
+
+def shard_block(kv, shard_index: int, layout_arr: np.ndarray) -> np.ndarray:
+    """The block of a global (S, T, H, D) array that shard ``shard_index`` holds."""
+    lay = kv._layout
+    s0, h0 = lay.seq_start[shard_index], lay.head_start[shard_index]
+    ls, _, lh, _ = lay.local_shape
+    return layout_arr[s0 : s0 + ls, :, h0 : h0 + lh]
+
+
+def raw_layer(shard, side: int, layer: int) -> np.ndarray:
+    buf = (shard.k_buffers if side == 0 else shard.v_buffers)[layer]
+    return raw_bytes(buf).view(DT).reshape(buf.shape)
+
+
+def backed_by_maps(shard) -> int:
+    """Bytes the kernel has memfd-mapped read-write in this shard's reservation."""
+    shard.reclaim()
+    a = shard.arena
+    return sum(hi - lo for lo, hi in mo.ranges_of(mo.layout(a.base, a.reserved_bytes), mo.BACKED))
+
+
+def run_equal_to_single_device(name: str) -> None:
+    mesh_of, spec = LAYOUTS[name]
+    kv, ref = make(mesh_of(), spec), make()
+    for q in range(S):
+        kv.ensure(9, q)
+        ref.ensure(9, q)
+    cache, ref_cache = kv.cache(), ref.cache()
+    lengths = np.zeros(S, np.int32)
+    for pos in range(3):  # three steps, each sequence one token further
+        t = tokens(S, seed=pos)
+        slots = (np.arange(S) * T + pos).astype(np.int32)
+        lengths = lengths + 1
+        cache, out = STEP(cache, t["q"], t["k"], t["v"], slots, lengths)
+        ref_cache, ref_out = STEP(ref_cache, t["q"], t["k"], t["v"], slots, lengths)
+        np.testing.assert_allclose(np.asarray(out), np.asarray(ref_out), rtol=1e-6, atol=1e-6)
+    kv.check(out)
+    ref.check(ref_out)
+    for side in (0, 1):
+        for layer in range(L):
+            want = raw_layer(ref, side, layer)
+            for i, shard in enumerate(kv.shards):
+                np.testing.assert_array_equal(
+                    raw_layer(shard, side, layer), shard_block(kv, i, want), err_msg=f"shard {i}"
+                )
+    kv.close()
+    ref.close()
+
+
+for _name in LAYOUTS:
+    SCENARIOS[f"equal_to_single_device_{_name}"] = lambda n=_name: run_equal_to_single_device(n)
+
+
+@scenario
+def views_are_global_zero_copy_arrays():
+    kv = make(mesh_2d(), P("dp", None, "tp"))
+    for q in range(S):
+        kv.ensure(5, q)
+    k = kv.k[1]
+    assert k.shape == (S, T, H, D) and k.sharding == kv.sharding, (k.shape, k.sharding)
+    by_device = {s.arena.device: s for s in kv.shards}
+    assert len(k.addressable_shards) == 4
+    for piece in k.addressable_shards:
+        shard = by_device[piece.device]
+        assert piece.data.shape == (S // 2, T, H // 2, D)
+        assert piece.data.unsafe_buffer_pointer() == shard.k_buffers[1].address, piece.device
+    # What a step wrote is what the global view shows.
+    t = tokens(S, 0)
+    slots = (np.arange(S) * T).astype(np.int32)
+    cache, _ = STEP(kv.cache(), t["q"], t["k"], t["v"], slots, np.ones(S, np.int32))
+    kv.check(cache)
+    np.testing.assert_array_equal(np.asarray(kv.k[1])[:, 0], t["k"][1])
+    np.testing.assert_array_equal(np.asarray(cache[1].v)[:, 0], t["v"][1])
+    kv.close()
+
+
+@scenario
+def eager_scan_and_no_retrace():
+    """Eager calls, a lax.scan of steps (the cache as the carry) and a fresh kv.cache()
+    all work on a sharded arena; the same arena never retraces."""
+    mesh_of, spec = LAYOUTS["seqs_x_heads"]
+    kv, ref = make(mesh_of(), spec), make()
+    for q in range(S):
+        kv.ensure(8, q)
+        ref.ensure(8, q)
+    t = tokens(S, 11)
+    slots = (np.arange(S) * T).astype(np.int32)
+    layer = jax_vmm.kv_write(kv.cache()[0], t["k"][0], t["v"][0], slots)  # eager
+    out = jax_vmm.decode_attention(t["q"][0], layer, np.ones(S, np.int32))
+    kv.check(out)
+    np.testing.assert_array_equal(np.asarray(kv.k[0])[:, 0], t["k"][0])
+    jax_vmm.kv_write(ref.cache()[0], t["k"][0], t["v"][0], slots)
+    steps = 6
+    ks = np.random.default_rng(1).standard_normal((steps, L, S, H, D)).astype(DT)
+
+    def scan_steps(cache, ks):
+        def body(c, x):
+            k, pos = x
+            sl = (jnp.arange(S, dtype=jnp.int32) * T + pos).astype(jnp.int32)
+            c, o = step_fn(c, jnp.asarray(t["q"]), k, k, sl, jnp.full((S,), pos + 1, jnp.int32))
+            return c, o
+
+        return jax.lax.scan(body, cache, (ks, jnp.arange(1, steps + 1, dtype=jnp.int32)))
+
+    scan = jax.jit(scan_steps)
+    cache, outs = scan(kv.cache(), ks)
+    ref_cache, ref_outs = scan(ref.cache(), ks)
+    kv.check(outs)
+    np.testing.assert_allclose(np.asarray(outs), np.asarray(ref_outs), rtol=1e-6, atol=1e-6)
+    size = scan._cache_size()
+    scan(kv.cache(), ks)  # a fresh cache of the same arena: the same executable
+    scan(cache, ks)
+    assert scan._cache_size() == size, (scan._cache_size(), size)
+    for i, shard in enumerate(kv.shards):
+        np.testing.assert_array_equal(
+            raw_layer(shard, 1, 1), shard_block(kv, i, raw_layer(ref, 1, 1))
+        )
+    kv.close()
+    ref.close()
+
+
+@scenario
+def no_layout_per_sequence_shards_heads():
+    kv = make(mesh_1d(), P(None, "tp"), max_seqs=None)
+    ref = make(max_seqs=None)
+    kv.ensure(20)
+    ref.ensure(20)
+    t = tokens(6, 3)
+    slots = np.array([0, 5, 19, 2, 7, 11], np.int32)
+    write = jax.jit(lambda c, k, v, s: c.replace(0, jax_vmm.kv_write(c[0], k, v, s)))
+    cache = write(kv.cache(), t["k"][0], t["v"][0], slots)
+    write(ref.cache(), t["k"][0], t["v"][0], slots)
+    kv.check(cache)
+    want = raw_layer(ref, 0, 0)
+    for i, shard in enumerate(kv.shards):
+        h0 = kv._layout.head_start[i]
+        np.testing.assert_array_equal(raw_layer(shard, 0, 0), want[:, h0 : h0 + 1])
+    kv.close()
+    ref.close()
+
+
+@scenario
+def fp8_sharded_equals_single_device():
+    rng = np.random.default_rng(7)
+    scales = rng.uniform(0.5, 2.0, (2, L, H)).astype(np.float32)
+    # The fp8 (streaming) kernel takes head_dim 64, 128 or 256 and bf16 queries.
+    kw = dict(dtype=jnp.float8_e4m3fn, k_scales=scales[0], v_scales=scales[1], head_dim=64)
+    kv, ref = make(mesh_2d(), P("dp", None, "tp"), **kw), make(**kw)
+    for q in range(S):
+        kv.ensure(4, q)
+        ref.ensure(4, q)
+    t = tokens(S, 5, d=64)
+    t["q"] = t["q"].astype(jnp.bfloat16)
+    slots = (np.arange(S) * T + 1).astype(np.int32)
+    lengths = np.full(S, 2, np.int32)
+    cache, out = STEP(kv.cache(), t["q"], t["k"], t["v"], slots, lengths)
+    _, ref_out = STEP(ref.cache(), t["q"], t["k"], t["v"], slots, lengths)
+    kv.check(out)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref_out), rtol=1e-6, atol=1e-6)
+    for i, shard in enumerate(kv.shards):
+        got = raw_bytes(shard.k_buffers[0]).reshape(shard.k_buffers[0].shape)
+        want = raw_bytes(ref.k_buffers[0]).reshape(ref.k_buffers[0].shape)
+        np.testing.assert_array_equal(got, shard_block(kv, i, want))
+    kv.close()
+    ref.close()
+
+
+@scenario
+def compiled_step_moves_no_cache_between_devices():
+    check_no_collectives(mesh_2d(), P("dp", None, "tp"))
+
+
+def check_no_collectives(mesh: Mesh, spec: P) -> None:
+    """The compiled HLO of a decode step over the sharded cache has no collective at all
+    (the cache never is an XLA value); the same detector finds the all-gather XLA inserts
+    when the cache is a plain sharded array fed to the single-device custom call."""
+    kv = make(mesh, spec)
+    t = tokens(S, 0)
+    seqs, heads_axis = spec[0], spec[2]
+    q_sharding = NamedSharding(mesh, P(None, seqs, heads_axis))
+    heads = NamedSharding(mesh, P(None, None, heads_axis))
+    args = (
+        jax.device_put(t["q"], q_sharding),
+        jax.device_put(t["k"], heads),
+        jax.device_put(t["v"], heads),
+        np.zeros(S, np.int32),
+        np.ones(S, np.int32),
+    )
+    text = STEP.lower(kv.cache(), *args).compile().as_text()
+    found = [c for c in COLLECTIVES if c in text]
+    assert not found, f"collectives in the sharded step: {found}"
+    assert "jax_vmm_kv_cache_write" in text and "jax_vmm_decode_attention" in text
+    # The detector is live: plain sharded arrays through the array-level custom call.
+    k = jax.device_put(np.zeros((S, T, H, D), DT), kv.sharding)
+    naive = jax.jit(lambda q, k, v, n: jax_vmm.decode_attention(q, k, v, n))
+    naive_text = naive.lower(args[0][0], k, k, args[4]).compile().as_text()
+    naive_found = [c for c in COLLECTIVES if c in naive_text]
+    assert naive_found, "the detector would not see a gathered cache"
+    kv.close()
+
+
+@scenario
+def per_device_memory_follows_the_sequences_by_maps():
+    kv = make(mesh_2d(), P("dp", None, "tp"), max_tokens=4096)
+    assert all(backed_by_maps(s) == 0 for s in kv.shards)
+    kv.ensure(1000, 3)  # sequence 3 lives on the second block of sequences: devices 2, 3
+    holders = [i for i, s in enumerate(kv.shards) if backed_by_maps(s)]
+    assert holders == [2, 3], holders
+    for s in kv.shards:
+        assert backed_by_maps(s) == s.arena.backed_bytes
+    tb = (H // 2) * D * 4  # bytes per token on a device: half the heads
+    assert kv.shards[2].arena.backed_bytes >= 2 * L * 1000 * tb
+    kv.ensure(10, 0)
+    assert [bool(backed_by_maps(s)) for s in kv.shards] == [True, True, True, True]
+    assert kv.stats()["backed_bytes"] == sum(backed_by_maps(s) for s in kv.shards)
+    kv.release(3)
+    assert [backed_by_maps(s) for s in kv.shards][2:] == [0, 0]
+    kv.shrink(0)
+    assert all(backed_by_maps(s) == 0 for s in kv.shards)
+    kv.close()
+
+
+def rollback_case(skip_rollback: bool) -> list[str]:
+    """Arm one device's next physical allocation to fail, grow every sequence; return what
+    differs afterwards from before (per device: backing by the maps oracle, the table of
+    ensured tokens, the bookkeeping)."""
+    with jax_vmm.testing.fault_injection() as faults:
+        kv = make(mesh_1d(), P(None, None, "tp"), max_tokens=4096, zero_fill=False)
+    kv.ensure(100, 1)
+
+    def state():
+        return [
+            (
+                backed_by_maps(s),
+                s._core_cache.limits(),
+                s.backed_tokens(1),
+                s.stats()["backed_bytes"],
+            )
+            for s in kv.shards
+        ]
+
+    before = state()
+    faults.arm(kv.shards[2], "create", 1)
+    diffs = []
+    for grow in (lambda: kv.ensure(3000, 1), lambda: kv.ensure_all([2000, 3000, 0, 10])):
+        ctx = jax_vmm.testing.sharded_rollback_skipped() if skip_rollback else _nothing()
+        with ctx:
+            try:
+                grow()
+                diffs.append("the growth did not fail")
+            except jax_vmm.testing.InjectedFault:
+                pass
+        after = state()
+        diffs += [
+            f"device {i}: {b} -> {a}" for i, (b, a) in enumerate(zip(before, after)) if a != b
+        ]
+        faults.arm(kv.shards[2], "create", 1)
+    faults.disarm(kv.shards[2])
+    if not skip_rollback:
+        kv.ensure(3000, 1)  # the same growth works once the device does
+        assert all(s.backed_tokens(1) >= 3000 for s in kv.shards)
+    kv.close()
+    return diffs
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+@scenario
+def a_failed_commit_on_one_device_rolls_back_the_others():
+    diffs = rollback_case(skip_rollback=False)
+    assert not diffs, diffs
+
+
+@scenario
+def without_the_rollback_the_other_devices_keep_memory():
+    diffs = rollback_case(skip_rollback=True)
+    assert any(d.startswith("device 0") for d in diffs), diffs
+
+
+@scenario
+def dropped_writes_and_clamped_reads_are_counted_over_the_shards():
+    kv = make(mesh_2d(), P("dp", None, "tp"))
+    kv.ensure(4, 0)
+    kv.ensure(4, 3)
+    t = tokens(3, 1)
+    # seq 0 pos 2 (ensured), seq 3 pos 40 (not ensured), a slot past the cache.
+    slots = np.array([2, 3 * T + 40, S * T + 5], np.int32)
+    write = jax.jit(lambda c, k, v, s: c.replace(0, jax_vmm.kv_write(c[0], k, v, s)))
+    cache = write(kv.cache(), t["k"][0], t["v"][0], slots)
+    try:
+        kv.check(cache)
+        raise AssertionError("no OutOfBoundsWrite")
+    except jax_vmm.OutOfBoundsWrite as e:
+        # Two tokens dropped, each on the 2 devices holding its heads, for K and V.
+        assert e.count == 2 * 2 * 2, (e.count, str(e))
+    kv.check()  # reset on every shard
+    q = tokens(S, 2)["q"][0]
+    out = jax.jit(lambda c, q, n: jax_vmm.decode_attention(q, c[0], n))(
+        cache, q, np.array([3, 0, 0, 50], np.int32)
+    )
+    try:
+        kv.check(out)
+        raise AssertionError("no OutOfBoundsRead")
+    except jax_vmm.OutOfBoundsRead as e:
+        assert e.count == 2, e.count  # seq 3 asked past its 4 tokens, on its 2 devices
+    kv.close()
+
+
+def raises(exc, fn, *words):
+    try:
+        fn()
+    except exc as e:
+        for w in words:
+            assert w in str(e), f"{w!r} not in {e}"
+        return e
+    raise AssertionError(f"{fn} did not raise {exc.__name__}")
+
+
+@scenario
+def bad_shardings_are_refused_clearly():
+    m1, m2 = mesh_1d(), mesh_2d()
+    live = len(jax_vmm.cache._live_arenas())
+    raises(
+        ValueError,
+        lambda: make(m1, P(None, None, "tp"), num_kv_heads=6),
+        "num_kv_heads=6",
+        "divisible",
+    )
+    raises(ValueError, lambda: make(m1, P("tp"), max_seqs=6), "max_seqs=6")
+    raises(ValueError, lambda: make(m1, P(None, "tp")), "tokens axis")
+    raises(ValueError, lambda: make(m1, P(None, None, None, "tp")), "head_dim axis")
+    raises(ValueError, lambda: make(m1, P(None, None, None, None, "tp")), "5 entries")
+    raises(ValueError, lambda: make(m1, P("tp"), max_seqs=None), "tokens axis")
+    raises(
+        TypeError,
+        lambda: make(sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0])),
+        "NamedSharding",
+    )
+    raises(ValueError, lambda: make(m1, P(None, None, "tp"), device=jax.devices()[0]), "not both")
+    # A spec naming an axis the mesh lacks (jax refuses it already when it is built).
+    try:
+        NamedSharding(m2, P("x"))
+    except ValueError:
+        pass
+    else:
+        raises(ValueError, lambda: make(m2, P("x")), "'x'")
+    # Nothing is left behind by a refusal.
+    assert len(jax_vmm.cache._live_arenas()) == live
+
+
+@scenario
+def inputs_on_other_devices_and_closed_arenas_are_refused():
+    kv = make(Mesh(np.array(jax.devices()[:2]), ("tp",)), P(None, None, "tp"))
+    kv.ensure(4, 0)
+    t = tokens(1, 0)
+    other = jax.device_put(t["k"][0], jax.devices()[3])  # committed to a device off the mesh
+    write = jax.jit(lambda c, k, s: c.replace(0, jax_vmm.kv_write(c[0], k, k, s)))
+    raises(ValueError, lambda: write(kv.cache(), other, np.zeros(1, np.int32)), "devices")
+    cache = kv.cache()
+    # The same step traced against this arena refuses once it is closed, on every device.
+    kv.close()
+    try:
+        jax.block_until_ready(write(cache, t["k"][0], np.zeros(1, np.int32)))
+        raise AssertionError("a closed sharded arena was written")
+    except jax.errors.JaxRuntimeError as e:
+        assert "closed" in str(e), e
+    raises(jax_vmm.ArenaClosedError, kv.cache)
+    raises(jax_vmm.ArenaClosedError, lambda: kv.ensure(5, 0))
+    # JAX keeps raising the failed step's error from every effects barrier (at exit too)
+    # until a later step with a side effect succeeds: run one.
+    live = make()
+    live.ensure(1, 0)
+    write(live.cache(), t["k"][0], np.zeros(1, np.int32))
+    live.check()
+    live.close()
+
+
+@scenario
+def a_shard_cannot_join_twice_or_with_another_geometry():
+    from jax_vmm._loader import core
+
+    kv = make(Mesh(np.array(jax.devices()[:2]), ("tp",)), P(None, None, "tp"))
+    shard = kv.shards[0]
+    buf_ids = [b.id for b in shard.k_buffers], [b.id for b in shard.v_buffers]
+    args = (S, True, T, H // 2, D, "float32", 4)
+    raises(
+        ValueError,
+        lambda: core.create_kv_cache(shard.arena._handle, *buf_ids, *args, 0, kv.uid),
+        "has a shard already",
+    )
+    raises(
+        ValueError,
+        lambda: core.create_kv_cache(
+            shard.arena._handle, *buf_ids, S, True, T, H // 2, D // 2, "float32", 4, 2, kv.uid
+        ),
+        "geometry",
+    )
+    raises(
+        ValueError,
+        lambda: core.create_kv_cache(shard.arena._handle, *buf_ids, *args, 2, 12345),
+        "no live KV cache",
+    )
+    assert (
+        core.find_kv_cache(kv.uid, 1) == "found" and core.find_kv_cache(kv.uid, 2) == "other_device"
+    )
+    kv.close()
+
+
+if __name__ == "__main__":
+    sys.exit(multidevice.main(SCENARIOS, sys.argv[1:]))

@@ -1,0 +1,37 @@
+"""The example's ``--tp N`` (examples/tensor_parallel.py) on 4 host devices: logits equal to
+one device's for N = 1, 2, 4, the CLI end to end, its refusals. The scenarios
+(tests/sharding/tp_scenarios.py) run in one child process (tests/sharding/multidevice.py)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import multidevice  # noqa: E402
+
+NAMES = [
+    "tp1_logits_equal_single_device",
+    "tp2_logits_equal_single_device",
+    "tp4_logits_equal_single_device",
+    "decode_cli_tp2_serves_the_same_requests",
+    "decode_cli_refuses_bad_tp",
+]
+
+
+@pytest.fixture(scope="module")
+def results() -> dict:
+    return multidevice.child_results(HERE / "tp_scenarios.py")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_tp_scenario(results, name):
+    multidevice.check(results, name)
+
+
+def test_every_scenario_is_collected(results):
+    ran = {k for k in results if not k.startswith("_")}
+    assert ran == set(NAMES), ran ^ set(NAMES)

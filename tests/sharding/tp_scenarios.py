@@ -1,0 +1,124 @@
+"""The example's tensor parallelism (``examples/decode.py --tp N``) on 4 host devices, run
+in one child process (tests/sharding/multidevice.py).
+
+The oracle is the same model on one device with an unsharded jax_vmm cache: prefill and
+teacher-forced decode steps must give the same logits (up to float32 summation order:
+the split projections are summed by an all-reduce).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import io
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo: `examples`
+
+import jax  # noqa: E402
+import multidevice  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+from examples import decode  # noqa: E402
+from examples import model as M  # noqa: E402
+from examples import tensor_parallel as TP  # noqa: E402
+from examples.cache import VmmCache  # noqa: E402
+
+CFG = M.ModelConfig(num_q_heads=8, num_kv_heads=4, head_dim=32, ffn_dim=384)
+B, T = 4, 128
+SCENARIOS = {}
+
+
+def attend(q, layer, lengths):
+    import jax_vmm
+
+    return jax_vmm.decode_attention(q, layer, lengths)
+
+
+def run(params, cache, prompts, steps):
+    """Prefill each prompt into slot i, then ``steps`` decode steps feeding back the
+    tokens of ``steps`` (B, n) (teacher forcing). Returns every step's logits."""
+    prefill = jax.jit(functools.partial(M.prefill, cfg=CFG, write=cache.write))
+    step = jax.jit(functools.partial(M.decode_step, cfg=CFG, write=cache.write, attend=attend))
+    out = []
+    for seq, prompt in enumerate(prompts):
+        cache.ensure(seq, len(prompt) + steps.shape[1])
+        padded = np.zeros(64, np.int32)
+        padded[: len(prompt)] = prompt
+        logits, c = prefill(params, cache.cache(), padded, np.int32(len(prompt)), np.int32(seq))
+        cache.update(c)
+        out.append(np.asarray(logits))
+    positions = np.array([len(p) for p in prompts], np.int32)
+    for i in range(steps.shape[1]):
+        logits, _, c = step(params, cache.cache(), steps[:, i], positions + i)
+        cache.update(c)
+        out.append(np.asarray(logits))
+    cache.check()
+    return out
+
+
+def tp_logits_equal_single_device(n: int, platform: str = "cpu", tol: float = 2e-5) -> None:
+    """--tp n (heads, MLP and the cache split over n devices of ``platform``) against one
+    device with an unsharded cache: the same logits at every prefill and decode step."""
+    rng = np.random.default_rng(n)
+    prompts = [rng.integers(0, CFG.vocab, size=k).astype(np.int32) for k in (5, 17, 9, 30)]
+    steps = rng.integers(0, CFG.vocab, size=(B, 6)).astype(np.int32)
+    params = M.init_params(CFG, seed=3)
+    ref_cache = VmmCache(CFG, max_seqs=B, max_tokens=T, device=jax.devices(platform)[0])
+    want = run(params, ref_cache, prompts, steps)
+    mesh = TP.tp_mesh(n, platform)
+    sharded = TP.shard_params(params, CFG, mesh)
+    assert sharded.layers[0].wq.sharding.spec == P(None, "tp")
+    assert sharded.layers[0].w_down.sharding.spec == P("tp", None)
+    cache = VmmCache(CFG, max_seqs=B, max_tokens=T, sharding=TP.cache_sharding(mesh))
+    assert [s.num_kv_heads for s in cache.kv.shards] == [CFG.num_kv_heads // n] * n
+    got = run(sharded, cache, prompts, steps)
+    for i, (g, w) in enumerate(zip(got, want)):
+        np.testing.assert_allclose(g, w, rtol=tol, atol=tol, err_msg=f"call {i}")
+    # Each device backs its heads of every token: the same bytes on each.
+    per_device = {s.backed_bytes for s in cache.kv.shards}
+    assert len(per_device) == 1 and per_device.pop() > 0, per_device
+    cache.close()
+    ref_cache.close()
+
+
+for _n in (1, 2, 4):
+    SCENARIOS[f"tp{_n}_logits_equal_single_device"] = lambda n=_n: tp_logits_equal_single_device(n)
+
+
+def cli(*argv: str) -> dict:
+    with tempfile.TemporaryDirectory() as out, contextlib.redirect_stdout(io.StringIO()):
+        return decode.main([*argv, "--requests", "4", "--no-plot", "--no-progress", "--out", out])
+
+
+def decode_cli_tp2_serves_the_same_requests() -> None:
+    one, two = cli(), cli("--tp", "2")
+    assert two["generated_tokens"] == one["generated_tokens"] > 0
+    assert two["final_backed_bytes"] == 0  # every sequence released on both devices
+
+
+def decode_cli_refuses_bad_tp() -> None:
+    for argv, words in ((("--tp", "3"), "not divisible by 3"), (("--tp", "8"), "needs 1..4")):
+        try:
+            cli(*argv)
+        except SystemExit as e:
+            assert words in str(e), e
+        else:
+            raise AssertionError(f"{argv} was accepted")
+    try:
+        cli("--tp", "2", "--backend", "prealloc")
+    except (SystemExit, ValueError) as e:
+        assert "jax_vmm backend" in str(e), e
+    else:
+        raise AssertionError("--tp with the prealloc backend was accepted")
+
+
+SCENARIOS["decode_cli_tp2_serves_the_same_requests"] = decode_cli_tp2_serves_the_same_requests
+SCENARIOS["decode_cli_refuses_bad_tp"] = decode_cli_refuses_bad_tp
+
+if __name__ == "__main__":
+    sys.exit(multidevice.main(SCENARIOS, sys.argv[1:]))
