@@ -1,0 +1,377 @@
+"""How a KV arena backs its sequences' tokens: ``ensure`` / ``ensure_all`` / ``shrink`` /
+``release``, the byte ranges each needs, the commit-ahead hook and the all-or-nothing
+rollback that a sharded cache uses across devices.
+
+A chunk that two sequences share gets a commit range of its own, so that no physical
+allocation holds memory of two sequences and a release frees all of a sequence's memory.
+The device-side table of ensured tokens is published after the memory on growth and
+before it goes on release: a kernel may write only what the table admits.
+
+:class:`TokenBacking` is a mixin of :class:`jax_vmm.KVArena` (``kv.py``), which owns the
+state it works on: ``arena``, ``buffers``, the geometry (``max_seqs``, ``max_tokens``,
+``seq_bytes``, ``token_bytes``), ``_lock`` (held around every change below), the
+per-sequence tables ``_ensured`` (tokens the kernels may touch), ``_covered`` (tokens
+within chunks known backed), ``_valid_gen`` (the arena generation ``_covered`` is valid
+for), ``_epoch`` (bumped on release: a commit ahead that started before is not counted),
+``_offloaded``, and the commit-ahead worker ``_ahead`` with its counters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from .arena import _as_flag, _as_index
+
+
+class TokenBacking:
+    def _check_tokens(self, n: Any, op: str) -> int:
+        n = _as_index(n, "num_tokens")
+        if n > self.max_tokens:
+            raise ValueError(f"{op}: num_tokens={n} exceeds max_tokens={self.max_tokens}")
+        return n
+
+    def _commit_ranges(self, q: int, num_tokens: int) -> list[tuple[int, int]]:
+        """Byte ranges (inside each buffer) that back tokens [0, num_tokens) of sequence
+        q. A chunk that the sequence shares with a neighbour gets a range of its own, so
+        that no allocation holds memory of two sequences (releasing one then frees all of
+        its own memory)."""
+        c = self.arena.chunk_bytes
+        base = q * self.seq_bytes
+        stop = base + num_tokens * self.token_bytes
+        cuts = {base, stop}
+        if self.max_seqs is not None:
+            if base % c:
+                cuts.add(-(-base // c) * c)
+            end = base + self.seq_bytes
+            if end % c:
+                cuts.add(end // c * c)
+        points = sorted(x for x in cuts if base <= x <= stop)
+        return list(zip(points, points[1:]))
+
+    def _covered_tokens(self, q: int, num_tokens: int) -> int:
+        """Tokens of sequence q backed once tokens [0, num_tokens) are: whole chunks."""
+        c = self.arena.chunk_bytes
+        base = q * self.seq_bytes
+        end = min(-(-(base + num_tokens * self.token_bytes) // c) * c, base + self.seq_bytes)
+        return (end - base) // self.token_bytes
+
+    def _settle(self, q: int) -> None:
+        """Raise if sequence q is away (offloaded, or its transfer in flight); forget a
+        transfer that has ended (restored, or a failed offload: the tokens stayed)."""
+        t = self._offloaded.get(q)
+        if t is None:
+            return
+        state = t.state
+        if state in ("restored", "failed"):
+            del self._offloaded[q]
+            t._finish()
+            return
+        raise ValueError(
+            f"sequence {q} is {state} (kv.offload); call kv.restore({q}) and wait "
+            "for it before growing, writing or reading it"
+        )
+
+    def ensure(self, num_tokens: int, seq: int | None = None) -> int:
+        """Back the first ``num_tokens`` tokens (of sequence ``seq``) in every layer, all
+        or nothing. Returns the bytes newly committed (0 when already backed). Within the
+        chunks an earlier call backed it returns at once; otherwise it never waits for the
+        device unless the arena has handed out raw views (``kv.k[l]``)."""
+        num_tokens = self._check_tokens(num_tokens, "KVArena.ensure")
+        self._seq_base(seq, "KVArena.ensure")
+        if num_tokens == 0:
+            return 0
+        q = 0 if seq is None else int(seq)
+        with self._lock:
+            if self._offloaded:
+                self._settle(q)
+            if num_tokens <= self._covered[q] and self._valid_gen[q] == self.arena._generation:
+                if num_tokens > self._ensured[q]:
+                    self._ensured[q] = num_tokens
+                    self._core_cache.set_limit(q, num_tokens)  # the memory is there already
+                self._maybe_ahead(q, num_tokens)
+                return 0
+            added = self._commit_seqs([(q, num_tokens)])
+            # Published after the memory: the kernels may write what the table admits.
+            self._core_cache.set_limit(q, int(self._ensured[q]))
+            self._maybe_ahead(q, num_tokens)
+            return added
+
+    def ensure_all(self, num_tokens: Sequence[int]) -> int:
+        """:meth:`ensure` for every sequence at once: ``num_tokens[q]`` tokens of sequence
+        ``q`` (a list or NumPy array of ints, one per sequence; 0 asks for nothing), in one
+        all-or-nothing commit. The cheap way to grow a batch each decode step: sequences
+        within their backed chunks cost a few vectorised comparisons, no call into the
+        core."""
+        tokens = self._token_array(num_tokens)
+        with self._lock:
+            asked = tokens > 0
+            for q in list(self._offloaded):
+                if tokens[q] > 0:
+                    self._settle(q)
+            fast = asked & self._backed_already(tokens)
+            before = self._ensured.copy()
+            np.maximum(self._ensured, np.where(fast, tokens, 0), out=self._ensured)
+            need = np.flatnonzero(asked & ~fast)
+            added = self._commit_seqs([(int(q), int(tokens[q])) for q in need]) if need.size else 0
+            if not np.array_equal(before, self._ensured):  # one copy of the table, after the memory
+                self._core_cache.set_limits(self._ensured.tolist())
+            if self.commit_ahead_tokens:
+                near = (
+                    asked
+                    & (self._covered - tokens <= self.commit_ahead_tokens)
+                    & (self._covered < self.max_tokens)
+                    & (self._ahead_blocked != self._covered)
+                )
+                for q in np.flatnonzero(near):
+                    self._ahead.schedule(
+                        int(q), self._covered_tokens(int(q), int(self._covered[q]) + 1)
+                    )
+            return added
+
+    def _backed_already(self, tokens: np.ndarray, seqs: Any = slice(None)) -> np.ndarray:
+        """Per sequence (of ``seqs``): are its first ``tokens`` tokens within chunks an
+        earlier ensure backed (so ensuring them makes no call into the core)? Caller
+        holds the lock."""
+        gen = self.arena._generation
+        return (tokens <= self._covered[seqs]) & (self._valid_gen[seqs] == gen)
+
+    def _ensure_point(self, asks: dict[int, int]) -> _EnsurePoint:
+        """What :meth:`_roll_back` needs to undo ensures that succeed after this call (a
+        sharded cache's commit that failed on another device): ``asks`` maps each sequence
+        that may commit to the tokens it asks for. Caller holds the lock until the roll
+        back, if any, is done."""
+        spans = {}
+        for q, tokens in asks.items():
+            base = q * self.seq_bytes
+            prefix = min(b.backed_prefix(base, base + self.seq_bytes) for b in self.buffers)
+            spans[q] = (prefix, tokens * self.token_bytes)
+        return _EnsurePoint(
+            self._ensured.copy(), self._covered.copy(), self._valid_gen.copy(), spans
+        )
+
+    def _roll_back(self, point: _EnsurePoint) -> None:
+        """Undo the ensures since ``point``: the table and the bookkeeping as they were, and
+        the chunks the asked tokens needed past what was backed from each sequence's start
+        given back (a chunk a neighbouring sequence holds tokens in stays)."""
+        with self._lock:
+            self._core_cache.set_limits(point.ensured.tolist())  # the table first
+            self._ensured[:] = point.ensured
+            self._covered[:] = point.covered
+            self._valid_gen[:] = point.valid_gen
+            ranges = []
+            for q, (prefix, asked) in point.spans.items():
+                self._epoch[q] += 1  # a commit ahead on its way is not counted for q
+                if asked <= prefix:
+                    continue
+                base = q * self.seq_bytes
+                ranges += self._release_ranges(
+                    base + prefix, base + asked, q, keep_before=prefix > 0
+                )
+            if ranges:
+                self.arena._handle.decommit_ranges(ranges, False)
+
+    def _token_array(self, num_tokens: Any) -> np.ndarray:
+        seqs = len(self._ensured)
+        if isinstance(num_tokens, (str, bytes)):
+            num_tokens = None
+        arr = np.asarray(num_tokens)
+        if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
+            raise TypeError(
+                f"KVArena.ensure_all: num_tokens must be {seqs} ints (one per "
+                f"sequence), got {num_tokens!r}"
+            )
+        if arr.shape != (seqs,):
+            raise ValueError(
+                f"KVArena.ensure_all: num_tokens has shape {arr.shape}; expected "
+                f"({seqs},), one entry per sequence"
+            )
+        if arr.size and (arr.min() < 0 or arr.max() > self.max_tokens):
+            raise ValueError(
+                f"KVArena.ensure_all: num_tokens must be in [0, {self.max_tokens}] "
+                f"(max_tokens); got min {arr.min()}, max {arr.max()}"
+            )
+        return arr.astype(np.int64)
+
+    def _maybe_ahead(self, q: int, n: int) -> None:
+        """Schedule the next chunk of sequence q when n is close to its backed end."""
+        covered = self._covered[q]
+        if (
+            not self.commit_ahead_tokens
+            or covered - n > self.commit_ahead_tokens
+            or covered >= self.max_tokens
+            or self._ahead_blocked[q] == covered
+        ):
+            return
+        self._ahead.schedule(q, self._covered_tokens(q, covered + 1))
+
+    def _commit_ahead(self, q: int, tokens: int) -> None:
+        """On the commit-ahead thread: back tokens [0, tokens) of sequence q."""
+        with self._lock:
+            if (
+                q in self._offloaded
+                or self._covered[q] >= tokens
+                or self.arena.closed
+                or self._valid_gen[q] != self.arena._generation
+            ):
+                return
+            epoch, gen, covered = self._epoch[q], self.arena._generation, self._covered[q]
+            ranges = [
+                (b.id, lo, hi) for lo, hi in self._commit_ranges(q, tokens) for b in self.buffers
+            ]
+        try:
+            added = self.arena._handle.commit_ahead(ranges)
+        except (MemoryError, RuntimeError):  # out of memory, closed, asleep: ensure() will say
+            self._ahead_failures += 1
+            return
+        with self._lock:
+            if added < 0:  # raw views were handed out: the decode thread commits itself
+                self._ahead_skipped += 1
+                self._ahead_blocked[q] = covered
+            elif self._epoch[q] == epoch and self._valid_gen[q] == gen:
+                self._covered[q] = max(self._covered[q], self._covered_tokens(q, tokens))
+            elif self._ensured[q] == 0 and q not in self._offloaded:
+                # Released while the commit was on its way, and not started again.
+                base = q * self.seq_bytes
+                self.arena._handle.decommit_ranges(
+                    self._release_ranges(base, base + self.seq_bytes, q), False
+                )
+
+    def _commit_seqs(self, need: list[tuple[int, int]]) -> int:
+        """One all-or-nothing commit of tokens [0, n) for each (q, n); caller holds the lock."""
+        self.arena._check_open("KVArena.ensure")
+        gen = self.arena._generation
+        ranges = [
+            (b.id, lo, hi)
+            for q, n in need
+            for lo, hi in self._commit_ranges(q, n)
+            for b in self.buffers
+        ]
+        added = self.arena._handle.commit_ranges(ranges)
+        for q, n in need:
+            self._ensured[q] = max(self._ensured[q], n)  # the caller publishes the table
+            self._covered[q] = max(
+                self._covered[q] if self._valid_gen[q] == gen else 0, self._covered_tokens(q, n)
+            )
+            self._valid_gen[q] = gen
+        return added
+
+    def shrink(self, num_tokens: int, *, wait: bool = False) -> int:
+        """Release memory past the first ``num_tokens`` tokens (of every sequence).
+        Returns bytes released. Like :meth:`release`, it does not wait for the device
+        (``wait=True``: until the memory is back with the driver). With large allocations
+        (``handle_bytes``), the released chunks of an allocation that keeps other chunks
+        stay held (``stats()['parked_bytes']``) until the rest of it is released."""
+        num_tokens = self._check_tokens(num_tokens, "KVArena.shrink")
+        wait = _as_flag(wait, "wait")
+        with self._lock:
+            self.arena._check_open("KVArena.shrink")
+            for q in list(self._offloaded):
+                self._settle(q)
+            # The table first: no kernel may write what is about to go.
+            self._core_cache.set_limits(np.minimum(self._ensured, num_tokens).tolist())
+            ranges = []
+            for seq in range(1 if self.max_seqs is None else self.max_seqs):
+                base = seq * self.seq_bytes
+                q = None if self.max_seqs is None else seq
+                ranges += self._release_ranges(
+                    base + num_tokens * self.token_bytes,
+                    base + self.seq_bytes,
+                    q,
+                    keep_before=num_tokens > 0,
+                )
+            released = self.arena._handle.decommit_ranges(ranges, wait)
+            for seq in range(len(self._ensured)):
+                self._ensured[seq] = min(self._ensured[seq], num_tokens)
+                self._covered[seq] = min(self._covered[seq], num_tokens)
+                self._epoch[seq] += 1
+        return released
+
+    def release(self, seq: int | None = None, *, wait: bool = False, reuse: bool = False) -> int:
+        """Give back all memory of sequence ``seq``. Returns bytes released.
+
+        Kernels launched after the call skip its chunks; its memory goes back to the
+        driver once the device has finished the work launched before (``wait=True``: before
+        returning), so it is safe to call right after dispatching a step that still reads
+        the sequence. An offloaded sequence's host copy is dropped.
+
+        ``reuse=True``: the slot takes a new sequence soon (continuous batching); with
+        commit ahead on, the first chunk is backed again in the background (taking back the
+        memory just released where it can), so the new sequence's first ensure makes no
+        driver call. That chunk stays held until the slot is released without reuse."""
+        base = self._seq_base(seq, "KVArena.release")
+        wait = _as_flag(wait, "wait")
+        reuse = _as_flag(reuse, "reuse")
+        q = 0 if seq is None else int(seq)
+        with self._lock:
+            self.arena._check_open("KVArena.release")
+            t = self._offloaded.pop(q, None)
+            if t is not None:
+                t._finish()  # drops the host copy
+            self._ensured[q] = 0
+            self._core_cache.set_limit(q, 0)  # the table first: nothing may write what goes
+            self._covered[q] = 0
+            self._epoch[q] += 1
+            ranges = self._release_ranges(base, base + self.seq_bytes, seq)
+            released = self.arena._handle.decommit_ranges(ranges, wait)
+            if reuse and self.commit_ahead_tokens:
+                self._ahead.schedule(q, self._covered_tokens(q, 1))
+            return released
+
+    def reclaim(self) -> int:
+        """:meth:`jax_vmm.Arena.reclaim`: wait for the device and give released memory
+        back now. Returns the bytes given back."""
+        return self.arena.reclaim()
+
+    def _release_ranges(
+        self, start: int, stop: int, seq: int | None, keep_before: bool = False
+    ) -> list[tuple[int, int, int]]:
+        # Sequences need not start on chunk boundaries. A chunk that straddles the span's
+        # edge is freed only when the neighbouring sequence holds no tokens in it.
+        chunk = self.arena.chunk_bytes
+        lo = start // chunk * chunk
+        # keep_before: the bytes before the span are this sequence's own kept tokens.
+        if lo < start and not keep_before and not self._neighbour_uses(lo, start, seq, before=True):
+            start = lo
+        hi = -(-stop // chunk) * chunk
+        if hi > stop and not self._neighbour_uses(stop, hi, seq, before=False):
+            stop = hi
+        return [
+            (b.id, start, min(stop, b.nbytes)) for b in self.buffers if start < min(stop, b.nbytes)
+        ]
+
+    def _neighbour_uses(self, lo: int, hi: int, seq: int | None, before: bool) -> bool:
+        """Does a sequence other than ``seq`` hold ensured tokens in bytes [lo, hi)?"""
+        if self.max_seqs is None or seq is None:
+            # One sequence: the bytes before the span are its own kept tokens.
+            return before
+        for q, tokens in enumerate(self._ensured):
+            if q == seq or tokens == 0:
+                continue
+            q_lo = q * self.seq_bytes
+            q_hi = q_lo + tokens * self.token_bytes
+            if q_lo < hi and q_hi > lo:
+                return True
+        return False
+
+    def backed_tokens(self, seq: int | None = None) -> int:
+        """Tokens from position 0 (of sequence ``seq``) backed in every layer."""
+        base = self._seq_base(seq, "KVArena.backed_tokens")
+        stop = base + self.seq_bytes
+        prefix = min(b.backed_prefix(base, stop) for b in self.buffers)
+        return prefix // self.token_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class _EnsurePoint:
+    """A KV arena's ensure state (:meth:`KVArena._ensure_point`): the table, the chunks
+    known backed, and per sequence that may commit (bytes backed from its start, bytes its
+    asked tokens span)."""
+
+    ensured: np.ndarray
+    covered: np.ndarray
+    valid_gen: np.ndarray
+    spans: dict[int, tuple[int, int]]
