@@ -16,6 +16,8 @@
 #   tests:LAYER         one folder of tests/: core, drivers, scratch, ops, integration, example,
 #                       sharding (4 host devices in child processes; 1- and 2-GPU tests)
 #   tests:gpu           the GPU tests only (-m gpu), skip reasons listed: none should skip here
+#                       but the two-GPU ones; TESTS="tests/ops tests/example" narrows it (to
+#                       split the suite over calls of the device tool's 600 s)
 #   tests:attention     tests/ops/test_attention.py and test_attention_v2.py -m gpu: the
 #                       split-K (tensor-core, simple) and streaming kernels (bf16/fp16/fp8)
 #                       against a float64 reference, NaN-prefilled outputs, forced plans,
@@ -109,7 +111,8 @@ step_tests() {
   [ -n "${ARTIFACTS:-}" ] && export JAX_VMM_TEST_ARTIFACTS="$RUN_DIR/artifacts"
   case "${1:-}" in
     "") pytest_run tests -ra ;;
-    gpu) pytest_run tests -m gpu -rs ;;
+    # shellcheck disable=SC2086  # TESTS is a list of paths
+    gpu) pytest_run ${TESTS:-tests} -m gpu -rs ;;
     attention) pytest_run tests/ops/test_attention.py tests/ops/test_attention_v2.py -m gpu -rs ;;
     kv_cache) pytest_run tests/ops/test_kv_cache.py tests/core/test_errors.py \
                 tests/example/test_decode_example.py tests/integration/test_command_buffer_gpu.py \
