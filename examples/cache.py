@@ -53,7 +53,7 @@ class CacheBackend(Protocol):
         self, layer: jax_vmm.KVLayer, new_k: jax.Array, new_v: jax.Array, slots: jax.Array
     ) -> jax_vmm.KVLayer: ...
     def ensure(self, seq: int, num_tokens: int) -> None: ...
-    def release(self, seq: int) -> None: ...
+    def release(self, seq: int, *, reuse: bool = False) -> None: ...
     def check(self) -> None: ...
     def backed_bytes(self) -> int: ...
     def reserved_bytes(self) -> int: ...
@@ -115,7 +115,7 @@ class PreallocatedCache:
                 f"{self.max_tokens} per sequence"
             )
 
-    def release(self, seq: int) -> None:
+    def release(self, seq: int, *, reuse: bool = False) -> None:
         pass  # the memory stays held: that is the baseline's cost
 
     def check(self) -> None:
@@ -203,8 +203,10 @@ class VmmCache:
         self.ensure_calls += 1
         self._backed_tokens[seq] = backed
 
-    def release(self, seq: int) -> None:
-        self.kv.release(seq)
+    def release(self, seq: int, *, reuse: bool = False) -> None:
+        """reuse: the slot takes another sequence next (its first chunk is backed again
+        in the background)."""
+        self.kv.release(seq, reuse=reuse)
         self._backed_tokens[seq] = 0
 
     def check(self) -> None:
