@@ -19,8 +19,10 @@ def matplotlib_missing() -> str | None:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        return ("plot skipped: matplotlib is not installed; get it with `pip install "
-                "matplotlib` (or `pip install '.[example]'`), or pass --no-plot")
+        return (
+            "plot skipped: matplotlib is not installed; get it with `pip install "
+            "matplotlib` (or `pip install '.[example]'`), or pass --no-plot"
+        )
     return None
 
 

@@ -1,0 +1,315 @@
+"""The example engine's decode blocks (examples/steps.py, examples/engine.py): N decode
+steps per host call in one device loop, finished sequences masked inside a block, stop
+tokens on the device, block k+1 dispatched before block k is read, and (GPU) the block's
+custom calls replayed from a captured graph across blocks and across growth."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # `examples` from the repo
+
+import jax_vmm  # noqa: E402
+from examples import engine as E  # noqa: E402
+from examples import model as M  # noqa: E402
+from examples import steps as S  # noqa: E402
+from examples.attention import choose_attention  # noqa: E402
+from examples.cache import make_cache  # noqa: E402
+
+SMALL = M.ModelConfig(
+    vocab=256, d_model=64, num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=16, ffn_dim=128
+)
+
+
+def serve(
+    backend: str,
+    reqs: list[E.Request],
+    *,
+    block: int,
+    device: jax.Device,
+    batch: int = 3,
+    max_tokens: int = 128,
+    stop_tokens: tuple[int, ...] = (),
+    cfg: M.ModelConfig = SMALL,
+    **run_kwargs,
+) -> E.RunReport:
+    with jax.default_device(device):
+        params = M.init_params(cfg, seed=0)
+        cache = make_cache(
+            backend,
+            cfg,
+            max_seqs=batch,
+            max_tokens=max_tokens,
+            device=device,
+            chunk_bytes=4096 if device.platform == "cpu" else None,
+        )
+        _, attend = choose_attention(
+            "jax_vmm",
+            backend=backend,
+            platform=device.platform,
+            tail_may_be_garbage=cache.tail_may_be_garbage,
+        )
+        try:
+            gen = E.Generator(params, cfg, cache, attend, block=block, stop_tokens=stop_tokens)
+            return gen.run(reqs, **run_kwargs)
+        finally:
+            cache.close()
+
+
+def _requests(num: int = 7, new_tokens: tuple[int, int] = (1, 30)) -> list[E.Request]:
+    reqs = E.make_requests(SMALL, num=num, prompt_len=(3, 40), new_tokens=new_tokens, seed=3)
+    # A request of one new token (prefill only) and one that ends exactly on a block edge.
+    reqs[1] = E.Request(reqs[1].id, reqs[1].prompt, 1)
+    reqs[2] = E.Request(reqs[2].id, reqs[2].prompt, 11)
+    return reqs
+
+
+@pytest.mark.parametrize("backend", ["jax_vmm", "prealloc"])
+def test_blocks_generate_what_single_steps_generate(backend: str, cpu_device) -> None:
+    """Token for token the same output at block 1, 5 (finishes fall inside blocks) and
+    16 (larger than most requests), logits within float32 rounding; every request gets
+    exactly its tokens, and no write was dropped (the run's kv.check())."""
+    reqs = _requests()
+    one = serve(backend, reqs, block=1, device=cpu_device, record_logits=True)
+    assert one.blocks == one.decode_steps and one.block == 1
+    for block in (5, 16):
+        got = serve(backend, reqs, block=block, device=cpu_device, record_logits=True)
+        assert got.block == block and got.decode_steps == block * got.blocks
+        assert got.blocks < one.blocks
+        for r, a, b in zip(reqs, one.results, got.results, strict=True):
+            assert len(a.tokens) == r.max_new_tokens
+            assert b.tokens == a.tokens, f"block {block}, request {r.id}"
+            np.testing.assert_allclose(np.stack(b.logits), np.stack(a.logits), atol=1e-4)
+        assert got.generated_tokens == sum(r.max_new_tokens for r in reqs)
+
+
+def test_stop_token_ends_a_sequence_inside_a_block(cpu_device) -> None:
+    """A stop token generated mid-block ends its sequence there (kept as its last
+    token); the steps after it are masked: with max_tokens cut to the requests' needs,
+    the arena's write check sees no write past a sequence's ensured tokens."""
+    reqs = _requests(new_tokens=(20, 30))
+    full = serve("jax_vmm", reqs, block=1, device=cpu_device)
+    # A token that some request generates at step >= 3 (inside a block of 8), not first.
+    counts: dict[int, int] = {}
+    for res in full.results:
+        for t in set(res.tokens[3:]) - set(res.tokens[:3]):
+            counts[t] = counts.get(t, 0) + 1
+    stop = max(counts, key=counts.get)
+    got = serve("jax_vmm", reqs, block=8, device=cpu_device, stop_tokens=(stop,))
+    cut = 0
+    for a, b in zip(full.results, got.results, strict=True):
+        n = a.tokens.index(stop) + 1 if stop in a.tokens else len(a.tokens)
+        cut += n < len(a.tokens)
+        assert b.tokens == a.tokens[:n]
+    assert cut >= 1 and got.generated_tokens < full.generated_tokens
+    # The host stops sequences too when it picks the tokens (one step per call).
+    forced = {r.id: r.tokens for r in full.results}
+    host = serve(
+        "jax_vmm", reqs, block=8, device=cpu_device, stop_tokens=(stop,), force_tokens=forced
+    )
+    assert [r.tokens for r in host.results] == [r.tokens for r in got.results]
+    assert host.block == 1
+
+
+def _arena_state(batch: int, remaining: list[int], positions: list[int]):
+    return S.DecodeState(
+        jnp.arange(batch, dtype=jnp.int32) + 5,
+        jnp.asarray(positions, jnp.int32),
+        jnp.asarray(remaining, jnp.int32),
+    )
+
+
+@pytest.mark.parametrize("ensure_short", [False, True])
+def test_a_block_masks_every_slot_past_its_steps(cpu_device, ensure_short: bool) -> None:
+    """One block of 6 steps over slots with 2, 0 and 6 steps to go: each slot steps
+    exactly that often (tokens -1 afterwards, positions advanced by its steps), and with
+    each slot's memory ensured to exactly the tokens it writes, nothing is dropped. The
+    same check with one token too few ensured raises: it sees a write the mask let
+    through."""
+    batch, steps = 3, 6
+    remaining, positions = [2, 0, 6], [4, 9, 7]
+    with jax.default_device(cpu_device):
+        params = M.init_params(SMALL, seed=0)
+        cache = make_cache("jax_vmm", SMALL, max_seqs=batch, max_tokens=32, device=cpu_device)
+        try:
+            for seq in range(batch):
+                need = positions[seq] + remaining[seq] - (ensure_short and seq == 2)
+                cache.kv.ensure(need, seq)  # exact: no chunk rounding claimed
+            fn = jax.jit(
+                lambda p, c, s, ctl: S.decode_block(
+                    p,
+                    c,
+                    s,
+                    ctl,
+                    num_steps=steps,
+                    cfg=SMALL,
+                    write=cache.write,
+                    attend=jax_vmm.decode_attention,
+                    stop_tokens=(),
+                    with_logits=False,
+                )
+            )
+            control = jnp.full(batch, S.KEEP, jnp.int32)
+            out, _, c, state = fn(
+                params, cache.cache(), _arena_state(batch, remaining, positions), control
+            )
+            out = np.asarray(out)
+            for seq in range(batch):
+                assert (out[: remaining[seq], seq] >= 0).all()
+                assert (out[remaining[seq] :, seq] == -1).all()
+            np.testing.assert_array_equal(
+                np.asarray(state.positions), np.asarray(positions) + np.asarray(remaining)
+            )
+            assert (np.asarray(state.remaining) == 0).all()
+            if ensure_short:
+                with pytest.raises(jax_vmm.OutOfBoundsWrite):
+                    cache.kv.check(c, out)
+            else:
+                cache.kv.check(c, out)
+        finally:
+            cache.close()
+
+
+def test_control_stops_and_feeds_slots(cpu_device) -> None:
+    """The host's per-call control: STOP idles a slot for the block, a token >= 0 is the
+    slot's next input (what sampling and teacher forcing use)."""
+    batch = 2
+    with jax.default_device(cpu_device):
+        params = M.init_params(SMALL, seed=0)
+        cache = make_cache("prealloc", SMALL, max_seqs=batch, max_tokens=32, device=cpu_device)
+        fn = jax.jit(
+            lambda p, c, s, ctl: S.decode_block(
+                p,
+                c,
+                s,
+                ctl,
+                num_steps=1,
+                cfg=SMALL,
+                write=cache.write,
+                attend=jax_vmm.decode_attention,
+                stop_tokens=(),
+                with_logits=False,
+            )
+        )
+        state = _arena_state(batch, [3, 3], [0, 0])
+        fed = fn(params, cache.cache(), state, jnp.asarray([S.STOP, 17], jnp.int32))
+        kept = fn(params, cache.cache(), state, jnp.asarray([S.KEEP, S.KEEP], jnp.int32))
+        assert int(fed[0][0, 0]) == -1 and int(fed[3].remaining[0]) == 0
+        assert int(fed[3].positions[1]) == 1 and int(fed[3].remaining[1]) == 2
+        # Feeding 17 instead of the state's token 6 changes slot 1's output.
+        ref = M.decode_step(
+            params,
+            cache.cache(),
+            jnp.asarray([0, 17], jnp.int32),
+            jnp.asarray([-1, 0], jnp.int32),
+            cfg=SMALL,
+            write=cache.write,
+            attend=jax_vmm.decode_attention,
+        )[1]
+        assert int(fed[0][0, 1]) == int(ref[1])
+        assert int(kept[0][0, 0]) >= 0
+        cache.close()
+
+
+class _Watched:
+    """A block's token array that logs when the host reads it."""
+
+    def __init__(self, x: jax.Array, k: int, log: list) -> None:
+        self.x, self.k, self.log = x, k, log
+
+    def __array__(self, dtype=None, copy=None):
+        self.log.append(("read", self.k))
+        return np.asarray(self.x, dtype)
+
+
+def test_the_next_block_is_dispatched_before_the_last_is_read(cpu_device, monkeypatch) -> None:
+    """Double buffering: the host reads block k's tokens only after it dispatched
+    block k+1 (except at the end, or where no slot is live: then it drains)."""
+    log: list = []
+    orig = E.Generator._block_fn
+
+    def watched(self, *a, **kw):
+        fn = orig(self, *a, **kw)
+
+        def call(*args):
+            k = sum(1 for e in log if e[0] == "dispatch")
+            log.append(("dispatch", k))
+            tokens, logits, out, state = fn(*args)
+            return _Watched(tokens, k, log), logits, out, state
+
+        return call
+
+    monkeypatch.setattr(E.Generator, "_block_fn", watched)
+    reqs = _requests(num=5, new_tokens=(12, 30))
+    serve("jax_vmm", reqs, block=4, device=cpu_device)
+    blocks = sum(1 for e in log if e[0] == "dispatch")
+    assert blocks >= 4
+    overlapped = 0
+    for k in range(blocks - 1):
+        read_at = log.index(("read", k))
+        overlapped += log.index(("dispatch", k + 1)) < read_at
+    # Here some slot is always live until the end: every block but the last overlaps.
+    assert overlapped == blocks - 1, log
+
+
+def test_block_and_pause_arguments_are_checked(cpu_device) -> None:
+    with jax.default_device(cpu_device):
+        params = M.init_params(SMALL, seed=0)
+        cache = make_cache("prealloc", SMALL, max_seqs=1, max_tokens=16, device=cpu_device)
+        for bad in (0, -1, 2.0, True):
+            with pytest.raises(ValueError, match="block .* must be an integer >= 1"):
+                E.Generator(params, SMALL, cache, jax_vmm.decode_attention, block=bad)
+        with pytest.raises(ValueError, match="not token ids"):
+            E.Generator(params, SMALL, cache, jax_vmm.decode_attention, stop_tokens=(256,))
+        gen = E.Generator(params, SMALL, cache, jax_vmm.decode_attention)
+        req = [E.Request(0, np.arange(3, dtype=np.int32), 2)]
+        with pytest.raises(ValueError, match="pause_every and pause go together"):
+            gen.run(req, pause_every=2)
+        with pytest.raises(ValueError, match="pause_every must be an integer >= 1"):
+            gen.run(req, pause_every=0, pause=lambda: None)
+        cache.close()
+
+
+@pytest.mark.gpu
+def test_blocks_replay_the_captured_step_across_blocks_and_growth(gpu_device) -> None:
+    """On the GPU the decode block's custom calls (kv_write and decode_attention on the
+    cache) are recorded into a command buffer once and then replayed: after two warm-up
+    blocks their host handlers are never called again (calls and captured_calls frozen),
+    across blocks and while sequences grow into new chunks."""
+    import dataclasses
+
+    from jax_vmm import ops
+
+    cfg = dataclasses.replace(M.PRESETS["gpu"], num_layers=2, vocab=1024, dtype="bfloat16")
+    # Long generations: every sequence crosses chunk boundaries (1024 tokens per 2 MiB).
+    reqs = E.make_requests(cfg, num=4, prompt_len=(900, 1000), new_tokens=(400, 400), seed=5)
+    snaps: list[tuple] = []
+
+    def snapshot() -> None:
+        w = ops.kv_write_stats()["kv_cache_write"]
+        a = jax_vmm.attention.attention_stats()
+        snaps.append((w["calls"], w["captured_calls"], a["cuda_execute_calls"]))
+
+    report = serve(
+        "jax_vmm",
+        reqs,
+        block=16,
+        device=gpu_device,
+        batch=4,
+        max_tokens=2048,
+        cfg=cfg,
+        pause_every=1,
+        pause=snapshot,
+    )
+    assert report.blocks >= 20 and len(snaps) == report.blocks
+    assert snaps[1][1] > snaps[0][1] or snaps[0][1] > 0, f"never captured: {snaps}"
+    assert snaps[-1] == snaps[2], (
+        f"the block's handlers were called again after warm-up (re-recorded, not replayed): "
+        f"{snaps[2]} -> {snaps[-1]}"
+    )
