@@ -93,8 +93,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--attention",
         choices=ATTENTION_CHOICES,
         default="auto",
-        help="auto = jax_vmm.decode_attention for the jax_vmm backend, the plain-XLA "
-        "reference for prealloc",
+        help="auto = jax_vmm.decode_attention for the jax_vmm backend; for prealloc cuDNN "
+        "on a GPU (bf16), else the plain-XLA reference",
     )
     p.add_argument("--batch", type=int, help="sequence slots decoded together")
     p.add_argument(
@@ -164,6 +164,7 @@ def main(argv: list[str] | None = None) -> dict:
                 backend=args.backend,
                 platform=device.platform,
                 tail_may_be_garbage=cache.tail_may_be_garbage,
+                dtype=cfg.dtype,
             )
         except (ValueError, RuntimeError) as e:  # a bad flag combination: say which
             cache.close()

@@ -127,6 +127,7 @@ def serve(
             backend=opts.backend,
             platform=device.platform,
             tail_may_be_garbage=cache.tail_may_be_garbage,
+            dtype=cfg.dtype,
         )
         gen = E.Generator(
             ckpt.params, cfg, cache, attend, block=opts.block, stop_tokens=stop_tokens

@@ -137,7 +137,12 @@ def test_jax_vmm_matches_prealloc_on_cpu(cpu_device: jax.Device, baseline: str) 
     reqs = _requests(SMALL, 6, (3, 60), (1, 40))  # 6 requests on 3 slots
     batch, max_tokens = 3, 128
     ref, ref_stats = generate(
-        "prealloc", SMALL, reqs, batch=batch, max_tokens=max_tokens, device=cpu,
+        "prealloc",
+        SMALL,
+        reqs,
+        batch=batch,
+        max_tokens=max_tokens,
+        device=cpu,
         attention=baseline,
     )
     # 4 KiB chunks = 32 tokens per layer buffer: memory visibly follows each sequence.
@@ -220,7 +225,12 @@ def _reference_run(cfg: M.ModelConfig, reqs, batch: int, max_tokens: int, gpu, d
         ref = generate("prealloc", cfg, reqs, batch=batch, max_tokens=max_tokens, device=gpu)[0]
         forced = {r.id: r.tokens for r in ref.results}
         other = generate(
-            "prealloc", cfg, reqs, batch=batch, max_tokens=2 * max_tokens, device=gpu,
+            "prealloc",
+            cfg,
+            reqs,
+            batch=batch,
+            max_tokens=2 * max_tokens,
+            device=gpu,
             force_tokens=forced,
         )[0]
         floor, _ = compare_forced(ref, other, tol=float("inf"))
@@ -230,17 +240,18 @@ def _reference_run(cfg: M.ModelConfig, reqs, batch: int, max_tokens: int, gpu, d
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("baseline", ["reference", "jax_vmm"])
+@pytest.mark.parametrize("baseline", ["reference", "jax_vmm", "cudnn"])
 def test_jax_vmm_matches_prealloc_gpu_preset(
     gpu_device: jax.Device, baseline: str, dtype: str
 ) -> None:
     """The realistic preset shape (8 layers, 32/8 heads x 128) on the GPU, the jax_vmm
     cache (arena layers, its decode_attention kernel over the arena) against the
-    preallocated cache with the plain-XLA attention, and with the same kernel over its
-    arrays (only the cache differs). Teacher-forced with the reference baseline's tokens
-    so every step is compared, within `preset_tolerance` (deterministic: no count of
-    greedy flips; `test_gpu_preset_comparison_catches_a_wrong_cache` shows the bound
-    sees a wrong cache)."""
+    preallocated cache with the plain-XLA attention, with cuDNN (the example's prealloc
+    default on a GPU), and with the same kernel over its arrays (only the cache differs).
+    Teacher-forced with the reference baseline's tokens so every step is compared,
+    within `preset_tolerance` (deterministic: no count of greedy flips;
+    `test_gpu_preset_comparison_catches_a_wrong_cache` shows the bound sees a wrong
+    cache)."""
     if not vmm_kernel_available():
         pytest.fail("jax_vmm.decode_attention is missing: the example's GPU path needs it")
     gpu = gpu_device
@@ -250,10 +261,18 @@ def test_jax_vmm_matches_prealloc_gpu_preset(
     with jax.default_matmul_precision("highest" if dtype == "float32" else "default"):
         ref, floor = _reference_run(cfg, reqs, batch, max_tokens, gpu, dtype)
         forced = {r.id: r.tokens for r in ref.results}
-        if baseline == "jax_vmm":
+        if baseline == "cudnn" and dtype == "float32":
+            pytest.skip("cuDNN attention takes bf16/fp16 only")
+        if baseline in ("jax_vmm", "cudnn"):
             ref = generate(
-                "prealloc", cfg, reqs, batch=batch, max_tokens=max_tokens, device=gpu,
-                attention="jax_vmm", force_tokens=forced,
+                "prealloc",
+                cfg,
+                reqs,
+                batch=batch,
+                max_tokens=max_tokens,
+                device=gpu,
+                attention=baseline,
+                force_tokens=forced,
             )[0]
         got, stats = generate(
             "jax_vmm",
@@ -294,7 +313,12 @@ def test_gpu_preset_comparison_catches_a_wrong_cache(gpu_device: jax.Device) -> 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(cache_module.VmmCache, "write", late)
         got, _ = generate(
-            "jax_vmm", cfg, reqs, batch=batch, max_tokens=max_tokens, device=gpu_device,
+            "jax_vmm",
+            cfg,
+            reqs,
+            batch=batch,
+            max_tokens=max_tokens,
+            device=gpu_device,
             force_tokens=forced,
         )
     with pytest.raises(AssertionError, match="logits differ"):
@@ -323,9 +347,25 @@ def test_decode_cli_without_matplotlib_skips_the_plot(tmp_path: Path, monkeypatc
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` fails
     summary = decode.main(
-        ["--device", "cpu", "--requests", "2", "--batch", "2", "--max-tokens", "64",
-         "--prompt-len", "4", "8", "--new-tokens", "2", "4", "--no-progress",
-         "--out", str(tmp_path)]
+        [
+            "--device",
+            "cpu",
+            "--requests",
+            "2",
+            "--batch",
+            "2",
+            "--max-tokens",
+            "64",
+            "--prompt-len",
+            "4",
+            "8",
+            "--new-tokens",
+            "2",
+            "4",
+            "--no-progress",
+            "--out",
+            str(tmp_path),
+        ]
     )
     out = capsys.readouterr().out
     assert "plot skipped: matplotlib is not installed" in out and "pip install" in out, out
@@ -413,6 +453,23 @@ def test_tie_rule_rejects_a_clear_mismatch() -> None:
     assert compare_forced(
         _report([1, 0], [tie, tie]), _report([1, 0], [tie, tie], greedy=[2, 0]), tol=0.1
     ) == (0.0, 1)
+
+
+def test_attention_choice() -> None:
+    """auto: the jax_vmm kernel for the arena; cuDNN for prealloc on a GPU in bf16, else
+    the XLA reference. cuDNN over the arena, or where cuDNN cannot run, is refused with
+    what to use instead."""
+    pick = lambda *a, **k: choose_attention(*a, **k)[0]  # noqa: E731
+    assert pick("auto", backend="jax_vmm", platform="gpu", dtype="bfloat16") == "jax_vmm"
+    assert pick("auto", backend="prealloc", platform="gpu", dtype="bfloat16") == "cudnn"
+    assert pick("auto", backend="prealloc", platform="gpu", dtype="float32") == "reference"
+    assert pick("auto", backend="prealloc", platform="cpu", dtype="bfloat16") == "reference"
+    with pytest.raises(ValueError, match="nothing orders.*--backend prealloc"):
+        choose_attention("cudnn", backend="jax_vmm", platform="gpu", dtype="bfloat16")
+    with pytest.raises(ValueError, match="needs an NVIDIA GPU.*use --attention reference"):
+        choose_attention("cudnn", backend="prealloc", platform="cpu", dtype="bfloat16")
+    with pytest.raises(ValueError, match="takes bfloat16 or float16, not float32"):
+        choose_attention("cudnn", backend="prealloc", platform="gpu", dtype="float32")
 
 
 def test_config_presets_are_consistent() -> None:
