@@ -21,6 +21,7 @@ import numpy as np
 
 ATTENTION_CHOICES = ("auto", "reference", "jax_vmm", "cudnn")
 CUDNN_DTYPES = ("bfloat16", "float16")
+FP8_HEAD_DIMS = (64, 128, 256)  # jax_vmm's streaming kernel (the one that reads fp8)
 
 
 def reference_decode_attention(
@@ -110,14 +111,23 @@ def choose_attention(
     platform: str,
     tail_may_be_garbage: bool = True,
     dtype: str = "float32",
+    kv_dtype: str = "model",
 ) -> tuple[str, Callable[..., jax.Array]]:
     """Resolves --attention. 'auto' uses jax_vmm.decode_attention for the jax_vmm backend
     (any platform); for the preallocated one cuDNN where it runs (a GPU, bf16/fp16: what
     a JAX user would pick), else the plain-XLA reference. Returns (name, attend).
     tail_may_be_garbage: see reference_decode_attention (the cache backend knows);
-    dtype: the cache's."""
+    dtype: the model's; kv_dtype: "model" or "fp8" (then only the jax_vmm kernel, which
+    dequantizes)."""
     if choice not in ATTENTION_CHOICES:
         raise ValueError(f"attention must be one of {ATTENTION_CHOICES}, got {choice!r}")
+    if kv_dtype == "fp8":
+        if choice not in ("auto", "jax_vmm"):
+            raise ValueError(
+                f"--attention {choice} reads the cache's values as they are; an fp8 cache "
+                "holds fp8(x / scale): use --attention jax_vmm (it dequantizes)"
+            )
+        choice = "jax_vmm"
     if choice == "auto" and backend == "jax_vmm":
         choice = "jax_vmm" if vmm_kernel_available() else "reference"
     elif choice == "auto":
@@ -152,4 +162,16 @@ def choose_attention(
         )
     import jax_vmm
 
+    if kv_dtype == "fp8" and dtype not in CUDNN_DTYPES:
+        return "jax_vmm (fp8, bf16 queries)", _bf16_queries(jax_vmm.decode_attention)
     return "jax_vmm", jax_vmm.decode_attention
+
+
+def _bf16_queries(attend: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
+    """The fp8 kernel takes bf16/fp16 queries: a float32 model's are rounded to bf16 for
+    it, and its output cast back."""
+
+    def call(q: jax.Array, layer, lengths: jax.Array) -> jax.Array:
+        return attend(q.astype(jnp.bfloat16), layer, lengths).astype(q.dtype)
+
+    return call

@@ -32,6 +32,9 @@ import jax_vmm
 from examples.model import ModelConfig
 
 BACKENDS = ("jax_vmm", "prealloc")
+# KV storage: the model's dtype, or fp8 (float8_e4m3fn with float32 scales per layer and
+# KV head, here 1.0: the example's random weights give O(1) keys and values).
+KV_DTYPES = ("model", "fp8")
 
 
 def write_layer(
@@ -45,6 +48,8 @@ class CacheBackend(Protocol):
     name: str
     max_seqs: int
     max_tokens: int
+    kv_dtype: str  # "model" | "fp8"
+    token_bytes: int  # KV bytes per token, all layers
     tail_may_be_garbage: bool  # past a sequence's length: maybe non-finite bit patterns
 
     def cache(self) -> jax_vmm.KVCache: ...
@@ -75,9 +80,27 @@ class _ReturnedBytes:
         )
 
 
-def capacity_bytes(cfg: ModelConfig, max_seqs: int, max_tokens: int) -> int:
+def kv_storage_dtype(cfg: ModelConfig, kv_dtype: str = "model") -> np.dtype:
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
+    return np.dtype(jnp.float8_e4m3fn) if kv_dtype == "fp8" else np.dtype(cfg.jnp_dtype)
+
+
+def kv_token_bytes(cfg: ModelConfig, kv_dtype: str = "model") -> int:
+    """Bytes one token occupies in the KV cache over all layers (K and V)."""
+    itemsize = kv_storage_dtype(cfg, kv_dtype).itemsize
+    return cfg.kv_bytes_per_token // cfg.jnp_dtype.itemsize * itemsize
+
+
+def capacity_bytes(
+    cfg: ModelConfig, max_seqs: int, max_tokens: int, kv_dtype: str = "model"
+) -> int:
     """What a preallocated cache of this shape holds: every slot at full length."""
-    return cfg.kv_bytes_per_token * max_seqs * max_tokens
+    return kv_token_bytes(cfg, kv_dtype) * max_seqs * max_tokens
+
+
+def _unit_scales(cfg: ModelConfig) -> np.ndarray:
+    return np.ones((cfg.num_layers, cfg.num_kv_heads), np.float32)
 
 
 class PreallocatedCache:
@@ -88,16 +111,27 @@ class PreallocatedCache:
     write = staticmethod(write_layer)
 
     def __init__(
-        self, cfg: ModelConfig, *, max_seqs: int, max_tokens: int, device: jax.Device | None = None
+        self,
+        cfg: ModelConfig,
+        *,
+        max_seqs: int,
+        max_tokens: int,
+        device: jax.Device | None = None,
+        kv_dtype: str = "model",
     ) -> None:
         self.max_seqs, self.max_tokens = max_seqs, max_tokens
+        self.kv_dtype, self.token_bytes = kv_dtype, kv_token_bytes(cfg, kv_dtype)
+        dtype = kv_storage_dtype(cfg, kv_dtype)
         shape = (max_seqs, max_tokens, cfg.num_kv_heads, cfg.head_dim)
         with jax.default_device(device) if device is not None else contextlib.nullcontext():
-            zeros = jax.jit(lambda: jnp.zeros(shape, cfg.jnp_dtype))
+            zeros = jax.jit(lambda: jnp.zeros(shape, dtype))
             ks = [zeros() for _ in range(cfg.num_layers)]
             vs = [zeros() for _ in range(cfg.num_layers)]
-        self._cache = jax_vmm.KVCache.from_arrays(ks, vs)
-        self._bytes = capacity_bytes(cfg, max_seqs, max_tokens)
+            fp8 = kv_dtype == "fp8"
+            k_scales = [jnp.asarray(row) for row in _unit_scales(cfg)] if fp8 else None
+            v_scales = [jnp.asarray(row) for row in _unit_scales(cfg)] if fp8 else None
+        self._cache = jax_vmm.KVCache.from_arrays(ks, vs, k_scales=k_scales, v_scales=v_scales)
+        self._bytes = capacity_bytes(cfg, max_seqs, max_tokens, kv_dtype)
         self._returned = _ReturnedBytes()
 
     def cache(self) -> jax_vmm.KVCache:
@@ -157,21 +191,32 @@ class VmmCache:
         max_tokens: int,
         device: jax.Device | None = None,
         chunk_bytes: int | None = None,
+        zero_fill: bool = False,
+        kv_dtype: str = "model",
     ) -> None:
+        """zero_fill: committed tokens read as zeros until written (costs a fill per
+        commit; for readers of tokens never written). kv_dtype:
+        "model" = the model's dtype, or "fp8" (float8_e4m3fn, scale 1 per layer and KV
+        head: docs/kv_cache.md)."""
         device = device or jax.devices()[0]
         # Host arenas hand out zero-filled pages (memfd) and read zeros where unbacked;
         # CUDA physical memory (cuMemCreate) comes uninitialised.
-        self.tail_may_be_garbage = device.platform != "cpu"
+        self.tail_may_be_garbage = device.platform != "cpu" and not zero_fill
         self.max_seqs, self.max_tokens = max_seqs, max_tokens
+        self.kv_dtype, self.token_bytes = kv_dtype, kv_token_bytes(cfg, kv_dtype)
+        fp8 = kv_dtype == "fp8"
         self.kv = jax_vmm.kv_arena(
             num_layers=cfg.num_layers,
             num_kv_heads=cfg.num_kv_heads,
             head_dim=cfg.head_dim,
             max_tokens=max_tokens,
-            dtype=cfg.jnp_dtype,
+            dtype=kv_storage_dtype(cfg, kv_dtype),
+            k_scales=_unit_scales(cfg) if fp8 else None,
+            v_scales=_unit_scales(cfg) if fp8 else None,
             device=device,
             max_seqs=max_seqs,
             chunk_bytes=chunk_bytes,
+            zero_fill=zero_fill,
         )
         self._cache = self.kv.cache()
         self._returned = _ReturnedBytes()
@@ -235,9 +280,13 @@ def make_cache(
     max_tokens: int,
     device: jax.Device | None = None,
     chunk_bytes: int | None = None,
+    kv_dtype: str = "model",
 ) -> CacheBackend:
+    kv_storage_dtype(cfg, kv_dtype)  # a bad kv_dtype fails here, before any memory
     if backend == "prealloc":
-        return PreallocatedCache(cfg, max_seqs=max_seqs, max_tokens=max_tokens, device=device)
+        return PreallocatedCache(
+            cfg, max_seqs=max_seqs, max_tokens=max_tokens, device=device, kv_dtype=kv_dtype
+        )
     if backend == "jax_vmm":
         return VmmCache(
             cfg,
@@ -245,5 +294,6 @@ def make_cache(
             max_tokens=max_tokens,
             device=device,
             chunk_bytes=chunk_bytes,
+            kv_dtype=kv_dtype,
         )
     raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")

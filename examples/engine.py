@@ -309,7 +309,7 @@ class Generator:
         stops = () if host_mode else self.stop_tokens
         want_logits = record_logits or host_mode
         host_stops = set(self.stop_tokens) if host_mode else set()
-        bpt = self.cfg.kv_bytes_per_token
+        bpt = cache.token_bytes
         batch = cache.max_seqs
         queue = collections.deque(requests)
         slots: list[_Slot | None] = [None] * batch

@@ -313,3 +313,101 @@ def test_blocks_replay_the_captured_step_across_blocks_and_growth(gpu_device) ->
         f"the block's handlers were called again after warm-up (re-recorded, not replayed): "
         f"{snaps[2]} -> {snaps[-1]}"
     )
+
+
+# -- sleep/wake of the whole engine, fp8 KV ------------------------------------------------
+
+
+def test_sleep_and_wake_in_flight_leave_generation_unchanged(cpu_device) -> None:
+    """The engine sleeps (KV arena and the weights' arena) and wakes after every other
+    block with sequences in flight: the same tokens as without sleeping, and nothing
+    held while asleep. The same run with a sleep that drops the cache's contents
+    (keep="discard") changes the tokens: the comparison sees a broken wake."""
+    from examples.sleep_wake import EngineSleeper, same_tokens
+
+    reqs = _requests(new_tokens=(10, 30))
+    with jax.default_device(cpu_device):
+        params = M.init_params(SMALL, seed=0)
+        cache = make_cache("jax_vmm", SMALL, max_seqs=3, max_tokens=128, device=cpu_device)
+        try:
+            sleeper = EngineSleeper(cache.kv, params, cpu_device)
+            gen = E.Generator(sleeper.params, SMALL, cache, jax_vmm.decode_attention, block=4)
+            plain = gen.run(reqs)
+            slept = gen.run(reqs, pause_every=2, pause=sleeper.pause)
+            assert slept.pauses == slept.blocks // 2 >= 3
+            assert sleeper.stats.cycles == slept.pauses
+            assert sleeper.stats.asleep_backed_bytes == 0
+            assert same_tokens(plain, slept) == []
+
+            def lossy() -> None:
+                cache.kv.sleep("discard")
+                cache.kv.wake()
+
+            broken = gen.run(reqs, pause_every=2, pause=lossy)
+            assert same_tokens(plain, broken) != []
+            sleeper.close()
+        finally:
+            cache.close()
+
+
+def test_decode_cli_sleep_every_checks_generation(tmp_path: Path) -> None:
+    from examples import decode
+
+    args = ["--device", "cpu", "--requests", "4", "--batch", "2", "--max-tokens", "128",
+            "--prompt-len", "4", "20", "--new-tokens", "10", "30", "--block", "4",
+            "--no-plot", "--no-progress", "--out", str(tmp_path)]  # fmt: skip
+    summary = decode.main([*args, "--sleep-every", "2"])
+    assert summary["sleep"]["generation_unchanged"] is True
+    assert summary["sleep"]["cycles"] >= 2 and summary["sleep"]["asleep_backed_bytes"] == 0
+    with pytest.raises(SystemExit, match="needs K >= 1 and --backend jax_vmm"):
+        decode.main([*args, "--sleep-every", "2", "--backend", "prealloc"])
+    with pytest.raises(SystemExit, match="fp8 attention takes head_dim in"):
+        decode.main([*args, "--kv-dtype", "fp8"])
+    with pytest.raises(SystemExit, match="block .* must be an integer >= 1"):
+        decode.main([*args, "--block", "0"])  # the last one counts
+
+
+FP8_CFG = M.ModelConfig(
+    vocab=256, d_model=128, num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=64,
+    ffn_dim=256, dtype="bfloat16",
+)  # fmt: skip
+
+
+def test_fp8_kv_on_both_backends(cpu_device) -> None:
+    """--kv-dtype fp8: an arena of float8_e4m3fn and a preallocated fp8 cache hold the
+    same quantized tokens, so they generate the same tokens; against the bf16 cache the
+    logits move by quantization error only (far below their spread), and the fp8 cache
+    holds half the bytes."""
+    reqs = E.make_requests(FP8_CFG, num=4, prompt_len=(3, 30), new_tokens=(5, 20), seed=2)
+    runs = {}
+    for backend, kv_dtype in (("jax_vmm", "fp8"), ("prealloc", "fp8"), ("jax_vmm", "model")):
+        with jax.default_device(cpu_device):
+            params = M.init_params(FP8_CFG, seed=0)
+            cache = make_cache(
+                backend, FP8_CFG, max_seqs=2, max_tokens=64, device=cpu_device, kv_dtype=kv_dtype
+            )
+            _, attend = choose_attention(
+                "auto", backend=backend, platform="cpu", dtype=FP8_CFG.dtype, kv_dtype=kv_dtype
+            )
+            try:
+                assert cache.token_bytes == (1 if kv_dtype == "fp8" else 2) * 2 * 2 * 2 * 64
+                gen = E.Generator(params, FP8_CFG, cache, attend, block=4)
+                runs[backend, kv_dtype] = gen.run(reqs, record_logits=True)
+            finally:
+                cache.close()
+    a, b, ref = runs["jax_vmm", "fp8"], runs["prealloc", "fp8"], runs["jax_vmm", "model"]
+    assert [r.tokens for r in a.results] == [r.tokens for r in b.results]
+    first = np.stack([r.logits[0] for r in ref.results])  # step 0: the same prefill input
+    got = np.stack([r.logits[1] for r in a.results])
+    want = np.stack([r.logits[1] for r in ref.results])
+    spread = float(np.std(first))
+    forced = [x.tokens[0] == y.tokens[0] for x, y in zip(a.results, ref.results, strict=True)]
+    assert all(forced)  # prefill does not read the cache: same first token
+    assert float(np.max(np.abs(got - want))) < 0.25 * spread
+
+
+def test_fp8_needs_the_dequantizing_kernel() -> None:
+    with pytest.raises(ValueError, match="fp8 cache holds fp8.*--attention jax_vmm"):
+        choose_attention("reference", backend="prealloc", platform="cpu", kv_dtype="fp8")
+    with pytest.raises(ValueError, match="kv_dtype must be one of"):
+        make_cache("jax_vmm", SMALL, max_seqs=1, max_tokens=8, kv_dtype="int8")
