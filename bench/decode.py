@@ -361,6 +361,12 @@ def main(argv: list[str] | None = None) -> dict:
             )
             results.append(point)
             print(step_row(point), flush=True)
+            for name, c in point["cases"].items():
+                if c["temp_bytes"] >= point["capacity_bytes"] // 2:
+                    print(
+                        f"     note: {name} needs {fmt_bytes(c['temp_bytes'])} of XLA temp "
+                        "memory: the cache is copied, not updated in place"
+                    )
             save(final=False)
 
     if not args.no_equal_memory:
