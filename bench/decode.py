@@ -103,14 +103,14 @@ def measure_point(
     batch: int,
     context: int,
     lengths: np.ndarray,
+    timing: dict,
     *,
-    steps: int,
-    repeats: int,
-    chunk_bytes: int | None,
     peak_bytes_per_s: float,
     variants: tuple[str, ...],
 ) -> dict:
-    """Every variant at one (batch, context, lengths) point, and the floor."""
+    """Every variant at one (batch, context, lengths) point, and the floor. timing:
+    steps, repeats, chunk_bytes (ST.time_variant's)."""
+    steps = timing["steps"]
     moved = ST.bytes_per_step(cfg, lengths, steps)
     point = {
         "batch": batch,
@@ -128,14 +128,7 @@ def measure_point(
             point["skipped"][variant] = no_cudnn
             continue
         point["cases"][variant] = ST.time_variant(
-            variant,
-            cfg,
-            device,
-            lengths,
-            context=context,
-            steps=steps,
-            repeats=repeats,
-            chunk_bytes=chunk_bytes,
+            variant, cfg, device, lengths, context=context, **timing
         )
         gc.collect()
     return point
@@ -311,6 +304,7 @@ def main(argv: list[str] | None = None) -> dict:
         f"{repeats} calls | live length per sequence uniform in [{args.min_fill:.2f} x "
         f"context, context - {steps}] | floor at {args.peak_tbps} TB/s"
     )
+    timing = dict(steps=steps, repeats=repeats, chunk_bytes=args.chunk_bytes)
     no_cudnn = cudnn_unavailable(device.platform, cfg.dtype)
     if no_cudnn:
         print(f"note: {no_cudnn}: the cuDNN variants are skipped; ratios are vs prealloc+kernel")
@@ -353,9 +347,7 @@ def main(argv: list[str] | None = None) -> dict:
                 batch,
                 context,
                 lengths,
-                steps=steps,
-                repeats=repeats,
-                chunk_bytes=args.chunk_bytes,
+                timing,
                 peak_bytes_per_s=args.peak_tbps * 1e12,
                 variants=tuple(args.variants),
             )
@@ -396,14 +388,7 @@ def main(argv: list[str] | None = None) -> dict:
         }
         if device.platform == "gpu":  # timed: the live-tokens-only kernel over the arena
             oom["jax_vmm"] = ST.time_variant(
-                "vmm+kernel",
-                cfg,
-                device,
-                lengths,
-                context=context,
-                steps=steps,
-                repeats=repeats,
-                chunk_bytes=args.chunk_bytes,
+                "vmm+kernel", cfg, device, lengths, context=context, **timing
             )
         else:  # memory only (the grid's times are the CPU's measurement)
             oom["jax_vmm"] = vmm_memory_only(cfg, device, lengths, context, steps, args.chunk_bytes)

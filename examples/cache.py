@@ -21,7 +21,6 @@ one cache.
 from __future__ import annotations
 
 import contextlib
-import time
 from typing import Any, Protocol
 
 import jax
@@ -58,6 +57,7 @@ class CacheBackend(Protocol):
         self, layer: jax_vmm.KVLayer, new_k: jax.Array, new_v: jax.Array, slots: jax.Array
     ) -> jax_vmm.KVLayer: ...
     def ensure(self, seq: int, num_tokens: int) -> None: ...
+    def ensure_all(self, num_tokens: np.ndarray) -> None: ...
     def release(self, seq: int, *, reuse: bool = False) -> None: ...
     def check(self) -> None: ...
     def backed_bytes(self) -> int: ...
@@ -149,6 +149,10 @@ class PreallocatedCache:
                 f"{self.max_tokens} per sequence"
             )
 
+    def ensure_all(self, num_tokens: np.ndarray) -> None:
+        for seq, n in enumerate(num_tokens):
+            self.ensure(seq, int(n))
+
     def release(self, seq: int, *, reuse: bool = False) -> None:
         pass  # the memory stays held: that is the baseline's cost
 
@@ -220,9 +224,6 @@ class VmmCache:
         )
         self._cache = self.kv.cache()
         self._returned = _ReturnedBytes()
-        self._backed_tokens = [0] * max_seqs  # host mirror: skip no-op ensure() calls
-        self.ensure_calls = 0
-        self.ensure_seconds = 0.0
 
     def cache(self) -> jax_vmm.KVCache:
         return self._cache
@@ -234,25 +235,20 @@ class VmmCache:
         self._cache = cache
 
     def ensure(self, seq: int, num_tokens: int) -> None:
-        if num_tokens <= self._backed_tokens[seq]:
-            return
-        t0 = time.perf_counter()
+        # Exactly what the sequence needs: the arena's table then admits writes up to
+        # there, a chunk it shares with a neighbour stays while either needs it, and
+        # commit ahead backs the next chunk only once the sequence nears its end. Within
+        # backed chunks this makes no call into the core.
         self.kv.ensure(num_tokens, seq)
-        backed = self.kv.backed_tokens(seq)  # chunk rounding: usually more than asked
-        if backed > num_tokens:
-            # Claim the rounded-up tokens too (no new memory): the steps will write them
-            # without asking again, so a neighbour sharing the last chunk must not
-            # release it when it finishes, and the kernels admit writes there.
-            self.kv.ensure(backed, seq)
-        self.ensure_seconds += time.perf_counter() - t0
-        self.ensure_calls += 1
-        self._backed_tokens[seq] = backed
+
+    def ensure_all(self, num_tokens: np.ndarray) -> None:
+        """ensure for every sequence at once (0: nothing asked), one table update."""
+        self.kv.ensure_all(num_tokens)
 
     def release(self, seq: int, *, reuse: bool = False) -> None:
         """reuse: the slot takes another sequence next (its first chunk is backed again
         in the background)."""
         self.kv.release(seq, reuse=reuse)
-        self._backed_tokens[seq] = 0
 
     def check(self) -> None:
         """Raises jax_vmm.OutOfBoundsWrite if a write was dropped (a token not ensured),

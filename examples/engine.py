@@ -358,8 +358,6 @@ class Generator:
                 res.logits.append(logits)
             slot.feed = token
             counts["generated"] += 1
-            if progress is not None:
-                progress(1)
             return (
                 len(res.tokens) == slot.request.max_new_tokens
                 or token in host_stops
@@ -384,6 +382,8 @@ class Generator:
                     seq = next((q for q, s in enumerate(slots) if s is slot), None)
                     if seq is not None:
                         retire(seq)
+            if progress is not None and steps:
+                progress(len(steps))
 
         def admit(seq: int) -> None:
             nonlocal state
@@ -417,12 +417,12 @@ class Generator:
                     read(pending.popleft())
                 continue
             control = np.full(batch, S.STOP, np.int32)
-            t0 = time.perf_counter()
+            need = np.zeros(batch, np.int64)
             for seq, s in enumerate(slots):
                 if s is not None:
-                    cache.ensure(seq, s.cached_after(s.blocks + 1, n))  # before it writes
+                    need[seq] = s.cached_after(s.blocks + 1, n)  # what the block can write
                     control[seq] = s.feed if host_mode else S.KEEP
-            host_seconds += time.perf_counter() - t0
+            timed(cache.ensure_all, need)
             args = (self.params, cache.cache(), state, jnp.asarray(control))
             tokens, logits, out, state = self._block_fn(n, stops, want_logits, args)(*args)
             cache.update(out)

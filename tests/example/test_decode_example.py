@@ -11,6 +11,7 @@ a genuine near-tie: where the reference's top two logits are within the toleranc
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 from pathlib import Path
 
@@ -21,10 +22,12 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # `examples` from the repo
 
+from serving import serve  # noqa: E402
+
 from examples import engine as E  # noqa: E402
 from examples import model as M  # noqa: E402
 from examples.attention import choose_attention, vmm_kernel_available  # noqa: E402
-from examples.cache import capacity_bytes, make_cache  # noqa: E402
+from examples.cache import capacity_bytes  # noqa: E402
 
 # Small enough to compile and run in seconds on a 2-core CPU.
 SMALL = M.ModelConfig(
@@ -32,42 +35,9 @@ SMALL = M.ModelConfig(
 )
 
 
-def generate(
-    backend: str,
-    cfg: M.ModelConfig,
-    requests: list[E.Request],
-    *,
-    batch: int,
-    max_tokens: int,
-    device: jax.Device,
-    attention: str = "auto",
-    chunk_bytes: int | None = None,
-    force_tokens: dict[int, list[int]] | None = None,
-) -> tuple[E.RunReport, dict]:
-    with jax.default_device(device):
-        params = M.init_params(cfg, seed=0)
-        cache = make_cache(
-            backend,
-            cfg,
-            max_seqs=batch,
-            max_tokens=max_tokens,
-            device=device,
-            chunk_bytes=chunk_bytes,
-        )
-        _, attend = choose_attention(
-            attention,
-            backend=backend,
-            platform=device.platform,
-            tail_may_be_garbage=cache.tail_may_be_garbage,
-        )
-        try:
-            report = E.Generator(params, cfg, cache, attend).run(
-                requests, record_logits=True, force_tokens=force_tokens
-            )
-            stats = cache.stats()
-        finally:
-            cache.close()
-    return report, stats
+# (report, stats) of a run that records every step's logits; keyword arguments as
+# serving.serve (attention, chunk_bytes, force_tokens, ...).
+generate = functools.partial(serve, record_logits=True)
 
 
 def assert_same_generation(
@@ -407,9 +377,9 @@ def test_decode_cli_runs_end_to_end(tmp_path: Path) -> None:
 
 
 def test_vmm_cache_keeps_a_chunk_shared_with_a_finished_neighbour(cpu_device: jax.Device) -> None:
-    """Sequences need not start on chunk boundaries. The cache skips ensure() for tokens
-    the arena already backs, so it must claim them: otherwise a neighbour's release
-    frees the shared chunk under tokens that were written without asking."""
+    """Sequences need not start on chunk boundaries. The cache asks the arena for
+    exactly the tokens each sequence needs (ensure, or ensure_all per block), so a
+    neighbour's release keeps a chunk the sequence still uses."""
     from examples.cache import VmmCache
 
     # 100 tokens x 128 B per layer buffer = 12800 B per sequence; 4 KiB chunks: chunk 3
@@ -419,9 +389,10 @@ def test_vmm_cache_keeps_a_chunk_shared_with_a_finished_neighbour(cpu_device: ja
         cache.ensure(1, 10)  # backs chunk 3 for sequence 1
         cache.ensure(0, 96)  # chunks 0..2; chunk 3 is already there: tokens 96..99 backed
         assert cache.kv.backed_tokens(0) == 100
-        cache.ensure(0, 100)  # no call needed: the host mirror knows they are backed
+        cache.ensure_all(np.array([100, 0]))  # within backed chunks: no new memory
         cache.release(1)
         assert cache.kv.backed_tokens(0) == 100, "the neighbour's release freed our tokens"
+        cache.kv.check()
     finally:
         cache.close()
 

@@ -15,6 +15,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # `examples` from the repo
 
+import serving  # noqa: E402
+
 import jax_vmm  # noqa: E402
 from examples import engine as E  # noqa: E402
 from examples import model as M  # noqa: E402
@@ -27,39 +29,17 @@ SMALL = M.ModelConfig(
 )
 
 
-def serve(
-    backend: str,
-    reqs: list[E.Request],
-    *,
-    block: int,
-    device: jax.Device,
-    batch: int = 3,
-    max_tokens: int = 128,
-    stop_tokens: tuple[int, ...] = (),
-    cfg: M.ModelConfig = SMALL,
-    **run_kwargs,
-) -> E.RunReport:
-    with jax.default_device(device):
-        params = M.init_params(cfg, seed=0)
-        cache = make_cache(
-            backend,
-            cfg,
-            max_seqs=batch,
-            max_tokens=max_tokens,
-            device=device,
-            chunk_bytes=4096 if device.platform == "cpu" else None,
-        )
-        _, attend = choose_attention(
-            "jax_vmm",
-            backend=backend,
-            platform=device.platform,
-            tail_may_be_garbage=cache.tail_may_be_garbage,
-        )
-        try:
-            gen = E.Generator(params, cfg, cache, attend, block=block, stop_tokens=stop_tokens)
-            return gen.run(reqs, **run_kwargs)
-        finally:
-            cache.close()
+def serve(backend: str, reqs: list[E.Request], *, block: int, device: jax.Device, **kw):
+    """The example tests' `serving.serve` with this file's defaults: SMALL, 3 slots of
+    128 tokens, 4 KiB chunks on the CPU, the jax_vmm kernel on either backend."""
+    kw.setdefault("cfg", SMALL)
+    kw.setdefault("batch", 3)
+    kw.setdefault("max_tokens", 128)
+    kw.setdefault("chunk_bytes", 4096 if device.platform == "cpu" else None)
+    cfg = kw.pop("cfg")
+    return serving.serve(backend, cfg, reqs, block=block, device=device, attention="jax_vmm", **kw)[
+        0
+    ]
 
 
 def _requests(num: int = 7, new_tokens: tuple[int, int] = (1, 30)) -> list[E.Request]:
