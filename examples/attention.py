@@ -66,18 +66,19 @@ def reference_over_layer(
 
 
 def cudnn_decode_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array
+    q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, *, implementation="cudnn"
 ) -> jax.Array:
     """What a JAX user picks for decode over a preallocated cache: cuDNN's fused attention
     through `jax.nn.dot_product_attention`, reading each sequence's first `lengths`
     tokens (GQA: H_q a multiple of H_kv). q (B, H_q, D); k, v (B, T, H_kv, D), bf16/fp16.
-    An idle slot (length 0) reads one token instead: its output is ignored."""
+    An idle slot (length 0) reads one token instead: its output is ignored.
+    implementation: "xla" runs the same call anywhere (what the CPU tests check)."""
     out = jax.nn.dot_product_attention(
         q[:, None],
         k,
         v,
         key_value_seq_lengths=jnp.maximum(lengths, 1),
-        implementation="cudnn",
+        implementation=implementation,
     )
     return out[:, 0]
 

@@ -50,6 +50,7 @@ def serve(
                 backend=backend,
                 platform=device.platform,
                 tail_may_be_garbage=cache.tail_may_be_garbage,
+                dtype=cfg.dtype,
             )
             gen = E.Generator(params, cfg, cache, attend, block=block, stop_tokens=stop_tokens)
             report = gen.run(requests, **run_kwargs)

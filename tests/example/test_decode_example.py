@@ -189,19 +189,15 @@ def assert_preset_agrees(ref: E.RunReport, got: E.RunReport, tol: float) -> tupl
 
 
 def _reference_run(cfg: M.ModelConfig, reqs, batch: int, max_tokens: int, gpu, dtype: str):
-    """The preallocated baseline and the noise floor between it and an equally valid
-    one (capacity 2x changes XLA's reduction shapes); one per dtype per session."""
+    """The preallocated baseline (plain-XLA attention) and the noise floor between it and
+    an equally valid one (capacity 2x changes XLA's reduction shapes); one per dtype per
+    session."""
     if dtype not in _REFERENCE_RUNS:
-        ref = generate("prealloc", cfg, reqs, batch=batch, max_tokens=max_tokens, device=gpu)[0]
+        kw = dict(batch=batch, device=gpu, attention="reference")
+        ref = generate("prealloc", cfg, reqs, max_tokens=max_tokens, **kw)[0]
         forced = {r.id: r.tokens for r in ref.results}
         other = generate(
-            "prealloc",
-            cfg,
-            reqs,
-            batch=batch,
-            max_tokens=2 * max_tokens,
-            device=gpu,
-            force_tokens=forced,
+            "prealloc", cfg, reqs, max_tokens=2 * max_tokens, force_tokens=forced, **kw
         )[0]
         floor, _ = compare_forced(ref, other, tol=float("inf"))
         _REFERENCE_RUNS[dtype] = (ref, floor)
@@ -441,6 +437,25 @@ def test_attention_choice() -> None:
         choose_attention("cudnn", backend="prealloc", platform="cpu", dtype="bfloat16")
     with pytest.raises(ValueError, match="takes bfloat16 or float16, not float32"):
         choose_attention("cudnn", backend="prealloc", platform="gpu", dtype="float32")
+
+
+def test_cudnn_call_is_the_reference_attention(cpu_device: jax.Device) -> None:
+    """The example's cuDNN call (q as one query token, GQA heads, key_value_seq_lengths),
+    run through XLA's implementation of the same API on the CPU: the reference's output
+    for every live sequence."""
+    from examples.attention import cudnn_decode_attention, reference_decode_attention
+
+    b, t, hq, hk, d = 3, 16, 8, 2, 32
+    keys = jax.random.split(jax.random.key(1), 3)
+    with jax.default_device(cpu_device):
+        k, v = (jax.random.normal(keys[i], (b, t, hk, d)) for i in (0, 1))
+        q = jax.random.normal(keys[2], (b, hq, d))
+        lengths = jnp.array([5, 16, 1], jnp.int32)
+        got = cudnn_decode_attention(q, k, v, lengths, implementation="xla")
+        want = reference_decode_attention(q, k, v, lengths)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
+        wrong = cudnn_decode_attention(q, k, v, lengths + 1, implementation="xla")
+        assert float(jnp.max(jnp.abs(wrong[0] - want[0]))) > 1e-3  # lengths matter
 
 
 def test_config_presets_are_consistent() -> None:
