@@ -48,6 +48,8 @@
 #                       reader (commit safe: 0 errors); with the deferral removed (release
 #                       unsafe) memcheck must report errors (or the run fail)
 #   diag:hazard         XLA's command-buffer log around the hazard scenario (its RESULT line)
+#   diag:example        XLA's command-buffer log of the main job at batch 16 (how often the
+#                       decode block's command buffers were recorded against executed)
 #   example             examples/decode.py -> $OUT/example/
 #   example:B           the gpu preset at batch B = 16 or 64 (3 requests per slot), decode
 #                       blocks of 16 -> $OUT/example_bB/; example:prealloc16 / prealloc64
@@ -183,7 +185,17 @@ step_sanitize() {
 }
 
 step_diag() {
-  [ "${1:-}" = hazard ] || { echo "unknown diag step ${1:-} (hazard)"; return 2; }
+  if [ "${1:-}" = example ]; then  # does the decode block replay as a graph? XLA says
+    TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3,command_buffer_conversion_pass=2 \
+      "$PY" examples/decode.py --preset gpu --batch 16 --requests 48 --no-progress --no-plot \
+      --out "$RUN_DIR/diag_example" 2>"$RUN_DIR/diag_example.xla.log"
+    local r=$?
+    echo "XLA command-buffer log lines by kind ($RUN_DIR/diag_example.xla.log):"
+    grep -oE "[A-Za-z]+ (a |the )?command buffer[a-z ]{0,24}" "$RUN_DIR/diag_example.xla.log" \
+      | sort | uniq -c | sort -rn | head -20
+    return "$r"
+  fi
+  [ "${1:-}" = hazard ] || { echo "unknown diag step ${1:-} (hazard, example)"; return 2; }
   TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3,command_buffer_conversion_pass=2 \
     "$PY" tests/integration/test_command_buffer_gpu.py hazard grow keep "$RUN_DIR/diag_hazard.json"
   local r=$?
