@@ -133,6 +133,13 @@ class _Read:
     logits: jax.Array | None  # (steps, B, vocab) / (vocab,) when needed on the host
 
 
+def check_block(block: object) -> None:
+    if isinstance(block, bool) or not isinstance(block, int) or block < 1:
+        raise ValueError(
+            f"block (decode steps per host call) must be an integer >= 1, got {block!r}"
+        )
+
+
 class Generator:
     """Compiled prefill and decode-block programs for one model, cache backend and
     attention choice; `run` serves requests with continuous batching. Not thread-safe.
@@ -157,10 +164,7 @@ class Generator:
         block: int = DEFAULT_BLOCK,
         stop_tokens: tuple[int, ...] = (),
     ) -> None:
-        if isinstance(block, bool) or not isinstance(block, int) or block < 1:
-            raise ValueError(
-                f"block (decode steps per host call) must be an integer >= 1, got {block!r}"
-            )
+        check_block(block)
         bad = [t for t in stop_tokens if not (isinstance(t, int) and 0 <= t < cfg.vocab)]
         if bad:
             raise ValueError(f"stop tokens {bad} are not token ids of the model's [0, {cfg.vocab})")

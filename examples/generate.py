@@ -302,6 +302,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             backend=args.backend, batch=args.batch, attention=args.attention, block=args.block
         )
         num_slots(opts, len(args.prompts))  # bad options fail before a long load
+        E.check_block(opts.block)
         with jax.default_device(device):
             ckpt = load_checkpoint(args.model, dtype=args.dtype, device=device)
         print(f"model: {ckpt.spec.architecture}, {M.config_summary(ckpt.config)}")

@@ -391,3 +391,12 @@ def test_fp8_needs_the_dequantizing_kernel() -> None:
         choose_attention("reference", backend="prealloc", platform="cpu", kv_dtype="fp8")
     with pytest.raises(ValueError, match="kv_dtype must be one of"):
         make_cache("jax_vmm", SMALL, max_seqs=1, max_tokens=8, kv_dtype="int8")
+
+
+def test_generate_cli_checks_block_before_loading(tmp_path: Path) -> None:
+    from examples import generate as G
+
+    # An empty directory: the block is refused before the checkpoint is read.
+    with pytest.raises(SystemExit, match=r"generate\.py: block .* must be an integer >= 1"):
+        G.main(["--model", str(tmp_path), "--prompt", "x", "--max-new-tokens", "2",
+                "--block", "0", "--device", "cpu"])  # fmt: skip
