@@ -172,11 +172,6 @@ class Generator:
         self.block, self.stop_tokens = block, tuple(sorted(set(stop_tokens)))
         self._compiled: dict[tuple, Callable] = {}
         self.compile_seconds = 0.0
-        # A single step, for callers that drive positions themselves (bench/).
-        self._decode = jax.jit(
-            functools.partial(M.decode_step, cfg=cfg, write=cache.write, attend=attend),
-            donate_argnums=(1,),
-        )
 
     # -- compiled programs -------------------------------------------------------------
     def _get(self, key: tuple, make: Callable[[], Callable], *args: object) -> Callable:
@@ -228,28 +223,6 @@ class Generator:
             jnp.int32(seq),
             jnp.int32(new),
         )
-
-    def decode(self, tokens: np.ndarray, positions: np.ndarray) -> tuple[jax.Array, jax.Array]:
-        """One decode step over all slots (positions -1 = idle), outside any block.
-        Returns (logits, next)."""
-        args = (
-            self.params,
-            self.cache.cache(),
-            jnp.asarray(tokens, jnp.int32),
-            jnp.asarray(positions, jnp.int32),
-        )
-        fn = self._get(("decode",), lambda: self._decode, *args)
-        logits, nxt, out = fn(*args)
-        self.cache.update(out)
-        return logits, nxt
-
-    def decode_temp_bytes(self) -> int:
-        """XLA temp memory of the compiled single decode step (-1 where XLA does not say,
-        or where it was not compiled)."""
-        try:
-            return int(self._compiled[("decode",)].memory_analysis().temp_size_in_bytes)
-        except Exception:  # memory_analysis is best effort on some backends
-            return -1
 
     def _host_mode(self, force_tokens, select_token) -> bool:
         return force_tokens is not None or select_token is not None
