@@ -68,6 +68,25 @@ def stack_loop(cache, views, x, lengths, *, steps: int, kind: str, group: int):
     return cache, acc
 
 
+def fill_loop(cache, lengths):
+    """Writes tokens [0, lengths) of every sequence and layer with the same smooth,
+    nonzero pattern (K = V), so that every variant reads the same data and the
+    checksums of their outputs can be compared."""
+    batch, max_tokens, heads, dim = cache[0].shape
+    pos = jnp.arange(max_tokens, dtype=jnp.int32)
+    seq = jnp.arange(batch, dtype=jnp.int32)[:, None]
+    slots = jnp.where(pos[None, :] < lengths[:, None], seq * max_tokens + pos, -1).reshape(-1)
+    phase = (slots.astype(jnp.float32) * 0.37)[:, None, None]
+    new = jnp.sin(
+        phase
+        + 0.5 * jnp.arange(heads, dtype=jnp.float32)[None, :, None]
+        + 0.05 * jnp.arange(dim, dtype=jnp.float32)[None, None, :]
+    ).astype(cache[0].dtype)
+    for l in range(len(cache)):
+        cache = cache.replace(l, jax_vmm.kv_write(cache[l], new, new, slots))
+    return cache
+
+
 def time_variant(
     variant: str,
     cfg: M.ModelConfig,
@@ -87,18 +106,14 @@ def time_variant(
     if backend == "prealloc":
         cache = PreallocatedCache(cfg, max_seqs=batch, max_tokens=context, device=device)
     else:
-        # zero_fill: the tokens before `lengths` are read but never written here.
         cache = VmmCache(
-            cfg,
-            max_seqs=batch,
-            max_tokens=context,
-            device=device,
-            chunk_bytes=chunk_bytes,
-            zero_fill=True,
+            cfg, max_seqs=batch, max_tokens=context, device=device, chunk_bytes=chunk_bytes
         )
     try:
         for seq, n in enumerate(lengths):  # every pass rewrites the same positions
             cache.ensure(seq, int(n) + steps)
+        live = jax.device_put(jnp.asarray(lengths, jnp.int32), device)
+        cache.update(jax.jit(fill_loop, donate_argnums=(0,))(cache.cache(), live))
         views = ()
         if backend == "vmm" and kind == "cudnn":  # raw views: from now on commits drain
             views = tuple((cache.kv.k[l], cache.kv.v[l]) for l in range(cfg.num_layers))
@@ -115,7 +130,6 @@ def time_variant(
             ).astype(cfg.jnp_dtype),
             device,
         )
-        live = jax.device_put(jnp.asarray(lengths, jnp.int32), device)
         state = cache.cache()
         t0 = time.perf_counter()
         fn = fn.lower(state, views, x, live).compile()

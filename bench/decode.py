@@ -20,9 +20,10 @@
    ones written) at --peak-tbps (H200 HBM3e: 4.8 TB/s). Goal: vmm+X / prealloc+X <= 1.02
    for X = cudnn and kernel. Each sequence's live length is uniform in
    [--min-fill * context, context - steps]; tokens are pre-ensured (commits are measured
-   by bench/commit.py and the example), their values zeros (the time does not depend on
-   them). On the CPU the cuDNN variants are skipped (cuDNN is GPU-only) and ratios are
-   against prealloc+kernel.
+   by bench/commit.py and the example) and filled with one pattern, so that the
+   variants' output checksums must agree ("chk": the largest relative difference from
+   the baseline's; bf16 rounding differs between the attentions). On the CPU the cuDNN
+   variants are skipped (cuDNN is GPU-only) and ratios are against prealloc+kernel.
 2. Equal memory (bench/_equal_memory.py): at a fixed KV budget (--budget, GPU 16 GiB),
    the largest batch each backend serves with the example's request mix
    (examples/decode.py's preset), and its tokens/s through the example's engine.
@@ -149,7 +150,17 @@ STEP_TABLE = Table(
     ("floor", 9),
     ("vmm/pre cudnn", 13),
     ("vmm/pre kernel", 14),
+    ("chk", 8),
 )
+
+
+def checksum_spread(pt: dict) -> float | None:
+    """The largest |checksum - baseline's| / |baseline's| over the variants."""
+    base = baseline_of(pt)
+    if base is None:
+        return None
+    ref = pt["cases"][base]["checksum"]
+    return max(abs(c["checksum"] - ref) for c in pt["cases"].values()) / max(abs(ref), 1e-30)
 
 
 def step_row(pt: dict) -> str:
@@ -175,6 +186,7 @@ def step_row(pt: dict) -> str:
         f"{pt['floor_ms']:.4f}",
         vs("cudnn"),
         vs("kernel"),
+        "n/a" if checksum_spread(pt) is None else f"{checksum_spread(pt):.1e}",
     )
 
 
@@ -351,6 +363,7 @@ def main(argv: list[str] | None = None) -> dict:
                 peak_bytes_per_s=args.peak_tbps * 1e12,
                 variants=tuple(args.variants),
             )
+            point["checksum_spread"] = checksum_spread(point)
             results.append(point)
             print(step_row(point), flush=True)
             for name, c in point["cases"].items():
