@@ -68,14 +68,14 @@ def stack_loop(cache, views, x, lengths, *, steps: int, kind: str, group: int):
     return cache, acc
 
 
-def fill_loop(cache, lengths):
-    """Writes tokens [0, lengths) of every sequence and layer with the same smooth,
-    nonzero pattern (K = V), so that every variant reads the same data and the
-    checksums of their outputs can be compared."""
-    batch, max_tokens, heads, dim = cache[0].shape
+def fill_sequence(cache, seq, length):
+    """Writes tokens [0, length) of sequence `seq` in every layer with one smooth,
+    nonzero pattern (K = V), so that every variant reads the same data and the checksums
+    of their outputs can be compared. One sequence per call: the new tokens of a call
+    are one row of the cache, however large the batch."""
+    _, max_tokens, heads, dim = cache[0].shape
     pos = jnp.arange(max_tokens, dtype=jnp.int32)
-    seq = jnp.arange(batch, dtype=jnp.int32)[:, None]
-    slots = jnp.where(pos[None, :] < lengths[:, None], seq * max_tokens + pos, -1).reshape(-1)
+    slots = jnp.where(pos < length, seq * max_tokens + pos, -1)
     phase = (slots.astype(jnp.float32) * 0.37)[:, None, None]
     new = jnp.sin(
         phase
@@ -112,8 +112,10 @@ def time_variant(
     try:
         for seq, n in enumerate(lengths):  # every pass rewrites the same positions
             cache.ensure(seq, int(n) + steps)
+        fill = jax.jit(fill_sequence, donate_argnums=(0,))
+        for seq, n in enumerate(lengths):
+            cache.update(fill(cache.cache(), jnp.int32(seq), jnp.int32(n)))
         live = jax.device_put(jnp.asarray(lengths, jnp.int32), device)
-        cache.update(jax.jit(fill_loop, donate_argnums=(0,))(cache.cache(), live))
         views = ()
         if backend == "vmm" and kind == "cudnn":  # raw views: from now on commits drain
             views = tuple((cache.kv.k[l], cache.kv.v[l]) for l in range(cfg.num_layers))
