@@ -1,42 +1,46 @@
-"""Decode-step benchmark: jax_vmm KV cache vs the plain-JAX preallocated cache.
+"""Decode benchmark: what the memory backend costs, side by side in one process.
 
-    python bench/decode.py                 # tiny grid on CPU, GPU grid on a GPU
-    python bench/decode.py --out out/bench_decode   # + JSON and a plot
+    python bench/decode.py                  # GPU grid on a GPU, a tiny grid on the CPU
+    python bench/decode.py --quick          # one point, few steps, a small budget
+    python bench/decode.py --out out/bench_decode   # + decode.json and decode.png
 
-One process, side by side, same model (examples/model.py), same batch and per-sequence
-capacity (context). Each sequence holds a live length drawn uniformly from
-[--min-fill * context, context - steps]; the timed loop decodes --steps tokens for every
-sequence (jitted step, cache donated, jax_vmm commits as sequences cross chunk
-boundaries). Cache contents are not prefilled by the model: step time does not depend on
-the values, only on shapes, lengths and where the memory lives.
-
-Per grid point (every cache a `jax_vmm.KVCache` taken and returned by the jitted step,
-written by `jax_vmm.kv_write(layer, ...)`):
-  prealloc         jnp.zeros cache (array layers, donated scatter), plain-XLA masked
-                   attention (reads all T)
-  prealloc+kernel  the same cache, jax_vmm.decode_attention over its arrays (live tokens
-                   only)
-  vmm+kernel       the jax_vmm arena cache (arena layers: written in place, nothing
-                   copied) + jax_vmm.decode_attention over the arena: against
-                   prealloc+kernel only the cache differs
-Reported: step time (best of --repeats passes; JSON has the median too) and ratio to
-prealloc (goal <= 1.0);
-KV memory held (prealloc: all of it; jax_vmm: peak backed) against the bytes of the
-tokens actually held (goal: jax_vmm <= 1.1x); the step's XLA temp bytes.
-Plus one case where the preallocated cache does not fit in device memory but the jax_vmm
-one does (on CPU it is not attempted: a host OOM kills the process; jax_vmm memory only).
+1. Step time (bench/_stack.py): the attention-and-write stack of a decode step (every
+   layer of the model's geometry: attention over each sequence's live tokens, then one
+   new token written), `--steps` steps in one jitted loop, for five variants with the
+   same batch, capacity and lengths:
+     prealloc+cudnn   jnp.zeros cache + cuDNN (`jax.nn.dot_product_attention(...,
+                      key_value_seq_lengths=lengths, implementation="cudnn")`): what a
+                      JAX user would pick; the baseline of every ratio
+     prealloc+kernel  the same cache + jax_vmm.decode_attention
+     vmm+cudnn        the jax_vmm arena + cuDNN over its views (`jax_vmm.ordered_views`)
+     vmm+kernel       the jax_vmm arena + jax_vmm.decode_attention
+     prealloc+xla     jnp.zeros cache + masked plain-XLA attention over all T (the floor
+                      a naive cache starts from)
+   plus the physical floor: the KV bytes a step must move (live tokens read once, new
+   ones written) at --peak-tbps (H200 HBM3e: 4.8 TB/s). Goal: vmm+X / prealloc+X <= 1.02
+   for X = cudnn and kernel. Each sequence's live length is uniform in
+   [--min-fill * context, context - steps]; tokens are pre-ensured (commits are measured
+   by bench/commit.py and the example) and filled with one pattern, so that the
+   variants' output checksums must agree ("chk": the largest relative difference from
+   the baseline's; bf16 rounding differs between the attentions). On the CPU the cuDNN
+   variants are skipped (cuDNN is GPU-only) and ratios are against prealloc+kernel.
+2. Equal memory (bench/_equal_memory.py): at a fixed KV budget (--budget, GPU 16 GiB),
+   the largest batch each backend serves with the example's request mix
+   (examples/decode.py's preset), and its tokens/s through the example's engine.
+   Goal: jax_vmm >= 2x prealloc's tokens/s.
+3. Does not fit: a case where the preallocated cache cannot be allocated (attempted in a
+   child process) and jax_vmm serves it (on the CPU not attempted: a host OOM kills the
+   process; jax_vmm memory only).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import gc
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 # The arena commits device memory outside XLA's allocator: keep XLA from taking 75% of
@@ -45,34 +49,40 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from _common import command_line, two_panel_figure, write_json  # noqa: E402
-from examples import engine as E  # noqa: E402
+import _equal_memory as EQ  # noqa: E402
+import _stack as ST  # noqa: E402
+from _common import Table, command_line, parse_size, two_panel_figure, write_json  # noqa: E402
 from examples import model as M  # noqa: E402
-from examples.attention import reference_over_layer, vmm_kernel_available  # noqa: E402
+from examples.attention import cudnn_unavailable, vmm_kernel_available  # noqa: E402
 from examples.cache import PreallocatedCache, VmmCache, capacity_bytes  # noqa: E402
-from examples.memory import device_memory_stats, physical_memory_bytes, rss_bytes  # noqa: E402
+from examples.memory import physical_memory_bytes  # noqa: E402
 from examples.report import fmt_bytes  # noqa: E402
 
 GRIDS = {
     "gpu": dict(
-        batches=(8, 32, 64),
+        batches=(16, 32, 64),
         contexts=(1024, 4096, 16384),
-        steps=20,
-        repeats=3,
+        steps=16,
+        repeats=5,
+        budget=16 << 30,
         oom=(64, 131072),
         oom_fill=(2048, 8192),
     ),
     "cpu": dict(
         batches=(2, 8),
         contexts=(256, 1024),
-        steps=16,
-        repeats=5,
+        steps=8,
+        repeats=3,
+        budget=2 << 20,
         oom=(8, 1 << 22),
         oom_fill=(1024, 4096),
     ),
+}
+QUICK = {
+    "gpu": dict(batches=(64,), contexts=(4096,), steps=8, repeats=3, budget=4 << 30),
+    "cpu": dict(batches=(4,), contexts=(256,), steps=4, repeats=2, budget=1 << 20),
 }
 
 
@@ -88,97 +98,96 @@ def live_lengths(
     return rng.integers(lo, hi + 1, batch).astype(np.int32)
 
 
-def time_decode(gen: E.Generator, lengths: np.ndarray, steps: int, repeats: int) -> dict:
-    """Median per-step time of `steps` decode steps (all sequences active), after one
-    untimed pass (compile, commits). Every pass starts from the same lengths."""
-    cache = gen.cache
-    positions = [jnp.asarray(lengths + i, jnp.int32) for i in range(steps)]
-    tokens = jnp.zeros(cache.max_seqs, jnp.int32)
-    t0 = time.perf_counter()
-    gen.precompile([])  # the decode step only
-    compile_s = time.perf_counter() - t0
-
-    def one_pass() -> None:
-        nonlocal tokens
-        for i in range(steps):
-            for seq in range(cache.max_seqs):  # memory follows the work: commit first
-                cache.ensure(seq, int(lengths[seq]) + i + 1)
-            _, tokens = gen.decode(tokens, positions[i])
-        tokens.block_until_ready()
-
-    one_pass()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        one_pass()
-        times.append((time.perf_counter() - t0) / steps)
-    cache.check()
-    # Best pass: the machine's other load only ever adds time (median kept alongside).
-    return {
-        "step_ms": 1e3 * min(times),
-        "step_ms_median": 1e3 * float(np.median(times)),
-        "step_ms_all": [1e3 * t for t in times],
-        "compile_s": compile_s,
-        "temp_bytes": gen.decode_temp_bytes(),
-    }
-
-
-def run_case(
-    kind: str,
+def measure_point(
     cfg: M.ModelConfig,
-    params: M.Params,
     device: jax.Device,
     batch: int,
     context: int,
     lengths: np.ndarray,
-    steps: int,
-    repeats: int,
-    chunk_bytes: int | None,
-    time_it: bool = True,
+    timing: dict,
+    *,
+    peak_bytes_per_s: float,
+    variants: tuple[str, ...],
 ) -> dict:
-    """kind: prealloc | prealloc+kernel | vmm+kernel."""
-    before = device_memory_stats(device)
-    out: dict = {"kind": kind}
-    t0 = time.perf_counter()
-    if kind.startswith("prealloc"):
-        cache = PreallocatedCache(cfg, max_seqs=batch, max_tokens=context, device=device)
-    else:
-        cache = VmmCache(
-            cfg, max_seqs=batch, max_tokens=context, device=device, chunk_bytes=chunk_bytes
+    """Every variant at one (batch, context, lengths) point, and the floor. timing:
+    steps, repeats, chunk_bytes (ST.time_variant's)."""
+    steps = timing["steps"]
+    moved = ST.bytes_per_step(cfg, lengths, steps)
+    point = {
+        "batch": batch,
+        "context": context,
+        "live_bytes": int((lengths + steps).sum()) * cfg.kv_bytes_per_token,
+        "capacity_bytes": capacity_bytes(cfg, batch, context),
+        "bytes_per_step": moved,
+        "floor_ms": 1e3 * moved / peak_bytes_per_s,
+        "cases": {},
+        "skipped": {},
+    }
+    no_cudnn = cudnn_unavailable(device.platform, cfg.dtype)
+    for variant in variants:
+        if variant in ST.CUDNN_VARIANTS and no_cudnn:
+            point["skipped"][variant] = no_cudnn
+            continue
+        point["cases"][variant] = ST.time_variant(
+            variant, cfg, device, lengths, context=context, **timing
         )
-    if kind.endswith("kernel"):
-        import jax_vmm
-
-        attend = jax_vmm.decode_attention
-    else:
-        attend = functools.partial(
-            reference_over_layer, tail_may_be_garbage=cache.tail_may_be_garbage
-        )
-    out["setup_s"] = time.perf_counter() - t0
-    out["writes"] = "arrays (donated scatter)" if kind.startswith("prealloc") else "arena"
-    try:
-        if time_it:
-            out.update(
-                time_decode(E.Generator(params, cfg, cache, attend), lengths, steps, repeats)
-            )
-        else:  # memory only: commit what the sequences hold
-            for seq, n in enumerate(lengths):
-                cache.ensure(seq, int(n) + steps)
-        stats = cache.stats()
-        after = device_memory_stats(device)
-        out["held_bytes"] = int(stats.get("peak_backed_bytes", cache.backed_bytes()))
-        out["reserved_bytes"] = cache.reserved_bytes()
-        out["commit_calls"] = int(stats.get("commit_calls", 0))
-        out["commit_seconds"] = float(stats.get("commit_seconds", 0.0))
-        out["returned_cache_bytes"] = int(stats.get("returned_cache_bytes", 0))
-        if before and after:  # XLA-allocator view; the arena is outside it
-            out["xla_bytes_in_use_delta"] = after["bytes_in_use"] - before["bytes_in_use"]
-            out["xla_peak_bytes_in_use"] = after.get("peak_bytes_in_use")
-        out["rss_bytes"] = rss_bytes()
-    finally:
-        cache.close()
         gc.collect()
-    return out
+    return point
+
+
+def baseline_of(point: dict) -> str | None:
+    for name in (ST.BASELINE, "prealloc+kernel"):
+        if name in point["cases"]:
+            return name
+    return None
+
+
+STEP_TABLE = Table(
+    ("B", 4),
+    ("T", 6),
+    ("live", 10),
+    *[(v, 16) for v in ST.VARIANTS],
+    ("floor", 9),
+    ("vmm/pre cudnn", 13),
+    ("vmm/pre kernel", 14),
+    ("chk", 8),
+)
+
+
+def checksum_spread(pt: dict) -> float | None:
+    """The largest |checksum - baseline's| / |baseline's| over the variants."""
+    base = baseline_of(pt)
+    if base is None:
+        return None
+    ref = pt["cases"][base]["checksum"]
+    return max(abs(c["checksum"] - ref) for c in pt["cases"].values()) / max(abs(ref), 1e-30)
+
+
+def step_row(pt: dict) -> str:
+    base = baseline_of(pt)
+    ref = pt["cases"][base]["step_ms"] if base else None
+    cells = []
+    for v in ST.VARIANTS:
+        c = pt["cases"].get(v)
+        if c is None:
+            cells.append("skipped")
+        else:
+            cells.append(f"{c['step_ms']:.3f} ({c['step_ms'] / ref:.2f})" if ref else "n/a")
+
+    def vs(x: str) -> str:
+        a, b = pt["cases"].get(f"vmm+{x}"), pt["cases"].get(f"prealloc+{x}")
+        return f"{a['step_ms'] / b['step_ms']:.3f}" if a and b else "n/a"
+
+    return STEP_TABLE.row(
+        pt["batch"],
+        pt["context"],
+        fmt_bytes(pt["live_bytes"]),
+        *cells,
+        f"{pt['floor_ms']:.4f}",
+        vs("cudnn"),
+        vs("kernel"),
+        "n/a" if checksum_spread(pt) is None else f"{checksum_spread(pt):.1e}",
+    )
 
 
 def try_prealloc(cfg: M.ModelConfig, batch: int, context: int, device: jax.Device) -> dict:
@@ -228,158 +237,8 @@ def _preset_of(cfg: M.ModelConfig) -> str:
 
 def child_try_prealloc(cfg: M.ModelConfig, batch: int, context: int) -> None:
     cache = PreallocatedCache(cfg, max_seqs=batch, max_tokens=context)
-    jax.block_until_ready(cache.arrays())
+    jax.block_until_ready(jax.tree_util.tree_leaves(cache.cache()))
     cache.close()
-
-
-def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--preset", choices=("auto", *M.PRESETS), default="auto")
-    p.add_argument("--batches", type=int, nargs="+")
-    p.add_argument("--contexts", type=int, nargs="+")
-    p.add_argument("--steps", type=int)
-    p.add_argument("--repeats", type=int)
-    p.add_argument(
-        "--min-fill",
-        type=float,
-        default=0.25,
-        help="live length of a sequence >= this fraction of the context",
-    )
-    p.add_argument("--layers", type=int, help="override the preset's layer count")
-    p.add_argument("--chunk-bytes", type=int, help="jax_vmm arena chunk size")
-    p.add_argument("--oom-case", type=int, nargs=2, metavar=("BATCH", "CONTEXT"))
-    p.add_argument("--no-oom-case", action="store_true")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, help="directory for decode.json and decode.png")
-    p.add_argument("--try-prealloc", type=int, nargs=2, help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-
-    device = jax.devices()[0]
-    preset = (
-        args.preset if args.preset != "auto" else ("gpu" if device.platform == "gpu" else "cpu")
-    )
-    grid = dict(GRIDS[preset])
-    cfg = M.PRESETS[preset]
-    if args.layers:
-        cfg = dataclasses.replace(cfg, num_layers=args.layers)
-    if args.try_prealloc:  # child of try_prealloc()
-        child_try_prealloc(cfg, *args.try_prealloc)
-        return {}
-    batches = args.batches or grid["batches"]
-    contexts = args.contexts or grid["contexts"]
-    steps, repeats = args.steps or grid["steps"], args.repeats or grid["repeats"]
-    if not vmm_kernel_available():
-        raise SystemExit("bench/decode.py needs jax_vmm.decode_attention")
-    kinds = ["prealloc", "prealloc+kernel", "vmm+kernel"]
-    rng = np.random.default_rng(args.seed)
-    params = M.init_params(cfg, seed=args.seed)
-    print(f"device {device.device_kind} ({device.platform}) | model {M.config_summary(cfg)}")
-    print(
-        f"KV bytes/token {cfg.kv_bytes_per_token} | {steps} steps x {repeats} passes | "
-        f"live length per sequence uniform in [{args.min_fill:.2f} x context, "
-        f"context - {steps}]"
-    )
-
-    results: list[dict] = []
-    oom = None
-
-    def save(final: bool) -> None:  # after every point: a later crash keeps the results
-        if not args.out:
-            return
-        report = {
-            "device": device.device_kind,
-            "platform": device.platform,
-            "jax": jax.__version__,
-            "model": dataclasses.asdict(cfg),
-            "steps": steps,
-            "repeats": repeats,
-            "min_fill": args.min_fill,
-            "points": results,
-            "oom": oom,
-            "complete": final,
-            "command": command_line(__file__, argv),
-        }
-        write_json(args.out / "decode.json", report)
-        if final and results:
-            plot(report, args.out / "decode.png")
-            print(f"wrote {args.out / 'decode.json'} and {args.out / 'decode.png'}")
-
-    for batch in batches:
-        for context in contexts:
-            lengths = live_lengths(rng, batch, context, steps, args.min_fill)
-            live = int((lengths + steps).sum()) * cfg.kv_bytes_per_token
-            point = {
-                "batch": batch,
-                "context": context,
-                "live_bytes": live,
-                "capacity_bytes": capacity_bytes(cfg, batch, context),
-                "cases": {},
-            }
-            for kind in kinds:
-                point["cases"][kind] = run_case(
-                    kind,
-                    cfg,
-                    params,
-                    device,
-                    batch,
-                    context,
-                    lengths,
-                    steps,
-                    repeats,
-                    args.chunk_bytes,
-                )
-            results.append(point)
-            print_point(point)
-            save(final=False)
-
-    if not args.no_oom_case:
-        batch, context = args.oom_case or grid["oom"]
-        lo, hi = grid["oom_fill"]
-        lengths = rng.integers(lo, hi + 1, batch).astype(np.int32)
-        oom = {
-            "batch": batch,
-            "context": context,
-            "live_bytes": int((lengths + steps).sum()) * cfg.kv_bytes_per_token,
-            "capacity_bytes": capacity_bytes(cfg, batch, context),
-            "prealloc": try_prealloc(cfg, batch, context, device),
-        }
-        # Timed on a GPU (the live-tokens-only kernel; the arena written in place); on the
-        # CPU memory only (the grid's times are the CPU's measurement).
-        can_time = device.platform == "gpu"
-        oom["jax_vmm"] = run_case(
-            "vmm+kernel",
-            cfg,
-            params,
-            device,
-            batch,
-            context,
-            lengths,
-            steps,
-            repeats,
-            args.chunk_bytes,
-            time_it=can_time,
-        )
-        print_oom(oom)
-    save(final=True)
-    return {"points": results, "oom": oom}
-
-
-def print_point(pt: dict) -> None:
-    base = pt["cases"]["prealloc"]
-    live = pt["live_bytes"]
-    head = f"B={pt['batch']:<3} T={pt['context']:<6} live {fmt_bytes(live):>10}"
-    parts = [
-        f"prealloc {base['step_ms']:8.2f} ms, holds {fmt_bytes(base['held_bytes'])} "
-        f"({base['held_bytes'] / live:.2f}x live)"
-    ]
-    for kind, c in pt["cases"].items():
-        if kind == "prealloc":
-            continue
-        parts.append(
-            f"{kind} {c['step_ms']:8.2f} ms (x{c['step_ms'] / base['step_ms']:.2f}), "
-            f"holds {fmt_bytes(c['held_bytes'])} ({c['held_bytes'] / live:.2f}x live)"
-        )
-    print(head + " | " + " | ".join(parts), flush=True)
 
 
 def print_oom(oom: dict) -> None:
@@ -397,37 +256,219 @@ def print_oom(oom: dict) -> None:
         print(f"  prealloc: failed: {pre['error']}")
     timing = f"{vmm['step_ms']:.2f} ms/step" if "step_ms" in vmm else "memory only, not timed"
     print(
-        f"  jax_vmm ({vmm['kind']}): reserved {fmt_bytes(vmm['reserved_bytes'])}, backed "
+        f"  jax_vmm ({vmm['variant']}): reserved {fmt_bytes(vmm['reserved_bytes'])}, backed "
         f"{fmt_bytes(vmm['held_bytes'])} ({vmm['held_bytes'] / oom['live_bytes']:.2f}x "
         f"live), {timing}"
     )
 
 
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", choices=("auto", *M.PRESETS), default="auto")
+    p.add_argument("--quick", action="store_true", help="one point, few steps, small budget")
+    p.add_argument("--batches", type=int, nargs="+")
+    p.add_argument("--contexts", type=int, nargs="+")
+    p.add_argument("--steps", type=int)
+    p.add_argument("--repeats", type=int)
+    p.add_argument("--variants", nargs="+", choices=ST.VARIANTS, default=list(ST.VARIANTS))
+    p.add_argument(
+        "--min-fill",
+        type=float,
+        default=0.25,
+        help="live length of a sequence >= this fraction of the context",
+    )
+    p.add_argument("--layers", type=int, help="override the preset's layer count")
+    p.add_argument("--chunk-bytes", type=int, help="jax_vmm arena chunk size")
+    p.add_argument("--peak-tbps", type=float, default=4.8, help="HBM bandwidth of the floor")
+    p.add_argument("--budget", type=parse_size, help="KV budget of the equal-memory case")
+    p.add_argument("--block", type=int, help="decode block of the equal-memory runs")
+    p.add_argument("--no-equal-memory", action="store_true")
+    p.add_argument("--oom-case", type=int, nargs=2, metavar=("BATCH", "CONTEXT"))
+    p.add_argument("--no-oom-case", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, help="directory for decode.json and decode.png")
+    p.add_argument("--try-prealloc", type=int, nargs=2, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+
+    device = jax.devices()[0]
+    preset = (
+        args.preset if args.preset != "auto" else ("gpu" if device.platform == "gpu" else "cpu")
+    )
+    grid = dict(GRIDS[preset])
+    if args.quick:
+        grid.update(QUICK[preset])
+    cfg = M.PRESETS[preset]
+    if args.layers:
+        cfg = dataclasses.replace(cfg, num_layers=args.layers)
+    if args.try_prealloc:  # child of try_prealloc()
+        child_try_prealloc(cfg, *args.try_prealloc)
+        return {}
+    batches = args.batches or grid["batches"]
+    contexts = args.contexts or grid["contexts"]
+    steps, repeats = args.steps or grid["steps"], args.repeats or grid["repeats"]
+    budget = args.budget or grid["budget"]
+    if not vmm_kernel_available():
+        raise SystemExit("bench/decode.py needs jax_vmm.decode_attention")
+    rng = np.random.default_rng(args.seed)
+    print(f"device {device.device_kind} ({device.platform}) | model {M.config_summary(cfg)}")
+    print(
+        f"KV bytes/token {cfg.kv_bytes_per_token} | {steps} steps per call, best of "
+        f"{repeats} calls | live length per sequence uniform in [{args.min_fill:.2f} x "
+        f"context, context - {steps}] | floor at {args.peak_tbps} TB/s"
+    )
+    timing = dict(steps=steps, repeats=repeats, chunk_bytes=args.chunk_bytes)
+    no_cudnn = cudnn_unavailable(device.platform, cfg.dtype)
+    if no_cudnn:
+        print(f"note: {no_cudnn}: the cuDNN variants are skipped; ratios are vs prealloc+kernel")
+
+    results: list[dict] = []
+    report: dict = {
+        "device": device.device_kind,
+        "platform": device.platform,
+        "jax": jax.__version__,
+        "model": dataclasses.asdict(cfg),
+        "steps": steps,
+        "repeats": repeats,
+        "min_fill": args.min_fill,
+        "peak_tbps": args.peak_tbps,
+        "points": results,
+        "equal_memory": None,
+        "oom": None,
+        "complete": False,
+        "command": command_line(__file__, argv),
+    }
+
+    def save(final: bool) -> None:  # after every part: a later crash keeps the results
+        report["complete"] = final
+        if not args.out:
+            return
+        write_json(args.out / "decode.json", report)
+        if final and results:
+            plot(report, args.out / "decode.png")
+            print(f"wrote {args.out / 'decode.json'} and {args.out / 'decode.png'}")
+
+    print("\nstep time, ms per decode step (ratio to the baseline) | floor | vmm/prealloc")
+    print(STEP_TABLE.header())
+    print(STEP_TABLE.rule())
+    for batch in batches:
+        for context in contexts:
+            lengths = live_lengths(rng, batch, context, steps, args.min_fill)
+            point = measure_point(
+                cfg,
+                device,
+                batch,
+                context,
+                lengths,
+                timing,
+                peak_bytes_per_s=args.peak_tbps * 1e12,
+                variants=tuple(args.variants),
+            )
+            point["checksum_spread"] = checksum_spread(point)
+            results.append(point)
+            print(step_row(point), flush=True)
+            for name, c in point["cases"].items():
+                if c["temp_bytes"] >= point["capacity_bytes"] // 2:
+                    print(
+                        f"     note: {name} needs {fmt_bytes(c['temp_bytes'])} of XLA temp "
+                        "memory: the cache is copied, not updated in place"
+                    )
+            save(final=False)
+
+    if not args.no_equal_memory:
+        report["equal_memory"] = EQ.run(
+            preset,
+            cfg,
+            device,
+            budget,
+            block=args.block,
+            seed=args.seed,
+            quick=args.quick,
+            chunk_bytes=args.chunk_bytes,
+        )
+        EQ.print_result(report["equal_memory"])
+        save(final=False)
+
+    if not args.no_oom_case and not args.quick:
+        batch, context = args.oom_case or grid["oom"]
+        lo, hi = grid["oom_fill"]
+        lengths = rng.integers(lo, hi + 1, batch).astype(np.int32)
+        oom = {
+            "batch": batch,
+            "context": context,
+            "live_bytes": int((lengths + steps).sum()) * cfg.kv_bytes_per_token,
+            "capacity_bytes": capacity_bytes(cfg, batch, context),
+            "prealloc": try_prealloc(cfg, batch, context, device),
+        }
+        if device.platform == "gpu":  # timed: the live-tokens-only kernel over the arena
+            oom["jax_vmm"] = ST.time_variant(
+                "vmm+kernel", cfg, device, lengths, context=context, **timing
+            )
+        else:  # memory only (the grid's times are the CPU's measurement)
+            oom["jax_vmm"] = vmm_memory_only(cfg, device, lengths, context, steps, args.chunk_bytes)
+        report["oom"] = oom
+        print_oom(oom)
+    save(final=True)
+    return report
+
+
+def vmm_memory_only(
+    cfg: M.ModelConfig,
+    device: jax.Device,
+    lengths: np.ndarray,
+    context: int,
+    steps: int,
+    chunk_bytes: int | None,
+) -> dict:
+    cache = VmmCache(
+        cfg, max_seqs=len(lengths), max_tokens=context, device=device, chunk_bytes=chunk_bytes
+    )
+    try:
+        for seq, n in enumerate(lengths):
+            cache.ensure(seq, int(n) + steps)
+        return {
+            "variant": "vmm (memory only)",
+            "held_bytes": cache.backed_bytes(),
+            "reserved_bytes": cache.reserved_bytes(),
+        }
+    finally:
+        cache.close()
+
+
 def plot(report: dict, path: Path) -> None:
     pts = report["points"]
     labels = [f"B{p['batch']}\nT{p['context']}" for p in pts]
-    kinds = list(pts[0]["cases"]) if pts else []
+    kinds = [v for v in ST.VARIANTS if any(v in p["cases"] for p in pts)]
     x = np.arange(len(pts))
-    w = 0.8 / max(len(kinds), 1)
-    with two_panel_figure(path, f"decode step, jax_vmm vs preallocated ({report['device']})") as (
+    w = 0.8 / max(len(kinds) + 1, 1)
+    with two_panel_figure(
+        path, f"decode step: memory backends x attention ({report['device']})"
+    ) as (
         a1,
         a2,
     ):
         for i, kind in enumerate(kinds):
-            a1.bar(x + i * w, [p["cases"][kind]["step_ms"] for p in pts], w, label=kind)
-        a1.set_xticks(x + w * (len(kinds) - 1) / 2, labels, fontsize=8)
-        a1.set_ylabel("decode step (ms)")
+            a1.bar(
+                x + i * w,
+                [p["cases"][kind]["step_ms"] if kind in p["cases"] else 0 for p in pts],
+                w,
+                label=kind,
+            )
+        a1.bar(x + len(kinds) * w, [p["floor_ms"] for p in pts], w, label="floor", color="k")
+        a1.set_xticks(x + w * len(kinds) / 2, labels, fontsize=8)
+        a1.set_ylabel("ms per decode step (attention + KV write, all layers)")
         a1.set_title("step time", fontsize=10)
-        a1.legend(fontsize=8)
+        a1.legend(fontsize=7)
         big = max((p["capacity_bytes"] for p in pts), default=0) >= 1 << 30
         unit, div = ("GiB", 1024.0**3) if big else ("MiB", 1024.0**2)
+        vmm = next((k for k in ("vmm+kernel", "vmm+cudnn") if k in kinds), None)
         a2.bar(x - 0.2, [p["capacity_bytes"] / div for p in pts], 0.2, label="prealloc holds")
-        a2.bar(
-            x,
-            [p["cases"]["vmm+kernel"]["held_bytes"] / div for p in pts],
-            0.2,
-            label="jax_vmm backed (peak)",
-        )
+        if vmm:
+            a2.bar(
+                x,
+                [p["cases"][vmm]["held_bytes"] / div for p in pts],
+                0.2,
+                label="jax_vmm backed",
+            )
         a2.bar(x + 0.2, [p["live_bytes"] / div for p in pts], 0.2, label="live tokens")
         a2.set_xticks(x, labels, fontsize=8)
         a2.set_ylabel(unit)

@@ -21,7 +21,6 @@ one cache.
 from __future__ import annotations
 
 import contextlib
-import time
 from typing import Any, Protocol
 
 import jax
@@ -32,6 +31,9 @@ import jax_vmm
 from examples.model import ModelConfig
 
 BACKENDS = ("jax_vmm", "prealloc")
+# KV storage: the model's dtype, or fp8 (float8_e4m3fn with float32 scales per layer and
+# KV head, here 1.0: the example's random weights give O(1) keys and values).
+KV_DTYPES = ("model", "fp8")
 
 
 def write_layer(
@@ -45,6 +47,8 @@ class CacheBackend(Protocol):
     name: str
     max_seqs: int
     max_tokens: int
+    kv_dtype: str  # "model" | "fp8"
+    token_bytes: int  # KV bytes per token, all layers
     tail_may_be_garbage: bool  # past a sequence's length: maybe non-finite bit patterns
 
     def cache(self) -> jax_vmm.KVCache: ...
@@ -53,7 +57,8 @@ class CacheBackend(Protocol):
         self, layer: jax_vmm.KVLayer, new_k: jax.Array, new_v: jax.Array, slots: jax.Array
     ) -> jax_vmm.KVLayer: ...
     def ensure(self, seq: int, num_tokens: int) -> None: ...
-    def release(self, seq: int) -> None: ...
+    def ensure_all(self, num_tokens: np.ndarray) -> None: ...
+    def release(self, seq: int, *, reuse: bool = False) -> None: ...
     def check(self) -> None: ...
     def backed_bytes(self) -> int: ...
     def reserved_bytes(self) -> int: ...
@@ -75,9 +80,27 @@ class _ReturnedBytes:
         )
 
 
-def capacity_bytes(cfg: ModelConfig, max_seqs: int, max_tokens: int) -> int:
+def kv_storage_dtype(cfg: ModelConfig, kv_dtype: str = "model") -> np.dtype:
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
+    return np.dtype(jnp.float8_e4m3fn) if kv_dtype == "fp8" else np.dtype(cfg.jnp_dtype)
+
+
+def kv_token_bytes(cfg: ModelConfig, kv_dtype: str = "model") -> int:
+    """Bytes one token occupies in the KV cache over all layers (K and V)."""
+    itemsize = kv_storage_dtype(cfg, kv_dtype).itemsize
+    return cfg.kv_bytes_per_token // cfg.jnp_dtype.itemsize * itemsize
+
+
+def capacity_bytes(
+    cfg: ModelConfig, max_seqs: int, max_tokens: int, kv_dtype: str = "model"
+) -> int:
     """What a preallocated cache of this shape holds: every slot at full length."""
-    return cfg.kv_bytes_per_token * max_seqs * max_tokens
+    return kv_token_bytes(cfg, kv_dtype) * max_seqs * max_tokens
+
+
+def _unit_scales(cfg: ModelConfig) -> np.ndarray:
+    return np.ones((cfg.num_layers, cfg.num_kv_heads), np.float32)
 
 
 class PreallocatedCache:
@@ -88,16 +111,27 @@ class PreallocatedCache:
     write = staticmethod(write_layer)
 
     def __init__(
-        self, cfg: ModelConfig, *, max_seqs: int, max_tokens: int, device: jax.Device | None = None
+        self,
+        cfg: ModelConfig,
+        *,
+        max_seqs: int,
+        max_tokens: int,
+        device: jax.Device | None = None,
+        kv_dtype: str = "model",
     ) -> None:
         self.max_seqs, self.max_tokens = max_seqs, max_tokens
+        self.kv_dtype, self.token_bytes = kv_dtype, kv_token_bytes(cfg, kv_dtype)
+        dtype = kv_storage_dtype(cfg, kv_dtype)
         shape = (max_seqs, max_tokens, cfg.num_kv_heads, cfg.head_dim)
         with jax.default_device(device) if device is not None else contextlib.nullcontext():
-            zeros = jax.jit(lambda: jnp.zeros(shape, cfg.jnp_dtype))
+            zeros = jax.jit(lambda: jnp.zeros(shape, dtype))
             ks = [zeros() for _ in range(cfg.num_layers)]
             vs = [zeros() for _ in range(cfg.num_layers)]
-        self._cache = jax_vmm.KVCache.from_arrays(ks, vs)
-        self._bytes = capacity_bytes(cfg, max_seqs, max_tokens)
+            fp8 = kv_dtype == "fp8"
+            k_scales = [jnp.asarray(row) for row in _unit_scales(cfg)] if fp8 else None
+            v_scales = [jnp.asarray(row) for row in _unit_scales(cfg)] if fp8 else None
+        self._cache = jax_vmm.KVCache.from_arrays(ks, vs, k_scales=k_scales, v_scales=v_scales)
+        self._bytes = capacity_bytes(cfg, max_seqs, max_tokens, kv_dtype)
         self._returned = _ReturnedBytes()
 
     def cache(self) -> jax_vmm.KVCache:
@@ -115,7 +149,11 @@ class PreallocatedCache:
                 f"{self.max_tokens} per sequence"
             )
 
-    def release(self, seq: int) -> None:
+    def ensure_all(self, num_tokens: np.ndarray) -> None:
+        for seq, n in enumerate(num_tokens):
+            self.ensure(seq, int(n))
+
+    def release(self, seq: int, *, reuse: bool = False) -> None:
         pass  # the memory stays held: that is the baseline's cost
 
     def check(self) -> None:
@@ -157,30 +195,38 @@ class VmmCache:
         max_tokens: int,
         device: jax.Device | None = None,
         chunk_bytes: int | None = None,
+        zero_fill: bool = False,
+        kv_dtype: str = "model",
         sharding: Any = None,
     ) -> None:
-        # sharding (examples/tensor_parallel.py): one arena per device of its mesh.
+        """zero_fill: committed tokens read as zeros until written (costs a fill per
+        commit; for readers of tokens never written). kv_dtype:
+        "model" = the model's dtype, or "fp8" (float8_e4m3fn, scale 1 per layer and KV
+        head: docs/kv_cache.md). sharding (examples/tensor_parallel.py): one arena per
+        device of its mesh."""
         device = device or jax.devices()[0]
         # Host arenas hand out zero-filled pages (memfd) and read zeros where unbacked;
         # CUDA physical memory (cuMemCreate) comes uninitialised.
-        self.tail_may_be_garbage = device.platform != "cpu"
+        self.tail_may_be_garbage = device.platform != "cpu" and not zero_fill
         self.max_seqs, self.max_tokens = max_seqs, max_tokens
+        self.kv_dtype, self.token_bytes = kv_dtype, kv_token_bytes(cfg, kv_dtype)
+        fp8 = kv_dtype == "fp8"
         self.kv = jax_vmm.kv_arena(
             num_layers=cfg.num_layers,
             num_kv_heads=cfg.num_kv_heads,
             head_dim=cfg.head_dim,
             max_tokens=max_tokens,
-            dtype=cfg.jnp_dtype,
+            dtype=kv_storage_dtype(cfg, kv_dtype),
+            k_scales=_unit_scales(cfg) if fp8 else None,
+            v_scales=_unit_scales(cfg) if fp8 else None,
             device=None if sharding is not None else device,
             max_seqs=max_seqs,
             chunk_bytes=chunk_bytes,
+            zero_fill=zero_fill,
             sharding=sharding,
         )
         self._cache = self.kv.cache()
         self._returned = _ReturnedBytes()
-        self._backed_tokens = [0] * max_seqs  # host mirror: skip no-op ensure() calls
-        self.ensure_calls = 0
-        self.ensure_seconds = 0.0
 
     def cache(self) -> jax_vmm.KVCache:
         return self._cache
@@ -192,23 +238,20 @@ class VmmCache:
         self._cache = cache
 
     def ensure(self, seq: int, num_tokens: int) -> None:
-        if num_tokens <= self._backed_tokens[seq]:
-            return
-        t0 = time.perf_counter()
+        # Exactly what the sequence needs: the arena's table then admits writes up to
+        # there, a chunk it shares with a neighbour stays while either needs it, and
+        # commit ahead backs the next chunk only once the sequence nears its end. Within
+        # backed chunks this makes no call into the core.
         self.kv.ensure(num_tokens, seq)
-        backed = self.kv.backed_tokens(seq)  # chunk rounding: usually more than asked
-        if backed > num_tokens:
-            # Claim the rounded-up tokens too (no new memory): the steps will write them
-            # without asking again, so a neighbour sharing the last chunk must not
-            # release it when it finishes, and the kernels admit writes there.
-            self.kv.ensure(backed, seq)
-        self.ensure_seconds += time.perf_counter() - t0
-        self.ensure_calls += 1
-        self._backed_tokens[seq] = backed
 
-    def release(self, seq: int) -> None:
-        self.kv.release(seq)
-        self._backed_tokens[seq] = 0
+    def ensure_all(self, num_tokens: np.ndarray) -> None:
+        """ensure for every sequence at once (0: nothing asked), one table update."""
+        self.kv.ensure_all(num_tokens)
+
+    def release(self, seq: int, *, reuse: bool = False) -> None:
+        """reuse: the slot takes another sequence next (its first chunk is backed again
+        in the background)."""
+        self.kv.release(seq, reuse=reuse)
 
     def check(self) -> None:
         """Raises jax_vmm.OutOfBoundsWrite if a write was dropped (a token not ensured),
@@ -236,12 +279,16 @@ def make_cache(
     max_tokens: int,
     device: jax.Device | None = None,
     chunk_bytes: int | None = None,
+    kv_dtype: str = "model",
     sharding: Any = None,
 ) -> CacheBackend:
+    kv_storage_dtype(cfg, kv_dtype)  # a bad kv_dtype fails here, before any memory
     if backend == "prealloc":
         if sharding is not None:
             raise ValueError("a sharded (--tp) cache needs the jax_vmm backend")
-        return PreallocatedCache(cfg, max_seqs=max_seqs, max_tokens=max_tokens, device=device)
+        return PreallocatedCache(
+            cfg, max_seqs=max_seqs, max_tokens=max_tokens, device=device, kv_dtype=kv_dtype
+        )
     if backend == "jax_vmm":
         return VmmCache(
             cfg,
@@ -249,6 +296,7 @@ def make_cache(
             max_tokens=max_tokens,
             device=device,
             chunk_bytes=chunk_bytes,
+            kv_dtype=kv_dtype,
             sharding=sharding,
         )
     raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")

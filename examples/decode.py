@@ -4,10 +4,11 @@
     python examples/decode.py --backend prealloc  # the plain-JAX preallocated baseline
     python examples/decode.py --preset gpu        # realistic size (default on a GPU)
 
-Prefill, then greedy token-by-token decode in a jitted step that takes and returns the
-cache (a `jax_vmm.KVCache` pytree; donated), with continuous batching: each of --batch
-slots serves requests one after another; a finished sequence releases its KV memory and
-its slot takes the next request. Prints a progress bar and a summary, and writes a plot
+Prefill, then greedy decode in blocks of --block steps, each one jitted device loop that
+takes and returns the cache (a `jax_vmm.KVCache` pytree; donated), with continuous
+batching: each of --batch slots serves requests one after another; a finished sequence
+releases its KV memory and its slot takes the next request. The host dispatches the next
+block before it reads the last one's tokens. Prints a progress bar and a summary, and writes a plot
 of backed KV memory per step next to what a preallocated cache of the same capacity
 holds.
 """
@@ -33,9 +34,10 @@ import jax  # noqa: E402
 from examples import engine as E  # noqa: E402
 from examples import model as M  # noqa: E402
 from examples import tensor_parallel as TP  # noqa: E402
-from examples.attention import ATTENTION_CHOICES, choose_attention  # noqa: E402
-from examples.cache import BACKENDS, capacity_bytes, make_cache  # noqa: E402
+from examples.attention import ATTENTION_CHOICES, FP8_HEAD_DIMS, choose_attention  # noqa: E402
+from examples.cache import BACKENDS, KV_DTYPES, capacity_bytes, make_cache  # noqa: E402
 from examples.report import fmt_bytes, matplotlib_missing, plot_memory  # noqa: E402
+from examples.sleep_wake import EngineSleeper, same_tokens  # noqa: E402
 
 # Serving defaults per preset: batch (slots), per-sequence max_tokens, requests, prompt and
 # new-token length ranges, arena chunk size.
@@ -93,14 +95,35 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--attention",
         choices=ATTENTION_CHOICES,
         default="auto",
-        help="auto = jax_vmm.decode_attention for the jax_vmm backend, the plain-XLA "
-        "reference for prealloc",
+        help="auto = jax_vmm.decode_attention for the jax_vmm backend; for prealloc cuDNN "
+        "on a GPU (bf16), else the plain-XLA reference",
     )
     p.add_argument("--batch", type=int, help="sequence slots decoded together")
+    p.add_argument(
+        "--block",
+        type=int,
+        default=E.DEFAULT_BLOCK,
+        help=f"decode steps per host call, in one device loop (default {E.DEFAULT_BLOCK})",
+    )
     p.add_argument("--max-tokens", type=int, help="per-sequence cache capacity")
     p.add_argument("--requests", type=int, help="number of requests to serve")
     p.add_argument("--prompt-len", type=int, nargs=2, metavar=("MIN", "MAX"))
     p.add_argument("--new-tokens", type=int, nargs=2, metavar=("MIN", "MAX"))
+    p.add_argument(
+        "--kv-dtype",
+        choices=KV_DTYPES,
+        default="model",
+        help="KV storage: the model's dtype, or fp8 (float8_e4m3fn, scales 1.0; read by "
+        "the jax_vmm kernel)",
+    )
+    p.add_argument(
+        "--sleep-every",
+        type=int,
+        metavar="K",
+        help="then serve the requests again, sleeping and waking the whole engine (KV "
+        "arena and weights) after every K decode blocks, with sequences in flight; "
+        "checks that generation is unchanged (jax_vmm backend)",
+    )
     p.add_argument("--layers", type=int, help="override the preset's layer count")
     p.add_argument("--chunk-bytes", type=int, help="arena commit granularity (jax_vmm)")
     p.add_argument("--seed", type=int, default=0)
@@ -140,6 +163,16 @@ def main(argv: list[str] | None = None) -> dict:
         "chunk_bytes": args.chunk_bytes,
     }
     serving.update({k: v for k, v in overrides.items() if v is not None})
+    if args.kv_dtype == "fp8" and cfg.head_dim not in FP8_HEAD_DIMS:
+        raise SystemExit(
+            f"decode.py: --kv-dtype fp8: jax_vmm's fp8 attention takes head_dim in "
+            f"{FP8_HEAD_DIMS}; the {preset} preset's is {cfg.head_dim} (use --preset gpu)"
+        )
+    if args.sleep_every is not None and (args.sleep_every < 1 or args.backend != "jax_vmm"):
+        raise SystemExit(
+            f"decode.py: --sleep-every {args.sleep_every}: needs K >= 1 and --backend "
+            "jax_vmm (it sleeps the jax_vmm arenas)"
+        )
 
     with jax.default_device(device):
         params = M.init_params(cfg, seed=args.seed)
@@ -162,6 +195,7 @@ def main(argv: list[str] | None = None) -> dict:
             max_tokens=serving["max_tokens"],
             device=device,
             chunk_bytes=serving["chunk_bytes"],
+            kv_dtype=args.kv_dtype,
             sharding=None if mesh is None else TP.cache_sharding(mesh),
         )
         try:
@@ -170,18 +204,29 @@ def main(argv: list[str] | None = None) -> dict:
                 backend=args.backend,
                 platform=device.platform,
                 tail_may_be_garbage=cache.tail_may_be_garbage,
+                dtype=cfg.dtype,
+                kv_dtype=args.kv_dtype,
             )
         except (ValueError, RuntimeError) as e:  # a bad flag combination: say which
             cache.close()
             raise SystemExit(f"decode.py: {e}") from None
-        gen = E.Generator(params, cfg, cache, attend)
+        sleeper = None
+        if args.sleep_every is not None:  # the weights go into an arena: they sleep too
+            sleeper = EngineSleeper(cache.kv, params, device)
+            params = sleeper.params
+        try:
+            gen = E.Generator(params, cfg, cache, attend, block=args.block)
+        except ValueError as e:
+            cache.close()
+            raise SystemExit(f"decode.py: --block: {e}") from None
         print(f"model: {M.config_summary(cfg)}")
         print(
             f"serving {len(requests)} requests (prompts {serving['prompt_len'][0]}-"
             f"{serving['prompt_len'][1]}, new tokens {serving['new_tokens'][0]}-"
             f"{serving['new_tokens'][1]}) on {serving['batch']} slots x "
-            f"{serving['max_tokens']} tokens | backend {cache.name}, writes "
-            f"{_write_name(cache)}, attention {attn_name}, device {device.platform}"
+            f"{serving['max_tokens']} tokens | backend {cache.name}, KV "
+            f"{'fp8' if args.kv_dtype == 'fp8' else cfg.dtype}, writes {_write_name(cache)}, "
+            f"attention {attn_name}, device {device.platform}"
         )
         gen.precompile(requests)  # before the progress bar: compile time is not serving
         total = sum(r.max_new_tokens for r in requests)
@@ -197,9 +242,23 @@ def main(argv: list[str] | None = None) -> dict:
                 bar.close()
         stats = cache.stats()
         summary = summarize(report, stats, cache, cfg, serving, device, attn_name)
+        differ = None
+        if sleeper is not None:
+            slept = gen.run(requests, pause_every=args.sleep_every, pause=sleeper.pause)
+            differ = same_tokens(report, slept)
+            summary["sleep"] = dict(
+                sleeper.stats.summary(),
+                every_blocks=args.sleep_every,
+                generation_unchanged=not differ,
+            )
+            sleeper.close()
         cache.close()
 
     print_summary(summary)
+    if differ:
+        raise SystemExit(
+            f"decode.py: generation changed across sleep/wake (requests {differ[:10]})"
+        )
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2))
     missing = None if args.no_plot else matplotlib_missing()
@@ -233,13 +292,14 @@ def summarize(
     device: jax.Device,
     attention: str,
 ) -> dict:
-    capacity = capacity_bytes(cfg, serving["batch"], serving["max_tokens"])
+    capacity = capacity_bytes(cfg, serving["batch"], serving["max_tokens"], cache.kv_dtype)
     peak_backed = max(
         max((r.backed_bytes for r in report.trace), default=0),
         int(stats.get("peak_backed_bytes", 0)),
     )
     return {
         "backend": cache.name,
+        "kv_dtype": cache.kv_dtype,
         "writes": _write_name(cache),
         "attention": attention,
         "device": device.platform,
@@ -250,8 +310,11 @@ def summarize(
         "tokens_per_second": report.generated_tokens / max(report.seconds, 1e-9),
         "compile_seconds": report.compile_seconds,
         "decode_steps": report.decode_steps,
+        "decode_blocks": report.blocks,
+        "block": report.block,
         "prefills": report.prefills,
         "host_memory_seconds": report.ensure_seconds,
+        "host_memory_share": report.ensure_seconds / max(report.seconds, 1e-9),
         "capacity_bytes": capacity,
         "reserved_bytes": cache.reserved_bytes(),
         "peak_backed_bytes": peak_backed,
@@ -270,8 +333,13 @@ def print_summary(s: dict) -> None:
     cap = s["capacity_bytes"]
     print(
         f"\n{s['generated_tokens']} tokens in {s['seconds']:.2f} s = "
-        f"{s['tokens_per_second']:.0f} tokens/s ({s['decode_steps']} decode steps, "
-        f"{s['prefills']} prefills; compile {s['compile_seconds']:.1f} s, not counted)"
+        f"{s['tokens_per_second']:.0f} tokens/s ({s['decode_steps']} decode steps in "
+        f"{s['decode_blocks']} blocks of {s['block']}, {s['prefills']} prefills; compile "
+        f"{s['compile_seconds']:.1f} s, not counted)"
+    )
+    print(
+        f"host time in ensure/release: {1e3 * s['host_memory_seconds']:.1f} ms of "
+        f"{s['seconds']:.2f} s ({100 * s['host_memory_share']:.2f}% of the serving time)"
     )
     print(
         f"KV memory: reserved {fmt_bytes(s['reserved_bytes'])} | backed peak "
@@ -284,12 +352,20 @@ def print_summary(s: dict) -> None:
         print(
             f"commits: {s['commit_calls']} calls, {1e3 * s['commit_seconds']:.1f} ms | "
             f"decommits: {s['decommit_calls']} calls, "
-            f"{1e3 * s['decommit_seconds']:.1f} ms | host time in ensure/release "
-            f"{1e3 * s['host_memory_seconds']:.1f} ms"
+            f"{1e3 * s['decommit_seconds']:.1f} ms"
         )
         print(
             f"each step returned a cache of {s['returned_cache_bytes']} bytes (the arena is "
             "the state: nothing of it is copied)"
+        )
+    if "sleep" in s:
+        z = s["sleep"]
+        print(
+            f"sleep/wake (KV arena + weights) every {z['every_blocks']} blocks, sequences in "
+            f"flight: {z['cycles']} cycles, sleep {z['sleep_ms_median']:.1f} ms / wake "
+            f"{z['wake_ms_median']:.1f} ms (median), held while asleep "
+            f"{fmt_bytes(z['asleep_backed_bytes'])}; generation unchanged: "
+            f"{'yes' if z['generation_unchanged'] else 'NO'}"
         )
 
 

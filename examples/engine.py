@@ -1,10 +1,13 @@
-"""Continuous-batching greedy generation over a KV cache backend.
+"""Continuous-batching generation over a KV cache backend, decoded in blocks on the device.
 
-`Generator` owns the compiled steps (prefill per prompt-length bucket, one decode step,
-cache donated in both); `Generator.run` serves a list of requests with `max_seqs` slots:
-a finished sequence releases its memory and its slot takes the next request. The
-schedule depends only on the requests (fixed prompt and generation lengths, no EOS), so
-two backends given the same requests run exactly the same steps.
+`Generator` owns the compiled programs of `examples/steps.py` (prefill into a slot per
+prompt-length bucket; a block of N greedy decode steps in one device loop; cache and
+decode state donated in both); `Generator.run` serves a list of requests with
+`max_seqs` slots: a finished sequence releases its memory and its slot takes the next
+request. The host schedules (admits, prefills, ensures, releases) while the device runs
+the previous block, and reads a block's tokens only after it dispatched the next. The
+schedule depends only on the requests and the stop tokens, so two backends given the
+same requests run exactly the same steps.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from examples import model as M
+from examples import steps as S
 from examples.cache import CacheBackend
 
 
@@ -42,10 +46,10 @@ class Result:
 
 @dataclasses.dataclass
 class StepRecord:
-    """Memory after one engine step (a prefill or a decode step), finished sequences
-    already released."""
+    """Memory after one engine call is dispatched (a prefill or a decode block), the
+    sequences read as finished by then already released."""
 
-    kind: str  # "prefill" | "decode"
+    kind: str  # "prefill" | "decode" (a block) | "end" (after the last release)
     backed_bytes: int  # physical KV memory held by the backend
     live_bytes: int  # bytes of the tokens actually cached
     active: int  # sequences in flight
@@ -58,9 +62,12 @@ class RunReport:
     seconds: float  # wall time of the serving loop (compile excluded)
     compile_seconds: float
     generated_tokens: int
-    decode_steps: int
+    decode_steps: int  # device steps (blocks x steps per block)
     prefills: int
     ensure_seconds: float  # host time spent in cache.ensure/release
+    blocks: int = 0  # host calls of the decode block
+    block: int = 1  # decode steps per block
+    pauses: int = 0  # pause() calls (sleep/wake)
 
 
 def make_requests(
@@ -95,95 +102,148 @@ def prompt_bucket(length: int, minimum: int = 64) -> int:
     return b
 
 
-@dataclasses.dataclass
+DEFAULT_BLOCK = 16  # decode steps per host call (see Generator)
+
+
+@dataclasses.dataclass(eq=False)
 class _Slot:
+    """A request in a slot, as the host sees it (the device state may be ahead)."""
+
     request: Request
     result: Result
-    position: int  # position of the next input token (= tokens cached)
-    last_token: int
+    blocks: int = 0  # blocks dispatched since its prefill
+    feed: int = -1  # host-chosen next token (tokens chosen on the host), else -1
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.request.prompt)
+
+    def cached_after(self, blocks: int, block: int) -> int:
+        """Tokens in the cache once `blocks` blocks of `block` steps have run (at most:
+        a stop token ends it sooner)."""
+        return self.prompt_len + min(blocks * block, self.request.max_new_tokens - 1)
+
+
+@dataclasses.dataclass
+class _Read:
+    """A dispatched call whose tokens the host has not read yet."""
+
+    slots: list[_Slot | None]  # who each column belonged to at dispatch
+    tokens: jax.Array  # (steps, B) int32, -1 = no step; or () for a prefill
+    logits: jax.Array | None  # (steps, B, vocab) / (vocab,) when needed on the host
+
+
+def check_block(block: object) -> None:
+    if isinstance(block, bool) or not isinstance(block, int) or block < 1:
+        raise ValueError(
+            f"block (decode steps per host call) must be an integer >= 1, got {block!r}"
+        )
 
 
 class Generator:
-    """Compiled prefill/decode steps for one model, cache backend and attention choice.
-    Not thread-safe."""
+    """Compiled prefill and decode-block programs for one model, cache backend and
+    attention choice; `run` serves requests with continuous batching. Not thread-safe.
+
+    block: decode steps per host call, in one device loop (`examples/steps.py`). Before
+    each call the host ensures the tokens every live sequence can reach in it; it
+    dispatches block k+1 before it reads block k's tokens, so admitting requests, prefill
+    dispatch and ensure/release overlap the device. A sequence that finishes inside a
+    block (its last token, or a stop token) is masked for the rest of it. 16 (the
+    default): the loop length measured to replay as a graph on the H200; each finished
+    sequence leaves its slot idle for the rest of its block, at most block - 1 steps.
+    stop_tokens: a sequence ends at the first of these it generates (kept in its
+    tokens), on the device, inside a block."""
 
     def __init__(
-        self, params: M.Params, cfg: M.ModelConfig, cache: CacheBackend, attend: M.AttendFn
+        self,
+        params: M.Params,
+        cfg: M.ModelConfig,
+        cache: CacheBackend,
+        attend: M.AttendFn,
+        *,
+        block: int = DEFAULT_BLOCK,
+        stop_tokens: tuple[int, ...] = (),
     ) -> None:
-        self.params, self.cfg, self.cache = params, cfg, cache
-        # The cache (a jax_vmm.KVCache) is donated: an array cache is updated in place where
-        # XLA can; an arena cache carries only tokens (the arena is written in place anyway).
-        self._decode = jax.jit(
-            functools.partial(M.decode_step, cfg=cfg, write=cache.write, attend=attend),
-            donate_argnums=(1,),
-        )
-        self._prefill = jax.jit(
-            functools.partial(M.prefill, cfg=cfg, write=cache.write), donate_argnums=(1,)
-        )
+        check_block(block)
+        bad = [t for t in stop_tokens if not (isinstance(t, int) and 0 <= t < cfg.vocab)]
+        if bad:
+            raise ValueError(f"stop tokens {bad} are not token ids of the model's [0, {cfg.vocab})")
+        self.params, self.cfg, self.cache, self.attend = params, cfg, cache, attend
+        self.block, self.stop_tokens = block, tuple(sorted(set(stop_tokens)))
         self._compiled: dict[tuple, Callable] = {}
         self.compile_seconds = 0.0
 
-    def _get(self, key: tuple, fn: Callable, *args: object) -> Callable:
+    # -- compiled programs -------------------------------------------------------------
+    def _get(self, key: tuple, make: Callable[[], Callable], *args: object) -> Callable:
         # AOT compile so serving time excludes compilation (reported separately).
         if key not in self._compiled:
             t0 = time.perf_counter()
-            self._compiled[key] = fn.lower(*args).compile()
+            self._compiled[key] = make().lower(*args).compile()
             self.compile_seconds += time.perf_counter() - t0
         return self._compiled[key]
 
-    def decode(self, tokens: np.ndarray, positions: np.ndarray) -> tuple[jax.Array, jax.Array]:
-        """One decode step over all slots (positions -1 = idle). Returns (logits, next)."""
-        args = (
-            self.params,
-            self.cache.cache(),
-            jnp.asarray(tokens, jnp.int32),
-            jnp.asarray(positions, jnp.int32),
-        )
-        fn = self._get(("decode",), self._decode, *args)
-        logits, nxt, out = fn(*args)
-        self.cache.update(out)
-        return logits, nxt
+    def _prefill_fn(self, bucket: int, stops: tuple[int, ...], args: tuple) -> Callable:
+        def make():
+            return jax.jit(
+                functools.partial(
+                    S.prefill_slot, cfg=self.cfg, write=self.cache.write, stop_tokens=stops
+                ),
+                donate_argnums=(1, 2),
+            )
 
-    def prefill(self, seq: int, prompt: np.ndarray) -> jax.Array:
-        """Prefills one prompt into slot `seq`. Returns the last token's logits."""
+        return self._get(("prefill", bucket, stops), make, *args)
+
+    def _block_fn(self, steps: int, stops: tuple[int, ...], logits: bool, args: tuple):
+        def make():
+            return jax.jit(
+                functools.partial(
+                    S.decode_block,
+                    num_steps=steps,
+                    cfg=self.cfg,
+                    write=self.cache.write,
+                    attend=self.attend,
+                    stop_tokens=stops,
+                    with_logits=logits,
+                ),
+                donate_argnums=(1, 2),
+            )
+
+        return self._get(("block", steps, stops, logits), make, *args)
+
+    def _prefill_args(self, state: S.DecodeState, prompt: np.ndarray, seq: int, new: int):
         bucket = prompt_bucket(len(prompt))
         padded = np.zeros(bucket, np.int32)
         padded[: len(prompt)] = prompt
-        args = (
+        return bucket, (
             self.params,
             self.cache.cache(),
+            state,
             jnp.asarray(padded),
             jnp.int32(len(prompt)),
             jnp.int32(seq),
+            jnp.int32(new),
         )
-        fn = self._get(("prefill", bucket), self._prefill, *args)
-        logits, out = fn(*args)
-        self.cache.update(out)
-        return logits
 
-    def decode_temp_bytes(self) -> int:
-        """XLA temp memory of the compiled decode step (-1 where XLA does not say)."""
-        try:
-            return int(self._compiled[("decode",)].memory_analysis().temp_size_in_bytes)
-        except Exception:  # memory_analysis is best effort on some backends
-            return -1
+    def _host_mode(self, force_tokens, select_token) -> bool:
+        return force_tokens is not None or select_token is not None
 
-    def precompile(self, requests: list[Request]) -> None:
-        """Compiles every step `run` will need, without running any."""
+    def precompile(
+        self, requests: list[Request], *, host_tokens: bool = False, record_logits: bool = False
+    ) -> None:
+        """Compiles every program `run` will need (with the same options), without
+        running any. host_tokens: run() gets force_tokens or select_token."""
         b = self.cache.max_seqs
-        z = np.zeros(b, np.int32)
-        args = (self.params, self.cache.cache(), jnp.asarray(z), jnp.asarray(z))
-        self._get(("decode",), self._decode, *args)
-        for bucket in sorted({prompt_bucket(len(r.prompt)) for r in requests}):
-            args = (
-                self.params,
-                self.cache.cache(),
-                jnp.zeros(bucket, jnp.int32),
-                jnp.int32(1),
-                jnp.int32(0),
-            )
-            self._get(("prefill", bucket), self._prefill, *args)
+        state = S.idle_state(b)
+        stops = () if host_tokens else self.stop_tokens
+        steps = 1 if host_tokens else self.block
+        control = jnp.full(b, S.KEEP, jnp.int32)
+        logits = record_logits or host_tokens
+        self._block_fn(steps, stops, logits, (self.params, self.cache.cache(), state, control))
+        for r in {prompt_bucket(len(r.prompt)): r for r in requests}.values():
+            bucket, args = self._prefill_args(state, r.prompt, 0, 1)
+            self._prefill_fn(bucket, stops, args)
 
+    # -- serving -----------------------------------------------------------------------
     def run(
         self,
         requests: list[Request],
@@ -192,14 +252,20 @@ class Generator:
         progress: Callable[[int], None] | None = None,
         force_tokens: dict[int, list[int]] | None = None,
         select_token: Callable[[int, np.ndarray], int] | None = None,
+        pause_every: int | None = None,
+        pause: Callable[[], None] | None = None,
     ) -> RunReport:
-        """Serves all requests with continuous batching; greedy sampling.
+        """Serves all requests with continuous batching; greedy on the device.
 
         force_tokens (request id -> tokens): feed these back instead of the greedy ones
         (teacher forcing), so that two runs compare logits at every step even after a
         near-tie; ``Result.greedy`` still records each step's argmax.
         select_token(request id, logits (vocab,) fp32) -> token: choose each fed-back
-        token on the host instead (sampling); every step's logits then come to the host."""
+        token on the host instead (sampling). Either makes every token a host decision:
+        one step per host call, each read before the next is dispatched, stop tokens
+        checked on the host.
+        pause_every K, pause(): after every K blocks, wait for everything dispatched and
+        call pause() with sequences in flight (sleep/wake the engine), then go on."""
         cache, max_tokens = self.cache, self.cache.max_tokens
         for r in requests:
             need = len(r.prompt) + r.max_new_tokens - 1
@@ -208,95 +274,165 @@ class Generator:
                     f"request {r.id}: prompt {len(r.prompt)} + {r.max_new_tokens} new tokens "
                     f"needs {need} cached tokens; the cache holds 1..{max_tokens} per sequence"
                 )
-        self.precompile(requests)
-        bpt = self.cfg.kv_bytes_per_token
-        host_logits_needed = record_logits or select_token is not None
+        if pause_every is not None and (
+            isinstance(pause_every, bool) or not isinstance(pause_every, int) or pause_every < 1
+        ):
+            raise ValueError(f"pause_every must be an integer >= 1 or None, got {pause_every!r}")
+        if (pause_every is None) != (pause is None):
+            raise ValueError("pause_every and pause go together: give both or neither")
+        host_mode = self._host_mode(force_tokens, select_token)
+        self.precompile(requests, host_tokens=host_mode, record_logits=record_logits)
+        n = 1 if host_mode else self.block
+        stops = () if host_mode else self.stop_tokens
+        want_logits = record_logits or host_mode
+        host_stops = set(self.stop_tokens) if host_mode else set()
+        bpt = cache.token_bytes
+        batch = cache.max_seqs
         queue = collections.deque(requests)
-        slots: list[_Slot | None] = [None] * cache.max_seqs
+        slots: list[_Slot | None] = [None] * batch
         results: dict[int, Result] = {}
         trace: list[StepRecord] = []
+        pending: collections.deque[_Read] = collections.deque()
+        counts = collections.Counter()
         host_seconds = 0.0
-        decode_steps = prefills = generated = 0
+        warm: set[int] = set()  # released for reuse: the first chunk is backed ahead
+
+        def timed(fn: Callable, *args) -> None:
+            nonlocal host_seconds
+            t0 = time.perf_counter()
+            fn(*args)
+            host_seconds += time.perf_counter() - t0
 
         def record(kind: str) -> None:
-            live = sum(s.position for s in slots if s is not None)
+            live = sum(s.cached_after(s.blocks, n) for s in slots if s is not None)
             trace.append(
                 StepRecord(
                     kind, cache.backed_bytes(), live * bpt, sum(s is not None for s in slots)
                 )
             )
 
-        def emit(seq: int, token: int, logits: np.ndarray | None) -> None:
-            nonlocal generated, host_seconds
-            s = slots[seq]
-            s.result.greedy.append(token)
-            if force_tokens is not None:
-                token = int(force_tokens[s.request.id][len(s.result.tokens)])
-            elif select_token is not None:
-                token = int(select_token(s.request.id, logits))
-            s.result.tokens.append(token)
-            if record_logits:
-                s.result.logits.append(logits)
-            s.last_token = token
-            generated += 1
-            if progress is not None:
-                progress(1)
-            if len(s.result.tokens) == s.request.max_new_tokens:
-                t0 = time.perf_counter()
-                cache.release(seq)  # finished: give its memory back now
-                host_seconds += time.perf_counter() - t0
-                slots[seq] = None
+        def retire(seq: int) -> None:
+            # Called once the call that ended the sequence has been read, so has run: a
+            # release changes the table kernels check when they run, and a block still
+            # queued would drop its last writes. Its memory goes back (without waiting
+            # for the device) and the slot takes the next request.
+            reuse = len(queue) > sum(s is None for s in slots)  # a request will take it
+            timed(lambda: cache.release(seq, reuse=reuse))
+            slots[seq] = None
+            if reuse:
+                warm.add(seq)
 
+        def emit(slot: _Slot, token: int, logits: np.ndarray | None) -> bool:
+            """Takes one generated token; True when the request is complete."""
+            res = slot.result
+            res.greedy.append(token)
+            if force_tokens is not None:
+                token = int(force_tokens[slot.request.id][len(res.tokens)])
+            elif select_token is not None:
+                token = int(select_token(slot.request.id, logits))
+            res.tokens.append(token)
+            if record_logits:
+                res.logits.append(logits)
+            slot.feed = token
+            counts["generated"] += 1
+            return (
+                len(res.tokens) == slot.request.max_new_tokens
+                or token in host_stops
+                or (not host_mode and token in self.stop_tokens)
+            )
+
+        def read(item: _Read) -> None:
+            tokens = np.asarray(item.tokens)
+            logits = None if item.logits is None else np.asarray(item.logits)
+            if tokens.ndim == 0:  # a prefill: its one slot
+                (slot,) = [s for s in item.slots if s is not None]
+                steps = [(slot, int(tokens), logits)]
+            else:
+                steps = [
+                    (slot, int(tokens[i, seq]), None if logits is None else logits[i, seq])
+                    for i in range(tokens.shape[0])
+                    for seq, slot in enumerate(item.slots)
+                    if slot is not None and tokens[i, seq] >= 0
+                ]
+            for slot, token, lg in steps:
+                if emit(slot, token, lg):
+                    seq = next((q for q, s in enumerate(slots) if s is slot), None)
+                    if seq is not None:
+                        retire(seq)
+            if progress is not None and steps:
+                progress(len(steps))
+
+        def admit(seq: int) -> None:
+            nonlocal state
+            req = queue.popleft()
+            slot = _Slot(req, results.setdefault(req.id, Result(req.id, len(req.prompt))))
+            timed(cache.ensure, seq, len(req.prompt))
+            slots[seq] = slot
+            warm.discard(seq)
+            bucket, args = self._prefill_args(state, req.prompt, seq, req.max_new_tokens)
+            logits, first, out, state = self._prefill_fn(bucket, stops, args)(*args)
+            cache.update(out)
+            counts["prefills"] += 1
+            cols: list[_Slot | None] = [None] * batch
+            cols[seq] = slot
+            pending.append(_Read(cols, first, logits if want_logits else None))
+            record("prefill")
+
+        state = S.idle_state(batch)
         t_start = time.perf_counter()
-        while queue or any(slots):
-            # Continuous batching: every free slot takes the next waiting request.
-            for seq in range(cache.max_seqs):
-                while slots[seq] is None and queue:
-                    req = queue.popleft()
-                    res = results[req.id] = Result(req.id, len(req.prompt))
-                    t0 = time.perf_counter()
-                    cache.ensure(seq, len(req.prompt))
-                    host_seconds += time.perf_counter() - t0
-                    slots[seq] = _Slot(req, res, len(req.prompt), -1)
-                    logits = self.prefill(seq, req.prompt)
-                    host_logits = np.asarray(logits)
-                    prefills += 1
-                    emit(
-                        seq,
-                        int(np.argmax(host_logits)),
-                        host_logits if host_logits_needed else None,
-                    )
-                    record("prefill")
-            if not any(slots):
+        while queue or any(slots) or pending:
+            for seq in range(batch):  # continuous batching: free slots take requests
+                if slots[seq] is None and queue:
+                    admit(seq)
+            if host_mode:
+                while pending:  # every token is a host decision: read before going on
+                    read(pending.popleft())
+                if not any(slots):
+                    continue
+            elif not any(slots):
+                while pending:
+                    read(pending.popleft())
                 continue
-            tokens = np.zeros(cache.max_seqs, np.int32)
-            positions = np.full(cache.max_seqs, -1, np.int32)
-            t0 = time.perf_counter()
+            control = np.full(batch, S.STOP, np.int32)
+            need = np.zeros(batch, np.int64)
             for seq, s in enumerate(slots):
                 if s is not None:
-                    cache.ensure(seq, s.position + 1)  # commit before the step writes
-                    tokens[seq], positions[seq] = s.last_token, s.position
-            host_seconds += time.perf_counter() - t0
-            logits, nxt = self.decode(tokens, positions)
-            nxt = np.asarray(nxt)
-            host_logits = np.asarray(logits) if host_logits_needed else None
-            decode_steps += 1
-            for seq in range(cache.max_seqs):
-                if slots[seq] is not None:
-                    slots[seq].position += 1
-            for seq in range(cache.max_seqs):
-                if slots[seq] is not None:
-                    emit(seq, int(nxt[seq]), host_logits[seq] if host_logits is not None else None)
+                    need[seq] = s.cached_after(s.blocks + 1, n)  # what the block can write
+                    control[seq] = s.feed if host_mode else S.KEEP
+            timed(cache.ensure_all, need)
+            args = (self.params, cache.cache(), state, jnp.asarray(control))
+            tokens, logits, out, state = self._block_fn(n, stops, want_logits, args)(*args)
+            cache.update(out)
+            counts["blocks"] += 1
+            pending.append(_Read(list(slots), tokens, logits if want_logits else None))
+            for s in slots:
+                if s is not None:
+                    s.blocks += 1
             record("decode")
+            # Double buffering: read everything but the block just dispatched.
+            while len(pending) > (0 if host_mode else 1):
+                read(pending.popleft())
+            if pause_every is not None and counts["blocks"] % pause_every == 0:
+                while pending:
+                    read(pending.popleft())
+                jax.block_until_ready(state)
+                pause()
+                counts["pauses"] += 1
+        for seq in sorted(warm):  # no request took it after all
+            timed(cache.release, seq)
+        record("end")
         seconds = time.perf_counter() - t_start
-        cache.check()  # no write was dropped (every token was committed before its step)
+        cache.check()  # no write was dropped (every token was ensured before its step)
         return RunReport(
             results=[results[r.id] for r in requests],
             trace=trace,
             seconds=seconds,
             compile_seconds=self.compile_seconds,
-            generated_tokens=generated,
-            decode_steps=decode_steps,
-            prefills=prefills,
+            generated_tokens=counts["generated"],
+            decode_steps=counts["blocks"] * n,
+            prefills=counts["prefills"],
             ensure_seconds=host_seconds,
+            blocks=counts["blocks"],
+            block=n,
+            pauses=counts["pauses"],
         )

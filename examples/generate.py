@@ -54,6 +54,7 @@ class ServeOptions:
     batch: int | None = None  # sequence slots; None: min(prompts, 8)
     attention: str = "auto"
     chunk_bytes: int | None = None
+    block: int = E.DEFAULT_BLOCK  # decode steps per host call (examples/engine.py)
 
 
 GREEDY = SamplingConfig()
@@ -103,10 +104,12 @@ def serve(
     select_token: Callable[[int, np.ndarray], int] | None = None,
     record_logits: bool = False,
     force_tokens: dict[int, list[int]] | None = None,
+    stop_tokens: tuple[int, ...] = (),
 ) -> E.RunReport:
     """The engine-facing glue: one cache, one Generator, one run. `requests` are served
     on min(batch, len(requests)) slots, each with room for its prompt and new tokens.
-    select_token, record_logits, force_tokens: as `Generator.run`."""
+    select_token, record_logits, force_tokens: as `Generator.run`; stop_tokens: as
+    `Generator` (a sequence ends at the first it generates)."""
     cfg = ckpt.config
     slots = num_slots(opts, len(requests))
     max_tokens = max(len(r.prompt) + r.max_new_tokens - 1 for r in requests)
@@ -124,8 +127,12 @@ def serve(
             backend=opts.backend,
             platform=device.platform,
             tail_may_be_garbage=cache.tail_may_be_garbage,
+            dtype=cfg.dtype,
         )
-        return E.Generator(ckpt.params, cfg, cache, attend).run(
+        gen = E.Generator(
+            ckpt.params, cfg, cache, attend, block=opts.block, stop_tokens=stop_tokens
+        )
+        return gen.run(
             requests,
             select_token=select_token,
             record_logits=record_logits,
@@ -150,10 +157,10 @@ def generate(
     """Generates `max_new_tokens` per prompt (text, or a sequence of token ids).
 
     Returns {"requests": [{"prompt", "prompt_ids", "generated_ids", "text"}, ...],
-    "tokens_per_second", ...}. stop_at_eos: cut each sequence after its first token in
-    `eos_token_ids` (default: the checkpoint's). The engine has no early stop yet, so it
-    generates all tokens and the cut happens here; tokens_per_second counts what the
-    engine generated. record_logits: each request also gets "logits", the float32
+    "tokens_per_second", ...}. stop_at_eos: each sequence ends at its first token in
+    `eos_token_ids` (default: the checkpoint's), kept in its ids; the engine stops it
+    there (on the device, inside a decode block, when greedy). record_logits: each
+    request also gets "logits", the float32
     (steps, vocab) array each generated token was chosen from. device: where the steps
     run (default: where the checkpoint's weights are)."""
     if (
@@ -189,13 +196,17 @@ def generate(
     precision = "highest" if ckpt.config.dtype == "float32" else "default"
     with jax.default_device(device), jax.default_matmul_precision(precision):
         report = serve(
-            ckpt, requests, opts, device=device, select_token=select, record_logits=record_logits
+            ckpt,
+            requests,
+            opts,
+            device=device,
+            select_token=select,
+            record_logits=record_logits,
+            stop_tokens=tuple(sorted(eos)) if stop_at_eos else (),
         )
     out = []
     for prompt, res in zip(encoded, report.results, strict=True):
         ids = list(res.tokens)
-        if stop_at_eos:
-            ids = _cut_after_eos(ids, eos)
         text = ckpt.tokenizer.decode(ids) if ckpt.tokenizer is not None else None
         out.append(
             {
@@ -222,13 +233,6 @@ def generate(
         "slots": num_slots(opts, len(requests)),
         "sampling": dataclasses.asdict(sampling),
     }
-
-
-def _cut_after_eos(ids: list[int], eos: set[int]) -> list[int]:
-    for i, t in enumerate(ids):
-        if t in eos:
-            return ids[: i + 1]
-    return ids
 
 
 class _PromptAction(argparse.Action):
@@ -276,6 +280,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto")
     p.add_argument("--attention", choices=ATTENTION_CHOICES, default="auto")
+    p.add_argument(
+        "--block",
+        type=int,
+        default=E.DEFAULT_BLOCK,
+        help="decode steps per host call, on the device (greedy only; sampling decides "
+        f"each token on the host); default {E.DEFAULT_BLOCK}",
+    )
     p.add_argument("--json", type=Path, help="also write the results here")
     return p.parse_args(argv)
 
@@ -287,8 +298,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     device = resolve_device(args.device)
     try:
         sampling = SamplingConfig(args.temperature, args.top_k, args.top_p, args.seed)
-        opts = ServeOptions(backend=args.backend, batch=args.batch, attention=args.attention)
+        opts = ServeOptions(
+            backend=args.backend, batch=args.batch, attention=args.attention, block=args.block
+        )
         num_slots(opts, len(args.prompts))  # bad options fail before a long load
+        E.check_block(opts.block)
         with jax.default_device(device):
             ckpt = load_checkpoint(args.model, dtype=args.dtype, device=device)
         print(f"model: {ckpt.spec.architecture}, {M.config_summary(ckpt.config)}")

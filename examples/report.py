@@ -19,13 +19,15 @@ def matplotlib_missing() -> str | None:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        return ("plot skipped: matplotlib is not installed; get it with `pip install "
-                "matplotlib` (or `pip install '.[example]'`), or pass --no-plot")
+        return (
+            "plot skipped: matplotlib is not installed; get it with `pip install "
+            "matplotlib` (or `pip install '.[example]'`), or pass --no-plot"
+        )
     return None
 
 
 def plot_memory(trace: Sequence, capacity_bytes: int, path: Path, *, title: str) -> None:
-    """Backed KV memory and live-token bytes per engine step, against the constant
+    """Backed KV memory and live-token bytes per engine call, against the constant
     footprint of a preallocated cache of the same capacity. `trace`: StepRecords."""
     import matplotlib
 
@@ -48,7 +50,7 @@ def plot_memory(trace: Sequence, capacity_bytes: int, path: Path, *, title: str)
     ax.plot(
         steps, [r.live_bytes / mib for r in trace], color="tab:green", lw=1, label="live tokens"
     )
-    ax.set_xlabel("engine step (prefills and decode steps)")
+    ax.set_xlabel("engine call (prefills and decode blocks)")
     ax.set_ylabel("MiB")
     ax.set_ylim(bottom=0)
     ax.set_title(title, fontsize=10)

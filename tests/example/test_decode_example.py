@@ -11,6 +11,7 @@ a genuine near-tie: where the reference's top two logits are within the toleranc
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 from pathlib import Path
 
@@ -21,10 +22,12 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # `examples` from the repo
 
+from serving import serve  # noqa: E402
+
 from examples import engine as E  # noqa: E402
 from examples import model as M  # noqa: E402
 from examples.attention import choose_attention, vmm_kernel_available  # noqa: E402
-from examples.cache import capacity_bytes, make_cache  # noqa: E402
+from examples.cache import capacity_bytes  # noqa: E402
 
 # Small enough to compile and run in seconds on a 2-core CPU.
 SMALL = M.ModelConfig(
@@ -32,42 +35,9 @@ SMALL = M.ModelConfig(
 )
 
 
-def generate(
-    backend: str,
-    cfg: M.ModelConfig,
-    requests: list[E.Request],
-    *,
-    batch: int,
-    max_tokens: int,
-    device: jax.Device,
-    attention: str = "auto",
-    chunk_bytes: int | None = None,
-    force_tokens: dict[int, list[int]] | None = None,
-) -> tuple[E.RunReport, dict]:
-    with jax.default_device(device):
-        params = M.init_params(cfg, seed=0)
-        cache = make_cache(
-            backend,
-            cfg,
-            max_seqs=batch,
-            max_tokens=max_tokens,
-            device=device,
-            chunk_bytes=chunk_bytes,
-        )
-        _, attend = choose_attention(
-            attention,
-            backend=backend,
-            platform=device.platform,
-            tail_may_be_garbage=cache.tail_may_be_garbage,
-        )
-        try:
-            report = E.Generator(params, cfg, cache, attend).run(
-                requests, record_logits=True, force_tokens=force_tokens
-            )
-            stats = cache.stats()
-        finally:
-            cache.close()
-    return report, stats
+# (report, stats) of a run that records every step's logits; keyword arguments as
+# serving.serve (attention, chunk_bytes, force_tokens, ...).
+generate = functools.partial(serve, record_logits=True)
 
 
 def assert_same_generation(
@@ -219,19 +189,15 @@ def assert_preset_agrees(ref: E.RunReport, got: E.RunReport, tol: float) -> tupl
 
 
 def _reference_run(cfg: M.ModelConfig, reqs, batch: int, max_tokens: int, gpu, dtype: str):
-    """The preallocated baseline and the noise floor between it and an equally valid
-    one (capacity 2x changes XLA's reduction shapes); one per dtype per session."""
+    """The preallocated baseline (plain-XLA attention) and the noise floor between it and
+    an equally valid one (capacity 2x changes XLA's reduction shapes); one per dtype per
+    session."""
     if dtype not in _REFERENCE_RUNS:
-        ref = generate("prealloc", cfg, reqs, batch=batch, max_tokens=max_tokens, device=gpu)[0]
+        kw = dict(batch=batch, device=gpu, attention="reference")
+        ref = generate("prealloc", cfg, reqs, max_tokens=max_tokens, **kw)[0]
         forced = {r.id: r.tokens for r in ref.results}
         other = generate(
-            "prealloc",
-            cfg,
-            reqs,
-            batch=batch,
-            max_tokens=2 * max_tokens,
-            device=gpu,
-            force_tokens=forced,
+            "prealloc", cfg, reqs, max_tokens=2 * max_tokens, force_tokens=forced, **kw
         )[0]
         floor, _ = compare_forced(ref, other, tol=float("inf"))
         _REFERENCE_RUNS[dtype] = (ref, floor)
@@ -240,17 +206,18 @@ def _reference_run(cfg: M.ModelConfig, reqs, batch: int, max_tokens: int, gpu, d
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("baseline", ["reference", "jax_vmm"])
+@pytest.mark.parametrize("baseline", ["reference", "jax_vmm", "cudnn"])
 def test_jax_vmm_matches_prealloc_gpu_preset(
     gpu_device: jax.Device, baseline: str, dtype: str
 ) -> None:
     """The realistic preset shape (8 layers, 32/8 heads x 128) on the GPU, the jax_vmm
     cache (arena layers, its decode_attention kernel over the arena) against the
-    preallocated cache with the plain-XLA attention, and with the same kernel over its
-    arrays (only the cache differs). Teacher-forced with the reference baseline's tokens
-    so every step is compared, within `preset_tolerance` (deterministic: no count of
-    greedy flips; `test_gpu_preset_comparison_catches_a_wrong_cache` shows the bound
-    sees a wrong cache)."""
+    preallocated cache with the plain-XLA attention, with cuDNN (the example's prealloc
+    default on a GPU), and with the same kernel over its arrays (only the cache differs).
+    Teacher-forced with the reference baseline's tokens so every step is compared,
+    within `preset_tolerance` (deterministic: no count of greedy flips;
+    `test_gpu_preset_comparison_catches_a_wrong_cache` shows the bound sees a wrong
+    cache)."""
     if not vmm_kernel_available():
         pytest.fail("jax_vmm.decode_attention is missing: the example's GPU path needs it")
     gpu = gpu_device
@@ -260,7 +227,9 @@ def test_jax_vmm_matches_prealloc_gpu_preset(
     with jax.default_matmul_precision("highest" if dtype == "float32" else "default"):
         ref, floor = _reference_run(cfg, reqs, batch, max_tokens, gpu, dtype)
         forced = {r.id: r.tokens for r in ref.results}
-        if baseline == "jax_vmm":
+        if baseline == "cudnn" and dtype == "float32":
+            pytest.skip("cuDNN attention takes bf16/fp16 only")
+        if baseline in ("jax_vmm", "cudnn"):
             ref = generate(
                 "prealloc",
                 cfg,
@@ -268,7 +237,7 @@ def test_jax_vmm_matches_prealloc_gpu_preset(
                 batch=batch,
                 max_tokens=max_tokens,
                 device=gpu,
-                attention="jax_vmm",
+                attention=baseline,
                 force_tokens=forced,
             )[0]
         got, stats = generate(
@@ -404,9 +373,9 @@ def test_decode_cli_runs_end_to_end(tmp_path: Path) -> None:
 
 
 def test_vmm_cache_keeps_a_chunk_shared_with_a_finished_neighbour(cpu_device: jax.Device) -> None:
-    """Sequences need not start on chunk boundaries. The cache skips ensure() for tokens
-    the arena already backs, so it must claim them: otherwise a neighbour's release
-    frees the shared chunk under tokens that were written without asking."""
+    """Sequences need not start on chunk boundaries. The cache asks the arena for
+    exactly the tokens each sequence needs (ensure, or ensure_all per block), so a
+    neighbour's release keeps a chunk the sequence still uses."""
     from examples.cache import VmmCache
 
     # 100 tokens x 128 B per layer buffer = 12800 B per sequence; 4 KiB chunks: chunk 3
@@ -416,9 +385,10 @@ def test_vmm_cache_keeps_a_chunk_shared_with_a_finished_neighbour(cpu_device: ja
         cache.ensure(1, 10)  # backs chunk 3 for sequence 1
         cache.ensure(0, 96)  # chunks 0..2; chunk 3 is already there: tokens 96..99 backed
         assert cache.kv.backed_tokens(0) == 100
-        cache.ensure(0, 100)  # no call needed: the host mirror knows they are backed
+        cache.ensure_all(np.array([100, 0]))  # within backed chunks: no new memory
         cache.release(1)
         assert cache.kv.backed_tokens(0) == 100, "the neighbour's release freed our tokens"
+        cache.kv.check()
     finally:
         cache.close()
 
@@ -450,6 +420,42 @@ def test_tie_rule_rejects_a_clear_mismatch() -> None:
     assert compare_forced(
         _report([1, 0], [tie, tie]), _report([1, 0], [tie, tie], greedy=[2, 0]), tol=0.1
     ) == (0.0, 1)
+
+
+def test_attention_choice() -> None:
+    """auto: the jax_vmm kernel for the arena; cuDNN for prealloc on a GPU in bf16, else
+    the XLA reference. cuDNN over the arena, or where cuDNN cannot run, is refused with
+    what to use instead."""
+    pick = lambda *a, **k: choose_attention(*a, **k)[0]  # noqa: E731
+    assert pick("auto", backend="jax_vmm", platform="gpu", dtype="bfloat16") == "jax_vmm"
+    assert pick("auto", backend="prealloc", platform="gpu", dtype="bfloat16") == "cudnn"
+    assert pick("auto", backend="prealloc", platform="gpu", dtype="float32") == "reference"
+    assert pick("auto", backend="prealloc", platform="cpu", dtype="bfloat16") == "reference"
+    with pytest.raises(ValueError, match="nothing orders.*--backend prealloc"):
+        choose_attention("cudnn", backend="jax_vmm", platform="gpu", dtype="bfloat16")
+    with pytest.raises(ValueError, match="needs an NVIDIA GPU.*use --attention reference"):
+        choose_attention("cudnn", backend="prealloc", platform="cpu", dtype="bfloat16")
+    with pytest.raises(ValueError, match="takes bfloat16 or float16, not float32"):
+        choose_attention("cudnn", backend="prealloc", platform="gpu", dtype="float32")
+
+
+def test_cudnn_call_is_the_reference_attention(cpu_device: jax.Device) -> None:
+    """The example's cuDNN call (q as one query token, GQA heads, key_value_seq_lengths),
+    run through XLA's implementation of the same API on the CPU: the reference's output
+    for every live sequence."""
+    from examples.attention import cudnn_decode_attention, reference_decode_attention
+
+    b, t, hq, hk, d = 3, 16, 8, 2, 32
+    keys = jax.random.split(jax.random.key(1), 3)
+    with jax.default_device(cpu_device):
+        k, v = (jax.random.normal(keys[i], (b, t, hk, d)) for i in (0, 1))
+        q = jax.random.normal(keys[2], (b, hq, d))
+        lengths = jnp.array([5, 16, 1], jnp.int32)
+        got = cudnn_decode_attention(q, k, v, lengths, implementation="xla")
+        want = reference_decode_attention(q, k, v, lengths)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
+        wrong = cudnn_decode_attention(q, k, v, lengths + 1, implementation="xla")
+        assert float(jnp.max(jnp.abs(wrong[0] - want[0]))) > 1e-3  # lengths matter
 
 
 def test_config_presets_are_consistent() -> None:

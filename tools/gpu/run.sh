@@ -51,7 +51,12 @@
 #                       reader (commit safe: 0 errors); with the deferral removed (release
 #                       unsafe) memcheck must report errors (or the run fail)
 #   diag:hazard         XLA's command-buffer log around the hazard scenario (its RESULT line)
+#   diag:example        XLA's command-buffer log of the main job at batch 16 (how often the
+#                       decode block's command buffers were recorded against executed)
 #   example             examples/decode.py -> $OUT/example/
+#   example:B           the gpu preset at batch B = 16 or 64 (3 requests per slot), decode
+#                       blocks of 16 -> $OUT/example_bB/; example:prealloc16 / prealloc64
+#                       the cuDNN baseline; example:fp8, example:sleep (batch 16)
 #   bench:attention     bench/attention.py: copy-bandwidth floor, then the table -> bench_attention.json
 #   bench:kv_write      bench/kv_write.py at 1 GiB and 32 GiB -> bench_kv_write.json
 #   bench:commit        bench/commit.py: arena vs raw cuda-python, 64 GiB creation -> bench_commit.json
@@ -184,7 +189,17 @@ step_sanitize() {
 }
 
 step_diag() {
-  [ "${1:-}" = hazard ] || { echo "unknown diag step ${1:-} (hazard)"; return 2; }
+  if [ "${1:-}" = example ]; then  # does the decode block replay as a graph? XLA says
+    TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3,command_buffer_conversion_pass=2 \
+      "$PY" examples/decode.py --preset gpu --batch 16 --requests 48 --no-progress --no-plot \
+      --out "$RUN_DIR/diag_example" 2>"$RUN_DIR/diag_example.xla.log"
+    local r=$?
+    echo "XLA command-buffer log lines by kind ($RUN_DIR/diag_example.xla.log):"
+    grep -oE "[A-Za-z]+ (a |the )?command buffer[a-z ]{0,24}" "$RUN_DIR/diag_example.xla.log" \
+      | sort | uniq -c | sort -rn | head -20
+    return "$r"
+  fi
+  [ "${1:-}" = hazard ] || { echo "unknown diag step ${1:-} (hazard, example)"; return 2; }
   TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3,command_buffer_conversion_pass=2 \
     "$PY" tests/integration/test_command_buffer_gpu.py hazard grow keep "$RUN_DIR/diag_hazard.json"
   local r=$?
@@ -193,7 +208,20 @@ step_diag() {
 }
 
 step_example() {
-  "$PY" examples/decode.py --no-progress --out "$RUN_DIR/example"
+  # The issue-12 main-job runs: the gpu preset at batch B (3 requests per slot), jax_vmm
+  # or prealloc (cuDNN), and the fp8 / sleep-wake variants at batch 16.
+  local ex=(examples/decode.py --preset gpu --no-progress)
+  case "${1:-}" in
+    "") "$PY" examples/decode.py --no-progress --out "$RUN_DIR/example" ;;
+    16|64) "$PY" "${ex[@]}" --batch "$1" --requests $((3 * $1)) --out "$RUN_DIR/example_b$1" ;;
+    prealloc16|prealloc64)
+      local b=${1#prealloc}
+      "$PY" "${ex[@]}" --backend prealloc --batch "$b" --requests $((3 * b)) \
+        --out "$RUN_DIR/example_prealloc_b$b" ;;
+    fp8) "$PY" "${ex[@]}" --kv-dtype fp8 --out "$RUN_DIR/example_fp8" ;;
+    sleep) "$PY" "${ex[@]}" --sleep-every 8 --out "$RUN_DIR/example_sleep" ;;
+    *) echo "unknown example ${1:-} (16, 64, prealloc16, prealloc64, fp8, sleep)"; return 2 ;;
+  esac
 }
 
 step_bench() {

@@ -1,0 +1,176 @@
+"""The attention-and-write stack of a decode step, on any cache and attention: what
+bench/decode.py compares across memory backends.
+
+One step = for every layer of the model's geometry: attention of the query over each
+sequence's live tokens, then the write of one new token per sequence (kv_write on the
+layer). The next layer's query is this layer's output, so layers run in order as in the
+model; the projections and MLP (the same GEMMs for every backend) are left out, so the
+step time is what the cache and the attention cost. Reads come before the write within
+a layer (the query reads tokens [0, length) and the token goes to position length):
+then every read of an arena layer follows the writes that produced it (a loop carry),
+which is what lets cuDNN read the arena (`jax_vmm.ordered_views`). `steps` steps run in
+one jitted `fori_loop` (the cache donated), so host dispatch does not count.
+
+Variants (`VARIANTS`): a cache (prealloc = `jnp.zeros` array layers, vmm = a jax_vmm
+arena) + an attention (cudnn = `jax.nn.dot_product_attention(implementation="cudnn")`,
+kernel = `jax_vmm.decode_attention`, xla = the masked plain-XLA reference over all T).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_vmm
+from examples import model as M
+from examples.attention import cudnn_decode_attention, reference_decode_attention
+from examples.cache import PreallocatedCache, VmmCache
+
+VARIANTS = ("prealloc+cudnn", "prealloc+kernel", "vmm+cudnn", "vmm+kernel", "prealloc+xla")
+BASELINE = "prealloc+cudnn"
+CUDNN_VARIANTS = tuple(v for v in VARIANTS if v.endswith("+cudnn"))
+
+
+def _read(kind: str, q: jax.Array, layer: jax_vmm.KVLayer, views, lengths: jax.Array):
+    if kind == "kernel":
+        return jax_vmm.decode_attention(q, layer, lengths)
+    if kind == "xla":
+        return reference_decode_attention(q, layer.k, layer.v, lengths, tail_may_be_garbage=False)
+    if layer.is_arena:  # cuDNN over the arena: the raw views, ordered after the writes
+        k, v = jax_vmm.ordered_views(layer, *views)
+    else:
+        k, v = layer.k, layer.v
+    return cudnn_decode_attention(q, k, v, lengths)
+
+
+def stack_loop(cache, views, x, lengths, *, steps: int, kind: str, group: int):
+    """`steps` steps of the stack from `lengths` live tokens per sequence. x: (B, H_q, D)
+    the first query. Returns (cache, a checksum of the outputs (B,) fp32)."""
+    batch, max_tokens = cache[0].shape[0], cache[0].shape[1]
+    base = jnp.arange(batch, dtype=jnp.int32) * max_tokens
+
+    def body(i, carry):
+        cache, x, acc = carry
+        live = lengths + i
+        for l in range(len(cache)):
+            out = _read(kind, x, cache[l], views[l] if views else None, live)
+            new = out[:, ::group]  # (B, H_kv, D): one query head per KV head
+            cache = cache.replace(l, jax_vmm.kv_write(cache[l], new, new, base + live))
+            x = out
+        return cache, x, acc + x[:, 0, 0].astype(jnp.float32)
+
+    cache, _, acc = jax.lax.fori_loop(0, steps, body, (cache, x, jnp.zeros(batch, jnp.float32)))
+    return cache, acc
+
+
+def fill_sequence(cache, seq, length):
+    """Writes tokens [0, length) of sequence `seq` in every layer with one smooth,
+    nonzero pattern (K = V), so that every variant reads the same data and the checksums
+    of their outputs can be compared. One sequence per call: the new tokens of a call
+    are one row of the cache, however large the batch."""
+    _, max_tokens, heads, dim = cache[0].shape
+    pos = jnp.arange(max_tokens, dtype=jnp.int32)
+    slots = jnp.where(pos < length, seq * max_tokens + pos, -1)
+    phase = (slots.astype(jnp.float32) * 0.37)[:, None, None]
+    new = jnp.sin(
+        phase
+        + 0.5 * jnp.arange(heads, dtype=jnp.float32)[None, :, None]
+        + 0.05 * jnp.arange(dim, dtype=jnp.float32)[None, None, :]
+    ).astype(cache[0].dtype)
+    for l in range(len(cache)):
+        cache = cache.replace(l, jax_vmm.kv_write(cache[l], new, new, slots))
+    return cache
+
+
+def time_variant(
+    variant: str,
+    cfg: M.ModelConfig,
+    device: jax.Device,
+    lengths: np.ndarray,
+    *,
+    context: int,
+    steps: int,
+    repeats: int,
+    chunk_bytes: int | None = None,
+) -> dict[str, Any]:
+    """Per-step time of the stack (best of `repeats` calls of `steps` steps, after two
+    warm-up calls: compile, first command-buffer recording), and the KV memory held."""
+    backend, kind = variant.split("+")
+    batch = len(lengths)
+    t0 = time.perf_counter()
+    if backend == "prealloc":
+        cache = PreallocatedCache(cfg, max_seqs=batch, max_tokens=context, device=device)
+    else:
+        cache = VmmCache(
+            cfg, max_seqs=batch, max_tokens=context, device=device, chunk_bytes=chunk_bytes
+        )
+    try:
+        for seq, n in enumerate(lengths):  # every pass rewrites the same positions
+            cache.ensure(seq, int(n) + steps)
+        fill = jax.jit(fill_sequence, donate_argnums=(0,))
+        for seq, n in enumerate(lengths):
+            cache.update(fill(cache.cache(), jnp.int32(seq), jnp.int32(n)))
+        live = jax.device_put(jnp.asarray(lengths, jnp.int32), device)
+        views = ()
+        if backend == "vmm" and kind == "cudnn":  # raw views: from now on commits drain
+            views = tuple((cache.kv.k[l], cache.kv.v[l]) for l in range(cfg.num_layers))
+        setup_s = time.perf_counter() - t0
+        fn = jax.jit(
+            functools.partial(
+                stack_loop, steps=steps, kind=kind, group=cfg.num_q_heads // cfg.num_kv_heads
+            ),
+            donate_argnums=(0,),
+        )
+        x = jax.device_put(
+            jax.random.normal(
+                jax.random.key(0), (batch, cfg.num_q_heads, cfg.head_dim), jnp.float32
+            ).astype(cfg.jnp_dtype),
+            device,
+        )
+        state = cache.cache()
+        t0 = time.perf_counter()
+        fn = fn.lower(state, views, x, live).compile()
+        compile_s = time.perf_counter() - t0
+        try:  # an in-place cache needs no temp buffer of its size (a copy would show here)
+            temp = int(fn.memory_analysis().temp_size_in_bytes)
+        except Exception:  # memory_analysis is best effort on some backends
+            temp = -1
+        state, acc = fn(state, views, x, live)
+        jax.block_until_ready(acc)
+        state, acc = fn(state, views, x, live)  # a second warm-up: graph recording
+        jax.block_until_ready(acc)
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            state, acc = fn(state, views, x, live)
+            jax.block_until_ready(acc)
+            times.append((time.perf_counter() - t0) / steps)
+        cache.update(state)
+        cache.check()
+        if not np.all(np.isfinite(np.asarray(acc))):
+            raise RuntimeError(f"{variant}: non-finite attention outputs")
+        return {
+            "variant": variant,
+            "step_ms": 1e3 * min(times),
+            "step_ms_median": 1e3 * float(np.median(times)),
+            "setup_s": setup_s,
+            "compile_s": compile_s,
+            "temp_bytes": temp,
+            "held_bytes": cache.backed_bytes(),
+            "reserved_bytes": cache.reserved_bytes(),
+            "checksum": float(np.asarray(acc, np.float64).sum()),
+        }
+    finally:
+        cache.close()
+
+
+def bytes_per_step(cfg: M.ModelConfig, lengths: np.ndarray, steps: int) -> int:
+    """KV bytes a step must move at least: every live token read once (the mean over the
+    steps' lengths) plus the new tokens written."""
+    mean_live = float(np.sum(lengths)) + len(lengths) * (steps - 1) / 2
+    return int((mean_live + len(lengths)) * cfg.kv_bytes_per_token)

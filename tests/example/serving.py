@@ -1,0 +1,59 @@
+"""Serve requests through the example's engine on one fresh cache: what the example
+tests share (imported as `serving`: pytest puts this folder on sys.path)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import jax
+
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))  # `examples` from the repo
+
+from examples import engine as E  # noqa: E402
+from examples import model as M  # noqa: E402
+from examples.attention import choose_attention  # noqa: E402
+from examples.cache import make_cache  # noqa: E402
+
+
+def serve(
+    backend: str,
+    cfg: M.ModelConfig,
+    requests: list[E.Request],
+    *,
+    batch: int,
+    max_tokens: int,
+    device: jax.Device,
+    attention: str = "auto",
+    chunk_bytes: int | None = None,
+    block: int = E.DEFAULT_BLOCK,
+    stop_tokens: tuple[int, ...] = (),
+    **run_kwargs,
+) -> tuple[E.RunReport, dict]:
+    """Seed-0 weights, a `backend` cache of batch x max_tokens, `Generator.run(requests,
+    **run_kwargs)`. Returns (report, the cache's stats at the end)."""
+    with jax.default_device(device):
+        params = M.init_params(cfg, seed=0)
+        cache = make_cache(
+            backend,
+            cfg,
+            max_seqs=batch,
+            max_tokens=max_tokens,
+            device=device,
+            chunk_bytes=chunk_bytes,
+        )
+        try:
+            _, attend = choose_attention(
+                attention,
+                backend=backend,
+                platform=device.platform,
+                tail_may_be_garbage=cache.tail_may_be_garbage,
+                dtype=cfg.dtype,
+            )
+            gen = E.Generator(params, cfg, cache, attend, block=block, stop_tokens=stop_tokens)
+            report = gen.run(requests, **run_kwargs)
+            return report, cache.stats()
+        finally:
+            cache.close()

@@ -1,0 +1,52 @@
+"""bench/decode.py's step (bench/_stack.py): every variant reads the same tokens, so the
+checksums of their outputs agree; the cuDNN variants run through XLA's implementation of
+the same call on the CPU (what they do on a GPU apart from the kernel), including cuDNN
+over the arena's views ordered after the loop's writes."""
+
+from __future__ import annotations
+
+import functools
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+sys.path.append(str(REPO / "bench"))  # last: its module names must not shadow others
+
+import _stack as ST  # noqa: E402
+from examples import model as M  # noqa: E402
+from examples.attention import cudnn_decode_attention  # noqa: E402
+
+CFG = M.ModelConfig(
+    vocab=64, d_model=64, num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=16, ffn_dim=64
+)
+
+
+def _run(variant: str, device: jax.Device) -> dict:
+    lengths = np.array([5, 30, 17], np.int32)
+    return ST.time_variant(
+        variant, CFG, device, lengths, context=64, steps=4, repeats=1, chunk_bytes=4096
+    )
+
+
+def test_every_variant_reads_the_same_tokens(cpu_device, monkeypatch) -> None:
+    monkeypatch.setattr(
+        ST,
+        "cudnn_decode_attention",
+        functools.partial(cudnn_decode_attention, implementation="xla"),
+    )
+    sums = {v: _run(v, cpu_device)["checksum"] for v in ST.VARIANTS}
+    ref = sums[ST.BASELINE]
+    assert abs(ref) > 1e-3, sums  # the fill makes the outputs nonzero
+    for v, c in sums.items():
+        assert c == pytest.approx(ref, rel=1e-4), (v, sums)
+    # A variant reading one token too few per sequence is told apart.
+    read = ST._read
+    monkeypatch.setattr(
+        ST, "_read", lambda kind, q, layer, views, n: read(kind, q, layer, views, n - 1)
+    )
+    assert _run("vmm+kernel", cpu_device)["checksum"] != pytest.approx(ref, rel=1e-4)

@@ -1,0 +1,402 @@
+"""The example engine's decode blocks (examples/steps.py, examples/engine.py): N decode
+steps per host call in one device loop, finished sequences masked inside a block, stop
+tokens on the device, block k+1 dispatched before block k is read, and (GPU) the block's
+custom calls replayed from a captured graph across blocks and across growth."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # `examples` from the repo
+
+import serving  # noqa: E402
+
+import jax_vmm  # noqa: E402
+from examples import engine as E  # noqa: E402
+from examples import model as M  # noqa: E402
+from examples import steps as S  # noqa: E402
+from examples.attention import choose_attention  # noqa: E402
+from examples.cache import make_cache  # noqa: E402
+
+SMALL = M.ModelConfig(
+    vocab=256, d_model=64, num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=16, ffn_dim=128
+)
+
+
+def serve(backend: str, reqs: list[E.Request], *, block: int, device: jax.Device, **kw):
+    """The example tests' `serving.serve` with this file's defaults: SMALL, 3 slots of
+    128 tokens, 4 KiB chunks on the CPU, the jax_vmm kernel on either backend."""
+    kw.setdefault("cfg", SMALL)
+    kw.setdefault("batch", 3)
+    kw.setdefault("max_tokens", 128)
+    kw.setdefault("chunk_bytes", 4096 if device.platform == "cpu" else None)
+    cfg = kw.pop("cfg")
+    return serving.serve(backend, cfg, reqs, block=block, device=device, attention="jax_vmm", **kw)[
+        0
+    ]
+
+
+def _requests(num: int = 7, new_tokens: tuple[int, int] = (1, 30)) -> list[E.Request]:
+    reqs = E.make_requests(SMALL, num=num, prompt_len=(3, 40), new_tokens=new_tokens, seed=3)
+    # A request of one new token (prefill only) and one that ends exactly on a block edge.
+    reqs[1] = E.Request(reqs[1].id, reqs[1].prompt, 1)
+    reqs[2] = E.Request(reqs[2].id, reqs[2].prompt, 11)
+    return reqs
+
+
+@pytest.mark.parametrize("backend", ["jax_vmm", "prealloc"])
+def test_blocks_generate_what_single_steps_generate(backend: str, cpu_device) -> None:
+    """Token for token the same output at block 1, 5 (finishes fall inside blocks) and
+    16 (larger than most requests), logits within float32 rounding; every request gets
+    exactly its tokens, and no write was dropped (the run's kv.check())."""
+    reqs = _requests()
+    one = serve(backend, reqs, block=1, device=cpu_device, record_logits=True)
+    assert one.blocks == one.decode_steps and one.block == 1
+    for block in (5, 16):
+        got = serve(backend, reqs, block=block, device=cpu_device, record_logits=True)
+        assert got.block == block and got.decode_steps == block * got.blocks
+        assert got.blocks < one.blocks
+        for r, a, b in zip(reqs, one.results, got.results, strict=True):
+            assert len(a.tokens) == r.max_new_tokens
+            assert b.tokens == a.tokens, f"block {block}, request {r.id}"
+            np.testing.assert_allclose(np.stack(b.logits), np.stack(a.logits), atol=1e-4)
+        assert got.generated_tokens == sum(r.max_new_tokens for r in reqs)
+
+
+def test_stop_token_ends_a_sequence_inside_a_block(cpu_device) -> None:
+    """A stop token generated mid-block ends its sequence there (kept as its last
+    token); the steps after it are masked: with max_tokens cut to the requests' needs,
+    the arena's write check sees no write past a sequence's ensured tokens."""
+    reqs = _requests(new_tokens=(20, 30))
+    full = serve("jax_vmm", reqs, block=1, device=cpu_device)
+    # A token that some request generates at step >= 3 (inside a block of 8), not first.
+    counts: dict[int, int] = {}
+    for res in full.results:
+        for t in set(res.tokens[3:]) - set(res.tokens[:3]):
+            counts[t] = counts.get(t, 0) + 1
+    stop = max(counts, key=counts.get)
+    got = serve("jax_vmm", reqs, block=8, device=cpu_device, stop_tokens=(stop,))
+    cut = 0
+    for a, b in zip(full.results, got.results, strict=True):
+        n = a.tokens.index(stop) + 1 if stop in a.tokens else len(a.tokens)
+        cut += n < len(a.tokens)
+        assert b.tokens == a.tokens[:n]
+    assert cut >= 1 and got.generated_tokens < full.generated_tokens
+    # The host stops sequences too when it picks the tokens (one step per call).
+    forced = {r.id: r.tokens for r in full.results}
+    host = serve(
+        "jax_vmm", reqs, block=8, device=cpu_device, stop_tokens=(stop,), force_tokens=forced
+    )
+    assert [r.tokens for r in host.results] == [r.tokens for r in got.results]
+    assert host.block == 1
+
+
+def _arena_state(batch: int, remaining: list[int], positions: list[int]):
+    return S.DecodeState(
+        jnp.arange(batch, dtype=jnp.int32) + 5,
+        jnp.asarray(positions, jnp.int32),
+        jnp.asarray(remaining, jnp.int32),
+    )
+
+
+@pytest.mark.parametrize("ensure_short", [False, True])
+def test_a_block_masks_every_slot_past_its_steps(cpu_device, ensure_short: bool) -> None:
+    """One block of 6 steps over slots with 2, 0 and 6 steps to go: each slot steps
+    exactly that often (tokens -1 afterwards, positions advanced by its steps), and with
+    each slot's memory ensured to exactly the tokens it writes, nothing is dropped. The
+    same check with one token too few ensured raises: it sees a write the mask let
+    through."""
+    batch, steps = 3, 6
+    remaining, positions = [2, 0, 6], [4, 9, 7]
+    with jax.default_device(cpu_device):
+        params = M.init_params(SMALL, seed=0)
+        cache = make_cache("jax_vmm", SMALL, max_seqs=batch, max_tokens=32, device=cpu_device)
+        try:
+            for seq in range(batch):
+                need = positions[seq] + remaining[seq] - (ensure_short and seq == 2)
+                cache.kv.ensure(need, seq)  # exact: no chunk rounding claimed
+            fn = jax.jit(
+                lambda p, c, s, ctl: S.decode_block(
+                    p,
+                    c,
+                    s,
+                    ctl,
+                    num_steps=steps,
+                    cfg=SMALL,
+                    write=cache.write,
+                    attend=jax_vmm.decode_attention,
+                    stop_tokens=(),
+                    with_logits=False,
+                )
+            )
+            control = jnp.full(batch, S.KEEP, jnp.int32)
+            out, _, c, state = fn(
+                params, cache.cache(), _arena_state(batch, remaining, positions), control
+            )
+            out = np.asarray(out)
+            for seq in range(batch):
+                assert (out[: remaining[seq], seq] >= 0).all()
+                assert (out[remaining[seq] :, seq] == -1).all()
+            np.testing.assert_array_equal(
+                np.asarray(state.positions), np.asarray(positions) + np.asarray(remaining)
+            )
+            assert (np.asarray(state.remaining) == 0).all()
+            if ensure_short:
+                with pytest.raises(jax_vmm.OutOfBoundsWrite):
+                    cache.kv.check(c, out)
+            else:
+                cache.kv.check(c, out)
+        finally:
+            cache.close()
+
+
+def test_control_stops_and_feeds_slots(cpu_device) -> None:
+    """The host's per-call control: STOP idles a slot for the block, a token >= 0 is the
+    slot's next input (what sampling and teacher forcing use)."""
+    batch = 2
+    with jax.default_device(cpu_device):
+        params = M.init_params(SMALL, seed=0)
+        cache = make_cache("prealloc", SMALL, max_seqs=batch, max_tokens=32, device=cpu_device)
+        fn = jax.jit(
+            lambda p, c, s, ctl: S.decode_block(
+                p,
+                c,
+                s,
+                ctl,
+                num_steps=1,
+                cfg=SMALL,
+                write=cache.write,
+                attend=jax_vmm.decode_attention,
+                stop_tokens=(),
+                with_logits=False,
+            )
+        )
+        state = _arena_state(batch, [3, 3], [0, 0])
+        fed = fn(params, cache.cache(), state, jnp.asarray([S.STOP, 17], jnp.int32))
+        kept = fn(params, cache.cache(), state, jnp.asarray([S.KEEP, S.KEEP], jnp.int32))
+        assert int(fed[0][0, 0]) == -1 and int(fed[3].remaining[0]) == 0
+        assert int(fed[3].positions[1]) == 1 and int(fed[3].remaining[1]) == 2
+        # Feeding 17 instead of the state's token 6 changes slot 1's output.
+        ref = M.decode_step(
+            params,
+            cache.cache(),
+            jnp.asarray([0, 17], jnp.int32),
+            jnp.asarray([-1, 0], jnp.int32),
+            cfg=SMALL,
+            write=cache.write,
+            attend=jax_vmm.decode_attention,
+        )[1]
+        assert int(fed[0][0, 1]) == int(ref[1])
+        assert int(kept[0][0, 0]) >= 0
+        cache.close()
+
+
+class _Watched:
+    """A block's token array that logs when the host reads it."""
+
+    def __init__(self, x: jax.Array, k: int, log: list) -> None:
+        self.x, self.k, self.log = x, k, log
+
+    def __array__(self, dtype=None, copy=None):
+        self.log.append(("read", self.k))
+        return np.asarray(self.x, dtype)
+
+
+def test_the_next_block_is_dispatched_before_the_last_is_read(cpu_device, monkeypatch) -> None:
+    """Double buffering: the host reads block k's tokens only after it dispatched
+    block k+1 (except at the end, or where no slot is live: then it drains)."""
+    log: list = []
+    orig = E.Generator._block_fn
+
+    def watched(self, *a, **kw):
+        fn = orig(self, *a, **kw)
+
+        def call(*args):
+            k = sum(1 for e in log if e[0] == "dispatch")
+            log.append(("dispatch", k))
+            tokens, logits, out, state = fn(*args)
+            return _Watched(tokens, k, log), logits, out, state
+
+        return call
+
+    monkeypatch.setattr(E.Generator, "_block_fn", watched)
+    reqs = _requests(num=5, new_tokens=(12, 30))
+    serve("jax_vmm", reqs, block=4, device=cpu_device)
+    blocks = sum(1 for e in log if e[0] == "dispatch")
+    assert blocks >= 4
+    overlapped = 0
+    for k in range(blocks - 1):
+        read_at = log.index(("read", k))
+        overlapped += log.index(("dispatch", k + 1)) < read_at
+    # Here some slot is always live until the end: every block but the last overlaps.
+    assert overlapped == blocks - 1, log
+
+
+def test_block_and_pause_arguments_are_checked(cpu_device) -> None:
+    with jax.default_device(cpu_device):
+        params = M.init_params(SMALL, seed=0)
+        cache = make_cache("prealloc", SMALL, max_seqs=1, max_tokens=16, device=cpu_device)
+        for bad in (0, -1, 2.0, True):
+            with pytest.raises(ValueError, match="block .* must be an integer >= 1"):
+                E.Generator(params, SMALL, cache, jax_vmm.decode_attention, block=bad)
+        with pytest.raises(ValueError, match="not token ids"):
+            E.Generator(params, SMALL, cache, jax_vmm.decode_attention, stop_tokens=(256,))
+        gen = E.Generator(params, SMALL, cache, jax_vmm.decode_attention)
+        req = [E.Request(0, np.arange(3, dtype=np.int32), 2)]
+        with pytest.raises(ValueError, match="pause_every and pause go together"):
+            gen.run(req, pause_every=2)
+        with pytest.raises(ValueError, match="pause_every must be an integer >= 1"):
+            gen.run(req, pause_every=0, pause=lambda: None)
+        cache.close()
+
+
+@pytest.mark.gpu
+def test_blocks_replay_the_captured_step_across_blocks_and_growth(gpu_device) -> None:
+    """On the GPU the decode block's custom calls (kv_write and decode_attention on the
+    cache) are recorded into a command buffer once and then replayed: after two warm-up
+    blocks their host handlers are never called again (calls and captured_calls frozen),
+    across blocks and while sequences grow into new chunks."""
+    import dataclasses
+
+    from jax_vmm import ops
+
+    cfg = dataclasses.replace(M.PRESETS["gpu"], num_layers=2, vocab=1024, dtype="bfloat16")
+    # Long generations: every sequence crosses chunk boundaries (1024 tokens per 2 MiB).
+    reqs = E.make_requests(cfg, num=4, prompt_len=(900, 1000), new_tokens=(400, 400), seed=5)
+    snaps: list[tuple] = []
+
+    def snapshot() -> None:
+        w = ops.kv_write_stats()["kv_cache_write"]
+        a = jax_vmm.attention.attention_stats()
+        snaps.append((w["calls"], w["captured_calls"], a["cuda_execute_calls"]))
+
+    report = serve(
+        "jax_vmm",
+        reqs,
+        block=16,
+        device=gpu_device,
+        batch=4,
+        max_tokens=2048,
+        cfg=cfg,
+        pause_every=1,
+        pause=snapshot,
+    )
+    assert report.blocks >= 20 and len(snaps) == report.blocks
+    assert snaps[1][1] > snaps[0][1] or snaps[0][1] > 0, f"never captured: {snaps}"
+    assert snaps[-1] == snaps[2], (
+        f"the block's handlers were called again after warm-up (re-recorded, not replayed): "
+        f"{snaps[2]} -> {snaps[-1]}"
+    )
+
+
+# -- sleep/wake of the whole engine, fp8 KV ------------------------------------------------
+
+
+def test_sleep_and_wake_in_flight_leave_generation_unchanged(cpu_device) -> None:
+    """The engine sleeps (KV arena and the weights' arena) and wakes after every other
+    block with sequences in flight: the same tokens as without sleeping, and nothing
+    held while asleep. The same run with a sleep that drops the cache's contents
+    (keep="discard") changes the tokens: the comparison sees a broken wake."""
+    from examples.sleep_wake import EngineSleeper, same_tokens
+
+    reqs = _requests(new_tokens=(10, 30))
+    with jax.default_device(cpu_device):
+        params = M.init_params(SMALL, seed=0)
+        cache = make_cache("jax_vmm", SMALL, max_seqs=3, max_tokens=128, device=cpu_device)
+        try:
+            sleeper = EngineSleeper(cache.kv, params, cpu_device)
+            gen = E.Generator(sleeper.params, SMALL, cache, jax_vmm.decode_attention, block=4)
+            plain = gen.run(reqs)
+            slept = gen.run(reqs, pause_every=2, pause=sleeper.pause)
+            assert slept.pauses == slept.blocks // 2 >= 3
+            assert sleeper.stats.cycles == slept.pauses
+            assert sleeper.stats.asleep_backed_bytes == 0
+            assert same_tokens(plain, slept) == []
+
+            def lossy() -> None:
+                cache.kv.sleep("discard")
+                cache.kv.wake()
+
+            broken = gen.run(reqs, pause_every=2, pause=lossy)
+            assert same_tokens(plain, broken) != []
+            sleeper.close()
+        finally:
+            cache.close()
+
+
+def test_decode_cli_sleep_every_checks_generation(tmp_path: Path) -> None:
+    from examples import decode
+
+    args = ["--device", "cpu", "--requests", "4", "--batch", "2", "--max-tokens", "128",
+            "--prompt-len", "4", "20", "--new-tokens", "10", "30", "--block", "4",
+            "--no-plot", "--no-progress", "--out", str(tmp_path)]  # fmt: skip
+    summary = decode.main([*args, "--sleep-every", "2"])
+    assert summary["sleep"]["generation_unchanged"] is True
+    assert summary["sleep"]["cycles"] >= 2 and summary["sleep"]["asleep_backed_bytes"] == 0
+    with pytest.raises(SystemExit, match="needs K >= 1 and --backend jax_vmm"):
+        decode.main([*args, "--sleep-every", "2", "--backend", "prealloc"])
+    with pytest.raises(SystemExit, match="fp8 attention takes head_dim in"):
+        decode.main([*args, "--kv-dtype", "fp8"])
+    with pytest.raises(SystemExit, match="block .* must be an integer >= 1"):
+        decode.main([*args, "--block", "0"])  # the last one counts
+
+
+FP8_CFG = M.ModelConfig(
+    vocab=256, d_model=128, num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=64,
+    ffn_dim=256, dtype="bfloat16",
+)  # fmt: skip
+
+
+def test_fp8_kv_on_both_backends(cpu_device) -> None:
+    """--kv-dtype fp8: an arena of float8_e4m3fn and a preallocated fp8 cache hold the
+    same quantized tokens, so they generate the same tokens; against the bf16 cache the
+    logits move by quantization error only (far below their spread), and the fp8 cache
+    holds half the bytes."""
+    reqs = E.make_requests(FP8_CFG, num=4, prompt_len=(3, 30), new_tokens=(5, 20), seed=2)
+    runs = {}
+    for backend, kv_dtype in (("jax_vmm", "fp8"), ("prealloc", "fp8"), ("jax_vmm", "model")):
+        with jax.default_device(cpu_device):
+            params = M.init_params(FP8_CFG, seed=0)
+            cache = make_cache(
+                backend, FP8_CFG, max_seqs=2, max_tokens=64, device=cpu_device, kv_dtype=kv_dtype
+            )
+            _, attend = choose_attention(
+                "auto", backend=backend, platform="cpu", dtype=FP8_CFG.dtype, kv_dtype=kv_dtype
+            )
+            try:
+                assert cache.token_bytes == (1 if kv_dtype == "fp8" else 2) * 2 * 2 * 2 * 64
+                gen = E.Generator(params, FP8_CFG, cache, attend, block=4)
+                runs[backend, kv_dtype] = gen.run(reqs, record_logits=True)
+            finally:
+                cache.close()
+    a, b, ref = runs["jax_vmm", "fp8"], runs["prealloc", "fp8"], runs["jax_vmm", "model"]
+    assert [r.tokens for r in a.results] == [r.tokens for r in b.results]
+    first = np.stack([r.logits[0] for r in ref.results])  # step 0: the same prefill input
+    got = np.stack([r.logits[1] for r in a.results])
+    want = np.stack([r.logits[1] for r in ref.results])
+    spread = float(np.std(first))
+    forced = [x.tokens[0] == y.tokens[0] for x, y in zip(a.results, ref.results, strict=True)]
+    assert all(forced)  # prefill does not read the cache: same first token
+    assert float(np.max(np.abs(got - want))) < 0.25 * spread
+
+
+def test_fp8_needs_the_dequantizing_kernel() -> None:
+    with pytest.raises(ValueError, match="fp8 cache holds fp8.*--attention jax_vmm"):
+        choose_attention("reference", backend="prealloc", platform="cpu", kv_dtype="fp8")
+    with pytest.raises(ValueError, match="kv_dtype must be one of"):
+        make_cache("jax_vmm", SMALL, max_seqs=1, max_tokens=8, kv_dtype="int8")
+
+
+def test_generate_cli_checks_block_before_loading(tmp_path: Path) -> None:
+    from examples import generate as G
+
+    # An empty directory: the block is refused before the checkpoint is read.
+    with pytest.raises(SystemExit, match=r"generate\.py: block .* must be an integer >= 1"):
+        G.main(["--model", str(tmp_path), "--prompt", "x", "--max-new-tokens", "2",
+                "--block", "0", "--device", "cpu"])  # fmt: skip
