@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 from . import cache_ops
 from . import ops as _ops
 from .cache import KVLayer
-from .sharded import ShardedLayerId
+from .sharded_layout import ShardedLayerId
 
 __all__ = ["write", "attention"]
 
