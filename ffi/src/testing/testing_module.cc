@@ -70,6 +70,7 @@ void BindTestingHooks(nb::module_& m) {
   BindScratchHooks(m);
   BindLegacyViews(m);
   BindStreamPartition(m);
+  BindFakeCuda(m);
 }
 
 namespace {

@@ -16,4 +16,8 @@ FfiRegistry TestingTargets();
 // Fault injection, the scratch hooks and InjectedFault, into the submodule `m`.
 void BindTestingHooks(nanobind::module_& m);
 
+// The fake CUDA driver (fake_cuda.h) and arenas of the real CUDA driver over it
+// (fake_cuda_bindings.cc).
+void BindFakeCuda(nanobind::module_& m);
+
 }  // namespace jax_vmm::testing

@@ -23,6 +23,7 @@
 #include "drivers/cuda/cuda_abi.h"
 #include "drivers/cuda/cuda_api.h"
 #include "drivers/cuda/cuda_device.h"
+#include "drivers/cuda/cuda_driver.h"
 #include "drivers/cuda/cuda_owners.h"
 #include "drivers/cuda/zero_allocation.h"
 #include "drivers/cuda/zero_layout.h"
@@ -597,7 +598,11 @@ class CudaDriver final : public Driver {
 }  // namespace cuda
 
 std::unique_ptr<Driver> MakeCudaDriver(int device_ordinal, size_t chunk_bytes) {
-  const cuda::Api& api = cuda::LoadedApiOrThrow();
+  return MakeCudaDriverWith(cuda::LoadedApiOrThrow(), device_ordinal, chunk_bytes);
+}
+
+std::unique_ptr<Driver> MakeCudaDriverWith(const cuda::Api& api, int device_ordinal,
+                                           size_t chunk_bytes) {
   cuda::InitOrThrow(api);
   const cuda::CUdevice dev = cuda::VmmDeviceOrThrow(api, device_ordinal);
   const size_t granularity =

@@ -3,6 +3,7 @@
 #include <map>
 #include <mutex>
 #include <string>
+#include <utility>
 
 #include "drivers/cuda/cuda_device.h"
 #include "jax_vmm/errors.h"
@@ -72,9 +73,12 @@ std::shared_ptr<const ZeroAllocations> ZeroAllocations::ForDevice(const Api& api
                                                                   CUdevice dev,
                                                                   size_t granularity) {
   static std::mutex mu;
-  static std::map<int, std::weak_ptr<const ZeroAllocations>> by_device;
+  // By entry-point table too: a driver over the testing layer's host emulation never
+  // shares zero allocations with one over libcuda.
+  static std::map<std::pair<const Api*, int>, std::weak_ptr<const ZeroAllocations>> by_device;
   std::lock_guard<std::mutex> lock(mu);
-  if (auto live = by_device[ordinal].lock()) return live;
+  std::weak_ptr<const ZeroAllocations>& cached = by_device[{&api, ordinal}];
+  if (auto live = cached.lock()) return live;
   size_t free_bytes = 0, total_bytes = 0;
   {
     PrimaryContext ctx(api, dev, ordinal);
@@ -84,7 +88,7 @@ std::shared_ptr<const ZeroAllocations> ZeroAllocations::ForDevice(const Api& api
   }
   auto made = std::make_shared<const ZeroAllocations>(api, ordinal, dev, granularity,
                                                       ZeroPieceBytes(total_bytes, granularity));
-  by_device[ordinal] = made;
+  cached = made;
   return made;
 }
 

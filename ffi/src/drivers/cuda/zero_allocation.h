@@ -28,7 +28,8 @@ size_t ZeroPieceBytes(size_t total_bytes, size_t granularity);
 
 class ZeroAllocations {
  public:
-  // The device's zero allocations, made on first use (throws OutOfMemory / DriverError).
+  // The zero allocations of device `ordinal` of `api`'s driver (one set per table and
+  // ordinal), made on first use (throws OutOfMemory / DriverError).
   static std::shared_ptr<const ZeroAllocations> ForDevice(const Api& api, int ordinal, CUdevice dev,
                                                           size_t granularity);
   // Allocations of granularity, 2 x granularity, ..., max_piece bytes.
