@@ -463,43 +463,52 @@ def snapshot(fake: Fake, a) -> tuple:
         ("cuMemUnmap", INVALID_VALUE),
     ],
 )
-def test_failed_commit_midway_leaves_every_chunk_as_it_was(fake, entry, result):
-    # 3 MiB: zero pieces of 2 MiB and 1 MiB; the range crosses them, around backed chunks.
-    a = fake.arena(3 * MiB, handle_bytes=4 * G)
-    zero = fake.zero_handles()
-    a.allocate(a.reserved_bytes, "all")
-    start, stop = 2 * MiB - 5 * G, 2 * MiB + 6 * G
-
-    def back_some() -> None:
+@pytest.mark.parametrize(
+    ("start", "stop"),
+    [
+        (2 * MiB - 5 * G, 2 * MiB + 6 * G),  # across two zero pieces, around backed chunks
+        (MiB - 3 * G, MiB + 5 * G),  # inside pieces: zero remainders on both sides
+    ],
+)
+def test_failed_commit_midway_leaves_every_chunk_as_it_was(fake, entry, result, start, stop):
+    failures = 0
+    for nth in range(1, 100):
+        # A fresh arena each round, so that every call of the same sequence gets to fail:
+        # 3 MiB (zero pieces of 2 MiB and 1 MiB) with a few backed chunks holding data.
+        a = fake.arena(3 * MiB, handle_bytes=4 * G)
+        zero = fake.zero_handles()
+        a.allocate(a.reserved_bytes, "all")
         a.commit(0, 2 * MiB - 3 * G, 2 * MiB - G)
         a.commit(0, 2 * MiB + G, 2 * MiB + 2 * G)
         write(a, 2 * MiB - 3 * G, np.full(2 * G, 0x11, np.uint8))
         write(a, 2 * MiB + G, np.full(G, 0x22, np.uint8))
-
-    back_some()
-    failures = 0
-    for nth in range(1, 200):
         before = snapshot(fake, a)
         real_before = fake.real_mappings(a, zero)
         calls = t.fake_cuda_stats()["calls"].get(entry, 0)
         t.fake_cuda_fail_nth(entry, nth, result)
         try:
             a.commit(0, start, stop)
+            failed = False
         except (_core.OutOfMemoryError, _core.DriverError):
+            failed = True
+        finally:
+            t.fake_cuda_disarm()
+        fired = t.fake_cuda_stats()["calls"].get(entry, 0) - calls >= nth
+        if failed:
             failures += 1
             assert snapshot(fake, a) == before, f"{entry} failing at call {nth}: state changed"
             assert fake.real_mappings(a, zero) == real_before
-            check_zero_pieces(a, zero)
-            continue
-        finally:
-            t.fake_cuda_disarm()
-        assert (fake.flags(a)[start // G : stop // G] == RW).all()
-        if t.fake_cuda_stats()["calls"].get(entry, 0) - calls < nth:
+        else:
+            # Committed: either the fault came after the last call, or the driver
+            # recovered from the refusal (one cuMemUnmap over several mappings, retried
+            # one by one).
+            assert (fake.flags(a)[start // G : stop // G] == RW).all()
+        check_zero_pieces(a, zero)
+        fake.close_all()
+        del a
+        gc.collect()
+        if not fired:
             break  # the commit made fewer calls than nth: every failure point was tried
-        # A refused call the driver recovered from (e.g. one cuMemUnmap over several
-        # mappings, retried one by one): the commit stands; undo it for the next round.
-        a.decommit(0, start, stop, True)
-        back_some()
     else:
         pytest.fail("the commit never ran out of failure points")
     if entry != "cuMemUnmap":
