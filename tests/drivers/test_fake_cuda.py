@@ -109,8 +109,9 @@ class Fake:
 
 @pytest.fixture
 def fake():
+    # Not asserted idle here: after a failure, pytest's traceback keeps that test's
+    # (closed) arenas alive, and the tests after it should still report on their own.
     before = live(t.fake_cuda_stats())
-    assert all(v == 0 for v in before.values()), f"the fake is not idle: {before}"
     f = Fake()
     try:
         yield f
