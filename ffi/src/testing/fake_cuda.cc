@@ -46,19 +46,42 @@ constexpr ResultText kResults[] = {
     {kNotSupported, "CUDA_ERROR_NOT_SUPPORTED", "operation not supported"},
 };
 
-constexpr int kReadBit = cuda::CU_MEM_ACCESS_FLAGS_PROT_READ;   // 0x1
-constexpr int kWriteBit = 0x2;                                  // set only in READWRITE
-constexpr unsigned char kFreshByte = 0xCD;                      // cuMemCreate's "garbage"
+constexpr int kReadBit = cuda::CU_MEM_ACCESS_FLAGS_PROT_READ;  // 0x1
+constexpr int kWriteBit = 0x2;                                 // set only in READWRITE
+constexpr unsigned char kFreshByte = 0xCD;                     // cuMemCreate's "garbage"
 
 // Names of the entry points that count calls and can be armed to fail.
-const char* const kEntries[] = {
-    "cuInit", "cuDeviceGetCount", "cuDeviceGet", "cuDeviceGetName", "cuDeviceGetAttribute",
-    "cuDevicePrimaryCtxRetain", "cuDevicePrimaryCtxRelease", "cuCtxPushCurrent",
-    "cuCtxPopCurrent", "cuCtxSynchronize", "cuStreamCreate", "cuStreamDestroy",
-    "cuStreamSynchronize", "cuMemGetInfo", "cuMemAlloc", "cuMemFree", "cuMemcpyHtoDAsync",
-    "cuMemcpyDtoHAsync", "cuMemsetD8Async", "cuMemcpyAsync", "cuMemHostAlloc", "cuMemFreeHost",
-    "cuMemAddressReserve", "cuMemAddressFree", "cuMemCreate", "cuMemRelease", "cuMemMap",
-    "cuMemUnmap", "cuMemSetAccess", "cuMemGetAccess", "cuMemGetAllocationGranularity"};
+const char* const kEntries[] = {"cuInit",
+                                "cuDeviceGetCount",
+                                "cuDeviceGet",
+                                "cuDeviceGetName",
+                                "cuDeviceGetAttribute",
+                                "cuDevicePrimaryCtxRetain",
+                                "cuDevicePrimaryCtxRelease",
+                                "cuCtxPushCurrent",
+                                "cuCtxPopCurrent",
+                                "cuCtxSynchronize",
+                                "cuStreamCreate",
+                                "cuStreamDestroy",
+                                "cuStreamSynchronize",
+                                "cuMemGetInfo",
+                                "cuMemAlloc",
+                                "cuMemFree",
+                                "cuMemcpyHtoDAsync",
+                                "cuMemcpyDtoHAsync",
+                                "cuMemsetD8Async",
+                                "cuMemcpyAsync",
+                                "cuMemHostAlloc",
+                                "cuMemFreeHost",
+                                "cuMemAddressReserve",
+                                "cuMemAddressFree",
+                                "cuMemCreate",
+                                "cuMemRelease",
+                                "cuMemMap",
+                                "cuMemUnmap",
+                                "cuMemSetAccess",
+                                "cuMemGetAccess",
+                                "cuMemGetAllocationGranularity"};
 
 struct PhysicalAllocation {
   int fd = -1;
@@ -105,11 +128,11 @@ class State {
   bool initialized_ = false;
   std::map<std::string, int64_t> calls_;
   std::map<std::string, std::pair<int64_t, CUresult>> armed_;  // entry -> (countdown, result)
-  std::map<uintptr_t, Reservation> reservations_;             // by base
-  std::map<uintptr_t, Mapping> mappings_;                     // by va, disjoint
-  std::map<uint64_t, PhysicalAllocation> allocations_;        // by handle
-  std::map<uintptr_t, size_t> metadata_;                      // cuMemAlloc blocks
-  std::map<uintptr_t, size_t> pinned_host_;                   // cuMemHostAlloc blocks
+  std::map<uintptr_t, Reservation> reservations_;              // by base
+  std::map<uintptr_t, Mapping> mappings_;                      // by va, disjoint
+  std::map<uint64_t, PhysicalAllocation> allocations_;         // by handle
+  std::map<uintptr_t, size_t> metadata_;                       // cuMemAlloc blocks
+  std::map<uintptr_t, size_t> pinned_host_;                    // cuMemHostAlloc blocks
   std::set<uintptr_t> streams_;
   std::vector<MapCall> map_log_;
   uint64_t next_handle_ = 1;
@@ -513,13 +536,13 @@ CUresult CheckedCopy(const char* entry, uintptr_t dst, bool dst_device_only, uin
 }
 
 CUresult MemcpyHtoDAsync(CUdeviceptr dst, const void* src, size_t bytes, CUstream stream) {
-  return CheckedCopy("cuMemcpyHtoDAsync", Addr(dst), true, reinterpret_cast<uintptr_t>(src),
-                     false, bytes, stream);
+  return CheckedCopy("cuMemcpyHtoDAsync", Addr(dst), true, reinterpret_cast<uintptr_t>(src), false,
+                     bytes, stream);
 }
 
 CUresult MemcpyDtoHAsync(void* dst, CUdeviceptr src, size_t bytes, CUstream stream) {
-  return CheckedCopy("cuMemcpyDtoHAsync", reinterpret_cast<uintptr_t>(dst), false, Addr(src),
-                     true, bytes, stream);
+  return CheckedCopy("cuMemcpyDtoHAsync", reinterpret_cast<uintptr_t>(dst), false, Addr(src), true,
+                     bytes, stream);
 }
 
 // Unified addressing: either side may be host memory.

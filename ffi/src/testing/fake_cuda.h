@@ -80,8 +80,8 @@ struct Stats {
   std::map<std::string, int64_t> calls;  // per entry point, refused calls included
   int64_t live_reservations = 0;
   int64_t live_mappings = 0;
-  int64_t live_allocations = 0;  // physical allocations whose memory still exists
-  int64_t live_handles = 0;      // allocations not yet released (mapped or not)
+  int64_t live_allocations = 0;      // physical allocations whose memory still exists
+  int64_t live_handles = 0;          // allocations not yet released (mapped or not)
   int64_t live_metadata_allocs = 0;  // cuMemAlloc
   int64_t live_host_allocs = 0;      // cuMemHostAlloc
   int64_t live_streams = 0;

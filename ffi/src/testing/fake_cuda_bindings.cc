@@ -85,8 +85,9 @@ void BindFakeState(nb::module_& m) {
   });
   m.def("fake_cuda_granularity", []() { return fake::kGranularity; });
   m.def("fake_cuda_total_bytes", []() { return fake::kTotalBytes; });
-  m.def("fake_cuda_stats", []() { return StatsDict(fake::GetStats()); },
-        "Counters of the fake CUDA driver (calls per entry point, live objects, refusals).");
+  m.def(
+      "fake_cuda_stats", []() { return StatsDict(fake::GetStats()); },
+      "Counters of the fake CUDA driver (calls per entry point, live objects, refusals).");
   m.def("fake_cuda_mappings", []() {
     nb::list out;
     for (const fake::Mapping& p : fake::Mappings()) {
