@@ -167,10 +167,9 @@ class State {
     if (it->first + it->second <= va) return Space::kPageableHost;
     return it->first <= va && va + bytes <= it->first + it->second ? inside : Space::kStraddles;
   }
-  Space SpaceOf(uintptr_t va, size_t bytes) const {
+  Space SpaceOf(uintptr_t va, size_t bytes) {
     if (TouchesReservation(va, bytes)) {
-      return const_cast<State*>(this)->ReservationOf(va, bytes) ? Space::kReservation
-                                                                : Space::kStraddles;
+      return ReservationOf(va, bytes) != nullptr ? Space::kReservation : Space::kStraddles;
     }
     const Space meta = BlockSpace(metadata_, va, bytes, Space::kMetadata);
     if (meta != Space::kPageableHost) return meta;
@@ -254,6 +253,17 @@ State& S() {
   return *state;
 }
 
+// The frame of an entry point: the lock, the call counted, an armed failure, the
+// initialisation rule and, for kContext, the current-context rule; then the body.
+enum class Needs { kInit, kContext };
+template <typename Body>
+CUresult Call(Needs needs, const char* entry, Body body) {
+  State& s = S();
+  std::lock_guard<std::mutex> lock(s.mu);
+  const CUresult r = needs == Needs::kContext ? s.EnterInContext(entry) : s.Enter(entry);
+  return r != CUDA_SUCCESS ? r : body(s);
+}
+
 bool IsPow2(size_t x) { return x != 0 && (x & (x - 1)) == 0; }
 uintptr_t Addr(CUdeviceptr p) { return static_cast<uintptr_t>(p); }
 CUcontext PrimaryContextHandle() {
@@ -304,235 +314,197 @@ CUresult Init(unsigned int flags) {
 }
 
 CUresult DeviceGetCount(int* count) {
-  State& s = S();
-  std::lock_guard<std::mutex> lock(s.mu);
-  CUresult r = s.Enter("cuDeviceGetCount");
-  if (r != CUDA_SUCCESS) return r;
-  if (count == nullptr) return kInvalidValue;
-  *count = 1;
-  return CUDA_SUCCESS;
+  return Call(Needs::kInit, "cuDeviceGetCount", [&](State& s) -> CUresult {
+    if (count == nullptr) return kInvalidValue;
+    *count = 1;
+    return CUDA_SUCCESS;
+  });
 }
 
 CUresult DeviceGet(CUdevice* dev, int ordinal) {
-  State& s = S();
-  std::lock_guard<std::mutex> lock(s.mu);
-  CUresult r = s.Enter("cuDeviceGet");
-  if (r != CUDA_SUCCESS) return r;
-  if (dev == nullptr) return kInvalidValue;
-  if (ordinal != 0) return kInvalidDevice;
-  *dev = 0;
-  return CUDA_SUCCESS;
+  return Call(Needs::kInit, "cuDeviceGet", [&](State& s) -> CUresult {
+    if (dev == nullptr) return kInvalidValue;
+    if (ordinal != 0) return kInvalidDevice;
+    *dev = 0;
+    return CUDA_SUCCESS;
+  });
 }
 
 CUresult DeviceGetName(char* name, int len, CUdevice dev) {
-  State& s = S();
-  std::lock_guard<std::mutex> lock(s.mu);
-  CUresult r = s.Enter("cuDeviceGetName");
-  if (r != CUDA_SUCCESS) return r;
-  if (name == nullptr || len <= 0) return kInvalidValue;
-  if (!IsDevice(dev)) return kInvalidDevice;
-  const char* fake = "fake CUDA VMM device";
-  const size_t n = std::min(std::strlen(fake), static_cast<size_t>(len) - 1);
-  std::memcpy(name, fake, n);
-  name[n] = '\0';
-  return CUDA_SUCCESS;
+  return Call(Needs::kInit, "cuDeviceGetName", [&](State& s) -> CUresult {
+    if (name == nullptr || len <= 0) return kInvalidValue;
+    if (!IsDevice(dev)) return kInvalidDevice;
+    const char* fake = "fake CUDA VMM device";
+    const size_t n = std::min(std::strlen(fake), static_cast<size_t>(len) - 1);
+    std::memcpy(name, fake, n);
+    name[n] = '\0';
+    return CUDA_SUCCESS;
+  });
 }
 
 // Only the attributes the driver asks for are modelled; any other is refused, so that a
 // new query shows up here instead of reading a made-up value.
 CUresult DeviceGetAttribute(int* value, int attribute, CUdevice dev) {
-  State& s = S();
-  std::lock_guard<std::mutex> lock(s.mu);
-  CUresult r = s.Enter("cuDeviceGetAttribute");
-  if (r != CUDA_SUCCESS) return r;
-  if (value == nullptr) return kInvalidValue;
-  if (!IsDevice(dev)) return kInvalidDevice;
-  if (attribute != cuda::CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED) {
-    return kInvalidValue;
-  }
-  *value = 1;
-  return CUDA_SUCCESS;
+  return Call(Needs::kInit, "cuDeviceGetAttribute", [&](State& s) -> CUresult {
+    if (value == nullptr) return kInvalidValue;
+    if (!IsDevice(dev)) return kInvalidDevice;
+    if (attribute != cuda::CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED) {
+      return kInvalidValue;
+    }
+    *value = 1;
+    return CUDA_SUCCESS;
+  });
 }
 
 CUresult MemGetAllocationGranularity(size_t* granularity, const CUmemAllocationProp* prop,
                                      int which) {
-  State& s = S();
-  std::lock_guard<std::mutex> lock(s.mu);
-  CUresult r = s.Enter("cuMemGetAllocationGranularity");
-  if (r != CUDA_SUCCESS) return r;
-  if (granularity == nullptr || !IsDeviceProp(prop)) return kInvalidValue;
-  if (which != cuda::CU_MEM_ALLOC_GRANULARITY_MINIMUM &&
-      which != cuda::CU_MEM_ALLOC_GRANULARITY_RECOMMENDED) {
-    return kInvalidValue;
-  }
-  *granularity = kGranularity;
-  return CUDA_SUCCESS;
+  return Call(Needs::kInit, "cuMemGetAllocationGranularity", [&](State& s) -> CUresult {
+    if (granularity == nullptr || !IsDeviceProp(prop)) return kInvalidValue;
+    if (which != cuda::CU_MEM_ALLOC_GRANULARITY_MINIMUM &&
+        which != cuda::CU_MEM_ALLOC_GRANULARITY_RECOMMENDED) {
+      return kInvalidValue;
+    }
+    *granularity = kGranularity;
+    return CUDA_SUCCESS;
+  });
 }
 
 // ---- contexts and streams --------------------------------------------------------------
 
 CUresult PrimaryCtxRetain(CUcontext* ctx, CUdevice dev) {
-  State& s = S();
-  std::lock_guard<std::mutex> lock(s.mu);
-  CUresult r = s.Enter("cuDevicePrimaryCtxRetain");
-  if (r != CUDA_SUCCESS) return r;
-  if (ctx == nullptr) return kInvalidValue;
-  if (!IsDevice(dev)) return kInvalidDevice;
-  ++s.context_refs_;
-  *ctx = PrimaryContextHandle();
-  return CUDA_SUCCESS;
+  return Call(Needs::kInit, "cuDevicePrimaryCtxRetain", [&](State& s) -> CUresult {
+    if (ctx == nullptr) return kInvalidValue;
+    if (!IsDevice(dev)) return kInvalidDevice;
+    ++s.context_refs_;
+    *ctx = PrimaryContextHandle();
+    return CUDA_SUCCESS;
+  });
 }
 
 CUresult PrimaryCtxRelease(CUdevice dev) {
-  State& s = S();
-  std::lock_guard<std::mutex> lock(s.mu);
-  CUresult r = s.Enter("cuDevicePrimaryCtxRelease");
-  if (r != CUDA_SUCCESS) return r;
-  if (!IsDevice(dev)) return kInvalidDevice;
-  if (s.context_refs_ == 0) return kInvalidContext;
-  --s.context_refs_;
-  return CUDA_SUCCESS;
+  return Call(Needs::kInit, "cuDevicePrimaryCtxRelease", [&](State& s) -> CUresult {
+    if (!IsDevice(dev)) return kInvalidDevice;
+    if (s.context_refs_ == 0) return kInvalidContext;
+    --s.context_refs_;
+    return CUDA_SUCCESS;
+  });
 }
 
 CUresult CtxPushCurrent(CUcontext ctx) {
-  State& s = S();
-  std::lock_guard<std::mutex> lock(s.mu);
-  CUresult r = s.Enter("cuCtxPushCurrent");
-  if (r != CUDA_SUCCESS) return r;
-  if (ctx != PrimaryContextHandle() || s.context_refs_ == 0) return kInvalidContext;
-  ++State::ContextDepth();
-  return CUDA_SUCCESS;
+  return Call(Needs::kInit, "cuCtxPushCurrent", [&](State& s) -> CUresult {
+    if (ctx != PrimaryContextHandle() || s.context_refs_ == 0) return kInvalidContext;
+    ++State::ContextDepth();
+    return CUDA_SUCCESS;
+  });
 }
 
 CUresult CtxPopCurrent(CUcontext* ctx) {
-  State& s = S();
-  std::lock_guard<std::mutex> lock(s.mu);
-  CUresult r = s.Enter("cuCtxPopCurrent");
-  if (r != CUDA_SUCCESS) return r;
-  if (State::ContextDepth() == 0) return kInvalidContext;
-  --State::ContextDepth();
-  if (ctx != nullptr) *ctx = PrimaryContextHandle();
-  return CUDA_SUCCESS;
+  return Call(Needs::kInit, "cuCtxPopCurrent", [&](State& s) -> CUresult {
+    if (State::ContextDepth() == 0) return kInvalidContext;
+    --State::ContextDepth();
+    if (ctx != nullptr) *ctx = PrimaryContextHandle();
+    return CUDA_SUCCESS;
+  });
 }
 
 CUresult CtxSynchronize() {
-  State& s = S();
-  std::lock_guard<std::mutex> lock(s.mu);
-  return s.EnterInContext("cuCtxSynchronize");
+  return Call(Needs::kContext, "cuCtxSynchronize", [](State&) -> CUresult { return CUDA_SUCCESS; });
 }
 
 CUresult StreamCreate(CUstream* stream, unsigned int flags) {
-  State& s = S();
-  std::lock_guard<std::mutex> lock(s.mu);
-  CUresult r = s.EnterInContext("cuStreamCreate");
-  if (r != CUDA_SUCCESS) return r;
-  if (stream == nullptr || (flags & ~cuda::CU_STREAM_NON_BLOCKING) != 0) return kInvalidValue;
-  const uintptr_t id = s.next_stream_++ << 4;  // never 0 (the legacy stream)
-  s.streams_.insert(id);
-  *stream = reinterpret_cast<CUstream>(id);
-  return CUDA_SUCCESS;
+  return Call(Needs::kContext, "cuStreamCreate", [&](State& s) -> CUresult {
+    if (stream == nullptr || (flags & ~cuda::CU_STREAM_NON_BLOCKING) != 0) return kInvalidValue;
+    const uintptr_t id = s.next_stream_++ << 4;  // never 0 (the legacy stream)
+    s.streams_.insert(id);
+    *stream = reinterpret_cast<CUstream>(id);
+    return CUDA_SUCCESS;
+  });
 }
 
 CUresult StreamDestroy(CUstream stream) {
-  State& s = S();
-  std::lock_guard<std::mutex> lock(s.mu);
-  CUresult r = s.EnterInContext("cuStreamDestroy");
-  if (r != CUDA_SUCCESS) return r;
-  if (s.streams_.erase(reinterpret_cast<uintptr_t>(stream)) == 0) return kInvalidHandle;
-  return CUDA_SUCCESS;
+  return Call(Needs::kContext, "cuStreamDestroy", [&](State& s) -> CUresult {
+    if (s.streams_.erase(reinterpret_cast<uintptr_t>(stream)) == 0) return kInvalidHandle;
+    return CUDA_SUCCESS;
+  });
 }
 
 CUresult StreamSynchronize(CUstream stream) {
-  State& s = S();
-  std::lock_guard<std::mutex> lock(s.mu);
-  CUresult r = s.EnterInContext("cuStreamSynchronize");
-  if (r != CUDA_SUCCESS) return r;
-  return StreamOk(s, stream) ? CUDA_SUCCESS : kInvalidHandle;
+  return Call(Needs::kContext, "cuStreamSynchronize", [&](State& s) -> CUresult {
+    return StreamOk(s, stream) ? CUDA_SUCCESS : kInvalidHandle;
+  });
 }
 
 // ---- plain allocations -----------------------------------------------------------------
 
 CUresult MemGetInfo(size_t* free_bytes, size_t* total_bytes) {
-  State& s = S();
-  std::lock_guard<std::mutex> lock(s.mu);
-  CUresult r = s.EnterInContext("cuMemGetInfo");
-  if (r != CUDA_SUCCESS) return r;
-  if (free_bytes == nullptr || total_bytes == nullptr) return kInvalidValue;
-  *free_bytes = kTotalBytes - s.used_bytes_;
-  *total_bytes = kTotalBytes;
-  return CUDA_SUCCESS;
+  return Call(Needs::kContext, "cuMemGetInfo", [&](State& s) -> CUresult {
+    if (free_bytes == nullptr || total_bytes == nullptr) return kInvalidValue;
+    *free_bytes = kTotalBytes - s.used_bytes_;
+    *total_bytes = kTotalBytes;
+    return CUDA_SUCCESS;
+  });
 }
 
 CUresult MemAlloc(CUdeviceptr* ptr, size_t bytes) {
-  State& s = S();
-  std::lock_guard<std::mutex> lock(s.mu);
-  CUresult r = s.EnterInContext("cuMemAlloc");
-  if (r != CUDA_SUCCESS) return r;
-  if (ptr == nullptr || bytes == 0) return kInvalidValue;
-  if (bytes > kTotalBytes - s.used_bytes_) return CUDA_ERROR_OUT_OF_MEMORY;
-  void* p = std::aligned_alloc(256, (bytes + 255) / 256 * 256);
-  if (p == nullptr) return CUDA_ERROR_OUT_OF_MEMORY;
-  s.metadata_[reinterpret_cast<uintptr_t>(p)] = bytes;
-  s.used_bytes_ += bytes;
-  *ptr = reinterpret_cast<uintptr_t>(p);
-  return CUDA_SUCCESS;
+  return Call(Needs::kContext, "cuMemAlloc", [&](State& s) -> CUresult {
+    if (ptr == nullptr || bytes == 0) return kInvalidValue;
+    if (bytes > kTotalBytes - s.used_bytes_) return CUDA_ERROR_OUT_OF_MEMORY;
+    void* p = std::aligned_alloc(256, (bytes + 255) / 256 * 256);
+    if (p == nullptr) return CUDA_ERROR_OUT_OF_MEMORY;
+    s.metadata_[reinterpret_cast<uintptr_t>(p)] = bytes;
+    s.used_bytes_ += bytes;
+    *ptr = reinterpret_cast<uintptr_t>(p);
+    return CUDA_SUCCESS;
+  });
 }
 
 CUresult MemFree(CUdeviceptr ptr) {
-  State& s = S();
-  std::lock_guard<std::mutex> lock(s.mu);
-  CUresult r = s.EnterInContext("cuMemFree");
-  if (r != CUDA_SUCCESS) return r;
-  auto it = s.metadata_.find(Addr(ptr));
-  if (it == s.metadata_.end()) return kInvalidValue;
-  s.used_bytes_ -= it->second;
-  std::free(reinterpret_cast<void*>(it->first));
-  s.metadata_.erase(it);
-  return CUDA_SUCCESS;
+  return Call(Needs::kContext, "cuMemFree", [&](State& s) -> CUresult {
+    auto it = s.metadata_.find(Addr(ptr));
+    if (it == s.metadata_.end()) return kInvalidValue;
+    s.used_bytes_ -= it->second;
+    std::free(reinterpret_cast<void*>(it->first));
+    s.metadata_.erase(it);
+    return CUDA_SUCCESS;
+  });
 }
 
 CUresult MemHostAlloc(void** ptr, size_t bytes, unsigned int) {
-  State& s = S();
-  std::lock_guard<std::mutex> lock(s.mu);
-  CUresult r = s.EnterInContext("cuMemHostAlloc");
-  if (r != CUDA_SUCCESS) return r;
-  if (ptr == nullptr || bytes == 0) return kInvalidValue;
-  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (p == MAP_FAILED) return CUDA_ERROR_OUT_OF_MEMORY;
-  s.pinned_host_[reinterpret_cast<uintptr_t>(p)] = bytes;
-  *ptr = p;
-  return CUDA_SUCCESS;
+  return Call(Needs::kContext, "cuMemHostAlloc", [&](State& s) -> CUresult {
+    if (ptr == nullptr || bytes == 0) return kInvalidValue;
+    void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) return CUDA_ERROR_OUT_OF_MEMORY;
+    s.pinned_host_[reinterpret_cast<uintptr_t>(p)] = bytes;
+    *ptr = p;
+    return CUDA_SUCCESS;
+  });
 }
 
 CUresult MemFreeHost(void* ptr) {
-  State& s = S();
-  std::lock_guard<std::mutex> lock(s.mu);
-  CUresult r = s.EnterInContext("cuMemFreeHost");
-  if (r != CUDA_SUCCESS) return r;
-  auto it = s.pinned_host_.find(reinterpret_cast<uintptr_t>(ptr));
-  if (it == s.pinned_host_.end()) return kInvalidValue;
-  munmap(ptr, it->second);
-  s.pinned_host_.erase(it);
-  return CUDA_SUCCESS;
+  return Call(Needs::kContext, "cuMemFreeHost", [&](State& s) -> CUresult {
+    auto it = s.pinned_host_.find(reinterpret_cast<uintptr_t>(ptr));
+    if (it == s.pinned_host_.end()) return kInvalidValue;
+    munmap(ptr, it->second);
+    s.pinned_host_.erase(it);
+    return CUDA_SUCCESS;
+  });
 }
 
 // ---- copies ----------------------------------------------------------------------------
 
 CUresult CheckedCopy(const char* entry, uintptr_t dst, bool dst_device_only, uintptr_t src,
                      bool src_device_only, size_t bytes, CUstream stream) {
-  State& s = S();
-  std::lock_guard<std::mutex> lock(s.mu);
-  CUresult r = s.EnterInContext(entry);
-  if (r != CUDA_SUCCESS) return r;
-  if (!StreamOk(s, stream)) return kInvalidHandle;
-  if ((dst == 0 || src == 0) && bytes != 0) return kInvalidValue;
-  r = s.CheckSide(dst, bytes, kWriteBit, dst_device_only);
-  if (r == CUDA_SUCCESS) r = s.CheckSide(src, bytes, kReadBit, src_device_only);
-  if (r != CUDA_SUCCESS) return r;
-  if (bytes != 0) {
-    std::memmove(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), bytes);
-  }
-  return CUDA_SUCCESS;
+  return Call(Needs::kContext, entry, [&](State& s) -> CUresult {
+    if (!StreamOk(s, stream)) return kInvalidHandle;
+    if ((dst == 0 || src == 0) && bytes != 0) return kInvalidValue;
+    CUresult r = s.CheckSide(dst, bytes, kWriteBit, dst_device_only);
+    if (r == CUDA_SUCCESS) r = s.CheckSide(src, bytes, kReadBit, src_device_only);
+    if (r != CUDA_SUCCESS) return r;
+    if (bytes != 0) {
+      std::memmove(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), bytes);
+    }
+    return CUDA_SUCCESS;
+  });
 }
 
 CUresult MemcpyHtoDAsync(CUdeviceptr dst, const void* src, size_t bytes, CUstream stream) {
@@ -551,101 +523,91 @@ CUresult MemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t bytes, CUstream st
 }
 
 CUresult MemsetD8Async(CUdeviceptr dst, unsigned char value, size_t bytes, CUstream stream) {
-  State& s = S();
-  std::lock_guard<std::mutex> lock(s.mu);
-  CUresult r = s.EnterInContext("cuMemsetD8Async");
-  if (r != CUDA_SUCCESS) return r;
-  if (!StreamOk(s, stream)) return kInvalidHandle;
-  r = s.CheckSide(Addr(dst), bytes, kWriteBit, true);
-  if (r != CUDA_SUCCESS) return r;
-  if (bytes != 0) std::memset(reinterpret_cast<void*>(Addr(dst)), value, bytes);
-  return CUDA_SUCCESS;
+  return Call(Needs::kContext, "cuMemsetD8Async", [&](State& s) -> CUresult {
+    if (!StreamOk(s, stream)) return kInvalidHandle;
+    const CUresult r = s.CheckSide(Addr(dst), bytes, kWriteBit, true);
+    if (r != CUDA_SUCCESS) return r;
+    if (bytes != 0) std::memset(reinterpret_cast<void*>(Addr(dst)), value, bytes);
+    return CUDA_SUCCESS;
+  });
 }
 
 // ---- virtual memory management ---------------------------------------------------------
 
 CUresult MemAddressReserve(CUdeviceptr* ptr, size_t bytes, size_t alignment, CUdeviceptr,
                            unsigned long long flags) {
-  State& s = S();
-  std::lock_guard<std::mutex> lock(s.mu);
-  CUresult r = s.EnterInContext("cuMemAddressReserve");
-  if (r != CUDA_SUCCESS) return r;
-  if (ptr == nullptr || bytes == 0 || bytes % kGranularity != 0 || flags != 0) {
-    return kInvalidValue;
-  }
-  if (alignment == 0) alignment = kGranularity;
-  if (!IsPow2(alignment)) return kInvalidValue;
-  alignment = std::max(alignment, kGranularity);
-  if (bytes > (size_t{1} << 46) || alignment > (size_t{1} << 40)) return CUDA_ERROR_OUT_OF_MEMORY;
-  const size_t span = bytes + alignment;
-  void* raw = mmap(nullptr, span, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-  if (raw == MAP_FAILED) return CUDA_ERROR_OUT_OF_MEMORY;
-  const uintptr_t start = reinterpret_cast<uintptr_t>(raw);
-  const uintptr_t base = (start + alignment - 1) & ~(alignment - 1);
-  if (base > start) munmap(raw, base - start);
-  if (start + span > base + bytes) {
-    munmap(reinterpret_cast<void*>(base + bytes), start + span - (base + bytes));
-  }
-  Reservation res;
-  res.bytes = bytes;
-  res.flags.assign(bytes / kGranularity, 0);
-  s.reservations_.emplace(base, std::move(res));
-  *ptr = base;
-  return CUDA_SUCCESS;
+  return Call(Needs::kContext, "cuMemAddressReserve", [&](State& s) -> CUresult {
+    if (ptr == nullptr || bytes == 0 || bytes % kGranularity != 0 || flags != 0) {
+      return kInvalidValue;
+    }
+    if (alignment == 0) alignment = kGranularity;
+    if (!IsPow2(alignment)) return kInvalidValue;
+    alignment = std::max(alignment, kGranularity);
+    if (bytes > (size_t{1} << 46) || alignment > (size_t{1} << 40)) return CUDA_ERROR_OUT_OF_MEMORY;
+    const size_t span = bytes + alignment;
+    void* raw = mmap(nullptr, span, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (raw == MAP_FAILED) return CUDA_ERROR_OUT_OF_MEMORY;
+    const uintptr_t start = reinterpret_cast<uintptr_t>(raw);
+    const uintptr_t base = (start + alignment - 1) & ~(alignment - 1);
+    if (base > start) munmap(raw, base - start);
+    if (start + span > base + bytes) {
+      munmap(reinterpret_cast<void*>(base + bytes), start + span - (base + bytes));
+    }
+    Reservation res;
+    res.bytes = bytes;
+    res.flags.assign(bytes / kGranularity, 0);
+    s.reservations_.emplace(base, std::move(res));
+    *ptr = base;
+    return CUDA_SUCCESS;
+  });
 }
 
 CUresult MemAddressFree(CUdeviceptr ptr, size_t bytes) {
-  State& s = S();
-  std::lock_guard<std::mutex> lock(s.mu);
-  CUresult r = s.EnterInContext("cuMemAddressFree");
-  if (r != CUDA_SUCCESS) return r;
-  auto it = s.reservations_.find(Addr(ptr));
-  if (it == s.reservations_.end() || it->second.bytes != bytes) return kInvalidValue;
-  if (s.OverlapsMapping(it->first, bytes)) return kInvalidValue;
-  munmap(reinterpret_cast<void*>(it->first), bytes);
-  s.reservations_.erase(it);
-  return CUDA_SUCCESS;
+  return Call(Needs::kContext, "cuMemAddressFree", [&](State& s) -> CUresult {
+    auto it = s.reservations_.find(Addr(ptr));
+    if (it == s.reservations_.end() || it->second.bytes != bytes) return kInvalidValue;
+    if (s.OverlapsMapping(it->first, bytes)) return kInvalidValue;
+    munmap(reinterpret_cast<void*>(it->first), bytes);
+    s.reservations_.erase(it);
+    return CUDA_SUCCESS;
+  });
 }
 
 CUresult MemCreate(CUmemGenericAllocationHandle* handle, size_t bytes,
                    const CUmemAllocationProp* prop, unsigned long long flags) {
-  State& s = S();
-  std::lock_guard<std::mutex> lock(s.mu);
-  CUresult r = s.EnterInContext("cuMemCreate");
-  if (r != CUDA_SUCCESS) return r;
-  if (handle == nullptr || bytes == 0 || bytes % kGranularity != 0 || flags != 0 ||
-      !IsDeviceProp(prop)) {
-    return kInvalidValue;
-  }
-  if (bytes > kTotalBytes - s.used_bytes_) return CUDA_ERROR_OUT_OF_MEMORY;
-  const int fd = memfd_create("fake_cuda_allocation", MFD_CLOEXEC);
-  if (fd < 0) return CUDA_ERROR_OUT_OF_MEMORY;
-  // Garbage contents, so that a caller relying on fresh memory being zero reads wrong.
-  std::vector<unsigned char> block(std::min(bytes, size_t{1} << 20), kFreshByte);
-  for (size_t off = 0; off < bytes; off += block.size()) {
-    const size_t n = std::min(block.size(), bytes - off);
-    if (pwrite(fd, block.data(), n, static_cast<off_t>(off)) != static_cast<ssize_t>(n)) {
-      close(fd);
-      return CUDA_ERROR_OUT_OF_MEMORY;
+  return Call(Needs::kContext, "cuMemCreate", [&](State& s) -> CUresult {
+    if (handle == nullptr || bytes == 0 || bytes % kGranularity != 0 || flags != 0 ||
+        !IsDeviceProp(prop)) {
+      return kInvalidValue;
     }
-  }
-  const uint64_t id = s.next_handle_++;
-  s.allocations_[id] = PhysicalAllocation{fd, bytes, 0, false};
-  s.used_bytes_ += bytes;
-  *handle = id;
-  return CUDA_SUCCESS;
+    if (bytes > kTotalBytes - s.used_bytes_) return CUDA_ERROR_OUT_OF_MEMORY;
+    const int fd = memfd_create("fake_cuda_allocation", MFD_CLOEXEC);
+    if (fd < 0) return CUDA_ERROR_OUT_OF_MEMORY;
+    // Garbage contents, so that a caller relying on fresh memory being zero reads wrong.
+    std::vector<unsigned char> block(std::min(bytes, size_t{1} << 20), kFreshByte);
+    for (size_t off = 0; off < bytes; off += block.size()) {
+      const size_t n = std::min(block.size(), bytes - off);
+      if (pwrite(fd, block.data(), n, static_cast<off_t>(off)) != static_cast<ssize_t>(n)) {
+        close(fd);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+      }
+    }
+    const uint64_t id = s.next_handle_++;
+    s.allocations_[id] = PhysicalAllocation{fd, bytes, 0, false};
+    s.used_bytes_ += bytes;
+    *handle = id;
+    return CUDA_SUCCESS;
+  });
 }
 
 CUresult MemRelease(CUmemGenericAllocationHandle handle) {
-  State& s = S();
-  std::lock_guard<std::mutex> lock(s.mu);
-  CUresult r = s.EnterInContext("cuMemRelease");
-  if (r != CUDA_SUCCESS) return r;
-  auto it = s.allocations_.find(handle);
-  if (it == s.allocations_.end() || it->second.released) return kInvalidValue;
-  it->second.released = true;
-  if (it->second.mappings == 0) s.Destroy(it);
-  return CUDA_SUCCESS;
+  return Call(Needs::kContext, "cuMemRelease", [&](State& s) -> CUresult {
+    auto it = s.allocations_.find(handle);
+    if (it == s.allocations_.end() || it->second.released) return kInvalidValue;
+    it->second.released = true;
+    if (it->second.mappings == 0) s.Destroy(it);
+    return CUDA_SUCCESS;
+  });
 }
 
 CUresult MemMap(CUdeviceptr ptr, size_t bytes, size_t offset, CUmemGenericAllocationHandle handle,
@@ -681,76 +643,70 @@ CUresult MemMap(CUdeviceptr ptr, size_t bytes, size_t offset, CUmemGenericAlloca
 }
 
 CUresult MemUnmap(CUdeviceptr ptr, size_t bytes) {
-  State& s = S();
-  std::lock_guard<std::mutex> lock(s.mu);
-  CUresult r = s.EnterInContext("cuMemUnmap");
-  if (r != CUDA_SUCCESS) return r;
-  const uintptr_t va = Addr(ptr);
-  if (bytes == 0 || va + bytes < va) return kInvalidValue;
-  auto first = s.mappings_.find(va);
-  if (first == s.mappings_.end() || !s.FullyMapped(va, bytes)) return kInvalidValue;
-  auto last = s.mappings_.lower_bound(va + bytes);  // one past the range's mappings
-  auto before_end = std::prev(last);
-  if (before_end->first + before_end->second.bytes != va + bytes) return kInvalidValue;
-  if (mmap(reinterpret_cast<void*>(va), bytes, PROT_NONE,
-           MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0) == MAP_FAILED) {
-    return CUDA_ERROR_OUT_OF_MEMORY;
-  }
-  s.SetFlags(va, bytes, 0);
-  std::vector<uint64_t> handles;
-  for (auto it = first; it != last; ++it) handles.push_back(it->second.handle);
-  s.mappings_.erase(first, last);
-  for (uint64_t h : handles) s.DropMappingOf(h);
-  return CUDA_SUCCESS;
+  return Call(Needs::kContext, "cuMemUnmap", [&](State& s) -> CUresult {
+    const uintptr_t va = Addr(ptr);
+    if (bytes == 0 || va + bytes < va) return kInvalidValue;
+    auto first = s.mappings_.find(va);
+    if (first == s.mappings_.end() || !s.FullyMapped(va, bytes)) return kInvalidValue;
+    auto last = s.mappings_.lower_bound(va + bytes);  // one past the range's mappings
+    auto before_end = std::prev(last);
+    if (before_end->first + before_end->second.bytes != va + bytes) return kInvalidValue;
+    if (mmap(reinterpret_cast<void*>(va), bytes, PROT_NONE,
+             MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0) == MAP_FAILED) {
+      return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    s.SetFlags(va, bytes, 0);
+    std::vector<uint64_t> handles;
+    for (auto it = first; it != last; ++it) handles.push_back(it->second.handle);
+    s.mappings_.erase(first, last);
+    for (uint64_t h : handles) s.DropMappingOf(h);
+    return CUDA_SUCCESS;
+  });
 }
 
 CUresult MemSetAccess(CUdeviceptr ptr, size_t bytes, const CUmemAccessDesc* desc, size_t count) {
-  State& s = S();
-  std::lock_guard<std::mutex> lock(s.mu);
-  CUresult r = s.EnterInContext("cuMemSetAccess");
-  if (r != CUDA_SUCCESS) return r;
-  const uintptr_t va = Addr(ptr);
-  if (desc == nullptr || count != 1 || bytes == 0 || va % kGranularity != 0 ||
-      bytes % kGranularity != 0 || va + bytes < va) {
-    return kInvalidValue;
-  }
-  if (desc->location.type != cuda::CU_MEM_LOCATION_TYPE_DEVICE) return kInvalidValue;
-  if (!IsDevice(desc->location.id)) return kInvalidDevice;
-  int prot = 0;
-  switch (desc->flags) {
-    case 0:
-      prot = PROT_NONE;
-      break;
-    case cuda::CU_MEM_ACCESS_FLAGS_PROT_READ:
-      prot = PROT_READ;
-      break;
-    case cuda::CU_MEM_ACCESS_FLAGS_PROT_READWRITE:
-      prot = PROT_READ | PROT_WRITE;
-      break;
-    default:
+  return Call(Needs::kContext, "cuMemSetAccess", [&](State& s) -> CUresult {
+    const uintptr_t va = Addr(ptr);
+    if (desc == nullptr || count != 1 || bytes == 0 || va % kGranularity != 0 ||
+        bytes % kGranularity != 0 || va + bytes < va) {
       return kInvalidValue;
-  }
-  if (s.ReservationOf(va, bytes) == nullptr || !s.FullyMapped(va, bytes)) return kInvalidValue;
-  if (mprotect(reinterpret_cast<void*>(va), bytes, prot) != 0) return CUDA_ERROR_OUT_OF_MEMORY;
-  s.SetFlags(va, bytes, static_cast<unsigned char>(desc->flags));
-  return CUDA_SUCCESS;
+    }
+    if (desc->location.type != cuda::CU_MEM_LOCATION_TYPE_DEVICE) return kInvalidValue;
+    if (!IsDevice(desc->location.id)) return kInvalidDevice;
+    int prot = 0;
+    switch (desc->flags) {
+      case 0:
+        prot = PROT_NONE;
+        break;
+      case cuda::CU_MEM_ACCESS_FLAGS_PROT_READ:
+        prot = PROT_READ;
+        break;
+      case cuda::CU_MEM_ACCESS_FLAGS_PROT_READWRITE:
+        prot = PROT_READ | PROT_WRITE;
+        break;
+      default:
+        return kInvalidValue;
+    }
+    if (s.ReservationOf(va, bytes) == nullptr || !s.FullyMapped(va, bytes)) return kInvalidValue;
+    if (mprotect(reinterpret_cast<void*>(va), bytes, prot) != 0) return CUDA_ERROR_OUT_OF_MEMORY;
+    s.SetFlags(va, bytes, static_cast<unsigned char>(desc->flags));
+    return CUDA_SUCCESS;
+  });
 }
 
 CUresult MemGetAccess(unsigned long long* flags, const CUmemLocation* location, CUdeviceptr ptr) {
-  State& s = S();
-  std::lock_guard<std::mutex> lock(s.mu);
-  CUresult r = s.EnterInContext("cuMemGetAccess");
-  if (r != CUDA_SUCCESS) return r;
-  if (flags == nullptr || location == nullptr ||
-      location->type != cuda::CU_MEM_LOCATION_TYPE_DEVICE) {
-    return kInvalidValue;
-  }
-  if (!IsDevice(location->id)) return kInvalidDevice;
-  const uintptr_t va = Addr(ptr);
-  if (!s.FullyMapped(va, 1)) return kInvalidValue;
-  auto* res = s.ReservationOf(va, 1);
-  *flags = res->second.flags[(va - res->first) / kGranularity];
-  return CUDA_SUCCESS;
+  return Call(Needs::kContext, "cuMemGetAccess", [&](State& s) -> CUresult {
+    if (flags == nullptr || location == nullptr ||
+        location->type != cuda::CU_MEM_LOCATION_TYPE_DEVICE) {
+      return kInvalidValue;
+    }
+    if (!IsDevice(location->id)) return kInvalidDevice;
+    const uintptr_t va = Addr(ptr);
+    if (!s.FullyMapped(va, 1)) return kInvalidValue;
+    auto* res = s.ReservationOf(va, 1);
+    *flags = res->second.flags[(va - res->first) / kGranularity];
+    return CUDA_SUCCESS;
+  });
 }
 
 cuda::Api MakeApi() {

@@ -1,7 +1,7 @@
 // jax_vmm._core.testing (see testing_module.h): the testing FFI targets, fault injection
 // into arenas, the scratch probe's counters, simulated capture, the free-on-growth
-// emulation of scratch and the streaming attention's partition. The Python side and its
-// documentation: jax_vmm/testing.py.
+// emulation of scratch, the streaming attention's partition and the fake CUDA driver
+// (fake_cuda_bindings.cc). The Python side and its documentation: jax_vmm/testing.py.
 #include "testing/testing_module.h"
 
 #include <nanobind/ndarray.h>
