@@ -25,7 +25,7 @@
 //  * cuMemUnmap(va, size): the range must start at a mapping's start, end at a mapping's
 //    end and be covered by whole consecutive mappings (several are fine), else
 //    INVALID_VALUE; the reservation's PROT_NONE placeholder goes back over it.
-//  * cuMemSetAccess: every byte of the range mapped (else INVALID_VALUE), the descriptor
+//  * cuMemSetAccess: every byte of the range mapped (else INVALID_VALUE), one descriptor
 //    for device 0 with flags NONE, READ or READWRITE; sets PROT_NONE / PROT_READ /
 //    PROT_READ|PROT_WRITE and records the flags per granularity page. cuMemGetAccess: the
 //    flags of a mapped va, INVALID_VALUE when unmapped.
