@@ -38,23 +38,20 @@ def oracle(gpu_device) -> cu_oracle.CudaOracle:
     return cu_oracle.CudaOracle(cuda_ordinal(gpu_device))
 
 
-def zero_handle_set(oracle: cu_oracle.CudaOracle, device) -> frozenset[int] | None:
+def zero_handle(oracle: cu_oracle.CudaOracle, arena: jax_vmm.Arena) -> frozenset[int] | None:
     """The handles of the device's shared zero allocations (one per piece size), read by
-    the driver oracle over a fresh reservation of 31 chunks, which the zero layout tiles
-    into one piece of each size from 32 chunks' half down to one chunk. None when the
+    the driver oracle over a fresh 31-chunk reservation, which the zero layout tiles into
+    one piece of each size (16, 8, 4, 2 and 1 chunks). Call it while ``arena`` lives: the
+    zero allocations are shared only while some reservation holds them. None when the
     driver does not hand back stable handle values (then only access flags identify the
     zero memory)."""
-    with jax_vmm.Arena(31 * 2 * MiB, device=device) as probe:
+    with jax_vmm.Arena(31 * 2 * MiB, device=arena.device) as probe:
         c = probe.chunk_bytes
         states = oracle.chunk_states(probe.base, probe.reserved_bytes, c)
         again = oracle.allocation_handle(probe.base)
     if again != states[0].handle:
         return None
     return frozenset(s.handle for s in states)
-
-
-def zero_handle(oracle: cu_oracle.CudaOracle, arena: jax_vmm.Arena) -> frozenset[int] | None:
-    return zero_handle_set(oracle, arena.device)
 
 
 def kinds(oracle, arena, buf, nbytes=None) -> list[str]:
