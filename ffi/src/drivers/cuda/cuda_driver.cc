@@ -2,10 +2,11 @@
 //
 // Layout of a reservation: every unbacked byte maps one of the device's shared zero
 // allocations (zero_allocation.h) read-only, in power-of-two pieces aligned to their size
-// from the reservation base, each mapping the zero allocation of its exact size
-// (cuMemMap maps only whole allocations); ZeroLayout (zero_layout.h) records the pieces. MapRun
-// clears the zero pieces under its range (and maps the parts of them outside the range back), then
-// maps the real pieces; UnmapRun unmaps real pieces and restores zero as aligned pieces.
+// from the reservation base, each mapping the zero allocation of its exact size (cuMemMap
+// maps only whole allocations); ZeroLayout (zero_layout.h) records the pieces. MapRun
+// clears the zero pieces under its range (and maps the parts of them outside the range
+// back), then maps the real pieces; UnmapRun unmaps real pieces and restores zero as
+// aligned pieces.
 //
 // The driver API comes from cuda_api.h (libcuda resolved at run time), its objects are
 // held by the owners of cuda_owners.h, device facts come from cuda_device.h.
@@ -102,8 +103,7 @@ class CudaDriver final : public Driver {
     const std::vector<ZeroPiece> tiles = layout.Tile(va, bytes);
     size_t mapped = 0;
     for (; mapped < tiles.size(); ++mapped) {
-      r = api_.cuMemMap(tiles[mapped].va, tiles[mapped].bytes, 0,
-                        zero_->handle(tiles[mapped].bytes), 0);
+      r = MapZeroPiece(tiles[mapped]);
       if (r != CUDA_SUCCESS) break;
     }
     if (r == CUDA_SUCCESS) r = api_.cuMemSetAccess(va, bytes, &read_only_, 1);
@@ -208,8 +208,7 @@ class CudaDriver final : public Driver {
     }
     size_t remapped = 0;
     for (; remapped < plan.remap.size() && r == CUDA_SUCCESS; ++remapped) {
-      r = api_.cuMemMap(plan.remap[remapped].va, plan.remap[remapped].bytes, 0,
-                        zero_->handle(plan.remap[remapped].bytes), 0);
+      r = MapZeroPiece(plan.remap[remapped]);
       if (r != CUDA_SUCCESS) break;
     }
     std::string call;
@@ -523,12 +522,17 @@ class CudaDriver final : public Driver {
     return first;
   }
 
-  // Maps the zero allocation of each piece's size at it (made read-only by the caller); returns the
-  // pieces mapped. A piece that could not get it (reported) faults on access.
+  // The zero allocation of the piece's exact size, mapped at it (not yet readable).
+  CUresult MapZeroPiece(const ZeroPiece& p) const noexcept {
+    return api_.cuMemMap(p.va, p.bytes, 0, zero_->handle(p.bytes), 0);
+  }
+
+  // Maps every piece (made read-only by the caller); returns the pieces mapped. A piece
+  // that could not get its zero allocation (reported) faults on access.
   std::vector<ZeroPiece> MapZero(const std::vector<ZeroPiece>& pieces) noexcept {
     std::vector<ZeroPiece> mapped;
     for (const ZeroPiece& p : pieces) {
-      const CUresult r = api_.cuMemMap(p.va, p.bytes, 0, zero_->handle(p.bytes), 0);
+      const CUresult r = MapZeroPiece(p);
       if (r == CUDA_SUCCESS) {
         mapped.push_back(p);
       } else {
