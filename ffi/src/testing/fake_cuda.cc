@@ -13,6 +13,8 @@
 #include <stdexcept>
 #include <utility>
 
+#include "common/math.h"
+
 namespace jax_vmm::testing::fake_cuda {
 namespace {
 
@@ -264,7 +266,6 @@ CUresult Call(Needs needs, const char* entry, Body body) {
   return r != CUDA_SUCCESS ? r : body(s);
 }
 
-bool IsPow2(size_t x) { return x != 0 && (x & (x - 1)) == 0; }
 uintptr_t Addr(CUdeviceptr p) { return static_cast<uintptr_t>(p); }
 CUcontext PrimaryContextHandle() {
   static char marker;

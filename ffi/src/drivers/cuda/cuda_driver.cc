@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "common/format.h"
+#include "common/math.h"
 #include "drivers/cuda/cuda_abi.h"
 #include "drivers/cuda/cuda_api.h"
 #include "drivers/cuda/cuda_device.h"
@@ -34,9 +35,6 @@
 namespace jax_vmm {
 namespace cuda {
 namespace {
-
-// The largest power of two dividing `x` (x > 0).
-size_t LowestBit(size_t x) { return x & (~x + 1); }
 
 // The driver.
 //
@@ -396,11 +394,6 @@ class CudaDriver final : public Driver {
  private:
   static CUdeviceptr DevPtr(const void* p) {
     return static_cast<CUdeviceptr>(reinterpret_cast<uintptr_t>(p));
-  }
-  static size_t FloorPow2(size_t x) {
-    size_t p = 1;
-    while (p * 2 <= x && p * 2 != 0) p *= 2;
-    return p;
   }
 
   // All regions on the copy stream (unified addressing: any direction), one sync.

@@ -4,13 +4,10 @@
 #include <string>
 
 #include "common/format.h"
+#include "common/math.h"
 #include "jax_vmm/errors.h"
 
 namespace jax_vmm::cuda {
-
-namespace {
-bool IsPow2(size_t x) { return x != 0 && (x & (x - 1)) == 0; }
-}  // namespace
 
 ZeroLayout::ZeroLayout(uintptr_t base, size_t bytes, size_t max_piece, size_t unit)
     : base_(base), bytes_(bytes), max_piece_(max_piece), unit_(unit) {
