@@ -187,6 +187,9 @@ def attention_stats() -> dict:
     return dict(_core.attention_stats())
 
 
+_FULL = jax.lax.Precision.HIGHEST
+
+
 def reference_decode_attention(
     q: jax.Array,
     k: jax.Array,
@@ -200,7 +203,8 @@ def reference_decode_attention(
     """Plain-JAX decode attention with the same semantics (masking every token at or past
     the length; length 0 gives zeros), softmax in float32, output in q's dtype. XLA reads
     all T tokens of every sequence: the baseline the custom call is measured against.
-    An fp8 cache (with k_scale, v_scale) is dequantized to float32 first."""
+    An fp8 cache (with k_scale, v_scale) is dequantized to float32 first. Products run at
+    full precision (a GPU would otherwise take float32 through TF32)."""
     if k_scale is not None:
         k, v = dequantize_fp8(k, k_scale), dequantize_fp8(v, v_scale)
     B, Hq, D = q.shape
@@ -209,13 +213,16 @@ def reference_decode_attention(
         scale = 1.0 / math.sqrt(D)
     group = Hq // Hkv
     qg = q.reshape(B, Hkv, group, D)
-    s = jnp.einsum("bhgd,bthd->bhgt", qg, k, preferred_element_type=jnp.float32) * scale
+    s = jnp.einsum("bhgd,bthd->bhgt", qg, k, preferred_element_type=jnp.float32, precision=_FULL)
+    s = s * scale
     n = jnp.clip(lengths.astype(jnp.int32), 0, T)
     live = jnp.arange(T)[None, :] < n[:, None]  # (B, T)
     s = jnp.where(live[:, None, None, :], s, -jnp.inf)
     m = jnp.max(s, axis=-1, keepdims=True)
     p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0))
     denom = jnp.sum(p, axis=-1, keepdims=True)
-    o = jnp.einsum("bhgt,bthd->bhgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    o = jnp.einsum(
+        "bhgt,bthd->bhgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32, precision=_FULL
+    )
     o = jnp.where(denom > 0, o / jnp.where(denom > 0, denom, 1.0), 0.0)
     return o.reshape(B, Hq, D).astype(q.dtype)

@@ -262,8 +262,10 @@ def test_jax_vmm_matches_prealloc_gpu_preset(
 
 @pytest.mark.gpu
 def test_gpu_preset_comparison_catches_a_wrong_cache(gpu_device: jax.Device) -> None:
-    """The preset comparison at its bfloat16 bound fails for a cache that writes every
-    token one position late: the bound is tight enough to see a wrong cache."""
+    """The preset comparison at its bfloat16 bound fails for a cache that stores every V
+    with its head dimension rotated by one: the bound is tight enough to see a wrong cache.
+    (Every write stays at its own ensured slot, so the engine's check passes and the
+    comparison alone has to see it.)"""
     from examples import cache as cache_module
 
     cfg = dataclasses.replace(M.PRESETS["gpu"], dtype="bfloat16")
@@ -273,11 +275,11 @@ def test_gpu_preset_comparison_catches_a_wrong_cache(gpu_device: jax.Device) -> 
     forced = {r.id: r.tokens for r in ref.results}
     write = cache_module.VmmCache.write
 
-    def late(self, layer, new_k, new_v, slots):
-        return write(layer, new_k, new_v, jnp.where(slots >= 0, slots + 1, slots))
+    def rotated(self, layer, new_k, new_v, slots):
+        return write(layer, new_k, jnp.roll(new_v, 1, axis=-1), slots)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(cache_module.VmmCache, "write", late)
+        mp.setattr(cache_module.VmmCache, "write", rotated)
         got, _ = generate(
             "jax_vmm",
             cfg,

@@ -95,9 +95,10 @@ def _reference(data: dict, step: int) -> np.ndarray:
     return np.einsum("lbhgt,tlbhd->lbhgd", p, v).reshape(L, B, HQ, D)
 
 
-def _run(how: str, kv, data: dict, steps: int):
+def _run(how: str, kv, data: dict, steps: int, donate_scan: bool = True):
     """Runs `steps` decode steps the way `how` says; returns the final cache and the
-    attention outputs (steps, L, B, H_q, D)."""
+    attention outputs (steps, L, B, H_q, D). The scan donates its cache unless told not
+    to."""
     cache = kv.cache()
     dev = kv.arena.device
     put = lambda x: jax.device_put(jnp.asarray(x), dev)  # noqa: E731
@@ -118,7 +119,8 @@ def _run(how: str, kv, data: dict, steps: int):
         def body(c, x):
             return _step(c, *x)
 
-        run = jax.jit(lambda c, xs: jax.lax.scan(body, c, xs), donate_argnums=0)
+        donate = (0,) if donate_scan else ()
+        run = jax.jit(lambda c, xs: jax.lax.scan(body, c, xs), donate_argnums=donate)
         return run(cache, (q[:steps], nk[:steps], nv[:steps], jnp.arange(steps, dtype=jnp.int32)))
     out0 = jnp.zeros((steps, L, B, HQ, D), DT)
     if how == "fori":
@@ -192,13 +194,14 @@ def test_the_arena_holds_every_token_and_attention_reads_them(vm, how, steps):
 @pytest.mark.parametrize("how", ["jit", "scan"])
 def test_with_the_identity_stripped_the_arena_misses_the_tokens(vm, how):
     """The oracle of the test above catches the naive cache pytree (the arena views as
-    leaves, not donated): XLA writes its copy and the arena keeps zeros."""
+    leaves, not donated): XLA writes its copy and the arena keeps zeros. (Donated, a GPU
+    hands a view's memory over in place and XLA's copy is the arena itself.)"""
     kv = _kv(vm)
     for seq in range(B):
         kv.ensure(8, seq)
     data = _tokens(8, seed=3)
     with jax_vmm.testing.identity_stripped():
-        cache, outs = _run(how, kv, data, 8 if how == "scan" else 2)
+        cache, outs = _run(how, kv, data, 8 if how == "scan" else 2, donate_scan=False)
         jax.block_until_ready(outs)
     assert not cache[0].is_arena  # the copies came back as an array cache
     assert not np.any(_arena_tokens(kv, "k", 0, 2)), "the arena was written after all"
