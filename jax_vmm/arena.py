@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ._compute_streams import register_compute_stream
 from ._device import DeviceTarget, resolve_device
 from ._loader import core as _core
 from .errors import ArenaAsleepError, ArenaClosedError, ReservationFullError
@@ -353,6 +354,11 @@ class Arena:
         self._handle = _core_arena_factory(
             self._target.driver, self._target.ordinal, reserve_bytes, chunk, handle, zero_fill
         )
+        try:  # before the arena's first device wait (it waits for that stream)
+            register_compute_stream(self._target)
+        except BaseException:
+            self._handle.close()
+            raise
         self._lock = threading.Lock()
         self._buffers: list[Buffer] = []
         # Bumped by every call that may unback memory behind a KV arena's bookkeeping

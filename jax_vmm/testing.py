@@ -33,6 +33,9 @@ the only Python code that imports it.
 * :func:`limits_ignored`: the KVCache-layer kv_write and decode attention without the
   table of ensured tokens (writes past them land where a chunk is backed; reads are not
   clamped or counted).
+* :func:`context_wide_device_waits`: an arena's device waits wait for the whole CUDA
+  context (cuCtxSynchronize) instead of XLA's compute stream, which breaks a command-buffer
+  capture that XLA runs meanwhile on another thread.
 * :func:`legacy_views`: views without a view lease, whose DLPack deleter takes the GIL
   (a plain nanobind ndarray owning a reference to the arena), as before leases.
 * :func:`scratch_probe` (with :func:`scratch_probe_stats`, :func:`address_of`): a custom
@@ -318,6 +321,22 @@ def sharded_rollback_skipped() -> Iterator[None]:
         yield
     finally:
         sharded._roll_back_shard = previous
+
+
+# -- context-wide device waits --------------------------------------------------------
+
+
+@contextlib.contextmanager
+def context_wide_device_waits(device: jax.Device) -> Iterator[None]:
+    """Inside the with-block the CUDA driver knows no compute stream of ``device`` (a GPU),
+    so every device wait of its arenas is a cuCtxSynchronize: one that runs while another
+    thread captures a CUDA graph fails and invalidates that capture."""
+    ordinal = _arena.resolve_device(device).ordinal
+    streams = _testing.forget_compute_streams(ordinal)
+    try:
+        yield
+    finally:
+        _testing.register_compute_streams(ordinal, streams)
 
 
 # -- views without leases -------------------------------------------------------------

@@ -56,7 +56,9 @@
 #   example             examples/decode.py -> $OUT/example/
 #   example:B           the gpu preset at batch B = 16 or 64 (3 requests per slot), decode
 #                       blocks of 16 -> $OUT/example_bB/; example:prealloc16 / prealloc64
-#                       the cuDNN baseline; example:fp8, example:sleep (batch 16)
+#                       the cuDNN baseline; example:fp8, example:sleep (batch 16);
+#                       example:hf1b: examples/generate.py on a 1B-shaped random Llama
+#                       checkpoint (tools/make_hf_fixtures.py --preset 1b), bf16, both backends
 #   bench:attention     bench/attention.py: copy-bandwidth floor, then the table -> bench_attention.json
 #   bench:kv_write      bench/kv_write.py at 1 GiB and 32 GiB -> bench_kv_write.json
 #   bench:commit        bench/commit.py: arena vs raw cuda-python, 64 GiB creation -> bench_commit.json
@@ -116,8 +118,9 @@ step_tests() {
   [ -n "${ARTIFACTS:-}" ] && export JAX_VMM_TEST_ARTIFACTS="$RUN_DIR/artifacts"
   case "${1:-}" in
     "") pytest_run tests -ra ;;
-    # shellcheck disable=SC2086  # TESTS is a list of paths
-    gpu) pytest_run ${TESTS:-tests} -m gpu -rs ;;
+    gpu)
+      # shellcheck disable=SC2086  # TESTS is a list of paths
+      pytest_run ${TESTS:-tests} -m gpu -rs ;;
     attention) pytest_run tests/ops/test_attention.py tests/ops/test_attention_v2.py -m gpu -rs ;;
     kv_cache) pytest_run tests/ops/test_kv_cache.py tests/core/test_errors.py \
                 tests/example/test_decode_example.py tests/integration/test_command_buffer_gpu.py \
@@ -220,7 +223,16 @@ step_example() {
         --out "$RUN_DIR/example_prealloc_b$b" ;;
     fp8) "$PY" "${ex[@]}" --kv-dtype fp8 --out "$RUN_DIR/example_fp8" ;;
     sleep) "$PY" "${ex[@]}" --sleep-every 8 --out "$RUN_DIR/example_sleep" ;;
-    *) echo "unknown example ${1:-} (16, 64, prealloc16, prealloc64, fp8, sleep)"; return 2 ;;
+    hf1b)  # issue 14: a Llama-3.2-1B-shaped random checkpoint, bf16, 16 prompts x 256 tokens
+      "$PY" tools/make_hf_fixtures.py --preset 1b --out /tmp/llama1b || return
+      local prompts=() i backend
+      for i in $(seq 1 16); do prompts+=(--prompt "request $i: the quick brown fox jumps"); done
+      for backend in jax_vmm prealloc; do
+        "$PY" examples/generate.py --model /tmp/llama1b --dtype bfloat16 --max-new-tokens 256 \
+          --batch 16 --backend "$backend" "${prompts[@]}" --json "$RUN_DIR/hf1b_$backend.json" \
+          | tail -n 4 || return
+      done ;;
+    *) echo "unknown example ${1:-} (16, 64, prealloc16, prealloc64, fp8, sleep, hf1b)"; return 2 ;;
   esac
 }
 

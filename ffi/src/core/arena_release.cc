@@ -8,8 +8,8 @@
 //      read past what is backed;
 //   2. an allocation with no backed chunk left is retired with the number of device
 //      waits begun so far (its epoch);
-//   3. the reclaimer thread begins a device wait (cuCtxSynchronize from its own thread:
-//      only it blocks, the thread that dispatches work does not), then unmaps and
+//   3. the reclaimer thread begins a device wait (driver.h Synchronize, from its own
+//      thread: only it blocks, the thread that dispatches work does not), then unmaps and
 //      releases every allocation retired before that wait began.
 // Work dispatched before a release is finished by the time its memory is unmapped, and
 // work dispatched after it never touches it -- unless a raw view lets XLA read anywhere.

@@ -9,6 +9,7 @@
 #include <string>
 
 #include "common/ffi_registry.h"
+#include "drivers/cuda/compute_streams.h"
 #include "jax_vmm/errors.h"
 #include "ops/attention/attention_targets.h"
 #include "ops/kv_cache/kv_cache_targets.h"
@@ -69,6 +70,7 @@ FfiRegistry ProductionTargets() {
   attention::AddStreamCpuTargets(registry);
   attention::AddCacheCpuTargets(registry);
   kvcache::AddCpuTargets(registry);
+  cuda::AddComputeStreamTargets(registry);  // host code only: in every build
 #ifdef JAX_VMM_HAVE_CUDA_KERNELS
   kv::AddCudaTargets(registry);
   kv::AddFp8CudaTargets(registry);

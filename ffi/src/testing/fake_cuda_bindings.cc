@@ -189,6 +189,16 @@ void BindFakeEntryPoints(nb::module_& m) {
         return c.api().cuMemSetAccess(va, bytes, &desc, 1);
       },
       nb::arg("va"), nb::arg("bytes"), nb::arg("flags"));
+  m.def("fake_cuda_stream_create", [] {
+    FakeContextScope c;
+    cuda::CUstream stream = nullptr;
+    const CUresult r = c.api().cuStreamCreate(&stream, 0);
+    return std::make_pair(r, static_cast<uint64_t>(reinterpret_cast<uintptr_t>(stream)));
+  });
+  m.def("fake_cuda_stream_destroy", [](uint64_t stream) {
+    FakeContextScope c;
+    return c.api().cuStreamDestroy(reinterpret_cast<cuda::CUstream>(stream));
+  });
   m.def(
       "fake_cuda_memset",
       [](uint64_t va, int value, size_t bytes) {

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "common/ffi_registry.h"
+#include "drivers/cuda/compute_streams.h"
 #include "drivers/cuda/zero_allocation.h"
 #include "drivers/cuda/zero_layout.h"
 #include "jax_vmm/arena.h"
@@ -37,6 +38,7 @@ namespace {
 
 void BindFaultInjection(nb::module_& m);
 void BindZeroLayout(nb::module_& m);
+void BindComputeStreams(nb::module_& m);
 void BindScratchHooks(nb::module_& m);
 void BindLegacyViews(nb::module_& m);
 void BindStreamPartition(nb::module_& m);
@@ -67,6 +69,7 @@ FfiRegistry TestingTargets() {
 void BindTestingHooks(nb::module_& m) {
   BindFaultInjection(m);
   BindZeroLayout(m);
+  BindComputeStreams(m);
   BindScratchHooks(m);
   BindLegacyViews(m);
   BindStreamPartition(m);
@@ -158,6 +161,28 @@ void BindZeroLayout(nb::module_& m) {
       .def("pieces", [to_list](const ZeroLayout& z) { return to_list(z.pieces()); })
       .def("covered", &ZeroLayout::Covered);
   m.def("zero_piece_bytes", &cuda::ZeroPieceBytes, nb::arg("total_bytes"), nb::arg("granularity"));
+}
+
+void BindComputeStreams(nb::module_& m) {
+  auto as_ints = [](const std::vector<void*>& streams) {
+    std::vector<uint64_t> out;
+    for (void* s : streams) out.push_back(reinterpret_cast<uintptr_t>(s));
+    return out;
+  };
+  m.def(
+      "compute_streams", [as_ints](int ordinal) { return as_ints(cuda::ComputeStreams(ordinal)); },
+      nb::arg("ordinal"), "The XLA compute streams registered for CUDA device `ordinal`.");
+  m.def(
+      "forget_compute_streams",
+      [as_ints](int ordinal) { return as_ints(cuda::ForgetComputeStreams(ordinal)); },
+      nb::arg("ordinal"),
+      "Removes and returns them: device waits fall back to cuCtxSynchronize meanwhile.");
+  m.def(
+      "register_compute_streams",
+      [](int ordinal, const std::vector<uint64_t>& streams) {
+        for (uint64_t s : streams) cuda::RegisterComputeStream(ordinal, reinterpret_cast<void*>(s));
+      },
+      nb::arg("ordinal"), nb::arg("streams"), "Puts forgotten streams back.");
 }
 
 void BindScratchHooks(nb::module_& m) {

@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstddef>
+#include <cstdint>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -22,6 +23,7 @@
 
 #include "common/format.h"
 #include "common/math.h"
+#include "drivers/cuda/compute_streams.h"
 #include "drivers/cuda/cuda_abi.h"
 #include "drivers/cuda/cuda_api.h"
 #include "drivers/cuda/cuda_device.h"
@@ -355,10 +357,29 @@ class CudaDriver final : public Driver {
     }
   }
 
+  // Waits for XLA's compute streams of this device and for the driver's own copy stream,
+  // not for the context: a context wait would break a command-buffer capture that XLA
+  // runs meanwhile on another thread (compute_streams.h). With no compute stream known
+  // (no jax_vmm handler ran on this device) the context is all there is to wait for.
   void Synchronize() override {
     ContextGuard g(api_, ctx_.get(), ordinal_);
-    CUresult r = api_.cuCtxSynchronize();
-    if (r != CUDA_SUCCESS) ThrowDriver(api_, ordinal_, "cuCtxSynchronize", r);
+    const std::vector<void*> streams = ComputeStreams(ordinal_);
+    if (streams.empty()) {
+      CUresult r = api_.cuCtxSynchronize();
+      if (r != CUDA_SUCCESS) ThrowDriver(api_, ordinal_, "cuCtxSynchronize", r);
+      return;
+    }
+    for (void* s : streams) {
+      CUresult r = api_.cuStreamSynchronize(static_cast<CUstream>(s));
+      if (r != CUDA_SUCCESS) {
+        ThrowDriver(
+            api_, ordinal_,
+            "cuStreamSynchronize(XLA compute stream " + Hex(reinterpret_cast<uintptr_t>(s)) + ")",
+            r);
+      }
+    }
+    CUresult r = api_.cuStreamSynchronize(stream_.get());
+    if (r != CUDA_SUCCESS) ThrowDriver(api_, ordinal_, "cuStreamSynchronize(copy stream)", r);
   }
 
   void* AllocHost(size_t bytes) override {

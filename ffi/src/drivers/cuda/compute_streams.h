@@ -1,0 +1,37 @@
+// The streams XLA runs a CUDA device's work on, as its FFI handlers see them.
+//
+// A device wait (CudaDriver::Synchronize) waits for these streams rather than for the
+// whole context: cuCtxSynchronize also waits on a stream that XLA is capturing into a
+// command buffer on another thread, which the driver refuses and which invalidates that
+// capture (the decode step then fails with cudaErrorStreamCaptureInvalidated). XLA
+// captures on a stream of its own and launches the recorded graphs on its compute stream,
+// so waiting for the compute stream covers every kernel and graph it dispatched. (JAX's
+// own device-to-host copies, e.g. np.asarray of a view, run on its transfer streams; the
+// Python thread that asked for one waits for it before it can release anything.)
+//
+// jax_vmm's Python layer runs the jax_vmm_register_compute_stream handler once per device
+// before it creates an arena there. Thread-safe (one process-wide table under a mutex).
+#pragma once
+
+#include <vector>
+
+#include "common/ffi_registry.h"
+
+namespace jax_vmm::cuda {
+
+// Adds `stream` (a CUstream) to the streams of CUDA device `ordinal`; a no-op when known.
+void RegisterComputeStream(int ordinal, void* stream);
+
+// The streams registered for `ordinal`, in registration order (empty when none are).
+std::vector<void*> ComputeStreams(int ordinal);
+
+// Removes and returns the streams of `ordinal` (jax_vmm.testing puts them back with
+// RegisterComputeStream; production code never forgets a stream).
+std::vector<void*> ForgetComputeStreams(int ordinal);
+
+// jax_vmm_register_compute_stream on "CUDA": operand and result an int32 scalar (aliased,
+// so nothing is written); it records the stream XLA runs it on. Not command-buffer
+// compatible on purpose: XLA runs it on the compute stream itself, never under capture.
+void AddComputeStreamTargets(FfiRegistry& registry);
+
+}  // namespace jax_vmm::cuda

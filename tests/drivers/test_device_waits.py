@@ -1,0 +1,156 @@
+"""Device waits of the CUDA driver wait for XLA's compute stream, not the whole context.
+
+An arena waits for the device before memory goes back (the reclaimer thread, a release
+with views out, offload, sleep). A cuCtxSynchronize there also waits on the stream that
+XLA captures a command buffer on, from another thread: the driver refuses it
+(CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED) and the capture is invalidated, so the step being
+recorded fails with cudaErrorStreamCaptureInvalidated. The driver waits instead for the
+compute streams that jax_vmm's Python layer registers before it creates an arena on a GPU
+(ffi/src/drivers/cuda/compute_streams.h).
+
+* On the fake CUDA driver (CPU): with a stream registered a device wait is a
+  cuStreamSynchronize of it (and of the driver's copy stream) and no cuCtxSynchronize;
+  with none registered, a cuCtxSynchronize.
+* On a GPU: a GPU arena registers JAX's stream; a device wait while another thread
+  captures leaves the capture valid; with the streams forgotten
+  (``jax_vmm.testing.context_wide_device_waits``) the same wait invalidates it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import jax.numpy as jnp
+import pytest
+
+import jax_vmm
+import jax_vmm.testing
+from conftest import cuda_ordinal
+from jax_vmm._loader import core as _core
+
+t = _core.testing
+G = t.fake_cuda_granularity()
+
+
+@pytest.fixture
+def no_registered_streams():
+    """Device 0's registered streams put aside for the test (the fake driver is device 0)."""
+    saved = t.forget_compute_streams(0)
+    try:
+        yield
+    finally:
+        t.forget_compute_streams(0)
+        t.register_compute_streams(0, saved)
+
+
+def _calls(name: str) -> int:
+    return t.fake_cuda_stats()["calls"].get(name, 0)
+
+
+def _wait_once(arena) -> tuple[int, int]:
+    """(cuCtxSynchronize, cuStreamSynchronize) calls of one commit + decommit(wait=True)."""
+    ctx0, stream0 = _calls("cuCtxSynchronize"), _calls("cuStreamSynchronize")
+    assert arena.commit(0, 0, 2 * G) == 2 * G
+    assert arena.decommit(0, 0, 2 * G, True) == 2 * G
+    return _calls("cuCtxSynchronize") - ctx0, _calls("cuStreamSynchronize") - stream0
+
+
+def test_a_device_wait_syncs_the_registered_stream_not_the_context(no_registered_streams):
+    r, stream = t.fake_cuda_stream_create()
+    assert r == 0
+    arena = t.create_fake_cuda_arena(8 * G, G, 0, True)
+    try:
+        arena.allocate(arena.reserved_bytes, "all")
+        ctx_waits, _ = _wait_once(arena)
+        assert ctx_waits > 0, "with no stream registered the context is waited for"
+        t.register_compute_streams(0, [stream])
+        assert t.compute_streams(0) == [stream]
+        ctx_waits, stream_waits = _wait_once(arena)
+        assert ctx_waits == 0, "a registered stream is waited for instead of the context"
+        assert stream_waits >= 2, "the registered stream and the driver's copy stream"
+    finally:
+        arena.close()
+        t.forget_compute_streams(0)
+        assert t.fake_cuda_stream_destroy(stream) == 0
+
+
+def test_registering_a_stream_twice_keeps_one(no_registered_streams):
+    t.register_compute_streams(0, [0x1234, 0x1234, 0x5678])
+    assert t.compute_streams(0) == [0x1234, 0x5678]
+    assert t.forget_compute_streams(0) == [0x1234, 0x5678]
+    assert t.compute_streams(0) == []
+
+
+# -- on a GPU ------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_a_gpu_arena_registers_the_compute_stream(gpu_device):
+    with jax_vmm.Arena(16 << 20, device=gpu_device):
+        assert t.compute_streams(cuda_ordinal(gpu_device)), "no compute stream registered"
+
+
+def _capture_across_a_device_wait(gpu_device, context_wide: bool) -> dict:
+    """Another thread captures a memset into a CUDA graph (thread-local mode, as XLA
+    does) for two seconds; meanwhile this thread releases a chunk with wait=True (the
+    arena's device wait). Returns the cuStreamEndCapture result and any wait error."""
+    cu = pytest.importorskip("cuda.bindings.driver", reason="needs cuda-python")
+    cu_oracle = pytest.importorskip("cuda_oracle", reason="needs cuda-python (cuda.bindings)")
+    _ok = cu_oracle._ok
+    oracle = cu_oracle.CudaOracle(cuda_ordinal(gpu_device))
+    arena = jax_vmm.Arena(16 << 20, device=gpu_device)
+    buf = arena.allocate(arena.chunk_bytes, jnp.uint8)
+    buf.commit()
+    began = threading.Event()
+    out: dict = {}
+
+    def capture() -> None:
+        with oracle.context():
+            stream = _ok("cuStreamCreate", cu.cuStreamCreate(1))  # CU_STREAM_NON_BLOCKING
+            mode = cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
+            _ok("cuStreamBeginCapture", cu.cuStreamBeginCapture(stream, mode))
+            _ok("cuMemsetD8Async", cu.cuMemsetD8Async(buf.address, 1, 256, stream))
+            began.set()
+            threading.Event().wait(2.0)
+            err, graph = cu.cuStreamEndCapture(stream)
+            out["end"] = err
+            if err == cu.CUresult.CUDA_SUCCESS:
+                _ok("cuGraphDestroy", cu.cuGraphDestroy(graph))
+            _ok("cuStreamDestroy", cu.cuStreamDestroy(stream))
+
+    thread = threading.Thread(target=capture)
+    thread.start()
+    try:
+        assert began.wait(30), "the capture did not begin"
+        switch = (
+            jax_vmm.testing.context_wide_device_waits(gpu_device)
+            if context_wide
+            else contextlib.nullcontext()
+        )
+        with switch:
+            try:
+                buf.decommit(wait=True)
+            except Exception as e:  # noqa: BLE001 -- reported to the caller
+                out["wait_error"] = e
+    finally:
+        thread.join(60)
+        arena.close()
+    out["success"] = cu.CUresult.CUDA_SUCCESS
+    return out
+
+
+@pytest.mark.gpu
+def test_a_device_wait_leaves_a_capture_on_another_thread_valid(gpu_device):
+    out = _capture_across_a_device_wait(gpu_device, context_wide=False)
+    assert "wait_error" not in out, out.get("wait_error")
+    assert out["end"] == out["success"], f"the capture was broken: {out['end']}"
+
+
+@pytest.mark.gpu
+def test_a_context_wide_wait_would_break_the_capture(gpu_device):
+    """The check above catches the failure: with the compute streams forgotten the same
+    release waits for the whole context, and the capture comes back invalidated (or the
+    wait itself fails)."""
+    out = _capture_across_a_device_wait(gpu_device, context_wide=True)
+    assert "wait_error" in out or out["end"] != out["success"], out
