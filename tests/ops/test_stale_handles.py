@@ -20,7 +20,6 @@ drops its writes (tests/integration/test_command_buffer_gpu.py).
 
 from __future__ import annotations
 
-import contextlib
 import gc
 
 import jax
@@ -169,11 +168,6 @@ def _closure_after_rebinding(vm) -> None:
 
 
 def _eager_views_of_another_layer(vm) -> None:
-    # JAX keeps the error of the last failed effectful computation (an earlier case's
-    # refused step) in its runtime token until the next one runs: drop it first, so the
-    # barrier below reports this case only.
-    with contextlib.suppress(jax.errors.JaxRuntimeError):
-        jax.effects_barrier()
     kv = _make(vm)
     before = _snapshot(kv)
     one = _put(vm, np.ones((1, H, D), np.float32))
@@ -185,7 +179,10 @@ def _eager_views_of_another_layer(vm) -> None:
     other = _make(vm)
     with pytest.raises(ValueError, match=r"k is a view of buffer 'k0' \(uid \d+\) but dest"):
         ops.kv_write(other.k[0], other.v[0], one, one, slot, dest=kv.dest(0))
-    jax.effects_barrier()
+    # kv.check() waits for every kv_write this thread dispatched (jax.effects_barrier()
+    # itself would re-raise the refusal of an earlier case's step: JAX keeps the last
+    # failed effectful computation's error until another one replaces it).
+    kv.check()
     assert _snapshot(kv) == before, "a mismatched eager call wrote the arena"
 
 
