@@ -5,7 +5,7 @@ with views out, offload, sleep). A cuCtxSynchronize there also waits on the stre
 XLA captures a command buffer on, from another thread: the driver refuses it
 (CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED) and the capture is invalidated, so the step being
 recorded fails with cudaErrorStreamCaptureInvalidated. The driver waits instead for the
-compute streams that jax_vmm's Python layer registers before it creates an arena on a GPU
+compute streams that jax_vmm's Python layer registers when it creates an arena on a GPU
 (ffi/src/drivers/cuda/compute_streams.h).
 
 * On the fake CUDA driver (CPU): with a stream registered a device wait is a

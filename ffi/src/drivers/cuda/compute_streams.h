@@ -10,7 +10,8 @@
 // Python thread that asked for one waits for it before it can release anything.)
 //
 // jax_vmm's Python layer runs the jax_vmm_register_compute_stream handler once per device
-// before it creates an arena there. Thread-safe (one process-wide table under a mutex).
+// when it creates the first arena there, before that arena's first device wait.
+// Thread-safe (one process-wide table under a mutex).
 #pragma once
 
 #include <vector>
