@@ -70,8 +70,7 @@ def test_a_device_wait_syncs_the_registered_stream_not_the_context(no_registered
         assert ctx_waits == 0, "a registered stream is waited for instead of the context"
         assert stream_waits >= 2, "the registered stream and the driver's copy stream"
     finally:
-        arena.close()
-        t.forget_compute_streams(0)
+        arena.close()  # the fixture forgets the stream
         assert t.fake_cuda_stream_destroy(stream) == 0
 
 
