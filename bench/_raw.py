@@ -90,6 +90,20 @@ class RawCuda:
 
         return commit, decommit, 2 * len(pieces) + len(runs), 2 * len(pieces)
 
+    def free_bytes(self) -> int:
+        return int(self._ok(self.cu.cuMemGetInfo())[0])
+
+    def pinned_device_cost(self, nbytes: int) -> int:
+        """Device memory (cuMemGetInfo) that `nbytes` of page-locked host memory takes while
+        it is allocated: the device-side mapping of host pages is not free."""
+        cu, ok = self.cu, self._ok
+        before = self.free_bytes()
+        host = ok(cu.cuMemHostAlloc(nbytes, 0))
+        try:
+            return before - self.free_bytes()
+        finally:
+            ok(cu.cuMemFreeHost(host))
+
     def pinned_copy_bandwidth(self, nbytes: int, repeats: int = 5) -> tuple[float, float]:
         """(device -> host, host -> device) bytes per second of one large copy between
         page-locked host memory and device memory, median of `repeats`."""

@@ -8,12 +8,16 @@ checked bit for bit after every wake.
 The cache: 8 layers, 8 KV heads x 128, bfloat16, one sequence (the gpu preset of
 bench/growth.py), --gib in all; every word holds a function of its position and buffer,
 so a wake that restored anything else (a block moved, a stale chunk, zeros) fails the
-check. Goals (issue #15): 0 bytes leaked over the cycles (cuMemGetInfo after the first
-cycle, whose buffer check may grow JAX's allocator pool, and after the last wake; also
-printed from before the first sleep), contents bit-exact, sleep and wake throughput >= 80% of
-the pinned copy bandwidth (device -> host for sleep, host -> device for wake). The first
-cycle pins the host staging memory (kept for the next cycles); steady-state numbers are
-the median of the later cycles.
+check. Goals (issue #15): 0 bytes leaked over the cycles, contents bit-exact, sleep and
+wake throughput >= 80% of the pinned copy bandwidth (device -> host for sleep, host ->
+device for wake). The first cycle pins the host staging memory (kept for the next cycles);
+steady-state numbers are the median of the later cycles.
+
+Leaks are read from the driver (cuMemGetInfo), with cupy's pool emptied before every
+reading and its kernels loaded before the first: before the first sleep against after the
+last wake, and before the arena against after its close. Pinned host memory costs device
+memory too (the GPU's mapping of the host pages), so the bench also measures what a raw
+cuMemHostAlloc of the staging size takes: that is what the kept staging memory holds.
 """
 
 from __future__ import annotations
@@ -69,8 +73,12 @@ class DeviceWords:
 
     def check(self, buf, seed: int) -> bool:
         a = self._array(buf)
-        ok = bool((a == self._pattern(a.size, seed)).all())
-        return ok
+        return bool((a == self._pattern(a.size, seed)).all())
+
+    def empty_pool(self) -> None:
+        """Give cupy's cached blocks back, so that cuMemGetInfo sees only the arena."""
+        if self.gpu:
+            self.cp.get_default_memory_pool().free_all_blocks()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -91,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     raw = raw_for(device)
     if isinstance(raw, RawCuda):
         d2h, h2d = raw.pinned_copy_bandwidth(1 << 30)
-        mem_free = lambda: int(raw.cu.cuMemGetInfo()[1])  # noqa: E731
+        mem_free = raw.free_bytes
     else:
         a = np.ones(1 << 28, np.uint8)
         b = np.ones_like(a)  # touched: the copy is timed, not the page faults
@@ -110,6 +118,15 @@ def main(argv: list[str] | None = None) -> int:
         else f"  host memcpy bandwidth {d2h / 1e9:.1f} GB/s"
     )
 
+    words = DeviceWords(device)
+    if mem_free:
+        inner_free = mem_free
+
+        def mem_free() -> int:
+            words.empty_pool()
+            return inner_free()
+
+    free_before_arena = mem_free() if mem_free else None
     L, H, D = 8, 8, 128
     token_bytes = 2 * L * H * D * 2
     tokens = int(gib * GiB) // token_bytes
@@ -122,13 +139,13 @@ def main(argv: list[str] | None = None) -> int:
         device=device,
     )
     kv.ensure(tokens)
-    words = DeviceWords(device)
     for i, b in enumerate(kv.buffers):
         words.fill(b, i)
+    bad = sum(not words.check(b, i) for i, b in enumerate(kv.buffers))  # loads the kernels
     backed = kv.arena.backed_bytes
     free0 = mem_free() if mem_free else None
-    sleeps, wakes, freed, bad = [], [], [], 0
-    free1 = None  # after the first cycle and its check (which may grow JAX's allocator pool)
+    sleeps, wakes, freed = [], [], []
+    free1 = None  # after the first cycle
     for cycle in range(cycles):
         t0 = time.perf_counter()
         kv.sleep(args.keep)
@@ -148,6 +165,12 @@ def main(argv: list[str] | None = None) -> int:
     leaked_steady = (free1 - free_end) if free1 is not None and cycles > 1 else None
     s = kv.stats()
     kv.close()
+    free_after_close = mem_free() if mem_free else None
+    staging_cost = (
+        raw.pinned_device_cost(s["host_cached_bytes"])
+        if mem_free and s["host_cached_bytes"]
+        else None
+    )
 
     steady = slice(1, None) if cycles > 1 else slice(None)
     sleep_s, wake_s = float(np.median(sleeps[steady])), float(np.median(wakes[steady]))
@@ -164,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
         freed_while_asleep_min=min(freed) if freed else None,
         leaked_bytes=leaked,
         leaked_after_first_cycle_bytes=leaked_steady,
+        leaked_after_close_bytes=(free_before_arena - free_after_close if mem_free else None),
+        staging_device_cost_bytes=staging_cost,
         bad_buffers=bad,
         host_cached_bytes=s["host_cached_bytes"],
     )
@@ -178,13 +203,23 @@ def main(argv: list[str] | None = None) -> int:
         f"{100 * backed / wake_s / h2d:.0f}% of host->device (goal >= 80%)"
     )
     if freed:
+        mib = 1 << 20
         print(
-            f"  device memory free while asleep: +{min(freed) / GiB:.2f} GiB at least "
-            f"(backed {backed / GiB:.2f} GiB); less free after {cycles} cycles: {leaked} bytes "
-            f"since before the first sleep, {leaked_steady} since the end of the first cycle "
-            "(cuMemGetInfo; goal 0: the first cycle's check may grow JAX's allocator pool, "
-            "which the second figure excludes)"
+            f"  device memory free while asleep: +{min(freed) / mib:.0f} MiB at least "
+            f"(backed {backed / mib:.0f} MiB)"
         )
+        print(
+            f"  less free after {cycles} cycles (cuMemGetInfo, goal 0): {leaked / mib:+.1f} MiB "
+            f"since before the first sleep, {(leaked_steady or 0) / mib:+.1f} MiB since the end "
+            f"of the first cycle; {result['leaked_after_close_bytes'] / mib:+.1f} MiB after "
+            "close against before the arena"
+        )
+        if staging_cost is not None:
+            print(
+                f"  a raw cuMemHostAlloc of the staging size "
+                f"({s['host_cached_bytes'] / GiB:.2f} GiB) takes {staging_cost / mib:.1f} MiB "
+                "of device memory while it is held (the GPU's mapping of the host pages)"
+            )
     print(
         f"  contents: {'bit-exact after every wake' if not bad else f'{bad} BAD buffer checks'}"
         + ("" if args.keep == "host" else " (not checked: discard)")

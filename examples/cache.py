@@ -58,7 +58,7 @@ class CacheBackend(Protocol):
     ) -> jax_vmm.KVLayer: ...
     def ensure(self, seq: int, num_tokens: int) -> None: ...
     def ensure_all(self, num_tokens: np.ndarray) -> None: ...
-    def release(self, seq: int, *, reuse: bool = False) -> None: ...
+    def release(self, seq: int, *, keep_tokens: int = 0) -> None: ...
     def check(self) -> None: ...
     def backed_bytes(self) -> int: ...
     def reserved_bytes(self) -> int: ...
@@ -153,7 +153,7 @@ class PreallocatedCache:
         for seq, n in enumerate(num_tokens):
             self.ensure(seq, int(n))
 
-    def release(self, seq: int, *, reuse: bool = False) -> None:
+    def release(self, seq: int, *, keep_tokens: int = 0) -> None:
         pass  # the memory stays held: that is the baseline's cost
 
     def check(self) -> None:
@@ -225,6 +225,7 @@ class VmmCache:
             zero_fill=zero_fill,
             sharding=sharding,
         )
+        self._arenas = [s.arena for s in getattr(self.kv, "shards", [self.kv])]
         self._cache = self.kv.cache()
         self._returned = _ReturnedBytes()
 
@@ -248,10 +249,10 @@ class VmmCache:
         """ensure for every sequence at once (0: nothing asked), one table update."""
         self.kv.ensure_all(num_tokens)
 
-    def release(self, seq: int, *, reuse: bool = False) -> None:
-        """reuse: the slot takes another sequence next (its first chunk is backed again
-        in the background)."""
-        self.kv.release(seq, reuse=reuse)
+    def release(self, seq: int, *, keep_tokens: int = 0) -> None:
+        """keep_tokens: the slot's next sequence starts with that many tokens, whose
+        memory stays backed (jax_vmm.KVArena.release)."""
+        self.kv.release(seq, keep_tokens=keep_tokens)
 
     def check(self) -> None:
         """Raises jax_vmm.OutOfBoundsWrite if a write was dropped (a token not ensured),
@@ -259,7 +260,9 @@ class VmmCache:
         self.kv.check()
 
     def backed_bytes(self) -> int:
-        return int(self.kv.backed_bytes)
+        """Memory held for sequences: backed chunks, and released chunks still inside an
+        allocation in use (parked; a kept prompt's allocation can hold some)."""
+        return sum(a.backed_bytes + a.stats()["parked_bytes"] for a in self._arenas)
 
     def reserved_bytes(self) -> int:
         return int(self.kv.reserved_bytes)

@@ -322,6 +322,7 @@ def summarize(
         "peak_live_bytes": max((r.live_bytes for r in report.trace), default=0),
         "commit_calls": int(stats.get("commit_calls", 0)),
         "commit_seconds": float(stats.get("commit_seconds", 0.0)),
+        "commits_ahead": int(stats.get("commits_ahead", 0)),
         "decommit_calls": int(stats.get("decommit_calls", 0)),
         "decommit_seconds": float(stats.get("decommit_seconds", 0.0)),
         "returned_cache_bytes": int(stats.get("returned_cache_bytes", 0)),
@@ -350,7 +351,8 @@ def print_summary(s: dict) -> None:
     )
     if s["backend"] == "jax_vmm":
         print(
-            f"commits: {s['commit_calls']} calls, {1e3 * s['commit_seconds']:.1f} ms | "
+            f"commits: {s['commit_calls']} calls ({s['commits_ahead']} ahead of need, off the "
+            f"decode thread), {1e3 * s['commit_seconds']:.1f} ms | "
             f"decommits: {s['decommit_calls']} calls, "
             f"{1e3 * s['decommit_seconds']:.1f} ms"
         )

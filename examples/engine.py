@@ -295,7 +295,7 @@ class Generator:
         pending: collections.deque[_Read] = collections.deque()
         counts = collections.Counter()
         host_seconds = 0.0
-        warm: set[int] = set()  # released for reuse: the first chunk is backed ahead
+        held: set[int] = set()  # finished, memory kept for the request that takes the slot
 
         def timed(fn: Callable, *args) -> None:
             nonlocal host_seconds
@@ -314,13 +314,15 @@ class Generator:
         def retire(seq: int) -> None:
             # Called once the call that ended the sequence has been read, so has run: a
             # release changes the table kernels check when they run, and a block still
-            # queued would drop its last writes. Its memory goes back (without waiting
-            # for the device) and the slot takes the next request.
-            reuse = len(queue) > sum(s is None for s in slots)  # a request will take it
-            timed(lambda: cache.release(seq, reuse=reuse))
+            # queued would drop its last writes. When a request will take the slot, the
+            # release waits for it (admit): the memory its prompt needs then stays backed
+            # instead of going back and being committed again. Otherwise it goes back now
+            # (without waiting for the device).
+            if len(queue) > sum(s is None for s in slots):  # a request will take it
+                held.add(seq)
+            else:
+                timed(cache.release, seq)
             slots[seq] = None
-            if reuse:
-                warm.add(seq)
 
         def emit(slot: _Slot, token: int, logits: np.ndarray | None) -> bool:
             """Takes one generated token; True when the request is complete."""
@@ -366,9 +368,11 @@ class Generator:
             nonlocal state
             req = queue.popleft()
             slot = _Slot(req, results.setdefault(req.id, Result(req.id, len(req.prompt))))
+            if seq in held:
+                held.discard(seq)
+                timed(lambda: cache.release(seq, keep_tokens=len(req.prompt)))
             timed(cache.ensure, seq, len(req.prompt))
             slots[seq] = slot
-            warm.discard(seq)
             bucket, args = self._prefill_args(state, req.prompt, seq, req.max_new_tokens)
             logits, first, out, state = self._prefill_fn(bucket, stops, args)(*args)
             cache.update(out)
@@ -418,7 +422,7 @@ class Generator:
                 jax.block_until_ready(state)
                 pause()
                 counts["pauses"] += 1
-        for seq in sorted(warm):  # no request took it after all
+        for seq in sorted(held):  # no request took it after all
             timed(cache.release, seq)
         record("end")
         seconds = time.perf_counter() - t_start

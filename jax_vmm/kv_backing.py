@@ -28,10 +28,10 @@ from .arena import _as_flag, _as_index
 
 
 class TokenBacking:
-    def _check_tokens(self, n: Any, op: str) -> int:
-        n = _as_index(n, "num_tokens")
+    def _check_tokens(self, n: Any, op: str, name: str = "num_tokens") -> int:
+        n = _as_index(n, name)
         if n > self.max_tokens:
-            raise ValueError(f"{op}: num_tokens={n} exceeds max_tokens={self.max_tokens}")
+            raise ValueError(f"{op}: {name}={n} exceeds max_tokens={self.max_tokens}")
         return n
 
     def _commit_ranges(self, q: int, num_tokens: int) -> list[tuple[int, int]]:
@@ -290,7 +290,14 @@ class TokenBacking:
                 self._epoch[seq] += 1
         return released
 
-    def release(self, seq: int | None = None, *, wait: bool = False, reuse: bool = False) -> int:
+    def release(
+        self,
+        seq: int | None = None,
+        *,
+        wait: bool = False,
+        reuse: bool = False,
+        keep_tokens: int = 0,
+    ) -> int:
         """Give back all memory of sequence ``seq``. Returns bytes released.
 
         Kernels launched after the call skip its chunks; its memory goes back to the
@@ -301,10 +308,26 @@ class TokenBacking:
         ``reuse=True``: the slot takes a new sequence soon (continuous batching); with
         commit ahead on, the first chunk is backed again in the background (taking back the
         memory just released where it can), so the new sequence's first ensure makes no
-        driver call. That chunk stays held until the slot is released without reuse."""
+        driver call. That chunk stays held until the slot is released without reuse.
+
+        ``keep_tokens=n`` (implies ``reuse``): the slot's next sequence starts with ``n``
+        tokens (its prompt), so the memory backing the first ``n`` tokens stays, rounded
+        up to chunks, instead of being released and committed again; with commit ahead
+        on, what the old sequence had not backed of them is backed in the background. As
+        after any release the sequence has 0 tokens ensured: nothing writes or reads them
+        until ``ensure``, which then makes no driver call for the kept chunks. Until the
+        next sequence writes them they hold the old sequence's bytes, so a zero-filling
+        arena refuses ``keep_tokens``."""
         base = self._seq_base(seq, "KVArena.release")
         wait = _as_flag(wait, "wait")
         reuse = _as_flag(reuse, "reuse")
+        keep = self._check_tokens(keep_tokens, "KVArena.release", "keep_tokens")
+        if keep and self.arena.zero_fill:
+            raise ValueError(
+                "KVArena.release: keep_tokens keeps the old sequence's bytes, but this arena "
+                "zero-fills (unwritten tokens must read as zeros); release without "
+                "keep_tokens, or create the arena with zero_fill=False"
+            )
         q = 0 if seq is None else int(seq)
         with self._lock:
             self.arena._check_open("KVArena.release")
@@ -313,12 +336,17 @@ class TokenBacking:
                 t._finish()  # drops the host copy
             self._ensured[q] = 0
             self._core_cache.set_limit(q, 0)  # the table first: nothing may write what goes
-            self._covered[q] = 0
+            kept = keep and self._valid_gen[q] == self.arena._generation
+            self._covered[q] = min(self._covered[q], self._covered_tokens(q, keep)) if kept else 0
             self._epoch[q] += 1
-            ranges = self._release_ranges(base, base + self.seq_bytes, seq)
+            ranges = self._release_ranges(
+                base + keep * self.token_bytes, base + self.seq_bytes, seq, keep_before=keep > 0
+            )
             released = self.arena._handle.decommit_ranges(ranges, wait)
-            if reuse and self.commit_ahead_tokens:
-                self._ahead.schedule(q, self._covered_tokens(q, 1))
+            if (reuse or keep) and self.commit_ahead_tokens:
+                want = self._covered_tokens(q, max(keep, 1))
+                if self._covered[q] < want:
+                    self._ahead.schedule(q, want)
             return released
 
     def reclaim(self) -> int:
@@ -344,11 +372,15 @@ class TokenBacking:
         ]
 
     def _neighbour_uses(self, lo: int, hi: int, seq: int | None, before: bool) -> bool:
-        """Does a sequence other than ``seq`` hold ensured tokens in bytes [lo, hi)?"""
+        """Does a sequence other than ``seq`` count on bytes [lo, hi) being backed: its
+        ensured tokens, or the chunks it knows backed (kept by ``release(keep_tokens=)`` or
+        committed ahead), which its next ensure takes without a commit?"""
         if self.max_seqs is None or seq is None:
             # One sequence: the bytes before the span are its own kept tokens.
             return before
-        for q, tokens in enumerate(self._ensured):
+        valid = self._valid_gen == self.arena._generation
+        counted = np.maximum(self._ensured, np.where(valid, self._covered, 0))
+        for q, tokens in enumerate(counted):
             if q == seq or tokens == 0:
                 continue
             q_lo = q * self.seq_bytes

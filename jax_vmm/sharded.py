@@ -310,16 +310,32 @@ class ShardedKVArena:
             self._check_open("ShardedKVArena.shrink")
             return _each(self.shards, lambda s: s.shrink(num_tokens, wait=wait))
 
-    def release(self, seq: int | None = None, *, wait: bool = False, reuse: bool = False) -> int:
-        """Give back all memory of global sequence ``seq`` on every shard that holds it.
-        Returns bytes released, summed over the devices. Every shard is released even if
-        one raises (its error is raised after)."""
+    def release(
+        self,
+        seq: int | None = None,
+        *,
+        wait: bool = False,
+        reuse: bool = False,
+        keep_tokens: int = 0,
+    ) -> int:
+        """Give back all memory of global sequence ``seq`` on every shard that holds it
+        (``keep_tokens``: :meth:`KVArena.release`). Returns bytes released, summed over the
+        devices. Every shard is released even if one raises (its error is raised after)."""
         holders = self._holders(seq, "ShardedKVArena.release")
         wait = _as_flag(wait, "wait")
         reuse = _as_flag(reuse, "reuse")
+        keep = self.shards[0]._check_tokens(keep_tokens, "ShardedKVArena.release", "keep_tokens")
+        if keep and self.shards[0].arena.zero_fill:
+            raise ValueError(
+                "ShardedKVArena.release: keep_tokens keeps the old sequence's bytes, but the "
+                "arenas zero-fill; release without keep_tokens"
+            )
         with self._locked():
             self._check_open("ShardedKVArena.release")
-            return _each(holders, lambda h: h[0].release(h[1], wait=wait, reuse=reuse))
+            return _each(
+                holders,
+                lambda h: h[0].release(h[1], wait=wait, reuse=reuse, keep_tokens=keep),
+            )
 
     def reclaim(self) -> int:
         return _each(self.shards, lambda s: s.reclaim())

@@ -471,3 +471,35 @@ def test_config_presets_are_consistent() -> None:
     )
     with pytest.raises(ValueError, match="multiple of num_kv_heads"):
         dataclasses.replace(SMALL, num_q_heads=3)
+
+
+def test_a_reused_slot_keeps_the_memory_its_next_prompt_needs(cpu_device: jax.Device) -> None:
+    """One slot, two requests: the second prompt fits in the chunks the first sequence
+    backed, so its admission's ensure commits nothing (the engine hands the slot over
+    with release(keep_tokens=)); the second generation still equals prealloc's."""
+    from examples.cache import VmmCache
+
+    prompts = [np.arange(1, 41, dtype=np.int32), np.arange(2, 32, dtype=np.int32)]
+    reqs = [E.Request(0, prompts[0], 20), E.Request(1, prompts[1], 5)]
+    with jax.default_device(cpu_device):
+        params = M.init_params(SMALL, seed=0)
+        # 128 B per token per layer buffer, 4 KiB chunks: 32 tokens per chunk.
+        cache = VmmCache(SMALL, max_seqs=1, max_tokens=96, device=cpu_device, chunk_bytes=4096)
+        committed = []
+        ensure = cache.kv.ensure
+        cache.kv.ensure = lambda n, seq=None: committed.append((n, ensure(n, seq))) or 0
+        try:
+            _, attend = choose_attention(
+                "auto",
+                backend="jax_vmm",
+                platform="cpu",
+                tail_may_be_garbage=False,
+                dtype=SMALL.dtype,
+            )
+            got = E.Generator(params, SMALL, cache, attend, block=4).run(reqs, record_logits=True)
+        finally:
+            cache.close()
+    assert committed[0][0] == 40 and committed[0][1] > 0  # the first prompt: committed
+    assert committed[1] == (30, 0), "the second prompt should find its chunk kept"
+    ref, _ = generate("prealloc", SMALL, reqs, batch=1, max_tokens=96, device=cpu_device, block=4)
+    assert_same_generation(ref, got, tol=1e-4, allow_near_ties=False)

@@ -79,6 +79,7 @@
 # Environment: OUT (default ./out), PYTHON (default python3), TAIL (log lines shown, 30),
 # PYTEST_ARGS (added to every tests step), ARTIFACTS=1 (the command-buffer test keeps its
 # XLA dump in $OUT/artifacts), LIMIT_<step> (seconds, ':' as '_': LIMIT_bench_decode=600),
+# DEADLINE (seconds for the whole run: later steps get what is left, or are skipped),
 # PACK=1 (write everything into $OUT/gpu-run.tar.gz plus $OUT/summary.txt: the device
 # tool brings back 8 files at most).
 set -uo pipefail
@@ -310,6 +311,14 @@ for name in "${steps[@]}"; do
     continue
   fi
   limit=$(limit_of "$name")
+  if [ -n "${DEADLINE:-}" ]; then  # the whole run ends by then, so that the pack is made
+    left=$((DEADLINE - (SECONDS - t_all)))
+    if [ "$left" -lt 15 ]; then
+      summary+=("$(printf '%-20s %-7s %6s  %s' "$name" SKIPPED - "DEADLINE=$DEADLINE s reached")")
+      continue
+    fi
+    [ "$left" -lt "$limit" ] && limit=$left
+  fi
   echo "== $name (limit $limit s)"
   t0=$SECONDS
   timeout -k 10 "$limit" bash "$SELF" --one "$name" >"$LOG" 2>&1
