@@ -525,22 +525,8 @@ def kv_arena(
     quantized with (default 1.0; see docs/kv_cache.md for choosing them). Its cache
     layers carry them: ``kv_write(layer, ...)`` quantizes float tokens, and
     ``decode_attention(q, layer, lengths)`` dequantizes."""
-    kw = dict(
-        num_layers=num_layers,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        max_tokens=max_tokens,
-        dtype=dtype,
-        device=device,
-        initial_tokens=initial_tokens,
-        max_seqs=max_seqs,
-        chunk_bytes=chunk_bytes,
-        handle_bytes=handle_bytes,
-        zero_fill=zero_fill,
-        commit_ahead_tokens=commit_ahead_tokens,
-        k_scales=k_scales,
-        v_scales=v_scales,
-    )
+    kw = dict(locals())  # the arguments above, as given: the same keywords as KVArena's
+    del kw["sharding"]
     if sharding is not None:
         from .sharded import ShardedKVArena
 
