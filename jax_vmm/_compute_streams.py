@@ -4,11 +4,17 @@ compute_streams.h).
 An arena's device waits (before memory is unmapped, an offload, a sleep) wait for that
 stream instead of the whole CUDA context: a context-wide wait would also wait on the
 stream XLA captures a command buffer on, from another thread, and break that capture.
+
+The stream belongs to the JAX client, which destroys it when it goes (``clear_backends``,
+or at exit, possibly before the last arena is collected). The device's streams are
+forgotten just before: a weak-reference finalizer on the client, which also runs at exit
+before JAX's own clean-up. Waits there then wait for the whole context again.
 """
 
 from __future__ import annotations
 
 import threading
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -18,8 +24,9 @@ from . import _ffi
 from ._device import DeviceTarget
 
 _TARGET = "jax_vmm_register_compute_stream"
-_lock = threading.Lock()
+_lock = threading.RLock()  # a client may be collected (and forgotten) while it is held
 _registered: set[tuple[int, int]] = set()  # (id of the JAX client, device id)
+_finalizers: list[weakref.finalize] = []  # one per registration: forgets it with its client
 
 
 def register_compute_stream(target: DeviceTarget) -> None:
@@ -42,3 +49,18 @@ def register_compute_stream(target: DeviceTarget) -> None:
             operand = jax.device_put(np.int32(0), target.device)
             jax.block_until_ready(jax.jit(call)(operand))
         _registered.add(key)
+        _finalizers.append(forget_when_gone(target.device.client, key, target.ordinal))
+
+
+def forget_when_gone(client: object, key: tuple[int, int], ordinal: int) -> weakref.finalize:
+    """Forget CUDA device ``ordinal``'s registered streams when ``client`` goes (or at
+    exit, whichever comes first)."""
+    return weakref.finalize(client, _forget, key, ordinal)
+
+
+def _forget(key: tuple[int, int], ordinal: int) -> None:
+    from ._loader import core
+
+    with _lock:
+        _registered.discard(key)
+        core.forget_compute_streams(ordinal)

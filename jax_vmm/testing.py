@@ -339,6 +339,16 @@ def context_wide_device_waits(device: jax.Device) -> Iterator[None]:
         _testing.register_compute_streams(ordinal, streams)
 
 
+def keep_compute_streams_past_their_clients() -> None:
+    """From now on, registered compute streams stay known after their JAX client goes
+    (and at exit): the bug the finalizers of ``jax_vmm/_compute_streams.py`` prevent, a
+    later device wait on a destroyed stream. For a test's child process; not undone."""
+    from . import _compute_streams
+
+    for f in _compute_streams._finalizers:
+        f.detach()
+
+
 # -- views without leases -------------------------------------------------------------
 
 

@@ -14,11 +14,14 @@ compute streams that jax_vmm's Python layer registers when it creates an arena o
 * On a GPU: a GPU arena registers JAX's stream; a device wait while another thread
   captures leaves the capture valid; with the streams forgotten
   (``jax_vmm.testing.context_wide_device_waits``) the same wait invalidates it.
+* A JAX client destroys its streams when it goes (at the latest at exit): they are
+  forgotten first, so that an arena collected later never waits on a dead stream.
 """
 
 from __future__ import annotations
 
 import contextlib
+import gc
 import threading
 
 import jax.numpy as jnp
@@ -154,3 +157,85 @@ def test_a_context_wide_wait_would_break_the_capture(gpu_device):
     wait itself fails)."""
     out = _capture_across_a_device_wait(gpu_device, context_wide=True)
     assert "wait_error" in out or not out["capture_valid"], out
+
+
+# -- streams of a JAX client that goes --------------------------------------------------
+
+
+class _Client:
+    """Stands in for a JAX client: something a weak reference can follow."""
+
+
+def test_a_clients_streams_are_forgotten_when_it_goes(no_registered_streams):
+    from jax_vmm import _compute_streams
+
+    t.register_compute_streams(0, [0x1234])
+    client = _Client()
+    _compute_streams.forget_when_gone(client, (id(client), 0), 0)
+    assert t.compute_streams(0) == [0x1234], "forgotten while the client lives"
+    del client
+    gc.collect()
+    assert t.compute_streams(0) == [], "the stream outlived its client"
+
+
+def test_forget_compute_streams_counts_what_it_forgot(no_registered_streams):
+    t.register_compute_streams(0, [0x1234, 0x5678])
+    assert _core.forget_compute_streams(0) == 2
+    assert _core.forget_compute_streams(0) == 0 and t.compute_streams(0) == []
+
+
+_EXIT_SCRIPT = r"""
+import atexit, sys
+seen = {}
+atexit.register(lambda: print("STREAMS_AT_EXIT", seen["streams"]()))  # runs last
+import jax, jax.numpy as jnp, numpy as np, jax_vmm, jax_vmm.testing
+from jax_vmm._device import resolve_device
+from jax_vmm._loader import core
+dev = jax.devices("gpu")[0]
+ordinal = resolve_device(dev).ordinal
+seen["streams"] = lambda: core.testing.compute_streams(ordinal)
+def arena():
+    kv = jax_vmm.kv_arena(num_layers=1, num_kv_heads=2, head_dim=64, max_tokens=4096,
+                          max_seqs=2, dtype=jnp.bfloat16, device=dev)
+    kv.ensure(100, 0)
+    new = jax.device_put(jnp.ones((1, 2, 64), jnp.bfloat16), dev)
+    layer = jax.jit(jax_vmm.kv_write)(kv.cache()[0], new, new, jnp.array([5], jnp.int32))
+    kv.check(layer)
+    return kv
+closed = arena(); closed.close()
+live = arena(); live.cycle = live  # never closed, in a cycle: collected in no set order
+print("STREAMS_BEFORE_EXIT", seen["streams"]())
+if "--keep-streams" in sys.argv:
+    jax_vmm.testing.keep_compute_streams_past_their_clients()
+"""
+
+
+def _exit_run(tmp_path, *args: str) -> tuple[int, str]:
+    import subprocess
+    import sys
+
+    script = tmp_path / "exit_with_arenas.py"
+    script.write_text(_EXIT_SCRIPT)
+    p = subprocess.run(
+        [sys.executable, str(script), *args], capture_output=True, text=True, timeout=120
+    )
+    return p.returncode, p.stdout + p.stderr
+
+
+@pytest.mark.gpu
+def test_exit_with_arenas_alive_forgets_the_streams_first(gpu_device, tmp_path):
+    """At exit JAX destroys its client, and with it the compute stream, possibly before
+    the last arena (closed or not) is collected; that arena's device wait must not use
+    the dead stream (it crashed bench/attention.py and bench/kv_write.py at exit)."""
+    rc, out = _exit_run(tmp_path)
+    assert "STREAMS_BEFORE_EXIT []" not in out, f"no stream was registered:\n{out}"
+    assert rc == 0, f"exit failed (rc {rc}):\n{out}"
+    assert "STREAMS_AT_EXIT []" in out, f"a stream stayed registered past exit:\n{out}"
+
+
+@pytest.mark.gpu
+def test_without_the_finalizers_the_dead_stream_stays_registered(gpu_device, tmp_path):
+    """The switch: with the finalizers detached the stream stays in the table through
+    exit, where the last arena's device wait would use it; the check above sees that."""
+    _, out = _exit_run(tmp_path, "--keep-streams")
+    assert "STREAMS_AT_EXIT [" in out and "STREAMS_AT_EXIT []" not in out, out

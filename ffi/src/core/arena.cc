@@ -88,10 +88,14 @@ Arena::~Arena() {
   }
   cv_.notify_all();
   if (worker_.joinable()) worker_.join();
-  try {
-    driver_->Synchronize();
-  } catch (...) {
-    // Destructors never throw; the driver already reported the failure.
+  // A closed arena waited in Close() and holds no memory: nothing left to wait for (and its
+  // device's streams may be gone by now, at exit).
+  if (!closed_) {
+    try {
+      driver_->Synchronize();
+    } catch (...) {
+      // Destructors never throw; the driver already reported the failure.
+    }
   }
   for (auto& [ticket, record] : transfers_) DropTransferImage(*record);
   transfers_.clear();

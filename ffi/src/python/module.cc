@@ -112,6 +112,15 @@ NB_MODULE(_core, m) {
   m.attr("built_with_cuda_kernels") = false;
 #endif
 
+  // A JAX client that goes destroys its streams: jax_vmm/_compute_streams.py forgets them
+  // first, so that no later device wait (an arena destroyed at exit) touches a dead stream.
+  m.def(
+      "forget_compute_streams",
+      [](int ordinal) { return cuda::ForgetComputeStreams(ordinal).size(); }, nb::arg("ordinal"),
+      "Forget the XLA compute streams registered for CUDA device `ordinal` (their JAX client "
+      "is going); device waits there wait for the whole context until one is registered "
+      "again. Returns how many were forgotten.");
+
   BindArena(m);
   BindScratch(m);
   BindOps(m);

@@ -10,7 +10,9 @@
 // Python thread that asked for one waits for it before it can release anything.)
 //
 // jax_vmm's Python layer runs the jax_vmm_register_compute_stream handler once per device
-// when it creates the first arena there, before that arena's first device wait.
+// when it creates the first arena there, before that arena's first device wait, and
+// forgets the device's streams when the JAX client that owns them goes (its destruction
+// destroys them; a wait on a destroyed stream may crash the process), at the latest at exit.
 // Thread-safe (one process-wide table under a mutex).
 #pragma once
 
@@ -26,8 +28,9 @@ void RegisterComputeStream(int ordinal, void* stream);
 // The streams registered for `ordinal`, in registration order (empty when none are).
 std::vector<void*> ComputeStreams(int ordinal);
 
-// Removes and returns the streams of `ordinal` (jax_vmm.testing puts them back with
-// RegisterComputeStream; production code never forgets a stream).
+// Removes and returns the streams of `ordinal`: their JAX client is going (or, in
+// jax_vmm.testing, a test removes them for a while and puts them back with
+// RegisterComputeStream).
 std::vector<void*> ForgetComputeStreams(int ordinal);
 
 // jax_vmm_register_compute_stream on "CUDA": operand and result an int32 scalar (aliased,
