@@ -76,8 +76,6 @@ def _prepare(
             f"impl must be one of {sorted(_IMPLS) + sorted(_STREAM_IMPLS)}, got {impl!r}"
         )
     fp8 = np.dtype(k.dtype) in FP8_STORAGE and np.dtype(q.dtype) not in FP8_STORAGE
-    if impl == "auto" and not fp8 and _streams_by_default(q, k, workspace, chunk, splits):
-        impl = "stream_combine"
     if fp8 or impl in _STREAM_IMPLS or k_scale is not None or v_scale is not None:
         _refuse_knobs_of("split-K", ("chunk", chunk), ("splits", splits))
         return _prepare_stream(
@@ -126,27 +124,6 @@ def _prepare(
         impl=np.int64(_IMPLS[impl]),
     )
     return _Call((q, k, v, lengths), attrs, jax.ShapeDtypeStruct(q.shape, q.dtype), plan, device)
-
-
-#: B x T (cache tokens) from which impl="auto" runs the streaming kernel on a GPU: there it
-#: read the KV faster than split-K at every bfloat16 shape the H200 probe measured
-#: (docs/benchmarks.md), while split-K stays ahead at small, launch-bound shapes.
-STREAM_MIN_CACHE_TOKENS = 65536
-
-
-def _streams_by_default(q: Any, k: Any, workspace: str, chunk: int, splits: int) -> bool:
-    """Does impl="auto" pick the streaming kernel: a large bf16/fp16 cache on a GPU, when
-    no split-K knob or the XLA workspace (split-K only) was asked for."""
-    if workspace != "scratch" or chunk or splits or k.ndim != 4:
-        return False
-    if np.dtype(q.dtype) not in _TENSOR_CORE_DTYPES or np.dtype(k.dtype) != np.dtype(q.dtype):
-        return False
-    if (
-        k.shape[-1] not in _TENSOR_CORE_HEAD_DIMS
-        or k.shape[0] * k.shape[1] < STREAM_MIN_CACHE_TOKENS
-    ):
-        return False
-    return _target(q, k)[0].platform != "cpu"
 
 
 def _clamped_lengths(lengths: Any, k: jax.Array) -> jax.Array:

@@ -111,9 +111,7 @@ def _decode_attention(
     impl: the split-K kernel: "auto", "tensor_core", "tensor_core_u1" (one tile in
     flight per warp) or "simple" (CUDA kernel choice; the CPU has one), with its plan
     knobs chunk / splits (0 = automatic); or the streaming kernel (fp8 caches always run
-    it, "auto" included, and "auto" picks it on a GPU for bfloat16/float16 caches of
-    B x T >= ``STREAM_MIN_CACHE_TOKENS`` tokens unless chunk, splits or workspace="xla"
-    ask for split-K): "stream" (combine fused, last arrival), "stream_combine"
+    it, "auto" included): "stream" (combine fused, last arrival), "stream_combine"
     (combine as a second kernel), "stream_tma" (tiles by bulk copies), with its plan knobs
     ctas (grid size), stages (ring slots per warp, 2..8) and min_tiles (fewest 16-token
     tiles per CTA), 0 = automatic. workspace: "scratch" keeps the partials in jax_vmm's
