@@ -326,6 +326,32 @@ def per_device_memory_follows_the_sequences_by_maps():
     kv.close()
 
 
+@scenario
+def a_recycled_slot_keeps_the_next_prompts_memory_on_every_holder():
+    kv = make(mesh_2d(), P("dp", None, "tp"), max_tokens=4096, zero_fill=False)
+    kv.ensure(3000, 3)  # sequence 3: devices 2 and 3, one allocation per buffer
+    before = [s.arena.backed_bytes for s in kv.shards]
+    kv.release(3, keep_tokens=10)  # the next prompt: 10 tokens
+    after = [s.arena.backed_bytes for s in kv.shards]
+    assert after[:2] == [0, 0] and 0 < after[2] < before[2] and 0 < after[3] < before[3], (
+        before,
+        after,
+    )
+    for s in kv.shards[2:]:  # the rest of that allocation stays mapped, parked
+        assert backed_by_maps(s) == s.arena.backed_bytes + s.arena.stats()["parked_bytes"]
+    assert kv.backed_tokens(3) >= 10
+    calls = [s.arena.stats()["commit_calls"] for s in kv.shards]
+    assert kv.ensure(10, 3) == 0
+    assert [s.arena.stats()["commit_calls"] for s in kv.shards] == calls
+    try:
+        kv.release(3, keep_tokens=-1)
+    except ValueError as e:
+        assert "keep_tokens" in str(e), e
+    else:
+        raise AssertionError("a negative keep_tokens was accepted")
+    kv.close()
+
+
 def rollback_case(skip_rollback: bool) -> list[str]:
     """Arm one device's next physical allocation to fail, grow every sequence; return what
     differs afterwards from before (per device: backing by the maps oracle, the table of
