@@ -34,6 +34,18 @@ class TokenBacking:
             raise ValueError(f"{op}: {name}={n} exceeds max_tokens={self.max_tokens}")
         return n
 
+    def _check_keep_tokens(self, keep_tokens: Any, op: str) -> int:
+        """``release(keep_tokens=)`` validated: an int in [0, max_tokens], and 0 on a
+        zero-filling arena (kept bytes would not read as zeros)."""
+        keep = self._check_tokens(keep_tokens, op, "keep_tokens")
+        if keep and self.arena.zero_fill:
+            raise ValueError(
+                f"{op}: keep_tokens keeps the old sequence's bytes, but this arena "
+                "zero-fills (unwritten tokens must read as zeros); release without "
+                "keep_tokens, or create the arena with zero_fill=False"
+            )
+        return keep
+
     def _commit_ranges(self, q: int, num_tokens: int) -> list[tuple[int, int]]:
         """Byte ranges (inside each buffer) that back tokens [0, num_tokens) of sequence
         q. A chunk that the sequence shares with a neighbour gets a range of its own, so
@@ -321,13 +333,7 @@ class TokenBacking:
         base = self._seq_base(seq, "KVArena.release")
         wait = _as_flag(wait, "wait")
         reuse = _as_flag(reuse, "reuse")
-        keep = self._check_tokens(keep_tokens, "KVArena.release", "keep_tokens")
-        if keep and self.arena.zero_fill:
-            raise ValueError(
-                "KVArena.release: keep_tokens keeps the old sequence's bytes, but this arena "
-                "zero-fills (unwritten tokens must read as zeros); release without "
-                "keep_tokens, or create the arena with zero_fill=False"
-            )
+        keep = self._check_keep_tokens(keep_tokens, "KVArena.release")
         q = 0 if seq is None else int(seq)
         with self._lock:
             self.arena._check_open("KVArena.release")

@@ -324,12 +324,7 @@ class ShardedKVArena:
         holders = self._holders(seq, "ShardedKVArena.release")
         wait = _as_flag(wait, "wait")
         reuse = _as_flag(reuse, "reuse")
-        keep = self.shards[0]._check_tokens(keep_tokens, "ShardedKVArena.release", "keep_tokens")
-        if keep and self.shards[0].arena.zero_fill:
-            raise ValueError(
-                "ShardedKVArena.release: keep_tokens keeps the old sequence's bytes, but the "
-                "arenas zero-fill; release without keep_tokens"
-            )
+        keep = self.shards[0]._check_keep_tokens(keep_tokens, "ShardedKVArena.release")
         with self._locked():
             self._check_open("ShardedKVArena.release")
             return _each(
