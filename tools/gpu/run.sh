@@ -53,6 +53,9 @@
 #   diag:hazard         XLA's command-buffer log around the hazard scenario (its RESULT line)
 #   diag:example        XLA's command-buffer log of the main job at batch 16 (how often the
 #                       decode block's command buffers were recorded against executed)
+#   diag:host           tools/gpu/host_costs.py: the arena and raw VMM calls of a commit and
+#                       a release, device idle and busy, and a cProfile of the main job at
+#                       batch 64 (where its host time in ensure/release goes) -> host_costs.json
 #   example             examples/decode.py -> $OUT/example/
 #   example:B           the gpu preset at batch B = 16 or 64 (3 requests per slot), decode
 #                       blocks of 16 -> $OUT/example_bB/; example:prealloc16 / prealloc64
@@ -203,7 +206,11 @@ step_diag() {
       | sort | uniq -c | sort -rn | head -20
     return "$r"
   fi
-  [ "${1:-}" = hazard ] || { echo "unknown diag step ${1:-} (hazard, example)"; return 2; }
+  if [ "${1:-}" = host ]; then
+    "$PY" tools/gpu/host_costs.py --batch 64 --json "$RUN_DIR/host_costs.json"
+    return
+  fi
+  [ "${1:-}" = hazard ] || { echo "unknown diag step ${1:-} (hazard, example, host)"; return 2; }
   TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3,command_buffer_conversion_pass=2 \
     "$PY" tests/integration/test_command_buffer_gpu.py hazard grow keep "$RUN_DIR/diag_hazard.json"
   local r=$?
