@@ -174,7 +174,7 @@ def profile_main_job(batch: int) -> tuple[dict, str]:
         E.Generator.run = original
     st = pstats.Stats(prof)
     rows = []
-    for (file, line, fn), (cc, nc, tt, ct, _callers) in st.stats.items():
+    for (file, line, fn), (_cc, nc, tt, ct, _callers) in st.stats.items():
         rows.append((tt, ct, nc, f"{Path(file).name}:{line}({fn})"))
     rows.sort(reverse=True)
     lines = [f"{'own ms':>9} {'cum ms':>9} {'calls':>7}  function"]
@@ -214,7 +214,8 @@ def main() -> None:
         r = raw_calls(busy)
         result["raw_busy" if busy else "raw_idle"] = r
         print(f"-- raw VMM calls on 4 MiB pieces, device {'busy' if busy else 'idle'} (median us)")
-        print("  " + "  ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in r.items()))
+        cells = [f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in r.items()]
+        print("  " + "  ".join(cells))
     summary, table = profile_main_job(args.batch)
     result["main_job"] = summary
     result["profile"] = table
