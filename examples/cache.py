@@ -58,6 +58,8 @@ class CacheBackend(Protocol):
     ) -> jax_vmm.KVLayer: ...
     def ensure(self, seq: int, num_tokens: int) -> None: ...
     def ensure_all(self, num_tokens: np.ndarray) -> None: ...
+    def prefetch(self, seq: int, num_tokens: int) -> None: ...
+    def wait_prefetch(self, seq: int, timeout: float) -> bool: ...
     def release(self, seq: int, *, keep_tokens: int = 0) -> None: ...
     def check(self) -> None: ...
     def backed_bytes(self) -> int: ...
@@ -152,6 +154,12 @@ class PreallocatedCache:
     def ensure_all(self, num_tokens: np.ndarray) -> None:
         for seq, n in enumerate(num_tokens):
             self.ensure(seq, int(n))
+
+    def prefetch(self, seq: int, num_tokens: int) -> None:
+        self.ensure(seq, num_tokens)  # all memory is there: only the bounds check
+
+    def wait_prefetch(self, seq: int, timeout: float) -> bool:
+        return True
 
     def release(self, seq: int, *, keep_tokens: int = 0) -> None:
         pass  # the memory stays held: that is the baseline's cost
@@ -248,6 +256,14 @@ class VmmCache:
     def ensure_all(self, num_tokens: np.ndarray) -> None:
         """ensure for every sequence at once (0: nothing asked), one table update."""
         self.kv.ensure_all(num_tokens)
+
+    def prefetch(self, seq: int, num_tokens: int) -> None:
+        """Back the tokens on the arena's commit-ahead thread (jax_vmm.KVArena.prefetch):
+        the engine ensures them once wait_prefetch says the thread is done."""
+        self.kv.prefetch(num_tokens, seq)
+
+    def wait_prefetch(self, seq: int, timeout: float) -> bool:
+        return self.kv.wait_prefetch(seq, timeout)
 
     def release(self, seq: int, *, keep_tokens: int = 0) -> None:
         """keep_tokens: the slot's next sequence starts with that many tokens, whose

@@ -315,6 +315,8 @@ def summarize(
         "prefills": report.prefills,
         "host_memory_seconds": report.ensure_seconds,
         "host_memory_share": report.ensure_seconds / max(report.seconds, 1e-9),
+        "memory_wait_seconds": report.memory_wait_seconds,
+        "memory_wait_idle_seconds": report.memory_wait_idle_seconds,
         "capacity_bytes": capacity,
         "reserved_bytes": cache.reserved_bytes(),
         "peak_backed_bytes": peak_backed,
@@ -342,6 +344,13 @@ def print_summary(s: dict) -> None:
         f"host time in ensure/release: {1e3 * s['host_memory_seconds']:.1f} ms of "
         f"{s['seconds']:.2f} s ({100 * s['host_memory_share']:.2f}% of the serving time)"
     )
+    if s["memory_wait_seconds"]:
+        print(
+            f"waited for prompts' memory (committed in the background): "
+            f"{1e3 * s['memory_wait_seconds']:.1f} ms, of which "
+            f"{1e3 * s['memory_wait_idle_seconds']:.1f} ms with nothing queued on the device "
+            f"({100 * s['memory_wait_idle_seconds'] / max(s['seconds'], 1e-9):.2f}%)"
+        )
     print(
         f"KV memory: reserved {fmt_bytes(s['reserved_bytes'])} | backed peak "
         f"{fmt_bytes(s['peak_backed_bytes'])} ({100 * s['peak_backed_bytes'] / cap:.0f}% of "

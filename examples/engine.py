@@ -6,6 +6,8 @@ decode state donated in both); `Generator.run` serves a list of requests with
 `max_seqs` slots: a finished sequence releases its memory and its slot takes the next
 request. The host schedules (admits, prefills, ensures, releases) while the device runs
 the previous block, and reads a block's tokens only after it dispatched the next. The
+memory of the prompts being admitted is committed on the cache's background thread
+(`prefetch`) while the device runs the prefills dispatched before. The
 schedule depends only on the requests and the stop tokens, so two backends given the
 same requests run exactly the same steps.
 """
@@ -64,10 +66,14 @@ class RunReport:
     generated_tokens: int
     decode_steps: int  # device steps (blocks x steps per block)
     prefills: int
-    ensure_seconds: float  # host time spent in cache.ensure/release
+    ensure_seconds: float  # host time spent in cache calls (ensure/release/prefetch)
     blocks: int = 0  # host calls of the decode block
     block: int = 1  # decode steps per block
     pauses: int = 0  # pause() calls (sleep/wake)
+    # Time spent waiting for background commits of prompts (cache.prefetch), and the
+    # part of it with nothing left queued on the device (the device idled on memory).
+    memory_wait_seconds: float = 0.0
+    memory_wait_idle_seconds: float = 0.0
 
 
 def make_requests(
@@ -103,6 +109,7 @@ def prompt_bucket(length: int, minimum: int = 64) -> int:
 
 
 DEFAULT_BLOCK = 16  # decode steps per host call (see Generator)
+WAIT_SLICE = 2e-4  # seconds between looks at the device while waiting for a prompt's memory
 
 
 @dataclasses.dataclass(eq=False)
@@ -294,7 +301,7 @@ class Generator:
         trace: list[StepRecord] = []
         pending: collections.deque[_Read] = collections.deque()
         counts = collections.Counter()
-        host_seconds = 0.0
+        host_seconds = wait_seconds = idle_seconds = 0.0
         held: set[int] = set()  # finished, memory kept for the request that takes the slot
 
         def timed(fn: Callable, *args) -> None:
@@ -364,13 +371,40 @@ class Generator:
             if progress is not None and steps:
                 progress(len(steps))
 
-        def admit(seq: int) -> None:
+        def device_idle() -> bool:
+            # The newest dispatched call done: nothing is left queued on the device.
+            return not pending or pending[-1].tokens.is_ready()
+
+        def wait_for_memory(seq: int) -> None:
+            # The prompt's memory is committed on the cache's background thread; the
+            # device meanwhile runs the prefills and blocks dispatched before.
+            nonlocal wait_seconds, idle_seconds
+            t0 = time.perf_counter()
+            while True:
+                done = cache.wait_prefetch(seq, WAIT_SLICE)
+                t1 = time.perf_counter()
+                if device_idle():
+                    idle_seconds += t1 - t0
+                wait_seconds += t1 - t0
+                t0 = t1
+                if done:
+                    return
+
+        def admit_free_slots() -> None:
+            free = [seq for seq in range(batch) if slots[seq] is None][: len(queue)]
+            taken = [(seq, queue.popleft()) for seq in free]
+            for seq, req in taken:  # every prompt's memory, in the background
+                if seq in held:  # the slot keeps the chunks of the new prompt
+                    held.discard(seq)
+                    timed(lambda: cache.release(seq, keep_tokens=len(req.prompt)))
+                timed(cache.prefetch, seq, len(req.prompt))
+            for seq, req in taken:
+                wait_for_memory(seq)
+                admit(seq, req)
+
+        def admit(seq: int, req: Request) -> None:
             nonlocal state
-            req = queue.popleft()
             slot = _Slot(req, results.setdefault(req.id, Result(req.id, len(req.prompt))))
-            if seq in held:
-                held.discard(seq)
-                timed(lambda: cache.release(seq, keep_tokens=len(req.prompt)))
             timed(cache.ensure, seq, len(req.prompt))
             slots[seq] = slot
             bucket, args = self._prefill_args(state, req.prompt, seq, req.max_new_tokens)
@@ -385,9 +419,7 @@ class Generator:
         state = S.idle_state(batch)
         t_start = time.perf_counter()
         while queue or any(slots) or pending:
-            for seq in range(batch):  # continuous batching: free slots take requests
-                if slots[seq] is None and queue:
-                    admit(seq)
+            admit_free_slots()  # continuous batching: free slots take requests
             if host_mode:
                 while pending:  # every token is a host decision: read before going on
                     read(pending.popleft())
@@ -439,4 +471,6 @@ class Generator:
             blocks=counts["blocks"],
             block=n,
             pauses=counts["pauses"],
+            memory_wait_seconds=wait_seconds,
+            memory_wait_idle_seconds=idle_seconds,
         )

@@ -10,22 +10,28 @@ so with views the decode thread commits itself, waiting for the device as before
 
 from __future__ import annotations
 
+import logging
 import threading
 import weakref
 from typing import Any
+
+_log = logging.getLogger("jax_vmm")
 
 
 class CommitAhead:
     """One worker thread per KV arena, started on first use; it holds only a weak
     reference to the arena, so an arena that is dropped without ``close()`` still goes.
 
-    Thread-safety: ``schedule`` and ``stop`` may be called from any thread."""
+    Sequences are served in the order they were first scheduled, so the one the dispatching
+    thread needs first (an admission's prompt, ``KVArena.prefetch``) is backed first.
+
+    Thread-safety: every method may be called from any thread."""
 
     def __init__(self, kv: Any):
         self._kv = weakref.ref(kv)
         self._cv = threading.Condition()
         self._pending: dict[int, int] = {}  # seq -> tokens to have backed
-        self._busy = False
+        self._busy: int | None = None  # the sequence being committed now
         self._stop = False
         self._thread: threading.Thread | None = None
 
@@ -44,11 +50,18 @@ class CommitAhead:
     def idle(self) -> bool:
         """Nothing scheduled and nothing running."""
         with self._cv:
-            return not self._pending and not self._busy
+            return not self._pending and self._busy is None
 
     def wait_idle(self, timeout: float = 60.0) -> bool:
         with self._cv:
-            return self._cv.wait_for(lambda: not self._pending and not self._busy, timeout)
+            return self._cv.wait_for(lambda: not self._pending and self._busy is None, timeout)
+
+    def wait_for(self, seq: int, timeout: float) -> bool:
+        """Waits until nothing is scheduled or running for ``seq``; False on timeout."""
+        with self._cv:
+            return self._cv.wait_for(
+                lambda: seq not in self._pending and self._busy != seq, timeout
+            )
 
     def stop(self) -> None:
         with self._cv:
@@ -68,15 +81,18 @@ class CommitAhead:
                         return
                 if self._stop:
                     return
-                seq, tokens = self._pending.popitem()
-                self._busy = True
+                seq = next(iter(self._pending))  # the oldest request first
+                tokens = self._pending.pop(seq)
+                self._busy = seq
             try:
                 kv = self._kv()
                 if kv is None:
                     return
                 kv._commit_ahead(seq, tokens)
                 del kv
+            except Exception:  # the worker must live on: the ensure that follows commits itself
+                _log.exception("jax_vmm: commit ahead of sequence %d failed", seq)
             finally:
                 with self._cv:
-                    self._busy = False
+                    self._busy = None
                     self._cv.notify_all()

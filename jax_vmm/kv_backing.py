@@ -1,5 +1,5 @@
-"""How a KV arena backs its sequences' tokens: ``ensure`` / ``ensure_all`` / ``shrink`` /
-``release``, the byte ranges each needs, the commit-ahead hook and the all-or-nothing
+"""How a KV arena backs its sequences' tokens: ``ensure`` / ``ensure_all`` / ``prefetch`` /
+``shrink`` / ``release``, the byte ranges each needs, the commit-ahead hook and the all-or-nothing
 rollback that a sharded cache uses across devices.
 
 A chunk that two sequences share gets a commit range of its own, so that no physical
@@ -143,6 +143,55 @@ class TokenBacking:
                         int(q), self._covered_tokens(int(q), int(self._covered[q]) + 1)
                     )
             return added
+
+    def prefetch(self, num_tokens: int, seq: int | None = None) -> None:
+        """Back the first ``num_tokens`` tokens (of sequence ``seq``) in the background, on
+        the commit-ahead thread, and return at once; once that is done (:meth:`is_backed`,
+        :meth:`wait_prefetch`), ``ensure`` makes no driver call for them. The way to take
+        an admission's commit off the thread that dispatches device work: prefetch the
+        next prompts, dispatch what is ready, ensure the next one when it is backed.
+
+        It changes nothing a kernel may touch: the tokens are not ensured (the device
+        table), so writes to them are dropped until ``ensure``. A prefetch that cannot be
+        done (out of memory, raw views handed out, the sequence released meanwhile) is
+        dropped; the ``ensure`` that follows then commits on its own thread, or raises."""
+        num_tokens = self._check_tokens(num_tokens, "KVArena.prefetch")
+        self._seq_base(seq, "KVArena.prefetch")
+        q = 0 if seq is None else int(seq)
+        with self._lock:
+            self.arena._check_open("KVArena.prefetch")
+            if self._offloaded:
+                self._settle(q)
+            if num_tokens == 0 or self._backed_already(np.int64(num_tokens), q):
+                return
+            if self._valid_gen[q] != self.arena._generation:
+                # Nothing known backed yet: a true statement for this generation, and what
+                # lets the worker count what it backs.
+                self._covered[q], self._valid_gen[q] = 0, self.arena._generation
+            self._ahead.schedule(q, self._covered_tokens(q, num_tokens))
+
+    def is_backed(self, num_tokens: int, seq: int | None = None) -> bool:
+        """Would ``ensure(num_tokens, seq)`` now return without a driver call (the chunks
+        of those tokens known backed)?"""
+        num_tokens = self._check_tokens(num_tokens, "KVArena.is_backed")
+        self._seq_base(seq, "KVArena.is_backed")
+        q = 0 if seq is None else int(seq)
+        with self._lock:
+            return bool(num_tokens == 0 or self._backed_already(np.int64(num_tokens), q))
+
+    def wait_prefetch(self, seq: int | None = None, timeout: float | None = None) -> bool:
+        """Wait until no background commit (:meth:`prefetch`, commit ahead) is scheduled or
+        running for sequence ``seq``. Returns False if ``timeout`` seconds passed first.
+        It does not say that the tokens are backed (a prefetch can be dropped):
+        :meth:`is_backed` does."""
+        self._seq_base(seq, "KVArena.wait_prefetch")
+        if timeout is not None and (
+            isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0
+        ):
+            raise ValueError(
+                f"KVArena.wait_prefetch: timeout must be seconds >= 0 or None, got {timeout!r}"
+            )
+        return self._ahead.wait_for(0 if seq is None else int(seq), timeout)
 
     def _backed_already(self, tokens: np.ndarray, seqs: Any = slice(None)) -> np.ndarray:
         """Per sequence (of ``seqs``): are its first ``tokens`` tokens within chunks an
@@ -386,14 +435,11 @@ class TokenBacking:
             return before
         valid = self._valid_gen == self.arena._generation
         counted = np.maximum(self._ensured, np.where(valid, self._covered, 0))
-        for q, tokens in enumerate(counted):
-            if q == seq or tokens == 0:
-                continue
-            q_lo = q * self.seq_bytes
-            q_hi = q_lo + tokens * self.token_bytes
-            if q_lo < hi and q_hi > lo:
-                return True
-        return False
+        q_lo = np.arange(len(counted), dtype=np.int64) * self.seq_bytes
+        q_hi = q_lo + counted * self.token_bytes
+        uses = (counted > 0) & (q_lo < hi) & (q_hi > lo)
+        uses[seq] = False
+        return bool(uses.any())
 
     def backed_tokens(self, seq: int | None = None) -> int:
         """Tokens from position 0 (of sequence ``seq``) backed in every layer."""

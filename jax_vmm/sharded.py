@@ -301,6 +301,25 @@ class ShardedKVArena:
                 steps.append((shard, asks, lambda s=shard, t=local: s.ensure_all(t)))
             return self._all_or_nothing(steps)
 
+    def prefetch(self, num_tokens: int, seq: int | None = None) -> None:
+        """:meth:`KVArena.prefetch` on every shard that holds global sequence ``seq``."""
+        num_tokens = self.shards[0]._check_tokens(num_tokens, "ShardedKVArena.prefetch")
+        for shard, q in self._holders(seq, "ShardedKVArena.prefetch"):
+            shard.prefetch(num_tokens, q)
+
+    def is_backed(self, num_tokens: int, seq: int | None = None) -> bool:
+        """:meth:`KVArena.is_backed` on every shard that holds global sequence ``seq``."""
+        num_tokens = self.shards[0]._check_tokens(num_tokens, "ShardedKVArena.is_backed")
+        return all(
+            s.is_backed(num_tokens, q) for s, q in self._holders(seq, "ShardedKVArena.is_backed")
+        )
+
+    def wait_prefetch(self, seq: int | None = None, timeout: float | None = None) -> bool:
+        """:meth:`KVArena.wait_prefetch` on every shard that holds global sequence ``seq``
+        (``timeout`` for each)."""
+        holders = self._holders(seq, "ShardedKVArena.wait_prefetch")
+        return all([s.wait_prefetch(q, timeout) for s, q in holders])
+
     def shrink(self, num_tokens: int, *, wait: bool = False) -> int:
         """Release memory past the first ``num_tokens`` tokens of every sequence, on every
         shard. Returns bytes released, summed over the devices."""

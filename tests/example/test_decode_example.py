@@ -473,10 +473,14 @@ def test_config_presets_are_consistent() -> None:
         dataclasses.replace(SMALL, num_q_heads=3)
 
 
-def test_a_reused_slot_keeps_the_memory_its_next_prompt_needs(cpu_device: jax.Device) -> None:
+@pytest.mark.parametrize("keep", [True, False], ids=["keep_tokens", "control-plain-release"])
+def test_a_reused_slot_keeps_the_memory_its_next_prompt_needs(
+    cpu_device: jax.Device, keep: bool
+) -> None:
     """One slot, two requests: the second prompt fits in the chunks the first sequence
-    backed, so its admission's ensure commits nothing (the engine hands the slot over
-    with release(keep_tokens=)); the second generation still equals prealloc's."""
+    backed, so nothing is committed for it (the engine hands the slot over with
+    release(keep_tokens=)); the second generation still equals prealloc's. The control
+    drops keep_tokens: the same chunks are then committed again."""
     from examples.cache import VmmCache
 
     prompts = [np.arange(1, 41, dtype=np.int32), np.arange(2, 32, dtype=np.int32)]
@@ -485,9 +489,13 @@ def test_a_reused_slot_keeps_the_memory_its_next_prompt_needs(cpu_device: jax.De
         params = M.init_params(SMALL, seed=0)
         # 128 B per token per layer buffer, 4 KiB chunks: 32 tokens per chunk.
         cache = VmmCache(SMALL, max_seqs=1, max_tokens=96, device=cpu_device, chunk_bytes=4096)
-        committed = []
-        ensure = cache.kv.ensure
-        cache.kv.ensure = lambda n, seq=None: committed.append((n, ensure(n, seq))) or 0
+        created = []  # chunks created by the time each prompt is ensured
+        ensure, release = cache.kv.ensure, cache.kv.release
+        cache.kv.ensure = lambda n, seq=None: (
+            created.append((n, cache.kv.stats()["chunks_created"])) or ensure(n, seq)
+        )
+        if not keep:
+            cache.kv.release = lambda seq=None, **kw: release(seq)
         try:
             _, attend = choose_attention(
                 "auto",
@@ -499,7 +507,13 @@ def test_a_reused_slot_keeps_the_memory_its_next_prompt_needs(cpu_device: jax.De
             got = E.Generator(params, SMALL, cache, attend, block=4).run(reqs, record_logits=True)
         finally:
             cache.close()
-    assert committed[0][0] == 40 and committed[0][1] > 0  # the first prompt: committed
-    assert committed[1] == (30, 0), "the second prompt should find its chunk kept"
+    buffers = 2 * SMALL.num_layers
+    (n0, first), (n1, second) = [c for c in created if c[0] in (40, 30)]
+    assert (n0, n1) == (40, 30)
+    assert first == 2 * buffers  # the first prompt's two chunks per buffer (prefetched)
+    if keep:
+        assert second == first, "the second prompt should find its chunk kept"
+    else:
+        assert second == first + buffers  # released, then committed again
     ref, _ = generate("prealloc", SMALL, reqs, batch=1, max_tokens=96, device=cpu_device, block=4)
     assert_same_generation(ref, got, tol=1e-4, allow_near_ties=False)

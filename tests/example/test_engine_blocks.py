@@ -207,6 +207,9 @@ class _Watched:
         self.log.append(("read", self.k))
         return np.asarray(self.x, dtype)
 
+    def is_ready(self) -> bool:  # asks whether the device is done; reads nothing
+        return self.x.is_ready()
+
 
 def test_the_next_block_is_dispatched_before_the_last_is_read(cpu_device, monkeypatch) -> None:
     """Double buffering: the host reads block k's tokens only after it dispatched
