@@ -30,22 +30,35 @@ class CommitAhead:
     def __init__(self, kv: Any):
         self._kv = weakref.ref(kv)
         self._cv = threading.Condition()
-        self._pending: dict[int, int] = {}  # seq -> tokens to have backed
+        self._pending: dict[int, tuple[int, int]] = {}  # seq -> (tokens to back, epoch)
         self._busy: int | None = None  # the sequence being committed now
         self._stop = False
         self._thread: threading.Thread | None = None
 
-    def schedule(self, seq: int, tokens: int) -> None:
+    def schedule(self, seq: int, tokens: int, epoch: int) -> None:
+        """Back tokens [0, tokens) of ``seq`` for its life that began at ``epoch`` (the
+        arena's release count of the sequence: a commit for an older life is void)."""
         with self._cv:
-            if self._stop or self._pending.get(seq, 0) >= tokens:
+            old = self._pending.get(seq)
+            if self._stop or (old is not None and old[1] == epoch and old[0] >= tokens):
                 return
-            self._pending[seq] = tokens
+            self._pending[seq] = (tokens, epoch)
             if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._run, name="jax_vmm-commit-ahead", daemon=True
                 )
                 self._thread.start()
             self._cv.notify()
+
+    def cancel(self, seq: int | None = None) -> None:
+        """Forget what is scheduled for ``seq`` (None: for every sequence); a commit
+        already running is not stopped (the arena's epoch check handles that one)."""
+        with self._cv:
+            if seq is None:
+                self._pending.clear()
+            else:
+                self._pending.pop(seq, None)
+            self._cv.notify_all()
 
     def idle(self) -> bool:
         """Nothing scheduled and nothing running."""
@@ -82,13 +95,13 @@ class CommitAhead:
                 if self._stop:
                     return
                 seq = next(iter(self._pending))  # the oldest request first
-                tokens = self._pending.pop(seq)
+                tokens, epoch = self._pending.pop(seq)
                 self._busy = seq
             try:
                 kv = self._kv()
                 if kv is None:
                     return
-                kv._commit_ahead(seq, tokens)
+                kv._commit_ahead(seq, tokens, epoch)
                 del kv
             except Exception:  # the worker must live on: the ensure that follows commits itself
                 _log.exception("jax_vmm: commit ahead of sequence %d failed", seq)

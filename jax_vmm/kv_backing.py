@@ -140,7 +140,9 @@ class TokenBacking:
                 )
                 for q in np.flatnonzero(near):
                     self._ahead.schedule(
-                        int(q), self._covered_tokens(int(q), int(self._covered[q]) + 1)
+                        int(q),
+                        self._covered_tokens(int(q), int(self._covered[q]) + 1),
+                        self._epoch[q],
                     )
             return added
 
@@ -168,7 +170,7 @@ class TokenBacking:
                 # Nothing known backed yet: a true statement for this generation, and what
                 # lets the worker count what it backs.
                 self._covered[q], self._valid_gen[q] = 0, self.arena._generation
-            self._ahead.schedule(q, self._covered_tokens(q, num_tokens))
+            self._ahead.schedule(q, self._covered_tokens(q, num_tokens), self._epoch[q])
 
     def is_backed(self, num_tokens: int, seq: int | None = None) -> bool:
         """Would ``ensure(num_tokens, seq)`` now return without a driver call (the chunks
@@ -267,19 +269,21 @@ class TokenBacking:
             or self._ahead_blocked[q] == covered
         ):
             return
-        self._ahead.schedule(q, self._covered_tokens(q, covered + 1))
+        self._ahead.schedule(q, self._covered_tokens(q, covered + 1), self._epoch[q])
 
-    def _commit_ahead(self, q: int, tokens: int) -> None:
-        """On the commit-ahead thread: back tokens [0, tokens) of sequence q."""
+    def _commit_ahead(self, q: int, tokens: int, epoch: int) -> None:
+        """On the commit-ahead thread: back tokens [0, tokens) of sequence q, scheduled at
+        its ``epoch`` (a release since then makes it void)."""
         with self._lock:
             if (
-                q in self._offloaded
+                self._epoch[q] != epoch
+                or q in self._offloaded
                 or self._covered[q] >= tokens
                 or self.arena.closed
                 or self._valid_gen[q] != self.arena._generation
             ):
                 return
-            epoch, gen, covered = self._epoch[q], self.arena._generation, self._covered[q]
+            gen, covered = self.arena._generation, self._covered[q]
             ranges = [
                 (b.id, lo, hi) for lo, hi in self._commit_ranges(q, tokens) for b in self.buffers
             ]
@@ -334,6 +338,7 @@ class TokenBacking:
                 self._settle(q)
             # The table first: no kernel may write what is about to go.
             self._core_cache.set_limits(np.minimum(self._ensured, num_tokens).tolist())
+            self._ahead.cancel()
             ranges = []
             for seq in range(1 if self.max_seqs is None else self.max_seqs):
                 base = seq * self.seq_bytes
@@ -391,6 +396,7 @@ class TokenBacking:
                 t._finish()  # drops the host copy
             self._ensured[q] = 0
             self._core_cache.set_limit(q, 0)  # the table first: nothing may write what goes
+            self._ahead.cancel(q)  # a prefetch or commit ahead not begun is for the old sequence
             kept = keep and self._valid_gen[q] == self.arena._generation
             self._covered[q] = min(self._covered[q], self._covered_tokens(q, keep)) if kept else 0
             self._epoch[q] += 1
@@ -401,7 +407,7 @@ class TokenBacking:
             if (reuse or keep) and self.commit_ahead_tokens:
                 want = self._covered_tokens(q, max(keep, 1))
                 if self._covered[q] < want:
-                    self._ahead.schedule(q, want)
+                    self._ahead.schedule(q, want, self._epoch[q])
             return released
 
     def reclaim(self) -> int:

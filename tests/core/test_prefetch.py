@@ -1,0 +1,208 @@
+"""``kv.prefetch(n, seq)``: an admission's commit on the commit-ahead thread. The tokens
+are backed in the background, ``ensure`` afterwards makes no call into the core, and
+nothing is ensured (the table still says 0) until ``ensure``. Also the worker itself
+(jax_vmm/_prefetch.py): oldest request first, and it survives a failing commit."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_vmm
+import jax_vmm.testing
+from conftest import chunk_range, chunk_states, raw_bytes
+from jax_vmm._prefetch import CommitAhead
+
+H, D = 2, 64  # float32: 512 bytes per token per buffer
+
+
+def _kv(vm, **kw):
+    tpc = vm.chunk // (H * D * 4)
+    kw = (
+        dict(
+            num_layers=2,
+            num_kv_heads=H,
+            head_dim=D,
+            max_tokens=4 * tpc,
+            max_seqs=2,
+            dtype=jnp.float32,
+        )
+        | kw
+    )
+    return vm.kv(**kw), tpc
+
+
+def _chunks(kv, q):
+    per_seq = kv.seq_bytes // kv.arena.chunk_bytes
+    states = {chunk_states(b)[q * per_seq : (q + 1) * per_seq] for b in kv.buffers}
+    assert len(states) == 1, f"buffers disagree: {states}"
+    return states.pop()
+
+
+def _write(kv, slot, value):
+    new = jax.device_put(jnp.full((1, H, D), value, jnp.float32), kv.arena.device)
+    return jax.jit(jax_vmm.kv_write)(kv.cache()[0], new, new, jnp.array([slot], jnp.int32))
+
+
+def test_a_prefetched_prompt_is_ensured_without_a_commit(vm):
+    kv, tpc = _kv(vm)
+    kv.prefetch(tpc + 1, 1)  # the natural call: tokens, then the sequence
+    assert kv.wait_prefetch(1, timeout=30)
+    assert kv.is_backed(tpc + 1, 1) and not kv.is_backed(2 * tpc + 1, 1)
+    assert _chunks(kv, 1) == (True, True, False, False) and _chunks(kv, 0) == (False,) * 4
+    s = kv.arena.stats()
+    assert s["commits_ahead"] == 1
+    assert kv.ensure(tpc + 1, 1) == 0
+    assert kv.arena.stats()["commit_calls"] == s["commit_calls"], "ensure called the core"
+    assert kv._core_cache.limits() == [0, tpc + 1]
+    c = kv.seq_bytes // kv.arena.chunk_bytes
+    vm.assert_backed(kv.arena, [chunk_range(b, c, c + 2) for b in kv.buffers])
+
+
+def test_without_prefetch_the_ensure_commits(vm):
+    """The control: the same ensure with no prefetch calls the core, so the test above
+    would see a prefetch that did nothing."""
+    kv, tpc = _kv(vm)
+    calls = kv.arena.stats()["commit_calls"]
+    assert not kv.is_backed(tpc + 1, 1)
+    assert kv.ensure(tpc + 1, 1) > 0
+    assert kv.arena.stats()["commit_calls"] == calls + 1
+
+
+def test_prefetched_tokens_are_not_writable_before_ensure(vm):
+    kv, tpc = _kv(vm)
+    kv.prefetch(8, 0)
+    assert kv.wait_prefetch(0, timeout=30) and kv.is_backed(8, 0)
+    assert kv._core_cache.limits() == [0, 0]
+    _write(kv, 3, 9.0)  # backed, not ensured: dropped
+    with pytest.raises(jax_vmm.OutOfBoundsWrite):
+        kv.check()
+    tokens = raw_bytes(kv.k_buffers[0]).view(np.float32).reshape(2, -1, H, D)[0]
+    assert not np.any(tokens[3] == 9.0), "the dropped write must not land"
+    kv.ensure(8, 0)
+    _write(kv, 3, 9.0)
+    kv.check()
+    tokens = raw_bytes(kv.k_buffers[0]).view(np.float32).reshape(2, -1, H, D)[0]
+    assert np.all(tokens[3] == 9.0)
+
+
+def test_without_the_table_the_write_would_land_in_the_prefetched_chunk(vm):
+    """The switch that removes the protection: the test above would catch a prefetch
+    that ensured its tokens."""
+    kv, _ = _kv(vm)
+    kv.prefetch(8, 0)
+    assert kv.wait_prefetch(0, timeout=30)
+    with jax_vmm.testing.limits_ignored():
+        _write(kv, 3, 9.0)
+    kv.check()
+    tokens = raw_bytes(kv.k_buffers[0]).view(np.float32).reshape(2, -1, H, D)[0]
+    assert np.all(tokens[3] == 9.0)
+
+
+def test_a_sequence_released_while_its_prefetch_runs_keeps_nothing(vm):
+    kv, tpc = _kv(vm)
+    with kv._lock:  # the worker cannot plan until the release is done
+        kv.prefetch(2 * tpc, 0)
+        kv.release(0)
+    assert kv.wait_prefetch(0, timeout=30)
+    assert _chunks(kv, 0) == (False,) * 4
+    assert kv.arena.stats()["backed_bytes"] == 0 and not kv.is_backed(1, 0)
+
+
+def test_a_dropped_prefetch_leaves_the_ensure_to_commit(vm):
+    """With raw views handed out a background commit is skipped; ensure then commits on
+    the calling thread (and says so by returning the bytes)."""
+    kv, tpc = _kv(vm)
+    view = kv.k[0]
+    kv.prefetch(tpc, 0)
+    assert kv.wait_prefetch(0, timeout=30)
+    assert not kv.is_backed(tpc, 0) and kv.stats()["commits_ahead_skipped"] == 1
+    assert kv.ensure(tpc, 0) > 0
+    del view
+
+
+def test_prefetch_arguments_are_checked_and_change_nothing(vm):
+    kv, tpc = _kv(vm)
+    for bad, err in (
+        (-1, ValueError),
+        (4 * tpc + 1, ValueError),
+        ("8", TypeError),
+        (2.0, TypeError),
+    ):
+        with pytest.raises(err, match="num_tokens"):
+            kv.prefetch(bad, 0)
+    with pytest.raises(ValueError, match="seq"):  # the forgotten sequence of a batch arena
+        kv.prefetch(8)
+    with pytest.raises(ValueError, match="seq=2 is out of range"):
+        kv.prefetch(8, 2)
+    for bad in (-1.0, float("nan"), "1", True):
+        with pytest.raises(ValueError, match="timeout must be seconds"):
+            kv.wait_prefetch(0, timeout=bad)
+    assert kv.wait_prefetch(0, timeout=0) and kv._ahead.idle()
+    assert kv.arena.stats()["backed_bytes"] == 0 and kv.prefetch(0, 0) is None
+
+
+def test_prefetch_of_a_closed_arena_says_so(vm):
+    kv, _ = _kv(vm)
+    kv.close()
+    with pytest.raises(jax_vmm.ArenaClosedError, match="KVArena.prefetch"):
+        kv.prefetch(8, 0)
+
+
+def test_prefetch_of_an_offloaded_sequence_says_so(vm):
+    kv, tpc = _kv(vm)
+    kv.ensure(tpc, 0)
+    kv.offload(0).wait()
+    with pytest.raises(ValueError, match="offloaded"):
+        kv.prefetch(tpc, 0)
+    kv.restore(0).wait()
+    kv.prefetch(tpc, 0)
+    assert kv.wait_prefetch(0, timeout=30) and kv.is_backed(tpc, 0)
+
+
+class _Recorder:
+    """A stand-in KV arena for the worker: records the order of its commits, and blocks
+    the first one until released so that the rest queue up."""
+
+    def __init__(self, fail: set[int] = frozenset()):
+        self.order: list[int] = []
+        self.gate = threading.Event()
+        self.fail = fail
+
+    def _commit_ahead(self, seq: int, tokens: int, epoch: int) -> None:
+        if not self.order:
+            self.gate.wait(30)
+        self.order.append(seq)
+        if seq in self.fail:
+            raise RuntimeError(f"commit of {seq} failed")
+
+
+def test_the_worker_serves_the_oldest_request_first():
+    kv = _Recorder()
+    worker = CommitAhead(kv)
+    for seq in (5, 1, 7, 3):
+        worker.schedule(seq, 8, 0)
+    worker.schedule(7, 16, 0)  # more for 7: it keeps its place
+    kv.gate.set()
+    assert worker.wait_idle(30)
+    assert kv.order == [5, 1, 7, 3]
+    worker.stop()
+
+
+def test_the_worker_lives_on_after_a_failing_commit(caplog):
+    kv = _Recorder(fail={1})
+    worker = CommitAhead(kv)
+    kv.gate.set()
+    with caplog.at_level(logging.ERROR, logger="jax_vmm"):
+        worker.schedule(1, 8, 0)
+        assert worker.wait_for(1, 30)
+        worker.schedule(2, 8, 0)
+        assert worker.wait_idle(30)
+    assert kv.order == [1, 2]
+    assert "commit ahead of sequence 1 failed" in caplog.text
+    worker.stop()
