@@ -352,6 +352,23 @@ def a_recycled_slot_keeps_the_next_prompts_memory_on_every_holder():
     kv.close()
 
 
+@scenario
+def a_prefetched_prompt_is_backed_on_every_holder_only():
+    kv = make(mesh_2d(), P("dp", None, "tp"), max_tokens=4096, zero_fill=False)
+    kv.prefetch(3000, 3)  # sequence 3: devices 2 and 3
+    assert kv.wait_prefetch(3, timeout=30) and kv.is_backed(3000, 3)
+    assert not kv.is_backed(3000, 0)
+    backed = [s.arena.backed_bytes for s in kv.shards]
+    assert backed[:2] == [0, 0] and backed[2] > 0 and backed[3] > 0, backed
+    assert [backed_by_maps(s) for s in kv.shards] == backed
+    assert all(s._core_cache.limits() == [0, 0] for s in kv.shards)  # nothing ensured
+    calls = [s.arena.stats()["commit_calls"] for s in kv.shards]
+    assert kv.ensure(3000, 3) == 0
+    assert [s.arena.stats()["commit_calls"] for s in kv.shards] == calls
+    raises(ValueError, lambda: kv.prefetch(-1, 3), "num_tokens")
+    kv.close()
+
+
 def rollback_case(skip_rollback: bool) -> list[str]:
     """Arm one device's next physical allocation to fail, grow every sequence; return what
     differs afterwards from before (per device: backing by the maps oracle, the table of
