@@ -156,6 +156,14 @@ def chunk_states(buf: jax_vmm.Buffer) -> tuple[bool, ...]:
     return tuple(out)
 
 
+def seq_chunk_states(kv: jax_vmm.KVArena, q: int) -> tuple[bool, ...]:
+    """Backed-ness of each chunk of sequence q of a KV arena, the same in every buffer."""
+    per_seq = kv.seq_bytes // kv.arena.chunk_bytes
+    states = {chunk_states(b)[q * per_seq : (q + 1) * per_seq] for b in kv.buffers}
+    assert len(states) == 1, f"buffers disagree: {states}"
+    return states.pop()
+
+
 STAT_KEYS_STABLE = (
     "reserved_bytes",
     "placed_bytes",

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from conftest import chunk_range, chunk_states
+from conftest import chunk_range, seq_chunk_states
 from jax_vmm.testing import uncounted_view
 
 H, D = 2, 64  # bfloat16: 256 bytes per token per buffer
@@ -28,28 +28,25 @@ def _kv(vm, **kw):
     return kv, tpc
 
 
-def _chunks(kv, q):
-    """Backed chunks of sequence q, per buffer (all buffers agree)."""
-    per_seq = kv.seq_bytes // kv.arena.chunk_bytes
-    states = {chunk_states(b)[q * per_seq : (q + 1) * per_seq] for b in kv.buffers}
-    assert len(states) == 1, f"buffers disagree: {states}"
-    return states.pop()
-
-
 def test_the_next_chunk_is_backed_before_the_decode_loop_needs_it(vm):
     kv, tpc = _kv(vm)
     kv.ensure(tpc // 2, seq=0)
-    assert kv._ahead.wait_idle() and _chunks(kv, 0) == (True, False, False, False)  # far away
+    assert kv._ahead.wait_idle() and seq_chunk_states(kv, 0) == (
+        True,
+        False,
+        False,
+        False,
+    )  # far away
     kv.ensure(tpc - tpc // 8, seq=0)  # within a quarter chunk of the end: commit ahead
     assert kv._ahead.wait_idle()
-    assert _chunks(kv, 0) == (True, True, False, False)
+    assert seq_chunk_states(kv, 0) == (True, True, False, False)
     s = kv.arena.stats()
     assert s["commits_ahead"] == 1
     calls = s["commit_calls"]
     for n in range(tpc - tpc // 8, tpc + tpc // 2):  # the decode loop crosses the boundary
         assert kv.ensure(n + 1, seq=0) == 0
     assert kv.arena.stats()["commit_calls"] == calls, "the crossing ensure() called the core"
-    assert _chunks(kv, 1) == (False,) * 4  # the other sequence is untouched
+    assert seq_chunk_states(kv, 1) == (False,) * 4  # the other sequence is untouched
     o = [chunk_range(b, 0, 2) for b in kv.buffers]
     vm.assert_backed(kv.arena, o)
 
@@ -58,7 +55,10 @@ def test_ensure_all_commits_ahead_for_every_sequence(vm):
     kv, tpc = _kv(vm)
     kv.ensure_all([tpc, tpc - 1])
     assert kv._ahead.wait_idle()
-    assert _chunks(kv, 0)[:2] == (True, True) and _chunks(kv, 1)[:2] == (True, True)
+    assert seq_chunk_states(kv, 0)[:2] == (True, True) and seq_chunk_states(kv, 1)[:2] == (
+        True,
+        True,
+    )
     calls = kv.arena.stats()["commit_calls"]
     assert kv.ensure_all([tpc + 1, tpc + 1]) == 0
     assert kv.arena.stats()["commit_calls"] == calls
@@ -69,21 +69,21 @@ def test_commit_ahead_stops_once_raw_views_were_handed_out(vm):
     view = kv.k[0]  # a raw view: a background commit could swap pages under its readers
     kv.ensure(tpc, seq=0)
     assert kv._ahead.wait_idle()
-    assert _chunks(kv, 0) == (True, False, False, False)
+    assert seq_chunk_states(kv, 0) == (True, False, False, False)
     assert kv.stats()["commits_ahead_skipped"] == 1
     kv.ensure(tpc, seq=0)  # not scheduled again while nothing changed
     assert kv._ahead.wait_idle() and kv.stats()["commits_ahead_skipped"] == 1
     assert kv.ensure(tpc + 1, seq=0) > 0  # the decode thread commits itself
     del view
     kv.ensure(2 * tpc, seq=0)  # the view is gone, arrays made from it may not be
-    assert kv._ahead.wait_idle() and _chunks(kv, 0)[2] is False
+    assert kv._ahead.wait_idle() and seq_chunk_states(kv, 0)[2] is False
 
 
 def test_views_that_stand_for_jax_vmm_ops_do_not_stop_it(vm):
     kv, tpc = _kv(vm)
     u = uncounted_view(kv.k_buffers[0])
     kv.ensure(tpc, seq=0)
-    assert kv._ahead.wait_idle() and _chunks(kv, 0)[:2] == (True, True)
+    assert kv._ahead.wait_idle() and seq_chunk_states(kv, 0)[:2] == (True, True)
     del u
 
 
@@ -113,7 +113,7 @@ def test_a_sequence_released_while_its_commit_is_on_the_way_keeps_nothing(vm):
     finally:
         kv.arena._handle = core
     assert kv.arena.stats()["commits_ahead"] == 1  # it did commit ...
-    assert _chunks(kv, 0) == (False,) * 4  # ... and gave it back
+    assert seq_chunk_states(kv, 0) == (False,) * 4  # ... and gave it back
     vm.assert_backed(kv.arena, [])
 
 
@@ -122,7 +122,7 @@ def test_a_reused_slot_gets_its_first_chunk_back_in_the_background(vm):
     kv.ensure(tpc // 2, seq=0)
     kv.release(0, reuse=True)
     assert kv._ahead.wait_idle()
-    assert _chunks(kv, 0) == (True, False, False, False)
+    assert seq_chunk_states(kv, 0) == (True, False, False, False)
     calls = kv.arena.stats()["commit_calls"]
     assert kv.ensure(1, seq=0) == 0 and kv.arena.stats()["commit_calls"] == calls
     kv.release(0)  # without reuse: nothing stays
@@ -134,4 +134,4 @@ def test_commit_ahead_off(vm):
     kv, tpc = _kv(vm, commit_ahead_tokens=0)
     kv.ensure(tpc, seq=0)
     assert kv._ahead.idle() and kv.arena.stats()["commits_ahead"] == 0
-    assert _chunks(kv, 0) == (True, False, False, False)
+    assert seq_chunk_states(kv, 0) == (True, False, False, False)

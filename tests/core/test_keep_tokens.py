@@ -11,7 +11,7 @@ import pytest
 
 import jax_vmm
 import jax_vmm.testing
-from conftest import chunk_range, chunk_states, raw_bytes
+from conftest import chunk_range, chunk_states, raw_bytes, seq_chunk_states
 
 H, D = 2, 64  # float32: 512 bytes per token per buffer
 
@@ -31,13 +31,6 @@ def _kv(vm, chunks_per_seq=4, **kw):
         | kw
     )
     return vm.kv(**kw), tpc
-
-
-def _chunks(kv, q):
-    per_seq = kv.seq_bytes // kv.arena.chunk_bytes
-    states = {chunk_states(b)[q * per_seq : (q + 1) * per_seq] for b in kv.buffers}
-    assert len(states) == 1, f"buffers disagree: {states}"
-    return states.pop()
 
 
 def _ranges(kv, per_seq):
@@ -61,7 +54,7 @@ def test_the_next_prompt_finds_its_chunks_backed(vm):
     kv.ensure(tpc, 1)
     released = kv.release(0, keep_tokens=tpc + 1)  # the next prompt: a chunk and a token
     assert released == len(kv.buffers) * vm.chunk  # the third chunk went
-    assert _chunks(kv, 0) == (True, True, False, False)
+    assert seq_chunk_states(kv, 0) == (True, True, False, False)
     assert kv._core_cache.limits() == [0, tpc]  # nothing may write the kept bytes yet
     calls = _commit_calls(kv)
     assert kv.ensure(tpc + 1, 0) == 0 and _commit_calls(kv) == calls
@@ -75,7 +68,7 @@ def test_without_keep_tokens_the_next_prompt_commits_again(vm):
     kv, tpc = _kv(vm)
     kv.ensure(3 * tpc, 0)
     kv.release(0)
-    assert _chunks(kv, 0) == (False,) * 4
+    assert seq_chunk_states(kv, 0) == (False,) * 4
     calls = _commit_calls(kv)
     assert kv.ensure(tpc + 1, 0) > 0 and _commit_calls(kv) == calls + 1
 
@@ -117,7 +110,7 @@ def test_more_than_the_old_sequence_had_is_backed_ahead(vm):
     kv.ensure(tpc // 2, 0)
     kv.release(0, keep_tokens=2 * tpc + 1)  # a longer prompt: three chunks
     assert kv._ahead.wait_idle()
-    assert _chunks(kv, 0) == (True, True, True, False)
+    assert seq_chunk_states(kv, 0) == (True, True, True, False)
     calls = _commit_calls(kv)
     assert kv.ensure(2 * tpc + 1, 0) == 0 and _commit_calls(kv) == calls
 
@@ -130,7 +123,7 @@ def test_with_commit_ahead_off_ensure_commits_the_rest(vm):
     kv, tpc = _kv(vm)
     kv.ensure(tpc // 2, 0)
     kv.release(0, keep_tokens=2 * tpc + 1)
-    assert _chunks(kv, 0) == (True, False, False, False)
+    assert seq_chunk_states(kv, 0) == (True, False, False, False)
     assert kv.ensure(2 * tpc + 1, 0) == 2 * len(kv.buffers) * vm.chunk
     vm.assert_backed(kv.arena, _ranges(kv, [3, 0]))
 
@@ -177,7 +170,7 @@ def test_parked_chunks_of_a_larger_allocation_count_as_held(vm):
     kv, tpc = _kv(vm, handle_bytes=None)
     kv.ensure(3 * tpc, 0)  # one allocation of three chunks per buffer
     kv.release(0, keep_tokens=tpc)
-    assert _chunks(kv, 0) == (True, False, False, False)
+    assert seq_chunk_states(kv, 0) == (True, False, False, False)
     assert kv.arena.stats()["parked_bytes"] == 2 * len(kv.buffers) * vm.chunk
     vm.assert_backed(kv.arena, _ranges(kv, [1, 0]), held=_ranges(kv, [3, 0]))
     calls = kv.arena.stats()["chunks_revived"]

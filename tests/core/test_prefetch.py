@@ -15,7 +15,7 @@ import pytest
 
 import jax_vmm
 import jax_vmm.testing
-from conftest import chunk_range, chunk_states, raw_bytes
+from conftest import chunk_range, raw_bytes, seq_chunk_states
 from jax_vmm._prefetch import CommitAhead
 
 H, D = 2, 64  # float32: 512 bytes per token per buffer
@@ -37,13 +37,6 @@ def _kv(vm, **kw):
     return vm.kv(**kw), tpc
 
 
-def _chunks(kv, q):
-    per_seq = kv.seq_bytes // kv.arena.chunk_bytes
-    states = {chunk_states(b)[q * per_seq : (q + 1) * per_seq] for b in kv.buffers}
-    assert len(states) == 1, f"buffers disagree: {states}"
-    return states.pop()
-
-
 def _write(kv, slot, value):
     new = jax.device_put(jnp.full((1, H, D), value, jnp.float32), kv.arena.device)
     return jax.jit(jax_vmm.kv_write)(kv.cache()[0], new, new, jnp.array([slot], jnp.int32))
@@ -54,7 +47,10 @@ def test_a_prefetched_prompt_is_ensured_without_a_commit(vm):
     kv.prefetch(tpc + 1, 1)  # the natural call: tokens, then the sequence
     assert kv.wait_prefetch(1, timeout=30)
     assert kv.is_backed(tpc + 1, 1) and not kv.is_backed(2 * tpc + 1, 1)
-    assert _chunks(kv, 1) == (True, True, False, False) and _chunks(kv, 0) == (False,) * 4
+    assert (
+        seq_chunk_states(kv, 1) == (True, True, False, False)
+        and seq_chunk_states(kv, 0) == (False,) * 4
+    )
     s = kv.arena.stats()
     assert s["commits_ahead"] == 1
     assert kv.ensure(tpc + 1, 1) == 0
@@ -110,7 +106,7 @@ def test_a_sequence_released_while_its_prefetch_runs_keeps_nothing(vm):
         kv.prefetch(2 * tpc, 0)
         kv.release(0)
     assert kv.wait_prefetch(0, timeout=30)
-    assert _chunks(kv, 0) == (False,) * 4
+    assert seq_chunk_states(kv, 0) == (False,) * 4
     assert kv.arena.stats()["backed_bytes"] == 0 and not kv.is_backed(1, 0)
 
 
