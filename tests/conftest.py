@@ -156,12 +156,69 @@ def chunk_states(buf: jax_vmm.Buffer) -> tuple[bool, ...]:
     return tuple(out)
 
 
+def two_seq_kv(vm: Any, dtype: Any = jnp.float32, chunks_per_seq: int = 4, **kw: Any):
+    """A KV arena of 2 layers x 2 sequences of `chunks_per_seq` chunks each, 2 KV heads of
+    64 (`vm.kv`, any keyword overridden by `kw`), and its tokens per chunk."""
+    tpc = vm.chunk // (2 * 64 * np.dtype(dtype).itemsize)
+    args = dict(
+        num_layers=2,
+        num_kv_heads=2,
+        head_dim=64,
+        max_tokens=chunks_per_seq * tpc,
+        max_seqs=2,
+        dtype=dtype,
+    )
+    return vm.kv(**(args | kw)), tpc
+
+
 def seq_chunk_states(kv: jax_vmm.KVArena, q: int) -> tuple[bool, ...]:
     """Backed-ness of each chunk of sequence q of a KV arena, the same in every buffer."""
     per_seq = kv.seq_bytes // kv.arena.chunk_bytes
     states = {chunk_states(b)[q * per_seq : (q + 1) * per_seq] for b in kv.buffers}
     assert len(states) == 1, f"buffers disagree: {states}"
     return states.pop()
+
+
+def write_one_token(kv: jax_vmm.KVArena, slot: int, value: float) -> None:
+    """kv_write of one token (every element `value`) to flat slot `slot` of layer 0."""
+    new = jax.device_put(
+        jnp.full((1, kv.num_kv_heads, kv.head_dim), value, kv.dtype), kv.arena.device
+    )
+    jax.jit(jax_vmm.kv_write)(kv.cache()[0], new, new, jnp.array([slot], jnp.int32))
+
+
+def k_tokens(kv: jax_vmm.KVArena, seq: int) -> np.ndarray:
+    """Layer 0's K tokens of sequence `seq` as the arena's memory holds them (raw_bytes)."""
+    raw = raw_bytes(kv.k_buffers[0]).view(kv.dtype)
+    return raw.reshape(kv.max_seqs, -1, kv.num_kv_heads, kv.head_dim)[seq]
+
+
+def assert_unwritable_until_ensure(kv: jax_vmm.KVArena, seq: int, tokens: int, pos: int) -> None:
+    """A write to position `pos` of sequence `seq` (layer 0) is dropped until
+    ``kv.ensure(tokens, seq)``: counted by ``check()``, its bytes unchanged; after the
+    ensure the same write lands."""
+    slot = seq * kv.max_tokens + pos
+    before = k_tokens(kv, seq)[pos].copy()
+    write_one_token(kv, slot, 9.0)
+    with pytest.raises(jax_vmm.OutOfBoundsWrite) as info:
+        kv.check()
+    assert info.value.count == 2  # K and V
+    np.testing.assert_array_equal(k_tokens(kv, seq)[pos], before, "the dropped write landed")
+    kv.ensure(tokens, seq)
+    write_one_token(kv, slot, 9.0)
+    kv.check()
+    assert np.all(k_tokens(kv, seq)[pos] == 9.0)
+
+
+def assert_write_lands_without_the_table(kv: jax_vmm.KVArena, seq: int, pos: int) -> None:
+    """The switch for assert_unwritable_until_ensure: with the table of ensured tokens
+    ignored, the same write to a backed position lands (and nothing is counted)."""
+    import jax_vmm.testing
+
+    with jax_vmm.testing.limits_ignored():
+        write_one_token(kv, seq * kv.max_tokens + pos, 9.0)
+    kv.check()
+    assert np.all(k_tokens(kv, seq)[pos] == 9.0)
 
 
 STAT_KEYS_STABLE = (

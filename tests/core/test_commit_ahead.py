@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from conftest import chunk_range, seq_chunk_states
+from conftest import chunk_range, seq_chunk_states, two_seq_kv
 from jax_vmm.testing import uncounted_view
 
 H, D = 2, 64  # bfloat16: 256 bytes per token per buffer
@@ -16,16 +16,7 @@ H, D = 2, 64  # bfloat16: 256 bytes per token per buffer
 def _kv(vm, **kw):
     tpc = vm.chunk // (H * D * 2)
     kw.setdefault("commit_ahead_tokens", tpc // 4)
-    kv = vm.kv(
-        num_layers=2,
-        num_kv_heads=H,
-        head_dim=D,
-        max_tokens=4 * tpc,
-        max_seqs=2,
-        dtype=jnp.bfloat16,
-        **kw,
-    )
-    return kv, tpc
+    return two_seq_kv(vm, jnp.bfloat16, **kw)
 
 
 def test_the_next_chunk_is_backed_before_the_decode_loop_needs_it(vm):

@@ -4,33 +4,29 @@ table of ensured tokens still says 0 (nothing writes the kept bytes before ``ens
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 import jax_vmm
 import jax_vmm.testing
-from conftest import chunk_range, chunk_states, raw_bytes, seq_chunk_states
+from conftest import (
+    assert_unwritable_until_ensure,
+    assert_write_lands_without_the_table,
+    chunk_range,
+    chunk_states,
+    k_tokens,
+    seq_chunk_states,
+    two_seq_kv,
+    write_one_token,
+)
 
 H, D = 2, 64  # float32: 512 bytes per token per buffer
 
 
 def _kv(vm, chunks_per_seq=4, **kw):
-    tpc = vm.chunk // (H * D * 4)
-    kw = (
-        dict(
-            num_layers=2,
-            num_kv_heads=H,
-            head_dim=D,
-            max_tokens=chunks_per_seq * tpc,
-            max_seqs=2,
-            dtype=jnp.float32,
-            handle_bytes=vm.chunk,  # one allocation per chunk: nothing parks
-        )
-        | kw
-    )
-    return vm.kv(**kw), tpc
+    # One allocation per chunk (handle_bytes): nothing parks.
+    kw.setdefault("handle_bytes", vm.chunk)
+    return two_seq_kv(vm, jnp.float32, chunks_per_seq, **kw)
 
 
 def _ranges(kv, per_seq):
@@ -41,11 +37,6 @@ def _ranges(kv, per_seq):
 
 def _commit_calls(kv):
     return kv.arena.stats()["commit_calls"]
-
-
-def _write(kv, slot, value):
-    new = jax.device_put(jnp.full((1, H, D), value, jnp.float32), kv.arena.device)
-    return jax.jit(jax_vmm.kv_write)(kv.cache()[0], new, new, jnp.array([slot], jnp.int32))
 
 
 def test_the_next_prompt_finds_its_chunks_backed(vm):
@@ -76,20 +67,11 @@ def test_without_keep_tokens_the_next_prompt_commits_again(vm):
 def test_kept_bytes_are_not_written_before_ensure(vm):
     kv, tpc = _kv(vm)
     kv.ensure(8, 0)
-    _write(kv, 3, 1.0)
+    write_one_token(kv, 3, 1.0)
     kv.check()
     kv.release(0, keep_tokens=8)
-    _write(kv, 3, 9.0)  # the table says 0 tokens: dropped, though the chunk is backed
-    with pytest.raises(jax_vmm.OutOfBoundsWrite) as info:
-        kv.check()
-    assert info.value.count == 2
-    tokens = raw_bytes(kv.k_buffers[0]).view(np.float32).reshape(2, -1, H, D)[0]
-    assert np.all(tokens[3] == 1.0), "the dropped write must not land"
-    kv.ensure(8, 0)
-    _write(kv, 3, 9.0)
-    kv.check()
-    tokens = raw_bytes(kv.k_buffers[0]).view(np.float32).reshape(2, -1, H, D)[0]
-    assert np.all(tokens[3] == 9.0)
+    assert k_tokens(kv, 0)[3][0, 0] == 1.0
+    assert_unwritable_until_ensure(kv, 0, 8, 3)  # the table says 0 tokens, the chunk is backed
 
 
 def test_without_the_table_the_write_would_land_in_the_kept_chunk(vm):
@@ -98,11 +80,7 @@ def test_without_the_table_the_write_would_land_in_the_kept_chunk(vm):
     kv, _ = _kv(vm)
     kv.ensure(8, 0)
     kv.release(0, keep_tokens=8)
-    with jax_vmm.testing.limits_ignored():
-        _write(kv, 3, 9.0)
-    kv.check()
-    tokens = raw_bytes(kv.k_buffers[0]).view(np.float32).reshape(2, -1, H, D)[0]
-    assert np.all(tokens[3] == 9.0)
+    assert_write_lands_without_the_table(kv, 0, 3)
 
 
 def test_more_than_the_old_sequence_had_is_backed_ahead(vm):
@@ -158,7 +136,7 @@ def test_a_kept_chunk_shared_with_a_neighbour_survives_the_neighbours_release(vm
     assert all(s == (True, True, False) for s in states), states
     calls = _commit_calls(kv)
     assert kv.ensure(tpc + 10, 0) == 0 and _commit_calls(kv) == calls
-    _write(kv, tpc + 5, 3.0)
+    write_one_token(kv, tpc + 5, 3.0)
     kv.check()  # landed: the chunk is there
     kv.release(0)
     vm.assert_backed(kv.arena, [])

@@ -8,38 +8,25 @@ from __future__ import annotations
 import logging
 import threading
 
-import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 import jax_vmm
 import jax_vmm.testing
-from conftest import chunk_range, raw_bytes, seq_chunk_states
+from conftest import (
+    assert_unwritable_until_ensure,
+    assert_write_lands_without_the_table,
+    chunk_range,
+    seq_chunk_states,
+    two_seq_kv,
+)
 from jax_vmm._prefetch import CommitAhead
 
 H, D = 2, 64  # float32: 512 bytes per token per buffer
 
 
 def _kv(vm, **kw):
-    tpc = vm.chunk // (H * D * 4)
-    kw = (
-        dict(
-            num_layers=2,
-            num_kv_heads=H,
-            head_dim=D,
-            max_tokens=4 * tpc,
-            max_seqs=2,
-            dtype=jnp.float32,
-        )
-        | kw
-    )
-    return vm.kv(**kw), tpc
-
-
-def _write(kv, slot, value):
-    new = jax.device_put(jnp.full((1, H, D), value, jnp.float32), kv.arena.device)
-    return jax.jit(jax_vmm.kv_write)(kv.cache()[0], new, new, jnp.array([slot], jnp.int32))
+    return two_seq_kv(vm, jnp.float32, **kw)
 
 
 def test_a_prefetched_prompt_is_ensured_without_a_commit(vm):
@@ -75,16 +62,7 @@ def test_prefetched_tokens_are_not_writable_before_ensure(vm):
     kv.prefetch(8, 0)
     assert kv.wait_prefetch(0, timeout=30) and kv.is_backed(8, 0)
     assert kv._core_cache.limits() == [0, 0]
-    _write(kv, 3, 9.0)  # backed, not ensured: dropped
-    with pytest.raises(jax_vmm.OutOfBoundsWrite):
-        kv.check()
-    tokens = raw_bytes(kv.k_buffers[0]).view(np.float32).reshape(2, -1, H, D)[0]
-    assert not np.any(tokens[3] == 9.0), "the dropped write must not land"
-    kv.ensure(8, 0)
-    _write(kv, 3, 9.0)
-    kv.check()
-    tokens = raw_bytes(kv.k_buffers[0]).view(np.float32).reshape(2, -1, H, D)[0]
-    assert np.all(tokens[3] == 9.0)
+    assert_unwritable_until_ensure(kv, 0, 8, 3)  # backed, not ensured
 
 
 def test_without_the_table_the_write_would_land_in_the_prefetched_chunk(vm):
@@ -93,11 +71,7 @@ def test_without_the_table_the_write_would_land_in_the_prefetched_chunk(vm):
     kv, _ = _kv(vm)
     kv.prefetch(8, 0)
     assert kv.wait_prefetch(0, timeout=30)
-    with jax_vmm.testing.limits_ignored():
-        _write(kv, 3, 9.0)
-    kv.check()
-    tokens = raw_bytes(kv.k_buffers[0]).view(np.float32).reshape(2, -1, H, D)[0]
-    assert np.all(tokens[3] == 9.0)
+    assert_write_lands_without_the_table(kv, 0, 3)
 
 
 def test_a_sequence_released_while_its_prefetch_runs_keeps_nothing(vm):
