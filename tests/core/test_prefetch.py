@@ -22,8 +22,6 @@ from conftest import (
 )
 from jax_vmm._prefetch import CommitAhead
 
-H, D = 2, 64  # float32: 512 bytes per token per buffer
-
 
 def _kv(vm, **kw):
     return two_seq_kv(vm, jnp.float32, **kw)
