@@ -344,7 +344,7 @@ def print_summary(s: dict) -> None:
         f"host time in ensure/release: {1e3 * s['host_memory_seconds']:.1f} ms of "
         f"{s['seconds']:.2f} s ({100 * s['host_memory_share']:.2f}% of the serving time)"
     )
-    if s["memory_wait_seconds"]:
+    if s["backend"] == "jax_vmm":
         print(
             f"waited for prompts' memory (committed in the background): "
             f"{1e3 * s['memory_wait_seconds']:.1f} ms, of which "
