@@ -10,6 +10,9 @@ over a grid of batch and context sizes, one decode step's attention over R layer
            reference_decode_attention: reads all T tokens, fp32 softmax)
   pallas   jax.experimental.pallas.ops.gpu.decode_attention.gqa(..., kv_seq_len=lengths)
            (GPU only; skipped when it does not import or compile)
+  cudnn    jax.nn.dot_product_attention(..., key_value_seq_lengths=lengths,
+           implementation="cudnn") over the same views: what a JAX user picks (GPU,
+           bf16/fp16); "cud/ours" is its time over ours (> 1: ours is faster)
 
 Times are per attention call (median over repeats of N back-to-back executions, each
 running R calls). "bw%" = live KV bytes per second / copy bandwidth (goal >= 80% at
@@ -30,6 +33,7 @@ import ctypes
 import math
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -50,6 +54,9 @@ from _common import (
     write_json,
 )
 from jax_vmm.attention import _decode_attention, attention_plan, reference_decode_attention
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from examples.attention import cudnn_decode_attention  # noqa: E402
 
 # -- filling arena memory ------------------------------------------------------------
 
@@ -153,6 +160,8 @@ def run_config(
             impls["ours_u1"] = lambda q, k, v, n: _decode_attention(
                 q, k, v, n, impl="tensor_core_u1"
             )
+        if with_pallas and np.dtype(dtype) != np.float32:  # cuDNN takes bf16/fp16 only
+            impls["cudnn"] = lambda q, k, v, n: cudnn_decode_attention(q, k, v, n)
         if with_pallas:
             try:
                 from jax.experimental.pallas.ops.gpu import decode_attention as pallas_da
@@ -207,6 +216,8 @@ TABLE = Table(
     ("xla/ours", 8),
     ("pallas", 7),
     ("pal/ours", 8),
+    ("cudnn", 7),
+    ("cud/ours", 8),
     ("err", 8),
     ("u1", 7),
 )
@@ -240,6 +251,8 @@ def print_table(rows: list[dict], copy_bw: float) -> None:
                 fmt(ratio(r.get("xla_s"), ours), "{:.2f}"),
                 fmt_us(r.get("pallas_s")),
                 fmt(ratio(r.get("pallas_s"), ours), "{:.2f}"),
+                fmt_us(r.get("cudnn_s")),
+                fmt(ratio(r.get("cudnn_s"), ours), "{:.3f}"),
                 f"{r['rel_err_vs_xla']:.1e}",
                 fmt_us(r.get("ours_u1_s")),
             )
