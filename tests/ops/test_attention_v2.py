@@ -354,3 +354,44 @@ def test_gpu_fp8_arena_views(gpu_device):
         )
     finally:
         kv.close()
+
+
+def _target_of(q, k, v, lengths, **kw) -> str:
+    """Which custom-call target decode_attention lowers to for these shapes (kw: the
+    private knobs of _decode_attention; none: the public call)."""
+    fn = (lambda *a: _decode_attention(*a, **kw)) if kw else jax_vmm.decode_attention
+    text = jax.jit(fn).lower(q, k, v, lengths).as_text()
+    return "v2" if "jax_vmm_decode_attention_v2" in text else "v1"
+
+
+@pytest.mark.parametrize(
+    "B,T,D,dtype,kw,want",
+    [
+        (16, 8192, 256, BF16, {}, "v2"),  # head_dim 256, >= 64k tokens: streaming
+        (2, 32768, 256, F16, {}, "v2"),
+        (2, 1024, 256, BF16, {}, "v1"),  # small: split-K
+        (32, 8192, 128, BF16, {}, "v1"),  # head_dim 128: split-K
+        (16, 8192, 256, jnp.float32, {}, "v1"),  # float32: split-K only
+        (16, 8192, 256, BF16, {"workspace": "xla"}, "v1"),  # a split-K knob keeps split-K
+        (16, 8192, 256, BF16, {"splits": 4}, "v1"),
+        (16, 8192, 256, BF16, {"impl": "tensor_core"}, "v1"),  # asked for by name
+    ],
+)
+def test_auto_takes_the_streaming_kernel_only_for_large_head_dim_256_caches(
+    B, T, D, dtype, kw, want
+):
+    S = jax.ShapeDtypeStruct
+    q, k = S((B, 16, D), dtype), S((B, T, 8, D), dtype)
+    assert _target_of(q, k, k, S((B,), jnp.int32), **kw) == want
+
+
+def test_auto_at_head_dim_256_matches_the_reference(device):
+    """The natural call (no impl) on a cache where auto streams, against float64."""
+    B, T, Hq, Hkv, D = 2, 32768, 2, 1, 256
+    rng = np.random.default_rng(256)
+    lengths = np.array([300, 1000], np.int32)
+    (q, k, v), (q64, k64, v64) = random_inputs(rng, B, T, Hq, Hkv, D, BF16)
+    q, k, v, lens = on(device, q, k, v, jnp.asarray(lengths))
+    assert _target_of(q, k, v, lens) == "v2"
+    out = jax.jit(jax_vmm.decode_attention)(q, k, v, lens)
+    assert_close(out, reference(q64, k64, v64, lengths), BF16, "auto at head_dim 256")
