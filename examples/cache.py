@@ -278,7 +278,8 @@ class VmmCache:
     def backed_bytes(self) -> int:
         """Memory held for sequences: backed chunks, and released chunks still inside an
         allocation in use (parked; a kept prompt's allocation can hold some)."""
-        return sum(a.backed_bytes + a.stats()["parked_bytes"] for a in self._arenas)
+        stats = [a.stats() for a in self._arenas]  # one read of each arena's counters
+        return sum(s["backed_bytes"] + s["parked_bytes"] for s in stats)
 
     def reserved_bytes(self) -> int:
         return int(self.kv.reserved_bytes)
