@@ -9,6 +9,7 @@ import logging
 import threading
 
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import jax_vmm
@@ -17,8 +18,10 @@ from conftest import (
     assert_unwritable_until_ensure,
     assert_write_lands_without_the_table,
     chunk_range,
+    k_tokens,
     seq_chunk_states,
     two_seq_kv,
+    write_one_token,
 )
 from jax_vmm._prefetch import CommitAhead
 
@@ -37,7 +40,7 @@ def test_a_prefetched_prompt_is_ensured_without_a_commit(vm):
         and seq_chunk_states(kv, 0) == (False,) * 4
     )
     s = kv.arena.stats()
-    assert s["commits_ahead"] == 1
+    assert s["commits_ahead"] == len(kv.buffers)  # one core call per buffer
     assert kv.ensure(tpc + 1, 1) == 0
     assert kv.arena.stats()["commit_calls"] == s["commit_calls"], "ensure called the core"
     assert kv._core_cache.limits() == [0, tpc + 1]
@@ -174,3 +177,79 @@ def test_the_worker_lives_on_after_a_failing_commit(caplog):
     assert kv.order == [1, 2]
     assert "commit ahead of sequence 1 failed" in caplog.text
     worker.stop()
+
+
+class _FailingCore:
+    """Stands in for the core arena: the nth background commit call (one per buffer)
+    raises MemoryError; `before(k)` runs before call k (1-based)."""
+
+    def __init__(self, core, nth, before=None, keep_nothing_back=False):
+        self._core, self._nth, self._before, self.calls = core, nth, before, 0
+        self._keep = keep_nothing_back
+
+    def __getattr__(self, name):
+        return getattr(self._core, name)
+
+    def commit_ahead(self, ranges):
+        self.calls += 1
+        if self._before is not None:
+            self._before(self.calls)
+        if self.calls == self._nth:
+            raise MemoryError("injected: out of memory in a background commit")
+        return self._core.commit_ahead(ranges)
+
+    def decommit_ranges(self, ranges, wait):
+        if self._keep:  # the switch: the partial commit is not given back
+            return 0
+        return self._core.decommit_ranges(ranges, wait)
+
+
+def _prefetch_with(kv, core, tokens, q=0):
+    real = kv.arena._handle
+    kv.arena._handle = core
+    try:
+        kv.prefetch(tokens, q)
+        assert kv.wait_prefetch(q, timeout=30)
+    finally:
+        kv.arena._handle = real
+
+
+def test_a_background_commit_that_fails_partway_gives_back_what_it_added(vm):
+    kv, tpc = _kv(vm)
+    kv.ensure(8, 0)  # the first chunk of every buffer: counted on, must stay
+    before = kv.arena.stats()["backed_bytes"]
+    core = _FailingCore(kv.arena._handle, nth=3)  # buffers 1 and 2 get their chunk, 3 fails
+    _prefetch_with(kv, core, 2 * tpc)
+    assert core.calls == 3 and kv.stats()["commits_ahead_failed"] == 1
+    assert kv.arena.stats()["backed_bytes"] == before
+    assert seq_chunk_states(kv, 0) == (True, False, False, False)
+    assert not kv.is_backed(2 * tpc, 0)
+    assert kv.ensure(2 * tpc, 0) > 0  # the ensure commits on its own thread
+
+
+def test_without_the_give_back_a_failed_background_commit_would_hold_memory(vm):
+    """The switch: with the give-back removed, the test above sees the chunks stay."""
+    kv, tpc = _kv(vm)
+    kv.ensure(8, 0)
+    before = kv.arena.stats()["backed_bytes"]
+    _prefetch_with(kv, _FailingCore(kv.arena._handle, nth=3, keep_nothing_back=True), 2 * tpc)
+    assert kv.arena.stats()["backed_bytes"] == before + 2 * vm.chunk
+
+
+def test_a_failed_background_commit_leaves_what_an_ensure_counted_on_meanwhile(vm):
+    """An ensure on another thread backs the tokens while the background commit is
+    partway; the background commit then fails: what the ensure counts on stays."""
+    kv, tpc = _kv(vm)
+
+    def ensure_meanwhile(call):
+        if call == 2:
+            kv.ensure(2 * tpc, 0)
+
+    _prefetch_with(kv, _FailingCore(kv.arena._handle, nth=3, before=ensure_meanwhile), 2 * tpc)
+    assert seq_chunk_states(kv, 0) == (True, True, False, False)
+    assert kv.is_backed(2 * tpc, 0)
+    calls = kv.arena.stats()["commit_calls"]
+    assert kv.ensure(2 * tpc, 0) == 0 and kv.arena.stats()["commit_calls"] == calls
+    write_one_token(kv, 2 * tpc - 1, 9.0)  # the last token of the second chunk: kept
+    kv.check()
+    assert np.all(k_tokens(kv, 0)[2 * tpc - 1] == 9.0)
