@@ -35,7 +35,13 @@ from examples import engine as E  # noqa: E402
 from examples import model as M  # noqa: E402
 from examples import tensor_parallel as TP  # noqa: E402
 from examples.attention import ATTENTION_CHOICES, FP8_HEAD_DIMS, choose_attention  # noqa: E402
-from examples.cache import BACKENDS, KV_DTYPES, capacity_bytes, make_cache  # noqa: E402
+from examples.cache import (  # noqa: E402
+    BACKENDS,
+    KV_DTYPES,
+    capacity_bytes,
+    commit_lead_tokens,
+    make_cache,
+)
 from examples.report import fmt_bytes, matplotlib_missing, plot_memory  # noqa: E402
 from examples.sleep_wake import EngineSleeper, same_tokens  # noqa: E402
 
@@ -104,6 +110,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         default=E.DEFAULT_BLOCK,
         help=f"decode steps per host call, in one device loop (default {E.DEFAULT_BLOCK})",
+    )
+    p.add_argument(
+        "--commit-ahead",
+        type=int,
+        metavar="TOKENS",
+        help="jax_vmm: commit a sequence's next chunk in the background once it is this "
+        "close to its backed end (default: two blocks, examples/cache.commit_lead_tokens)",
+    )
+    p.add_argument(
+        "--slot-memory",
+        choices=("keep", "release"),
+        default="keep",
+        help="a finished sequence whose slot a queued request takes: keep the memory of "
+        "the new prompt's tokens, or release all of it and commit the prompt again in the "
+        "background (Generator.keep_slot_memory)",
     )
     p.add_argument("--max-tokens", type=int, help="per-sequence cache capacity")
     p.add_argument("--requests", type=int, help="number of requests to serve")
@@ -174,6 +195,16 @@ def main(argv: list[str] | None = None) -> dict:
             "jax_vmm (it sleeps the jax_vmm arenas)"
         )
 
+    try:
+        E.check_block(args.block)
+    except ValueError as e:
+        raise SystemExit(f"decode.py: --block: {e}") from None
+    if args.commit_ahead is not None and args.commit_ahead < 0:
+        raise SystemExit(
+            f"decode.py: --commit-ahead {args.commit_ahead}: expected a token count >= 0 "
+            "(0 turns committing ahead off)"
+        )
+
     with jax.default_device(device):
         params = M.init_params(cfg, seed=args.seed)
         try:
@@ -197,6 +228,9 @@ def main(argv: list[str] | None = None) -> dict:
             chunk_bytes=serving["chunk_bytes"],
             kv_dtype=args.kv_dtype,
             sharding=None if mesh is None else TP.cache_sharding(mesh),
+            commit_ahead_tokens=(
+                commit_lead_tokens(args.block) if args.commit_ahead is None else args.commit_ahead
+            ),
         )
         try:
             attn_name, attend = choose_attention(
@@ -215,7 +249,14 @@ def main(argv: list[str] | None = None) -> dict:
             sleeper = EngineSleeper(cache.kv, params, device)
             params = sleeper.params
         try:
-            gen = E.Generator(params, cfg, cache, attend, block=args.block)
+            gen = E.Generator(
+                params,
+                cfg,
+                cache,
+                attend,
+                block=args.block,
+                keep_slot_memory=args.slot_memory == "keep",
+            )
         except ValueError as e:
             cache.close()
             raise SystemExit(f"decode.py: --block: {e}") from None

@@ -159,7 +159,12 @@ class Generator:
     default): the loop length measured to replay as a graph on the H200; each finished
     sequence leaves its slot idle for the rest of its block, at most block - 1 steps.
     stop_tokens: a sequence ends at the first of these it generates (kept in its
-    tokens), on the device, inside a block."""
+    tokens), on the device, inside a block.
+    keep_slot_memory: when a request will take a finished sequence's slot, the slot keeps
+    the memory of the new prompt's tokens (``release(seq, keep_tokens=)``) instead of
+    giving all of it back and committing the prompt again in the background. Fewer
+    commits; but an allocation that straddles the kept tokens stays whole (its chunks
+    past them park until the new sequence grows into them), so more memory is held."""
 
     def __init__(
         self,
@@ -170,6 +175,7 @@ class Generator:
         *,
         block: int = DEFAULT_BLOCK,
         stop_tokens: tuple[int, ...] = (),
+        keep_slot_memory: bool = True,
     ) -> None:
         check_block(block)
         bad = [t for t in stop_tokens if not (isinstance(t, int) and 0 <= t < cfg.vocab)]
@@ -177,6 +183,7 @@ class Generator:
             raise ValueError(f"stop tokens {bad} are not token ids of the model's [0, {cfg.vocab})")
         self.params, self.cfg, self.cache, self.attend = params, cfg, cache, attend
         self.block, self.stop_tokens = block, tuple(sorted(set(stop_tokens)))
+        self.keep_slot_memory = bool(keep_slot_memory)
         self._compiled: dict[tuple, Callable] = {}
         self.compile_seconds = 0.0
 
@@ -321,11 +328,11 @@ class Generator:
         def retire(seq: int) -> None:
             # Called once the call that ended the sequence has been read, so has run: a
             # release changes the table kernels check when they run, and a block still
-            # queued would drop its last writes. When a request will take the slot, the
-            # release waits for it (admit): the memory its prompt needs then stays backed
-            # instead of going back and being committed again. Otherwise it goes back now
-            # (without waiting for the device).
-            if len(queue) > sum(s is None for s in slots):  # a request will take it
+            # queued would drop its last writes. With keep_slot_memory, when a request
+            # will take the slot, the release waits for it (admit): the memory its prompt
+            # needs then stays backed instead of going back and being committed again.
+            # Otherwise it goes back now (without waiting for the device).
+            if self.keep_slot_memory and len(queue) > sum(s is None for s in slots):
                 held.add(seq)
             else:
                 timed(cache.release, seq)

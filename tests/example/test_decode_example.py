@@ -473,14 +473,15 @@ def test_config_presets_are_consistent() -> None:
         dataclasses.replace(SMALL, num_q_heads=3)
 
 
-@pytest.mark.parametrize("keep", [True, False], ids=["keep_tokens", "control-plain-release"])
+@pytest.mark.parametrize("keep", [True, False], ids=["keep_slot_memory", "release-at-once"])
 def test_a_reused_slot_keeps_the_memory_its_next_prompt_needs(
     cpu_device: jax.Device, keep: bool
 ) -> None:
     """One slot, two requests: the second prompt fits in the chunks the first sequence
     backed, so nothing is committed for it (the engine hands the slot over with
-    release(keep_tokens=)); the second generation still equals prealloc's. The control
-    drops keep_tokens: the same chunks are then committed again."""
+    release(keep_tokens=)); the second generation still equals prealloc's. With
+    keep_slot_memory=False (the control of that count) the slot gives everything back
+    when its sequence ends and the same chunks are committed again."""
     from examples.cache import VmmCache
 
     prompts = [np.arange(1, 41, dtype=np.int32), np.arange(2, 32, dtype=np.int32)]
@@ -494,8 +495,8 @@ def test_a_reused_slot_keeps_the_memory_its_next_prompt_needs(
         cache.kv.ensure = lambda n, seq=None: (
             created.append((n, cache.kv.stats()["chunks_created"])) or ensure(n, seq)
         )
-        if not keep:
-            cache.kv.release = lambda seq=None, **kw: release(seq)
+        releases = []
+        cache.kv.release = lambda seq=None, **kw: releases.append(kw) or release(seq, **kw)
         try:
             _, attend = choose_attention(
                 "auto",
@@ -504,9 +505,12 @@ def test_a_reused_slot_keeps_the_memory_its_next_prompt_needs(
                 tail_may_be_garbage=False,
                 dtype=SMALL.dtype,
             )
-            got = E.Generator(params, SMALL, cache, attend, block=4).run(reqs, record_logits=True)
+            gen = E.Generator(params, SMALL, cache, attend, block=4, keep_slot_memory=keep)
+            got = gen.run(reqs, record_logits=True)
         finally:
             cache.close()
+    kept = [kw["keep_tokens"] for kw in releases if kw.get("keep_tokens")]
+    assert kept == ([30] if keep else [])
     buffers = 2 * SMALL.num_layers
     (n0, first), (n1, second) = [c for c in created if c[0] in (40, 30)]
     assert (n0, n1) == (40, 30)
@@ -517,3 +521,37 @@ def test_a_reused_slot_keeps_the_memory_its_next_prompt_needs(
         assert second == first + buffers  # released, then committed again
     ref, _ = generate("prealloc", SMALL, reqs, batch=1, max_tokens=96, device=cpu_device, block=4)
     assert_same_generation(ref, got, tol=1e-4, allow_near_ties=False)
+
+
+def test_decode_cli_commit_ahead_and_slot_memory(tmp_path: Path, monkeypatch) -> None:
+    """--commit-ahead reaches the arena (default: two blocks), --slot-memory the engine;
+    a negative margin or a bad block is one clear error, before any memory is taken."""
+    from examples import cache as C
+    from examples import decode
+
+    made, keeps = [], []
+    make = C.make_cache
+
+    class Generator(E.Generator):
+        def __init__(self, *a, **k) -> None:
+            super().__init__(*a, **k)
+            keeps.append(self.keep_slot_memory)
+
+    monkeypatch.setattr(decode.E, "Generator", Generator)
+    monkeypatch.setattr(
+        decode, "make_cache", lambda *a, **k: made.append(make(*a, **k)) or made[-1]
+    )
+    argv = ["--device", "cpu", "--requests", "3", "--batch", "2", "--max-tokens", "256"]
+    argv += ["--prompt-len", "4", "20", "--new-tokens", "2", "12", "--no-plot", "--no-progress"]
+    argv += ["--out", str(tmp_path), "--block", "4"]
+    decode.main(argv)
+    assert made[-1].kv.commit_ahead_tokens == C.commit_lead_tokens(4) == 8
+    summary = decode.main([*argv, "--commit-ahead", "0", "--slot-memory", "release"])
+    assert made[-1].kv.commit_ahead_tokens == 0
+    assert summary["final_backed_bytes"] == 0 and keeps == [True, False]
+    n = len(made)
+    with pytest.raises(SystemExit, match="--commit-ahead -1: expected a token count >= 0"):
+        decode.main([*argv, "--commit-ahead", "-1"])
+    with pytest.raises(SystemExit, match="--block: block .* must be an integer >= 1, got 0"):
+        decode.main([*argv, "--block", "0"])
+    assert len(made) == n  # neither made a cache

@@ -13,6 +13,10 @@ Part 2 times the raw driver calls one commit is made of (cuda-python, 4 MiB piec
 idle and busy): cuMemCreate, cuMemMap, cuMemSetAccess, cuMemUnmap, cuMemRelease.
 Part 3 runs the main job (examples/decode.py's engine, gpu preset) under cProfile, only
 its serving loop, and prints the functions with the most own time under ensure/release.
+Part 4 times what a large commit adds to the raw calls (cuda-python): one 256 MiB run
+over the read-only zero mapping the CUDA driver keeps under unbacked bytes (8 pieces of
+32 MiB): unmapping the pieces one call each and in one call spanning them (does this
+driver accept it?), then cuMemCreate + cuMemMap + cuMemSetAccess of the run.
 """
 
 from __future__ import annotations
@@ -139,6 +143,98 @@ def raw_calls(busy: bool, piece: int = 4 << 20, n: int = 32) -> dict:
     return out
 
 
+def zero_swap(piece: int = 32 << 20, pieces: int = 8, repeats: int = 5) -> dict:
+    """Median microseconds of the calls that replace a run's zero pieces by real memory."""
+    from _raw import RawCuda
+
+    raw = RawCuda(0)
+    cu, ok = raw.cu, raw._ok
+    span = piece * pieces
+    read = [raw._access(0, cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READ)]
+    zero = ok(cu.cuMemCreate(piece, raw.prop, 0))
+    va = raw.reserve(span, piece)
+    t: dict[str, list[float]] = {
+        k: []
+        for k in (
+            "map_zero_pieces",
+            "set_read_hull",
+            "unmap_each",
+            "unmap_span",
+            "create_run",
+            "map_run",
+            "set_access_run",
+            "unmap_run",
+            "release_run",
+        )
+    }
+
+    def lap(name: str, fn) -> object:
+        t0 = time.perf_counter()
+        out = fn()
+        t[name].append(time.perf_counter() - t0)
+        return out
+
+    def map_zeros() -> None:
+        lap(
+            "map_zero_pieces",
+            lambda: [ok(cu.cuMemMap(va + i * piece, piece, 0, zero, 0)) for i in range(pieces)],
+        )
+        lap("set_read_hull", lambda: ok(cu.cuMemSetAccess(va, span, read, 1)))
+
+    span_ok = None
+    for _ in range(repeats):
+        map_zeros()
+        lap("unmap_each", lambda: [ok(cu.cuMemUnmap(va + i * piece, piece)) for i in range(pieces)])
+        map_zeros()
+        t0 = time.perf_counter()
+        (rc,) = cu.cuMemUnmap(va, span)
+        span_ok = rc == cu.CUresult.CUDA_SUCCESS
+        if span_ok:
+            t["unmap_span"].append(time.perf_counter() - t0)
+        else:  # refused: the pieces are still mapped
+            [ok(cu.cuMemUnmap(va + i * piece, piece)) for i in range(pieces)]
+        h = lap("create_run", lambda: ok(cu.cuMemCreate(span, raw.prop, 0)))
+        lap("map_run", lambda: ok(cu.cuMemMap(va, span, 0, h, 0)))
+        lap("set_access_run", lambda: ok(cu.cuMemSetAccess(va, span, raw.rw, 1)))
+        lap("unmap_run", lambda: ok(cu.cuMemUnmap(va, span)))
+        lap("release_run", lambda: ok(cu.cuMemRelease(h)))
+    raw.free(va, span)
+    ok(cu.cuMemRelease(zero))
+    out = {k: 1e6 * statistics.median(v) for k, v in t.items() if v}
+    out["span_unmap_accepted"] = span_ok
+    out["piece_bytes"], out["pieces"] = piece, pieces
+    return out
+
+
+def arena_growth(repeats: int = 5) -> dict:
+    """bench/growth.py's jax_vmm default (16 -> 20 GiB, 8 layers x K/V, one sequence):
+    median wall ms of the growing ensure, and the part of it inside the core's commit
+    (stats' commit_seconds), the rest being Python and the device-table update."""
+    t_from, t_to = 524288, 655360
+    kv = jax_vmm.kv_arena(
+        num_layers=8, num_kv_heads=8, head_dim=128, max_tokens=t_to, dtype=jnp.bfloat16
+    )
+    kv.ensure(t_from)
+    wall, core = [], []
+    for i in range(repeats):
+        if i:
+            kv.shrink(t_from, wait=True)
+        c0 = kv.stats()["commit_seconds"]
+        t0 = time.perf_counter()
+        kv.ensure(t_to)
+        wall.append(time.perf_counter() - t0)
+        core.append(kv.stats()["commit_seconds"] - c0)
+    stats = kv.stats()
+    kv.close()
+    return {
+        "wall_ms": 1e3 * statistics.median(wall),
+        "core_commit_ms": 1e3 * statistics.median(core),
+        "handles_created": stats["handles_created"],
+        "commit_drains": stats["commit_drains"],
+        "set_access_calls": stats["set_access_calls"],
+    }
+
+
 def profile_main_job(batch: int) -> tuple[dict, str]:
     from examples import decode as D
     from examples import engine as E
@@ -200,9 +296,29 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--json", type=Path)
+    p.add_argument("--parts", default="1234", help="which parts to run (digits 1-4; default all)")
     args = p.parse_args()
     result = {"device": str(jax.devices()[0].device_kind)}
-    for busy in (False, True):
+    if "4" in args.parts:
+        r = zero_swap()
+        result["zero_swap"] = r
+        print("-- a 256 MiB commit over 8 zero pieces of 32 MiB (median us)")
+        print(
+            "  "
+            + "  ".join(
+                f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in r.items()
+            )
+        )
+        r = arena_growth()
+        result["arena_growth"] = r
+        print("-- the arena growing 16 -> 20 GiB (bench/growth.py's default), median of 5")
+        print(
+            "  "
+            + "  ".join(
+                f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in r.items()
+            )
+        )
+    for busy in (False, True) if "1" in args.parts else ():
         r = micro(args.batch, busy)
         result["busy" if busy else "idle"] = r
         print(f"-- arena calls, device {'busy' if busy else 'idle'} (batch {args.batch})")
@@ -210,17 +326,18 @@ def main() -> None:
             v = r[name]
             print(f"  {name:10s} median {v['median_us']:8.1f} us  max {v['max_us']:8.1f} us")
         print(f"  device still busy at the end: {r['device_still_busy_at_end']}")
-    for busy in (False, True):
+    for busy in (False, True) if "2" in args.parts else ():
         r = raw_calls(busy)
         result["raw_busy" if busy else "raw_idle"] = r
         print(f"-- raw VMM calls on 4 MiB pieces, device {'busy' if busy else 'idle'} (median us)")
         cells = [f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in r.items()]
         print("  " + "  ".join(cells))
-    summary, table = profile_main_job(args.batch)
-    result["main_job"] = summary
-    result["profile"] = table
-    print(f"-- main job, batch {args.batch}: {json.dumps(summary)}")
-    print(table)
+    if "3" in args.parts:
+        summary, table = profile_main_job(args.batch)
+        result["main_job"] = summary
+        result["profile"] = table
+        print(f"-- main job, batch {args.batch}: {json.dumps(summary)}")
+        print(table)
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
 

@@ -55,11 +55,14 @@
 #                       decode block's command buffers were recorded against executed)
 #   diag:host           tools/gpu/host_costs.py: the arena and raw VMM calls of a commit and
 #                       a release, device idle and busy, and a cProfile of the main job at
-#                       batch 64 (where its host time in ensure/release goes) -> host_costs.json
+#                       batch 64 (where its host time in ensure/release goes), and the zero
+#                       mapping's share of a large commit -> host_costs.json (HOST_PARTS=4:
+#                       only that part)
 #   example             examples/decode.py -> $OUT/example/
 #   example:B           the gpu preset at batch B = 16 or 64 (3 requests per slot), decode
-#                       blocks of 16 -> $OUT/example_bB/; example:prealloc16 / prealloc64
-#                       the cuDNN baseline; example:fp8, example:sleep (batch 16);
+#                       blocks of 16 -> $OUT/example_bB/; B+release, B+aheadN (and both,
+#                       B+release+ahead16) add --slot-memory release / --commit-ahead N;
+#                       example:prealloc16 / prealloc64 the cuDNN baseline; example:fp8, example:sleep (batch 16);
 #                       example:hf1b: examples/generate.py on a 1B-shaped random Llama
 #                       checkpoint (tools/make_hf_fixtures.py --preset 1b), bf16, both backends
 #   bench:attention     bench/attention.py: copy-bandwidth floor, then the table -> bench_attention.json
@@ -207,7 +210,8 @@ step_diag() {
     return "$r"
   fi
   if [ "${1:-}" = host ]; then
-    "$PY" tools/gpu/host_costs.py --batch 64 --json "$RUN_DIR/host_costs.json"
+    "$PY" tools/gpu/host_costs.py --batch 64 --json "$RUN_DIR/host_costs.json" \
+      ${HOST_PARTS:+--parts "$HOST_PARTS"}
     return
   fi
   [ "${1:-}" = hazard ] || { echo "unknown diag step ${1:-} (hazard, example, host)"; return 2; }
@@ -224,7 +228,19 @@ step_example() {
   local ex=(examples/decode.py --preset gpu --no-progress)
   case "${1:-}" in
     "") "$PY" examples/decode.py --no-progress --out "$RUN_DIR/example" ;;
-    16|64) "$PY" "${ex[@]}" --batch "$1" --requests $((3 * $1)) --out "$RUN_DIR/example_b$1" ;;
+    16|64|16+*|64+*)  # 64+release+ahead16: --slot-memory release --commit-ahead 16
+      local b=${1%%+*} extra=() w
+      IFS=+ read -r -a words <<<"${1#"$b"}"
+      for w in "${words[@]}"; do
+        case "$w" in
+          "") ;;
+          release|keep) extra+=(--slot-memory "$w") ;;
+          ahead*) extra+=(--commit-ahead "${w#ahead}") ;;
+          *) echo "unknown example option $w (release, keep, aheadN)"; return 2 ;;
+        esac
+      done
+      "$PY" "${ex[@]}" --batch "$b" --requests $((3 * b)) "${extra[@]}" \
+        --out "$RUN_DIR/example_b${1//+/_}" ;;
     prealloc16|prealloc64)
       local b=${1#prealloc}
       "$PY" "${ex[@]}" --backend prealloc --batch "$b" --requests $((3 * b)) \
@@ -265,7 +281,7 @@ step_probe() {
 # -- the runner ---------------------------------------------------------------------------
 
 limit_of() {  # STEP -> seconds
-  local var="LIMIT_${1//:/_}" limit
+  local var="LIMIT_${1//[^A-Za-z0-9_]/_}" limit
   case "$1" in
     build|tests|tests:*|sanitize:hazard|bench:attention|bench:decode|probe:kernels) limit=600 ;;
     sanitize:attention|sanitize:memory|bench:kv_write|bench:growth|bench:sleep|bench:capacity) limit=400 ;;
