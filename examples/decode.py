@@ -356,6 +356,10 @@ def summarize(
         "prefills": report.prefills,
         "host_memory_seconds": report.ensure_seconds,
         "host_memory_share": report.ensure_seconds / max(report.seconds, 1e-9),
+        "host_memory_calls": {
+            k: {"calls": c, "seconds": t, "longest_seconds": m}
+            for k, (c, t, m) in sorted(report.host_calls.items())
+        },
         "memory_wait_seconds": report.memory_wait_seconds,
         "memory_wait_idle_seconds": report.memory_wait_idle_seconds,
         "capacity_bytes": capacity,
@@ -385,6 +389,15 @@ def print_summary(s: dict) -> None:
         f"host time in ensure/release: {1e3 * s['host_memory_seconds']:.1f} ms of "
         f"{s['seconds']:.2f} s ({100 * s['host_memory_share']:.2f}% of the serving time)"
     )
+    if s["host_memory_calls"]:
+        print(
+            "  by call: "
+            + ", ".join(
+                f"{k} {v['calls']} x {1e6 * v['seconds'] / v['calls']:.0f} us "
+                f"(longest {1e3 * v['longest_seconds']:.2f} ms)"
+                for k, v in s["host_memory_calls"].items()
+            )
+        )
     if s["backend"] == "jax_vmm":
         print(
             f"waited for prompts' memory (committed in the background): "

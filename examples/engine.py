@@ -74,6 +74,8 @@ class RunReport:
     # part of it with nothing left queued on the device (the device idled on memory).
     memory_wait_seconds: float = 0.0
     memory_wait_idle_seconds: float = 0.0
+    # ensure_seconds by cache call: name -> (calls, seconds, longest call's seconds).
+    host_calls: dict[str, tuple[int, float, float]] = dataclasses.field(default_factory=dict)
 
 
 def make_requests(
@@ -311,11 +313,17 @@ class Generator:
         host_seconds = wait_seconds = idle_seconds = 0.0
         held: set[int] = set()  # finished, memory kept for the request that takes the slot
 
-        def timed(fn: Callable, *args) -> None:
+        calls: dict[str, tuple[int, float, float]] = {}
+
+        def timed(fn: Callable, *args, name: str | None = None) -> None:
             nonlocal host_seconds
             t0 = time.perf_counter()
             fn(*args)
-            host_seconds += time.perf_counter() - t0
+            dt = time.perf_counter() - t0
+            host_seconds += dt
+            key = name or fn.__name__
+            n_calls, total, longest = calls.get(key, (0, 0.0, 0.0))
+            calls[key] = (n_calls + 1, total + dt, max(longest, dt))
 
         def record(kind: str) -> None:
             live = sum(s.cached_after(s.blocks, n) for s in slots if s is not None)
@@ -403,7 +411,10 @@ class Generator:
             for seq, req in taken:  # every prompt's memory, in the background
                 if seq in held:  # the slot keeps the chunks of the new prompt
                     held.discard(seq)
-                    timed(lambda: cache.release(seq, keep_tokens=len(req.prompt)))
+                    timed(
+                        lambda: cache.release(seq, keep_tokens=len(req.prompt)),
+                        name="release(keep_tokens)",
+                    )
                 timed(cache.prefetch, seq, len(req.prompt))
             for seq, req in taken:
                 wait_for_memory(seq)
@@ -480,4 +491,5 @@ class Generator:
             pauses=counts["pauses"],
             memory_wait_seconds=wait_seconds,
             memory_wait_idle_seconds=idle_seconds,
+            host_calls=calls,
         )
