@@ -403,3 +403,18 @@ def test_generate_cli_checks_block_before_loading(tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match=r"generate\.py: block .* must be an integer >= 1"):
         G.main(["--model", str(tmp_path), "--prompt", "x", "--max-new-tokens", "2",
                 "--block", "0", "--device", "cpu"])  # fmt: skip
+
+
+@pytest.mark.parametrize("ensure_blocks", [2, 1], ids=["default", "control-every-block"])
+def test_one_table_update_serves_ensure_blocks_blocks(
+    cpu_device, monkeypatch, ensure_blocks: int
+) -> None:
+    """One request of 41 new tokens (the prefill's, then 40 decode steps: 10 blocks of 4
+    that write): the engine calls ensure_all once per ENSURE_BLOCKS of those blocks, and
+    no write is dropped (the run's kv.check()); the control with ENSURE_BLOCKS = 1 calls
+    it every block."""
+    monkeypatch.setattr(E, "ENSURE_BLOCKS", ensure_blocks)
+    reqs = [E.Request(0, np.arange(1, 9, dtype=np.int32), 41)]
+    got = serve("jax_vmm", reqs, block=4, device=cpu_device)
+    assert len(got.results[0].tokens) == 41
+    assert got.host_calls["ensure_all"][0] == -(-10 // ensure_blocks)
