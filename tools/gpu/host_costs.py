@@ -17,9 +17,7 @@ Part 4 times what a large commit adds to the raw calls (cuda-python): one 256 Mi
 over the read-only zero mapping the CUDA driver keeps under unbacked bytes (8 pieces of
 32 MiB): unmapping the pieces one call each and in one call spanning them (does this
 driver accept it?), then cuMemCreate + cuMemMap + cuMemSetAccess of the run.
-Part 5 runs the main job at `--batch` and reports the CPU seconds each thread of the
-process used during it (/proc/self/task), by thread name, with the container's CPU
-quota (cgroup cpu.max): which threads compete with the dispatching one.
+(tools/gpu/dispatch_costs.py splits the main job's dispatching-thread time further.)
 """
 
 from __future__ import annotations
@@ -27,11 +25,9 @@ from __future__ import annotations
 import argparse
 import cProfile
 import json
-import os
 import pstats
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -240,67 +236,6 @@ def arena_growth(repeats: int = 5) -> dict:
     }
 
 
-def _thread_cpu() -> dict[int, tuple[str, float]]:
-    """tid -> (name, user + system CPU seconds) of every thread of this process."""
-    tick = os.sysconf("SC_CLK_TCK")
-    out = {}
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            name = Path(f"/proc/self/task/{tid}/comm").read_text().strip()
-            fields = Path(f"/proc/self/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:  # the thread ended meanwhile
-            continue
-        out[int(tid)] = (name, (int(fields[11]) + int(fields[12])) / tick)
-    return out
-
-
-def thread_cpu_main_job(batch: int, preset: str = "gpu") -> dict:
-    from examples import decode as D
-    from examples import engine as E
-
-    original = E.Generator.run
-    seen: dict = {}
-
-    def run(self, requests, **kw):
-        self.precompile(requests)
-        before = _thread_cpu()
-        t0 = time.perf_counter()
-        try:
-            return original(self, requests, **kw)
-        finally:
-            seen["wall"] = time.perf_counter() - t0
-            seen["after"], seen["before"] = _thread_cpu(), before
-            # Python threads by name (the OS names them all after the process).
-            seen["names"] = {t.native_id: t.name for t in threading.enumerate()}
-
-    E.Generator.run = run
-    try:
-        D.main(
-            ["--preset", preset, "--batch", str(batch), "--requests", str(3 * batch)]
-            + ["--no-progress", "--no-plot", "--out", "/tmp/host_costs_threads"]
-        )
-    finally:
-        E.Generator.run = original
-    by_name: dict[str, float] = {}
-    for tid, (name, cpu) in seen["after"].items():
-        used = cpu - seen["before"].get(tid, (name, 0.0))[1]
-        label = f"{name} (main)" if tid == os.getpid() else name
-        if tid in seen.get("names", {}) and tid != os.getpid():
-            label = f"{name} (Python thread {seen['names'][tid]})"
-        by_name[label] = by_name.get(label, 0.0) + used
-    try:
-        quota = Path("/sys/fs/cgroup/cpu.max").read_text().strip()
-    except OSError:
-        quota = "unknown"
-    return {
-        "wall_seconds": seen["wall"],
-        "cpu_seconds_by_thread": dict(sorted(by_name.items(), key=lambda kv: -kv[1])),
-        "cgroup_cpu_max": quota,
-        "cpus": os.cpu_count(),
-        "affinity": len(os.sched_getaffinity(0)),
-    }
-
-
 def profile_main_job(batch: int) -> tuple[dict, str]:
     from examples import decode as D
     from examples import engine as E
@@ -362,7 +297,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--json", type=Path)
-    p.add_argument("--parts", default="12345", help="which parts to run (digits 1-5; default all)")
+    p.add_argument("--parts", default="1234", help="which parts to run (digits 1-4; default all)")
     args = p.parse_args()
     result = {"device": str(jax.devices()[0].device_kind)}
     if "4" in args.parts:
@@ -398,16 +333,6 @@ def main() -> None:
         print(f"-- raw VMM calls on 4 MiB pieces, device {'busy' if busy else 'idle'} (median us)")
         cells = [f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in r.items()]
         print("  " + "  ".join(cells))
-    if "5" in args.parts:
-        r = thread_cpu_main_job(args.batch)
-        result["thread_cpu"] = r
-        print(
-            f"-- CPU seconds per thread while the main job served (batch {args.batch}, "
-            f"{r['wall_seconds']:.2f} s wall; cgroup cpu.max {r['cgroup_cpu_max']}, "
-            f"{r['cpus']} CPUs, {r['affinity']} in affinity)"
-        )
-        for name, cpu in list(r["cpu_seconds_by_thread"].items())[:15]:
-            print(f"  {cpu:7.2f} s  {name}")
     if "3" in args.parts:
         summary, table = profile_main_job(args.batch)
         result["main_job"] = summary

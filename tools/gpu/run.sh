@@ -58,6 +58,9 @@
 #                       batch 64 (where its host time in ensure/release goes), and the zero
 #                       mapping's share of a large commit -> host_costs.json (HOST_PARTS=4:
 #                       only that part)
+#   diag:dispatch       tools/gpu/dispatch_costs.py: the main job at batch 64 with the
+#                       dispatching thread's cache calls split into core calls and Python,
+#                       and CPU seconds per thread -> dispatch_costs.json
 #   example             examples/decode.py -> $OUT/example/
 #   example:B           the gpu preset at batch B = 16 or 64 (3 requests per slot), decode
 #                       blocks of 16 -> $OUT/example_bB/; B+release, B+aheadN (and both,
@@ -209,12 +212,16 @@ step_diag() {
       | sort | uniq -c | sort -rn | head -20
     return "$r"
   fi
+  if [ "${1:-}" = dispatch ]; then
+    "$PY" tools/gpu/dispatch_costs.py --batch 64 --json "$RUN_DIR/dispatch_costs.json"
+    return
+  fi
   if [ "${1:-}" = host ]; then
     "$PY" tools/gpu/host_costs.py --batch 64 --json "$RUN_DIR/host_costs.json" \
       ${HOST_PARTS:+--parts "$HOST_PARTS"}
     return
   fi
-  [ "${1:-}" = hazard ] || { echo "unknown diag step ${1:-} (hazard, example, host)"; return 2; }
+  [ "${1:-}" = hazard ] || { echo "unknown diag step ${1:-} (hazard, example, host, dispatch)"; return 2; }
   TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3,command_buffer_conversion_pass=2 \
     "$PY" tests/integration/test_command_buffer_gpu.py hazard grow keep "$RUN_DIR/diag_hazard.json"
   local r=$?
