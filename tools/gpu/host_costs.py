@@ -293,6 +293,13 @@ def profile_main_job(batch: int) -> tuple[dict, str]:
     return keep, "\n".join(lines)
 
 
+def _cells(r: dict, digits: int = 1) -> str:
+    """One indented line of `name value` cells, floats to `digits` decimals."""
+    return "  " + "  ".join(
+        f"{k} {v:.{digits}f}" if isinstance(v, float) else f"{k} {v}" for k, v in r.items()
+    )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--batch", type=int, default=64)
@@ -304,21 +311,11 @@ def main() -> None:
         r = zero_swap()
         result["zero_swap"] = r
         print("-- a 256 MiB commit over 8 zero pieces of 32 MiB (median us)")
-        print(
-            "  "
-            + "  ".join(
-                f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in r.items()
-            )
-        )
+        print(_cells(r))
         r = arena_growth()
         result["arena_growth"] = r
         print("-- the arena growing 16 -> 20 GiB (bench/growth.py's default), median of 5")
-        print(
-            "  "
-            + "  ".join(
-                f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in r.items()
-            )
-        )
+        print(_cells(r, digits=2))
     for busy in (False, True) if "1" in args.parts else ():
         r = micro(args.batch, busy)
         result["busy" if busy else "idle"] = r
@@ -331,8 +328,7 @@ def main() -> None:
         r = raw_calls(busy)
         result["raw_busy" if busy else "raw_idle"] = r
         print(f"-- raw VMM calls on 4 MiB pieces, device {'busy' if busy else 'idle'} (median us)")
-        cells = [f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in r.items()]
-        print("  " + "  ".join(cells))
+        print(_cells(r))
     if "3" in args.parts:
         summary, table = profile_main_job(args.batch)
         result["main_job"] = summary
