@@ -190,7 +190,12 @@ class Generator:
             raise ValueError(f"stop tokens {bad} are not token ids of the model's [0, {cfg.vocab})")
         self.params, self.cfg, self.cache, self.attend = params, cfg, cache, attend
         self.block, self.stop_tokens = block, tuple(sorted(set(stop_tokens)))
-        self.keep_slot_memory = bool(keep_slot_memory)
+        if not isinstance(keep_slot_memory, bool):
+            raise ValueError(
+                f"keep_slot_memory must be True or False, got {keep_slot_memory!r} "
+                "(decode.py spells it --slot-memory keep|release)"
+            )
+        self.keep_slot_memory = keep_slot_memory
         self._compiled: dict[tuple, Callable] = {}
         self.compile_seconds = 0.0
 

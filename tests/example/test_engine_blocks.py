@@ -250,6 +250,9 @@ def test_block_and_pause_arguments_are_checked(cpu_device) -> None:
                 E.Generator(params, SMALL, cache, jax_vmm.decode_attention, block=bad)
         with pytest.raises(ValueError, match="not token ids"):
             E.Generator(params, SMALL, cache, jax_vmm.decode_attention, stop_tokens=(256,))
+        for bad in ("release", 0, None):
+            with pytest.raises(ValueError, match="keep_slot_memory must be True or False"):
+                E.Generator(params, SMALL, cache, jax_vmm.decode_attention, keep_slot_memory=bad)
         gen = E.Generator(params, SMALL, cache, jax_vmm.decode_attention)
         req = [E.Request(0, np.arange(3, dtype=np.int32), 2)]
         with pytest.raises(ValueError, match="pause_every and pause go together"):
