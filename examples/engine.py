@@ -171,7 +171,8 @@ class Generator:
     the memory of the new prompt's tokens (``release(seq, keep_tokens=)``) instead of
     giving all of it back and committing the prompt again in the background. Fewer
     commits; but an allocation that straddles the kept tokens stays whole (its chunks
-    past them park until the new sequence grows into them), so more memory is held."""
+    past them park until the new sequence grows into them), so more memory can be held
+    (on the H200 main job the peaks were the same either way: docs/benchmarks.md)."""
 
     def __init__(
         self,
