@@ -321,17 +321,15 @@ class Generator:
         trace: list[StepRecord] = []
         pending: collections.deque[_Read] = collections.deque()
         counts = collections.Counter()
-        host_seconds = wait_seconds = idle_seconds = 0.0
+        wait_seconds = idle_seconds = 0.0
         held: set[int] = set()  # finished, memory kept for the request that takes the slot
 
         calls: dict[str, tuple[int, float, float]] = {}
 
         def timed(fn: Callable, *args, name: str | None = None) -> None:
-            nonlocal host_seconds
             t0 = time.perf_counter()
             fn(*args)
             dt = time.perf_counter() - t0
-            host_seconds += dt
             key = name or fn.__name__
             n_calls, total, longest = calls.get(key, (0, 0.0, 0.0))
             calls[key] = (n_calls + 1, total + dt, max(longest, dt))
@@ -502,7 +500,7 @@ class Generator:
             generated_tokens=counts["generated"],
             decode_steps=counts["blocks"] * n,
             prefills=counts["prefills"],
-            ensure_seconds=host_seconds,
+            ensure_seconds=sum(total for _, total, _ in calls.values()),
             blocks=counts["blocks"],
             block=n,
             pauses=counts["pauses"],
