@@ -257,9 +257,9 @@ def main(argv: list[str] | None = None) -> dict:
                 block=args.block,
                 keep_slot_memory=args.slot_memory == "keep",
             )
-        except ValueError as e:
+        except ValueError as e:  # --block was checked above; this is anything else
             cache.close()
-            raise SystemExit(f"decode.py: --block: {e}") from None
+            raise SystemExit(f"decode.py: {e}") from None
         print(f"model: {M.config_summary(cfg)}")
         print(
             f"serving {len(requests)} requests (prompts {serving['prompt_len'][0]}-"
