@@ -55,10 +55,12 @@ class CommitAhead:
         already running is not stopped (the arena's epoch check handles that one)."""
         with self._cv:
             if seq is None:
+                dropped = bool(self._pending)
                 self._pending.clear()
             else:
-                self._pending.pop(seq, None)
-            self._cv.notify_all()
+                dropped = self._pending.pop(seq, None) is not None
+            if dropped:  # for wait_for(); waking the worker for nothing costs a GIL hand-off
+                self._cv.notify_all()
 
     def idle(self) -> bool:
         """Nothing scheduled and nothing running."""

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from ._loader import core as _core
 from .arena import _as_flag, _as_index
 
 
@@ -116,33 +117,30 @@ class TokenBacking:
         """:meth:`ensure` for every sequence at once: ``num_tokens[q]`` tokens of sequence
         ``q`` (a list or NumPy array of ints, one per sequence; 0 asks for nothing), in one
         all-or-nothing commit. The cheap way to grow a batch each decode step: sequences
-        within their backed chunks cost a few vectorised comparisons, no call into the
-        core."""
+        within their backed chunks cost no driver call, and the whole call makes one copy
+        of the device table (none when nothing grew)."""
         tokens = self._token_array(num_tokens)
         with self._lock:
-            asked = tokens > 0
             for q in list(self._offloaded):
                 if tokens[q] > 0:
                     self._settle(q)
-            fast = asked & self._backed_already(tokens)
-            before = self._ensured.copy()
-            np.maximum(self._ensured, np.where(fast, tokens, 0), out=self._ensured)
-            need = np.flatnonzero(asked & ~fast)
-            added = self._commit_seqs([(int(q), int(tokens[q])) for q in need]) if need.size else 0
-            if not np.array_equal(before, self._ensured):  # one copy of the table, after the memory
-                self._core_cache.set_limits(self._ensured.tolist())
+            need = _core.ensure_need(tokens, self._covered, self._valid_gen, self.arena._generation)
+            # The memory first, then the table (kernels may write what it admits); a failed
+            # commit leaves both as they were.
+            added = self._commit_seqs([(q, int(tokens[q])) for q in need]) if need else 0
+            np.maximum(self._ensured, tokens, out=self._ensured)
+            self._core_cache.raise_limits(tokens)
             if self.commit_ahead_tokens:
-                near = (
-                    asked
-                    & (self._covered - tokens <= self.commit_ahead_tokens)
-                    & (self._covered < self.max_tokens)
-                    & (self._ahead_blocked != self._covered)
+                due = _core.ahead_due(
+                    tokens,
+                    self._covered,
+                    self._ahead_blocked,
+                    self.commit_ahead_tokens,
+                    self.max_tokens,
                 )
-                for q in np.flatnonzero(near):
+                for q in due:
                     self._ahead.schedule(
-                        int(q),
-                        self._covered_tokens(int(q), int(self._covered[q]) + 1),
-                        self._epoch[q],
+                        q, self._covered_tokens(q, int(self._covered[q]) + 1), self._epoch[q]
                     )
             return added
 
@@ -238,26 +236,39 @@ class TokenBacking:
                 self.arena._handle.decommit_ranges(ranges, False)
 
     def _token_array(self, num_tokens: Any) -> np.ndarray:
+        """``ensure_all``'s argument checked, as a C-contiguous int64 array (the engine's
+        own int64 array passes through without a copy)."""
         seqs = len(self._ensured)
-        if isinstance(num_tokens, (str, bytes)):
-            num_tokens = None
-        arr = np.asarray(num_tokens)
-        if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
-            raise TypeError(
-                f"KVArena.ensure_all: num_tokens must be {seqs} ints (one per "
-                f"sequence), got {num_tokens!r}"
-            )
-        if arr.shape != (seqs,):
-            raise ValueError(
-                f"KVArena.ensure_all: num_tokens has shape {arr.shape}; expected "
-                f"({seqs},), one entry per sequence"
-            )
-        if arr.size and (arr.min() < 0 or arr.max() > self.max_tokens):
+        arr = num_tokens
+        ready = (
+            type(arr) is np.ndarray
+            and arr.dtype == np.int64
+            and arr.shape == (seqs,)
+            and arr.flags.c_contiguous
+        )
+        if ready:
+            lo, hi = _core.token_range(arr)
+        else:
+            if isinstance(num_tokens, (str, bytes)):
+                num_tokens = None
+            arr = np.asarray(num_tokens)
+            if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
+                raise TypeError(
+                    f"KVArena.ensure_all: num_tokens must be {seqs} ints (one per "
+                    f"sequence), got {num_tokens!r}"
+                )
+            if arr.shape != (seqs,):
+                raise ValueError(
+                    f"KVArena.ensure_all: num_tokens has shape {arr.shape}; expected "
+                    f"({seqs},), one entry per sequence"
+                )
+            lo, hi = (arr.min(), arr.max()) if arr.size else (0, 0)
+        if lo < 0 or hi > self.max_tokens:
             raise ValueError(
                 f"KVArena.ensure_all: num_tokens must be in [0, {self.max_tokens}] "
-                f"(max_tokens); got min {arr.min()}, max {arr.max()}"
+                f"(max_tokens); got min {lo}, max {hi}"
             )
-        return arr.astype(np.int64)
+        return arr if ready else np.ascontiguousarray(arr, dtype=np.int64)
 
     def _maybe_ahead(self, q: int, n: int) -> None:
         """Schedule the next chunk of sequence q when n is close to its backed end."""

@@ -290,6 +290,29 @@ def test_ensure_is_all_or_nothing(vm, faults, handles, op, nth):
     _assert_tokens(kv, 0, 0, tpc // 2, seed=30)
 
 
+def test_a_failed_ensure_all_changes_nothing_a_later_ensure_relies_on(vm, faults):
+    """ensure_all of a sequence within its backed chunk (seq 0) and one that must commit
+    (seq 1), with the commit failing: the device table, the bookkeeping and the memory
+    stay as they were, so the ensure that follows publishes seq 0's tokens (a table
+    raised in the bookkeeping but never copied would make it skip the copy, and the
+    kernels would drop seq 0's writes)."""
+    tpc = _tpc(vm)
+    kv = _make(vm, max_tokens=4 * tpc, max_seqs=2)
+    kv.ensure(tpc // 4, seq=0)
+    before = vm.snapshot(kv.arena, kv.buffers)
+    faults.arm(kv, "create", 1)
+    with pytest.raises(InjectedFault):
+        kv.ensure_all(np.array([tpc // 2, 2 * tpc], np.int64))
+    assert faults.injected(kv) == 1
+    assert kv._core_cache.limits() == [tpc // 4, 0]
+    assert kv._ensured.tolist() == [tpc // 4, 0]
+    assert vm.snapshot(kv.arena, kv.buffers) == before
+    assert kv.ensure(tpc // 2, seq=0) == 0  # within the backed chunk
+    assert kv._core_cache.limits() == [tpc // 2, 0]
+    assert kv.ensure_all([tpc // 2, 2 * tpc]) > 0  # the same call, unarmed
+    assert kv._core_cache.limits() == [tpc // 2, 2 * tpc]
+
+
 def test_ensure_out_of_memory(vm, faults):
     tpc = _tpc(vm)
     kv = _make(vm, max_tokens=2 * tpc)

@@ -2,6 +2,7 @@
 // its uid, the table of ensured tokens, the read-clamp counter, close, and a registry
 // query for tests and messages.
 #include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
 #include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
@@ -90,12 +91,23 @@ void BindKvCache(nb::module_& m) {
       .def_prop_ro("uid", &KvCache::uid)
       .def_prop_ro("device_ordinal", &KvCache::device_ordinal)
       .def_prop_ro("closed", &KvCache::closed)
+      // The table calls keep the GIL: they are one small copy (~10 us) on the driver's
+      // metadata stream, and giving the GIL up to the commit-ahead thread for that long
+      // costs the dispatching thread more in the hand-back than it saves. Nothing they
+      // wait for (the cache's mutex, that stream) is held by a thread that needs the GIL.
       .def("set_limit", &KvCache::SetLimit, nb::arg("seq"), nb::arg("tokens"),
-           nb::call_guard<nb::gil_scoped_release>(),
            "Tokens ensured for a sequence, published to the device before it returns.")
       .def("set_limits", &KvCache::SetLimits, nb::arg("tokens"),
-           nb::call_guard<nb::gil_scoped_release>(),
            "Every sequence's ensured tokens at once: one copy to the device.")
+      .def(
+          "raise_limits",
+          [](KvCache& c, nb::ndarray<const int64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> t) {
+            return c.RaiseLimits(t.data(), t.shape(0));
+          },
+          nb::arg("tokens").noconvert(),
+          "Raises each sequence's entry to tokens[seq] (an int64 array, one per sequence) "
+          "where that is higher: one copy to the device if any changed. Returns whether one "
+          "did.")
       .def("limits", &KvCache::Limits)
       .def("read_clamps", &KvCache::ReadClamps, nb::call_guard<nb::gil_scoped_release>())
       .def("reset_read_clamps", &KvCache::ResetReadClamps, nb::call_guard<nb::gil_scoped_release>())

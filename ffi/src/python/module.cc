@@ -126,6 +126,7 @@ NB_MODULE(_core, m) {
   BindOps(m);
   BindAttention(m);
   BindKvCache(m);
+  BindEnsurePlan(m);
 #ifdef JAX_VMM_TESTING
   nb::module_ t = m.def_submodule(
       "testing", "Test-only hooks of jax_vmm's C++ core; use them through jax_vmm.testing.");

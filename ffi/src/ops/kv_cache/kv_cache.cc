@@ -198,6 +198,32 @@ void KvCache::SetLimits(const std::vector<int64_t>& tokens) {
   WriteTableLocked();
 }
 
+bool KvCache::RaiseLimits(const int64_t* tokens, size_t count) {
+  if (count != static_cast<size_t>(geometry_.max_seqs)) {
+    throw InvalidArgument("KvCache.raise_limits: " + std::to_string(count) + " entries for " +
+                          std::to_string(geometry_.max_seqs) + " sequences");
+  }
+  for (size_t i = 0; i < count; ++i) {
+    if (tokens[i] < 0 || tokens[i] > geometry_.max_tokens) {
+      throw InvalidArgument("KvCache.raise_limits: tokens " + std::to_string(tokens[i]) +
+                            " is outside [0, " + std::to_string(geometry_.max_tokens) + "]");
+    }
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  if (closed_) {
+    throw ArenaClosed("KvCache.raise_limits: the KV cache is closed; create a new KV arena");
+  }
+  bool changed = false;
+  for (size_t i = 0; i < count; ++i) {
+    if (tokens[i] > host_limits_[i]) {
+      host_limits_[i] = static_cast<int32_t>(tokens[i]);
+      changed = true;
+    }
+  }
+  if (changed) WriteTableLocked();
+  return changed;
+}
+
 std::vector<int32_t> KvCache::Limits() const {
   std::lock_guard<std::mutex> lock(mu_);
   return host_limits_;

@@ -91,6 +91,9 @@ class KvCache {
   void SetLimit(int64_t seq, int64_t tokens);
   // Every sequence's entry at once (tokens[seq], max_seqs of them): one copy to the device.
   void SetLimits(const std::vector<int64_t>& tokens);
+  // Raises each sequence's entry to tokens[seq] where that is higher (max_seqs entries);
+  // one copy to the device if any entry changed. Returns whether one did.
+  bool RaiseLimits(const int64_t* tokens, size_t count);
   std::vector<int32_t> Limits() const;
 
   // Attention reads whose length exceeded the ensured tokens (each counted once per
