@@ -75,6 +75,7 @@ __all__ = [
     "InjectedFault",
     "FaultInjection",
     "fault_injection",
+    "host_map_limit",
     "uncounted_view",
     "unchecked_kv_writes",
     "token_kernel_kv_writes",
@@ -181,6 +182,20 @@ def fault_injection() -> Iterator[FaultInjection]:
         yield FaultInjection()
     finally:
         _arena._core_arena_factory = previous
+
+
+@contextlib.contextmanager
+def host_map_limit(limit: int) -> Iterator[None]:
+    """Inside the with-block host arenas check their memory mappings against ``limit``
+    instead of the process limit ``vm.max_map_count`` (which a test cannot lower): the
+    point where a commit is refused comes within reach of a small arena."""
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0:
+        raise ValueError(f"host_map_limit: limit must be an int > 0, got {limit!r}")
+    _testing.set_host_map_limit(limit)
+    try:
+        yield
+    finally:
+        _testing.set_host_map_limit(0)
 
 
 # -- views that do not count ----------------------------------------------------------

@@ -31,6 +31,7 @@
 
 #include "common/free_ranges.h"
 #include "common/math.h"
+#include "drivers/host_map_budget.h"
 #include "jax_vmm/driver.h"
 #include "jax_vmm/errors.h"
 
@@ -145,6 +146,9 @@ class HostDriver final : public Driver {
   }
 
   void MapRun(uintptr_t va, const MapPiece* pieces, size_t count) override {
+    size_t bytes = 0;
+    for (size_t i = 0; i < count; ++i) bytes += pieces[i].bytes;
+    host::ReserveMappings(2 * count, bytes);  // each piece may split the zero mapping in two
     size_t done = 0;
     for (size_t i = 0; i < count; ++i) {
       void* p = mmap(reinterpret_cast<void*>(va + done), pieces[i].bytes, PROT_READ,
@@ -166,6 +170,7 @@ class HostDriver final : public Driver {
   }
 
   void SetAccess(uintptr_t va, size_t bytes) override {
+    host::ReserveMappings(2, bytes);
     if (mprotect(reinterpret_cast<void*>(va), bytes, PROT_READ | PROT_WRITE) != 0) {
       throw DriverError(Errno("mprotect(set_access)"));
     }

@@ -21,6 +21,7 @@
 #include "drivers/cuda/compute_streams.h"
 #include "drivers/cuda/zero_allocation.h"
 #include "drivers/cuda/zero_layout.h"
+#include "drivers/host_map_budget.h"
 #include "jax_vmm/arena.h"
 #include "jax_vmm/errors.h"
 #include "ops/attention/stream_plan.h"
@@ -124,6 +125,11 @@ void BindFaultInjection(nb::module_& m) {
   m.def(
       "injected_faults", [](Arena& arena) { return FaultsOf(arena).injected(); }, nb::arg("arena"),
       "Faults thrown into this arena's driver so far.");
+  m.def(
+      "set_host_map_limit", [](size_t limit) { host::SetMapLimitForTesting(limit); },
+      nb::arg("limit"),
+      "The mapping limit host arenas check against instead of vm.max_map_count (0: the real "
+      "one).");
 }
 
 // The CUDA driver's zero-mapping bookkeeping, for tests without a GPU.
