@@ -68,6 +68,9 @@
 #                       example:prealloc16 / prealloc64 the cuDNN baseline; example:fp8, example:sleep (batch 16);
 #                       example:hf1b: examples/generate.py on a 1B-shaped random Llama
 #                       checkpoint (tools/make_hf_fixtures.py --preset 1b), bf16, both backends
+#   diag:kv_write       tools/gpu/kv_write_overhead.py: a decode-size kv_write against XLA's
+#                       .at[].set in a fori_loop, unrolled, one jit per write; with nsys on
+#                       the machine, the CUDA API calls and kernels of the n = 1 case
 #   bench:attention     bench/attention.py: copy-bandwidth floor, then the table -> bench_attention.json
 #   bench:kv_write      bench/kv_write.py at 1 GiB and 32 GiB -> bench_kv_write.json
 #   bench:commit        bench/commit.py: arena vs raw cuda-python, 64 GiB creation -> bench_commit.json
@@ -216,12 +219,21 @@ step_diag() {
     "$PY" tools/gpu/dispatch_costs.py --batch 64 --json "$RUN_DIR/dispatch_costs.json"
     return
   fi
+  if [ "${1:-}" = kv_write ]; then
+    "$PY" tools/gpu/kv_write_overhead.py --json "$RUN_DIR/kv_write_overhead.json"
+    if command -v nsys >/dev/null; then  # the API calls and kernels of the loop at n = 1
+      nsys profile -q -o "$RUN_DIR/kv_write" --force-overwrite true -t cuda \
+        "$PY" -c "import sys; sys.argv=['x']; sys.path.insert(0, 'tools/gpu'); import kv_write_overhead as k; print(k.measure(1))" &&
+        nsys stats -q -r cuda_api_sum,cuda_gpu_kern_sum "$RUN_DIR/kv_write.nsys-rep" | head -60
+    fi
+    return
+  fi
   if [ "${1:-}" = host ]; then
     "$PY" tools/gpu/host_costs.py --batch 64 --json "$RUN_DIR/host_costs.json" \
       ${HOST_PARTS:+--parts "$HOST_PARTS"}
     return
   fi
-  [ "${1:-}" = hazard ] || { echo "unknown diag step ${1:-} (hazard, example, host, dispatch)"; return 2; }
+  [ "${1:-}" = hazard ] || { echo "unknown diag step ${1:-} (hazard, example, host, dispatch, kv_write)"; return 2; }
   TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3,command_buffer_conversion_pass=2 \
     "$PY" tests/integration/test_command_buffer_gpu.py hazard grow keep "$RUN_DIR/diag_hazard.json"
   local r=$?
