@@ -179,6 +179,17 @@ def _oom(ctx: Ctx) -> None:
     buf.commit()
 
 
+def _host_map_limit(ctx: Ctx) -> None:
+    if not ctx.vm.is_host:
+        pytest.skip("the mapping limit is the host driver's")
+    arena = ctx.vm.arena(8 * ctx.c)
+    buf = arena.allocate(2 * ctx.c, jnp.uint8, name="buf")
+    with open("/proc/self/maps") as f:
+        now = sum(1 for _ in f)
+    with jax_vmm.testing.host_map_limit(now + 4096):  # no room past the margin
+        buf.commit()
+
+
 def _injected(ctx: Ctx) -> None:
     arena, faults = _fault_injecting_arena(ctx)
     buf = arena.allocate(2 * ctx.c, jnp.uint8, name="buf")
@@ -365,6 +376,7 @@ ROWS = [
     Row("D1", _unknown_op),
     Row("D2", _oom),
     Row("D3", _injected),
+    Row("D5", _host_map_limit),
     # -- kv_arena(...) and KVArena --
     Row("E1", lambda x: x.kv_args(num_layers=0)),
     Row("E2", lambda x: x.kv_args(head_dim=-2)),
