@@ -16,7 +16,7 @@ import argparse
 import json
 import os
 import sys
-import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -24,22 +24,15 @@ import numpy as np
 
 import jax_vmm
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))  # bench/_common.py
+from _common import median_time  # noqa: E402
+
 H, D, LOOP = 8, 128, 64
 SLOTS = int(os.environ.get("KV_WRITE_SLOTS", 1 << 18))  # 1 GiB of K and V at bf16
 
 
-def _median_us(fn, reps=7, inner=1) -> float:
-    fn()
-    jax.block_until_ready(fn())
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        out = None
-        for _ in range(inner):
-            out = fn()
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - t0) / inner)
-    return float(np.median(times)) * 1e6
+def _median_us(fn, inner=1) -> float:
+    return median_time(fn, 7, inner) * 1e6
 
 
 def measure(n: int) -> dict:
