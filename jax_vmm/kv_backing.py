@@ -121,6 +121,7 @@ class TokenBacking:
         of the device table (none when nothing grew)."""
         tokens = self._token_array(num_tokens)
         with self._lock:
+            self.arena._check_open("KVArena.ensure_all")
             for q in list(self._offloaded):
                 if tokens[q] > 0:
                     self._settle(q)

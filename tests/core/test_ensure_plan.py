@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+import jax_vmm
 from jax_vmm import _core
 
 
@@ -42,3 +43,41 @@ def test_tables_of_other_lengths_are_refused():
         _core.ensure_need(a, b, a, 0)
     with pytest.raises(TypeError):  # int32: not the tables' dtype
         _core.ensure_need(a.astype(np.int32), a, a, 0)
+
+
+def _kv(vm):
+    return vm.kv(num_layers=1, num_kv_heads=2, head_dim=64, max_tokens=256, max_seqs=3)
+
+
+@pytest.mark.parametrize(
+    "tokens",
+    [
+        [5, 0, 3],
+        (5, 0, 3),
+        np.array([5, 0, 3], np.int32),
+        np.array([5, 0, 3], np.uint64),
+        np.array([5, 9, 0, 7, 3, 1])[::2],  # not contiguous
+    ],
+    ids=["list", "tuple", "int32", "uint64", "strided"],
+)
+def test_every_int_form_ensures_the_same(vm, tokens):
+    kv = _kv(vm)
+    kv.ensure_all(tokens)
+    assert kv._core_cache.limits() == [5, 0, 3]
+    assert [kv.backed_tokens(q) > 0 for q in range(3)] == [True, False, True]
+
+
+def test_a_huge_unsigned_count_is_out_of_range_not_wrapped(vm):
+    kv = _kv(vm)
+    with pytest.raises(ValueError, match=r"must be in \[0, 256\].*max 18446744073709551615"):
+        kv.ensure_all(np.array([2**64 - 1, 0, 0], np.uint64))
+    assert kv._core_cache.limits() == [0, 0, 0]
+
+
+@pytest.mark.parametrize("tokens", [[0, 0, 0], [5, 0, 3]])
+def test_ensure_all_on_a_closed_arena_says_so(vm, tokens):
+    kv = _kv(vm)
+    kv.ensure_all([5, 0, 3])
+    kv.close()
+    with pytest.raises(jax_vmm.ArenaClosedError, match="KVArena.ensure_all: the arena is closed"):
+        kv.ensure_all(tokens)
