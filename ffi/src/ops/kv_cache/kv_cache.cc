@@ -179,17 +179,21 @@ void KvCache::SetLimit(int64_t seq, int64_t tokens) {
                                   sizeof(int32_t));
 }
 
-void KvCache::SetLimits(const std::vector<int64_t>& tokens) {
-  if (tokens.size() != static_cast<size_t>(geometry_.max_seqs)) {
-    throw InvalidArgument("KvCache.set_limits: " + std::to_string(tokens.size()) + " entries for " +
+void KvCache::CheckTable(const char* op, const int64_t* tokens, size_t count) const {
+  if (count != static_cast<size_t>(geometry_.max_seqs)) {
+    throw InvalidArgument(std::string(op) + ": " + std::to_string(count) + " entries for " +
                           std::to_string(geometry_.max_seqs) + " sequences");
   }
-  for (int64_t t : tokens) {
-    if (t < 0 || t > geometry_.max_tokens) {
-      throw InvalidArgument("KvCache.set_limits: tokens " + std::to_string(t) + " is outside [0, " +
-                            std::to_string(geometry_.max_tokens) + "]");
+  for (size_t i = 0; i < count; ++i) {
+    if (tokens[i] < 0 || tokens[i] > geometry_.max_tokens) {
+      throw InvalidArgument(std::string(op) + ": tokens " + std::to_string(tokens[i]) +
+                            " is outside [0, " + std::to_string(geometry_.max_tokens) + "]");
     }
   }
+}
+
+void KvCache::SetLimits(const std::vector<int64_t>& tokens) {
+  CheckTable("KvCache.set_limits", tokens.data(), tokens.size());
   std::lock_guard<std::mutex> lock(mu_);
   if (closed_) {
     throw ArenaClosed("KvCache.set_limits: the KV cache is closed; create a new KV arena");
@@ -199,16 +203,7 @@ void KvCache::SetLimits(const std::vector<int64_t>& tokens) {
 }
 
 bool KvCache::RaiseLimits(const int64_t* tokens, size_t count) {
-  if (count != static_cast<size_t>(geometry_.max_seqs)) {
-    throw InvalidArgument("KvCache.raise_limits: " + std::to_string(count) + " entries for " +
-                          std::to_string(geometry_.max_seqs) + " sequences");
-  }
-  for (size_t i = 0; i < count; ++i) {
-    if (tokens[i] < 0 || tokens[i] > geometry_.max_tokens) {
-      throw InvalidArgument("KvCache.raise_limits: tokens " + std::to_string(tokens[i]) +
-                            " is outside [0, " + std::to_string(geometry_.max_tokens) + "]");
-    }
-  }
+  CheckTable("KvCache.raise_limits", tokens, count);
   std::lock_guard<std::mutex> lock(mu_);
   if (closed_) {
     throw ArenaClosed("KvCache.raise_limits: the KV cache is closed; create a new KV arena");

@@ -115,6 +115,9 @@ class KvCache {
  private:
   KvCache(std::shared_ptr<Arena> arena, const Geometry& g, int device_ordinal, uint64_t uid);
   void WriteTableLocked();  // host mirror -> device table
+  // Throws unless `tokens` has one entry per sequence, each in [0, max_tokens]; `op`
+  // names the caller in the message.
+  void CheckTable(const char* op, const int64_t* tokens, size_t count) const;
 
   std::shared_ptr<Arena> arena_;  // the buffers' arena (and the driver of the metadata)
   const uint64_t uid_;
