@@ -10,6 +10,7 @@
 #include <nanobind/stl/vector.h>
 
 #include <cstdint>
+#include <initializer_list>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -35,6 +36,16 @@ void CheckSizes(const char* op, size_t n, std::initializer_list<const Table*> ta
   }
 }
 
+// The indices q in [0, n) for which pred(q) holds, in order.
+template <typename Pred>
+std::vector<int64_t> Indices(size_t n, Pred pred) {
+  std::vector<int64_t> out;
+  for (size_t q = 0; q < n; ++q) {
+    if (pred(q)) out.push_back(static_cast<int64_t>(q));
+  }
+  return out;
+}
+
 // (min, max) of `tokens` ((0, 0) when empty): the range check of ensure_all's argument.
 std::tuple<int64_t, int64_t> TokenRange(const Table& tokens) {
   const int64_t* t = tokens.data();
@@ -54,11 +65,7 @@ std::vector<int64_t> EnsureNeed(const Table& tokens, const Table& covered, const
   const size_t n = tokens.shape(0);
   CheckSizes("ensure_need", n, {&covered, &valid_gen});
   const int64_t *t = tokens.data(), *c = covered.data(), *g = valid_gen.data();
-  std::vector<int64_t> need;
-  for (size_t q = 0; q < n; ++q) {
-    if (t[q] > 0 && (t[q] > c[q] || g[q] != gen)) need.push_back(static_cast<int64_t>(q));
-  }
-  return need;
+  return Indices(n, [&](size_t q) { return t[q] > 0 && (t[q] > c[q] || g[q] != gen); });
 }
 
 // The sequences whose asked tokens come within `ahead_tokens` of the end of their backed
@@ -70,13 +77,9 @@ std::vector<int64_t> AheadDue(const Table& tokens, const Table& covered,
   const size_t n = tokens.shape(0);
   CheckSizes("ahead_due", n, {&covered, &ahead_blocked});
   const int64_t *t = tokens.data(), *c = covered.data(), *b = ahead_blocked.data();
-  std::vector<int64_t> due;
-  for (size_t q = 0; q < n; ++q) {
-    if (t[q] > 0 && c[q] - t[q] <= ahead_tokens && c[q] < max_tokens && b[q] != c[q]) {
-      due.push_back(static_cast<int64_t>(q));
-    }
-  }
-  return due;
+  return Indices(n, [&](size_t q) {
+    return t[q] > 0 && c[q] - t[q] <= ahead_tokens && c[q] < max_tokens && b[q] != c[q];
+  });
 }
 
 }  // namespace
