@@ -54,12 +54,9 @@ Budget& GetBudget() {
 void ReserveMappings(size_t more, size_t bytes) {
   Budget& b = GetBudget();
   std::lock_guard<std::mutex> lock(b.mu);
-  if (b.limit == 0) {
-    b.limit = b.limit_override != 0 ? b.limit_override : MaxMapCount();
-    b.counted = CountMappings();
-    b.added = 0;
-  }
-  if (b.counted + b.added + more + kMargin > b.limit) {  // the estimate says maybe: count
+  const bool first = b.limit == 0;
+  if (first) b.limit = b.limit_override != 0 ? b.limit_override : MaxMapCount();
+  if (first || b.counted + b.added + more + kMargin > b.limit) {  // no estimate, or it says maybe
     b.counted = CountMappings();
     b.added = 0;
   }
