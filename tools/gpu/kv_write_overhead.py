@@ -35,87 +35,75 @@ def _median_us(fn, inner=1) -> float:
     return median_time(fn, 7, inner) * 1e6
 
 
+def _time_forms(update, cache, n: int, donate: bool) -> dict[str, float]:
+    """us per write of ``update(cache, slots) -> cache`` in each form: a fori_loop of
+    LOOP writes, LOOP unrolled in one jit, one jit per write."""
+
+    def slots_at(start, i):
+        return ((start + i * n + jnp.arange(n, dtype=jnp.int32)) % SLOTS).astype(jnp.int32)
+
+    def loop(c, start):
+        c = jax.lax.fori_loop(0, LOOP, lambda i, c: update(c, slots_at(start, i)), c)
+        return c, start + LOOP * n
+
+    def unrolled(c, start):
+        for i in range(LOOP):
+            c = update(c, slots_at(start, i))
+        return c, start + LOOP * n
+
+    def one(c, start):
+        return update(c, slots_at(start, 0)), start + n
+
+    state = [cache, jnp.int32(0)]
+    out = {}
+    for name, f, per in (("loop", loop, LOOP), ("unrolled", unrolled, LOOP), ("call", one, 1)):
+        exe = jax.jit(f, donate_argnums=(0, 1) if donate else ())
+
+        def step(exe=exe):
+            state[:] = exe(*state)
+            return state[1]
+
+        out[name] = _median_us(step, inner=LOOP if per == 1 else 1) / per
+    return out
+
+
 def measure(n: int) -> dict:
     rng = np.random.default_rng(n)
     nk = jnp.asarray(rng.standard_normal((n, H, D)), jnp.bfloat16)
     nv = jnp.asarray(rng.standard_normal((n, H, D)), jnp.bfloat16)
 
-    def update(kind, k, v, slots):
-        if kind == "xla":
-            return k.at[slots].set(nk, mode="drop"), v.at[slots].set(nv, mode="drop")
-        return jax_vmm.kv_write(k, v, nk, nv, slots)
+    def xla(c, slots):
+        k, v = c
+        return k.at[slots].set(nk, mode="drop"), v.at[slots].set(nv, mode="drop")
 
-    def slots_at(start, i):
-        return ((start + i * n + jnp.arange(n, dtype=jnp.int32)) % SLOTS).astype(jnp.int32)
+    def ours(c, slots):
+        return jax_vmm.kv_write(*c, nk, nv, slots)
 
-    row = {"n": n}
-    for kind in ("ours", "xla"):
-        state = [jnp.zeros((SLOTS, H, D), jnp.bfloat16) for _ in range(2)] + [jnp.int32(0)]
+    def plain_cache():
+        return tuple(jnp.zeros((SLOTS, H, D), jnp.bfloat16) for _ in range(2))
 
-        def loop(k, v, start, kind=kind):
-            k, v = jax.lax.fori_loop(
-                0, LOOP, lambda i, c: update(kind, *c, slots_at(start, i)), (k, v)
-            )
-            return k, v, start + LOOP * n
-
-        def unrolled(k, v, start, kind=kind):
-            for i in range(LOOP):
-                k, v = update(kind, k, v, slots_at(start, i))
-            return k, v, start + LOOP * n
-
-        def one(k, v, start, kind=kind):
-            k, v = update(kind, k, v, slots_at(start, 0))
-            return k, v, start + n
-
-        for name, f, per in (("loop", loop, LOOP), ("unrolled", unrolled, LOOP), ("call", one, 1)):
-            exe = jax.jit(f, donate_argnums=(0, 1, 2))
-
-            def step(exe=exe):
-                state[:] = exe(*state)
-                return state[2]
-
-            inner = LOOP if per == 1 else 1
-            row[f"{kind}_{name}_us"] = _median_us(step, inner=inner) / per
+    times = {
+        "ours": _time_forms(ours, plain_cache(), n, donate=True),
+        "xla": _time_forms(xla, plain_cache(), n, donate=True),
+    }
     # The cache API over a KV arena: the layer names fixed arena buffers, so every call
     # sees the same addresses (no donation, nothing for XLA to re-record).
     kv = jax_vmm.kv_arena(
         num_layers=1, num_kv_heads=H, head_dim=D, max_tokens=SLOTS, initial_tokens=SLOTS
     )
     try:
-        carry = [kv.cache()[0], jnp.int32(0)]
-
-        def arena_update(layer, slots):
-            return jax_vmm.kv_write(layer, nk, nv, slots)
-
-        def a_loop(layer, start):
-            layer = jax.lax.fori_loop(
-                0, LOOP, lambda i, c: arena_update(c, slots_at(start, i)), layer
-            )
-            return layer, start + LOOP * n
-
-        def a_unrolled(layer, start):
-            for i in range(LOOP):
-                layer = arena_update(layer, slots_at(start, i))
-            return layer, start + LOOP * n
-
-        def a_one(layer, start):
-            return arena_update(layer, slots_at(start, 0)), start + n
-
-        for name, f, per in (
-            ("loop", a_loop, LOOP),
-            ("unrolled", a_unrolled, LOOP),
-            ("call", a_one, 1),
-        ):
-            exe = jax.jit(f)
-
-            def step(exe=exe):
-                carry[:] = exe(*carry)
-                return carry[1]
-
-            row[f"arena_{name}_us"] = _median_us(step, inner=LOOP if per == 1 else 1) / per
+        times["arena"] = _time_forms(
+            lambda layer, slots: jax_vmm.kv_write(layer, nk, nv, slots),
+            kv.cache()[0],
+            n,
+            donate=False,
+        )
         kv.check()
     finally:
         kv.close()
+    row = {"n": n}
+    for kind, forms in times.items():
+        row.update({f"{kind}_{name}_us": us for name, us in forms.items()})
     for name in ("loop", "unrolled", "call"):
         row[f"{name}_ours_over_xla"] = row[f"ours_{name}_us"] / row[f"xla_{name}_us"]
         row[f"{name}_arena_over_xla"] = row[f"arena_{name}_us"] / row[f"xla_{name}_us"]
