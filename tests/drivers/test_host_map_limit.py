@@ -8,14 +8,10 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+import maps_oracle as mo
 from jax_vmm.testing import host_map_limit
 
 SEQS, CHUNKS = 32, 16
-
-
-def _mappings() -> int:
-    with open("/proc/self/maps") as f:
-        return sum(1 for _ in f)
 
 
 def _kv(host_vm):
@@ -41,7 +37,7 @@ def _grow_interleaved(kv, tpc):
 
 def test_a_commit_past_the_mapping_limit_is_refused_and_changes_nothing(host_vm):
     room = 300  # mappings the arena may add before the limit's margin
-    limit = _mappings() + 4096 + room
+    limit = len(mo.read_maps()) + 4096 + room
     kv, tpc = _kv(host_vm)
     with host_map_limit(limit):
         refused = None
@@ -55,7 +51,7 @@ def test_a_commit_past_the_mapping_limit_is_refused_and_changes_nothing(host_vm)
         assert refused is not None, "the arena grew past the limit without a refusal"
         assert "vm.max_map_count" in refused[1] and "chunk_bytes" in refused[1]
         assert host_vm.snapshot(kv.arena, kv.buffers) == before  # rolled back
-        assert _mappings() < limit
+        assert len(mo.read_maps()) < limit
         # Still usable: releases give mappings back, and the arena commits again.
         for q in range(SEQS // 2):
             kv.release(q, wait=True)
@@ -67,10 +63,10 @@ def test_without_the_budget_the_same_growth_passes_that_limit(host_vm):
     """The control: with the real (large) limit the same growth adds more mappings than
     the room the test above left, so it was the budget that refused there."""
     room = 300
-    start = _mappings()
+    start = len(mo.read_maps())
     kv, tpc = _kv(host_vm)
     for grow in _grow_interleaved(kv, tpc):
         grow()
-        if _mappings() - start > room:
+        if len(mo.read_maps()) - start > room:
             break
-    assert _mappings() - start > room
+    assert len(mo.read_maps()) - start > room
