@@ -23,7 +23,8 @@ the only Python code that imports it.
   with the (checked) token kernel that production keeps for huge tokens.
 * :func:`decode_attention`: decode attention (split-K or streaming kernel) with an
   aliased ``out_init`` output buffer, ``skip_output`` and (split-K, CPU)
-  ``read_all_tokens``; :func:`stream_partition`: the streaming kernel's work partition.
+  ``read_all_tokens``; :func:`stream_partition`: the streaming kernel's work partition;
+  :func:`fast_div`: the kv_write kernel's index division, run on the host.
 * :func:`address_only_dests`: a ``KVDest`` identified by its addresses alone (no uid
   check in the handlers, no check of eager views against the dest), as before buffers
   had uids.
@@ -54,6 +55,7 @@ from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from . import _ffi
 from . import arena as _arena
@@ -467,6 +469,14 @@ def stream_partition(
         [int(n) for n in lengths], int(max_tokens), int(unit_groups), int(ctas), int(min_tiles)
     )
     return [list(pieces) for pieces in parts]
+
+
+def fast_div(divisor: int, dividends: Any) -> np.ndarray:
+    """``FastDivmod(divisor).Div(n)`` (ffi/src/common/fast_divmod.h, the tiled kv_write
+    kernel's token-of-a-vector division) for each n in ``dividends``, computed on the host
+    with the device's arithmetic. divisor in [1, 2^31), each n in [0, 2^31)."""
+    n = np.ascontiguousarray(dividends, np.uint32)
+    return np.asarray(_testing.fast_div(int(divisor), n), np.uint32)
 
 
 # -- scratch --------------------------------------------------------------------------

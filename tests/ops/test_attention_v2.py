@@ -228,6 +228,9 @@ def test_plan_and_workspace():
     assert p["workspace_bytes"] >= rows * (128 + 2) * 4 + 32 * 8 * 4
     assert stream_attention_plan(8, 1024, 16, 8, 256, parallel_units=132)["ctas"] == 132
     assert stream_attention_plan(8, 1024, 16, 8, 256, parallel_units=132, fp8=True)["ctas"] == 264
+    # fp8 rows of <= 128 bytes: three CTAs per SM
+    assert stream_attention_plan(32, 8192, 32, 8, 128, parallel_units=132, fp8=True)["ctas"] == 396
+    assert stream_attention_plan(32, 8192, 32, 8, 64, parallel_units=132, fp8=True)["ctas"] == 396
     assert stream_attention_plan(2000, 64, 8, 8, 64, parallel_units=132)["unsupported"]
     assert stream_attention_plan(4, 64, 8, 8, 64, parallel_units=132, ctas=9)["ctas"] == 9
 

@@ -162,9 +162,13 @@ def test_validation():
 
 
 @pytest.mark.gpu
-def test_gpu_quantization_matches_the_cpu(gpu_device):
-    """The CUDA conversion (cvt.rn.satfinite) and the CPU one give the same bytes."""
-    H, D, n = 4, 128, 300
+@pytest.mark.parametrize("H,D", [(4, 128), (3, 24)], ids=["4x128", "3x24"])
+def test_gpu_quantization_matches_the_cpu(gpu_device, H, D):
+    """The CUDA conversion (cvt.rn.satfinite) and the CPU one give the same bytes. 3x24:
+    3 vectors of 8 per head and 9 per token, so the kernel's head and token of a vector
+    come from divisions by counts that are not powers of two (each head has its own
+    scale: a wrong head quantizes with a wrong one)."""
+    n = 300
     rng = np.random.default_rng(9)
     x = (rng.standard_normal((n, H, D)) * np.exp(rng.uniform(-12, 12, (n, H, 1)))).astype(
         np.float32
@@ -217,20 +221,27 @@ def test_gpu_bulk_copy_prefill_and_decode_sizes(gpu_device, n):
 
 
 @pytest.mark.gpu
-def test_gpu_token_kernel_fallback_writes_and_drops_like_the_tiled_kernel(gpu_device):
+@pytest.mark.parametrize(
+    "H,D,dtype",
+    [(8, 128, jnp.bfloat16), (3, 40, jnp.bfloat16), (5, 7, jnp.bfloat16), (1, 6, jnp.float32)],
+    ids=["8x128-bf16", "3x40-bf16", "5x7-bf16", "1x6-f32"],
+)
+def test_gpu_token_kernel_fallback_writes_and_drops_like_the_tiled_kernel(gpu_device, H, D, dtype):
     """The token kernel (production's fallback for tokens too large for the tiled kernel,
     forced through jax_vmm.testing.token_kernel_kv_writes) writes the same bytes and counts
-    the same drops as the tiled kernel, at decode and prefill sizes."""
-    H, D, T = 8, 128, 4096
+    the same drops as the tiled kernel, at decode and prefill sizes. The geometries give
+    128, 15, 35 and 3 copy vectors per token (16-, 16-, 2- and 8-byte vectors): the tiled
+    kernel finds a vector's token by a division, exact only if it is for every count."""
+    T = 4096
     rng = np.random.default_rng(12)
-    for n in (3, 300):
-        nk = jax.device_put(jnp.asarray(rng.standard_normal((n, H, D)), jnp.bfloat16), gpu_device)
+    for n in (3, 300, 2000):
+        nk = jax.device_put(jnp.asarray(rng.standard_normal((n, H, D)), dtype), gpu_device)
         slots = rng.permutation(T)[:n].astype(np.int32)
         slots[0], slots[-1] = -1, T + 9  # padding and one out-of-range slot per side
         sl = jax.device_put(jnp.asarray(slots), gpu_device)
         out, drops = {}, {}
         for kernel in ("tiled", "token"):
-            cache = jax.device_put(jnp.zeros((T, H, D), jnp.bfloat16), gpu_device)
+            cache = jax.device_put(jnp.zeros((T, H, D), dtype), gpu_device)
             before = ops.kv_write_stats()["dropped_writes"]
             if kernel == "token":
                 with jax_vmm.testing.token_kernel_kv_writes():

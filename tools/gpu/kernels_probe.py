@@ -136,6 +136,16 @@ def variants_for(fp8: bool, extra: str) -> dict[str, Callable]:
                 q, k, v, n, k_scale=ks, v_scale=vs, impl="stream_tma"
             ),
         }
+        if extra == "big":  # CTAs per SM and ring depth: fp8 tiles carry half the bytes
+            sms = getattr(jax.devices()[0], "core_count", 0) or 132
+            for per, stages in ((1, 0), (3, 0), (4, 0), (2, 3), (2, 4), (3, 3), (4, 2)):
+                v[f"fp8_stream_c{per}" + (f"s{stages}" if stages else "")] = (
+                    lambda c, s: (
+                        lambda q, k, v, n, ks, vs: _decode_attention(
+                            q, k, v, n, k_scale=ks, v_scale=vs, impl="stream", ctas=c, stages=s
+                        )
+                    )
+                )(per * sms, stages)
         return v
     v = {  # v1 first: every later row reports its difference from it
         "v1": lambda q, k, v, n: _decode_attention(q, k, v, n),
@@ -555,6 +565,12 @@ def main() -> int:
     ap.add_argument("--only", default="all", choices=["all", "kv_write"])
     ap.add_argument("--quick", action="store_true", help="fewer shapes")
     ap.add_argument(
+        "--shapes",
+        default=None,
+        help="comma-separated attention shape names (e.g. B32_T8k,B32_T8k_fp8); skips the "
+        "small-shape check and kv_write",
+    )
+    ap.add_argument(
         "--smoke", action="store_true", help="tiny shapes: checks the script itself, on any device"
     )
     ap.add_argument(
@@ -583,15 +599,17 @@ def main() -> int:
             write_json(args.json, RESULTS)
         return 0
     log(f"ceilings: {c}")
-    RESULTS["check"] = guarded("check", "all", lambda: check_small(dev, smoke=args.smoke)) or []
+    RESULTS["check"] = []
+    if not args.shapes:
+        RESULTS["check"] = guarded("check", "all", lambda: check_small(dev, smoke=args.smoke)) or []
 
     rng = np.random.default_rng(1)
     shapes = [
         ("B32_T8k", 32, 8192, 32, 8, 128, np.full(32, 8192), dict(extra="big")),
-        ("B32_T8k_fp8", 32, 8192, 32, 8, 128, np.full(32, 8192), dict(fp8=True)),
+        ("B32_T8k_fp8", 32, 8192, 32, 8, 128, np.full(32, 8192), dict(fp8=True, extra="big")),
         ("B64_T16k_6000", 64, 16384, 32, 8, 128, rng.integers(5500, 6501, 64), {}),
         ("B8_T32k", 8, 32768, 32, 8, 128, np.full(8, 32768), {}),
-        ("B8_T32k_fp8", 8, 32768, 32, 8, 128, np.full(8, 32768), dict(fp8=True)),
+        ("B8_T32k_fp8", 8, 32768, 32, 8, 128, np.full(8, 32768), dict(fp8=True, extra="big")),
         ("B32_T8k_ragged", 32, 8192, 32, 8, 128, rng.integers(1, 8193, 32), {}),
         ("B1_T1k", 1, 1024, 32, 8, 128, np.full(1, 1024), dict(extra="small")),
         ("B4_T256", 4, 256, 32, 8, 128, np.full(4, 256), dict(extra="small")),
@@ -606,8 +624,14 @@ def main() -> int:
     if args.smoke:
         shapes = [
             ("tiny", 2, 256, 8, 2, 64, np.array([256, 100]), dict(extra="big")),
-            ("tiny_fp8", 2, 256, 8, 2, 64, np.array([256, 100]), dict(fp8=True)),
+            ("tiny_fp8", 2, 256, 8, 2, 64, np.array([256, 100]), dict(fp8=True, extra="big")),
         ]
+    if args.shapes:
+        wanted = args.shapes.split(",")
+        unknown = sorted(set(wanted) - {x[0] for x in shapes})
+        if unknown:
+            ap.error(f"unknown shapes {unknown}; known: {[x[0] for x in shapes]}")
+        shapes = [x for x in shapes if x[0] in wanted]
     RESULTS["attention"] = []
 
     def run_shapes(chosen, guard):
@@ -642,10 +666,13 @@ def main() -> int:
     }
     run_shapes([x for x in shapes if x[0] in main_names], guard=False)
 
-    log("kv_write (tiled kernel, token kernel, XLA)")
-    RESULTS["kv_write"] = (
-        guarded("kv_write", "all", lambda: kv_write_section(dev, copy_bps, smoke=args.smoke)) or []
-    )
+    RESULTS["kv_write"] = []
+    if not args.shapes:
+        log("kv_write (tiled kernel, token kernel, XLA)")
+        RESULTS["kv_write"] = (
+            guarded("kv_write", "all", lambda: kv_write_section(dev, copy_bps, smoke=args.smoke))
+            or []
+        )
 
     run_shapes([x for x in shapes if x[0] not in main_names], guard=True)
 

@@ -17,6 +17,7 @@
 #include <tuple>
 #include <vector>
 
+#include "common/fast_divmod.h"
 #include "common/ffi_registry.h"
 #include "drivers/cuda/compute_streams.h"
 #include "drivers/cuda/zero_allocation.h"
@@ -43,6 +44,7 @@ void BindComputeStreams(nb::module_& m);
 void BindScratchHooks(nb::module_& m);
 void BindLegacyViews(nb::module_& m);
 void BindStreamPartition(nb::module_& m);
+void BindFastDivmod(nb::module_& m);
 
 }  // namespace
 
@@ -74,6 +76,7 @@ void BindTestingHooks(nb::module_& m) {
   BindScratchHooks(m);
   BindLegacyViews(m);
   BindStreamPartition(m);
+  BindFastDivmod(m);
   BindFakeCuda(m);
 }
 
@@ -278,6 +281,30 @@ void BindStreamPartition(nb::module_& m) {
       nb::arg("min_tiles"),
       "Per CTA, the pieces (b, hg, first_tile, tiles, slot or -1 for a whole unit, "
       "first_owner, last_owner) of the streaming kernel's partition.");
+}
+
+// The kv_write kernel's index division (common/fast_divmod.h), run on the host with the
+// device's arithmetic: quotients of every dividend for one divisor.
+void BindFastDivmod(nb::module_& m) {
+  m.def(
+      "fast_div",
+      [](uint32_t divisor, nb::ndarray<const uint32_t, nb::ndim<1>, nb::c_contig> dividends) {
+        if (divisor == 0 || divisor >= (uint32_t{1} << 31)) {
+          throw std::invalid_argument("fast_div: divisor must be in [1, 2^31)");
+        }
+        const FastDivmod div(divisor);
+        std::vector<uint32_t> out(dividends.shape(0));
+        for (size_t i = 0; i < out.size(); ++i) {
+          const uint32_t n = dividends.data()[i];
+          if (n >= (uint32_t{1} << 31)) {
+            throw std::invalid_argument("fast_div: dividends must be in [0, 2^31)");
+          }
+          out[i] = div.Div(n);
+        }
+        return out;
+      },
+      nb::arg("divisor"), nb::arg("dividends"),
+      "FastDivmod(divisor).Div(n) for each n (uint32, C-contiguous, each < 2^31).");
 }
 
 }  // namespace

@@ -55,6 +55,7 @@ ffi::Error ChooseStages(int64_t requested, int sms, Call* call) {
   int64_t s = requested;
   if (s <= 0) {
     s = budget > fixed ? static_cast<int64_t>((budget - fixed) / stage_bytes) : 0;
+    if (call->kernel.kv == KvStorage::kFp8) s = std::min<int64_t>(s, kFp8AutoStages);
     s = std::min<int64_t>(kMaxStages, std::max<int64_t>(2, s));
   }
   if (s < 2 || s > kMaxStages || fixed + s * stage_bytes > kMaxSmemPerCta) {

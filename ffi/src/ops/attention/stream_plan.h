@@ -73,12 +73,21 @@ struct Plan {
 
 // The grid size of the automatic plan. On a GPU (sm_count > 0) two CTAs per SM for K/V
 // rows of <= 256 bytes (so each SM streams with 8 warps), one for 16-bit head_dim 256
-// (its tiles need the shared memory of a whole SM for a 3-deep ring); the CPU model
+// (its tiles need the shared memory of a whole SM for a 3-deep ring), three for fp8
+// rows of <= 128 bytes: a tile of those carries half the bytes for the same tensor-core
+// and conversion work per token, so an SM needs more warps in flight to keep HBM busy
+// (H200, head_dim 128: 2-4% faster than two, see docs/benchmarks.md); the CPU model
 // (sm_count 0) uses kCpuCtas. storage_bytes: bytes per K/V element (2, or 1 for fp8).
 inline int64_t DefaultCtas(int64_t sm_count, int64_t head_dim, int64_t storage_bytes) {
   if (sm_count <= 0) return kCpuCtas;
-  return sm_count * (head_dim * storage_bytes > 256 ? 1 : 2);
+  const int64_t row_bytes = head_dim * storage_bytes;
+  if (storage_bytes == 1 && row_bytes <= 128) return sm_count * 3;
+  return sm_count * (row_bytes > 256 ? 1 : 2);
 }
+
+// The deepest ring the automatic plan gives fp8 tiles: at three CTAs per SM a 3-deep
+// ring was faster than the 4 that shared memory allows (H200, head_dim 128).
+inline constexpr int64_t kFp8AutoStages = 3;
 
 // Empty string when the streaming kernel can serve these shapes, else why not.
 inline std::string Unsupported(const Shapes& s) {

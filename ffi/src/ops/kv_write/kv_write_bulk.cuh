@@ -12,18 +12,23 @@
 //      valid, kUnroll vectors in flight per thread.
 // So a prefill of n contiguous tokens moves as one coalesced stream with ~kUnroll x 16 B
 // per thread in flight, and a decode-size write (n = batch) pays the slot and page-table
-// latency once, overlapped with its data loads.
+// latency once, overlapped with its data loads. Loads index the tile's vectors flat (the
+// new tokens are contiguous); the stores' token of a vector is one FastDivmod, not an
+// integer division (~20 instructions per 16-byte vector, enough to cap a prefill near
+// 75% of the copy bandwidth).
 //
 // Tokens (the token policy): static __device__ int32_t Check(slot, params, side) and
 // static __device__ void CountDrop(), as for the token kernel (kv_write_kernel.cuh).
-// Transfer: the type Vec, int vecs_per_token, Load(side, side_index, token, i) -> Vec and
-// Store(dst_token, side_index, i, vec) (CopyVectors below, QuantizeVectors).
+// Transfer: the type Vec, int vecs_per_token, Load(side, side_index, flat) -> Vec (vector
+// `flat` of the side's new tokens, token-major) and Store(dst_token, side_index, i, vec)
+// (vector i of a token; CopyVectors below, QuantizeVectors).
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <cstdint>
 
+#include "common/fast_divmod.h"
 #include "ops/kv_write/kv_write.h"
 #include "ops/kv_write/kv_write_kernels.h"
 
@@ -38,9 +43,9 @@ template <typename V>
 struct CopyVectors {
   using Vec = V;
   int vecs_per_token;  // token_bytes / sizeof(V)
-  __device__ __forceinline__ Vec Load(const Side& s, int side, int64_t t, int i) const {
+  __device__ __forceinline__ Vec Load(const Side& s, int side, int64_t flat) const {
     (void)side;
-    return reinterpret_cast<const V*>(s.src)[t * vecs_per_token + i];
+    return reinterpret_cast<const V*>(s.src)[flat];
   }
   __device__ __forceinline__ void Store(uint8_t* dst_token, int side, int i, const Vec& x) const {
     (void)side;
@@ -49,7 +54,8 @@ struct CopyVectors {
 };
 
 template <typename Tokens, typename Transfer>
-__global__ void __launch_bounds__(kBulkThreads) KvBulkKernel(Params p, Transfer tr) {
+__global__ void __launch_bounds__(kBulkThreads)
+    KvBulkKernel(Params p, Transfer tr, FastDivmod per_token) {
   const int side = blockIdx.y;
   const Side& s = p.side[side];
   __shared__ long long dst_offset[kTileTokens];  // byte offset of the token's slot, or -1
@@ -58,11 +64,12 @@ __global__ void __launch_bounds__(kBulkThreads) KvBulkKernel(Params p, Transfer 
        t0 += static_cast<int64_t>(gridDim.x) * kTileTokens) {
     const int tt = static_cast<int>(p.n - t0 < kTileTokens ? p.n - t0 : kTileTokens);
     const int total = tt * vpt;
+    const int64_t flat0 = t0 * vpt;
     typename Transfer::Vec r[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int i = threadIdx.x + u * kBulkThreads;
-      if (i < total) r[u] = tr.Load(s, side, t0 + i / vpt, i % vpt);
+      if (i < total) r[u] = tr.Load(s, side, flat0 + i);
     }
     if (threadIdx.x < tt) {
       const int64_t t = t0 + threadIdx.x;
@@ -82,7 +89,7 @@ __global__ void __launch_bounds__(kBulkThreads) KvBulkKernel(Params p, Transfer 
       for (int u = 0; u < kUnroll; ++u) {
         const int i = base + u * kBulkThreads;
         if (i < total) {
-          const int tok = i / vpt;
+          const int tok = static_cast<int>(per_token.Div(static_cast<uint32_t>(i)));
           const long long off = dst_offset[tok];
           if (off >= 0) {
             if (s.dst != nullptr) tr.Store(s.dst + off, side, i - tok * vpt, r[u]);
@@ -95,7 +102,7 @@ __global__ void __launch_bounds__(kBulkThreads) KvBulkKernel(Params p, Transfer 
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int i = next + u * kBulkThreads;
-        if (i < total) r[u] = tr.Load(s, side, t0 + i / vpt, i % vpt);
+        if (i < total) r[u] = tr.Load(s, side, flat0 + i);
       }
     }
     __syncthreads();  // dst_offset is rewritten by the next tile
@@ -108,7 +115,8 @@ template <typename Tokens, typename Transfer>
 cudaError_t LaunchBulkKernel(const Params& p, const Transfer& tr, cudaStream_t stream) {
   const int64_t tiles = (p.n + kTileTokens - 1) / kTileTokens;
   const dim3 grid(static_cast<unsigned>(tiles < 65535 ? tiles : 65535), 2);
-  KvBulkKernel<Tokens, Transfer><<<grid, kBulkThreads, 0, stream>>>(p, tr);
+  const FastDivmod per_token(static_cast<uint32_t>(tr.vecs_per_token));
+  KvBulkKernel<Tokens, Transfer><<<grid, kBulkThreads, 0, stream>>>(p, tr, per_token);
   return cudaGetLastError();
 }
 

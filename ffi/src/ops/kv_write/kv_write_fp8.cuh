@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "common/fast_divmod.h"
 #include "ops/kv_write/kv_write.h"
 
 namespace jax_vmm::kv::kernels {
@@ -23,13 +24,13 @@ struct QuantizeVectors {
   struct Vec {
     uint4 w[kSrcWords];  // 8 source elements, raw
   };
-  int vecs_per_token;     // heads * head_dim / 8
-  int vecs_per_head;      // head_dim / 8
-  const float* scale[2];  // (heads,) per side
+  int vecs_per_token;      // heads * head_dim / 8
+  FastDivmod per_head;     // head_dim / 8: a vector's head is per_head.Div(i)
+  const float* scale[2];   // (heads,) per side
 
-  __device__ __forceinline__ Vec Load(const Side& s, int side, int64_t t, int i) const {
+  __device__ __forceinline__ Vec Load(const Side& s, int side, int64_t flat) const {
     (void)side;
-    const uint4* src = reinterpret_cast<const uint4*>(s.src) + (t * vecs_per_token + i) * kSrcWords;
+    const uint4* src = reinterpret_cast<const uint4*>(s.src) + flat * kSrcWords;
     Vec v;
 #pragma unroll
     for (int j = 0; j < kSrcWords; ++j) v.w[j] = src[j];
@@ -50,7 +51,7 @@ struct QuantizeVectors {
     }
   }
   __device__ __forceinline__ void Store(uint8_t* dst_token, int side, int i, const Vec& v) const {
-    const float inv = 1.0f / __ldg(scale[side] + i / vecs_per_head);
+    const float inv = 1.0f / __ldg(scale[side] + per_head.Div(static_cast<uint32_t>(i)));
     uint32_t w[2] = {0, 0};
 #pragma unroll
     for (int j = 0; j < 4; ++j) {

@@ -87,7 +87,7 @@ template <typename SrcT>
 cudaError_t LaunchQuantize(const Params& p, const Fp8Quantization& q, cudaStream_t stream) {
   kernels::QuantizeVectors<SrcT> tr;
   tr.vecs_per_token = static_cast<int>(p.token_bytes / 8);
-  tr.vecs_per_head = q.head_dim / 8;
+  tr.per_head = FastDivmod(static_cast<uint32_t>(q.head_dim / 8));
   tr.scale[0] = q.scale[0];
   tr.scale[1] = q.scale[1];
   return kernels::LaunchBulkKernel<CheckedOnDevice>(p, tr, stream);
