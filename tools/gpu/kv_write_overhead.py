@@ -70,7 +70,23 @@ def _time_forms(update, cache, n: int, donate: bool) -> dict[str, float]:
         out[name] = _median_us(step, inner=LOOP if per == 1 else 8) / per
         if name == "unrolled":
             out["dispatch"] = _dispatch_us(step) / per
+        if name == "loop":
+            out["loop_handler_calls_per_write"] = _handler_calls(step) / per
     return out
+
+
+def _handler_calls(step) -> int:
+    """kv_write handler calls during one call of `step`: 0 when the form replays as a
+    command buffer (CUDA graph), one per write when the host runs every write's handler."""
+
+    def calls() -> int:
+        st = jax_vmm.ops.kv_write_stats()
+        return st["kv_write"]["calls"] + st["kv_cache_write"]["calls"]
+
+    jax.block_until_ready(step())
+    before = calls()
+    jax.block_until_ready(step())
+    return calls() - before
 
 
 def _dispatch_us(step) -> float:
@@ -122,7 +138,12 @@ def measure(n: int) -> dict:
         kv.close()
     row = {"n": n}
     for kind, forms in times.items():
-        row.update({f"{kind}_{name}_us": us for name, us in forms.items()})
+        row.update(
+            {
+                f"{kind}_{name}" + ("" if name.endswith("_per_write") else "_us"): v
+                for name, v in forms.items()
+            }
+        )
     for name in ("loop", "unrolled", "call", "dispatch"):
         row[f"{name}_ours_over_xla"] = row[f"ours_{name}_us"] / row[f"xla_{name}_us"]
         row[f"{name}_arena_over_xla"] = row[f"arena_{name}_us"] / row[f"xla_{name}_us"]
@@ -148,6 +169,12 @@ def main() -> int:
                 f"{r[f'{c}_ours_over_xla']:6.2f} {r[f'arena_{c}_us']:9.2f} "
                 f"{r[f'{c}_arena_over_xla']:6.2f}"
             )
+    print("-- kv_write handler calls per write in the fori_loop (0: replayed as a CUDA graph)")
+    for r in rows:
+        print(
+            f"{r['n']:>6}  ours {r['ours_loop_handler_calls_per_write']:.2f}  arena "
+            f"{r['arena_loop_handler_calls_per_write']:.2f}"
+        )
     print(
         "loop = fori_loop of 64; unrolled = 64 in one jit; call = one jit each; dispatch = "
         "host time until the unrolled jit returns, per write; ours = "
