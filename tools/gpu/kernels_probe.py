@@ -124,6 +124,7 @@ def rel(a: np.ndarray, b: np.ndarray) -> float:
 
 
 def variants_for(fp8: bool, extra: str) -> dict[str, Callable]:
+    sms = getattr(jax.devices()[0], "core_count", 0) or 132
     if fp8:
         v = {
             "fp8_stream": lambda q, k, v, n, ks, vs: _decode_attention(
@@ -137,7 +138,6 @@ def variants_for(fp8: bool, extra: str) -> dict[str, Callable]:
             ),
         }
         if extra == "big":  # CTAs per SM and ring depth: fp8 tiles carry half the bytes
-            sms = getattr(jax.devices()[0], "core_count", 0) or 132
             for per, stages in ((1, 0), (3, 0), (4, 0), (2, 3), (2, 4), (3, 3), (4, 2)):
                 v[f"fp8_stream_c{per}" + (f"s{stages}" if stages else "")] = (
                     lambda c, s: (
@@ -156,7 +156,6 @@ def variants_for(fp8: bool, extra: str) -> dict[str, Callable]:
         "stream_combine": lambda q, k, v, n: _decode_attention(q, k, v, n, impl="stream_combine"),
         "stream_tma": lambda q, k, v, n: _decode_attention(q, k, v, n, impl="stream_tma"),
     }
-    sms = getattr(jax.devices()[0], "core_count", 0) or 132
     if extra == "big":  # ring depth and CTAs per SM at the main shape
         for s in (2, 4):
             v[f"stream_s{s}"] = (

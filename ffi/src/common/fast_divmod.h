@@ -22,7 +22,7 @@ class FastDivmod {
   FastDivmod() = default;
 
   // divisor in [1, 2^31).
-  explicit FastDivmod(uint32_t divisor) : divisor_(divisor) {
+  explicit FastDivmod(uint32_t divisor) {
     uint32_t log2 = 0;  // ceil(log2(divisor))
     while ((uint64_t{1} << log2) < divisor) ++log2;
     if (divisor == 1) return;  // multiplier_ 0 marks "n / 1 = n"
@@ -32,8 +32,6 @@ class FastDivmod {
     multiplier_ = static_cast<uint32_t>((p + divisor - 1) / divisor);
     shift_ = log2 - 1;
   }
-
-  JAX_VMM_DIVMOD_HD uint32_t divisor() const { return divisor_; }
 
   // n / divisor for n in [0, 2^31).
   JAX_VMM_DIVMOD_HD uint32_t Div(uint32_t n) const {
@@ -50,7 +48,6 @@ class FastDivmod {
 #endif
   }
 
-  uint32_t divisor_ = 1;
   uint32_t multiplier_ = 0;
   uint32_t shift_ = 0;
 };
