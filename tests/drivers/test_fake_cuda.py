@@ -609,3 +609,21 @@ def test_a_fake_driver_never_shares_the_zero_allocations_of_another_table(fake):
     assert fake.zero_handles() == zero
     assert t.fake_cuda_stats()["calls"]["cuMemCreate"] == creates
     del a
+
+
+def test_zero_piece_ceiling_from_the_environment(fake, monkeypatch):
+    # Read when a device's zero allocations are made (none is alive between tests).
+    monkeypatch.setenv("JAX_VMM_ZERO_PIECE_MAX_BYTES", str(2 * G))
+    a = fake.arena(32 * MiB + 3 * G)
+    zero = fake.zero_handles()
+    assert sorted(n for _, n, *_ in t.fake_cuda_allocations()) == [G, 2 * G]
+    pieces = [n for _, n, h in t.fake_cuda_mappings() if h in zero]
+    assert max(pieces) == 2 * G and sum(pieces) == 32 * MiB + 3 * G
+    check_zero_pieces(a, zero)
+    fake.close_all()
+    del a
+    gc.collect()
+    monkeypatch.setenv("JAX_VMM_ZERO_PIECE_MAX_BYTES", "lots")
+    with pytest.raises(ValueError, match="JAX_VMM_ZERO_PIECE_MAX_BYTES=lots is not a positive"):
+        fake.arena(4 * G)
+    assert live(t.fake_cuda_stats())["live_reservations"] == 0

@@ -96,6 +96,20 @@ def test_bad_bookkeeping_is_refused():
 
 
 def test_zero_piece_size():
-    assert _core.testing.zero_piece_bytes(141 << 30, CHUNK) == 32 * MiB  # an H200
-    assert _core.testing.zero_piece_bytes(16 << 30, CHUNK) == 32 * MiB
+    assert _core.testing.zero_piece_bytes(141 << 30, CHUNK) == 256 * MiB  # an H200
+    assert _core.testing.zero_piece_bytes(16 << 30, CHUNK) == 32 * MiB  # 1/512 of the device
     assert _core.testing.zero_piece_bytes(512 * MiB, CHUNK) == CHUNK
+    assert _core.testing.zero_piece_bytes(141 << 30, CHUNK, 32 * MiB) == 32 * MiB
+    assert _core.testing.zero_piece_bytes(141 << 30, CHUNK, 48 * MiB) == 32 * MiB  # a power of 2
+
+
+def test_zero_piece_ceiling_from_env(monkeypatch):
+    read = _core.testing.zero_piece_ceiling_from_env
+    monkeypatch.delenv("JAX_VMM_ZERO_PIECE_MAX_BYTES", raising=False)
+    assert read() == 256 * MiB
+    monkeypatch.setenv("JAX_VMM_ZERO_PIECE_MAX_BYTES", str(32 * MiB))
+    assert read() == 32 * MiB
+    for bad in ("0", "-1", "32MiB", "1.5"):
+        monkeypatch.setenv("JAX_VMM_ZERO_PIECE_MAX_BYTES", bad)
+        with pytest.raises(ValueError, match="JAX_VMM_ZERO_PIECE_MAX_BYTES=.*positive number"):
+            read()

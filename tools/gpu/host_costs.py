@@ -13,10 +13,12 @@ Part 2 times the raw driver calls one commit is made of (cuda-python, 4 MiB piec
 idle and busy): cuMemCreate, cuMemMap, cuMemSetAccess, cuMemUnmap, cuMemRelease.
 Part 3 runs the main job (examples/decode.py's engine, gpu preset) under cProfile, only
 its serving loop, and prints the functions with the most own time under ensure/release.
-Part 4 times what a large commit adds to the raw calls (cuda-python): one 256 MiB run
-over the read-only zero mapping the CUDA driver keeps under unbacked bytes (8 pieces of
-32 MiB): unmapping the pieces one call each and in one call spanning them (does this
-driver accept it?), then cuMemCreate + cuMemMap + cuMemSetAccess of the run.
+Part 4 times what a large commit adds to the raw calls (cuda-python): one run over the
+read-only zero mapping the CUDA driver keeps under unbacked bytes (`--swaps`, default 8
+pieces of 32 MiB; several cases show whether a call costs per mapping or per byte):
+unmapping the pieces one call each and in one call spanning them (does this driver accept
+it?), then cuMemCreate + cuMemMap + cuMemSetAccess of the run. Then the arena growing
+16 -> 20 GiB, its zero pieces as large as JAX_VMM_ZERO_PIECE_MAX_BYTES allows.
 (tools/gpu/dispatch_costs.py splits the main job's dispatching-thread time further.)
 """
 
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import json
+import os
 import pstats
 import statistics
 import sys
@@ -305,13 +308,25 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--json", type=Path)
     p.add_argument("--parts", default="1234", help="which parts to run (digits 1-4; default all)")
+    p.add_argument(
+        "--swaps",
+        default="32x8",
+        help="part 4's zero-piece cases, MiBxCOUNT, comma-separated (default: 8 pieces of 32 MiB)",
+    )
     args = p.parse_args()
-    result = {"device": str(jax.devices()[0].device_kind)}
+    result = {
+        "device": str(jax.devices()[0].device_kind),
+        "zero_piece_max_bytes_env": os.environ.get("JAX_VMM_ZERO_PIECE_MAX_BYTES"),
+    }
     if "4" in args.parts:
-        r = zero_swap()
-        result["zero_swap"] = r
-        print("-- a 256 MiB commit over 8 zero pieces of 32 MiB (median us)")
-        print(_cells(r))
+        result["zero_swap"] = []
+        for spec in args.swaps.split(","):
+            piece_mib, pieces = (int(x) for x in spec.split("x"))
+            r = zero_swap(piece_mib << 20, pieces)
+            result["zero_swap"].append(r)
+            run_mib = piece_mib * pieces
+            print(f"-- a {run_mib} MiB run over {pieces} zero pieces of {piece_mib} MiB (us)")
+            print(_cells(r))
         r = arena_growth()
         result["arena_growth"] = r
         print("-- the arena growing 16 -> 20 GiB (bench/growth.py's default), median of 5")

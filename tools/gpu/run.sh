@@ -57,7 +57,7 @@
 #                       a release, device idle and busy, and a cProfile of the main job at
 #                       batch 64 (where its host time in ensure/release goes), and the zero
 #                       mapping's share of a large commit -> host_costs.json (HOST_PARTS=4:
-#                       only that part)
+#                       only that part; HOST_SWAPS=32x8,256x1: its zero-piece cases)
 #   diag:dispatch       tools/gpu/dispatch_costs.py: the main job at batch 64 with the
 #                       dispatching thread's cache calls split into core calls and Python,
 #                       and CPU seconds per thread -> dispatch_costs.json
@@ -230,7 +230,7 @@ step_diag() {
   fi
   if [ "${1:-}" = host ]; then
     "$PY" tools/gpu/host_costs.py --batch 64 --json "$RUN_DIR/host_costs.json" \
-      ${HOST_PARTS:+--parts "$HOST_PARTS"}
+      ${HOST_PARTS:+--parts "$HOST_PARTS"} ${HOST_SWAPS:+--swaps "$HOST_SWAPS"}
     return
   fi
   [ "${1:-}" = hazard ] || { echo "unknown diag step ${1:-} (hazard, example, host, dispatch, kv_write)"; return 2; }

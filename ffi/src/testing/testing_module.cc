@@ -169,7 +169,9 @@ void BindZeroLayout(nb::module_& m) {
            })
       .def("pieces", [to_list](const ZeroLayout& z) { return to_list(z.pieces()); })
       .def("covered", &ZeroLayout::Covered);
-  m.def("zero_piece_bytes", &cuda::ZeroPieceBytes, nb::arg("total_bytes"), nb::arg("granularity"));
+  m.def("zero_piece_bytes", &cuda::ZeroPieceBytes, nb::arg("total_bytes"), nb::arg("granularity"),
+        nb::arg("ceiling") = cuda::kDefaultZeroPieceCeiling);
+  m.def("zero_piece_ceiling_from_env", &cuda::ZeroPieceCeilingFromEnv);
 }
 
 void BindComputeStreams(nb::module_& m) {

@@ -78,7 +78,7 @@ class CudaDriver final : public Driver {
     return info;
   }
 
-  // Cost: one cuMemMap per zero piece (about bytes / 32 MiB on an H200) plus one
+  // Cost: one cuMemMap per zero piece (about bytes / 256 MiB on an H200) plus one
   // cuMemSetAccess for the range.
   uintptr_t Reserve(size_t bytes) override {
     if (bytes == 0 || bytes % chunk_bytes_ != 0) {

@@ -1,5 +1,7 @@
 #include "drivers/cuda/zero_allocation.h"
 
+#include <cctype>
+#include <cstdlib>
 #include <map>
 #include <mutex>
 #include <string>
@@ -10,11 +12,23 @@
 
 namespace jax_vmm::cuda {
 
-size_t ZeroPieceBytes(size_t total_bytes, size_t granularity) {
-  constexpr size_t kMax = size_t{32} << 20;
+size_t ZeroPieceBytes(size_t total_bytes, size_t granularity, size_t ceiling) {
   size_t piece = granularity;
-  while (piece * 2 <= kMax && piece * 2 <= total_bytes / 512) piece *= 2;
+  while (piece * 2 <= ceiling && piece * 2 <= total_bytes / 512) piece *= 2;
   return piece;
+}
+
+size_t ZeroPieceCeilingFromEnv() {
+  const char* env = std::getenv("JAX_VMM_ZERO_PIECE_MAX_BYTES");
+  if (env == nullptr || *env == '\0') return kDefaultZeroPieceCeiling;
+  char* end = nullptr;
+  const unsigned long long v = std::strtoull(env, &end, 10);
+  if (!std::isdigit(static_cast<unsigned char>(env[0])) || *end != '\0' || v == 0) {
+    throw InvalidArgument(std::string("jax_vmm: JAX_VMM_ZERO_PIECE_MAX_BYTES=") + env +
+                          " is not a positive number of bytes; unset it for the default (" +
+                          std::to_string(kDefaultZeroPieceCeiling) + ")");
+  }
+  return static_cast<size_t>(v);
 }
 
 ZeroAllocations::ZeroAllocations(const Api& api, int ordinal, CUdevice dev, size_t granularity,
@@ -87,7 +101,7 @@ std::shared_ptr<const ZeroAllocations> ZeroAllocations::ForDevice(const Api& api
     if (r != CUDA_SUCCESS) ThrowDriver(api, ordinal, "cuMemGetInfo", r);
   }
   auto made = std::make_shared<const ZeroAllocations>(api, ordinal, dev, granularity,
-                                                      ZeroPieceBytes(total_bytes, granularity));
+                                                      ZeroPieceBytes(total_bytes, granularity, ZeroPieceCeilingFromEnv()));
   cached = made;
   return made;
 }

@@ -5,7 +5,7 @@
 //
 // Why one per size: cuMemMap maps an allocation only whole, so a zero piece of n bytes
 // needs an allocation of exactly n bytes (zero_layout.h). All sizes are made up front
-// (2 x the largest in all: 62 MiB on an H200), so that the restore paths, which must not
+// (2 x the largest in all: 510 MiB on an H200), so that the restore paths, which must not
 // fail, never allocate. Larger pieces mean fewer cuMemMap/cuMemUnmap calls per reserved
 // or committed byte; the memory is spent once per device, not per arena.
 //
@@ -23,8 +23,18 @@
 namespace jax_vmm::cuda {
 
 // The largest zero piece for a device with `total_bytes` of memory and `granularity`: a
-// power of two times the granularity, at most 32 MiB and 1/512 of the device's memory.
-size_t ZeroPieceBytes(size_t total_bytes, size_t granularity);
+// power of two times the granularity, at most `ceiling` and 1/512 of the device's memory
+// (so the zero allocations, 2x the largest piece, stay under 1/256 of it).
+// 256 MiB: driver calls cost per mapping, not per byte (unmap ~20 us, set-access ~25 us on
+// an H200), so a 256 MiB commit over one zero piece instead of eight 32 MiB ones is ~2.5x
+// faster (docs/design.md, "Zero reads"); the price is 510 MiB of zero memory per device.
+inline constexpr size_t kDefaultZeroPieceCeiling = size_t{256} << 20;
+size_t ZeroPieceBytes(size_t total_bytes, size_t granularity,
+                      size_t ceiling = kDefaultZeroPieceCeiling);
+// The ceiling in force: JAX_VMM_ZERO_PIECE_MAX_BYTES when set (read when a device's zero
+// allocations are made), else kDefaultZeroPieceCeiling. InvalidArgument for a value that is
+// not a positive integer.
+size_t ZeroPieceCeilingFromEnv();
 
 class ZeroAllocations {
  public:
