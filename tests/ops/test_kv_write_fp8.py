@@ -190,10 +190,11 @@ def test_gpu_quantization_matches_the_cpu(gpu_device, H, D):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("n", [1, 31, 33, 4096 + 7])
+@pytest.mark.parametrize("n", [1, 2, 3, 31, 33, 64, 129, 1000, 4096 + 7, 5000])
 def test_gpu_bulk_copy_prefill_and_decode_sizes(gpu_device, n):
     """The tiled kv_write kernel: contiguous prefill runs and scattered decode slots land
-    exactly, with drops counted (one out-of-range slot per call)."""
+    exactly, with drops counted (one out-of-range slot per call). The sizes cross its tile
+    sizes (2 tokens per tile up to 256 tokens, then n / 128, capped at 32 from 4096 on)."""
     H, D, T = 8, 128, 8192
     kv = jax_vmm.kv_arena(
         num_layers=1,

@@ -71,6 +71,8 @@
 #   diag:kv_write       tools/gpu/kv_write_overhead.py: a decode-size kv_write against XLA's
 #                       .at[].set in a fori_loop, unrolled, one jit per write; with nsys on
 #                       the machine, the CUDA API calls and kernels of the n = 1 case
+#   diag:kv_write_ncu   tools/gpu/kv_write_kernel_times.py: the kv_write kernel's own time by
+#                       Nsight Compute at 1..32768 tokens -> kv_write_kernel_times.json
 #   bench:attention     bench/attention.py: copy-bandwidth floor, then the table -> bench_attention.json
 #   bench:kv_write      bench/kv_write.py at 1 GiB and 32 GiB -> bench_kv_write.json
 #   bench:commit        bench/commit.py: arena vs raw cuda-python, 64 GiB creation -> bench_commit.json
@@ -228,12 +230,16 @@ step_diag() {
     fi
     return
   fi
+  if [ "${1:-}" = kv_write_ncu ]; then
+    "$PY" tools/gpu/kv_write_kernel_times.py --json "$RUN_DIR/kv_write_kernel_times.json"
+    return
+  fi
   if [ "${1:-}" = host ]; then
     "$PY" tools/gpu/host_costs.py --batch 64 --json "$RUN_DIR/host_costs.json" \
       ${HOST_PARTS:+--parts "$HOST_PARTS"} ${HOST_SWAPS:+--swaps "$HOST_SWAPS"}
     return
   fi
-  [ "${1:-}" = hazard ] || { echo "unknown diag step ${1:-} (hazard, example, host, dispatch, kv_write)"; return 2; }
+  [ "${1:-}" = hazard ] || { echo "unknown diag step ${1:-} (hazard, example, host, dispatch, kv_write, kv_write_ncu)"; return 2; }
   TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3,command_buffer_conversion_pass=2 \
     "$PY" tests/integration/test_command_buffer_gpu.py hazard grow keep "$RUN_DIR/diag_hazard.json"
   local r=$?
