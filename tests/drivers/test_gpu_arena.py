@@ -40,12 +40,13 @@ def oracle(gpu_device) -> cu_oracle.CudaOracle:
 
 def zero_handle(oracle: cu_oracle.CudaOracle, arena: jax_vmm.Arena) -> frozenset[int] | None:
     """The handles of the device's shared zero allocations (one per piece size), read by
-    the driver oracle over a fresh 31-chunk reservation, which the zero layout tiles into
-    one piece of each size (16, 8, 4, 2 and 1 chunks). Call it while ``arena`` lives: the
-    zero allocations are shared only while some reservation holds them. None when the
+    the driver oracle over a fresh 255-chunk reservation, which the zero layout tiles into
+    one piece of each size (128, 64, ..., 2 and 1 chunks: up to the default 256 MiB ceiling
+    with 2 MiB chunks; a lower ceiling repeats its largest piece). Call it while ``arena``
+    lives: the zero allocations are shared only while some reservation holds them. None when the
     driver does not hand back stable handle values (then only access flags identify the
     zero memory)."""
-    with jax_vmm.Arena(31 * 2 * MiB, device=arena.device) as probe:
+    with jax_vmm.Arena(255 * 2 * MiB, device=arena.device) as probe:
         c = probe.chunk_bytes
         states = oracle.chunk_states(probe.base, probe.reserved_bytes, c)
         again = oracle.allocation_handle(probe.base)

@@ -3,9 +3,11 @@
     python tools/gpu/kv_write_kernel_times.py [--sizes 1,8,64,4096,32768] [--json OUT.json]
 
 Runs itself under `ncu --clock-control none --metrics gpu__time_duration.sum`, profiling
-only the tiled kernel (`KvBulkKernel`), for `--calls` eager `jax_vmm.kv_write` calls per
-size on a plain (T, 8, 128) bfloat16 cache, scattered slots; prints the median kernel time
-per size, its bandwidth (bytes read + written) and the physical floor (bytes / 4.8 TB/s).
+only the kv_write kernels, for `--calls` eager `jax_vmm.kv_write` calls per size on a plain
+(T, 8, 128) bfloat16 cache, scattered slots: the tiled kernel (`KvBulkKernel`, production)
+and its fallback, the token kernel (`KvKernel`, one thread group per token, forced through
+`jax_vmm.testing.token_kernel_kv_writes`). Prints the median kernel time per size, its
+bandwidth (bytes read + written) and the physical floor (bytes / 4.8 TB/s).
 Kernel time only: no launch, no host code, no graph (what a command buffer replays).
 """
 
@@ -16,6 +18,7 @@ import csv
 import io
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -24,7 +27,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 H, D, T = 8, 128, 65536
-KERNEL = "KvBulkKernel"
+KERNELS = {"tiled": "KvBulkKernel", "token": "KvKernel"}
 DATASHEET = 4.8e12
 
 
@@ -47,34 +50,43 @@ def child(sizes: list[int], calls: int) -> None:
         for _ in range(calls):
             k, v = jax_vmm.kv_write(k, v, new, new, slots)
             jax.block_until_ready((k, v))
+        with jax_vmm.testing.token_kernel_kv_writes():
+            for _ in range(calls):
+                k, v = jax_vmm.kv_write(k, v, new, new, slots)
+                jax.block_until_ready((k, v))
 
 
 def parse(text: str, sizes: list[int], calls: int) -> list[dict]:
-    """Kernel durations in launch order, `calls` per size."""
+    """Median kernel time per size and kernel (launch order: `calls` of each per size)."""
     start = text.find('"ID"')
     if start < 0:
         raise SystemExit(f"no ncu CSV in its output:\n{text[-2000:]}")
     rows = [
         r
         for r in csv.DictReader(io.StringIO(text[start:]))
-        if r.get("Metric Name") == "gpu__time_duration.sum" and KERNEL in r.get("Kernel Name", "")
+        if r.get("Metric Name") == "gpu__time_duration.sum"
     ]
-    if len(rows) != len(sizes) * calls:
-        raise SystemExit(f"expected {len(sizes) * calls} {KERNEL} launches, ncu saw {len(rows)}")
     scale = {"nsecond": 1e-9, "usecond": 1e-6, "msecond": 1e-3, "second": 1.0}
+    times = {
+        name: [
+            float(r["Metric Value"].replace(",", "")) * scale[r["Metric Unit"]]
+            for r in rows
+            if re.search(rf"\b{kernel}\b", r.get("Kernel Name", ""))
+        ]
+        for name, kernel in KERNELS.items()
+    }
+    for name, t in times.items():
+        if len(t) != len(sizes) * calls:
+            raise SystemExit(f"expected {len(sizes) * calls} {name} launches, ncu saw {len(t)}")
     out = []
     for i, n in enumerate(sizes):
-        mine = rows[i * calls : (i + 1) * calls]
-        t = statistics.median(float(r["Metric Value"]) * scale[r["Metric Unit"]] for r in mine)
         moved = 2 * 2 * n * H * D * 2  # k and v, read and written, bfloat16
-        out.append(
-            {
-                "tokens": n,
-                "kernel_us": 1e6 * t,
-                "gbps": moved / t / 1e9,
-                "floor_us": 1e6 * moved / DATASHEET,
-            }
-        )
+        row = {"tokens": n, "floor_us": 1e6 * moved / DATASHEET}
+        for name, t in times.items():
+            med = statistics.median(t[i * calls : (i + 1) * calls])
+            row[f"{name}_us"] = 1e6 * med
+            row[f"{name}_gbps"] = moved / med / 1e9
+        out.append(row)
     return out
 
 
@@ -99,7 +111,7 @@ def main() -> None:
         "--metrics",
         "gpu__time_duration.sum",
         "--kernel-name",
-        f"regex:{KERNEL}",
+        "regex:" + "|".join(KERNELS.values()),
         "--csv",
         sys.executable,
         __file__,
@@ -115,11 +127,11 @@ def main() -> None:
         raise SystemExit(f"ncu exited {done.returncode}:\n{done.stderr[-3000:]}")
     rows = parse(done.stdout, sizes, args.calls)
     print(f"kv_write kernel time by ncu, median of {args.calls} calls, {H}x{D} bfloat16 tokens")
-    print(f"{'tokens':>7} {'kernel us':>10} {'GB/s':>8} {'floor us':>9} {'x floor':>8}")
+    print(f"{'tokens':>7} {'tiled us':>9} {'GB/s':>7} {'token us':>9} {'GB/s':>7} {'floor us':>9}")
     for r in rows:
         print(
-            f"{r['tokens']:>7} {r['kernel_us']:>10.2f} {r['gbps']:>8.0f} {r['floor_us']:>9.2f}"
-            f" {r['kernel_us'] / r['floor_us']:>8.1f}"
+            f"{r['tokens']:>7} {r['tiled_us']:>9.2f} {r['tiled_gbps']:>7.0f}"
+            f" {r['token_us']:>9.2f} {r['token_gbps']:>7.0f} {r['floor_us']:>9.2f}"
         )
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
