@@ -39,6 +39,7 @@ def child(sizes: list[int], calls: int) -> None:
 
     sys.path.insert(0, str(ROOT))
     import jax_vmm
+    import jax_vmm.testing
 
     rng = np.random.default_rng(0)
     k = jnp.zeros((T, H, D), jnp.bfloat16)
@@ -66,7 +67,7 @@ def parse(text: str, sizes: list[int], calls: int) -> list[dict]:
         for r in csv.DictReader(io.StringIO(text[start:]))
         if r.get("Metric Name") == "gpu__time_duration.sum"
     ]
-    scale = {"nsecond": 1e-9, "usecond": 1e-6, "msecond": 1e-3, "second": 1.0}
+    scale = {"nsecond": 1e-9, "ns": 1e-9, "usecond": 1e-6, "us": 1e-6, "msecond": 1e-3, "ms": 1e-3}
     times = {
         name: [
             float(r["Metric Value"].replace(",", "")) * scale[r["Metric Unit"]]
