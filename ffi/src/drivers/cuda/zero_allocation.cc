@@ -100,8 +100,8 @@ std::shared_ptr<const ZeroAllocations> ZeroAllocations::ForDevice(const Api& api
     const CUresult r = api.cuMemGetInfo(&free_bytes, &total_bytes);
     if (r != CUDA_SUCCESS) ThrowDriver(api, ordinal, "cuMemGetInfo", r);
   }
-  auto made = std::make_shared<const ZeroAllocations>(api, ordinal, dev, granularity,
-                                                      ZeroPieceBytes(total_bytes, granularity, ZeroPieceCeilingFromEnv()));
+  const size_t max_piece = ZeroPieceBytes(total_bytes, granularity, ZeroPieceCeilingFromEnv());
+  auto made = std::make_shared<const ZeroAllocations>(api, ordinal, dev, granularity, max_piece);
   cached = made;
   return made;
 }

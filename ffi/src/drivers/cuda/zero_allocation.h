@@ -22,13 +22,15 @@
 
 namespace jax_vmm::cuda {
 
+// 256 MiB: driver calls cost per mapping, not per byte (unmap ~20 us, set-access ~25 us on
+// an H200), so growing a buffer by 256 MiB over one zero piece instead of eight 32 MiB
+// ones is ~2.5x faster (docs/design.md, "Zero reads"); the price is 510 MiB of zero memory
+// per device.
+inline constexpr size_t kDefaultZeroPieceCeiling = size_t{256} << 20;
+
 // The largest zero piece for a device with `total_bytes` of memory and `granularity`: a
 // power of two times the granularity, at most `ceiling` and 1/512 of the device's memory
 // (so the zero allocations, 2x the largest piece, stay under 1/256 of it).
-// 256 MiB: driver calls cost per mapping, not per byte (unmap ~20 us, set-access ~25 us on
-// an H200), so a 256 MiB commit over one zero piece instead of eight 32 MiB ones is ~2.5x
-// faster (docs/design.md, "Zero reads"); the price is 510 MiB of zero memory per device.
-inline constexpr size_t kDefaultZeroPieceCeiling = size_t{256} << 20;
 size_t ZeroPieceBytes(size_t total_bytes, size_t granularity,
                       size_t ceiling = kDefaultZeroPieceCeiling);
 // The ceiling in force: JAX_VMM_ZERO_PIECE_MAX_BYTES when set (read when a device's zero
