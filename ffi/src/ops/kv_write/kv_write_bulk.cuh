@@ -14,10 +14,10 @@
 // per thread in flight, and a decode-size write (n = batch) pays the slot and page-table
 // latency once, overlapped with its data loads. Small writes get small tiles (TileTokens),
 // so that a decode-size write spreads over many SMs instead of queueing rounds of loads
-// in a few blocks. Loads index the tile's vectors flat (the
-// new tokens are contiguous); the stores' token of a vector is one FastDivmod, not an
-// integer division (~20 instructions per 16-byte vector, enough to cap a prefill near
-// 75% of the copy bandwidth).
+// in a few blocks. Loads index the tile's vectors flat (the new tokens are contiguous);
+// the stores' token of a vector is one FastDivmod, not an integer division (~20
+// instructions per 16-byte vector, enough to cap a prefill near 75% of the copy
+// bandwidth).
 //
 // Tokens (the token policy): static __device__ int32_t Check(slot, params, side) and
 // static __device__ void CountDrop(), as for the token kernel (kv_write_kernel.cuh).
@@ -116,7 +116,7 @@ __global__ void __launch_bounds__(kBulkThreads)
 // that, enough tiles per side to reach kSpreadTiles blocks, each with at least one vector
 // per thread.
 inline constexpr int64_t kSpreadTiles = 128;
-__host__ __device__ inline int TileTokens(int64_t n, int vecs_per_token) {
+inline int TileTokens(int64_t n, int vecs_per_token) {
   int64_t tile = (n + kSpreadTiles - 1) / kSpreadTiles;
   const int64_t fill = (kBulkThreads + vecs_per_token - 1) / vecs_per_token;
   if (tile < fill) tile = fill;
