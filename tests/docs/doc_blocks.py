@@ -96,6 +96,7 @@ def failure_report(block: Block, proc: subprocess.CompletedProcess) -> str:
     """What the test shows when a block fails: where it is, its exit code and its stderr."""
     return (
         f"the ```python block at {block.id} failed (exit {proc.returncode}) when run as "
-        f"written; fix the block, or mark it '# fragment: <why>' on its first line.\n"
+        f"written (its line n, '<string>' below, is line {block.line} + n of the file); fix "
+        "the block, or mark it '# fragment: <why>' on its first line.\n"
         f"--- stderr ---\n{proc.stderr[-4000:]}"
     )

@@ -5,8 +5,10 @@ that reason (doc_blocks.py has the rules)."""
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import textwrap
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -23,15 +25,31 @@ def _params() -> list:
     params = []
     for path in DOCS:
         for block in python_blocks(path.read_text(), str(path.relative_to(REPO))):
-            marks = [pytest.mark.skip(reason=f"fragment: {block.fragment}")] * bool(block.fragment)
+            why = f"{block.id} is a fragment: {block.fragment}"
+            marks = [pytest.mark.skip(reason=why)] * bool(block.fragment)
             params.append(pytest.param(block, id=block.id, marks=marks))
     return params
 
 
+@pytest.fixture(scope="module")
+def runs(request, tmp_path_factory):
+    """The selected blocks' runs, started together two at a time: each child spends most
+    of its time importing JAX, and CI has 2 cores."""
+    blocks = [
+        item.callspec.params["block"]
+        for item in request.session.items
+        if item.originalname == "test_doc_block_runs_as_written"
+        and not item.get_closest_marker("skip")
+    ]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        yield {b.id: pool.submit(run_block, b, tmp_path_factory.mktemp("block")) for b in blocks}
+
+
 @pytest.mark.parametrize("block", _params())
-def test_doc_block_runs_as_written(block: Block, tmp_path: Path):
-    proc = run_block(block, tmp_path)
-    assert proc.returncode == 0, failure_report(block, proc)
+def test_doc_block_runs_as_written(block: Block, runs: dict[str, Future]):
+    proc: subprocess.CompletedProcess = runs[block.id].result()
+    if proc.returncode != 0:
+        pytest.fail(failure_report(block, proc), pytrace=False)
 
 
 # The finder and the runner themselves, on a synthetic page: a broken block must fail.
