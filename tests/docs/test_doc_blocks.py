@@ -52,6 +52,11 @@ def test_doc_block_runs_as_written(block: Block, runs: dict[str, Future]):
         pytest.fail(failure_report(block, proc), pytrace=False)
 
 
+def test_the_readme_blocks_are_found():
+    # An empty parameter list would skip the test above silently.
+    assert python_blocks((REPO / "README.md").read_text(), "README.md")
+
+
 # The finder and the runner themselves, on a synthetic page: a broken block must fail.
 
 PAGE = textwrap.dedent(
