@@ -28,8 +28,8 @@ from examples.report import fmt_bytes
 
 def chunk_tokens(cfg: M.ModelConfig, device: jax.Device, chunk_bytes: int | None) -> int:
     """Tokens of one layer buffer per arena chunk (the unit memory follows)."""
-    from jax_vmm._device import resolve_device
-    from jax_vmm._loader import core
+    from jax_vmm.base.devices import resolve_device
+    from jax_vmm.base.loader import core
 
     target = resolve_device(device)
     chunk = core.resolve_chunk_bytes(target.driver, target.ordinal, chunk_bytes or 0)

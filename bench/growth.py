@@ -142,8 +142,8 @@ def run_vmm(g: dict, repeats: int, variant: str) -> dict:
     idle = _memory_probe(device)
     handle, fill = VARIANTS[variant]
     if handle == 0:  # one allocation per chunk: ask the driver what a chunk is
-        from jax_vmm._device import resolve_device
-        from jax_vmm._loader import core
+        from jax_vmm.base.devices import resolve_device
+        from jax_vmm.base.loader import core
 
         target = resolve_device(None)
         handle = core.resolve_chunk_bytes(target.driver, target.ordinal, 0)

@@ -279,7 +279,7 @@ def test_blocks_replay_the_captured_step_across_blocks_and_growth(gpu_device) ->
 
     def snapshot() -> None:
         w = ops.kv_write_stats()["kv_cache_write"]
-        a = jax_vmm.attention.attention_stats()
+        a = jax_vmm.ops.attention.attention_stats()
         snaps.append((w["calls"], w["captured_calls"], a["cuda_execute_calls"]))
 
     report = serve(

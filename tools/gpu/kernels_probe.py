@@ -48,8 +48,8 @@ import numpy as np  # noqa: E402
 import jax_vmm  # noqa: E402
 import jax_vmm.testing  # noqa: E402
 from _common import Table, copy_bandwidth, fmt, median_time, ratio, write_json  # noqa: E402
-from jax_vmm.attention import _decode_attention  # noqa: E402
-from jax_vmm.fp8 import dequantize_fp8, quantize_fp8  # noqa: E402
+from jax_vmm.base.fp8 import dequantize_fp8, quantize_fp8  # noqa: E402
+from jax_vmm.ops.attention import _decode_attention  # noqa: E402
 
 GiB, MiB = 1 << 30, 1 << 20
 DATASHEET_BPS = 4.8e12
@@ -583,7 +583,7 @@ def main() -> int:
     RESULTS["device"] = f"{dev.device_kind} ({dev.platform})"
     log(
         f"device {RESULTS['device']}, jax {jax.__version__}, built with CUDA kernels: "
-        f"{jax_vmm._loader.core.built_with_cuda_kernels}"
+        f"{jax_vmm.base.loader.core.built_with_cuda_kernels}"
     )
     c = guarded("ceilings", "copy/read", lambda: ceilings(dev, smoke=args.smoke)) or {}
     RESULTS["ceilings"] = c

@@ -7,8 +7,8 @@ allocation holds memory of two sequences and a release frees all of a sequence's
 The device-side table of ensured tokens is published after the memory on growth and
 before it goes on release: a kernel may write only what the table admits.
 
-:class:`TokenBacking` is a mixin of :class:`jax_vmm.KVArena` (``kv.py``), which owns the
-state it works on: ``arena``, ``buffers``, the geometry (``max_seqs``, ``max_tokens``,
+:class:`TokenBacking` is a mixin of :class:`jax_vmm.KVArena` (``jax_vmm/kv/arena.py``), which
+owns the state it works on: ``arena``, ``buffers``, the geometry (``max_seqs``, ``max_tokens``,
 ``seq_bytes``, ``token_bytes``), ``_lock`` (held around every change below), the
 per-sequence tables ``_ensured`` (tokens the kernels may touch), ``_covered`` (tokens
 within chunks known backed), ``_valid_gen`` (the arena generation ``_covered`` is valid
@@ -24,13 +24,13 @@ from typing import Any
 
 import numpy as np
 
-from ._loader import core as _core
-from .arena import _as_flag, _as_index
+from ..base.args import as_flag, as_index
+from ..base.loader import core as _core
 
 
 class TokenBacking:
     def _check_tokens(self, n: Any, op: str, name: str = "num_tokens") -> int:
-        n = _as_index(n, name)
+        n = as_index(n, name)
         if n > self.max_tokens:
             raise ValueError(f"{op}: {name}={n} exceeds max_tokens={self.max_tokens}")
         return n
@@ -374,7 +374,7 @@ class TokenBacking:
         (``handle_bytes``), the released chunks of an allocation that keeps other chunks
         stay held (``stats()['parked_bytes']``) until the rest of it is released."""
         num_tokens = self._check_tokens(num_tokens, "KVArena.shrink")
-        wait = _as_flag(wait, "wait")
+        wait = as_flag(wait, "wait")
         with self._lock:
             self.arena._check_open("KVArena.shrink")
             for q in list(self._offloaded):
@@ -428,8 +428,8 @@ class TokenBacking:
         next sequence writes them they hold the old sequence's bytes, so a zero-filling
         arena refuses ``keep_tokens``."""
         base = self._seq_base(seq, "KVArena.release")
-        wait = _as_flag(wait, "wait")
-        reuse = _as_flag(reuse, "reuse")
+        wait = as_flag(wait, "wait")
+        reuse = as_flag(reuse, "reuse")
         keep = self._check_keep_tokens(keep_tokens, "KVArena.release")
         q = 0 if seq is None else int(seq)
         with self._lock:

@@ -17,20 +17,19 @@ that fails on one device rolls back the shards that had succeeded. See docs/shar
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from .arena import _as_flag, _as_index, _refuse_copy
-from .cache import _register_arena
-from .errors import OutOfBoundsRead, OutOfBoundsWrite
-from .kv import KVArena, _check_seq, _layer_index, _wait_for_writes
-from .sharded_layout import ShardedLayerId, _layout
-
-if TYPE_CHECKING:
-    from .cache import KVCache
+from ..base.args import as_flag, layer_index
+from ..base.errors import OutOfBoundsRead, OutOfBoundsWrite
+from ..cache.registry import register_arena
+from ..cache.sharding import ShardedLayerId, layout
+from .arena import KVArena
+from .base import KVArenaBase, LayerViews, check_seq, layer_shape, wait_for_writes
+from .stats import ShardedKVArenaStats
 
 __all__ = ["ShardedKVArena", "ShardedLayerId"]
 
@@ -42,7 +41,7 @@ def _roll_back_shard(shard: KVArena, point: Any) -> None:
     shard._roll_back(point)
 
 
-class ShardedKVArena:
+class ShardedKVArena(KVArenaBase):
     """A KV arena split over the devices of a mesh: one :class:`~jax_vmm.KVArena` per local
     device (``kv.shards``, in mesh order), each over its block of sequences and KV heads.
     Create with ``jax_vmm.kv_arena(..., sharding=NamedSharding(mesh, spec))``.
@@ -71,18 +70,10 @@ class ShardedKVArena:
                 "the mesh), not both"
             )
         # The shards check every other argument; the layout needs the geometry first.
-        for name in ("num_layers", "num_kv_heads", "head_dim", "max_tokens"):
-            _as_index(kw[name], name, minimum=1)
-        if max_seqs is not None:
-            if isinstance(max_seqs, (bool, np.bool_)):
-                raise TypeError("max_seqs must be an integer or None, got bool")
-            _as_index(max_seqs, "max_seqs", minimum=1)
-        shape: tuple[int, ...] = (int(max_tokens), int(heads), int(head_dim))
-        if max_seqs is not None:
-            shape = (int(max_seqs),) + shape
-        self._layout = layout = _layout(sharding, shape)
-        self.sharding = layout.sharding
-        self.mesh = layout.mesh
+        shape = layer_shape(num_layers, heads, head_dim, max_tokens, max_seqs)
+        self._layout = split = layout(sharding, shape)
+        self.sharding = split.sharding
+        self.mesh = split.mesh
         self.num_layers = int(num_layers)
         self.num_kv_heads = int(heads)
         self.head_dim = int(head_dim)
@@ -91,12 +82,12 @@ class ShardedKVArena:
         scales = {k: kw.pop(k, None) for k in ("k_scales", "v_scales")}
         self.shards: list[KVArena] = []
         try:
-            for i, device in enumerate(layout.devices):
-                h0 = layout.head_start[i]
+            for i, device in enumerate(split.devices):
+                h0 = split.head_start[i]
                 local = {
                     k: None
                     if v is None
-                    else np.asarray(v)[:, h0 : h0 + layout.local_heads]
+                    else np.asarray(v)[:, h0 : h0 + split.local_heads]
                     if np.ndim(v) == 2
                     else v  # a bad shape: the shard says what it needs
                     for k, v in scales.items()
@@ -106,8 +97,8 @@ class ShardedKVArena:
                         **{
                             **kw,
                             "device": device,
-                            "num_kv_heads": layout.local_heads,
-                            "max_seqs": None if max_seqs is None else layout.local_seqs,
+                            "num_kv_heads": split.local_heads,
+                            "max_seqs": None if max_seqs is None else split.local_seqs,
                         },
                         **local,
                         _shard_of=self.shards[0].uid if self.shards else 0,
@@ -118,10 +109,10 @@ class ShardedKVArena:
                 shard.close()
             raise
         self.dtype = self.shards[0].dtype
-        self.token_bytes = self.shards[0].token_bytes * (self.num_kv_heads // layout.local_heads)
+        self.token_bytes = self.shards[0].token_bytes * (self.num_kv_heads // split.local_heads)
         self.k = _GlobalViews(self, 0, "kv.k")
         self.v = _GlobalViews(self, 1, "kv.v")
-        _register_arena(self)
+        register_arena(self)
 
     # -- identity and geometry ---------------------------------------------------------
     @property
@@ -129,33 +120,8 @@ class ShardedKVArena:
         """The cache uid every shard registers under (what a KVCache of it names)."""
         return self.shards[0].uid
 
-    @property
-    def closed(self) -> bool:
-        return any(s.closed for s in self.shards)
-
-    def _check_open(self, op: str) -> None:
-        for s in self.shards:
-            s._check_open(op)
-
-    @property
-    def backed_bytes(self) -> int:
-        """Bytes backed, summed over the devices."""
-        return sum(s.backed_bytes for s in self.shards)
-
-    @property
-    def reserved_bytes(self) -> int:
-        return sum(s.reserved_bytes for s in self.shards)
-
-    @property
-    def layer_shape(self) -> tuple[int, ...]:
-        return self._layout.global_shape
-
-    @property
-    def num_slots(self) -> int:
-        return (1 if self.max_seqs is None else self.max_seqs) * self.max_tokens
-
     def layer_id(self, layer: int) -> ShardedLayerId:
-        layer = _layer_index(layer, self.num_layers, "ShardedKVArena.layer_id")
+        layer = layer_index(layer, self.num_layers, "ShardedKVArena.layer_id")
         device = self._layout.devices[0]
         return ShardedLayerId(
             cache_uid=self.uid,
@@ -175,60 +141,40 @@ class ShardedKVArena:
             shape, NamedSharding(self.mesh, spec), parts
         )
 
-    def cache(self) -> KVCache:
-        """This arena as a :class:`~jax_vmm.KVCache` of sharded arena layers: each carries a
-        token with one element per device (the mesh's shape) and, for fp8, its global
-        ``(num_kv_heads,)`` scales; ``kv_write`` and ``decode_attention`` on it run per
-        device (``shard_map``), with no collective over the cache."""
-        from .cache import KVCache, KVLayer
+    def shards_of(self) -> list[KVArena]:
+        return self.shards
 
-        self._check_open("ShardedKVArena.cache")
-        axes = tuple(self.mesh.axis_names)
-        token_spec = PartitionSpec(*axes)
-        ones = (1,) * len(axes)
-        layers = []
-        for layer in range(self.num_layers):
-            lid = self.layer_id(layer)
-            token = self._global(
-                tuple(self.mesh.devices.shape),
-                token_spec,
-                [jax.device_put(np.zeros(ones, np.int32), d) for d in self._layout.devices],
-            )
-            scales: tuple = ()
-            if self.shards[0]._scales is not None:
-                spec = PartitionSpec(lid.head_axes)
-                scales = tuple(
-                    self._global(
-                        (self.num_kv_heads,), spec, [s.scales(layer)[i] for s in self.shards]
-                    )
-                    for i in (0, 1)
-                )
-            layers.append(KVLayer._arena(lid, token, scales))
-        return KVCache(layers)
-
-    def scales(self, layer: int) -> tuple[jax.Array, jax.Array] | None:
-        """(k_scale, v_scale) of an fp8 arena's layer as global ``(num_kv_heads,)`` arrays
-        sharded like the KV heads (None for other dtypes)."""
-        lid = self.layer_id(layer)
-        if self.shards[0]._scales is None:
-            return None
-        spec = PartitionSpec(lid.head_axes)
-        return tuple(
-            self._global((self.num_kv_heads,), spec, [s.scales(lid.layer)[i] for s in self.shards])
-            for i in (0, 1)
+    def _new_token(self) -> jax.Array:
+        """One int32 per device, laid out like the mesh."""
+        ones = (1,) * len(self.mesh.axis_names)
+        return self._global(
+            tuple(self.mesh.devices.shape),
+            PartitionSpec(*self.mesh.axis_names),
+            [jax.device_put(np.zeros(ones, np.int32), d) for d in self._layout.devices],
         )
 
-    def _fresh_view(self, side: int, layer: int) -> jax.Array:
+    def _layer_scales(self, layer: int) -> tuple[jax.Array, jax.Array]:
+        """Global ``(num_kv_heads,)`` scales, sharded like the KV heads."""
+        spec = PartitionSpec(self.layer_id(layer).head_axes)
+        k, v = (
+            self._global(
+                (self.num_kv_heads,), spec, [s._layer_scales(layer)[i] for s in self.shards]
+            )
+            for i in (0, 1)
+        )
+        return k, v
+
+    def fresh_view(self, side: int, layer: int) -> jax.Array:
         return self._global(
             self._layout.global_shape,
             self._layout.spec,
-            [s._fresh_view(side, layer) for s in self.shards],
+            [s.fresh_view(side, layer) for s in self.shards],
         )
 
     # -- which shards hold a sequence ----------------------------------------------------
     def _holders(self, seq: Any, op: str) -> list[tuple[KVArena, int | None]]:
         """(shard, local sequence) for every shard that holds global sequence ``seq``."""
-        seq = _check_seq(seq, self.max_seqs, op)
+        seq = check_seq(seq, self.max_seqs, op)
         if seq is None:
             return [(s, None) for s in self.shards]
         n = self._layout.local_seqs
@@ -324,9 +270,9 @@ class ShardedKVArena:
         """Release memory past the first ``num_tokens`` tokens of every sequence, on every
         shard. Returns bytes released, summed over the devices."""
         self.shards[0]._check_tokens(num_tokens, "ShardedKVArena.shrink")
-        wait = _as_flag(wait, "wait")
+        wait = as_flag(wait, "wait")
         with self._locked():
-            self._check_open("ShardedKVArena.shrink")
+            self.check_open("ShardedKVArena.shrink")
             return _each(self.shards, lambda s: s.shrink(num_tokens, wait=wait))
 
     def release(
@@ -341,11 +287,11 @@ class ShardedKVArena:
         (``keep_tokens``: :meth:`KVArena.release`). Returns bytes released, summed over the
         devices. Every shard is released even if one raises (its error is raised after)."""
         holders = self._holders(seq, "ShardedKVArena.release")
-        wait = _as_flag(wait, "wait")
-        reuse = _as_flag(reuse, "reuse")
+        wait = as_flag(wait, "wait")
+        reuse = as_flag(reuse, "reuse")
         keep = self.shards[0]._check_keep_tokens(keep_tokens, "ShardedKVArena.release")
         with self._locked():
-            self._check_open("ShardedKVArena.release")
+            self.check_open("ShardedKVArena.release")
             return _each(
                 holders,
                 lambda h: h[0].release(h[1], wait=wait, reuse=reuse, keep_tokens=keep),
@@ -361,22 +307,12 @@ class ShardedKVArena:
         )
 
     # -- checks and stats ----------------------------------------------------------------
-    def dropped_writes(self, *arrays: Any) -> int:
-        """Token writes dropped since the last :meth:`check`, summed over every shard (a
-        token dropped on a sequence split over ``h`` head shards counts ``h`` times)."""
-        _wait_for_writes(arrays)
-        return sum(s.dropped_writes() for s in self.shards)
-
-    def dropped_reads(self, *arrays: Any) -> int:
-        _wait_for_writes(arrays)
-        return sum(s.dropped_reads() for s in self.shards)
-
     def check(self, *arrays: Any) -> None:
         """:meth:`KVArena.check` over every shard: waits for ``arrays`` and this thread's
         writes, then raises :class:`~jax_vmm.errors.OutOfBoundsWrite` (or
         ``OutOfBoundsRead``) if any shard dropped a write (clamped a read), naming the
         devices; every shard's counts are reset."""
-        _wait_for_writes(arrays)
+        wait_for_writes(arrays)
         with self._locked():
             errors = []
             for shard in self.shards:
@@ -401,7 +337,7 @@ class ShardedKVArena:
             )
         raise OutOfBoundsRead(f"sharded KV arena: {where}", reads)
 
-    def stats(self) -> dict:
+    def stats(self) -> ShardedKVArenaStats:
         """Totals over the devices (bytes reserved, backed, peak backed and held; commit and
         decommit calls and seconds), ``backed_tokens`` per global sequence, and
         ``devices``: each shard's :meth:`KVArena.stats` with its device."""
@@ -416,7 +352,7 @@ class ShardedKVArena:
             "decommit_calls",
             "decommit_seconds",
         )
-        out = {key: sum(p[key] for p in per) for key in totals}
+        out: Any = {key: sum(p[key] for p in per) for key in totals}
         seqs = [None] if self.max_seqs is None else range(self.max_seqs)
         out.update(
             num_layers=self.num_layers,
@@ -428,20 +364,6 @@ class ShardedKVArena:
             devices=per,
         )
         return out
-
-    def close(self) -> None:
-        """Close every shard (idempotent). A KVCache of it refuses to run after this."""
-        for s in self.shards:
-            s.close()
-
-    def __reduce_ex__(self, protocol: Any) -> Any:
-        raise _refuse_copy("ShardedKVArena", self._layout.devices[0], "np.asarray(kv.k[layer])")
-
-    def __enter__(self) -> ShardedKVArena:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return (
@@ -478,19 +400,14 @@ class _AllLocks:
             lock.release()
 
 
-class _GlobalViews(Sequence[jax.Array]):
+class _GlobalViews(LayerViews):
     """``kv.k[l]``: a global array of the arena's sharding over the shards' views."""
 
     def __init__(self, kv: ShardedKVArena, side: int, name: str):
-        self._kv, self._side, self._name = kv, side, name
+        super().__init__(kv.num_layers, name)
+        self._kv, self._side = kv, side
 
-    def __len__(self) -> int:
-        return self._kv.num_layers
-
-    def __getitem__(self, layer):  # type: ignore[override]
-        if isinstance(layer, slice):
-            return [self[i] for i in range(*layer.indices(len(self)))]
-        layer = _layer_index(layer, len(self), self._name)
+    def _view(self, layer: int) -> jax.Array:
         return self._kv._global(
             self._kv._layout.global_shape,
             self._kv._layout.spec,

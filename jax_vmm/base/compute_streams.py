@@ -20,8 +20,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _ffi
-from ._device import DeviceTarget
+from . import ffi as _ffi
+from .devices import DeviceTarget
+from .loader import core as _core
 
 _TARGET = "jax_vmm_register_compute_stream"
 _lock = threading.RLock()  # a client may be collected (and forgotten) while it is held
@@ -59,8 +60,6 @@ def forget_when_gone(client: object, key: tuple[int, int], ordinal: int) -> weak
 
 
 def _forget(key: tuple[int, int], ordinal: int) -> None:
-    from ._loader import core
-
     with _lock:
         _registered.discard(key)
-        core.forget_compute_streams(ordinal)
+        _core.forget_compute_streams(ordinal)

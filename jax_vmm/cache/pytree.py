@@ -23,20 +23,19 @@ See docs/kv_cache.md.
 from __future__ import annotations
 
 import dataclasses
-import threading
-import weakref
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import numpy as np
 
-from .fp8 import FP8_DTYPE
+from ..base.args import layer_index
+from ..base.fp8 import FP8_DTYPE
+from ..memory.lookup import describe_buffer, find_view_buffer
+from .ids import LayerId
+from .registry import arena_of
 
-if TYPE_CHECKING:
-    from .kv import KVArena
-
-__all__ = ["KVCache", "KVLayer", "LayerId", "ArenaNotWrittenWarning"]
+__all__ = ["KVCache", "KVLayer", "ArenaNotWrittenWarning"]
 
 
 class ArenaNotWrittenWarning(UserWarning):
@@ -44,68 +43,6 @@ class ArenaNotWrittenWarning(UserWarning):
     layer, without ``dest``: XLA hands the call its own copy (always on the CPU, on a GPU
     unless donated), so the arena is not written. Use the cache API (``kv.cache()``,
     ``kv_write(layer, ...)``) or pass ``dest=kv.dest(layer)``."""
-
-
-@dataclasses.dataclass(frozen=True)
-class LayerId:
-    """The static identity of one layer of a KV arena: the pytree aux data of an arena
-    :class:`KVLayer`. Hashable and compared by value, so equal ids share compiled code.
-
-    ``cache_uid`` is the KV arena's uid (never reused; addresses are); the handlers find
-    the layer's buffers through it on the device the step runs on. The rest is the
-    geometry every check needs at trace time."""
-
-    cache_uid: int
-    layer: int
-    num_layers: int
-    shape: tuple[int, ...]  # of each of K and V: (max_seqs, max_tokens, H, D) or (T, H, D)
-    dtype: str
-    platform: str  # "cpu" or "gpu"
-
-    @property
-    def fp8(self) -> bool:
-        """A float8_e4m3fn arena: its layers carry scales (a uint8 arena is plain bytes)."""
-        return np.dtype(self.dtype) == FP8_DTYPE
-
-    @property
-    def num_kv_heads(self) -> int:
-        return self.shape[-2]
-
-    @property
-    def sharded(self) -> bool:
-        """A layer of a sharded KV arena (jax_vmm/sharded.py: ShardedLayerId)."""
-        return False
-
-    def describe(self) -> str:
-        return f"layer {self.layer} of KV arena {self.cache_uid}"
-
-
-# KV arenas by uid, for concrete reads of an arena layer (layer.k). Weak: the static
-# identity kept in jit caches must not keep an arena alive.
-_arenas: weakref.WeakValueDictionary[int, KVArena] = weakref.WeakValueDictionary()
-_arenas_lock = threading.Lock()
-
-
-def _register_arena(kv: KVArena) -> None:
-    with _arenas_lock:
-        _arenas[kv.uid] = kv
-
-
-def _live_arenas() -> list[KVArena]:
-    with _arenas_lock:
-        return [kv for kv in _arenas.values() if not kv.closed]
-
-
-def _arena_of(lid: LayerId, op: str) -> KVArena:
-    with _arenas_lock:
-        kv = _arenas.get(lid.cache_uid)
-    if kv is None:
-        raise ValueError(
-            f"{op}: {lid.describe()} no longer exists (the KVArena was closed and "
-            "collected); build the cache of an open KV arena (kv.cache())"
-        )
-    kv._check_open(op)
-    return kv
 
 
 def _flatten_arena_layer(layer: KVLayer) -> tuple[tuple, LayerId]:
@@ -157,18 +94,16 @@ class KVLayer:
 
         Views of a KV arena are refused: inside ``jit`` XLA copies them, so writes would
         miss the arena; use ``kv.cache()[l]``."""
-        from .ops import _arena_buffer, _describe
-
         for name, x in (("k", k), ("v", v)):
             if not hasattr(x, "shape") or not hasattr(x, "dtype"):
                 raise TypeError(f"KVLayer.from_arrays: {name} must be an array, got {type(x)}")
             nbytes = int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
-            found = _arena_buffer(x, nbytes)
+            found = find_view_buffer(x, nbytes)
             if found is not None:
                 raise ValueError(
                     f"KVLayer.from_arrays: {name} is a view of arena "
-                    f"{_describe(found['buffer_uid'])}. Inside jit XLA would copy it and the arena "
-                    "would not be written: use the arena's own cache, kv.cache()[layer]"
+                    f"{describe_buffer(found['buffer_uid'])}. Inside jit XLA would copy it and "
+                    "the arena would not be written: use the arena's own cache, kv.cache()[layer]"
                 )
         if tuple(k.shape) != tuple(v.shape) or np.dtype(k.dtype) != np.dtype(v.dtype):
             raise ValueError(
@@ -279,9 +214,9 @@ class KVLayer:
                 "into the jitted function as arguments (never returned) and order them "
                 "after this layer's writes: k, v = jax_vmm.ordered_views(layer, k, v)"
             )
-        kv = _arena_of(self._id, f"KVLayer.{name}")
+        kv = arena_of(self._id, f"KVLayer.{name}")
         jax.block_until_ready(token)
-        return kv._fresh_view(side, self._id.layer)
+        return kv.fresh_view(side, self._id.layer)
 
     def __repr__(self) -> str:
         if self.is_arena:
@@ -382,9 +317,7 @@ class KVCache:
         return KVCache(self._layers[:i] + (new,) + self._layers[i + 1 :])
 
     def _index(self, layer: Any, op: str) -> int:
-        from .kv import _layer_index
-
-        return _layer_index(layer, len(self._layers), op)
+        return layer_index(layer, len(self._layers), op)
 
     def __repr__(self) -> str:
         kinds = {("arena" if layer.is_arena else "arrays") for layer in self._layers}

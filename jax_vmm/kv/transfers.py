@@ -1,16 +1,16 @@
 """Moving a KV arena's contents to host memory and back: ``sleep`` / ``wake`` for the
 whole cache, ``offload`` / ``restore`` for one sequence (see ``docs/sleep.md``).
 
-:class:`SequenceTransfers` is a mixin of :class:`jax_vmm.KVArena` (``kv.py``), which owns
-the state it uses: ``arena``, ``_lock``, ``_offloaded`` (sequence -> its
-:class:`~jax_vmm.transfer.Transfer`) and the sequence bookkeeping of
-:class:`~jax_vmm.kv_backing.TokenBacking`.
+:class:`SequenceTransfers` is a mixin of :class:`jax_vmm.KVArena` (``jax_vmm/kv/arena.py``),
+which owns the state it uses: ``arena``, ``_lock``, ``_offloaded`` (sequence -> its
+:class:`~jax_vmm.Transfer`) and the sequence bookkeeping of
+:class:`~jax_vmm.kv.backing.TokenBacking`.
 """
 
 from __future__ import annotations
 
-from .arena import _as_flag
-from .transfer import Transfer
+from ..base.args import as_flag
+from ..memory.transfer import Transfer
 
 
 class SequenceTransfers:
@@ -39,7 +39,7 @@ class SequenceTransfers:
         the copy runs inline (host driver, raw views alive), else as
         :class:`jax_vmm.TransferError` from ``wait()``."""
         base = self._seq_base(seq, "KVArena.offload")
-        wait = _as_flag(wait, "wait")
+        wait = as_flag(wait, "wait")
         q = 0 if seq is None else int(seq)
         with self._lock:
             self.arena._check_open("KVArena.offload")
@@ -67,7 +67,7 @@ class SequenceTransfers:
         raised at once when inline (``wait=True``, host driver), else as
         :class:`jax_vmm.TransferError` from ``wait()``."""
         self._seq_base(seq, "KVArena.restore")
-        wait = _as_flag(wait, "wait")
+        wait = as_flag(wait, "wait")
         q = 0 if seq is None else int(seq)
         with self._lock:
             t = self._offloaded.get(q)

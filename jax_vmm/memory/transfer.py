@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .errors import TransferError
+from ..base.errors import TransferError
 
 _STATES = ("offloading", "offloaded", "restoring", "restored", "failed")
 _IN_FLIGHT = ("offloading", "restoring")

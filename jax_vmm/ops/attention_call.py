@@ -1,7 +1,8 @@
 """Validating one decode-attention call and choosing its kernel (split-K or streaming) and
 plan: the argument checks of docs/errors.md, the softmax scale, the clamped lengths, the
-FFI attributes, and the device it is planned for. ``jax_vmm.attention`` (the public ops),
-``jax_vmm.cache_ops`` and ``jax_vmm.testing`` build their custom calls from a ``_Call``.
+FFI attributes, and the device it is planned for. ``jax_vmm.ops.array_attention`` (the
+array ops), ``jax_vmm.ops.layer_ops`` and ``jax_vmm.testing`` build their custom calls from
+a ``_Call``.
 """
 
 from __future__ import annotations
@@ -15,9 +16,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._ffi import register
-from ._loader import core as _core
-from .fp8 import FP8_STORAGE
+from ..base.ffi import register
+from ..base.fp8 import FP8_STORAGE
+from ..base.loader import core as _core
 from .scratch import reserve as _scratch_reserve
 
 _IMPLS = {"auto": 0, "tensor_core": 1, "simple": 2, "tensor_core_u1": 3}
@@ -51,7 +52,7 @@ class _Call:
     stream: bool = False
 
 
-def _prepare(
+def prepare(
     q: Any,
     k: Any,
     v: Any,
@@ -71,7 +72,7 @@ def _prepare(
     """Validates a call, picks the kernel (split-K or streaming) and registers the
     targets; None for an empty batch (the result is then all zeros without a custom call).
     Shared with jax_vmm.testing's variant."""
-    # k, v may be ShapeDtypeStructs: the shapes of an arena layer (jax_vmm/cache_ops.py).
+    # k, v may be ShapeDtypeStructs: the shapes of an arena layer (jax_vmm/ops/layer_ops.py).
     q, k, v = (
         x if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) else jnp.asarray(x) for x in (q, k, v)
     )

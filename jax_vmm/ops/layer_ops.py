@@ -23,11 +23,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import attention as _attention
-from . import ops as _ops
-from ._ffi import register
-from .cache import KVLayer, LayerId, _arena_of
-from .fp8 import FP8_DTYPE, quantize_fp8
+from ..base.ffi import register
+from ..base.fp8 import FP8_DTYPE, quantize_fp8
+from ..cache.ids import LayerId
+from ..cache.pytree import KVLayer
+from ..cache.registry import arena_of
+from ..memory.lookup import find_view_buffer
+from . import array_writes as _ops
+from .array_attention import decode_attention_arrays
+from .attention_call import prepare
 
 __all__ = ["write", "attention", "ordered_views"]
 
@@ -67,12 +71,8 @@ def write(layer: KVLayer, new_k: Any, new_v: Any, slots: Any) -> KVLayer:
     if not layer.is_arena:
         return _write_arrays(layer, new_k, new_v, slots)
     lid = layer.id
-    if lid.sharded:
-        from . import sharded_ops
-
-        return sharded_ops.write(layer, new_k, new_v, slots)
     spec = _spec(lid)
-    n = _ops._check("kv_write", spec, spec, new_k, new_v, slots, fp8=lid.fp8)
+    n = _ops.check_write("kv_write", spec, spec, new_k, new_v, slots, fp8=lid.fp8)
     if n == 0:
         return layer
     register()
@@ -98,7 +98,7 @@ def _write_arrays(layer: KVLayer, new_k: Any, new_v: Any, slots: Any) -> KVLayer
     past the cache are dropped (``mode="drop"``), the rest written; fp8 tokens quantized
     as kv_write_fp8 does."""
     k, v = layer.k, layer.v
-    n = _ops._check("kv_write", k, v, new_k, new_v, slots, fp8=layer.fp8)
+    n = _ops.check_write("kv_write", k, v, new_k, new_v, slots, fp8=layer.fp8)
     if n == 0:
         return layer
     h, d = k.shape[-2:]
@@ -124,9 +124,9 @@ def _write_arrays(layer: KVLayer, new_k: Any, new_v: Any, slots: Any) -> KVLayer
 
 def attention(q: Any, layer: KVLayer, lengths: Any, *, scale: float | None = None, **knobs: Any):
     """``jax_vmm.decode_attention(q, layer, lengths)``; ``knobs``: the private plan knobs of
-    ``jax_vmm.attention._decode_attention`` (impl, chunk, splits, ctas, ...)."""
+    ``jax_vmm.ops.attention._decode_attention`` (impl, chunk, splits, ctas, ...)."""
     if not layer.is_arena:
-        return _attention._decode_attention(
+        return decode_attention_arrays(
             q,
             layer.k,
             layer.v,
@@ -137,10 +137,6 @@ def attention(q: Any, layer: KVLayer, lengths: Any, *, scale: float | None = Non
             **knobs,
         )
     lid = layer.id
-    if lid.sharded:
-        from . import sharded_ops
-
-        return sharded_ops.attention(q, layer, lengths, scale=scale, **knobs)
     if len(lid.shape) != 4:
         raise ValueError(
             f"decode_attention: {lid.describe()} has shape {lid.shape}; attention needs one "
@@ -150,7 +146,7 @@ def attention(q: Any, layer: KVLayer, lengths: Any, *, scale: float | None = Non
         raise ValueError("decode_attention over an arena layer keeps its partials in scratch")
     knobs.pop("workspace", None)
     spec = _spec(lid)
-    call = _attention._prepare(
+    call = prepare(
         q,
         spec,
         spec,
@@ -236,12 +232,12 @@ def ordered_views(layer: KVLayer, k: Any, v: Any) -> tuple[Any, Any]:
 
 
 def _check_concrete_views(lid: LayerId, k: Any, v: Any) -> None:
-    kv = _arena_of(lid, "ordered_views")
+    kv = arena_of(lid, "ordered_views")
     for name, x, buf in (
         ("k", k, kv.k_buffers[lid.layer]),
         ("v", v, kv.v_buffers[lid.layer]),
     ):
-        found = _ops._arena_buffer(x, buf.nbytes)
+        found = find_view_buffer(x, buf.nbytes)
         if found is None or found["buffer_uid"] != buf.uid:
             raise ValueError(
                 f"ordered_views: {name} is not a view of {lid.describe()}'s {name} buffer; "

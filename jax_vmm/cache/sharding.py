@@ -1,7 +1,7 @@
 """How a ``NamedSharding`` lays the KV cache's per-layer shape over a mesh: which mesh axes
 split the sequences and the KV heads (the tokens and head_dim axes stay whole), the block
 each device holds, and the static identity of a sharded layer (``ShardedLayerId``) that
-the sharded ops (``sharded_ops.py``) run ``shard_map`` over.
+the sharded ops (``jax_vmm/ops/sharded_ops.py``) run ``shard_map`` over.
 """
 
 from __future__ import annotations
@@ -13,7 +13,9 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from .cache import LayerId
+from .ids import LayerId
+
+__all__ = ["ShardedLayerId", "Layout", "layout"]
 
 SEQS, TOKENS, HEADS, HEAD_DIM = "sequences", "tokens", "KV heads", "head_dim"
 
@@ -64,7 +66,7 @@ def _axes(entry: Any) -> tuple[str, ...]:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Layout:
+class Layout:
     """Where each device's shard sits in the global layer: its first sequence and head."""
 
     mesh: jax.sharding.Mesh
@@ -92,7 +94,7 @@ class _Layout:
         return NamedSharding(self.mesh, self.spec)
 
 
-def _layout(sharding: Any, global_shape: tuple[int, ...]) -> _Layout:
+def layout(sharding: Any, global_shape: tuple[int, ...]) -> Layout:
     """Validate ``sharding`` for a layer of ``global_shape`` and place each device's shard."""
     if not isinstance(sharding, NamedSharding):
         raise TypeError(
@@ -147,7 +149,7 @@ def _layout(sharding: Any, global_shape: tuple[int, ...]) -> _Layout:
         (s.stop if s.stop is not None else n) - (s.start or 0) for s, n in zip(first, global_shape)
     )
     head_dim = rank - 2
-    return _Layout(
+    return Layout(
         mesh=mesh,
         spec=padded,
         global_shape=tuple(global_shape),

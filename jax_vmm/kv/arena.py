@@ -2,27 +2,28 @@
 
 from __future__ import annotations
 
-import operator
 import threading
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._prefetch import CommitAhead
-from .arena import Arena, Buffer, _as_flag, _as_index, _as_int, _refuse_copy
-from .errors import DriverError, OutOfBoundsRead, OutOfBoundsWrite
-from .fp8 import FP8_DTYPE
-from .kv_backing import TokenBacking
-from .kv_transfers import SequenceTransfers
-from .transfer import Transfer
-
-if TYPE_CHECKING:
-    from .cache import KVCache
-    from .ops import KVDest
-    from .sharded import ShardedKVArena
+from ..base.args import as_flag, as_index, layer_index
+from ..base.devices import resolve_device, xla_device_ordinal
+from ..base.errors import DriverError, OutOfBoundsRead, OutOfBoundsWrite
+from ..base.fp8 import FP8_DTYPE
+from ..base.loader import core as _core
+from ..cache.ids import LayerId
+from ..cache.registry import register_arena
+from ..memory.arena import Arena, Buffer
+from ..memory.transfer import Transfer
+from ..ops.array_writes import KVDest
+from .backing import TokenBacking
+from .base import KVArenaBase, LayerViews, check_seq, layer_shape
+from .prefetch import CommitAhead
+from .stats import KVArenaStats
+from .transfers import SequenceTransfers
 
 #: Largest physical allocation of a KV arena's commit (rounded down to whole chunks): a
 #: prefill or a growth of many chunks takes few driver calls, and a sequence's release
@@ -30,61 +31,16 @@ if TYPE_CHECKING:
 DEFAULT_KV_HANDLE_BYTES = 1 << 30
 
 
-def _layer_index(layer: Any, num_layers: int, op: str) -> int:
-    """A layer index in [-num_layers, num_layers) as a non-negative int. It must be static:
-    a layer picks buffers on the host, when a step is traced."""
-    if isinstance(layer, jax.core.Tracer):
-        raise TypeError(
-            f"{op}: the layer must be static (a Python int), got a traced value. A dest names "
-            "buffers when the step is traced: pass the layer as a static argument "
-            "(static_argnums) or loop over layers in Python"
-        )
-    if isinstance(layer, (bool, np.bool_)):
-        raise TypeError(f"{op}: layer must be an integer, got bool")
-    try:
-        i = operator.index(layer)
-    except TypeError:
-        raise TypeError(f"{op}: layer must be an integer, got {type(layer).__name__}") from None
-    if not -num_layers <= i < num_layers:
-        raise IndexError(f"{op}: layer {i} is out of range for {num_layers} layers")
-    return i % num_layers
-
-
-def _check_seq(seq: Any, max_seqs: int | None, op: str) -> int | None:
-    """``seq`` as a sequence index of an arena of ``max_seqs`` sequences (None: an arena
-    without a per-sequence layout, which takes seq=None)."""
-    if max_seqs is None:
-        if seq is not None:
-            raise ValueError(
-                f"{op}: this KV arena has no per-sequence layout (max_seqs=None); pass seq=None"
-            )
-        return None
-    if seq is None:
-        raise ValueError(
-            f"{op}: this KV arena has max_seqs={max_seqs}; pass seq=<0..{max_seqs - 1}>"
-        )
-    seq = _as_index(seq, "seq")
-    if seq >= max_seqs:
-        raise ValueError(f"{op}: seq={seq} is out of range; expected 0 <= seq < {max_seqs}")
-    return seq
-
-
-class _LayerViews(Sequence[jax.Array]):
+class _LayerViews(LayerViews):
     """``kv.k[l]``: a zero-copy view of layer ``l``'s buffer. Views are cached and made
     anew once JAX has consumed (donated) the cached one."""
 
     def __init__(self, buffers: list[Buffer], name: str):
+        super().__init__(len(buffers), name)
         self._buffers = buffers
-        self._name = name
         self._cache: list[jax.Array | None] = [None] * len(buffers)
 
-    def __len__(self) -> int:
-        return len(self._buffers)
-
-    def __getitem__(self, layer):  # type: ignore[override]
-        if isinstance(layer, slice):
-            return [self[i] for i in range(*layer.indices(len(self)))]
-        layer = _layer_index(layer, len(self), self._name)
+    def _view(self, layer: int) -> jax.Array:
         cached = self._cache[layer]
         if cached is None or cached.is_deleted():
             cached = self._buffers[layer].array
@@ -92,7 +48,7 @@ class _LayerViews(Sequence[jax.Array]):
         return cached
 
 
-class KVArena(TokenBacking, SequenceTransfers):
+class KVArena(KVArenaBase, TokenBacking, SequenceTransfers):
     """KV cache for ``num_layers`` layers in one :class:`~jax_vmm.Arena`.
 
     Layout per layer and per K/V: ``(max_tokens, num_kv_heads, head_dim)``, or with
@@ -139,25 +95,14 @@ class KVArena(TokenBacking, SequenceTransfers):
         v_scales: Any = None,
         _shard_of: int | None = None,
     ):
-        # _shard_of (jax_vmm.sharded only): this arena is one device's shard of a sharded
+        # _shard_of (jax_vmm.kv.sharded only): this arena is one device's shard of a sharded
         # cache; 0 for the first shard (a new uid), else the uid of the first shard, which
         # this one joins. A shard is not registered by uid: its ShardedKVArena is.
-        for name, value in (
-            ("num_layers", num_layers),
-            ("num_kv_heads", num_kv_heads),
-            ("head_dim", head_dim),
-            ("max_tokens", max_tokens),
-        ):
-            _as_index(value, name, minimum=1)
-        if max_seqs is not None:
-            if isinstance(max_seqs, (bool, np.bool_)):
-                raise TypeError("max_seqs must be an integer or None, got bool")
-            if _as_int(max_seqs, "max_seqs") <= 0:
-                raise ValueError(f"max_seqs must be > 0 or None, got {max_seqs}")
-        initial_tokens = _as_index(initial_tokens, "initial_tokens")
+        shape = layer_shape(num_layers, num_kv_heads, head_dim, max_tokens, max_seqs)
+        initial_tokens = as_index(initial_tokens, "initial_tokens")
         if initial_tokens > max_tokens:
             raise ValueError(f"initial_tokens={initial_tokens} exceeds max_tokens={max_tokens}")
-        zero_fill = _as_flag(zero_fill, "zero_fill")
+        zero_fill = as_flag(zero_fill, "zero_fill")
         self.num_layers = int(num_layers)
         self.num_kv_heads = int(num_kv_heads)
         self.head_dim = int(head_dim)
@@ -167,18 +112,12 @@ class KVArena(TokenBacking, SequenceTransfers):
         self.token_bytes = self.num_kv_heads * self.head_dim * self.dtype.itemsize
         self.seq_bytes = self.max_tokens * self.token_bytes
         seqs = 1 if self.max_seqs is None else self.max_seqs
-        shape: tuple[int, ...] = (self.max_tokens, self.num_kv_heads, self.head_dim)
-        if self.max_seqs is not None:
-            shape = (self.max_seqs,) + shape
         # Every buffer is rounded up to whole chunks; ask the driver what a chunk is.
-        from ._device import resolve_device
-        from ._loader import core as _core
-
         target = resolve_device(device)
         chunk = _core.resolve_chunk_bytes(
             target.driver,
             target.ordinal,
-            0 if chunk_bytes is None else _as_index(chunk_bytes, "chunk_bytes"),
+            0 if chunk_bytes is None else as_index(chunk_bytes, "chunk_bytes"),
         )
         if handle_bytes is None:
             handle_bytes = max(chunk, DEFAULT_KV_HANDLE_BYTES // chunk * chunk)
@@ -207,9 +146,6 @@ class KVArena(TokenBacking, SequenceTransfers):
         self.k = _LayerViews(self.k_buffers, "kv.k")
         self.v = _LayerViews(self.v_buffers, "kv.v")
         self._scales = self._fp8_scales(k_scales, v_scales, target.device)
-        from ._device import xla_device_ordinal
-        from .cache import _register_arena
-
         # The identity the cache pytree carries, and the table of ensured tokens.
         self._core_cache = _core.create_kv_cache(
             self.arena._handle,
@@ -226,7 +162,7 @@ class KVArena(TokenBacking, SequenceTransfers):
             _shard_of or 0,
         )
         if _shard_of is None:
-            _register_arena(self)
+            register_arena(self)
         self._lock = threading.RLock()
         # Tokens each sequence asked for through ensure(): decides which chunks shared
         # by two sequences may be released (actual backing can be larger: chunk rounding).
@@ -243,7 +179,7 @@ class KVArena(TokenBacking, SequenceTransfers):
         self.commit_ahead_tokens = (
             max(1, tokens_per_chunk // 8)
             if commit_ahead_tokens is None
-            else _as_index(commit_ahead_tokens, "commit_ahead_tokens")
+            else as_index(commit_ahead_tokens, "commit_ahead_tokens")
         )
         self._ahead = CommitAhead(self)
         self._ahead_blocked = np.full(seqs, -1, np.int64)  # covered when a commit ahead was skipped
@@ -283,40 +219,24 @@ class KVArena(TokenBacking, SequenceTransfers):
         :class:`~jax_vmm.KVCache` of it names."""
         return self._core_cache.uid
 
-    def cache(self) -> KVCache:
-        """This arena as a :class:`~jax_vmm.KVCache`: one arena layer per layer. It carries
-        no big array (the arena is the state): pass it into and out of jitted steps,
-        ``lax.scan``, ``fori_loop``, ``while_loop``; ``jax_vmm.kv_write(cache[l], ...)``
-        writes the arena in place and ``jax_vmm.decode_attention(q, cache[l], lengths)``
-        reads it. Cheap: call it again for a fresh cache (the arena is the same)."""
-        from .cache import KVCache, KVLayer, LayerId
+    def shards_of(self) -> list[KVArena]:
+        return [self]
 
-        self.arena._check_open("KVArena.cache")
-        device = self.arena.device
-        shape = tuple(self.k_buffers[0].shape)
-        layers = []
-        for layer in range(self.num_layers):
-            lid = LayerId(
-                cache_uid=self.uid,
-                layer=layer,
-                num_layers=self.num_layers,
-                shape=shape,
-                dtype=self.dtype.name,
-                platform="cpu" if device.platform == "cpu" else "gpu",
-            )
-            token = jax.device_put(np.int32(0), device)
-            scales = (
-                () if self._scales is None else (self._scales[0][layer], self._scales[1][layer])
-            )
-            layers.append(KVLayer._arena(lid, token, scales))
-        return KVCache(layers)
+    def layer_id(self, layer: int) -> LayerId:
+        layer = layer_index(layer, self.num_layers, "KVArena.layer_id")
+        return LayerId(
+            cache_uid=self.uid,
+            layer=layer,
+            num_layers=self.num_layers,
+            shape=self.layer_shape,
+            dtype=self.dtype.name,
+            platform="cpu" if self.arena.device.platform == "cpu" else "gpu",
+        )
 
-    def scales(self, layer: int) -> tuple[jax.Array, jax.Array] | None:
-        """(k_scale, v_scale) of an fp8 arena's layer: float32 ``(num_kv_heads,)``, what
-        its tokens are quantized with (None for other dtypes)."""
-        layer = _layer_index(layer, self.num_layers, "KVArena.scales")
-        if self._scales is None:
-            return None
+    def _new_token(self) -> jax.Array:
+        return jax.device_put(np.int32(0), self.arena.device)
+
+    def _layer_scales(self, layer: int) -> tuple[jax.Array, jax.Array]:
         return self._scales[0][layer], self._scales[1][layer]
 
     def _signature(self) -> str:
@@ -334,40 +254,15 @@ class KVArena(TokenBacking, SequenceTransfers):
         )
 
     # -- geometry ------------------------------------------------------------------
-    @property
-    def closed(self) -> bool:
-        return self.arena.closed
-
-    def _check_open(self, op: str) -> None:
-        self.arena._check_open(op)
-
-    @property
-    def backed_bytes(self) -> int:
-        return self.arena.backed_bytes
-
-    @property
-    def reserved_bytes(self) -> int:
-        return self.arena.reserved_bytes
-
-    @property
-    def layer_shape(self) -> tuple[int, ...]:
-        """Shape of each layer's K and V: ``(max_seqs, max_tokens, H, D)`` or ``(T, H, D)``."""
-        return tuple(self.k_buffers[0].shape)
-
-    def _fresh_view(self, side: int, layer: int) -> jax.Array:
-        """A new zero-copy view of layer ``layer``'s K (side 0) or V (side 1) buffer."""
+    def fresh_view(self, side: int, layer: int) -> jax.Array:
         return (self.k_buffers if side == 0 else self.v_buffers)[layer].array
 
     @property
     def buffers(self) -> list[Buffer]:
         return self.k_buffers + self.v_buffers
 
-    @property
-    def num_slots(self) -> int:
-        return (1 if self.max_seqs is None else self.max_seqs) * self.max_tokens
-
     def _seq_base(self, seq: int | None, op: str) -> int:
-        q = _check_seq(seq, self.max_seqs, op)
+        q = check_seq(seq, self.max_seqs, op)
         return 0 if q is None else q * self.seq_bytes
 
     def dest(self, layer: int) -> KVDest:
@@ -377,9 +272,7 @@ class KVArena(TokenBacking, SequenceTransfers):
         not donated, or on CPU). It names the layer's buffers by uid: once this arena is
         closed or gone, a step traced with it refuses to run instead of writing whatever
         sits at those addresses then."""
-        from .ops import KVDest
-
-        layer = _layer_index(layer, self.num_layers, "KVArena.dest")
+        layer = layer_index(layer, self.num_layers, "KVArena.dest")
         self.arena._check_open("KVArena.dest")
         k, v = self.k_buffers[layer], self.v_buffers[layer]
         return KVDest(
@@ -387,20 +280,6 @@ class KVArena(TokenBacking, SequenceTransfers):
         )
 
     # -- checks and stats ------------------------------------------------------------------
-    def dropped_writes(self, *arrays: Any) -> int:
-        """Token writes dropped by kv_write (slot out of range, on an unbacked page, or past
-        its sequence's ensured tokens) since the last :meth:`check`, summed over K and V of
-        every layer. Waits first, as :meth:`check` does."""
-        _wait_for_writes(arrays)
-        return sum(self.arena._handle.drop_count(b.id) for b in self.buffers)
-
-    def dropped_reads(self, *arrays: Any) -> int:
-        """Sequences that ``decode_attention`` over a layer of this cache asked to read past
-        their ensured tokens since the last :meth:`check` (each was clamped to them), over
-        every layer and call. Waits first, as :meth:`check` does."""
-        _wait_for_writes(arrays)
-        return int(self._core_cache.read_clamps())
-
     def check(self, *arrays: Any) -> None:
         """Raise if a write was dropped or a read clamped since the last check (and reset
         both counts): :class:`~jax_vmm.errors.OutOfBoundsWrite` for dropped writes (its
@@ -438,8 +317,8 @@ class KVArena(TokenBacking, SequenceTransfers):
             reads,
         )
 
-    def stats(self) -> dict:
-        s = self.arena.stats()
+    def stats(self) -> KVArenaStats:
+        s: Any = self.arena.stats()
         seqs = range(1 if self.max_seqs is None else self.max_seqs)
         tokens = [self.backed_tokens(None if self.max_seqs is None else q) for q in seqs]
         s.update(
@@ -456,22 +335,6 @@ class KVArena(TokenBacking, SequenceTransfers):
         )
         return s
 
-    def close(self) -> None:
-        """Close the arena (its memory goes at once; views read zeros). A KVCache of it,
-        and a step traced with one, refuse to run after this."""
-        self._ahead.stop()
-        self._core_cache.close()
-        self.arena.close()
-
-    def __reduce_ex__(self, protocol: Any) -> Any:
-        raise _refuse_copy("KVArena", self.arena.device, "np.asarray(kv.k[layer])")
-
-    def __enter__(self) -> KVArena:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     def __repr__(self) -> str:
         return (
             f"KVArena(layers={self.num_layers}, max_seqs={self.max_seqs}, "
@@ -479,56 +342,3 @@ class KVArena(TokenBacking, SequenceTransfers):
             f"heads={self.num_kv_heads}, head_dim={self.head_dim}, dtype={self.dtype}, "
             f"backed={self.arena.backed_bytes})"
         )
-
-
-def _wait_for_writes(arrays: tuple) -> None:
-    """Blocks until the given arrays are computed and every computation with a side
-    effect (kv_write, kv_write_through) dispatched from this thread has finished."""
-    if arrays:
-        jax.block_until_ready(arrays)
-    try:
-        jax.effects_barrier()
-    except jax.errors.JaxRuntimeError:
-        # The last such computation failed (JAX keeps raising its error from every barrier
-        # until another one replaces it): it has finished, and its error belongs to its
-        # own results, not to this check of the counters.
-        pass
-
-
-def kv_arena(
-    *,
-    num_layers: int,
-    num_kv_heads: int,
-    head_dim: int,
-    max_tokens: int,
-    dtype: Any = jnp.bfloat16,
-    device: jax.Device | None = None,
-    initial_tokens: int = 0,
-    max_seqs: int | None = None,
-    chunk_bytes: int | None = None,
-    handle_bytes: int | None = None,
-    zero_fill: bool = False,
-    commit_ahead_tokens: int | None = None,
-    k_scales: Any = None,
-    v_scales: Any = None,
-    sharding: Any = None,
-) -> KVArena | ShardedKVArena:
-    """Create a :class:`KVArena`: K/V buffers for every layer in one reserved range.
-
-    ``sharding=jax.sharding.NamedSharding(mesh, spec)`` (``spec`` over the layer shape
-    ``(max_seqs, max_tokens, num_kv_heads, head_dim)``, splitting the sequences and/or the
-    KV heads): a :class:`~jax_vmm.sharded.ShardedKVArena`, one arena per device of the
-    mesh (see docs/sharding.md); ``device`` must then be None.
-
-    An fp8 arena (``dtype=jnp.float8_e4m3fn``) holds ``k_scales``, ``v_scales``: float32
-    ``(num_layers, num_kv_heads)``, the per-layer, per-KV-head scales its tokens are
-    quantized with (default 1.0; see docs/kv_cache.md for choosing them). Its cache
-    layers carry them: ``kv_write(layer, ...)`` quantizes float tokens, and
-    ``decode_attention(q, layer, lengths)`` dequantizes."""
-    kw = dict(locals())  # the arguments above, as given: the same keywords as KVArena's
-    del kw["sharding"]
-    if sharding is not None:
-        from .sharded import ShardedKVArena
-
-        return ShardedKVArena(sharding=sharding, **kw)
-    return KVArena(**kw)

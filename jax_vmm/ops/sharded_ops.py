@@ -1,7 +1,8 @@
-"""``kv_write`` and ``decode_attention`` on a layer of a sharded KV arena (jax_vmm/sharded.py).
+"""``kv_write`` and ``decode_attention`` on a layer of a sharded KV arena
+(jax_vmm/kv/sharded.py).
 
 Each op is a ``shard_map`` over the cache's mesh whose body is the single-device cache op
-(jax_vmm/cache_ops.py) on the device's shard: the same custom call with the same
+(jax_vmm/ops/layer_ops.py) on the device's shard: the same custom call with the same
 attributes on every device (the cache uid names every shard; each handler resolves its
 own by device ordinal). The cache is not an XLA value, so nothing of it is gathered or
 moved between devices: the operands are the new tokens (split over the KV heads), the
@@ -22,10 +23,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from . import cache_ops
-from . import ops as _ops
-from .cache import KVLayer
-from .sharded_layout import ShardedLayerId
+from ..cache.pytree import KVLayer
+from ..cache.sharding import ShardedLayerId
+from . import array_writes as _ops
+from . import layer_ops
 
 __all__ = ["write", "attention"]
 
@@ -68,7 +69,7 @@ def write(layer: KVLayer, new_k: Any, new_v: Any, slots: Any) -> KVLayer:
     ``new_v`` ``(n, num_kv_heads, head_dim)`` (global heads), ``slots`` ``(n,)`` global."""
     lid = layer.id
     spec = jax.ShapeDtypeStruct(lid.shape, jnp.dtype(lid.dtype))
-    n = _ops._check("kv_write", spec, spec, new_k, new_v, slots, fp8=lid.fp8)
+    n = _ops.check_write("kv_write", spec, spec, new_k, new_v, slots, fp8=lid.fp8)
     if n == 0:
         return layer
     heads = P(None, lid.head_axes, None)
@@ -77,7 +78,7 @@ def write(layer: KVLayer, new_k: Any, new_v: Any, slots: Any) -> KVLayer:
 
     def body(nk, nv, sl, token, *sc):
         local = _local_layer(lid, token, sc)
-        out = cache_ops.write(local, nk, nv, _local_slots(lid, sl))
+        out = layer_ops.write(local, nk, nv, _local_slots(lid, sl))
         return out.token.reshape(token.shape)
 
     token = _shard_map(
@@ -121,7 +122,7 @@ def attention(q: Any, layer: KVLayer, lengths: Any, *, scale: float | None = Non
 
     def body(q_local, len_local, token, *sc):
         local = _local_layer(lid, token, sc)
-        return cache_ops.attention(q_local, local, len_local, scale=scale, **knobs)
+        return layer_ops.attention(q_local, local, len_local, scale=scale, **knobs)
 
     return _shard_map(
         lid,

@@ -3,8 +3,8 @@
 
 The cache API comes first: ``kv_write(layer, new_k, new_v, slots)`` on a
 :class:`~jax_vmm.KVLayer` of ``kv.cache()`` writes the arena with nothing to remember
-and nothing copied (jax_vmm/cache_ops.py, docs/kv_cache.md). The rest of this module is
-the array level, for power users.
+and nothing copied (jax_vmm/ops/layer_ops.py, docs/kv_cache.md); ``jax_vmm.kv_write``
+(jax_vmm/ops/writes.py) dispatches. This module is the array level, for power users.
 
 The array-level calls take KV-cache views (``kv.k[l]``, ``kv.v[l]``), ``n`` new tokens
 and their flat slots (``slot = seq * max_tokens + position`` for a per-sequence layout;
@@ -58,13 +58,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._ffi import register
-from ._loader import core as _core
-from .fp8 import FP8_STORAGE, quantize_fp8
+from ..base.ffi import register
+from ..base.fp8 import FP8_STORAGE, quantize_fp8
+from ..base.loader import core as _core
+from ..cache.pytree import ArenaNotWrittenWarning
+from ..cache.registry import live_arenas
+from ..memory.lookup import describe_buffer, find_view_buffer
+from .stats import KVWriteStats
 
 __all__ = [
     "KVDest",
-    "kv_write",
+    "kv_write_arrays",
+    "check_write",
     "kv_write_fp8",
     "quantize_fp8",
     "kv_write_through",
@@ -103,7 +108,9 @@ def _shape_dtype(x: Any, name: str) -> tuple[tuple[int, ...], np.dtype]:
         raise TypeError(f"kv_write: {name} must be an array, got {type(x).__name__}") from None
 
 
-def _check(op: str, k: Any, v: Any, new_k: Any, new_v: Any, slots: Any, fp8: bool = False) -> int:
+def check_write(
+    op: str, k: Any, v: Any, new_k: Any, new_v: Any, slots: Any, fp8: bool = False
+) -> int:
     """Trace-time validation; returns the number of tokens n. fp8: the cache holds
     float8_e4m3fn (or uint8) and the new tokens a float type."""
     ks, kd = _shape_dtype(k, "k")
@@ -176,33 +183,14 @@ class KVDest:
     v_uid: int
 
 
-def _arena_buffer(x: Any, nbytes: int) -> dict | None:
-    """The open arena buffer that concrete array ``x`` views (starting at its base), or
-    None: a tracer, not arena memory, or not a single-device buffer."""
-    if isinstance(x, jax.core.Tracer) or not isinstance(x, jax.Array):
-        return None
-    try:
-        address = int(x.unsafe_buffer_pointer())
-    except Exception:  # noqa: BLE001 - sharded, deleted, or not a single-device buffer
-        return None
-    found = _core.find_arena_buffer(address, nbytes)
-    return found if found is not None and found["buffer_base"] == address else None
-
-
-def _describe(uid: int) -> str:
-    found = _core.find_arena_buffer_by_uid(uid)
-    name = "?" if found is None else found["name"]
-    return f"buffer '{name}' (uid {uid})"
-
-
 def _check_views_match_dest(op: str, k: Any, v: Any, dest: KVDest) -> None:
     """An eager call's concrete arena views must be the dest's own buffers."""
     for side, x, uid in (("k", k, dest.k_uid), ("v", v, dest.v_uid)):
-        found = _arena_buffer(x, dest.nbytes)
+        found = find_view_buffer(x, dest.nbytes)
         if found is not None and found["buffer_uid"] != uid:
             raise ValueError(
-                f"{op}: {side} is a view of {_describe(found['buffer_uid'])} but dest names "
-                f"{_describe(uid)}; pass dest=kv.dest(layer) of the layer whose views you "
+                f"{op}: {side} is a view of {describe_buffer(found['buffer_uid'])} but dest names "
+                f"{describe_buffer(uid)}; pass dest=kv.dest(layer) of the layer whose views you "
                 "write, or leave dest out in eager calls (it is found from the views)"
             )
 
@@ -216,7 +204,7 @@ _verify_views = _check_views_match_dest
 def _dest_attrs(op: str, k: Any, v: Any, dest: KVDest | None) -> dict:
     nbytes = int(np.prod(k.shape)) * np.dtype(k.dtype).itemsize
     if dest is None:
-        kb, vb = _arena_buffer(k, nbytes), _arena_buffer(v, nbytes)
+        kb, vb = find_view_buffer(k, nbytes), find_view_buffer(v, nbytes)
         if kb is None or vb is None:
             return _attrs(0, 0, 0, 0)
         return _attrs(kb["buffer_base"], vb["buffer_base"], kb["buffer_uid"], vb["buffer_uid"])
@@ -243,64 +231,13 @@ def _attrs(k_address: int, v_address: int, k_uid: int, v_uid: int) -> dict:
     }
 
 
-def kv_write(cache: Any, *args: Any, dest: KVDest | None = None) -> Any:
-    """Write ``n`` tokens into a KV cache. Two forms:
-
-    ``kv_write(layer, new_k, new_v, slots) -> KVLayer`` (the cache API): ``layer`` is a
-    :class:`~jax_vmm.KVLayer` (``cache[l]`` of ``kv.cache()``, or an array layer). For an
-    arena layer the arena holds the tokens when the call returns (eager) or runs (inside
-    ``jit``, donated or not, CPU or GPU, in any loop): one custom call finds the arena
-    buffers by the layer's static identity, nothing is copied, and the returned layer's
-    token orders every later read of it (``decode_attention(q, layer, lengths)``) after
-    the write. An fp8 arena layer quantizes float tokens with its scales. For an array
-    layer it is a checked functional scatter. Put the result back with
-    ``cache.replace(l, layer)``.
-
-    ``kv_write(k, v, new_k, new_v, slots, dest=None) -> (k, v)`` (array level, for power
-    users): ``k``, ``v`` are arrays (or arena views ``kv.k[l]``, ``kv.v[l]``), seen as
-    ``(num_slots, H, D)``; returns them updated. Inside ``jit`` the arena is written only
-    with ``dest=kv.dest(l)`` (or with the cache donated on a GPU): without it, a call on
-    arrays shaped like a live KV arena's layer warns (:class:`~jax_vmm.ArenaNotWrittenWarning`).
-
-    Common arguments: ``new_k``, ``new_v``: ``(n, H, D)`` in the cache's dtype (fp8:
-    float32/bfloat16/float16); ``slots``: int32 ``(n,)``, flat slot ``seq * max_tokens +
-    position``; negative slots are skipped. A slot out of range, on a page not committed,
-    or past the tokens its sequence ensured (``kv.ensure``) is not written and is counted:
-    ``kv.check()`` raises :class:`~jax_vmm.OutOfBoundsWrite`.
-    """
-    from .cache import KVLayer
-
-    if isinstance(cache, KVLayer):
-        if dest is not None:
-            raise TypeError(
-                "kv_write(layer, ...): a KVLayer names its arena itself; dest= is for the "
-                "array form kv_write(k, v, new_k, new_v, slots, dest=kv.dest(l))"
-            )
-        if len(args) != 3:
-            raise TypeError(
-                f"kv_write(layer, new_k, new_v, slots) takes 3 arguments after the layer, got "
-                f"{len(args)}"
-            )
-        from . import cache_ops
-
-        return cache_ops.write(cache, *args)
-    if len(args) != 4:
-        raise TypeError(
-            "kv_write takes (layer, new_k, new_v, slots) or (k, v, new_k, new_v, slots, "
-            f"dest=...); got {1 + len(args)} positional arguments"
-        )
-    return _kv_write_arrays(cache, *args, dest=dest)
-
-
 def _warn_if_arena_not_written(op: str, k: Any, dest: KVDest | None) -> None:
     """Inside jit, an array-level write without dest on arrays shaped like a live KV
     arena's layer writes XLA's copy, not the arena (unless donated on a GPU): say so."""
     if dest is not None or not isinstance(k, jax.core.Tracer):
         return
-    from .cache import ArenaNotWrittenWarning, _live_arenas
-
     shape, dtype = tuple(k.shape), np.dtype(k.dtype)
-    for kv in _live_arenas():
+    for kv in live_arenas():
         if kv.layer_shape == shape and kv.dtype == dtype:
             warnings.warn(
                 ArenaNotWrittenWarning(
@@ -316,7 +253,7 @@ def _warn_if_arena_not_written(op: str, k: Any, dest: KVDest | None) -> None:
             return
 
 
-def _kv_write_arrays(
+def kv_write_arrays(
     k: jax.Array,
     v: jax.Array,
     new_k: jax.Array,
@@ -332,7 +269,7 @@ def _kv_write_arrays(
     XLA hands the call; found automatically when ``k``/``v`` are concrete arena views.
     Donate the cache on a GPU for an in-place update without any copy.
     """
-    n = _check("kv_write", k, v, new_k, new_v, slots)
+    n = check_write("kv_write", k, v, new_k, new_v, slots)
     attrs = _dest_attrs("kv_write", k, v, dest)
     _warn_if_arena_not_written("kv_write", k, dest)
     if n == 0:
@@ -374,7 +311,7 @@ def kv_write_fp8(
     Returns the updated ``(k, v)``, like :func:`kv_write` (validation, status and drop
     counting identical; the CUDA handler needs head_dim a multiple of 8).
     """
-    n = _check("kv_write_fp8", k, v, new_k, new_v, slots, fp8=True)
+    n = check_write("kv_write_fp8", k, v, new_k, new_v, slots, fp8=True)
     ks, vs = jnp.asarray(k_scale), jnp.asarray(v_scale)
     H = k.shape[-2]
     for name, x in (("k_scale", ks), ("v_scale", vs)):
@@ -414,7 +351,7 @@ def kv_write_through(
     has a side effect); feed the status to the op that reads the cache next to order that
     read after the write.
     """
-    n = _check("kv_write_through", k, v, new_k, new_v, slots)
+    n = check_write("kv_write_through", k, v, new_k, new_v, slots)
     attrs = _dest_attrs("kv_write_through", k, v, dest)
     if n == 0:
         return jnp.zeros((2, 0), jnp.int32)
@@ -424,7 +361,7 @@ def kv_write_through(
     )(k, v, new_k, new_v, slots, require_arena=True, **attrs)
 
 
-def kv_write_stats() -> dict:
+def kv_write_stats() -> KVWriteStats:
     """Counters of the kv_write handlers.
 
     ``{"kv_write_through": {...}, "kv_write": {...}, "kv_cache_write": {...},

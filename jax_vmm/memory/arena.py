@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import math
-import operator
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -13,10 +12,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._compute_streams import register_compute_stream
-from ._device import DeviceTarget, resolve_device
-from ._loader import core as _core
-from .errors import ArenaAsleepError, ArenaClosedError, ReservationFullError
+from ..base.args import as_flag, as_index, as_int, as_shape, refuse_copy
+from ..base.compute_streams import register_compute_stream
+from ..base.devices import DeviceTarget, resolve_device
+from ..base.errors import ArenaAsleepError, ArenaClosedError, ReservationFullError
+from ..base.loader import core as _core
+from .stats import ArenaStats
 
 log = logging.getLogger("jax_vmm")
 
@@ -39,53 +40,6 @@ def _dlpack_dtype(dtype: np.dtype) -> tuple[int, int]:
             "float32, float64, float8_e4m3fn), integer or bool dtype"
         )
     return kind, dtype.itemsize * 8
-
-
-def _as_int(value: Any, what: str) -> int:
-    """``value`` as an int: anything ``operator.index`` accepts (numpy and concrete JAX
-    integer scalars too), except bools (True is not a size or an index)."""
-    if isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{what} must be an integer, got bool")
-    try:
-        return operator.index(value)
-    except TypeError:
-        raise TypeError(f"{what} must be an integer, got {type(value).__name__}") from None
-
-
-def _as_index(value: Any, what: str, minimum: int = 0) -> int:
-    """``value`` as an int >= ``minimum`` (0 or 1), see :func:`_as_int`."""
-    i = _as_int(value, what)
-    if i < minimum:
-        raise ValueError(f"{what} must be {'> 0' if minimum == 1 else '>= 0'}, got {i}")
-    return i
-
-
-def _as_flag(value: Any, what: str) -> bool:
-    if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{what} must be True or False, got {value!r}")
-    return bool(value)
-
-
-def _refuse_copy(what: str, device: Any, copy_out: str) -> TypeError:
-    return TypeError(
-        f"jax_vmm.{what} cannot be pickled or copied: it owns a reservation of virtual memory "
-        f"on {device}. Share the object itself (it is thread-safe), or copy data out with "
-        f"{copy_out}"
-    )
-
-
-def _as_shape(shape: Any) -> tuple[int, ...]:
-    if isinstance(shape, (int, np.integer)) and not isinstance(shape, (bool, np.bool_)):
-        shape = (shape,)
-    try:
-        if any(isinstance(d, (bool, np.bool_)) for d in shape):
-            raise TypeError
-        dims = tuple(operator.index(d) for d in shape)
-    except TypeError:
-        raise TypeError(f"shape must be a tuple of ints, got {shape!r}") from None
-    if not dims or any(d <= 0 for d in dims):
-        raise ValueError(f"shape must have at least one dimension and all sizes > 0, got {dims}")
-    return dims
 
 
 def _create_core_arena(
@@ -207,7 +161,7 @@ class Buffer:
         (it must fit in :attr:`nbytes`)."""
         self._arena._check_open("Buffer.array")
         self._check_live("Buffer.array")
-        shape = self.shape if shape is None else _as_shape(shape)
+        shape = self.shape if shape is None else as_shape(shape)
         dtype = self.dtype if dtype is None else np.dtype(jnp.dtype(dtype))
         code, bits = _dlpack_dtype(dtype)
         t = self._arena._target
@@ -248,7 +202,7 @@ class Buffer:
         keep arrays over arena memory past the view (see ``docs/design.md``)."""
         self._check_live("Buffer.decommit")
         start, stop = self._range(start, stop)
-        wait = _as_flag(wait, "wait")
+        wait = as_flag(wait, "wait")
         self._arena._generation += 1
         return self._arena._handle.decommit(self._id, start, stop, wait)
 
@@ -283,8 +237,8 @@ class Buffer:
         )
 
     def _range(self, start: int, stop: int | None) -> tuple[int, int]:
-        start = _as_index(start, "start")
-        stop = self.nbytes if stop is None else _as_index(stop, "stop")
+        start = as_index(start, "start")
+        stop = self.nbytes if stop is None else as_index(stop, "stop")
         if start > stop or stop > self.nbytes:
             raise ValueError(
                 f"Buffer '{self.name}': byte range [{start}, {stop}) is outside "
@@ -330,7 +284,7 @@ class Arena:
         handle_bytes: int | None = None,
         zero_fill: bool = True,
     ):
-        reserve_bytes = _as_int(reserve_bytes, "reserve_bytes")
+        reserve_bytes = as_int(reserve_bytes, "reserve_bytes")
         if reserve_bytes <= 0:
             raise ValueError(
                 "reserve_bytes must be > 0 (the size of the virtual range to "
@@ -341,15 +295,15 @@ class Arena:
                 f"reserve_bytes={reserve_bytes} is too large: it must be below 2^64 "
                 "(and fit the process's virtual address space); reserve less"
             )
-        chunk = 0 if chunk_bytes is None else _as_int(chunk_bytes, "chunk_bytes")
+        chunk = 0 if chunk_bytes is None else as_int(chunk_bytes, "chunk_bytes")
         if chunk_bytes is not None and chunk <= 0:
             raise ValueError(f"chunk_bytes must be > 0 (or None for the default), got {chunk}")
-        handle = 0 if handle_bytes is None else _as_int(handle_bytes, "handle_bytes")
+        handle = 0 if handle_bytes is None else as_int(handle_bytes, "handle_bytes")
         if handle_bytes is not None and handle <= 0:
             raise ValueError(
                 f"handle_bytes must be > 0 (or None for one allocation per chunk), got {handle}"
             )
-        zero_fill = _as_flag(zero_fill, "zero_fill")
+        zero_fill = as_flag(zero_fill, "zero_fill")
         self._target: DeviceTarget = resolve_device(device)
         self._handle = _core_arena_factory(
             self._target.driver, self._target.ordinal, reserve_bytes, chunk, handle, zero_fill
@@ -378,7 +332,7 @@ class Arena:
     ) -> Buffer:
         """Place a buffer of ``shape`` and ``dtype``; nothing is backed yet."""
         self._check_open("Arena.allocate")
-        shape = _as_shape(shape)
+        shape = as_shape(shape)
         try:
             np_dtype = np.dtype(jnp.dtype(dtype))
         except TypeError:
@@ -455,7 +409,7 @@ class Arena:
         with self._lock:
             return list(self._buffers)
 
-    def stats(self) -> dict:
+    def stats(self) -> ArenaStats:
         """A plain dict: reserved/backed/peak bytes; ``held_bytes`` (physical memory held:
         backed + ``parked_bytes`` (released chunks inside allocations still in use) +
         ``retired_bytes`` (released, waiting for the device)); commit and decommit counts
@@ -463,7 +417,8 @@ class Arena:
         because raw views were handed out, ``views_exported``), ``live_views`` and the
         address space of freed buffers they hold back (``held_range_bytes``); sleep and
         transfer state; driver kind, granularity, chunk and handle size, and more."""
-        return dict(self._handle.stats())
+        stats: ArenaStats = dict(self._handle.stats())  # type: ignore[assignment]
+        return stats
 
     # -- memory ----------------------------------------------------------------------
     def reclaim(self) -> int:
@@ -564,7 +519,7 @@ class Arena:
             raise ArenaClosedError(f"{op}: the arena is closed; create a new arena")
 
     def __reduce_ex__(self, protocol: Any) -> Any:
-        raise _refuse_copy("Arena", self._target.device, "np.asarray(buf.array)")
+        raise refuse_copy("Arena", self._target.device, "np.asarray(buf.array)")
 
     def __repr__(self) -> str:
         s = self._handle.stats()

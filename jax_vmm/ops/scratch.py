@@ -17,7 +17,8 @@ from typing import Literal
 
 import jax
 
-from ._loader import core as _core
+from ..base.loader import core as _core
+from .stats import ScratchStats
 
 __all__ = [
     "scratch_stats",
@@ -31,7 +32,7 @@ __all__ = [
 Mode = Literal["default", "grow", "retire"]
 
 
-def scratch_stats() -> list[dict]:
+def scratch_stats() -> list[ScratchStats]:
     """One dict per workspace ever created.
 
     Keys: ``device`` ("cpu" or "cuda:N"), ``stream`` (0: the device default workspace),

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import jax
 
-from ._loader import core as _core
+from .loader import core as _core
 
 Registrations = Callable[[str], dict]
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 try:
-    from . import _core  # noqa: F401  (the nanobind extension)
+    from .. import _core  # noqa: F401  (the nanobind extension)
 except ImportError as exc:  # pragma: no cover - only on a broken install
     raise ImportError(
         "jax_vmm: the compiled extension jax_vmm._core could not be imported "

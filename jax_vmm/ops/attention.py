@@ -6,25 +6,25 @@ per-sequence KV buffers (``kv_arena(..., max_seqs=B)``, shape ``(B, T, H_kv, D)`
 sequence is contiguous, so a plain (non-paged) split-K "flash-decoding" kernel serves a
 cache that grows underneath it: tokens at or past ``lengths[b]`` -- including pages that
 are not committed at all -- are never read. fp8 caches (float8_e4m3fn with per-KV-head
-scales, jax_vmm/fp8.py) and the private ``impl="stream*"`` choices run the streaming
+scales, jax_vmm/base/fp8.py) and the private ``impl="stream*"`` choices run the streaming
 ("stream-K") kernel, target ``jax_vmm_decode_attention_v2``. See docs/attention.md.
+
+This module is the entry point: it dispatches an array cache to the kernels
+(``array_attention``) and a cache layer to the layer ops (``layer_ops``,
+``sharded_ops``).
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
-from ._attention_call import (
-    _prepare,
-    attention_plan,
-    stream_attention_plan,
-)
-from ._loader import core as _core
-from .fp8 import FP8_DTYPE, FP8_MAX, dequantize_fp8
+from ..base.fp8 import FP8_DTYPE, FP8_MAX, dequantize_fp8
+from ..cache.pytree import KVLayer
+from . import layer_ops, sharded_ops
+from .array_attention import attention_stats, decode_attention_arrays, reference_decode_attention
+from .attention_call import attention_plan, stream_attention_plan
 
 __all__ = [
     "decode_attention",
@@ -36,10 +36,6 @@ __all__ = [
     "FP8_DTYPE",
     "FP8_MAX",
 ]
-
-_TARGET = "jax_vmm_decode_attention"
-_TARGET_XLA_WORKSPACE = "jax_vmm_decode_attention_xla_workspace"
-_TARGET_STREAM = "jax_vmm_decode_attention_v2"
 
 
 def decode_attention(
@@ -121,8 +117,6 @@ def _decode_attention(
     ``k`` may be a KVLayer: ``_decode_attention(q, layer, lengths)`` (or with ``v=None``
     and ``lengths=``), with the same knobs.
     """
-    from .cache import KVLayer
-
     if isinstance(k, KVLayer):
         if lengths is not None and v is not None:
             raise TypeError("decode_attention(q, layer, lengths): too many arguments")
@@ -131,9 +125,8 @@ def _decode_attention(
                 "decode_attention(q, layer, lengths): an fp8 layer carries its scales; "
                 "k_scale/v_scale are for the array form"
             )
-        from . import cache_ops
-
-        return cache_ops.attention(
+        layer_attention = sharded_ops.attention if _sharded(k) else layer_ops.attention
+        return layer_attention(
             q,
             k,
             v if lengths is None else lengths,
@@ -146,12 +139,7 @@ def _decode_attention(
             stages=stages,
             min_tiles=min_tiles,
         )
-    if v is None or lengths is None:
-        raise TypeError(
-            "decode_attention takes (q, layer, lengths) or (q, k, v, lengths); got "
-            f"k of type {type(k).__name__} and a missing {'v' if v is None else 'lengths'}"
-        )
-    call = _prepare(
+    return decode_attention_arrays(
         q,
         k,
         v,
@@ -167,62 +155,8 @@ def _decode_attention(
         stages=stages,
         min_tiles=min_tiles,
     )
-    if call is None:
-        return jnp.zeros(jnp.shape(q), jnp.asarray(q).dtype)
-    if call.stream or workspace == "scratch":
-        target = _TARGET_STREAM if call.stream else _TARGET
-        ffi = jax.ffi.ffi_call(target, call.out_type, vmap_method="sequential")
-        return ffi(*call.operands, **call.attrs)
-    ws_type = jax.ShapeDtypeStruct((call.plan["workspace_bytes"],), jnp.uint8)
-    ffi = jax.ffi.ffi_call(
-        _TARGET_XLA_WORKSPACE, (call.out_type, ws_type), vmap_method="sequential"
-    )
-    return ffi(*call.operands, **call.attrs)[0]
 
 
-def attention_stats() -> dict:
-    """Process-wide handler counters: cpu_calls, cuda_initialize_calls,
-    cuda_execute_calls, cuda_captured_calls (execute calls under CUDA-graph capture),
-    cuda_tensor_core_launches, cuda_simple_launches."""
-    return dict(_core.attention_stats())
-
-
-_FULL = jax.lax.Precision.HIGHEST
-
-
-def reference_decode_attention(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    lengths: jax.Array,
-    *,
-    scale: float | None = None,
-    k_scale: jax.Array | None = None,
-    v_scale: jax.Array | None = None,
-) -> jax.Array:
-    """Plain-JAX decode attention with the same semantics (masking every token at or past
-    the length; length 0 gives zeros), softmax in float32, output in q's dtype. XLA reads
-    all T tokens of every sequence: the baseline the custom call is measured against.
-    An fp8 cache (with k_scale, v_scale) is dequantized to float32 first. Products run at
-    full precision (a GPU would otherwise take float32 through TF32)."""
-    if k_scale is not None:
-        k, v = dequantize_fp8(k, k_scale), dequantize_fp8(v, v_scale)
-    B, Hq, D = q.shape
-    T, Hkv = k.shape[1], k.shape[2]
-    if scale is None:
-        scale = 1.0 / math.sqrt(D)
-    group = Hq // Hkv
-    qg = q.reshape(B, Hkv, group, D)
-    s = jnp.einsum("bhgd,bthd->bhgt", qg, k, preferred_element_type=jnp.float32, precision=_FULL)
-    s = s * scale
-    n = jnp.clip(lengths.astype(jnp.int32), 0, T)
-    live = jnp.arange(T)[None, :] < n[:, None]  # (B, T)
-    s = jnp.where(live[:, None, None, :], s, -jnp.inf)
-    m = jnp.max(s, axis=-1, keepdims=True)
-    p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0))
-    denom = jnp.sum(p, axis=-1, keepdims=True)
-    o = jnp.einsum(
-        "bhgt,bthd->bhgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32, precision=_FULL
-    )
-    o = jnp.where(denom > 0, o / jnp.where(denom > 0, denom, 1.0), 0.0)
-    return o.reshape(B, Hq, D).astype(q.dtype)
+def _sharded(layer: KVLayer) -> bool:
+    """A layer of a sharded KV arena: its ops run per device through ``shard_map``."""
+    return layer.is_arena and layer.id.sharded
