@@ -90,3 +90,21 @@ def test_the_public_api_check_catches_a_private_import() -> None:
     )
     want = ["jax_vmm._loader", "jax_vmm.attention", "jax_vmm.kv_write"]
     assert sorted(_jax_vmm_uses(tree)) == want
+
+
+@pytest.mark.parametrize("script", ["decode", "generate", "sleep_wake", "tensor_parallel"])
+def test_example_scripts_run_from_outside_the_repo(script: str, tmp_path: Path) -> None:
+    """The thin scripts of examples/ reach jax_vmm.serving as an installed package would
+    (the PYTHONPATH this test runs with), from any working directory."""
+    path = Path(__file__).resolve().parents[2] / "examples" / f"{script}.py"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    out = subprocess.run(
+        [sys.executable, str(path), "--help"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "usage:" in out.stdout and "--backend" in out.stdout
