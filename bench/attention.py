@@ -33,7 +33,6 @@ import ctypes
 import math
 import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -54,9 +53,7 @@ from _common import (
     write_json,
 )
 from jax_vmm.ops.attention import _decode_attention, attention_plan, reference_decode_attention
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from examples.attention import cudnn_decode_attention  # noqa: E402
+from jax_vmm.serving.attention import cudnn_decode_attention
 
 # -- filling arena memory ------------------------------------------------------------
 

@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from examples import model as M
+from .. import model as M
 
 CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"

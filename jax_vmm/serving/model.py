@@ -2,7 +2,7 @@
 
 The architecture of Llama, Mistral and Qwen2: `ModelConfig` carries what differs between
 them (RoPE theta and scaling, q/k/v biases, tied embeddings, head_dim, RMSNorm eps), and
-`examples/hf_checkpoint.py` builds a config and `Params` from a Hugging Face checkpoint.
+`jax_vmm.serving.hf.checkpoint` builds a config and `Params` from a Hugging Face checkpoint.
 The random presets (`PRESETS`, `init_params`) need none of that.
 
 The model knows nothing about where its KV cache lives: the cache is a
@@ -10,8 +10,8 @@ The model knows nothing about where its KV cache lives: the cache is a
 layer), every function that touches it takes a `write` callable (new K/V into a layer
 at flat token slots, returning the layer: `jax_vmm.kv_write`) and an `attend` callable
 (decode attention of a query over a layer's per-sequence live lengths). The steps return
-the updated cache, which the caller donates. `examples/cache.py` provides the two cache
-backends and `examples/attention.py` the attention implementations.
+the updated cache, which the caller donates. `jax_vmm.serving.cache` provides the two cache
+backends and `jax_vmm.serving.attention` the attention implementations.
 
 Cache layout, per layer: k, v of shape (max_seqs, max_tokens, num_kv_heads, head_dim);
 flat slot of (seq, position) = seq * max_tokens + position; a negative slot is padding.

@@ -2,7 +2,7 @@
 issue 13 side by side, in one process, with the baselines measured in the same run.
 
   bash tools/gpu/run.sh build probe:kernels       (writes $OUT/kernels.json)
-  python3 tools/gpu/kernels_probe.py --smoke      (tiny shapes on any device: checks the script)
+  python3 bench/kernels_probe.py --smoke      (tiny shapes on any device: checks the script)
 
 Sections (each variant in its own try/except: one failure never loses the rest):
   ceilings   device-to-device copy bandwidth (read + write bytes / s) and read bandwidth
@@ -35,11 +35,9 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # the scratch allocates outside XLA
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))  # bench/_common.py
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -1,6 +1,6 @@
 """Where the dispatching thread's time goes in the main job, measured on the device.
 
-    python tools/gpu/dispatch_costs.py [--batch 64] [--json OUT.json]
+    python bench/dispatch_costs.py [--batch 64] [--json OUT.json]
 
 Runs examples/decode.py's main job (gpu preset, `--batch` slots, 3 requests per slot)
 once, with the calls the dispatching thread makes into jax_vmm's core (the KV cache's
@@ -18,18 +18,14 @@ import argparse
 import collections
 import json
 import os
-import sys
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-
-from examples import cache as C  # noqa: E402
-from examples import decode as D  # noqa: E402
-from examples import engine as E  # noqa: E402
+from jax_vmm.serving import cache as C  # noqa: E402
+from jax_vmm.serving import engine as E  # noqa: E402
+from jax_vmm.serving.cli import decode as D  # noqa: E402
 
 
 class CallTimes:

@@ -1,7 +1,7 @@
 """A Hugging Face checkpoint directory (Llama, Mistral, Qwen2) as the example's model.
 
     ckpt = load_checkpoint("path/to/dir", dtype="bfloat16")
-    ckpt.config, ckpt.params   # examples.model's ModelConfig and Params
+    ckpt.config, ckpt.params   # jax_vmm.serving.model's ModelConfig and Params
     ckpt.tokenizer             # TextTokenizer, or None without tokenizer.json
 
 The jobs are split by file: `hf_config` (config.json), `hf_weights` (safetensors),
@@ -15,10 +15,10 @@ from pathlib import Path
 
 import jax
 
-from examples import model as M
-from examples.hf_config import CheckpointError, HFModelSpec, read_config
-from examples.hf_tokenizer import TextTokenizer, load_tokenizer
-from examples.hf_weights import load_params
+from .. import model as M
+from .config import CheckpointError, HFModelSpec, read_config
+from .tokenizer import TextTokenizer, load_tokenizer
+from .weights import load_params
 
 DTYPES = ("float32", "bfloat16")
 

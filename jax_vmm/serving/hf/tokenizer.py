@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from examples.hf_config import CheckpointError
+from .._optional import require
+from .config import CheckpointError
 
 TOKENIZER_FILE = "tokenizer.json"
 
@@ -21,12 +22,7 @@ class TextTokenizer:
     and decode may be called from several threads)."""
 
     def __init__(self, path: str | Path) -> None:
-        try:
-            import tokenizers
-        except ImportError:
-            raise CheckpointError(
-                "text prompts need the tokenizers package: pip install '.[example]'"
-            ) from None
+        tokenizers = require("tokenizers", "reading tokenizer.json (text prompts)")
         self.path = Path(path)
         try:
             self._tok = tokenizers.Tokenizer.from_file(str(self.path))

@@ -1,6 +1,6 @@
 """Where the main job's host time in ensure/release goes, measured on the device.
 
-    python tools/gpu/host_costs.py [--batch 64] [--json OUT.json]
+    python bench/host_costs.py [--batch 64] [--json OUT.json]
 
 Part 1 times the arena calls the engine makes, one at a time, over a KV arena of the gpu
 preset's geometry (8 layers, 8 x 128 bf16, 8192 tokens per sequence, `--batch` slots),
@@ -19,7 +19,7 @@ pieces of 32 MiB; several cases show whether a call costs per mapping or per byt
 unmapping the pieces one call each and in one call spanning them (does this driver accept
 it?), then cuMemCreate + cuMemMap + cuMemSetAccess of the run. Then the arena growing
 16 -> 20 GiB, its zero pieces as large as JAX_VMM_ZERO_PIECE_MAX_BYTES allows.
-(tools/gpu/dispatch_costs.py splits the main job's dispatching-thread time further.)
+(bench/dispatch_costs.py splits the main job's dispatching-thread time further.)
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ import json
 import os
 import pstats
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -38,11 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-
-import jax_vmm  # noqa: E402
+import jax_vmm
 
 PROMPT = 1088
 
@@ -240,8 +235,8 @@ def arena_growth(repeats: int = 5) -> dict:
 
 
 def profile_main_job(batch: int) -> tuple[dict, str]:
-    from examples import decode as D
-    from examples import engine as E
+    from jax_vmm.serving import engine as E
+    from jax_vmm.serving.cli import decode as D
 
     prof = cProfile.Profile()
     original = E.Generator.run

@@ -1,6 +1,6 @@
 """Continuous-batching generation over a KV cache backend, decoded in blocks on the device.
 
-`Generator` owns the compiled programs of `examples/steps.py` (prefill into a slot per
+`Generator` owns the compiled programs of `jax_vmm.serving.steps` (prefill into a slot per
 prompt-length bucket; a block of N greedy decode steps in one device loop; cache and
 decode state donated in both); `Generator.run` serves a list of requests with
 `max_seqs` slots: a finished sequence releases its memory and its slot takes the next
@@ -24,9 +24,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from examples import model as M
-from examples import steps as S
-from examples.cache import CacheBackend
+from . import model as M
+from . import steps as S
+from .cache import CacheBackend
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,7 +157,7 @@ class Generator:
     """Compiled prefill and decode-block programs for one model, cache backend and
     attention choice; `run` serves requests with continuous batching. Not thread-safe.
 
-    block: decode steps per host call, in one device loop (`examples/steps.py`). Before
+    block: decode steps per host call, in one device loop (`jax_vmm.serving.steps`). Before
     each call the host ensures the tokens every live sequence can reach in it (the next
     ENSURE_BLOCKS blocks' worth, so that one table update serves several calls); it
     dispatches block k+1 before it reads block k's tokens, so admitting requests, prefill

@@ -28,7 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_vmm
-from examples.model import ModelConfig
+
+from .model import ModelConfig
 
 BACKENDS = ("jax_vmm", "prealloc")
 # KV storage: the model's dtype, or fp8 (float8_e4m3fn with float32 scales per layer and
@@ -213,7 +214,7 @@ class VmmCache:
         the end of its backed chunks a sequence gets before the next chunk is committed in
         the background (None: kv_arena's default; see commit_lead_tokens). kv_dtype:
         "model" = the model's dtype, or "fp8" (float8_e4m3fn, scale 1 per layer and KV
-        head: docs/kv_cache.md). sharding (examples/tensor_parallel.py): one arena per
+        head: docs/kv_cache.md). sharding (jax_vmm.serving.tensor_parallel): one arena per
         device of its mesh."""
         device = device or jax.devices()[0]
         # Host arenas hand out zero-filled pages (memfd) and read zeros where unbacked;

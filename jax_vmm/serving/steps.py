@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from examples import model as M
+from . import model as M
 
 # control (per slot, per call, from the host): KEEP the device state, STOP the slot, or
 # any value >= 0: feed that token as the slot's next input (tokens chosen on the host).

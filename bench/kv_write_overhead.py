@@ -1,6 +1,6 @@
 """Where a decode-size kv_write's time goes next to XLA's donated .at[].set (GPU).
 
-    python tools/gpu/kv_write_overhead.py [--json OUT.json]
+    python bench/kv_write_overhead.py [--json OUT.json]
 
 The kernel probe times n-token writes inside a jitted fori_loop of 64; at n = 1 ours took
 3.5x XLA's time per iteration. This separates the parts: per write, (a) in the fori_loop,
@@ -18,16 +18,13 @@ import json
 import os
 import sys
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import jax_vmm
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))  # bench/_common.py
-from _common import median_time  # noqa: E402
+from _common import median_time
 
 H, D, LOOP = 8, 128, 64
 SLOTS = int(os.environ.get("KV_WRITE_SLOTS", 1 << 18))  # 1 GiB of K and V at bf16
@@ -80,7 +77,7 @@ def _handler_calls(step) -> int:
     command buffer (CUDA graph), one per write when the host runs every write's handler."""
 
     def calls() -> int:
-        st = jax_vmm.ops.kv_write_stats()
+        st = jax_vmm.kv_write_stats()
         return st["kv_write"]["calls"] + st["kv_cache_write"]["calls"]
 
     jax.block_until_ready(step())

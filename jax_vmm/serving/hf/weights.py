@@ -35,8 +35,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from examples import model as M
-from examples.hf_config import CheckpointError
+from .. import model as M
+from .._optional import require
+from .config import CheckpointError
 
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -203,13 +204,7 @@ def _refuse_unused(files: dict[str, Path], used: set[str], cfg: M.ModelConfig) -
 
 
 def _safetensors() -> Any:
-    try:
-        import safetensors
-    except ImportError:
-        raise CheckpointError(
-            "reading checkpoints needs the safetensors package: pip install '.[example]'"
-        ) from None
-    return safetensors
+    return require("safetensors", "reading checkpoint weights")
 
 
 def _header(path: Path) -> list[str]:

@@ -1,6 +1,6 @@
 """The kv_write CUDA kernel's own time per call, by Nsight Compute, at decode and prefill sizes.
 
-    python tools/gpu/kv_write_kernel_times.py [--sizes 1,8,64,4096,32768] [--json OUT.json]
+    python bench/kv_write_kernel_times.py [--sizes 1,8,64,4096,32768] [--json OUT.json]
 
 Runs itself under `ncu --clock-control none --metrics gpu__time_duration.sum`, profiling
 only the kv_write kernels, for `--calls` eager `jax_vmm.kv_write` calls per size on a plain
@@ -25,7 +25,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
 H, D, T = 8, 128, 65536
 KERNELS = {"tiled": "KvBulkKernel", "token": "KvKernel"}
 DATASHEET = 4.8e12
@@ -37,7 +36,6 @@ def child(sizes: list[int], calls: int) -> None:
     import jax.numpy as jnp
     import numpy as np
 
-    sys.path.insert(0, str(ROOT))
     import jax_vmm
     import jax_vmm.testing
 
