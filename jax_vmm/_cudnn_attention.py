@@ -36,6 +36,8 @@ import numpy as np
 
 from ._ffi import register
 from ._loader import core as _core
+from .scratch import _ordinal
+from .scratch import reserve as _scratch_reserve
 
 _TARGET = "jax_vmm_cudnn_attention"
 _TARGET_INTO = "jax_vmm_cudnn_attention_into"
@@ -140,6 +142,29 @@ def _device_of(*arrays: Any) -> jax.Device:
     return jax.devices()[0]
 
 
+def _prepare(
+    device: jax.Device, dtype: Any, dims: tuple, window: int, softcap: float, scale: float
+) -> None:
+    """Builds the call's cuDNN graph now (at trace time, never under capture), so that a
+    configuration cuDNN cannot run fails here with cuDNN's message, and grows the device's
+    default scratch to its workspace. The handler's initialize stage does both again on the
+    device XLA runs it on; this is the belt to those braces."""
+    io = 0 if np.dtype(dtype) == np.dtype(jnp.bfloat16) else 1
+    try:
+        ws = _core.cudnn_prepare(
+            _ordinal(device),
+            io,
+            *dims,
+            int(window),
+            float(np.float32(softcap)),
+            float(np.float32(scale)),
+        )
+    except RuntimeError as exc:
+        raise RuntimeError(f"cudnn_attention: {exc}") from None
+    if ws > 0:
+        _scratch_reserve(ws, device)
+
+
 def cudnn_attention(
     q: Any,
     k: Any,
@@ -212,6 +237,7 @@ def cudnn_attention(
     if B == 0 or S == 0:
         res = jnp.zeros(q.shape, q.dtype)
         return res[:, 0] if squeeze else res
+    _prepare(device, q.dtype, (B, S, T, Hq, Hkv, D), window or 0, softcap or 0.0, scale)
     attrs = dict(
         scale=np.float32(scale),
         softcap=np.float32(softcap or 0.0),

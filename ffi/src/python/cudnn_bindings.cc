@@ -2,6 +2,8 @@
 
 #include <nanobind/stl/string.h>
 
+#include <cstdint>
+#include <stdexcept>
 #include <string>
 
 #include "ops/attention/cudnn/cudnn_attention.h"
@@ -22,6 +24,38 @@ void BindCudnn(nb::module_& m) {
       nb::arg("cudnn_hint") = "", nb::arg("cudart_hint") = "",
       "Load libcudnn for the cuDNN attention backend (the one already in the process, else "
       "cudnn_hint, else libcudnn.so.9 by name). Returns '' on success, else why not.");
+  m.def(
+      "cudnn_prepare",
+      [](int device, int io, int64_t batch, int64_t q_tokens, int64_t max_tokens,
+         int64_t q_heads, int64_t kv_heads, int64_t head_dim, int64_t window, float softcap,
+         float scale) {
+        cudnn::SdpaKey key;
+        key.device = device;
+        key.io = io == 0 ? cudnn::IoType::kBF16 : cudnn::IoType::kF16;
+        key.batch = batch;
+        key.q_tokens = q_tokens;
+        key.max_tokens = max_tokens;
+        key.q_heads = q_heads;
+        key.kv_heads = kv_heads;
+        key.head_dim = head_dim;
+        key.window = window;
+        key.softcap = softcap;
+        key.scale = scale;
+        const cudnn::SdpaGraph* graph = nullptr;
+        std::string err;
+        {
+          nb::gil_scoped_release release;
+          err = cudnn::GetGraph(key, /*may_build=*/true, &graph);
+        }
+        if (!err.empty()) throw std::runtime_error(err);
+        return cudnn::WorkspaceBytes(*graph);
+      },
+      nb::arg("device"), nb::arg("io"), nb::arg("batch"), nb::arg("q_tokens"),
+      nb::arg("max_tokens"), nb::arg("q_heads"), nb::arg("kv_heads"), nb::arg("head_dim"),
+      nb::arg("window"), nb::arg("softcap"), nb::arg("scale"),
+      "Build (or find) the cuDNN graph of one attention configuration on CUDA device "
+      "`device` (io 0 bfloat16, 1 float16) now, outside any capture, and return its "
+      "workspace bytes. Raises RuntimeError with cuDNN's message when cuDNN cannot run it.");
   m.def(
       "cudnn_info",
       []() {
