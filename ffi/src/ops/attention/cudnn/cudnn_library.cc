@@ -38,9 +38,10 @@ std::string PathOf(void* handle) {
   return "?";
 }
 
-// The libcudart the frontend dlopens for its few runtime calls: the one jaxlib loaded
-// (same major as the toolkit this module was built with) rather than whichever soname
-// the loader finds first.
+// The frontend resolves its few CUDA runtime calls (device properties) in a shared
+// libcudart that it dlopens by soname (libcudart.so.12, .13; newer frontends honour
+// CUDNN_FRONTEND_CUDART_LIB_NAME). XLA links the runtime statically, so there may be none in
+// the process: load the wheel's (`hint`) by path, after which the soname resolves to it.
 std::string ChooseCudart(const std::string& hint) {
   if (const char* user = std::getenv("CUDNN_FRONTEND_CUDART_LIB_NAME"); user && *user) {
     return std::string(user) + " (CUDNN_FRONTEND_CUDART_LIB_NAME)";
@@ -48,15 +49,22 @@ std::string ChooseCudart(const std::string& hint) {
   const std::string soname = "libcudart.so." + std::to_string(CUDART_VERSION / 1000);
   std::string chosen;
   if (void* h = dlopen(soname.c_str(), RTLD_NOW | RTLD_NOLOAD); h != nullptr) {
-    chosen = soname;
+    chosen = soname + " (already loaded)";
     dlclose(h);
-  } else if (!hint.empty()) {
-    chosen = hint;
+  } else if (!hint.empty() && dlopen(hint.c_str(), RTLD_NOW | RTLD_GLOBAL) != nullptr) {
+    chosen = hint + " (loaded)";  // kept loaded for the process
+  } else if (dlopen(soname.c_str(), RTLD_NOW | RTLD_GLOBAL) != nullptr) {
+    chosen = soname + " (from the loader's path)";
   } else {
-    return "<frontend default: libcudart.so.12, then .13>";
+    return "none: " + soname + " is not loaded" + (hint.empty() ? "" : " and " + hint) +
+           " did not load (" + DlError() + "); the frontend will fail to find the CUDA runtime";
+  }
+  if (void* h = dlopen("libcudart.so.12", RTLD_NOW | RTLD_NOLOAD); h != nullptr) {
+    chosen += "; WARNING: libcudart.so.12 is loaded too (older frontends refuse two runtimes)";
+    dlclose(h);
   }
   // Once, under g_mu, before the frontend's first CUDA call reads it.
-  setenv("CUDNN_FRONTEND_CUDART_LIB_NAME", chosen.c_str(), 0);
+  setenv("CUDNN_FRONTEND_CUDART_LIB_NAME", soname.c_str(), 0);
   return chosen;
 }
 
