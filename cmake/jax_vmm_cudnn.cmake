@@ -86,6 +86,7 @@ function(_jax_vmm_add_cudnn)
   endif()
 
   target_sources(_core PRIVATE
+    ${_src}/ops/attention/cudnn/cudnn_attention_cache_cuda.cc
     ${_src}/ops/attention/cudnn/cudnn_attention_cuda.cc
     ${_src}/ops/attention/cudnn/cudnn_library.cc
     ${_src}/ops/attention/cudnn/cudnn_rows.cu

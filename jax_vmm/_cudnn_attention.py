@@ -13,7 +13,9 @@ scale=None)`` has the semantics of ``jax_vmm.attention``:
   included. ``softcap``: logits become ``softcap * tanh(logits / softcap)`` before the
   softmax. ``scale`` defaults to ``1/sqrt(D)``.
 * ``k``, ``v`` are ``(B, T, H_kv, D)`` (arena views included) with ``H_q % H_kv == 0``;
-  bfloat16 or float16; ``D`` a multiple of 8 up to 256.
+  bfloat16 or float16; ``D`` a multiple of 8 up to 256. Or a KVLayer:
+  ``cudnn_attention(q, layer, lengths)`` reads an arena layer by the cache's identity
+  after its writes, lengths clamped to the tokens ensured (counted; ``kv.check()``).
 
 cuDNN is the one jaxlib's CUDA plugin loaded (``libcudnn.so.9``); the graphs are built at
 the custom call's initialize stage and their workspace lives in jax_vmm's graph-safe
@@ -23,6 +25,7 @@ the module was built with the cuDNN headers (``jax_vmm._core.built_with_cudnn``)
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import importlib.util
 import math
@@ -41,6 +44,7 @@ from .scratch import reserve as _scratch_reserve
 
 _TARGET = "jax_vmm_cudnn_attention"
 _TARGET_INTO = "jax_vmm_cudnn_attention_into"
+_TARGET_CACHE = "jax_vmm_cudnn_attention_cache"
 _DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 _MAX_HEAD_DIM = 256
 
@@ -165,31 +169,38 @@ def _prepare(
         _scratch_reserve(ws, device)
 
 
-def cudnn_attention(
+@dataclasses.dataclass(frozen=True)
+class _Call:
+    """One validated call: q as (B, S, H_q, D), whether to drop S again, the clamped int32
+    lengths and q_lengths, the FFI attributes and the output type."""
+
+    q: jax.Array
+    squeeze: bool
+    lengths: jax.Array
+    q_lengths: jax.Array
+    attrs: dict
+    out_type: jax.ShapeDtypeStruct
+    empty: bool
+
+
+def _validate(
     q: Any,
     k: Any,
     v: Any,
     lengths: Any,
-    *,
-    q_lengths: Any = None,
-    window: int | None = None,
-    softcap: float | None = None,
-    scale: float | None = None,
-    zero_rows: bool = True,
-    out: Any = None,
-) -> jax.Array:
-    """Attention of ``q`` over the cache ``k``, ``v`` (see the module docstring).
-
-    ``zero_rows=False`` skips the small kernel that zeroes the rows cuDNN does not write
-    (rows past ``q_lengths``, sequences of length 0): only for measuring it. ``out``: a
-    ``(B, S, H_q, D)`` array the result is written into (aliased; donate it under jit to
-    avoid a copy).
-    """
-    q, k, v = (x if isinstance(x, jax.Array) else jnp.asarray(x) for x in (q, k, v))
+    q_lengths: Any,
+    window: int | None,
+    softcap: float | None,
+    scale: float | None,
+    zero_rows: bool,
+) -> _Call:
+    """Checks one call (k, v: arrays or ShapeDtypeStructs), registers the targets and
+    builds the graph now (see _prepare)."""
+    q = q if isinstance(q, jax.Array) else jnp.asarray(q)
     squeeze = q.ndim == 3
     if squeeze:
         q = q[:, None]
-    if q.ndim != 4 or k.ndim != 4 or v.shape != k.shape:
+    if q.ndim != 4 or len(k.shape) != 4 or tuple(v.shape) != tuple(k.shape):
         raise ValueError(
             "cudnn_attention: q must be (B, S, H_q, D) or (B, H_q, D), k and v both "
             f"(B, T, H_kv, D); got q {q.shape}, k {k.shape}, v {v.shape}"
@@ -225,8 +236,9 @@ def cudnn_attention(
         q_req = jnp.full((B,), S, jnp.int32) if q_lengths is None else q_lengths
         q_req = _check_int_vector("q_lengths", q_req, B)
         q_eff = jnp.clip(q_req, 0, jnp.minimum(lengths, S)).astype(jnp.int32)
-    device = _device_of(q, k, v)
-    if device.platform != "gpu" and device.platform != "cuda":
+    arrays = [x for x in (q, k, v) if isinstance(x, jax.Array)]
+    device = _device_of(*arrays)
+    if device.platform not in ("gpu", "cuda"):
         raise ValueError(
             f"cudnn_attention runs on CUDA devices only; the inputs are on {device} "
             "(use jax_vmm.decode_attention, which has a CPU path)"
@@ -234,10 +246,9 @@ def cudnn_attention(
     if err := _ensure_loaded():
         raise RuntimeError(f"cudnn_attention: the cuDNN backend is not available: {err}")
     register()
-    if B == 0 or S == 0:
-        res = jnp.zeros(q.shape, q.dtype)
-        return res[:, 0] if squeeze else res
-    _prepare(device, q.dtype, (B, S, T, Hq, Hkv, D), window or 0, softcap or 0.0, scale)
+    empty = B == 0 or S == 0
+    if not empty:
+        _prepare(device, q.dtype, (B, S, T, Hq, Hkv, D), window or 0, softcap or 0.0, scale)
     attrs = dict(
         scale=np.float32(scale),
         softcap=np.float32(softcap or 0.0),
@@ -245,17 +256,108 @@ def cudnn_attention(
         zero_rows=np.int64(1 if zero_rows else 0),
     )
     out_type = jax.ShapeDtypeStruct(q.shape, q.dtype)
-    if out is None:
-        call = jax.ffi.ffi_call(_TARGET, out_type, vmap_method="sequential")
-        res = call(q, k, v, lengths, q_eff, **attrs)
+    return _Call(q, squeeze, lengths, q_eff, attrs, out_type, empty)
+
+
+def cudnn_attention(
+    q: Any,
+    k: Any,
+    v: Any = None,
+    lengths: Any = None,
+    *,
+    q_lengths: Any = None,
+    window: int | None = None,
+    softcap: float | None = None,
+    scale: float | None = None,
+    zero_rows: bool = True,
+    out: Any = None,
+) -> jax.Array:
+    """Attention of ``q`` over the cache ``k``, ``v`` (see the module docstring).
+
+    Two forms: ``cudnn_attention(q, k, v, lengths)`` over arrays (arena views included),
+    and ``cudnn_attention(q, layer, lengths)`` over a :class:`~jax_vmm.KVLayer` (an arena
+    layer is read by the cache's identity, after the layer's writes, with lengths clamped
+    to the tokens ensured, as ``jax_vmm.decode_attention(q, layer, lengths)`` does).
+
+    ``zero_rows=False`` skips the small kernel that zeroes the rows cuDNN does not write
+    (rows past ``q_lengths``, sequences of length 0): only for measuring it. ``out``
+    (array form): a ``(B, S, H_q, D)`` array the result is written into (aliased; donate
+    it under jit to avoid a copy).
+    """
+    from .cache import KVLayer
+
+    if isinstance(k, KVLayer):
+        if lengths is not None or v is None or out is not None:
+            raise TypeError(
+                "cudnn_attention takes (q, layer, lengths) or (q, k, v, lengths); `out` is for "
+                "the array form"
+            )
+        return _over_layer(q, k, v, q_lengths, window, softcap, scale, zero_rows)
+    if v is None or lengths is None:
+        raise TypeError("cudnn_attention takes (q, layer, lengths) or (q, k, v, lengths)")
+    k, v = (x if isinstance(x, jax.Array) else jnp.asarray(x) for x in (k, v))
+    call = _validate(q, k, v, lengths, q_lengths, window, softcap, scale, zero_rows)
+    q = call.q
+    if call.empty:
+        res = jnp.zeros(q.shape, q.dtype)
+    elif out is None:
+        ffi = jax.ffi.ffi_call(_TARGET, call.out_type, vmap_method="sequential")
+        res = ffi(q, k, v, call.lengths, call.q_lengths, **call.attrs)
     else:
-        out = out[:, None] if squeeze and out.ndim == 3 else out
+        out = out[:, None] if call.squeeze and out.ndim == 3 else out
         if out.shape != q.shape or out.dtype != q.dtype:
             raise ValueError(
                 f"cudnn_attention: out must be {q.dtype}{q.shape}; got {out.dtype}{out.shape}"
             )
-        call = jax.ffi.ffi_call(
-            _TARGET_INTO, out_type, vmap_method="sequential", input_output_aliases={5: 0}
+        ffi = jax.ffi.ffi_call(
+            _TARGET_INTO, call.out_type, vmap_method="sequential", input_output_aliases={5: 0}
         )
-        res = call(q, k, v, lengths, q_eff, out, **attrs)
-    return res[:, 0] if squeeze else res
+        res = ffi(q, k, v, call.lengths, call.q_lengths, out, **call.attrs)
+    return res[:, 0] if call.squeeze else res
+
+
+def _over_layer(
+    q: Any,
+    layer: Any,
+    lengths: Any,
+    q_lengths: Any,
+    window: int | None,
+    softcap: float | None,
+    scale: float | None,
+    zero_rows: bool,
+) -> jax.Array:
+    """The layer form: an array layer runs the array form; an arena layer the cache target."""
+    kw = dict(q_lengths=q_lengths, window=window, softcap=softcap, scale=scale)
+    if not layer.is_arena:
+        if layer.k_scale is not None:
+            raise TypeError("cudnn_attention: fp8 caches are not for cuDNN (use decode_attention)")
+        return cudnn_attention(q, layer.k, layer.v, lengths, zero_rows=zero_rows, **kw)
+    lid = layer.id
+    if lid.sharded:
+        raise NotImplementedError(
+            "cudnn_attention over a sharded arena layer is not implemented yet; use "
+            "jax_vmm.decode_attention(q, layer, lengths)"
+        )
+    if len(lid.shape) != 4:
+        raise ValueError(
+            f"cudnn_attention: {lid.describe()} has shape {lid.shape}; attention needs one "
+            "buffer row per sequence (kv_arena(..., max_seqs=batch))"
+        )
+    spec = jax.ShapeDtypeStruct(lid.shape, np.dtype(lid.dtype))
+    call = _validate(q, spec, spec, lengths, q_lengths, window, softcap, scale, zero_rows)
+    q = call.q
+    if call.empty:
+        res = jnp.zeros(q.shape, q.dtype)
+    else:
+        read = jax.ShapeDtypeStruct((q.shape[0],), jnp.int32)  # read_lengths: discarded
+        ffi = jax.ffi.ffi_call(_TARGET_CACHE, (call.out_type, read), vmap_method="sequential")
+        res, _ = ffi(
+            q,
+            call.lengths,
+            call.q_lengths,
+            layer.token,
+            cache_uid=np.uint64(lid.cache_uid),
+            layer=np.int64(lid.layer),
+            **call.attrs,
+        )
+    return res[:, 0] if call.squeeze else res

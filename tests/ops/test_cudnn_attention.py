@@ -305,6 +305,62 @@ def test_over_arena_views(gpu, S):
         kv.close()
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("S", [1, 8])
+def test_over_a_cache_layer(gpu, S):
+    """The layer form: the arena layer is found by the cache's identity (eager and under
+    jit with the cache as an argument); lengths past the ensured tokens are clamped to
+    them and counted (kv.check() raises OutOfBoundsRead)."""
+    B, T, Hq, Hkv, D = 3, 256, 8, 2, 64
+    rng = np.random.default_rng(19)
+    q, k, v = _data(rng, B, S, T, Hq, Hkv, D, BF16, gpu)
+    kv = jax_vmm.kv_arena(
+        num_layers=2,
+        num_kv_heads=Hkv,
+        head_dim=D,
+        max_tokens=T,
+        dtype=BF16,
+        device=gpu,
+        max_seqs=B,
+        initial_tokens=T,
+    )
+    try:
+        _copy_into(kv.k_buffers[0], k)
+        _copy_into(kv.v_buffers[0], v)
+        n = np.array([T, 100, 0], np.int32)
+        want = reference(q, k, v, n, None, 50, 10.0)
+        cache = kv.cache()
+        got = ca.cudnn_attention(q, cache[0], jnp.asarray(n), window=50, softcap=10.0)
+        _check(got, want, BF16, "layer, eager")
+        f = jax.jit(lambda q, cache, n: ca.cudnn_attention(q, cache[0], n, window=50, softcap=10.0))
+        _check(f(q, cache, jnp.asarray(n)), want, BF16, "layer, jit")
+        kv.check()  # nothing clamped so far
+    finally:
+        kv.close()
+    kv = jax_vmm.kv_arena(
+        num_layers=1,
+        num_kv_heads=Hkv,
+        head_dim=D,
+        max_tokens=T,
+        dtype=BF16,
+        device=gpu,
+        max_seqs=B,
+        initial_tokens=T,
+    )
+    try:
+        _copy_into(kv.k_buffers[0], k)
+        _copy_into(kv.v_buffers[0], v)
+        kv.release(1, keep_tokens=64)  # sequence 1 keeps the bytes of its first 64 tokens
+        kv.ensure(64, seq=1)  # ... and has 64 tokens ensured
+        n = np.array([T, 200, 30], np.int32)
+        got = ca.cudnn_attention(q, kv.cache()[0], jnp.asarray(n))
+        _check(got, reference(q, k, v, np.array([T, 64, 30])), BF16, "clamped to ensured")
+        with pytest.raises(jax_vmm.OutOfBoundsRead):
+            kv.check()
+    finally:
+        kv.close()
+
+
 def _tail(x):  # more kernels around the call: XLA only forms command buffers of some size
     y = x.astype(jnp.float32)
     for _ in range(4):

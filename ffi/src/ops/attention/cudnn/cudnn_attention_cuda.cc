@@ -12,6 +12,7 @@
 #include <atomic>
 #include <cstdint>
 #include <string>
+#include <utility>
 
 #include "jax_vmm/scratch.h"
 #include "ops/attention/cudnn/cudnn_attention.h"
@@ -94,15 +95,16 @@ bool Capturing(cudaStream_t stream) {
          status != cudaStreamCaptureStatusNone;
 }
 
-ffi::Error InitializeImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k,
-                          ffi::AnyBuffer v, ffi::Buffer<ffi::S32> lengths,
-                          ffi::Buffer<ffi::S32> q_lengths, ffi::Result<ffi::AnyBuffer> out,
-                          float scale, float softcap, int64_t window, int64_t zero_rows) {
-  (void)zero_rows;
+}  // namespace
+
+ffi::Error Initialize(cudaStream_t stream, int32_t device, const ffi::AnyBuffer& q,
+                      const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
+                      const ffi::Buffer<ffi::S32>& lengths, const ffi::Buffer<ffi::S32>& q_lengths,
+                      const ffi::AnyBuffer& out, float scale, float softcap, int64_t window) {
   g_initialize.fetch_add(1, std::memory_order_relaxed);
   SdpaKey key;
   if (ffi::Error err =
-          Check(device, q, k, v, lengths, q_lengths, *out, scale, softcap, window, &key);
+          Check(device, q, k, v, lengths, q_lengths, out, scale, softcap, window, &key);
       err.failure()) {
     return err;
   }
@@ -122,16 +124,17 @@ ffi::Error InitializeImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q,
   return ffi::Error::Success();
 }
 
-ffi::Error ExecuteImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k,
-                       ffi::AnyBuffer v, ffi::Buffer<ffi::S32> lengths,
-                       ffi::Buffer<ffi::S32> q_lengths, ffi::Result<ffi::AnyBuffer> out,
-                       float scale, float softcap, int64_t window, int64_t zero_rows) {
+ffi::Error Execute(cudaStream_t stream, int32_t device, const ffi::AnyBuffer& q,
+                   const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
+                   const ffi::Buffer<ffi::S32>& lengths, const ffi::Buffer<ffi::S32>& q_lengths,
+                   ffi::AnyBuffer out, float scale, float softcap, int64_t window,
+                   int64_t zero_rows) {
   g_execute.fetch_add(1, std::memory_order_relaxed);
   const bool capturing = Capturing(stream);
   if (capturing) g_captured.fetch_add(1, std::memory_order_relaxed);
   SdpaKey key;
   if (ffi::Error err =
-          Check(device, q, k, v, lengths, q_lengths, *out, scale, softcap, window, &key);
+          Check(device, q, k, v, lengths, q_lengths, out, scale, softcap, window, &key);
       err.failure()) {
     return err;
   }
@@ -146,7 +149,7 @@ ffi::Error ExecuteImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ff
   p.v = v.untyped_data();
   p.lengths = lengths.typed_data();
   p.q_lengths = q_lengths.typed_data();
-  p.out = out->untyped_data();
+  p.out = out.untyped_data();
   const int64_t ws = WorkspaceBytes(*graph);
   if (ws > 0) {
     // Grows only outside capture; under capture it refuses (with a message) rather than
@@ -156,7 +159,7 @@ ffi::Error ExecuteImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ff
       return ffi::Error::Internal(std::string(kName) + ": graph-safe scratch: " + err);
     }
   }
-  if (std::string err = Execute(*graph, device, stream, p); !err.empty()) {
+  if (std::string err = cudnn::Execute(*graph, device, stream, p); !err.empty()) {
     return ffi::Error::Internal(std::string(kName) + ": " + err);
   }
   if (zero_rows != 0) {
@@ -171,6 +174,24 @@ ffi::Error ExecuteImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ff
   return ffi::Error::Success();
 }
 
+namespace {
+
+ffi::Error InitializeImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                          ffi::AnyBuffer v, ffi::Buffer<ffi::S32> lengths,
+                          ffi::Buffer<ffi::S32> q_lengths, ffi::Result<ffi::AnyBuffer> out,
+                          float scale, float softcap, int64_t window, int64_t zero_rows) {
+  (void)zero_rows;
+  return Initialize(stream, device, q, k, v, lengths, q_lengths, *out, scale, softcap, window);
+}
+
+ffi::Error ExecuteImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                       ffi::AnyBuffer v, ffi::Buffer<ffi::S32> lengths,
+                       ffi::Buffer<ffi::S32> q_lengths, ffi::Result<ffi::AnyBuffer> out,
+                       float scale, float softcap, int64_t window, int64_t zero_rows) {
+  return Execute(stream, device, q, k, v, lengths, q_lengths, *out, scale, softcap, window,
+                 zero_rows);
+}
+
 // The _into form: out_in is the buffer XLA aliases to the result; it is not read.
 ffi::Error InitializeIntoImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q,
                               ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Buffer<ffi::S32> lengths,
@@ -178,8 +199,8 @@ ffi::Error InitializeIntoImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffe
                               ffi::Result<ffi::AnyBuffer> out, float scale, float softcap,
                               int64_t window, int64_t zero_rows) {
   (void)out_in;
-  return InitializeImpl(stream, device, q, k, v, lengths, q_lengths, out, scale, softcap, window,
-                        zero_rows);
+  (void)zero_rows;
+  return Initialize(stream, device, q, k, v, lengths, q_lengths, *out, scale, softcap, window);
 }
 
 ffi::Error ExecuteIntoImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k,
@@ -188,8 +209,8 @@ ffi::Error ExecuteIntoImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q
                            ffi::Result<ffi::AnyBuffer> out, float scale, float softcap,
                            int64_t window, int64_t zero_rows) {
   (void)out_in;
-  return ExecuteImpl(stream, device, q, k, v, lengths, q_lengths, out, scale, softcap, window,
-                     zero_rows);
+  return Execute(stream, device, q, k, v, lengths, q_lengths, *out, scale, softcap, window,
+                 zero_rows);
 }
 
 template <typename B>
@@ -256,6 +277,7 @@ void AddCudnnTargets(FfiRegistry& registry) {
                FfiRegistry::Stages{CudnnAttentionInitialize, CudnnAttentionExecute});
   registry.Add("jax_vmm_cudnn_attention_into", "CUDA",
                FfiRegistry::Stages{CudnnAttentionIntoInitialize, CudnnAttentionIntoExecute});
+  AddCudnnCacheTargets(registry);
 }
 
 }  // namespace jax_vmm::cudnn
