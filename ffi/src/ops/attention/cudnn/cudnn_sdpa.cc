@@ -224,7 +224,8 @@ std::string Build(const SdpaKey& key, cudnnHandle_t handle, SdpaGraph* out) {
       .set_stride({S * key.q_heads * D, D, key.q_heads * D, 1});
   JAX_VMM_FE_CHECK(g->validate(), "validate");
   JAX_VMM_FE_CHECK(g->build_operation_graph(handle), "build_operation_graph");
-  JAX_VMM_FE_CHECK(g->create_execution_plans({fe::HeurMode_t::A}), "create_execution_plans");
+  JAX_VMM_FE_CHECK(g->create_execution_plans({fe::HeurMode_t::A, fe::HeurMode_t::FALLBACK}),
+                   "create_execution_plans");
   JAX_VMM_FE_CHECK(g->check_support(handle), "check_support");
   JAX_VMM_FE_CHECK(g->build_plans(handle), "build_plans");
   int64_t ws = 0;
@@ -268,6 +269,11 @@ std::string GetGraph(const SdpaKey& key, bool may_build, const SdpaGraph** graph
   try {
     err = EnsureHandle(d, key.device);
     if (err.empty()) err = Build(key, d.handle, built.get());
+    if (!err.empty()) {
+      // The backend's own account of the last failure, when it kept one.
+      const std::string last = fe::detail::get_last_error_string_();
+      if (!last.empty()) err += " [cudnnGetLastErrorString: " + last + "]";
+    }
   } catch (const std::exception& e) {
     err = std::string("exception: ") + e.what();
   }
