@@ -143,12 +143,16 @@ def run_config(
                 row["max_abs_diff_vs_jax_cudnn"] = float(jnp.max(jnp.abs(a - b)))
             except Exception as exc:  # noqa: BLE001 - report and keep going
                 row["check_error"] = _err(exc)
-        for name, attend in impls.items():
 
+        def over_layers(attend):
             @jax.jit
-            def step(qs, ks, vs, lens, attend=attend):
+            def step(qs, ks, vs, lens):
                 return jnp.stack([attend(qs[l], ks[l], vs[l], lens) for l in range(R)])
 
+            return step
+
+        for name, attend in impls.items():
+            step = over_layers(attend)
             try:
                 t = median_time(lambda: step(qs, ks, vs, lens), repeats, runs) / R
                 row[f"{name}_us"] = t * 1e6
