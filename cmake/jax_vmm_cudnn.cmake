@@ -71,16 +71,14 @@ function(_jax_vmm_add_cudnn)
                   ${_wheel_frontend}
             NO_DEFAULT_PATH NO_CACHE)
   if(NOT JAX_VMM_CUDNN_FRONTEND_INCLUDE_DIR)
-    _jax_vmm_cudnn_skip("cudnn_frontend.h not found (pip install nvidia-cudnn-frontend, or set "
-                        "JAX_VMM_CUDNN_FRONTEND_INCLUDE)")
+    _jax_vmm_cudnn_skip("cudnn_frontend.h not found (pip install nvidia-cudnn-frontend, or set JAX_VMM_CUDNN_FRONTEND_INCLUDE)")
     return()
   endif()
   # Frontends from 1.19 include nvrtc.h (their experimental engines): it must be found.
   if(EXISTS "${JAX_VMM_CUDNN_FRONTEND_INCLUDE_DIR}/cudnn_frontend/experimental/nvrtc_shim.h")
     find_path(_nvrtc_dir nvrtc.h HINTS ${CUDAToolkit_INCLUDE_DIRS} NO_CACHE)
     if(NOT _nvrtc_dir)
-      _jax_vmm_cudnn_skip("this cuDNN frontend needs nvrtc.h, which the CUDA toolkit lacks "
-                          "(use nvidia-cudnn-frontend 1.18.0)")
+      _jax_vmm_cudnn_skip("this cuDNN frontend (1.19 or newer) needs nvrtc.h, which the CUDA toolkit lacks: use nvidia-cudnn-frontend 1.18.0")
       return()
     endif()
   endif()
