@@ -45,7 +45,7 @@ import numpy as np  # noqa: E402
 
 import jax_vmm  # noqa: E402
 from _common import median_time, parse_list, write_json  # noqa: E402
-from jax_vmm import _cudnn_attention as ca  # noqa: E402
+from jax_vmm.ops import cudnn_attention as ca  # noqa: E402
 
 HBM_BPS = 4.8e12
 HQ, HKV, D = 32, 8, 128

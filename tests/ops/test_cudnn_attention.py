@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 import jax_vmm
-from jax_vmm import _cudnn_attention as ca
+from jax_vmm.ops import cudnn_attention as ca
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from conftest import cuda_vmm_device  # noqa: E402

@@ -37,8 +37,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._ffi import register
-from ._loader import core as _core
+from ..base.ffi import register
+from ..base.loader import core as _core
+from ..cache.pytree import KVLayer
 from .scratch import _ordinal
 from .scratch import reserve as _scratch_reserve
 
@@ -284,8 +285,6 @@ def cudnn_attention(
     (array form): a ``(B, S, H_q, D)`` array the result is written into (aliased; donate
     it under jit to avoid a copy).
     """
-    from .cache import KVLayer
-
     if isinstance(k, KVLayer):
         if lengths is not None or v is None or out is not None:
             raise TypeError(
