@@ -3,9 +3,9 @@ show its checks would catch the failure they guard against, or force one product
 that tests would not reach otherwise.
 
 Nothing here is for production use, and the production ``jax_vmm`` namespace exposes
-none of it. The hooks live in the C++ testing layer (``ffi/src/testing/``, the submodule
-``jax_vmm._core.testing``, built unless CMake's ``JAX_VMM_TESTING`` is OFF); this module is
-the only Python code that imports it.
+none of it. The hooks live in the C++ testing layer (``ffi/src/testing/``, the extension module
+``jax_vmm._core_testing``, built unless CMake's ``JAX_VMM_TESTING`` is OFF); this module is
+the only package code that imports it.
 
 * :func:`fault_injection`: arenas created inside the with-block get a fault-injecting
   driver; :class:`FaultInjection` arms faults per arena (the nth ``create``, ``map``,
@@ -63,17 +63,25 @@ from . import attention as _attention
 from . import cache as _cache
 from . import cache_ops as _cache_ops
 from . import ops as _ops
-from ._loader import core as _core
 
-_testing = getattr(_core, "testing", None)
-if _testing is None:  # pragma: no cover - only in a build with JAX_VMM_TESTING=OFF
-    raise ImportError(
-        "jax_vmm.testing needs the testing layer, which this build of jax_vmm left out "
-        "(CMake option JAX_VMM_TESTING=OFF); rebuild with -DJAX_VMM_TESTING=ON"
-    )
+
+def testing_extension() -> Any:
+    """The extension module ``jax_vmm._core_testing`` (the C++ testing layer)."""
+    try:
+        from . import _core_testing
+    except ImportError as exc:  # pragma: no cover - only in a build with JAX_VMM_TESTING=OFF
+        raise ImportError(
+            "jax_vmm.testing needs the extension jax_vmm._core_testing, which this build of "
+            f"jax_vmm lacks ({exc}); rebuild with the CMake option -DJAX_VMM_TESTING=ON"
+        ) from exc
+    return _core_testing
+
+
+_testing = testing_extension()
 _ffi.add_source(_testing.registrations)
 
 __all__ = [
+    "testing_extension",
     "InjectedFault",
     "FaultInjection",
     "fault_injection",

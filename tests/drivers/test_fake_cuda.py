@@ -1,6 +1,6 @@
 """The real CUDA driver code (ffi/src/drivers/cuda/) on the CPU, over a strict host
 emulation of the CUDA VMM driver API (ffi/src/testing/fake_cuda.h, exposed as
-``jax_vmm._core.testing.fake_cuda_*``).
+``jax_vmm._core_testing.fake_cuda_*``).
 
 What the fake emulates: reservations (cuMemAddressReserve/Free), physical allocations
 (cuMemCreate/Release, memfd-backed, fresh contents garbage), mappings (cuMemMap/Unmap),
@@ -32,8 +32,9 @@ import numpy as np
 import pytest
 
 from jax_vmm._loader import core as _core
+from jax_vmm.testing import testing_extension
 
-t = _core.testing
+t = testing_extension()
 R = t.fake_cuda_results()
 OK = R["CUDA_SUCCESS"]
 INVALID_VALUE = R["CUDA_ERROR_INVALID_VALUE"]

@@ -4,16 +4,7 @@
 
 #include <nanobind/nanobind.h>
 
-#include <cstdint>
-#include <vector>
-
-#include "jax_vmm/arena.h"
-
 namespace jax_vmm {
-// Throws InvalidArgument unless `shape` of `bits`-bit elements fits in buffer b
-// (arena_bindings.cc; the testing layer's legacy views check the same).
-void CheckViewFits(const BufferInfo& b, const std::vector<size_t>& shape, uint8_t bits);
-
 void BindArena(nanobind::module_& m);      // arena_bindings.cc
 void BindScratch(nanobind::module_& m);    // scratch_bindings.cc
 void BindOps(nanobind::module_& m);        // ops_bindings.cc (kv_write / attention stats)
