@@ -5,10 +5,10 @@
 #include <nanobind/nanobind.h>
 
 namespace jax_vmm {
-void BindArena(nanobind::module_& m);      // arena_bindings.cc
-void BindScratch(nanobind::module_& m);    // scratch_bindings.cc
-void BindOps(nanobind::module_& m);        // ops_bindings.cc (kv_write / attention stats)
-void BindAttention(nanobind::module_& m);  // attention_bindings.cc
-void BindKvCache(nanobind::module_& m);    // kv_cache_bindings.cc
+void BindArena(nanobind::module_& m);       // arena_bindings.cc
+void BindScratch(nanobind::module_& m);     // scratch_bindings.cc
+void BindOps(nanobind::module_& m);         // ops_bindings.cc (kv_write / attention stats)
+void BindAttention(nanobind::module_& m);   // attention_bindings.cc
+void BindKvCache(nanobind::module_& m);     // kv_cache_bindings.cc
 void BindEnsurePlan(nanobind::module_& m);  // ensure_plan_bindings.cc (KVArena.ensure_all)
 }  // namespace jax_vmm
