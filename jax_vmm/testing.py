@@ -65,7 +65,7 @@ from . import cache_ops as _cache_ops
 from . import ops as _ops
 
 
-def testing_extension() -> Any:
+def extension() -> Any:
     """The extension module ``jax_vmm._core_testing`` (the C++ testing layer)."""
     try:
         from . import _core_testing
@@ -77,11 +77,11 @@ def testing_extension() -> Any:
     return _core_testing
 
 
-_testing = testing_extension()
+_testing = extension()
 _ffi.add_source(_testing.registrations)
 
 __all__ = [
-    "testing_extension",
+    "extension",
     "InjectedFault",
     "FaultInjection",
     "fault_injection",

@@ -42,7 +42,7 @@ def test_importing_jax_vmm_loads_no_test_code() -> None:
 
 
 def test_production_module_has_no_test_hooks() -> None:
-    t = jax_vmm.testing.testing_extension()
+    t = jax_vmm.testing.extension()
     assert t.__name__ == "jax_vmm._core_testing"
     assert not hasattr(_core, "testing")
     for hook in ("create_fault_injecting_arena", "set_host_map_limit", "scratch_get", "ZeroLayout"):
@@ -64,7 +64,7 @@ def test_testing_module_shares_the_core(vm) -> None:
     assert _core.find_arena_buffer_by_uid(buf.uid) is not None
     # The testing module's driver decorator fails a commit made through _core, and its
     # exception type comes back through _core's binding.
-    t = jax_vmm.testing.testing_extension()
+    t = jax_vmm.testing.extension()
     t.arm_fault(arena._handle, "create", 1)
     with pytest.raises(jax_vmm.testing.InjectedFault):
         buf.commit()

@@ -32,7 +32,7 @@ import jax_vmm.testing
 from conftest import cuda_ordinal
 from jax_vmm._loader import core as _core
 
-t = jax_vmm.testing.testing_extension()
+t = jax_vmm.testing.extension()
 G = t.fake_cuda_granularity()
 
 
@@ -192,7 +192,7 @@ import jax, jax.numpy as jnp, numpy as np, jax_vmm, jax_vmm.testing
 from jax_vmm._device import resolve_device
 dev = jax.devices("gpu")[0]
 ordinal = resolve_device(dev).ordinal
-seen["streams"] = lambda: jax_vmm.testing.testing_extension().compute_streams(ordinal)
+seen["streams"] = lambda: jax_vmm.testing.extension().compute_streams(ordinal)
 def arena():
     kv = jax_vmm.kv_arena(num_layers=1, num_kv_heads=2, head_dim=64, max_tokens=4096,
                           max_seqs=2, dtype=jnp.bfloat16, device=dev)

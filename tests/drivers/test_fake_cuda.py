@@ -31,10 +31,10 @@ import threading
 import numpy as np
 import pytest
 
+import jax_vmm.testing
 from jax_vmm._loader import core as _core
-from jax_vmm.testing import testing_extension
 
-t = testing_extension()
+t = jax_vmm.testing.extension()
 R = t.fake_cuda_results()
 OK = R["CUDA_SUCCESS"]
 INVALID_VALUE = R["CUDA_ERROR_INVALID_VALUE"]

@@ -10,9 +10,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jax_vmm.testing import testing_extension
+import jax_vmm.testing
 
-_testing = testing_extension()
+_testing = jax_vmm.testing.extension()
 ZeroLayout = _testing.ZeroLayout
 MiB = 1 << 20
 CHUNK = 2 * MiB
