@@ -9,7 +9,7 @@
 #                      of this Python (nvidia/cudnn/include), the CUDA toolkit, /usr/include
 #   cudnn_frontend.h   JAX_VMM_CUDNN_FRONTEND_INCLUDE (CMake or environment), the
 #                      nvidia-cudnn-frontend wheel of this Python (its include/ folder)
-# Expects _core, _use_cuda, _src and Python_EXECUTABLE from the top-level CMakeLists.txt.
+# Expects jax_vmm_core, _core, _use_cuda, _src and Python_EXECUTABLE from the top-level CMakeLists.txt.
 set(JAX_VMM_CUDNN "OFF" CACHE STRING "Build the cuDNN attention backend: AUTO, ON or OFF")
 set_property(CACHE JAX_VMM_CUDNN PROPERTY STRINGS AUTO ON OFF)
 
@@ -83,20 +83,22 @@ function(_jax_vmm_add_cudnn)
     endif()
   endif()
 
-  target_sources(_core PRIVATE
+  # The backend lives in the core library (beside the CUDA kernels); _core binds it.
+  target_sources(jax_vmm_core PRIVATE
     ${_src}/ops/attention/cudnn/cudnn_attention_cache_cuda.cc
     ${_src}/ops/attention/cudnn/cudnn_attention_cuda.cc
     ${_src}/ops/attention/cudnn/cudnn_library.cc
     ${_src}/ops/attention/cudnn/cudnn_rows.cu
-    ${_src}/ops/attention/cudnn/cudnn_sdpa.cc
-    ${_src}/python/cudnn_bindings.cc)
-  target_include_directories(_core SYSTEM PRIVATE ${JAX_VMM_CUDNN_INCLUDE_DIR}
-                                                  ${JAX_VMM_CUDNN_FRONTEND_INCLUDE_DIR})
+    ${_src}/ops/attention/cudnn/cudnn_sdpa.cc)
+  target_sources(_core PRIVATE ${_src}/python/cudnn_bindings.cc)
+  target_include_directories(jax_vmm_core SYSTEM PRIVATE ${JAX_VMM_CUDNN_INCLUDE_DIR}
+                                                         ${JAX_VMM_CUDNN_FRONTEND_INCLUDE_DIR})
+  target_include_directories(_core SYSTEM PRIVATE ${CUDAToolkit_INCLUDE_DIRS})
   # Dynamic loading: every cuDNN call goes through the handle cudnn_library.cc sets, so the
-  # module needs no libcudnn to import. No JSON: graph serialization is not used.
-  target_compile_definitions(_core PRIVATE JAX_VMM_HAVE_CUDNN=1
-                                           NV_CUDNN_FRONTEND_USE_DYNAMIC_LOADING=1
-                                           CUDNN_FRONTEND_SKIP_JSON_LIB=1)
+  # library needs no libcudnn to load. No JSON: graph serialization is not used.
+  target_compile_definitions(jax_vmm_core PRIVATE NV_CUDNN_FRONTEND_USE_DYNAMIC_LOADING=1
+                                                  CUDNN_FRONTEND_SKIP_JSON_LIB=1)
+  target_compile_definitions(jax_vmm_core PUBLIC JAX_VMM_HAVE_CUDNN=1)
   message(STATUS "jax_vmm: cuDNN attention backend ON (cudnn.h: ${JAX_VMM_CUDNN_INCLUDE_DIR}, "
                  "cudnn_frontend.h: ${JAX_VMM_CUDNN_FRONTEND_INCLUDE_DIR})")
 endfunction()

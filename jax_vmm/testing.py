@@ -3,9 +3,9 @@ show its checks would catch the failure they guard against, or force one product
 that tests would not reach otherwise.
 
 Nothing here is for production use, and the production ``jax_vmm`` namespace exposes
-none of it. The hooks live in the C++ testing layer (``ffi/src/testing/``, the submodule
-``jax_vmm._core.testing``, built unless CMake's ``JAX_VMM_TESTING`` is OFF); this module is
-the only Python code that imports it.
+none of it. The hooks live in the C++ testing layer (``ffi/src/testing/``, the extension module
+``jax_vmm._core_testing``, built unless CMake's ``JAX_VMM_TESTING`` is OFF); this module is
+the only package code that imports it.
 
 * :func:`fault_injection`: arenas created inside the with-block get a fault-injecting
   driver; :class:`FaultInjection` arms faults per arena (the nth ``create``, ``map``,
@@ -61,7 +61,6 @@ from .base import compute_streams as _compute_streams
 from .base import ffi as _ffi
 from .base.args import as_shape
 from .base.devices import resolve_device
-from .base.loader import core as _core
 from .cache import pytree as _cache
 from .kv import KVArena
 from .kv import sharded as _sharded
@@ -71,15 +70,24 @@ from .ops import layer_ops as _cache_ops
 from .ops.attention_call import prepare as _prepare_attention
 from .ops.scratch import reserve as _scratch_reserve
 
-_testing = getattr(_core, "testing", None)
-if _testing is None:  # pragma: no cover - only in a build with JAX_VMM_TESTING=OFF
-    raise ImportError(
-        "jax_vmm.testing needs the testing layer, which this build of jax_vmm left out "
-        "(CMake option JAX_VMM_TESTING=OFF); rebuild with -DJAX_VMM_TESTING=ON"
-    )
+
+def extension() -> Any:
+    """The extension module ``jax_vmm._core_testing`` (the C++ testing layer)."""
+    try:
+        from . import _core_testing
+    except ImportError as exc:  # pragma: no cover - only in a build with JAX_VMM_TESTING=OFF
+        raise ImportError(
+            "jax_vmm.testing needs the extension jax_vmm._core_testing, which this build of "
+            f"jax_vmm lacks ({exc}); rebuild with the CMake option -DJAX_VMM_TESTING=ON"
+        ) from exc
+    return _core_testing
+
+
+_testing = extension()
 _ffi.add_source(_testing.registrations)
 
 __all__ = [
+    "extension",
     "InjectedFault",
     "FaultInjection",
     "fault_injection",

@@ -226,10 +226,6 @@ def test_import_loads_no_test_code() -> None:
     assert "jax_vmm.kv" in ours  # the import did load the package
     assert [m for m in ours if m.startswith("jax_vmm.testing")] == []
     extensions = [m for m in ours if "testing" in m.split(".")[1:] or "_testing" in m]
-    if extensions == ["jax_vmm._core.testing"]:
-        pytest.xfail(
-            "the test hooks are still a submodule of jax_vmm._core (a separate extension pending)"
-        )
     assert extensions == []
 
 

@@ -3,7 +3,7 @@
 The compiled modules hand their targets over as ``registrations(platform)`` dicts
 (``{name: capsule | {stage: capsule}}``, platform ``"cpu"`` or ``"CUDA"``). The production
 targets come from ``_core.registrations``; ``jax_vmm.testing`` adds the test-only ones of
-``_core.testing`` with :func:`add_source`.
+``_core_testing`` with :func:`add_source`.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def register() -> None:
 
 def add_source(registrations: Registrations) -> None:
     """Make :func:`register` also register the targets of ``registrations(platform)``
-    (used by ``jax_vmm.testing`` for ``_core.testing.registrations``). Idempotent."""
+    (used by ``jax_vmm.testing`` for ``_core_testing.registrations``). Idempotent."""
     global _complete
     with _lock:
         if registrations not in _sources:

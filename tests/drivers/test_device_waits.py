@@ -32,7 +32,7 @@ import jax_vmm.testing
 from conftest import cuda_ordinal
 from jax_vmm.base.loader import core as _core
 
-t = _core.testing
+t = jax_vmm.testing.extension()
 G = t.fake_cuda_granularity()
 
 
@@ -190,10 +190,9 @@ seen = {}
 atexit.register(lambda: print("STREAMS_AT_EXIT", seen["streams"]()))  # runs last
 import jax, jax.numpy as jnp, numpy as np, jax_vmm, jax_vmm.testing
 from jax_vmm.base.devices import resolve_device
-from jax_vmm.base.loader import core
 dev = jax.devices("gpu")[0]
 ordinal = resolve_device(dev).ordinal
-seen["streams"] = lambda: core.testing.compute_streams(ordinal)
+seen["streams"] = lambda: jax_vmm.testing.extension().compute_streams(ordinal)
 def arena():
     kv = jax_vmm.kv_arena(num_layers=1, num_kv_heads=2, head_dim=64, max_tokens=4096,
                           max_seqs=2, dtype=jnp.bfloat16, device=dev)

@@ -1,6 +1,6 @@
 """The real CUDA driver code (ffi/src/drivers/cuda/) on the CPU, over a strict host
 emulation of the CUDA VMM driver API (ffi/src/testing/fake_cuda.h, exposed as
-``jax_vmm._core.testing.fake_cuda_*``).
+``jax_vmm._core_testing.fake_cuda_*``).
 
 What the fake emulates: reservations (cuMemAddressReserve/Free), physical allocations
 (cuMemCreate/Release, memfd-backed, fresh contents garbage), mappings (cuMemMap/Unmap),
@@ -31,9 +31,10 @@ import threading
 import numpy as np
 import pytest
 
+import jax_vmm.testing
 from jax_vmm.base.loader import core as _core
 
-t = _core.testing
+t = jax_vmm.testing.extension()
 R = t.fake_cuda_results()
 OK = R["CUDA_SUCCESS"]
 INVALID_VALUE = R["CUDA_ERROR_INVALID_VALUE"]

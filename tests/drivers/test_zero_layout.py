@@ -10,9 +10,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jax_vmm.base.loader import core as _core
+import jax_vmm.testing
 
-ZeroLayout = _core.testing.ZeroLayout
+_testing = jax_vmm.testing.extension()
+ZeroLayout = _testing.ZeroLayout
 MiB = 1 << 20
 CHUNK = 2 * MiB
 BASE = 1 << 40
@@ -96,15 +97,15 @@ def test_bad_bookkeeping_is_refused():
 
 
 def test_zero_piece_size():
-    assert _core.testing.zero_piece_bytes(141 << 30, CHUNK) == 256 * MiB  # an H200
-    assert _core.testing.zero_piece_bytes(16 << 30, CHUNK) == 32 * MiB  # 1/512 of the device
-    assert _core.testing.zero_piece_bytes(512 * MiB, CHUNK) == CHUNK
-    assert _core.testing.zero_piece_bytes(141 << 30, CHUNK, 32 * MiB) == 32 * MiB
-    assert _core.testing.zero_piece_bytes(141 << 30, CHUNK, 48 * MiB) == 32 * MiB  # a power of 2
+    assert _testing.zero_piece_bytes(141 << 30, CHUNK) == 256 * MiB  # an H200
+    assert _testing.zero_piece_bytes(16 << 30, CHUNK) == 32 * MiB  # 1/512 of the device
+    assert _testing.zero_piece_bytes(512 * MiB, CHUNK) == CHUNK
+    assert _testing.zero_piece_bytes(141 << 30, CHUNK, 32 * MiB) == 32 * MiB
+    assert _testing.zero_piece_bytes(141 << 30, CHUNK, 48 * MiB) == 32 * MiB  # a power of 2
 
 
 def test_zero_piece_ceiling_from_env(monkeypatch):
-    read = _core.testing.zero_piece_ceiling_from_env
+    read = _testing.zero_piece_ceiling_from_env
     monkeypatch.delenv("JAX_VMM_ZERO_PIECE_MAX_BYTES", raising=False)
     assert read() == 256 * MiB
     monkeypatch.setenv("JAX_VMM_ZERO_PIECE_MAX_BYTES", str(32 * MiB))

@@ -38,7 +38,7 @@ size_t CountMappings() {
 
 struct Budget {
   std::mutex mu;
-  size_t limit_override = 0;
+  MapLimitSource source = &MaxMapCount;
   size_t limit = 0;    // 0 until first use
   size_t counted = 0;  // mappings at the last count
   size_t added = 0;    // at most this many made since (each reservation counts in full)
@@ -55,7 +55,7 @@ void ReserveMappings(size_t more, size_t bytes) {
   Budget& b = GetBudget();
   std::lock_guard<std::mutex> lock(b.mu);
   const bool first = b.limit == 0;
-  if (first) b.limit = b.limit_override != 0 ? b.limit_override : MaxMapCount();
+  if (first) b.limit = b.source();
   if (first || b.counted + b.added + more + kMargin > b.limit) {  // no estimate, or it says maybe
     b.counted = CountMappings();
     b.added = 0;
@@ -73,10 +73,10 @@ void ReserveMappings(size_t more, size_t bytes) {
   b.added += more;
 }
 
-void SetMapLimitForTesting(size_t limit) {
+void SetMapLimitSource(MapLimitSource source) {
   Budget& b = GetBudget();
   std::lock_guard<std::mutex> lock(b.mu);
-  b.limit_override = limit;
+  b.source = source != nullptr ? source : &MaxMapCount;
   b.limit = 0;  // re-read (and re-count) on next use
 }
 

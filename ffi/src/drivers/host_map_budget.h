@@ -18,7 +18,11 @@ namespace jax_vmm::host {
 // only when the estimate nears the limit. Thread-safe.
 void ReserveMappings(size_t more, size_t bytes);
 
-// Test-only: the limit to check against instead of vm.max_map_count (0: the real one).
-void SetMapLimitForTesting(size_t limit);
+// Where the limit comes from: vm.max_map_count unless another source is installed (the
+// testing layer installs one, so that tests reach the limit without filling the maps).
+using MapLimitSource = size_t (*)();
+// Installs `source` (nullptr: vm.max_map_count again); the next commit reads it and
+// re-counts. Thread-safe.
+void SetMapLimitSource(MapLimitSource source);
 
 }  // namespace jax_vmm::host

@@ -71,9 +71,8 @@ std::vector<int64_t> EnsureNeed(const Table& tokens, const Table& covered, const
 // The sequences whose asked tokens come within `ahead_tokens` of the end of their backed
 // chunks (and can grow, and were not refused a commit ahead at this end): those whose
 // next chunk the commit-ahead thread should back.
-std::vector<int64_t> AheadDue(const Table& tokens, const Table& covered,
-                              const Table& ahead_blocked, int64_t ahead_tokens,
-                              int64_t max_tokens) {
+std::vector<int64_t> AheadDue(const Table& tokens, const Table& covered, const Table& ahead_blocked,
+                              int64_t ahead_tokens, int64_t max_tokens) {
   const size_t n = tokens.shape(0);
   CheckSizes("ahead_due", n, {&covered, &ahead_blocked});
   const int64_t *t = tokens.data(), *c = covered.data(), *b = ahead_blocked.data();
@@ -89,12 +88,11 @@ void BindEnsurePlan(nb::module_& m) {
   // something to copy silently on every call.
   m.def("token_range", &TokenRange, nb::arg("tokens").noconvert(),
         "(min, max) of an int64 array ((0, 0) when empty).");
-  m.def("ensure_need", &EnsureNeed, nb::arg("tokens").noconvert(),
-        nb::arg("covered").noconvert(), nb::arg("valid_gen").noconvert(),
-        nb::arg("gen"), "Sequences that ask for tokens beyond their chunks known backed.");
+  m.def("ensure_need", &EnsureNeed, nb::arg("tokens").noconvert(), nb::arg("covered").noconvert(),
+        nb::arg("valid_gen").noconvert(), nb::arg("gen"),
+        "Sequences that ask for tokens beyond their chunks known backed.");
   m.def("ahead_due", &AheadDue, nb::arg("tokens").noconvert(), nb::arg("covered").noconvert(),
-        nb::arg("ahead_blocked").noconvert(),
-        nb::arg("ahead_tokens"), nb::arg("max_tokens"),
+        nb::arg("ahead_blocked").noconvert(), nb::arg("ahead_tokens"), nb::arg("max_tokens"),
         "Sequences within ahead_tokens of the end of their backed chunks.");
 }
 

@@ -1,5 +1,7 @@
 // The nanobind module jax_vmm._core: exception mapping, FFI target capsules, and the
 // per-feature bindings (arena_bindings.cc, scratch_bindings.cc, ops_bindings.cc, ...).
+// It holds no test code: the test hooks are the separate extension jax_vmm._core_testing
+// (testing/testing_module.cc), over the same core library.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
@@ -17,9 +19,6 @@
 #include "python/bindings.h"
 #include "python/registrations.h"
 #include "scratch/device_platform.h"
-#ifdef JAX_VMM_TESTING
-#include "testing/testing_module.h"
-#endif
 #ifdef JAX_VMM_HAVE_CUDNN
 #include "ops/attention/cudnn/cudnn_attention.h"
 #include "python/cudnn_bindings.h"
@@ -140,10 +139,4 @@ NB_MODULE(_core, m) {
   BindAttention(m);
   BindKvCache(m);
   BindEnsurePlan(m);
-#ifdef JAX_VMM_TESTING
-  nb::module_ t = m.def_submodule(
-      "testing", "Test-only hooks of jax_vmm's C++ core; use them through jax_vmm.testing.");
-  BindRegistrations(t, testing::TestingTargets());
-  testing::BindTestingHooks(t);
-#endif
 }

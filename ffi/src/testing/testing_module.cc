@@ -1,4 +1,4 @@
-// jax_vmm._core.testing (see testing_module.h): the testing FFI targets, fault injection
+// jax_vmm._core_testing (see testing_module.h): the testing FFI targets, fault injection
 // into arenas, the scratch probe's counters, simulated capture, the free-on-growth
 // emulation of scratch, the streaming attention's partition and the fake CUDA driver
 // (fake_cuda_bindings.cc). The Python side and its documentation: jax_vmm/testing.py.
@@ -11,6 +11,7 @@
 #include <nanobind/stl/vector.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
@@ -19,6 +20,7 @@
 
 #include "common/fast_divmod.h"
 #include "common/ffi_registry.h"
+#include "core/view_fits.h"
 #include "drivers/cuda/compute_streams.h"
 #include "drivers/cuda/zero_allocation.h"
 #include "drivers/cuda/zero_layout.h"
@@ -26,7 +28,7 @@
 #include "jax_vmm/arena.h"
 #include "jax_vmm/errors.h"
 #include "ops/attention/stream_plan.h"
-#include "python/bindings.h"
+#include "python/registrations.h"
 #include "scratch/simulated_capture.h"
 #include "testing/fault_injecting_driver.h"
 #include "testing/scratch_free_on_growth.h"
@@ -46,8 +48,7 @@ void BindLegacyViews(nb::module_& m);
 void BindStreamPartition(nb::module_& m);
 void BindFastDivmod(nb::module_& m);
 
-}  // namespace
-
+// The testing layer's FFI targets (testing_targets.h), for registrations().
 FfiRegistry TestingTargets() {
   FfiRegistry registry;
   AddUncheckedKvWriteCpuTargets(registry);
@@ -70,6 +71,7 @@ FfiRegistry TestingTargets() {
 }
 
 void BindTestingHooks(nb::module_& m) {
+  BindRegistrations(m, TestingTargets());
   BindFaultInjection(m);
   BindZeroLayout(m);
   BindComputeStreams(m);
@@ -80,7 +82,8 @@ void BindTestingHooks(nb::module_& m) {
   BindFakeCuda(m);
 }
 
-namespace {
+// The mapping limit set_host_map_limit() stands in for vm.max_map_count.
+std::atomic<size_t> g_host_map_limit{0};
 
 void BindFaultInjection(nb::module_& m) {
   nb::exception<InjectedFault>(m, "InjectedFault", PyExc_RuntimeError);
@@ -129,7 +132,12 @@ void BindFaultInjection(nb::module_& m) {
       "injected_faults", [](Arena& arena) { return FaultsOf(arena).injected(); }, nb::arg("arena"),
       "Faults thrown into this arena's driver so far.");
   m.def(
-      "set_host_map_limit", [](size_t limit) { host::SetMapLimitForTesting(limit); },
+      "set_host_map_limit",
+      [](size_t limit) {
+        g_host_map_limit.store(limit);
+        const host::MapLimitSource source = [] { return g_host_map_limit.load(); };
+        host::SetMapLimitSource(limit != 0 ? source : nullptr);
+      },
       nb::arg("limit"),
       "The mapping limit host arenas check against instead of vm.max_map_count (0: the real "
       "one).");
@@ -312,3 +320,11 @@ void BindFastDivmod(nb::module_& m) {
 }  // namespace
 
 }  // namespace jax_vmm::testing
+
+NB_MODULE(_core_testing, m) {
+  m.doc() = "Test-only hooks of jax_vmm's C++ core; use them through jax_vmm.testing.";
+  // The classes and exceptions these functions take and return (Arena, ...) are bound by
+  // jax_vmm._core; both modules link the one core library, so they share its state.
+  nb::module_::import_("jax_vmm._core");
+  jax_vmm::testing::BindTestingHooks(m);
+}

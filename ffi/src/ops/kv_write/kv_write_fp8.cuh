@@ -24,9 +24,9 @@ struct QuantizeVectors {
   struct Vec {
     uint4 w[kSrcWords];  // 8 source elements, raw
   };
-  int vecs_per_token;      // heads * head_dim / 8
-  FastDivmod per_head;     // head_dim / 8: a vector's head is per_head.Div(i)
-  const float* scale[2];   // (heads,) per side
+  int vecs_per_token;     // heads * head_dim / 8
+  FastDivmod per_head;    // head_dim / 8: a vector's head is per_head.Div(i)
+  const float* scale[2];  // (heads,) per side
 
   __device__ __forceinline__ Vec Load(const Side& s, int side, int64_t flat) const {
     (void)side;
