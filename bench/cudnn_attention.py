@@ -5,7 +5,7 @@ Per configuration, one step runs R layers (layer i reads kv.k[i], kv.v[i] of one
 kv_arena, so repeated runs do not hit in L2); times are per attention call (median over
 repeats of N back-to-back steps):
 
-  vmm_cudnn   jax_vmm._cudnn_attention.cudnn_attention: cuDNN SDPA graph in our custom
+  vmm_cudnn   jax_vmm.ops.cudnn_attention.cudnn_attention: cuDNN SDPA graph in our custom
               call (bottom-right causal, padding by lengths / q_lengths), workspace in the
               graph-safe scratch, plus the kernel that zeroes rows cuDNN leaves unwritten
   no_zero     the same without that kernel (zero_rows=False): the kernel's cost

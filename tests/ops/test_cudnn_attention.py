@@ -1,4 +1,4 @@
-"""The cuDNN attention backend (jax_vmm._cudnn_attention): jax_vmm's attention semantics on
+"""The cuDNN attention backend (jax_vmm.ops.cudnn_attention): jax_vmm's attention semantics on
 cuDNN SDPA graphs inside our own custom call.
 
 Against a float64 numpy reference of the semantics (bottom-right causal over the cache,
