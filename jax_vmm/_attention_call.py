@@ -129,6 +129,8 @@ def _prepare(
         chunk=np.int64(plan["chunk"]),
         splits=np.int64(plan["splits"]),
         impl=np.int64(_IMPLS[impl]),
+        window=np.int64(0),
+        softcap=np.float32(0),
     )
     return _Call((q, k, v, lengths), attrs, jax.ShapeDtypeStruct(q.shape, q.dtype), plan, device)
 
