@@ -405,6 +405,7 @@ def decode_attention(
     ctas: int = 0,
     stages: int = 0,
     min_tiles: int = 0,
+    **options: Any,
 ) -> jax.Array:
     """``jax_vmm.decode_attention`` (graph-safe scratch workspace) through the testing
     targets, with the same validation, kernel choice and plan as the private
@@ -417,7 +418,13 @@ def decode_attention(
     skip_output: write nothing to the output (out_init comes back unchanged).
     read_all_tokens: (the split-K CPU handler only) also touch every token up to T, as a
       kernel that ignored the lengths would.
+    options: q_lengths / window / softcap of the general attention (q ``(B, S, H_q, D)``),
+      validated as ``jax_vmm`` attention does (jax_vmm/_attention_api.py).
     """
+    if options:
+        from ._attention_api import _checked_options
+
+        q, options = _checked_options(q, k, options)
     call = _attention._prepare(
         q,
         k,
@@ -433,6 +440,7 @@ def decode_attention(
         ctas=ctas,
         stages=stages,
         min_tiles=min_tiles,
+        **options,
     )
     if call is None:
         return jnp.zeros(jnp.shape(q), jnp.asarray(q).dtype)
@@ -456,7 +464,7 @@ def decode_attention(
         vmap_method="sequential",
         input_output_aliases={len(call.operands): 0},
     )
-    return ffi(*call.operands, out_init, **attrs)
+    return ffi(*call.operands, out_init, *call.tail, **attrs)
 
 
 def stream_partition(

@@ -17,19 +17,28 @@ namespace jax_vmm::attention {
 
 // Everything the kernels read and write: device pointers and static shapes.
 struct KernelParams {
-  const void* q;  // (B, Hq, D)
+  const void* q;  // (B, Hq, D) or (B, S, Hq, D)
   const void* k;  // (B, T, Hkv, D)
   const void* v;
   const int32_t* lengths;  // (B,)
-  void* out;               // (B, Hq, D)
-  float* ws_acc;           // [P][D], P = B * Hq * splits (workspace layout of attention_plan.h)
+  void* out;               // q's shape
+  float* ws_acc;           // [P][D], P = B * S * Hq * splits (workspace layout of attention_plan.h)
   float* ws_m;             // [P]
   float* ws_l;             // [P]
   int batch, max_tokens, q_heads, kv_heads, head_dim;
   int group;       // q_heads / kv_heads
-  int head_group;  // query heads per tensor-core block
+  int head_group;  // query rows per tensor-core block (S = 1: heads)
+  int row_blocks;  // tensor-core blocks per (sequence, KV head)
   int chunk, splits;
   float scale_log2;  // softmax scale * log2(e): logits are kept in log2 units
+  // The options of jax_vmm.attention (Semantics in attention_ffi.h); `rows` selects the
+  // kernels that honour them (false: plain decode, S = 1, the options unset).
+  bool rows;
+  int q_len;                // S
+  const int32_t* q_lengths;  // (B,) or null (every row live)
+  int window;               // 0 = none
+  float softcap;            // 0 = none
+  float scale;              // the softmax scale (softcap applies before the log2 units)
 };
 
 enum class ElementType { kF32, kBF16, kF16 };
