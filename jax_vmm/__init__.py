@@ -50,10 +50,10 @@ __all__ = [
 ]
 
 # Ops from feature modules (added by their owners; keep one import line each).
-from .attention import decode_attention  # noqa: E402,F401
 # The general attention; named jax_vmm.attention once that name is free (a module today).
 from ._attention_api import attention as attention_op  # noqa: E402,F401
 from ._attention_api import reference_attention  # noqa: E402,F401
+from .attention import decode_attention  # noqa: E402,F401
 from .cache_ops import ordered_views  # noqa: E402,F401
 from .ops import KVDest, kv_write, kv_write_fp8, kv_write_through  # noqa: E402,F401
 from .scratch import scratch_stats  # noqa: E402,F401

@@ -137,7 +137,9 @@ def _attention(
     knobs = dict(impl=impl, chunk=chunk, splits=splits)
     if _is_plain(q, q_lengths, window, softcap):
         if layer is not None:
-            out = _decode_attention(q[:, 0], layer, lengths, scale=scale, workspace=workspace, **knobs)
+            out = _decode_attention(
+                q[:, 0], layer, lengths, scale=scale, workspace=workspace, **knobs
+            )
         else:
             out = _decode_attention(
                 q[:, 0], k, v, lengths, scale=scale, k_scale=k_scale, v_scale=v_scale,
@@ -162,9 +164,7 @@ def _attention(
         k = dequantize_fp8(k, k_scale).astype(q.dtype)
         v = dequantize_fp8(v, v_scale).astype(q.dtype)
         k_scale = v_scale = None
-    q, options = _checked_options(
-        q, k, dict(q_lengths=q_lengths, window=window, softcap=softcap)
-    )
+    q, options = _checked_options(q, k, dict(q_lengths=q_lengths, window=window, softcap=softcap))
     call = _call._prepare(
         q, k, v, lengths, scale=scale, workspace=workspace, k_scale=k_scale, v_scale=v_scale,
         **knobs, **options,
@@ -212,8 +212,12 @@ def _arena_attention(
     if workspace != "scratch":
         raise ValueError("attention over an arena layer keeps its partials in scratch")
     spec = cache_ops._spec(lid)
-    q, options = _checked_options(q, spec, dict(q_lengths=q_lengths, window=window, softcap=softcap))
-    call = _call._prepare(q, spec, spec, lengths, scale=scale, workspace="scratch", **knobs, **options)
+    q, options = _checked_options(
+        q, spec, dict(q_lengths=q_lengths, window=window, softcap=softcap)
+    )
+    call = _call._prepare(
+        q, spec, spec, lengths, scale=scale, workspace="scratch", **knobs, **options
+    )
     if call is None:
         return jnp.zeros(q.shape, q.dtype)
     q, lengths = call.operands[0], call.operands[3]

@@ -51,9 +51,8 @@ ffi::Error CacheExecuteImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
                             ffi::Buffer<ffi::S32> lengths, ffi::AnyBuffer token,
                             ffi::Result<ffi::AnyBuffer> out,
                             ffi::Result<ffi::Buffer<ffi::S32>> read_lengths, uint64_t cache_uid,
-                            int64_t layer, float scale, int64_t chunk, int64_t splits,
-                            int64_t impl, OptionalLengths q_lengths, int64_t window,
-                            float softcap) {
+                            int64_t layer, float scale, int64_t chunk, int64_t splits, int64_t impl,
+                            OptionalLengths q_lengths, int64_t window, float softcap) {
   (void)token;  // orders the call after the layer's writes; not read
   Semantics sem;
   if (ffi::Error e = MakeSemantics("jax_vmm.attention (KVCache layer, CUDA)", q.dimensions()[0],

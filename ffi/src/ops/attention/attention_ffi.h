@@ -14,8 +14,8 @@ namespace jax_vmm::attention {
 
 namespace ffi = xla::ffi;
 
-// q (B, H_q, D) or (B, S, H_q, D), k and v (B, T, H_kv, D), lengths s32 (B,), after the context arguments
-// already bound in `b`.
+// q (B, H_q, D) or (B, S, H_q, D), k and v (B, T, H_kv, D), lengths s32 (B,), after the context
+// arguments already bound in `b`.
 template <typename B>
 auto BindInputs(B&& b) {
   return std::forward<B>(b)

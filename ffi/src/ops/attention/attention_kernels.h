@@ -34,11 +34,11 @@ struct KernelParams {
   // The options of jax_vmm.attention (Semantics in attention_ffi.h); `rows` selects the
   // kernels that honour them (false: plain decode, S = 1, the options unset).
   bool rows;
-  int q_len;                // S
+  int q_len;                 // S
   const int32_t* q_lengths;  // (B,) or null (every row live)
-  int window;               // 0 = none
-  float softcap;            // 0 = none
-  float scale;              // the softmax scale (softcap applies before the log2 units)
+  int window;                // 0 = none
+  float softcap;             // 0 = none
+  float scale;               // the softmax scale (softcap applies before the log2 units)
 };
 
 enum class ElementType { kF32, kBF16, kF16 };

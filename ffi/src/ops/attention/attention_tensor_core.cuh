@@ -191,8 +191,7 @@ __device__ __forceinline__ void ChunkLogits(const T* kc, int64_t tstride, int n,
               if (r0 < n) {
                 const int t = t0 + r0;
                 sh.logits[head * sh.ls + r0] =
-                    t >= lo && t < hi ? RowLogit(sc[nt][e], scale_log2, scale, softcap)
-                                      : -INFINITY;
+                    t >= lo && t < hi ? RowLogit(sc[nt][e], scale_log2, scale, softcap) : -INFINITY;
               }
               if (r1 < n) {
                 const int t = t0 + r1;
@@ -239,7 +238,8 @@ template <bool kRows = false>
 __device__ __forceinline__ void SoftmaxChunk(const BlockShared& sh, int n, int ntiles, int GB,
                                              Lane ln) {
   for (int h = ln.warp; h < GB; h += kWarps) {
-    ChunkSoftmax<kRows>(sh.logits + h * sh.ls, n, ntiles * 16, sh.m + h, sh.l + h, sh.alpha + h, ln.lane);
+    ChunkSoftmax<kRows>(sh.logits + h * sh.ls, n, ntiles * 16, sh.m + h, sh.l + h, sh.alpha + h,
+                        ln.lane);
   }
 }
 
@@ -393,12 +393,11 @@ __global__ void __launch_bounds__(kThreads) SplitKernelTensorCore(const KernelPa
 
   for (int c = s; c < nchunks; c += p.splits) {
     const int t0 = c * p.chunk;
-    const int n = min(p.chunk, len - t0);  // >= 1
+    const int n = min(p.chunk, len - t0);                       // >= 1
     if (kRows && (t0 + n <= lo_all || t0 >= hi_all)) continue;  // block-uniform
     const int ntiles = (n + 15) >> 4;
-    ChunkLogits<T, D, NQT, U, kRows>(kseq + static_cast<int64_t>(t0) * tstride, tstride, n,
-                                     ntiles, qf, sh, GB, p.scale_log2, ln, t0, p.scale,
-                                     p.softcap);
+    ChunkLogits<T, D, NQT, U, kRows>(kseq + static_cast<int64_t>(t0) * tstride, tstride, n, ntiles,
+                                     qf, sh, GB, p.scale_log2, ln, t0, p.scale, p.softcap);
     __syncthreads();
     SoftmaxChunk<kRows>(sh, n, ntiles, GB, ln);
     __syncthreads();
