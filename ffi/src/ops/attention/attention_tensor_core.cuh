@@ -353,19 +353,19 @@ __global__ void __launch_bounds__(kThreads) SplitKernelTensorCore(const KernelPa
   int GB = p.head_group;
   int h0 = blockIdx.y * GB;  // first query head of this block (plain decode)
   int kvh = h0 / p.group;
-  RowBlock rb{};
+  RowBlock blk{};
   const Lane ln = ThisLane();
   extern __shared__ float smem[];
   const BlockShared sh = CarveShared<D, NQT>(smem, p.chunk);
   int lo_all = 0, hi_all = len;  // the union of the rows' token ranges
   if constexpr (kRows) {
     kvh = blockIdx.y / p.row_blocks;
-    rb.kvh = kvh;
-    rb.r0 = (blockIdx.y - kvh * p.row_blocks) * p.head_group;
-    rb.rows = min(p.head_group, p.q_len * p.group - rb.r0);
-    GB = rb.rows;
+    blk.kvh = kvh;
+    blk.r0 = (blockIdx.y - kvh * p.row_blocks) * p.head_group;
+    blk.rows = min(p.head_group, p.q_len * p.group - blk.r0);
+    GB = blk.rows;
     if (threadIdx.x < GB) {
-      RowRange(p.q_lengths, b, p.q_len, len, p.window, (rb.r0 + threadIdx.x) / p.group,
+      RowRange(p.q_lengths, b, p.q_len, len, p.window, (blk.r0 + threadIdx.x) / p.group,
                sh.lo + threadIdx.x, sh.hi + threadIdx.x);
     }
     __syncthreads();
@@ -386,7 +386,7 @@ __global__ void __launch_bounds__(kThreads) SplitKernelTensorCore(const KernelPa
       static_cast<const T*>(p.v) + static_cast<int64_t>(b) * p.max_tokens * tstride + kvh * D;
 
   uint32_t qf[NQT][D / 32][4];
-  LoadQueryFragments<T, D, NQT, kRows>(p, b, h0, GB, ln, qf, rb);
+  LoadQueryFragments<T, D, NQT, kRows>(p, b, h0, GB, ln, qf, blk);
   float acc[NQT][D / 16][4];
   InitBlockState<D, NQT>(sh, acc);
   __syncthreads();
@@ -433,7 +433,7 @@ __global__ void __launch_bounds__(kThreads) SplitKernelTensorCore(const KernelPa
   }
   ReduceWarps<D, NQT>(acc, sh, GB);
   if constexpr (kRows) {
-    WriteRowPartials<D>(p, sh, b, rb, s);
+    WriteRowPartials<D>(p, sh, b, blk, s);
   } else {
     WritePartials<D>(p, sh, b, h0, s, GB);
   }
