@@ -350,27 +350,28 @@ __global__ void __launch_bounds__(kThreads) SplitKernelTensorCore(const KernelPa
   // only; with kRows every such split writes every row, live or not).
   if (s >= nchunks) return;
 
-  int GB = p.head_group;
-  int h0 = blockIdx.y * GB;  // first query head of this block (plain decode)
-  int kvh = h0 / p.group;
+  // kRows: the block's rows (query i, head g) of KV head blk.kvh; plain: GB query heads
+  // from h0. (Kept as the plain kernel's original expressions: same code, same registers.)
   RowBlock blk{};
+  if constexpr (kRows) {
+    blk.kvh = blockIdx.y / p.row_blocks;
+    blk.r0 = (blockIdx.y - blk.kvh * p.row_blocks) * p.head_group;
+    blk.rows = min(p.head_group, p.q_len * p.group - blk.r0);
+  }
+  const int GB = kRows ? blk.rows : p.head_group;
+  const int h0 = blockIdx.y * GB;  // first query head of this block (plain)
+  const int kvh = kRows ? blk.kvh : h0 / p.group;
   const Lane ln = ThisLane();
   extern __shared__ float smem[];
   const BlockShared sh = CarveShared<D, NQT>(smem, p.chunk);
-  int lo_all = 0, hi_all = len;  // the union of the rows' token ranges
+  int lo_all = 0, hi_all = 0;  // kRows: the union of the rows' token ranges
   if constexpr (kRows) {
-    kvh = blockIdx.y / p.row_blocks;
-    blk.kvh = kvh;
-    blk.r0 = (blockIdx.y - kvh * p.row_blocks) * p.head_group;
-    blk.rows = min(p.head_group, p.q_len * p.group - blk.r0);
-    GB = blk.rows;
     if (threadIdx.x < GB) {
       RowRange(p.q_lengths, b, p.q_len, len, p.window, (blk.r0 + threadIdx.x) / p.group,
                sh.lo + threadIdx.x, sh.hi + threadIdx.x);
     }
     __syncthreads();
     lo_all = len;
-    hi_all = 0;
     for (int r = 0; r < GB; ++r) {
       if (sh.hi[r] > sh.lo[r]) {
         lo_all = min(lo_all, sh.lo[r]);
