@@ -307,3 +307,20 @@ def test_fp8_arena_layer_with_options_is_not_implemented(vm):
     q = jax.device_put(jnp.zeros((2, 3, 4, 64), BF16), kv.arena.device)
     with pytest.raises(NotImplementedError, match="fp8 arena layers serve decode only"):
         jax_vmm.attention_op(q, kv.cache()[0], jnp.array([3, 4]), window=2)
+
+
+def test_over_an_array_layer(device):
+    rng = np.random.default_rng(21)
+    B, S, Hq, Hkv, D, T = 3, 4, 8, 2, 128, 50
+    lengths, q_lengths = np.array([50, 2, 0], np.int32), np.array([3, 4, 1], np.int32)
+    q, q64 = draw(rng, (B, S, Hq, D), F16)
+    k, k64 = draw(rng, (B, T, Hkv, D), F16)
+    v, v64 = draw(rng, (B, T, Hkv, D), F16)
+    q, k, v, n, qn = (
+        jax.device_put(x, device) for x in (q, k, v, jnp.asarray(lengths), jnp.asarray(q_lengths))
+    )
+    layer = jax_vmm.KVLayer.from_arrays(k, v)
+    out = jax.jit(lambda q, c, n, qn: jax_vmm.attention_op(q, c, n, q_lengths=qn, window=3))(
+        q, layer, n, qn
+    )
+    assert_close(out, ref64(q64, k64, v64, lengths, q_lengths, 3), F16, "array layer")
