@@ -131,13 +131,13 @@ ffi::Error ResolveWorkspace(cudaStream_t stream, int32_t device, ffi::AnyBuffer*
   return ffi::Error::Success();
 }
 
-KernelParams MakeKernelParams(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
-                              const ffi::AnyBuffer& v, const ffi::Buffer<ffi::S32>& lengths,
-                              ffi::AnyBuffer& out, void* ws, const Call& call, float scale,
-                              const Semantics& sem) {
+RowKernelParams MakeKernelParams(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
+                                 const ffi::AnyBuffer& v, const ffi::Buffer<ffi::S32>& lengths,
+                                 ffi::AnyBuffer& out, void* ws, const Call& call, float scale,
+                                 const Semantics& sem) {
   const Shapes& sh = call.shapes;
   const Plan& pl = call.plan;
-  KernelParams p;
+  RowKernelParams p;
   p.q = q.untyped_data();
   p.k = k.untyped_data();
   p.v = v.untyped_data();
@@ -178,7 +178,7 @@ ElementType ElementTypeOf(ffi::DataType t) {
   }
 }
 
-ffi::Error Launch(const KernelParams& p, const Call& call, cudaStream_t stream) {
+ffi::Error Launch(const RowKernelParams& p, const Call& call, cudaStream_t stream) {
   const ElementType type = ElementTypeOf(call.dtype);
   cudaError_t e = LaunchSplitKernel(p, type, call.kernel, stream);
   Counters& counters = GetCounters();

@@ -11,12 +11,30 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
+
+#include "ops/attention/attention_kernels.h"
 
 namespace jax_vmm::attention::kernels {
 
 constexpr int kThreads = 128;
 constexpr int kWarps = kThreads / 32;
 constexpr int kStatRows = 16;  // per-head softmax state slots (>= kMaxHeadGroup)
+
+// A kernel's parameter struct: RowKernelParams for the kRows (general attention)
+// instantiations, KernelParams for plain decode.
+template <bool kRows>
+using ParamsOf = std::conditional_t<kRows, RowKernelParams, KernelParams>;
+
+// Query rows per sequence in the output and the partials: S * H_q (kRows), else H_q.
+template <bool kRows>
+__device__ __forceinline__ int RowsPerSequence(const ParamsOf<kRows>& p) {
+  if constexpr (kRows) {
+    return p.q_len * p.q_heads;
+  } else {
+    return p.q_heads;
+  }
+}
 
 // lengths[b] clamped to [0, max_tokens].
 __device__ __forceinline__ int LiveLength(const int32_t* lengths, int b, int max_tokens) {

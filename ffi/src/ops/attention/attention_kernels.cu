@@ -36,9 +36,9 @@ struct SimpleShared {
 // Logits of tokens [t0, t0 + n) (warp w takes tokens w, w + 4, ...), in log2 units.
 // kRows: tokens outside [lo, hi) are -inf (not read), the others take the softcap.
 template <typename T, bool kRows = false>
-__device__ __forceinline__ void SimpleLogits(const KernelParams& p, const T* kseq, int64_t tstride,
-                                             int t0, int n, const SimpleShared& sh, int lo = 0,
-                                             int hi = 0) {
+__device__ __forceinline__ void SimpleLogits(const ParamsOf<kRows>& p, const T* kseq,
+                                             int64_t tstride, int t0, int n, const SimpleShared& sh,
+                                             int lo = 0, int hi = 0) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   for (int i = warp; i < n; i += kWarps) {
     if (kRows && (t0 + i < lo || t0 + i >= hi)) {  // warp-uniform
@@ -50,7 +50,11 @@ __device__ __forceinline__ void SimpleLogits(const KernelParams& p, const T* kse
     for (int d = lane; d < p.head_dim; d += 32) dot += sh.qs[d] * ToFloat(krow[d]);
     dot = WarpSum(dot);
     if (lane == 0) {
-      sh.logits[i] = kRows ? RowLogit(dot, p.scale_log2, p.scale, p.softcap) : dot * p.scale_log2;
+      if constexpr (kRows) {
+        sh.logits[i] = RowLogit(dot, p.scale_log2, p.scale, p.softcap);
+      } else {
+        sh.logits[i] = dot * p.scale_log2;
+      }
     }
   }
 }
@@ -74,7 +78,7 @@ __device__ __forceinline__ void SimpleAccumulate(const KernelParams& p, const T*
 // One query row per block: plain decode grid.y = head; kRows grid.y = i * Hq + head (row
 // of query i), partial and output rows (b * S + i) * Hq + head.
 template <typename T, bool kRows = false>
-__global__ void __launch_bounds__(kThreads) SplitKernelSimple(const KernelParams p) {
+__global__ void __launch_bounds__(kThreads) SplitKernelSimple(const ParamsOf<kRows> p) {
   const int s = blockIdx.x, row = blockIdx.y, b = blockIdx.z;
   const int len = LiveLength(p.lengths, b, p.max_tokens);
   const int nchunks = (len + p.chunk - 1) / p.chunk;
@@ -83,7 +87,9 @@ __global__ void __launch_bounds__(kThreads) SplitKernelSimple(const KernelParams
   const int h = kRows ? row % p.q_heads : row;
   const int kvh = h / p.group;
   int lo = 0, hi = len;
-  if constexpr (kRows) RowRange(p.q_lengths, b, p.q_len, len, p.window, row / p.q_heads, &lo, &hi);
+  if constexpr (kRows) {
+    RowRange(p.q_lengths, b, p.q_len, len, p.window, row / p.q_heads, &lo, &hi);
+  }
 
   extern __shared__ float smem[];
   const SimpleShared sh{smem, smem + D, smem + 2 * D, smem + 2 * D + p.chunk};
@@ -92,7 +98,7 @@ __global__ void __launch_bounds__(kThreads) SplitKernelSimple(const KernelParams
                   static_cast<int64_t>(kvh) * D;
   const T* vseq = static_cast<const T*>(p.v) + static_cast<int64_t>(b) * p.max_tokens * tstride +
                   static_cast<int64_t>(kvh) * D;
-  const int rows = kRows ? p.q_len * p.q_heads : p.q_heads;
+  const int rows = RowsPerSequence<kRows>(p);
   const T* qrow = static_cast<const T*>(p.q) + (static_cast<int64_t>(b) * rows + row) * D;
   for (int d = threadIdx.x; d < D; d += kThreads) {
     sh.qs[d] = ToFloat(qrow[d]);
@@ -133,10 +139,10 @@ __global__ void __launch_bounds__(kThreads) SplitKernelSimple(const KernelParams
 // kRows: blockIdx.x is the row (query i, head) i * Hq + head; a split without a live
 // token of the row (m = -inf) weighs nothing, and a row without any gets zeros.
 template <typename T, bool kRows = false>
-__global__ void __launch_bounds__(kThreads) CombineKernel(const KernelParams p) {
+__global__ void __launch_bounds__(kThreads) CombineKernel(const ParamsOf<kRows> p) {
   const int h = blockIdx.x, b = blockIdx.y;
   const int D = p.head_dim;
-  const int rows = kRows ? p.q_len * p.q_heads : p.q_heads;
+  const int rows = RowsPerSequence<kRows>(p);
   const int len = LiveLength(p.lengths, b, p.max_tokens);
   const int live = min((len + p.chunk - 1) / p.chunk, p.splits);
   T* o = static_cast<T*>(p.out) + (static_cast<int64_t>(b) * rows + h) * D;
@@ -164,20 +170,22 @@ __global__ void __launch_bounds__(kThreads) CombineKernel(const KernelParams p) 
   }
 }
 template <typename T, int D, int NQT, int U>
-cudaError_t LaunchTensorCore(const KernelParams& p, cudaStream_t stream) {
+cudaError_t LaunchTensorCore(const RowKernelParams& p, cudaStream_t stream) {
   if (p.rows) {
     const dim3 grid(p.splits, p.kv_heads * p.row_blocks, p.batch);
     SplitKernelTensorCore<T, D, NQT, U, true>
         <<<grid, kThreads, SharedBytes<D, NQT, true>(p.chunk), stream>>>(p);
     return cudaGetLastError();
   }
+  const KernelParams& plain = p;
   const dim3 grid(p.splits, p.q_heads / p.head_group, p.batch);
-  SplitKernelTensorCore<T, D, NQT, U><<<grid, kThreads, SharedBytes<D, NQT>(p.chunk), stream>>>(p);
+  SplitKernelTensorCore<T, D, NQT, U>
+      <<<grid, kThreads, SharedBytes<D, NQT>(p.chunk), stream>>>(plain);
   return cudaGetLastError();
 }
 
 template <typename T, int D, int U>
-cudaError_t LaunchTensorCoreHeads(const KernelParams& p, cudaStream_t stream) {
+cudaError_t LaunchTensorCoreHeads(const RowKernelParams& p, cudaStream_t stream) {
   return p.head_group > 8 ? LaunchTensorCore<T, D, 2, U>(p, stream)
                           : LaunchTensorCore<T, D, 1, U>(p, stream);
 }
@@ -185,7 +193,7 @@ cudaError_t LaunchTensorCoreHeads(const KernelParams& p, cudaStream_t stream) {
 // Tiles in flight per warp: 2 where registers allow it without spilling (head_dim
 // <= 128), 1 for head_dim 256 or when asked for (impl tensor_core_u1, for comparison).
 template <typename T>
-cudaError_t LaunchTensorCoreDispatch(const KernelParams& p, bool one_tile, cudaStream_t stream) {
+cudaError_t LaunchTensorCoreDispatch(const RowKernelParams& p, bool one_tile, cudaStream_t stream) {
   switch (p.head_dim) {
     case 64:
       return one_tile ? LaunchTensorCoreHeads<T, 64, 1>(p, stream)
@@ -199,30 +207,32 @@ cudaError_t LaunchTensorCoreDispatch(const KernelParams& p, bool one_tile, cudaS
 }
 
 template <typename T>
-cudaError_t LaunchSimple(const KernelParams& p, cudaStream_t stream) {
+cudaError_t LaunchSimple(const RowKernelParams& p, cudaStream_t stream) {
   const size_t smem = sizeof(float) * (2 * p.head_dim + p.chunk + 4);
   if (p.rows) {
     SplitKernelSimple<T, true>
         <<<dim3(p.splits, p.q_len * p.q_heads, p.batch), kThreads, smem, stream>>>(p);
   } else {
-    SplitKernelSimple<T><<<dim3(p.splits, p.q_heads, p.batch), kThreads, smem, stream>>>(p);
+    const KernelParams& plain = p;
+    SplitKernelSimple<T><<<dim3(p.splits, p.q_heads, p.batch), kThreads, smem, stream>>>(plain);
   }
   return cudaGetLastError();
 }
 
 template <typename T>
-cudaError_t LaunchSplit(const KernelParams& p, SplitKernel kernel, cudaStream_t stream) {
+cudaError_t LaunchSplit(const RowKernelParams& p, SplitKernel kernel, cudaStream_t stream) {
   if (kernel == SplitKernel::kSimple) return LaunchSimple<T>(p, stream);
   return LaunchTensorCoreDispatch<T>(p, kernel == SplitKernel::kTensorCoreOneTile, stream);
 }
 
 template <typename T>
-cudaError_t LaunchCombine(const KernelParams& p, cudaStream_t stream) {
+cudaError_t LaunchCombine(const RowKernelParams& p, cudaStream_t stream) {
   const size_t smem = sizeof(float) * p.splits;
   if (p.rows) {
     CombineKernel<T, true><<<dim3(p.q_len * p.q_heads, p.batch), kThreads, smem, stream>>>(p);
   } else {
-    CombineKernel<T><<<dim3(p.q_heads, p.batch), kThreads, smem, stream>>>(p);
+    const KernelParams& plain = p;
+    CombineKernel<T><<<dim3(p.q_heads, p.batch), kThreads, smem, stream>>>(plain);
   }
   return cudaGetLastError();
 }
@@ -230,7 +240,7 @@ cudaError_t LaunchCombine(const KernelParams& p, cudaStream_t stream) {
 }  // namespace
 }  // namespace kernels
 
-cudaError_t LaunchSplitKernel(const KernelParams& p, ElementType type, SplitKernel kernel,
+cudaError_t LaunchSplitKernel(const RowKernelParams& p, ElementType type, SplitKernel kernel,
                               cudaStream_t stream) {
   switch (type) {
     case ElementType::kBF16:
@@ -242,7 +252,7 @@ cudaError_t LaunchSplitKernel(const KernelParams& p, ElementType type, SplitKern
   }
 }
 
-cudaError_t LaunchCombineKernel(const KernelParams& p, ElementType type, cudaStream_t stream) {
+cudaError_t LaunchCombineKernel(const RowKernelParams& p, ElementType type, cudaStream_t stream) {
   switch (type) {
     case ElementType::kBF16:
       return kernels::LaunchCombine<__nv_bfloat16>(p, stream);

@@ -84,7 +84,7 @@ struct RowBlock {
   int kvh, r0, rows;
 };
 
-__device__ __forceinline__ int64_t RowIndex(const KernelParams& p, int b, const RowBlock& rb,
+__device__ __forceinline__ int64_t RowIndex(const RowKernelParams& p, int b, const RowBlock& rb,
                                             int r) {
   const int R = rb.r0 + r, i = R / p.group, g = R - i * p.group;
   return (static_cast<int64_t>(b) * p.q_len + i) * p.q_heads + rb.kvh * p.group + g;
@@ -95,7 +95,7 @@ __device__ __forceinline__ int64_t RowIndex(const KernelParams& p, int b, const 
 // grp as words w0..w3; mma step 2j uses (w0, w1), step 2j+1 uses (w2, w3). The K
 // fragments use the same permutation, so the dot products are exact.
 template <typename T, int D, int NQT, bool kRows = false>
-__device__ __forceinline__ void LoadQueryFragments(const KernelParams& p, int b, int h0, int GB,
+__device__ __forceinline__ void LoadQueryFragments(const ParamsOf<kRows>& p, int b, int h0, int GB,
                                                    Lane ln, uint32_t (&qf)[NQT][D / 32][4],
                                                    const RowBlock& rb = RowBlock{}) {
 #pragma unroll
@@ -310,7 +310,7 @@ __device__ __forceinline__ void ReduceWarps(const float (&acc)[NQT][D / 16][4],
 
 // Partial (m, l, acc) of head h0 + row: index ((b * Hq + h0 + row) * splits + s).
 template <int D>
-__device__ __forceinline__ void WriteRowPartials(const KernelParams& p, const BlockShared& sh,
+__device__ __forceinline__ void WriteRowPartials(const RowKernelParams& p, const BlockShared& sh,
                                                  int b, const RowBlock& rb, int s) {
   constexpr int kRedStride = D + 4;
   for (int idx = threadIdx.x; idx < rb.rows * D; idx += kThreads) {
@@ -341,7 +341,7 @@ __device__ __forceinline__ void WritePartials(const KernelParams& p, const Block
 }
 
 template <typename T, int D, int NQT, int U, bool kRows = false>
-__global__ void __launch_bounds__(kThreads) SplitKernelTensorCore(const KernelParams p) {
+__global__ void __launch_bounds__(kThreads) SplitKernelTensorCore(const ParamsOf<kRows> p) {
   static_assert(D % 64 == 0, "head_dim must be a multiple of 64");
   const int s = blockIdx.x, b = blockIdx.z;
   const int len = LiveLength(p.lengths, b, p.max_tokens);
@@ -353,7 +353,7 @@ __global__ void __launch_bounds__(kThreads) SplitKernelTensorCore(const KernelPa
   // kRows: the block's rows (query i, head g) of KV head blk.kvh; plain: GB query heads
   // from h0. (Kept as the plain kernel's original expressions: same code, same registers.)
   RowBlock blk{};
-  if constexpr (kRows) {
+  if constexpr (kRows) {  // (p is a RowKernelParams only here)
     blk.kvh = blockIdx.y / p.row_blocks;
     blk.r0 = (blockIdx.y - blk.kvh * p.row_blocks) * p.head_group;
     blk.rows = min(p.head_group, p.q_len * p.group - blk.r0);
@@ -397,8 +397,13 @@ __global__ void __launch_bounds__(kThreads) SplitKernelTensorCore(const KernelPa
     const int n = min(p.chunk, len - t0);                       // >= 1
     if (kRows && (t0 + n <= lo_all || t0 >= hi_all)) continue;  // block-uniform
     const int ntiles = (n + 15) >> 4;
-    ChunkLogits<T, D, NQT, U, kRows>(kseq + static_cast<int64_t>(t0) * tstride, tstride, n, ntiles,
-                                     qf, sh, GB, p.scale_log2, ln, t0, p.scale, p.softcap);
+    if constexpr (kRows) {
+      ChunkLogits<T, D, NQT, U, true>(kseq + static_cast<int64_t>(t0) * tstride, tstride, n, ntiles,
+                                      qf, sh, GB, p.scale_log2, ln, t0, p.scale, p.softcap);
+    } else {
+      ChunkLogits<T, D, NQT, U>(kseq + static_cast<int64_t>(t0) * tstride, tstride, n, ntiles, qf,
+                                sh, GB, p.scale_log2, ln);
+    }
     __syncthreads();
     SoftmaxChunk<kRows>(sh, n, ntiles, GB, ln);
     __syncthreads();
