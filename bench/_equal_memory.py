@@ -18,21 +18,20 @@ from typing import Any
 
 import jax
 
-from examples import engine as E
-from examples import model as M
-from examples.attention import choose_attention
-from examples.cache import make_cache
-from examples.decode import SERVING
-from examples.report import fmt_bytes
+from jax_vmm.serving import engine as E
+from jax_vmm.serving import model as M
+from jax_vmm.serving.attention import choose_attention
+from jax_vmm.serving.cache import make_cache
+from jax_vmm.serving.cli.decode import SERVING
+from jax_vmm.serving.report import fmt_bytes
 
 
 def chunk_tokens(cfg: M.ModelConfig, device: jax.Device, chunk_bytes: int | None) -> int:
     """Tokens of one layer buffer per arena chunk (the unit memory follows)."""
-    from jax_vmm._device import resolve_device
-    from jax_vmm._loader import core
+    import jax_vmm
 
-    target = resolve_device(device)
-    chunk = core.resolve_chunk_bytes(target.driver, target.ordinal, chunk_bytes or 0)
+    with jax_vmm.Arena(1, device=device, chunk_bytes=chunk_bytes) as probe:  # the driver's
+        chunk = probe.chunk_bytes  # chunk for chunk_bytes=None, else chunk_bytes checked
     return max(1, chunk // (cfg.num_kv_heads * cfg.head_dim * cfg.jnp_dtype.itemsize))
 
 

@@ -27,9 +27,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_vmm
-from examples import model as M
-from examples.attention import cudnn_decode_attention, reference_decode_attention
-from examples.cache import PreallocatedCache, VmmCache
+from jax_vmm.serving import model as M
+from jax_vmm.serving.attention import cudnn_decode_attention, reference_decode_attention
+from jax_vmm.serving.cache import PreallocatedCache, VmmCache
 
 VARIANTS = ("prealloc+cudnn", "prealloc+kernel", "vmm+cudnn", "vmm+kernel", "prealloc+xla")
 BASELINE = "prealloc+cudnn"

@@ -6,7 +6,7 @@ over a grid of batch and context sizes, one decode step's attention over R layer
 (layer i reads kv.k[i], kv.v[i] of one kv_arena, so repeated runs do not hit in L2):
 
   ours     jax_vmm.decode_attention (split-K custom call, reads live tokens only)
-  xla      plain-JAX masked attention over the same views (jax_vmm.attention.
+  xla      plain-JAX masked attention over the same views (jax_vmm.ops.attention.
            reference_decode_attention: reads all T tokens, fp32 softmax)
   pallas   jax.experimental.pallas.ops.gpu.decode_attention.gqa(..., kv_seq_len=lengths)
            (GPU only; skipped when it does not import or compile)
@@ -33,7 +33,6 @@ import ctypes
 import math
 import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -53,10 +52,8 @@ from _common import (
     ratio,
     write_json,
 )
-from jax_vmm.attention import _decode_attention, attention_plan, reference_decode_attention
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from examples.attention import cudnn_decode_attention  # noqa: E402
+from jax_vmm.ops.attention import _decode_attention, attention_plan, reference_decode_attention
+from jax_vmm.serving.attention import cudnn_decode_attention
 
 # -- filling arena memory ------------------------------------------------------------
 

@@ -73,7 +73,7 @@ def run_row(row: dict, args: argparse.Namespace, device: jax.Device) -> dict:
     k = draw((B, T, args.kv_heads, args.head_dim))
     v = draw((B, T, args.kv_heads, args.head_dim))
     n = jax.device_put(jnp.full((B,), T, jnp.int32), device)
-    ours_fn = jax.jit(lambda q, k, v, n: jax_vmm.attention_op(q, k, v, n, **row["opts"]))
+    ours_fn = jax.jit(lambda q, k, v, n: jax_vmm.attention(q, k, v, n, **row["opts"]))
     out = dict(name=row["name"], B=B, T=T, S=S, opts=row["opts"])
     out["ours_s"] = median_time(lambda: ours_fn(q, k, v, n), args.repeats, args.runs)
     if row["cudnn"] is None or device.platform == "cpu":

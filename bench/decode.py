@@ -46,7 +46,6 @@ from pathlib import Path
 # The arena commits device memory outside XLA's allocator: keep XLA from taking 75% of
 # the GPU up front (must be set before jax initialises its GPU backend).
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -54,11 +53,11 @@ import numpy as np  # noqa: E402
 import _equal_memory as EQ  # noqa: E402
 import _stack as ST  # noqa: E402
 from _common import Table, command_line, parse_size, two_panel_figure, write_json  # noqa: E402
-from examples import model as M  # noqa: E402
-from examples.attention import cudnn_unavailable, vmm_kernel_available  # noqa: E402
-from examples.cache import PreallocatedCache, VmmCache, capacity_bytes  # noqa: E402
-from examples.memory import physical_memory_bytes  # noqa: E402
-from examples.report import fmt_bytes  # noqa: E402
+from jax_vmm.serving import model as M  # noqa: E402
+from jax_vmm.serving.attention import cudnn_unavailable, vmm_kernel_available  # noqa: E402
+from jax_vmm.serving.cache import PreallocatedCache, VmmCache, capacity_bytes  # noqa: E402
+from jax_vmm.serving.memory import physical_memory_bytes  # noqa: E402
+from jax_vmm.serving.report import fmt_bytes  # noqa: E402
 
 GRIDS = {
     "gpu": dict(

@@ -43,7 +43,6 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -51,8 +50,8 @@ import numpy as np  # noqa: E402
 
 from _common import GiB, Table, command_line, copy_bandwidth, two_panel_figure, write_json  # noqa: E402
 from _raw import RawCuda, raw_for  # noqa: E402
-from examples.memory import device_memory_stats, peak_rss_bytes, reset_peak_rss, rss_bytes  # noqa: E402
-from examples.report import fmt_bytes  # noqa: E402
+from jax_vmm.serving.memory import device_memory_stats, peak_rss_bytes, reset_peak_rss, rss_bytes  # noqa: E402
+from jax_vmm.serving.report import fmt_bytes  # noqa: E402
 
 METHODS = ("jax_vmm", "stacked", "per-layer")
 #: jax_vmm variants: (label, handle_bytes (None: the KV default; 0: one per chunk), zero_fill)
@@ -142,11 +141,8 @@ def run_vmm(g: dict, repeats: int, variant: str) -> dict:
     idle = _memory_probe(device)
     handle, fill = VARIANTS[variant]
     if handle == 0:  # one allocation per chunk: ask the driver what a chunk is
-        from jax_vmm._device import resolve_device
-        from jax_vmm._loader import core
-
-        target = resolve_device(None)
-        handle = core.resolve_chunk_bytes(target.driver, target.ordinal, 0)
+        with jax_vmm.Arena(1) as probe:  # the default device's chunk
+            handle = probe.chunk_bytes
     kv = jax_vmm.kv_arena(
         num_layers=g["layers"],
         num_kv_heads=g["heads"],

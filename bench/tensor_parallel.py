@@ -14,15 +14,12 @@ N devices, examples/tensor_parallel.py). Prints one row per run and writes
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import jax
 
-import jax  # noqa: E402
-
-from _common import command_line, write_json  # noqa: E402
-from examples import decode  # noqa: E402
+from _common import command_line, write_json
+from jax_vmm.serving.cli import decode
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

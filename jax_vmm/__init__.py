@@ -3,6 +3,13 @@
 Buffers live at fixed addresses in one reserved virtual range; physical memory is
 committed and released page by page underneath (CUDA driver VMM on GPUs, mmap/memfd on
 the CPU), so arrays never move, growth needs no copy, and CUDA graphs stay valid.
+
+The package is layered; each subpackage imports only from those before it: ``base``
+(the compiled core, FFI registration, devices, errors, fp8, argument checks),
+``memory`` (Arena, Buffer, Transfer), ``cache`` (the KVCache pytree), ``ops`` (array ops,
+attention, scratch, the cache-layer and sharded ops), ``kv`` (KVArena, ShardedKVArena).
+This module, ``errors``, ``info`` and ``__main__`` are the public face; ``testing``
+(test hooks) is never imported by them.
 """
 
 from pkgutil import extend_path
@@ -11,7 +18,7 @@ from pkgutil import extend_path
 # directory on PYTHONPATH it joins this package.
 __path__ = extend_path(__path__, __name__)
 
-from .arena import Arena, Buffer  # noqa: E402
+from .base.fp8 import dequantize_fp8, quantize_fp8  # noqa: E402
 from .cache import ArenaNotWrittenWarning, KVCache, KVLayer, LayerId  # noqa: E402
 from .errors import (  # noqa: E402
     ArenaAsleepError,
@@ -23,21 +30,56 @@ from .errors import (  # noqa: E402
     ReservationFullError,
     TransferError,
 )
-from .kv import KVArena, Transfer, kv_arena  # noqa: E402
-from .sharded import ShardedKVArena  # noqa: E402
+from .kv import KVArena, KVArenaStats, ShardedKVArena, ShardedKVArenaStats, kv_arena  # noqa: E402
+from .memory import Arena, Buffer, Transfer  # noqa: E402
+from .memory.stats import ArenaStats  # noqa: E402
+from .ops import (  # noqa: E402
+    KVDest,
+    decode_attention,
+    kv_write,
+    kv_write_fp8,
+    kv_write_stats,
+    kv_write_through,
+    ordered_views,
+    reset_kv_write_stats,
+    scratch_stats,
+)
+from .ops.array_attention import attention_stats  # noqa: E402
+from .ops.general_attention import attention, reference_attention  # noqa: E402
 
 __version__ = "0.1.0"
 
 __all__ = [
+    # arenas and the KV cache
     "Arena",
     "Buffer",
-    "KVArena",
-    "ShardedKVArena",
     "Transfer",
     "kv_arena",
+    "KVArena",
+    "ShardedKVArena",
     "KVCache",
     "KVLayer",
     "LayerId",
+    "KVDest",
+    # ops
+    "kv_write",
+    "kv_write_fp8",
+    "kv_write_through",
+    "decode_attention",
+    "attention",
+    "reference_attention",
+    "ordered_views",
+    "quantize_fp8",
+    "dequantize_fp8",
+    # counters and stats
+    "scratch_stats",
+    "kv_write_stats",
+    "reset_kv_write_stats",
+    "attention_stats",
+    "ArenaStats",
+    "KVArenaStats",
+    "ShardedKVArenaStats",
+    # warnings and errors
     "ArenaNotWrittenWarning",
     "ArenaAsleepError",
     "ArenaClosedError",
@@ -48,12 +90,3 @@ __all__ = [
     "ReservationFullError",
     "TransferError",
 ]
-
-# Ops from feature modules (added by their owners; keep one import line each).
-# The general attention; named jax_vmm.attention once that name is free (a module today).
-from ._attention_api import attention as attention_op  # noqa: E402,F401
-from ._attention_api import reference_attention  # noqa: E402,F401
-from .attention import decode_attention  # noqa: E402,F401
-from .cache_ops import ordered_views  # noqa: E402,F401
-from .ops import KVDest, kv_write, kv_write_fp8, kv_write_through  # noqa: E402,F401
-from .scratch import scratch_stats  # noqa: E402,F401

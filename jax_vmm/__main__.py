@@ -6,6 +6,8 @@ import argparse
 import os
 import sys
 
+from .info import main as info_main
+
 DESCRIPTION = "jax_vmm: virtual-memory KV-cache buffers and graph-safe scratch for JAX."
 
 
@@ -26,8 +28,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:  # a bare command: say what it can do
         parser.print_help()
         return 0
-    from .info import main as info_main
-
     return info_main()
 
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import jax
 
-from ._loader import core as _core
+from .base.loader import core as _core
 
 _ALLOCATOR_ENV = (
     "XLA_PYTHON_CLIENT_PREALLOCATE",

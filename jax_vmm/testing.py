@@ -57,13 +57,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _ffi
-from . import arena as _arena
-from . import attention as _attention
-from . import cache as _cache
-from . import cache_ops as _cache_ops
-from . import ops as _ops
-from ._loader import core as _core
+from .base import compute_streams as _compute_streams
+from .base import ffi as _ffi
+from .base.args import as_shape
+from .base.devices import resolve_device
+from .base.loader import core as _core
+from .cache import pytree as _cache
+from .kv import KVArena
+from .kv import sharded as _sharded
+from .memory import arena as _arena
+from .ops import array_writes as _ops
+from .ops import layer_ops as _cache_ops
+from .ops.attention_call import prepare as _prepare_attention
+from .ops.general_attention import checked_options
+from .ops.scratch import reserve as _scratch_reserve
 
 _testing = getattr(_core, "testing", None)
 if _testing is None:  # pragma: no cover - only in a build with JAX_VMM_TESTING=OFF
@@ -104,8 +111,6 @@ InjectedFault = _testing.InjectedFault
 
 def _core_arena(arena: Any) -> Any:
     """The C++ arena of a jax_vmm.Arena or jax_vmm.KVArena."""
-    from .kv import KVArena
-
     if isinstance(arena, KVArena):
         arena = arena.arena
     if not isinstance(arena, _arena.Arena):
@@ -211,7 +216,7 @@ def uncounted_view(buf: Any, shape: Any = None, dtype: Any = None) -> jax.Array:
     with XLA ops over unbacked chunks may fault."""
     arena = buf.arena
     arena._check_open("testing.uncounted_view")
-    shape = buf.shape if shape is None else _arena._as_shape(shape)
+    shape = buf.shape if shape is None else as_shape(shape)
     np_dtype = buf.dtype if dtype is None else jnp.dtype(dtype)
     code, bits = _arena._dlpack_dtype(np_dtype)
     t = arena._target
@@ -330,14 +335,12 @@ def sharded_rollback_skipped() -> Iterator[None]:
     """Inside the with-block a sharded KV arena does not roll back the shards whose
     commit succeeded when another device's failed (the protection removed): their memory
     and ensured tokens stay, which the rollback tests must catch."""
-    from . import sharded
-
-    previous = sharded._roll_back_shard
-    sharded._roll_back_shard = lambda shard, point: None
+    previous = _sharded._roll_back_shard
+    _sharded._roll_back_shard = lambda shard, point: None
     try:
         yield
     finally:
-        sharded._roll_back_shard = previous
+        _sharded._roll_back_shard = previous
 
 
 # -- context-wide device waits --------------------------------------------------------
@@ -348,7 +351,7 @@ def context_wide_device_waits(device: jax.Device) -> Iterator[None]:
     """Inside the with-block the CUDA driver knows no compute stream of ``device`` (a GPU),
     so every device wait of its arenas is a cuCtxSynchronize: one that runs while another
     thread captures a CUDA graph fails and invalidates that capture."""
-    ordinal = _arena.resolve_device(device).ordinal
+    ordinal = resolve_device(device).ordinal
     streams = _testing.forget_compute_streams(ordinal)
     try:
         yield
@@ -358,10 +361,8 @@ def context_wide_device_waits(device: jax.Device) -> Iterator[None]:
 
 def keep_compute_streams_past_their_clients() -> None:
     """From now on, registered compute streams stay known after their JAX client goes
-    (and at exit): the bug the finalizers of ``jax_vmm/_compute_streams.py`` prevent, a
+    (and at exit): the bug the finalizers of ``jax_vmm/base/compute_streams.py`` prevent, a
     later device wait on a destroyed stream. For a test's child process; not undone."""
-    from . import _compute_streams
-
     for f in _compute_streams._finalizers:
         f.detach()
 
@@ -409,7 +410,7 @@ def decode_attention(
 ) -> jax.Array:
     """``jax_vmm.decode_attention`` (graph-safe scratch workspace) through the testing
     targets, with the same validation, kernel choice and plan as the private
-    ``jax_vmm.attention._decode_attention`` (the split-K kernel, or the streaming one for
+    ``jax_vmm.ops.attention._decode_attention`` (the split-K kernel, or the streaming one for
     fp8 caches and impl "stream*", with their plan knobs).
 
     out_init: an array of q's shape and dtype that becomes the output buffer before the
@@ -419,13 +420,11 @@ def decode_attention(
     read_all_tokens: (the split-K CPU handler only) also touch every token up to T, as a
       kernel that ignored the lengths would.
     options: q_lengths / window / softcap of the general attention (q ``(B, S, H_q, D)``),
-      validated as ``jax_vmm`` attention does (jax_vmm/_attention_api.py).
+      validated as ``jax_vmm`` attention does (jax_vmm/ops/general_attention.py).
     """
     if options:
-        from ._attention_api import _checked_options
-
-        q, options = _checked_options(q, k, options)
-    call = _attention._prepare(
+        q, options = checked_options(q, k, options)
+    call = _prepare_attention(
         q,
         k,
         v,
@@ -503,9 +502,7 @@ def scratch_probe(
 
     ``reserve_at`` says where the workspace is sized before any capture: "initialize"
     (the CUDA handler's kInitialize stage reserves it on its stream) or "trace" (this
-    function calls ``jax_vmm.scratch.reserve`` for ``device`` now, at trace time)."""
-    from .scratch import reserve
-
+    function calls ``jax_vmm.ops.scratch.reserve`` for ``device`` now, at trace time)."""
     nbytes = int(x.size) * jnp.dtype(x.dtype).itemsize
     ws = nbytes if workspace_bytes is None else int(workspace_bytes)
     if ws < nbytes:
@@ -514,7 +511,7 @@ def scratch_probe(
         raise ValueError(f"reserve_at must be 'initialize' or 'trace', got {reserve_at!r}")
     _ffi.register()
     if reserve_at == "trace":
-        reserve(ws, device)
+        _scratch_reserve(ws, device)
     y, addr = jax.ffi.ffi_call(
         "jax_vmm_scratch_probe",
         (jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct((2,), jnp.int32)),

@@ -27,7 +27,7 @@ import pytest
 
 import jax_vmm
 import jax_vmm.testing
-from jax_vmm._loader import core as _core
+from jax_vmm.base.loader import core as _core
 
 # The oracles are plain modules imported by name, by the tests and by test files run as
 # scripts (which import this module first), so their folder goes on the path here.

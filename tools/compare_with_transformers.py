@@ -19,14 +19,12 @@ import argparse
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO), str(REPO / "tools")]
+import make_hf_fixtures as F  # this folder (run as a script): torch + transformers
+import numpy as np
 
-import make_hf_fixtures as F  # noqa: E402 - torch + transformers
-import numpy as np  # noqa: E402
-
-from examples import generate as G  # noqa: E402 - jax
-from examples.hf_checkpoint import load_checkpoint  # noqa: E402
+from jax_vmm.serving import generate as G
+from jax_vmm.serving.cli.decode import resolve_device
+from jax_vmm.serving.hf.checkpoint import load_checkpoint
 
 TIE_REL = 1e-4
 
@@ -43,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     n = args.max_new_tokens
 
     ref = F.reference_outputs(args.model, prompts, n)
-    device = G.resolve_device(args.device)
+    device = resolve_device(args.device)
     ckpt = load_checkpoint(args.model, dtype="float32", device=device)
     ours = G.generate(
         ckpt,

@@ -1,4 +1,4 @@
-"""Commit ahead of need (jax_vmm/_prefetch.py): once a sequence is close to the end of its
+"""Commit ahead of need (jax_vmm/kv/prefetch.py): once a sequence is close to the end of its
 backed chunks, a background thread backs the next chunk, so the decode loop's ensure()
 finds it backed and makes no driver call; it pauses while raw views are alive, and a
 sequence released meanwhile keeps nothing."""

@@ -28,7 +28,7 @@ import jax_vmm
 import jax_vmm.testing
 import maps_oracle as mo
 from jax_vmm import ops
-from jax_vmm._loader import core as _core
+from jax_vmm.base.loader import core as _core
 
 DOC = pathlib.Path(__file__).resolve().parents[2] / "docs" / "errors.md"
 

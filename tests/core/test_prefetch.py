@@ -1,7 +1,7 @@
 """``kv.prefetch(n, seq)``: an admission's commit on the commit-ahead thread. The tokens
 are backed in the background, ``ensure`` afterwards makes no call into the core, and
 nothing is ensured (the table still says 0) until ``ensure``. Also the worker itself
-(jax_vmm/_prefetch.py): oldest request first, and it survives a failing commit."""
+(jax_vmm/kv/prefetch.py): oldest request first, and it survives a failing commit."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from conftest import (
     two_seq_kv,
     write_one_token,
 )
-from jax_vmm._prefetch import CommitAhead
+from jax_vmm.kv.prefetch import CommitAhead
 
 
 def _kv(vm, **kw):

@@ -30,7 +30,7 @@ import pytest
 import jax_vmm
 import jax_vmm.testing
 from conftest import cuda_ordinal
-from jax_vmm._loader import core as _core
+from jax_vmm.base.loader import core as _core
 
 t = _core.testing
 G = t.fake_cuda_granularity()
@@ -167,7 +167,7 @@ class _Client:
 
 
 def test_a_clients_streams_are_forgotten_when_it_goes(no_registered_streams):
-    from jax_vmm import _compute_streams
+    from jax_vmm.base import compute_streams as _compute_streams
 
     t.register_compute_streams(0, [0x1234])
     client = _Client()
@@ -189,8 +189,8 @@ import atexit, sys
 seen = {}
 atexit.register(lambda: print("STREAMS_AT_EXIT", seen["streams"]()))  # runs last
 import jax, jax.numpy as jnp, numpy as np, jax_vmm, jax_vmm.testing
-from jax_vmm._device import resolve_device
-from jax_vmm._loader import core
+from jax_vmm.base.devices import resolve_device
+from jax_vmm.base.loader import core
 dev = jax.devices("gpu")[0]
 ordinal = resolve_device(dev).ordinal
 seen["streams"] = lambda: core.testing.compute_streams(ordinal)

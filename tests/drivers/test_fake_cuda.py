@@ -31,7 +31,7 @@ import threading
 import numpy as np
 import pytest
 
-from jax_vmm._loader import core as _core
+from jax_vmm.base.loader import core as _core
 
 t = _core.testing
 R = t.fake_cuda_results()

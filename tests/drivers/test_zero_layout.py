@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jax_vmm._loader import core as _core
+from jax_vmm.base.loader import core as _core
 
 ZeroLayout = _core.testing.ZeroLayout
 MiB = 1 << 20

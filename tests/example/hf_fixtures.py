@@ -11,17 +11,14 @@ from __future__ import annotations
 
 import functools
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
 import jax
 
-REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))  # `examples` from the repo
+from jax_vmm.serving.hf.checkpoint import Checkpoint, load_checkpoint
 
-from examples.hf_checkpoint import Checkpoint, load_checkpoint  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 FIXTURE_DIR = REPO / "tests" / "fixtures" / "hf"
 NAMES = sorted(p.name for p in FIXTURE_DIR.iterdir() if (p / "expected.json").is_file())

@@ -1,21 +1,15 @@
 """Serve requests through the example's engine on one fresh cache: what the example
-tests share (imported as `serving`: pytest puts this folder on sys.path)."""
+tests share (imported as `serving`: pytest puts this folder on sys.path; not to be
+confused with `jax_vmm.serving`)."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import jax
 
-REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))  # `examples` from the repo
-
-from examples import engine as E  # noqa: E402
-from examples import model as M  # noqa: E402
-from examples.attention import choose_attention  # noqa: E402
-from examples.cache import make_cache  # noqa: E402
+from jax_vmm.serving import engine as E
+from jax_vmm.serving import model as M
+from jax_vmm.serving.attention import choose_attention
+from jax_vmm.serving.cache import make_cache
 
 
 def serve(

@@ -6,20 +6,16 @@ over the arena's views ordered after the loop's writes."""
 from __future__ import annotations
 
 import functools
-import sys
-from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
+from scripts import load_script
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
-sys.path.append(str(REPO / "bench"))  # last: its module names must not shadow others
+from jax_vmm.serving import model as M
+from jax_vmm.serving.attention import cudnn_decode_attention
 
-import _stack as ST  # noqa: E402
-from examples import model as M  # noqa: E402
-from examples.attention import cudnn_decode_attention  # noqa: E402
+ST = load_script("bench/_stack.py")
 
 CFG = M.ModelConfig(
     vocab=64, d_model=64, num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=16, ffn_dim=64

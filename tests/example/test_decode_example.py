@@ -19,15 +19,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from serving import serve
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # `examples` from the repo
-
-from serving import serve  # noqa: E402
-
-from examples import engine as E  # noqa: E402
-from examples import model as M  # noqa: E402
-from examples.attention import choose_attention, vmm_kernel_available  # noqa: E402
-from examples.cache import capacity_bytes  # noqa: E402
+from jax_vmm.serving import engine as E
+from jax_vmm.serving import model as M
+from jax_vmm.serving.attention import choose_attention, vmm_kernel_available
+from jax_vmm.serving.cache import capacity_bytes
 
 # Small enough to compile and run in seconds on a 2-core CPU.
 SMALL = M.ModelConfig(
@@ -266,7 +263,7 @@ def test_gpu_preset_comparison_catches_a_wrong_cache(gpu_device: jax.Device) -> 
     with its head dimension rotated by one: the bound is tight enough to see a wrong cache.
     (Every write stays at its own ensured slot, so the engine's check passes and the
     comparison alone has to see it.)"""
-    from examples import cache as cache_module
+    from jax_vmm.serving import cache as cache_module
 
     cfg = dataclasses.replace(M.PRESETS["gpu"], dtype="bfloat16")
     reqs = _requests(cfg, 6, (8, 60), (8, 48))
@@ -311,7 +308,7 @@ def test_the_preset_verdict_ignores_near_tie_flips() -> None:
 
 def test_decode_cli_without_matplotlib_skips_the_plot(tmp_path: Path, monkeypatch, capsys) -> None:
     """The example ends normally without matplotlib, and says how to get the plot."""
-    from examples import decode
+    from jax_vmm.serving.cli import decode
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` fails
     summary = decode.main(
@@ -343,7 +340,7 @@ def test_decode_cli_without_matplotlib_skips_the_plot(tmp_path: Path, monkeypatc
 
 def test_decode_cli_runs_end_to_end(tmp_path: Path) -> None:
     """The README's first command, shrunk: serves every request, memory back to 0."""
-    from examples import decode
+    from jax_vmm.serving.cli import decode
 
     summary = decode.main(
         [
@@ -378,7 +375,7 @@ def test_vmm_cache_keeps_a_chunk_shared_with_a_finished_neighbour(cpu_device: ja
     """Sequences need not start on chunk boundaries. The cache asks the arena for
     exactly the tokens each sequence needs (ensure, or ensure_all per block), so a
     neighbour's release keeps a chunk the sequence still uses."""
-    from examples.cache import VmmCache
+    from jax_vmm.serving.cache import VmmCache
 
     # 100 tokens x 128 B per layer buffer = 12800 B per sequence; 4 KiB chunks: chunk 3
     # (bytes 12288..16383) holds tokens 96..99 of sequence 0 and 0..27 of sequence 1.
@@ -445,7 +442,7 @@ def test_cudnn_call_is_the_reference_attention(cpu_device: jax.Device) -> None:
     """The example's cuDNN call (q as one query token, GQA heads, key_value_seq_lengths),
     run through XLA's implementation of the same API on the CPU: the reference's output
     for every live sequence."""
-    from examples.attention import cudnn_decode_attention, reference_decode_attention
+    from jax_vmm.serving.attention import cudnn_decode_attention, reference_decode_attention
 
     b, t, hq, hk, d = 3, 16, 8, 2, 32
     keys = jax.random.split(jax.random.key(1), 3)
@@ -482,7 +479,7 @@ def test_a_reused_slot_keeps_the_memory_its_next_prompt_needs(
     release(keep_tokens=)); the second generation still equals prealloc's. With
     keep_slot_memory=False (the control of that count) the slot gives everything back
     when its sequence ends and the same chunks are committed again."""
-    from examples.cache import VmmCache
+    from jax_vmm.serving.cache import VmmCache
 
     prompts = [np.arange(1, 41, dtype=np.int32), np.arange(2, 32, dtype=np.int32)]
     reqs = [E.Request(0, prompts[0], 20), E.Request(1, prompts[1], 5)]
@@ -526,8 +523,8 @@ def test_a_reused_slot_keeps_the_memory_its_next_prompt_needs(
 def test_decode_cli_commit_ahead_and_slot_memory(tmp_path: Path, monkeypatch) -> None:
     """--commit-ahead reaches the arena (default: two blocks), --slot-memory the engine;
     a negative margin or a bad block is one clear error, before any memory is taken."""
-    from examples import cache as C
-    from examples import decode
+    from jax_vmm.serving import cache as C
+    from jax_vmm.serving.cli import decode
 
     made, keeps = [], []
     make = C.make_cache

@@ -1,18 +1,14 @@
-"""tools/gpu/dispatch_costs.py on the CPU preset: its instrumented calls are the ones the
+"""bench/dispatch_costs.py on the CPU preset: its instrumented calls are the ones the
 engine makes (same counts), and it leaves the engine and decode.py as they were."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
+from scripts import load_script
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tools" / "gpu"))
+from jax_vmm.serving import engine as E
+from jax_vmm.serving.cli import decode as D
 
-import dispatch_costs  # noqa: E402
-
-from examples import decode as D  # noqa: E402
-from examples import engine as E  # noqa: E402
+dispatch_costs = load_script("bench/dispatch_costs.py")
 
 
 def test_breakdown_matches_the_engine_calls(cpu_device) -> None:

@@ -1,28 +1,24 @@
-"""The example engine's decode blocks (examples/steps.py, examples/engine.py): N decode
+"""The example engine's decode blocks (jax_vmm.serving.steps, jax_vmm.serving.engine): N decode
 steps per host call in one device loop, finished sequences masked inside a block, stop
 tokens on the device, block k+1 dispatched before block k is read, and (GPU) the block's
 custom calls replayed from a captured graph across blocks and across growth."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import serving
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # `examples` from the repo
-
-import serving  # noqa: E402
-
-import jax_vmm  # noqa: E402
-from examples import engine as E  # noqa: E402
-from examples import model as M  # noqa: E402
-from examples import steps as S  # noqa: E402
-from examples.attention import choose_attention  # noqa: E402
-from examples.cache import make_cache  # noqa: E402
+import jax_vmm
+from jax_vmm.serving import engine as E
+from jax_vmm.serving import model as M
+from jax_vmm.serving import steps as S
+from jax_vmm.serving.attention import choose_attention
+from jax_vmm.serving.cache import make_cache
 
 SMALL = M.ModelConfig(
     vocab=256, d_model=64, num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=16, ffn_dim=128
@@ -279,7 +275,7 @@ def test_blocks_replay_the_captured_step_across_blocks_and_growth(gpu_device) ->
 
     def snapshot() -> None:
         w = ops.kv_write_stats()["kv_cache_write"]
-        a = jax_vmm.attention.attention_stats()
+        a = jax_vmm.ops.attention.attention_stats()
         snaps.append((w["calls"], w["captured_calls"], a["cuda_execute_calls"]))
 
     report = serve(
@@ -309,7 +305,7 @@ def test_sleep_and_wake_in_flight_leave_generation_unchanged(cpu_device) -> None
     block with sequences in flight: the same tokens as without sleeping, and nothing
     held while asleep. The same run with a sleep that drops the cache's contents
     (keep="discard") changes the tokens: the comparison sees a broken wake."""
-    from examples.sleep_wake import EngineSleeper, same_tokens
+    from jax_vmm.serving.sleep_wake import EngineSleeper, same_tokens
 
     reqs = _requests(new_tokens=(10, 30))
     with jax.default_device(cpu_device):
@@ -337,7 +333,7 @@ def test_sleep_and_wake_in_flight_leave_generation_unchanged(cpu_device) -> None
 
 
 def test_decode_cli_sleep_every_checks_generation(tmp_path: Path) -> None:
-    from examples import decode
+    from jax_vmm.serving.cli import decode
 
     args = ["--device", "cpu", "--requests", "4", "--batch", "2", "--max-tokens", "128",
             "--prompt-len", "4", "20", "--new-tokens", "10", "30", "--block", "4",
@@ -400,7 +396,7 @@ def test_fp8_needs_the_dequantizing_kernel() -> None:
 
 
 def test_generate_cli_checks_block_before_loading(tmp_path: Path) -> None:
-    from examples import generate as G
+    from jax_vmm.serving.cli import generate as G
 
     # An empty directory: the block is refused before the checkpoint is read.
     with pytest.raises(SystemExit, match=r"generate\.py: block .* must be an integer >= 1"):

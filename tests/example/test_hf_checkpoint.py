@@ -1,5 +1,5 @@
-"""Loading Hugging Face checkpoints (examples/hf_config.py, hf_weights.py,
-hf_tokenizer.py): both config spellings, the defaults of each architecture, and a clear
+"""Loading Hugging Face checkpoints (jax_vmm.serving.hf: config,
+weights, tokenizer): both config spellings, the defaults of each architecture, and a clear
 CheckpointError naming the file and the tensor for everything that does not fit."""
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 from hf_fixtures import FIXTURE_DIR, NAMES, expected
 
-from examples import model as M  # noqa: E402 - hf_fixtures put the repo on sys.path
-from examples.hf_checkpoint import CheckpointError, load_checkpoint  # noqa: E402
-from examples.hf_config import parse_config, read_config  # noqa: E402
-from examples.hf_weights import expected_tensors, weight_files  # noqa: E402
+from jax_vmm.serving import model as M
+from jax_vmm.serving.hf.checkpoint import CheckpointError, load_checkpoint
+from jax_vmm.serving.hf.config import parse_config, read_config
+from jax_vmm.serving.hf.weights import expected_tensors, weight_files
 
 BASE = {
     "architectures": ["LlamaForCausalLM"],

@@ -1,6 +1,6 @@
-"""examples/generate.py on real checkpoint formats: token for token what transformers
-generates (float32), on both cache backends, with continuous batching; bfloat16 within
-a measured tolerance; sampling, stop-at-EOS and the CLI.
+"""jax_vmm.serving.generate (and examples/generate.py's CLI) on real checkpoint formats:
+token for token what transformers generates (float32), on both cache backends, with
+continuous batching; bfloat16 within a measured tolerance; sampling, stop-at-EOS and the CLI.
 
 The expected outputs were made once by tools/make_hf_fixtures.py with torch and
 transformers; nothing here needs either.
@@ -17,11 +17,12 @@ import numpy as np
 import pytest
 from hf_fixtures import F32_LOGIT_TOL, FIXTURE_DIR, NAMES, checkpoint, expected, mixed_prompts
 
-from examples import engine as E  # noqa: E402 - hf_fixtures put the repo on sys.path
-from examples import generate as G  # noqa: E402
-from examples import model as M  # noqa: E402
-from examples.cache import BACKENDS  # noqa: E402
-from examples.sampling import SamplingConfig  # noqa: E402
+from jax_vmm.serving import engine as E
+from jax_vmm.serving import generate as G
+from jax_vmm.serving import model as M
+from jax_vmm.serving.cache import BACKENDS
+from jax_vmm.serving.cli import generate as GC
+from jax_vmm.serving.sampling import SamplingConfig
 
 SLOTS = 2  # fewer than the 4 prompts: slots are reused (continuous batching)
 
@@ -315,7 +316,7 @@ def test_cli_prints_text_and_writes_json(tmp_path, capsys) -> None:
     exp = expected(name)
     r0, r1, r2 = exp["requests"][:3]
     out = tmp_path / "out.json"
-    G.main(
+    GC.main(
         [
             "--model",
             str(FIXTURE_DIR / name),
@@ -351,11 +352,11 @@ def test_cli_errors_are_one_clear_line(tmp_path) -> None:
         match=r"generate\.py: .*config\.json: architecture "
         r"\['GPT2LMHeadModel'\] is not supported",
     ):
-        G.main(
+        GC.main(
             ["--model", str(tmp_path), "--prompt", "x", "--max-new-tokens", "2", "--device", "cpu"]
         )
     with pytest.raises(SystemExit, match="need a temperature > 0"):
-        G.main(
+        GC.main(
             [
                 "--model",
                 str(FIXTURE_DIR / "mistral"),
@@ -370,4 +371,4 @@ def test_cli_errors_are_one_clear_line(tmp_path) -> None:
             ]
         )
     with pytest.raises(SystemExit, match="at least one --prompt"):
-        G.main(["--model", str(FIXTURE_DIR / "mistral"), "--max-new-tokens", "2"])
+        GC.main(["--model", str(FIXTURE_DIR / "mistral"), "--max-new-tokens", "2"])

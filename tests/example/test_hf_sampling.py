@@ -1,12 +1,16 @@
-"""examples/sampling.py: greedy, temperature, top-k and top-p, seeded per request."""
+"""jax_vmm.serving.sampling: greedy, temperature, top-k and top-p, seeded per request."""
 
 from __future__ import annotations
 
-import hf_fixtures  # noqa: F401 - puts the repo on sys.path
 import numpy as np
 import pytest
 
-from examples.sampling import RequestSampler, SamplingConfig, choose_token, next_token_probabilities  # noqa: E402
+from jax_vmm.serving.sampling import (
+    RequestSampler,
+    SamplingConfig,
+    choose_token,
+    next_token_probabilities,
+)
 
 
 def _logits(seed: int, vocab: int = 50) -> np.ndarray:

@@ -45,8 +45,9 @@ import numpy as np
 import pytest
 
 import jax_vmm
-from jax_vmm import ops, scratch, testing
-from jax_vmm._loader import core as _core
+from jax_vmm import ops, testing
+from jax_vmm.base.loader import core as _core
+from jax_vmm.ops import scratch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: conftest, as a script too
 from conftest import cuda_ordinal, cuda_vmm_device, read_bytes  # noqa: E402

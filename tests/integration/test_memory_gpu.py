@@ -248,7 +248,7 @@ def _step(max_tokens: int, dest):
 def _handler_calls() -> tuple[int, int]:
     return (
         ops.kv_write_stats()["kv_write"]["calls"],
-        jax_vmm.attention.attention_stats()["cuda_execute_calls"],
+        jax_vmm.ops.attention.attention_stats()["cuda_execute_calls"],
     )
 
 

@@ -25,7 +25,7 @@ import pytest
 import jax_vmm
 import jax_vmm.testing
 from conftest import write_bytes
-from jax_vmm.attention import _decode_attention, attention_plan, attention_stats
+from jax_vmm.ops.attention import _decode_attention, attention_plan, attention_stats
 
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
 # ||out - ref|| / ||ref|| bounds: float32 accumulation everywhere; the output (and on
@@ -334,7 +334,7 @@ _PROBE = textwrap.dedent("""
     import jax.numpy as jnp, numpy as np
     import jax_vmm
     import jax_vmm.testing
-    from jax_vmm.attention import _decode_attention
+    from jax_vmm.ops.attention import _decode_attention
 
     read_all = sys.argv[1] == "read_all"
     B, T, H, D, Hq = 2, 512, 2, 64, 4

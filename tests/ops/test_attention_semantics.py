@@ -1,5 +1,5 @@
-"""jax_vmm's general attention (jax_vmm/_attention_api.py, exported as
-``jax_vmm.attention_op``): S query rows per sequence, ragged ``q_lengths``, sliding
+"""jax_vmm's general attention (jax_vmm/ops/general_attention.py, exported as
+``jax_vmm.attention``): S query rows per sequence, ragged ``q_lengths``, sliding
 ``window``, ``softcap`` and ``scale``, against a float64 numpy reference, over arrays and
 over a KV arena layer, on the CPU and (params marked gpu) every CUDA split-K kernel.
 
@@ -20,8 +20,8 @@ import pytest
 
 import jax_vmm
 import jax_vmm.testing
-from jax_vmm._attention_api import _attention, reference_attention
-from jax_vmm.fp8 import FP8_DTYPE, quantize_fp8
+from jax_vmm.base.fp8 import FP8_DTYPE, quantize_fp8
+from jax_vmm.ops.general_attention import _attention, reference_attention
 
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
 REL_TOL = {np.dtype(BF16): 1.5e-2, np.dtype(F16): 3e-3, np.dtype(F32): 1e-5}
@@ -163,11 +163,11 @@ def test_public_op_under_jit_and_the_plain_case_is_decode_attention(device):
     k, k64 = draw(rng, (B, T, Hkv, D), BF16)
     v, v64 = draw(rng, (B, T, Hkv, D), BF16)
     q, k, v, n = (jax.device_put(x, device) for x in (q, k, v, jnp.asarray(lengths)))
-    fn = jax.jit(lambda *a: jax_vmm.attention_op(*a, window=9, softcap=20.0))
+    fn = jax.jit(lambda *a: jax_vmm.attention(*a, window=9, softcap=20.0))
     out = fn(q, k, v, n)
     assert_close(out, ref64(q64, k64, v64, lengths, None, 9, 20.0), BF16, "jit")
     # S = 1 without options: decode_attention's result, bit for bit.
-    plain = jax_vmm.attention_op(q[:, -1:], k, v, n)
+    plain = jax_vmm.attention(q[:, -1:], k, v, n)
     np.testing.assert_array_equal(
         np.asarray(plain[:, 0].astype(F32)),
         np.asarray(jax_vmm.decode_attention(q[:, -1], k, v, n).astype(F32)),
@@ -201,7 +201,7 @@ def test_fp8_cache(device, S, window, softcap):
     k64 = np.asarray(k8.astype(F32), np.float64) * np.asarray(scales)[None, None, :, None]
     v64 = np.asarray(v8.astype(F32), np.float64) * np.asarray(scales)[None, None, :, None]
     q, k8, v8, n, s = (jax.device_put(x, device) for x in (q, k8, v8, jnp.asarray(lengths), scales))
-    out = jax_vmm.attention_op(q, k8, v8, n, window=window, softcap=softcap, k_scale=s, v_scale=s)
+    out = jax_vmm.attention(q, k8, v8, n, window=window, softcap=softcap, k_scale=s, v_scale=s)
     assert_close(out, ref64(q64, k64, v64, lengths, None, window, softcap), BF16, "fp8")
 
 
@@ -241,7 +241,7 @@ def test_over_an_arena_layer(vm):
     q, q64 = draw(rng, (B, S, Hq, D), BF16)
     lengths, q_lengths = np.array(ensured, np.int32), np.array([5, 2, 0, 1], np.int32)
     fn = jax.jit(
-        lambda c, q, n, qn: jax_vmm.attention_op(q, c[0], n, q_lengths=qn, window=6, softcap=30.0)
+        lambda c, q, n, qn: jax_vmm.attention(q, c[0], n, q_lengths=qn, window=6, softcap=30.0)
     )
     args = [jax.device_put(x, dev) for x in (q, jnp.asarray(lengths), jnp.asarray(q_lengths))]
     out = fn(kv.cache(), *args)
@@ -283,19 +283,19 @@ def test_bad_options_are_refused(kw, exc, match):
     q = jnp.zeros((2, 3, 4, 64), BF16)
     k = jnp.zeros((2, 10, 2, 64), BF16)
     with pytest.raises(exc, match=match):
-        jax_vmm.attention_op(q, k, k, jnp.array([3, 4]), **kw)
+        jax_vmm.attention(q, k, k, jnp.array([3, 4]), **kw)
 
 
 def test_bad_shapes_are_refused():
     k = jnp.zeros((2, 10, 2, 64), BF16)
     with pytest.raises(ValueError, match=r"q must be \(batch, queries S >= 1"):
-        jax_vmm.attention_op(jnp.zeros((2, 4, 64), BF16), k, k, jnp.array([3, 4]))
+        jax_vmm.attention(jnp.zeros((2, 4, 64), BF16), k, k, jnp.array([3, 4]))
     with pytest.raises(ValueError, match=r"q must be \(batch, queries S >= 1"):
-        jax_vmm.attention_op(jnp.zeros((2, 0, 4, 64), BF16), k, k, jnp.array([3, 4]))
+        jax_vmm.attention(jnp.zeros((2, 0, 4, 64), BF16), k, k, jnp.array([3, 4]))
     with pytest.raises(ValueError, match="not a multiple of kv_heads"):
-        jax_vmm.attention_op(jnp.zeros((2, 3, 3, 64), BF16), k, k, jnp.array([3, 4]), window=2)
+        jax_vmm.attention(jnp.zeros((2, 3, 3, 64), BF16), k, k, jnp.array([3, 4]), window=2)
     with pytest.raises(TypeError, match="share one dtype"):
-        jax_vmm.attention_op(jnp.zeros((2, 3, 4, 64), F16), k, k, jnp.array([3, 4]), window=2)
+        jax_vmm.attention(jnp.zeros((2, 3, 4, 64), F16), k, k, jnp.array([3, 4]), window=2)
     with pytest.raises(ValueError, match="split-K kernels only"):
         _attention(jnp.zeros((2, 3, 4, 64), BF16), k, k, jnp.array([3, 4]), impl="stream")
 
@@ -306,7 +306,7 @@ def test_fp8_arena_layer_with_options_is_not_implemented(vm):
     )  # fmt: skip
     q = jax.device_put(jnp.zeros((2, 3, 4, 64), BF16), kv.arena.device)
     with pytest.raises(NotImplementedError, match="fp8 arena layers serve decode only"):
-        jax_vmm.attention_op(q, kv.cache()[0], jnp.array([3, 4]), window=2)
+        jax_vmm.attention(q, kv.cache()[0], jnp.array([3, 4]), window=2)
 
 
 def test_over_an_array_layer(device):
@@ -320,7 +320,7 @@ def test_over_an_array_layer(device):
         jax.device_put(x, device) for x in (q, k, v, jnp.asarray(lengths), jnp.asarray(q_lengths))
     )
     layer = jax_vmm.KVLayer.from_arrays(k, v)
-    out = jax.jit(lambda q, c, n, qn: jax_vmm.attention_op(q, c, n, q_lengths=qn, window=3))(
+    out = jax.jit(lambda q, c, n, qn: jax_vmm.attention(q, c, n, q_lengths=qn, window=3))(
         q, layer, n, qn
     )
     assert_close(out, ref64(q64, k64, v64, lengths, q_lengths, 3), F16, "array layer")

@@ -18,8 +18,13 @@ from test_attention import BF16, F16, assert_close, on, random_inputs, reference
 
 import jax_vmm
 import jax_vmm.testing
-from jax_vmm.attention import FP8_DTYPE, _decode_attention, dequantize_fp8, stream_attention_plan
 from jax_vmm.ops import quantize_fp8
+from jax_vmm.ops.attention import (
+    FP8_DTYPE,
+    _decode_attention,
+    dequantize_fp8,
+    stream_attention_plan,
+)
 
 FP8 = jnp.float8_e4m3fn
 # fp8 tolerance: against float64 on the *dequantized* cache, so only the kernel's own

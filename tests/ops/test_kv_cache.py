@@ -512,7 +512,7 @@ def test_ordered_views_let_xla_read_the_arena_after_the_writes(vm):
     def read(cache, kview, vview, q, pos):
         k, v = jax_vmm.ordered_views(cache[0], kview, vview)
         lengths = jnp.full((B,), pos + 1, jnp.int32)
-        return jax_vmm.attention.reference_decode_attention(q[0], k, v, lengths)
+        return jax_vmm.ops.attention.reference_decode_attention(q[0], k, v, lengths)
 
     cache = kv.cache()
     for i in range(3):
@@ -613,12 +613,12 @@ def test_an_fp8_arena_layer_quantizes_writes_and_dequantizes_reads(vm):
     kv.check(out)
     layer = cache[1]
     assert layer.fp8 and layer.k_scale.shape == (HKV,)
-    want = np.asarray(jax_vmm.fp8.quantize_fp8(new_k, jnp.asarray(scales[1])))
+    want = np.asarray(jax_vmm.base.fp8.quantize_fp8(new_k, jnp.asarray(scales[1])))
     got = raw_bytes(kv.k_buffers[1]).view(jnp.float8_e4m3fn).reshape(B, T, HKV, d)
     np.testing.assert_array_equal(
         got[:, :8].reshape(-1, HKV, d).view(np.uint8), want.view(np.uint8)
     )
-    ref = jax_vmm.attention.reference_decode_attention(
+    ref = jax_vmm.ops.attention.reference_decode_attention(
         q,
         jnp.asarray(got),
         jnp.asarray(raw_bytes(kv.v_buffers[1]).view(jnp.float8_e4m3fn).reshape(B, T, HKV, d)),
@@ -640,9 +640,9 @@ def test_the_streaming_kernel_reads_an_arena_layer_as_split_k_does(vm):
     layer = jax_vmm.kv_write(kv.cache()[0], new, new * 2, slots)
     q = jnp.asarray(rng.standard_normal((B, HQ, D)), jnp.bfloat16)
     lengths = jnp.array([40, 17], jnp.int32)
-    split = jax_vmm.attention._decode_attention(q, layer, lengths=lengths)
-    stream = jax_vmm.attention._decode_attention(q, layer, lengths=lengths, impl="stream")
-    ref = jax_vmm.attention.reference_decode_attention(q, kv.k[0], kv.v[0], lengths)
+    split = jax_vmm.ops.attention._decode_attention(q, layer, lengths=lengths)
+    stream = jax_vmm.ops.attention._decode_attention(q, layer, lengths=lengths, impl="stream")
+    ref = jax_vmm.ops.attention.reference_decode_attention(q, kv.k[0], kv.v[0], lengths)
     for got in (split, stream):
         np.testing.assert_allclose(
             np.asarray(got, np.float32), np.asarray(ref, np.float32), rtol=2e-2, atol=2e-2

@@ -20,8 +20,9 @@ import numpy as np
 import pytest
 
 from conftest import cuda_ordinal
-from jax_vmm import scratch, testing
-from jax_vmm._loader import core as _core
+from jax_vmm import testing
+from jax_vmm.base.loader import core as _core
+from jax_vmm.ops import scratch
 
 HOST = -1
 KIB = 1024

@@ -474,7 +474,7 @@ def raises(exc, fn, *words):
 @scenario
 def bad_shardings_are_refused_clearly():
     m1, m2 = mesh_1d(), mesh_2d()
-    live = len(jax_vmm.cache._live_arenas())
+    live = len(jax_vmm.cache.registry.live_arenas())
     raises(
         ValueError,
         lambda: make(m1, P(None, None, "tp"), num_kv_heads=6),
@@ -500,7 +500,7 @@ def bad_shardings_are_refused_clearly():
     else:
         raises(ValueError, lambda: make(m2, P("x")), "'x'")
     # Nothing is left behind by a refusal.
-    assert len(jax_vmm.cache._live_arenas()) == live
+    assert len(jax_vmm.cache.registry.live_arenas()) == live
 
 
 @scenario
@@ -532,7 +532,7 @@ def inputs_on_other_devices_and_closed_arenas_are_refused():
 
 @scenario
 def a_shard_cannot_join_twice_or_with_another_geometry():
-    from jax_vmm._loader import core
+    from jax_vmm.base.loader import core
 
     kv = make(Mesh(np.array(jax.devices()[:2]), ("tp",)), P(None, None, "tp"))
     shard = kv.shards[0]

@@ -1,17 +1,15 @@
-"""The example's ``--tp N`` (examples/tensor_parallel.py) on 4 host devices: logits equal to
+"""The example's ``--tp N`` (jax_vmm.serving.tensor_parallel) on 4 host devices: logits equal to
 one device's for N = 1, 2, 4, the CLI end to end, its refusals. The scenarios
 (tests/sharding/tp_scenarios.py) run in one child process (tests/sharding/multidevice.py)."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
+import multidevice  # this folder: pytest puts a test's folder on sys.path
 import pytest
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-import multidevice  # noqa: E402
 
 NAMES = [
     "tp1_logits_equal_single_device",

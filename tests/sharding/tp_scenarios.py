@@ -1,4 +1,5 @@
-"""The example's tensor parallelism (``examples/decode.py --tp N``) on 4 host devices, run
+"""The example's tensor parallelism (``examples/decode.py --tp N``,
+``jax_vmm.serving.tensor_parallel``) on 4 host devices, run
 in one child process (tests/sharding/multidevice.py).
 
 The oracle is the same model on one device with an unsharded jax_vmm cache: prefill and
@@ -13,20 +14,18 @@ import functools
 import io
 import sys
 import tempfile
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo: `examples`
+# Run as a script (multidevice.child_results): this folder is on sys.path, jax_vmm on
+# the PYTHONPATH the parent gives.
+import jax
+import multidevice
+import numpy as np
+from jax.sharding import PartitionSpec as P
 
-import jax  # noqa: E402
-import multidevice  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
-
-from examples import decode  # noqa: E402
-from examples import model as M  # noqa: E402
-from examples import tensor_parallel as TP  # noqa: E402
-from examples.cache import VmmCache  # noqa: E402
+from jax_vmm.serving import model as M
+from jax_vmm.serving import tensor_parallel as TP
+from jax_vmm.serving.cache import VmmCache
+from jax_vmm.serving.cli import decode
 
 CFG = M.ModelConfig(num_q_heads=8, num_kv_heads=4, head_dim=32, ffn_dim=384)
 B, T = 4, 128

@@ -15,9 +15,9 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from jax_vmm._attention_api import _attention
-from jax_vmm.attention import _decode_attention, attention_stats
-from jax_vmm.fp8 import quantize_fp8
+from jax_vmm.base.fp8 import quantize_fp8
+from jax_vmm.ops.attention import _decode_attention, attention_stats
+from jax_vmm.ops.general_attention import _attention
 
 CASES = [  # (B, T, Hq, Hkv, D, dtype, impl)
     (3, 300, 8, 2, 128, jnp.bfloat16, "tensor_core"),

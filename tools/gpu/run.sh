@@ -54,12 +54,12 @@
 #   diag:hazard         XLA's command-buffer log around the hazard scenario (its RESULT line)
 #   diag:example        XLA's command-buffer log of the main job at batch 16 (how often the
 #                       decode block's command buffers were recorded against executed)
-#   diag:host           tools/gpu/host_costs.py: the arena and raw VMM calls of a commit and
+#   diag:host           bench/host_costs.py: the arena and raw VMM calls of a commit and
 #                       a release, device idle and busy, and a cProfile of the main job at
 #                       batch 64 (where its host time in ensure/release goes), and the zero
 #                       mapping's share of a large commit -> host_costs.json (HOST_PARTS=4:
 #                       only that part; HOST_SWAPS=32x8,256x1: its zero-piece cases)
-#   diag:dispatch       tools/gpu/dispatch_costs.py: the main job at batch 64 with the
+#   diag:dispatch       bench/dispatch_costs.py: the main job at batch 64 with the
 #                       dispatching thread's cache calls split into core calls and Python,
 #                       and CPU seconds per thread -> dispatch_costs.json
 #   example             examples/decode.py -> $OUT/example/
@@ -69,10 +69,10 @@
 #                       example:prealloc16 / prealloc64 the cuDNN baseline; example:fp8, example:sleep (batch 16);
 #                       example:hf1b: examples/generate.py on a 1B-shaped random Llama
 #                       checkpoint (tools/make_hf_fixtures.py --preset 1b), bf16, both backends
-#   diag:kv_write       tools/gpu/kv_write_overhead.py: a decode-size kv_write against XLA's
+#   diag:kv_write       bench/kv_write_overhead.py: a decode-size kv_write against XLA's
 #                       .at[].set in a fori_loop, unrolled, one jit per write; with nsys on
 #                       the machine, the CUDA API calls and kernels of the n = 1 case
-#   diag:kv_write_ncu   tools/gpu/kv_write_kernel_times.py: the kv_write kernel's own time by
+#   diag:kv_write_ncu   bench/kv_write_kernel_times.py: the kv_write kernel's own time by
 #                       Nsight Compute at 1..32768 tokens -> kv_write_kernel_times.json
 #   bench:attention     bench/attention.py: copy-bandwidth floor, then the table -> bench_attention.json
 #   bench:attention_options  bench/attention_options.py: S queries / window / softcap beside cuDNN
@@ -85,7 +85,7 @@
 #                       ratio (arena: ~1.0) -> bench_capacity.json
 #   bench:sleep         bench/sleep.py: 100 sleep/wake cycles of a 20 GiB cache -> bench_sleep.json
 #   bench               the seven benches
-#   probe:kernels       tools/gpu/kernels_probe.py -> kernels.json: every decode-attention kernel
+#   probe:kernels       bench/kernels_probe.py -> kernels.json: every decode-attention kernel
 #                       (split-K, streaming, fp8) checked against float64 with NaN-prefilled
 #                       outputs, then timed beside cuDNN and the copy/read ceilings per shape;
 #                       kv_write: the tiled kernel, its token-kernel fallback and XLA's .at[].set,
@@ -222,24 +222,24 @@ step_diag() {
     return "$r"
   fi
   if [ "${1:-}" = dispatch ]; then
-    "$PY" tools/gpu/dispatch_costs.py --batch 64 --json "$RUN_DIR/dispatch_costs.json"
+    "$PY" bench/dispatch_costs.py --batch 64 --json "$RUN_DIR/dispatch_costs.json"
     return
   fi
   if [ "${1:-}" = kv_write ]; then
-    "$PY" tools/gpu/kv_write_overhead.py --json "$RUN_DIR/kv_write_overhead.json"
+    "$PY" bench/kv_write_overhead.py --json "$RUN_DIR/kv_write_overhead.json"
     if command -v nsys >/dev/null; then  # the API calls and kernels of the loop at n = 1
       nsys profile -q -o "$RUN_DIR/kv_write" --force-overwrite true -t cuda \
-        "$PY" -c "import sys; sys.argv=['x']; sys.path.insert(0, 'tools/gpu'); import kv_write_overhead as k; print(k.measure(1))" &&
+        "$PY" bench/kv_write_overhead.py --sizes 1 &&
         nsys stats -q -r cuda_api_sum,cuda_gpu_kern_sum "$RUN_DIR/kv_write.nsys-rep" | head -60
     fi
     return
   fi
   if [ "${1:-}" = kv_write_ncu ]; then
-    "$PY" tools/gpu/kv_write_kernel_times.py --json "$RUN_DIR/kv_write_kernel_times.json"
+    "$PY" bench/kv_write_kernel_times.py --json "$RUN_DIR/kv_write_kernel_times.json"
     return
   fi
   if [ "${1:-}" = host ]; then
-    "$PY" tools/gpu/host_costs.py --batch 64 --json "$RUN_DIR/host_costs.json" \
+    "$PY" bench/host_costs.py --batch 64 --json "$RUN_DIR/host_costs.json" \
       ${HOST_PARTS:+--parts "$HOST_PARTS"} ${HOST_SWAPS:+--swaps "$HOST_SWAPS"}
     return
   fi
@@ -302,7 +302,7 @@ step_bench() {
 step_probe() {
   case "${1:-}" in
     kernels)
-      "$PY" tools/gpu/kernels_probe.py --json "$RUN_DIR/kernels.json" || return
+      "$PY" bench/kernels_probe.py --json "$RUN_DIR/kernels.json" || return
       note "$(grep -E "^correctness: " "$LOG" | tail -1)" ;;
     *) echo "unknown probe ${1:-} (kernels)"; return 2 ;;
   esac

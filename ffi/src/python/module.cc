@@ -20,6 +20,10 @@
 #ifdef JAX_VMM_TESTING
 #include "testing/testing_module.h"
 #endif
+#ifdef JAX_VMM_HAVE_CUDNN
+#include "ops/attention/cudnn/cudnn_attention.h"
+#include "python/cudnn_bindings.h"
+#endif
 
 namespace nb = nanobind;
 
@@ -79,6 +83,9 @@ FfiRegistry ProductionTargets() {
   attention::AddCacheCudaTargets(registry);
   kvcache::AddCudaTargets(registry);
 #endif
+#ifdef JAX_VMM_HAVE_CUDNN
+  cudnn::AddCudnnTargets(registry);
+#endif
   return registry;
 }
 
@@ -110,6 +117,12 @@ NB_MODULE(_core, m) {
   scratch::internal::InstallCudaPlatform();
 #else
   m.attr("built_with_cuda_kernels") = false;
+#endif
+#ifdef JAX_VMM_HAVE_CUDNN
+  m.attr("built_with_cudnn") = true;
+  BindCudnn(m);
+#else
+  m.attr("built_with_cudnn") = false;
 #endif
 
   // A JAX client that goes destroys its streams: jax_vmm/_compute_streams.py forgets them

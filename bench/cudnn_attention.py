@@ -1,0 +1,241 @@
+"""jax_vmm's cuDNN attention backend side by side with cuDNN through JAX and with
+jax_vmm.decode_attention, in one process, over arena views (bf16, H_q 32, H_kv 8, D 128).
+
+Per configuration, one step runs R layers (layer i reads kv.k[i], kv.v[i] of one
+kv_arena, so repeated runs do not hit in L2); times are per attention call (median over
+repeats of N back-to-back steps):
+
+  vmm_cudnn   jax_vmm._cudnn_attention.cudnn_attention: cuDNN SDPA graph in our custom
+              call (bottom-right causal, padding by lengths / q_lengths), workspace in the
+              graph-safe scratch, plus the kernel that zeroes rows cuDNN leaves unwritten
+  no_zero     the same without that kernel (zero_rows=False): the kernel's cost
+  jax_cudnn   jax.nn.dot_product_attention(..., implementation="cudnn") over the same
+              views: decode with key_value_seq_lengths=lengths (what a JAX user picks);
+              several queries with query_seq_lengths=S and key_value_seq_lengths=lengths and
+              NO causal mask: JAX's causal mask is aligned top-left, so it cannot express
+              "S new queries at the end of each cached sequence"; padding-only is the
+              closest mask it has, and does at least our work (S x len scores against our
+              S x (len - S/2)), so the ratio is conservative for us
+  vmm_kernel  jax_vmm.decode_attention (our own CUDA kernel; decode only)
+
+"ratio" = vmm_cudnn / jax_cudnn (goal <= 1.0 for decode, <= 1.1 for S > 1), "floor" = live
+K/V bytes / 4.8 TB/s (H200 HBM3e). Decode lengths are full (T) unless --ragged; the
+S > 1 rows draw lengths uniformly from [S, T].
+
+  python bench/cudnn_attention.py                         # the grid (~2-3 minutes)
+  python bench/cudnn_attention.py --batches 8 --contexts 8192 --multi-q 0
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # the arena needs the GPU too
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import jax_vmm  # noqa: E402
+from _common import median_time, parse_list, write_json  # noqa: E402
+from jax_vmm.ops import cudnn_attention as ca  # noqa: E402
+
+HBM_BPS = 4.8e12
+HQ, HKV, D = 32, 8, 128
+DTYPE = jnp.bfloat16
+
+
+def _copy_into(buf: jax_vmm.Buffer, src: jax.Array) -> None:
+    import cupy
+
+    src = jax.block_until_ready(src)
+    cupy.cuda.runtime.memcpy(
+        buf.address, src.unsafe_buffer_pointer(), src.nbytes, cupy.cuda.runtime.memcpyDeviceToDevice
+    )
+
+
+def _err(exc: BaseException) -> str:
+    lines = [ln for ln in str(exc).splitlines() if ln.strip()]
+    return f"{type(exc).__name__}: {' | '.join(lines)[:600]}"
+
+
+def run_config(
+    dev,
+    B: int,
+    T: int,
+    S: int,
+    ragged: bool,
+    layers_budget: int,
+    runs: int,
+    repeats: int,
+    seed: int = 0,
+) -> dict:
+    rng = np.random.default_rng(seed)
+    layer_bytes = 2 * B * T * HKV * D * 2
+    R = int(min(8, max(2, math.ceil(layers_budget / layer_bytes))))
+    if S == 1:
+        n = rng.integers(1, T + 1, size=B) if ragged else np.full(B, T)
+    else:
+        n = rng.integers(S, T + 1, size=B)
+    n = n.astype(np.int32)
+    live = int(2 * n.sum() * HKV * D * 2)
+    row: dict[str, Any] = dict(
+        B=B, T=T, S=S, layers=R, live_kv_bytes=live, floor_us=live / HBM_BPS * 1e6
+    )
+    kv = jax_vmm.kv_arena(
+        num_layers=R,
+        num_kv_heads=HKV,
+        head_dim=D,
+        max_tokens=T,
+        dtype=DTYPE,
+        device=dev,
+        max_seqs=B,
+        initial_tokens=T,
+    )
+    try:
+        key = jax.random.PRNGKey(seed)
+        # Random data in layer 0 (checked); the other layers keep the arena's zeros (timing
+        # does not depend on the values).
+        for buf in (kv.k_buffers[0], kv.v_buffers[0]):
+            key, sub = jax.random.split(key)
+            _copy_into(buf, jax.random.normal(sub, (B, T, HKV, D), DTYPE))
+        key, sub = jax.random.split(key)
+        qs = jax.device_put(jax.random.normal(sub, (R, B, S, HQ, D), DTYPE), dev)
+        lens = jax.device_put(jnp.asarray(n), dev)
+        qlens = jax.device_put(jnp.full((B,), S, jnp.int32), dev)
+        ks = [kv.k[l] for l in range(R)]
+        vs = [kv.v[l] for l in range(R)]
+
+        def jax_cudnn(q, k, v, n):
+            if S == 1:
+                return jax.nn.dot_product_attention(
+                    q, k, v, key_value_seq_lengths=n, implementation="cudnn"
+                )
+            return jax.nn.dot_product_attention(
+                q,
+                k,
+                v,
+                query_seq_lengths=qlens,
+                key_value_seq_lengths=n,
+                implementation="cudnn",
+            )
+
+        impls = {
+            "vmm_cudnn": lambda q, k, v, n: ca.cudnn_attention(q, k, v, n),
+            "no_zero": lambda q, k, v, n: ca.cudnn_attention(q, k, v, n, zero_rows=False),
+            "jax_cudnn": jax_cudnn,
+        }
+        if S == 1:
+            impls["vmm_kernel"] = lambda q, k, v, n: jax_vmm.decode_attention(q[:, 0], k, v, n)
+
+        # layer 0, S == 1: ours against JAX's cuDNN (the same mask there)
+        if S == 1:
+            try:
+                a = ca.cudnn_attention(qs[0], ks[0], vs[0], lens).astype(jnp.float32)
+                b = jax_cudnn(qs[0], ks[0], vs[0], lens).astype(jnp.float32)
+                row["max_abs_diff_vs_jax_cudnn"] = float(jnp.max(jnp.abs(a - b)))
+            except Exception as exc:  # noqa: BLE001 - report and keep going
+                row["check_error"] = _err(exc)
+
+        def over_layers(attend):
+            @jax.jit
+            def step(qs, ks, vs, lens):
+                return jnp.stack([attend(qs[l], ks[l], vs[l], lens) for l in range(R)])
+
+            return step
+
+        for name, attend in impls.items():
+            step = over_layers(attend)
+            try:
+                t = median_time(lambda: step(qs, ks, vs, lens), repeats, runs) / R
+                row[f"{name}_us"] = t * 1e6
+            except Exception as exc:  # noqa: BLE001 - report and keep going
+                row[f"{name}_us"] = None
+                row[f"{name}_error"] = _err(exc)
+        return row
+    finally:
+        kv.close()
+
+
+def _fmt(x: Any, t: str = "{:8.1f}") -> str:
+    return t.format(x) if isinstance(x, (int, float)) else f"{'n/a':>8}"
+
+
+def _ratio(a: Any, b: Any) -> Any:
+    return a / b if isinstance(a, float) and isinstance(b, float) and b > 0 else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batches", type=parse_list(int), default="1,4,8,32,64")
+    p.add_argument("--contexts", type=parse_list(int), default="1024,2048,8192,32768")
+    p.add_argument("--multi-q", type=parse_list(int), default="512,2048")
+    p.add_argument("--multi-contexts", type=parse_list(int), default="4096,8192,32768")
+    p.add_argument("--multi-batch", type=int, default=4)
+    p.add_argument("--ragged", action="store_true", help="ragged decode lengths in [1, T]")
+    p.add_argument("--layers-budget", type=int, default=1 << 30, help="bytes of K/V per step")
+    p.add_argument("--runs", type=int, default=10)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args(argv)
+
+    gpus = [d for d in jax.devices() if d.platform in ("gpu", "cuda")]
+    if not gpus:
+        sys.exit("needs a CUDA GPU")
+    dev = gpus[0]
+    print(f"jax {jax.__version__}, device {dev.device_kind}")
+    print(f"cudnn backend: {ca.cudnn_info()}")
+    if not ca.cudnn_available():
+        sys.exit("the cuDNN backend is not available (see above)")
+    configs = [(B, T, 1) for B in args.batches for T in args.contexts]
+    configs += [
+        (args.multi_batch, T, S)
+        for S in args.multi_q
+        if S > 0
+        for T in args.multi_contexts
+        if T > S
+    ]
+    rows = []
+    t0 = time.perf_counter()
+    head = (
+        f"{'B':>3} {'T':>6} {'S':>5} {'vmm_cudnn':>9} {'no_zero':>8} {'jax_cudnn':>9} "
+        f"{'vmm_kernel':>10} {'ratio':>6} {'kern/jax':>8} {'floor':>8}  (us per layer)"
+    )
+    print(head)
+    for B, T, S in configs:
+        try:
+            row = run_config(dev, B, T, S, args.ragged, args.layers_budget, args.runs, args.repeats)
+        except Exception as exc:  # noqa: BLE001 - e.g. out of memory at the largest sizes
+            traceback.print_exc()
+            row = dict(B=B, T=T, S=S, error=_err(exc))
+            print(f"{B:>3} {T:>6} {S:>5} failed: {row['error']}")
+            rows.append(row)
+            continue
+        rows.append(row)
+        r = _ratio(row.get("vmm_cudnn_us"), row.get("jax_cudnn_us"))
+        rk = _ratio(row.get("vmm_kernel_us"), row.get("jax_cudnn_us"))
+        print(
+            f"{B:>3} {T:>6} {S:>5} {_fmt(row.get('vmm_cudnn_us'), '{:9.1f}')} "
+            f"{_fmt(row.get('no_zero_us'))} {_fmt(row.get('jax_cudnn_us'), '{:9.1f}')} "
+            f"{_fmt(row.get('vmm_kernel_us'), '{:10.1f}')} {_fmt(r, '{:6.3f}')} "
+            f"{_fmt(rk, '{:8.3f}')} {_fmt(row['floor_us'])}",
+            flush=True,
+        )
+        for k, v in row.items():
+            if k.endswith("error") or k.startswith("max_abs"):
+                print(f"      {k}: {v}")
+    print(f"total {time.perf_counter() - t0:.0f} s; graph cache: {ca.cudnn_attention_stats()}")
+    if args.json:
+        write_json(args.json, dict(rows=rows, cudnn=ca.cudnn_info(), argv=sys.argv))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

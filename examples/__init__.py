@@ -1,1 +1,0 @@
-"""Example decoding loop on jax_vmm (see examples/decode.py)."""

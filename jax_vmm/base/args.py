@@ -1,0 +1,80 @@
+"""Argument checks shared by every layer: integers, flags, shapes and layer indices as the
+public API accepts them, with errors that name the argument; and the refusal to pickle an
+object that owns a reservation."""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import jax
+import numpy as np
+
+__all__ = ["as_int", "as_index", "as_flag", "as_shape", "layer_index", "refuse_copy"]
+
+
+def as_int(value: Any, what: str) -> int:
+    """``value`` as an int: anything ``operator.index`` accepts (numpy and concrete JAX
+    integer scalars too), except bools (True is not a size or an index)."""
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{what} must be an integer, got bool")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{what} must be an integer, got {type(value).__name__}") from None
+
+
+def as_index(value: Any, what: str, minimum: int = 0) -> int:
+    """``value`` as an int >= ``minimum`` (0 or 1), see :func:`as_int`."""
+    i = as_int(value, what)
+    if i < minimum:
+        raise ValueError(f"{what} must be {'> 0' if minimum == 1 else '>= 0'}, got {i}")
+    return i
+
+
+def as_flag(value: Any, what: str) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{what} must be True or False, got {value!r}")
+    return bool(value)
+
+
+def refuse_copy(what: str, device: Any, copy_out: str) -> TypeError:
+    return TypeError(
+        f"jax_vmm.{what} cannot be pickled or copied: it owns a reservation of virtual memory "
+        f"on {device}. Share the object itself (it is thread-safe), or copy data out with "
+        f"{copy_out}"
+    )
+
+
+def as_shape(shape: Any) -> tuple[int, ...]:
+    if isinstance(shape, (int, np.integer)) and not isinstance(shape, (bool, np.bool_)):
+        shape = (shape,)
+    try:
+        if any(isinstance(d, (bool, np.bool_)) for d in shape):
+            raise TypeError
+        dims = tuple(operator.index(d) for d in shape)
+    except TypeError:
+        raise TypeError(f"shape must be a tuple of ints, got {shape!r}") from None
+    if not dims or any(d <= 0 for d in dims):
+        raise ValueError(f"shape must have at least one dimension and all sizes > 0, got {dims}")
+    return dims
+
+
+def layer_index(layer: Any, num_layers: int, op: str) -> int:
+    """A layer index in [-num_layers, num_layers) as a non-negative int. It must be static:
+    a layer picks buffers on the host, when a step is traced."""
+    if isinstance(layer, jax.core.Tracer):
+        raise TypeError(
+            f"{op}: the layer must be static (a Python int), got a traced value. A dest names "
+            "buffers when the step is traced: pass the layer as a static argument "
+            "(static_argnums) or loop over layers in Python"
+        )
+    if isinstance(layer, (bool, np.bool_)):
+        raise TypeError(f"{op}: layer must be an integer, got bool")
+    try:
+        i = operator.index(layer)
+    except TypeError:
+        raise TypeError(f"{op}: layer must be an integer, got {type(layer).__name__}") from None
+    if not -num_layers <= i < num_layers:
+        raise IndexError(f"{op}: layer {i} is out of range for {num_layers} layers")
+    return i % num_layers

@@ -1,0 +1,510 @@
+"""How a KV arena backs its sequences' tokens: ``ensure`` / ``ensure_all`` / ``prefetch`` /
+``shrink`` / ``release``, the byte ranges each needs, the commit-ahead hook and the all-or-nothing
+rollback that a sharded cache uses across devices.
+
+A chunk that two sequences share gets a commit range of its own, so that no physical
+allocation holds memory of two sequences and a release frees all of a sequence's memory.
+The device-side table of ensured tokens is published after the memory on growth and
+before it goes on release: a kernel may write only what the table admits.
+
+:class:`TokenBacking` is a mixin of :class:`jax_vmm.KVArena` (``jax_vmm/kv/arena.py``), which
+owns the state it works on: ``arena``, ``buffers``, the geometry (``max_seqs``, ``max_tokens``,
+``seq_bytes``, ``token_bytes``), ``_lock`` (held around every change below), the
+per-sequence tables ``_ensured`` (tokens the kernels may touch), ``_covered`` (tokens
+within chunks known backed), ``_valid_gen`` (the arena generation ``_covered`` is valid
+for), ``_epoch`` (bumped on release: a commit ahead that started before is not counted),
+``_offloaded``, and the commit-ahead worker ``_ahead`` with its counters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from ..base.args import as_flag, as_index
+from ..base.loader import core as _core
+
+
+class TokenBacking:
+    def _check_tokens(self, n: Any, op: str, name: str = "num_tokens") -> int:
+        n = as_index(n, name)
+        if n > self.max_tokens:
+            raise ValueError(f"{op}: {name}={n} exceeds max_tokens={self.max_tokens}")
+        return n
+
+    def _check_keep_tokens(self, keep_tokens: Any, op: str) -> int:
+        """``release(keep_tokens=)`` validated: an int in [0, max_tokens], and 0 on a
+        zero-filling arena (kept bytes would not read as zeros)."""
+        keep = self._check_tokens(keep_tokens, op, "keep_tokens")
+        if keep and self.arena.zero_fill:
+            raise ValueError(
+                f"{op}: keep_tokens keeps the old sequence's bytes, but this arena "
+                "zero-fills (unwritten tokens must read as zeros); release without "
+                "keep_tokens, or create the arena with zero_fill=False"
+            )
+        return keep
+
+    def _commit_ranges(self, q: int, num_tokens: int) -> list[tuple[int, int]]:
+        """Byte ranges (inside each buffer) that back tokens [0, num_tokens) of sequence
+        q. A chunk that the sequence shares with a neighbour gets a range of its own, so
+        that no allocation holds memory of two sequences (releasing one then frees all of
+        its own memory)."""
+        c = self.arena.chunk_bytes
+        base = q * self.seq_bytes
+        stop = base + num_tokens * self.token_bytes
+        cuts = {base, stop}
+        if self.max_seqs is not None:
+            if base % c:
+                cuts.add(-(-base // c) * c)
+            end = base + self.seq_bytes
+            if end % c:
+                cuts.add(end // c * c)
+        points = sorted(x for x in cuts if base <= x <= stop)
+        return list(zip(points, points[1:]))
+
+    def _covered_tokens(self, q: int, num_tokens: int) -> int:
+        """Tokens of sequence q backed once tokens [0, num_tokens) are: whole chunks."""
+        c = self.arena.chunk_bytes
+        base = q * self.seq_bytes
+        end = min(-(-(base + num_tokens * self.token_bytes) // c) * c, base + self.seq_bytes)
+        return (end - base) // self.token_bytes
+
+    def _settle(self, q: int) -> None:
+        """Raise if sequence q is away (offloaded, or its transfer in flight); forget a
+        transfer that has ended (restored, or a failed offload: the tokens stayed)."""
+        t = self._offloaded.get(q)
+        if t is None:
+            return
+        state = t.state
+        if state in ("restored", "failed"):
+            del self._offloaded[q]
+            t._finish()
+            return
+        raise ValueError(
+            f"sequence {q} is {state} (kv.offload); call kv.restore({q}) and wait "
+            "for it before growing, writing or reading it"
+        )
+
+    def ensure(self, num_tokens: int, seq: int | None = None) -> int:
+        """Back the first ``num_tokens`` tokens (of sequence ``seq``) in every layer, all
+        or nothing. Returns the bytes newly committed (0 when already backed). Within the
+        chunks an earlier call backed it returns at once; otherwise it never waits for the
+        device unless the arena has handed out raw views (``kv.k[l]``)."""
+        num_tokens = self._check_tokens(num_tokens, "KVArena.ensure")
+        self._seq_base(seq, "KVArena.ensure")
+        if num_tokens == 0:
+            return 0
+        q = 0 if seq is None else int(seq)
+        with self._lock:
+            if self._offloaded:
+                self._settle(q)
+            if num_tokens <= self._covered[q] and self._valid_gen[q] == self.arena._generation:
+                if num_tokens > self._ensured[q]:
+                    self._ensured[q] = num_tokens
+                    self._core_cache.set_limit(q, num_tokens)  # the memory is there already
+                self._maybe_ahead(q, num_tokens)
+                return 0
+            added = self._commit_seqs([(q, num_tokens)])
+            # Published after the memory: the kernels may write what the table admits.
+            self._core_cache.set_limit(q, int(self._ensured[q]))
+            self._maybe_ahead(q, num_tokens)
+            return added
+
+    def ensure_all(self, num_tokens: Sequence[int]) -> int:
+        """:meth:`ensure` for every sequence at once: ``num_tokens[q]`` tokens of sequence
+        ``q`` (a list or NumPy array of ints, one per sequence; 0 asks for nothing), in one
+        all-or-nothing commit. The cheap way to grow a batch each decode step: sequences
+        within their backed chunks cost no driver call, and the whole call makes one copy
+        of the device table (none when nothing grew)."""
+        tokens = self._token_array(num_tokens)
+        with self._lock:
+            self.arena._check_open("KVArena.ensure_all")
+            for q in list(self._offloaded):
+                if tokens[q] > 0:
+                    self._settle(q)
+            need = _core.ensure_need(tokens, self._covered, self._valid_gen, self.arena._generation)
+            # The memory first, then the table (kernels may write what it admits); a failed
+            # commit leaves both as they were.
+            added = self._commit_seqs([(q, int(tokens[q])) for q in need]) if need else 0
+            np.maximum(self._ensured, tokens, out=self._ensured)
+            self._core_cache.raise_limits(tokens)
+            if self.commit_ahead_tokens:
+                due = _core.ahead_due(
+                    tokens,
+                    self._covered,
+                    self._ahead_blocked,
+                    self.commit_ahead_tokens,
+                    self.max_tokens,
+                )
+                for q in due:
+                    self._ahead.schedule(
+                        q, self._covered_tokens(q, int(self._covered[q]) + 1), self._epoch[q]
+                    )
+            return added
+
+    def prefetch(self, num_tokens: int, seq: int | None = None) -> None:
+        """Back the first ``num_tokens`` tokens (of sequence ``seq``) in the background, on
+        the commit-ahead thread, and return at once; once that is done (:meth:`is_backed`,
+        :meth:`wait_prefetch`), ``ensure`` makes no driver call for them. The way to take
+        an admission's commit off the thread that dispatches device work: prefetch the
+        next prompts, dispatch what is ready, ensure the next one when it is backed.
+
+        It changes nothing a kernel may touch: the tokens are not ensured (the device
+        table), so writes to them are dropped until ``ensure``. A prefetch that cannot be
+        done (out of memory, raw views handed out, the sequence released meanwhile) is
+        dropped; the ``ensure`` that follows then commits on its own thread, or raises."""
+        num_tokens = self._check_tokens(num_tokens, "KVArena.prefetch")
+        self._seq_base(seq, "KVArena.prefetch")
+        q = 0 if seq is None else int(seq)
+        with self._lock:
+            self.arena._check_open("KVArena.prefetch")
+            if self._offloaded:
+                self._settle(q)
+            if num_tokens == 0 or self._backed_already(np.int64(num_tokens), q):
+                return
+            if self._valid_gen[q] != self.arena._generation:
+                # Nothing known backed yet: a true statement for this generation, and what
+                # lets the worker count what it backs.
+                self._covered[q], self._valid_gen[q] = 0, self.arena._generation
+            self._ahead.schedule(q, self._covered_tokens(q, num_tokens), self._epoch[q])
+
+    def is_backed(self, num_tokens: int, seq: int | None = None) -> bool:
+        """Would ``ensure(num_tokens, seq)`` now return without a driver call (the chunks
+        of those tokens known backed)?"""
+        num_tokens = self._check_tokens(num_tokens, "KVArena.is_backed")
+        self._seq_base(seq, "KVArena.is_backed")
+        q = 0 if seq is None else int(seq)
+        with self._lock:
+            return bool(num_tokens == 0 or self._backed_already(np.int64(num_tokens), q))
+
+    def wait_prefetch(self, seq: int | None = None, timeout: float | None = None) -> bool:
+        """Wait until no background commit (:meth:`prefetch`, commit ahead) is scheduled or
+        running for sequence ``seq``. Returns False if ``timeout`` seconds passed first.
+        It does not say that the tokens are backed (a prefetch can be dropped):
+        :meth:`is_backed` does."""
+        self._seq_base(seq, "KVArena.wait_prefetch")
+        if timeout is not None and (
+            isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0
+        ):
+            raise ValueError(
+                f"KVArena.wait_prefetch: timeout must be seconds >= 0 or None, got {timeout!r}"
+            )
+        return self._ahead.wait_for(0 if seq is None else int(seq), timeout)
+
+    def _backed_already(self, tokens: np.ndarray, seqs: Any = slice(None)) -> np.ndarray:
+        """Per sequence (of ``seqs``): are its first ``tokens`` tokens within chunks an
+        earlier ensure backed (so ensuring them makes no call into the core)? Caller
+        holds the lock."""
+        gen = self.arena._generation
+        return (tokens <= self._covered[seqs]) & (self._valid_gen[seqs] == gen)
+
+    def _ensure_point(self, asks: dict[int, int]) -> _EnsurePoint:
+        """What :meth:`_roll_back` needs to undo ensures that succeed after this call (a
+        sharded cache's commit that failed on another device): ``asks`` maps each sequence
+        that may commit to the tokens it asks for. Caller holds the lock until the roll
+        back, if any, is done."""
+        spans = {}
+        for q, tokens in asks.items():
+            base = q * self.seq_bytes
+            prefix = min(b.backed_prefix(base, base + self.seq_bytes) for b in self.buffers)
+            spans[q] = (prefix, tokens * self.token_bytes)
+        return _EnsurePoint(
+            self._ensured.copy(), self._covered.copy(), self._valid_gen.copy(), spans
+        )
+
+    def _roll_back(self, point: _EnsurePoint) -> None:
+        """Undo the ensures since ``point``: the table and the bookkeeping as they were, and
+        the chunks the asked tokens needed past what was backed from each sequence's start
+        given back (a chunk a neighbouring sequence holds tokens in stays)."""
+        with self._lock:
+            self._core_cache.set_limits(point.ensured.tolist())  # the table first
+            self._ensured[:] = point.ensured
+            self._covered[:] = point.covered
+            self._valid_gen[:] = point.valid_gen
+            ranges = []
+            for q, (prefix, asked) in point.spans.items():
+                self._epoch[q] += 1  # a commit ahead on its way is not counted for q
+                if asked <= prefix:
+                    continue
+                base = q * self.seq_bytes
+                ranges += self._release_ranges(
+                    base + prefix, base + asked, q, keep_before=prefix > 0
+                )
+            if ranges:
+                self.arena._handle.decommit_ranges(ranges, False)
+
+    def _token_array(self, num_tokens: Any) -> np.ndarray:
+        """``ensure_all``'s argument checked, as a C-contiguous int64 array (the engine's
+        own int64 array passes through without a copy)."""
+        seqs = len(self._ensured)
+        arr = num_tokens
+        ready = (
+            type(arr) is np.ndarray
+            and arr.dtype == np.int64
+            and arr.shape == (seqs,)
+            and arr.flags.c_contiguous
+        )
+        if ready:
+            lo, hi = _core.token_range(arr)
+        else:
+            if isinstance(num_tokens, (str, bytes)):
+                num_tokens = None
+            arr = np.asarray(num_tokens)
+            if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
+                raise TypeError(
+                    f"KVArena.ensure_all: num_tokens must be {seqs} ints (one per "
+                    f"sequence), got {num_tokens!r}"
+                )
+            if arr.shape != (seqs,):
+                raise ValueError(
+                    f"KVArena.ensure_all: num_tokens has shape {arr.shape}; expected "
+                    f"({seqs},), one entry per sequence"
+                )
+            lo, hi = (arr.min(), arr.max()) if arr.size else (0, 0)
+        if lo < 0 or hi > self.max_tokens:
+            raise ValueError(
+                f"KVArena.ensure_all: num_tokens must be in [0, {self.max_tokens}] "
+                f"(max_tokens); got min {lo}, max {hi}"
+            )
+        return arr if ready else np.ascontiguousarray(arr, dtype=np.int64)
+
+    def _maybe_ahead(self, q: int, n: int) -> None:
+        """Schedule the next chunk of sequence q when n is close to its backed end."""
+        covered = self._covered[q]
+        if (
+            not self.commit_ahead_tokens
+            or covered - n > self.commit_ahead_tokens
+            or covered >= self.max_tokens
+            or self._ahead_blocked[q] == covered
+        ):
+            return
+        self._ahead.schedule(q, self._covered_tokens(q, covered + 1), self._epoch[q])
+
+    def _commit_ahead(self, q: int, tokens: int, epoch: int) -> None:
+        """On the commit-ahead thread: back tokens [0, tokens) of sequence q, scheduled at
+        its ``epoch`` (a release since then makes it void).
+
+        One core call per layer buffer: each holds the arena's mutex for one buffer's
+        driver calls (~0.2 ms at 2 MiB chunks) instead of a whole prompt's (~3 ms over 16
+        buffers), so the dispatching thread's releases and statistics, which take the same
+        mutex, never wait for a full commit. Not all-or-nothing across buffers, so a
+        commit that stops partway (out of memory, raw views, a release) gives back what
+        it added before it says anything."""
+        with self._lock:
+            if (
+                self._epoch[q] != epoch
+                or q in self._offloaded
+                or self._covered[q] >= tokens
+                or self.arena.closed
+                or self._valid_gen[q] != self.arena._generation
+            ):
+                return
+            gen, covered = self.arena._generation, self._covered[q]
+            spans = self._commit_ranges(q, tokens)
+            groups = [[(b.id, lo, hi) for lo, hi in spans] for b in self.buffers]
+        done, skipped = 0, False
+        try:
+            for group in groups:
+                if self._epoch[q] != epoch:  # released meanwhile: the rest is not needed
+                    break
+                if self.arena._handle.commit_ahead(group) < 0:
+                    skipped = True  # raw views were handed out: the decode thread commits
+                    break
+                done += 1
+        except (MemoryError, RuntimeError):  # out of memory, closed, asleep: ensure() will say
+            self._ahead_failures += 1
+        with self._lock:
+            if skipped:
+                self._ahead_skipped += 1
+                self._ahead_blocked[q] = covered
+            current = self._epoch[q] == epoch and self._valid_gen[q] == gen
+            if current and done == len(groups):
+                self._covered[q] = max(self._covered[q], self._covered_tokens(q, tokens))
+                return
+            if not done or self.arena.closed or q in self._offloaded:
+                return
+            base = q * self.seq_bytes
+            if not current:
+                if self._ensured[q] == 0:  # released and not started again: all of it goes
+                    self.arena._handle.decommit_ranges(
+                        self._release_ranges(base, base + self.seq_bytes, q), False
+                    )
+                return
+            # Stopped partway: give back what this call backed past what the sequence
+            # counts on (its ensured tokens, its chunks known backed; an ensure on another
+            # thread may have raised both meanwhile).
+            keep = max(int(self._ensured[q]), int(self._covered[q]))
+            if keep < tokens:
+                self.arena._handle.decommit_ranges(
+                    self._release_ranges(
+                        base + keep * self.token_bytes,
+                        base + tokens * self.token_bytes,
+                        q,
+                        keep_before=keep > 0,
+                    ),
+                    False,
+                )
+
+    def _commit_seqs(self, need: list[tuple[int, int]]) -> int:
+        """One all-or-nothing commit of tokens [0, n) for each (q, n); caller holds the lock."""
+        self.arena._check_open("KVArena.ensure")
+        gen = self.arena._generation
+        ranges = [
+            (b.id, lo, hi)
+            for q, n in need
+            for lo, hi in self._commit_ranges(q, n)
+            for b in self.buffers
+        ]
+        added = self.arena._handle.commit_ranges(ranges)
+        for q, n in need:
+            self._ensured[q] = max(self._ensured[q], n)  # the caller publishes the table
+            self._covered[q] = max(
+                self._covered[q] if self._valid_gen[q] == gen else 0, self._covered_tokens(q, n)
+            )
+            self._valid_gen[q] = gen
+        return added
+
+    def shrink(self, num_tokens: int, *, wait: bool = False) -> int:
+        """Release memory past the first ``num_tokens`` tokens (of every sequence).
+        Returns bytes released. Like :meth:`release`, it does not wait for the device
+        (``wait=True``: until the memory is back with the driver). With large allocations
+        (``handle_bytes``), the released chunks of an allocation that keeps other chunks
+        stay held (``stats()['parked_bytes']``) until the rest of it is released."""
+        num_tokens = self._check_tokens(num_tokens, "KVArena.shrink")
+        wait = as_flag(wait, "wait")
+        with self._lock:
+            self.arena._check_open("KVArena.shrink")
+            for q in list(self._offloaded):
+                self._settle(q)
+            # The table first: no kernel may write what is about to go.
+            self._core_cache.set_limits(np.minimum(self._ensured, num_tokens).tolist())
+            self._ahead.cancel()
+            ranges = []
+            for seq in range(1 if self.max_seqs is None else self.max_seqs):
+                base = seq * self.seq_bytes
+                q = None if self.max_seqs is None else seq
+                ranges += self._release_ranges(
+                    base + num_tokens * self.token_bytes,
+                    base + self.seq_bytes,
+                    q,
+                    keep_before=num_tokens > 0,
+                )
+            released = self.arena._handle.decommit_ranges(ranges, wait)
+            for seq in range(len(self._ensured)):
+                self._ensured[seq] = min(self._ensured[seq], num_tokens)
+                self._covered[seq] = min(self._covered[seq], num_tokens)
+                self._epoch[seq] += 1
+        return released
+
+    def release(
+        self,
+        seq: int | None = None,
+        *,
+        wait: bool = False,
+        reuse: bool = False,
+        keep_tokens: int = 0,
+    ) -> int:
+        """Give back all memory of sequence ``seq``. Returns bytes released.
+
+        Kernels launched after the call skip its chunks; its memory goes back to the
+        driver once the device has finished the work launched before (``wait=True``: before
+        returning), so it is safe to call right after dispatching a step that still reads
+        the sequence. An offloaded sequence's host copy is dropped.
+
+        ``reuse=True``: the slot takes a new sequence soon (continuous batching); with
+        commit ahead on, the first chunk is backed again in the background (taking back the
+        memory just released where it can), so the new sequence's first ensure makes no
+        driver call. That chunk stays held until the slot is released without reuse.
+
+        ``keep_tokens=n`` (implies ``reuse``): the slot's next sequence starts with ``n``
+        tokens (its prompt), so the memory backing the first ``n`` tokens stays, rounded
+        up to chunks, instead of being released and committed again; with commit ahead
+        on, what the old sequence had not backed of them is backed in the background. As
+        after any release the sequence has 0 tokens ensured: nothing writes or reads them
+        until ``ensure``, which then makes no driver call for the kept chunks. Until the
+        next sequence writes them they hold the old sequence's bytes, so a zero-filling
+        arena refuses ``keep_tokens``."""
+        base = self._seq_base(seq, "KVArena.release")
+        wait = as_flag(wait, "wait")
+        reuse = as_flag(reuse, "reuse")
+        keep = self._check_keep_tokens(keep_tokens, "KVArena.release")
+        q = 0 if seq is None else int(seq)
+        with self._lock:
+            self.arena._check_open("KVArena.release")
+            t = self._offloaded.pop(q, None)
+            if t is not None:
+                t._finish()  # drops the host copy
+            self._ensured[q] = 0
+            self._core_cache.set_limit(q, 0)  # the table first: nothing may write what goes
+            self._ahead.cancel(q)  # a prefetch or commit ahead not begun is for the old sequence
+            kept = keep and self._valid_gen[q] == self.arena._generation
+            self._covered[q] = min(self._covered[q], self._covered_tokens(q, keep)) if kept else 0
+            self._epoch[q] += 1
+            ranges = self._release_ranges(
+                base + keep * self.token_bytes, base + self.seq_bytes, seq, keep_before=keep > 0
+            )
+            released = self.arena._handle.decommit_ranges(ranges, wait)
+            if (reuse or keep) and self.commit_ahead_tokens:
+                want = self._covered_tokens(q, max(keep, 1))
+                if self._covered[q] < want:
+                    self._ahead.schedule(q, want, self._epoch[q])
+            return released
+
+    def reclaim(self) -> int:
+        """:meth:`jax_vmm.Arena.reclaim`: wait for the device and give released memory
+        back now. Returns the bytes given back."""
+        return self.arena.reclaim()
+
+    def _release_ranges(
+        self, start: int, stop: int, seq: int | None, keep_before: bool = False
+    ) -> list[tuple[int, int, int]]:
+        # Sequences need not start on chunk boundaries. A chunk that straddles the span's
+        # edge is freed only when the neighbouring sequence holds no tokens in it.
+        chunk = self.arena.chunk_bytes
+        lo = start // chunk * chunk
+        # keep_before: the bytes before the span are this sequence's own kept tokens.
+        if lo < start and not keep_before and not self._neighbour_uses(lo, start, seq, before=True):
+            start = lo
+        hi = -(-stop // chunk) * chunk
+        if hi > stop and not self._neighbour_uses(stop, hi, seq, before=False):
+            stop = hi
+        return [
+            (b.id, start, min(stop, b.nbytes)) for b in self.buffers if start < min(stop, b.nbytes)
+        ]
+
+    def _neighbour_uses(self, lo: int, hi: int, seq: int | None, before: bool) -> bool:
+        """Does a sequence other than ``seq`` count on bytes [lo, hi) being backed: its
+        ensured tokens, or the chunks it knows backed (kept by ``release(keep_tokens=)`` or
+        committed ahead), which its next ensure takes without a commit?"""
+        if self.max_seqs is None or seq is None:
+            # One sequence: the bytes before the span are its own kept tokens.
+            return before
+        valid = self._valid_gen == self.arena._generation
+        counted = np.maximum(self._ensured, np.where(valid, self._covered, 0))
+        q_lo = np.arange(len(counted), dtype=np.int64) * self.seq_bytes
+        q_hi = q_lo + counted * self.token_bytes
+        uses = (counted > 0) & (q_lo < hi) & (q_hi > lo)
+        uses[seq] = False
+        return bool(uses.any())
+
+    def backed_tokens(self, seq: int | None = None) -> int:
+        """Tokens from position 0 (of sequence ``seq``) backed in every layer."""
+        base = self._seq_base(seq, "KVArena.backed_tokens")
+        stop = base + self.seq_bytes
+        prefix = min(b.backed_prefix(base, stop) for b in self.buffers)
+        return prefix // self.token_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class _EnsurePoint:
+    """A KV arena's ensure state (:meth:`KVArena._ensure_point`): the table, the chunks
+    known backed, and per sequence that may commit (bytes backed from its start, bytes its
+    asked tokens span)."""
+
+    ensured: np.ndarray
+    covered: np.ndarray
+    valid_gen: np.ndarray
+    spans: dict[int, tuple[int, int]]

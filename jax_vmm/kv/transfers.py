@@ -1,0 +1,85 @@
+"""Moving a KV arena's contents to host memory and back: ``sleep`` / ``wake`` for the
+whole cache, ``offload`` / ``restore`` for one sequence (see ``docs/sleep.md``).
+
+:class:`SequenceTransfers` is a mixin of :class:`jax_vmm.KVArena` (``jax_vmm/kv/arena.py``),
+which owns the state it uses: ``arena``, ``_lock``, ``_offloaded`` (sequence -> its
+:class:`~jax_vmm.Transfer`) and the sequence bookkeeping of
+:class:`~jax_vmm.kv.backing.TokenBacking`.
+"""
+
+from __future__ import annotations
+
+from ..base.args import as_flag
+from ..memory.transfer import Transfer
+
+
+class SequenceTransfers:
+    def sleep(self, keep: str = "host") -> None:
+        """:meth:`jax_vmm.Arena.sleep` for the whole cache: all physical memory goes back,
+        contents to host memory (``keep="host"``) or dropped (``"discard"``). See
+        ``docs/sleep.md``."""
+        self.arena.sleep(keep)
+
+    def wake(self) -> None:
+        """:meth:`jax_vmm.Arena.wake`: the cache comes back at the same addresses."""
+        self.arena.wake()
+
+    @property
+    def asleep(self) -> bool:
+        return self.arena.asleep
+
+    def offload(self, seq: int | None = None, *, wait: bool = True) -> Transfer:
+        """Move sequence ``seq``'s tokens (every layer) to host memory and give its device
+        memory back, keeping its addresses: the alternative to recomputing a preempted
+        sequence. Kernels launched after the call skip its chunks (do not read it until
+        :meth:`restore` finished); the copy starts once the device has finished the work
+        launched before, on a copy stream, so it overlaps later steps of the other
+        sequences. ``wait=False`` returns the :class:`Transfer` at once (check
+        ``.done``/``.wait()``). A failure leaves the sequence in place: raised at once where
+        the copy runs inline (host driver, raw views alive), else as
+        :class:`jax_vmm.TransferError` from ``wait()``."""
+        base = self._seq_base(seq, "KVArena.offload")
+        wait = as_flag(wait, "wait")
+        q = 0 if seq is None else int(seq)
+        with self._lock:
+            self.arena._check_open("KVArena.offload")
+            if self._offloaded:
+                self._settle(q)
+            ranges = self._release_ranges(base, base + self.seq_bytes, seq)
+            t = Transfer(self.arena._handle, self.arena._handle.offload(ranges), seq)
+            self._offloaded[q] = t
+            self._covered[q] = 0
+            self._epoch[q] += 1
+        if wait:
+            try:
+                t.wait()
+            finally:
+                with self._lock:
+                    if self._offloaded.get(q) is t and t.state == "failed":
+                        self._settle(q)
+        return t
+
+    def restore(self, seq: int | None = None, *, wait: bool = True) -> Transfer:
+        """Bring an offloaded sequence back: the same chunks are backed again and its tokens
+        copied back, at the same addresses. ``wait=False``: the copy runs in the background
+        and the chunks join the page table when it lands; the sequence may be written and
+        read once ``.done``. A failure leaves the sequence offloaded, its host copy intact:
+        raised at once when inline (``wait=True``, host driver), else as
+        :class:`jax_vmm.TransferError` from ``wait()``."""
+        self._seq_base(seq, "KVArena.restore")
+        wait = as_flag(wait, "wait")
+        q = 0 if seq is None else int(seq)
+        with self._lock:
+            t = self._offloaded.get(q)
+            if t is None:
+                raise ValueError(
+                    f"KVArena.restore: sequence {q} is not offloaded (kv.offload(seq) first)"
+                )
+            self.arena._check_open("KVArena.restore")
+        self.arena._handle.restore(t.ticket, wait)
+        if wait:
+            t.wait()
+            with self._lock:
+                if self._offloaded.get(q) is t:
+                    self._settle(q)
+        return t

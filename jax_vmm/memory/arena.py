@@ -1,0 +1,530 @@
+"""Arena and Buffer: reserved virtual memory exposed to JAX as zero-copy arrays."""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..base.args import as_flag, as_index, as_int, as_shape, refuse_copy
+from ..base.compute_streams import register_compute_stream
+from ..base.devices import DeviceTarget, resolve_device
+from ..base.errors import ArenaAsleepError, ArenaClosedError, ReservationFullError
+from ..base.loader import core as _core
+from .stats import ArenaStats
+
+log = logging.getLogger("jax_vmm")
+
+# DLPack dtype codes (dlpack.h).
+_DL_INT, _DL_UINT, _DL_FLOAT, _DL_BFLOAT, _DL_BOOL = 0, 1, 2, 4, 6
+_DL_FLOAT8_E4M3FN = 10  # DLPack 1.1; jax 0.10.2 imports it zero-copy as float8_e4m3fn
+
+
+def _dlpack_dtype(dtype: np.dtype) -> tuple[int, int]:
+    if dtype == jnp.bfloat16:
+        return _DL_BFLOAT, 16
+    if dtype == jnp.float8_e4m3fn:
+        return _DL_FLOAT8_E4M3FN, 8
+    kind = {"i": _DL_INT, "u": _DL_UINT, "f": _DL_FLOAT, "b": _DL_BOOL}.get(dtype.kind)
+    if kind == _DL_FLOAT and dtype.itemsize < 2:
+        kind = None  # other 8-bit floats (float8_e5m2, ...) have no plain DLPack float code
+    if kind is None or dtype.itemsize not in (1, 2, 4, 8):
+        raise TypeError(
+            f"dtype {dtype} cannot back an arena buffer; use a float (float16, bfloat16, "
+            "float32, float64, float8_e4m3fn), integer or bool dtype"
+        )
+    return kind, dtype.itemsize * 8
+
+
+def _create_core_arena(
+    driver: str,
+    ordinal: int,
+    reserve_bytes: int,
+    chunk_bytes: int,
+    handle_bytes: int,
+    zero_fill: bool,
+) -> Any:
+    return _core.create_arena(driver, ordinal, reserve_bytes, chunk_bytes, handle_bytes, zero_fill)
+
+
+#: Makes the C++ arena behind every :class:`Arena` (and so every ``kv_arena``):
+#: ``(driver, ordinal, reserve_bytes, chunk_bytes, handle_bytes, zero_fill) -> core
+#: arena``. The one seam for test hooks: ``jax_vmm.testing.fault_injection()`` replaces it
+#: for the duration of its with-block; nothing else should.
+_core_arena_factory = _create_core_arena
+
+
+def _lease_view(
+    handle: Any,
+    buffer_id: int,
+    shape: list[int],
+    code: int,
+    bits: int,
+    device_type: int,
+    ordinal: int,
+) -> Any:
+    return handle.view(buffer_id, shape, code, bits, device_type, ordinal)
+
+
+#: Makes the DLPack capsule behind every view: ``(core arena, buffer id, shape, dtype
+#: code, bits, DLPack device type, ordinal) -> capsule``. The capsule's deleter releases a
+#: view lease and needs no GIL. The seam for ``jax_vmm.testing.legacy_views()``, which
+#: swaps in views without a lease (GIL-taking deleter) for its with-block; nothing else.
+_core_view_factory = _lease_view
+
+
+class _DLPackCapsule:
+    """Presents a DLPack capsule from the core through the ``__dlpack__`` protocol that
+    ``jax.dlpack.from_dlpack`` expects. Single use, like the capsule."""
+
+    def __init__(self, capsule: Any, device_type: int, device_id: int):
+        self._capsule = capsule
+        self._device = (device_type, device_id)
+
+    def __dlpack__(
+        self, stream: Any = None, max_version: Any = None, dl_device: Any = None, copy: Any = None
+    ) -> Any:
+        # Arena memory is written only by host code that has already synchronised, so
+        # no stream ordering is needed for the consumer.
+        capsule, self._capsule = self._capsule, None
+        if capsule is None:
+            raise RuntimeError("this DLPack capsule was already consumed")
+        return capsule
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return self._device
+
+
+class Buffer:
+    """A buffer at a fixed address inside an :class:`Arena`.
+
+    Nothing is backed until :meth:`commit`; unbacked bytes read as zeros. :attr:`array`
+    returns a fresh zero-copy ``jax.Array`` view each time it is read (a donated view is
+    consumed by JAX, so do not cache one across donating calls). Views keep the arena's
+    address range alive. Thread-safe: the arena serialises commits.
+    """
+
+    def __init__(self, arena: Arena, info: dict, shape: tuple[int, ...], dtype: np.dtype):
+        self._arena = arena
+        self._id: int = info["id"]
+        self._uid: int = info["uid"]
+        self._freed = False
+        self.name: str = info["name"]
+        self.offset: int = info["offset"]
+        self.address: int = info["address"]
+        self.nbytes: int = info["nbytes"]
+        self.shape = shape
+        self.dtype = dtype
+
+    @property
+    def id(self) -> int:
+        """Index of the buffer in its arena (an index may be used again after free())."""
+        return self._id
+
+    @property
+    def uid(self) -> int:
+        """Process-unique identity: no other buffer or arena of this process has it, ever
+        (addresses, by contrast, are reused)."""
+        return self._uid
+
+    @property
+    def arena(self) -> Arena:
+        return self._arena
+
+    @property
+    def freed(self) -> bool:
+        return self._freed
+
+    @property
+    def backed_bytes(self) -> int:
+        self._check_live("Buffer.backed_bytes")
+        return self._arena._handle.buffer(self._id)["backed_bytes"]
+
+    def live_views(self) -> int:
+        """Views of this buffer alive now (JAX releases a view when the array is deleted
+        and no computation uses it any more, on any thread)."""
+        self._check_live("Buffer.live_views")
+        return self._arena._handle.buffer_live_views(self._id)
+
+    @property
+    def array(self) -> jax.Array:
+        return self.view(self.shape, self.dtype)
+
+    def view(self, shape: Sequence[int] | None = None, dtype: Any = None) -> jax.Array:
+        """A zero-copy ``jax.Array`` over this buffer's memory with another shape/dtype
+        (it must fit in :attr:`nbytes`)."""
+        self._arena._check_open("Buffer.array")
+        self._check_live("Buffer.array")
+        shape = self.shape if shape is None else as_shape(shape)
+        dtype = self.dtype if dtype is None else np.dtype(jnp.dtype(dtype))
+        code, bits = _dlpack_dtype(dtype)
+        t = self._arena._target
+        capsule = _core_view_factory(
+            self._arena._handle,
+            self._id,
+            list(shape),
+            code,
+            bits,
+            t.dlpack_device_type,
+            t.dlpack_device_id,
+        )
+        return jax.dlpack.from_dlpack(
+            _DLPackCapsule(capsule, t.dlpack_device_type, t.dlpack_device_id), copy=False
+        )
+
+    def commit(self, start: int = 0, stop: int | None = None) -> int:
+        """Back bytes ``[start, stop)`` with physical memory (rounded out to whole chunks).
+        Idempotent. Returns the bytes newly backed. Raises ``MemoryError``
+        (:class:`~jax_vmm.errors.OutOfMemoryError`) leaving the buffer unchanged. Waits for
+        the device only once the arena has handed out a raw view (a reader could run over
+        the pages being mapped) or to zero-fill released memory it takes back."""
+        self._check_live("Buffer.commit")
+        start, stop = self._range(start, stop)
+        return self._arena._handle.commit(self._id, start, stop)
+
+    def decommit(self, start: int = 0, stop: int | None = None, *, wait: bool = False) -> int:
+        """Give back the physical memory of the chunks that lie fully inside
+        ``[start, stop)`` (plus the buffer's last partial chunk when ``stop`` is the end).
+        Returns the bytes no longer backed.
+
+        Never waits for the device: kernels launched after the call skip those chunks, and
+        the memory goes back to the driver once the device has finished the work launched
+        before it (``wait=True``: before returning; or call :meth:`Arena.reclaim`). Until
+        then a raw view of the range may still read the old bytes; afterwards it reads
+        zeros. Once the arena has handed out a raw view (``.array``, ``.view``, ``kv.k[l]``)
+        the call waits for the device itself and gives the memory back at once: JAX may
+        keep arrays over arena memory past the view (see ``docs/design.md``)."""
+        self._check_live("Buffer.decommit")
+        start, stop = self._range(start, stop)
+        wait = as_flag(wait, "wait")
+        self._arena._generation += 1
+        return self._arena._handle.decommit(self._id, start, stop, wait)
+
+    def backed_prefix(self, start: int, stop: int) -> int:
+        """Bytes backed contiguously from ``start`` (stops at ``stop`` or the first hole)."""
+        self._check_live("Buffer.backed_prefix")
+        start, stop = self._range(start, stop)
+        return self._arena._handle.backed_prefix(self._id, start, stop)
+
+    def free(self) -> None:
+        """Decommit the buffer and return its address range to the arena. Views made
+        before stay valid and read zeros; the range is placed again only once the last of
+        them is gone. Later calls on this Buffer raise ``ValueError``."""
+        self._arena._check_open("Buffer.free")
+        self._check_live("Buffer.free")
+        self._arena._generation += 1
+        self._arena._handle.free(self._id)
+        self._freed = True
+        self._arena._forget(self)
+
+    def _check_live(self, op: str) -> None:
+        if self._freed:
+            raise ValueError(
+                f"{op}: buffer '{self.name}' was freed (Buffer.free()); allocate a new buffer"
+            )
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError(
+            "jax_vmm.Buffer cannot be pickled or copied: it is memory of its "
+            "arena. Share the object itself, or copy data out with "
+            "np.asarray(buf.array)"
+        )
+
+    def _range(self, start: int, stop: int | None) -> tuple[int, int]:
+        start = as_index(start, "start")
+        stop = self.nbytes if stop is None else as_index(stop, "stop")
+        if start > stop or stop > self.nbytes:
+            raise ValueError(
+                f"Buffer '{self.name}': byte range [{start}, {stop}) is outside "
+                f"[0, {self.nbytes}); "
+                "expected 0 <= start <= stop <= nbytes"
+            )
+        return start, stop
+
+    def __repr__(self) -> str:
+        return (
+            f"Buffer(name={self.name!r}, shape={self.shape}, dtype={self.dtype}, "
+            f"address=0x{self.address:x}, nbytes={self.nbytes}{', freed' if self._freed else ''})"
+        )
+
+
+class Arena:
+    """One reserved virtual address range on a device; buffers are placed in it and
+    backed page by page.
+
+    ``Arena(reserve_bytes, device=None, chunk_bytes=None, *, handle_bytes=None,
+    zero_fill=True)``: ``device`` is a ``jax.Device`` (default ``jax.devices()[0]``); CUDA
+    GPUs use driver VMM, the CPU a host mmap/memfd backend. ``chunk_bytes`` is the unit of
+    commits and releases (default: the device granularity on CUDA, 64 KiB on the host).
+    ``handle_bytes`` (a multiple of ``chunk_bytes``; default ``chunk_bytes``) is the largest
+    physical allocation one commit makes: a commit of a long run takes few, large
+    allocations (fewer driver calls), but a release frees an allocation's memory only
+    once every chunk of it is released. ``zero_fill``: newly backed memory reads zeros
+    (else whatever the memory held: cheaper, for data that is written before it is read).
+
+    ``close()`` releases all physical memory at once; views that are still alive then
+    read zeros (the address range stays reserved until the last view is gone). Also a
+    context manager. ``sleep()`` / ``wake()`` give all physical memory back and take it
+    again at the same addresses, contents kept on the host (``docs/sleep.md``).
+    Thread-safe.
+    """
+
+    def __init__(
+        self,
+        reserve_bytes: int,
+        device: jax.Device | None = None,
+        chunk_bytes: int | None = None,
+        *,
+        handle_bytes: int | None = None,
+        zero_fill: bool = True,
+    ):
+        reserve_bytes = as_int(reserve_bytes, "reserve_bytes")
+        if reserve_bytes <= 0:
+            raise ValueError(
+                "reserve_bytes must be > 0 (the size of the virtual range to "
+                f"reserve), got {reserve_bytes}"
+            )
+        if reserve_bytes >= 1 << 64:
+            raise ValueError(
+                f"reserve_bytes={reserve_bytes} is too large: it must be below 2^64 "
+                "(and fit the process's virtual address space); reserve less"
+            )
+        chunk = 0 if chunk_bytes is None else as_int(chunk_bytes, "chunk_bytes")
+        if chunk_bytes is not None and chunk <= 0:
+            raise ValueError(f"chunk_bytes must be > 0 (or None for the default), got {chunk}")
+        handle = 0 if handle_bytes is None else as_int(handle_bytes, "handle_bytes")
+        if handle_bytes is not None and handle <= 0:
+            raise ValueError(
+                f"handle_bytes must be > 0 (or None for one allocation per chunk), got {handle}"
+            )
+        zero_fill = as_flag(zero_fill, "zero_fill")
+        self._target: DeviceTarget = resolve_device(device)
+        self._handle = _core_arena_factory(
+            self._target.driver, self._target.ordinal, reserve_bytes, chunk, handle, zero_fill
+        )
+        try:  # before the arena's first device wait (it waits for that stream)
+            register_compute_stream(self._target)
+        except BaseException:
+            self._handle.close()
+            raise
+        self._lock = threading.Lock()
+        self._buffers: list[Buffer] = []
+        # Bumped by every call that may unback memory behind a KV arena's bookkeeping
+        # (Buffer.decommit/free, close, sleep, wake): KVArena.ensure trusts its own record
+        # of backed tokens only while this is unchanged.
+        self._generation = 0
+        log.debug(
+            "reserved %d bytes on %s at 0x%x",
+            self._handle.reserved_bytes,
+            self._target.device,
+            self._handle.base,
+        )
+
+    # -- placement -----------------------------------------------------------------
+    def allocate(
+        self, shape: Sequence[int] | int, dtype: Any = jnp.float32, name: str | None = None
+    ) -> Buffer:
+        """Place a buffer of ``shape`` and ``dtype``; nothing is backed yet."""
+        self._check_open("Arena.allocate")
+        shape = as_shape(shape)
+        try:
+            np_dtype = np.dtype(jnp.dtype(dtype))
+        except TypeError:
+            raise TypeError(f"dtype {dtype!r} is not a JAX dtype") from None
+        _dlpack_dtype(np_dtype)
+        if name is not None and not isinstance(name, str):
+            raise TypeError(f"name must be a str or None, got {type(name).__name__}")
+        nbytes = math.prod(shape) * np_dtype.itemsize
+        if nbytes > self._handle.reserved_bytes:
+            raise ReservationFullError(
+                f"Arena.allocate({name!r}): shape {shape} of {np_dtype} needs {nbytes} bytes, more "
+                f"than the whole {self._handle.reserved_bytes} bytes reservation; create the arena "
+                "with a larger reserve_bytes"
+            )
+        info = self._handle.allocate(nbytes, name or "")
+        buf = Buffer(self, info, shape, np_dtype)
+        with self._lock:
+            self._buffers.append(buf)
+        return buf
+
+    # -- properties ------------------------------------------------------------------
+    @property
+    def uid(self) -> int:
+        """Process-unique identity: no other arena or buffer of this process has it, ever
+        (a new arena may reuse a destroyed one's addresses, never its uid)."""
+        return self._handle.uid
+
+    @property
+    def device(self) -> jax.Device:
+        return self._target.device
+
+    @property
+    def base(self) -> int:
+        return self._handle.base
+
+    @property
+    def reserved_bytes(self) -> int:
+        return self._handle.reserved_bytes
+
+    @property
+    def backed_bytes(self) -> int:
+        return self._handle.stats()["backed_bytes"]
+
+    @property
+    def granularity(self) -> int:
+        return self._handle.granularity
+
+    @property
+    def chunk_bytes(self) -> int:
+        return self._handle.chunk_bytes
+
+    @property
+    def handle_bytes(self) -> int:
+        return self._handle.handle_bytes
+
+    @property
+    def zero_fill(self) -> bool:
+        return self._handle.zero_fill
+
+    @property
+    def asleep(self) -> bool:
+        return self._handle.asleep
+
+    @property
+    def driver(self) -> str:
+        return self._handle.driver_kind
+
+    @property
+    def closed(self) -> bool:
+        return self._handle.closed
+
+    @property
+    def buffers(self) -> list[Buffer]:
+        with self._lock:
+            return list(self._buffers)
+
+    def stats(self) -> ArenaStats:
+        """A plain dict: reserved/backed/peak bytes; ``held_bytes`` (physical memory held:
+        backed + ``parked_bytes`` (released chunks inside allocations still in use) +
+        ``retired_bytes`` (released, waiting for the device)); commit and decommit counts
+        and cumulative seconds, ``commit_drains`` (commits that waited for the device
+        because raw views were handed out, ``views_exported``), ``live_views`` and the
+        address space of freed buffers they hold back (``held_range_bytes``); sleep and
+        transfer state; driver kind, granularity, chunk and handle size, and more."""
+        stats: ArenaStats = dict(self._handle.stats())  # type: ignore[assignment]
+        return stats
+
+    # -- memory ----------------------------------------------------------------------
+    def reclaim(self) -> int:
+        """Wait for the device, then give every released allocation back to the driver
+        (releases otherwise do it in the background). Returns the bytes given back."""
+        return self._handle.reclaim()
+
+    def put(self, x: Any, *, name: str | None = None) -> jax.Array:
+        """Copy an array (a ``jax.Array`` on one device, or anything ``numpy.asarray``
+        takes) into a new buffer of this arena and return a zero-copy view of it. The
+        buffer (``arena.buffers[-1]``) sleeps and wakes with the arena, so a program can
+        give its weights' memory back too."""
+        self._check_open("Arena.put")
+        if self._handle.asleep:
+            raise ArenaAsleepError(
+                "Arena.put: the arena is asleep (sleep() gave its memory back); call wake() first"
+            )
+        src = x
+        if isinstance(x, jax.Array):
+            if len(x.devices()) != 1 or not x.is_fully_addressable:
+                raise ValueError(
+                    "Arena.put: the array must live on one device; got one on "
+                    f"{sorted(str(d) for d in x.devices())}"
+                )
+            if next(iter(x.devices())) != self.device:
+                src = jax.device_put(x, self.device)
+            src.block_until_ready()
+        else:
+            src = np.asarray(x)  # (ascontiguousarray would make a 0-d array 1-d)
+            if not src.flags.c_contiguous:
+                src = np.ascontiguousarray(src)
+        shape, dtype = tuple(src.shape), np.dtype(src.dtype)
+        if not shape or math.prod(shape) == 0:
+            raise ValueError(
+                f"Arena.put: needs an array with at least one dimension and one "
+                f"element; got shape {shape}"
+            )
+        buf = self.allocate(shape, dtype, name=name)
+        try:
+            buf.commit()
+            pointer = src.unsafe_buffer_pointer() if isinstance(src, jax.Array) else src.ctypes.data
+            self._handle.copy_in(buf.id, 0, int(pointer), buf.nbytes)
+        except BaseException:
+            buf.free()
+            raise
+        return buf.array
+
+    def free_host_cache(self) -> None:
+        """Free the page-locked host memory kept for the next sleep (or offload)."""
+        self._handle.free_host_cache()
+
+    def live_views(self) -> int:
+        """Views of this arena's buffers alive now (freed buffers' included). A view is
+        released when JAX deletes its array and no computation uses it any more."""
+        return self._handle.live_views()
+
+    def _forget(self, buf: Buffer) -> None:
+        with self._lock:
+            self._buffers.remove(buf)
+
+    # -- lifetime --------------------------------------------------------------------
+    def sleep(self, keep: str = "host") -> None:
+        """Wait for device work on the arena, copy every backed chunk to page-locked host
+        memory (``keep="host"``) or drop it (``keep="discard"``), and give all physical
+        memory back (the driver's free-memory count shows it on return). Addresses stay:
+        views and compiled programs stay valid; while asleep writes through jax_vmm ops
+        are dropped (and counted), reads see zeros, commits and releases raise
+        :class:`~jax_vmm.errors.ArenaAsleepError`. See ``docs/sleep.md``."""
+        if keep not in ("host", "discard"):
+            raise ValueError(f"Arena.sleep: keep must be 'host' or 'discard', got {keep!r}")
+        self._check_open("Arena.sleep")
+        self._generation += 1
+        self._handle.sleep(keep == "host")
+
+    def wake(self) -> None:
+        """Back exactly the chunks that were backed before :meth:`sleep`, at the same
+        addresses, and copy their contents back (``keep="discard"``: zeros with
+        ``zero_fill``, else undefined). All or nothing: on failure the arena stays asleep
+        with its contents kept, and a later ``wake()`` can succeed."""
+        self._check_open("Arena.wake")
+        self._generation += 1
+        self._handle.wake()
+
+    def close(self) -> None:
+        """Release all physical memory. Later calls on the arena raise
+        :class:`~jax_vmm.errors.ArenaClosedError`; live views read zeros. Idempotent."""
+        self._generation += 1
+        self._handle.close()
+
+    def __enter__(self) -> Arena:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check_open(self, op: str) -> None:
+        if self._handle.closed:
+            raise ArenaClosedError(f"{op}: the arena is closed; create a new arena")
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise refuse_copy("Arena", self._target.device, "np.asarray(buf.array)")
+
+    def __repr__(self) -> str:
+        s = self._handle.stats()
+        return (
+            f"Arena(driver={s['driver']}, device={self._target.device}, "
+            f"reserved={s['reserved_bytes']}, "
+            f"backed={s['backed_bytes']}, closed={s['closed']})"
+        )

@@ -1,0 +1,81 @@
+"""A KV sequence's trip to host memory and back (``KVArena.offload`` / ``restore``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..base.errors import TransferError
+
+_STATES = ("offloading", "offloaded", "restoring", "restored", "failed")
+_IN_FLIGHT = ("offloading", "restoring")
+
+
+class Transfer:
+    """The offload of one sequence (:meth:`jax_vmm.KVArena.offload`) and its restore.
+
+    ``state`` is one of ``"offloading"`` (waiting for earlier device work, or copying to
+    the host), ``"offloaded"`` (the contents are in host memory, the device memory is given
+    back), ``"restoring"`` (copying back), ``"restored"`` (back at the same addresses) and
+    ``"failed"`` (the offload failed and was undone: the contents never left). A failed
+    restore returns to ``"offloaded"`` with :attr:`error` set. Thread-safe.
+    """
+
+    def __init__(self, core_arena: Any, ticket: int, seq: int | None):
+        self._core = core_arena
+        self._ticket = int(ticket)
+        self._seq = seq
+        self._final: str | None = None  # once the arena forgot the ticket
+        self._final_error = ""
+
+    @property
+    def seq(self) -> int | None:
+        return self._seq
+
+    @property
+    def ticket(self) -> int:
+        return self._ticket
+
+    def _query(self) -> tuple[str, str]:
+        if self._final is not None:
+            return self._final, self._final_error
+        code, error = self._core.transfer_state(self._ticket)
+        return _STATES[code], error
+
+    @property
+    def state(self) -> str:
+        return self._query()[0]
+
+    @property
+    def error(self) -> str:
+        """Why the last step failed ('' when nothing did)."""
+        return self._query()[1]
+
+    @property
+    def done(self) -> bool:
+        """Nothing is in flight (the last step finished, or failed)."""
+        return self._query()[0] not in _IN_FLIGHT
+
+    def wait(self) -> Transfer:
+        """Block until nothing is in flight. Raises :class:`jax_vmm.TransferError` when the
+        offload failed (the sequence stayed in place) or the last restore failed (the
+        sequence is still offloaded)."""
+        if self._final is None:
+            code, error = self._core.wait_transfer(self._ticket)
+            state = _STATES[code]
+        else:
+            state, error = self._final, self._final_error
+        if state == "failed" or (state == "offloaded" and error):
+            raise TransferError(f"sequence {self._seq}: {error}")
+        return self
+
+    def _finish(self) -> str:
+        """Wait for anything in flight (without raising), then let the arena forget the
+        ticket and its host copy; remember how it ended."""
+        if self._final is None:
+            code, error = self._core.wait_transfer(self._ticket)
+            self._final, self._final_error = _STATES[code], error
+            self._core.drop_transfer(self._ticket)
+        return self._final
+
+    def __repr__(self) -> str:
+        return f"Transfer(seq={self._seq}, state={self.state!r})"

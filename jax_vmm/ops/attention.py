@@ -1,0 +1,162 @@
+"""Decode attention over KV-cache views: one new query token per sequence, reading only
+each sequence's live tokens.
+
+``decode_attention(q, k, v, lengths)`` is an XLA FFI custom call (CPU and CUDA). With
+per-sequence KV buffers (``kv_arena(..., max_seqs=B)``, shape ``(B, T, H_kv, D)``) each
+sequence is contiguous, so a plain (non-paged) split-K "flash-decoding" kernel serves a
+cache that grows underneath it: tokens at or past ``lengths[b]`` -- including pages that
+are not committed at all -- are never read. fp8 caches (float8_e4m3fn with per-KV-head
+scales, jax_vmm/base/fp8.py) and the private ``impl="stream*"`` choices run the streaming
+("stream-K") kernel, target ``jax_vmm_decode_attention_v2``. See docs/attention.md.
+
+This module is the entry point: it dispatches an array cache to the kernels
+(``array_attention``) and a cache layer to the layer ops (``layer_ops``,
+``sharded_ops``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+from ..base.fp8 import FP8_DTYPE, FP8_MAX, dequantize_fp8
+from ..cache.pytree import KVLayer
+from . import layer_ops, sharded_ops
+from .array_attention import attention_stats, decode_attention_arrays, reference_decode_attention
+from .attention_call import attention_plan, stream_attention_plan
+
+__all__ = [
+    "decode_attention",
+    "reference_decode_attention",
+    "attention_plan",
+    "stream_attention_plan",
+    "attention_stats",
+    "dequantize_fp8",
+    "FP8_DTYPE",
+    "FP8_MAX",
+]
+
+
+def decode_attention(
+    q: jax.Array,
+    k: Any,
+    v: Any = None,
+    lengths: Any = None,
+    *,
+    scale: float | None = None,
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
+) -> jax.Array:
+    """Attention of one new query token per sequence over that sequence's live KV tokens.
+
+    Two forms: ``decode_attention(q, layer, lengths)`` over a :class:`~jax_vmm.KVLayer`
+    (the cache API), and ``decode_attention(q, k, v, lengths)`` over arrays.
+
+    Args:
+      q: ``(B, H_q, D)``, the query of each sequence's new token.
+      layer: ``cache[l]`` of ``kv.cache()`` (a ``kv_arena(..., max_seqs=B)``) or an array
+        layer. An arena layer is read in place (the kernel finds the arena by the layer's
+        identity; no copy) after the writes that produced the layer (its token is an
+        operand), and each length is clamped to the tokens its sequence ensured: a
+        sequence asked to read past them is counted, and ``kv.check()`` raises
+        :class:`~jax_vmm.OutOfBoundsRead`. An fp8 layer carries its scales.
+      k, v: ``(B, T, H_kv, D)`` arrays (any, arena views or not); the same dtype as ``q``
+        (bfloat16, float16 or float32). Grouped-query attention when ``H_q`` is a
+        multiple of ``H_kv``: query head ``h`` reads KV head ``h // (H_q // H_kv)``.
+      lengths: ``(B,)`` integers, live tokens per sequence (cast to int32). Only tokens
+        ``[0, lengths[b])`` of sequence ``b`` are read; values are clamped to ``[0, T]``.
+        A sequence of length 0 gets an all-zero output.
+      scale: softmax scale, default ``1 / sqrt(D)``.
+      k_scale, v_scale: (array form) for an fp8 cache (``k``/``v`` of dtype
+        float8_e4m3fn, or uint8 holding its bits; ``q`` bfloat16 or float16, head_dim 64,
+        128 or 256): float32 ``(H_kv,)`` dequantization scales, one per KV head (the cache
+        holds ``k / k_scale`` rounded to fp8, see ``jax_vmm.kv_write_fp8``). Required for
+        fp8 caches, refused otherwise.
+
+    Returns:
+      ``(B, H_q, D)`` in ``q``'s dtype: ``softmax(scale * q . k[:len]) @ v[:len]`` per
+      sequence and head, accumulated in float32.
+
+    Works under ``jax.jit`` (and ``vmap``, sequentially); inside CUDA graphs the kernel
+    reads ``lengths`` from device memory, so captured steps stay correct as sequences
+    grow. Not differentiable.
+    """
+    return _decode_attention(q, k, v, lengths, scale=scale, k_scale=k_scale, v_scale=v_scale)
+
+
+def _decode_attention(
+    q: Any,
+    k: Any,
+    v: Any = None,
+    lengths: Any = None,
+    *,
+    scale: float | None = None,
+    chunk: int = 0,
+    splits: int = 0,
+    impl: str = "auto",
+    workspace: str = "scratch",
+    k_scale: Any = None,
+    v_scale: Any = None,
+    ctas: int = 0,
+    stages: int = 0,
+    min_tiles: int = 0,
+) -> jax.Array:
+    """decode_attention with the knobs that tests and benchmarks need.
+
+    impl: the split-K kernel: "auto", "tensor_core", "tensor_core_u1" (one tile in
+    flight per warp) or "simple" (CUDA kernel choice; the CPU has one), with its plan
+    knobs chunk / splits (0 = automatic); or the streaming kernel (fp8 caches always run
+    it, "auto" included): "stream" (combine fused, last arrival), "stream_combine"
+    (combine as a second kernel), "stream_tma" (tiles by bulk copies), with its plan knobs
+    ctas (grid size), stages (ring slots per warp, 2..8) and min_tiles (fewest 16-token
+    tiles per CTA), 0 = automatic. workspace: "scratch" keeps the partials in jax_vmm's
+    graph-safe scratch (grown at the FFI initialize stage); "xla" (split-K only) makes
+    them a second, discarded output that XLA allocates.
+
+    ``k`` may be a KVLayer: ``_decode_attention(q, layer, lengths)`` (or with ``v=None``
+    and ``lengths=``), with the same knobs.
+    """
+    if isinstance(k, KVLayer):
+        if lengths is not None and v is not None:
+            raise TypeError("decode_attention(q, layer, lengths): too many arguments")
+        if k_scale is not None or v_scale is not None:
+            raise ValueError(
+                "decode_attention(q, layer, lengths): an fp8 layer carries its scales; "
+                "k_scale/v_scale are for the array form"
+            )
+        layer_attention = sharded_ops.attention if _sharded(k) else layer_ops.attention
+        return layer_attention(
+            q,
+            k,
+            v if lengths is None else lengths,
+            scale=scale,
+            chunk=chunk,
+            splits=splits,
+            impl=impl,
+            workspace=workspace,
+            ctas=ctas,
+            stages=stages,
+            min_tiles=min_tiles,
+        )
+    return decode_attention_arrays(
+        q,
+        k,
+        v,
+        lengths,
+        scale=scale,
+        chunk=chunk,
+        splits=splits,
+        impl=impl,
+        workspace=workspace,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        ctas=ctas,
+        stages=stages,
+        min_tiles=min_tiles,
+    )
+
+
+def _sharded(layer: KVLayer) -> bool:
+    """A layer of a sharded KV arena: its ops run per device through ``shard_map``."""
+    return layer.is_arena and layer.id.sharded

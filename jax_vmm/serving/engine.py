@@ -1,0 +1,510 @@
+"""Continuous-batching generation over a KV cache backend, decoded in blocks on the device.
+
+`Generator` owns the compiled programs of `jax_vmm.serving.steps` (prefill into a slot per
+prompt-length bucket; a block of N greedy decode steps in one device loop; cache and
+decode state donated in both); `Generator.run` serves a list of requests with
+`max_seqs` slots: a finished sequence releases its memory and its slot takes the next
+request. The host schedules (admits, prefills, ensures, releases) while the device runs
+the previous block, and reads a block's tokens only after it dispatched the next. The
+memory of the prompts being admitted is committed on the cache's background thread
+(`prefetch`) while the device runs the prefills dispatched before. The
+schedule depends only on the requests and the stop tokens, so two backends given the
+same requests run exactly the same steps.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import model as M
+from . import steps as S
+from .cache import CacheBackend
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    id: int
+    prompt: np.ndarray  # int32 (L,), L >= 1
+    max_new_tokens: int  # >= 1; the first comes from prefill
+
+
+@dataclasses.dataclass
+class Result:
+    id: int
+    prompt_len: int
+    tokens: list[int] = dataclasses.field(default_factory=list)  # fed back (= greedy
+    # unless run() was given force_tokens)
+    greedy: list[int] = dataclasses.field(default_factory=list)  # argmax of each step
+    logits: list[np.ndarray] = dataclasses.field(default_factory=list)  # if recorded
+
+
+@dataclasses.dataclass
+class StepRecord:
+    """Memory after one engine call is dispatched (a prefill or a decode block), the
+    sequences read as finished by then already released."""
+
+    kind: str  # "prefill" | "decode" (a block) | "end" (after the last release)
+    backed_bytes: int  # physical KV memory held by the backend
+    live_bytes: int  # bytes of the tokens actually cached
+    active: int  # sequences in flight
+
+
+@dataclasses.dataclass
+class RunReport:
+    results: list[Result]
+    trace: list[StepRecord]
+    seconds: float  # wall time of the serving loop (compile excluded)
+    compile_seconds: float
+    generated_tokens: int
+    decode_steps: int  # device steps (blocks x steps per block)
+    prefills: int
+    ensure_seconds: float  # host time spent in cache calls (ensure/release/prefetch)
+    blocks: int = 0  # host calls of the decode block
+    block: int = 1  # decode steps per block
+    pauses: int = 0  # pause() calls (sleep/wake)
+    # Time spent waiting for background commits of prompts (cache.prefetch), and the
+    # part of it with nothing left queued on the device (the device idled on memory).
+    memory_wait_seconds: float = 0.0
+    memory_wait_idle_seconds: float = 0.0
+    # ensure_seconds by cache call: name -> (calls, seconds, longest call's seconds).
+    host_calls: dict[str, tuple[int, float, float]] = dataclasses.field(default_factory=dict)
+
+
+def make_requests(
+    cfg: M.ModelConfig,
+    *,
+    num: int,
+    prompt_len: tuple[int, int],
+    new_tokens: tuple[int, int],
+    seed: int,
+) -> list[Request]:
+    """Seeded requests with prompt lengths and generation lengths uniform in the ranges."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(num):
+        plen = int(rng.integers(prompt_len[0], prompt_len[1] + 1))
+        out.append(
+            Request(
+                id=i,
+                prompt=rng.integers(0, cfg.vocab, plen, dtype=np.int32),
+                max_new_tokens=int(rng.integers(new_tokens[0], new_tokens[1] + 1)),
+            )
+        )
+    return out
+
+
+def prompt_bucket(length: int, minimum: int = 64) -> int:
+    """Padded prompt length: next power of two, at least `minimum` (bounds the number of
+    prefill compiles; each costs about a second of CPU)."""
+    b = minimum
+    while b < length:
+        b *= 2
+    return b
+
+
+DEFAULT_BLOCK = 16  # decode steps per host call (see Generator)
+# Blocks of tokens ensured per ensure_all: each call publishes the cache's device table
+# (a copy the host waits for, ~0.25 ms on the H200 while the device runs the main job).
+ENSURE_BLOCKS = 2
+WAIT_SLICE = 2e-4  # seconds between looks at the device while waiting for a prompt's memory
+
+
+@dataclasses.dataclass(eq=False)
+class _Slot:
+    """A request in a slot, as the host sees it (the device state may be ahead)."""
+
+    request: Request
+    result: Result
+    blocks: int = 0  # blocks dispatched since its prefill
+    feed: int = -1  # host-chosen next token (tokens chosen on the host), else -1
+    ensured: int = 0  # tokens the engine has ensured for it
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.request.prompt)
+
+    def cached_after(self, blocks: int, block: int) -> int:
+        """Tokens in the cache once `blocks` blocks of `block` steps have run (at most:
+        a stop token ends it sooner)."""
+        return self.prompt_len + min(blocks * block, self.request.max_new_tokens - 1)
+
+
+@dataclasses.dataclass
+class _Read:
+    """A dispatched call whose tokens the host has not read yet."""
+
+    slots: list[_Slot | None]  # who each column belonged to at dispatch
+    tokens: jax.Array  # (steps, B) int32, -1 = no step; or () for a prefill
+    logits: jax.Array | None  # (steps, B, vocab) / (vocab,) when needed on the host
+
+
+def check_block(block: object) -> None:
+    if isinstance(block, bool) or not isinstance(block, int) or block < 1:
+        raise ValueError(
+            f"block (decode steps per host call) must be an integer >= 1, got {block!r}"
+        )
+
+
+class Generator:
+    """Compiled prefill and decode-block programs for one model, cache backend and
+    attention choice; `run` serves requests with continuous batching. Not thread-safe.
+
+    block: decode steps per host call, in one device loop (`jax_vmm.serving.steps`). Before
+    each call the host ensures the tokens every live sequence can reach in it (the next
+    ENSURE_BLOCKS blocks' worth, so that one table update serves several calls); it
+    dispatches block k+1 before it reads block k's tokens, so admitting requests, prefill
+    dispatch and ensure/release overlap the device. A sequence that finishes inside a
+    block (its last token, or a stop token) is masked for the rest of it. 16 (the
+    default): the loop length measured to replay as a graph on the H200; each finished
+    sequence leaves its slot idle for the rest of its block, at most block - 1 steps.
+    stop_tokens: a sequence ends at the first of these it generates (kept in its
+    tokens), on the device, inside a block.
+    keep_slot_memory: when a request will take a finished sequence's slot, the slot keeps
+    the memory of the new prompt's tokens (``release(seq, keep_tokens=)``) instead of
+    giving all of it back and committing the prompt again in the background. Fewer
+    commits; but an allocation that straddles the kept tokens stays whole (its chunks
+    past them park until the new sequence grows into them), so more memory can be held
+    (on the H200 main job the peaks were the same either way: docs/benchmarks.md)."""
+
+    def __init__(
+        self,
+        params: M.Params,
+        cfg: M.ModelConfig,
+        cache: CacheBackend,
+        attend: M.AttendFn,
+        *,
+        block: int = DEFAULT_BLOCK,
+        stop_tokens: tuple[int, ...] = (),
+        keep_slot_memory: bool = True,
+    ) -> None:
+        check_block(block)
+        bad = [t for t in stop_tokens if not (isinstance(t, int) and 0 <= t < cfg.vocab)]
+        if bad:
+            raise ValueError(f"stop tokens {bad} are not token ids of the model's [0, {cfg.vocab})")
+        self.params, self.cfg, self.cache, self.attend = params, cfg, cache, attend
+        self.block, self.stop_tokens = block, tuple(sorted(set(stop_tokens)))
+        if not isinstance(keep_slot_memory, bool):
+            raise ValueError(
+                f"keep_slot_memory must be True or False, got {keep_slot_memory!r} "
+                "(decode.py spells it --slot-memory keep|release)"
+            )
+        self.keep_slot_memory = keep_slot_memory
+        self._compiled: dict[tuple, Callable] = {}
+        self.compile_seconds = 0.0
+
+    # -- compiled programs -------------------------------------------------------------
+    def _get(self, key: tuple, make: Callable[[], Callable], *args: object) -> Callable:
+        # AOT compile so serving time excludes compilation (reported separately).
+        if key not in self._compiled:
+            t0 = time.perf_counter()
+            self._compiled[key] = make().lower(*args).compile()
+            self.compile_seconds += time.perf_counter() - t0
+        return self._compiled[key]
+
+    def _prefill_fn(self, bucket: int, stops: tuple[int, ...], args: tuple) -> Callable:
+        def make():
+            return jax.jit(
+                functools.partial(
+                    S.prefill_slot, cfg=self.cfg, write=self.cache.write, stop_tokens=stops
+                ),
+                donate_argnums=(1, 2),
+            )
+
+        return self._get(("prefill", bucket, stops), make, *args)
+
+    def _block_fn(self, steps: int, stops: tuple[int, ...], logits: bool, args: tuple):
+        def make():
+            return jax.jit(
+                functools.partial(
+                    S.decode_block,
+                    num_steps=steps,
+                    cfg=self.cfg,
+                    write=self.cache.write,
+                    attend=self.attend,
+                    stop_tokens=stops,
+                    with_logits=logits,
+                ),
+                donate_argnums=(1, 2),
+            )
+
+        return self._get(("block", steps, stops, logits), make, *args)
+
+    def _prefill_args(self, state: S.DecodeState, prompt: np.ndarray, seq: int, new: int):
+        bucket = prompt_bucket(len(prompt))
+        padded = np.zeros(bucket, np.int32)
+        padded[: len(prompt)] = prompt
+        return bucket, (
+            self.params,
+            self.cache.cache(),
+            state,
+            jnp.asarray(padded),
+            jnp.int32(len(prompt)),
+            jnp.int32(seq),
+            jnp.int32(new),
+        )
+
+    def _host_mode(self, force_tokens, select_token) -> bool:
+        return force_tokens is not None or select_token is not None
+
+    def precompile(
+        self, requests: list[Request], *, host_tokens: bool = False, record_logits: bool = False
+    ) -> None:
+        """Compiles every program `run` will need (with the same options), without
+        running any. host_tokens: run() gets force_tokens or select_token."""
+        b = self.cache.max_seqs
+        state = S.idle_state(b)
+        stops = () if host_tokens else self.stop_tokens
+        steps = 1 if host_tokens else self.block
+        control = jnp.full(b, S.KEEP, jnp.int32)
+        logits = record_logits or host_tokens
+        self._block_fn(steps, stops, logits, (self.params, self.cache.cache(), state, control))
+        for r in {prompt_bucket(len(r.prompt)): r for r in requests}.values():
+            bucket, args = self._prefill_args(state, r.prompt, 0, 1)
+            self._prefill_fn(bucket, stops, args)
+
+    # -- serving -----------------------------------------------------------------------
+    def run(
+        self,
+        requests: list[Request],
+        *,
+        record_logits: bool = False,
+        progress: Callable[[int], None] | None = None,
+        force_tokens: dict[int, list[int]] | None = None,
+        select_token: Callable[[int, np.ndarray], int] | None = None,
+        pause_every: int | None = None,
+        pause: Callable[[], None] | None = None,
+    ) -> RunReport:
+        """Serves all requests with continuous batching; greedy on the device.
+
+        force_tokens (request id -> tokens): feed these back instead of the greedy ones
+        (teacher forcing), so that two runs compare logits at every step even after a
+        near-tie; ``Result.greedy`` still records each step's argmax.
+        select_token(request id, logits (vocab,) fp32) -> token: choose each fed-back
+        token on the host instead (sampling). Either makes every token a host decision:
+        one step per host call, each read before the next is dispatched, stop tokens
+        checked on the host.
+        pause_every K, pause(): after every K blocks, wait for everything dispatched and
+        call pause() with sequences in flight (sleep/wake the engine), then go on."""
+        cache, max_tokens = self.cache, self.cache.max_tokens
+        for r in requests:
+            need = len(r.prompt) + r.max_new_tokens - 1
+            if len(r.prompt) < 1 or r.max_new_tokens < 1 or need > max_tokens:
+                raise ValueError(
+                    f"request {r.id}: prompt {len(r.prompt)} + {r.max_new_tokens} new tokens "
+                    f"needs {need} cached tokens; the cache holds 1..{max_tokens} per sequence"
+                )
+        if pause_every is not None and (
+            isinstance(pause_every, bool) or not isinstance(pause_every, int) or pause_every < 1
+        ):
+            raise ValueError(f"pause_every must be an integer >= 1 or None, got {pause_every!r}")
+        if (pause_every is None) != (pause is None):
+            raise ValueError("pause_every and pause go together: give both or neither")
+        host_mode = self._host_mode(force_tokens, select_token)
+        self.precompile(requests, host_tokens=host_mode, record_logits=record_logits)
+        n = 1 if host_mode else self.block
+        stops = () if host_mode else self.stop_tokens
+        want_logits = record_logits or host_mode
+        host_stops = set(self.stop_tokens) if host_mode else set()
+        bpt = cache.token_bytes
+        batch = cache.max_seqs
+        queue = collections.deque(requests)
+        slots: list[_Slot | None] = [None] * batch
+        results: dict[int, Result] = {}
+        trace: list[StepRecord] = []
+        pending: collections.deque[_Read] = collections.deque()
+        counts = collections.Counter()
+        wait_seconds = idle_seconds = 0.0
+        held: set[int] = set()  # finished, memory kept for the request that takes the slot
+
+        calls: dict[str, tuple[int, float, float]] = {}
+
+        def timed(fn: Callable, *args, name: str | None = None) -> None:
+            t0 = time.perf_counter()
+            fn(*args)
+            dt = time.perf_counter() - t0
+            key = name or fn.__name__
+            n_calls, total, longest = calls.get(key, (0, 0.0, 0.0))
+            calls[key] = (n_calls + 1, total + dt, max(longest, dt))
+
+        def record(kind: str) -> None:
+            live = sum(s.cached_after(s.blocks, n) for s in slots if s is not None)
+            trace.append(
+                StepRecord(
+                    kind, cache.backed_bytes(), live * bpt, sum(s is not None for s in slots)
+                )
+            )
+
+        def retire(seq: int) -> None:
+            # Called once the call that ended the sequence has been read, so has run: a
+            # release changes the table kernels check when they run, and a block still
+            # queued would drop its last writes. With keep_slot_memory, when a request
+            # will take the slot, the release waits for it (admit): the memory its prompt
+            # needs then stays backed instead of going back and being committed again.
+            # Otherwise it goes back now (without waiting for the device).
+            if self.keep_slot_memory and len(queue) > sum(s is None for s in slots):
+                held.add(seq)
+            else:
+                timed(cache.release, seq)
+            slots[seq] = None
+
+        def emit(slot: _Slot, token: int, logits: np.ndarray | None) -> bool:
+            """Takes one generated token; True when the request is complete."""
+            res = slot.result
+            res.greedy.append(token)
+            if force_tokens is not None:
+                token = int(force_tokens[slot.request.id][len(res.tokens)])
+            elif select_token is not None:
+                token = int(select_token(slot.request.id, logits))
+            res.tokens.append(token)
+            if record_logits:
+                res.logits.append(logits)
+            slot.feed = token
+            counts["generated"] += 1
+            return (
+                len(res.tokens) == slot.request.max_new_tokens
+                or token in host_stops
+                or (not host_mode and token in self.stop_tokens)
+            )
+
+        def read(item: _Read) -> None:
+            tokens = np.asarray(item.tokens)
+            logits = None if item.logits is None else np.asarray(item.logits)
+            if tokens.ndim == 0:  # a prefill: its one slot
+                (slot,) = [s for s in item.slots if s is not None]
+                steps = [(slot, int(tokens), logits)]
+            else:
+                steps = [
+                    (slot, int(tokens[i, seq]), None if logits is None else logits[i, seq])
+                    for i in range(tokens.shape[0])
+                    for seq, slot in enumerate(item.slots)
+                    if slot is not None and tokens[i, seq] >= 0
+                ]
+            for slot, token, lg in steps:
+                if emit(slot, token, lg):
+                    seq = next((q for q, s in enumerate(slots) if s is slot), None)
+                    if seq is not None:
+                        retire(seq)
+            if progress is not None and steps:
+                progress(len(steps))
+
+        def device_idle() -> bool:
+            # The newest dispatched call done: nothing is left queued on the device.
+            return not pending or pending[-1].tokens.is_ready()
+
+        def wait_for_memory(seq: int) -> None:
+            # The prompt's memory is committed on the cache's background thread; the
+            # device meanwhile runs the prefills and blocks dispatched before.
+            nonlocal wait_seconds, idle_seconds
+            t0 = time.perf_counter()
+            while True:
+                done = cache.wait_prefetch(seq, WAIT_SLICE)
+                t1 = time.perf_counter()
+                if device_idle():
+                    idle_seconds += t1 - t0
+                wait_seconds += t1 - t0
+                t0 = t1
+                if done:
+                    return
+
+        def admit_free_slots() -> None:
+            free = [seq for seq in range(batch) if slots[seq] is None][: len(queue)]
+            taken = [(seq, queue.popleft()) for seq in free]
+            for seq, req in taken:  # every prompt's memory, in the background
+                if seq in held:  # the slot keeps the chunks of the new prompt
+                    held.discard(seq)
+                    timed(
+                        lambda: cache.release(seq, keep_tokens=len(req.prompt)),
+                        name="release(keep_tokens)",
+                    )
+                timed(cache.prefetch, seq, len(req.prompt))
+            for seq, req in taken:
+                wait_for_memory(seq)
+                admit(seq, req)
+
+        def admit(seq: int, req: Request) -> None:
+            nonlocal state
+            slot = _Slot(req, results.setdefault(req.id, Result(req.id, len(req.prompt))))
+            timed(cache.ensure, seq, len(req.prompt))
+            slot.ensured = len(req.prompt)
+            slots[seq] = slot
+            bucket, args = self._prefill_args(state, req.prompt, seq, req.max_new_tokens)
+            logits, first, out, state = self._prefill_fn(bucket, stops, args)(*args)
+            cache.update(out)
+            counts["prefills"] += 1
+            cols: list[_Slot | None] = [None] * batch
+            cols[seq] = slot
+            pending.append(_Read(cols, first, logits if want_logits else None))
+            record("prefill")
+
+        state = S.idle_state(batch)
+        t_start = time.perf_counter()
+        while queue or any(slots) or pending:
+            admit_free_slots()  # continuous batching: free slots take requests
+            if host_mode:
+                while pending:  # every token is a host decision: read before going on
+                    read(pending.popleft())
+                if not any(slots):
+                    continue
+            elif not any(slots):
+                while pending:
+                    read(pending.popleft())
+                continue
+            control = np.full(batch, S.STOP, np.int32)
+            live = [(seq, s) for seq, s in enumerate(slots) if s is not None]
+            for seq, s in live:
+                control[seq] = s.feed if host_mode else S.KEEP
+            # What the block can write, ensured ENSURE_BLOCKS blocks at a time: one table
+            # update (a driver copy) serves that many blocks.
+            if any(s.cached_after(s.blocks + 1, n) > s.ensured for _, s in live):
+                need = np.zeros(batch, np.int64)
+                for seq, s in live:
+                    s.ensured = max(s.ensured, s.cached_after(s.blocks + ENSURE_BLOCKS, n))
+                    need[seq] = s.ensured
+                timed(cache.ensure_all, need)
+            args = (self.params, cache.cache(), state, jnp.asarray(control))
+            tokens, logits, out, state = self._block_fn(n, stops, want_logits, args)(*args)
+            cache.update(out)
+            counts["blocks"] += 1
+            pending.append(_Read(list(slots), tokens, logits if want_logits else None))
+            for s in slots:
+                if s is not None:
+                    s.blocks += 1
+            record("decode")
+            # Double buffering: read everything but the block just dispatched.
+            while len(pending) > (0 if host_mode else 1):
+                read(pending.popleft())
+            if pause_every is not None and counts["blocks"] % pause_every == 0:
+                while pending:
+                    read(pending.popleft())
+                jax.block_until_ready(state)
+                pause()
+                counts["pauses"] += 1
+        for seq in sorted(held):  # no request took it after all
+            timed(cache.release, seq)
+        record("end")
+        seconds = time.perf_counter() - t_start
+        cache.check()  # no write was dropped (every token was ensured before its step)
+        return RunReport(
+            results=[results[r.id] for r in requests],
+            trace=trace,
+            seconds=seconds,
+            compile_seconds=self.compile_seconds,
+            generated_tokens=counts["generated"],
+            decode_steps=counts["blocks"] * n,
+            prefills=counts["prefills"],
+            ensure_seconds=sum(total for _, total, _ in calls.values()),
+            blocks=counts["blocks"],
+            block=n,
+            pauses=counts["pauses"],
+            memory_wait_seconds=wait_seconds,
+            memory_wait_idle_seconds=idle_seconds,
+            host_calls=calls,
+        )

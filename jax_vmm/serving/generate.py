@@ -1,0 +1,224 @@
+"""Generate text with a Hugging Face checkpoint (Llama, Mistral, Qwen2) on the jax_vmm cache.
+
+    ckpt = load_checkpoint("DIR")                       # jax_vmm.serving.hf
+    out = generate(ckpt, ["text", [1, 2, 3]], max_new_tokens=N)
+
+Greedy by default; a `SamplingConfig` with temperature > 0 samples (with top-k, top-p,
+seed). The prompts are served together on `ServeOptions.batch` sequence slots with
+continuous batching, by the same engine, cache backends and attention as the decode demo
+(`jax_vmm.serving.cli.decode`). Without stop_at_eos exactly N tokens are generated per
+prompt; with it, a sequence ends at its first EOS token (kept in the ids, not in the text).
+The command line (`examples/generate.py`) is `jax_vmm.serving.cli.generate`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from . import engine as E
+from .attention import choose_attention
+from .cache import make_cache
+from .hf.checkpoint import Checkpoint, CheckpointError
+from .sampling import RequestSampler, SamplingConfig
+
+DEFAULT_MAX_SLOTS = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class Prompt:
+    text: str | None  # None: given as token ids
+    ids: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeOptions:
+    """How the engine serves the requests (the knobs of the decode demo)."""
+
+    backend: str = "jax_vmm"
+    batch: int | None = None  # sequence slots; None: min(prompts, 8)
+    attention: str = "auto"
+    chunk_bytes: int | None = None
+    block: int = E.DEFAULT_BLOCK  # decode steps per host call (jax_vmm.serving.engine)
+
+
+GREEDY = SamplingConfig()
+DEFAULT_SERVING = ServeOptions()
+
+
+def encode_prompts(ckpt: Checkpoint, prompts: Sequence[str | Sequence[int]]) -> list[Prompt]:
+    """Text prompts through the checkpoint's tokenizer; id prompts checked against the
+    model's vocabulary (an out-of-range id would be clamped by the embedding gather)."""
+    out = []
+    vocab = ckpt.config.vocab
+    for i, p in enumerate(prompts):
+        if isinstance(p, str):
+            if ckpt.tokenizer is None:
+                raise CheckpointError(
+                    f"prompt {i} is text, but {ckpt.path} has no "
+                    "tokenizer.json; give token ids (--prompt-ids)"
+                )
+            ids, text = ckpt.tokenizer.encode(p), p
+        else:
+            ids, text = [int(t) for t in p], None
+        if not ids:
+            raise ValueError(f"prompt {i} ({p!r}) has no tokens; a prompt needs at least one")
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(
+                f"prompt {i}: token ids {bad[:5]} are outside the model's vocabulary [0, {vocab})"
+            )
+        out.append(Prompt(text, tuple(ids)))
+    return out
+
+
+def num_slots(opts: ServeOptions, num_requests: int) -> int:
+    if opts.batch is not None and (
+        isinstance(opts.batch, bool) or not isinstance(opts.batch, int) or opts.batch < 1
+    ):
+        raise ValueError(f"batch (sequence slots) must be an integer >= 1, got {opts.batch!r}")
+    return min(opts.batch or DEFAULT_MAX_SLOTS, num_requests)
+
+
+def serve(
+    ckpt: Checkpoint,
+    requests: list[E.Request],
+    opts: ServeOptions,
+    *,
+    device: jax.Device,
+    select_token: Callable[[int, np.ndarray], int] | None = None,
+    record_logits: bool = False,
+    force_tokens: dict[int, list[int]] | None = None,
+    stop_tokens: tuple[int, ...] = (),
+) -> E.RunReport:
+    """The engine-facing glue: one cache, one Generator, one run. `requests` are served
+    on min(batch, len(requests)) slots, each with room for its prompt and new tokens.
+    select_token, record_logits, force_tokens: as `Generator.run`; stop_tokens: as
+    `Generator` (a sequence ends at the first it generates)."""
+    cfg = ckpt.config
+    slots = num_slots(opts, len(requests))
+    max_tokens = max(len(r.prompt) + r.max_new_tokens - 1 for r in requests)
+    cache = make_cache(
+        opts.backend,
+        cfg,
+        max_seqs=slots,
+        max_tokens=max_tokens,
+        device=device,
+        chunk_bytes=opts.chunk_bytes,
+    )
+    try:
+        _, attend = choose_attention(
+            opts.attention,
+            backend=opts.backend,
+            platform=device.platform,
+            tail_may_be_garbage=cache.tail_may_be_garbage,
+            dtype=cfg.dtype,
+        )
+        gen = E.Generator(
+            ckpt.params, cfg, cache, attend, block=opts.block, stop_tokens=stop_tokens
+        )
+        return gen.run(
+            requests,
+            select_token=select_token,
+            record_logits=record_logits,
+            force_tokens=force_tokens,
+        )
+    finally:
+        cache.close()
+
+
+def generate(
+    ckpt: Checkpoint,
+    prompts: Sequence[str | Sequence[int]],
+    *,
+    max_new_tokens: int,
+    sampling: SamplingConfig = GREEDY,
+    stop_at_eos: bool = False,
+    eos_token_ids: Sequence[int] | None = None,
+    opts: ServeOptions = DEFAULT_SERVING,
+    device: jax.Device | None = None,
+    record_logits: bool = False,
+) -> dict[str, Any]:
+    """Generates `max_new_tokens` per prompt (text, or a sequence of token ids).
+
+    Returns {"requests": [{"prompt", "prompt_ids", "generated_ids", "text"}, ...],
+    "tokens_per_second", ...}. stop_at_eos: each sequence ends at its first token in
+    `eos_token_ids` (default: the checkpoint's), kept in its ids; the engine stops it
+    there (on the device, inside a decode block, when greedy). record_logits: each
+    request also gets "logits", the float32
+    (steps, vocab) array each generated token was chosen from. device: where the steps
+    run (default: where the checkpoint's weights are)."""
+    if (
+        isinstance(max_new_tokens, bool)
+        or not isinstance(max_new_tokens, int)
+        or max_new_tokens < 1
+    ):
+        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    if not prompts:
+        raise ValueError("no prompts: give at least one (--prompt or --prompt-ids)")
+    device = device or next(iter(ckpt.params.embed.devices()))  # where the weights are
+    encoded = encode_prompts(ckpt, prompts)
+    window = ckpt.spec.sliding_window
+    # The last new token is never fed back: the longest context is prompt + N - 1.
+    longest = max(len(p.ids) for p in encoded) + max_new_tokens - 1
+    if window is not None and longest > window:
+        raise ValueError(
+            f"{ckpt.path}: the model attends within a sliding window of {window} tokens; "
+            f"the example attends to the whole context, the same only up to {window} "
+            f"tokens, and a prompt + new tokens here reach {longest}"
+        )
+    eos = set(ckpt.spec.eos_token_ids if eos_token_ids is None else eos_token_ids)
+    if stop_at_eos and not eos:
+        raise ValueError(
+            f"--stop-at-eos: {ckpt.path} names no EOS token "
+            "(eos_token_id in config.json / generation_config.json)"
+        )
+    requests = [
+        E.Request(i, np.asarray(p.ids, np.int32), max_new_tokens) for i, p in enumerate(encoded)
+    ]
+    select = None if sampling.greedy else RequestSampler(sampling)
+    # float32 means float32: no TF32 matmuls on GPUs (the default precision there).
+    precision = "highest" if ckpt.config.dtype == "float32" else "default"
+    with jax.default_device(device), jax.default_matmul_precision(precision):
+        report = serve(
+            ckpt,
+            requests,
+            opts,
+            device=device,
+            select_token=select,
+            record_logits=record_logits,
+            stop_tokens=tuple(sorted(eos)) if stop_at_eos else (),
+        )
+    out = []
+    for prompt, res in zip(encoded, report.results, strict=True):
+        ids = list(res.tokens)
+        text = ckpt.tokenizer.decode(ids) if ckpt.tokenizer is not None else None
+        out.append(
+            {
+                "prompt": prompt.text,
+                "prompt_ids": list(prompt.ids),
+                "generated_ids": ids,
+                "text": text,
+            }
+        )
+        if record_logits:
+            out[-1]["logits"] = np.stack(res.logits)[: len(ids)]
+    return {
+        "requests": out,
+        "tokens_per_second": report.generated_tokens / max(report.seconds, 1e-9),
+        "generated_tokens": report.generated_tokens,
+        "seconds": report.seconds,
+        "compile_seconds": report.compile_seconds,
+        "decode_steps": report.decode_steps,
+        "model": str(ckpt.path),
+        "architecture": ckpt.spec.architecture,
+        "dtype": ckpt.config.dtype,
+        "backend": opts.backend,
+        "device": device.platform,
+        "slots": num_slots(opts, len(requests)),
+        "sampling": dataclasses.asdict(sampling),
+    }

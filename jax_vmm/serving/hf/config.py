@@ -1,0 +1,330 @@
+"""Hugging Face `config.json` -> the example's `ModelConfig`, for Llama, Mistral and Qwen2.
+
+Keys a config leaves out take the default of that architecture's transformers config
+class, so a sparse config means what transformers makes of it. Both RoPE spellings are
+read: the older top-level `rope_theta` + `rope_scaling` (whose type key is `rope_type` or
+`type`), and the newer `rope_parameters` dict that holds `rope_theta` itself. Anything
+the example cannot reproduce exactly (another architecture, another RoPE type, biases on
+the output or MLP projections, ...) is refused with a `CheckpointError` naming the file
+and the key, never approximated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+from .. import model as M
+
+CONFIG_FILE = "config.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory the example cannot load as asked. The message names the
+    file (and the key or tensor) that is wrong and what was expected."""
+
+
+# transformers' defaults for the keys a config may omit, per architecture.
+_DEFAULTS: dict[str, dict[str, Any]] = {
+    "LlamaForCausalLM": dict(
+        num_key_value_heads=None,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        head_dim=None,
+        hidden_act="silu",
+        max_position_embeddings=2048,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
+    "MistralForCausalLM": dict(
+        num_key_value_heads=8,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        head_dim=None,
+        hidden_act="silu",
+        max_position_embeddings=4096 * 32,
+        bos_token_id=1,
+        eos_token_id=2,
+        sliding_window=4096,
+    ),
+    "Qwen2ForCausalLM": dict(
+        num_key_value_heads=32,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        head_dim=None,
+        hidden_act="silu",
+        max_position_embeddings=32768,
+        bos_token_id=None,
+        eos_token_id=None,
+        use_sliding_window=False,
+        sliding_window=4096,
+        max_window_layers=28,
+    ),
+}
+SUPPORTED_ARCHITECTURES = tuple(_DEFAULTS)
+_MODEL_TYPES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+}
+_DEFAULT_ROPE_THETA = 10_000.0
+
+
+@dataclasses.dataclass(frozen=True)
+class HFModelSpec:
+    """What a checkpoint's config says, in the example's terms."""
+
+    architecture: str
+    config: M.ModelConfig
+    # Attention window of the sliding-window layers, None if every layer sees the whole
+    # context. The example always attends to the whole context, which is the same thing
+    # only while a sequence is at most this long (generate refuses longer ones).
+    sliding_window: int | None
+    max_position_embeddings: int
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]  # generation_config.json's, else config.json's
+
+
+def read_config(model_dir: str | Path, *, dtype: str = "float32") -> HFModelSpec:
+    """Parses `model_dir/config.json` (and `generation_config.json` for the EOS ids)."""
+    path = Path(model_dir) / CONFIG_FILE
+    raw = _read_json(path, what="the model's configuration")
+    spec = parse_config(raw, dtype=dtype, where=str(path))
+    gen_path = Path(model_dir) / GENERATION_CONFIG_FILE
+    if gen_path.exists():
+        gen = _read_json(gen_path, what="the generation defaults")
+        if gen.get("eos_token_id") is not None:
+            eos = _token_ids(gen, "eos_token_id", str(gen_path))
+            spec = dataclasses.replace(spec, eos_token_ids=eos)
+    return spec
+
+
+def parse_config(
+    raw: dict[str, Any], *, dtype: str = "float32", where: str = CONFIG_FILE
+) -> HFModelSpec:
+    """`raw`: config.json's content; `where` names it in errors."""
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{where}: expected a JSON object, got {type(raw).__name__}")
+    arch = _architecture(raw, where)
+    get = _Getter(raw, _DEFAULTS[arch], where)
+
+    if get.str_("hidden_act") != "silu":
+        raise CheckpointError(
+            f"{where}: hidden_act is {raw.get('hidden_act')!r}; the "
+            f"example's MLP is SwiGLU with silu only"
+        )
+    if arch == "LlamaForCausalLM":
+        for key in ("attention_bias", "mlp_bias"):
+            if raw.get(key):
+                raise CheckpointError(
+                    f"{where}: {key} is true; the example supports Llama checkpoints "
+                    "without biases on the attention and MLP projections only"
+                )
+    heads = get.int_("num_attention_heads")
+    hidden = get.int_("hidden_size")
+    max_position = get.int_("max_position_embeddings")
+    theta, scaling = parse_rope(raw, where=where, max_position=max_position)
+    fields = dict(
+        vocab=get.int_("vocab_size"),
+        d_model=hidden,
+        num_layers=get.int_("num_hidden_layers"),
+        num_q_heads=heads,
+        num_kv_heads=get.int_("num_key_value_heads", optional=True) or heads,
+        head_dim=get.int_("head_dim", optional=True) or hidden // heads,
+        ffn_dim=get.int_("intermediate_size"),
+        rope_theta=theta,
+        norm_eps=get.float_("rms_norm_eps"),
+        dtype=dtype,
+        rope_scaling=scaling,
+        qkv_bias=arch == "Qwen2ForCausalLM",
+        tie_embeddings=get.bool_("tie_word_embeddings"),
+    )
+    try:
+        cfg = M.ModelConfig(**fields)
+    except ValueError as e:  # the GQA ratio, an odd head_dim
+        raise CheckpointError(f"{where}: {e}") from None
+    return HFModelSpec(
+        architecture=arch,
+        config=cfg,
+        sliding_window=_sliding_window(arch, get, cfg),
+        max_position_embeddings=max_position,
+        bos_token_id=get.int_("bos_token_id", optional=True, minimum=0),
+        eos_token_ids=_token_ids(
+            raw, "eos_token_id", where, default=_DEFAULTS[arch]["eos_token_id"]
+        ),
+    )
+
+
+def parse_rope(
+    raw: dict[str, Any], *, where: str, max_position: int
+) -> tuple[float, M.RopeScaling | None]:
+    """(rope_theta, scaling) from either spelling. As in transformers, a value inside
+    the RoPE dict wins over the top-level `rope_theta`, and llama3's
+    original_max_position_embeddings defaults to max_position_embeddings."""
+    new, old = raw.get("rope_parameters"), raw.get("rope_scaling")
+    for key, value in (("rope_parameters", new), ("rope_scaling", old)):
+        if value is not None and not isinstance(value, dict):
+            raise CheckpointError(f"{where}: {key} must be an object or null, got {value!r}")
+    if new and old and _without_theta(new) != _without_theta(old):
+        raise CheckpointError(
+            f"{where}: rope_parameters {new} and rope_scaling {old} disagree; keep one "
+            "(rope_parameters is the newer spelling)"
+        )
+    params = dict(old or new or {})
+    if any(isinstance(v, dict) for v in params.values()):
+        raise CheckpointError(
+            f"{where}: RoPE parameters per layer type ({sorted(params)}) "
+            "are not supported; the example uses one RoPE for all layers"
+        )
+    theta = params.get("rope_theta", raw.get("rope_theta", _DEFAULT_ROPE_THETA))
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 1:
+        raise CheckpointError(f"{where}: rope_theta must be a number > 1, got {theta!r}")
+    partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+    if partial not in (None, 1, 1.0):
+        raise CheckpointError(
+            f"{where}: partial_rotary_factor {partial} is not supported "
+            "(the example rotates the whole head)"
+        )
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind == "default":
+        return float(theta), None
+
+    def number(key: str, default: float | None = None) -> float:
+        value = params.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise CheckpointError(
+                f"{where}: RoPE type {kind!r} needs a number {key!r}, got {value!r}"
+            )
+        return value
+
+    if kind == "linear":
+        fields = dict(factor=float(number("factor")))
+    elif kind == "llama3":
+        fields = dict(
+            factor=float(number("factor")),
+            low_freq_factor=float(number("low_freq_factor")),
+            high_freq_factor=float(number("high_freq_factor")),
+            original_max_position=int(number("original_max_position_embeddings", max_position)),
+        )
+    else:
+        fields = None
+    if fields is not None:
+        try:
+            return float(theta), M.RopeScaling(kind, **fields)
+        except ValueError as e:  # a factor <= 0, low >= high
+            raise CheckpointError(f"{where}: {e}") from None
+    raise CheckpointError(
+        f"{where}: RoPE type {kind!r} is not supported; the example implements "
+        f"'default', {', '.join(repr(k) for k in M.ROPE_SCALING_KINDS)}"
+    )
+
+
+def _without_theta(d: dict[str, Any]) -> dict[str, Any]:
+    out = {k: v for k, v in d.items() if k != "rope_theta"}
+    if "type" in out:  # the older alias of rope_type
+        out.setdefault("rope_type", out.pop("type"))
+    return out
+
+
+def _architecture(raw: dict[str, Any], where: str) -> str:
+    archs = raw.get("architectures")
+    if archs is None and raw.get("model_type") in _MODEL_TYPES:
+        return _MODEL_TYPES[raw["model_type"]]
+    if not isinstance(archs, list) or not archs:
+        raise CheckpointError(
+            f"{where}: no 'architectures' list (and model_type "
+            f"{raw.get('model_type')!r} is not one of {list(_MODEL_TYPES)})"
+        )
+    if len(archs) != 1 or archs[0] not in _DEFAULTS:
+        raise CheckpointError(
+            f"{where}: architecture {archs} is not supported; the example loads "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    return archs[0]
+
+
+def _sliding_window(arch: str, get: _Getter, cfg: M.ModelConfig) -> int | None:
+    if arch == "MistralForCausalLM":
+        return get.int_("sliding_window", optional=True)
+    if arch != "Qwen2ForCausalLM" or not get.bool_("use_sliding_window"):
+        return None
+    window = get.int_("sliding_window", optional=True)
+    types = get.raw.get("layer_types")
+    if types is None:  # transformers: the layers from max_window_layers on slide
+        sliding = cfg.num_layers > get.int_("max_window_layers", minimum=0)
+    else:
+        allowed = {"full_attention", "sliding_attention"}
+        if not isinstance(types, list) or len(types) != cfg.num_layers or not set(types) <= allowed:
+            raise CheckpointError(
+                f"{get.where}: layer_types must list one of {allowed} "
+                f"per layer ({cfg.num_layers}), got {types!r}"
+            )
+        sliding = "sliding_attention" in types
+    return window if sliding else None
+
+
+def _token_ids(
+    raw: dict[str, Any], key: str, where: str, default: int | None = None
+) -> tuple[int, ...]:
+    value = raw.get(key, default)
+    values = value if isinstance(value, list) else [] if value is None else [value]
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+        raise CheckpointError(f"{where}: {key} must be a token id or a list of them, got {value!r}")
+    return tuple(dict.fromkeys(values))
+
+
+class _Getter:
+    """Typed access to config keys, with the architecture's defaults and errors that
+    name the file and the key."""
+
+    def __init__(self, raw: dict[str, Any], defaults: dict[str, Any], where: str):
+        self.raw, self.defaults, self.where = raw, defaults, where
+
+    def _value(self, key: str, optional: bool) -> Any:
+        # An explicit null means None, as in transformers (Mistral's "sliding_window":
+        # null turns the window off); only an absent key takes the default.
+        value = self.raw[key] if key in self.raw else self.defaults.get(key)
+        if value is None and not optional:
+            raise CheckpointError(f"{self.where}: no {key!r}; the config must give it")
+        return value
+
+    def int_(self, key: str, *, optional: bool = False, minimum: int = 1) -> int | None:
+        value = self._value(key, optional)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise CheckpointError(
+                f"{self.where}: {key} must be an integer >= {minimum}, got {value!r}"
+            )
+        return value
+
+    def float_(self, key: str) -> float:
+        value = self._value(key, False)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise CheckpointError(f"{self.where}: {key} must be a number > 0, got {value!r}")
+        return float(value)
+
+    def bool_(self, key: str) -> bool:
+        value = self._value(key, False)
+        if not isinstance(value, bool):
+            raise CheckpointError(f"{self.where}: {key} must be true or false, got {value!r}")
+        return value
+
+    def str_(self, key: str) -> str:
+        return self._value(key, False)
+
+
+def _read_json(path: Path, *, what: str) -> Any:
+    if not path.is_file():
+        raise CheckpointError(
+            f"{path}: no such file ({what}); a Hugging Face checkpoint "
+            f"directory has config.json, model*.safetensors and "
+            f"tokenizer.json"
+        )
+    try:
+        return json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: cannot read {what}: {e}") from None

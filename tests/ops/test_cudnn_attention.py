@@ -1,0 +1,397 @@
+"""The cuDNN attention backend (jax_vmm._cudnn_attention): jax_vmm's attention semantics on
+cuDNN SDPA graphs inside our own custom call.
+
+Against a float64 numpy reference of the semantics (bottom-right causal over the cache,
+q_lengths, window, softcap, GQA), for decode (S = 1) and several query tokens, bf16/fp16,
+D 64/128/256; over plain arrays and arena views; eagerly, under jit, and captured into a
+command buffer. Rows cuDNN does not compute must come back as zeros even when the output
+buffer held NaNs. Without a GPU or without the backend built, the GPU tests skip; the
+input checks and the "not built" report run everywhere.
+
+Run on a GPU with ``-s`` to see the cuDNN version, paths and graph counters.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_vmm
+from jax_vmm.ops import cudnn_attention as ca
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from conftest import cuda_vmm_device  # noqa: E402
+
+BF16, F16 = jnp.bfloat16, jnp.float16
+
+
+# -- the reference ----------------------------------------------------------------------
+
+
+def reference(q, k, v, lengths, q_lengths=None, window=None, softcap=None, scale=None):
+    """float64 attention with jax_vmm.attention's semantics; q (B, S, Hq, D)."""
+    q, k, v = (np.asarray(jnp.asarray(x).astype(jnp.float32), np.float64) for x in (q, k, v))
+    B, S, Hq, D = q.shape
+    T, Hkv = k.shape[1], k.shape[2]
+    group = Hq // Hkv
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    out = np.zeros_like(q)
+    for b in range(B):
+        L = int(np.clip(lengths[b], 0, T))
+        want = S if q_lengths is None else int(q_lengths[b])
+        ql = int(np.clip(want, 0, min(S, L)))
+        for i in range(ql):
+            pos = L - ql + i
+            lo = 0 if window is None else max(0, pos - window + 1)
+            kk = np.repeat(k[b, lo : pos + 1], group, axis=1)  # (n, Hq, D)
+            vv = np.repeat(v[b, lo : pos + 1], group, axis=1)
+            logits = np.einsum("hd,nhd->hn", q[b, i], kk) * scale
+            if softcap is not None:
+                logits = softcap * np.tanh(logits / softcap)
+            p = np.exp(logits - logits.max(axis=1, keepdims=True))
+            p /= p.sum(axis=1, keepdims=True)
+            out[b, i] = np.einsum("hn,nhd->hd", p, vv)
+    return out
+
+
+def _tolerance(dtype) -> float:
+    return 2e-2 if np.dtype(dtype) == np.dtype(BF16) else 5e-3
+
+
+def _check(got, want, dtype, what=""):
+    got = np.asarray(jnp.asarray(got).astype(jnp.float32), np.float64)
+    assert not np.isnan(got).any(), f"{what}: NaN in the output (rows left unwritten?)"
+    err = np.abs(got - want).max()
+    assert err <= _tolerance(dtype) * max(1.0, np.abs(want).max()), f"{what}: max error {err}"
+
+
+def _data(rng, B, S, T, Hq, Hkv, D, dtype, device):
+    mk = lambda *shape: jax.device_put(  # noqa: E731
+        jnp.asarray(rng.standard_normal(shape, dtype=np.float32)).astype(dtype), device
+    )
+    return mk(B, S, Hq, D), mk(B, T, Hkv, D), mk(B, T, Hkv, D)
+
+
+# -- fixtures ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gpu():
+    dev, why = cuda_vmm_device()
+    if dev is None:
+        pytest.skip(f"needs a CUDA GPU: {why}")
+    if not ca.cudnn_built():
+        pytest.skip("jax_vmm was built without the cuDNN attention backend (JAX_VMM_CUDNN)")
+    info = ca.cudnn_info()
+    print(f"\n[cudnn] {info}")
+    if not ca.cudnn_available():
+        pytest.fail(f"the backend is built but cannot load cuDNN: {info.get('error')}")
+    return dev
+
+
+# -- everywhere (CI included) -------------------------------------------------------------
+
+
+def test_core_reports_whether_the_backend_was_built():
+    assert isinstance(jax_vmm._core.built_with_cudnn, bool)
+    assert ca.cudnn_built() == jax_vmm._core.built_with_cudnn
+    if not ca.cudnn_built():
+        assert not ca.cudnn_available()
+        assert "built without" in ca.cudnn_info()["error"]
+
+
+def test_bad_inputs_are_refused_with_a_message():
+    q = jnp.zeros((2, 1, 4, 64), BF16)
+    k = jnp.zeros((2, 16, 2, 64), BF16)
+    n = jnp.array([3, 4], jnp.int32)
+    with pytest.raises(ValueError, match="multiple of H_kv"):
+        ca.cudnn_attention(jnp.zeros((2, 1, 3, 64), BF16), k, k, n)
+    with pytest.raises(TypeError, match="bfloat16 or all float16"):
+        ca.cudnn_attention(q.astype(jnp.float32), k, k, n)
+    with pytest.raises(ValueError, match="window"):
+        ca.cudnn_attention(q, k, k, n, window=0)
+    with pytest.raises(ValueError, match="softcap"):
+        ca.cudnn_attention(q, k, k, n, softcap=-1.0)
+    with pytest.raises(ValueError, match="lengths"):
+        ca.cudnn_attention(q, k, k, jnp.array([1, 2, 3], jnp.int32))
+    with pytest.raises(ValueError, match="head_dim"):
+        ca.cudnn_attention(
+            jnp.zeros((2, 1, 4, 12), BF16),
+            jnp.zeros((2, 16, 2, 12), BF16),
+            jnp.zeros((2, 16, 2, 12), BF16),
+            n,
+        )
+
+
+def test_cpu_inputs_are_refused():
+    cpu = jax.devices("cpu")[0]
+    q = jax.device_put(jnp.zeros((2, 1, 4, 64), BF16), cpu)
+    k = jax.device_put(jnp.zeros((2, 16, 2, 64), BF16), cpu)
+    with pytest.raises(ValueError, match="CUDA devices only"):
+        ca.cudnn_attention(q, k, k, jax.device_put(jnp.array([3, 4], jnp.int32), cpu))
+
+
+def test_the_reference_agrees_with_jax_nn_where_it_can_express_the_mask():
+    """The oracle itself, on the CPU: decode over ragged lengths (padding only), and full
+    sequences with S == T (bottom-right causal == top-left causal), with a window."""
+    rng = np.random.default_rng(1)
+    B, T, Hq, Hkv, D = 3, 40, 4, 2, 16
+    cpu = jax.devices("cpu")[0]
+    q, k, v = _data(rng, B, 1, T, Hq, Hkv, D, jnp.float32, cpu)
+    n = np.array([40, 1, 17], np.int32)
+    want = jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=jnp.asarray(n))
+    np.testing.assert_allclose(reference(q, k, v, n), np.asarray(want), atol=1e-5)
+    q, k, v = _data(rng, B, T, T, Hq, Hkv, D, jnp.float32, cpu)
+    n = np.full(B, T, np.int32)
+    for window in (None, 7):
+        want = jax.nn.dot_product_attention(
+            q, k, v, is_causal=True, local_window_size=None if window is None else (window - 1, 0)
+        )
+        np.testing.assert_allclose(
+            reference(q, k, v, n, window=window), np.asarray(want), atol=1e-5
+        )
+    # q_lengths: the last rows of a full sequence are those rows of the full computation
+    ql = np.array([T, 5, 0], np.int32)
+    full = reference(q, k, v, n)
+    got = reference(q[:, -5:], k, v, n, np.minimum(ql, 5))
+    np.testing.assert_allclose(got[1], full[1, -5:], atol=1e-12)
+    assert not got[2].any()
+
+
+# -- on the GPU ---------------------------------------------------------------------------
+
+# (B, S, T, Hq, Hkv, D)
+DECODE = [(4, 1, 256, 8, 2, 64), (3, 1, 300, 8, 2, 128), (2, 1, 512, 4, 4, 256)]
+MULTI = [(3, 16, 256, 8, 2, 128), (2, 64, 320, 4, 1, 64), (2, 7, 128, 8, 8, 256)]
+
+
+def _lengths(rng, B, T):
+    n = rng.integers(1, T + 1, size=B)
+    n[0] = T  # a full sequence
+    if B > 2:
+        n[-1] = 0  # an idle slot: zeros
+    return n.astype(np.int32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("shape", DECODE + MULTI, ids=lambda s: "B{}S{}T{}Hq{}Hkv{}D{}".format(*s))
+def test_matches_the_reference(gpu, shape, dtype):
+    B, S, T, Hq, Hkv, D = shape
+    rng = np.random.default_rng(sum(shape))
+    q, k, v = _data(rng, B, S, T, Hq, Hkv, D, dtype, gpu)
+    n = _lengths(rng, B, T)
+    got = ca.cudnn_attention(q, k, v, jnp.asarray(n))
+    _check(got, reference(q, k, v, n), dtype, "default q_lengths")
+    if S > 1:
+        ql = rng.integers(0, S + 1, size=B).astype(np.int32)
+        ql[0] = S
+        got = ca.cudnn_attention(q, k, v, jnp.asarray(n), q_lengths=jnp.asarray(ql))
+        _check(got, reference(q, k, v, n, ql), dtype, f"q_lengths {ql}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window", [None, 1, 5, 100])
+@pytest.mark.parametrize("softcap", [None, 5.0])
+@pytest.mark.parametrize("S", [1, 24])
+def test_window_and_softcap(gpu, window, softcap, S):
+    B, T, Hq, Hkv, D = 3, 384, 8, 2, 128
+    rng = np.random.default_rng(7 + S)
+    q, k, v = _data(rng, B, S, T, Hq, Hkv, D, BF16, gpu)
+    q = q * 4  # larger logits so that the cap matters
+    n = _lengths(rng, B, T)
+    ql = np.array([S, max(1, S // 2), S], np.int32)
+    got = ca.cudnn_attention(
+        q, k, v, jnp.asarray(n), q_lengths=jnp.asarray(ql), window=window, softcap=softcap
+    )
+    _check(got, reference(q, k, v, n, ql, window, softcap), BF16, f"w={window} cap={softcap}")
+
+
+@pytest.mark.gpu
+def test_scale_and_three_dim_decode_q(gpu):
+    B, T, Hq, Hkv, D = 2, 200, 4, 2, 64
+    rng = np.random.default_rng(3)
+    q, k, v = _data(rng, B, 1, T, Hq, Hkv, D, F16, gpu)
+    n = np.array([200, 17], np.int32)
+    got = ca.cudnn_attention(q[:, 0], k, v, jnp.asarray(n), scale=0.3)
+    assert got.shape == (B, Hq, D)
+    _check(got[:, None], reference(q, k, v, n, scale=0.3), F16, "scale 0.3")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("S", [1, 16])
+def test_unwritten_rows_are_zeros_in_a_nan_buffer(gpu, S):
+    """Rows past q_lengths and sequences of length 0 are zeros, although cuDNN does not
+    compute them: the output buffer starts as NaN. With zero_rows=False the same call
+    shows (printed) whether cuDNN leaves those rows unwritten."""
+    B, T, Hq, Hkv, D = 4, 256, 8, 2, 128
+    rng = np.random.default_rng(11)
+    q, k, v = _data(rng, B, S, T, Hq, Hkv, D, BF16, gpu)
+    n = np.array([T, 0, 100, 3], np.int32)
+    ql = np.array([S, S, 0, S], np.int32)
+    want = reference(q, k, v, n, ql)
+    nan = jnp.full(q.shape, jnp.nan, BF16)
+    got = ca.cudnn_attention(q, k, v, jnp.asarray(n), q_lengths=jnp.asarray(ql), out=nan)
+    _check(got, want, BF16, "NaN-prefilled output")
+    raw = ca.cudnn_attention(
+        q,
+        k,
+        v,
+        jnp.asarray(n),
+        q_lengths=jnp.asarray(ql),
+        out=jnp.full(q.shape, jnp.nan, BF16),
+        zero_rows=False,
+    )
+    raw = np.asarray(raw.astype(jnp.float32))
+    print(
+        f"\n[cudnn] S={S} zero_rows=False: NaN rows per sequence "
+        f"{[int(np.isnan(raw[b]).any(axis=(1, 2)).sum()) for b in range(B)]} "
+        f"(lengths {n.tolist()}, q_lengths {ql.tolist()})"
+    )
+
+
+@pytest.mark.gpu
+def test_under_jit_matches_eager(gpu):
+    B, S, T, Hq, Hkv, D = 4, 8, 256, 8, 2, 128
+    rng = np.random.default_rng(5)
+    q, k, v = _data(rng, B, S, T, Hq, Hkv, D, BF16, gpu)
+    n, ql = jnp.asarray(_lengths(rng, B, T)), jnp.array([8, 3, 1, 8], jnp.int32)
+    f = jax.jit(lambda q, k, v, n, ql: ca.cudnn_attention(q, k, v, n, q_lengths=ql, window=32))
+    got = f(q, k, v, n, ql)
+    _check(got, reference(q, k, v, np.asarray(n), np.asarray(ql), 32), BF16, "jit")
+    eager = ca.cudnn_attention(q, k, v, n, q_lengths=ql, window=32)
+    assert np.array_equal(
+        np.asarray(got.astype(jnp.float32)), np.asarray(eager.astype(jnp.float32))
+    )
+
+
+def _copy_into(buf, src) -> None:
+    src = jax.block_until_ready(src)
+    cupy = pytest.importorskip("cupy")
+    cupy.cuda.runtime.memcpy(
+        buf.address, src.unsafe_buffer_pointer(), src.nbytes, cupy.cuda.runtime.memcpyDeviceToDevice
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("S", [1, 32])
+def test_over_arena_views(gpu, S):
+    B, T, Hq, Hkv, D = 4, 512, 8, 2, 128
+    rng = np.random.default_rng(13)
+    q, k, v = _data(rng, B, S, T, Hq, Hkv, D, BF16, gpu)
+    kv = jax_vmm.kv_arena(
+        num_layers=2,
+        num_kv_heads=Hkv,
+        head_dim=D,
+        max_tokens=T,
+        dtype=BF16,
+        device=gpu,
+        max_seqs=B,
+        initial_tokens=T,
+    )
+    try:
+        _copy_into(kv.k_buffers[1], k)
+        _copy_into(kv.v_buffers[1], v)
+        n = _lengths(rng, B, T)
+        got = ca.cudnn_attention(q, kv.k[1], kv.v[1], jnp.asarray(n), softcap=20.0, window=200)
+        _check(got, reference(q, k, v, n, None, 200, 20.0), BF16, "arena views")
+    finally:
+        kv.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("S", [1, 8])
+def test_over_a_cache_layer(gpu, S):
+    """The layer form: the arena layer is found by the cache's identity (eager and under
+    jit with the cache as an argument); lengths past the ensured tokens are clamped to
+    them and counted (kv.check() raises OutOfBoundsRead)."""
+    B, T, Hq, Hkv, D = 3, 256, 8, 2, 64
+    rng = np.random.default_rng(19)
+    q, k, v = _data(rng, B, S, T, Hq, Hkv, D, BF16, gpu)
+    kv = jax_vmm.kv_arena(
+        num_layers=2,
+        num_kv_heads=Hkv,
+        head_dim=D,
+        max_tokens=T,
+        dtype=BF16,
+        device=gpu,
+        max_seqs=B,
+        initial_tokens=T,
+    )
+    try:
+        _copy_into(kv.k_buffers[0], k)
+        _copy_into(kv.v_buffers[0], v)
+        n = np.array([T, 100, 0], np.int32)
+        want = reference(q, k, v, n, None, 50, 10.0)
+        cache = kv.cache()
+        got = ca.cudnn_attention(q, cache[0], jnp.asarray(n), window=50, softcap=10.0)
+        _check(got, want, BF16, "layer, eager")
+        f = jax.jit(lambda q, cache, n: ca.cudnn_attention(q, cache[0], n, window=50, softcap=10.0))
+        _check(f(q, cache, jnp.asarray(n)), want, BF16, "layer, jit")
+        kv.check()  # nothing clamped so far
+    finally:
+        kv.close()
+    kv = jax_vmm.kv_arena(
+        num_layers=1,
+        num_kv_heads=Hkv,
+        head_dim=D,
+        max_tokens=T,
+        dtype=BF16,
+        device=gpu,
+        max_seqs=B,
+        initial_tokens=T,
+    )
+    try:
+        _copy_into(kv.k_buffers[0], k)
+        _copy_into(kv.v_buffers[0], v)
+        kv.release(1, keep_tokens=64)  # sequence 1 keeps the bytes of its first 64 tokens
+        kv.ensure(64, seq=1)  # ... and has 64 tokens ensured
+        n = np.array([T, 200, 30], np.int32)
+        got = ca.cudnn_attention(q, kv.cache()[0], jnp.asarray(n))
+        _check(got, reference(q, k, v, np.array([T, 64, 30])), BF16, "clamped to ensured")
+        with pytest.raises(jax_vmm.OutOfBoundsRead):
+            kv.check()
+    finally:
+        kv.close()
+
+
+def _tail(x):  # more kernels around the call: XLA only forms command buffers of some size
+    y = x.astype(jnp.float32)
+    for _ in range(4):
+        y = jnp.tanh(y) * 1.5 + jnp.mean(y, axis=(2, 3), keepdims=True)
+    return x, jnp.sum(y)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("S", [1, 16])
+def test_captured_in_a_command_buffer(gpu, S):
+    """The call is recorded into a command buffer (the handler runs on a capturing stream,
+    with the graph built before the capture) and stays right across calls with new
+    lengths."""
+    B, T, Hq, Hkv, D = 4, 256, 8, 2, 128
+    rng = np.random.default_rng(17)
+    q, k, v = _data(rng, B, S, T, Hq, Hkv, D, BF16, gpu)
+
+    def step(q, k, v, n):
+        q = q * 1.0 + 0.0  # an op before, so the call sits inside a sequence of kernels
+        return _tail(ca.cudnn_attention(q, k, v, n, window=64))
+
+    f = jax.jit(step).lower(q, k, v, jnp.zeros((B,), jnp.int32)).compile()
+    before = ca.cudnn_attention_stats()
+    for trial in range(4):
+        n = rng.integers(0, T + 1, size=B).astype(np.int32)
+        got, _ = f(q, k, v, jax.device_put(jnp.asarray(n), gpu))
+        _check(got, reference(q, k, v, n, None, 64), BF16, f"replay {trial}")
+    after = ca.cudnn_attention_stats()
+    print(f"\n[cudnn] S={S} stats before {before} after {after}")
+    assert after["captured_calls"] > before["captured_calls"], (
+        "the custom call never ran under stream capture: XLA did not put it into a command "
+        f"buffer ({after})"
+    )
+    assert after["execute_failures"] == 0
