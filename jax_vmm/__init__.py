@@ -45,6 +45,7 @@ from .ops import (  # noqa: E402
     scratch_stats,
 )
 from .ops.array_attention import attention_stats  # noqa: E402
+from .ops.general_attention import attention, reference_attention  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -65,6 +66,8 @@ __all__ = [
     "kv_write_fp8",
     "kv_write_through",
     "decode_attention",
+    "attention",
+    "reference_attention",
     "ordered_views",
     "quantize_fp8",
     "dequantize_fp8",

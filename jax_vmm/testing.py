@@ -68,6 +68,7 @@ from .memory import arena as _arena
 from .ops import array_writes as _ops
 from .ops import layer_ops as _cache_ops
 from .ops.attention_call import prepare as _prepare_attention
+from .ops.general_attention import checked_options
 from .ops.scratch import reserve as _scratch_reserve
 
 
@@ -413,6 +414,7 @@ def decode_attention(
     ctas: int = 0,
     stages: int = 0,
     min_tiles: int = 0,
+    **options: Any,
 ) -> jax.Array:
     """``jax_vmm.decode_attention`` (graph-safe scratch workspace) through the testing
     targets, with the same validation, kernel choice and plan as the private
@@ -425,7 +427,11 @@ def decode_attention(
     skip_output: write nothing to the output (out_init comes back unchanged).
     read_all_tokens: (the split-K CPU handler only) also touch every token up to T, as a
       kernel that ignored the lengths would.
+    options: q_lengths / window / softcap of the general attention (q ``(B, S, H_q, D)``),
+      validated as ``jax_vmm`` attention does (jax_vmm/ops/general_attention.py).
     """
+    if options:
+        q, options = checked_options(q, k, options)
     call = _prepare_attention(
         q,
         k,
@@ -441,6 +447,7 @@ def decode_attention(
         ctas=ctas,
         stages=stages,
         min_tiles=min_tiles,
+        **options,
     )
     if call is None:
         return jnp.zeros(jnp.shape(q), jnp.asarray(q).dtype)
@@ -464,7 +471,7 @@ def decode_attention(
         vmap_method="sequential",
         input_output_aliases={len(call.operands): 0},
     )
-    return ffi(*call.operands, out_init, **attrs)
+    return ffi(*call.operands, out_init, *call.tail, **attrs)
 
 
 def stream_partition(

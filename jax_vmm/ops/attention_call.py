@@ -50,6 +50,8 @@ class _Call:
     plan: dict
     device: jax.Device
     stream: bool = False
+    # Operands after every other one (split-K only): (q_lengths,) when given, else ().
+    tail: tuple = ()
 
 
 def prepare(
@@ -68,10 +70,15 @@ def prepare(
     ctas: int = 0,
     stages: int = 0,
     min_tiles: int = 0,
+    q_lengths: Any = None,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> _Call | None:
     """Validates a call, picks the kernel (split-K or streaming) and registers the
     targets; None for an empty batch (the result is then all zeros without a custom call).
-    Shared with jax_vmm.testing's variant."""
+    Shared with jax_vmm.testing's variant. A rank-4 q ``(B, S, H_q, D)`` with q_lengths
+    (int32 ``(B,)``, validated by the caller), window (0 = none) and softcap (0 = none)
+    is jax_vmm's general attention (jax_vmm/ops/general_attention.py): split-K kernels only."""
     # k, v may be ShapeDtypeStructs: the shapes of an arena layer (jax_vmm/ops/layer_ops.py).
     q, k, v = (
         x if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) else jnp.asarray(x) for x in (q, k, v)
@@ -82,7 +89,14 @@ def prepare(
             f"impl must be one of {sorted(_IMPLS) + sorted(_STREAM_IMPLS)}, got {impl!r}"
         )
     fp8 = np.dtype(k.dtype) in FP8_STORAGE and np.dtype(q.dtype) not in FP8_STORAGE
-    if impl == "auto" and _auto_picks_stream(q, k, chunk, splits, workspace):
+    rows = q.ndim == 4
+    if rows and (fp8 or impl in _STREAM_IMPLS or k_scale is not None or v_scale is not None):
+        raise ValueError(
+            "attention with (B, S, H_q, D) queries runs the split-K kernels only: no "
+            f"impl={impl!r} (the streaming kernel) and no fp8 cache here (the caller "
+            "dequantizes one)"
+        )
+    if impl == "auto" and not rows and _auto_picks_stream(q, k, chunk, splits, workspace):
         impl = "stream_combine"
     if fp8 or impl in _STREAM_IMPLS or k_scale is not None or v_scale is not None:
         _refuse_knobs_of("split-K", ("chunk", chunk), ("splits", splits))
@@ -119,7 +133,10 @@ def prepare(
 
     device, units = _target(q, k, v, lengths)
     _register(device.platform)
-    plan = attention_plan(B, T, Hq, Hkv, D, parallel_units=units, chunk=chunk, splits=splits)
+    S = q.shape[1] if rows else 1
+    plan = attention_plan(
+        B, T, Hq, Hkv, D, parallel_units=units, chunk=chunk, splits=splits, q_len=S
+    )
     if device.platform != "cpu" and workspace == "scratch":
         # Belt and braces: the handler grows the scratch at XLA's initialize stage, which
         # XLA runs before it records a CUDA graph. Should a capture ever come first, the
@@ -130,8 +147,12 @@ def prepare(
         chunk=np.int64(plan["chunk"]),
         splits=np.int64(plan["splits"]),
         impl=np.int64(_IMPLS[impl]),
+        window=np.int64(window),
+        softcap=np.float32(softcap),
     )
-    return _Call((q, k, v, lengths), attrs, jax.ShapeDtypeStruct(q.shape, q.dtype), plan, device)
+    tail = () if q_lengths is None else (q_lengths,)
+    out_type = jax.ShapeDtypeStruct(q.shape, q.dtype)
+    return _Call((q, k, v, lengths), attrs, out_type, plan, device, tail=tail)
 
 
 def _auto_picks_stream(q: Any, k: Any, chunk: int, splits: int, workspace: str) -> bool:
@@ -304,9 +325,10 @@ def _check(
 ) -> tuple[int, int, int, int, int]:
     """Trace-time validation; returns (B, H_q, D, T, H_kv). kv_dtypes: k and v may have
     one of these dtypes instead of q's (an fp8 cache)."""
-    if q.ndim != 3:
+    if q.ndim not in (3, 4):
         raise ValueError(
-            f"decode_attention: q must be (batch, q_heads, head_dim), got shape {q.shape}"
+            "decode_attention: q must be (batch, q_heads, head_dim) (attention: (batch, "
+            f"queries, q_heads, head_dim)), got shape {q.shape}"
         )
     if k.ndim != 4:
         raise ValueError(
@@ -316,7 +338,7 @@ def _check(
         )
     if v.shape != k.shape:
         raise ValueError(f"decode_attention: v has shape {v.shape}, expected k's shape {k.shape}")
-    B, Hq, D = q.shape
+    B, Hq, D = q.shape[0], q.shape[-2], q.shape[-1]
     kb, T, Hkv, kd = k.shape
     if kb != B:
         raise ValueError(f"decode_attention: q has batch {B} but k/v have {kb} sequences {k.shape}")
@@ -398,16 +420,24 @@ def attention_plan(
     parallel_units: int | None = None,
     chunk: int = 0,
     splits: int = 0,
+    q_len: int = 1,
 ) -> dict:
     """The split-K plan for these static shapes: ``chunk`` (tokens per chunk), ``splits``
-    (partials per sequence and head), ``head_group`` (query heads per CUDA block),
-    ``max_chunks`` and ``workspace_bytes``. ``parallel_units`` defaults to the SM count
+    (partials per sequence and head), ``head_group`` (query rows per CUDA block),
+    ``row_blocks``, ``max_chunks`` and ``workspace_bytes``. ``q_len``: query rows per
+    sequence (jax_vmm attention; decode 1). ``parallel_units`` defaults to the SM count
     of JAX's default device (8 on the CPU)."""
     if parallel_units is None:
         parallel_units = _target()[1]
+    if q_len == 1:  # the decode plan, also with a jax_vmm._core that predates q_len
+        return dict(
+            _core.attention_plan(
+                batch, max_tokens, q_heads, kv_heads, head_dim, parallel_units, chunk, splits
+            )
+        )
     return dict(
         _core.attention_plan(
-            batch, max_tokens, q_heads, kv_heads, head_dim, parallel_units, chunk, splits
+            batch, max_tokens, q_heads, kv_heads, head_dim, parallel_units, chunk, splits, q_len
         )
     )
 

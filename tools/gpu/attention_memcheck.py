@@ -3,7 +3,9 @@
 256 in bf16 and f16, the simple kernel in f32, each with the scratch and the XLA
 workspace and a forced split-K plan; the streaming kernel (stream, stream_combine,
 stream_tma) on bf16 and fp8 caches at the same head dims, with forced partitions (units cut
-into pieces across CTAs) and the automatic plan. Ragged lengths (full, 1, a third). The
+into pieces across CTAs) and the automatic plan; the split-K kernels' general-attention
+instantiations (S query rows, q_lengths, window, softcap). Ragged lengths (full, 1, a
+third). The
 sanitizer judges the memory accesses; this script only checks that every output is
 finite.
 """
@@ -15,6 +17,7 @@ import numpy as np
 
 from jax_vmm.base.fp8 import quantize_fp8
 from jax_vmm.ops.attention import _decode_attention, attention_stats
+from jax_vmm.ops.general_attention import _attention
 
 CASES = [  # (B, T, Hq, Hkv, D, dtype, impl)
     (3, 300, 8, 2, 128, jnp.bfloat16, "tensor_core"),
@@ -59,6 +62,19 @@ def main() -> None:
                     raise SystemExit(
                         f"non-finite output: B={B} T={T} D={D} fp8={fp8} {impl} {plan}"
                     )
+    for B, T, Hq, Hkv, D, dtype, impl in CASES:  # S = 5 rows (17 for GQA 12: 12 row blocks)
+        S = 17 if Hq // Hkv == 12 else 5
+        q = jnp.asarray(rng.standard_normal((B, S, Hq, D), dtype=np.float32)).astype(dtype)
+        k = jnp.asarray(rng.standard_normal((B, T, Hkv, D), dtype=np.float32)).astype(dtype)
+        lens = jnp.asarray([T, 1] + [T // 3] * (B - 2), jnp.int32)
+        qlens = jnp.asarray([S, 0] + [2] * (B - 2), jnp.int32)
+        for workspace in ("scratch", "xla"):
+            out = _attention(
+                q, k, k, lens, q_lengths=qlens, window=40, softcap=30.0, impl=impl,
+                workspace=workspace, chunk=48, splits=2,
+            )  # fmt: skip
+            if not np.isfinite(np.asarray(out.astype(jnp.float32))).all():
+                raise SystemExit(f"non-finite output: S={S} D={D} {impl} {workspace}")
     print("memcheck workload done", attention_stats())
 
 

@@ -18,7 +18,8 @@
 #   tests:gpu           the GPU tests only (-m gpu), skip reasons listed: none should skip here
 #                       but the two-GPU ones; TESTS="tests/ops tests/example" narrows it (to
 #                       split the suite over calls of the device tool's 600 s)
-#   tests:attention     tests/ops/test_attention.py and test_attention_v2.py -m gpu: the
+#   tests:attention     tests/ops/test_attention.py, test_attention_v2.py and
+#                       test_attention_semantics.py (S queries, q_lengths, window, softcap) -m gpu: the
 #                       split-K (tensor-core, simple) and streaming kernels (bf16/fp16/fp8)
 #                       against a float64 reference, NaN-prefilled outputs, forced plans,
 #                       ring depths, determinism, capture + replay + growth
@@ -74,6 +75,8 @@
 #   diag:kv_write_ncu   bench/kv_write_kernel_times.py: the kv_write kernel's own time by
 #                       Nsight Compute at 1..32768 tokens -> kv_write_kernel_times.json
 #   bench:attention     bench/attention.py: copy-bandwidth floor, then the table -> bench_attention.json
+#   bench:attention_options  bench/attention_options.py: S queries / window / softcap beside cuDNN
+#                       -> bench_attention_options.json
 #   bench:kv_write      bench/kv_write.py at 1 GiB and 32 GiB -> bench_kv_write.json
 #   bench:commit        bench/commit.py: arena vs raw cuda-python, 64 GiB creation -> bench_commit.json
 #   bench:decode        bench/decode.py -> decode.json, decode.png
@@ -136,7 +139,8 @@ step_tests() {
     gpu)
       # shellcheck disable=SC2086  # TESTS is a list of paths
       pytest_run ${TESTS:-tests} -m gpu -rs ;;
-    attention) pytest_run tests/ops/test_attention.py tests/ops/test_attention_v2.py -m gpu -rs ;;
+    attention) pytest_run tests/ops/test_attention.py tests/ops/test_attention_v2.py \
+      tests/ops/test_attention_semantics.py -m gpu -rs ;;
     kv_cache) pytest_run tests/ops/test_kv_cache.py tests/core/test_errors.py \
                 tests/example/test_decode_example.py tests/integration/test_command_buffer_gpu.py \
                 -m gpu -rs ;;
@@ -287,10 +291,11 @@ step_example() {
 
 step_bench() {
   case "${1:-}" in
-    attention|kv_write|commit|sleep|capacity) "$PY" "bench/$1.py" --json "$RUN_DIR/bench_$1.json" ;;
+    attention|attention_options|kv_write|commit|sleep|capacity)
+      "$PY" "bench/$1.py" --json "$RUN_DIR/bench_$1.json" ;;
     decode) "$PY" bench/decode.py --out "$RUN_DIR" ;;
     growth) "$PY" bench/growth.py --out "$RUN_DIR/growth" ;;
-    *) echo "unknown bench ${1:-} (attention, kv_write, commit, decode, growth, sleep, capacity)"; return 2 ;;
+    *) echo "unknown bench ${1:-} (attention, attention_options, kv_write, commit, decode, growth, sleep, capacity)"; return 2 ;;
   esac
 }
 
@@ -308,7 +313,7 @@ step_probe() {
 limit_of() {  # STEP -> seconds
   local var="LIMIT_${1//[^A-Za-z0-9_]/_}" limit
   case "$1" in
-    build|tests|tests:*|sanitize:hazard|bench:attention|bench:decode|probe:kernels) limit=600 ;;
+    build|tests|tests:*|sanitize:hazard|bench:attention|bench:attention_options|bench:decode|probe:kernels) limit=600 ;;
     sanitize:attention|sanitize:memory|bench:kv_write|bench:growth|bench:sleep|bench:capacity) limit=400 ;;
     example|bench:commit) limit=300 ;;
     info|facts|diag:*) limit=150 ;;

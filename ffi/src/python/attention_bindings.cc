@@ -34,20 +34,27 @@ void BindAttention(nb::module_& m) {
   m.def(
       "attention_plan",
       [](int64_t batch, int64_t max_tokens, int64_t q_heads, int64_t kv_heads, int64_t head_dim,
-         int64_t parallel_units, int64_t chunk, int64_t splits) {
-        const Shapes s = CheckedShapes(batch, max_tokens, q_heads, kv_heads, head_dim);
+         int64_t parallel_units, int64_t chunk, int64_t splits, int64_t q_len) {
+        Shapes s = CheckedShapes(batch, max_tokens, q_heads, kv_heads, head_dim);
+        s.q_len = q_len;
+        if (std::string err = ValidateShapes(s); !err.empty()) {
+          throw InvalidArgument("attention: " + err);
+        }
         const Plan p = MakePlan(s, parallel_units, chunk, splits);
         nb::dict d;
         d["chunk"] = p.chunk;
         d["splits"] = p.splits;
         d["head_group"] = p.head_group;
+        d["row_blocks"] = p.row_blocks;
         d["max_chunks"] = p.max_chunks;
         d["workspace_bytes"] = p.workspace_bytes;
         return d;
       },
       nb::arg("batch"), nb::arg("max_tokens"), nb::arg("q_heads"), nb::arg("kv_heads"),
       nb::arg("head_dim"), nb::arg("parallel_units"), nb::arg("chunk") = 0, nb::arg("splits") = 0,
-      "Split-K plan of decode_attention for static shapes (see "
+      nb::arg("q_len") = 1,
+      "Split-K plan of decode_attention (q_len: query rows per sequence, jax_vmm attention) "
+      "for static shapes (see "
       "ffi/src/ops/attention/attention_plan.h).");
 
   m.def(

@@ -32,10 +32,17 @@ void ReadEveryToken(const ffi::AnyBuffer& k, const ffi::AnyBuffer& v, const atte
 ffi::Error DebugAttentionCpuImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                                  ffi::Buffer<ffi::S32> lengths, ffi::AnyBuffer out_init,
                                  ffi::Result<ffi::AnyBuffer> out, float scale, int64_t chunk,
-                                 int64_t splits, int64_t impl, bool read_all_tokens,
+                                 int64_t splits, int64_t impl, attention::OptionalLengths q_lengths,
+                                 int64_t window, float softcap, bool read_all_tokens,
                                  bool skip_output) {
   (void)out_init;  // aliased to `out` by XLA; never read
   (void)impl;
+  attention::Semantics sem;
+  if (ffi::Error e = attention::MakeSemantics(attention::kCpuName, q.dimensions()[0], q_lengths,
+                                              window, softcap, &sem);
+      e.failure()) {
+    return e;
+  }
   attention::Shapes sh;
   if (ffi::Error err = attention::CheckOperands(attention::kCpuName, q, k, v, lengths, *out, &sh);
       err.failure()) {
@@ -43,7 +50,7 @@ ffi::Error DebugAttentionCpuImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuf
   }
   if (read_all_tokens) ReadEveryToken(k, v, sh);
   if (skip_output) return ffi::Error::Success();
-  return attention::RunCpu(q, k, v, lengths, *out, nullptr, scale, chunk, splits);
+  return attention::RunCpu(q, k, v, lengths, *out, nullptr, scale, chunk, splits, sem);
 }
 
 }  // namespace

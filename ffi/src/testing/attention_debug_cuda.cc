@@ -20,10 +20,14 @@ ffi::Error DebugAttentionInitializeImpl(cudaStream_t stream, int32_t device, ffi
                                         ffi::AnyBuffer k, ffi::AnyBuffer v,
                                         ffi::Buffer<ffi::S32> lengths, ffi::AnyBuffer out_init,
                                         ffi::Result<ffi::AnyBuffer> out, float scale, int64_t chunk,
-                                        int64_t splits, int64_t impl, bool read_all_tokens,
-                                        bool skip_output) {
+                                        int64_t splits, int64_t impl,
+                                        attention::OptionalLengths q_lengths, int64_t window,
+                                        float softcap, bool read_all_tokens, bool skip_output) {
   (void)out_init;
   (void)scale;
+  (void)q_lengths;
+  (void)window;
+  (void)softcap;
   (void)read_all_tokens;
   (void)skip_output;
   return attention::CudaInitialize(stream, device, q, k, v, lengths, *out, chunk, splits, impl);
@@ -33,15 +37,22 @@ ffi::Error DebugAttentionExecuteImpl(cudaStream_t stream, int32_t device, ffi::A
                                      ffi::AnyBuffer k, ffi::AnyBuffer v,
                                      ffi::Buffer<ffi::S32> lengths, ffi::AnyBuffer out_init,
                                      ffi::Result<ffi::AnyBuffer> out, float scale, int64_t chunk,
-                                     int64_t splits, int64_t impl, bool read_all_tokens,
-                                     bool skip_output) {
+                                     int64_t splits, int64_t impl,
+                                     attention::OptionalLengths q_lengths, int64_t window,
+                                     float softcap, bool read_all_tokens, bool skip_output) {
   (void)out_init;  // aliased to `out` by XLA; never read
   (void)read_all_tokens;
+  attention::Semantics sem;
+  if (ffi::Error e = attention::MakeSemantics("jax_vmm_testing_decode_attention (CUDA)",
+                                              q.dimensions()[0], q_lengths, window, softcap, &sem);
+      e.failure()) {
+    return e;
+  }
   if (skip_output) {
     return attention::CudaBeginExecute(stream, device, q, k, v, lengths, *out, chunk, splits, impl);
   }
   return attention::CudaExecute(stream, device, q, k, v, lengths, *out, nullptr, scale, chunk,
-                                splits, impl);
+                                splits, impl, sem);
 }
 
 // Operands, results and attributes after the stage's context arguments in `b`.

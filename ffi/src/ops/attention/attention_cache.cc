@@ -27,10 +27,10 @@ std::string PrepareCacheAttention(const char* op, const char* driver_kind, int d
            "(kv_arena(..., max_seqs=batch))";
   }
   auto qd = q.dimensions(), ld = lengths.dimensions(), rd = read_lengths.dimensions();
-  if (qd.size() != 3 || qd[0] != g.max_seqs) {
-    return who + "q must be (" + std::to_string(g.max_seqs) +
-           ", H_q, D), one query per sequence "
-           "of the KV cache; got " +
+  if ((qd.size() != 3 && qd.size() != 4) || qd[0] != g.max_seqs) {
+    return who + "q must be (" + std::to_string(g.max_seqs) + ", H_q, D) or (" +
+           std::to_string(g.max_seqs) +
+           ", S, H_q, D), queries of every sequence of the KV cache; got " +
            ShapeString(qd.begin(), qd.size());
   }
   for (auto d : {ld, rd}) {

@@ -58,7 +58,7 @@ void ClampLengthsOnHost(const CacheAttention& call, const int32_t* lengths, int3
 ffi::Error CacheCpu(bool use_limits, int32_t device, ffi::AnyBuffer q,
                     ffi::Buffer<ffi::S32> lengths, ffi::AnyBuffer out,
                     ffi::Buffer<ffi::S32> read_lengths, uint64_t cache_uid, int64_t layer,
-                    float scale, int64_t chunk, int64_t splits);
+                    float scale, int64_t chunk, int64_t splits, const Semantics& sem);
 ffi::Error StreamCacheCpu(bool use_limits, int32_t device, ffi::AnyBuffer q,
                           ffi::Buffer<ffi::S32> lengths, ffi::AnyBuffer k_scale,
                           ffi::AnyBuffer v_scale, ffi::AnyBuffer out,
@@ -92,11 +92,18 @@ template <bool kUseLimits>
 ffi::Error CacheCpuImpl(int32_t device, ffi::AnyBuffer q, ffi::Buffer<ffi::S32> lengths,
                         ffi::AnyBuffer token, ffi::Result<ffi::AnyBuffer> out,
                         ffi::Result<ffi::Buffer<ffi::S32>> read_lengths, uint64_t cache_uid,
-                        int64_t layer, float scale, int64_t chunk, int64_t splits, int64_t impl) {
+                        int64_t layer, float scale, int64_t chunk, int64_t splits, int64_t impl,
+                        OptionalLengths q_lengths, int64_t window, float softcap) {
   (void)token;  // orders the call after the layer's writes; not read
   (void)impl;   // a CUDA kernel choice
+  Semantics sem;
+  if (ffi::Error e = MakeSemantics("jax_vmm.attention (KVCache layer, cpu)", q.dimensions()[0],
+                                   q_lengths, window, softcap, &sem);
+      e.failure()) {
+    return e;
+  }
   return CacheCpu(kUseLimits, device, q, lengths, *out, *read_lengths, cache_uid, layer, scale,
-                  chunk, splits);
+                  chunk, splits, sem);
 }
 
 template <bool kUseLimits>

@@ -32,14 +32,14 @@ ffi::Error PrepareOnHost(bool use_limits, int32_t device, uint64_t cache_uid, in
 ffi::Error CacheCpu(bool use_limits, int32_t device, ffi::AnyBuffer q,
                     ffi::Buffer<ffi::S32> lengths, ffi::AnyBuffer out,
                     ffi::Buffer<ffi::S32> read_lengths, uint64_t cache_uid, int64_t layer,
-                    float scale, int64_t chunk, int64_t splits) {
+                    float scale, int64_t chunk, int64_t splits, const Semantics& sem) {
   CacheAttention call;
   if (ffi::Error e =
           PrepareOnHost(use_limits, device, cache_uid, layer, q, lengths, read_lengths, &call);
       e.failure()) {
     return e;
   }
-  return RunCpu(q, call.K(), call.V(), read_lengths, out, nullptr, scale, chunk, splits);
+  return RunCpu(q, call.K(), call.V(), read_lengths, out, nullptr, scale, chunk, splits, sem);
 }
 
 ffi::Error StreamCacheCpu(bool use_limits, int32_t device, ffi::AnyBuffer q,

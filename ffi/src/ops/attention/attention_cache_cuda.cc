@@ -53,9 +53,13 @@ ffi::Error InitializeImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q,
                           ffi::Buffer<ffi::S32> lengths, ffi::AnyBuffer token,
                           ffi::Result<ffi::AnyBuffer> out,
                           ffi::Result<ffi::Buffer<ffi::S32>> read_lengths, uint64_t cache_uid,
-                          int64_t layer, float scale, int64_t chunk, int64_t splits, int64_t impl) {
+                          int64_t layer, float scale, int64_t chunk, int64_t splits, int64_t impl,
+                          OptionalLengths q_lengths, int64_t window, float softcap) {
   (void)token;
   (void)scale;
+  (void)q_lengths;  // the plan depends on shapes only
+  (void)window;
+  (void)softcap;
   return CacheCudaInitialize(stream, device, q, lengths, *out, *read_lengths, cache_uid, layer,
                              chunk, splits, impl);
 }
@@ -91,7 +95,7 @@ ffi::Error CacheCudaExecute(bool use_limits, cudaStream_t stream, int32_t device
                             const ffi::AnyBuffer& q, const ffi::Buffer<ffi::S32>& lengths,
                             ffi::AnyBuffer out, ffi::Buffer<ffi::S32> read_lengths,
                             uint64_t cache_uid, int64_t layer, float scale, int64_t chunk,
-                            int64_t splits, int64_t impl) {
+                            int64_t splits, int64_t impl, const Semantics& sem) {
   CacheAttention call;
   if (ffi::Error e = Prepare(device, cache_uid, layer, q, lengths, read_lengths, &call);
       e.failure()) {
@@ -99,7 +103,7 @@ ffi::Error CacheCudaExecute(bool use_limits, cudaStream_t stream, int32_t device
   }
   if (ffi::Error e = Clamp(use_limits, call, lengths, read_lengths, stream); e.failure()) return e;
   return CudaExecute(stream, device, q, call.K(), call.V(), read_lengths, out, nullptr, scale,
-                     chunk, splits, impl);
+                     chunk, splits, impl, sem);
 }
 
 ffi::Error StreamCacheCudaInitialize(cudaStream_t stream, int32_t device, const ffi::AnyBuffer& q,

@@ -27,7 +27,7 @@ ffi::Error CacheCudaExecute(bool use_limits, cudaStream_t stream, int32_t device
                             const ffi::AnyBuffer& q, const ffi::Buffer<ffi::S32>& lengths,
                             ffi::AnyBuffer out, ffi::Buffer<ffi::S32> read_lengths,
                             uint64_t cache_uid, int64_t layer, float scale, int64_t chunk,
-                            int64_t splits, int64_t impl);
+                            int64_t splits, int64_t impl, const Semantics& sem);
 
 ffi::Error StreamCacheCudaInitialize(cudaStream_t stream, int32_t device, const ffi::AnyBuffer& q,
                                      const ffi::Buffer<ffi::S32>& lengths,
@@ -51,11 +51,17 @@ ffi::Error CacheExecuteImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
                             ffi::Buffer<ffi::S32> lengths, ffi::AnyBuffer token,
                             ffi::Result<ffi::AnyBuffer> out,
                             ffi::Result<ffi::Buffer<ffi::S32>> read_lengths, uint64_t cache_uid,
-                            int64_t layer, float scale, int64_t chunk, int64_t splits,
-                            int64_t impl) {
+                            int64_t layer, float scale, int64_t chunk, int64_t splits, int64_t impl,
+                            OptionalLengths q_lengths, int64_t window, float softcap) {
   (void)token;  // orders the call after the layer's writes; not read
+  Semantics sem;
+  if (ffi::Error e = MakeSemantics("jax_vmm.attention (KVCache layer, CUDA)", q.dimensions()[0],
+                                   q_lengths, window, softcap, &sem);
+      e.failure()) {
+    return e;
+  }
   return CacheCudaExecute(kUseLimits, stream, device, q, lengths, *out, *read_lengths, cache_uid,
-                          layer, scale, chunk, splits, impl);
+                          layer, scale, chunk, splits, impl, sem);
 }
 
 template <bool kUseLimits>

@@ -21,28 +21,31 @@ inline bool IsSupportedDtype(ffi::DataType t) {
   return t == ffi::DataType::F32 || t == ffi::DataType::BF16 || t == ffi::DataType::F16;
 }
 
-// Checks ranks and shapes of (q, k, v, lengths, out), not their dtypes; fills *shapes.
+// Checks ranks and shapes of (q, k, v, lengths, out), not their dtypes; fills *shapes
+// (q_len = S of a rank-4 q, else 1).
 // Shared with the streaming kernel's checks (stream_check.h), which admit other dtypes.
 inline ffi::Error CheckShapes(const char* name, const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
                               const ffi::AnyBuffer& v, const ffi::Buffer<ffi::S32>& lengths,
                               const ffi::AnyBuffer& out, Shapes* shapes) {
   const std::string who = std::string(name) + ": ";
   auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
-  if (qd.size() != 3 || kd.size() != 4) {
-    return ffi::Error::InvalidArgument(who +
-                                       "q must be (B, H_q, D) and k, v (B, T, H_kv, D); got q " +
-                                       DimsString(qd) + ", k " + DimsString(kd));
+  if ((qd.size() != 3 && qd.size() != 4) || kd.size() != 4) {
+    return ffi::Error::InvalidArgument(
+        who + "q must be (B, H_q, D) or (B, S, H_q, D) and k, v (B, T, H_kv, D); got q " +
+        DimsString(qd) + ", k " + DimsString(kd));
   }
   if (DimsString(kd) != DimsString(vd)) {
     return ffi::Error::InvalidArgument(who + "k " + DimsString(kd) + " and v " + DimsString(vd) +
                                        " must have the same shape");
   }
+  const size_t r = qd.size();  // q's head and dim axes are its last two
   shapes->batch = qd[0];
-  shapes->q_heads = qd[1];
-  shapes->head_dim = qd[2];
+  shapes->q_len = r == 4 ? qd[1] : 1;
+  shapes->q_heads = qd[r - 2];
+  shapes->head_dim = qd[r - 1];
   shapes->max_tokens = kd[1];
   shapes->kv_heads = kd[2];
-  if (kd[0] != qd[0] || kd[3] != qd[2]) {
+  if (kd[0] != qd[0] || kd[3] != qd[r - 1]) {
     return ffi::Error::InvalidArgument(who + "k " + DimsString(kd) + " does not match q " +
                                        DimsString(qd) +
                                        " (expected k = (B, T, H_kv, D) with q's B and D)");

@@ -1,7 +1,8 @@
 // CPU handler of jax_vmm_decode_attention: the same split-K algorithm and plan as the
 // CUDA handler (attention_plan.h), in plain C++ with float32 accumulation. It reads
 // K/V only for tokens < length of each sequence (lengths clamped to [0, T]); length 0
-// gives zeros.
+// gives zeros. S query rows per sequence, q_lengths, window and softcap: Semantics
+// (attention_ffi.h).
 //
 // Targets (the CUDA handler has the same two):
 //   jax_vmm_decode_attention                 partials in a local buffer
@@ -27,8 +28,8 @@
 namespace jax_vmm::attention {
 namespace {
 
-// One call: operands, shapes, plan, and the partials' workspace (float32 layout of
-// attention_plan.h: acc[P][D] | m[P] | l[P]).
+// One call: operands, shapes, plan, options, and the partials' workspace (float32 layout
+// of attention_plan.h: acc[P][D] | m[P] | l[P]).
 struct CpuCall {
   const void* q = nullptr;
   const void* k = nullptr;
@@ -38,112 +39,164 @@ struct CpuCall {
   Converter cv{ffi::DataType::F32};
   Shapes sh;
   Plan plan;
+  Semantics sem;
+  float scale = 0;       // the softmax scale (softcap path: logits in natural units first)
   float scale_log2 = 0;  // exp(x) = exp2(x * log2(e)): logits in log2 units
   float* ws_acc = nullptr;
   float* ws_m = nullptr;
   float* ws_l = nullptr;
 };
 
-// The running softmax state of the G query heads that share one KV head, and row
-// buffers, reused across splits.
-struct HeadGroupState {
-  HeadGroupState(int64_t G, int64_t D, int64_t chunk)
-      : qf(G * D), row(D), logits(G * chunk), m(G), l(G), acc(G * D) {}
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr float kLog2e = 1.4426950408889634f;
+
+// The running softmax state of the rows (query i, head g) that share one KV head -- S * G
+// of them, row r = i * G + g -- each with the token range [lo, hi) it attends to, and
+// row buffers, reused across splits.
+struct RowState {
+  RowState(int64_t R, int64_t D, int64_t chunk)
+      : qf(R * D), row(D), logits(R * chunk), m(R), l(R), acc(R * D), lo(R), hi(R) {}
   std::vector<float> qf, row, logits, m, l, acc;
+  std::vector<int64_t> lo, hi;
 };
 
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+// The logit of a row's dot product, in log2 units.
+float Logit(const CpuCall& c, float dot) {
+  if (c.sem.softcap == 0.f) return dot * c.scale_log2;
+  return c.sem.softcap * std::tanh(dot * c.scale / c.sem.softcap) * kLog2e;
+}
 
-// Folds tokens [t0, t0 + n) of sequence b, KV head kvh, into the running state.
-void FoldChunk(const CpuCall& c, int64_t b, int64_t kvh, int64_t t0, int64_t n,
-               HeadGroupState& st) {
+// Folds tokens [t0, t0 + n) of sequence b, KV head kvh, into the running state of the R
+// rows; tokens outside a row's range are masked (never weighted).
+void FoldChunk(const CpuCall& c, int64_t b, int64_t kvh, int64_t t0, int64_t n, int64_t R,
+               RowState& st) {
   const int64_t T = c.sh.max_tokens, Hkv = c.sh.kv_heads, D = c.sh.head_dim;
-  const int64_t G = c.sh.q_heads / Hkv, chunk = c.plan.chunk;
+  const int64_t chunk = c.plan.chunk;
   for (int64_t i = 0; i < n; ++i) {  // scores, in log2 units
-    c.cv.Row(c.k, ((b * T + t0 + i) * Hkv + kvh) * D, D, st.row.data());
-    for (int64_t g = 0; g < G; ++g) {
+    const int64_t t = t0 + i;
+    c.cv.Row(c.k, ((b * T + t) * Hkv + kvh) * D, D, st.row.data());
+    for (int64_t r = 0; r < R; ++r) {
+      float& x = st.logits[r * chunk + i];
+      if (t < st.lo[r] || t >= st.hi[r]) {
+        x = kNegInf;
+        continue;
+      }
       float dot = 0.0f;
-      for (int64_t d = 0; d < D; ++d) dot += st.qf[g * D + d] * st.row[d];
-      st.logits[g * chunk + i] = dot * c.scale_log2;
+      for (int64_t d = 0; d < D; ++d) dot += st.qf[r * D + d] * st.row[d];
+      x = Logit(c, dot);
     }
   }
-  for (int64_t g = 0; g < G; ++g) {  // chunk softmax, folded into the running state
+  for (int64_t r = 0; r < R; ++r) {  // chunk softmax, folded into the running state
     float mx = kNegInf;
-    for (int64_t i = 0; i < n; ++i) mx = std::max(mx, st.logits[g * chunk + i]);
-    const float m_new = std::max(st.m[g], mx);
-    const float alpha = std::exp2(st.m[g] - m_new);
+    for (int64_t i = 0; i < n; ++i) mx = std::max(mx, st.logits[r * chunk + i]);
+    const float m_new = std::max(st.m[r], mx);
+    const float ref = m_new == kNegInf ? 0.0f : m_new;  // no live token yet: p = alpha = 0
+    const float alpha = std::exp2(st.m[r] - ref);
     float sum = 0.0f;
     for (int64_t i = 0; i < n; ++i) {
-      float& x = st.logits[g * chunk + i];
-      x = std::exp2(x - m_new);
+      float& x = st.logits[r * chunk + i];
+      x = std::exp2(x - ref);
       sum += x;
     }
-    st.m[g] = m_new;
-    st.l[g] = st.l[g] * alpha + sum;
-    for (int64_t d = 0; d < D; ++d) st.acc[g * D + d] *= alpha;
+    st.m[r] = m_new;
+    st.l[r] = st.l[r] * alpha + sum;
+    for (int64_t d = 0; d < D; ++d) st.acc[r * D + d] *= alpha;
   }
   for (int64_t i = 0; i < n; ++i) {
-    c.cv.Row(c.v, ((b * T + t0 + i) * Hkv + kvh) * D, D, st.row.data());
-    for (int64_t g = 0; g < G; ++g) {
-      const float p = st.logits[g * chunk + i];
-      for (int64_t d = 0; d < D; ++d) st.acc[g * D + d] += p * st.row[d];
+    const int64_t t = t0 + i;
+    c.cv.Row(c.v, ((b * T + t) * Hkv + kvh) * D, D, st.row.data());
+    for (int64_t r = 0; r < R; ++r) {
+      if (t < st.lo[r] || t >= st.hi[r]) continue;
+      const float p = st.logits[r * chunk + i];
+      for (int64_t d = 0; d < D; ++d) st.acc[r * D + d] += p * st.row[d];
     }
   }
 }
 
-// The partials of split s (chunks s, s + splits, ...) of sequence b for the query heads
-// of KV head kvh, written into the workspace.
-void ComputeSplit(const CpuCall& c, int64_t b, int64_t kvh, int64_t s, int64_t len,
-                  HeadGroupState& st) {
-  const int64_t Hq = c.sh.q_heads, D = c.sh.head_dim, G = Hq / c.sh.kv_heads;
-  const int64_t S = c.plan.splits, chunk = c.plan.chunk;
+// Partial index of row r (query i = r / G, head kvh * G + r % G) of sequence b, split s.
+int64_t PartialIndex(const CpuCall& c, int64_t b, int64_t kvh, int64_t r, int64_t s) {
+  const int64_t G = c.sh.q_heads / c.sh.kv_heads;
+  const int64_t i = r / G, h = kvh * G + r % G;
+  return ((b * c.sh.q_len + i) * c.sh.q_heads + h) * c.plan.splits + s;
+}
+
+// The partials of split s (chunks s, s + splits, ...) of sequence b for the R rows of KV
+// head kvh, written into the workspace. Chunks wholly outside [lo, hi) (every row's
+// range) are skipped; a row without a live token keeps m = -inf, l = 0, acc = 0.
+void ComputeSplit(const CpuCall& c, int64_t b, int64_t kvh, int64_t s, int64_t len, int64_t R,
+                  int64_t lo, int64_t hi, RowState& st) {
+  const int64_t D = c.sh.head_dim, S = c.plan.splits, chunk = c.plan.chunk;
   std::fill(st.m.begin(), st.m.end(), kNegInf);
   std::fill(st.l.begin(), st.l.end(), 0.0f);
   std::fill(st.acc.begin(), st.acc.end(), 0.0f);
   for (int64_t ch = s; ch < CeilDiv(len, chunk); ch += S) {
-    const int64_t t0 = ch * chunk;
-    FoldChunk(c, b, kvh, t0, std::min(chunk, len - t0), st);
+    const int64_t t0 = ch * chunk, n = std::min(chunk, len - t0);
+    if (t0 + n <= lo || t0 >= hi) continue;
+    FoldChunk(c, b, kvh, t0, n, R, st);
   }
-  for (int64_t g = 0; g < G; ++g) {
-    const int64_t pi = (b * Hq + kvh * G + g) * S + s;
-    c.ws_m[pi] = st.m[g];
-    c.ws_l[pi] = st.l[g];
-    std::memcpy(c.ws_acc + pi * D, st.acc.data() + g * D, D * sizeof(float));
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t pi = PartialIndex(c, b, kvh, r, s);
+    c.ws_m[pi] = st.m[r];
+    c.ws_l[pi] = st.l[r];
+    std::memcpy(c.ws_acc + pi * D, st.acc.data() + r * D, D * sizeof(float));
   }
 }
 
-// out[b] from the `live` splits of every head of sequence b (zeros when none is live).
+// out[b] from the `live` splits of every row of sequence b; splits without a live token
+// (m = -inf) weigh nothing, and a row without any gets zeros.
 void CombineSequence(const CpuCall& c, int64_t b, int64_t live, std::vector<float>& outf) {
-  const int64_t Hq = c.sh.q_heads, D = c.sh.head_dim, S = c.plan.splits;
-  for (int64_t h = 0; h < Hq; ++h) {
+  const int64_t rows = c.sh.q_len * c.sh.q_heads, D = c.sh.head_dim, S = c.plan.splits;
+  for (int64_t h = 0; h < rows; ++h) {
     std::fill(outf.begin(), outf.end(), 0.0f);
-    if (live > 0) {
-      const int64_t base = (b * Hq + h) * S;
-      float mx = kNegInf;
-      for (int64_t s = 0; s < live; ++s) mx = std::max(mx, c.ws_m[base + s]);
+    const int64_t base = (b * rows + h) * S;
+    float mx = kNegInf;
+    for (int64_t s = 0; s < live; ++s) mx = std::max(mx, c.ws_m[base + s]);
+    if (mx != kNegInf) {
       float total = 0.0f;
       for (int64_t s = 0; s < live; ++s) {
+        if (c.ws_m[base + s] == kNegInf) continue;
         const float w = std::exp2(c.ws_m[base + s] - mx);
         total += c.ws_l[base + s] * w;
         for (int64_t d = 0; d < D; ++d) outf[d] += c.ws_acc[(base + s) * D + d] * w;
       }
       for (int64_t d = 0; d < D; ++d) outf[d] /= total;
     }
-    c.cv.Store(c.out, (b * Hq + h) * D, D, outf.data());
+    c.cv.Store(c.out, (b * rows + h) * D, D, outf.data());
   }
+}
+
+// The query rows of sequence b: how many are live (the last q_len of its len tokens).
+int64_t LiveRows(const CpuCall& c, int64_t b, int64_t len) {
+  const int64_t S = c.sh.q_len;
+  const int64_t want = c.sem.q_lengths != nullptr ? c.sem.q_lengths[b] : S;
+  return std::clamp<int64_t>(want, 0, std::min(S, len));
 }
 
 void Compute(const CpuCall& c) {
   const int64_t T = c.sh.max_tokens, Hq = c.sh.q_heads, Hkv = c.sh.kv_heads, D = c.sh.head_dim;
-  const int64_t G = Hq / Hkv, S = c.plan.splits;
-  HeadGroupState st(G, D, c.plan.chunk);
+  const int64_t G = Hq / Hkv, S = c.plan.splits, Q = c.sh.q_len, R = Q * G;
+  RowState st(R, D, c.plan.chunk);
   std::vector<float> outf(D);
   for (int64_t b = 0; b < c.sh.batch; ++b) {
     const int64_t len = std::clamp<int64_t>(c.lengths[b], 0, T);
     const int64_t live = std::min(S, CeilDiv(len, c.plan.chunk));
+    const int64_t qn = LiveRows(c, b, len);
+    int64_t lo_all = len, hi_all = 0;  // the union of the rows' ranges
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t i = r / G;
+      const int64_t p = len - qn + i;  // the row's position; rows i >= qn attend to nothing
+      st.hi[r] = i < qn ? p + 1 : 0;
+      st.lo[r] = i < qn ? (c.sem.window > 0 ? std::max<int64_t>(0, p - c.sem.window + 1) : 0) : 0;
+      if (st.hi[r] > st.lo[r]) {
+        lo_all = std::min(lo_all, st.lo[r]);
+        hi_all = std::max(hi_all, st.hi[r]);
+      }
+    }
     for (int64_t kvh = 0; kvh < Hkv; ++kvh) {
-      c.cv.Row(c.q, (b * Hq + kvh * G) * D, G * D, st.qf.data());
-      for (int64_t s = 0; s < live; ++s) ComputeSplit(c, b, kvh, s, len, st);
+      for (int64_t r = 0; r < R; ++r) {
+        c.cv.Row(c.q, ((b * Q + r / G) * Hq + kvh * G + r % G) * D, D, st.qf.data() + r * D);
+      }
+      for (int64_t s = 0; s < live; ++s) ComputeSplit(c, b, kvh, s, len, R, lo_all, hi_all, st);
     }
     CombineSequence(c, b, live, outf);
   }
@@ -151,26 +204,39 @@ void Compute(const CpuCall& c) {
 
 ffi::Error DecodeAttentionCpuImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                                   ffi::Buffer<ffi::S32> lengths, ffi::Result<ffi::AnyBuffer> out,
-                                  float scale, int64_t chunk, int64_t splits, int64_t impl) {
+                                  float scale, int64_t chunk, int64_t splits, int64_t impl,
+                                  OptionalLengths q_lengths, int64_t window, float softcap) {
   (void)impl;  // CUDA-only choice; accepted so both platforms share one attribute set
-  return RunCpu(q, k, v, lengths, *out, nullptr, scale, chunk, splits);
+  Semantics sem;
+  if (ffi::Error e = MakeSemantics(kCpuName, q.dimensions()[0], q_lengths, window, softcap, &sem);
+      e.failure()) {
+    return e;
+  }
+  return RunCpu(q, k, v, lengths, *out, nullptr, scale, chunk, splits, sem);
 }
 
 ffi::Error DecodeAttentionCpuXlaWorkspaceImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                                               ffi::Buffer<ffi::S32> lengths,
                                               ffi::Result<ffi::AnyBuffer> out,
                                               ffi::Result<ffi::AnyBuffer> workspace, float scale,
-                                              int64_t chunk, int64_t splits, int64_t impl) {
+                                              int64_t chunk, int64_t splits, int64_t impl,
+                                              OptionalLengths q_lengths, int64_t window,
+                                              float softcap) {
   (void)impl;
+  Semantics sem;
+  if (ffi::Error e = MakeSemantics(kCpuName, q.dimensions()[0], q_lengths, window, softcap, &sem);
+      e.failure()) {
+    return e;
+  }
   ffi::AnyBuffer ws = *workspace;
-  return RunCpu(q, k, v, lengths, *out, &ws, scale, chunk, splits);
+  return RunCpu(q, k, v, lengths, *out, &ws, scale, chunk, splits, sem);
 }
 
 }  // namespace
 
 ffi::Error RunCpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                   ffi::Buffer<ffi::S32> lengths, ffi::AnyBuffer out, ffi::AnyBuffer* workspace,
-                  float scale, int64_t chunk, int64_t splits) {
+                  float scale, int64_t chunk, int64_t splits, const Semantics& sem) {
   GetCounters().cpu_calls.fetch_add(1, std::memory_order_relaxed);
   CpuCall c;
   c.q = q.untyped_data();
@@ -198,11 +264,13 @@ ffi::Error RunCpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
     local.reset(new float[static_cast<size_t>(c.plan.workspace_bytes) / sizeof(float)]);
     ws = local.get();
   }
-  const int64_t partials = c.sh.batch * c.sh.q_heads * c.plan.splits;
+  const int64_t partials = c.sh.batch * c.sh.q_len * c.sh.q_heads * c.plan.splits;
   c.ws_acc = ws;
   c.ws_m = ws + partials * c.sh.head_dim;
   c.ws_l = c.ws_m + partials;
-  c.scale_log2 = scale * 1.4426950408889634f;
+  c.sem = sem;
+  c.scale = scale;
+  c.scale_log2 = scale * kLog2e;
   Compute(c);
   return ffi::Error::Success();
 }

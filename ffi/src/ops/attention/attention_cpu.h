@@ -3,6 +3,7 @@
 
 #include <cstdint>
 
+#include "ops/attention/attention_ffi.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_vmm::attention {
@@ -13,6 +14,7 @@ inline constexpr const char* kCpuName = "jax_vmm_decode_attention (cpu)";
 // `workspace` (the XLA workspace result) or, when null, in a local buffer.
 xla::ffi::Error RunCpu(xla::ffi::AnyBuffer q, xla::ffi::AnyBuffer k, xla::ffi::AnyBuffer v,
                        xla::ffi::Buffer<xla::ffi::S32> lengths, xla::ffi::AnyBuffer out,
-                       xla::ffi::AnyBuffer* workspace, float scale, int64_t chunk, int64_t splits);
+                       xla::ffi::AnyBuffer* workspace, float scale, int64_t chunk, int64_t splits,
+                       const Semantics& sem);
 
 }  // namespace jax_vmm::attention

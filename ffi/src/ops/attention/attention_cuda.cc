@@ -8,6 +8,7 @@
 //   jax_vmm_decode_attention_xla_workspace {execute}: partials in a second XLA output.
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <map>
 #include <mutex>
@@ -78,7 +79,7 @@ ffi::Error ChooseKernel(int64_t impl, Call* call) {
 ffi::Error CheckLaunchLimits(const Call& call) {
   const Shapes& sh = call.shapes;
   const bool tensor_core = call.kernel != SplitKernel::kSimple;
-  const int64_t blocks_y = tensor_core ? sh.q_heads / call.plan.head_group : sh.q_heads;
+  const int64_t blocks_y = tensor_core ? sh.kv_heads * call.plan.row_blocks : sh.q_len * sh.q_heads;
   if (sh.batch > 65535 || blocks_y > 65535) {
     return ffi::Error::InvalidArgument(std::string(kName) + ": batch " + std::to_string(sh.batch) +
                                        " or head blocks " + std::to_string(blocks_y) +
@@ -130,18 +131,19 @@ ffi::Error ResolveWorkspace(cudaStream_t stream, int32_t device, ffi::AnyBuffer*
   return ffi::Error::Success();
 }
 
-KernelParams MakeKernelParams(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
-                              const ffi::AnyBuffer& v, const ffi::Buffer<ffi::S32>& lengths,
-                              ffi::AnyBuffer& out, void* ws, const Call& call, float scale) {
+RowKernelParams MakeKernelParams(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
+                                 const ffi::AnyBuffer& v, const ffi::Buffer<ffi::S32>& lengths,
+                                 ffi::AnyBuffer& out, void* ws, const Call& call, float scale,
+                                 const Semantics& sem) {
   const Shapes& sh = call.shapes;
   const Plan& pl = call.plan;
-  KernelParams p;
+  RowKernelParams p;
   p.q = q.untyped_data();
   p.k = k.untyped_data();
   p.v = v.untyped_data();
   p.lengths = lengths.typed_data();
   p.out = out.untyped_data();
-  const int64_t partials = sh.batch * sh.q_heads * pl.splits;
+  const int64_t partials = sh.batch * sh.q_len * sh.q_heads * pl.splits;
   p.ws_acc = static_cast<float*>(ws);
   p.ws_m = p.ws_acc + partials * sh.head_dim;
   p.ws_l = p.ws_m + partials;
@@ -155,6 +157,13 @@ KernelParams MakeKernelParams(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
   p.chunk = static_cast<int>(pl.chunk);
   p.splits = static_cast<int>(pl.splits);
   p.scale_log2 = scale * 1.4426950408889634f;
+  p.row_blocks = static_cast<int>(pl.row_blocks);
+  p.rows = !sem.Plain(sh.q_len);
+  p.q_len = static_cast<int>(sh.q_len);
+  p.q_lengths = sem.q_lengths;
+  p.window = static_cast<int>(std::min<int64_t>(sem.window, INT32_MAX));
+  p.softcap = sem.softcap;
+  p.scale = scale;
   return p;
 }
 
@@ -169,7 +178,7 @@ ElementType ElementTypeOf(ffi::DataType t) {
   }
 }
 
-ffi::Error Launch(const KernelParams& p, const Call& call, cudaStream_t stream) {
+ffi::Error Launch(const RowKernelParams& p, const Call& call, cudaStream_t stream) {
   const ElementType type = ElementTypeOf(call.dtype);
   cudaError_t e = LaunchSplitKernel(p, type, call.kernel, stream);
   Counters& counters = GetCounters();
@@ -196,25 +205,41 @@ ffi::Error BeginExecute(cudaStream_t stream, int32_t device, const ffi::AnyBuffe
 ffi::Error InitializeImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k,
                           ffi::AnyBuffer v, ffi::Buffer<ffi::S32> lengths,
                           ffi::Result<ffi::AnyBuffer> out, float scale, int64_t chunk,
-                          int64_t splits, int64_t impl) {
+                          int64_t splits, int64_t impl, OptionalLengths q_lengths, int64_t window,
+                          float softcap) {
   (void)scale;
+  (void)q_lengths;  // the plan depends on shapes only; execute checks the options
+  (void)window;
+  (void)softcap;
   return CudaInitialize(stream, device, q, k, v, lengths, *out, chunk, splits, impl);
 }
 
 ffi::Error ExecuteImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k,
                        ffi::AnyBuffer v, ffi::Buffer<ffi::S32> lengths,
                        ffi::Result<ffi::AnyBuffer> out, float scale, int64_t chunk, int64_t splits,
-                       int64_t impl) {
-  return CudaExecute(stream, device, q, k, v, lengths, *out, nullptr, scale, chunk, splits, impl);
+                       int64_t impl, OptionalLengths q_lengths, int64_t window, float softcap) {
+  Semantics sem;
+  if (ffi::Error e = MakeSemantics(kName, q.dimensions()[0], q_lengths, window, softcap, &sem);
+      e.failure()) {
+    return e;
+  }
+  return CudaExecute(stream, device, q, k, v, lengths, *out, nullptr, scale, chunk, splits, impl,
+                     sem);
 }
 
 ffi::Error ExecuteXlaWorkspaceImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q,
                                    ffi::AnyBuffer k, ffi::AnyBuffer v,
                                    ffi::Buffer<ffi::S32> lengths, ffi::Result<ffi::AnyBuffer> out,
                                    ffi::Result<ffi::AnyBuffer> workspace, float scale,
-                                   int64_t chunk, int64_t splits, int64_t impl) {
+                                   int64_t chunk, int64_t splits, int64_t impl,
+                                   OptionalLengths q_lengths, int64_t window, float softcap) {
+  Semantics sem;
+  if (ffi::Error e = MakeSemantics(kName, q.dimensions()[0], q_lengths, window, softcap, &sem);
+      e.failure()) {
+    return e;
+  }
   ffi::AnyBuffer ws = *workspace;
-  return CudaExecute(stream, device, q, k, v, lengths, *out, &ws, scale, chunk, splits, impl);
+  return CudaExecute(stream, device, q, k, v, lengths, *out, &ws, scale, chunk, splits, impl, sem);
 }
 
 }  // namespace
@@ -279,7 +304,7 @@ ffi::Error CudaExecute(cudaStream_t stream, int32_t device, const ffi::AnyBuffer
                        const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
                        const ffi::Buffer<ffi::S32>& lengths, ffi::AnyBuffer out,
                        ffi::AnyBuffer* workspace, float scale, int64_t chunk, int64_t splits,
-                       int64_t impl) {
+                       int64_t impl, const Semantics& sem) {
   Call call;
   if (ffi::Error err =
           BeginExecute(stream, device, q, k, v, lengths, out, chunk, splits, impl, &call);
@@ -291,7 +316,7 @@ ffi::Error CudaExecute(cudaStream_t stream, int32_t device, const ffi::AnyBuffer
   if (ffi::Error err = ResolveWorkspace(stream, device, workspace, call.plan, &ws); err.failure()) {
     return err;
   }
-  return Launch(MakeKernelParams(q, k, v, lengths, out, ws, call, scale), call, stream);
+  return Launch(MakeKernelParams(q, k, v, lengths, out, ws, call, scale, sem), call, stream);
 }
 
 }  // namespace jax_vmm::attention

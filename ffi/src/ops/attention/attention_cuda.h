@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <utility>
 
+#include "ops/attention/attention_ffi.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_vmm::attention {
@@ -25,7 +26,7 @@ xla::ffi::Error CudaExecute(cudaStream_t stream, int32_t device, const xla::ffi:
                             const xla::ffi::AnyBuffer& k, const xla::ffi::AnyBuffer& v,
                             const xla::ffi::Buffer<xla::ffi::S32>& lengths, xla::ffi::AnyBuffer out,
                             xla::ffi::AnyBuffer* workspace, float scale, int64_t chunk,
-                            int64_t splits, int64_t impl);
+                            int64_t splits, int64_t impl, const Semantics& sem);
 
 // What CudaExecute does before it touches memory (statistics, validation, plan).
 xla::ffi::Error CudaBeginExecute(cudaStream_t stream, int32_t device, const xla::ffi::AnyBuffer& q,

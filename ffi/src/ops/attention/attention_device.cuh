@@ -11,6 +11,9 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
+
+#include "ops/attention/attention_kernels.h"
 
 namespace jax_vmm::attention::kernels {
 
@@ -18,10 +21,48 @@ constexpr int kThreads = 128;
 constexpr int kWarps = kThreads / 32;
 constexpr int kStatRows = 16;  // per-head softmax state slots (>= kMaxHeadGroup)
 
+// A kernel's parameter struct: RowKernelParams for the kRows (general attention)
+// instantiations, KernelParams for plain decode.
+template <bool kRows>
+using ParamsOf = std::conditional_t<kRows, RowKernelParams, KernelParams>;
+
+// Query rows per sequence in the output and the partials: S * H_q (kRows), else H_q.
+template <bool kRows>
+__device__ __forceinline__ int RowsPerSequence(const ParamsOf<kRows>& p) {
+  if constexpr (kRows) {
+    return p.q_len * p.q_heads;
+  } else {
+    return p.q_heads;
+  }
+}
+
 // lengths[b] clamped to [0, max_tokens].
 __device__ __forceinline__ int LiveLength(const int32_t* lengths, int b, int max_tokens) {
   const int n = __ldg(lengths + b);
   return n < 0 ? 0 : (n > max_tokens ? max_tokens : n);
+}
+
+// The token range [*lo, *hi) query row i (< S) of a sequence of `len` tokens attends to
+// (Semantics in attention_ffi.h): the last qn = clamp(q_lengths[b] or S, 0, min(S, len))
+// rows sit at positions len - qn + i; other rows get an empty range.
+__device__ __forceinline__ void RowRange(const int32_t* q_lengths, int b, int S, int len,
+                                         int window, int i, int* lo, int* hi) {
+  int qn = q_lengths != nullptr ? __ldg(q_lengths + b) : S;
+  qn = qn < 0 ? 0 : qn;
+  qn = min(qn, min(S, len));
+  if (i >= qn) {
+    *lo = *hi = 0;
+    return;
+  }
+  const int p = len - qn + i;
+  *hi = p + 1;
+  *lo = window > 0 ? max(0, p - window + 1) : 0;
+}
+
+// A logit in log2 units from a raw dot product: scale, then the optional softcap.
+__device__ __forceinline__ float RowLogit(float dot, float scale_log2, float scale, float softcap) {
+  if (softcap == 0.f) return dot * scale_log2;
+  return softcap * tanhf(dot * scale / softcap) * 1.4426950408889634f;
 }
 
 __device__ __forceinline__ float WarpMax(float x) {
@@ -141,7 +182,9 @@ __device__ __forceinline__ void AccumulateWarpsInOrder(float* red, int stride, i
 // Folds one chunk's logits row (n valid entries, log2 units) into the running softmax
 // state of its head: rewrites the row as p = exp2(logit - m_new), zero-fills the row up
 // to `padded` (the tile tail that PV reads), and updates m, l and the accumulator
-// rescale factor alpha. Called by a whole warp.
+// rescale factor alpha. Called by a whole warp. kMasked: logits may be -inf (masked
+// tokens), all of them for a row with no live token so far: then p = alpha = 0.
+template <bool kMasked = false>
 __device__ __forceinline__ void ChunkSoftmax(float* row, int n, int padded, float* m, float* l,
                                              float* alpha, int lane) {
   float mx = -INFINITY;
@@ -149,16 +192,17 @@ __device__ __forceinline__ void ChunkSoftmax(float* row, int n, int padded, floa
   mx = WarpMax(mx);
   const float m_old = *m;  // every lane reads before lane 0 writes (after WarpSum below)
   const float m_new = fmaxf(m_old, mx);
+  const float ref = kMasked && m_new == -INFINITY ? 0.f : m_new;
   float sum = 0.f;
   for (int i = lane; i < n; i += 32) {
-    const float e = exp2f(row[i] - m_new);
+    const float e = exp2f(row[i] - ref);
     row[i] = e;
     sum += e;
   }
   for (int i = n + lane; i < padded; i += 32) row[i] = 0.f;
   sum = WarpSum(sum);
   if (lane == 0) {
-    const float a = exp2f(m_old - m_new);  // m_old = -inf on the first chunk: a = 0
+    const float a = exp2f(m_old - ref);  // m_old = -inf on the first chunk: a = 0
     *alpha = a;
     *l = *l * a + sum;
     *m = m_new;

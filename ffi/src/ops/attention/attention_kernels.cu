@@ -6,6 +6,9 @@
 //       obviously correct, used as the fallback and as the GPU oracle of the fast path.
 //   CombineKernel          merges the live splits of each (sequence, head); length 0
 //       gives zeros.
+// Each has a kRows instantiation for jax_vmm.attention's options (Semantics in
+// attention_ffi.h: S query rows, q_lengths, window, softcap); plain decode runs the
+// kRows = false ones, unchanged.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -31,41 +34,62 @@ struct SimpleShared {
 };
 
 // Logits of tokens [t0, t0 + n) (warp w takes tokens w, w + 4, ...), in log2 units.
-template <typename T>
-__device__ __forceinline__ void SimpleLogits(const KernelParams& p, const T* kseq, int64_t tstride,
-                                             int t0, int n, const SimpleShared& sh) {
+// kRows: tokens outside [lo, hi) are -inf (not read), the others take the softcap.
+template <typename T, bool kRows = false>
+__device__ __forceinline__ void SimpleLogits(const ParamsOf<kRows>& p, const T* kseq,
+                                             int64_t tstride, int t0, int n, const SimpleShared& sh,
+                                             int lo = 0, int hi = 0) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   for (int i = warp; i < n; i += kWarps) {
+    if (kRows && (t0 + i < lo || t0 + i >= hi)) {  // warp-uniform
+      if (lane == 0) sh.logits[i] = -INFINITY;
+      continue;
+    }
     const T* krow = kseq + static_cast<int64_t>(t0 + i) * tstride;
     float dot = 0.f;
     for (int d = lane; d < p.head_dim; d += 32) dot += sh.qs[d] * ToFloat(krow[d]);
     dot = WarpSum(dot);
-    if (lane == 0) sh.logits[i] = dot * p.scale_log2;
+    if (lane == 0) {
+      if constexpr (kRows) {
+        sh.logits[i] = RowLogit(dot, p.scale_log2, p.scale, p.softcap);
+      } else {
+        sh.logits[i] = dot * p.scale_log2;
+      }
+    }
   }
 }
 
 // acc = alpha * acc + P V over tokens [t0, t0 + n) (thread d takes dims d, d + 128, ...).
-template <typename T>
+// kRows: tokens outside [lo, hi) (p = 0) are not read.
+template <typename T, bool kRows = false>
 __device__ __forceinline__ void SimpleAccumulate(const KernelParams& p, const T* vseq,
                                                  int64_t tstride, int t0, int n,
-                                                 const SimpleShared& sh) {
+                                                 const SimpleShared& sh, int lo = 0, int hi = 0) {
   const float alpha = sh.st[2];
+  const int i0 = kRows ? max(0, lo - t0) : 0, i1 = kRows ? min(n, hi - t0) : n;
   for (int d = threadIdx.x; d < p.head_dim; d += kThreads) {
     float a = sh.acc[d] * alpha;
-    for (int i = 0; i < n; ++i)
+    for (int i = i0; i < i1; ++i)
       a += sh.logits[i] * ToFloat(vseq[static_cast<int64_t>(t0 + i) * tstride + d]);
     sh.acc[d] = a;
   }
 }
 
-template <typename T>
-__global__ void __launch_bounds__(kThreads) SplitKernelSimple(const KernelParams p) {
-  const int s = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+// One query row per block: plain decode grid.y = head; kRows grid.y = i * Hq + head (row
+// of query i), partial and output rows (b * S + i) * Hq + head.
+template <typename T, bool kRows = false>
+__global__ void __launch_bounds__(kThreads) SplitKernelSimple(const ParamsOf<kRows> p) {
+  const int s = blockIdx.x, row = blockIdx.y, b = blockIdx.z;
   const int len = LiveLength(p.lengths, b, p.max_tokens);
   const int nchunks = (len + p.chunk - 1) / p.chunk;
   if (s >= nchunks) return;
   const int D = p.head_dim;
+  const int h = kRows ? row % p.q_heads : row;
   const int kvh = h / p.group;
+  int lo = 0, hi = len;
+  if constexpr (kRows) {
+    RowRange(p.q_lengths, b, p.q_len, len, p.window, row / p.q_heads, &lo, &hi);
+  }
 
   extern __shared__ float smem[];
   const SimpleShared sh{smem, smem + D, smem + 2 * D, smem + 2 * D + p.chunk};
@@ -74,7 +98,8 @@ __global__ void __launch_bounds__(kThreads) SplitKernelSimple(const KernelParams
                   static_cast<int64_t>(kvh) * D;
   const T* vseq = static_cast<const T*>(p.v) + static_cast<int64_t>(b) * p.max_tokens * tstride +
                   static_cast<int64_t>(kvh) * D;
-  const T* qrow = static_cast<const T*>(p.q) + (static_cast<int64_t>(b) * p.q_heads + h) * D;
+  const int rows = RowsPerSequence<kRows>(p);
+  const T* qrow = static_cast<const T*>(p.q) + (static_cast<int64_t>(b) * rows + row) * D;
   for (int d = threadIdx.x; d < D; d += kThreads) {
     sh.qs[d] = ToFloat(qrow[d]);
     sh.acc[d] = 0.f;
@@ -89,15 +114,18 @@ __global__ void __launch_bounds__(kThreads) SplitKernelSimple(const KernelParams
   for (int c = s; c < nchunks; c += p.splits) {
     const int t0 = c * p.chunk;
     const int n = min(p.chunk, len - t0);
-    SimpleLogits<T>(p, kseq, tstride, t0, n, sh);
+    if (kRows && (t0 + n <= lo || t0 >= hi)) continue;  // block-uniform
+    SimpleLogits<T, kRows>(p, kseq, tstride, t0, n, sh, lo, hi);
     __syncthreads();
-    if (threadIdx.x < 32) ChunkSoftmax(sh.logits, n, n, sh.st, sh.st + 1, sh.st + 2, threadIdx.x);
+    if (threadIdx.x < 32) {
+      ChunkSoftmax<kRows>(sh.logits, n, n, sh.st, sh.st + 1, sh.st + 2, threadIdx.x);
+    }
     __syncthreads();
-    SimpleAccumulate<T>(p, vseq, tstride, t0, n, sh);
+    SimpleAccumulate<T, kRows>(p, vseq, tstride, t0, n, sh, lo, hi);
     __syncthreads();
   }
 
-  const int64_t pi = (static_cast<int64_t>(b) * p.q_heads + h) * p.splits + s;
+  const int64_t pi = (static_cast<int64_t>(b) * rows + row) * p.splits + s;
   for (int d = threadIdx.x; d < D; d += kThreads) p.ws_acc[pi * D + d] = sh.acc[d];
   if (threadIdx.x == 0) {
     p.ws_m[pi] = sh.st[0];
@@ -108,41 +136,56 @@ __global__ void __launch_bounds__(kThreads) SplitKernelSimple(const KernelParams
 // ---------------------------------------------------------------------------------
 // Combine: out = sum_s acc_s * 2^(m_s - M) / sum_s l_s * 2^(m_s - M) over live splits.
 
-template <typename T>
-__global__ void __launch_bounds__(kThreads) CombineKernel(const KernelParams p) {
+// kRows: blockIdx.x is the row (query i, head) i * Hq + head; a split without a live
+// token of the row (m = -inf) weighs nothing, and a row without any gets zeros.
+template <typename T, bool kRows = false>
+__global__ void __launch_bounds__(kThreads) CombineKernel(const ParamsOf<kRows> p) {
   const int h = blockIdx.x, b = blockIdx.y;
   const int D = p.head_dim;
+  const int rows = RowsPerSequence<kRows>(p);
   const int len = LiveLength(p.lengths, b, p.max_tokens);
   const int live = min((len + p.chunk - 1) / p.chunk, p.splits);
-  T* o = static_cast<T*>(p.out) + (static_cast<int64_t>(b) * p.q_heads + h) * D;
-  if (live == 0) {
+  T* o = static_cast<T*>(p.out) + (static_cast<int64_t>(b) * rows + h) * D;
+  extern __shared__ float weight[];  // [splits]
+  const int64_t base = (static_cast<int64_t>(b) * rows + h) * p.splits;
+  float mx = -INFINITY;
+  for (int i = 0; i < live; ++i) mx = fmaxf(mx, p.ws_m[base + i]);
+  if (live == 0 || (kRows && mx == -INFINITY)) {  // block-uniform
     for (int d = threadIdx.x; d < D; d += kThreads) o[d] = FromFloat<T>(0.f);
     return;
   }
-  extern __shared__ float weight[];  // [splits]
-  const int64_t base = (static_cast<int64_t>(b) * p.q_heads + h) * p.splits;
-  float mx = -INFINITY;
-  for (int i = 0; i < live; ++i) mx = fmaxf(mx, p.ws_m[base + i]);
   for (int i = threadIdx.x; i < live; i += kThreads) weight[i] = exp2f(p.ws_m[base + i] - mx);
   __syncthreads();
   float total = 0.f;
   for (int i = 0; i < live; ++i) total += p.ws_l[base + i] * weight[i];
-  const float inv = 1.f / total;  // total >= 1: each live split has a token with p = 1
+  const float inv = 1.f / total;  // total >= 1: a live split has a token with p = 1
   for (int d = threadIdx.x; d < D; d += kThreads) {
     float a = 0.f;
-    for (int i = 0; i < live; ++i) a += p.ws_acc[(base + i) * D + d] * weight[i];
+    for (int i = 0; i < live; ++i) {
+      // kRows: a split without a live token has weight 0 and acc 0 (never NaN: its
+      // masked tokens were not multiplied in).
+      a += p.ws_acc[(base + i) * D + d] * weight[i];
+    }
     o[d] = FromFloat<T>(a * inv);
   }
 }
 template <typename T, int D, int NQT, int U>
-cudaError_t LaunchTensorCore(const KernelParams& p, cudaStream_t stream) {
+cudaError_t LaunchTensorCore(const RowKernelParams& p, cudaStream_t stream) {
+  if (p.rows) {
+    const dim3 grid(p.splits, p.kv_heads * p.row_blocks, p.batch);
+    SplitKernelTensorCore<T, D, NQT, U, true>
+        <<<grid, kThreads, SharedBytes<D, NQT, true>(p.chunk), stream>>>(p);
+    return cudaGetLastError();
+  }
+  const KernelParams& plain = p;
   const dim3 grid(p.splits, p.q_heads / p.head_group, p.batch);
-  SplitKernelTensorCore<T, D, NQT, U><<<grid, kThreads, SharedBytes<D, NQT>(p.chunk), stream>>>(p);
+  SplitKernelTensorCore<T, D, NQT, U>
+      <<<grid, kThreads, SharedBytes<D, NQT>(p.chunk), stream>>>(plain);
   return cudaGetLastError();
 }
 
 template <typename T, int D, int U>
-cudaError_t LaunchTensorCoreHeads(const KernelParams& p, cudaStream_t stream) {
+cudaError_t LaunchTensorCoreHeads(const RowKernelParams& p, cudaStream_t stream) {
   return p.head_group > 8 ? LaunchTensorCore<T, D, 2, U>(p, stream)
                           : LaunchTensorCore<T, D, 1, U>(p, stream);
 }
@@ -150,7 +193,7 @@ cudaError_t LaunchTensorCoreHeads(const KernelParams& p, cudaStream_t stream) {
 // Tiles in flight per warp: 2 where registers allow it without spilling (head_dim
 // <= 128), 1 for head_dim 256 or when asked for (impl tensor_core_u1, for comparison).
 template <typename T>
-cudaError_t LaunchTensorCoreDispatch(const KernelParams& p, bool one_tile, cudaStream_t stream) {
+cudaError_t LaunchTensorCoreDispatch(const RowKernelParams& p, bool one_tile, cudaStream_t stream) {
   switch (p.head_dim) {
     case 64:
       return one_tile ? LaunchTensorCoreHeads<T, 64, 1>(p, stream)
@@ -164,28 +207,40 @@ cudaError_t LaunchTensorCoreDispatch(const KernelParams& p, bool one_tile, cudaS
 }
 
 template <typename T>
-cudaError_t LaunchSimple(const KernelParams& p, cudaStream_t stream) {
+cudaError_t LaunchSimple(const RowKernelParams& p, cudaStream_t stream) {
   const size_t smem = sizeof(float) * (2 * p.head_dim + p.chunk + 4);
-  SplitKernelSimple<T><<<dim3(p.splits, p.q_heads, p.batch), kThreads, smem, stream>>>(p);
+  if (p.rows) {
+    SplitKernelSimple<T, true>
+        <<<dim3(p.splits, p.q_len * p.q_heads, p.batch), kThreads, smem, stream>>>(p);
+  } else {
+    const KernelParams& plain = p;
+    SplitKernelSimple<T><<<dim3(p.splits, p.q_heads, p.batch), kThreads, smem, stream>>>(plain);
+  }
   return cudaGetLastError();
 }
 
 template <typename T>
-cudaError_t LaunchSplit(const KernelParams& p, SplitKernel kernel, cudaStream_t stream) {
+cudaError_t LaunchSplit(const RowKernelParams& p, SplitKernel kernel, cudaStream_t stream) {
   if (kernel == SplitKernel::kSimple) return LaunchSimple<T>(p, stream);
   return LaunchTensorCoreDispatch<T>(p, kernel == SplitKernel::kTensorCoreOneTile, stream);
 }
 
 template <typename T>
-cudaError_t LaunchCombine(const KernelParams& p, cudaStream_t stream) {
-  CombineKernel<T><<<dim3(p.q_heads, p.batch), kThreads, sizeof(float) * p.splits, stream>>>(p);
+cudaError_t LaunchCombine(const RowKernelParams& p, cudaStream_t stream) {
+  const size_t smem = sizeof(float) * p.splits;
+  if (p.rows) {
+    CombineKernel<T, true><<<dim3(p.q_len * p.q_heads, p.batch), kThreads, smem, stream>>>(p);
+  } else {
+    const KernelParams& plain = p;
+    CombineKernel<T><<<dim3(p.q_heads, p.batch), kThreads, smem, stream>>>(plain);
+  }
   return cudaGetLastError();
 }
 
 }  // namespace
 }  // namespace kernels
 
-cudaError_t LaunchSplitKernel(const KernelParams& p, ElementType type, SplitKernel kernel,
+cudaError_t LaunchSplitKernel(const RowKernelParams& p, ElementType type, SplitKernel kernel,
                               cudaStream_t stream) {
   switch (type) {
     case ElementType::kBF16:
@@ -197,7 +252,7 @@ cudaError_t LaunchSplitKernel(const KernelParams& p, ElementType type, SplitKern
   }
 }
 
-cudaError_t LaunchCombineKernel(const KernelParams& p, ElementType type, cudaStream_t stream) {
+cudaError_t LaunchCombineKernel(const RowKernelParams& p, ElementType type, cudaStream_t stream) {
   switch (type) {
     case ElementType::kBF16:
       return kernels::LaunchCombine<__nv_bfloat16>(p, stream);

@@ -17,19 +17,32 @@ namespace jax_vmm::attention {
 
 // Everything the kernels read and write: device pointers and static shapes.
 struct KernelParams {
-  const void* q;  // (B, Hq, D)
+  const void* q;  // (B, Hq, D) or (B, S, Hq, D)
   const void* k;  // (B, T, Hkv, D)
   const void* v;
   const int32_t* lengths;  // (B,)
-  void* out;               // (B, Hq, D)
-  float* ws_acc;           // [P][D], P = B * Hq * splits (workspace layout of attention_plan.h)
+  void* out;               // q's shape
+  float* ws_acc;           // [P][D], P = B * S * Hq * splits (workspace layout of attention_plan.h)
   float* ws_m;             // [P]
   float* ws_l;             // [P]
   int batch, max_tokens, q_heads, kv_heads, head_dim;
   int group;       // q_heads / kv_heads
-  int head_group;  // query heads per tensor-core block
+  int head_group;  // query rows per tensor-core block (S = 1: heads)
   int chunk, splits;
   float scale_log2;  // softmax scale * log2(e): logits are kept in log2 units
+};
+
+// The general attention's parameters (Semantics in attention_ffi.h): the kRows kernels
+// take this struct; the decode kernels keep KernelParams as it was (a kernel parameter's
+// size and layout steer ptxas's register allocation of the tensor-core kernels).
+struct RowKernelParams : KernelParams {
+  bool rows = false;                   // false: plain decode (S = 1, no option)
+  int row_blocks = 0;                  // tensor-core blocks per (sequence, KV head)
+  int q_len = 1;                       // S
+  const int32_t* q_lengths = nullptr;  // (B,) or null (every row live)
+  int window = 0;                      // 0 = none
+  float softcap = 0.f;                 // 0 = none
+  float scale = 0.f;                   // the softmax scale (softcap applies before log2 units)
 };
 
 enum class ElementType { kF32, kBF16, kF16 };
@@ -43,10 +56,10 @@ enum class SplitKernel {
 
 // The split stage: partial results of every live split into the workspace. kTensorCore*
 // need kBF16/kF16 and head_dim 64, 128 or 256 (the host checks).
-cudaError_t LaunchSplitKernel(const KernelParams& p, ElementType type, SplitKernel kernel,
+cudaError_t LaunchSplitKernel(const RowKernelParams& p, ElementType type, SplitKernel kernel,
                               cudaStream_t stream);
 
 // The combine stage: the output from the live splits (zeros for length 0).
-cudaError_t LaunchCombineKernel(const KernelParams& p, ElementType type, cudaStream_t stream);
+cudaError_t LaunchCombineKernel(const RowKernelParams& p, ElementType type, cudaStream_t stream);
 
 }  // namespace jax_vmm::attention

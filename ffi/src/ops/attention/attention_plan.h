@@ -10,8 +10,9 @@
 // Everything here depends on static shapes only (never on the lengths), so a CUDA graph
 // captured once launches the right grid for every later step.
 //
-// Workspace layout (float32), P = batch * q_heads * splits partials, partial index
-// ((b * q_heads + h) * splits + s):  acc[P][D] | m[P] | l[P].
+// Workspace layout (float32), P = batch * S * q_heads * splits partials (S query rows per
+// sequence), partial index (((b * S + i) * q_heads + h) * splits + s):
+// acc[P][D] | m[P] | l[P].
 //
 // Header-only; no CUDA types, usable from .cc and .cu host code.
 #pragma once
@@ -36,12 +37,14 @@ struct Shapes {
   int64_t q_heads = 0;
   int64_t kv_heads = 0;
   int64_t head_dim = 0;
+  int64_t q_len = 1;  // S: query rows per sequence (decode: 1)
 };
 
 struct Plan {
   int64_t chunk = 0;       // tokens per chunk, a multiple of kTile
   int64_t splits = 0;      // partial results per (sequence, query head), >= 1
-  int64_t head_group = 0;  // query heads per CUDA block: divides q_heads / kv_heads
+  int64_t head_group = 0;  // query rows per CUDA block (S = 1: heads, dividing q_heads / kv_heads)
+  int64_t row_blocks = 0;  // tensor-core blocks per (sequence, KV head): ceil(S * G / head_group)
   int64_t max_chunks = 0;  // ceil(max_tokens / chunk)
   int64_t workspace_bytes = 0;
 };
@@ -53,6 +56,9 @@ inline std::string ValidateShapes(const Shapes& s) {
            ", max_tokens=" + std::to_string(s.max_tokens) +
            ", q_heads=" + std::to_string(s.q_heads) + ", kv_heads=" + std::to_string(s.kv_heads) +
            ", head_dim=" + std::to_string(s.head_dim) + ")";
+  }
+  if (s.q_len <= 0) {
+    return "the query length S must be positive, got " + std::to_string(s.q_len);
   }
   if (s.q_heads % s.kv_heads != 0) {
     return "q_heads=" + std::to_string(s.q_heads) +
@@ -75,8 +81,17 @@ inline int64_t HeadGroup(int64_t q_heads, int64_t kv_heads) {
 // Largest chunk a block may use (bounded by its shared memory: logits[heads][chunk]).
 inline int64_t MaxChunk(int64_t head_group) { return head_group > 8 ? 256 : 512; }
 
+// Rows one tensor-core block serves: with S = 1 the heads of HeadGroup (today's decode
+// grid); with S > 1 the (query, head) rows of one KV head, S * G of them, in blocks of
+// up to kMaxHeadGroup.
+inline int64_t RowGroup(const Shapes& s) {
+  if (s.q_len == 1) return HeadGroup(s.q_heads, s.kv_heads);
+  const int64_t rows = s.q_len * (s.q_heads / s.kv_heads);
+  return rows <= 8 ? rows : kMaxHeadGroup;
+}
+
 inline int64_t WorkspaceBytes(const Shapes& s, int64_t splits) {
-  const int64_t partials = s.batch * s.q_heads * splits;
+  const int64_t partials = s.batch * s.q_len * s.q_heads * splits;
   const int64_t bytes = partials * (s.head_dim + 2) * static_cast<int64_t>(sizeof(float));
   return RoundUp(bytes, 256);
 }
@@ -86,9 +101,10 @@ inline int64_t WorkspaceBytes(const Shapes& s, int64_t splits) {
 inline Plan MakePlan(const Shapes& s, int64_t parallel_units, int64_t chunk_override = 0,
                      int64_t splits_override = 0) {
   Plan p;
-  p.head_group = HeadGroup(s.q_heads, s.kv_heads);
+  p.head_group = RowGroup(s);
+  p.row_blocks = CeilDiv(s.q_len * (s.q_heads / s.kv_heads), p.head_group);
   const int64_t chunk_cap = MaxChunk(p.head_group);
-  const int64_t blocks_per_split = std::max<int64_t>(1, s.batch * (s.q_heads / p.head_group));
+  const int64_t blocks_per_split = std::max<int64_t>(1, s.batch * s.kv_heads * p.row_blocks);
   const int64_t target_blocks = kBlocksPerUnit * std::max<int64_t>(1, parallel_units);
   const int64_t tokens = std::max<int64_t>(1, s.max_tokens);
   if (chunk_override > 0) {

@@ -9,6 +9,12 @@
 // Logits of a chunk go through shared memory for an exact chunk softmax.
 // NQT = QK n-tiles of 8 heads (1: head_group <= 8, 2: <= 16). U = 16-token tiles a warp
 // loads before it computes (more bytes in flight per warp, more registers).
+// kRows (jax_vmm.attention's options, Semantics in attention_ffi.h): the block's rows are
+// (query i, head g) pairs of one KV head, row R = i * G + g, up to 16 per block over
+// grid.y = kv_heads * row_blocks; each row masks the tokens outside its causal / window
+// range to -inf, logits take the softcap, chunks outside every row's range are skipped,
+// and rows without a live token leave m = -inf, l = 0, acc = 0. kRows = false is plain
+// decode (S = 1, grid.y = q_heads / head_group), compiled as before.
 //
 // Per chunk of the split: phase 1 ChunkLogits (logits = scale * K Q^T), phase 2
 // SoftmaxChunk, phase 3 RescaleAccumulators, then per tile LoadProbabilities, LoadValues
@@ -45,6 +51,8 @@ struct BlockShared {
   float* m;
   float* l;
   float* alpha;
+  int* lo;  // kRows: each row's token range [lo, hi)
+  int* hi;
   int ls;  // logits row stride: chunk + 4 makes the C-fragment stores conflict-free
 };
 
@@ -58,27 +66,48 @@ __device__ __forceinline__ BlockShared CarveShared(float* smem, int chunk) {
   sh.m = sh.red + kRows * (D + 4);
   sh.l = sh.m + kStatRows;
   sh.alpha = sh.l + kStatRows;
+  sh.lo = reinterpret_cast<int*>(sh.alpha + kStatRows);  // only kRows kernels have them
+  sh.hi = sh.lo + kStatRows;
   return sh;
 }
 
 // Shared-memory bytes CarveShared lays out.
-template <int D, int NQT>
+template <int D, int NQT, bool kRows = false>
 constexpr size_t SharedBytes(int chunk) {
-  return sizeof(float) * (8 * NQT * (chunk + 4) + 8 * NQT * (D + 4) + 3 * kStatRows);
+  return sizeof(float) * (8 * NQT * (chunk + 4) + 8 * NQT * (D + 4) + 3 * kStatRows) +
+         (kRows ? sizeof(int) * 2 * kStatRows : 0);
+}
+
+// kRows: where the block's rows start (R0, the first (query, head) row of KV head kvh)
+// and how many it has; q / partial row of block row r: (b * S + i) * Hq + kvh * G + g.
+struct RowBlock {
+  int kvh, r0, rows;
+};
+
+__device__ __forceinline__ int64_t RowIndex(const RowKernelParams& p, int b, const RowBlock& rb,
+                                            int r) {
+  const int R = rb.r0 + r, i = R / p.group, g = R - i * p.group;
+  return (static_cast<int64_t>(b) * p.q_len + i) * p.q_heads + rb.kvh * p.group + g;
 }
 
 // Q as the B operand of QK (k = head dim, n = head). The reduction dimension is
 // permuted: for 32-dim block j the lane (grp, tig) holds dims [32j + 8tig, +8) of head
 // grp as words w0..w3; mma step 2j uses (w0, w1), step 2j+1 uses (w2, w3). The K
 // fragments use the same permutation, so the dot products are exact.
-template <typename T, int D, int NQT>
-__device__ __forceinline__ void LoadQueryFragments(const KernelParams& p, int b, int h0, int GB,
-                                                   Lane ln, uint32_t (&qf)[NQT][D / 32][4]) {
+template <typename T, int D, int NQT, bool kRows = false>
+__device__ __forceinline__ void LoadQueryFragments(const ParamsOf<kRows>& p, int b, int h0, int GB,
+                                                   Lane ln, uint32_t (&qf)[NQT][D / 32][4],
+                                                   const RowBlock& rb = RowBlock{}) {
 #pragma unroll
   for (int nt = 0; nt < NQT; ++nt) {
     const int head = nt * 8 + ln.grp;
-    const T* qrow =
-        static_cast<const T*>(p.q) + (static_cast<int64_t>(b) * p.q_heads + h0 + head) * D;
+    int64_t qi;
+    if constexpr (kRows) {
+      qi = head < GB ? RowIndex(p, b, rb, head) : 0;
+    } else {
+      qi = static_cast<int64_t>(b) * p.q_heads + h0 + head;
+    }
+    const T* qrow = static_cast<const T*>(p.q) + qi * D;
 #pragma unroll
     for (int j = 0; j < D / 32; ++j) {
       const uint4 w = head < GB ? Load16(qrow + 32 * j + 8 * ln.tig) : make_uint4(0, 0, 0, 0);
@@ -114,11 +143,12 @@ __device__ __forceinline__ void InitBlockState(const BlockShared& sh,
 // Phase 1: logits = scale * K Q^T of the chunk at `kc` (m = 16 tokens, n = 8 heads, k =
 // head dim). Warp w takes tiles [U w, U w + U), then the next 4 U, ...; rows >= n are
 // neither loaded nor stored.
-template <typename T, int D, int NQT, int U>
+template <typename T, int D, int NQT, int U, bool kRows = false>
 __device__ __forceinline__ void ChunkLogits(const T* kc, int64_t tstride, int n, int ntiles,
                                             const uint32_t (&qf)[NQT][D / 32][4],
                                             const BlockShared& sh, int GB, float scale_log2,
-                                            Lane ln) {
+                                            Lane ln, int t0 = 0, float scale = 0.f,
+                                            float softcap = 0.f) {
   using TC = TensorCore<T>;
   constexpr int kKBlocks = D / 32;  // QK: 32-dim blocks per K row
   for (int tile0 = ln.warp * U; tile0 < ntiles; tile0 += kWarps * U) {
@@ -156,8 +186,23 @@ __device__ __forceinline__ void ChunkLogits(const T* kc, int64_t tstride, int n,
         for (int e = 0; e < 2; ++e) {
           const int head = nt * 8 + 2 * ln.tig + e;
           if (head < GB) {
-            if (r0 < n) sh.logits[head * sh.ls + r0] = sc[nt][e] * scale_log2;
-            if (r1 < n) sh.logits[head * sh.ls + r1] = sc[nt][2 + e] * scale_log2;
+            if constexpr (kRows) {
+              const int lo = sh.lo[head], hi = sh.hi[head];
+              if (r0 < n) {
+                const int t = t0 + r0;
+                sh.logits[head * sh.ls + r0] =
+                    t >= lo && t < hi ? RowLogit(sc[nt][e], scale_log2, scale, softcap) : -INFINITY;
+              }
+              if (r1 < n) {
+                const int t = t0 + r1;
+                sh.logits[head * sh.ls + r1] =
+                    t >= lo && t < hi ? RowLogit(sc[nt][2 + e], scale_log2, scale, softcap)
+                                      : -INFINITY;
+              }
+            } else {
+              if (r0 < n) sh.logits[head * sh.ls + r0] = sc[nt][e] * scale_log2;
+              if (r1 < n) sh.logits[head * sh.ls + r1] = sc[nt][2 + e] * scale_log2;
+            }
           }
         }
       }
@@ -189,10 +234,12 @@ __device__ __forceinline__ void MmaValueWords(const uint32_t (&w0)[4], const uin
 
 // Phase 2: the exact softmax of the chunk's logits per head, folded into the running
 // state (warp w takes heads w, w + 4, ...).
+template <bool kRows = false>
 __device__ __forceinline__ void SoftmaxChunk(const BlockShared& sh, int n, int ntiles, int GB,
                                              Lane ln) {
   for (int h = ln.warp; h < GB; h += kWarps) {
-    ChunkSoftmax(sh.logits + h * sh.ls, n, ntiles * 16, sh.m + h, sh.l + h, sh.alpha + h, ln.lane);
+    ChunkSoftmax<kRows>(sh.logits + h * sh.ls, n, ntiles * 16, sh.m + h, sh.l + h, sh.alpha + h,
+                        ln.lane);
   }
 }
 
@@ -263,6 +310,21 @@ __device__ __forceinline__ void ReduceWarps(const float (&acc)[NQT][D / 16][4],
 
 // Partial (m, l, acc) of head h0 + row: index ((b * Hq + h0 + row) * splits + s).
 template <int D>
+__device__ __forceinline__ void WriteRowPartials(const RowKernelParams& p, const BlockShared& sh,
+                                                 int b, const RowBlock& rb, int s) {
+  constexpr int kRedStride = D + 4;
+  for (int idx = threadIdx.x; idx < rb.rows * D; idx += kThreads) {
+    const int row = idx / D, d = idx - row * D;
+    p.ws_acc[(RowIndex(p, b, rb, row) * p.splits + s) * D + d] = sh.red[row * kRedStride + d];
+  }
+  if (threadIdx.x < rb.rows) {
+    const int64_t pi = RowIndex(p, b, rb, threadIdx.x) * p.splits + s;
+    p.ws_m[pi] = sh.m[threadIdx.x];
+    p.ws_l[pi] = sh.l[threadIdx.x];
+  }
+}
+
+template <int D>
 __device__ __forceinline__ void WritePartials(const KernelParams& p, const BlockShared& sh, int b,
                                               int h0, int s, int GB) {
   constexpr int kRedStride = D + 4;
@@ -278,20 +340,45 @@ __device__ __forceinline__ void WritePartials(const KernelParams& p, const Block
   }
 }
 
-template <typename T, int D, int NQT, int U>
-__global__ void __launch_bounds__(kThreads) SplitKernelTensorCore(const KernelParams p) {
+template <typename T, int D, int NQT, int U, bool kRows = false>
+__global__ void __launch_bounds__(kThreads) SplitKernelTensorCore(const ParamsOf<kRows> p) {
   static_assert(D % 64 == 0, "head_dim must be a multiple of 64");
   const int s = blockIdx.x, b = blockIdx.z;
   const int len = LiveLength(p.lengths, b, p.max_tokens);
   const int nchunks = (len + p.chunk - 1) / p.chunk;
-  if (s >= nchunks) return;  // no live chunk: nothing to read, nothing to write
+  // No live chunk: nothing to read, nothing to write (the combine reads splits < nchunks
+  // only; with kRows every such split writes every row, live or not).
+  if (s >= nchunks) return;
 
-  const int GB = p.head_group;
-  const int h0 = blockIdx.y * GB;  // first query head of this block
-  const int kvh = h0 / p.group;
+  // kRows: the block's rows (query i, head g) of KV head blk.kvh; plain: GB query heads
+  // from h0. (Kept as the plain kernel's original expressions: same code, same registers.)
+  RowBlock blk{};
+  if constexpr (kRows) {  // (p is a RowKernelParams only here)
+    blk.kvh = blockIdx.y / p.row_blocks;
+    blk.r0 = (blockIdx.y - blk.kvh * p.row_blocks) * p.head_group;
+    blk.rows = min(p.head_group, p.q_len * p.group - blk.r0);
+  }
+  const int GB = kRows ? blk.rows : p.head_group;
+  const int h0 = blockIdx.y * GB;  // first query head of this block (plain)
+  const int kvh = kRows ? blk.kvh : h0 / p.group;
   const Lane ln = ThisLane();
   extern __shared__ float smem[];
   const BlockShared sh = CarveShared<D, NQT>(smem, p.chunk);
+  int lo_all = 0, hi_all = 0;  // kRows: the union of the rows' token ranges
+  if constexpr (kRows) {
+    if (threadIdx.x < GB) {
+      RowRange(p.q_lengths, b, p.q_len, len, p.window, (blk.r0 + threadIdx.x) / p.group,
+               sh.lo + threadIdx.x, sh.hi + threadIdx.x);
+    }
+    __syncthreads();
+    lo_all = len;
+    for (int r = 0; r < GB; ++r) {
+      if (sh.hi[r] > sh.lo[r]) {
+        lo_all = min(lo_all, sh.lo[r]);
+        hi_all = max(hi_all, sh.hi[r]);
+      }
+    }
+  }
 
   const int64_t tstride = static_cast<int64_t>(p.kv_heads) * D;  // elements between tokens
   const T* kseq =
@@ -300,19 +387,25 @@ __global__ void __launch_bounds__(kThreads) SplitKernelTensorCore(const KernelPa
       static_cast<const T*>(p.v) + static_cast<int64_t>(b) * p.max_tokens * tstride + kvh * D;
 
   uint32_t qf[NQT][D / 32][4];
-  LoadQueryFragments<T, D, NQT>(p, b, h0, GB, ln, qf);
+  LoadQueryFragments<T, D, NQT, kRows>(p, b, h0, GB, ln, qf, blk);
   float acc[NQT][D / 16][4];
   InitBlockState<D, NQT>(sh, acc);
   __syncthreads();
 
   for (int c = s; c < nchunks; c += p.splits) {
     const int t0 = c * p.chunk;
-    const int n = min(p.chunk, len - t0);  // >= 1
+    const int n = min(p.chunk, len - t0);                       // >= 1
+    if (kRows && (t0 + n <= lo_all || t0 >= hi_all)) continue;  // block-uniform
     const int ntiles = (n + 15) >> 4;
-    ChunkLogits<T, D, NQT, U>(kseq + static_cast<int64_t>(t0) * tstride, tstride, n, ntiles, qf, sh,
-                              GB, p.scale_log2, ln);
+    if constexpr (kRows) {
+      ChunkLogits<T, D, NQT, U, true>(kseq + static_cast<int64_t>(t0) * tstride, tstride, n, ntiles,
+                                      qf, sh, GB, p.scale_log2, ln, t0, p.scale, p.softcap);
+    } else {
+      ChunkLogits<T, D, NQT, U>(kseq + static_cast<int64_t>(t0) * tstride, tstride, n, ntiles, qf,
+                                sh, GB, p.scale_log2, ln);
+    }
     __syncthreads();
-    SoftmaxChunk(sh, n, ntiles, GB, ln);
+    SoftmaxChunk<kRows>(sh, n, ntiles, GB, ln);
     __syncthreads();
     RescaleAccumulators<D, NQT>(acc, sh.alpha, ln);
     // Phase 3b: O^T += V^T P^T (m = 16 dims, n = 8 heads, k = 16 tokens); each warp loads
@@ -345,7 +438,11 @@ __global__ void __launch_bounds__(kThreads) SplitKernelTensorCore(const KernelPa
     __syncthreads();  // the next chunk overwrites the logits
   }
   ReduceWarps<D, NQT>(acc, sh, GB);
-  WritePartials<D>(p, sh, b, h0, s, GB);
+  if constexpr (kRows) {
+    WriteRowPartials<D>(p, sh, b, blk, s);
+  } else {
+    WritePartials<D>(p, sh, b, h0, s, GB);
+  }
 }
 
 }  // namespace jax_vmm::attention::kernels

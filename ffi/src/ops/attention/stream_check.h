@@ -19,6 +19,11 @@ inline ffi::Error CheckStreamOperands(const char* name, const ffi::AnyBuffer& q,
                                       const ffi::AnyBuffer& out, Shapes* shapes, KvStorage* kv) {
   if (ffi::Error err = CheckShapes(name, q, k, v, lengths, out, shapes); err.failure()) return err;
   const std::string who = std::string(name) + ": ";
+  if (shapes->q_len != 1) {
+    return ffi::Error::InvalidArgument(who +
+                                       "q must be (B, H_q, D): the streaming kernel serves "
+                                       "one query token per sequence");
+  }
   const ffi::DataType qt = q.element_type();
   if ((qt != ffi::DataType::BF16 && qt != ffi::DataType::F16) || out.element_type() != qt) {
     return ffi::Error::InvalidArgument(who +

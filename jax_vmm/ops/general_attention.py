@@ -1,0 +1,350 @@
+"""``jax_vmm.attention``: S >= 1 query tokens per sequence over its cached tokens, causal,
+with an optional sliding window and logit softcap (docs/attention.md, "General
+attention").
+
+``attention(q, layer, lengths)`` / ``attention(q, k, v, lengths)``: query row ``i`` of
+sequence ``b`` is the token at position ``p = lengths[b] - qn + i`` (``qn`` =
+``q_lengths[b]``, default S, clamped to ``[0, min(S, lengths[b])]``) and attends to the
+cached tokens ``j`` with ``max(0, p - window + 1) <= j <= p``; rows ``i >= qn`` and
+sequences of length 0 give zeros. The plain case (S = 1, no option) is
+``decode_attention`` unchanged (every kernel, fp8 caches included); the others run the
+split-K kernels (attention_ffi.h ``Semantics``).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..base.fp8 import FP8_STORAGE, dequantize_fp8
+from ..cache.pytree import KVLayer
+from . import attention_call as _call
+from . import layer_ops
+from .attention import _decode_attention
+
+__all__ = ["attention", "reference_attention"]
+
+_TARGET = "jax_vmm_decode_attention"
+_TARGET_XLA_WORKSPACE = "jax_vmm_decode_attention_xla_workspace"
+_FULL = jax.lax.Precision.HIGHEST
+
+
+def attention(
+    q: jax.Array,
+    k_or_layer: Any,
+    v: Any = None,
+    lengths: Any = None,
+    *,
+    q_lengths: Any = None,
+    window: int | None = None,
+    softcap: float | None = None,
+    scale: float | None = None,
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
+) -> jax.Array:
+    """Causal attention of the last S tokens of each sequence over its cached tokens.
+
+    Two forms: ``attention(q, layer, lengths)`` over a :class:`~jax_vmm.KVLayer` and
+    ``attention(q, k, v, lengths)`` over ``(B, T, H_kv, D)`` arrays.
+
+    Args:
+      q: ``(B, S, H_q, D)``, S >= 1: the queries of the last ``q_lengths[b]`` (default S)
+        of the ``lengths[b]`` cached tokens of sequence b, in order. bfloat16, float16 or
+        float32 (k/v of the same dtype, or an fp8 cache with a 16-bit q).
+      lengths: ``(B,)`` integers, cached tokens per sequence (clamped to ``[0, T]``; over
+        an arena layer also to the tokens ensured, counted for ``kv.check()``).
+      q_lengths: ``(B,)`` integers or None: live query rows per sequence, clamped to
+        ``[0, min(S, lengths[b])]``; row ``i`` sits at position
+        ``lengths[b] - q_lengths[b] + i``; rows past ``q_lengths[b]`` give zeros.
+      window: None or an int >= 1: a query attends to at most the ``window`` most recent
+        positions, itself included (Hugging Face ``sliding_window``).
+      softcap: None or a finite number > 0: logits (after ``scale``) become
+        ``softcap * tanh(logits / softcap)`` before the softmax (Gemma 2).
+      scale: softmax scale, default ``1 / sqrt(D)``.
+      k_scale, v_scale: the array form's fp8 scales, as for ``decode_attention``.
+
+    Returns:
+      ``(B, S, H_q, D)`` in q's dtype, softmax and accumulation in float32.
+
+    The plain case (S = 1 without q_lengths/window/softcap) is ``decode_attention``
+    exactly. Otherwise the split-K kernels run (CUDA: tensor cores for 16-bit q with
+    head_dim 64/128/256, else the simple kernel); an fp8 cache is then dequantized with
+    XLA first (array form; it reads every token: correct, not fast), and an fp8 or
+    sharded arena layer is refused (NotImplementedError).
+    """
+    return _attention(
+        q,
+        k_or_layer,
+        v,
+        lengths,
+        q_lengths=q_lengths,
+        window=window,
+        softcap=softcap,
+        scale=scale,
+        k_scale=k_scale,
+        v_scale=v_scale,
+    )
+
+
+def _attention(
+    q: Any,
+    k_or_layer: Any,
+    v: Any = None,
+    lengths: Any = None,
+    *,
+    q_lengths: Any = None,
+    window: int | None = None,
+    softcap: float | None = None,
+    scale: float | None = None,
+    k_scale: Any = None,
+    v_scale: Any = None,
+    impl: str = "auto",
+    chunk: int = 0,
+    splits: int = 0,
+    workspace: str = "scratch",
+) -> jax.Array:
+    """attention with the split-K knobs of ``_decode_attention`` (impl "auto",
+    "tensor_core", "tensor_core_u1", "simple"; chunk; splits; workspace)."""
+    layer = k_or_layer if isinstance(k_or_layer, KVLayer) else None
+    if layer is not None:
+        if lengths is not None and v is not None:
+            raise TypeError("attention(q, layer, lengths): too many arguments")
+        lengths = v if lengths is None else lengths
+        if k_scale is not None or v_scale is not None:
+            raise ValueError(
+                "attention(q, layer, lengths): an fp8 layer carries its scales; k_scale/v_scale "
+                "are for the array form"
+            )
+        k = None
+    else:
+        k = k_or_layer
+        if v is None or lengths is None:
+            raise TypeError(
+                "attention takes (q, layer, lengths) or (q, k, v, lengths); got k of type "
+                f"{type(k).__name__} and a missing {'v' if v is None else 'lengths'}"
+            )
+    if lengths is None:
+        raise TypeError("attention(q, layer, lengths): lengths is missing")
+    q = q if isinstance(q, jax.Array) else jnp.asarray(q)
+    if q.ndim != 4 or q.shape[1] < 1:
+        raise ValueError(
+            f"attention: q must be (batch, queries S >= 1, q_heads, head_dim), got shape {q.shape}"
+        )
+    knobs = dict(impl=impl, chunk=chunk, splits=splits)
+    if _is_plain(q, q_lengths, window, softcap):
+        if layer is not None:
+            out = _decode_attention(
+                q[:, 0], layer, lengths, scale=scale, workspace=workspace, **knobs
+            )
+        else:
+            out = _decode_attention(
+                q[:, 0], k, v, lengths, scale=scale, k_scale=k_scale, v_scale=v_scale,
+                workspace=workspace, **knobs,
+            )  # fmt: skip
+        return out[:, None]
+    if layer is not None:
+        if not layer.is_arena:
+            k, v, k_scale, v_scale = layer.k, layer.v, layer.k_scale, layer.v_scale
+        else:
+            return _arena_attention(
+                q, layer, lengths, q_lengths, window, softcap, scale, workspace, knobs
+            )
+    v = v if isinstance(v, jax.Array) else jnp.asarray(v)
+    k = k if isinstance(k, jax.Array) else jnp.asarray(k)
+    if np.dtype(k.dtype) in FP8_STORAGE:
+        if k_scale is None or v_scale is None:
+            raise ValueError(
+                f"attention: an fp8 cache ({k.dtype}) needs k_scale and v_scale, float32 (H_kv,)"
+            )
+        # The split-K kernels read 16-bit or float32 caches: dequantize (every token).
+        k = dequantize_fp8(k, k_scale).astype(q.dtype)
+        v = dequantize_fp8(v, v_scale).astype(q.dtype)
+        k_scale = v_scale = None
+    q, options = checked_options(q, k, dict(q_lengths=q_lengths, window=window, softcap=softcap))
+    call = _call.prepare(
+        q, k, v, lengths, scale=scale, workspace=workspace, k_scale=k_scale, v_scale=v_scale,
+        **knobs, **options,
+    )  # fmt: skip
+    if call is None:
+        return jnp.zeros(q.shape, q.dtype)
+    if workspace == "scratch":
+        ffi = jax.ffi.ffi_call(_TARGET, call.out_type, vmap_method="sequential")
+        return ffi(*call.operands, *call.tail, **call.attrs)
+    ws_type = jax.ShapeDtypeStruct((call.plan["workspace_bytes"],), jnp.uint8)
+    ffi = jax.ffi.ffi_call(
+        _TARGET_XLA_WORKSPACE, (call.out_type, ws_type), vmap_method="sequential"
+    )
+    return ffi(*call.operands, *call.tail, **call.attrs)[0]
+
+
+def _arena_attention(
+    q: jax.Array,
+    layer: Any,
+    lengths: Any,
+    q_lengths: Any,
+    window: Any,
+    softcap: Any,
+    scale: Any,
+    workspace: str,
+    knobs: dict,
+) -> jax.Array:
+    """The general attention over an arena layer: the split-K cache target (its lengths
+    clamped to the tokens ensured, counted)."""
+    lid = layer.id
+    if lid.sharded or layer.fp8:
+        raise NotImplementedError(
+            f"attention with S > 1, q_lengths, window or softcap over {lid.describe()}: "
+            "sharded and fp8 arena layers serve decode only (S = 1, no option) for now; "
+            "read the layer's arrays (jax_vmm.ordered_views) and dequantize them, or use "
+            "a 16-bit per-sequence arena"
+        )
+    if len(lid.shape) != 4:
+        raise ValueError(
+            f"attention: {lid.describe()} has shape {lid.shape}; attention needs one buffer "
+            "row per sequence (kv_arena(..., max_seqs=batch))"
+        )
+    if workspace != "scratch":
+        raise ValueError("attention over an arena layer keeps its partials in scratch")
+    spec = layer_ops._spec(lid)
+    q, options = checked_options(q, spec, dict(q_lengths=q_lengths, window=window, softcap=softcap))
+    call = _call.prepare(
+        q, spec, spec, lengths, scale=scale, workspace="scratch", **knobs, **options
+    )
+    if call is None:
+        return jnp.zeros(q.shape, q.dtype)
+    q, lengths = call.operands[0], call.operands[3]
+    batch = jax.ShapeDtypeStruct((q.shape[0],), jnp.int32)  # read_lengths: discarded
+    ffi = jax.ffi.ffi_call(
+        layer_ops._targets.attention, (call.out_type, batch), vmap_method="sequential"
+    )
+    out, _ = ffi(
+        q, lengths, layer.token, *call.tail, **layer_ops._identity_attrs(lid), **call.attrs
+    )
+    return out
+
+
+def _is_plain(q: jax.Array, q_lengths: Any, window: Any, softcap: Any) -> bool:
+    return q.shape[1] == 1 and q_lengths is None and window is None and softcap is None
+
+
+def checked_options(q: Any, k: Any, options: dict) -> tuple[jax.Array, dict]:
+    """Trace-time validation of q (B, S, H_q, D) and the options; returns q and the
+    _prepare keywords (q_lengths as int32 (B,) or None, window and softcap as numbers, 0
+    = none)."""
+    q = q if isinstance(q, (jax.Array, jax.ShapeDtypeStruct)) else jnp.asarray(q)
+    unknown = set(options) - {"q_lengths", "window", "softcap"}
+    if unknown:
+        raise TypeError(f"attention: unknown options {sorted(unknown)}")
+    if q.ndim != 4 or q.shape[1] < 1:
+        raise ValueError(
+            f"attention: q must be (batch, queries S >= 1, q_heads, head_dim), got shape {q.shape}"
+        )
+    B, S = q.shape[0], q.shape[1]
+    return q, dict(
+        q_lengths=_checked_q_lengths(options.get("q_lengths"), B, S),
+        window=_checked_window(options.get("window")),
+        softcap=_checked_softcap(options.get("softcap")),
+    )
+
+
+def _checked_window(window: Any) -> int:
+    if window is None:
+        return 0
+    if isinstance(window, (bool, np.bool_)) or not isinstance(window, (int, np.integer)):
+        raise TypeError(
+            f"attention: window must be None or an int >= 1 (positions a query sees, itself "
+            f"included), got {type(window).__name__} {window!r}"
+        )
+    if window < 1:
+        raise ValueError(f"attention: window must be >= 1 (or None for no window), got {window}")
+    return int(min(window, np.iinfo(np.int32).max))
+
+
+def _checked_softcap(softcap: Any) -> float:
+    if softcap is None:
+        return 0.0
+    if isinstance(softcap, (str, bytes, bool, np.bool_)) or not isinstance(
+        softcap, (numbers.Real, np.floating, np.integer)
+    ):
+        raise TypeError(
+            f"attention: softcap must be None or a real number > 0, got {type(softcap).__name__}"
+        )
+    value = float(softcap)
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(
+            f"attention: softcap must be finite and > 0 (or None for no cap), got {softcap}"
+        )
+    return value
+
+
+def _checked_q_lengths(q_lengths: Any, batch: int, q_len: int) -> jax.Array | None:
+    """int32 (B,), wide integers clamped to [0, S] before the cast (no wrap)."""
+    if q_lengths is None:
+        return None
+    if not isinstance(q_lengths, jax.Array):
+        host = np.asarray(q_lengths)
+        if np.issubdtype(host.dtype, np.integer) and host.dtype.itemsize >= 4:
+            host = np.clip(host, 0, q_len).astype(np.int32)
+        q_lengths = jnp.asarray(host)
+    if q_lengths.shape != (batch,):
+        raise ValueError(
+            f"attention: q_lengths must have shape ({batch},) (live query rows per sequence), "
+            f"got {q_lengths.shape}"
+        )
+    if not jnp.issubdtype(q_lengths.dtype, jnp.integer):
+        raise TypeError(f"attention: q_lengths must be integers (int32), got {q_lengths.dtype}")
+    if q_lengths.dtype.itemsize >= 4:
+        q_lengths = jnp.clip(q_lengths, 0, q_len)
+    return q_lengths.astype(jnp.int32)
+
+
+def reference_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    lengths: jax.Array,
+    *,
+    q_lengths: Any = None,
+    window: int | None = None,
+    softcap: float | None = None,
+    scale: float | None = None,
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
+) -> jax.Array:
+    """Plain-JAX attention with the semantics of :func:`attention` (masked softmax over
+    all T tokens; float32, or float64 inputs under ``jax_enable_x64`` for a float64
+    reference), output in q's dtype. An fp8 cache is dequantized first."""
+    if k_scale is not None:
+        k, v = dequantize_fp8(k, k_scale), dequantize_fp8(v, v_scale)
+    B, S, Hq, D = q.shape
+    T, Hkv = k.shape[1], k.shape[2]
+    window = _checked_window(window)
+    softcap = _checked_softcap(softcap)
+    scale = _call._softmax_scale(scale, D)
+    acc = jnp.promote_types(jnp.float32, jnp.result_type(q.dtype, k.dtype))
+    n = jnp.clip(jnp.asarray(lengths).astype(jnp.int32), 0, T)
+    qn = n.clip(0, S) if q_lengths is None else jnp.asarray(q_lengths).astype(jnp.int32)
+    qn = jnp.clip(qn, 0, jnp.minimum(S, n))
+    qg = q.astype(acc).reshape(B, S, Hkv, Hq // Hkv, D)
+    s = jnp.einsum("bshgd,bthd->bshgt", qg, k.astype(acc), precision=_FULL) * scale
+    if softcap:
+        s = softcap * jnp.tanh(s / softcap)
+    i = jnp.arange(S)[None, :]
+    pos = n[:, None] - qn[:, None] + i  # (B, S)
+    live_row = i < qn[:, None]
+    t = jnp.arange(T)[None, None, :]
+    mask = (t <= pos[:, :, None]) & live_row[:, :, None]
+    if window:
+        mask &= t > pos[:, :, None] - window
+    s = jnp.where(mask[:, :, None, None, :], s, -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0))
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    o = jnp.einsum("bshgt,bthd->bshgd", p, v.astype(acc), precision=_FULL)
+    o = jnp.where(denom > 0, o / jnp.where(denom > 0, denom, 1.0), 0.0)
+    return o.reshape(B, S, Hq, D).astype(q.dtype)

@@ -1,0 +1,326 @@
+"""jax_vmm's general attention (jax_vmm/ops/general_attention.py, exported as
+``jax_vmm.attention``): S query rows per sequence, ragged ``q_lengths``, sliding
+``window``, ``softcap`` and ``scale``, against a float64 numpy reference, over arrays and
+over a KV arena layer, on the CPU and (params marked gpu) every CUDA split-K kernel.
+
+Outputs come through the testing target with a NaN-filled output buffer (every element
+must be written); K/V past each sequence's length hold NaN (never read); inputs are fresh
+random draws per case. On the GPU each case runs tensor_core (bf16, fp16), tensor_core_u1,
+simple (bf16, fp32): ``python3 -m pytest tests/ops/test_attention_semantics.py -m gpu``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_vmm
+import jax_vmm.testing
+from jax_vmm.base.fp8 import FP8_DTYPE, quantize_fp8
+from jax_vmm.ops.general_attention import _attention, reference_attention
+
+BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
+REL_TOL = {np.dtype(BF16): 1.5e-2, np.dtype(F16): 3e-3, np.dtype(F32): 1e-5}
+
+
+def variants(device):
+    """(dtype, impl) pairs: every CUDA split-K kernel on a GPU, each dtype on the CPU."""
+    if device.platform == "cpu":
+        return [(BF16, "auto"), (F16, "auto"), (F32, "auto")]
+    return [
+        (BF16, "tensor_core"),
+        (F16, "tensor_core"),
+        (BF16, "tensor_core_u1"),
+        (BF16, "simple"),
+        (F32, "simple"),
+    ]
+
+
+def ref64(q, k, v, lengths, q_lengths=None, window=None, softcap=None, scale=None):
+    """float64 attention by the definition: row i of sequence b at position
+    p = n - qn + i attends to tokens max(0, p - window + 1) .. p."""
+    B, S, Hq, D = q.shape
+    T, Hkv = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    out = np.zeros((B, S, Hq, D))
+    for b in range(B):
+        n = min(max(int(lengths[b]), 0), T)
+        qn = S if q_lengths is None else int(q_lengths[b])
+        qn = min(max(qn, 0), S, n)
+        for i in range(qn):
+            p = n - qn + i
+            lo = 0 if window is None else max(0, p - window + 1)
+            for h in range(Hq):
+                kk, vv = k[b, lo : p + 1, h // G], v[b, lo : p + 1, h // G]
+                s = kk @ q[b, i, h] * scale
+                if softcap is not None:
+                    s = softcap * np.tanh(s / softcap)
+                w = np.exp(s - s.max())
+                out[b, i, h] = w @ vv / w.sum()
+    return out
+
+
+def draw(rng, shape, dtype):
+    x = jnp.asarray(rng.standard_normal(shape, dtype=np.float32)).astype(dtype)
+    return x, np.asarray(x.astype(jnp.float32), np.float64)
+
+
+def poison_tail(x, lengths):
+    """x (B, T, H, D) with NaN at every token at or past each length."""
+    T = x.shape[1]
+    dead = np.arange(T)[None, :] >= np.asarray(lengths)[:, None]
+    return jnp.where(jnp.asarray(dead)[:, :, None, None], jnp.nan, x.astype(F32)).astype(x.dtype)
+
+
+def assert_close(out, ref, dtype, what):
+    out = np.asarray(jnp.asarray(out).astype(F32), np.float64)
+    assert out.shape == ref.shape, (out.shape, ref.shape)
+    bad = np.argwhere(~np.isfinite(out))
+    assert bad.size == 0, f"{what}: non-finite output (unwritten or NaN) at {bad[:5].tolist()}"
+    tol = REL_TOL[np.dtype(dtype)]
+    rel = np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30)
+    assert rel < tol, f"{what}: relative error {rel:.3g} >= {tol}"
+    worst = np.abs(out - ref).max() / max(np.abs(ref).max(), 1e-30)
+    assert worst < 8 * tol, f"{what}: worst element error {worst:.3g}"
+    zero_rows = np.all(ref == 0, axis=(-1, -2))
+    assert np.all(out[zero_rows] == 0), f"{what}: rows without a live token must be exact zeros"
+
+
+# Each case: S, Hq, Hkv, D, T, window, softcap, q_lengths mode, scale, chunk/splits.
+CASES = [
+    # S = 1 with each option alone (decode with a window / a softcap)
+    (1, 8, 2, 128, 70, 5, None, None, None, (16, 3)),
+    (1, 8, 2, 128, 70, None, 30.0, None, None, (0, 0)),
+    (1, 4, 4, 64, 40, None, None, "ragged", None, (16, 2)),
+    # S = 3 / 17, GQA 1/4/8, every option and combination
+    (3, 4, 1, 64, 50, None, None, None, None, (16, 2)),
+    (3, 8, 2, 128, 90, 1, None, "ragged", 0.3, (16, 4)),
+    (17, 8, 1, 64, 120, 5, 2.0, "ragged", None, (32, 3)),
+    (17, 4, 4, 64, 64, 1000, 30.0, None, None, (0, 0)),
+    (17, 16, 2, 64, 100, 5, None, "ragged", None, (16, 5)),  # 136 rows: 9 row blocks
+    (5, 8, 2, 256, 45, 7, 30.0, "ragged", None, (16, 2)),
+    (3, 6, 2, 128, 33, None, 2.0, "zeros", None, (0, 0)),
+]
+
+
+def case_id(c):
+    S, Hq, Hkv, D, T, w, cap, ql, sc, (ch, sp) = c
+    return f"S{S}-G{Hq // Hkv}x{Hkv}-D{D}-T{T}-w{w}-cap{cap}-ql{ql}-sc{sc}-ch{ch}sp{sp}"
+
+
+def make_lengths(rng, B, T, S, mode):
+    lengths = np.array(([0, T, 1, min(T, 37)] + list(rng.integers(0, T + 1, size=B)))[:B])
+    if mode is None:
+        return lengths.astype(np.int32), None
+    if mode == "zeros":
+        return lengths.astype(np.int32), np.zeros(B, np.int32)
+    ql = rng.integers(0, S + 1, size=B)
+    ql[: min(B, 2)] = [S, 0][: min(B, 2)]
+    return lengths.astype(np.int32), ql.astype(np.int32)
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_matches_float64_reference(device, case):
+    S, Hq, Hkv, D, T, window, softcap, ql_mode, scale, (chunk, splits) = case
+    B = 5
+    rng = np.random.default_rng(abs(hash(case)) % 2**32)
+    lengths, q_lengths = make_lengths(rng, B, T, S, ql_mode)
+    for dtype, impl in variants(device):
+        q, q64 = draw(rng, (B, S, Hq, D), dtype)
+        k, k64 = draw(rng, (B, T, Hkv, D), dtype)
+        v, v64 = draw(rng, (B, T, Hkv, D), dtype)
+        k, v = poison_tail(k, lengths), poison_tail(v, lengths)
+        q, k, v = (jax.device_put(x, device) for x in (q, k, v))
+        opts = dict(window=window, softcap=softcap, scale=scale)
+        if q_lengths is not None:
+            opts["q_lengths"] = jax.device_put(jnp.asarray(q_lengths), device)
+        out = jax_vmm.testing.decode_attention(
+            q,
+            k,
+            v,
+            jax.device_put(jnp.asarray(lengths), device),
+            out_init=jnp.full(q.shape, jnp.nan, q.dtype),
+            impl=impl,
+            chunk=chunk,
+            splits=splits,
+            **opts,
+        )
+        assert out.dtype == q.dtype and out.shape == q.shape
+        ref = ref64(q64, k64, v64, lengths, q_lengths, window, softcap, scale)
+        assert_close(out, ref, dtype, f"{np.dtype(dtype)} {impl} {case_id(case)}")
+
+
+def test_public_op_under_jit_and_the_plain_case_is_decode_attention(device):
+    rng = np.random.default_rng(7)
+    B, S, Hq, Hkv, D, T = 4, 6, 8, 2, 64, 80
+    lengths = np.array([80, 0, 5, 33], np.int32)
+    q, q64 = draw(rng, (B, S, Hq, D), BF16)
+    k, k64 = draw(rng, (B, T, Hkv, D), BF16)
+    v, v64 = draw(rng, (B, T, Hkv, D), BF16)
+    q, k, v, n = (jax.device_put(x, device) for x in (q, k, v, jnp.asarray(lengths)))
+    fn = jax.jit(lambda *a: jax_vmm.attention(*a, window=9, softcap=20.0))
+    out = fn(q, k, v, n)
+    assert_close(out, ref64(q64, k64, v64, lengths, None, 9, 20.0), BF16, "jit")
+    # S = 1 without options: decode_attention's result, bit for bit.
+    plain = jax_vmm.attention(q[:, -1:], k, v, n)
+    np.testing.assert_array_equal(
+        np.asarray(plain[:, 0].astype(F32)),
+        np.asarray(jax_vmm.decode_attention(q[:, -1], k, v, n).astype(F32)),
+    )
+
+
+def test_reference_attention_matches_float64(device):
+    rng = np.random.default_rng(3)
+    B, S, Hq, Hkv, D, T = 3, 4, 4, 2, 64, 30
+    lengths, q_lengths = np.array([30, 0, 3], np.int32), np.array([4, 2, 1], np.int32)
+    q, q64 = draw(rng, (B, S, Hq, D), F32)
+    k, k64 = draw(rng, (B, T, Hkv, D), F32)
+    v, v64 = draw(rng, (B, T, Hkv, D), F32)
+    kw = dict(q_lengths=q_lengths, window=3, softcap=2.0, scale=0.2)
+    out = reference_attention(q, k, v, jnp.asarray(lengths), **kw)
+    assert_close(out, ref64(q64, k64, v64, lengths, **kw), F32, "reference_attention")
+
+
+@pytest.mark.parametrize("S,window,softcap", [(1, None, None), (3, 4, 30.0)])
+def test_fp8_cache(device, S, window, softcap):
+    """fp8 caches: S = 1 plain runs the streaming kernel; the options run split-K over
+    the cache dequantized by XLA."""
+    rng = np.random.default_rng(11)
+    B, Hq, Hkv, D, T = 3, 8, 2, 128, 60
+    lengths = np.array([60, 0, 17], np.int32)
+    q, q64 = draw(rng, (B, S, Hq, D), BF16)
+    scales = jnp.asarray([0.5, 2.0], F32)
+    k8 = quantize_fp8(jnp.asarray(rng.standard_normal((B, T, Hkv, D)), F32), scales)
+    v8 = quantize_fp8(jnp.asarray(rng.standard_normal((B, T, Hkv, D)), F32), scales)
+    assert k8.dtype == FP8_DTYPE
+    k64 = np.asarray(k8.astype(F32), np.float64) * np.asarray(scales)[None, None, :, None]
+    v64 = np.asarray(v8.astype(F32), np.float64) * np.asarray(scales)[None, None, :, None]
+    q, k8, v8, n, s = (jax.device_put(x, device) for x in (q, k8, v8, jnp.asarray(lengths), scales))
+    out = jax_vmm.attention(q, k8, v8, n, window=window, softcap=softcap, k_scale=s, v_scale=s)
+    assert_close(out, ref64(q64, k64, v64, lengths, None, window, softcap), BF16, "fp8")
+
+
+# -- over a KV arena layer ---------------------------------------------------------------
+
+
+def _filled_arena(vm, rng, B, T, Hkv, D, dtype, ensured):
+    kv = vm.kv(
+        num_layers=1,
+        num_kv_heads=Hkv,
+        head_dim=D,
+        max_tokens=T,
+        max_seqs=B,
+        dtype=dtype,
+        zero_fill=True,
+    )
+    for b, n in enumerate(ensured):
+        kv.ensure(n, b)
+    k, k64 = draw(rng, (B * T, Hkv, D), dtype)
+    v, v64 = draw(rng, (B * T, Hkv, D), dtype)
+    slots = np.concatenate([b * T + np.arange(n) for b, n in enumerate(ensured)]).astype(np.int32)
+    dev = kv.arena.device
+    layer = jax.jit(jax_vmm.kv_write)(
+        kv.cache()[0], jax.device_put(k[slots], dev), jax.device_put(v[slots], dev), slots
+    )
+    jax.block_until_ready(layer.token)
+    kv.check()
+    return kv, k64.reshape(B, T, Hkv, D), v64.reshape(B, T, Hkv, D)
+
+
+def test_over_an_arena_layer(vm):
+    rng = np.random.default_rng(5)
+    B, S, Hq, Hkv, D, T = 4, 5, 8, 2, 64, 96
+    ensured = [96, 3, 40, 0]
+    kv, k64, v64 = _filled_arena(vm, rng, B, T, Hkv, D, BF16, ensured)
+    dev = kv.arena.device
+    q, q64 = draw(rng, (B, S, Hq, D), BF16)
+    lengths, q_lengths = np.array(ensured, np.int32), np.array([5, 2, 0, 1], np.int32)
+    fn = jax.jit(
+        lambda c, q, n, qn: jax_vmm.attention(q, c[0], n, q_lengths=qn, window=6, softcap=30.0)
+    )
+    args = [jax.device_put(x, dev) for x in (q, jnp.asarray(lengths), jnp.asarray(q_lengths))]
+    out = fn(kv.cache(), *args)
+    kv.check()  # within the ensured tokens: nothing to report
+    ref = ref64(q64, k64, v64, lengths, q_lengths, 6, 30.0)
+    assert_close(out, ref, BF16, "arena layer")
+
+    # Lengths past the ensured tokens: read only those (positions as if the length were
+    # the ensured count), and kv.check() reports the sequences.
+    too_long = jax.device_put(jnp.asarray([96, 10, 41, 0], jnp.int32), dev)
+    clamped = fn(kv.cache(), args[0], too_long, args[2])
+    with pytest.raises(jax_vmm.OutOfBoundsRead) as info:
+        kv.check()
+    assert info.value.count == 2
+    np.testing.assert_array_equal(np.asarray(clamped.astype(F32)), np.asarray(out.astype(F32)))
+
+
+# -- validation --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kw,exc,match",
+    [
+        (dict(window=0), ValueError, "window must be >= 1"),
+        (dict(window=-3), ValueError, "window must be >= 1"),
+        (dict(window=2.5), TypeError, "window must be None or an int"),
+        (dict(window=True), TypeError, "window must be None or an int"),
+        (dict(softcap=0.0), ValueError, "softcap must be finite and > 0"),
+        (dict(softcap=-1.0), ValueError, "softcap must be finite and > 0"),
+        (dict(softcap=float("inf")), ValueError, "softcap must be finite"),
+        (dict(softcap=float("nan")), ValueError, "softcap must be finite"),
+        (dict(softcap="30"), TypeError, "softcap must be None or a real"),
+        (dict(q_lengths=np.zeros(3, np.int32)), ValueError, r"q_lengths must have shape \(2,\)"),
+        (dict(q_lengths=np.zeros(2, np.float32)), TypeError, "q_lengths must be integers"),
+        (dict(scale="x"), TypeError, "scale must be a real number"),
+    ],
+)
+def test_bad_options_are_refused(kw, exc, match):
+    q = jnp.zeros((2, 3, 4, 64), BF16)
+    k = jnp.zeros((2, 10, 2, 64), BF16)
+    with pytest.raises(exc, match=match):
+        jax_vmm.attention(q, k, k, jnp.array([3, 4]), **kw)
+
+
+def test_bad_shapes_are_refused():
+    k = jnp.zeros((2, 10, 2, 64), BF16)
+    with pytest.raises(ValueError, match=r"q must be \(batch, queries S >= 1"):
+        jax_vmm.attention(jnp.zeros((2, 4, 64), BF16), k, k, jnp.array([3, 4]))
+    with pytest.raises(ValueError, match=r"q must be \(batch, queries S >= 1"):
+        jax_vmm.attention(jnp.zeros((2, 0, 4, 64), BF16), k, k, jnp.array([3, 4]))
+    with pytest.raises(ValueError, match="not a multiple of kv_heads"):
+        jax_vmm.attention(jnp.zeros((2, 3, 3, 64), BF16), k, k, jnp.array([3, 4]), window=2)
+    with pytest.raises(TypeError, match="share one dtype"):
+        jax_vmm.attention(jnp.zeros((2, 3, 4, 64), F16), k, k, jnp.array([3, 4]), window=2)
+    with pytest.raises(ValueError, match="split-K kernels only"):
+        _attention(jnp.zeros((2, 3, 4, 64), BF16), k, k, jnp.array([3, 4]), impl="stream")
+
+
+def test_fp8_arena_layer_with_options_is_not_implemented(vm):
+    kv = vm.kv(
+        num_layers=1, num_kv_heads=2, head_dim=64, max_tokens=32, max_seqs=2, dtype=FP8_DTYPE,
+    )  # fmt: skip
+    q = jax.device_put(jnp.zeros((2, 3, 4, 64), BF16), kv.arena.device)
+    with pytest.raises(NotImplementedError, match="fp8 arena layers serve decode only"):
+        jax_vmm.attention(q, kv.cache()[0], jnp.array([3, 4]), window=2)
+
+
+def test_over_an_array_layer(device):
+    rng = np.random.default_rng(21)
+    B, S, Hq, Hkv, D, T = 3, 4, 8, 2, 128, 50
+    lengths, q_lengths = np.array([50, 2, 0], np.int32), np.array([3, 4, 1], np.int32)
+    q, q64 = draw(rng, (B, S, Hq, D), F16)
+    k, k64 = draw(rng, (B, T, Hkv, D), F16)
+    v, v64 = draw(rng, (B, T, Hkv, D), F16)
+    q, k, v, n, qn = (
+        jax.device_put(x, device) for x in (q, k, v, jnp.asarray(lengths), jnp.asarray(q_lengths))
+    )
+    layer = jax_vmm.KVLayer.from_arrays(k, v)
+    out = jax.jit(lambda q, c, n, qn: jax_vmm.attention(q, c, n, q_lengths=qn, window=3))(
+        q, layer, n, qn
+    )
+    assert_close(out, ref64(q64, k64, v64, lengths, q_lengths, 3), F16, "array layer")
