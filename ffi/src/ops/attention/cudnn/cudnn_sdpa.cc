@@ -208,7 +208,11 @@ std::string Build(const SdpaKey& key, cudnnHandle_t handle, SdpaGraph* out) {
                   .set_generate_stats(false)
                   .set_attn_scale(key.scale)
                   .set_seq_len_q(seq_q)
-                  .set_seq_len_kv(seq_kv);
+                  .set_seq_len_kv(seq_kv)
+                  // Frontend 1.18 auto-selects its UNIFIED node on cuDNN >= 9.13, which
+                  // crashed building this graph on the H200 (cuDNN 9.19, no stats output);
+                  // the composite node is the fused flash-attention path.
+                  .set_implementation(fe::AttentionImplementation_t::COMPOSITE);
   if (key.softcap > 0.0f) {
     opts.set_score_mod(SoftcapScoreMod(key, causal, seq_q, seq_kv));
   } else {
