@@ -187,8 +187,13 @@ class TokenBacking:
         :meth:`is_backed` does."""
         self._seq_base(seq, "KVArena.wait_prefetch")
         if timeout is not None and (
-            isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0
+            isinstance(timeout, bool) or not isinstance(timeout, (int, float))
         ):
+            raise TypeError(
+                "KVArena.wait_prefetch: timeout must be a number of seconds or None, got "
+                f"{type(timeout).__name__}"
+            )
+        if timeout is not None and not timeout >= 0:
             raise ValueError(
                 f"KVArena.wait_prefetch: timeout must be seconds >= 0 or None, got {timeout!r}"
             )
