@@ -23,6 +23,7 @@ See docs/kv_cache.md.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -33,7 +34,7 @@ from ..base.args import layer_index
 from ..base.fp8 import FP8_DTYPE
 from ..memory.lookup import describe_buffer, find_view_buffer
 from .ids import LayerId
-from .registry import arena_of
+from .registry import arena_of, live_arenas
 
 __all__ = ["KVCache", "KVLayer", "ArenaNotWrittenWarning"]
 
@@ -94,10 +95,14 @@ class KVLayer:
 
         Views of a KV arena are refused: inside ``jit`` XLA copies them, so writes would
         miss the arena; use ``kv.cache()[l]``."""
+        warned = False
         for name, x in (("k", k), ("v", v)):
             if not hasattr(x, "shape") or not hasattr(x, "dtype"):
                 raise TypeError(f"KVLayer.from_arrays: {name} must be an array, got {type(x)}")
             nbytes = int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
+            if isinstance(x, jax.core.Tracer):
+                warned = warned or _warn_if_arena_shaped(name, x)
+                continue
             found = find_view_buffer(x, nbytes)
             if found is not None:
                 raise ValueError(
@@ -236,12 +241,38 @@ class _ViewsId:
         return KVLayer(_ArraysId(self.fp8), tuple(leaves))
 
 
+def _warn_if_arena_shaped(name: str, x: Any) -> bool:
+    """Inside jit the views of an arena are tracers (nothing says they are views), and
+    XLA hands an array layer over them its own copy: the arena is not written. Warn when
+    the array is shaped like a live KV arena's layer, as the array-level kv_write does."""
+    shape, dtype = tuple(x.shape), np.dtype(x.dtype)
+    for kv in live_arenas():
+        if kv.layer_shape == shape and kv.dtype == dtype:
+            warnings.warn(
+                ArenaNotWrittenWarning(
+                    f"KVLayer.from_arrays inside jit: {name} is shaped like a layer of a live "
+                    f"KV arena ({shape} {dtype}). If it is a view of the arena (kv.{name}[l], "
+                    "passed in or kept in a model's own cache), XLA hands this array layer "
+                    "its own copy, so kv_write does NOT write the arena and a later read of "
+                    "it misses these tokens. Use the arena's own cache: kv.cache()[l]"
+                ),
+                stacklevel=3,
+            )
+            return True
+    return False
+
+
 def _check_scale(x: Any, heads: int, name: str) -> Any:
     if not hasattr(x, "shape") or tuple(x.shape) != (heads,) or np.dtype(x.dtype) != np.float32:
         raise ValueError(
             f"{name} must be float32 of shape ({heads},), one scale per KV head; got "
             f"{getattr(x, 'dtype', type(x).__name__)} {getattr(x, 'shape', '')}"
         )
+    if not isinstance(x, jax.core.Tracer):
+        values = np.asarray(x)
+        if not (np.all(np.isfinite(values)) and np.all(values > 0)):
+            # As kv_arena(k_scales=) refuses: a zero scale quantizes to inf/nan.
+            raise ValueError(f"{name} must be positive and finite, got {values}")
     return x
 
 

@@ -19,6 +19,7 @@ for), ``_epoch`` (bumped on release: a commit ahead that started before is not c
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from collections.abc import Sequence
 from typing import Any
 
@@ -187,8 +188,13 @@ class TokenBacking:
         :meth:`is_backed` does."""
         self._seq_base(seq, "KVArena.wait_prefetch")
         if timeout is not None and (
-            isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0
+            isinstance(timeout, bool) or not isinstance(timeout, numbers.Real)
         ):
+            raise TypeError(
+                "KVArena.wait_prefetch: timeout must be a number of seconds or None, got "
+                f"{type(timeout).__name__}"
+            )
+        if timeout is not None and not timeout >= 0:
             raise ValueError(
                 f"KVArena.wait_prefetch: timeout must be seconds >= 0 or None, got {timeout!r}"
             )

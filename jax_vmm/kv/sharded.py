@@ -25,6 +25,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from ..base.args import as_flag, layer_index
 from ..base.errors import OutOfBoundsRead, OutOfBoundsWrite
+from ..base.fp8 import FP8_DTYPE
 from ..cache.registry import register_arena
 from ..cache.sharding import ShardedLayerId, layout
 from .arena import KVArena
@@ -80,6 +81,8 @@ class ShardedKVArena(KVArenaBase):
         self.max_tokens = int(max_tokens)
         self.max_seqs = None if max_seqs is None else int(max_seqs)
         scales = {k: kw.pop(k, None) for k in ("k_scales", "v_scales")}
+        if _is_fp8(kw.get("dtype")):
+            _check_global_scales(scales, int(num_layers), int(heads))
         self.shards: list[KVArena] = []
         try:
             for i, device in enumerate(split.devices):
@@ -365,11 +368,63 @@ class ShardedKVArena(KVArenaBase):
         )
         return out
 
+    # -- not offered for a sharded cache --------------------------------------------
+    def _unsupported(self, op: str, instead: str) -> NotImplementedError:
+        return NotImplementedError(
+            f"ShardedKVArena.{op} is not supported for a sharded KV arena (one KVArena per "
+            f"device, kv.shards); {instead}"
+        )
+
+    def sleep(self, keep: str = "host") -> None:
+        raise self._unsupported(
+            "sleep", "close() it to give its memory back, or use an unsharded kv_arena"
+        )
+
+    def wake(self) -> None:
+        raise self._unsupported("wake", "a sharded KV arena cannot sleep")
+
+    def offload(self, seq: int | None = None, *, wait: bool = True) -> Any:
+        raise self._unsupported(
+            "offload", "release(seq) a sequence's memory instead, or use an unsharded kv_arena"
+        )
+
+    def restore(self, seq: int | None = None, *, wait: bool = True) -> Any:
+        raise self._unsupported("restore", "a sharded KV arena cannot offload")
+
+    def dest(self, layer: int) -> Any:
+        raise self._unsupported(
+            "dest",
+            "write it through the cache API: cache = kv.cache(); "
+            "jax_vmm.kv_write(cache[l], new_k, new_v, slots)",
+        )
+
     def __repr__(self) -> str:
         return (
             f"ShardedKVArena(layers={self.num_layers}, shape={self._layout.global_shape}, "
             f"spec={self._layout.spec}, devices={len(self.shards)}, dtype={self.dtype})"
         )
+
+
+def _is_fp8(dtype: Any) -> bool:
+    try:
+        return np.dtype(dtype) == FP8_DTYPE
+    except TypeError:
+        return False  # the shards say what is wrong with it
+
+
+def _check_global_scales(scales: dict[str, Any], num_layers: int, heads: int) -> None:
+    """The shards check their own slices; a wrong global shape is named here as given
+    (the shard would name its slice's shape)."""
+    want = (num_layers, heads)
+    for name, given in scales.items():
+        if given is None:
+            continue
+        shape = tuple(np.shape(given))
+        if shape != want:
+            raise ValueError(
+                f"{name} must be float32 of shape {want} (num_layers, num_kv_heads: the "
+                f"global KV heads of the sharded arena), got {np.asarray(given).dtype} {shape}"
+            )
 
 
 def _each(items: Sequence[Any], op: Any) -> int:

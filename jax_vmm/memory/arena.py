@@ -42,6 +42,24 @@ def _dlpack_dtype(dtype: np.dtype) -> tuple[int, int]:
     return kind, dtype.itemsize * 8
 
 
+def _canonical(src: np.ndarray) -> np.ndarray:
+    """``src`` in the dtype JAX gives it (with x64 off, int64 -> int32, float64 ->
+    float32), so the buffer holds what its view reads and the view is zero-copy. Integers
+    that do not fit are refused rather than wrapped."""
+    dtype = np.dtype(jax.dtypes.canonicalize_dtype(src.dtype))
+    if dtype == src.dtype:
+        return src
+    if np.issubdtype(dtype, np.integer) and src.size:
+        info = np.iinfo(dtype)
+        if src.min() < info.min or src.max() > info.max:
+            raise ValueError(
+                f"Arena.put: a {src.dtype} array with values in [{src.min()}, {src.max()}] "
+                f"does not fit {dtype}, the dtype JAX uses for it with x64 off; enable "
+                "x64 (jax.config.update('jax_enable_x64', True)) or pass values that fit"
+            )
+    return src.astype(dtype)
+
+
 def _create_core_arena(
     driver: str,
     ordinal: int,
@@ -447,7 +465,7 @@ class Arena:
                 src = jax.device_put(x, self.device)
             src.block_until_ready()
         else:
-            src = np.asarray(x)  # (ascontiguousarray would make a 0-d array 1-d)
+            src = _canonical(np.asarray(x))  # (ascontiguousarray would make 0-d 1-d)
             if not src.flags.c_contiguous:
                 src = np.ascontiguousarray(src)
         shape, dtype = tuple(src.shape), np.dtype(src.dtype)

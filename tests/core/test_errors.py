@@ -284,6 +284,37 @@ def _array_write_without_dest(ctx: Ctx) -> None:
         jax.jit(ops.kv_write)(kv.k[0], kv.v[0], ctx.one, ctx.one, ctx.slot)
 
 
+def _array_layer_of_traced_views(ctx: Ctx) -> None:
+    import warnings
+
+    kv = ctx.kv1
+
+    def step(k, v):
+        layer = jax_vmm.KVLayer.from_arrays(k, v)
+        return jax_vmm.kv_write(layer, ctx.one, ctx.one, ctx.slot).k
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", jax_vmm.ArenaNotWrittenWarning)
+        jax.jit(step)(kv.k[0], kv.v[0])
+
+
+def _fp8_array_layer_zero_scale(ctx: Ctx) -> None:
+    cache = ctx.put(np.zeros((16, 1, 8), np.uint8)).view(jnp.float8_e4m3fn)
+    ones, zeros = ctx.put(np.ones(1, np.float32)), ctx.put(np.zeros(1, np.float32))
+    jax_vmm.KVLayer.from_arrays(cache, cache, k_scale=zeros, v_scale=ones)
+
+
+def _fp8_scales_mapped(ctx: Ctx) -> None:
+    kv = ctx.kv(dtype=jnp.float8_e4m3fn, initial_tokens=4)
+    doubled = jax.tree.map(lambda x: x * 2 if x.dtype == jnp.float32 else x, kv.cache())
+    jax_vmm.kv_write(doubled[0], ctx.one, ctx.one, ctx.slot)
+
+
+def _cache_mapped_astype(ctx: Ctx) -> None:
+    cache = jax.tree.map(lambda x: x.astype(jnp.bfloat16), ctx.kv(initial_tokens=4).cache())
+    jax_vmm.kv_write(cache[0], ctx.one, ctx.one, ctx.slot)
+
+
 def _cache_on_another_device(ctx: Ctx) -> None:
     kv = ctx.kv(initial_tokens=4)
     fake = _core.create_kv_cache(  # the same buffers, registered for another device ordinal
@@ -436,6 +467,7 @@ ROWS = [
             )
         ),
     ),
+    Row("E26", lambda x: x.kv3.wait_prefetch(0, timeout="1")),
     # -- the cache API --
     Row("F1", _clamped_read_then_check),
     Row("F2", _closed_cache),
@@ -451,6 +483,11 @@ ROWS = [
     Row("F10", _array_write_without_dest),
     Row("F11", _cache_on_another_device),
     Row("F12", lambda x: x.kv_args(dtype=jnp.float32, k_scales=np.ones((2, 1), np.float32))),
+    Row("F13", _array_layer_of_traced_views),
+    Row("F14", _fp8_array_layer_zero_scale),
+    Row("F15", _fp8_scales_mapped),
+    Row("F16", lambda x: jax_vmm.kv_write(x.kv1.cache(), x.one, x.one, x.slot)),
+    Row("F17", _cache_mapped_astype),
 ]
 
 
@@ -512,6 +549,16 @@ def _sharded_layer(ctx: Ctx) -> jax_vmm.KVLayer:
     return kv.cache()[0]
 
 
+def _sharded(ctx: Ctx, **kw: Any) -> Any:
+    from jax.sharding import PartitionSpec as P
+
+    kv = ctx.kv_args(
+        device=None, max_seqs=2, sharding=_one_device_sharding(ctx, P(None, None, "tp")), **kw
+    )
+    ctx.vm._owned.append(kv)  # closed with the test's arenas
+    return kv
+
+
 def _sharded_ordered_views(ctx: Ctx) -> None:
     layer = _sharded_layer(ctx)
     jax_vmm.ordered_views(layer, None, None)
@@ -544,6 +591,11 @@ ROWS += [
     ),
     Row("S5", _sharded_ordered_views),
     Row("S6", _sharded_attention_bad_q),
+    Row("S7", lambda x: _sharded(x).sleep()),
+    Row(
+        "S8",
+        lambda x: _sharded(x, dtype=jnp.float8_e4m3fn, k_scales=np.ones((3, 1), np.float32)),
+    ),
 ]
 
 
@@ -560,7 +612,21 @@ ROWS += [
     Row("M9", lambda x: x.kv3.ensure_all([1, 2])),
     Row("M10", lambda x: x.kv3.ensure_all([1.5, 0, 0])),
     Row("M11", lambda x: x.arena.put(np.float32(1))),
+    Row("M12", lambda x: x.arena.put(np.array([2**40], np.int64)), requires=lambda: _x64_off()),
 ]
+
+
+def _x64_off() -> str | None:
+    return "x64 is on: int64 is kept" if jax.config.jax_enable_x64 else None
+
+
+def _rope_without_type(ctx: Ctx) -> None:
+    from jax_vmm.serving.hf import config
+
+    config.parse_rope({"rope_scaling": {"factor": 4.0}}, where="config.json", max_position=64)
+
+
+ROWS += [Row("H1", _rope_without_type)]
 
 
 def message_pattern(row_id: str, rows: dict[str, DocRow]) -> str:

@@ -111,8 +111,11 @@ def test_prefetch_arguments_are_checked_and_change_nothing(vm):
         kv.prefetch(8)
     with pytest.raises(ValueError, match="seq=2 is out of range"):
         kv.prefetch(8, 2)
-    for bad in (-1.0, float("nan"), "1", True):
+    for bad in (-1.0, float("nan")):
         with pytest.raises(ValueError, match="timeout must be seconds"):
+            kv.wait_prefetch(0, timeout=bad)
+    for bad in ("1", True):
+        with pytest.raises(TypeError, match="timeout must be a number of seconds"):
             kv.wait_prefetch(0, timeout=bad)
     assert kv.wait_prefetch(0, timeout=0) and kv._ahead.idle()
     assert kv.arena.stats()["backed_bytes"] == 0 and kv.prefetch(0, 0) is None

@@ -326,6 +326,29 @@ def test_put_copies_into_the_arena_and_sleeps_with_it(vm):
     assert float(f(v1, v2)) == want  # the program compiled before sleep, the same views
 
 
+def test_put_stores_the_dtype_jax_reads(vm):
+    """With x64 off JAX reads int64/float64 as int32/float32: the buffer must hold that,
+    so the result is a view of it (zero-copy, sleeps with the arena), not a converted
+    copy beside an unread 64-bit buffer."""
+    if jax.config.jax_enable_x64:
+        pytest.skip("x64 is on: 64-bit dtypes are kept")
+    arena = vm.arena(8 * vm.chunk)
+    for x, want in (
+        (np.arange(6, dtype=np.int64) - 3, np.int32),
+        (np.linspace(0, 1, 6), np.float32),
+        (np.arange(6, dtype=np.uint64), np.uint32),
+    ):
+        view = arena.put(x)
+        buf = arena.buffers[-1]
+        assert view.dtype == want and buf.dtype == want and buf.nbytes == 6 * 4
+        assert view.unsafe_buffer_pointer() == buf.address  # a view of the buffer
+        np.testing.assert_array_equal(np.asarray(view), x.astype(want))
+    held = arena.stats()["held_bytes"]
+    with pytest.raises(ValueError, match="does not fit int32, the dtype JAX uses"):
+        arena.put(np.array([2**40], np.int64))
+    assert arena.stats()["held_bytes"] == held  # nothing left behind
+
+
 def test_put_rejects_what_it_cannot_hold(vm):
     arena = vm.arena(8 * vm.chunk)
     with pytest.raises(ValueError, match="at least one dimension"):

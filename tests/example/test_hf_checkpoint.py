@@ -160,6 +160,15 @@ def test_eos_ids_come_from_generation_config_first(tmp_path: Path) -> None:
         ),
         (dict(rope_scaling={"rope_type": "linear"}), "RoPE type 'linear' needs a number 'factor'"),
         (
+            dict(rope_scaling={"factor": 4.0}),
+            r"the RoPE parameters set 'factor' but no 'rope_type' \(or 'type'\), so it is "
+            r"unknown how to apply them; add the type: 'default', 'linear', 'llama3'",
+        ),
+        (
+            dict(rope_parameters={"rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0}),
+            "the RoPE parameters set 'factor', 'low_freq_factor' but no 'rope_type'",
+        ),
+        (
             dict(rope_scaling={**LLAMA31_ROPE, "low_freq_factor": 5.0}),
             "low_freq_factor < high_freq_factor",
         ),
@@ -250,6 +259,33 @@ def test_missing_shard_is_named_with_the_index(tmp_path: Path) -> None:
         CheckpointError,
         match=rf"index\.json: tensor \S+ is in {shard}, "
         rf"but .*{shard} does not exist",
+    ):
+        load_checkpoint(d)
+
+
+def test_a_tensor_the_index_does_not_map_is_named_with_the_index(tmp_path: Path) -> None:
+    """A tensor missing from a sharded checkpoint: the message says the index does not map
+    it (not that the shards were searched), and names the shard that holds it if one does
+    (an incomplete index)."""
+    d = _copy("llama_linear_sharded", tmp_path)
+    path = d / "model.safetensors.index.json"
+    raw = json.loads(path.read_text())
+    shards = list(raw["weight_map"].values())
+    name, shard = next((n, f) for n, f in raw["weight_map"].items() if shards.count(f) > 1)
+    del raw["weight_map"][name]
+    path.write_text(json.dumps(raw))
+    with pytest.raises(
+        CheckpointError,
+        match=rf"index\.json: tensor {name} is not in its weight_map, but {shard} holds it: "
+        "the index is incomplete",
+    ):
+        load_checkpoint(d)
+    _rewrite_weights(d / shard, lambda t: {k: v for k, v in t.items() if k != name})
+    n = len(set(raw["weight_map"].values()))
+    with pytest.raises(
+        CheckpointError,
+        match=rf"tensor {name} is missing: .*index\.json does not map it, and none of the "
+        rf"{n} shards it lists \(.*\) holds it",
     ):
         load_checkpoint(d)
 

@@ -483,6 +483,22 @@ def test_kv_write_on_a_layer_refuses_bad_arguments(vm):
         )
 
 
+def test_kv_write_says_the_first_argument_must_be_a_layer(vm):
+    kv = _kv(vm, initial_tokens=4)
+    cache, new, slot = kv.cache(), jnp.ones((1, HKV, D), DT), jnp.array([1], jnp.int32)
+    first = r"the first argument must be a KVLayer \(cache\[l\]\)"
+    with pytest.raises(TypeError, match=first + ", got a whole KVCache"):
+        jax_vmm.kv_write(cache, new, new, slot)
+    with pytest.raises(TypeError, match=first + ", got ArrayImpl first and a KVLayer as arg"):
+        jax_vmm.kv_write(new, cache[0], new, slot)
+    with pytest.raises(TypeError, match="has a bfloat16 token; an arena layer's leaves"):
+        jax_vmm.kv_write(jax.tree.map(lambda x: x.astype(jnp.bfloat16), cache)[0], new, new, slot)
+    with pytest.raises(TypeError, match="has a bfloat16 token"):  # inside jit too
+        jax.jit(lambda c: jax_vmm.kv_write(c[0], new, new, slot))(
+            jax.tree.map(lambda x: x.astype(jnp.bfloat16), cache)
+        )
+
+
 def test_a_layer_read_outside_jit_waits_for_its_writes(vm):
     kv = _kv(vm)
     kv.ensure(4, 1)
@@ -584,6 +600,72 @@ def test_an_arena_shaped_array_write_without_dest_warns_and_misses_the_arena(cpu
             )
             jax.block_until_ready(jax.jit(jax_vmm.kv_write)(kv.cache()[0], new, new, slot).token)
         assert np.all(raw_bytes(kv.k_buffers[0]).view(DT).reshape(B, T, HKV, D)[0, 1] == 1)
+    finally:
+        kv.close()
+
+
+def _small_kv(**kw):
+    args = dict(num_layers=1, num_kv_heads=HKV, head_dim=D, max_tokens=T, max_seqs=B)
+    return jax_vmm.kv_arena(**(args | dict(dtype=DT, initial_tokens=4, zero_fill=True) | kw))
+
+
+def test_an_array_layer_of_traced_arena_views_warns_and_misses_the_arena(cpu_device):
+    """KVLayer.from_arrays refuses concrete arena views; inside jit the views are tracers
+    (passed in, or kept in a model's own cache dict), the write lands in XLA's copy, and
+    the arena stays unwritten: it warns at trace time, as the array-level kv_write does."""
+    kv = _small_kv()
+    try:
+        new = jnp.ones((1, HKV, D), DT)
+        slot = jnp.array([1], jnp.int32)
+
+        def step(own):  # a model's own cache dict of arena views
+            cache = jax_vmm.KVCache.from_arrays(own["k"], own["v"])
+            return jax_vmm.kv_write(cache[0], new, new, slot).k
+
+        with pytest.warns(jax_vmm.ArenaNotWrittenWarning, match="does NOT write the arena"):
+            k = jax.jit(step)({"k": [kv.k[0]], "v": [kv.v[0]]})
+        assert np.all(np.asarray(k)[0, 1] == 1.0)  # the returned array holds the token ...
+        assert not np.any(raw_bytes(kv.k_buffers[0]))  # ... the arena does not
+        with pytest.warns(jax_vmm.ArenaNotWrittenWarning, match="k is shaped like a layer"):
+            jax.jit(lambda k, v: jax_vmm.KVLayer.from_arrays(k, v).k)(kv.k[0], kv.v[0])
+        with warnings.catch_warnings():  # arrays of another shape are not suspect
+            warnings.simplefilter("error")
+            other = jnp.zeros((B, T // 2, HKV, D), DT)
+            jax.jit(lambda k, v: jax_vmm.KVLayer.from_arrays(k, v).k)(other, other)
+    finally:
+        kv.close()
+
+
+def test_an_fp8_arena_layer_writes_with_the_arenas_scales_only(cpu_device):
+    """The scales of an fp8 arena are fixed: scale leaves a jax.tree.map changed must not
+    quantize tokens into it (they would read back off by that factor). Concrete ones are
+    refused; traced ones (unknown when the step is traced) are replaced by the arena's."""
+    f8 = jnp.float8_e4m3fn
+    scales = np.full((1, HKV), 0.5, np.float32)
+    kv = _small_kv(dtype=f8, k_scales=scales, v_scales=scales)
+    try:
+        new = jnp.full((1, HKV, D), 1.5, jnp.float32)
+        slot = jnp.array([1], jnp.int32)
+
+        def doubled(cache):
+            return jax.tree.map(lambda x: x * 2 if x.dtype == jnp.float32 else x, cache)
+
+        with pytest.raises(ValueError, match="is not the arena's"):
+            jax_vmm.kv_write(doubled(kv.cache())[0], new, new, slot)
+        closed_over = doubled(kv.cache())
+        with pytest.raises(ValueError, match="is not the arena's"):  # a jit that closes over it
+            jax.jit(lambda: jax_vmm.kv_write(closed_over[0], new, new, slot).token)()
+
+        @jax.jit
+        def step(cache, slot):
+            return jax_vmm.kv_write(cache[0], new, new, slot).token
+
+        want = np.asarray(jax_vmm.base.fp8.quantize_fp8(new, jnp.asarray(scales[0])))
+        for i, cache in enumerate((doubled(kv.cache()), kv.cache())):  # traced leaves
+            jax.block_until_ready(step(cache, slot + i))
+            for buf in (kv.k_buffers[0], kv.v_buffers[0]):
+                got = raw_bytes(buf).view(f8).reshape(B, T, HKV, D)[0, 1 + i]
+                np.testing.assert_array_equal(got.view(np.uint8), want[0].view(np.uint8))
     finally:
         kv.close()
 

@@ -499,8 +499,28 @@ def bad_shardings_are_refused_clearly():
         pass
     else:
         raises(ValueError, lambda: make(m2, P("x")), "'x'")
+    # fp8 scales of the wrong shape: the message names the global shape, not a shard's.
+    f8 = dict(dtype=jnp.float8_e4m3fn, head_dim=64)
+    raises(
+        ValueError,
+        lambda: make(m1, P(None, None, "tp"), k_scales=np.ones((L, H + 1), np.float32), **f8),
+        f"shape {(L, H)}",
+        "global KV heads",
+        f"got float32 {(L, H + 1)}",
+    )
     # Nothing is left behind by a refusal.
     assert len(jax_vmm.cache.registry.live_arenas()) == live
+    # What a sharded arena does not offer says so, and what to do instead.
+    kv = make(m1, P(None, None, "tp"))
+    for op, call, hint in (
+        ("sleep", kv.sleep, "close()"),
+        ("wake", kv.wake, "cannot sleep"),
+        ("offload", lambda: kv.offload(0), "release(seq)"),
+        ("restore", lambda: kv.restore(0), "cannot offload"),
+        ("dest", lambda: kv.dest(0), "kv_write(cache[l]"),
+    ):
+        raises(NotImplementedError, call, f"ShardedKVArena.{op} is not supported", hint)
+    kv.close()
 
 
 @scenario

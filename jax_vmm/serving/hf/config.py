@@ -158,6 +158,10 @@ def parse_config(
     )
 
 
+#: What a RoPE dict may hold without a type: it then means default RoPE.
+_UNTYPED_ROPE_KEYS = frozenset({"rope_theta", "partial_rotary_factor"})
+
+
 def parse_rope(
     raw: dict[str, Any], *, where: str, max_position: int
 ) -> tuple[float, M.RopeScaling | None]:
@@ -188,7 +192,17 @@ def parse_rope(
             f"{where}: partial_rotary_factor {partial} is not supported "
             "(the example rotates the whole head)"
         )
-    kind = params.get("rope_type", params.get("type", "default"))
+    kind = params.get("rope_type", params.get("type"))
+    if kind is None:
+        settings = sorted(set(params) - _UNTYPED_ROPE_KEYS)
+        if settings:
+            # A factor without a type would silently load as default RoPE.
+            raise CheckpointError(
+                f"{where}: the RoPE parameters set {', '.join(repr(k) for k in settings)} "
+                "but no 'rope_type' (or 'type'), so it is unknown how to apply them; add "
+                f"the type: 'default', {', '.join(repr(k) for k in M.ROPE_SCALING_KINDS)}"
+            )
+        kind = "default"
     if kind == "default":
         return float(theta), None
 

@@ -132,6 +132,28 @@ def weight_files(model_dir: str | Path) -> dict[str, Path]:
     return files
 
 
+def _missing(model_dir: Path, name: str, files: dict[str, Path], cfg: M.ModelConfig) -> str:
+    """Why ``name`` is not among ``files``: a single file lacks it, or the index does not
+    map it (then say whether a shard holds it anyway: the index is incomplete)."""
+    asks = f"(the config asks for it: {M.config_summary(cfg)})"
+    shards = sorted(set(files.values()))
+    index = model_dir / INDEX_FILE
+    if not index.is_file() or (model_dir / WEIGHTS_FILE).is_file():
+        where = ", ".join(str(p) for p in shards)
+        return f"tensor {name} is missing: it is in none of {where} {asks}"
+    # Every safetensors file beside the index, listed by it or not.
+    holders = [p.name for p in sorted(model_dir.glob("*.safetensors")) if name in _header(p)]
+    if holders:
+        return (
+            f"{index}: tensor {name} is not in its weight_map, but {', '.join(holders)} "
+            f"holds it: the index is incomplete; add it to the weight_map {asks}"
+        )
+    return (
+        f"tensor {name} is missing: {index} does not map it, and none of the "
+        f"{len(shards)} shards it lists ({', '.join(p.name for p in shards)}) holds it {asks}"
+    )
+
+
 def load_params(
     model_dir: str | Path, cfg: M.ModelConfig, device: jax.Device | None = None
 ) -> M.Params:
@@ -142,11 +164,7 @@ def load_params(
     with _open_all(set(files.values())) as handles:
         for spec in wanted.values():  # headers only: fail before reading any data
             if spec.name not in files:
-                where = sorted({str(p) for p in files.values()})
-                raise CheckpointError(
-                    f"tensor {spec.name} is missing: it is in none of {', '.join(where)} "
-                    f"(the config asks for it: {M.config_summary(cfg)})"
-                )
+                raise CheckpointError(_missing(Path(model_dir), spec.name, files, cfg))
             path = files[spec.name]
             sl = handles[path].get_slice(spec.name)
             shape, dtype = tuple(sl.get_shape()), sl.get_dtype()
