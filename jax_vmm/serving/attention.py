@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import jax_vmm
+
 ATTENTION_CHOICES = ("auto", "reference", "jax_vmm", "cudnn")
 CUDNN_DTYPES = ("bfloat16", "float16")
 FP8_HEAD_DIMS = (64, 128, 256)  # jax_vmm's streaming kernel (the one that reads fp8)
@@ -98,10 +100,6 @@ def cudnn_unavailable(platform: str, dtype: str) -> str | None:
 
 
 def vmm_kernel_available() -> bool:
-    try:
-        import jax_vmm
-    except ImportError:
-        return False
     return hasattr(jax_vmm, "decode_attention")
 
 
@@ -161,8 +159,6 @@ def choose_attention(
             "--attention jax_vmm asks for jax_vmm.decode_attention, which this jax_vmm "
             "build does not provide; use --attention reference"
         )
-    import jax_vmm
-
     if kv_dtype == "fp8" and dtype not in CUDNN_DTYPES:
         return "jax_vmm (fp8, bf16 queries)", _bf16_queries(jax_vmm.decode_attention)
     return "jax_vmm", jax_vmm.decode_attention
