@@ -493,7 +493,7 @@ def test_xla_dump_shows_kv_write_inside_a_command_buffer(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     artifacts = os.environ.get("JAX_VMM_TEST_ARTIFACTS")
-    if artifacts:  # for a human to read the evidence (tools/gpu/round.sh sets it)
+    if artifacts:  # for a human to read the evidence (tools/gpu/run.sh sets it)
         Path(artifacts).mkdir(parents=True, exist_ok=True)
         (Path(artifacts) / "command_buffer_dump.stderr").write_text(proc.stderr)
         subprocess.run(["cp", "-r", str(dump), str(Path(artifacts) / "command_buffer_dump")])
