@@ -13,7 +13,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from jax_vmm.base.fp8 import quantize_fp8
+from jax_vmm import quantize_fp8
 from jax_vmm.ops.attention import _decode_attention, attention_stats
 
 CASES = [  # (B, T, Hq, Hkv, D, dtype, impl)
