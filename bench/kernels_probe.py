@@ -44,6 +44,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jax_vmm  # noqa: E402
+import jax_vmm.info  # noqa: E402
 import jax_vmm.testing  # noqa: E402
 from _common import (  # noqa: E402
     Table,
@@ -573,7 +574,7 @@ def main() -> int:
     RESULTS["device"] = f"{dev.device_kind} ({dev.platform})"
     log(
         f"device {RESULTS['device']}, jax {jax.__version__}, built with CUDA kernels: "
-        f"{jax_vmm.base.loader.core.built_with_cuda_kernels}"
+        f"{jax_vmm.info.collect()['jax_vmm_cuda_kernels']}"
     )
     c = guarded("ceilings", "copy/read", lambda: ceilings(dev, smoke=args.smoke)) or {}
     RESULTS["ceilings"] = c

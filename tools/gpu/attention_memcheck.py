@@ -13,8 +13,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from jax_vmm import quantize_fp8
-from jax_vmm.ops.attention import _decode_attention, attention_stats
+from jax_vmm import attention_stats, quantize_fp8
+from jax_vmm.ops.attention import _decode_attention
 
 CASES = [  # (B, T, Hq, Hkv, D, dtype, impl)
     (3, 300, 8, 2, 128, jnp.bfloat16, "tensor_core"),
