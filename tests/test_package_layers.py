@@ -31,7 +31,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("ops",),  # array ops, attention, scratch, cache-layer and sharded ops
     ("kv",),  # KVArena, ShardedKVArena, kv_arena
     ("", "errors", "info", "__main__"),  # the public face
-    ("serving",),  # the example model, engine, CLIs: on the public face only
+    ("serving",),  # the engine, models and checkpoint loader, on the public face only
     ("testing",),  # test hooks: above everything, imported by nothing of the package
 )
 
