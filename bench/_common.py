@@ -1,5 +1,6 @@
 """What the benchmarks in bench/ share: timing, the copy-bandwidth floor, size and list
-arguments, device choice, text tables, JSON and plot output.
+arguments, device choice, looped kv_writes, relative errors, text tables, JSON and plot
+output.
 
 The scripts run as ``python bench/NAME.py``, so this folder is first on ``sys.path`` and
 they import this module as ``_common``.
@@ -18,6 +19,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
@@ -112,6 +114,43 @@ def _cupy_memcpy_time(device: jax.Device, nbytes: int, runs: int, repeats: int) 
             rt.deviceSynchronize()
             samples.append((time.perf_counter() - t0) / runs)
         return statistics.median(samples)
+
+
+# -- kv_write loops -------------------------------------------------------------------
+
+
+def ring_slots(start: Any, i: Any, n: int, num_slots: int) -> jax.Array:
+    """The int32 slots of write `i` of `n` consecutive tokens from slot `start`, wrapping
+    around a cache of `num_slots` slots: repeated runs keep writing fresh slots."""
+    return ((start + i * n + jnp.arange(n, dtype=jnp.int32)) % num_slots).astype(jnp.int32)
+
+
+def looped_writes(
+    update: Callable[[Any, Any, jax.Array], tuple[Any, Any]], n: int, loop: int, num_slots: int
+) -> Callable[[Any, Any, Any], tuple[Any, Any, Any]]:
+    """``g(k, v, start) -> (k, v, start + loop * n)``: `loop` calls of
+    ``update(k, v, slots)`` in one ``fori_loop``, each on the next `n` ring slots. Jit it
+    donating all three, so that the device time per write is amortised over the loop."""
+
+    def g(k: Any, v: Any, start: Any) -> tuple[Any, Any, Any]:
+        def body(i: Any, kv: tuple[Any, Any]) -> tuple[Any, Any]:
+            return update(*kv, ring_slots(start, i, n, num_slots))
+
+        k, v = jax.lax.fori_loop(0, loop, body, (k, v))
+        return k, v, start + loop * n
+
+    return g
+
+
+# -- accuracy -------------------------------------------------------------------------
+
+
+def rel_err(got: Any, ref: Any) -> float:
+    """||got - ref|| / ||ref|| in float64; NaN when `got` is not finite."""
+    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+    if not np.isfinite(got).all():
+        return float("nan")
+    return float(np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
 # -- text output ----------------------------------------------------------------------

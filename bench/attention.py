@@ -50,6 +50,7 @@ from _common import (
     parse_list,
     pick_device,
     ratio,
+    rel_err,
     write_json,
 )
 from jax_vmm.ops.attention import _decode_attention, attention_plan, reference_decode_attention
@@ -183,7 +184,7 @@ def run_config(
         # correctness of ours against the plain-JAX path on layer 0 (both bf16 outputs)
         ref = np.asarray(reference_decode_attention(qs[0], ks[0], vs[0], lens).astype(jnp.float32))
         got = np.asarray(jax_vmm.decode_attention(qs[0], ks[0], vs[0], lens).astype(jnp.float32))
-        row["rel_err_vs_xla"] = float(np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30))
+        row["rel_err_vs_xla"] = rel_err(got, ref)
         for name, attend in impls.items():
             try:
                 row[f"{name}_s"] = median_time(over_layers(attend), repeats, runs) / R

@@ -44,9 +44,19 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jax_vmm  # noqa: E402
+import jax_vmm.info  # noqa: E402
 import jax_vmm.testing  # noqa: E402
-from _common import Table, copy_bandwidth, fmt, median_time, ratio, write_json  # noqa: E402
-from jax_vmm.base.fp8 import dequantize_fp8, quantize_fp8  # noqa: E402
+from _common import (  # noqa: E402
+    Table,
+    copy_bandwidth,
+    fmt,
+    looped_writes,
+    median_time,
+    ratio,
+    write_json,
+)
+from _common import rel_err as rel  # noqa: E402
+from jax_vmm import dequantize_fp8, quantize_fp8  # noqa: E402
 from jax_vmm.ops.attention import _decode_attention  # noqa: E402
 
 GiB, MiB = 1 << 30, 1 << 20
@@ -109,13 +119,6 @@ def reference64(q, k, v, lengths, seqs, scale=None) -> np.ndarray:
             p = np.exp(s - s.max())
             out[i, h] = p @ v[b, :n, h // G] / p.sum()
     return out
-
-
-def rel(a: np.ndarray, b: np.ndarray) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    if not np.isfinite(a).all():
-        return float("nan")
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 # -- attention variants ----------------------------------------------------------------------
@@ -396,17 +399,7 @@ def kv_write_section(dev, copy_bps, smoke=False) -> list[dict]:
                     return jax_vmm.kv_write(k, v, nk, nv, slots)
             return jax_vmm.kv_write(k, v, nk, nv, slots)
 
-        def g(k, v, start):
-            def body(i, c):
-                slots = ((start + i * n + jnp.arange(n, dtype=jnp.int32)) % slots_total).astype(
-                    jnp.int32
-                )
-                return update(*c, slots)
-
-            k, v = jax.lax.fori_loop(0, loop, body, (k, v))
-            return k, v, start + loop * n
-
-        exe = jax.jit(g, donate_argnums=(0, 1, 2))
+        exe = jax.jit(looped_writes(update, n, loop, slots_total), donate_argnums=(0, 1, 2))
         state = [k, v, jax.device_put(jnp.int32(0), dev)]
 
         def step():
@@ -581,7 +574,7 @@ def main() -> int:
     RESULTS["device"] = f"{dev.device_kind} ({dev.platform})"
     log(
         f"device {RESULTS['device']}, jax {jax.__version__}, built with CUDA kernels: "
-        f"{jax_vmm.base.loader.core.built_with_cuda_kernels}"
+        f"{jax_vmm.info.collect()['jax_vmm_cuda_kernels']}"
     )
     c = guarded("ceilings", "copy/read", lambda: ceilings(dev, smoke=args.smoke)) or {}
     RESULTS["ceilings"] = c

@@ -34,8 +34,17 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_vmm
-from _common import GiB, MiB, Table, copy_bandwidth, median_time, parse_list, write_json
-from jax_vmm import ops
+from _common import (
+    GiB,
+    MiB,
+    Table,
+    copy_bandwidth,
+    looped_writes,
+    median_time,
+    parse_list,
+    ring_slots,
+    write_json,
+)
 
 KINDS = ("cache", "dest", "xla")
 DECODE = Table(
@@ -88,11 +97,6 @@ class Writer:
         self.start = jax.device_put(jnp.int32(0), device)
         self.exe = self._compile()
 
-    def _slots(self, start, i):
-        return ((start + i * self.n + jnp.arange(self.n, dtype=jnp.int32)) % self.num_slots).astype(
-            jnp.int32
-        )
-
     def _compile(self):
         nk, nv, loop = self.nk, self.nv, self.loop
         if self.kind == "cache":
@@ -100,7 +104,8 @@ class Writer:
 
             def c(cache, start):
                 def body(i, cache):
-                    layer = jax_vmm.kv_write(cache[0], nk, nv, self._slots(start, i))
+                    slots = ring_slots(start, i, self.n, self.num_slots)
+                    layer = jax_vmm.kv_write(cache[0], nk, nv, slots)
                     return cache.replace(0, layer)
 
                 return jax.lax.fori_loop(0, loop, body, cache), start + loop * self.n
@@ -111,14 +116,9 @@ class Writer:
         def update(k, v, slots):
             if self.kind == "xla":
                 return k.at[slots].set(nk, mode="drop"), v.at[slots].set(nv, mode="drop")
-            return ops.kv_write(k, v, nk, nv, slots, dest=dest)
+            return jax_vmm.kv_write(k, v, nk, nv, slots, dest=dest)
 
-        def g(k, v, start):
-            k, v = jax.lax.fori_loop(
-                0, loop, lambda i, c: update(*c, self._slots(start, i)), (k, v)
-            )
-            return k, v, start + loop * self.n
-
+        g = looped_writes(update, self.n, loop, self.num_slots)
         return jax.jit(g, donate_argnums=(0, 1, 2)).lower(self.k, self.v, self.start).compile()
 
     def step(self):
@@ -252,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         )
 
-    print("\nkv_write stats:", ops.kv_write_stats())
+    print("\nkv_write stats:", jax_vmm.kv_write_stats())
     if args.json:
         write_json(
             args.json,

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_vmm
-from _common import median_time
+from _common import median_time, ring_slots
 
 H, D, LOOP = 8, 128, 64
 SLOTS = int(os.environ.get("KV_WRITE_SLOTS", 1 << 18))  # 1 GiB of K and V at bf16
@@ -39,7 +39,7 @@ def _time_forms(update, cache, n: int, donate: bool) -> dict[str, float]:
     LOOP writes, LOOP unrolled in one jit, one jit per write."""
 
     def slots_at(start, i):
-        return ((start + i * n + jnp.arange(n, dtype=jnp.int32)) % SLOTS).astype(jnp.int32)
+        return ring_slots(start, i, n, SLOTS)
 
     def loop(c, start):
         c = jax.lax.fori_loop(0, LOOP, lambda i, c: update(c, slots_at(start, i)), c)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 import sys
 from collections.abc import Iterable
 from pathlib import Path
@@ -27,12 +28,22 @@ import pytest
 
 import jax_vmm
 import jax_vmm.testing
+
+# tests/oracles is on the path by pyproject's pytest `pythonpath`; a child process gets
+# it from child_env().
+import maps_oracle as mo
 from jax_vmm.base.loader import core as _core
 
-# The oracles are plain modules imported by name, by the tests and by test files run as
-# scripts (which import this module first), so their folder goes on the path here.
-sys.path.insert(0, str(Path(__file__).resolve().parent / "oracles"))
-import maps_oracle as mo  # noqa: E402
+TESTS = Path(__file__).resolve().parent
+
+
+def child_env(*folders: Path, **extra: str) -> dict[str, str]:
+    """``os.environ`` plus ``extra`` for a child Python process that imports what this one
+    does: ``folders``, tests/ (conftest), tests/oracles, then this process's ``sys.path``
+    (jax_vmm, a development build), as its PYTHONPATH."""
+    path = [str(f) for f in folders] + [str(TESTS), str(TESTS / "oracles")]
+    path += [p for p in sys.path if p and p not in path]
+    return dict(os.environ, **extra, PYTHONPATH=os.pathsep.join(path))
 
 
 @functools.cache

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
 import pytest
 
+from conftest import child_env
 from jax_vmm.__main__ import main
 
 
@@ -33,7 +33,7 @@ def test_a_bare_command_prints_help(monkeypatch, capsys):
 
 
 def test_python_dash_m(tmp_path):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    env = child_env()
     proc = subprocess.run(
         [sys.executable, "-m", "jax_vmm", "--help"],
         cwd=tmp_path,

@@ -15,7 +15,6 @@ The deleter runs on whatever thread XLA releases the buffer on and never touches
 from __future__ import annotations
 
 import gc
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -27,7 +26,7 @@ import pytest
 
 import jax_vmm
 import jax_vmm.testing
-from conftest import write_bytes
+from conftest import child_env, write_bytes
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -66,7 +65,7 @@ if end == "raise":
 
 
 def _run_exit_script(platform: str, end: str, views: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    env = child_env()
     return subprocess.run(
         [sys.executable, "-c", _EXIT_SCRIPT, platform, end, views],
         cwd=REPO,

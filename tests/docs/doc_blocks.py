@@ -8,7 +8,6 @@ Blocks of other languages (bash, text, tables) are never run.
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -73,10 +72,10 @@ def python_blocks(text: str, source: str) -> list[Block]:
 def child_env() -> dict[str, str]:
     """The environment of a new user on the CPU, who has this package importable the way
     the running tests do (a development build's path included)."""
-    repo = Path(__file__).resolve().parents[2]
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    from conftest import child_env
+
+    env = child_env(JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)  # a block that needs several host devices asks for them
-    env["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p] + [str(repo)])
     return env
 
 

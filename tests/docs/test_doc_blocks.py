@@ -6,16 +6,14 @@ that reason (doc_blocks.py has the rules)."""
 from __future__ import annotations
 
 import subprocess
-import sys
 import textwrap
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from doc_blocks import Block, failure_report, python_blocks, run_block  # this folder, by pytest
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from doc_blocks import Block, failure_report, python_blocks, run_block  # noqa: E402
 
 REPO = HERE.parents[1]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]

@@ -5,7 +5,6 @@ code reaches jax_vmm through its public top-level names only."""
 from __future__ import annotations
 
 import ast
-import os
 import re
 import subprocess
 import sys
@@ -14,6 +13,7 @@ from pathlib import Path
 import pytest
 
 import jax_vmm
+from conftest import child_env
 from jax_vmm.serving._optional import INSTALL_HINT, require
 
 SERVING = Path(jax_vmm.__file__).resolve().parent / "serving"
@@ -26,7 +26,7 @@ def test_import_jax_vmm_leaves_serving_and_its_dependencies_out() -> None:
         "print(sorted(m for m in sys.modules if m.startswith('jax_vmm.serving')"
         f" or m.split('.')[0] in {OPTIONAL!r}))"
     )
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    env = child_env()
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True
     )
@@ -97,7 +97,7 @@ def test_example_scripts_run_from_outside_the_repo(script: str, tmp_path: Path) 
     """The thin scripts of examples/ reach jax_vmm.serving as an installed package would
     (the PYTHONPATH this test runs with), from any working directory."""
     path = Path(__file__).resolve().parents[2] / "examples" / f"{script}.py"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    env = child_env()
     out = subprocess.run(
         [sys.executable, str(path), "--help"],
         capture_output=True,

@@ -45,12 +45,10 @@ import numpy as np
 import pytest
 
 import jax_vmm
+from conftest import child_env, cuda_ordinal, cuda_vmm_device, read_bytes
 from jax_vmm import ops, testing
 from jax_vmm.base.loader import core as _core
 from jax_vmm.ops import scratch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: conftest, as a script too
-from conftest import cuda_ordinal, cuda_vmm_device, read_bytes  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -458,8 +456,7 @@ def test_a_stale_cache_step_writes_and_reads_nothing():
 
 
 _DUMP_SCRIPT = r"""
-import sys, jax, jax.numpy as jnp, numpy as np
-sys.path.insert(0, {tests!r})
+import jax, jax.numpy as jnp, numpy as np
 import test_command_buffer_gpu as t
 dev = t._gpu()
 kv, tpc = t._kv(dev)
@@ -485,17 +482,18 @@ def _kv_write_instructions(dump: Path) -> set[str]:
 def test_xla_dump_shows_kv_write_inside_a_command_buffer(tmp_path):
     _gpu()
     dump = tmp_path / "dump"
-    env = dict(
-        os.environ, TF_CPP_MIN_LOG_LEVEL="0", TF_CPP_VMODULE="command_buffer_conversion_pass=2"
+    env = child_env(
+        Path(__file__).parent,
+        TF_CPP_MIN_LOG_LEVEL="0",
+        TF_CPP_VMODULE="command_buffer_conversion_pass=2",
     )
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_dump_to={dump}").strip()
-    script = _DUMP_SCRIPT.format(tests=str(Path(__file__).parent))
     proc = subprocess.run(
-        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", _DUMP_SCRIPT], env=env, capture_output=True, text=True, timeout=300
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     artifacts = os.environ.get("JAX_VMM_TEST_ARTIFACTS")
-    if artifacts:  # for a human to read the evidence (tools/gpu/round.sh sets it)
+    if artifacts:  # for a human to read the evidence (tools/gpu/run.sh sets it)
         Path(artifacts).mkdir(parents=True, exist_ok=True)
         (Path(artifacts) / "command_buffer_dump.stderr").write_text(proc.stderr)
         subprocess.run(["cp", "-r", str(dump), str(Path(artifacts) / "command_buffer_dump")])
@@ -642,6 +640,7 @@ def test_free_on_growth_breaks_the_replay(mode, tmp_path):
     result = tmp_path / "result.json"
     proc = subprocess.run(
         [sys.executable, __file__, "hazard", mode, "free", str(result)],
+        env=child_env(),  # run as a script, it imports conftest from tests/
         capture_output=True,
         text=True,
         timeout=300,

@@ -27,11 +27,9 @@ import numpy as np
 import pytest
 
 import jax_vmm
+from conftest import cuda_ordinal, cuda_vmm_device, raw_bytes
 from jax_vmm import ops
 from jax_vmm.testing import InjectedFault
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: conftest
-from conftest import cuda_ordinal, cuda_vmm_device, raw_bytes  # noqa: E402
 
 cu_oracle = pytest.importorskip("cuda_oracle", reason="needs cuda-python (cuda.bindings)")
 

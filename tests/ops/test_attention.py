@@ -11,7 +11,6 @@ showing that it would see a read.
 from __future__ import annotations
 
 import math
-import os
 import signal
 import subprocess
 import sys
@@ -24,7 +23,7 @@ import pytest
 
 import jax_vmm
 import jax_vmm.testing
-from conftest import write_bytes
+from conftest import child_env, write_bytes
 from jax_vmm.ops.attention import _decode_attention, attention_plan, attention_stats
 
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
@@ -377,12 +376,12 @@ _PROBE = textwrap.dedent("""
 
 
 def _run_probe(mode: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env["PYTHONPATH"] = os.pathsep.join(
-        [os.path.dirname(os.path.dirname(jax_vmm.__file__))] + sys.path
-    )
     return subprocess.run(
-        [sys.executable, "-c", _PROBE, mode], env=env, capture_output=True, text=True, timeout=240
+        [sys.executable, "-c", _PROBE, mode],
+        env=child_env(JAX_PLATFORMS="cpu"),
+        capture_output=True,
+        text=True,
+        timeout=240,
     )
 
 

@@ -24,11 +24,9 @@ of ensured tokens: a write past them lands and a read past them is not counted).
 from __future__ import annotations
 
 import gc
-import os
 import subprocess
 import sys
 import warnings
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -37,7 +35,7 @@ import pytest
 
 import jax_vmm
 import jax_vmm.testing
-from conftest import raw_bytes
+from conftest import child_env, raw_bytes
 
 L, B, T, HKV, HQ, D = 2, 2, 128, 2, 4, 64
 DT = np.float32
@@ -769,11 +767,7 @@ except jax.errors.JaxRuntimeError as e:
 def test_the_cpu_hands_handlers_each_host_device_ordinal(tmp_path):
     """The handlers find a cache by (uid, device ordinal), which XLA's CPU runtime hands
     them too: a cache of cpu:1 works there and is refused on cpu:0."""
-    env = dict(
-        os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu"
-    )
-    repo = Path(__file__).resolve().parents[2]
-    env["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p] + [str(repo)])
+    env = child_env(XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
     proc = subprocess.run(
         [sys.executable, "-c", _DEVICES_CHILD], env=env, capture_output=True, text=True, timeout=300
     )

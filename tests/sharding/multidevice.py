@@ -10,7 +10,6 @@ parametrized test. One child per file: CI has 2 cores, and each start costs seco
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import traceback
@@ -24,13 +23,11 @@ PREFIX = "SCENARIO "
 def child_results(script: Path, timeout: int = 600) -> dict:
     """{scenario name: {"ok", "error"}} from running ``script`` on 4 host devices, plus
     ``"_proc"``: the finished process (its stderr explains a child that died)."""
-    env = dict(
-        os.environ,
-        XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES}",
-        JAX_PLATFORMS="cpu",
+    from conftest import child_env  # here: a child imports this module without conftest
+
+    env = child_env(
+        XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES}", JAX_PLATFORMS="cpu"
     )
-    repo = Path(__file__).resolve().parents[2]
-    env["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p] + [str(repo)])
     proc = subprocess.run(
         [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=timeout
     )

@@ -15,21 +15,19 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: conftest, oracles
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# Run as a script (multidevice.child_results): this folder is on sys.path; tests/ (conftest),
+# the oracles and jax_vmm are on the PYTHONPATH the parent gives.
+import jax
+import jax.numpy as jnp
+import multidevice
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import multidevice  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.sharding import Mesh, NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
-
-import jax_vmm  # noqa: E402
-import jax_vmm.testing  # noqa: E402
-from conftest import mo, raw_bytes  # noqa: E402
+import jax_vmm
+import jax_vmm.testing
+from conftest import mo, raw_bytes
 
 L, S, T, H, HQ, D = 2, 4, 64, 4, 8, 16
 DT = np.float32

@@ -11,18 +11,15 @@ tp_scenarios.py), run here on the GPUs. tokens/s of ``--tp 2`` against ``--tp 1`
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import jax
+import numpy as np
 import pytest
+
+# This folder's modules, imported by name: pytest puts a test's folder on sys.path.
+import sharded_scenarios
+import tp_scenarios
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import numpy as np  # noqa: E402
-import sharded_scenarios  # noqa: E402
-import tp_scenarios  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 

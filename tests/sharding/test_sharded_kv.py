@@ -11,15 +11,14 @@ test fails with the rollback removed), counts over the shards, and the refusals.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
+# This folder's modules, imported by name: pytest puts a test's folder on sys.path.
+import multidevice
 import pytest
+import sharded_scenarios  # for its names: the scenarios run in the child
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-import multidevice  # noqa: E402
-import sharded_scenarios  # noqa: E402  (for its names: the scenarios run in the child)
 
 
 @pytest.fixture(scope="module")

@@ -15,8 +15,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from jax_vmm.base.fp8 import quantize_fp8
-from jax_vmm.ops.attention import _decode_attention, attention_stats
+from jax_vmm import attention_stats, quantize_fp8
+from jax_vmm.ops.attention import _decode_attention
 from jax_vmm.ops.general_attention import _attention
 
 CASES = [  # (B, T, Hq, Hkv, D, dtype, impl)

@@ -5,7 +5,7 @@
 //
 // Usage from an XLA FFI handler (CUDA):
 //   * at a stage that is never under stream capture (the handler's kInitialize stage,
-//     or from Python with jax_vmm.scratch.reserve() before the first call), call
+//     or from Python with jax_vmm.ops.scratch.reserve() before the first call), call
 //     Reserve(device, stream, bytes) with the size derived from static shapes;
 //   * at kExecute, call Get(device, stream, bytes, &ptr). It grows the workspace when the
 //     stream is not capturing. When the stream is capturing it never grows: if the

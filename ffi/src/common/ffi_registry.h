@@ -1,5 +1,5 @@
 // The XLA FFI targets of one module, by platform: what registrations(platform) hands to
-// Python (jax_vmm/_ffi.py registers each with jax.ffi.register_ffi_target).
+// Python (jax_vmm/base/ffi.py registers each with jax.ffi.register_ffi_target).
 //
 // Filled explicitly at module initialisation: every op folder has an Add*Targets(registry)
 // function per platform (ops/*/..._targets.h), called from python/module.cc (production)

@@ -124,7 +124,7 @@ NB_MODULE(_core, m) {
   m.attr("built_with_cudnn") = false;
 #endif
 
-  // A JAX client that goes destroys its streams: jax_vmm/_compute_streams.py forgets them
+  // A JAX client that goes destroys its streams: jax_vmm/base/compute_streams.py forgets them
   // first, so that no later device wait (an arena destroyed at exit) touches a dead stream.
   m.def(
       "forget_compute_streams",

@@ -1,5 +1,5 @@
 // Python bindings of the graph-safe scratch API (jax_vmm/scratch.h), used by
-// jax_vmm/scratch.py.
+// jax_vmm/ops/scratch.py.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 

@@ -166,7 +166,7 @@ std::string Reserve(int device, void* stream, size_t bytes) {
              DeviceName(device) + " was called while stream " +
              Hex(reinterpret_cast<uintptr_t>(stream)) +
              " is capturing a CUDA graph; reserve before capture (kInitialize stage or "
-             "jax_vmm.scratch.reserve())";
+             "jax_vmm.ops.scratch.reserve())";
     }
   }
   Table& t = GetTable();
@@ -217,7 +217,7 @@ std::string GetWithCaptureState(int device, void* stream, size_t bytes, bool cap
          " is capturing a CUDA graph, but the largest workspace usable there holds " +
          std::to_string(largest) +
          " bytes. Growing under capture is refused (the graph would keep a pointer to "
-         "memory that could move). Reserve before capture: jax_vmm.scratch.reserve(" +
+         "memory that could move). Reserve before capture: jax_vmm.ops.scratch.reserve(" +
          std::to_string(bytes) +
          ", device=...) from Python, or scratch::Reserve() at "
          "the handler's kInitialize stage.";

@@ -37,7 +37,7 @@ std::string Workspace::ChooseMode(ScratchMode requested) {
   if (requested == ScratchMode::kGrowInPlace && driver_ == nullptr) {
     return "jax_vmm scratch: grow-in-place mode was selected but device " +
            DeviceName(stats_.device) + " cannot provide virtual memory (" + why +
-           "); select the 'retire' mode (jax_vmm.scratch.set_scratch_mode('retire')) or "
+           "); select the 'retire' mode (jax_vmm.ops.scratch.set_scratch_mode('retire')) or "
            "'default', which falls back to it";
   }
   if (requested == ScratchMode::kRetire || driver_ == nullptr) {

@@ -2,7 +2,7 @@
 // graph-safe scratch workspace (two kernels: x -> workspace, workspace -> y), plus the
 // workspace address. Two stages:
 //   kInitialize  (never under capture) reserves `workspace_bytes` on (device, stream)
-//                unless reserve_at_initialize is false (then jax_vmm.scratch.reserve()
+//                unless reserve_at_initialize is false (then jax_vmm.ops.scratch.reserve()
 //                must have sized the device default workspace);
 //   kExecute     gets the workspace; under capture it can only use what is there.
 #include <cuda_runtime_api.h>

@@ -1,4 +1,4 @@
-// Decode attention over a KVCache layer (jax_vmm/cache_ops.py): the custom calls
+// Decode attention over a KVCache layer (jax_vmm/ops/layer_ops.py): the custom calls
 //   jax_vmm_decode_attention_cache(q, lengths, token) -> (out, read_lengths)
 //   jax_vmm_decode_attention_v2_cache(q, lengths, token, k_scale, v_scale)
 //       -> (out, read_lengths)

@@ -1,7 +1,7 @@
 // CUDA handlers of jax_vmm_decode_attention_v2 (host code; the kernels are in
 // stream_kernels.cu): streaming decode attention over bf16/fp16 or float8_e4m3fn KV
 // caches, its partials and combine counters in jax_vmm's graph-safe scratch. Python
-// wrapper: jax_vmm/attention.py (impl "stream", "stream_combine", "stream_tma"; fp8 caches
+// wrapper: jax_vmm/ops/attention.py (impl "stream", "stream_combine", "stream_tma"; fp8 caches
 // always come here).
 //
 // Target jax_vmm_decode_attention_v2 {initialize: raise the kernel's shared-memory limit

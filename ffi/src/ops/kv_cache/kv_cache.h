@@ -1,9 +1,9 @@
 // A KV cache as the FFI handlers see it: one K and one V buffer per layer in one arena,
-// and per sequence the tokens ensured so far (`ensure` in jax_vmm/kv.py), in a
+// and per sequence the tokens ensured so far (`ensure` in jax_vmm/kv/backing.py), in a
 // device-visible table that the kernels read (so a replayed CUDA graph checks against
 // today's table, not the one it was recorded with).
 //
-// Identity is a uid (jax_vmm/cache.py carries it as the static data of the KVCache
+// Identity is a uid (jax_vmm/cache/pytree.py carries it as the static data of the KVCache
 // pytree): the handlers find the cache through the registry below by (uid, device
 // ordinal), then its buffers by their own uids. Uids are never reused; a closed cache
 // answers kClosed, a destroyed one kGone, and handlers refuse both.

@@ -1,4 +1,4 @@
-// jax_vmm.ordered_views(layer, k, v) (jax_vmm/cache_ops.py): a jitted step that reads a
+// jax_vmm.ordered_views(layer, k, v) (jax_vmm/ops/layer_ops.py): a jitted step that reads a
 // KVCache layer with plain XLA ops (cuDNN attention, say) gets the arena views as jit
 // arguments and orders them after the layer's writes with the layer's token. Its custom
 // call

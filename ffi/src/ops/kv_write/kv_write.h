@@ -1,7 +1,7 @@
 // The kv_write custom calls: their contract, and the per-token check shared by host and
 // device code.
 //
-// Two custom calls (Python wrappers and the user contract: jax_vmm/ops.py):
+// Two custom calls (Python wrappers and the user contract: jax_vmm/ops/array_writes.py):
 //   jax_vmm_kv_write(k, v, new_k, new_v, slots) -> (k, v), outputs aliased {0:0, 1:1}
 //   jax_vmm_kv_write_through(k, v, new_k, new_v, slots) -> status s32[2, n]
 // Attributes dest_k / dest_v (u64 addresses, 0 = none) with dest_k_uid / dest_v_uid (the

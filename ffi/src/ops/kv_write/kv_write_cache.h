@@ -1,4 +1,4 @@
-// kv_write on a KVCache layer (jax_vmm/cache_ops.py): the custom calls
+// kv_write on a KVCache layer (jax_vmm/ops/layer_ops.py): the custom calls
 //   jax_vmm_kv_cache_write(new_k, new_v, slots, token) -> token          (aliased {3:0})
 //   jax_vmm_kv_cache_write_fp8(new_k, new_v, slots, token, k_scale, v_scale) -> token
 // with attributes cache_uid (u64) and layer (s64). The cache is not an operand (it is not

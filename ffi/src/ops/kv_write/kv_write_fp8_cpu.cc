@@ -1,5 +1,5 @@
 // The kv_write_fp8 CPU handler (kv_write_fp8.h) and its FFI target: kv_write's CPU path
-// (kv_write_cpu.h) with a store that quantizes; bit-identical to jax_vmm.fp8.quantize_fp8.
+// (kv_write_cpu.h) with a store that quantizes; bit-identical to jax_vmm.quantize_fp8.
 #include <cstdint>
 #include <cstring>
 #include <string>
