@@ -488,6 +488,27 @@ def _asleep_commit(ctx: Ctx) -> None:
     buf.commit()
 
 
+def _asleep_release(ctx: Ctx) -> None:
+    kv = ctx.kv(max_seqs=3, initial_tokens=4)
+    kv.sleep()
+    kv.release(1)
+
+
+def _offloaded_read_then_check(ctx: Ctx) -> None:
+    kv = ctx.kv(max_seqs=2, head_dim=64, initial_tokens=2)
+    kv.offload(1)
+    q = ctx.put(np.ones((2, 1, 64), np.float32))
+    out = jax_vmm.decode_attention(q, kv.cache()[0], ctx.put(np.array([2, 2], np.int32)))
+    kv.check(out)
+
+
+def _offloaded_write_then_check(ctx: Ctx) -> None:
+    kv = ctx.kv(max_seqs=2, initial_tokens=4)  # both sequences in one chunk
+    kv.offload(0)
+    jax.block_until_ready(_cache_step(ctx, kv)(kv.cache()))  # slot 1: sequence 0
+    kv.check()
+
+
 def _offloaded_ensure(ctx: Ctx) -> None:
     kv = ctx.kv(max_seqs=3)
     kv.ensure(4, seq=0)
@@ -560,6 +581,9 @@ ROWS += [
     Row("M9", lambda x: x.kv3.ensure_all([1, 2])),
     Row("M10", lambda x: x.kv3.ensure_all([1.5, 0, 0])),
     Row("M11", lambda x: x.arena.put(np.float32(1))),
+    Row("M12", _asleep_release),
+    Row("M13", _offloaded_read_then_check),
+    Row("M14", _offloaded_write_then_check),
 ]
 
 
