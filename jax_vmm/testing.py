@@ -31,6 +31,8 @@ the only package code that imports it.
 * :func:`identity_stripped`: an arena layer of a ``KVCache`` flattens to its arena views
   (an array layer) instead of its static identity: the naive cache pytree, whose arrays
   XLA copies, so the arena is not written inside ``jit``.
+* :func:`host_device_waits_skipped`: a CPU arena gives memory back without waiting for
+  the XLA:CPU computations in flight (the host driver's no-op device wait).
 * :func:`limits_ignored`: the KVCache-layer kv_write and decode attention without the
   table of ensured tokens (writes past them land where a chunk is backed; reads are not
   clamped or counted).
@@ -65,6 +67,7 @@ from .cache import pytree as _cache
 from .kv import KVArena
 from .kv import sharded as _sharded
 from .memory import arena as _arena
+from .memory import host_wait as _host_wait
 from .ops import array_writes as _ops
 from .ops import layer_ops as _cache_ops
 from .ops.attention_call import prepare as _prepare_attention
@@ -99,6 +102,7 @@ __all__ = [
     "address_only_dests",
     "identity_stripped",
     "limits_ignored",
+    "host_device_waits_skipped",
     "legacy_views",
     "decode_attention",
     "stream_partition",
@@ -336,6 +340,20 @@ def limits_ignored() -> Iterator[None]:
         yield
     finally:
         _cache_ops._targets = previous
+
+
+@contextlib.contextmanager
+def host_device_waits_skipped() -> Iterator[None]:
+    """Inside the with-block a CPU arena does not wait for the XLA:CPU work in flight
+    before it unmaps, copies out or punches memory (``release``, ``close``, ``sleep``,
+    ``offload``, ...): the host driver's device wait as a no-op, so a computation
+    dispatched before the call reads released memory (zeros, or partial sums)."""
+    previous = _host_wait.skip
+    _host_wait.skip = True
+    try:
+        yield
+    finally:
+        _host_wait.skip = previous
 
 
 @contextlib.contextmanager

@@ -172,6 +172,7 @@ class KVArena(KVArenaBase, TokenBacking, SequenceTransfers):
         self._covered = np.zeros(seqs, np.int64)
         self._valid_gen = np.full(seqs, -1, np.int64)
         self._offloaded: dict[int, Transfer] = {}
+        self.arena._on_sleep(self._on_arena_sleep)  # the table goes to 0 while asleep
         # Commit ahead: bumped per sequence when its memory is released, so that a commit
         # that was on its way is not counted for (or left to) a sequence that is gone.
         self._epoch = [0] * seqs
@@ -300,13 +301,14 @@ class KVArena(KVArenaBase, TokenBacking, SequenceTransfers):
         self._core_cache.reset_read_clamps()
         read_note = (
             f"{reads} decode_attention reads of a sequence asked for more tokens than it "
-            "ensured and were clamped to them"
+            "ensured (none while it is offloaded or the arena asleep) and were clamped to them"
         )
         if writes:
             raise OutOfBoundsWrite(
                 f"{writes} token writes into this KV arena were dropped: their slot was >= "
                 f"num_slots={self.num_slots}, on a page not committed, or past the tokens its "
-                "sequence ensured. Call kv.ensure(n, seq) for every token before writing it "
+                "sequence ensured (none while it is offloaded or the arena asleep). Call "
+                "kv.ensure(n, seq) for every token before writing it "
                 "(slot = seq * max_tokens + position)." + (f" Also {read_note}." if reads else ""),
                 writes,
                 dropped_reads=reads,

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from ..base.args import as_flag, as_index
+from ..base.errors import ArenaAsleepError
 from ..base.loader import core as _core
 
 
@@ -83,6 +84,7 @@ class TokenBacking:
         if state in ("restored", "failed"):
             del self._offloaded[q]
             t._finish()
+            self._publish_limits()  # back: the table admits its ensured tokens again
             return
         raise ValueError(
             f"sequence {q} is {state} (kv.offload); call kv.restore({q}) and wait "
@@ -226,8 +228,8 @@ class TokenBacking:
         the chunks the asked tokens needed past what was backed from each sequence's start
         given back (a chunk a neighbouring sequence holds tokens in stays)."""
         with self._lock:
-            self._core_cache.set_limits(point.ensured.tolist())  # the table first
             self._ensured[:] = point.ensured
+            self._publish_limits()  # the table first
             self._covered[:] = point.covered
             self._valid_gen[:] = point.valid_gen
             ranges = []
@@ -240,7 +242,35 @@ class TokenBacking:
                     base + prefix, base + asked, q, keep_before=prefix > 0
                 )
             if ranges:
+                self.arena._wait_for_host_work()
                 self.arena._handle.decommit_ranges(ranges, False)
+
+    def _publish_limits(self, asleep: bool | None = None) -> None:
+        """Publish the device table of ensured tokens: 0 for a sequence that is away
+        (offloaded, or restored but not yet settled) and for every sequence while the arena
+        sleeps (``asleep``: the state to publish for, default the arena's), so the kernels
+        drop (and count) writes to their memory and clamp (and count) reads of it instead
+        of reading zeros or a neighbour's chunk. Caller holds the lock."""
+        asleep = self.arena.asleep if asleep is None else asleep
+        visible = np.zeros_like(self._ensured) if asleep else self._ensured.copy()
+        for q in self._offloaded:
+            visible[q] = 0
+        self._core_cache.set_limits(visible.tolist())
+
+    def _on_arena_sleep(self, asleep: bool) -> None:
+        """Arena hook: the table goes to 0 before the arena sleeps and back after it
+        woke (or after a sleep that failed)."""
+        with self._lock:
+            if not self.arena.closed:
+                self._publish_limits(asleep)
+
+    def _check_awake(self, op: str) -> None:
+        """A release while asleep raises before it changes anything (the table, the
+        bookkeeping, an offloaded sequence's host copy)."""
+        if self.arena.asleep:
+            raise ArenaAsleepError(
+                f"{op}: the arena is asleep (sleep() gave its memory back); call wake() first"
+            )
 
     def _token_array(self, num_tokens: Any) -> np.ndarray:
         """``ensure_all``'s argument checked, as a C-contiguous int64 array (the engine's
@@ -335,6 +365,7 @@ class TokenBacking:
             base = q * self.seq_bytes
             if not current:
                 if self._ensured[q] == 0:  # released and not started again: all of it goes
+                    self.arena._wait_for_host_work()
                     self.arena._handle.decommit_ranges(
                         self._release_ranges(base, base + self.seq_bytes, q), False
                     )
@@ -344,6 +375,7 @@ class TokenBacking:
             # thread may have raised both meanwhile).
             keep = max(int(self._ensured[q]), int(self._covered[q]))
             if keep < tokens:
+                self.arena._wait_for_host_work()
                 self.arena._handle.decommit_ranges(
                     self._release_ranges(
                         base + keep * self.token_bytes,
@@ -383,9 +415,12 @@ class TokenBacking:
         wait = as_flag(wait, "wait")
         with self._lock:
             self.arena._check_open("KVArena.shrink")
+            self._check_awake("KVArena.shrink")
             for q in list(self._offloaded):
                 self._settle(q)
-            # The table first: no kernel may write what is about to go.
+            # The work in flight finishes over the old table (CPU), then the table: no
+            # kernel may write what is about to go.
+            self.arena._wait_for_host_work()
             self._core_cache.set_limits(np.minimum(self._ensured, num_tokens).tolist())
             self._ahead.cancel()
             ranges = []
@@ -440,6 +475,9 @@ class TokenBacking:
         q = 0 if seq is None else int(seq)
         with self._lock:
             self.arena._check_open("KVArena.release")
+            self._check_awake("KVArena.release")
+            # The work in flight finishes over the old table (CPU): see _wait_for_host_work.
+            self.arena._wait_for_host_work()
             t = self._offloaded.pop(q, None)
             if t is not None:
                 t._finish()  # drops the host copy

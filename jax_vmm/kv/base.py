@@ -234,6 +234,8 @@ class KVArenaBase(abc.ABC):
         zeros. A KVCache of it, and a step traced with one, refuse to run after this."""
         for s in self.shards_of():
             s._ahead.stop()
+            if not s.arena.closed:  # work in flight still sees its tables (CPU)
+                s.arena._wait_for_host_work()
             s._core_cache.close()
             s.arena.close()
 

@@ -276,6 +276,8 @@ class ShardedKVArena(KVArenaBase):
         wait = as_flag(wait, "wait")
         with self._locked():
             self.check_open("ShardedKVArena.shrink")
+            for s in self.shards:  # a shard asleep: no shard changes
+                s._check_awake("ShardedKVArena.shrink")
             return _each(self.shards, lambda s: s.shrink(num_tokens, wait=wait))
 
     def release(
@@ -295,6 +297,8 @@ class ShardedKVArena(KVArenaBase):
         keep = self.shards[0]._check_keep_tokens(keep_tokens, "ShardedKVArena.release")
         with self._locked():
             self.check_open("ShardedKVArena.release")
+            for s, _ in holders:  # a shard asleep: no shard changes
+                s._check_awake("ShardedKVArena.release")
             return _each(
                 holders,
                 lambda h: h[0].release(h[1], wait=wait, reuse=reuse, keep_tokens=keep),

@@ -46,7 +46,19 @@ class SequenceTransfers:
             if self._offloaded:
                 self._settle(q)
             ranges = self._release_ranges(base, base + self.seq_bytes, seq)
-            t = Transfer(self.arena._handle, self.arena._handle.offload(ranges), seq)
+            # The table first: from now on kernels drop writes to the sequence and clamp
+            # (and count) reads of it, also in a chunk it shares with a neighbour, which
+            # stays backed and is not part of the host copy.
+            self.arena._wait_for_host_work()  # work in flight reads over the old table
+            self._offloaded[q] = None  # type: ignore[assignment]
+            try:
+                self._publish_limits()
+                ticket = self.arena._handle.offload(ranges)
+            except BaseException:
+                del self._offloaded[q]
+                self._publish_limits()
+                raise
+            t = Transfer(self.arena._handle, ticket, seq, on_restored=lambda: self._landed(q, t))
             self._offloaded[q] = t
             self._covered[q] = 0
             self._epoch[q] += 1
@@ -59,13 +71,21 @@ class SequenceTransfers:
                         self._settle(q)
         return t
 
+    def _landed(self, q: int, t: Transfer) -> None:
+        """``t.wait()`` saw the restore land: the sequence is back in the table."""
+        with self._lock:
+            if self._offloaded.get(q) is t:
+                self._settle(q)
+
     def restore(self, seq: int | None = None, *, wait: bool = True) -> Transfer:
         """Bring an offloaded sequence back: the same chunks are backed again and its tokens
         copied back, at the same addresses. ``wait=False``: the copy runs in the background
         and the chunks join the page table when it lands; the sequence may be written and
-        read once ``.done``. A failure leaves the sequence offloaded, its host copy intact:
-        raised at once when inline (``wait=True``, host driver), else as
-        :class:`jax_vmm.TransferError` from ``wait()``."""
+        read once ``wait()`` returned (or the next ``ensure`` of it): until then its writes
+        are dropped and its reads clamped, both counted for :meth:`check`. A failure
+        leaves the sequence offloaded, its host copy intact: raised at once when inline
+        (``wait=True``, host driver), else as :class:`jax_vmm.TransferError` from
+        ``wait()``."""
         self._seq_base(seq, "KVArena.restore")
         wait = as_flag(wait, "wait")
         q = 0 if seq is None else int(seq)

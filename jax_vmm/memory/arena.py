@@ -5,7 +5,8 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -17,6 +18,7 @@ from ..base.compute_streams import register_compute_stream
 from ..base.devices import DeviceTarget, resolve_device
 from ..base.errors import ArenaAsleepError, ArenaClosedError, ReservationFullError
 from ..base.loader import core as _core
+from .host_wait import wait_for_host_work
 from .stats import ArenaStats
 
 log = logging.getLogger("jax_vmm")
@@ -222,6 +224,7 @@ class Buffer:
         start, stop = self._range(start, stop)
         wait = as_flag(wait, "wait")
         self._arena._generation += 1
+        self._arena._wait_for_host_work()
         return self._arena._handle.decommit(self._id, start, stop, wait)
 
     def backed_prefix(self, start: int, stop: int) -> int:
@@ -237,6 +240,7 @@ class Buffer:
         self._arena._check_open("Buffer.free")
         self._check_live("Buffer.free")
         self._arena._generation += 1
+        self._arena._wait_for_host_work()
         self._arena._handle.free(self._id)
         self._freed = True
         self._arena._forget(self)
@@ -337,6 +341,9 @@ class Arena:
         # (Buffer.decommit/free, close, sleep, wake): KVArena.ensure trusts its own record
         # of backed tokens only while this is unchanged.
         self._generation = 0
+        # Called with True before the arena sleeps and False once it is awake again (a
+        # KV arena's table of ensured tokens): weak, the arena does not keep them alive.
+        self._sleep_hooks: list[weakref.WeakMethod] = []
         log.debug(
             "reserved %d bytes on %s at 0x%x",
             self._handle.reserved_bytes,
@@ -442,6 +449,7 @@ class Arena:
     def reclaim(self) -> int:
         """Wait for the device, then give every released allocation back to the driver
         (releases otherwise do it in the background). Returns the bytes given back."""
+        self._wait_for_host_work()
         return self._handle.reclaim()
 
     def put(self, x: Any, *, name: str | None = None) -> jax.Array:
@@ -509,7 +517,14 @@ class Arena:
             raise ValueError(f"Arena.sleep: keep must be 'host' or 'discard', got {keep!r}")
         self._check_open("Arena.sleep")
         self._generation += 1
-        self._handle.sleep(keep == "host")
+        self._wait_for_host_work()  # work in flight reads over the old table (CPU)
+        self._run_sleep_hooks(True)
+        try:
+            self._handle.sleep(keep == "host")
+        except BaseException:
+            if not self._handle.asleep:
+                self._run_sleep_hooks(False)
+            raise
 
     def wake(self) -> None:
         """Back exactly the chunks that were backed before :meth:`sleep`, at the same
@@ -519,11 +534,14 @@ class Arena:
         self._check_open("Arena.wake")
         self._generation += 1
         self._handle.wake()
+        self._run_sleep_hooks(False)
 
     def close(self) -> None:
         """Release all physical memory. Later calls on the arena raise
         :class:`~jax_vmm.errors.ArenaClosedError`; live views read zeros. Idempotent."""
         self._generation += 1
+        if not self._handle.closed:
+            self._wait_for_host_work()
         self._handle.close()
 
     def __enter__(self) -> Arena:
@@ -531,6 +549,24 @@ class Arena:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def _on_sleep(self, hook: Callable[[bool], None]) -> None:
+        """Register a bound method to call with True before :meth:`sleep` and with False
+        after :meth:`wake` (or a sleep that failed)."""
+        self._sleep_hooks.append(weakref.WeakMethod(hook))  # type: ignore[arg-type]
+
+    def _run_sleep_hooks(self, asleep: bool) -> None:
+        for ref in list(self._sleep_hooks):
+            hook = ref()
+            if hook is not None:
+                hook(asleep)
+
+    def _wait_for_host_work(self) -> None:
+        """Before memory is unmapped, copied out or punched, and before a KV arena's
+        table of ensured tokens is lowered (work in flight must still see the tokens it
+        was dispatched for): on the CPU, wait for the XLA:CPU work that may still use them
+        (``host_wait.py``; a GPU arena's core waits for the compute stream itself)."""
+        wait_for_host_work(self._target.device)
 
     def _check_open(self, op: str) -> None:
         if self._handle.closed:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from ..base.errors import TransferError
@@ -20,8 +21,16 @@ class Transfer:
     restore returns to ``"offloaded"`` with :attr:`error` set. Thread-safe.
     """
 
-    def __init__(self, core_arena: Any, ticket: int, seq: int | None):
+    def __init__(
+        self,
+        core_arena: Any,
+        ticket: int,
+        seq: int | None,
+        on_restored: Callable[[], None] | None = None,
+    ):
         self._core = core_arena
+        # Called by wait() once the restore landed: the KV arena opens the sequence again.
+        self._on_restored = on_restored
         self._ticket = int(ticket)
         self._seq = seq
         self._final: str | None = None  # once the arena forgot the ticket
@@ -66,6 +75,9 @@ class Transfer:
             state, error = self._final, self._final_error
         if state == "failed" or (state == "offloaded" and error):
             raise TransferError(f"sequence {self._seq}: {error}")
+        if state == "restored" and self._on_restored is not None:
+            on_restored, self._on_restored = self._on_restored, None
+            on_restored()
         return self
 
     def _finish(self) -> str:

@@ -525,6 +525,27 @@ def _asleep_commit(ctx: Ctx) -> None:
     buf.commit()
 
 
+def _asleep_release(ctx: Ctx) -> None:
+    kv = ctx.kv(max_seqs=3, initial_tokens=4)
+    kv.sleep()
+    kv.release(1)
+
+
+def _offloaded_read_then_check(ctx: Ctx) -> None:
+    kv = ctx.kv(max_seqs=2, head_dim=64, initial_tokens=2)
+    kv.offload(1)
+    q = ctx.put(np.ones((2, 1, 64), np.float32))
+    out = jax_vmm.decode_attention(q, kv.cache()[0], ctx.put(np.array([2, 2], np.int32)))
+    kv.check(out)
+
+
+def _offloaded_write_then_check(ctx: Ctx) -> None:
+    kv = ctx.kv(max_seqs=2, initial_tokens=4)  # both sequences in one chunk
+    kv.offload(0)
+    jax.block_until_ready(_cache_step(ctx, kv)(kv.cache()))  # slot 1: sequence 0
+    kv.check()
+
+
 def _offloaded_ensure(ctx: Ctx) -> None:
     kv = ctx.kv(max_seqs=3)
     kv.ensure(4, seq=0)
@@ -613,6 +634,9 @@ ROWS += [
     Row("M10", lambda x: x.kv3.ensure_all([1.5, 0, 0])),
     Row("M11", lambda x: x.arena.put(np.float32(1))),
     Row("M12", lambda x: x.arena.put(np.array([2**40], np.int64)), requires=lambda: _x64_off()),
+    Row("M13", _asleep_release),
+    Row("M14", _offloaded_read_then_check),
+    Row("M15", _offloaded_write_then_check),
 ]
 
 

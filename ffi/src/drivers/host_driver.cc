@@ -11,7 +11,11 @@
 //   set_access mprotect(PROT_READ|PROT_WRITE) over the whole run.
 //   unmap     mmap the zero reservation mapping back over the run: MAP_FIXED replaces
 //             the mapping atomically, so a concurrent reader sees old bytes or zeros and
-//             never a hole (no need to wait for readers before unmapping).
+//             never a hole (it does not fault; it does read the wrong bytes).
+//   wait      Synchronize is a no-op: XLA:CPU work has no stream to wait on. The Python
+//             layer waits for it (jax_vmm/memory/host_wait.py) before every call that
+//             unmaps, copies out or lowers a KV table, and unmapping runs inline here
+//             (UnmapNeedsQuiescence false), so nothing is unmapped after that wait.
 //   host mem  page-aligned anonymous mappings; copies are memcpy.
 // One memfd (not one per allocation) keeps the file-descriptor count constant.
 #include <fcntl.h>

@@ -1,0 +1,37 @@
+"""The host driver's device wait: XLA:CPU work that may read or write arena memory is
+finished before that memory is unmapped, copied out or punched.
+
+On a GPU the arena waits for XLA's compute stream (the driver's ``Synchronize``). XLA:CPU
+has no stream the extension can wait on: it runs a computation on its own threads after
+the dispatching call returned, and the only handle on that work is the computation's
+results, ``jax.Array`` objects that are not ready until it has finished. So before
+memory goes, every live array on the arena's CPU device that is not ready yet is waited
+for. A computation whose results the caller has already dropped is not waited for: what
+it reads can no longer be observed (unbacked host pages read zeros, so nothing faults).
+
+Called by the Python methods that give memory back (``Arena.close/sleep/reclaim``,
+``Buffer.decommit/free``, ``KVArena.release/shrink/offload``, ...) right before they call
+into the core: the host driver unmaps inline, so nothing is unmapped later without it.
+"""
+
+from __future__ import annotations
+
+import jax
+
+#: Test hook (``jax_vmm.testing.host_device_waits_skipped()``): when True the wait does
+#: nothing, as the host driver's ``Synchronize`` did: memory goes under running work.
+skip = False
+
+
+def wait_for_host_work(device: jax.Device) -> None:
+    """Block until no XLA:CPU computation dispatched so far on ``device`` is running, as far
+    as anything can observe it (see the module docstring). No-op for other platforms."""
+    if skip or device.platform != "cpu":
+        return
+    for a in jax.live_arrays():
+        try:
+            if a.is_deleted() or a.is_ready() or device not in a.devices():
+                continue
+            a.block_until_ready()
+        except RuntimeError:  # deleted or donated meanwhile by another thread: not ours
+            continue
