@@ -17,6 +17,10 @@
 //    arena often lands where a destroyed one was).
 //  * A buffer range is placed again only when the buffer is freed and no view lease of
 //    it is alive, so a view never sees a newer buffer (it reads zeros once freed).
+//  * An arena belongs to the process that created it. In a child made by fork() every
+//    call that would reach the driver raises ForkedProcess (the child shares the
+//    parent's physical pages, or cannot use its CUDA context), and destroying the arena
+//    in the child gives nothing back: no driver call, no lock, no thread join.
 //  * Memory that device work may still touch is never unmapped: a release first clears
 //    the page table (kernels launched later skip those chunks), then hands the memory to a
 //    reclaimer that unmaps it once the device has finished everything dispatched before
@@ -329,6 +333,11 @@ class Arena : public std::enable_shared_from_this<Arena> {
   const Placement& PlacementOrThrow(int64_t buffer_id, const char* op) const;
   void ThrowIfClosed(const char* op) const;
   void ThrowIfAsleep(const char* op) const;
+  // Throws ForkedProcess in a process forked from the creator. Called before taking mu_
+  // (another thread of the parent may have held it at the fork).
+  void ThrowIfForked(const char* op) const;
+  bool InForkedChild() const;
+  void AbandonInForkedChild() noexcept;  // ~Arena in a child: leak, release nothing
   // Copies the host page table to the device over the hull of `runs`: one copy per
   // operation (the host mirror is authoritative between the runs too).
   void PublishPageTable(const std::vector<ChunkRun>& runs);
@@ -413,6 +422,7 @@ class Arena : public std::enable_shared_from_this<Arena> {
 
   std::unique_ptr<Driver> driver_;
   const uint64_t uid_;
+  const long creator_pid_;  // getpid() at creation (see ThrowIfForked)
   uintptr_t base_ = 0;
   size_t reserved_bytes_ = 0;
   size_t chunk_bytes_ = 0;

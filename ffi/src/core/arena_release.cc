@@ -59,6 +59,7 @@ size_t Arena::Decommit(int64_t buffer_id, size_t start, size_t stop, bool wait) 
 }
 
 size_t Arena::DecommitRanges(const std::vector<Range>& ranges, bool wait) {
+  ThrowIfForked("decommit");
   std::unique_lock<std::mutex> lock(mu_);
   ThrowIfClosed("decommit");
   ThrowIfAsleep("decommit");
@@ -157,6 +158,7 @@ void Arena::WaitWhileBusy(std::unique_lock<std::mutex>& lock) {
 }
 
 size_t Arena::Reclaim() {
+  ThrowIfForked("reclaim");
   std::unique_lock<std::mutex> lock(mu_);
   return ReclaimAllLocked(lock);
 }

@@ -79,6 +79,7 @@ void Arena::FreeImage(HostImage* image) noexcept {
 }
 
 void Arena::FreeHostCache() {
+  ThrowIfForked("free_host_cache");
   std::lock_guard<std::mutex> lock(mu_);
   FreeHostCacheLocked();
 }
@@ -137,6 +138,7 @@ void Arena::DropSleepImage() noexcept {
 // -- copies in ------------------------------------------------------------------------
 
 void Arena::CopyIn(int64_t buffer_id, size_t offset, const void* src, size_t bytes) {
+  ThrowIfForked("copy_in");
   std::lock_guard<std::mutex> lock(mu_);
   ThrowIfClosed("copy_in");
   ThrowIfAsleep("copy_in");
@@ -157,6 +159,7 @@ void Arena::CopyIn(int64_t buffer_id, size_t offset, const void* src, size_t byt
 // -- sleep and wake -------------------------------------------------------------------
 
 void Arena::Sleep(bool keep_contents) {
+  ThrowIfForked("sleep");
   std::unique_lock<std::mutex> lock(mu_);
   ThrowIfClosed("sleep");
   ThrowIfAsleep("sleep");
@@ -183,6 +186,7 @@ void Arena::Sleep(bool keep_contents) {
 }
 
 void Arena::Wake() {
+  ThrowIfForked("wake");
   std::unique_lock<std::mutex> lock(mu_);
   ThrowIfClosed("wake");
   if (!sleep_) throw InvalidArgument("Arena.wake: the arena is not asleep (call sleep() first)");
@@ -249,6 +253,7 @@ Arena::TransferRecord& Arena::RecordOrThrow(uint64_t ticket, const char* op) {
 }
 
 uint64_t Arena::Offload(const std::vector<Range>& ranges) {
+  ThrowIfForked("offload");
   std::unique_lock<std::mutex> lock(mu_);
   ThrowIfClosed("offload");
   ThrowIfAsleep("offload");
@@ -335,6 +340,7 @@ void Arena::UndoOffload(TransferRecord& t, const std::string& error) noexcept {
 }
 
 void Arena::Restore(uint64_t ticket, bool wait) {
+  ThrowIfForked("restore");
   std::unique_lock<std::mutex> lock(mu_);
   for (;;) {
     ThrowIfClosed("restore");
@@ -498,6 +504,7 @@ TransferState Arena::TransferStatus(uint64_t ticket, std::string* error) const {
 }
 
 TransferState Arena::WaitTransfer(uint64_t ticket, std::string* error) const {
+  ThrowIfForked("wait_transfer");  // the reclaimer that would finish it is not here
   std::unique_lock<std::mutex> lock(mu_);
   for (;;) {
     const TransferRecord& t = const_cast<Arena*>(this)->RecordOrThrow(ticket, "Arena.wait");
@@ -510,6 +517,7 @@ TransferState Arena::WaitTransfer(uint64_t ticket, std::string* error) const {
 }
 
 void Arena::DropTransfer(uint64_t ticket) {
+  ThrowIfForked("drop_transfer");
   std::unique_lock<std::mutex> lock(mu_);
   for (;;) {
     auto it = transfers_.find(ticket);

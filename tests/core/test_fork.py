@@ -1,0 +1,180 @@
+"""A forked child must never change its parent's arena memory (docs/design.md, "Fork").
+
+On the host driver a child inherits the arena's memfd and its MAP_SHARED mappings: the
+physical pages are the parent's. Before the fork guard, a child's release, close, sleep
+or garbage collection punched holes in that memfd and the parent read 0.0 where it had
+written 8.0. Now every call of an inherited arena that would reach the driver raises
+``jax_vmm.ForkedProcessError`` in the child, and a child that drops the arena (or exits)
+gives nothing back.
+
+Each test forks with ``os.fork()``; the child touches only jax_vmm objects, reports
+through a pipe and leaves with ``os._exit``. The parent reads its memory straight from
+the addresses (ctypes, no JAX view) and through the memfd's allocated blocks.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import os
+import weakref
+from collections.abc import Callable
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_vmm
+import maps_oracle as mo
+from conftest import write_bytes
+
+H, D = 2, 64  # float32: 512 bytes per token per buffer
+TOKENS = 300
+
+
+def _in_child(fn: Callable[[], object]) -> tuple[int, str]:
+    """Runs fn in a forked child; returns (the child's exit code, what it reported):
+    "ok:<repr of fn's result>" or "<exception type>:<message>"."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: jax_vmm objects only, then _exit (no atexit, no pytest)
+        code = 0
+        try:
+            os.close(r)
+            try:
+                msg = f"ok:{fn()!r}"
+            except BaseException as e:  # noqa: BLE001 -- reported to the parent
+                msg = f"{type(e).__name__}:{e}"
+            os.write(w, msg.encode())
+            os.close(w)
+        except BaseException:  # noqa: BLE001
+            code = 3
+        os._exit(code)
+    os.close(w)
+    chunks = []
+    while data := os.read(r, 65536):
+        chunks.append(data)
+    os.close(r)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status), b"".join(chunks).decode()
+
+
+def _filled_kv(cpu_device) -> tuple[dict, list[tuple[int, int]], mo.MemfdProbe]:
+    """A KV arena in a box (so that a child can drop the last reference) with TOKENS
+    tokens of 8.0 in every buffer, the (address, bytes) of that data, and its memfd."""
+    before = mo.jax_vmm_memfds()
+    kv = jax_vmm.kv_arena(
+        num_layers=2,
+        num_kv_heads=H,
+        head_dim=D,
+        max_tokens=4096,
+        dtype=jnp.float32,
+        device=cpu_device,
+        handle_bytes=None,
+    )
+    kv.ensure(TOKENS)
+    n = TOKENS * H * D
+    spans = []
+    for b in kv.buffers:
+        write_bytes(b, 0, np.full(n, 8.0, np.float32))
+        spans.append((b.address, n * 4))
+    return {"kv": kv}, spans, mo.MemfdProbe.between(before, mo.jax_vmm_memfds())
+
+
+def _values(spans: list[tuple[int, int]]) -> np.ndarray:
+    return np.concatenate([np.frombuffer(ctypes.string_at(a, n), np.float32) for a, n in spans])
+
+
+def _assert_intact(
+    box: dict, spans: list[tuple[int, int]], probe: mo.MemfdProbe, held: int
+) -> None:
+    values = _values(spans)
+    assert (values == 8.0).all(), (
+        f"the child changed the parent's memory: {np.count_nonzero(values != 8.0)} of "
+        f"{values.size} floats are no longer 8.0 (e.g. {values[values != 8.0][:4]})"
+    )
+    assert probe.physical_bytes() == held, "the child freed blocks of the parent's memfd"
+    # The parent's arena still works: grow, release, grow again.
+    kv = box["kv"]
+    kv.ensure(2 * TOKENS)
+    assert (_values(spans) == 8.0).all()
+    kv.release()
+    kv.ensure(TOKENS)
+
+
+def _assert_refused(report: str, what: str) -> None:
+    kind, _, msg = report.partition(":")
+    assert kind == "ForkedProcessError", f"{what} in the child: expected a refusal, got {report}"
+    assert f"process {os.getpid()}" in msg, msg  # names the parent
+    assert "fork" in msg and "create a new arena" in msg.lower(), msg
+
+
+CHILD_OPS = {
+    "release": lambda kv: kv.release(),
+    "close": lambda kv: kv.close(),
+    "sleep_discard": lambda kv: kv.sleep(keep="discard"),
+    "sleep_keep": lambda kv: kv.sleep(keep="host"),
+    "shrink": lambda kv: kv.shrink(0),
+    "ensure": lambda kv: kv.ensure(3000),
+    "offload": lambda kv: kv.offload(),
+    "reclaim": lambda kv: kv.reclaim(),
+}
+
+
+@pytest.mark.parametrize("op", sorted(CHILD_OPS))
+def test_a_child_cannot_change_the_parents_kv_memory(cpu_device, op):
+    box, spans, probe = _filled_kv(cpu_device)
+    held = probe.physical_bytes()
+    code, report = _in_child(lambda: CHILD_OPS[op](box["kv"]))
+    assert code == 0, report
+    _assert_refused(report, op)
+    _assert_intact(box, spans, probe, held)
+    box["kv"].close()
+
+
+def test_a_child_that_drops_the_arena_gives_nothing_back(cpu_device):
+    box, spans, probe = _filled_kv(cpu_device)
+    held = probe.physical_bytes()
+
+    def drop() -> bool:
+        gone = weakref.ref(box["kv"].arena)
+        del box["kv"]
+        gc.collect()
+        return gone() is None  # the core arena was destroyed in the child
+
+    code, report = _in_child(drop)
+    assert (code, report) == (0, "ok:True")
+    _assert_intact(box, spans, probe, held)
+    box["kv"].close()
+
+
+def test_plain_arena_calls_in_a_child_are_refused(cpu_device):
+    arena = jax_vmm.Arena(1 << 22, device=cpu_device)
+    buf = arena.allocate((1 << 16,), jnp.float32, name="weights")
+    buf.commit()
+    write_bytes(buf, 0, np.full(1 << 16, 8.0, np.float32))
+    spans = [(buf.address, buf.nbytes)]
+    calls = {
+        "commit": lambda: buf.commit(0, buf.nbytes),
+        "decommit": lambda: buf.decommit(),
+        "free": lambda: buf.free(),
+        "allocate": lambda: arena.allocate((16,), jnp.float32),
+        "wake": lambda: arena.wake(),
+        "close": lambda: arena.close(),
+        "view": lambda: buf.view(),
+    }
+    for name, call in calls.items():
+        code, report = _in_child(call)
+        assert code == 0, report
+        _assert_refused(report, name)
+        # Queries answer from host bookkeeping, without the driver.
+    code, report = _in_child(lambda: (arena.backed_bytes, arena.closed, buf.backed_bytes))
+    assert report == f"ok:{(buf.nbytes, False, buf.nbytes)!r}"
+    assert (_values(spans) == 8.0).all()
+    arena.close()
+
+
+def test_a_closed_arena_closes_again_quietly_in_a_child(cpu_device):
+    arena = jax_vmm.Arena(1 << 20, device=cpu_device)
+    arena.close()
+    assert _in_child(arena.close) == (0, "ok:None")
