@@ -17,8 +17,12 @@ from __future__ import annotations
 import ctypes
 import gc
 import os
+import subprocess
+import sys
+import textwrap
 import weakref
 from collections.abc import Callable
+from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
@@ -30,6 +34,7 @@ from conftest import write_bytes
 
 H, D = 2, 64  # float32: 512 bytes per token per buffer
 TOKENS = 300
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _in_child(fn: Callable[[], object]) -> tuple[int, str]:
@@ -178,3 +183,70 @@ def test_a_closed_arena_closes_again_quietly_in_a_child(cpu_device):
     arena = jax_vmm.Arena(1 << 20, device=cpu_device)
     arena.close()
     assert _in_child(arena.close) == (0, "ok:None")
+
+
+def test_a_child_that_exits_normally_gives_nothing_back():
+    # Interpreter shutdown in the child (module globals, garbage collection, the C++
+    # statics) with the arena alive and open. A core arena without a JAX client: a
+    # forked child cannot shut down JAX's CPU client (its thread pool deadlocks there).
+    script = textwrap.dedent(
+        """
+        import ctypes, os
+        from jax_vmm._loader import core
+        arena = core.create_arena("host", 0, 1 << 22, 0, 0, True)
+        buf = arena.allocate(1 << 20, "weights")
+        arena.commit_ranges([(buf["id"], 0, 1 << 20)])
+        ctypes.memset(buf["address"], 8, 1 << 20)
+        pid = os.fork()
+        if pid == 0:
+            raise SystemExit(0)  # a normal exit, the arena still alive
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0, status
+        data = ctypes.string_at(buf["address"], 1 << 20)
+        print("intact" if data == b"\\x08" * (1 << 20) else f"lost {data.count(0)} bytes")
+        arena.close()
+        """
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([*sys.path, str(REPO)]))
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "intact", out.stdout + out.stderr[-3000:]
+
+
+def test_a_child_neither_uses_nor_releases_the_parents_cuda_objects():
+    # The real CUDA driver code over the fake CUDA driver: in the child, the arena refuses,
+    # a new CUDA arena cannot be made (the parent's context is unusable), and dropping the
+    # inherited arena makes no driver call (the fake's objects stay as they were).
+    from jax_vmm._loader import core
+
+    if not hasattr(core, "testing"):
+        pytest.skip("needs the testing hooks (fake CUDA driver) of a JAX_VMM_TESTING build")
+    t = core.testing
+    keys = ("live_reservations", "live_mappings", "live_allocations", "live_streams")
+    box = {"arena": t.create_fake_cuda_arena(1 << 22, 0, 0, True)}
+    buf = box["arena"].allocate(1 << 20, "weights")
+    box["arena"].commit_ranges([(buf["id"], 0, 1 << 20)])
+    before = {k: t.fake_cuda_stats()[k] for k in keys}
+
+    def child() -> tuple[list[str], bool]:
+        outcomes = []
+        for call in (
+            lambda: box["arena"].commit_ranges([(buf["id"], 0, 1 << 20)]),
+            lambda: box["arena"].decommit_ranges([(buf["id"], 0, 1 << 20)], False),
+            lambda: box["arena"].close(),
+            lambda: t.create_fake_cuda_arena(1 << 22, 0, 0, True),
+        ):
+            try:
+                call()
+                outcomes.append("ok")
+            except Exception as e:  # noqa: BLE001 -- the type is the answer
+                outcomes.append(type(e).__name__)
+        box.clear()
+        gc.collect()
+        return outcomes, {k: t.fake_cuda_stats()[k] for k in keys} == before
+
+    code, report = _in_child(child)
+    assert (code, report) == (0, f"ok:{(['ForkedProcessError'] * 4, True)!r}")
+    box["arena"].close()
