@@ -250,3 +250,25 @@ def test_a_child_neither_uses_nor_releases_the_parents_cuda_objects():
     code, report = _in_child(child)
     assert (code, report) == (0, f"ok:{(['ForkedProcessError'] * 4, True)!r}")
     box["arena"].close()
+
+
+@pytest.mark.gpu
+def test_a_child_cannot_touch_a_gpu_arena(gpu_device):
+    # The child never reaches the CUDA driver (the parent's context is unusable there):
+    # every call is refused before it, and the parent's data stays.
+    arena = jax_vmm.Arena(64 << 20, device=gpu_device)
+    x = arena.put(np.full(1 << 20, 8.0, np.float32))
+    buf = arena.buffers[-1]
+    for name, call in {
+        "decommit": lambda: buf.decommit(),
+        "commit": lambda: buf.commit(),
+        "sleep": lambda: arena.sleep(keep="discard"),
+        "close": lambda: arena.close(),
+    }.items():
+        code, report = _in_child(call)
+        assert code == 0, report
+        _assert_refused(report, name)
+
+    assert (np.asarray(x) == 8.0).all()
+    x.delete()
+    arena.close()
