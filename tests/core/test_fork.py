@@ -17,9 +17,12 @@ from __future__ import annotations
 import ctypes
 import gc
 import os
+import select
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -37,7 +40,7 @@ TOKENS = 300
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _in_child(fn: Callable[[], object]) -> tuple[int, str]:
+def _in_child(fn: Callable[[], object], timeout: float = 60.0) -> tuple[int, str]:
     """Runs fn in a forked child; returns (the child's exit code, what it reported):
     "ok:<repr of fn's result>" or "<exception type>:<message>"."""
     r, w = os.pipe()
@@ -57,8 +60,14 @@ def _in_child(fn: Callable[[], object]) -> tuple[int, str]:
         os._exit(code)
     os.close(w)
     chunks = []
-    while data := os.read(r, 65536):
+    deadline = time.monotonic() + timeout
+    while select.select([r], [], [], max(0.0, deadline - time.monotonic()))[0]:
+        if not (data := os.read(r, 65536)):
+            break
         chunks.append(data)
+    else:  # the child hangs (a join of a thread that did not survive the fork, say)
+        os.kill(pid, signal.SIGKILL)
+        chunks.append(b"<timeout>")
     os.close(r)
     _, status = os.waitpid(pid, 0)
     return os.waitstatus_to_exitcode(status), b"".join(chunks).decode()
@@ -227,6 +236,11 @@ def test_a_child_neither_uses_nor_releases_the_parents_cuda_objects():
     keys = ("live_reservations", "live_mappings", "live_allocations", "live_streams")
     box = {"arena": t.create_fake_cuda_arena(1 << 22, 0, 0, True)}
     buf = box["arena"].allocate(1 << 20, "weights")
+    # A release starts the arena's reclaimer thread, which the child must neither join
+    # (it did not survive the fork) nor destroy while joinable.
+    box["arena"].commit_ranges([(buf["id"], 0, 1 << 20)])
+    box["arena"].decommit_ranges([(buf["id"], 0, 1 << 20)], True)
+    assert box["arena"].stats()["deferred_releases"] > 0  # the reclaimer got them
     box["arena"].commit_ranges([(buf["id"], 0, 1 << 20)])
     before = {k: t.fake_cuda_stats()[k] for k in keys}
 

@@ -146,7 +146,7 @@ void Arena::ThrowIfForked(const char* op) const {
 // says joinable: joining it is undefined, destroying it terminates), and mu_ may have been
 // held by a parent thread that is gone. So: no lock, no driver call, no join; leak it all.
 void Arena::AbandonInForkedChild() noexcept {
-  new std::thread(std::move(worker_));  // never joined, never destroyed
+  if (worker_.joinable()) new std::thread(std::move(worker_));        // never joined nor destroyed
   for (auto& [first, m] : mappings_) static_cast<void>(m.release());  // ~Mapping releases
   static_cast<void>(driver_.release());  // ~Driver closes the memfd / CUDA objects
 }
