@@ -43,6 +43,9 @@ REPO = Path(__file__).resolve().parents[2]
 def _in_child(fn: Callable[[], object], timeout: float = 60.0) -> tuple[int, str]:
     """Runs fn in a forked child; returns (the child's exit code, what it reported):
     "ok:<repr of fn's result>" or "<exception type>:<message>"."""
+    # No garbage left for the child's collections: freeing other tests' JAX objects in a
+    # forked child can deadlock inside XLA (its threads did not survive the fork).
+    gc.collect()
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: jax_vmm objects only, then _exit (no atexit, no pytest)

@@ -56,9 +56,11 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <new>
 #include <set>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <unordered_set>
 #include <vector>
 
@@ -431,7 +433,30 @@ class Arena : public std::enable_shared_from_this<Arena> {
   bool zero_fill_ = true;
 
   mutable std::mutex mu_;
-  mutable std::condition_variable cv_;  // any change a waiter or the worker may need
+  // Any change a waiter or the worker may need. Not a plain member: a forked child must
+  // not destroy it (glibc's pthread_cond_destroy waits for the waiters, and the parent's
+  // reclaimer, waiting at the fork, never leaves in the child).
+  class AbandonableCondition {
+   public:
+    AbandonableCondition() { new (&storage_) std::condition_variable(); }
+    ~AbandonableCondition() {
+      if (!abandoned_) get()->~condition_variable();
+    }
+    AbandonableCondition(const AbandonableCondition&) = delete;
+    AbandonableCondition& operator=(const AbandonableCondition&) = delete;
+    std::condition_variable* operator->() const { return get(); }
+    void Abandon() { abandoned_ = true; }
+
+   private:
+    std::condition_variable* get() const {
+      return std::launder(reinterpret_cast<std::condition_variable*>(&storage_));
+    }
+    mutable std::aligned_storage_t<sizeof(std::condition_variable),
+                                   alignof(std::condition_variable)>
+        storage_;
+    bool abandoned_ = false;
+  };
+  mutable AbandonableCondition cv_;
   mutable std::atomic<bool> metadata_pinned_{false};
   std::atomic<bool> closed_{false};  // written under mu_; read by lookups without it
   int64_t next_id_ = 0;

@@ -92,7 +92,7 @@ Arena::~Arena() {
     std::lock_guard<std::mutex> lock(mu_);
     stop_worker_ = true;
   }
-  cv_.notify_all();
+  cv_->notify_all();
   if (worker_.joinable()) worker_.join();
   // A closed arena waited in Close() and holds no memory: nothing left to wait for (and its
   // device's streams may be gone by now, at exit).
@@ -143,9 +143,11 @@ void Arena::ThrowIfForked(const char* op) const {
 // In a forked child: every allocation, mapping, memfd and device object is the parent's
 // (host: punching a hole in the shared memfd frees the parent's pages; CUDA: the context
 // is unusable here), the reclaimer thread did not survive the fork (its std::thread still
-// says joinable: joining it is undefined, destroying it terminates), and mu_ may have been
-// held by a parent thread that is gone. So: no lock, no driver call, no join; leak it all.
+// says joinable: joining it is undefined, destroying it terminates; it may have been
+// waiting on cv_, whose destruction would then wait forever), and mu_ may have been held
+// by a parent thread that is gone. So: no lock, no driver call, no join; leak it all.
 void Arena::AbandonInForkedChild() noexcept {
+  cv_.Abandon();
   if (worker_.joinable()) new std::thread(std::move(worker_));        // never joined nor destroyed
   for (auto& [first, m] : mappings_) static_cast<void>(m.release());  // ~Mapping releases
   static_cast<void>(driver_.release());  // ~Driver closes the memfd / CUDA objects
@@ -416,7 +418,7 @@ void Arena::Close() {
   ReleaseAllMemory(lock);
   closed_ = true;
   FreeHostCacheLocked();
-  cv_.notify_all();
+  cv_->notify_all();
 }
 
 bool Arena::closed() const {

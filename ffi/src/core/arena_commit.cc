@@ -69,7 +69,7 @@ size_t Arena::CommitLocked(std::unique_lock<std::mutex>& lock, const std::vector
     if (background && views_exported_.load()) return kSkipped;
     const CommitPlan plan = PlanCommit(ranges);
     if (plan.must_wait) {
-      cv_.wait(lock);
+      cv_->wait(lock);
       continue;
     }
     if (plan.missing_chunks == 0 && plan.revive.empty()) return 0;

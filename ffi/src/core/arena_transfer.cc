@@ -182,7 +182,7 @@ void Arena::Sleep(bool keep_contents) {
   }
   ReleaseAllMemory(lock);  // the page table first (writes now drop), then the memory
   sleep_ = std::move(image);
-  cv_.notify_all();
+  cv_->notify_all();
 }
 
 void Arena::Wake() {
@@ -208,7 +208,7 @@ void Arena::Wake() {
   }
   AccountCommit(plan, plan.missing_chunks, SecondsSince(t0));
   DropSleepImage();
-  cv_.notify_all();
+  cv_->notify_all();
 }
 
 // -- offload and restore ----------------------------------------------------------------
@@ -291,7 +291,7 @@ uint64_t Arena::Offload(const std::vector<Range>& ranges) {
     t.queued = true;
     StartWorker();
   }
-  cv_.notify_all();
+  cv_->notify_all();
   return ticket;
 }
 
@@ -347,7 +347,7 @@ void Arena::Restore(uint64_t ticket, bool wait) {
     ThrowIfAsleep("restore");
     TransferRecord& t = RecordOrThrow(ticket, "Arena.restore");
     if (t.state == TransferState::kOffloading) {
-      cv_.wait(lock);
+      cv_->wait(lock);
       continue;
     }
     if (t.state == TransferState::kFailed) {
@@ -355,13 +355,13 @@ void Arena::Restore(uint64_t ticket, bool wait) {
     }
     if (t.state == TransferState::kRestoring) {
       if (!wait) return;
-      cv_.wait(lock);
+      cv_->wait(lock);
       continue;
     }
     if (t.state == TransferState::kRestored) return;
     const CommitPlan plan = PlanRuns(t.runs);
     if (plan.must_wait) {
-      cv_.wait(lock);
+      cv_->wait(lock);
       continue;
     }
     const auto t0 = std::chrono::steady_clock::now();
@@ -386,7 +386,7 @@ void Arena::Restore(uint64_t ticket, bool wait) {
       FreeImage(&t.image);
       t.state = TransferState::kRestored;
       t.error.clear();
-      cv_.notify_all();
+      cv_->notify_all();
       return;
     }
     // In the background: the allocations join the arena now, pinned and unpublished.
@@ -396,7 +396,7 @@ void Arena::Restore(uint64_t ticket, bool wait) {
     t.state = TransferState::kRestoring;
     t.queued = true;
     StartWorker();
-    cv_.notify_all();
+    cv_->notify_all();
     return;
   }
 }
@@ -473,7 +473,7 @@ void Arena::RunTransferJobs(std::unique_lock<std::mutex>& lock, uint64_t sync) {
     } else {
       UndoOffload(*t, error);
     }
-    cv_.notify_all();
+    cv_->notify_all();
   }
   for (TransferRecord* t : ins) {
     t->queued = false;
@@ -492,7 +492,7 @@ void Arena::RunTransferJobs(std::unique_lock<std::mutex>& lock, uint64_t sync) {
       error = e.what();
     }
     if (!error.empty()) UndoRestore(lock, *t, error);
-    cv_.notify_all();
+    cv_->notify_all();
   }
 }
 
@@ -512,7 +512,7 @@ TransferState Arena::WaitTransfer(uint64_t ticket, std::string* error) const {
       if (error != nullptr) *error = t.error;
       return t.state;
     }
-    cv_.wait(lock);
+    cv_->wait(lock);
   }
 }
 
@@ -523,7 +523,7 @@ void Arena::DropTransfer(uint64_t ticket) {
     auto it = transfers_.find(ticket);
     if (it == transfers_.end()) return;
     if (TransferInFlight(*it->second)) {
-      cv_.wait(lock);
+      cv_->wait(lock);
       continue;
     }
     FreeImage(&it->second->image);
