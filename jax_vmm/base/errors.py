@@ -17,6 +17,10 @@ ArenaAsleepError = _core.ArenaAsleepError
 ReservationFullError = _core.ReservationFullError
 #: The OS or the CUDA driver failed (not for lack of memory), or a device lacks VMM.
 DriverError = _core.DriverError
+#: A call on an arena inherited through ``os.fork()``: the child shares the parent's
+#: physical memory, so it may change nothing of it (create a new arena in the child). A
+#: ``RuntimeError``.
+ForkedProcessError = _core.ForkedProcessError
 #: Physical memory could not be committed. Subclass of ``MemoryError`` with
 #: ``requested_bytes`` and ``free_bytes`` attributes; the arena is left unchanged.
 OutOfMemoryError = _core.OutOfMemoryError
@@ -56,6 +60,7 @@ __all__ = [
     "ArenaClosedError",
     "ReservationFullError",
     "DriverError",
+    "ForkedProcessError",
     "OutOfMemoryError",
     "OutOfBoundsWrite",
     "OutOfBoundsRead",

@@ -10,12 +10,27 @@ so with views the decode thread commits itself, waiting for the device as before
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 import weakref
 from typing import Any
 
 _log = logging.getLogger("jax_vmm")
+
+# Every worker is stopped (and joined) at interpreter exit, before daemon threads are
+# killed: a daemon thread inside a core call (which releases the GIL) is ended by
+# pthread_exit when it takes the GIL back during finalization, and that forced unwind
+# through the binding's GIL guard (a noexcept destructor) is std::terminate: SIGABRT,
+# "terminate called without an active exception". An ensure() just before exit (say,
+# after an out-of-memory left the sequence short) schedules exactly such a commit.
+_live: weakref.WeakSet[CommitAhead] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_all_at_exit() -> None:
+    for worker in list(_live):
+        worker.stop()
 
 
 class CommitAhead:
@@ -34,6 +49,7 @@ class CommitAhead:
         self._busy: int | None = None  # the sequence being committed now
         self._stop = False
         self._thread: threading.Thread | None = None
+        _live.add(self)
 
     def schedule(self, seq: int, tokens: int, epoch: int) -> None:
         """Back tokens [0, tokens) of ``seq`` for its life that began at ``epoch`` (the

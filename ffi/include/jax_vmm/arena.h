@@ -17,6 +17,10 @@
 //    arena often lands where a destroyed one was).
 //  * A buffer range is placed again only when the buffer is freed and no view lease of
 //    it is alive, so a view never sees a newer buffer (it reads zeros once freed).
+//  * An arena belongs to the process that created it. In a child made by fork() every
+//    call that would reach the driver raises ForkedProcess (the child shares the
+//    parent's physical pages, or cannot use its CUDA context), and destroying the arena
+//    in the child gives nothing back: no driver call, no lock, no thread join.
 //  * Memory that device work may still touch is never unmapped: a release first clears
 //    the page table (kernels launched later skip those chunks), then hands the memory to a
 //    reclaimer that unmaps it once the device has finished everything dispatched before
@@ -52,9 +56,11 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <new>
 #include <set>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <unordered_set>
 #include <vector>
 
@@ -329,6 +335,11 @@ class Arena : public std::enable_shared_from_this<Arena> {
   const Placement& PlacementOrThrow(int64_t buffer_id, const char* op) const;
   void ThrowIfClosed(const char* op) const;
   void ThrowIfAsleep(const char* op) const;
+  // Throws ForkedProcess in a process forked from the creator. Called before taking mu_
+  // (another thread of the parent may have held it at the fork).
+  void ThrowIfForked(const char* op) const;
+  bool InForkedChild() const;
+  void AbandonInForkedChild() noexcept;  // ~Arena in a child: leak, release nothing
   // Copies the host page table to the device over the hull of `runs`: one copy per
   // operation (the host mirror is authoritative between the runs too).
   void PublishPageTable(const std::vector<ChunkRun>& runs);
@@ -413,6 +424,7 @@ class Arena : public std::enable_shared_from_this<Arena> {
 
   std::unique_ptr<Driver> driver_;
   const uint64_t uid_;
+  const long creator_pid_;  // getpid() at creation (see ThrowIfForked)
   uintptr_t base_ = 0;
   size_t reserved_bytes_ = 0;
   size_t chunk_bytes_ = 0;
@@ -421,7 +433,30 @@ class Arena : public std::enable_shared_from_this<Arena> {
   bool zero_fill_ = true;
 
   mutable std::mutex mu_;
-  mutable std::condition_variable cv_;  // any change a waiter or the worker may need
+  // Any change a waiter or the worker may need. Not a plain member: a forked child must
+  // not destroy it (glibc's pthread_cond_destroy waits for the waiters, and the parent's
+  // reclaimer, waiting at the fork, never leaves in the child).
+  class AbandonableCondition {
+   public:
+    AbandonableCondition() { new (&storage_) std::condition_variable(); }
+    ~AbandonableCondition() {
+      if (!abandoned_) get()->~condition_variable();
+    }
+    AbandonableCondition(const AbandonableCondition&) = delete;
+    AbandonableCondition& operator=(const AbandonableCondition&) = delete;
+    std::condition_variable* operator->() const { return get(); }
+    void Abandon() { abandoned_ = true; }
+
+   private:
+    std::condition_variable* get() const {
+      return std::launder(reinterpret_cast<std::condition_variable*>(&storage_));
+    }
+    mutable std::aligned_storage_t<sizeof(std::condition_variable),
+                                   alignof(std::condition_variable)>
+        storage_;
+    bool abandoned_ = false;
+  };
+  mutable AbandonableCondition cv_;
   mutable std::atomic<bool> metadata_pinned_{false};
   std::atomic<bool> closed_{false};  // written under mu_; read by lookups without it
   int64_t next_id_ = 0;

@@ -28,6 +28,14 @@ class ArenaAsleep : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// A call on an arena inherited through fork(): the child shares the parent's physical
+// memory (host) or cannot use its CUDA context at all, so it may change nothing.
+// -> jax_vmm.ForkedProcessError (a RuntimeError)
+class ForkedProcess : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
 // The virtual range has no room for a new buffer. -> jax_vmm.ReservationFullError
 class ReservationFull : public std::runtime_error {
  public:

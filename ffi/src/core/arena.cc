@@ -4,6 +4,8 @@
 // in arena_registry.cc.
 #include "jax_vmm/arena.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstdint>
 #include <string>
@@ -26,7 +28,7 @@ std::shared_ptr<Arena> Arena::Create(std::unique_ptr<Driver> driver, size_t rese
 }
 
 Arena::Arena(std::unique_ptr<Driver> driver, size_t reserve_bytes, const ArenaOptions& options)
-    : driver_(std::move(driver)), uid_(NewUid()) {
+    : driver_(std::move(driver)), uid_(NewUid()), creator_pid_(static_cast<long>(getpid())) {
   if (reserve_bytes == 0) {
     throw InvalidArgument("Arena: reserve_bytes must be > 0");
   }
@@ -82,11 +84,15 @@ Arena::Arena(std::unique_ptr<Driver> driver, size_t reserve_bytes, const ArenaOp
 
 Arena::~Arena() {
   internal::UnregisterArena(this);
+  if (InForkedChild()) {
+    AbandonInForkedChild();
+    return;
+  }
   {
     std::lock_guard<std::mutex> lock(mu_);
     stop_worker_ = true;
   }
-  cv_.notify_all();
+  cv_->notify_all();
   if (worker_.joinable()) worker_.join();
   // A closed arena waited in Close() and holds no memory: nothing left to wait for (and its
   // device's streams may be gone by now, at exit).
@@ -120,6 +126,33 @@ Arena::~Arena() {
   driver_->Unreserve(base_, reserved_bytes_);
 }
 
+bool Arena::InForkedChild() const { return static_cast<long>(getpid()) != creator_pid_; }
+
+void Arena::ThrowIfForked(const char* op) const {
+  if (!InForkedChild()) return;
+  throw ForkedProcess(
+      std::string("Arena.") + op + ": this arena (uid " + std::to_string(uid_) +
+      ") belongs to process " + std::to_string(creator_pid_) + ", and this is a child (pid " +
+      std::to_string(static_cast<long>(getpid())) +
+      ") forked from it. The child shares the parent's physical memory (and cannot use its "
+      "CUDA context), so it may not commit, release, sleep, close or free anything of it; "
+      "dropping the arena in the child gives nothing back. Create a new arena in the child "
+      "(or start workers with multiprocessing's 'spawn' method)");
+}
+
+// In a forked child: every allocation, mapping, memfd and device object is the parent's
+// (host: punching a hole in the shared memfd frees the parent's pages; CUDA: the context
+// is unusable here), the reclaimer thread did not survive the fork (its std::thread still
+// says joinable: joining it is undefined, destroying it terminates; it may have been
+// waiting on cv_, whose destruction would then wait forever), and mu_ may have been held
+// by a parent thread that is gone. So: no lock, no driver call, no join; leak it all.
+void Arena::AbandonInForkedChild() noexcept {
+  cv_.Abandon();
+  if (worker_.joinable()) new std::thread(std::move(worker_));        // never joined nor destroyed
+  for (auto& [first, m] : mappings_) static_cast<void>(m.release());  // ~Mapping releases
+  static_cast<void>(driver_.release());  // ~Driver closes the memfd / CUDA objects
+}
+
 void Arena::ThrowIfClosed(const char* op) const {
   if (closed_) {
     throw ArenaClosed(std::string("Arena.") + op +
@@ -148,6 +181,7 @@ const Arena::Placement& Arena::PlacementOrThrow(int64_t buffer_id, const char* o
 }
 
 BufferInfo Arena::Allocate(size_t nbytes, const std::string& name) {
+  ThrowIfForked("allocate");
   std::lock_guard<std::mutex> lock(mu_);
   ThrowIfClosed("allocate");
   ReturnUnleasedRanges();
@@ -196,6 +230,7 @@ int64_t Arena::FreeCounterSlot() const {
 }
 
 void Arena::Free(int64_t buffer_id) {
+  ThrowIfForked("free");
   std::unique_lock<std::mutex> lock(mu_);
   ThrowIfAsleep("free");
   Placement& p = PlacementOrThrow(buffer_id, "Arena.free");
@@ -225,6 +260,7 @@ void Arena::Free(int64_t buffer_id) {
 }
 
 std::shared_ptr<ViewLease> Arena::LeaseView(int64_t buffer_id) {
+  ThrowIfForked("view");
   std::unique_lock<std::mutex> lock(mu_);
   PlacementOrThrow(buffer_id, "Arena.view");
   // From now on a kernel may read any byte of the arena: nothing may be unmapped behind
@@ -370,6 +406,8 @@ ArenaStats Arena::Stats() const {
 }
 
 void Arena::Close() {
+  if (closed_) return;  // nothing left to release: also fine in a forked child
+  ThrowIfForked("close");
   std::unique_lock<std::mutex> lock(mu_);
   if (closed_) return;
   WaitWhileBusy(lock);
@@ -380,7 +418,7 @@ void Arena::Close() {
   ReleaseAllMemory(lock);
   closed_ = true;
   FreeHostCacheLocked();
-  cv_.notify_all();
+  cv_->notify_all();
 }
 
 bool Arena::closed() const {
@@ -394,6 +432,7 @@ bool Arena::asleep() const {
 }
 
 uint64_t Arena::DropCount(int64_t buffer_id) const {
+  ThrowIfForked("drop_count");
   std::lock_guard<std::mutex> lock(mu_);
   const Placement& p = PlacementOrThrow(buffer_id, "Arena.drop_count");
   unsigned long long value = 0;
@@ -402,6 +441,7 @@ uint64_t Arena::DropCount(int64_t buffer_id) const {
 }
 
 void Arena::ResetDropCount(int64_t buffer_id) {
+  ThrowIfForked("reset_drop_count");
   std::lock_guard<std::mutex> lock(mu_);
   const Placement& p = PlacementOrThrow(buffer_id, "Arena.reset_drop_count");
   const unsigned long long zero = 0;

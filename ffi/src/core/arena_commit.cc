@@ -45,11 +45,13 @@ size_t Arena::Commit(int64_t buffer_id, size_t start, size_t stop) {
 }
 
 size_t Arena::CommitRanges(const std::vector<Range>& ranges) {
+  ThrowIfForked("commit");
   std::unique_lock<std::mutex> lock(mu_);
   return CommitLocked(lock, ranges);
 }
 
 bool Arena::CommitAhead(const std::vector<Range>& ranges, size_t* added) {
+  ThrowIfForked("commit_ahead");
   std::unique_lock<std::mutex> lock(mu_);
   const size_t bytes = CommitLocked(lock, ranges, /*background=*/true);
   if (bytes == kSkipped) return false;
@@ -67,7 +69,7 @@ size_t Arena::CommitLocked(std::unique_lock<std::mutex>& lock, const std::vector
     if (background && views_exported_.load()) return kSkipped;
     const CommitPlan plan = PlanCommit(ranges);
     if (plan.must_wait) {
-      cv_.wait(lock);
+      cv_->wait(lock);
       continue;
     }
     if (plan.missing_chunks == 0 && plan.revive.empty()) return 0;

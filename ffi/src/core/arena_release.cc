@@ -59,6 +59,7 @@ size_t Arena::Decommit(int64_t buffer_id, size_t start, size_t stop, bool wait) 
 }
 
 size_t Arena::DecommitRanges(const std::vector<Range>& ranges, bool wait) {
+  ThrowIfForked("decommit");
   std::unique_lock<std::mutex> lock(mu_);
   ThrowIfClosed("decommit");
   ThrowIfAsleep("decommit");
@@ -137,7 +138,7 @@ void Arena::RetireUnused(std::unique_lock<std::mutex>& lock, const std::vector<M
   }
   if (!retired_.empty() && quiesce && !views) {
     StartWorker();
-    cv_.notify_all();
+    cv_->notify_all();
   }
   const bool zero_parked = views && zero_fill_ && !parked_dirty_.empty();
   if (now.empty() && !zero_parked) return;
@@ -153,10 +154,11 @@ void Arena::RetireUnused(std::unique_lock<std::mutex>& lock, const std::vector<M
 }
 
 void Arena::WaitWhileBusy(std::unique_lock<std::mutex>& lock) {
-  cv_.wait(lock, [&] { return reclaiming_ == 0 && !AnyTransferInFlight(); });
+  cv_->wait(lock, [&] { return reclaiming_ == 0 && !AnyTransferInFlight(); });
 }
 
 size_t Arena::Reclaim() {
+  ThrowIfForked("reclaim");
   std::unique_lock<std::mutex> lock(mu_);
   return ReclaimAllLocked(lock);
 }
@@ -259,7 +261,7 @@ void Arena::WorkerLoop() {
   std::unique_lock<std::mutex> lock(mu_);
   while (!stop_worker_) {
     if (!HasWorkerWork()) {
-      cv_.wait(lock);
+      cv_->wait(lock);
       continue;
     }
     uint64_t sync = syncs_started_;
@@ -277,14 +279,14 @@ void Arena::WorkerLoop() {
         // A broken device: keep the memory mapped (safe) and try again later.
         std::fprintf(stderr, "jax_vmm: the arena's reclaimer could not wait for the device: %s\n",
                      error.c_str());
-        cv_.wait_for(lock, std::chrono::seconds(1));
+        cv_->wait_for(lock, std::chrono::seconds(1));
         continue;
       }
       ++stats_.reclaim_syncs;
     }
     RunTransferJobs(lock, sync);
     ReclaimRetiredBefore(lock, sync);
-    cv_.notify_all();
+    cv_->notify_all();
   }
 }
 
@@ -308,7 +310,7 @@ void Arena::ReclaimRetiredBefore(std::unique_lock<std::mutex>& lock, uint64_t sy
   gone.clear();  // cuMemRelease, outside the lock
   lock.lock();
   reclaiming_ -= static_cast<int>(batch.size());
-  cv_.notify_all();
+  cv_->notify_all();
 }
 
 }  // namespace jax_vmm

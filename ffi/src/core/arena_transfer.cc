@@ -79,6 +79,7 @@ void Arena::FreeImage(HostImage* image) noexcept {
 }
 
 void Arena::FreeHostCache() {
+  ThrowIfForked("free_host_cache");
   std::lock_guard<std::mutex> lock(mu_);
   FreeHostCacheLocked();
 }
@@ -137,6 +138,7 @@ void Arena::DropSleepImage() noexcept {
 // -- copies in ------------------------------------------------------------------------
 
 void Arena::CopyIn(int64_t buffer_id, size_t offset, const void* src, size_t bytes) {
+  ThrowIfForked("copy_in");
   std::lock_guard<std::mutex> lock(mu_);
   ThrowIfClosed("copy_in");
   ThrowIfAsleep("copy_in");
@@ -157,6 +159,7 @@ void Arena::CopyIn(int64_t buffer_id, size_t offset, const void* src, size_t byt
 // -- sleep and wake -------------------------------------------------------------------
 
 void Arena::Sleep(bool keep_contents) {
+  ThrowIfForked("sleep");
   std::unique_lock<std::mutex> lock(mu_);
   ThrowIfClosed("sleep");
   ThrowIfAsleep("sleep");
@@ -179,10 +182,11 @@ void Arena::Sleep(bool keep_contents) {
   }
   ReleaseAllMemory(lock);  // the page table first (writes now drop), then the memory
   sleep_ = std::move(image);
-  cv_.notify_all();
+  cv_->notify_all();
 }
 
 void Arena::Wake() {
+  ThrowIfForked("wake");
   std::unique_lock<std::mutex> lock(mu_);
   ThrowIfClosed("wake");
   if (!sleep_) throw InvalidArgument("Arena.wake: the arena is not asleep (call sleep() first)");
@@ -204,7 +208,7 @@ void Arena::Wake() {
   }
   AccountCommit(plan, plan.missing_chunks, SecondsSince(t0));
   DropSleepImage();
-  cv_.notify_all();
+  cv_->notify_all();
 }
 
 // -- offload and restore ----------------------------------------------------------------
@@ -249,6 +253,7 @@ Arena::TransferRecord& Arena::RecordOrThrow(uint64_t ticket, const char* op) {
 }
 
 uint64_t Arena::Offload(const std::vector<Range>& ranges) {
+  ThrowIfForked("offload");
   std::unique_lock<std::mutex> lock(mu_);
   ThrowIfClosed("offload");
   ThrowIfAsleep("offload");
@@ -286,7 +291,7 @@ uint64_t Arena::Offload(const std::vector<Range>& ranges) {
     t.queued = true;
     StartWorker();
   }
-  cv_.notify_all();
+  cv_->notify_all();
   return ticket;
 }
 
@@ -335,13 +340,14 @@ void Arena::UndoOffload(TransferRecord& t, const std::string& error) noexcept {
 }
 
 void Arena::Restore(uint64_t ticket, bool wait) {
+  ThrowIfForked("restore");
   std::unique_lock<std::mutex> lock(mu_);
   for (;;) {
     ThrowIfClosed("restore");
     ThrowIfAsleep("restore");
     TransferRecord& t = RecordOrThrow(ticket, "Arena.restore");
     if (t.state == TransferState::kOffloading) {
-      cv_.wait(lock);
+      cv_->wait(lock);
       continue;
     }
     if (t.state == TransferState::kFailed) {
@@ -349,13 +355,13 @@ void Arena::Restore(uint64_t ticket, bool wait) {
     }
     if (t.state == TransferState::kRestoring) {
       if (!wait) return;
-      cv_.wait(lock);
+      cv_->wait(lock);
       continue;
     }
     if (t.state == TransferState::kRestored) return;
     const CommitPlan plan = PlanRuns(t.runs);
     if (plan.must_wait) {
-      cv_.wait(lock);
+      cv_->wait(lock);
       continue;
     }
     const auto t0 = std::chrono::steady_clock::now();
@@ -380,7 +386,7 @@ void Arena::Restore(uint64_t ticket, bool wait) {
       FreeImage(&t.image);
       t.state = TransferState::kRestored;
       t.error.clear();
-      cv_.notify_all();
+      cv_->notify_all();
       return;
     }
     // In the background: the allocations join the arena now, pinned and unpublished.
@@ -390,7 +396,7 @@ void Arena::Restore(uint64_t ticket, bool wait) {
     t.state = TransferState::kRestoring;
     t.queued = true;
     StartWorker();
-    cv_.notify_all();
+    cv_->notify_all();
     return;
   }
 }
@@ -467,7 +473,7 @@ void Arena::RunTransferJobs(std::unique_lock<std::mutex>& lock, uint64_t sync) {
     } else {
       UndoOffload(*t, error);
     }
-    cv_.notify_all();
+    cv_->notify_all();
   }
   for (TransferRecord* t : ins) {
     t->queued = false;
@@ -486,7 +492,7 @@ void Arena::RunTransferJobs(std::unique_lock<std::mutex>& lock, uint64_t sync) {
       error = e.what();
     }
     if (!error.empty()) UndoRestore(lock, *t, error);
-    cv_.notify_all();
+    cv_->notify_all();
   }
 }
 
@@ -498,6 +504,7 @@ TransferState Arena::TransferStatus(uint64_t ticket, std::string* error) const {
 }
 
 TransferState Arena::WaitTransfer(uint64_t ticket, std::string* error) const {
+  ThrowIfForked("wait_transfer");  // the reclaimer that would finish it is not here
   std::unique_lock<std::mutex> lock(mu_);
   for (;;) {
     const TransferRecord& t = const_cast<Arena*>(this)->RecordOrThrow(ticket, "Arena.wait");
@@ -505,17 +512,18 @@ TransferState Arena::WaitTransfer(uint64_t ticket, std::string* error) const {
       if (error != nullptr) *error = t.error;
       return t.state;
     }
-    cv_.wait(lock);
+    cv_->wait(lock);
   }
 }
 
 void Arena::DropTransfer(uint64_t ticket) {
+  ThrowIfForked("drop_transfer");
   std::unique_lock<std::mutex> lock(mu_);
   for (;;) {
     auto it = transfers_.find(ticket);
     if (it == transfers_.end()) return;
     if (TransferInFlight(*it->second)) {
-      cv_.wait(lock);
+      cv_->wait(lock);
       continue;
     }
     FreeImage(&it->second->image);

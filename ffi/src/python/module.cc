@@ -99,6 +99,7 @@ NB_MODULE(_core, m) {
   nb::exception<ArenaAsleep>(m, "ArenaAsleepError", PyExc_RuntimeError);
   nb::exception<ReservationFull>(m, "ReservationFullError", PyExc_RuntimeError);
   nb::exception<DriverError>(m, "DriverError", PyExc_RuntimeError);
+  nb::exception<ForkedProcess>(m, "ForkedProcessError", PyExc_RuntimeError);
   // InvalidArgument derives from std::invalid_argument, which nanobind maps to ValueError.
   static nb::object oom_type =
       nb::steal(PyErr_NewExceptionWithDoc("jax_vmm._core.OutOfMemoryError",

@@ -1,8 +1,11 @@
 #include "drivers/cuda/cuda_api.h"
 
 #include <dlfcn.h>
+#include <unistd.h>
 
+#include <atomic>
 #include <cstdio>
+#include <string>
 #include <type_traits>
 
 #include "jax_vmm/errors.h"
@@ -137,7 +140,31 @@ const Api& LoadedApiOrThrow() {
   return api;
 }
 
+namespace {
+std::atomic<long> g_cuda_pid{0};  // the process that ran cuInit (0: none yet)
+}  // namespace
+
+bool InForkedChild() noexcept {
+  const long pid = g_cuda_pid.load(std::memory_order_relaxed);
+  return pid != 0 && pid != static_cast<long>(getpid());
+}
+
+void ThrowIfForkedChild(int ordinal) {
+  if (!InForkedChild()) return;
+  const std::string what =
+      ordinal < 0 ? std::string("CUDA") : "CUDA device " + std::to_string(ordinal);
+  throw ForkedProcess("jax_vmm: " + what + " was set up by process " +
+                      std::to_string(g_cuda_pid.load()) + "; this is a child (pid " +
+                      std::to_string(static_cast<long>(getpid())) +
+                      ") forked from it, which cannot use the parent's CUDA context. Create a "
+                      "new arena in the child (or start workers with multiprocessing's "
+                      "'spawn' method)");
+}
+
 void InitOrThrow(const Api& api) {
+  if (InForkedChild()) ThrowIfForkedChild(-1);
+  long none = 0;
+  g_cuda_pid.compare_exchange_strong(none, static_cast<long>(getpid()));
   CUresult r = api.cuInit(0);
   if (r != CUDA_SUCCESS) {
     throw DriverError("jax_vmm: cuInit(0) failed with " + ResultName(api, r) +

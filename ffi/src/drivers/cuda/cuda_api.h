@@ -59,8 +59,14 @@ struct Api {
 const Api& GetApi();
 // GetApi(), or a DriverError when libcuda is missing or lacks entry points.
 const Api& LoadedApiOrThrow();
-// cuInit(0), or a DriverError naming the result.
+// cuInit(0), or a DriverError naming the result. Also records this process as the one
+// that uses CUDA (see InForkedChild).
 void InitOrThrow(const Api& api);
+// Whether this is a child forked from the process that initialised CUDA: the parent's
+// contexts, streams and allocations are unusable here (and must not be released).
+bool InForkedChild() noexcept;
+// ForkedProcess naming `ordinal`, when InForkedChild().
+void ThrowIfForkedChild(int ordinal);
 
 // "CUDA_ERROR_X (text)", or "CUresult N" when the driver cannot name it.
 std::string ResultName(const Api& api, CUresult r);

@@ -26,6 +26,7 @@ class PrimaryContext {
     }
   }
   ~PrimaryContext() {
+    if (InForkedChild()) return;  // the parent's reference: not ours to drop
     CUresult r = api_.cuDevicePrimaryCtxRelease(dev_);
     if (r != CUDA_SUCCESS) Report(api_, dev_, "cuDevicePrimaryCtxRelease", r);
   }
@@ -45,12 +46,15 @@ class ContextGuard {
  public:
   // Throwing form, for methods that may throw.
   ContextGuard(const Api& api, CUcontext ctx, int ordinal) : api_(api) {
+    ThrowIfForkedChild(ordinal);
     CUresult r = api_.cuCtxPushCurrent(ctx);
     if (r != CUDA_SUCCESS) ThrowDriver(api_, ordinal, "cuCtxPushCurrent", r);
     pushed_ = true;
   }
   // Non-throwing form, for destructors and noexcept methods: check ok().
+  // In a forked child it is never ok(): the caller then releases nothing of the parent's.
   ContextGuard(const Api& api, CUcontext ctx, int ordinal, std::nothrow_t) noexcept : api_(api) {
+    if (InForkedChild()) return;
     CUresult r = api_.cuCtxPushCurrent(ctx);
     if (r != CUDA_SUCCESS) {
       Report(api_, ordinal, "cuCtxPushCurrent", r);
