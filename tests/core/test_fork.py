@@ -32,8 +32,9 @@ import numpy as np
 import pytest
 
 import jax_vmm
+import jax_vmm.testing
 import maps_oracle as mo
-from conftest import write_bytes
+from conftest import child_env, write_bytes
 
 H, D = 2, 64  # float32: 512 bytes per token per buffer
 TOKENS = 300
@@ -204,7 +205,7 @@ def test_a_child_that_exits_normally_gives_nothing_back():
     script = textwrap.dedent(
         """
         import ctypes, os
-        from jax_vmm._loader import core
+        from jax_vmm.base.loader import core
         arena = core.create_arena("host", 0, 1 << 22, 0, 0, True)
         buf = arena.allocate(1 << 20, "weights")
         arena.commit_ranges([(buf["id"], 0, 1 << 20)])
@@ -219,7 +220,7 @@ def test_a_child_that_exits_normally_gives_nothing_back():
         arena.close()
         """
     )
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([*sys.path, str(REPO)]))
+    env = child_env(REPO)
     out = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120
     )
@@ -231,11 +232,8 @@ def test_a_child_neither_uses_nor_releases_the_parents_cuda_objects():
     # The real CUDA driver code over the fake CUDA driver: in the child, the arena refuses,
     # a new CUDA arena cannot be made (the parent's context is unusable), and dropping the
     # inherited arena makes no driver call (the fake's objects stay as they were).
-    from jax_vmm._loader import core
 
-    if not hasattr(core, "testing"):
-        pytest.skip("needs the testing hooks (fake CUDA driver) of a JAX_VMM_TESTING build")
-    t = core.testing
+    t = jax_vmm.testing.extension()
     keys = ("live_reservations", "live_mappings", "live_allocations", "live_streams")
     box = {"arena": t.create_fake_cuda_arena(1 << 22, 0, 0, True)}
     buf = box["arena"].allocate(1 << 20, "weights")

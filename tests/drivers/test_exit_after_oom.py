@@ -14,13 +14,14 @@ runs the reproducer several times; before the fix most runs aborted.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+
+from conftest import child_env
 
 REPO = Path(__file__).resolve().parents[2]
 RUNS = 4
@@ -31,10 +32,11 @@ FAKE_SCRIPT = textwrap.dedent(
     """
     import jax.numpy as jnp
     import jax_vmm
-    from jax_vmm import arena as arena_mod
-    from jax_vmm._loader import core
+    from jax_vmm.memory import arena as arena_mod
+    import jax_vmm.testing
+    from jax_vmm.base.loader import core
 
-    t = core.testing
+    t = jax_vmm.testing.extension()
     OOM = t.fake_cuda_results()["CUDA_ERROR_OUT_OF_MEMORY"]
     arena_mod._core_arena_factory = (
         lambda driver, ordinal, reserve, chunk, handle, zero_fill:
@@ -62,7 +64,7 @@ GPU_SCRIPT = textwrap.dedent(
     """
     import jax, jax.numpy as jnp
     import jax_vmm
-    from jax_vmm._loader import core
+    from jax_vmm.base.loader import core
 
     dev = jax.devices("gpu")[0]
     jax.device_put(jnp.zeros(1), dev).block_until_ready()  # JAX's allocator first
@@ -85,7 +87,7 @@ GPU_SCRIPT = textwrap.dedent(
 
 
 def _run(script: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([*sys.path, str(REPO)]))
+    env = child_env(REPO)
     return subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300
     )
@@ -104,10 +106,7 @@ def _assert_clean_exit(out: subprocess.CompletedProcess, run: int) -> None:
 # got one (a full ensure leaves nothing to commit ahead).
 @pytest.mark.parametrize("with_oom", [True, False], ids=["after_oom", "plain"])
 def test_exit_without_close_is_clean_on_the_fake_driver(with_oom):
-    from jax_vmm._loader import core
 
-    if not hasattr(core, "testing"):
-        pytest.skip("needs the testing hooks (fake CUDA driver) of a JAX_VMM_TESTING build")
     script = f"WITH_OOM = {with_oom}\n" + FAKE_SCRIPT
     for run in range(RUNS):
         _assert_clean_exit(_run(script), run)
