@@ -36,13 +36,17 @@ import jax
 import jax.numpy as jnp
 from jax._src import core as _jcore
 from jax._src.ffi import _FfiEffect  # the effect ffi_call(has_side_effect=True) carries
+from jax._src.interpreters import batching
 from jax.extend.core import Primitive
-from jax.interpreters import batching, mlir
+from jax.interpreters import mlir
 from jax.interpreters import partial_eval as pe
 
 from ..cache.pytree import KVWriteResultUnusedWarning
 
 __all__ = ["write_token"]
+
+#: How a batching rule marks an operand or result vmap does not map.
+_NOT_MAPPED = None
 
 #: The operand the returned token aliases: (new_k, new_v, index, token, *scales).
 _TOKEN_OPERAND = 3
@@ -119,15 +123,13 @@ pe.dce_rules[kv_cache_write_p] = _dce_rule
 def _batching_rule(args: tuple, dims: tuple, **params: Any):
     """vmap over the new tokens: the writes run one after another, each ordered after the
     last by the token (which stays unbatched: one layer)."""
-    if dims[_TOKEN_OPERAND] is not batching.not_mapped:
+    if dims[_TOKEN_OPERAND] is not _NOT_MAPPED:
         raise NotImplementedError(
             "jax_vmm.kv_write: vmap over cache layers is not supported; vmap over the new "
             "tokens with the layer unbatched (in_axes=None for the cache)"
         )
-    size = next(a.shape[d] for a, d in zip(args, dims) if d is not batching.not_mapped)
-    moved = [
-        None if d is batching.not_mapped else jnp.moveaxis(a, d, 0) for a, d in zip(args, dims)
-    ]
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not _NOT_MAPPED)
+    moved = [None if d is _NOT_MAPPED else jnp.moveaxis(a, d, 0) for a, d in zip(args, dims)]
 
     def body(token: Any, xs: tuple) -> tuple:
         ops = [a if x is None else x for a, x in zip(args, xs)]
@@ -135,7 +137,7 @@ def _batching_rule(args: tuple, dims: tuple, **params: Any):
         return kv_cache_write_p.bind(*ops, **params), None
 
     token, _ = jax.lax.scan(body, args[_TOKEN_OPERAND], tuple(moved), length=size)
-    return token, batching.not_mapped
+    return token, _NOT_MAPPED
 
 
 batching.primitive_batchers[kv_cache_write_p] = _batching_rule
