@@ -32,8 +32,9 @@ import numpy as np
 from ..base.args import layer_index
 from ..base.fp8 import FP8_DTYPE
 from ..memory.lookup import describe_buffer, find_view_buffer
+from . import registry as _registry
 from .ids import LayerId
-from .registry import arena_of, note_token
+from .registry import arena_of
 
 __all__ = ["KVCache", "KVLayer", "ArenaNotWrittenWarning", "KVWriteResultUnusedWarning"]
 
@@ -90,7 +91,7 @@ class KVLayer:
     def _arena(cls, lid: LayerId, token: Any, scales: tuple = ()) -> KVLayer:
         layer = cls(lid, (token, *scales))
         layer._written_in_trace = isinstance(token, jax.core.Tracer)
-        note_token(lid, token)
+        _registry.note_token(lid, token)
         return layer
 
     @classmethod
@@ -152,7 +153,7 @@ class KVLayer:
         if isinstance(aux, LayerId):
             # A jitted step's returned cache is rebuilt here, even on JAX's C++ fast
             # path: the token it carries is what kv.check() waits for.
-            note_token(aux, leaves[0])
+            _registry.note_token(aux, leaves[0])
         return cls(aux, tuple(leaves))  # _written_in_trace False: it crossed a boundary
 
     # -- what it is ------------------------------------------------------------------

@@ -84,7 +84,9 @@ _tokens: dict[tuple[int, int], Any] = {}
 
 
 def note_token(lid: LayerId, token: Any) -> None:
-    """Remember ``token`` as layer ``lid``'s latest (tracers and placeholders ignored)."""
+    """Remember ``token`` as layer ``lid``'s latest (tracers and placeholders ignored).
+    Called as ``registry.note_token``: ``jax_vmm.testing.tokens_unnoted()`` swaps it out
+    for its with-block (the one seam for that hook); nothing else should."""
     if type(token) is ArrayImpl:
         _tokens[(lid.cache_uid, lid.layer)] = token
 

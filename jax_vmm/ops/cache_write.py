@@ -29,12 +29,14 @@ later read after such a write.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax._src import core as _jcore
+from jax._src import dispatch as _dispatch
 from jax._src.ffi import _FfiEffect  # the effect ffi_call(has_side_effect=True) carries
 from jax._src.interpreters import batching
 from jax.extend.core import Primitive
@@ -81,11 +83,8 @@ def _abstract_eval(*avals: Any, effectful: bool, **_: Any):
 kv_cache_write_p.def_effectful_abstract_eval(_abstract_eval)
 
 
-def _impl(*operands: Any, **params: Any) -> Any:
-    return jax.jit(lambda *xs: kv_cache_write_p.bind(*xs, **params))(*operands)
-
-
-kv_cache_write_p.def_impl(_impl)
+# Eager: compiled once per parameters and cached, as JAX runs any primitive.
+kv_cache_write_p.def_impl(functools.partial(_dispatch.apply_primitive, kv_cache_write_p))
 
 
 def _lowering(ctx: Any, *operands: Any, target: str, attrs: tuple, **_: Any):

@@ -16,6 +16,7 @@ import pytest
 from jax._src.interpreters import pxla
 
 import jax_vmm
+import jax_vmm.testing
 from conftest import raw_bytes
 
 S, T, H, D, L = 2, 16, 2, 8, 2
@@ -103,16 +104,14 @@ def test_an_effectful_step_is_seen_by_the_counter(vm, slow_path_calls):
     assert slow_path_calls[0] - before == 3
 
 
-def test_check_waits_for_the_steps_it_was_not_given(vm):
-    """kv.check() with no arguments sees a drop of a step still in flight: it waits for
-    the latest returned cache tokens (the fast path leaves JAX no runtime token)."""
+def _check_waits_for_a_step_in_flight(vm) -> None:
     kv = _kv(vm)
-    x = jnp.full((600, 600), 1e-3, DT)
+    x = jnp.full((1500, 1500), 1e-3, DT)
 
     @jax.jit
     def slow_dropping_step(cache, x):
         y = x
-        for _ in range(4):
+        for _ in range(3):
             y = jnp.sin(y @ y)
         late = (y[0, 0] > 2).astype(jnp.int32)  # 0, known only after the work
         new = jnp.ones((S, H, D), DT)
@@ -121,12 +120,27 @@ def test_check_waits_for_the_steps_it_was_not_given(vm):
         return cache.replace(0, jax_vmm.kv_write(cache[0], new, new, seq=seq, pos=pos))
 
     cache = slow_dropping_step(kv.cache(), x)
+    jax.block_until_ready(cache)
     with pytest.raises(jax_vmm.OutOfBoundsWrite):
         kv.check()
-    cache = slow_dropping_step(cache, x)  # dispatched; still computing
+    cache = slow_dropping_step(cache, x)  # dispatched on the fast path; still computing
     with pytest.raises(jax_vmm.OutOfBoundsWrite) as info:
         kv.check()
     assert info.value.count == 2 * S
+
+
+def test_check_waits_for_the_steps_it_was_not_given(vm):
+    """kv.check() with no arguments sees a drop of a step still in flight: it waits for
+    the latest returned cache tokens (the fast path leaves JAX no runtime token)."""
+    _check_waits_for_a_step_in_flight(vm)
+
+
+def test_the_wait_would_be_missed_without_noting_tokens(host_vm):
+    """With the returned tokens not noted, check() reads the counters while the step
+    still runs and misses its drop: the test above tests the wait, not luck."""
+    with jax_vmm.testing.tokens_unnoted():
+        with pytest.raises(pytest.fail.Exception, match="DID NOT RAISE"):
+            _check_waits_for_a_step_in_flight(host_vm)
 
 
 def test_a_forgotten_return_still_writes_warns_and_is_awaited(vm, slow_path_calls):
