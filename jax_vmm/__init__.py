@@ -19,7 +19,13 @@ from pkgutil import extend_path
 __path__ = extend_path(__path__, __name__)
 
 from .base.fp8 import dequantize_fp8, quantize_fp8  # noqa: E402
-from .cache import ArenaNotWrittenWarning, KVCache, KVLayer, LayerId  # noqa: E402
+from .cache import (  # noqa: E402
+    ArenaNotWrittenWarning,
+    KVCache,
+    KVLayer,
+    KVWriteResultUnusedWarning,
+    LayerId,
+)
 from .errors import (  # noqa: E402
     ArenaAsleepError,
     ArenaClosedError,
@@ -82,6 +88,7 @@ __all__ = [
     "ShardedKVArenaStats",
     # warnings and errors
     "ArenaNotWrittenWarning",
+    "KVWriteResultUnusedWarning",
     "ArenaAsleepError",
     "ArenaClosedError",
     "DriverError",

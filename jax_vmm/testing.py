@@ -36,6 +36,8 @@ the only package code that imports it.
 * :func:`limits_ignored`: the KVCache-layer kv_write and decode attention without the
   table of ensured tokens (writes past them land where a chunk is backed; reads are not
   clamped or counted).
+* :func:`tokens_unnoted`: the cache pytree does not note the tokens of returned caches,
+  so ``kv.check()`` does not wait for a cache step in flight on JAX's fast path.
 * :func:`context_wide_device_waits`: an arena's device waits wait for the whole CUDA
   context (cuCtxSynchronize) instead of XLA's compute stream, which breaks a command-buffer
   capture that XLA runs meanwhile on another thread.
@@ -64,6 +66,7 @@ from .base import ffi as _ffi
 from .base.args import as_shape
 from .base.devices import resolve_device
 from .cache import pytree as _cache
+from .cache import registry as _registry
 from .kv import KVArena
 from .kv import sharded as _sharded
 from .memory import arena as _arena
@@ -321,6 +324,20 @@ def identity_stripped() -> Iterator[None]:
         yield
     finally:
         _cache._arena_flatten = previous
+
+
+@contextlib.contextmanager
+def tokens_unnoted() -> Iterator[None]:
+    """Inside the with-block the cache pytree does not note the tokens of the caches it
+    rebuilds (a jitted step's returned cache): ``kv.check()`` then waits only for its
+    arguments and for computations with a JAX effect, not for a cache step still in
+    flight on JAX's fast path. What the noting exists to prevent."""
+    previous = _registry.note_token
+    _registry.note_token = lambda lid, token: None
+    try:
+        yield
+    finally:
+        _registry.note_token = previous
 
 
 @contextlib.contextmanager

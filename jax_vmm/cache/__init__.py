@@ -4,7 +4,14 @@ the static identities its arena layers carry (:class:`LayerId`, and for a sharde
 registry through which an identity finds its live arena."""
 
 from .ids import LayerId
-from .pytree import ArenaNotWrittenWarning, KVCache, KVLayer
+from .pytree import ArenaNotWrittenWarning, KVCache, KVLayer, KVWriteResultUnusedWarning
 from .sharding import ShardedLayerId
 
-__all__ = ["KVCache", "KVLayer", "LayerId", "ShardedLayerId", "ArenaNotWrittenWarning"]
+__all__ = [
+    "KVCache",
+    "KVLayer",
+    "LayerId",
+    "ShardedLayerId",
+    "ArenaNotWrittenWarning",
+    "KVWriteResultUnusedWarning",
+]

@@ -33,10 +33,11 @@ import numpy as np
 from ..base.args import layer_index
 from ..base.fp8 import FP8_DTYPE
 from ..memory.lookup import describe_buffer, find_view_buffer
+from . import registry as _registry
 from .ids import LayerId
 from .registry import arena_of, live_arenas
 
-__all__ = ["KVCache", "KVLayer", "ArenaNotWrittenWarning"]
+__all__ = ["KVCache", "KVLayer", "ArenaNotWrittenWarning", "KVWriteResultUnusedWarning"]
 
 
 class ArenaNotWrittenWarning(UserWarning):
@@ -44,6 +45,13 @@ class ArenaNotWrittenWarning(UserWarning):
     layer, without ``dest``: XLA hands the call its own copy (always on the CPU, on a GPU
     unless donated), so the arena is not written. Use the cache API (``kv.cache()``,
     ``kv_write(layer, ...)``) or pass ``dest=kv.dest(layer)``."""
+
+
+class KVWriteResultUnusedWarning(UserWarning):
+    """A ``kv_write`` on an arena layer inside ``jit`` whose returned layer nothing uses
+    (typically: the step does not return the cache). The write runs and ``kv.check()``
+    waits for it, but nothing orders a later read after it, and the step leaves JAX's
+    fast dispatch path. Return the cache from the step."""
 
 
 def _flatten_arena_layer(layer: KVLayer) -> tuple[tuple, LayerId]:
@@ -84,6 +92,7 @@ class KVLayer:
     def _arena(cls, lid: LayerId, token: Any, scales: tuple = ()) -> KVLayer:
         layer = cls(lid, (token, *scales))
         layer._written_in_trace = isinstance(token, jax.core.Tracer)
+        _registry.note_token(lid, token)
         return layer
 
     @classmethod
@@ -146,6 +155,10 @@ class KVLayer:
         # No checks: JAX unflattens with placeholder leaves while tracing.
         if isinstance(aux, _ViewsId):
             return aux.unflatten(leaves)
+        if isinstance(aux, LayerId):
+            # A jitted step's returned cache is rebuilt here, even on JAX's C++ fast
+            # path: the token it carries is what kv.check() waits for.
+            _registry.note_token(aux, leaves[0])
         return cls(aux, tuple(leaves))  # _written_in_trace False: it crossed a boundary
 
     # -- what it is ------------------------------------------------------------------

@@ -11,10 +11,19 @@ from typing import Any, Protocol
 
 import jax
 import numpy as np
+from jax._src.array import ArrayImpl
 
 from .ids import LayerId
 
-__all__ = ["RegisteredArena", "register_arena", "live_arenas", "arena_of"]
+__all__ = [
+    "RegisteredArena",
+    "register_arena",
+    "live_arenas",
+    "arena_of",
+    "note_token",
+    "latest_tokens",
+    "forget_tokens",
+]
 
 
 class RegisteredArena(Protocol):
@@ -65,3 +74,34 @@ def arena_of(lid: LayerId, op: str) -> Any:
         )
     kv.check_open(op)
     return kv
+
+
+# The last concrete token seen per (arena uid, layer): a jitted step's returned cache
+# passes here when JAX rebuilds it (also on its C++ fast path, which runs no other Python),
+# and the tokens of a layer chain its writes, so waiting for the last one waits for every
+# write before it. Strong references to int32 scalars; dropped with the arena.
+_tokens: dict[tuple[int, int], Any] = {}
+
+
+def note_token(lid: LayerId, token: Any) -> None:
+    """Remember ``token`` as layer ``lid``'s latest (tracers and placeholders ignored).
+    Called as ``registry.note_token``: ``jax_vmm.testing.tokens_unnoted()`` swaps it out
+    for its with-block (the one seam for that hook); nothing else should."""
+    if type(token) is ArrayImpl:
+        _tokens[(lid.cache_uid, lid.layer)] = token
+
+
+def latest_tokens(uid: int) -> list[Any]:
+    """The latest live tokens of arena ``uid``'s layers (donated ones skipped: the step
+    that consumed them made newer ones)."""
+    out = []
+    for (cache_uid, _), token in list(_tokens.items()):
+        if cache_uid == uid and not token.is_deleted():
+            out.append(token)
+    return out
+
+
+def forget_tokens(uid: int) -> None:
+    """Drop arena ``uid``'s tokens (it was closed)."""
+    for key in [k for k in list(_tokens) if k[0] == uid]:
+        _tokens.pop(key, None)

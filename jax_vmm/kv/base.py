@@ -22,6 +22,7 @@ import numpy as np
 from ..base.args import as_index, as_int, layer_index, refuse_copy
 from ..cache.ids import LayerId
 from ..cache.pytree import KVCache, KVLayer
+from ..cache.registry import forget_tokens, latest_tokens
 
 __all__ = ["KVArenaBase", "LayerViews", "check_seq", "layer_shape", "wait_for_writes"]
 
@@ -67,11 +68,18 @@ def check_seq(seq: Any, max_seqs: int | None, op: str) -> int | None:
     return seq
 
 
-def wait_for_writes(arrays: tuple) -> None:
-    """Blocks until the given arrays are computed and every computation with a side
-    effect (kv_write, kv_write_through) dispatched from this thread has finished."""
+def wait_for_writes(arrays: tuple, uid: int | None = None) -> None:
+    """Blocks until the given arrays are computed, the latest returned cache tokens of
+    arena ``uid`` are (each waits for every write of its layer before it), and every
+    computation with a JAX effect (array-level kv_write, kv_write_through, a cache write
+    whose result went unused) dispatched from this thread has finished."""
     if arrays:
         jax.block_until_ready(arrays)
+    for token in () if uid is None else latest_tokens(uid):
+        try:
+            token.block_until_ready()
+        except jax.errors.JaxRuntimeError:
+            pass  # a failed step's token: it has finished; its error is its results'
     try:
         jax.effects_barrier()
     except jax.errors.JaxRuntimeError:
@@ -218,20 +226,21 @@ class KVArenaBase(abc.ABC):
         its sequence's ensured tokens) since the last :meth:`check`, summed over K and V of
         every layer (and every shard: a token dropped on a sequence split over ``h`` head
         shards counts ``h`` times). Waits first, as :meth:`check` does."""
-        wait_for_writes(arrays)
+        wait_for_writes(arrays, self.uid)
         return sum(s.arena._handle.drop_count(b.id) for s in self.shards_of() for b in s.buffers)
 
     def dropped_reads(self, *arrays: Any) -> int:
         """Sequences that ``decode_attention`` over a layer of this cache asked to read past
         their ensured tokens since the last :meth:`check` (each was clamped to them), over
         every layer and call. Waits first, as :meth:`check` does."""
-        wait_for_writes(arrays)
+        wait_for_writes(arrays, self.uid)
         return sum(int(s._core_cache.read_clamps()) for s in self.shards_of())
 
     # -- lifetime --------------------------------------------------------------------
     def close(self) -> None:
         """Close the arena (every shard; idempotent): its memory goes at once and views read
         zeros. A KVCache of it, and a step traced with one, refuse to run after this."""
+        forget_tokens(self.uid)
         for s in self.shards_of():
             s._ahead.stop()
             if not s.arena.closed:  # work in flight still sees its tables (CPU)

@@ -3,12 +3,14 @@
 
 Arena layer: each op is one custom call that takes the layer's token and names the layer
 by its static identity (``cache_uid``, ``layer`` attributes); its handler finds the
-arena buffers through the KV cache registry on the device it runs on. The write has a
-side effect (the arena), so XLA never removes it and ``jax.effects_barrier()`` (hence
-``kv.check()``) waits for it; it returns the token, which orders every later op on the
-layer after it (read after write). A read is not ordered before a *later* write of the
-same layer in the same computation (write after read): a decode step never overwrites
-what it read in that step, and two steps are ordered by the token they pass on.
+arena buffers through the KV cache registry on the device it runs on. The write is a
+primitive of its own (ops/cache_write.py): a custom call with a side effect for XLA, so
+XLA never removes it, but no JAX effect, so a step with writes keeps JAX's fast dispatch
+path; ``kv.check()`` waits for the tokens of the returned cache. It returns the token,
+which orders every later op on the layer after it (read after write). A read is not
+ordered before a *later* write of the same layer in the same computation (write after
+read): a decode step never overwrites what it read in that step, and two steps are
+ordered by the token they pass on.
 
 Array layer: a checked functional scatter (``.at[slots].set(mode="drop")``, negative
 slots skipped, slots past the cache dropped) and the array form of decode attention.
@@ -32,6 +34,7 @@ from ..memory.lookup import find_view_buffer
 from . import array_writes as _ops
 from .array_attention import decode_attention_arrays
 from .attention_call import prepare
+from .cache_write import write_token
 
 __all__ = ["write", "attention", "ordered_views"]
 
@@ -64,8 +67,11 @@ def _spec(lid: LayerId) -> jax.ShapeDtypeStruct:
 # -- kv_write ----------------------------------------------------------------------------
 
 
-def write(layer: KVLayer, new_k: Any, new_v: Any, slots: Any) -> KVLayer:
-    """``jax_vmm.kv_write(layer, new_k, new_v, slots)``: see its docstring."""
+def write(
+    layer: KVLayer, new_k: Any, new_v: Any, slots: Any, *, effectful: bool = False
+) -> KVLayer:
+    """``jax_vmm.kv_write(layer, new_k, new_v, slots)``: see its docstring. ``effectful``:
+    give the write a JAX effect (a sharded arena's, inside its ``shard_map``)."""
     if not isinstance(layer, KVLayer):
         raise TypeError(f"kv_write: expected a KVLayer, got {type(layer).__name__}")
     if not layer.is_arena:
@@ -83,13 +89,9 @@ def write(layer: KVLayer, new_k: Any, new_v: Any, slots: Any) -> KVLayer:
         scales = (layer.k_scale, layer.v_scale)
         operands += scales
         target = _targets.write_fp8
-    token = jax.ffi.ffi_call(
-        target,
-        _TOKEN,
-        input_output_aliases={3: 0},
-        has_side_effect=True,
-        vmap_method="sequential",
-    )(*operands, **_identity_attrs(lid))
+    token = write_token(
+        target, operands, _identity_attrs(lid), effectful=effectful, label=lid.describe()
+    )
     return KVLayer._arena(lid, token, scales)
 
 

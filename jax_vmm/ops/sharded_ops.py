@@ -78,7 +78,8 @@ def write(layer: KVLayer, new_k: Any, new_v: Any, slots: Any) -> KVLayer:
 
     def body(nk, nv, sl, token, *sc):
         local = _local_layer(lid, token, sc)
-        out = layer_ops.write(local, nk, nv, _local_slots(lid, sl))
+        # With the JAX effect: a shard_map whose token went unused would be dropped whole.
+        out = layer_ops.write(local, nk, nv, _local_slots(lid, sl), effectful=True)
         return out.token.reshape(token.shape)
 
     token = _shard_map(

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from ..cache.pytree import KVCache, KVLayer
@@ -17,30 +18,49 @@ from .array_writes import KVDest, kv_write_arrays
 __all__ = ["kv_write"]
 
 
-def kv_write(cache: Any, *args: Any, dest: KVDest | None = None) -> Any:
+def kv_write(
+    cache: Any,
+    *args: Any,
+    seq: Any = None,
+    pos: Any = None,
+    dest: KVDest | None = None,
+) -> Any:
     """Write ``n`` tokens into a KV cache. Two forms:
 
-    ``kv_write(layer, new_k, new_v, slots) -> KVLayer`` (the cache API): ``layer`` is a
-    :class:`~jax_vmm.KVLayer` (``cache[l]`` of ``kv.cache()``, or an array layer). For an
-    arena layer the arena holds the tokens when the call returns (eager) or runs (inside
-    ``jit``, donated or not, CPU or GPU, in any loop): one custom call finds the arena
-    buffers by the layer's static identity, nothing is copied, and the returned layer's
-    token orders every later read of it (``decode_attention(q, layer, lengths)``) after
-    the write. An fp8 arena layer quantizes float tokens with its scales. For an array
-    layer it is a checked functional scatter. Put the result back with
-    ``cache.replace(l, layer)``.
+    ``kv_write(layer, new_k, new_v, *, seq, pos) -> KVLayer`` (the cache API): ``layer``
+    is a :class:`~jax_vmm.KVLayer` (``cache[l]`` of ``kv.cache()``, or an array layer);
+    token ``i`` goes to position ``pos[i]`` of sequence ``seq[i]``. For an arena layer the
+    arena holds the tokens when the call returns (eager) or runs (inside ``jit``, donated
+    or not, CPU or GPU, in any loop): one custom call finds the arena buffers by the
+    layer's static identity, nothing is copied, and the returned layer's token orders
+    every later read of it (``decode_attention(q, layer, lengths)``) after the write.
+    Return the cache from the step: a jitted step that writes and returns the cache takes
+    JAX's fast dispatch path, and ``kv.check()`` waits for the writes through the
+    returned tokens (a write whose layer nothing uses still runs, with a
+    :class:`~jax_vmm.KVWriteResultUnusedWarning`). An fp8 arena layer quantizes float
+    tokens with its scales. For an array layer it is a checked functional scatter. Put the
+    result back with ``cache.replace(l, layer)``.
+
+    ``seq``, ``pos``: integer ``(n,)``. ``seq = -1`` is an idle row (skipped, not
+    counted). A ``pos`` outside ``[0, max_tokens)``, a ``seq`` outside ``[0, max_seqs)``
+    (a layer without ``max_seqs``: only seq 0) or a position past the tokens its sequence
+    ensured (``kv.ensure``) is never written, never lands in another sequence, and is
+    counted: ``kv.check()`` raises :class:`~jax_vmm.OutOfBoundsWrite` (an array layer
+    drops it uncounted).
+
+    ``kv_write(layer, new_k, new_v, slots)``: the same with flat slots ``seq * max_tokens
+    + pos`` (int32 ``(n,)``, negative skipped); a wrong stride lands in another sequence
+    unnoticed, so prefer ``seq=``/``pos=``.
 
     ``kv_write(k, v, new_k, new_v, slots, dest=None) -> (k, v)`` (array level, for power
     users): ``k``, ``v`` are arrays (or arena views ``kv.k[l]``, ``kv.v[l]``), seen as
     ``(num_slots, H, D)``; returns them updated. Inside ``jit`` the arena is written only
     with ``dest=kv.dest(l)`` (or with the cache donated on a GPU): without it, a call on
     arrays shaped like a live KV arena's layer warns (:class:`~jax_vmm.ArenaNotWrittenWarning`).
+    A slot out of range, on a page not committed, or past the tokens its sequence ensured
+    is not written and is counted.
 
-    Common arguments: ``new_k``, ``new_v``: ``(n, H, D)`` in the cache's dtype (fp8:
-    float32/bfloat16/float16); ``slots``: int32 ``(n,)``, flat slot ``seq * max_tokens +
-    position``; negative slots are skipped. A slot out of range, on a page not committed,
-    or past the tokens its sequence ensured (``kv.ensure``) is not written and is counted:
-    ``kv.check()`` raises :class:`~jax_vmm.OutOfBoundsWrite`.
+    ``new_k``, ``new_v``: ``(n, H, D)`` in the cache's dtype (fp8: float32/bfloat16/float16).
     """
     _check_first_argument(cache, args)
     if isinstance(cache, KVLayer):
@@ -49,18 +69,33 @@ def kv_write(cache: Any, *args: Any, dest: KVDest | None = None) -> Any:
                 "kv_write(layer, ...): a KVLayer names its arena itself; dest= is for the "
                 "array form kv_write(k, v, new_k, new_v, slots, dest=kv.dest(l))"
             )
-        if len(args) != 3:
+        if seq is not None or pos is not None:
+            if len(args) != 2:
+                raise TypeError(
+                    "kv_write(layer, new_k, new_v, *, seq, pos): give the tokens' place either "
+                    f"as seq=/pos= or as flat slots, not both; got {len(args)} positional "
+                    "arguments after the layer with seq=/pos="
+                )
+            slots = seq_pos_slots(cache, args[0], seq, pos)
+            args = (args[0], args[1], slots)
+        elif len(args) != 3:
             raise TypeError(
-                f"kv_write(layer, new_k, new_v, slots) takes 3 arguments after the layer, got "
-                f"{len(args)}"
+                "kv_write(layer, new_k, new_v, *, seq, pos) needs seq= and pos= (int (n,): "
+                "sequence and position of each new token); got "
+                f"{len(args)} positional arguments after the layer and no seq=/pos="
             )
         if cache.is_arena:
             cache = _checked_arena_layer(cache)
         write = sharded_ops.write if cache.is_arena and cache.id.sharded else layer_ops.write
         return write(cache, *args)
+    if seq is not None or pos is not None:
+        raise TypeError(
+            "kv_write: seq=/pos= are for the cache form kv_write(layer, new_k, new_v, seq=, "
+            "pos=) on a KVLayer (kv.cache()[l]); the array form takes flat slots"
+        )
     if len(args) != 4:
         raise TypeError(
-            "kv_write takes (layer, new_k, new_v, slots) or (k, v, new_k, new_v, slots, "
+            "kv_write takes (layer, new_k, new_v, seq=, pos=) or (k, v, new_k, new_v, slots, "
             f"dest=...); got {1 + len(args)} positional arguments"
         )
     return kv_write_arrays(cache, *args, dest=dest)
@@ -73,7 +108,7 @@ def _check_first_argument(cache: Any, args: tuple) -> None:
         raise TypeError(
             "kv_write: the first argument must be a KVLayer (cache[l]), got a whole KVCache; "
             "write one layer and put it back: "
-            "cache = cache.replace(l, jax_vmm.kv_write(cache[l], new_k, new_v, slots))"
+            "cache = cache.replace(l, jax_vmm.kv_write(cache[l], new_k, new_v, seq=seq, pos=pos))"
         )
     if not isinstance(cache, KVLayer):
         for i, arg in enumerate(args, start=2):
@@ -81,7 +116,7 @@ def _check_first_argument(cache: Any, args: tuple) -> None:
                 raise TypeError(
                     f"kv_write: the first argument must be a KVLayer (cache[l]), got "
                     f"{type(cache).__name__} first and a {type(arg).__name__} as argument "
-                    f"{i}; call jax_vmm.kv_write(cache[l], new_k, new_v, slots)"
+                    f"{i}; call jax_vmm.kv_write(cache[l], new_k, new_v, seq=seq, pos=pos)"
                 )
 
 
@@ -125,3 +160,33 @@ def _checked_arena_layer(layer: KVLayer) -> KVLayer:
                 "make another arena"
             )
     return KVLayer._arena(lid, token, tuple(own))
+
+
+def seq_pos_slots(layer: KVLayer, new_k: Any, seq: Any, pos: Any) -> jax.Array:
+    """The flat int32 slots of ``(seq, pos)`` for ``layer``: ``seq * T + pos`` where both
+    are in range, -1 for an idle row (``seq == -1``), and ``num_slots`` (past the cache:
+    dropped and counted) for anything else, so that no position ever reaches another
+    sequence."""
+    if seq is None or pos is None:
+        missing = "seq" if seq is None else "pos"
+        raise TypeError(f"kv_write(layer, new_k, new_v, *, seq, pos): {missing}= is missing")
+    n = tuple(getattr(new_k, "shape", ()))[:1]
+    for name, x in (("seq", seq), ("pos", pos)):
+        shape = tuple(np.shape(x))
+        if shape != n:
+            raise ValueError(
+                f"kv_write: {name} must have shape {n}, one entry per new token (new_k "
+                f"{tuple(getattr(new_k, 'shape', ()))}); got {shape}"
+            )
+        dtype = np.dtype(getattr(x, "dtype", None) or np.asarray(x).dtype)
+        if not np.issubdtype(dtype, np.integer):
+            raise TypeError(f"kv_write: {name} must hold integers, got {dtype}")
+    shape = layer.shape
+    tokens = shape[-3]
+    seqs = shape[0] if len(shape) == 4 else 1
+    seq = jnp.asarray(seq, jnp.int32)
+    pos = jnp.asarray(pos, jnp.int32)
+    valid = (seq >= 0) & (seq < seqs) & (pos >= 0) & (pos < tokens)
+    dropped = jnp.int32(seqs * tokens)
+    slots = jnp.where(valid, seq * tokens + pos, jnp.where(seq == -1, -1, dropped))
+    return slots.astype(jnp.int32)

@@ -23,14 +23,14 @@ def _using_it_block() -> str:
     return re.search(r"```python\n(.*?)```", section, flags=re.S).group(1)
 
 
-SLOT = "slots = jnp.array([3 * 8192 + prompt_len])"
+SLOT = "seq, pos = jnp.array([3]), jnp.array([prompt_len])"
 
 
 def _run(slot: str = SLOT) -> dict:
     """The block as written (one new token of sequence 3 at position prompt_len = 5), or
-    with its ``slots`` line replaced by ``slot``."""
+    with its ``seq, pos`` line replaced by ``slot``."""
     block = _using_it_block()
-    assert SLOT in block, "the README block's slots line changed: update SLOT here"
+    assert SLOT in block, "the README block's seq, pos line changed: update SLOT here"
     scope: dict = {"print": lambda *a: None}
     exec(compile(block.replace(SLOT, slot), str(README), "exec"), scope)  # noqa: S102
     return scope
@@ -55,3 +55,10 @@ def test_the_readme_check_sees_the_step_it_follows(cpu_device):
     with pytest.raises(jax_vmm.OutOfBoundsWrite) as info:
         _run(SLOT.replace("prompt_len", "8000"))  # far past what ensure() backed: dropped
     assert info.value.count == 2  # the k and the v side
+
+
+def test_the_readme_check_sees_a_position_past_the_sequence(cpu_device):
+    """pos = max_tokens of sequence 3 is not sequence 4's first token: dropped, counted."""
+    with pytest.raises(jax_vmm.OutOfBoundsWrite) as info:
+        _run(SLOT.replace("prompt_len", "8192"))
+    assert info.value.count == 2

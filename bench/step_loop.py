@@ -1,0 +1,150 @@
+"""One decode step per call: the per-call cost of a jitted step over a jax_vmm arena cache
+against the same step over a preallocated array cache.
+
+    python bench/step_loop.py                       # CPU or GPU, small shapes
+    python bench/step_loop.py --layers 2 8 --calls 2000
+
+A sampler that calls one jitted step per token from a Python loop pays JAX's dispatch
+cost at every call. Both variants run the same step (every layer: write one token per
+sequence; with attention, then decode attention over it) eagerly in a Python loop:
+
+    arena    kv.cache() (jax_vmm.kv_write + jax_vmm.decode_attention over arena layers)
+    prealloc KVCache.from_arrays(jnp.zeros...) (the same calls: a donated functional
+             scatter and the array attention)
+
+and prints the per-call time of each and their ratio (goal: arena / prealloc <= 1.2),
+plus whether the arena step takes JAX's C++ fast path (no effects in its jaxpr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import jax_vmm  # noqa: E402
+
+
+def make_step(num_layers: int, attention: bool):
+    def step(cache, q, new_k, new_v, seq, pos, lengths):
+        out = q
+        for layer in range(num_layers):
+            written = jax_vmm.kv_write(cache[layer], new_k, new_v, seq=seq, pos=pos)
+            cache = cache.replace(layer, written)
+            if attention:
+                out = out + jax_vmm.decode_attention(out, written, lengths)
+            else:
+                out = out + new_k
+        return cache, out
+
+    return jax.jit(step, donate_argnums=0)
+
+
+def loop_us(step, cache, args, calls: int) -> tuple[float, object]:
+    """Per-call time of ``calls`` calls in a Python loop; returns it and the last cache."""
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        cache, out = step(cache, *args)
+    jax.block_until_ready((cache, out))
+    return (time.perf_counter() - t0) / calls * 1e6, cache
+
+
+def best_of(steps: dict, caches: dict, args, calls: int, repeats: int) -> dict:
+    """Best per-call time of each variant, the variants' loops interleaved so that a noisy
+    machine slows them alike."""
+    for name, step in steps.items():  # compile
+        caches[name], out = step(caches[name], *args)
+        jax.block_until_ready(out)
+    best = dict.fromkeys(steps, float("inf"))
+    for _ in range(repeats):
+        for name, step in steps.items():
+            us, caches[name] = loop_us(step, caches[name], args, calls)
+            best[name] = min(best[name], us)
+    return best
+
+
+def run_point(num_layers: int, batch: int, attention: bool, args: argparse.Namespace) -> dict:
+    heads, dim, tokens = args.kv_heads, args.head_dim, args.max_tokens
+    dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+    kv = jax_vmm.kv_arena(
+        num_layers=num_layers,
+        num_kv_heads=heads,
+        head_dim=dim,
+        max_tokens=tokens,
+        max_seqs=batch,
+        dtype=dtype,
+    )
+    for s in range(batch):
+        kv.ensure(tokens, s)
+    shape = (batch, tokens, heads, dim)
+    prealloc = jax_vmm.KVCache.from_arrays(
+        [jnp.zeros(shape, dtype) for _ in range(num_layers)],
+        [jnp.zeros(shape, dtype) for _ in range(num_layers)],
+    )
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.standard_normal((batch, heads, dim)), dtype)
+    new = jnp.asarray(rng.standard_normal((batch, heads, dim)), dtype)
+    seq = jnp.arange(batch, dtype=jnp.int32)
+    pos = jnp.full((batch,), tokens // 2, jnp.int32)
+    lengths = jnp.full((batch,), tokens // 2 + 1, jnp.int32)
+    step_args = (q, new, new, seq, pos, lengths)
+    step = make_step(num_layers, attention)
+    arena_cache = kv.cache()
+    effects = jax.make_jaxpr(step)(arena_cache, *step_args).effects
+    best = best_of(
+        {"arena": step, "prealloc": make_step(num_layers, attention)},
+        {"arena": arena_cache, "prealloc": prealloc},
+        step_args,
+        args.calls,
+        args.repeats,
+    )
+    arena_us, prealloc_us = best["arena"], best["prealloc"]
+    kv.check()
+    kv.close()
+    return {
+        "step": "write+attention" if attention else "write",
+        "layers": num_layers,
+        "batch": batch,
+        "arena_us": arena_us,
+        "prealloc_us": prealloc_us,
+        "ratio": arena_us / prealloc_us,
+        "fast_path": not effects,
+    }
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--layers", type=int, nargs="+", default=[2, 8])
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--calls", type=int, default=500)
+    p.add_argument("--repeats", type=int, default=5)
+    args = p.parse_args(argv)
+    print(f"one step per call on {jax.devices()[0].device_kind} (best of {args.repeats})")
+    print(
+        f"{'step':>15} {'layers':>6} {'batch':>5} {'arena us':>9} {'prealloc us':>11} "
+        f"{'ratio':>6}  fast path"
+    )
+    rows = []
+    for attention in (False, True):
+        for layers in args.layers:
+            r = run_point(layers, args.batch, attention, args)
+            rows.append(r)
+            print(
+                f"{r['step']:>15} {r['layers']:>6} {r['batch']:>5} {r['arena_us']:>9.1f} "
+                f"{r['prealloc_us']:>11.1f} "
+                f"{r['ratio']:>6.2f}  {'yes' if r['fast_path'] else 'no (effects)'}"
+            )
+    return rows
+
+
+if __name__ == "__main__":
+    main()
