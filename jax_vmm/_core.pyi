@@ -19,6 +19,9 @@ class ReservationFullError(RuntimeError):
 class DriverError(RuntimeError):
     pass
 
+class ForkedProcessError(RuntimeError):
+    pass
+
 class OutOfMemoryError(MemoryError):
     """
     Physical memory could not be committed. Attributes: requested_bytes, free_bytes.
@@ -30,6 +33,8 @@ def registrations(platform: str) -> dict:
     """
 
 built_with_cuda_kernels: bool = ...
+
+built_with_cudnn: bool = ...
 
 def forget_compute_streams(ordinal: int) -> int:
     """
@@ -199,9 +204,9 @@ def kv_write_stats() -> dict:
 
 def kv_write_reset_stats() -> None: ...
 
-def attention_plan(batch: int, max_tokens: int, q_heads: int, kv_heads: int, head_dim: int, parallel_units: int, chunk: int = ..., splits: int = ...) -> dict:
+def attention_plan(batch: int, max_tokens: int, q_heads: int, kv_heads: int, head_dim: int, parallel_units: int, chunk: int = ..., splits: int = ..., q_len: int = ...) -> dict:
     """
-    Split-K plan of decode_attention for static shapes (see ffi/src/ops/attention/attention_plan.h).
+    Split-K plan of decode_attention (q_len: query rows per sequence, jax_vmm attention) for static shapes (see ffi/src/ops/attention/attention_plan.h).
     """
 
 def attention_stream_plan(batch: int, max_tokens: int, q_heads: int, kv_heads: int, head_dim: int, storage_bytes: int, sm_count: int, ctas: int = ..., min_tiles: int = ...) -> dict:

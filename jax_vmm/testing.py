@@ -77,20 +77,20 @@ from .ops.attention_call import prepare as _prepare_attention
 from .ops.general_attention import checked_options
 from .ops.scratch import reserve as _scratch_reserve
 
+try:
+    from . import _core_testing as _testing
+except ImportError as exc:  # pragma: no cover - only in a build with JAX_VMM_TESTING=OFF
+    raise ImportError(
+        "jax_vmm.testing needs the extension jax_vmm._core_testing, which this build of "
+        f"jax_vmm lacks ({exc}); rebuild with the CMake option -DJAX_VMM_TESTING=ON"
+    ) from exc
+
 
 def extension() -> Any:
     """The extension module ``jax_vmm._core_testing`` (the C++ testing layer)."""
-    try:
-        from . import _core_testing
-    except ImportError as exc:  # pragma: no cover - only in a build with JAX_VMM_TESTING=OFF
-        raise ImportError(
-            "jax_vmm.testing needs the extension jax_vmm._core_testing, which this build of "
-            f"jax_vmm lacks ({exc}); rebuild with the CMake option -DJAX_VMM_TESTING=ON"
-        ) from exc
-    return _core_testing
+    return _testing
 
 
-_testing = extension()
 _ffi.add_source(_testing.registrations)
 
 __all__ = [

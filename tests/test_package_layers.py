@@ -25,7 +25,11 @@ PACKAGE = Path(__file__).resolve().parent.parent / "jax_vmm"
 #: layers before it (within a layer, the module graph must still be acyclic). Keys are
 #: module-name prefixes below ``jax_vmm``; "" is the package itself.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("base", "_core"),  # the compiled core, FFI registration, devices, errors, fp8, args
+    (
+        "base",
+        "_core",
+        "_core_testing",
+    ),  # the compiled core (and its test hooks), FFI registration, devices, errors, fp8, args
     ("memory",),  # Arena, Buffer, Transfer
     ("cache",),  # the KVCache pytree, layer identities, the arena registry
     ("ops",),  # array ops, attention, scratch, cache-layer and sharded ops
@@ -38,8 +42,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 #: Third-party modules that may be imported inside a function (optional dependencies).
 OPTIONAL_IMPORTS = frozenset({"cupy", "matplotlib", "tqdm"})
 
-#: Private names that may cross subpackages: the compiled extension, a module.
-PRIVATE_ALLOWED = frozenset({"_core"})
+#: Private names that may cross subpackages: the compiled extensions.
+PRIVATE_ALLOWED = frozenset({"_core", "_core_testing"})
 
 
 @dataclasses.dataclass(frozen=True)

@@ -153,7 +153,9 @@ def test_mode_change_retires_current_workspaces():
 def test_capture_never_grows_and_says_what_to_do():
     _new_generation("grow")
     s = _stream()
-    with pytest.raises(RuntimeError, match=r"capturing a CUDA graph.*jax_vmm\.scratch\.reserve"):
+    with pytest.raises(
+        RuntimeError, match=r"capturing a CUDA graph.*jax_vmm\.ops\.scratch\.reserve"
+    ):
         _get(s, 4096, capturing=True)
     w = _ws(s)
     assert w["capture_refusals"] == 1 and w["capacity"] == 0 and w["growth_events"] == 0
