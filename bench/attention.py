@@ -53,7 +53,7 @@ from _common import (
     rel_err,
     write_json,
 )
-from jax_vmm.ops.attention import _decode_attention, attention_plan, reference_decode_attention
+from jax_vmm.ops.attention import attention_plan, decode_attention_tuned, reference_decode_attention
 from jax_vmm.serving.attention import cudnn_decode_attention
 
 # -- filling arena memory ------------------------------------------------------------
@@ -155,7 +155,7 @@ def run_config(
         pallas_error = None
         if with_pallas and D in (64, 128) and np.dtype(dtype) != np.float32:
             # the tensor-core kernel with one tile in flight per warp, for comparison
-            impls["ours_u1"] = lambda q, k, v, n: _decode_attention(
+            impls["ours_u1"] = lambda q, k, v, n: decode_attention_tuned(
                 q, k, v, n, impl="tensor_core_u1"
             )
         if with_pallas and np.dtype(dtype) != np.float32:  # cuDNN takes bf16/fp16 only

@@ -57,7 +57,7 @@ from _common import (  # noqa: E402
 )
 from _common import rel_err as rel  # noqa: E402
 from jax_vmm import dequantize_fp8, quantize_fp8  # noqa: E402
-from jax_vmm.ops.attention import _decode_attention  # noqa: E402
+from jax_vmm.ops.attention import decode_attention_tuned  # noqa: E402
 
 GiB, MiB = 1 << 30, 1 << 20
 DATASHEET_BPS = 4.8e12
@@ -128,13 +128,13 @@ def variants_for(fp8: bool, extra: str) -> dict[str, Callable]:
     sms = getattr(jax.devices()[0], "core_count", 0) or 132
     if fp8:
         v = {
-            "fp8_stream": lambda q, k, v, n, ks, vs: _decode_attention(
+            "fp8_stream": lambda q, k, v, n, ks, vs: decode_attention_tuned(
                 q, k, v, n, k_scale=ks, v_scale=vs, impl="stream"
             ),
-            "fp8_stream_combine": lambda q, k, v, n, ks, vs: _decode_attention(
+            "fp8_stream_combine": lambda q, k, v, n, ks, vs: decode_attention_tuned(
                 q, k, v, n, k_scale=ks, v_scale=vs, impl="stream_combine"
             ),
-            "fp8_stream_tma": lambda q, k, v, n, ks, vs: _decode_attention(
+            "fp8_stream_tma": lambda q, k, v, n, ks, vs: decode_attention_tuned(
                 q, k, v, n, k_scale=ks, v_scale=vs, impl="stream_tma"
             ),
         }
@@ -142,35 +142,43 @@ def variants_for(fp8: bool, extra: str) -> dict[str, Callable]:
             for per, stages in ((1, 0), (3, 0), (4, 0), (2, 3), (2, 4), (3, 3), (4, 2)):
                 v[f"fp8_stream_c{per}" + (f"s{stages}" if stages else "")] = (
                     lambda c, s: (
-                        lambda q, k, v, n, ks, vs: _decode_attention(
+                        lambda q, k, v, n, ks, vs: decode_attention_tuned(
                             q, k, v, n, k_scale=ks, v_scale=vs, impl="stream", ctas=c, stages=s
                         )
                     )
                 )(per * sms, stages)
         return v
     v = {  # v1 first: every later row reports its difference from it
-        "v1": lambda q, k, v, n: _decode_attention(q, k, v, n),
+        "v1": lambda q, k, v, n: decode_attention_tuned(q, k, v, n),
         "cudnn": lambda q, k, v, n: jax.nn.dot_product_attention(
             q[:, None], k, v, key_value_seq_lengths=n, implementation="cudnn"
         )[:, 0],
-        "stream": lambda q, k, v, n: _decode_attention(q, k, v, n, impl="stream"),
-        "stream_combine": lambda q, k, v, n: _decode_attention(q, k, v, n, impl="stream_combine"),
-        "stream_tma": lambda q, k, v, n: _decode_attention(q, k, v, n, impl="stream_tma"),
+        "stream": lambda q, k, v, n: decode_attention_tuned(q, k, v, n, impl="stream"),
+        "stream_combine": lambda q, k, v, n: decode_attention_tuned(
+            q, k, v, n, impl="stream_combine"
+        ),
+        "stream_tma": lambda q, k, v, n: decode_attention_tuned(q, k, v, n, impl="stream_tma"),
     }
     if extra == "big":  # ring depth and CTAs per SM at the main shape
         for s in (2, 4):
             v[f"stream_s{s}"] = (
-                lambda s: lambda q, k, v, n: _decode_attention(q, k, v, n, impl="stream", stages=s)
+                lambda s: (
+                    lambda q, k, v, n: decode_attention_tuned(q, k, v, n, impl="stream", stages=s)
+                )
             )(s)
         for per in (1, 3):
             v[f"stream_c{per}"] = (
-                lambda c: lambda q, k, v, n: _decode_attention(q, k, v, n, impl="stream", ctas=c)
+                lambda c: (
+                    lambda q, k, v, n: decode_attention_tuned(q, k, v, n, impl="stream", ctas=c)
+                )
             )(per * sms)
     if extra == "small":  # how many tiles a CTA gets at launch-bound shapes
         for mt in (4, 64):
             v[f"stream_mt{mt}"] = (
                 lambda m: (
-                    lambda q, k, v, n: _decode_attention(q, k, v, n, impl="stream", min_tiles=m)
+                    lambda q, k, v, n: decode_attention_tuned(
+                        q, k, v, n, impl="stream", min_tiles=m
+                    )
                 )
             )(mt)
     return v

@@ -453,7 +453,7 @@ def decode_attention(
 ) -> jax.Array:
     """``jax_vmm.decode_attention`` (graph-safe scratch workspace) through the testing
     targets, with the same validation, kernel choice and plan as the private
-    ``jax_vmm.ops.attention._decode_attention`` (the split-K kernel, or the streaming one for
+    ``jax_vmm.ops.attention.decode_attention_tuned`` (the split-K kernel, or the streaming one for
     fp8 caches and impl "stream*", with their plan knobs).
 
     out_init: an array of q's shape and dtype that becomes the output buffer before the

@@ -39,7 +39,7 @@ def decode_attention_arrays(
     stages: int = 0,
     min_tiles: int = 0,
 ) -> jax.Array:
-    """The array form of ``jax_vmm.ops.attention._decode_attention`` (same knobs)."""
+    """The array form of ``jax_vmm.ops.attention.decode_attention_tuned`` (same knobs)."""
     if v is None or lengths is None:
         raise TypeError(
             "decode_attention takes (q, layer, lengths) or (q, k, v, lengths); got "

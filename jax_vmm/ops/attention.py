@@ -82,10 +82,10 @@ def decode_attention(
     reads ``lengths`` from device memory, so captured steps stay correct as sequences
     grow. Not differentiable.
     """
-    return _decode_attention(q, k, v, lengths, scale=scale, k_scale=k_scale, v_scale=v_scale)
+    return decode_attention_tuned(q, k, v, lengths, scale=scale, k_scale=k_scale, v_scale=v_scale)
 
 
-def _decode_attention(
+def decode_attention_tuned(
     q: Any,
     k: Any,
     v: Any = None,
@@ -114,7 +114,7 @@ def _decode_attention(
     graph-safe scratch (grown at the FFI initialize stage); "xla" (split-K only) makes
     them a second, discarded output that XLA allocates.
 
-    ``k`` may be a KVLayer: ``_decode_attention(q, layer, lengths)`` (or with ``v=None``
+    ``k`` may be a KVLayer: ``decode_attention_tuned(q, layer, lengths)`` (or with ``v=None``
     and ``lengths=``), with the same knobs.
     """
     if isinstance(k, KVLayer):

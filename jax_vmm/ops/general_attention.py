@@ -25,7 +25,7 @@ from ..base.fp8 import FP8_STORAGE, dequantize_fp8
 from ..cache.pytree import KVLayer
 from . import attention_call as _call
 from . import layer_ops
-from .attention import _decode_attention
+from .attention import decode_attention_tuned
 
 __all__ = ["attention", "reference_attention"]
 
@@ -108,7 +108,7 @@ def _attention(
     splits: int = 0,
     workspace: str = "scratch",
 ) -> jax.Array:
-    """attention with the split-K knobs of ``_decode_attention`` (impl "auto",
+    """attention with the split-K knobs of ``decode_attention_tuned`` (impl "auto",
     "tensor_core", "tensor_core_u1", "simple"; chunk; splits; workspace)."""
     layer = k_or_layer if isinstance(k_or_layer, KVLayer) else None
     if layer is not None:
@@ -138,11 +138,11 @@ def _attention(
     knobs = dict(impl=impl, chunk=chunk, splits=splits)
     if _is_plain(q, q_lengths, window, softcap):
         if layer is not None:
-            out = _decode_attention(
+            out = decode_attention_tuned(
                 q[:, 0], layer, lengths, scale=scale, workspace=workspace, **knobs
             )
         else:
-            out = _decode_attention(
+            out = decode_attention_tuned(
                 q[:, 0], k, v, lengths, scale=scale, k_scale=k_scale, v_scale=v_scale,
                 workspace=workspace, **knobs,
             )  # fmt: skip

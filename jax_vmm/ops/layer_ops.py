@@ -126,7 +126,7 @@ def _write_arrays(layer: KVLayer, new_k: Any, new_v: Any, slots: Any) -> KVLayer
 
 def attention(q: Any, layer: KVLayer, lengths: Any, *, scale: float | None = None, **knobs: Any):
     """``jax_vmm.decode_attention(q, layer, lengths)``; ``knobs``: the private plan knobs of
-    ``jax_vmm.ops.attention._decode_attention`` (impl, chunk, splits, ctas, ...)."""
+    ``jax_vmm.ops.attention.decode_attention_tuned`` (impl, chunk, splits, ctas, ...)."""
     if not layer.is_arena:
         return decode_attention_arrays(
             q,

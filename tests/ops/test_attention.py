@@ -24,7 +24,7 @@ import pytest
 import jax_vmm
 import jax_vmm.testing
 from conftest import child_env, write_bytes
-from jax_vmm.ops.attention import _decode_attention, attention_plan, attention_stats
+from jax_vmm.ops.attention import attention_plan, attention_stats, decode_attention_tuned
 
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
 # ||out - ref|| / ||ref|| bounds: float32 accumulation everywhere; the output (and on
@@ -121,7 +121,7 @@ def test_matches_reference(device, shape):
     for dtype, impl in gpu_dtypes_and_impls(device):
         (q, k, v), (q64, k64, v64) = random_inputs(rng, B, T, Hq, Hkv, D, dtype)
         q, k, v, lens = on(device, q, k, v, jnp.asarray(lengths))
-        out = jax.jit(lambda *a: _decode_attention(*a, impl=impl))(q, k, v, lens)
+        out = jax.jit(lambda *a: decode_attention_tuned(*a, impl=impl))(q, k, v, lens)
         assert out.dtype == q.dtype and out.shape == q.shape
         assert_close(
             out, reference(q64, k64, v64, lengths), dtype, f"{dtype.__name__} {impl} {shape}"
@@ -139,7 +139,7 @@ def test_forced_plans(device, chunk, splits):
     for dtype, impl in gpu_dtypes_and_impls(device)[:2]:
         (q, k, v), (q64, k64, v64) = random_inputs(rng, B, T, Hq, Hkv, D, dtype)
         q, k, v, lens = on(device, q, k, v, jnp.asarray(lengths))
-        out = _decode_attention(q, k, v, lens, chunk=chunk, splits=splits, impl=impl)
+        out = decode_attention_tuned(q, k, v, lens, chunk=chunk, splits=splits, impl=impl)
         assert_close(
             out, reference(q64, k64, v64, lengths), dtype, f"chunk={chunk} splits={splits} {impl}"
         )
@@ -218,7 +218,7 @@ def test_scale_and_xla_workspace(device):
     q, k, v, lens = on(device, q, k, v, jnp.asarray(lengths))
     ref = reference(q64, k64, v64, lengths, scale=0.3)
     for workspace in ("scratch", "xla"):
-        out = jax.jit(lambda *a: _decode_attention(*a, scale=0.3, workspace=workspace))(
+        out = jax.jit(lambda *a: decode_attention_tuned(*a, scale=0.3, workspace=workspace))(
             q, k, v, lens
         )
         assert_close(out, ref, BF16, workspace)
@@ -333,7 +333,7 @@ _PROBE = textwrap.dedent("""
     import jax.numpy as jnp, numpy as np
     import jax_vmm
     import jax_vmm.testing
-    from jax_vmm.ops.attention import _decode_attention
+    from jax_vmm.ops.attention import decode_attention_tuned
 
     read_all = sys.argv[1] == "read_all"
     B, T, H, D, Hq = 2, 512, 2, 64, 4
@@ -361,7 +361,7 @@ _PROBE = textwrap.dedent("""
         data[name] = x.astype(np.float32)
     q = jnp.asarray(rng.standard_normal((B, Hq, D), dtype=np.float32)).astype(jnp.bfloat16)
     attend = (functools.partial(jax_vmm.testing.decode_attention, read_all_tokens=True)
-              if read_all else _decode_attention)
+              if read_all else decode_attention_tuned)
     out = attend(q, kv.k[0], kv.v[0], jnp.asarray(lengths, jnp.int32)).block_until_ready()
     out = np.asarray(out.astype(jnp.float32))
     qf = np.asarray(q.astype(jnp.float32))
@@ -439,9 +439,9 @@ def test_trace_time_validation():
         with pytest.raises(exc, match=msg):
             jax.jit(lambda **a: jax_vmm.decode_attention(**a))(**args)
     with pytest.raises(ValueError, match="impl"):
-        _decode_attention(q, k, k, L, impl="fast")
+        decode_attention_tuned(q, k, k, L, impl="fast")
     with pytest.raises(ValueError, match="tensor_core"):
-        _decode_attention(q.astype(F32), k.astype(F32), k.astype(F32), L, impl="tensor_core")
+        decode_attention_tuned(q.astype(F32), k.astype(F32), k.astype(F32), L, impl="tensor_core")
     with pytest.raises(ValueError, match="scale"):
         jax_vmm.decode_attention(q, k, k, L, scale=float("nan"))
     for bad in ("x", "0.5", [0.5], True):
@@ -511,7 +511,7 @@ def test_gpu_kernels_agree_on_the_benchmark_shape(gpu_device):
     ref = reference(q64, k64, v64, lengths)
     before = attention_stats()
     for impl in ("tensor_core", "tensor_core_u1", "simple"):
-        assert_close(_decode_attention(q, k, v, lens, impl=impl), ref, BF16, impl)
+        assert_close(decode_attention_tuned(q, k, v, lens, impl=impl), ref, BF16, impl)
     after = attention_stats()
     assert after["cuda_tensor_core_launches"] > before["cuda_tensor_core_launches"]
     assert after["cuda_simple_launches"] > before["cuda_simple_launches"]
@@ -552,7 +552,7 @@ def test_gpu_step_is_captured_and_replays_with_device_lengths(gpu_device, impl):
 
         @jax.jit
         def step(qs, ks, vs, lens):
-            return [_decode_attention(qs[l], ks[l], vs[l], lens, impl=impl) for l in range(L)]
+            return [decode_attention_tuned(qs[l], ks[l], vs[l], lens, impl=impl) for l in range(L)]
 
         lengths = np.zeros(B, np.int32)
         calls = []

@@ -21,7 +21,7 @@ import jax_vmm.testing
 from jax_vmm.ops import quantize_fp8
 from jax_vmm.ops.attention import (
     FP8_DTYPE,
-    _decode_attention,
+    decode_attention_tuned,
     dequantize_fp8,
     stream_attention_plan,
 )
@@ -82,7 +82,7 @@ def test_stream_matches_reference(device, shape, impl):
     for dtype in (BF16, F16):
         (q, k, v), (q64, k64, v64) = random_inputs(rng, B, T, Hq, Hkv, D, dtype)
         q, k, v, lens = on(device, q, k, v, jnp.asarray(lengths))
-        out = jax.jit(lambda *a: _decode_attention(*a, impl=impl))(q, k, v, lens)
+        out = jax.jit(lambda *a: decode_attention_tuned(*a, impl=impl))(q, k, v, lens)
         assert out.dtype == q.dtype and out.shape == q.shape
         assert_close(
             out, reference(q64, k64, v64, lengths), dtype, f"{dtype.__name__} {impl} {shape}"
@@ -100,7 +100,7 @@ def test_forced_partitions(device, ctas, min_tiles):
     q, k, v, lens = on(device, q, k, v, jnp.asarray(lengths))
     ref = reference(q64, k64, v64, lengths)
     for impl in ("stream", "stream_combine", "stream_tma"):
-        out = _decode_attention(q, k, v, lens, impl=impl, ctas=ctas, min_tiles=min_tiles)
+        out = decode_attention_tuned(q, k, v, lens, impl=impl, ctas=ctas, min_tiles=min_tiles)
         assert_close(out, ref, BF16, f"ctas={ctas} min_tiles={min_tiles} {impl}")
 
 
@@ -123,7 +123,7 @@ def test_fp8_matches_reference_on_the_dequantized_cache(device, shape):
         close_fp8(
             out, reference(q64, k64, v64, lengths), q_dtype, f"fp8 q {q_dtype.__name__} {shape}"
         )
-        tma = _decode_attention(q, k, v, lens, k_scale=ks, v_scale=vs, impl="stream_tma")
+        tma = decode_attention_tuned(q, k, v, lens, k_scale=ks, v_scale=vs, impl="stream_tma")
         close_fp8(
             tma, reference(q64, k64, v64, lengths), q_dtype, f"fp8 tma {q_dtype.__name__} {shape}"
         )
@@ -179,8 +179,8 @@ def test_matches_the_split_kernel(device):
     lengths = np.array([500, 3, 257, 0], np.int32)
     (q, k, v), (q64, k64, v64) = random_inputs(rng, B, T, Hq, Hkv, D, BF16)
     q, k, v, lens = on(device, q, k, v, jnp.asarray(lengths))
-    a = np.asarray(_decode_attention(q, k, v, lens).astype(jnp.float32))
-    b = np.asarray(_decode_attention(q, k, v, lens, impl="stream").astype(jnp.float32))
+    a = np.asarray(decode_attention_tuned(q, k, v, lens).astype(jnp.float32))
+    b = np.asarray(decode_attention_tuned(q, k, v, lens, impl="stream").astype(jnp.float32))
     assert np.linalg.norm(a - b) / np.linalg.norm(a) < 1e-2
 
 
@@ -266,11 +266,11 @@ def test_validation():
             jnp.zeros((2, 8, 32), BF16), k8[..., :32], k8[..., :32], L, k_scale=s, v_scale=s
         )
     with pytest.raises(ValueError, match="impl"):
-        _decode_attention(q, k8, k8, L, k_scale=s, v_scale=s, impl="tensor_core")
+        decode_attention_tuned(q, k8, k8, L, k_scale=s, v_scale=s, impl="tensor_core")
     with pytest.raises(ValueError, match="stages"):
-        _decode_attention(q, k, k, L, impl="stream", stages=9)
+        decode_attention_tuned(q, k, k, L, impl="stream", stages=9)
     with pytest.raises(ValueError, match="scratch"):
-        _decode_attention(q, k, k, L, impl="stream", workspace="xla")
+        decode_attention_tuned(q, k, k, L, impl="stream", workspace="xla")
     assert FP8_DTYPE == np.dtype(FP8)
 
 
@@ -289,7 +289,7 @@ def test_gpu_ring_depths_agree(gpu_device, stages):
     ref = reference(q64, k64, v64, lengths)
     for impl in ("stream", "stream_combine", "stream_tma"):
         assert_close(
-            _decode_attention(q, k, v, lens, impl=impl, stages=stages),
+            decode_attention_tuned(q, k, v, lens, impl=impl, stages=stages),
             ref,
             BF16,
             f"{impl} {stages}",
@@ -306,7 +306,9 @@ def test_gpu_same_inputs_same_bits(gpu_device):
     q, k, v, lens = on(gpu_device, q, k, v, jnp.asarray([3000, 1, 2999, 1500], jnp.int32))
     for impl in ("stream", "stream_tma"):
         runs = [
-            np.asarray(_decode_attention(q, k, v, lens, impl=impl, min_tiles=1).astype(jnp.float32))
+            np.asarray(
+                decode_attention_tuned(q, k, v, lens, impl=impl, min_tiles=1).astype(jnp.float32)
+            )
             for _ in range(5)
         ]
         assert all(np.array_equal(runs[0], r) for r in runs[1:]), impl
@@ -314,7 +316,7 @@ def test_gpu_same_inputs_same_bits(gpu_device):
     assert np.array_equal(
         runs[0],
         np.asarray(
-            _decode_attention(q, k, v, lens, impl="stream", min_tiles=1).astype(jnp.float32)
+            decode_attention_tuned(q, k, v, lens, impl="stream", min_tiles=1).astype(jnp.float32)
         ),
     )
 
@@ -366,8 +368,8 @@ def test_gpu_fp8_arena_views(gpu_device):
 
 def _target_of(q, k, v, lengths, **kw) -> str:
     """Which custom-call target decode_attention lowers to for these shapes (kw: the
-    private knobs of _decode_attention; none: the public call)."""
-    fn = (lambda *a: _decode_attention(*a, **kw)) if kw else jax_vmm.decode_attention
+    private knobs of decode_attention_tuned; none: the public call)."""
+    fn = (lambda *a: decode_attention_tuned(*a, **kw)) if kw else jax_vmm.decode_attention
     text = jax.jit(fn).lower(q, k, v, lengths).as_text()
     return "v2" if "jax_vmm_decode_attention_v2" in text else "v1"
 

@@ -725,8 +725,8 @@ def test_the_streaming_kernel_reads_an_arena_layer_as_split_k_does(vm):
     layer = jax_vmm.kv_write(kv.cache()[0], new, new * 2, slots)
     q = jnp.asarray(rng.standard_normal((B, HQ, D)), jnp.bfloat16)
     lengths = jnp.array([40, 17], jnp.int32)
-    split = jax_vmm.ops.attention._decode_attention(q, layer, lengths=lengths)
-    stream = jax_vmm.ops.attention._decode_attention(q, layer, lengths=lengths, impl="stream")
+    split = jax_vmm.ops.attention.decode_attention_tuned(q, layer, lengths=lengths)
+    stream = jax_vmm.ops.attention.decode_attention_tuned(q, layer, lengths=lengths, impl="stream")
     ref = jax_vmm.ops.attention.reference_decode_attention(q, kv.k[0], kv.v[0], lengths)
     for got in (split, stream):
         np.testing.assert_allclose(

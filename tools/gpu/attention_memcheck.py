@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_vmm import attention_stats, quantize_fp8
-from jax_vmm.ops.attention import _decode_attention
+from jax_vmm.ops.attention import decode_attention_tuned
 from jax_vmm.ops.general_attention import _attention
 
 CASES = [  # (B, T, Hq, Hkv, D, dtype, impl)
@@ -40,7 +40,7 @@ def main() -> None:
         k = jnp.asarray(rng.standard_normal((B, T, Hkv, D), dtype=np.float32)).astype(dtype)
         lens = jnp.asarray([T, 1] + [T // 3] * (B - 2), jnp.int32)
         for workspace in ("scratch", "xla"):
-            out = _decode_attention(
+            out = decode_attention_tuned(
                 q, k, k, lens, impl=impl, workspace=workspace, chunk=48, splits=2
             )
             if not np.isfinite(np.asarray(out.astype(jnp.float32))).all():
@@ -57,7 +57,7 @@ def main() -> None:
         lens = jnp.asarray([T, 1] + [T // 3] * (B - 2), jnp.int32)
         for impl in ("stream", "stream_combine", "stream_tma"):
             for plan in (dict(ctas=5, min_tiles=1), {}):
-                out = _decode_attention(q, k, k, lens, impl=impl, **scales, **plan)
+                out = decode_attention_tuned(q, k, k, lens, impl=impl, **scales, **plan)
                 if not np.isfinite(np.asarray(out.astype(jnp.float32))).all():
                     raise SystemExit(
                         f"non-finite output: B={B} T={T} D={D} fp8={fp8} {impl} {plan}"
