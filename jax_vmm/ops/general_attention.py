@@ -77,7 +77,7 @@ def attention(
     XLA first (array form; it reads every token: correct, not fast), and an fp8 or
     sharded arena layer is refused (NotImplementedError).
     """
-    return _attention(
+    return attention_tuned(
         q,
         k_or_layer,
         v,
@@ -91,7 +91,7 @@ def attention(
     )
 
 
-def _attention(
+def attention_tuned(
     q: Any,
     k_or_layer: Any,
     v: Any = None,

@@ -21,7 +21,7 @@ import pytest
 import jax_vmm
 import jax_vmm.testing
 from jax_vmm.base.fp8 import FP8_DTYPE, quantize_fp8
-from jax_vmm.ops.general_attention import _attention, reference_attention
+from jax_vmm.ops.general_attention import attention_tuned, reference_attention
 
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
 REL_TOL = {np.dtype(BF16): 1.5e-2, np.dtype(F16): 3e-3, np.dtype(F32): 1e-5}
@@ -297,7 +297,7 @@ def test_bad_shapes_are_refused():
     with pytest.raises(TypeError, match="share one dtype"):
         jax_vmm.attention(jnp.zeros((2, 3, 4, 64), F16), k, k, jnp.array([3, 4]), window=2)
     with pytest.raises(ValueError, match="split-K kernels only"):
-        _attention(jnp.zeros((2, 3, 4, 64), BF16), k, k, jnp.array([3, 4]), impl="stream")
+        attention_tuned(jnp.zeros((2, 3, 4, 64), BF16), k, k, jnp.array([3, 4]), impl="stream")
 
 
 def test_fp8_arena_layer_with_options_is_not_implemented(vm):

@@ -17,7 +17,7 @@ import numpy as np
 
 from jax_vmm import attention_stats, quantize_fp8
 from jax_vmm.ops.attention import decode_attention_tuned
-from jax_vmm.ops.general_attention import _attention
+from jax_vmm.ops.general_attention import attention_tuned
 
 CASES = [  # (B, T, Hq, Hkv, D, dtype, impl)
     (3, 300, 8, 2, 128, jnp.bfloat16, "tensor_core"),
@@ -69,7 +69,7 @@ def main() -> None:
         lens = jnp.asarray([T, 1] + [T // 3] * (B - 2), jnp.int32)
         qlens = jnp.asarray([S, 0] + [2] * (B - 2), jnp.int32)
         for workspace in ("scratch", "xla"):
-            out = _attention(
+            out = attention_tuned(
                 q, k, k, lens, q_lengths=qlens, window=40, softcap=30.0, impl=impl,
                 workspace=workspace, chunk=48, splits=2,
             )  # fmt: skip
