@@ -14,8 +14,6 @@ Run on a GPU with ``-s`` to see the cuDNN version, paths and graph counters.
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -23,10 +21,8 @@ import numpy as np
 import pytest
 
 import jax_vmm
+from conftest import cuda_vmm_device
 from jax_vmm.ops import cudnn_attention as ca
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from conftest import cuda_vmm_device  # noqa: E402
 
 BF16, F16 = jnp.bfloat16, jnp.float16
 
