@@ -35,6 +35,7 @@ from . import array_writes as _ops
 from .array_attention import decode_attention_arrays
 from .attention_call import prepare
 from .cache_write import write_token
+from .views_check import check_views
 
 __all__ = ["write", "attention", "ordered_views"]
 
@@ -52,8 +53,6 @@ class _Targets:
 #: the testing layer's variants for its with-block (the one seam for that hook); nothing
 #: else should.
 _targets = _Targets()
-
-_TOKEN = jax.ShapeDtypeStruct((), jnp.int32)
 
 
 def _identity_attrs(lid: LayerId) -> dict:
@@ -226,10 +225,9 @@ def ordered_views(layer: KVLayer, k: Any, v: Any) -> tuple[Any, Any]:
         jax.block_until_ready(layer.token)
         return k, v
     register()
-    # A side effect: the check runs even though nothing uses its result.
-    jax.ffi.ffi_call(_targets.check_views, _TOKEN, has_side_effect=True)(
-        k, v, layer.token, **_identity_attrs(lid)
-    )
+    # Kept although nothing uses its result, with no JAX effect: the step keeps JAX's fast
+    # dispatch path (ops/views_check.py).
+    check_views(_targets.check_views, k, v, layer.token, _identity_attrs(lid))
     return k, v
 
 

@@ -182,3 +182,36 @@ def test_vmap_over_new_tokens_writes_them_in_order(vm):
     k = _k(kv, 0)
     for i in range(3):
         np.testing.assert_array_equal(k[0, i], i + 1.0)
+
+
+def _views_step(cache, views, q, new, seq, pos):
+    """The "arena + cuDNN" step: every layer read through its ordered views (plain XLA
+    attention here, cuDNN on a GPU), then written; the cache returned."""
+    out = q
+    for layer in range(L):
+        k, v = jax_vmm.ordered_views(cache[layer], *views[layer])
+        lengths = pos + 1
+        out = out + jax_vmm.ops.attention.reference_decode_attention(out, k, v, lengths)
+        cache = cache.replace(layer, jax_vmm.kv_write(cache[layer], new, new, seq=seq, pos=pos))
+    return cache, out
+
+
+def test_an_ordered_views_step_takes_the_fast_path_and_still_checks(vm, slow_path_calls):
+    """The views' run-time check has no JAX effect either: such a step runs without
+    Python dispatch, and the check still runs (a copy of the arena fails the step)."""
+    kv = _kv(vm)
+    views = tuple((kv.k[layer], kv.v[layer]) for layer in range(L))
+    step = jax.jit(_views_step)
+    q = jnp.ones((S, H, D), DT)
+    assert not jax.make_jaxpr(step)(kv.cache(), views, q, *_args(0)).effects
+    cache, out = step(kv.cache(), views, q, *_args(0))
+    jax.block_until_ready(out)
+    before = slow_path_calls[0]
+    for pos in range(1, 6):
+        cache, out = step(cache, views, q, *_args(pos))
+    kv.check()
+    assert slow_path_calls[0] == before, "the step went through JAX's slow dispatch path"
+    np.testing.assert_array_equal(_k(kv, 1)[:, 5], 6.0)
+    copy = tuple((jnp.array(k, copy=True), v) for k, v in views)
+    with pytest.raises(jax.errors.JaxRuntimeError, match="memory outside the arena"):
+        jax.block_until_ready(step(cache, copy, q, *_args(6)))

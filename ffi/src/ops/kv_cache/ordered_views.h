@@ -1,15 +1,14 @@
 // jax_vmm.ordered_views(layer, k, v) (jax_vmm/ops/layer_ops.py): a jitted step that reads a
 // KVCache layer with plain XLA ops (cuDNN attention, say) gets the arena views as jit
-// arguments and orders them after the layer's writes with the layer's token. Its custom
-// call
-//   jax_vmm_kv_cache_check_views(k, v, token) -> zero   (s32 scalar)
+// arguments; the reads follow the layer's writes because the layer comes into the
+// computation (see ordered_views' docstring). Its custom call
+//   jax_vmm_kv_cache_check_views(k, v, token) -> result   (s32 scalar, no value)
 // with attributes cache_uid (u64) and layer (s64) checks at host time that the buffers
 // XLA hands over ARE the layer's arena buffers (not a copy: a view donated on the CPU,
 // or updated by another op, reaches the step as XLA's copy, which the layer's writes
-// never touch), and writes 0 into its result: a value XLA cannot know, which the Python
-// side adds to the small inputs of the read (the query, the lengths) so that they depend
-// on the check, hence on the token, hence on the writes. The checks shared by its CPU
-// and CUDA handlers.
+// never touch), and fails the execution otherwise. It does no device work: its result
+// is never read (jax_vmm/ops/views_check.py keeps the call, which has a side effect for
+// XLA and no JAX effect). The checks shared by its CPU and CUDA handlers.
 #pragma once
 
 #include <cstdint>

@@ -1,12 +1,12 @@
-// The CUDA target of jax_vmm_kv_cache_check_views (ordered_views.h): host checks and a
-// 4-byte memset; command-buffer compatible (a replay runs no host code, and XLA
-// re-records when the buffers it hands over move).
+// The CUDA target of jax_vmm_kv_cache_check_views (ordered_views.h): host checks only, no
+// device work (a decode step runs one check per layer; a memset would be one more node of
+// its command buffer per layer); command-buffer compatible (a replay runs no host code,
+// and XLA re-records when the buffers it hands over move).
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
 #include <string>
 
-#include "common/cuda_error.h"
 #include "ops/kv_cache/kv_cache_targets.h"
 #include "ops/kv_cache/ordered_views.h"
 
@@ -14,15 +14,13 @@ namespace jax_vmm::kvcache {
 namespace {
 
 ffi::Error CheckViewsCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                          ffi::AnyBuffer token, ffi::Result<ffi::AnyBuffer> zero,
+                          ffi::AnyBuffer token, ffi::Result<ffi::AnyBuffer> result,
                           uint64_t cache_uid, int64_t layer) {
-  (void)token;  // orders the call after the layer's writes
+  (void)stream;
+  (void)token;   // orders the call after the layer's writes
+  (void)result;  // carries no value (ordered_views.h)
   if (std::string err = CheckOrderedViews("cuda", device, cache_uid, layer, k, v); !err.empty()) {
     return ffi::Error::InvalidArgument(err);
-  }
-  if (cudaError_t e = cudaMemsetAsync(zero->untyped_data(), 0, zero->size_bytes(), stream);
-      e != cudaSuccess) {
-    return CudaFfiError("jax_vmm_kv_cache_check_views", "cudaMemsetAsync(zero)", e);
   }
   return ffi::Error::Success();
 }
