@@ -48,9 +48,11 @@ def _read(kind: str, q: jax.Array, layer: jax_vmm.KVLayer, views, lengths: jax.A
     return cudnn_decode_attention(q, k, v, lengths)
 
 
-def stack_loop(cache, views, x, lengths, *, steps: int, kind: str, group: int):
+def stack_loop(cache, views, x, lengths, *, steps: int, kind: str, group: int, writes=True):
     """`steps` steps of the stack from `lengths` live tokens per sequence. x: (B, H_q, D)
-    the first query. Returns (cache, a checksum of the outputs (B,) fp32)."""
+    the first query. writes=False: the reads alone (what tools/gpu/profile_step.py takes
+    from the whole step to find the write's share). Returns (cache, a checksum of the
+    outputs (B,) fp32)."""
     batch, max_tokens = cache[0].shape[0], cache[0].shape[1]
     base = jnp.arange(batch, dtype=jnp.int32) * max_tokens
 
@@ -59,8 +61,9 @@ def stack_loop(cache, views, x, lengths, *, steps: int, kind: str, group: int):
         live = lengths + i
         for l in range(len(cache)):
             out = _read(kind, x, cache[l], views[l] if views else None, live)
-            new = out[:, ::group]  # (B, H_kv, D): one query head per KV head
-            cache = cache.replace(l, jax_vmm.kv_write(cache[l], new, new, base + live))
+            if writes:
+                new = out[:, ::group]  # (B, H_kv, D): one query head per KV head
+                cache = cache.replace(l, jax_vmm.kv_write(cache[l], new, new, base + live))
             x = out
         return cache, x, acc + x[:, 0, 0].astype(jnp.float32)
 
@@ -97,9 +100,13 @@ def time_variant(
     steps: int,
     repeats: int,
     chunk_bytes: int | None = None,
+    writes: bool = True,
+    around_call: Any = None,
 ) -> dict[str, Any]:
     """Per-step time of the stack (best of `repeats` calls of `steps` steps, after two
-    warm-up calls: compile, first command-buffer recording), and the KV memory held."""
+    warm-up calls: compile, first command-buffer recording), and the KV memory held.
+    writes: see stack_loop. around_call: a context manager factory entered around one
+    more call after the timed ones (a profiler trace), or None."""
     backend, kind = variant.split("+")
     batch = len(lengths)
     t0 = time.perf_counter()
@@ -122,7 +129,11 @@ def time_variant(
         setup_s = time.perf_counter() - t0
         fn = jax.jit(
             functools.partial(
-                stack_loop, steps=steps, kind=kind, group=cfg.num_q_heads // cfg.num_kv_heads
+                stack_loop,
+                steps=steps,
+                kind=kind,
+                group=cfg.num_q_heads // cfg.num_kv_heads,
+                writes=writes,
             ),
             donate_argnums=(0,),
         )
@@ -150,6 +161,10 @@ def time_variant(
             state, acc = fn(state, views, x, live)
             jax.block_until_ready(acc)
             times.append((time.perf_counter() - t0) / steps)
+        if around_call is not None:
+            with around_call():
+                state, acc = fn(state, views, x, live)
+                jax.block_until_ready(acc)
         cache.update(state)
         cache.check()
         if not np.all(np.isfinite(np.asarray(acc))):

@@ -46,3 +46,19 @@ def test_every_variant_reads_the_same_tokens(cpu_device, monkeypatch) -> None:
         ST, "_read", lambda kind, q, layer, views, n: read(kind, q, layer, views, n - 1)
     )
     assert _run("vmm+kernel", cpu_device)["checksum"] != pytest.approx(ref, rel=1e-4)
+
+
+def test_the_reads_alone_agree_and_differ_from_the_whole_step(cpu_device) -> None:
+    """writes=False (tools/gpu/profile_step.py's ablation): the stack without kv_write
+    reads the same tokens on either cache, and not what the whole step reads."""
+    lengths = np.array([5, 30, 17], np.int32)
+    run = functools.partial(
+        ST.time_variant, cfg=CFG, device=cpu_device, lengths=lengths, context=64, steps=4
+    )
+    reads = {
+        v: run(variant=v, repeats=1, writes=False)["checksum"]
+        for v in ("prealloc+kernel", "vmm+kernel")
+    }
+    assert reads["vmm+kernel"] == pytest.approx(reads["prealloc+kernel"], rel=1e-4)
+    whole = run(variant="vmm+kernel", repeats=1)["checksum"]
+    assert whole != pytest.approx(reads["vmm+kernel"], rel=1e-4)

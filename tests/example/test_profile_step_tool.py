@@ -1,0 +1,64 @@
+"""tools/gpu/trace_summary.py (the parser behind tools/gpu/profile_step.py) on a made-up
+trace: only the device's stream lines count, each kernel lands in its part of the step,
+and busy time, span and gaps come out per step and per layer."""
+
+from __future__ import annotations
+
+import pytest
+from scripts import load_script
+
+TS = load_script("tools/gpu/trace_summary.py")
+
+
+def _trace() -> dict:
+    meta = [
+        {"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/host:CPU"}},
+        {"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+        {"ph": "M", "pid": 2, "tid": 7, "name": "thread_name", "args": {"name": "Stream #13"}},
+        {"ph": "M", "pid": 2, "tid": 8, "name": "thread_name", "args": {"name": "XLA Ops"}},
+    ]
+    kernels = [  # one step of two layers: write, cuDNN, write, cuDNN (us)
+        ("void jax_vmm::kv::kernels::KvKernel<Checked>(Params, int)", 0.0, 2.0),
+        ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop", 3.0, 10.0),
+        ("void jax_vmm::kv::kernels::KvKernel<Checked>(Params, int)", 14.0, 2.0),
+        ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop", 17.0, 10.0),
+    ]
+    events = [
+        {"ph": "X", "pid": 2, "tid": 7, "ts": ts, "dur": dur, "name": name}
+        for name, ts, dur in kernels
+    ]
+    events.append({"ph": "X", "pid": 2, "tid": 8, "ts": 0.0, "dur": 27.0, "name": "fusion.1"})
+    events.append({"ph": "X", "pid": 1, "tid": 1, "ts": 0.0, "dur": 99.0, "name": "Execute"})
+    return {"traceEvents": meta + events}
+
+
+def test_parts_busy_span_and_gaps_per_layer() -> None:
+    s = TS.summarize(_trace(), steps=1, layers=2)
+    assert s["events"] == 4  # neither the host line nor XLA's derived "XLA Ops" line
+    parts = {p["part"]: p for p in s["parts"]}
+    assert set(parts) == {"kv_write (arena)", "cuDNN attention"}
+    assert parts["kv_write (arena)"]["us_per_layer"] == pytest.approx(2.0)
+    assert parts["cuDNN attention"]["per_step"] == 2
+    assert s["busy_us"] == pytest.approx(24.0)
+    assert s["span_us"] == pytest.approx(27.0)
+    assert s["gap_us_per_layer"] == pytest.approx(1.5)
+
+
+@pytest.mark.parametrize(
+    "name, part",
+    [
+        ("loop_dynamic_update_slice_fusion", "XLA write (DUS/scatter)"),
+        ("input_scatter_fusion_3", "XLA write (DUS/scatter)"),
+        ("void jax_vmm::kvcache::ClampLengthsKernel(int const*)", "table read (clamp lengths)"),
+        ("void jax_vmm::attention::SplitKernelTensorCore<128>(P)", "jax_vmm attention"),
+        ("Memset (Device)", "memset/memcpy"),
+        ("loop_add_fusion", "other XLA fusions"),
+        ("something_else", "other"),
+    ],
+)
+def test_kernel_names_land_in_their_part(name: str, part: str) -> None:
+    assert TS.part_of(name) == part
+
+
+def test_an_empty_trace_has_no_events() -> None:
+    assert TS.summarize({"traceEvents": []}, steps=4, layers=2)["events"] == 0
