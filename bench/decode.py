@@ -3,6 +3,7 @@
     python bench/decode.py                  # GPU grid on a GPU, a tiny grid on the CPU
     python bench/decode.py --quick          # one point, few steps, a small budget
     python bench/decode.py --out out/bench_decode   # + decode.json and decode.png
+    python bench/decode.py --grid layers32  # the per-layer cost grid (also layers8)
 
 1. Step time (bench/_stack.py): the attention-and-write stack of a decode step (every
    layer of the model's geometry: attention over each sequence's live tokens, then one
@@ -18,9 +19,12 @@
                       a naive cache starts from)
    plus the physical floor: the KV bytes a step must move (live tokens read once, new
    ones written) at --peak-tbps (H200 HBM3e: 4.8 TB/s). Goal: vmm+X / prealloc+X <= 1.02
-   for X = cudnn and kernel. Each sequence's live length is uniform in
-   [--min-fill * context, context - steps]; tokens are pre-ensured (commits are measured
-   by bench/commit.py and the example) and filled with one pattern, so that the
+   for X = cudnn and kernel; "+us/layer" is (vmm - prealloc) / layers with the same
+   attention (cuDNN where both ran), the fixed cost per layer that --grid layers32 and
+   layers8 (B 1/4/16/64 x T 1k/4k on a GPU, step time only) pin down. Each sequence's
+   live length is uniform in [--min-fill * context, context - steps]; tokens are
+   pre-ensured (commits are measured by bench/commit.py and the example) and filled
+   with one pattern, so that the
    variants' output checksums must agree ("chk": the largest relative difference from
    the baseline's; bf16 rounding differs between the attentions). On the CPU the cuDNN
    variants are skipped (cuDNN is GPU-only) and ratios are against prealloc+kernel.
@@ -79,6 +83,14 @@ GRIDS = {
         oom_fill=(1024, 4096),
     ),
 }
+# The per-layer cost grids (issue 29): the step-time part only, at a fixed layer count,
+# with the rows that compare the memory backends under one attention, side by side.
+LAYER_VARIANTS = ("prealloc+cudnn", "vmm+cudnn", "vmm+kernel")
+LAYER_GRIDS = {
+    "gpu": dict(batches=(1, 4, 16, 64), contexts=(1024, 4096), steps=8, repeats=5),
+    "cpu": dict(batches=(1, 4), contexts=(256,), steps=4, repeats=3),
+}
+GRID_LAYERS = {"layers32": 32, "layers8": 8}
 QUICK = {
     "gpu": dict(batches=(64,), contexts=(4096,), steps=8, repeats=3, budget=4 << 30),
     "cpu": dict(batches=(4,), contexts=(256,), steps=4, repeats=2, budget=1 << 20),
@@ -141,16 +153,20 @@ def baseline_of(point: dict) -> str | None:
     return None
 
 
-STEP_TABLE = Table(
-    ("B", 4),
-    ("T", 6),
-    ("live", 10),
-    *[(v, 16) for v in ST.VARIANTS],
-    ("floor", 9),
-    ("vmm/pre cudnn", 13),
-    ("vmm/pre kernel", 14),
-    ("chk", 8),
-)
+def step_table(variants: tuple[str, ...]) -> Table:
+    """The step-time table: one column per variant run, the floor, the two vmm/prealloc
+    ratios (same attention), the extra time per layer and the checksum spread."""
+    return Table(
+        ("B", 4),
+        ("T", 6),
+        ("live", 10),
+        *[(v, 16) for v in variants],
+        ("floor", 9),
+        ("vmm/pre cudnn", 13),
+        ("vmm/pre kernel", 14),
+        ("+us/layer", 9),
+        ("chk", 8),
+    )
 
 
 def checksum_spread(pt: dict) -> float | None:
@@ -162,11 +178,21 @@ def checksum_spread(pt: dict) -> float | None:
     return max(abs(c["checksum"] - ref) for c in pt["cases"].values()) / max(abs(ref), 1e-30)
 
 
-def step_row(pt: dict) -> str:
+def extra_us_per_layer(pt: dict, layers: int) -> float | None:
+    """(vmm - prealloc) step time per layer, in us, with the same attention: cuDNN where
+    both ran, else the jax_vmm kernel."""
+    for x in ("cudnn", "kernel"):
+        a, b = pt["cases"].get(f"vmm+{x}"), pt["cases"].get(f"prealloc+{x}")
+        if a and b:
+            return 1e3 * (a["step_ms"] - b["step_ms"]) / layers
+    return None
+
+
+def step_row(pt: dict, layers: int, variants: tuple[str, ...] = ST.VARIANTS) -> str:
     base = baseline_of(pt)
     ref = pt["cases"][base]["step_ms"] if base else None
     cells = []
-    for v in ST.VARIANTS:
+    for v in variants:
         c = pt["cases"].get(v)
         if c is None:
             cells.append("skipped")
@@ -177,7 +203,7 @@ def step_row(pt: dict) -> str:
         a, b = pt["cases"].get(f"vmm+{x}"), pt["cases"].get(f"prealloc+{x}")
         return f"{a['step_ms'] / b['step_ms']:.3f}" if a and b else "n/a"
 
-    return STEP_TABLE.row(
+    return step_table(variants).row(
         pt["batch"],
         pt["context"],
         fmt_bytes(pt["live_bytes"]),
@@ -185,6 +211,7 @@ def step_row(pt: dict) -> str:
         f"{pt['floor_ms']:.4f}",
         vs("cudnn"),
         vs("kernel"),
+        "n/a" if (extra := extra_us_per_layer(pt, layers)) is None else f"{extra:.2f}",
         "n/a" if checksum_spread(pt) is None else f"{checksum_spread(pt):.1e}",
     )
 
@@ -269,7 +296,13 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--contexts", type=int, nargs="+")
     p.add_argument("--steps", type=int)
     p.add_argument("--repeats", type=int)
-    p.add_argument("--variants", nargs="+", choices=ST.VARIANTS, default=list(ST.VARIANTS))
+    p.add_argument(
+        "--grid",
+        choices=tuple(GRID_LAYERS),
+        help="the per-layer cost grid at 32 or 8 layers: B 1/4/16/64 x T 1k/4k (GPU), step "
+        f"time only, variants {', '.join(LAYER_VARIANTS)}",
+    )
+    p.add_argument("--variants", nargs="+", choices=ST.VARIANTS)
     p.add_argument(
         "--min-fill",
         type=float,
@@ -294,8 +327,13 @@ def main(argv: list[str] | None = None) -> dict:
         args.preset if args.preset != "auto" else ("gpu" if device.platform == "gpu" else "cpu")
     )
     grid = dict(GRIDS[preset])
+    if args.grid:
+        grid.update(LAYER_GRIDS[preset])
+        args.layers = args.layers or GRID_LAYERS[args.grid]
+        args.no_equal_memory = args.no_oom_case = True
     if args.quick:
         grid.update(QUICK[preset])
+    variants = tuple(args.variants or (LAYER_VARIANTS if args.grid else ST.VARIANTS))
     cfg = M.PRESETS[preset]
     if args.layers:
         cfg = dataclasses.replace(cfg, num_layers=args.layers)
@@ -317,6 +355,8 @@ def main(argv: list[str] | None = None) -> dict:
     )
     timing = dict(steps=steps, repeats=repeats, chunk_bytes=args.chunk_bytes)
     no_cudnn = cudnn_unavailable(device.platform, cfg.dtype)
+    if args.grid and no_cudnn and not args.variants:  # the same comparison, kernel only
+        variants = ("prealloc+kernel", "vmm+kernel")
     if no_cudnn:
         print(f"note: {no_cudnn}: the cuDNN variants are skipped; ratios are vs prealloc+kernel")
 
@@ -329,6 +369,7 @@ def main(argv: list[str] | None = None) -> dict:
         "steps": steps,
         "repeats": repeats,
         "min_fill": args.min_fill,
+        "grid": args.grid,
         "peak_tbps": args.peak_tbps,
         "points": results,
         "equal_memory": None,
@@ -347,8 +388,9 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"wrote {args.out / 'decode.json'} and {args.out / 'decode.png'}")
 
     print("\nstep time, ms per decode step (ratio to the baseline) | floor | vmm/prealloc")
-    print(STEP_TABLE.header())
-    print(STEP_TABLE.rule())
+    table = step_table(variants)
+    print(table.header())
+    print(table.rule())
     for batch in batches:
         for context in contexts:
             lengths = live_lengths(rng, batch, context, steps, args.min_fill)
@@ -360,11 +402,11 @@ def main(argv: list[str] | None = None) -> dict:
                 lengths,
                 timing,
                 peak_bytes_per_s=args.peak_tbps * 1e12,
-                variants=tuple(args.variants),
+                variants=variants,
             )
             point["checksum_spread"] = checksum_spread(point)
             results.append(point)
-            print(step_row(point), flush=True)
+            print(step_row(point, cfg.num_layers, variants), flush=True)
             for name, c in point["cases"].items():
                 if c["temp_bytes"] >= point["capacity_bytes"] // 2:
                     print(

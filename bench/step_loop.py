@@ -6,11 +6,14 @@ against the same step over a preallocated array cache.
 
 A sampler that calls one jitted step per token from a Python loop pays JAX's dispatch
 cost at every call. Both variants run the same step (every layer: write one token per
-sequence; with attention, then decode attention over it) eagerly in a Python loop:
+sequence; "write+attention": then decode attention over it; "views+write": first
+attention with plain XLA ops over what the layer holds, cuDNN on a GPU) eagerly in a
+Python loop:
 
-    arena    kv.cache() (jax_vmm.kv_write + jax_vmm.decode_attention over arena layers)
+    arena    kv.cache() (jax_vmm.kv_write + jax_vmm.decode_attention over arena layers,
+             or the read over jax_vmm.ordered_views of kv.k[l], kv.v[l])
     prealloc KVCache.from_arrays(jnp.zeros...) (the same calls: a donated functional
-             scatter and the array attention)
+             scatter and the array attention, or the read over the layer's arrays)
 
 and prints the per-call time of each and their ratio (goal: arena / prealloc <= 1.2),
 plus whether the arena step takes JAX's C++ fast path (no effects in its jaxpr).
@@ -29,17 +32,37 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jax_vmm  # noqa: E402
+from jax_vmm.serving.attention import cudnn_decode_attention  # noqa: E402
+
+STEPS = ("write", "write+attention", "views+write")
 
 
-def make_step(num_layers: int, attention: bool):
-    def step(cache, q, new_k, new_v, seq, pos, lengths):
+def _views_read(q, layer, views, lengths):
+    """Attention through plain XLA ops over the layer's K/V: an arena layer's ordered
+    views, an array layer's arrays. cuDNN on a GPU (what a JAX user picks), XLA's
+    implementation of the same call on the CPU."""
+    k, v = jax_vmm.ordered_views(layer, *views) if layer.is_arena else (layer.k, layer.v)
+    impl = "cudnn" if jax.default_backend() == "gpu" else "xla"
+    return cudnn_decode_attention(q, k, v, lengths, implementation=impl)
+
+
+def make_step(num_layers: int, kind: str):
+    """One decode step over every layer: "write" (kv_write only), "write+attention"
+    (jax_vmm.decode_attention after the write), "views+write" (attention over the layer
+    read before the write: the arena through jax_vmm.ordered_views, as bench/_stack.py
+    reads it with cuDNN)."""
+
+    def step(cache, views, q, new_k, new_v, seq, pos, lengths):
         out = q
         for layer in range(num_layers):
+            if kind == "views+write":
+                view = views[layer] if views else None
+                out = out + _views_read(out, cache[layer], view, lengths)
             written = jax_vmm.kv_write(cache[layer], new_k, new_v, seq=seq, pos=pos)
             cache = cache.replace(layer, written)
-            if attention:
+            if kind == "write+attention":
                 out = out + jax_vmm.decode_attention(out, written, lengths)
-            else:
+            elif kind == "write":
                 out = out + new_k
         return cache, out
 
@@ -47,7 +70,8 @@ def make_step(num_layers: int, attention: bool):
 
 
 def loop_us(step, cache, args, calls: int) -> tuple[float, object]:
-    """Per-call time of ``calls`` calls in a Python loop; returns it and the last cache."""
+    """Per-call time of ``calls`` calls in a Python loop; returns it and the last cache.
+    args: the step's arguments after the cache (views first)."""
     t0 = time.perf_counter()
     for _ in range(calls):
         cache, out = step(cache, *args)
@@ -55,21 +79,21 @@ def loop_us(step, cache, args, calls: int) -> tuple[float, object]:
     return (time.perf_counter() - t0) / calls * 1e6, cache
 
 
-def best_of(steps: dict, caches: dict, args, calls: int, repeats: int) -> dict:
-    """Best per-call time of each variant, the variants' loops interleaved so that a noisy
-    machine slows them alike."""
+def best_of(steps: dict, caches: dict, args: dict, calls: int, repeats: int) -> dict:
+    """Best per-call time of each variant (args: each one's arguments after the cache),
+    the variants' loops interleaved so that a noisy machine slows them alike."""
     for name, step in steps.items():  # compile
-        caches[name], out = step(caches[name], *args)
+        caches[name], out = step(caches[name], *args[name])
         jax.block_until_ready(out)
     best = dict.fromkeys(steps, float("inf"))
     for _ in range(repeats):
         for name, step in steps.items():
-            us, caches[name] = loop_us(step, caches[name], args, calls)
+            us, caches[name] = loop_us(step, caches[name], args[name], calls)
             best[name] = min(best[name], us)
     return best
 
 
-def run_point(num_layers: int, batch: int, attention: bool, args: argparse.Namespace) -> dict:
+def run_point(num_layers: int, batch: int, kind: str, args: argparse.Namespace) -> dict:
     heads, dim, tokens = args.kv_heads, args.head_dim, args.max_tokens
     dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
     kv = jax_vmm.kv_arena(
@@ -94,13 +118,14 @@ def run_point(num_layers: int, batch: int, attention: bool, args: argparse.Names
     pos = jnp.full((batch,), tokens // 2, jnp.int32)
     lengths = jnp.full((batch,), tokens // 2 + 1, jnp.int32)
     step_args = (q, new, new, seq, pos, lengths)
-    step = make_step(num_layers, attention)
+    views = tuple((kv.k[l], kv.v[l]) for l in range(num_layers)) if kind == "views+write" else ()
+    step = make_step(num_layers, kind)
     arena_cache = kv.cache()
-    effects = jax.make_jaxpr(step)(arena_cache, *step_args).effects
+    effects = jax.make_jaxpr(step)(arena_cache, views, *step_args).effects
     best = best_of(
-        {"arena": step, "prealloc": make_step(num_layers, attention)},
+        {"arena": step, "prealloc": make_step(num_layers, kind)},
         {"arena": arena_cache, "prealloc": prealloc},
-        step_args,
+        {"arena": (views, *step_args), "prealloc": ((), *step_args)},
         args.calls,
         args.repeats,
     )
@@ -108,7 +133,7 @@ def run_point(num_layers: int, batch: int, attention: bool, args: argparse.Names
     kv.check()
     kv.close()
     return {
-        "step": "write+attention" if attention else "write",
+        "step": kind,
         "layers": num_layers,
         "batch": batch,
         "arena_us": arena_us,
@@ -127,6 +152,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--calls", type=int, default=500)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--steps", nargs="+", choices=STEPS, default=list(STEPS))
     args = p.parse_args(argv)
     print(f"one step per call on {jax.devices()[0].device_kind} (best of {args.repeats})")
     print(
@@ -134,9 +160,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         f"{'ratio':>6}  fast path"
     )
     rows = []
-    for attention in (False, True):
+    for kind in args.steps:
         for layers in args.layers:
-            r = run_point(layers, args.batch, attention, args)
+            r = run_point(layers, args.batch, kind, args)
             rows.append(r)
             print(
                 f"{r['step']:>15} {r['layers']:>6} {r['batch']:>5} {r['arena_us']:>9.1f} "

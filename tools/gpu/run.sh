@@ -74,12 +74,21 @@
 #                       the machine, the CUDA API calls and kernels of the n = 1 case
 #   diag:kv_write_ncu   bench/kv_write_kernel_times.py: the kv_write kernel's own time by
 #                       Nsight Compute at 1..32768 tokens -> kv_write_kernel_times.json
+#   diag:step           tools/gpu/profile_step.py: one decode step (32 layers, B16 T1k) by
+#                       ablation (reads alone vs the whole step) and a jax.profiler trace
+#                       summed per part (kv_write vs XLA's scatter, cuDNN, table read, gaps),
+#                       with and without command buffers -> profile_step{,_nocb}/profile.json
 #   bench:attention     bench/attention.py: copy-bandwidth floor, then the table -> bench_attention.json
 #   bench:attention_options  bench/attention_options.py: S queries / window / softcap beside cuDNN
 #                       -> bench_attention_options.json
 #   bench:kv_write      bench/kv_write.py at 1 GiB and 32 GiB -> bench_kv_write.json
 #   bench:commit        bench/commit.py: arena vs raw cuda-python, 64 GiB creation -> bench_commit.json
 #   bench:decode        bench/decode.py -> decode.json, decode.png
+#   bench:decode32      bench/decode.py --grid layers32: B 1/4/16/64 x T 1k/4k, prealloc+cudnn,
+#                       vmm+cudnn, vmm+kernel, +us/layer -> decode32/decode.json
+#   bench:decode8       the same at 8 layers -> decode8/decode.json
+#   bench:step_loop     bench/step_loop.py: one step per call (write, write+attention,
+#                       views+write with cuDNN), 2/8/32 layers, bf16 -> step_loop.log
 #   bench:growth        bench/growth.py 16 -> 20 GiB -> growth/growth.json, growth.png
 #   bench:capacity      bench/capacity.py: one decode step over 1 GiB and 32 GiB caches, as a
 #                       ratio (arena: ~1.0) -> bench_capacity.json
@@ -238,12 +247,17 @@ step_diag() {
     "$PY" bench/kv_write_kernel_times.py --json "$RUN_DIR/kv_write_kernel_times.json"
     return
   fi
+  if [ "${1:-}" = step ]; then  # one decode step's time by part, graphs on and off
+    "$PY" tools/gpu/profile_step.py --out "$RUN_DIR/profile_step" || return
+    "$PY" tools/gpu/profile_step.py --no-command-buffers --out "$RUN_DIR/profile_step_nocb"
+    return
+  fi
   if [ "${1:-}" = host ]; then
     "$PY" bench/host_costs.py --batch 64 --json "$RUN_DIR/host_costs.json" \
       ${HOST_PARTS:+--parts "$HOST_PARTS"} ${HOST_SWAPS:+--swaps "$HOST_SWAPS"}
     return
   fi
-  [ "${1:-}" = hazard ] || { echo "unknown diag step ${1:-} (hazard, example, host, dispatch, kv_write, kv_write_ncu)"; return 2; }
+  [ "${1:-}" = hazard ] || { echo "unknown diag step ${1:-} (hazard, example, host, dispatch, kv_write, kv_write_ncu, step)"; return 2; }
   TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3,command_buffer_conversion_pass=2 \
     "$PY" tests/integration/test_command_buffer_gpu.py hazard grow keep "$RUN_DIR/diag_hazard.json"
   local r=$?
@@ -294,8 +308,11 @@ step_bench() {
     attention|attention_options|kv_write|commit|sleep|capacity)
       "$PY" "bench/$1.py" --json "$RUN_DIR/bench_$1.json" ;;
     decode) "$PY" bench/decode.py --out "$RUN_DIR" ;;
+    decode32) "$PY" bench/decode.py --grid layers32 --out "$RUN_DIR/decode32" ;;
+    decode8) "$PY" bench/decode.py --grid layers8 --out "$RUN_DIR/decode8" ;;
+    step_loop) "$PY" bench/step_loop.py --layers 2 8 32 --calls 300 ;;
     growth) "$PY" bench/growth.py --out "$RUN_DIR/growth" ;;
-    *) echo "unknown bench ${1:-} (attention, attention_options, kv_write, commit, decode, growth, sleep, capacity)"; return 2 ;;
+    *) echo "unknown bench ${1:-} (attention, attention_options, kv_write, commit, decode, decode32, decode8, step_loop, growth, sleep, capacity)"; return 2 ;;
   esac
 }
 
@@ -313,7 +330,7 @@ step_probe() {
 limit_of() {  # STEP -> seconds
   local var="LIMIT_${1//[^A-Za-z0-9_]/_}" limit
   case "$1" in
-    build|tests|tests:*|sanitize:hazard|bench:attention|bench:attention_options|bench:decode|probe:kernels) limit=600 ;;
+    build|tests|tests:*|sanitize:hazard|bench:attention|bench:attention_options|bench:decode|bench:decode32|probe:kernels|diag:step) limit=600 ;;
     sanitize:attention|sanitize:memory|bench:kv_write|bench:growth|bench:sleep|bench:capacity) limit=400 ;;
     example|bench:commit) limit=300 ;;
     info|facts|diag:*) limit=150 ;;
