@@ -19,8 +19,18 @@ decode path spends in ensure/release.
    commit ahead (the KV default, no raw view), no commit ahead, and raw views held
    (kv.k[l]: every commit waits for the device).
 3. Arena creation for a 64 GiB reservation against the raw reserve.
+4. (GPU, cuda-python) "seed": the KV cache of issue 31's geometry (32 layers x K,V = 64
+   buffers, 8 KV heads x 128, bf16, 1M tokens reserved) against the seed-style baseline
+   (bench/_seed.py: one cuMemCreate + cuMemMap + cuMemSetAccess per extension of a
+   buffer), alternating in one process: grow 16 -> 20 GiB, fill 0 -> 16 GiB, ensure in
+   steps of 4096 and of 256 tokens (empty -> 64k, total), a new arena (first, later ones'
+   median), a 20 GiB cache from nothing (and one 20 GiB allocation, what
+   torch_memory_saver does), and the physical memory a fresh arena takes (cuMemGetInfo;
+   measured first, before anything made the device's zero pieces). jax_vmm runs with
+   commit_ahead_tokens=0: every commit is inside the timed call, as the seed's is.
 
   python bench/commit.py                    # GPU if JAX has one, else CPU
+  python bench/commit.py --sections seed    # issue 31's table only (GPU, ~1 minute)
   python bench/commit.py --device cpu --sizes 2M,64M --repeats 3 --json out.json
 """
 
@@ -33,12 +43,15 @@ import sys
 import time
 from collections.abc import Callable
 
-import jax
-import jax.numpy as jnp
-import numpy as np
+# The seed section reads cuMemGetInfo: XLA must not take the device's memory up front.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
-import jax_vmm
-from _common import (
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import jax_vmm  # noqa: E402
+from _common import (  # noqa: E402
     GiB,
     Table,
     fmt,
@@ -50,7 +63,8 @@ from _common import (
     ratio,
     write_json,
 )
-from _raw import RawCuda, RawHost, raw_for
+from _raw import RawCuda, RawHost, raw_for  # noqa: E402
+from _seed import OneAllocation, SeedKV  # noqa: E402
 
 
 def time_pair(
@@ -333,6 +347,174 @@ def bench_creation(device, reserve: int, repeats: int, raw) -> dict:
     return row
 
 
+# -- 4. against the seed (issue 31's geometry) ---------------------------------------------
+
+SEED_GEOMETRY = dict(num_layers=32, num_kv_heads=8, head_dim=128, max_tokens=1 << 20)
+SEED = Table(("measure", 44, "<"), ("seed", 10), ("jax_vmm", 10), ("jax_vmm/seed", 12))
+
+
+class SeedBench:
+    """jax_vmm's KV arena and the seed side by side on one device, same geometry."""
+
+    def __init__(self, device, raw: RawCuda):
+        g = SEED_GEOMETRY
+        self.device, self.raw = device, raw
+        self.token_bytes = g["num_kv_heads"] * g["head_dim"] * 2  # one buffer, bf16
+        self.buffers = 2 * g["num_layers"]
+
+    def tokens(self, gib: float) -> int:  # tokens per sequence for gib over all buffers
+        return int(gib * GiB) // (self.buffers * self.token_bytes)
+
+    def kv(self):
+        return jax_vmm.kv_arena(
+            **SEED_GEOMETRY, dtype=jnp.bfloat16, device=self.device, commit_ahead_tokens=0
+        )
+
+    def seed(self) -> SeedKV:
+        return SeedKV(self.raw, self.buffers, SEED_GEOMETRY["max_tokens"] * self.token_bytes)
+
+    def fresh_memory(self) -> tuple[int, int]:
+        """Physical bytes (cuMemGetInfo) a fresh arena takes: (seed, jax_vmm). Must run
+        before anything in this process made the device's zero pieces."""
+        free = self.raw.free_bytes
+        f0 = free()
+        s = self.seed()
+        f1 = free()
+        s.close()
+        f2 = free()
+        kv = self.kv()
+        f3 = free()
+        kv.close()
+        return f0 - f1, f2 - f3
+
+    def creation(self, repeats: int) -> dict:
+        ts, tk = [], []
+        for _ in range(repeats + 1):
+            t0 = time.perf_counter()
+            s = self.seed()
+            t1 = time.perf_counter()
+            kv = self.kv()
+            t2 = time.perf_counter()
+            ts.append(t1 - t0)
+            tk.append(t2 - t1)
+            s.close()
+            kv.close()
+        return {"seed": statistics.median(ts[1:]), "jax_vmm": statistics.median(tk[1:])}
+
+    def from_nothing(self, gib: float, repeats: int) -> dict:
+        n = self.tokens(gib)
+        ts, tk, tone = [], [], []
+        for _ in range(repeats + 1):
+            t0 = time.perf_counter()
+            s = self.seed()
+            s.grow_to(n * self.token_bytes)
+            t1 = time.perf_counter()
+            s.close()
+            t2 = time.perf_counter()
+            kv = self.kv()
+            kv.ensure(n)
+            t3 = time.perf_counter()
+            kv.close()
+            t4 = time.perf_counter()
+            one = OneAllocation(self.raw, n * self.token_bytes * self.buffers)
+            t5 = time.perf_counter()
+            one.close()
+            ts.append(t1 - t0)
+            tk.append(t3 - t2)
+            tone.append(t5 - t4)
+        return {
+            "seed": statistics.median(ts[1:]),
+            "jax_vmm": statistics.median(tk[1:]),
+            "one_allocation": statistics.median(tone[1:]),
+        }
+
+    def grow(self, steps: list[int], base: int, repeats: int) -> dict:
+        """Total seconds of ensure(t) for t in steps, from `base` tokens backed; both give
+        back to `base` between repeats (jax_vmm: waiting until the driver has it)."""
+        s, kv = self.seed(), self.kv()
+        try:
+            if base:
+                s.grow_to(base * self.token_bytes)
+                kv.ensure(base)
+            ts, tk = [], []
+            for _ in range(repeats + 1):
+                t0 = time.perf_counter()
+                for t in steps:
+                    s.grow_to(t * self.token_bytes)
+                t1 = time.perf_counter()
+                for t in steps:
+                    kv.ensure(t)
+                t2 = time.perf_counter()
+                ts.append(t1 - t0)
+                tk.append(t2 - t1)
+                s.shrink_to(base * self.token_bytes)
+                kv.shrink(base, wait=True)
+            st = kv.stats()
+            return {
+                "seed": statistics.median(ts[1:]),
+                "jax_vmm": statistics.median(tk[1:]),
+                "commit_drains": st["commit_drains"],
+            }
+        finally:
+            s.close()
+            kv.close()
+
+
+def bench_seed(device, repeats: int, raw, steps_to: int = 1 << 16) -> dict | None:
+    if not isinstance(raw, RawCuda):
+        print("\nseed: needs a CUDA device and cuda-python; skipped")
+        return None
+    b = SeedBench(device, raw)
+    g = SEED_GEOMETRY
+    print(
+        f"\nagainst the seed: {g['num_layers']} layers x K,V = {b.buffers} buffers, "
+        f"{g['num_kv_heads']}x{g['head_dim']} bf16, {g['max_tokens']} tokens reserved; "
+        f"median of {repeats}"
+    )
+    out: dict = {}
+    out["fresh_bytes"] = dict(zip(("seed", "jax_vmm"), b.fresh_memory()))
+    t16, t20, t64k = b.tokens(16), b.tokens(20), steps_to
+    out["grow_16_20"] = b.grow([t20], t16, repeats)
+    out["fill_0_16"] = b.grow([t16], 0, repeats)
+    out["steps_4096"] = b.grow(list(range(4096, t64k + 1, 4096)), 0, repeats)
+    out["steps_256"] = b.grow(list(range(256, t64k + 1, 256)), 0, max(1, repeats // 2))
+    out["creation"] = b.creation(repeats)
+    out["from_nothing_20"] = b.from_nothing(20, repeats)
+    print(SEED.header())
+    ms = lambda v: f"{v * 1e3:.2f} ms"  # noqa: E731
+    rows = [
+        ("grow 16 -> 20 GiB, one call", "grow_16_20"),
+        ("fill 0 -> 16 GiB, one call", "fill_0_16"),
+        (f"ensure, steps of 4096 tokens, 0 -> {t64k >> 10}k, total", "steps_4096"),
+        (f"ensure, steps of 256 tokens, 0 -> {t64k >> 10}k, total", "steps_256"),
+        ("a new arena (later ones, median)", "creation"),
+        ("a 20 GiB cache from nothing", "from_nothing_20"),
+    ]
+    for label, key in rows:
+        r = out[key]
+        print(SEED.row(label, ms(r["seed"]), ms(r["jax_vmm"]), f"{r['jax_vmm'] / r['seed']:.2f}x"))
+    one = out["from_nothing_20"]["one_allocation"]
+    print(
+        SEED.row(
+            "  peer: one 20 GiB allocation (tms-style)",
+            ms(one),
+            "",
+            f"{out['from_nothing_20']['jax_vmm'] / one:.2f}x",
+        )
+    )
+    fb = out["fresh_bytes"]
+    print(
+        SEED.row(
+            "physical memory of a fresh arena",
+            f"{fb['seed'] / 2**20:.0f} MiB",
+            f"{fb['jax_vmm'] / 2**20:.0f} MiB",
+            fmt(ratio(fb["jax_vmm"], fb["seed"]), "{:.2f}x", "-"),
+        ),
+        flush=True,
+    )
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -362,7 +544,12 @@ def main(argv: list[str] | None = None) -> int:
         default=2.5,
         help="device time of a decode step (2.53 ms: B64 T4k on an H200)",
     )
-    p.add_argument("--sections", default="throughput,decode,creation")
+    p.add_argument(
+        "--sections",
+        default="seed,throughput,decode,creation",
+        help="any of seed,throughput,decode,creation (seed runs first: it measures the "
+        "memory of the first arena in the process)",
+    )
     p.add_argument("--json", default=None, help="also write the results here")
     args = p.parse_args(argv)
 
@@ -384,6 +571,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     sections = set(args.sections.split(","))
     out = dict(device=str(device), platform=device.platform, jax=jax.__version__)
+    if "seed" in sections:
+        out["seed"] = bench_seed(device, args.repeats, raw)
     if "throughput" in sections:
         out["throughput"] = bench_throughput(device, sizes, handles, args.repeats, raw)
     if "decode" in sections:

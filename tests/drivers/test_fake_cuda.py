@@ -83,8 +83,11 @@ class Fake:
         chunk_bytes: int = G,
         handle_bytes: int = 0,
         zero_fill: bool = True,
+        defer_zero_reads: bool = False,
     ):
-        a = t.create_fake_cuda_arena(reserve_bytes, chunk_bytes, handle_bytes, zero_fill)
+        a = t.create_fake_cuda_arena(
+            reserve_bytes, chunk_bytes, handle_bytes, zero_fill, defer_zero_reads
+        )
         self.arenas.append(a)
         return a
 
@@ -570,6 +573,138 @@ def test_failed_reserve_leaves_nothing_behind(fake):
         t.fake_cuda_disarm()
         gc.collect()
         assert live(t.fake_cuda_stats()) == with_zero
+
+
+# ---- deferred zero reads: no zero mapping until the first raw view --------------------
+
+HOLE = -1  # Fake.flags: nothing mapped
+
+
+def calls(name: str) -> int:
+    return t.fake_cuda_stats()["calls"].get(name, 0)
+
+
+def read(a, start: int, stop: int) -> np.ndarray:
+    r, data = t.fake_cuda_read(a.base + start, stop - start)
+    assert r == OK, f"reading [{start}, {stop}): CUresult {r}"
+    return np.frombuffer(data, np.uint8).copy()
+
+
+def view(a) -> None:
+    """Hands out (and drops) a raw view of buffer 0: from then on any byte may be read."""
+    del_me = a.view(0, [a.reserved_bytes], 1, 8, 2, 0)  # uint8, kDLCUDA, device 0
+    del del_me
+
+
+def test_deferred_arena_maps_nothing_and_makes_no_zero_memory(fake):
+    a = fake.arena(32 * MiB + 3 * G, defer_zero_reads=True)
+    assert t.fake_cuda_allocations() == [], "no zero allocation while nothing may read zeros"
+    assert (fake.flags(a) == HOLE).all()
+
+
+@pytest.mark.parametrize("handle_chunks", [1, 4])
+def test_deferred_commit_is_create_map_set_access_only(fake, handle_chunks):
+    a = fake.arena(32 * MiB + 3 * G, handle_bytes=handle_chunks * G, defer_zero_reads=True)
+    a.allocate(a.reserved_bytes, "all")
+    start, stop = 3 * MiB + G, 3 * MiB + 9 * G
+    unmaps, access = calls("cuMemUnmap"), calls("cuMemSetAccess")
+    creates, maps = calls("cuMemCreate"), calls("cuMemMap")
+    assert a.commit(0, start, stop) == stop - start
+    n = 8 // handle_chunks
+    assert calls("cuMemUnmap") == unmaps, "no zero piece to clear"
+    assert calls("cuMemSetAccess") == access + 1, "one set-access for the run"
+    assert (calls("cuMemCreate") - creates, calls("cuMemMap") - maps) == (n, n)
+    inside = np.zeros(a.reserved_bytes // G, bool)
+    inside[start // G : stop // G] = True
+    assert (fake.flags(a) == np.where(inside, RW, HOLE)).all()
+    assert not read(a, start, stop).any(), "zero-filled"
+    data = np.random.default_rng(1).integers(1, 256, stop - start, dtype=np.uint8)
+    write(a, start, data)
+    assert (read(a, start, stop) == data).all()
+    assert a.decommit(0, start, stop, True) == stop - start
+    assert (fake.flags(a) == HOLE).all(), "released: unmapped, no zero restored"
+    assert t.fake_cuda_allocations() == [], "every allocation released"
+
+
+def test_first_view_gives_every_unbacked_byte_zeros_and_keeps_the_data(fake):
+    fake.arena(G)  # the zero allocations exist from here on (shared with the arena below)
+    zero = fake.zero_handles()
+    a = fake.arena(32 * MiB + 3 * G, handle_bytes=4 * G, defer_zero_reads=True)
+    a.allocate(a.reserved_bytes, "all")
+    a.commit(0, 0, 4 * G)
+    a.commit(0, 8 * MiB - 2 * G, 8 * MiB + 3 * G)
+    data = np.random.default_rng(2).integers(1, 256, 4 * G, dtype=np.uint8)
+    write(a, 0, data)
+    a.decommit(0, G, 2 * G)  # parked: its allocation keeps chunks 0, 2, 3
+    a.decommit(0, 8 * MiB - 2 * G, 8 * MiB + 3 * G)  # retired, not yet reclaimed
+    view(a)
+    flags = fake.flags(a)
+    assert (flags[:4] == RW).all() and (flags[4:] == RO).all()
+    got = fake.contents(a)  # every byte readable now
+    assert (got[:G] == data[:G]).all() and (got[2 * G : 4 * G] == data[2 * G :]).all()
+    assert not got[4 * G :].any()
+    check_zero_pieces(a, zero)
+    # From now on a release restores zeros, as in an arena that never deferred.
+    a.decommit(0, 0, 4 * G, True)
+    assert (fake.flags(a) == RO).all() and not fake.contents(a).any()
+    view(a)  # the second view changes nothing
+    assert (fake.flags(a) == RO).all()
+
+
+def test_failed_zero_reads_change_nothing_and_a_later_view_succeeds(fake):
+    fake.arena(G)  # the zero allocations exist from here on
+    a = fake.arena(32 * MiB + 3 * G, defer_zero_reads=True)
+    a.allocate(a.reserved_bytes, "all")
+    a.commit(0, 5 * G, 7 * G)
+    flags, mappings = fake.flags(a), t.fake_cuda_mappings()
+    for nth in (1, 2, 3):
+        t.fake_cuda_fail_nth("cuMemMap", nth, OUT_OF_MEMORY)
+        with pytest.raises(_core.OutOfMemoryError):
+            view(a)
+        t.fake_cuda_disarm()
+        assert (fake.flags(a) == flags).all() and t.fake_cuda_mappings() == mappings
+        assert not a.stats()["views_exported"]
+    t.fake_cuda_fail_nth("cuMemSetAccess", 1, R["CUDA_ERROR_INVALID_VALUE"])
+    with pytest.raises(_core.DriverError):
+        view(a)
+    t.fake_cuda_disarm()
+    assert t.fake_cuda_mappings() == mappings
+    view(a)
+    assert (fake.flags(a)[5:7] == RW).all() and (np.delete(fake.flags(a), [5, 6]) == RO).all()
+
+
+def test_failed_deferred_commit_unmaps_and_releases_everything(fake):
+    a = fake.arena(32 * MiB + 3 * G, handle_bytes=2 * G, defer_zero_reads=True)
+    a.allocate(a.reserved_bytes, "all")
+    a.commit(0, 0, 2 * G)
+    flags, allocs = fake.flags(a), t.fake_cuda_allocations()
+    t.fake_cuda_fail_nth("cuMemMap", 3, OUT_OF_MEMORY)
+    with pytest.raises(_core.OutOfMemoryError):
+        a.commit(0, 4 * G, 12 * G)
+    t.fake_cuda_disarm()
+    assert (fake.flags(a) == flags).all() and t.fake_cuda_allocations() == allocs
+    assert a.stats()["failed_commits"] == 1
+    assert a.commit(0, 4 * G, 12 * G) == 8 * G
+    view(a)  # the zeros tile around what a failed commit left: nothing
+    assert (fake.contents(a)[12 * G :] == 0).all()
+
+
+def test_deferred_sleep_and_wake_are_bit_exact(fake):
+    a = fake.arena(MiB + 5 * G, handle_bytes=2 * G, defer_zero_reads=True)
+    a.allocate(a.reserved_bytes, "all")
+    a.commit(0, 0, 3 * G)
+    a.commit(0, 9 * G, 15 * G)
+    rng = np.random.default_rng(7)
+    head = rng.integers(0, 256, 3 * G, dtype=np.uint8)
+    tail = rng.integers(0, 256, 6 * G, dtype=np.uint8)
+    write(a, 0, head)
+    write(a, 9 * G, tail)
+    flags = fake.flags(a)
+    a.sleep(True)
+    assert (fake.flags(a) == HOLE).all()
+    a.wake()
+    assert (fake.flags(a) == flags).all()
+    assert (read(a, 0, 3 * G) == head).all() and (read(a, 9 * G, 15 * G) == tail).all()
 
 
 # ---- no leaks ---------------------------------------------------------------------------

@@ -118,6 +118,27 @@ def test_large_chunks(gpu_device, oracle):
         assert kinds(oracle, arena, buf) == ["rw", "rw"]
 
 
+def test_deferred_zeros_map_nothing_until_the_first_view(gpu_device, oracle, monkeypatch):
+    monkeypatch.setenv("JAX_VMM_DEFER_ZERO_READS", "1")  # read when the arena is made
+    arena = jax_vmm.Arena(64 * MiB, device=gpu_device)
+    monkeypatch.delenv("JAX_VMM_DEFER_ZERO_READS")
+    with arena:
+        c = arena.chunk_bytes
+        states = oracle.chunk_states(arena.base, arena.reserved_bytes, c)
+        assert all(s.access is None for s in states), "no zero piece before a view"
+        buf = arena.allocate((8 * c // 4,), jnp.float32)
+        assert buf.commit(c, 3 * c) == 2 * c
+        access = [s.access for s in oracle.chunk_states(buf.address, 8 * c, c)]
+        assert access == [None, cu_oracle.READWRITE, cu_oracle.READWRITE] + [None] * 5
+        write_bytes(buf, c, np.ones(2 * c // 4, np.float32))
+        # The first view: every unbacked byte reads zeros from now on, the data stays.
+        assert float(jax.jit(jnp.sum)(buf.array)) == 2 * c // 4
+        assert kinds(oracle, arena, buf) == ["zero", "rw", "rw"] + ["zero"] * 5
+        buf.decommit(wait=True)
+        assert kinds(oracle, arena, buf) == ["zero"] * 8
+        assert float(jax.jit(jnp.sum)(buf.array)) == 0.0
+
+
 # -- reads through JAX --------------------------------------------------------------------
 
 

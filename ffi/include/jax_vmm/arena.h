@@ -74,6 +74,10 @@ struct ArenaOptions {
   size_t handle_bytes = 0;
   // Newly backed memory reads zeros (else it holds whatever the device memory held).
   bool zero_fill = true;
+  // Unbacked memory is given its read-only zero mapping only when the first raw view is
+  // handed out (no reader touches unbacked chunks before: docs/design.md, "Zero reads").
+  // Also on when JAX_VMM_DEFER_ZERO_READS=1 at creation.
+  bool defer_zero_reads = false;
 };
 
 struct ArenaStats {
@@ -431,6 +435,7 @@ class Arena : public std::enable_shared_from_this<Arena> {
   size_t num_chunks_ = 0;
   size_t handle_bytes_ = 0;
   bool zero_fill_ = true;
+  bool zeros_deferred_ = false;  // the reservation's zero mapping waits for the first view
 
   mutable std::mutex mu_;
   // Any change a waiter or the worker may need. Not a plain member: a forked child must

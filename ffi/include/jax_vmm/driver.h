@@ -5,6 +5,9 @@
 //                   (host: PROT_READ anonymous mapping; cuda: shared read-only zero
 //                   allocations mapped over the whole range in aligned power-of-two
 //                   pieces, see drivers/cuda/zero_layout.h).
+//   reserve_deferring_zeros() -> the same range, except that unbacked bytes may fault
+//                   when read until enable_zero_reads() (cuda: no zero piece is mapped,
+//                   so map_run/unmap_run pay no zero-piece calls; host: as reserve()).
 //   create(n)    -> one physical allocation of n bytes (a multiple of chunk_bytes()).
 //   map_run()    -> put consecutive pieces of physical allocations at a chunk-aligned,
 //                   zero-mapped range, replacing the zero mapping there (not yet
@@ -71,17 +74,28 @@ class Driver {
 
   virtual uintptr_t Reserve(size_t bytes) = 0;
   virtual void Unreserve(uintptr_t va, size_t bytes) noexcept = 0;
+  // A reservation for a caller whose readers never touch unbacked memory: until
+  // EnableZeroReads(base), reading an unbacked byte may fault, and MapRun/UnmapRun in it
+  // cost no more than the mapping itself. Default: Reserve (zeros from the start).
+  virtual uintptr_t ReserveDeferringZeros(size_t bytes) { return Reserve(bytes); }
+  // From now on every unbacked byte of the reservation at `base` reads zeros, as after
+  // Reserve. The caller runs no MapRun/UnmapRun in that reservation meanwhile. Throws
+  // OutOfMemory (the zero memory) or DriverError, having changed nothing. Idempotent;
+  // nothing to do for a reservation made by Reserve.
+  virtual void EnableZeroReads(uintptr_t base) { (void)base; }
 
   // One physical allocation of `bytes` (a positive multiple of chunk_bytes()). Throws
   // OutOfMemory when the device (or the host) has no room.
   virtual PhysicalHandle Create(size_t bytes) = 0;
   virtual void Release(PhysicalHandle handle) noexcept = 0;
 
-  // Maps `count` pieces back to back from `va` (chunk-aligned, currently zero-mapped).
-  // All-or-nothing: when it throws, the whole range reads zeros again.
+  // Maps `count` pieces back to back from `va` (chunk-aligned, currently zero-mapped or,
+  // while zeros are deferred, unmapped). All-or-nothing: when it throws, the range is as
+  // before (reads zeros again, or is unmapped again).
   virtual void MapRun(uintptr_t va, const MapPiece* pieces, size_t count) = 0;
   // Unmaps `count` consecutive mappings from `va` (their sizes in `piece_bytes`, each as
-  // one MapRun piece mapped it) and restores the zero mapping over all of them.
+  // one MapRun piece mapped it) and restores the zero mapping over all of them (none while
+  // the reservation's zeros are deferred).
   virtual void UnmapRun(uintptr_t va, const size_t* piece_bytes, size_t count) noexcept = 0;
   virtual void SetAccess(uintptr_t va, size_t bytes) = 0;
   // Zeros over mapped, read-write memory; returns once the zeros are in memory.

@@ -20,8 +20,9 @@
 // Graphs replay in order on the executable's stream, so they may share that workspace.
 //
 // Strategies (ScratchMode):
-//   kGrowInPlace  a reserved virtual range per workspace; growth maps more chunks at the
-//                 tail, so the pointer never changes; memory = high-water mark. When the
+//   kGrowInPlace  a reserved virtual range per workspace; growth maps one allocation of
+//                 the added bytes at the tail (one create, map and set-access per growth),
+//                 so the pointer never changes; memory = high-water mark. When the
 //                 reservation itself is outgrown, a larger one is made and the old range
 //                 is retired (kept mapped for the life of the process).
 //   kRetire       plain blocks; growth allocates a larger block and retires the old one

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 #include <utility>
 
@@ -26,6 +27,16 @@ std::shared_ptr<Arena> Arena::Create(std::unique_ptr<Driver> driver, size_t rese
   internal::RegisterArena(arena.get());
   return arena;
 }
+
+namespace {
+
+// JAX_VMM_DEFER_ZERO_READS=1: every arena defers its zero mapping (ArenaOptions).
+bool DeferZeroReadsFromEnv() {
+  const char* env = std::getenv("JAX_VMM_DEFER_ZERO_READS");
+  return env != nullptr && std::string(env) == "1";
+}
+
+}  // namespace
 
 Arena::Arena(std::unique_ptr<Driver> driver, size_t reserve_bytes, const ArenaOptions& options)
     : driver_(std::move(driver)), uid_(NewUid()), creator_pid_(static_cast<long>(getpid())) {
@@ -48,8 +59,10 @@ Arena::Arena(std::unique_ptr<Driver> driver, size_t reserve_bytes, const ArenaOp
   num_chunks_ = reserved_bytes_ / chunk_bytes_;
   // Reserve first: an impossible size fails here, with the OS's answer, before the
   // 1-byte-per-chunk page tables are allocated.
+  zeros_deferred_ = options.defer_zero_reads || DeferZeroReadsFromEnv();
   try {
-    base_ = driver_->Reserve(reserved_bytes_);
+    base_ = zeros_deferred_ ? driver_->ReserveDeferringZeros(reserved_bytes_)
+                            : driver_->Reserve(reserved_bytes_);
   } catch (const DriverError& e) {
     throw DriverError("Arena(reserve_bytes=" + std::to_string(reserve_bytes) +
                       "): cannot reserve " + std::to_string(reserved_bytes_) +
@@ -269,6 +282,14 @@ std::shared_ptr<ViewLease> Arena::LeaseView(int64_t buffer_id) {
   ReclaimAllLocked(lock, /*zero_parked=*/true);
   // (The wait may have dropped the lock: look the buffer up again.)
   const uint64_t uid = PlacementOrThrow(buffer_id, "Arena.view").info.uid;
+  if (zeros_deferred_) {
+    // A view's reader may touch any byte: unbacked ones must read zeros from now on.
+    // Nothing maps or unmaps in the reservation meanwhile (we hold the lock, and no
+    // reclaim or transfer is in flight after the reclaim above).
+    WaitWhileBusy(lock);
+    driver_->EnableZeroReads(base_);
+    zeros_deferred_ = false;
+  }
   views_exported_.store(true);
   std::lock_guard<std::mutex> views(views_mu_);
   ++live_views_[uid];

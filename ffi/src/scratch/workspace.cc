@@ -50,34 +50,30 @@ std::string Workspace::ChooseMode(ScratchMode requested) {
   return "";
 }
 
-// Maps chunks [range.handles.size(), want_chunks) of `range` (one handle each, one
-// MapRun, one SetAccess); all-or-nothing.
+// Maps [range.mapped, want_chunks * chunk) of `range` as one new allocation (one create,
+// one MapRun, one SetAccess); all-or-nothing.
 std::string Workspace::MapChunks(Range& range, size_t want_chunks) {
-  const size_t chunk = driver_->chunk_bytes();
-  const size_t first = range.handles.size();
-  if (want_chunks <= first) return "";
-  const uintptr_t va = range.va + first * chunk;
-  std::vector<PhysicalHandle> fresh;
-  std::vector<MapPiece> pieces;
-  bool mapped = false;
+  const size_t want = want_chunks * driver_->chunk_bytes();
+  if (want <= range.mapped) return "";
+  const size_t bytes = want - range.mapped;
+  const uintptr_t va = range.va + range.mapped;
+  PhysicalHandle fresh = 0;
+  bool created = false, mapped = false;
   try {
-    for (size_t i = first; i < want_chunks; ++i) {
-      fresh.push_back(driver_->Create(chunk));
-      pieces.push_back({fresh.back(), 0, chunk});
-    }
-    driver_->MapRun(va, pieces.data(), pieces.size());
+    fresh = driver_->Create(bytes);
+    created = true;
+    const MapPiece piece{fresh, 0, bytes};
+    driver_->MapRun(va, &piece, 1);
     mapped = true;
-    driver_->SetAccess(va, (want_chunks - first) * chunk);
+    driver_->SetAccess(va, bytes);
   } catch (const std::exception& e) {
-    if (mapped) {
-      const std::vector<size_t> sizes(pieces.size(), chunk);
-      driver_->UnmapRun(va, sizes.data(), sizes.size());
-    }
-    for (PhysicalHandle h : fresh) driver_->Release(h);
+    if (mapped) driver_->UnmapRun(va, &bytes, 1);
+    if (created) driver_->Release(fresh);
     return std::string("jax_vmm scratch: growing the workspace on ") + DeviceName(stats_.device) +
-           " to " + std::to_string(want_chunks * chunk) + " bytes failed: " + e.what();
+           " to " + std::to_string(want) + " bytes failed: " + e.what();
   }
-  range.handles.insert(range.handles.end(), fresh.begin(), fresh.end());
+  range.pieces.push_back({fresh, bytes});
+  range.mapped = want;
   return "";
 }
 
@@ -85,11 +81,12 @@ std::string Workspace::MapChunks(Range& range, size_t want_chunks) {
 // writes fault), so a graph that still points here faults instead of silently writing
 // into whatever would reuse the addresses.
 void Workspace::ReleaseChunks(Range& range) noexcept {
-  const size_t chunk = driver_->chunk_bytes();
-  const std::vector<size_t> sizes(range.handles.size(), chunk);
+  std::vector<size_t> sizes;
+  for (const Piece& p : range.pieces) sizes.push_back(p.bytes);
   driver_->UnmapRun(range.va, sizes.data(), sizes.size());
-  for (PhysicalHandle h : range.handles) driver_->Release(h);
-  range.handles.clear();
+  for (const Piece& p : range.pieces) driver_->Release(p.handle);
+  range.pieces.clear();
+  range.mapped = 0;
 }
 
 std::string Workspace::NewRange(size_t reserve, size_t want_chunks, Range* out) {
@@ -128,14 +125,14 @@ std::string Workspace::GrowRange(size_t bytes, size_t reserve_bytes, const Growt
     if (current_.va != 0) {
       outgrown_.push_back(std::move(current_));
       Range& old = outgrown_.back();
-      Outgrow(OutgrownBlock{stats_.device, old.handles.size() * chunk,
+      Outgrow(OutgrownBlock{stats_.device, old.mapped,
                             [this, &old] { ReleaseChunks(old); }},
               policy);
     }
     current_ = std::move(next);
   }
   stats_.address = current_.va;
-  stats_.capacity = current_.handles.size() * chunk;
+  stats_.capacity = current_.mapped;
   stats_.reserved_bytes = current_.reserved;
   stats_.backed_bytes = stats_.capacity + stats_.retired_bytes;
   return "";

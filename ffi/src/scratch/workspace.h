@@ -2,8 +2,10 @@
 // scratch/.
 //
 // A workspace starts empty; its first growth picks the strategy:
-//   grow-in-place: a Driver reservation; chunks are created and mapped at the tail, one
-//                  set-access per growth, so the address never changes;
+//   grow-in-place: a Driver reservation; each growth maps one new allocation of exactly
+//                  the added bytes at the tail (one create, one map, one set-access: a
+//                  workspace is only ever given back whole, so nothing needs finer
+//                  handles), so the address never changes;
 //   retire:        one exactly-sized block (a Driver range where the device has VMM, else
 //                  a plain allocation); a larger one replaces it.
 // What happens to a block the workspace moves away from is the growth policy's call
@@ -40,11 +42,17 @@ class Workspace {
                      const GrowthPolicy& policy);
 
  private:
-  // A virtual range with chunks mapped from its start.
+  // One allocation mapped in a range.
+  struct Piece {
+    PhysicalHandle handle = 0;
+    size_t bytes = 0;
+  };
+  // A virtual range with allocations mapped back to back from its start.
   struct Range {
     uintptr_t va = 0;
     size_t reserved = 0;
-    std::vector<PhysicalHandle> handles;  // chunk i is mapped at va + i * chunk
+    size_t mapped = 0;          // bytes mapped from va (the sum of the pieces)
+    std::vector<Piece> pieces;  // in address order
   };
 
   std::string ChooseMode(ScratchMode requested);

@@ -215,12 +215,14 @@ void BindFakeCuda(nb::module_& m) {
   BindFakeEntryPoints(m);
   m.def(
       "create_fake_cuda_arena",
-      [](size_t reserve_bytes, size_t chunk_bytes, size_t handle_bytes, bool zero_fill) {
+      [](size_t reserve_bytes, size_t chunk_bytes, size_t handle_bytes, bool zero_fill,
+         bool defer_zero_reads) {
         return Arena::Create(MakeCudaDriverWith(fake::FakeApi(), 0, chunk_bytes), reserve_bytes,
-                             ArenaOptions{handle_bytes, zero_fill});
+                             ArenaOptions{handle_bytes, zero_fill, defer_zero_reads});
       },
       nb::arg("reserve_bytes"), nb::arg("chunk_bytes") = 0, nb::arg("handle_bytes") = 0,
-      nb::arg("zero_fill") = true, nb::call_guard<nb::gil_scoped_release>(),
+      nb::arg("zero_fill") = true, nb::arg("defer_zero_reads") = false,
+      nb::call_guard<nb::gil_scoped_release>(),
       "A core Arena over the real CUDA driver code running on the fake CUDA driver.");
 }
 

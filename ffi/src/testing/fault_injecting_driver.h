@@ -84,6 +84,10 @@ class FaultInjectingDriver final : public Driver {
   bool FreshMemoryIsZero() const override { return inner_->FreshMemoryIsZero(); }
   bool UnmapNeedsQuiescence() const override;
   uintptr_t Reserve(size_t bytes) override { return inner_->Reserve(bytes); }
+  uintptr_t ReserveDeferringZeros(size_t bytes) override {
+    return inner_->ReserveDeferringZeros(bytes);
+  }
+  void EnableZeroReads(uintptr_t base) override { inner_->EnableZeroReads(base); }
   void Unreserve(uintptr_t va, size_t bytes) noexcept override { inner_->Unreserve(va, bytes); }
 
   PhysicalHandle Create(size_t bytes) override;

@@ -8,6 +8,12 @@
 // back), then maps the real pieces; UnmapRun unmaps real pieces and restores zero as
 // aligned pieces.
 //
+// A reservation made by ReserveDeferringZeros maps no zero piece until EnableZeroReads:
+// MapRun and UnmapRun there only map and unmap the real pieces (what the seed's code
+// does), and the driver records those mappings so that EnableZeroReads can tile the
+// holes between them. The zero allocations are made on first need (an eager Reserve or
+// EnableZeroReads), so a driver whose reservations all defer holds none.
+//
 // The driver API comes from cuda_api.h (libcuda resolved at run time), its objects are
 // held by the owners of cuda_owners.h, device facts come from cuda_device.h.
 #include <algorithm>
@@ -42,8 +48,10 @@ namespace {
 //
 // Thread-safety: every method may be called from any thread concurrently, on disjoint
 // address ranges (the arena serialises work on any one chunk). Immutable state after
-// construction, plus the zero layouts of the reservations (under zero_mu_, held only
-// around bookkeeping, never around driver calls) and one learned atomic flag. Each call
+// construction, plus the zero layouts of the reservations and the real mappings of
+// deferring ones (under zero_mu_, held only around bookkeeping, never around driver
+// calls), the zero allocations (made once under zero_make_mu_, then read through an
+// atomic pointer) and one learned atomic flag. Each call
 // pushes the primary context on the calling thread's own context stack and pops it on
 // return. Concurrent calls may share the private streams: each only waits for its stream
 // to drain, so correctness holds.
@@ -61,7 +69,7 @@ class CudaDriver final : public Driver {
         ctx_(api, dev, ordinal),
         stream_(api, ctx_.get(), ordinal),
         copy_stream_(api, ctx_.get(), ordinal),
-        zero_(ZeroAllocations::ForDevice(api, ordinal, dev, granularity)) {}
+        max_piece_(PlannedMaxPiece()) {}
 
   const char* kind() const override { return "cuda"; }
   int device_ordinal() const override { return ordinal_; }
@@ -80,47 +88,65 @@ class CudaDriver final : public Driver {
 
   // Cost: one cuMemMap per zero piece (about bytes / 256 MiB on an H200) plus one
   // cuMemSetAccess for the range.
-  uintptr_t Reserve(size_t bytes) override {
-    if (bytes == 0 || bytes % chunk_bytes_ != 0) {
-      throw InvalidArgument("jax_vmm: CUDA reservation of " + std::to_string(bytes) +
-                            " bytes: expected a positive multiple of chunk_bytes (" +
-                            std::to_string(chunk_bytes_) + ")");
-    }
+  uintptr_t Reserve(size_t bytes) override { return ReserveWith(bytes, /*defer=*/false); }
+
+  // Cost: the cuMemAddressReserve only.
+  uintptr_t ReserveDeferringZeros(size_t bytes) override {
+    return ReserveWith(bytes, /*defer=*/true);
+  }
+
+  // Tiles the holes between the real mappings with zero pieces (one cuMemMap each) and
+  // makes each hole readable (one cuMemSetAccess per hole): what Reserve would have done,
+  // minus what is mapped since. On failure the pieces mapped so far go again.
+  void EnableZeroReads(uintptr_t base) override {
     ContextGuard g(api_, ctx_.get(), ordinal_);
-    // Chunks on large-page boundaries, and zero pieces on their own size where it fits.
-    const size_t alignment =
-        std::max(LowestBit(chunk_bytes_), std::min(zero_->max_piece(), FloorPow2(bytes)));
-    CUdeviceptr va = 0;
-    CUresult r = api_.cuMemAddressReserve(&va, bytes, alignment, 0, 0);
-    if (r != CUDA_SUCCESS) {
-      ThrowDriver(api_, ordinal_,
-                  "cuMemAddressReserve(size=" + std::to_string(bytes) +
-                      ", alignment=" + std::to_string(alignment) +
-                      ") (virtual address space; try a smaller reserve_bytes)",
-                  r);
+    const ZeroAllocations& zero = Zero();
+    std::vector<ZeroPiece> tiles;
+    std::vector<ZeroPiece> holes;
+    {
+      std::lock_guard<std::mutex> lock(zero_mu_);
+      auto it = deferred_.find(base);
+      if (it == deferred_.end()) return;  // zeros from the start, or enabled already
+      ZeroLayout& layout = layouts_.at(base);
+      if (layout.max_piece() != zero.max_piece()) {  // still empty: plan it for these zeros
+        layout = ZeroLayout(base, layout.bytes(), zero.max_piece(), granularity_);
+      }
+      uintptr_t at = base;
+      for (const auto& [va, n] : it->second) {
+        if (va > at) holes.push_back({at, va - at});
+        at = va + n;
+      }
+      if (at < base + layout.bytes()) holes.push_back({at, base + layout.bytes() - at});
+      for (const ZeroPiece& h : holes) {
+        const std::vector<ZeroPiece> t = layout.Tile(h.va, h.bytes);
+        tiles.insert(tiles.end(), t.begin(), t.end());
+      }
     }
-    ZeroLayout layout(va, bytes, zero_->max_piece(), granularity_);
-    const std::vector<ZeroPiece> tiles = layout.Tile(va, bytes);
     size_t mapped = 0;
+    CUresult r = CUDA_SUCCESS;
+    std::string call;
     for (; mapped < tiles.size(); ++mapped) {
       r = MapZeroPiece(tiles[mapped]);
-      if (r != CUDA_SUCCESS) break;
+      if (r != CUDA_SUCCESS) {
+        call = "cuMemMap(zero piece, va=" + Hex(tiles[mapped].va) + ")";
+        break;
+      }
     }
-    if (r == CUDA_SUCCESS) r = api_.cuMemSetAccess(va, bytes, &read_only_, 1);
+    for (size_t i = 0; r == CUDA_SUCCESS && i < holes.size(); ++i) {
+      r = api_.cuMemSetAccess(holes[i].va, holes[i].bytes, &read_only_, 1);
+      if (r != CUDA_SUCCESS) call = "cuMemSetAccess(READ, va=" + Hex(holes[i].va) + ")";
+    }
     if (r != CUDA_SUCCESS) {
-      const std::string call =
-          mapped < tiles.size()
-              ? "cuMemMap(zero piece, va=" + Hex(tiles[mapped].va) +
-                    ", size=" + std::to_string(tiles[mapped].bytes) + ")"
-              : "cuMemSetAccess(READ, va=" + Hex(va) + ", size=" + std::to_string(bytes) + ")";
       for (size_t i = 0; i < mapped; ++i) api_.cuMemUnmap(tiles[i].va, tiles[i].bytes);
-      api_.cuMemAddressFree(va, bytes);
-      ThrowDriver(api_, ordinal_, call + " while reserving " + std::to_string(bytes) + " bytes", r);
+      if (r == CUDA_ERROR_OUT_OF_MEMORY) ThrowOutOfMemory(call + " (zero reads)", 0);
+      ThrowDriver(api_, ordinal_,
+                  call + " while giving the unbacked memory of the reservation at " + Hex(base) +
+                      " its zero mapping",
+                  r);
     }
-    layout.Add(tiles);
     std::lock_guard<std::mutex> lock(zero_mu_);
-    layouts_.emplace(va, std::move(layout));
-    return static_cast<uintptr_t>(va);
+    layouts_.at(base).Add(tiles);
+    deferred_.erase(base);
   }
 
   void Unreserve(uintptr_t va, size_t bytes) noexcept override {
@@ -134,6 +160,7 @@ class CudaDriver final : public Driver {
         pieces = it->second.pieces();
         layouts_.erase(it);
       }
+      deferred_.erase(va);
     }
     std::vector<bool> gone;
     const CUresult r0 = UnmapPieces(pieces, &gone);
@@ -234,6 +261,7 @@ class CudaDriver final : public Driver {
     }
     if (r == CUDA_SUCCESS) {
       RecordZero(va, plan.remap);
+      RecordReal(va, pieces, count);
       return;
     }
     // Undo: the real pieces mapped so far go; zero returns over the run and over the
@@ -269,6 +297,7 @@ class CudaDriver final : public Driver {
       Report(api_, ordinal_, "cuMemUnmap(va=" + Hex(va) + ", pieces=" + std::to_string(count) + ")",
              r);
     }
+    if (ForgetReal(va, sizes, gone)) return;  // zeros deferred: nothing to restore
     std::vector<ZeroPiece> fill;
     uintptr_t at = va;
     uintptr_t run_va = va;
@@ -440,10 +469,112 @@ class CudaDriver final : public Driver {
     }
   }
 
+  uintptr_t ReserveWith(size_t bytes, bool defer) {
+    if (bytes == 0 || bytes % chunk_bytes_ != 0) {
+      throw InvalidArgument("jax_vmm: CUDA reservation of " + std::to_string(bytes) +
+                            " bytes: expected a positive multiple of chunk_bytes (" +
+                            std::to_string(chunk_bytes_) + ")");
+    }
+    ContextGuard g(api_, ctx_.get(), ordinal_);
+    const size_t max_piece = defer ? max_piece_ : Zero().max_piece();
+    // Chunks on large-page boundaries, and zero pieces on their own size where it fits.
+    const size_t alignment =
+        std::max(LowestBit(chunk_bytes_), std::min(max_piece, FloorPow2(bytes)));
+    CUdeviceptr va = 0;
+    CUresult r = api_.cuMemAddressReserve(&va, bytes, alignment, 0, 0);
+    if (r != CUDA_SUCCESS) {
+      ThrowDriver(api_, ordinal_,
+                  "cuMemAddressReserve(size=" + std::to_string(bytes) +
+                      ", alignment=" + std::to_string(alignment) +
+                      ") (virtual address space; try a smaller reserve_bytes)",
+                  r);
+    }
+    ZeroLayout layout(va, bytes, max_piece, granularity_);
+    if (!defer) {
+      const std::vector<ZeroPiece> tiles = layout.Tile(va, bytes);
+      size_t mapped = 0;
+      for (; mapped < tiles.size(); ++mapped) {
+        r = MapZeroPiece(tiles[mapped]);
+        if (r != CUDA_SUCCESS) break;
+      }
+      if (r == CUDA_SUCCESS) r = api_.cuMemSetAccess(va, bytes, &read_only_, 1);
+      if (r != CUDA_SUCCESS) {
+        const std::string call =
+            mapped < tiles.size()
+                ? "cuMemMap(zero piece, va=" + Hex(tiles[mapped].va) +
+                      ", size=" + std::to_string(tiles[mapped].bytes) + ")"
+                : "cuMemSetAccess(READ, va=" + Hex(va) + ", size=" + std::to_string(bytes) + ")";
+        for (size_t i = 0; i < mapped; ++i) api_.cuMemUnmap(tiles[i].va, tiles[i].bytes);
+        api_.cuMemAddressFree(va, bytes);
+        ThrowDriver(api_, ordinal_, call + " while reserving " + std::to_string(bytes) + " bytes",
+                    r);
+      }
+      layout.Add(tiles);
+    }
+    std::lock_guard<std::mutex> lock(zero_mu_);
+    layouts_.emplace(va, std::move(layout));
+    if (defer) deferred_[va];
+    return static_cast<uintptr_t>(va);
+  }
+
+  // The largest zero piece this device's zero allocations will have (cuMemGetInfo and
+  // JAX_VMM_ZERO_PIECE_MAX_BYTES, as ZeroAllocations::ForDevice decides).
+  size_t PlannedMaxPiece() const {
+    ContextGuard g(api_, ctx_.get(), ordinal_);
+    MemInfo info;
+    const CUresult r = api_.cuMemGetInfo(&info.free_bytes, &info.total_bytes);
+    if (r != CUDA_SUCCESS) ThrowDriver(api_, ordinal_, "cuMemGetInfo", r);
+    return ZeroPieceBytes(info.total_bytes, granularity_, ZeroPieceCeilingFromEnv());
+  }
+
+  // The device's zero allocations, made on first need (throws OutOfMemory / DriverError).
+  const ZeroAllocations& Zero() {
+    if (const ZeroAllocations* z = zero_.load(std::memory_order_acquire)) return *z;
+    std::lock_guard<std::mutex> lock(zero_make_mu_);
+    if (zero_owner_ == nullptr) {
+      zero_owner_ = ZeroAllocations::ForDevice(api_, ordinal_, dev_, granularity_);
+      zero_.store(zero_owner_.get(), std::memory_order_release);
+    }
+    return *zero_owner_;
+  }
+
+  // The real mappings of reservations whose zeros are deferred: recorded on MapRun,
+  // forgotten on UnmapRun (returns whether the reservation defers its zeros).
+  void RecordReal(uintptr_t va, const MapPiece* pieces, size_t count) noexcept {
+    std::lock_guard<std::mutex> lock(zero_mu_);
+    try {
+      auto it = deferred_.find(LayoutOf(va).base());
+      if (it == deferred_.end()) return;
+      for (size_t i = 0; i < count; va += pieces[i].bytes, ++i) it->second[va] = pieces[i].bytes;
+    } catch (const std::exception& e) {
+      Report(api_, ordinal_, std::string("mapping bookkeeping: ") + e.what(), -1);
+    }
+  }
+
+  bool ForgetReal(uintptr_t va, const std::vector<size_t>& sizes,
+                  const std::vector<bool>& gone) noexcept {
+    std::lock_guard<std::mutex> lock(zero_mu_);
+    try {
+      auto it = deferred_.find(LayoutOf(va).base());
+      if (it == deferred_.end()) return false;
+      for (size_t i = 0; i < sizes.size(); va += sizes[i], ++i) {
+        if (gone[i]) it->second.erase(va);
+      }
+      return true;
+    } catch (...) {
+      return false;  // no layout: only reached after a bookkeeping bug
+    }
+  }
+
+  // Whether the reservation containing va defers its zeros; caller holds zero_mu_.
+  bool DeferredLocked(uintptr_t va) { return deferred_.count(LayoutOf(va).base()) > 0; }
+
   // The reservation's zero layout: the pieces under [va, va + bytes) are planned for
-  // clearing and taken out of the record (they are this call's to unmap).
+  // clearing and taken out of the record (they are this call's to unmap). Nothing to
+  // clear while the reservation defers its zeros.
   ZeroLayout::Clear ClaimZero(uintptr_t va, size_t bytes) {
     std::lock_guard<std::mutex> lock(zero_mu_);
+    if (DeferredLocked(va)) return {};
     ZeroLayout& layout = LayoutOf(va);
     ZeroLayout::Clear plan = layout.PlanClear(va, bytes);
     layout.Remove(plan.unmap);
@@ -463,6 +594,7 @@ class CudaDriver final : public Driver {
   std::vector<ZeroPiece> TileOf(uintptr_t va, size_t bytes) noexcept {
     std::lock_guard<std::mutex> lock(zero_mu_);
     try {
+      if (DeferredLocked(va)) return {};
       return LayoutOf(va).Tile(va, bytes);
     } catch (...) {
       return {{va, bytes}};  // no layout: one piece (only reached after a bookkeeping bug)
@@ -538,7 +670,9 @@ class CudaDriver final : public Driver {
 
   // The zero allocation of the piece's exact size, mapped at it (not yet readable).
   CUresult MapZeroPiece(const ZeroPiece& p) const noexcept {
-    return api_.cuMemMap(p.va, p.bytes, 0, zero_->handle(p.bytes), 0);
+    const ZeroAllocations* zero = zero_.load(std::memory_order_acquire);
+    // No zero allocations yet: a handle of 0, which cuMemMap refuses (a bookkeeping bug).
+    return api_.cuMemMap(p.va, p.bytes, 0, zero != nullptr ? zero->handle(p.bytes) : 0, 0);
   }
 
   // Maps every piece (made read-only by the caller); returns the pieces mapped. A piece
@@ -559,6 +693,7 @@ class CudaDriver final : public Driver {
   // Read-only access over [va, va + bytes); where one call is refused (a hole left by a
   // failed restore), chunk by chunk for what is mapped.
   void ReadOnly(uintptr_t va, size_t bytes) noexcept {
+    if (bytes == 0) return;
     if (api_.cuMemSetAccess(va, bytes, &read_only_, 1) == CUDA_SUCCESS) return;
     for (size_t off = 0; off < bytes; off += chunk_bytes_) {
       const CUresult r = api_.cuMemSetAccess(va + off, chunk_bytes_, &read_only_, 1);
@@ -604,9 +739,14 @@ class CudaDriver final : public Driver {
   PrimaryContext ctx_;
   OwnedStream stream_;       // metadata copies and zero fills: small, latency-bound
   OwnedStream copy_stream_;  // bulk host <-> device copies (sleep, offload, put)
-  std::shared_ptr<const ZeroAllocations> zero_;
+  const size_t max_piece_;  // of the zero allocations, once made
+  std::mutex zero_make_mu_;
+  std::shared_ptr<const ZeroAllocations> zero_owner_;  // made on first need
+  std::atomic<const ZeroAllocations*> zero_{nullptr};  // zero_owner_, once made
   std::mutex zero_mu_;
   std::map<uintptr_t, ZeroLayout> layouts_;  // by reservation base
+  // Reservations whose zeros are deferred: base -> their real mappings (va -> bytes).
+  std::map<uintptr_t, std::map<uintptr_t, size_t>> deferred_;
   // Whether cuMemUnmap accepts a range spanning several mappings (learned on first use).
   static constexpr int kUnknown = -1, kNo = 0, kYes = 1;
   std::atomic<int> span_unmap_{kUnknown};
