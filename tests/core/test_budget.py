@@ -418,6 +418,7 @@ def test_gpu_budget_caps_what_the_driver_gives_out(gpu_device, bypass):
     finally:
         for kv in kvs:
             kv.close()
-    # The driver may add page-table memory of its own for the mappings: one chunk of slack.
-    over = worst > budget.bytes + chunk
+    # Slack for memory the driver and JAX's allocator may take meanwhile (page tables of
+    # the mappings, the KV table): 4 chunks, half of what the bypassed run goes over by.
+    over = worst > budget.bytes + 4 * chunk
     assert over == bypass, (worst, budget.bytes)
