@@ -31,6 +31,8 @@
 // them "parked" (unbacked in the page table, still mapped, memory held) until every chunk
 // of it is released; a later commit of a parked chunk takes it back without a driver call.
 // handle_bytes == chunk_bytes (the Arena default) gives every chunk its own allocation.
+// An arena in a MemoryBudget (JoinBudget) takes each allocation's bytes from it before the
+// driver creates it, and gives them back after the release (jax_vmm/memory_budget.h).
 //
 // Raw views. A view (DLPack export, counted by a ViewLease) lets XLA read arena memory
 // anywhere, unbacked chunks included, where a kernel would fault while a zero mapping is
