@@ -3,7 +3,7 @@
 
 A policy engine serves its requests; every K decode blocks it sleeps (KV cache and
 weights), a reference engine (another model, e.g. the reference of an RL step) wakes and
-serves its own requests, sleeps again, and the policy wakes and goes on. All four arenas
+serves its own (short) requests, sleeps again, and the policy wakes and goes on. All four arenas
 draw from one `MemoryBudget` smaller than the sum of the two engines' peaks: only one
 engine fits at a time. Whether each engine's generation is unchanged is checked against
 its first run. Not thread-safe.

@@ -196,7 +196,12 @@ def _reference_engine(
     )
     sleeper = EngineSleeper(ref_cache.kv, params, device, budget=budget)
     gen = E.Generator(sleeper.params, cfg, ref_cache, attend, block=args.block)
-    ref_requests = requests[: serving["batch"]]
+    # A stand-in for scoring the policy's sequences: the prompts (where the KV peaks) and
+    # one decode block each, so a turn stays short next to the policy's serving.
+    ref_requests = [
+        dataclasses.replace(r, max_new_tokens=min(r.max_new_tokens, args.block))
+        for r in requests[: serving["batch"]]
+    ]
     gen.precompile(ref_requests)
     sleeper.sleep()
     return sleeper, gen, ref_requests
