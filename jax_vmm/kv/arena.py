@@ -136,6 +136,7 @@ class KVArena(KVArenaBase, TokenBacking, SequenceTransfers):
                 handle_bytes=handle_bytes,
                 zero_fill=zero_fill,
                 budget=budget,
+                _budget_label="KV arena",
             )
         except (DriverError, ValueError) as e:  # the reservation itself: name our arguments
             raise type(e)(

@@ -310,7 +310,10 @@ class Arena:
         handle_bytes: int | None = None,
         zero_fill: bool = True,
         budget: MemoryBudget | None = None,
+        _budget_label: str = "arena",
     ):
+        # _budget_label (jax_vmm.kv only): how the budget's stats and errors name this
+        # arena, before its uid ("KV arena 42").
         reserve_bytes = as_int(reserve_bytes, "reserve_bytes")
         if reserve_bytes <= 0:
             raise ValueError(
@@ -338,7 +341,7 @@ class Arena:
         )
         try:
             if budget is not None:
-                budget._join(self._handle, self._target, f"arena {self._handle.uid}")
+                budget._join(self._handle, self._target, f"{_budget_label} {self._handle.uid}")
             # before the arena's first device wait (it waits for that stream)
             register_compute_stream(self._target)
         except BaseException:
