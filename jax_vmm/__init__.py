@@ -38,7 +38,7 @@ from .errors import (  # noqa: E402
     TransferError,
 )
 from .kv import KVArena, KVArenaStats, ShardedKVArena, ShardedKVArenaStats, kv_arena  # noqa: E402
-from .memory import Arena, Buffer, Transfer  # noqa: E402
+from .memory import Arena, Buffer, MemoryBudget, Transfer  # noqa: E402
 from .memory.stats import ArenaStats  # noqa: E402
 from .ops import (  # noqa: E402
     KVDest,
@@ -61,6 +61,7 @@ __all__ = [
     "Arena",
     "Buffer",
     "Transfer",
+    "MemoryBudget",
     "kv_arena",
     "KVArena",
     "ShardedKVArena",

@@ -179,6 +179,27 @@ def query_cuda_devices() -> tuple:
     ([device dicts], error): what the CUDA driver offers; error says why the list is empty.
     """
 
+class MemoryBudget:
+    """
+    A cap on the physical memory of several arenas of one device. Thread-safe. Use jax_vmm.MemoryBudget (Python) rather than this class.
+    """
+
+    @property
+    def cap_bytes(self) -> int: ...
+
+    @property
+    def driver_kind(self) -> str: ...
+
+    @property
+    def device_ordinal(self) -> int: ...
+
+    def stats(self) -> dict: ...
+
+def create_memory_budget(cap_bytes: int, driver: str, device: int) -> MemoryBudget: ...
+
+def arena_join_budget(arena: Arena, budget: MemoryBudget, label: str) -> None:
+    """Every later physical allocation of the arena comes from the budget."""
+
 def scratch_stats() -> list:
     """
     One dict per workspace: device, stream, mode, address, capacity, backed and retired bytes, growth events, capture refusals.

@@ -61,6 +61,9 @@ def set_host_map_limit(limit: int) -> None:
     The mapping limit host arenas check against instead of vm.max_map_count (0: the real one).
     """
 
+def set_budget_check_bypassed(bypassed: bool) -> None:
+    """While set, memory budgets never refuse a commit (they still count)."""
+
 class ZeroLayout:
     def __init__(self, base: int, bytes: int, max_piece: int, unit: int) -> None: ...
 

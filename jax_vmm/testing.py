@@ -99,6 +99,7 @@ __all__ = [
     "FaultInjection",
     "fault_injection",
     "host_map_limit",
+    "budget_check_bypassed",
     "uncounted_view",
     "unchecked_kv_writes",
     "token_kernel_kv_writes",
@@ -218,6 +219,18 @@ def host_map_limit(limit: int) -> Iterator[None]:
         yield
     finally:
         _testing.set_host_map_limit(0)
+
+
+@contextlib.contextmanager
+def budget_check_bypassed() -> Iterator[None]:
+    """Inside the with-block no :class:`~jax_vmm.MemoryBudget` refuses a commit (each
+    still counts what its arenas hold): tests show with it that they would catch arenas
+    going past their budget. Process-wide; not for concurrent use."""
+    _testing.set_budget_check_bypassed(True)
+    try:
+        yield
+    finally:
+        _testing.set_budget_check_bypassed(False)
 
 
 # -- views that do not count ----------------------------------------------------------

@@ -17,6 +17,7 @@ from ..base.loader import core as _core
 from ..cache.ids import LayerId
 from ..cache.registry import register_arena
 from ..memory.arena import Arena, Buffer
+from ..memory.budget import MemoryBudget, check_budget
 from ..memory.transfer import Transfer
 from ..ops.array_writes import KVDest
 from .backing import TokenBacking
@@ -93,6 +94,7 @@ class KVArena(KVArenaBase, TokenBacking, SequenceTransfers):
         commit_ahead_tokens: int | None = None,
         k_scales: Any = None,
         v_scales: Any = None,
+        budget: MemoryBudget | None = None,
         _shard_of: int | None = None,
     ):
         # _shard_of (jax_vmm.kv.sharded only): this arena is one device's shard of a sharded
@@ -119,6 +121,9 @@ class KVArena(KVArenaBase, TokenBacking, SequenceTransfers):
             target.ordinal,
             0 if chunk_bytes is None else as_index(chunk_bytes, "chunk_bytes"),
         )
+        budget = check_budget(budget, "kv_arena")
+        if budget is not None:  # before anything is made
+            budget._check(target, chunk, self._signature())
         if handle_bytes is None:
             handle_bytes = max(chunk, DEFAULT_KV_HANDLE_BYTES // chunk * chunk)
         buffer_bytes = seqs * self.seq_bytes
@@ -130,6 +135,8 @@ class KVArena(KVArenaBase, TokenBacking, SequenceTransfers):
                 chunk_bytes=chunk,
                 handle_bytes=handle_bytes,
                 zero_fill=zero_fill,
+                budget=budget,
+                _budget_label="KV arena",
             )
         except (DriverError, ValueError) as e:  # the reservation itself: name our arguments
             raise type(e)(

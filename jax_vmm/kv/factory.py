@@ -31,6 +31,7 @@ def kv_arena(
     k_scales: Any = None,
     v_scales: Any = None,
     sharding: Any = None,
+    budget: Any = None,
 ) -> KVArena | ShardedKVArena:
     """Create a :class:`KVArena`: K/V buffers for every layer in one reserved range.
 
@@ -43,7 +44,11 @@ def kv_arena(
     ``(num_layers, num_kv_heads)``, the per-layer, per-KV-head scales its tokens are
     quantized with (default 1.0; see docs/kv_cache.md for choosing them). Its cache
     layers carry them: ``kv_write(layer, ...)`` quantizes float tokens, and
-    ``decode_attention(q, layer, lengths)`` dequantizes."""
+    ``decode_attention(q, layer, lengths)`` dequantizes.
+
+    ``budget``: a :class:`~jax_vmm.MemoryBudget` on the arena's device, shared with other
+    arenas (docs/sharing.md); with ``sharding``, a sequence of budgets, one per device of
+    the mesh, in any order."""
     kw = dict(locals())  # the arguments above, as given: the same keywords as KVArena's
     del kw["sharding"]
     if sharding is not None:

@@ -28,6 +28,7 @@ from ..base.errors import OutOfBoundsRead, OutOfBoundsWrite
 from ..base.fp8 import FP8_DTYPE
 from ..cache.registry import register_arena
 from ..cache.sharding import ShardedLayerId, layout
+from ..memory.budget import MemoryBudget, check_budget
 from .arena import KVArena
 from .base import KVArenaBase, LayerViews, check_seq, layer_shape, wait_for_writes
 from .stats import ShardedKVArenaStats
@@ -40,6 +41,37 @@ __all__ = ["ShardedKVArena", "ShardedLayerId"]
 #: show the tests catch a missing rollback; nothing else should.
 def _roll_back_shard(shard: KVArena, point: Any) -> None:
     shard._roll_back(point)
+
+
+def _budgets_by_device(budget: Any, devices: Sequence[jax.Device]) -> dict[jax.Device, Any]:
+    """The budget of each device of the mesh: none, or one MemoryBudget per device (a
+    budget caps one device, so a single one fits only a one-device mesh)."""
+    if budget is None:
+        return {}
+    if isinstance(budget, MemoryBudget):
+        budget = [budget]
+    if isinstance(budget, (str, bytes)) or not isinstance(budget, Sequence):
+        raise TypeError(
+            "kv_arena(sharding=...): budget must be a sequence of jax_vmm.MemoryBudget, one "
+            f"per device of the mesh, got {type(budget).__name__}"
+        )
+    out: dict[jax.Device, Any] = {}
+    for b in budget:
+        check_budget(b, "kv_arena(sharding=...)")
+        if b is None or b.device in out:
+            raise ValueError(
+                "kv_arena(sharding=...): budget must hold one MemoryBudget per device of "
+                f"the mesh; {'None' if b is None else b.device} is given twice or is None"
+            )
+        out[b.device] = b
+    if set(out) != set(devices):
+        raise ValueError(
+            "kv_arena(sharding=...): a budget caps one device, and the mesh has "
+            f"{len(devices)}: pass one MemoryBudget per device of the mesh "
+            f"({sorted(str(d) for d in devices)}), got budgets on "
+            f"{sorted(str(d) for d in out)}"
+        )
+    return out
 
 
 class ShardedKVArena(KVArenaBase):
@@ -83,6 +115,7 @@ class ShardedKVArena(KVArenaBase):
         scales = {k: kw.pop(k, None) for k in ("k_scales", "v_scales")}
         if _is_fp8(kw.get("dtype")):
             _check_global_scales(scales, int(num_layers), int(heads))
+        budgets = _budgets_by_device(kw.pop("budget", None), split.devices)
         self.shards: list[KVArena] = []
         try:
             for i, device in enumerate(split.devices):
@@ -102,6 +135,7 @@ class ShardedKVArena(KVArenaBase):
                             "device": device,
                             "num_kv_heads": split.local_heads,
                             "max_seqs": None if max_seqs is None else split.local_seqs,
+                            "budget": budgets.get(device),
                         },
                         **local,
                         _shard_of=self.shards[0].uid if self.shards else 0,

@@ -18,6 +18,7 @@ from ..base.compute_streams import register_compute_stream
 from ..base.devices import DeviceTarget, resolve_device
 from ..base.errors import ArenaAsleepError, ArenaClosedError, ReservationFullError
 from ..base.loader import core as _core
+from .budget import MemoryBudget, check_budget
 from .host_wait import wait_for_host_work
 from .stats import ArenaStats
 
@@ -289,6 +290,9 @@ class Arena:
     allocations (fewer driver calls), but a release frees an allocation's memory only
     once every chunk of it is released. ``zero_fill``: newly backed memory reads zeros
     (else whatever the memory held: cheaper, for data that is written before it is read).
+    ``budget``: a :class:`~jax_vmm.MemoryBudget` of the same device that caps the
+    physical memory of this arena together with the budget's other arenas
+    (``docs/sharing.md``).
 
     ``close()`` releases all physical memory at once; views that are still alive then
     read zeros (the address range stays reserved until the last view is gone). Also a
@@ -305,7 +309,11 @@ class Arena:
         *,
         handle_bytes: int | None = None,
         zero_fill: bool = True,
+        budget: MemoryBudget | None = None,
+        _budget_label: str = "arena",
     ):
+        # _budget_label (jax_vmm.kv only): how the budget's stats and errors name this
+        # arena, before its uid ("KV arena 42").
         reserve_bytes = as_int(reserve_bytes, "reserve_bytes")
         if reserve_bytes <= 0:
             raise ValueError(
@@ -326,11 +334,15 @@ class Arena:
                 f"handle_bytes must be > 0 (or None for one allocation per chunk), got {handle}"
             )
         zero_fill = as_flag(zero_fill, "zero_fill")
+        budget = check_budget(budget, "Arena")
         self._target: DeviceTarget = resolve_device(device)
         self._handle = _core_arena_factory(
             self._target.driver, self._target.ordinal, reserve_bytes, chunk, handle, zero_fill
         )
-        try:  # before the arena's first device wait (it waits for that stream)
+        try:
+            if budget is not None:
+                budget._join(self._handle, self._target, f"{_budget_label} {self._handle.uid}")
+            # before the arena's first device wait (it waits for that stream)
             register_compute_stream(self._target)
         except BaseException:
             self._handle.close()

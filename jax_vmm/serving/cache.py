@@ -208,6 +208,7 @@ class VmmCache:
         kv_dtype: str = "model",
         sharding: Any = None,
         commit_ahead_tokens: int | None = None,
+        budget: jax_vmm.MemoryBudget | None = None,
     ) -> None:
         """zero_fill: committed tokens read as zeros until written (costs a fill per
         commit; for readers of tokens never written). commit_ahead_tokens: how close to
@@ -215,7 +216,8 @@ class VmmCache:
         the background (None: kv_arena's default; see commit_lead_tokens). kv_dtype:
         "model" = the model's dtype, or "fp8" (float8_e4m3fn, scale 1 per layer and KV
         head: docs/kv_cache.md). sharding (jax_vmm.serving.tensor_parallel): one arena per
-        device of its mesh."""
+        device of its mesh. budget: the MemoryBudget the arena draws from
+        (docs/sharing.md)."""
         device = device or jax.devices()[0]
         # Host arenas hand out zero-filled pages (memfd) and read zeros where unbacked;
         # CUDA physical memory (cuMemCreate) comes uninitialised.
@@ -237,6 +239,7 @@ class VmmCache:
             zero_fill=zero_fill,
             sharding=sharding,
             commit_ahead_tokens=commit_ahead_tokens,
+            budget=budget,
         )
         self._arenas = [s.arena for s in getattr(self.kv, "shards", [self.kv])]
         self._cache = self.kv.cache()
@@ -316,9 +319,12 @@ def make_cache(
     kv_dtype: str = "model",
     sharding: Any = None,
     commit_ahead_tokens: int | None = None,
+    budget: jax_vmm.MemoryBudget | None = None,
 ) -> CacheBackend:
     kv_storage_dtype(cfg, kv_dtype)  # a bad kv_dtype fails here, before any memory
     if backend == "prealloc":
+        if budget is not None:
+            raise ValueError("a memory budget (--budget) needs the jax_vmm backend")
         if sharding is not None:
             raise ValueError("a sharded (--tp) cache needs the jax_vmm backend")
         return PreallocatedCache(
@@ -334,5 +340,6 @@ def make_cache(
             kv_dtype=kv_dtype,
             sharding=sharding,
             commit_ahead_tokens=commit_ahead_tokens,
+            budget=budget,
         )
     raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")

@@ -42,27 +42,42 @@ class SleepStats:
 class EngineSleeper:
     """The weights in an arena, and a pause() that sleeps and wakes them with `kv`."""
 
-    def __init__(self, kv: jax_vmm.KVArena, params: Any, device: jax.Device) -> None:
+    def __init__(
+        self,
+        kv: jax_vmm.KVArena,
+        params: Any,
+        device: jax.Device,
+        budget: jax_vmm.MemoryBudget | None = None,
+    ) -> None:
         leaves = jax.tree_util.tree_leaves(params)
         total = sum(int(x.nbytes) for x in leaves)
         # Every buffer is rounded up to whole chunks (the driver's granularity): room for
         # that rounding per leaf; address space is free.
-        self.weights = jax_vmm.Arena(2 * total + len(leaves) * (64 << 20), device=device)
+        self.weights = jax_vmm.Arena(
+            2 * total + len(leaves) * (64 << 20), device=device, budget=budget
+        )
         self.params = jax.tree_util.tree_map(self.weights.put, params)
         self.kv = kv
         self.stats = SleepStats()
 
     def pause(self) -> None:
+        self.sleep()
+        self.wake()
+
+    def sleep(self) -> None:
+        """Both arenas give all their memory back (contents kept on the host)."""
         t0 = time.perf_counter()
         self.kv.sleep()
         self.weights.sleep()
-        t1 = time.perf_counter()
+        self.stats.sleep_seconds.append(time.perf_counter() - t0)
         held = max(int(self.kv.arena.backed_bytes), int(self.weights.backed_bytes))
         self.stats.asleep_backed_bytes = max(self.stats.asleep_backed_bytes, held)
+
+    def wake(self) -> None:
+        t0 = time.perf_counter()
         self.weights.wake()
         self.kv.wake()
-        self.stats.sleep_seconds.append(t1 - t0)
-        self.stats.wake_seconds.append(time.perf_counter() - t1)
+        self.stats.wake_seconds.append(time.perf_counter() - t0)
         self.stats.cycles += 1
 
     def close(self) -> None:

@@ -127,3 +127,12 @@ def print_summary(s: dict) -> None:
             f"{fmt_bytes(z['asleep_backed_bytes'])}; generation unchanged: "
             f"{'yes' if z['generation_unchanged'] else 'NO'}"
         )
+    if "budget" in s:
+        z = s["budget"]
+        print(
+            f"a reference engine took {z['reference_turns']} turns at those pauses; both in "
+            f"one budget of {fmt_bytes(z['budget_bytes'])} (peak "
+            f"{fmt_bytes(z['peak_bytes'])}; the engines' peaks sum to "
+            f"{fmt_bytes(z['sum_of_engine_peaks_bytes'])}); reference unchanged: "
+            f"{'yes' if z['reference_unchanged'] else 'NO'}"
+        )

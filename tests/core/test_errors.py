@@ -653,6 +653,36 @@ def _rope_without_type(ctx: Ctx) -> None:
 ROWS += [Row("H1", _rope_without_type)]
 
 
+# -- memory budgets --
+def _budget(ctx: Ctx, chunks: int, device: Any = None) -> jax_vmm.MemoryBudget:
+    return jax_vmm.MemoryBudget(chunks * ctx.c, device=device or ctx.device)
+
+
+def _devices() -> set:
+    return set(jax.devices()) | set(jax.devices("cpu"))
+
+
+def _past_the_budget(ctx: Ctx) -> None:
+    arena = ctx.new_arena(budget=_budget(ctx, 2))
+    ctx.vm._owned.append(arena)
+    arena.allocate(3 * ctx.c, jnp.uint8, name="buf").commit()
+
+
+ROWS += [
+    Row("G1", lambda x: jax_vmm.MemoryBudget(0, device=x.device)),
+    Row("G2", lambda x: jax_vmm.MemoryBudget(1.5e6, device=x.device)),
+    Row("G3", lambda x: x.new_arena(budget=8 * x.c)),
+    Row(
+        "G4",
+        lambda x: x.new_arena(budget=_budget(x, 4, next(d for d in _devices() if d != x.device))),
+        requires=lambda: None if len(_devices()) > 1 else "one device: see budget_scenarios.py",
+    ),
+    Row("G5", lambda x: x.new_arena(budget=jax_vmm.MemoryBudget(x.c - 1, device=x.device))),
+    Row("G6", lambda x: _sharded(x, budget=[_budget(x, 4)] * 2)),
+    Row("G7", _past_the_budget),
+]
+
+
 def message_pattern(row_id: str, rows: dict[str, DocRow]) -> str:
     """The *message* column as a regex: `…` is any text, a standalone N one word,
     ` / ` separates alternatives, `as X` is row X's message."""

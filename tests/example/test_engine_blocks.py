@@ -417,3 +417,29 @@ def test_one_table_update_serves_ensure_blocks_blocks(
     got = serve("jax_vmm", reqs, block=4, device=cpu_device)
     assert len(got.results[0].tokens) == 41
     assert got.host_calls["ensure_all"][0] == -(-10 // ensure_blocks)
+
+
+def test_decode_cli_two_engines_take_turns_in_one_budget(tmp_path: Path) -> None:
+    """--sleep-every K --budget BYTES: a reference engine runs at every pause while the
+    policy sleeps, inside one budget smaller than the sum of the two engines' peaks."""
+    from jax_vmm.serving.cli import decode
+
+    args = ["--device", "cpu", "--requests", "4", "--batch", "2", "--max-tokens", "128",
+            "--prompt-len", "4", "20", "--new-tokens", "10", "30", "--block", "4",
+            "--no-plot", "--no-progress", "--out", str(tmp_path), "--sleep-every", "2"]  # fmt: skip
+    roomy = decode.main([*args, "--budget", str(1 << 30)])["budget"]
+    peaks = roomy["arena_peak_bytes"]
+    policy = peaks["policy KV"] + peaks["policy weights"]
+    reference = peaks["reference KV"] + peaks["reference weights"]
+    # One engine at a time even with room for both: the reference sleeps from its start.
+    assert roomy["peak_bytes"] == max(policy, reference)
+    cap = max(policy, reference) + min(policy, reference) // 2
+    summary = decode.main([*args, "--budget", str(cap)])
+    b = summary["budget"]
+    assert b["budget_below_sum_of_peaks"] and b["sum_of_engine_peaks_bytes"] == policy + reference
+    assert b["peak_bytes"] <= cap and b["reference_turns"] >= 2
+    assert b["reference_unchanged"] and summary["sleep"]["generation_unchanged"]
+    with pytest.raises(SystemExit, match="--budget 4096: needs --sleep-every K"):
+        decode.main([*args[:-2], "--budget", "4096"])
+    with pytest.raises(SystemExit, match="--budget 0: needs --sleep-every K .* BYTES > 0"):
+        decode.main([*args, "--budget", "0"])

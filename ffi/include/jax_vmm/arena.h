@@ -31,6 +31,8 @@
 // them "parked" (unbacked in the page table, still mapped, memory held) until every chunk
 // of it is released; a later commit of a parked chunk takes it back without a driver call.
 // handle_bytes == chunk_bytes (the Arena default) gives every chunk its own allocation.
+// An arena in a MemoryBudget (JoinBudget) takes each allocation's bytes from it before the
+// driver creates it, and gives them back after the release (jax_vmm/memory_budget.h).
 //
 // Raw views. A view (DLPack export, counted by a ViewLease) lets XLA read arena memory
 // anywhere, unbacked chunks included, where a kernel would fault while a zero mapping is
@@ -66,6 +68,7 @@
 
 #include "jax_vmm/driver.h"
 #include "jax_vmm/errors.h"
+#include "jax_vmm/memory_budget.h"
 
 namespace jax_vmm {
 
@@ -279,6 +282,17 @@ class Arena : public std::enable_shared_from_this<Arena> {
   // Frees the host staging memory kept for the next sleep or offload.
   void FreeHostCache();
 
+  // Makes every later physical allocation of this arena come from `budget` (see
+  // jax_vmm/memory_budget.h); `label` names the arena in its stats and errors. Only for an
+  // open arena on the budget's device that holds no physical memory yet and has no budget;
+  // the budget must fit at least one chunk. Else InvalidArgument, nothing changed.
+  void JoinBudget(std::shared_ptr<MemoryBudget> budget, const std::string& label);
+  std::shared_ptr<MemoryBudget> budget() const;
+  // For another member of the budget that hit its cap: waits for this arena's deferred
+  // releases (the device, and the reclaimer if it is unmapping) and gives them back.
+  // Returns the bytes. Never throws ForkedProcess or ArenaClosed (nothing to give then).
+  size_t ReclaimForBudget();
+
   // Releases all physical memory and refuses further work (ArenaClosed). The address
   // range stays reserved, reading zeros, until the Arena object is destroyed, so views
   // that outlive close() read zeros instead of faulting. Idempotent.
@@ -373,6 +387,12 @@ class Arena : public std::enable_shared_from_this<Arena> {
   // backed (live), or pinned for a transfer that publishes them later.
   void AdoptPlanned(const CommitPlan& plan, Pending* pending, bool pinned);
   void DrainIfViewsMayRead();
+  // Takes the plan's new memory from the budget (if any) into *out, before any driver
+  // call. On a full budget the first time (*reclaimed false): gives back the deferred
+  // releases of this arena and the other members, and returns false (plan again; mu_ was
+  // released meanwhile). The second time: throws BudgetExceeded.
+  bool ChargeBudget(std::unique_lock<std::mutex>& lock, const CommitPlan& plan, const char* op,
+                    bool* reclaimed, BudgetCharge* out);
   void MapRuns(const CommitPlan& plan, Pending* pending, bool zero);
   void ZeroFillRevived(const CommitPlan& plan);
   void PublishCommit(const CommitPlan& plan, Pending* pending);
@@ -475,6 +495,7 @@ class Arena : public std::enable_shared_from_this<Arena> {
   uint8_t* device_page_table_ = nullptr;
   unsigned long long* device_drop_counters_ = nullptr;  // kMaxBuffers entries
   ArenaStats stats_;
+  std::shared_ptr<MemoryBudget> budget_;  // under mu_; set once (JoinBudget)
 
   // Physical memory: every allocation by its first chunk, and the allocation under each
   // chunk (nullptr: zero-mapped).

@@ -122,7 +122,8 @@ Arena::~Arena() {
   std::vector<Mapping*> all;
   for (auto& [first, m] : mappings_) all.push_back(m.get());
   UnmapGroups(all);     // batched: few zero pieces instead of one restore per allocation
-  DetachMappings(all);  // their destructors release
+  DetachMappings(all);  // their destructors release (and give the budget its bytes back)
+  if (budget_) budget_->Leave(uid_);
   FreeHostCacheLocked();
   if (metadata_pinned_) {
     // A graph may still hold these addresses (see PinMetadataForGraphs): leave them
@@ -438,8 +439,54 @@ void Arena::Close() {
   if (!mappings_.empty()) driver_->Synchronize();  // nothing in flight touches what goes
   ReleaseAllMemory(lock);
   closed_ = true;
+  if (budget_) budget_->Leave(uid_);
   FreeHostCacheLocked();
   cv_->notify_all();
+}
+
+void Arena::JoinBudget(std::shared_ptr<MemoryBudget> budget, const std::string& label) {
+  ThrowIfForked("join_budget");
+  if (!budget) throw InvalidArgument("Arena.join_budget: no budget given");
+  std::unique_lock<std::mutex> lock(mu_);
+  ThrowIfClosed("join_budget");
+  const std::string where =
+      std::string(driver_->kind()) + " device " + std::to_string(driver_->device_ordinal());
+  const std::string budget_where =
+      budget->driver_kind() + " device " + std::to_string(budget->device_ordinal());
+  if (where != budget_where) {
+    throw InvalidArgument("Arena(budget=...): the budget is on " + budget_where +
+                          " and this arena on " + where +
+                          "; a budget caps one device: create one per device");
+  }
+  if (budget_) {
+    throw InvalidArgument("Arena(budget=...): the arena already has a budget");
+  }
+  if (!mappings_.empty() || sleep_ || !transfers_.empty()) {
+    throw InvalidArgument(
+        "Arena(budget=...): the arena holds memory already; give it its "
+        "budget when it is created");
+  }
+  if (budget->cap_bytes() < chunk_bytes_) {
+    throw InvalidArgument(
+        "Arena(budget=...): the budget of " + std::to_string(budget->cap_bytes()) +
+        " bytes is smaller than one chunk of this arena (" + std::to_string(chunk_bytes_) +
+        " bytes), the least it can commit; create a larger budget or use a "
+        "smaller chunk_bytes");
+  }
+  budget->Join(shared_from_this(), label);
+  budget_ = std::move(budget);
+}
+
+std::shared_ptr<MemoryBudget> Arena::budget() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return budget_;
+}
+
+size_t Arena::ReclaimForBudget() {
+  if (InForkedChild()) return 0;
+  std::unique_lock<std::mutex> lock(mu_);
+  if (closed_ || (retired_.empty() && reclaiming_ == 0)) return 0;
+  return ReclaimAllLocked(lock);
 }
 
 bool Arena::closed() const {

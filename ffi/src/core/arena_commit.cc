@@ -62,6 +62,7 @@ bool Arena::CommitAhead(const std::vector<Range>& ranges, size_t* added) {
 
 size_t Arena::CommitLocked(std::unique_lock<std::mutex>& lock, const std::vector<Range>& ranges,
                            bool background) {
+  bool budget_reclaimed = false;
   for (int attempt = 0;; ++attempt) {
     ThrowIfClosed("commit");
     ThrowIfAsleep("commit");
@@ -73,6 +74,8 @@ size_t Arena::CommitLocked(std::unique_lock<std::mutex>& lock, const std::vector
       continue;
     }
     if (plan.missing_chunks == 0 && plan.revive.empty()) return 0;
+    Pending pending;
+    if (!ChargeBudget(lock, plan, "commit", &budget_reclaimed, &pending.charge)) continue;
     const auto t0 = std::chrono::steady_clock::now();
     if (zero_fill_ && !plan.revive.empty()) {
       // Work launched before the release may still read the chunks taken back: the
@@ -82,7 +85,6 @@ size_t Arena::CommitLocked(std::unique_lock<std::mutex>& lock, const std::vector
     } else if (!plan.runs.empty()) {
       DrainIfViewsMayRead();
     }
-    Pending pending;
     try {
       MapRuns(plan, &pending, zero_fill_);
       ZeroFillRevived(plan);
@@ -171,6 +173,33 @@ Arena::CommitPlan Arena::PlanRuns(const std::vector<ChunkRun>& runs) const {
   return plan;
 }
 
+bool Arena::ChargeBudget(std::unique_lock<std::mutex>& lock, const CommitPlan& plan, const char* op,
+                         bool* reclaimed, BudgetCharge* out) {
+  if (!budget_ || plan.missing_chunks == 0) return true;
+  const std::string what =
+      std::string(op) + (plan.buffer_names.empty() ? "" : " of buffer(s) " + plan.buffer_names);
+  try {
+    *out = budget_->Charge(uid_, plan.missing_chunks * chunk_bytes_, what);
+    return true;
+  } catch (const BudgetExceeded&) {
+    if (*reclaimed) throw;
+  }
+  // Released memory still held (waiting for the device) counts against the cap: take it
+  // back, ours under the lock, the other members' without it (they may be doing the same).
+  *reclaimed = true;
+  ReclaimAllLocked(lock);
+  const std::shared_ptr<MemoryBudget> budget = budget_;
+  lock.unlock();
+  try {
+    budget->ReclaimOthers(uid_);
+  } catch (...) {
+    lock.lock();
+    throw;
+  }
+  lock.lock();
+  return false;
+}
+
 void Arena::DrainIfViewsMayRead() {
   if (!views_exported_.load()) return;
   driver_->Synchronize();
@@ -190,6 +219,7 @@ void Arena::MapRuns(const CommitPlan& plan, Pending* pending, bool zero) {
       const size_t first = run.first + done;
       pending->mappings.push_back(
           std::make_unique<Mapping>(driver_.get(), first, n, chunk_bytes_, ChunkAddress(first)));
+      pending->mappings.back()->charge = pending->charge.Split(n * chunk_bytes_);
       pieces.push_back({pending->mappings.back()->handle, 0, n * chunk_bytes_});
       done += n;
     }

@@ -53,6 +53,9 @@ struct Arena::Mapping {
   bool retired = false;
   bool reclaiming = false;
   uint64_t retired_epoch = 0;
+  // Its bytes in the arena's budget, taken before Create and (as a member) given back
+  // after the destructor's Release: the budget caps memory that really exists.
+  BudgetCharge charge;
 };
 
 // What a commit (or a wake, or a restore) will create or take back (core/arena_commit.cc).
@@ -69,6 +72,7 @@ struct Arena::CommitPlan {
 
 struct Arena::Pending {
   std::vector<std::unique_ptr<Mapping>> mappings;  // created (mapped once m->mapped)
+  BudgetCharge charge;  // the budget's bytes for the allocations still to create
 };
 
 // Contents kept in host memory (core/arena_transfer.cc).

@@ -188,13 +188,19 @@ void Arena::Sleep(bool keep_contents) {
 void Arena::Wake() {
   ThrowIfForked("wake");
   std::unique_lock<std::mutex> lock(mu_);
-  ThrowIfClosed("wake");
-  if (!sleep_) throw InvalidArgument("Arena.wake: the arena is not asleep (call sleep() first)");
+  bool budget_reclaimed = false;
+  Pending pending;
+  for (;;) {  // again only after the budget's deferred releases were taken back
+    ThrowIfClosed("wake");
+    if (!sleep_) throw InvalidArgument("Arena.wake: the arena is not asleep (call sleep() first)");
+    if (ChargeBudget(lock, PlanRuns(sleep_->runs), "wake", &budget_reclaimed, &pending.charge)) {
+      break;
+    }
+  }
   const SleepImage& image = *sleep_;
   const auto t0 = std::chrono::steady_clock::now();
   const CommitPlan plan = PlanRuns(image.runs);  // all unmapped: every chunk is new
   if (!plan.runs.empty()) DrainIfViewsMayRead();
-  Pending pending;
   try {
     MapRuns(plan, &pending, /*zero=*/!image.kept && zero_fill_);
     if (image.kept && image.image.bytes > 0) {
@@ -342,6 +348,7 @@ void Arena::UndoOffload(TransferRecord& t, const std::string& error) noexcept {
 void Arena::Restore(uint64_t ticket, bool wait) {
   ThrowIfForked("restore");
   std::unique_lock<std::mutex> lock(mu_);
+  bool budget_reclaimed = false;
   for (;;) {
     ThrowIfClosed("restore");
     ThrowIfAsleep("restore");
@@ -364,9 +371,10 @@ void Arena::Restore(uint64_t ticket, bool wait) {
       cv_->wait(lock);
       continue;
     }
+    Pending pending;
+    if (!ChargeBudget(lock, plan, "restore", &budget_reclaimed, &pending.charge)) continue;
     const auto t0 = std::chrono::steady_clock::now();
     if (!plan.runs.empty()) DrainIfViewsMayRead();
-    Pending pending;
     try {
       MapRuns(plan, &pending, /*zero=*/false);
     } catch (...) {

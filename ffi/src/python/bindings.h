@@ -6,6 +6,7 @@
 
 namespace jax_vmm {
 void BindArena(nanobind::module_& m);       // arena_bindings.cc
+void BindBudget(nanobind::module_& m);      // budget_bindings.cc (MemoryBudget)
 void BindScratch(nanobind::module_& m);     // scratch_bindings.cc
 void BindOps(nanobind::module_& m);         // ops_bindings.cc (kv_write / attention stats)
 void BindAttention(nanobind::module_& m);   // attention_bindings.cc

@@ -13,6 +13,7 @@
 #include "common/ffi_registry.h"
 #include "drivers/cuda/compute_streams.h"
 #include "jax_vmm/errors.h"
+#include "jax_vmm/memory_budget.h"
 #include "ops/attention/attention_targets.h"
 #include "ops/kv_cache/kv_cache_targets.h"
 #include "ops/kv_write/kv_write_targets.h"
@@ -46,11 +47,15 @@ void TranslateOutOfMemory(const std::exception_ptr& p, void*) {
   try {
     std::rethrow_exception(p);
   } catch (const OutOfMemory& e) {
-    std::string msg = std::string(e.what()) +
-                      ". JAX allocator settings: " + JaxAllocatorSettings() +
-                      ". JAX preallocates 75% of GPU memory by default, leaving the arena the "
-                      "rest: set XLA_PYTHON_CLIENT_PREALLOCATE=false or a lower "
-                      "XLA_PYTHON_CLIENT_MEM_FRACTION before importing jax, or commit less.";
+    // A budget's cap is the user's own: the JAX allocator settings do not explain it.
+    const bool budget = dynamic_cast<const BudgetExceeded*>(&e) != nullptr;
+    std::string msg = std::string(e.what()) + ".";
+    if (!budget) {
+      msg += " JAX allocator settings: " + JaxAllocatorSettings() +
+             ". JAX preallocates 75% of GPU memory by default, leaving the arena the "
+             "rest: set XLA_PYTHON_CLIENT_PREALLOCATE=false or a lower "
+             "XLA_PYTHON_CLIENT_MEM_FRACTION before importing jax, or commit less.";
+    }
     PyObject* exc = PyObject_CallFunction(g_out_of_memory_type, "s", msg.c_str());
     if (exc == nullptr) return;
     PyObject* req = PyLong_FromSize_t(e.requested_bytes);
@@ -135,6 +140,7 @@ NB_MODULE(_core, m) {
       "again. Returns how many were forgotten.");
 
   BindArena(m);
+  BindBudget(m);
   BindScratch(m);
   BindOps(m);
   BindAttention(m);

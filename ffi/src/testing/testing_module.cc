@@ -27,6 +27,7 @@
 #include "drivers/host_map_budget.h"
 #include "jax_vmm/arena.h"
 #include "jax_vmm/errors.h"
+#include "jax_vmm/memory_budget.h"
 #include "ops/attention/stream_plan.h"
 #include "python/registrations.h"
 #include "scratch/simulated_capture.h"
@@ -141,6 +142,8 @@ void BindFaultInjection(nb::module_& m) {
       nb::arg("limit"),
       "The mapping limit host arenas check against instead of vm.max_map_count (0: the real "
       "one).");
+  m.def("set_budget_check_bypassed", &testing::SetBudgetCheckBypassed, nb::arg("bypassed"),
+        "While set, memory budgets never refuse a commit (they still count).");
 }
 
 // The CUDA driver's zero-mapping bookkeeping, for tests without a GPU.

@@ -20,6 +20,7 @@ import dataclasses
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 # The arena commits device memory outside XLA's allocator: do not let XLA take 75% of the
 # GPU up front (must be set before jax initialises its GPU backend, which importing jax
@@ -27,6 +28,8 @@ from pathlib import Path
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import jax  # noqa: E402
+
+import jax_vmm  # noqa: E402
 
 from .. import engine as E
 from .. import model as M
@@ -37,6 +40,7 @@ from ..cache import BACKENDS, KV_DTYPES, commit_lead_tokens, make_cache
 from ..report import matplotlib_missing, plot_memory
 from ..sleep_wake import EngineSleeper, same_tokens
 from ..summary import print_summary, summarize, write_name
+from ..take_turns import TakeTurns, budget_summary
 
 # Serving defaults per preset: batch (slots), per-sequence max_tokens, requests, prompt and
 # new-token length ranges, arena chunk size.
@@ -138,6 +142,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "arena and weights) after every K decode blocks, with sequences in flight; "
         "checks that generation is unchanged (jax_vmm backend)",
     )
+    p.add_argument(
+        "--budget",
+        type=int,
+        metavar="BYTES",
+        help="with --sleep-every: a second engine (a reference model) takes turns with the "
+        "first, and all their arenas draw from one jax_vmm.MemoryBudget of BYTES "
+        "(docs/sharing.md); checks that both generate unchanged",
+    )
     p.add_argument("--layers", type=int, help="override the preset's layer count")
     p.add_argument("--chunk-bytes", type=int, help="arena commit granularity (jax_vmm)")
     p.add_argument("--seed", type=int, default=0)
@@ -156,6 +168,52 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--no-progress", action="store_true")
     return p.parse_args(argv)
+
+
+def _reference_engine(
+    cfg: Any,
+    serving: dict,
+    cache: Any,
+    attend: Any,
+    requests: list,
+    args: argparse.Namespace,
+    device: jax.Device,
+    budget: jax_vmm.MemoryBudget,
+) -> tuple:
+    """A second engine of the same shape (other weights) in the budget, compiled and asleep:
+    (its sleeper, its generator, its requests) for TakeTurns."""
+    params = M.init_params(cfg, seed=args.seed + 1000)
+    ref_cache = make_cache(
+        "jax_vmm",
+        cfg,
+        max_seqs=serving["batch"],
+        max_tokens=serving["max_tokens"],
+        device=device,
+        chunk_bytes=serving["chunk_bytes"],
+        kv_dtype=args.kv_dtype,
+        commit_ahead_tokens=cache.kv.commit_ahead_tokens,
+        budget=budget,
+    )
+    sleeper = EngineSleeper(ref_cache.kv, params, device, budget=budget)
+    gen = E.Generator(sleeper.params, cfg, ref_cache, attend, block=args.block)
+    # A stand-in for scoring the policy's sequences: the prompts (where the KV peaks) and
+    # one decode block each, so a turn stays short next to the policy's serving.
+    ref_requests = [
+        dataclasses.replace(r, max_new_tokens=min(r.max_new_tokens, args.block))
+        for r in requests[: serving["batch"]]
+    ]
+    gen.precompile(ref_requests)
+    sleeper.sleep()
+    return sleeper, gen, ref_requests
+
+
+def _labels(policy: EngineSleeper, reference: EngineSleeper) -> dict[int, str]:
+    return {
+        policy.kv.arena.uid: "policy KV",
+        policy.weights.uid: "policy weights",
+        reference.kv.arena.uid: "reference KV",
+        reference.weights.uid: "reference weights",
+    }
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -188,6 +246,12 @@ def main(argv: list[str] | None = None) -> dict:
             "jax_vmm (it sleeps the jax_vmm arenas)"
         )
 
+    if args.budget is not None and (args.sleep_every is None or args.budget <= 0):
+        raise SystemExit(
+            f"decode.py: --budget {args.budget}: needs --sleep-every K (the engines take "
+            "turns at its pauses) and BYTES > 0"
+        )
+
     try:
         E.check_block(args.block)
     except ValueError as e:
@@ -212,6 +276,7 @@ def main(argv: list[str] | None = None) -> dict:
             new_tokens=serving["new_tokens"],
             seed=args.seed + 1,
         )
+        budget = None if args.budget is None else jax_vmm.MemoryBudget(args.budget, device)
         cache = make_cache(
             args.backend,
             cfg,
@@ -224,6 +289,7 @@ def main(argv: list[str] | None = None) -> dict:
             commit_ahead_tokens=(
                 commit_lead_tokens(args.block) if args.commit_ahead is None else args.commit_ahead
             ),
+            budget=budget,
         )
         try:
             attn_name, attend = choose_attention(
@@ -237,9 +303,12 @@ def main(argv: list[str] | None = None) -> dict:
         except (ValueError, RuntimeError) as e:  # a bad flag combination: say which
             cache.close()
             raise SystemExit(f"decode.py: {e}") from None
+        turns = None
+        if budget is not None:  # the reference engine first: it sleeps until its turn
+            turns = _reference_engine(cfg, serving, cache, attend, requests, args, device, budget)
         sleeper = None
         if args.sleep_every is not None:  # the weights go into an arena: they sleep too
-            sleeper = EngineSleeper(cache.kv, params, device)
+            sleeper = EngineSleeper(cache.kv, params, device, budget=budget)
             params = sleeper.params
         try:
             gen = E.Generator(
@@ -277,13 +346,26 @@ def main(argv: list[str] | None = None) -> dict:
         summary = summarize(report, stats, cache, cfg, serving, device, attn_name)
         differ = None
         if sleeper is not None:
-            slept = gen.run(requests, pause_every=args.sleep_every, pause=sleeper.pause)
+            pause = sleeper.pause
+            if turns is not None:
+                turns = TakeTurns(sleeper, *turns)
+                pause = turns.pause
+            slept = gen.run(requests, pause_every=args.sleep_every, pause=pause)
             differ = same_tokens(report, slept)
             summary["sleep"] = dict(
                 sleeper.stats.summary(),
                 every_blocks=args.sleep_every,
                 generation_unchanged=not differ,
             )
+            if isinstance(turns, TakeTurns):
+                summary["budget"] = dict(
+                    budget_summary(budget, _labels(sleeper, turns.reference)),
+                    reference_turns=turns.turns,
+                    reference_unchanged=not turns.changed,
+                )
+                differ = differ or [f"reference {i}" for i in turns.changed]
+                turns.reference.kv.close()
+                turns.reference.close()
             sleeper.close()
         cache.close()
 
