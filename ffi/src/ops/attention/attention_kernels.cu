@@ -141,7 +141,7 @@ __global__ void __launch_bounds__(kThreads) SplitKernelSimple(const ParamsOf<kRo
 // `groups` rows of D / 4 lanes, row g summing splits g, g + groups, ... (float4 loads, many
 // splits in flight), the rows then added in a fixed order (deterministic).
 
-// Shared floats of the combine: weights [splits], row sums [kThreads * 4], reduction [kWarps].
+// Shared floats of the combine: row sums [kThreads * 4], reduction [kWarps], weights [splits].
 inline size_t CombineSharedBytes(int64_t splits) {
   return sizeof(float) * (static_cast<size_t>(splits) + 4 * kThreads + kWarps);
 }
@@ -170,10 +170,10 @@ __global__ void __launch_bounds__(kThreads) CombineKernel(const ParamsOf<kRows> 
   const int len = LiveLength(p.lengths, b, p.max_tokens);
   const int live = min((len + p.chunk - 1) / p.chunk, p.splits);
   T* o = static_cast<T*>(p.out) + (static_cast<int64_t>(b) * rows + h) * D;
-  extern __shared__ float combine_shared[];
-  float* weight = combine_shared;  // [splits]
-  float* part = weight + p.splits;  // [groups][D]
-  float* red = part + 4 * kThreads;  // [kWarps]
+  extern __shared__ float4 combine_shared[];  // float4: the row sums are stored as vectors
+  float* part = reinterpret_cast<float*>(combine_shared);  // [groups][D]
+  float* red = part + 4 * kThreads;                         // [kWarps]
+  float* weight = red + kWarps;                             // [splits]
   const int64_t base = (static_cast<int64_t>(b) * rows + h) * p.splits;
   float mx = -INFINITY;
   for (int i = threadIdx.x; i < live; i += kThreads) mx = fmaxf(mx, p.ws_m[base + i]);
@@ -192,7 +192,7 @@ __global__ void __launch_bounds__(kThreads) CombineKernel(const ParamsOf<kRows> 
   const float inv = 1.f / total;           // total >= 1: a live split has a token with p = 1
   // kRows: a split without a live token has weight 0 and acc 0 (never NaN: its masked
   // tokens were not multiplied in).
-  if (D % 4 == 0 && D / 4 <= kThreads) {
+  if (D % 4 == 0 && D / 4 <= kThreads && (reinterpret_cast<uintptr_t>(p.ws_acc) & 15) == 0) {
     const int cols = D / 4, groups = kThreads / cols;
     const int g = threadIdx.x / cols, c = threadIdx.x - g * cols;
     if (g < groups) {
