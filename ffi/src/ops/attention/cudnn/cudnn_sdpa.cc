@@ -2,6 +2,8 @@
 #include "ops/attention/cudnn/cudnn_sdpa.h"
 
 #include <cuda_runtime_api.h>
+#include <cudnn.h>
+#include <dlfcn.h>
 
 #include <atomic>
 #include <cstring>
@@ -22,6 +24,8 @@
 // the backend entry points) and classes would otherwise be exported from this library with
 // default visibility, and so interposable: the dynamic linker may bind them to another copy
 // of the frontend in the process (XLA's own, of another version). Hidden, they bind here.
+// (The C headers it uses are included above: declared inside the pragma, dlopen & co.
+// would become hidden undefined references and fail the link.)
 #pragma GCC visibility push(hidden)
 #include <cudnn_frontend.h>
 #pragma GCC visibility pop
