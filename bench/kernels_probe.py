@@ -172,6 +172,11 @@ def variants_for(fp8: bool, extra: str) -> dict[str, Callable]:
                     lambda q, k, v, n: decode_attention_tuned(q, k, v, n, impl="stream", ctas=c)
                 )
             )(per * sms)
+    if extra == "splitk":  # split-K chunk sizes where the automatic plan cuts 64-token chunks
+        for ch in (128, 256, 512):
+            v[f"v1_c{ch}"] = (
+                lambda c: lambda q, k, v, n: decode_attention_tuned(q, k, v, n, chunk=c)
+            )(ch)
     if extra == "small":  # how many tiles a CTA gets at launch-bound shapes
         for mt in (4, 64):
             v[f"stream_mt{mt}"] = (
@@ -611,6 +616,13 @@ def main() -> int:
         ("B32_T8k_ragged", 32, 8192, 32, 8, 128, rng.integers(1, 8193, 32), {}),
         ("B1_T1k", 1, 1024, 32, 8, 128, np.full(1, 1024), dict(extra="small")),
         ("B4_T256", 4, 256, 32, 8, 128, np.full(4, 256), dict(extra="small")),
+        ("B1_T8k", 1, 8192, 32, 8, 128, np.full(1, 8192), dict(extra="splitk")),
+        ("B1_T32k", 1, 32768, 32, 8, 128, np.full(1, 32768), dict(extra="splitk")),
+        ("B4_T8k", 4, 8192, 32, 8, 128, np.full(4, 8192), dict(extra="splitk")),
+        ("B8_T8k", 8, 8192, 32, 8, 128, np.full(8, 8192), dict(extra="splitk")),
+        ("B16_T1k", 16, 1024, 32, 8, 128, np.full(16, 1024), dict(extra="splitk")),
+        ("B32_T1k", 32, 1024, 32, 8, 128, np.full(32, 1024), dict(extra="splitk")),
+        ("B64_T2k", 64, 2048, 32, 8, 128, np.full(64, 2048), dict(extra="splitk")),
         ("B32_T8k_D64", 32, 8192, 32, 8, 64, np.full(32, 8192), {}),
         ("B16_T8k_D256", 16, 8192, 32, 8, 256, np.full(16, 8192), {}),
         ("B32_T8k_GQA1", 32, 8192, 8, 8, 128, np.full(32, 8192), {}),

@@ -135,6 +135,30 @@ __global__ void __launch_bounds__(kThreads) SplitKernelSimple(const ParamsOf<kRo
 
 // ---------------------------------------------------------------------------------
 // Combine: out = sum_s acc_s * 2^(m_s - M) / sum_s l_s * 2^(m_s - M) over live splits.
+// Long contexts at small batch give hundreds of splits per (sequence, head); a loop over
+// them per thread is a chain of dependent L2 round trips, so every sum runs over the whole
+// block: the max and the total as block reductions, the accumulators with the threads as
+// `groups` rows of D / 4 lanes, row g summing splits g, g + groups, ... (float4 loads, many
+// splits in flight), the rows then added in a fixed order (deterministic).
+
+// Shared floats of the combine: row sums [kThreads * 4], reduction [kWarps], weights [splits].
+inline size_t CombineSharedBytes(int64_t splits) {
+  return sizeof(float) * (static_cast<size_t>(splits) + 4 * kThreads + kWarps);
+}
+
+// Block-wide max / sum of every thread's x (red: kWarps floats); all threads get the result.
+template <bool kMax>
+__device__ __forceinline__ float BlockReduce(float x, float* red) {
+  x = kMax ? WarpMax(x) : WarpSum(x);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  if (lane == 0) red[warp] = x;
+  __syncthreads();
+  float r = red[0];
+#pragma unroll
+  for (int w = 1; w < kWarps; ++w) r = kMax ? fmaxf(r, red[w]) : r + red[w];
+  __syncthreads();  // red is reused by the next reduction
+  return r;
+}
 
 // kRows: blockIdx.x is the row (query i, head) i * Hq + head; a split without a live
 // token of the row (m = -inf) weighs nothing, and a row without any gets zeros.
@@ -146,29 +170,60 @@ __global__ void __launch_bounds__(kThreads) CombineKernel(const ParamsOf<kRows> 
   const int len = LiveLength(p.lengths, b, p.max_tokens);
   const int live = min((len + p.chunk - 1) / p.chunk, p.splits);
   T* o = static_cast<T*>(p.out) + (static_cast<int64_t>(b) * rows + h) * D;
-  extern __shared__ float weight[];  // [splits]
+  extern __shared__ float4 combine_shared[];  // float4: the row sums are stored as vectors
+  float* part = reinterpret_cast<float*>(combine_shared);  // [groups][D]
+  float* red = part + 4 * kThreads;                         // [kWarps]
+  float* weight = red + kWarps;                             // [splits]
   const int64_t base = (static_cast<int64_t>(b) * rows + h) * p.splits;
   float mx = -INFINITY;
-  for (int i = 0; i < live; ++i) mx = fmaxf(mx, p.ws_m[base + i]);
+  for (int i = threadIdx.x; i < live; i += kThreads) mx = fmaxf(mx, p.ws_m[base + i]);
+  mx = BlockReduce<true>(mx, red);
   if (live == 0 || (kRows && mx == -INFINITY)) {  // block-uniform
     for (int d = threadIdx.x; d < D; d += kThreads) o[d] = FromFloat<T>(0.f);
     return;
   }
-  for (int i = threadIdx.x; i < live; i += kThreads) weight[i] = exp2f(p.ws_m[base + i] - mx);
-  __syncthreads();
   float total = 0.f;
-  for (int i = 0; i < live; ++i) total += p.ws_l[base + i] * weight[i];
-  const float inv = 1.f / total;  // total >= 1: a live split has a token with p = 1
-  for (int d = threadIdx.x; d < D; d += kThreads) {
-    float a = 0.f;
-    for (int i = 0; i < live; ++i) {
-      // kRows: a split without a live token has weight 0 and acc 0 (never NaN: its
-      // masked tokens were not multiplied in).
-      a += p.ws_acc[(base + i) * D + d] * weight[i];
+  for (int i = threadIdx.x; i < live; i += kThreads) {
+    const float w = exp2f(p.ws_m[base + i] - mx);
+    weight[i] = w;
+    total += p.ws_l[base + i] * w;
+  }
+  total = BlockReduce<false>(total, red);  // its barrier also publishes weight[]
+  const float inv = 1.f / total;           // total >= 1: a live split has a token with p = 1
+  // kRows: a split without a live token has weight 0 and acc 0 (never NaN: its masked
+  // tokens were not multiplied in).
+  if (D % 4 == 0 && D / 4 <= kThreads && (reinterpret_cast<uintptr_t>(p.ws_acc) & 15) == 0) {
+    const int cols = D / 4, groups = kThreads / cols;
+    const int g = threadIdx.x / cols, c = threadIdx.x - g * cols;
+    if (g < groups) {
+      const float4* acc = reinterpret_cast<const float4*>(p.ws_acc + base * D) + c;
+      float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 4
+      for (int i = g; i < live; i += groups) {
+        const float4 v = acc[static_cast<int64_t>(i) * cols];
+        const float w = weight[i];
+        a.x += v.x * w;
+        a.y += v.y * w;
+        a.z += v.z * w;
+        a.w += v.w * w;
+      }
+      reinterpret_cast<float4*>(part + g * D)[c] = a;
     }
+    __syncthreads();
+    for (int d = threadIdx.x; d < D; d += kThreads) {
+      float s = 0.f;
+      for (int r = 0; r < groups; ++r) s += part[r * D + d];
+      o[d] = FromFloat<T>(s * inv);
+    }
+    return;
+  }
+  for (int d = threadIdx.x; d < D; d += kThreads) {  // head sizes the rows do not fit
+    float a = 0.f;
+    for (int i = 0; i < live; ++i) a += p.ws_acc[(base + i) * D + d] * weight[i];
     o[d] = FromFloat<T>(a * inv);
   }
 }
+
 template <typename T, int D, int NQT, int U>
 cudaError_t LaunchTensorCore(const RowKernelParams& p, cudaStream_t stream) {
   if (p.rows) {
@@ -227,7 +282,7 @@ cudaError_t LaunchSplit(const RowKernelParams& p, SplitKernel kernel, cudaStream
 
 template <typename T>
 cudaError_t LaunchCombine(const RowKernelParams& p, cudaStream_t stream) {
-  const size_t smem = sizeof(float) * p.splits;
+  const size_t smem = CombineSharedBytes(p.splits);
   if (p.rows) {
     CombineKernel<T, true><<<dim3(p.q_len * p.q_heads, p.batch), kThreads, smem, stream>>>(p);
   } else {

@@ -26,7 +26,11 @@
 namespace jax_vmm::attention {
 
 inline constexpr int64_t kTile = 16;             // tokens per tensor-core tile (chunk multiple)
-inline constexpr int64_t kMinAutoChunk = 64;     // smallest chunk the automatic plan picks
+// Smallest chunk the automatic plan picks. Short chunks give more blocks but each block
+// then carries one tile per warp between its barriers, and latency, not bandwidth, sets the
+// time: on the H200 (docs/benchmarks.md, bench/kernels_probe.py) 256-token chunks beat the
+// 64-token ones the block-count target asked for by 1.2-1.9x at B1-B32 with 1k-32k tokens.
+inline constexpr int64_t kMinAutoChunk = 256;
 inline constexpr int64_t kMaxHeadGroup = 16;     // query heads one CUDA block serves
 inline constexpr int64_t kBlocksPerUnit = 16;    // target blocks per SM (CPU: per "unit")
 inline constexpr int64_t kCpuParallelUnits = 8;  // fixed, so CPU plans are machine independent

@@ -12,9 +12,11 @@
 #include <cudnn_version.h>
 
 // The frontend's dynamic-loading mode reads every backend symbol from this handle
-// (declared `extern` in cudnn_frontend_shim.h; the application defines it).
+// (declared `extern` in cudnn_frontend_shim.h; the application defines it). Hidden, as
+// the frontend is in cudnn_sdpa.cc: another copy of the frontend in the process must not
+// bind to this one, nor this one to its.
 namespace cudnn_frontend {
-void* cudnn_dlhandle = nullptr;
+__attribute__((visibility("hidden"))) void* cudnn_dlhandle = nullptr;
 }  // namespace cudnn_frontend
 
 namespace jax_vmm::cudnn {

@@ -2,20 +2,33 @@
 #include "ops/attention/cudnn/cudnn_sdpa.h"
 
 #include <cuda_runtime_api.h>
-#include <cudnn_frontend.h>
+#include <cudnn.h>
+#include <dlfcn.h>
 
 #include <atomic>
 #include <cstring>
 #include <exception>
 #include <functional>
+#include <iostream>
 #include <limits>
-#include <optional>
 #include <map>
 #include <mutex>
+#include <optional>
+#include <sstream>
 #include <string>
 #include <tuple>
 #include <unordered_map>
 #include <vector>
+
+// The frontend is header-only: its inline functions, function-local statics (the logger,
+// the backend entry points) and classes would otherwise be exported from this library with
+// default visibility, and so interposable: the dynamic linker may bind them to another copy
+// of the frontend in the process (XLA's own, of another version). Hidden, they bind here.
+// (The C headers it uses are included above: declared inside the pragma, dlopen & co.
+// would become hidden undefined references and fail the link.)
+#pragma GCC visibility push(hidden)
+#include <cudnn_frontend.h>
+#pragma GCC visibility pop
 
 #include "ops/attention/cudnn/cudnn_library.h"
 
