@@ -32,7 +32,13 @@ the only package code that imports it.
   (an array layer) instead of its static identity: the naive cache pytree, whose arrays
   XLA copies, so the arena is not written inside ``jit``.
 * :func:`host_device_waits_skipped`: a CPU arena gives memory back without waiting for
-  the XLA:CPU computations in flight (the host driver's no-op device wait).
+  the XLA:CPU computations in flight (the host driver's no-op device wait), and a KV
+  release lowers the table under them (no read epoch).
+* :func:`read_epochs_kept`: an arena layer keeps its token's read epoch across a release,
+  so a later step reads the table kept for an earlier one; :func:`host_reclaims_paused`
+  holds the host reclaim thread (released memory and kept tables stay);
+  :func:`wait_for_host_reclaims` waits for it; :func:`host_gate_closed` with
+  :func:`through_host_gate` holds a CPU step in flight until the test lets it go.
 * :func:`limits_ignored`: the KVCache-layer kv_write and decode attention without the
   table of ensured tokens (writes past them land where a chunk is backed; reads are not
   clamped or counted).
