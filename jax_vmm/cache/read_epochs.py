@@ -71,3 +71,14 @@ def renew(lid: LayerId, token: Any) -> tuple[Any, int]:
     """(token of the current epoch ordered after ``token``, that epoch)."""
     epoch = current(lid.cache_uid)
     return _renewed_token(token, np.int32(epoch)), epoch
+
+
+_warm: set[jax.Device] = set()
+
+
+def warm_up(device: jax.Device) -> None:
+    """Compile :func:`renew`'s computation for ``device`` now (a KV arena on the CPU is
+    made), so the first dispatch after a release does not compile it."""
+    if device not in _warm:
+        _renewed_token(jax.device_put(np.int32(0), device), np.int32(0)).block_until_ready()
+        _warm.add(device)

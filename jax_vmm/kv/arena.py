@@ -165,6 +165,8 @@ class KVArena(KVArenaBase, TokenBacking, SequenceTransfers):
         self._shard = _shard_of is not None
         if _shard_of is None:
             register_arena(self)
+            if target.device.platform == "cpu":  # its releases may advance the read epoch
+                read_epochs.warm_up(target.device)
         self._lock = threading.RLock()
         # Tokens each sequence asked for through ensure(): decides which chunks shared
         # by two sequences may be released (actual backing can be larger: chunk rounding).
