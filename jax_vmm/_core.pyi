@@ -120,10 +120,23 @@ class Arena:
 
     def decommit(self, buffer_id: int, start: int, stop: int, wait: bool = ...) -> int: ...
 
-    def decommit_ranges(self, ranges: Sequence[tuple[int, int, int]], wait: bool = ...) -> int:
-        """Decommit of (buffer_id, start, stop) ranges in one call."""
+    def decommit_ranges(self, ranges: Sequence[tuple[int, int, int]], wait: bool = ..., defer_unmap: bool = ...) -> int:
+        """
+        Decommit of (buffer_id, start, stop) ranges in one call; defer_unmap (host): retire what goes, for reclaim_retired_before.
+        """
 
     def reclaim(self) -> int: ...
+
+    @property
+    def views_exported(self) -> bool: ...
+
+    def begin_host_wait(self) -> int:
+        """Host driver: a wait for the work in flight begins; returns its number."""
+
+    def reclaim_retired_before(self, sync: int) -> int:
+        """
+        Gives back what was retired before host wait `sync` began; returns its bytes.
+        """
 
     def sleep(self, keep_contents: bool) -> None: ...
 
@@ -266,6 +279,19 @@ class KvCache:
         """
 
     def limits(self) -> list[int]: ...
+
+    def begin_epoch(self) -> int:
+        """
+        Keeps the table for readers of the current epoch and advances it (host driver: a release that does not wait for the work in flight). Returns the new epoch.
+        """
+
+    def forget_epochs_before(self, epoch: int) -> None:
+        """
+        Drops the tables kept for epochs before `epoch` (their work has finished).
+        """
+
+    @property
+    def epoch(self) -> int: ...
 
     def read_clamps(self) -> int: ...
 

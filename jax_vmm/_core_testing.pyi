@@ -94,6 +94,14 @@ def forget_compute_streams(ordinal: int) -> list[int]:
 def register_compute_streams(ordinal: int, streams: Sequence[int]) -> None:
     """Puts forgotten streams back."""
 
+def set_host_gate(open: bool) -> None:
+    """
+    Open or close the gate of jax_vmm_testing_host_gate (host_gate_cpu.cc).
+    """
+
+def host_gate_held() -> int:
+    """Calls of jax_vmm_testing_host_gate waiting now."""
+
 def scratch_get(device: int, stream: int, nbytes: int, capturing: bool) -> int:
     """
     scratch Get() with the capture state given; returns the workspace address.

@@ -32,7 +32,13 @@ the only package code that imports it.
   (an array layer) instead of its static identity: the naive cache pytree, whose arrays
   XLA copies, so the arena is not written inside ``jit``.
 * :func:`host_device_waits_skipped`: a CPU arena gives memory back without waiting for
-  the XLA:CPU computations in flight (the host driver's no-op device wait).
+  the XLA:CPU computations in flight (the host driver's no-op device wait), and a KV
+  release lowers the table under them (no read epoch).
+* :func:`read_epochs_kept`: an arena layer keeps its token's read epoch across a release,
+  so a later step reads the table kept for an earlier one; :func:`host_reclaims_paused`
+  holds the host reclaim thread (released memory and kept tables stay);
+  :func:`wait_for_host_reclaims` waits for it; :func:`host_gate_closed` with
+  :func:`through_host_gate` holds a CPU step in flight until the test lets it go.
 * :func:`limits_ignored`: the KVCache-layer kv_write and decode attention without the
   table of ensured tokens (writes past them land where a chunk is backed; reads are not
   clamped or counted).
@@ -66,10 +72,12 @@ from .base import ffi as _ffi
 from .base.args import as_shape
 from .base.devices import resolve_device
 from .cache import pytree as _cache
+from .cache import read_epochs as _read_epochs
 from .cache import registry as _registry
 from .kv import KVArena
 from .kv import sharded as _sharded
 from .memory import arena as _arena
+from .memory import host_reclaim as _host_reclaim
 from .memory import host_wait as _host_wait
 from .ops import array_writes as _ops
 from .ops import layer_ops as _cache_ops
@@ -384,6 +392,65 @@ def host_device_waits_skipped() -> Iterator[None]:
         yield
     finally:
         _host_wait.skip = previous
+
+
+@contextlib.contextmanager
+def read_epochs_kept() -> Iterator[None]:
+    """Inside the with-block an arena layer keeps the read epoch of its token when it
+    crosses a jit boundary after a release (``jax_vmm/cache/read_epochs.py``; the
+    protection removed): a step dispatched after the release but fed the cache an earlier
+    step returned reads the table kept for that earlier step, and its reads of the
+    released sequence are neither clamped nor counted."""
+    previous = _read_epochs.renewing
+    _read_epochs.renewing = False
+    try:
+        yield
+    finally:
+        _read_epochs.renewing = previous
+
+
+@contextlib.contextmanager
+def host_gate_closed() -> Iterator[None]:
+    """Inside the with-block :func:`through_host_gate` holds every CPU step that reaches
+    it (on an XLA:CPU thread, its dispatch returned) until the block ends, or a guard of
+    60 s passes: a test knows such a step is in flight across the calls it makes."""
+    _testing.set_host_gate(False)
+    try:
+        yield
+    finally:
+        _testing.set_host_gate(True)
+
+
+def through_host_gate(x: jax.Array) -> jax.Array:
+    """``y = x`` on the CPU (inside ``jit``), once the host gate is open
+    (:func:`host_gate_closed`). XLA:CPU runs a step inline on the dispatching thread when
+    it costs under ~1000 flops: give the step more than that to keep it asynchronous."""
+    _ffi.register()
+    return jax.ffi.ffi_call("jax_vmm_testing_host_gate", jax.ShapeDtypeStruct(x.shape, x.dtype))(x)
+
+
+def host_gate_held() -> int:
+    """Steps waiting at the host gate now."""
+    return int(_testing.host_gate_held())
+
+
+@contextlib.contextmanager
+def host_reclaims_paused() -> Iterator[None]:
+    """Inside the with-block the host reclaim thread serves no deferred release: released
+    memory stays mapped and the tables kept for earlier read epochs stay, whatever has
+    finished (a test can then tell which table a step read)."""
+    _host_reclaim.serving.clear()
+    try:
+        yield
+    finally:
+        _host_reclaim.serving.set()
+
+
+def wait_for_host_reclaims(timeout: float = 60.0) -> bool:
+    """Wait until the host reclaim thread (``jax_vmm/memory/host_reclaim.py``) has served
+    every deferred release queued so far (their work finished and their memory went).
+    False if ``timeout`` seconds passed first."""
+    return _host_reclaim.drain(timeout)
 
 
 @contextlib.contextmanager

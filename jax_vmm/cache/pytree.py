@@ -29,10 +29,12 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax._src.array import ArrayImpl
 
 from ..base.args import layer_index
 from ..base.fp8 import FP8_DTYPE
 from ..memory.lookup import describe_buffer, find_view_buffer
+from . import read_epochs
 from . import registry as _registry
 from .ids import LayerId
 from .registry import arena_of, live_arenas
@@ -55,6 +57,7 @@ class KVWriteResultUnusedWarning(UserWarning):
 
 
 def _flatten_arena_layer(layer: KVLayer) -> tuple[tuple, LayerId]:
+    layer._renew_token()  # a dispatch: the step reads the table of the current epoch
     return layer._leaves, layer._id
 
 
@@ -77,11 +80,16 @@ class KVLayer:
     """One layer of a KV cache: an arena layer (``kv.cache()[l]``) or an array layer
     (:meth:`from_arrays`). Immutable: ``kv_write`` returns a new one."""
 
-    __slots__ = ("_id", "_leaves", "_written_in_trace")
+    __slots__ = ("_id", "_leaves", "_written_in_trace", "_epoch")
 
     def __init__(self, layer_id: LayerId | _ArraysId, leaves: tuple):
         self._id = layer_id
         self._leaves = tuple(leaves)
+        # The read epoch its concrete token carries (read_epochs.py); None for a traced
+        # token or an array layer.
+        self._epoch: int | None = None
+        if isinstance(layer_id, LayerId) and type(self._leaves[0]) is ArrayImpl:
+            self._epoch = read_epochs.current(layer_id.cache_uid)
         # Set by kv_write when it ran inside the trace that holds this object (not pytree
         # data: a layer that crossed a jit or loop boundary was written in an earlier
         # computation or iteration). jax_vmm.ordered_views refuses such a layer.
@@ -178,7 +186,19 @@ class KVLayer:
         after the writes that produced it."""
         if not self.is_arena:
             raise AttributeError("an array layer has no token: its arrays carry the order")
+        self._renew_token()
         return self._leaves[0]
+
+    def _renew_token(self) -> None:
+        """A concrete token of an older read epoch is replaced by one of the current epoch
+        ordered after it (read_epochs.py): the same layer, read as of now."""
+        if self._epoch is None or self._epoch == read_epochs.current(self._id.cache_uid):
+            return
+        if not read_epochs.renewing:
+            return
+        token, self._epoch = read_epochs.renew(self._id, self._leaves[0])
+        self._leaves = (token, *self._leaves[1:])
+        _registry.note_token(self._id, token)
 
     @property
     def fp8(self) -> bool:

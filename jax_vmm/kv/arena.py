@@ -14,6 +14,7 @@ from ..base.devices import resolve_device, xla_device_ordinal
 from ..base.errors import DriverError, OutOfBoundsRead, OutOfBoundsWrite
 from ..base.fp8 import FP8_DTYPE
 from ..base.loader import core as _core
+from ..cache import read_epochs
 from ..cache.ids import LayerId
 from ..cache.registry import register_arena
 from ..memory.arena import Arena, Buffer
@@ -168,8 +169,11 @@ class KVArena(KVArenaBase, TokenBacking, SequenceTransfers):
             xla_device_ordinal(target.device),
             _shard_of or 0,
         )
+        self._shard = _shard_of is not None
         if _shard_of is None:
             register_arena(self)
+            if target.device.platform == "cpu":  # its releases may advance the read epoch
+                read_epochs.warm_up(target.device)
         self._lock = threading.RLock()
         # Tokens each sequence asked for through ensure(): decides which chunks shared
         # by two sequences may be released (actual backing can be larger: chunk rounding).
@@ -242,7 +246,8 @@ class KVArena(KVArenaBase, TokenBacking, SequenceTransfers):
         )
 
     def _new_token(self) -> jax.Array:
-        return jax.device_put(np.int32(0), self.arena.device)
+        # Its value is the read epoch it is made in (read_epochs.py).
+        return jax.device_put(np.int32(read_epochs.current(self.uid)), self.arena.device)
 
     def _layer_scales(self, layer: int) -> tuple[jax.Array, jax.Array]:
         return self._scales[0][layer], self._scales[1][layer]

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -28,6 +29,7 @@ import numpy as np
 from ..base.args import as_flag, as_index
 from ..base.errors import ArenaAsleepError
 from ..base.loader import core as _core
+from ..cache import read_epochs
 
 
 class TokenBacking:
@@ -418,9 +420,7 @@ class TokenBacking:
             self._check_awake("KVArena.shrink")
             for q in list(self._offloaded):
                 self._settle(q)
-            # The work in flight finishes over the old table (CPU), then the table: no
-            # kernel may write what is about to go.
-            self.arena._wait_for_host_work()
+            work = self._release_begins(wait)
             self._core_cache.set_limits(np.minimum(self._ensured, num_tokens).tolist())
             self._ahead.cancel()
             ranges = []
@@ -433,7 +433,8 @@ class TokenBacking:
                     q,
                     keep_before=num_tokens > 0,
                 )
-            released = self.arena._handle.decommit_ranges(ranges, wait)
+            released = self.arena._handle.decommit_ranges(ranges, wait, bool(work))
+            self._release_ends(work)
             for seq in range(len(self._ensured)):
                 self._ensured[seq] = min(self._ensured[seq], num_tokens)
                 self._covered[seq] = min(self._covered[seq], num_tokens)
@@ -476,8 +477,7 @@ class TokenBacking:
         with self._lock:
             self.arena._check_open("KVArena.release")
             self._check_awake("KVArena.release")
-            # The work in flight finishes over the old table (CPU): see _wait_for_host_work.
-            self.arena._wait_for_host_work()
+            work = self._release_begins(wait)
             t = self._offloaded.pop(q, None)
             if t is not None:
                 t._finish()  # drops the host copy
@@ -490,12 +490,45 @@ class TokenBacking:
             ranges = self._release_ranges(
                 base + keep * self.token_bytes, base + self.seq_bytes, seq, keep_before=keep > 0
             )
-            released = self.arena._handle.decommit_ranges(ranges, wait)
+            released = self.arena._handle.decommit_ranges(ranges, wait, bool(work))
+            self._release_ends(work)
             if (reuse or keep) and self.commit_ahead_tokens:
                 want = self._covered_tokens(q, max(keep, 1))
                 if self._covered[q] < want:
                     self._ahead.schedule(q, want, self._epoch[q])
             return released
+
+    def _release_begins(self, wait: bool) -> list:
+        """Before a release or shrink lowers the table (caller holds the lock): what the
+        XLA:CPU work in flight must still see, without waiting for it. Returns that work
+        (arrays; empty on a GPU, whose core defers the unmapping itself, or with nothing
+        in flight). When there is some, the read epoch advances first: the core keeps the
+        table as it stands for the steps dispatched so far (their attention reads it,
+        read_epochs.py), and the memory that goes is unmapped once the work has finished
+        (:meth:`_release_ends`). ``wait=True``, a shard of a sharded cache (its tokens
+        are the sharded cache's) and raw views handed out wait here instead."""
+        work = None if wait or self._shard else self.arena._host_work_to_outlive()
+        if work is None:
+            self.arena._wait_for_host_work()
+            return []
+        if work:
+            epoch = self._core_cache.begin_epoch()
+            read_epochs.advance(self.uid, epoch)
+        return work
+
+    def _release_ends(self, work: list) -> None:
+        """After a release that deferred its unmapping (``decommit_ranges(defer_unmap=)``):
+        once ``work`` has finished, the retired memory goes and the tables kept for it."""
+        if work:
+            epoch = self._core_cache.epoch
+            ref = weakref.ref(self)  # held by a job that may still be queued at exit
+
+            def forget() -> None:
+                kv = ref()
+                if kv is not None:
+                    kv._core_cache.forget_epochs_before(epoch)
+
+            self.arena._reclaim_after(work, forget)
 
     def reclaim(self) -> int:
         """:meth:`jax_vmm.Arena.reclaim`: wait for the device and give released memory

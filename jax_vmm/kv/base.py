@@ -20,6 +20,7 @@ import jax
 import numpy as np
 
 from ..base.args import as_index, as_int, layer_index, refuse_copy
+from ..cache import read_epochs
 from ..cache.ids import LayerId
 from ..cache.pytree import KVCache, KVLayer
 from ..cache.registry import forget_tokens, latest_tokens
@@ -241,6 +242,7 @@ class KVArenaBase(abc.ABC):
         """Close the arena (every shard; idempotent): its memory goes at once and views read
         zeros. A KVCache of it, and a step traced with one, refuse to run after this."""
         forget_tokens(self.uid)
+        read_epochs.forget(self.uid)
         for s in self.shards_of():
             s._ahead.stop()
             if not s.arena.closed:  # work in flight still sees its tables (CPU)

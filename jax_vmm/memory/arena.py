@@ -18,8 +18,9 @@ from ..base.compute_streams import register_compute_stream
 from ..base.devices import DeviceTarget, resolve_device
 from ..base.errors import ArenaAsleepError, ArenaClosedError, ReservationFullError
 from ..base.loader import core as _core
+from . import host_reclaim
 from .budget import MemoryBudget, check_budget
-from .host_wait import wait_for_host_work
+from .host_wait import in_flight, wait_for_host_work
 from .stats import ArenaStats
 
 log = logging.getLogger("jax_vmm")
@@ -579,6 +580,34 @@ class Arena:
         was dispatched for): on the CPU, wait for the XLA:CPU work that may still use them
         (``host_wait.py``; a GPU arena's core waits for the compute stream itself)."""
         wait_for_host_work(self._target.device)
+
+    def _host_work_to_outlive(self) -> list[jax.Array] | None:
+        """For a release that does not wait (a KV arena's ``release`` / ``shrink``): the
+        XLA:CPU work in flight that the memory it gives back must outlive, as arrays
+        (``host_wait.in_flight``). Empty when the release may unmap at once (another
+        platform, whose core defers itself, or nothing in flight); None when the caller
+        must wait first (:meth:`_wait_for_host_work`): raw views were handed out, so the
+        core unmaps inline."""
+        if self._target.device.platform != "cpu":
+            return []
+        if self._handle.views_exported:
+            return None
+        return in_flight(self._target.device)
+
+    def _reclaim_after(self, work: list[jax.Array], then: Callable[[], None]) -> None:
+        """Give back what the releases since the last call retired
+        (``decommit_ranges(defer_unmap=True)``) once ``work`` has finished, then call
+        ``then``; on the host reclaim thread (``host_reclaim.py``)."""
+        sync = self._handle.begin_host_wait()
+        ref = weakref.ref(self)  # a job still queued at exit keeps nothing alive
+
+        def reclaim() -> None:
+            arena = ref()
+            if arena is not None:
+                arena._handle.reclaim_retired_before(sync)
+            then()
+
+        host_reclaim.after(work, reclaim)
 
     def _check_open(self, op: str) -> None:
         if self._handle.closed:

@@ -10,8 +10,10 @@ for. A computation whose results the caller has already dropped is not waited fo
 it reads can no longer be observed (unbacked host pages read zeros, so nothing faults).
 
 Called by the Python methods that give memory back (``Arena.close/sleep/reclaim``,
-``Buffer.decommit/free``, ``KVArena.release/shrink/offload``, ...) right before they call
-into the core: the host driver unmaps inline, so nothing is unmapped later without it.
+``Buffer.decommit/free``, ``KVArena.offload``, ...) right before they call into the core:
+the host driver unmaps inline, so nothing is unmapped later without it. A KV arena's
+``release`` and ``shrink`` do not wait: they take the arrays in flight (:func:`in_flight`)
+and leave the unmapping to ``host_reclaim.py``, which waits for them on its own thread.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from __future__ import annotations
 import jax
 
 #: Test hook (``jax_vmm.testing.host_device_waits_skipped()``): when True the wait does
-#: nothing, as the host driver's ``Synchronize`` did: memory goes under running work.
+#: nothing and nothing is found in flight, as the host driver's ``Synchronize`` did:
+#: memory goes under running work.
 skip = False
 
 
@@ -34,4 +37,30 @@ def wait_for_host_work(device: jax.Device) -> None:
                 continue
             a.block_until_ready()
         except RuntimeError:  # deleted or donated meanwhile by another thread: not ours
+            continue
+
+
+def in_flight(device: jax.Device) -> list[jax.Array]:
+    """The live arrays on ``device`` (a CPU device) that are not ready yet: what
+    :func:`wait_for_host_work` would wait for now, without waiting. Empty for other
+    platforms."""
+    if skip or device.platform != "cpu":
+        return []
+    out = []
+    for a in jax.live_arrays():
+        try:
+            if not a.is_deleted() and not a.is_ready() and device in a.devices():
+                out.append(a)
+        except RuntimeError:  # deleted or donated meanwhile by another thread: not ours
+            continue
+    return out
+
+
+def wait_for(arrays: list[jax.Array]) -> None:
+    """Block until every array of ``arrays`` is ready (or gone: deleted or donated, so
+    the computation that made it has finished or failed)."""
+    for a in arrays:
+        try:
+            a.block_until_ready()
+        except Exception:  # deleted, donated, or its computation failed: it has ended
             continue

@@ -23,6 +23,7 @@ import jax
 from ..base.fp8 import FP8_DTYPE, FP8_MAX, dequantize_fp8
 from ..cache.pytree import KVLayer
 from . import layer_ops, sharded_ops
+from .arena_leaves import checked_arena_layer
 from .array_attention import attention_stats, decode_attention_arrays, reference_decode_attention
 from .attention_call import attention_plan, stream_attention_plan
 
@@ -125,6 +126,8 @@ def decode_attention_tuned(
                 "decode_attention(q, layer, lengths): an fp8 layer carries its scales; "
                 "k_scale/v_scale are for the array form"
             )
+        if k.is_arena:  # an fp8 layer reads with the arena's own scales
+            k = checked_arena_layer(k, "decode_attention")
         layer_attention = sharded_ops.attention if _sharded(k) else layer_ops.attention
         return layer_attention(
             q,

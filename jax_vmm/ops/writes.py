@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..cache.pytree import KVCache, KVLayer
-from ..cache.registry import arena_of
 from . import layer_ops, sharded_ops
+from .arena_leaves import checked_arena_layer
 from .array_writes import KVDest, kv_write_arrays
 
 __all__ = ["kv_write"]
@@ -85,7 +85,7 @@ def kv_write(
                 f"{len(args)} positional arguments after the layer and no seq=/pos="
             )
         if cache.is_arena:
-            cache = _checked_arena_layer(cache)
+            cache = checked_arena_layer(cache, "kv_write")
         write = sharded_ops.write if cache.is_arena and cache.id.sharded else layer_ops.write
         return write(cache, *args)
     if seq is not None or pos is not None:
@@ -118,48 +118,6 @@ def _check_first_argument(cache: Any, args: tuple) -> None:
                     f"{type(cache).__name__} first and a {type(arg).__name__} as argument "
                     f"{i}; call jax_vmm.kv_write(cache[l], new_k, new_v, seq=seq, pos=pos)"
                 )
-
-
-def _checked_arena_layer(layer: KVLayer) -> KVLayer:
-    """An arena layer's leaves are its int32 ordering token (and an fp8 arena's float32
-    scales), not data: refuse leaves that a ``jax.tree.map`` (an ``astype``, a scaling)
-    changed, before JAX's own aliasing check does with an internal message. An fp8 arena's
-    scales are fixed when it is made, so the write always quantizes with the arena's own:
-    concrete scale leaves that differ from them are refused, traced ones (unknown until
-    the step runs) are replaced by the arena's."""
-    lid = layer.id
-    token = layer.token
-    if np.dtype(getattr(token, "dtype", None)) != np.int32:
-        raise TypeError(
-            f"kv_write: {lid.describe()} has a {np.dtype(token.dtype)} token; an arena "
-            "layer's leaves are its int32 ordering token (and an fp8 arena's float32 "
-            "scales), not K/V data. Was the cache passed through jax.tree.map (e.g. "
-            "astype)? Map only over your own arrays, and pass kv.cache() layers as they are"
-        )
-    if not lid.fp8:
-        return layer
-    kv = arena_of(lid, "kv_write")
-    own = kv.scales(lid.layer)
-    given = (layer.k_scale, layer.v_scale)
-    for name, x, mine in zip(("k_scale", "v_scale"), given, own):
-        if np.dtype(getattr(x, "dtype", None)) != np.float32 or tuple(x.shape) != mine.shape:
-            raise TypeError(
-                f"kv_write: {lid.describe()}'s {name} leaf is {getattr(x, 'dtype', x)} "
-                f"{getattr(x, 'shape', '')}; an fp8 arena's scales are float32 "
-                f"{mine.shape}, fixed by kv_arena(k_scales=, v_scales=). Pass kv.cache() "
-                "layers as they are (no jax.tree.map over them)"
-            )
-        if x is mine or isinstance(x, jax.core.Tracer):
-            continue
-        if not np.array_equal(np.asarray(x), np.asarray(mine)):
-            raise ValueError(
-                f"kv_write: {lid.describe()}'s {name} {np.asarray(x)} is not the arena's "
-                f"{np.asarray(mine)}: an fp8 arena's scales are fixed by kv_arena(k_scales=, "
-                "v_scales=) and every token in it is quantized with them. Pass kv.cache() "
-                "layers as they are (no jax.tree.map over their scales); for other scales "
-                "make another arena"
-            )
-    return KVLayer._arena(lid, token, tuple(own))
 
 
 def seq_pos_slots(layer: KVLayer, new_k: Any, seq: Any, pos: Any) -> jax.Array:

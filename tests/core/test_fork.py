@@ -35,6 +35,7 @@ import jax_vmm
 import jax_vmm.testing
 import maps_oracle as mo
 from conftest import child_env, write_bytes
+from jax_vmm.ops import scratch
 
 H, D = 2, 64  # float32: 512 bytes per token per buffer
 TOKENS = 300
@@ -287,3 +288,43 @@ def test_a_child_cannot_touch_a_gpu_arena(gpu_device):
     assert (np.asarray(x) == 8.0).all()
     x.delete()
     arena.close()
+
+
+def test_scratch_and_statistics_in_a_child_use_the_childs_copy(cpu_device):
+    """Graph-safe scratch and the statistics queries in a forked child answer (or refuse)
+    at once and never reach the parent's memory: the host workspaces are private heap
+    memory (the child's copy-on-write copy), and the queries read the child's copy of the
+    counters. A call that would reach the parent's arena memory refuses (kv.check reads
+    the drop counters through the arena)."""
+    box, spans, probe = _filled_kv(cpu_device)
+    kv = box["kv"]
+    held = probe.physical_bytes()
+    x = jnp.arange(4096, dtype=jnp.float32)
+    y, _ = jax_vmm.testing.scratch_probe(x)  # the host workspace exists, in use
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(x))
+    parent = [(s["address"], s["capacity"], s["generation"]) for s in scratch.scratch_stats()]
+    mode = scratch.get_scratch_mode()
+    queries = {
+        "scratch_stats": lambda: len(scratch.scratch_stats()),
+        "reserve": lambda: scratch.reserve(1 << 24, cpu_device),  # grows the child's copy
+        "set_scratch_mode": lambda: scratch.set_scratch_mode("retire"),
+        "set_reserve_bytes": lambda: scratch.set_reserve_bytes(1 << 20),
+        "kv_stats": lambda: kv.stats()["backed_bytes"],
+        "arena_stats": lambda: kv.arena.stats()["backed_bytes"],
+        "kv_write_stats": lambda: jax_vmm.kv_write_stats()["dropped_writes"],
+        "attention_stats": lambda: jax_vmm.attention_stats()["cpu_calls"],
+    }
+    for name, query in queries.items():
+        code, report = _in_child(query)
+        assert code == 0 and report.startswith("ok:"), f"{name} in a child: {code} {report}"
+    code, report = _in_child(kv.check)
+    assert code == 0
+    _assert_refused(report, "kv.check")
+    assert [(s["address"], s["capacity"], s["generation"]) for s in scratch.scratch_stats()] == (
+        parent
+    )
+    assert scratch.get_scratch_mode() == mode
+    y, _ = jax_vmm.testing.scratch_probe(x)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(x))
+    _assert_intact(box, spans, probe, held)
+    kv.close()

@@ -11,6 +11,7 @@ partial sums, which shows the tests catch it.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import jax
@@ -118,3 +119,160 @@ def test_without_the_wait_the_memory_goes_under_the_running_step(host_vm, step):
     with jax_vmm.testing.host_device_waits_skipped():
         results = _results_after(host_vm, step, "release")
     assert any(not np.array_equal(got, want) for want, got in results)
+
+
+# -- a release does not wait: the step in flight is held at a gate ----------------------
+#
+# The steps below pass their query through jax_vmm.testing.through_host_gate, so they
+# cannot read the cache before the test opens the gate: they are certainly in flight
+# across the calls that follow their dispatch, and no timing is involved. A release that
+# waited for such a step would wait until the gate's guard (60 s) opened it, and the
+# step would then be done.
+
+
+GATE_GUARD_S = 60.0  # the gate's own guard (host_gate_cpu.cc)
+
+
+def _gated_attention(kv: jax_vmm.KVArena, returns_cache: bool = False):
+    """jit (cache) -> attention over both sequences (and the cache, ``returns_cache``),
+    its query held at the host gate."""
+    lengths = jax.device_put(np.array([TOKENS, 0], np.int32), kv.arena.device)
+    busy = jax.device_put(np.ones(8192, np.float32), kv.arena.device)  # queued, not inline
+
+    def step(c, busy):
+        q = jnp.ones((2, 4 * HEADS, DIM), jnp.float32) + 0 * jnp.sum(jnp.sin(busy))
+        q = jax_vmm.testing.through_host_gate(q)
+        out = jax_vmm.decode_attention(q, c[0], lengths)
+        return (out, c) if returns_cache else out
+
+    f = jax.jit(step)
+    return lambda c: f(c, busy)
+
+
+def _held(x: jax.Array) -> bool:
+    """Whether the step that computes x is still held at the gate (in flight)."""
+    return not x.is_ready() and jax_vmm.testing.host_gate_held() > 0
+
+
+def _reaches_gate(x: jax.Array) -> jax.Array:
+    """x, once the step that computes it waits at the gate (it has started)."""
+    deadline = time.monotonic() + GATE_GUARD_S
+    while jax_vmm.testing.host_gate_held() == 0 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert _held(x), "the step never reached the gate"
+    return x
+
+
+def _attention_now(kv: jax_vmm.KVArena, cache: jax_vmm.KVCache) -> jax.Array:
+    """Attention over both sequences, dispatched without waiting. XLA:CPU runs a
+    computation under ~1000 flops inline, after the work queued before it: nothing here is
+    computed outside the jitted step, and the step is given the flops to be queued."""
+    dev = kv.arena.device
+    lengths = jax.device_put(np.array([TOKENS, 0], np.int32), dev)
+    busy = jax.device_put(np.ones(8192, np.float32), dev)
+
+    def step(c, busy):
+        q = jnp.ones((2, 4 * HEADS, DIM), jnp.float32) + 0 * jnp.sum(jnp.sin(busy))
+        return jax_vmm.decode_attention(q, c[0], lengths)
+
+    return jax.jit(step)(cache, busy)
+
+
+@pytest.mark.parametrize("release", ["release", "shrink", "release_keep"])
+def test_a_release_does_not_wait_for_the_step_in_flight(host_vm, release):
+    """The release returns while the gated step still waits, the step then computes what
+    it would have without the release (it reads the table and the memory of its
+    dispatch), and the memory goes once the step is done."""
+    kv = _kv(host_vm)
+    step = _gated_attention(kv)
+    want = np.asarray(step(kv.cache()))
+    before = kv.arena.stats()["handles_released"]
+    with jax_vmm.testing.host_gate_closed():
+        got = _reaches_gate(step(kv.cache()))
+        {
+            "release": lambda: kv.release(0),
+            "shrink": lambda: kv.shrink(0),
+            "release_keep": lambda: kv.release(0, keep_tokens=TOKENS // 2),
+        }[release]()
+        in_flight = _held(got)
+    assert in_flight, "the release waited for the step in flight"
+    np.testing.assert_array_equal(np.asarray(got), want)
+    assert np.abs(want[0]).min() > 0
+    assert jax_vmm.testing.wait_for_host_reclaims()
+    if release != "release_keep":  # (keep: the allocation keeps the kept chunks)
+        assert kv.arena.stats()["handles_released"] > before  # unmapped once it was done
+    kv.check()  # the step read within its tokens: nothing clamped
+
+
+def test_a_step_dispatched_after_the_release_reads_the_lowered_table(host_vm):
+    """While a step from before the release is still in flight, a step dispatched after
+    it -- with a new cache, or with the cache the earlier step returns -- reads sequence
+    0 as released: clamped to 0 tokens and counted."""
+    kv = _kv(host_vm)
+    with jax_vmm.testing.host_reclaims_paused():  # the earlier step's table stays kept
+        with jax_vmm.testing.host_gate_closed():
+            earlier, returned = _gated_attention(kv, returns_cache=True)(kv.cache())
+            _reaches_gate(earlier)
+            kv.release(0)
+            fresh = _attention_now(kv, kv.cache())
+            after = _attention_now(kv, returned)  # ordered after the earlier step's writes
+            assert _held(earlier)
+        for x in (fresh, after):
+            np.testing.assert_array_equal(np.asarray(x)[0], 0)
+        assert np.abs(np.asarray(earlier)[0]).min() > 0  # the earlier step read its tokens
+        with pytest.raises(jax_vmm.OutOfBoundsRead, match="2 decode_attention reads"):
+            kv.check(fresh, earlier, after)  # the two later reads, clamped and counted
+
+
+def test_a_write_dispatched_after_the_release_is_dropped(host_vm):
+    kv = _kv(host_vm)
+    dev = kv.arena.device
+    new = jax.device_put(np.ones((1, HEADS, DIM), np.float32), dev)
+    busy = jax.device_put(np.ones(8192, np.float32), dev)
+    seq, pos = (
+        jax.device_put(np.array([0], np.int32), dev),
+        jax.device_put(np.array([3], np.int32), dev),
+    )
+    with jax_vmm.testing.host_gate_closed():
+        earlier, returned = _gated_attention(kv, returns_cache=True)(kv.cache())
+        _reaches_gate(earlier)
+        kv.release(0)
+        write = jax.jit(
+            lambda c, busy: jax_vmm.kv_write(
+                c[0], new + 0 * jnp.sum(jnp.sin(busy)), new, seq=seq, pos=pos
+            )
+        )
+        written = write(returned, busy)
+        assert _held(earlier)
+    with pytest.raises(jax_vmm.OutOfBoundsWrite):
+        kv.check(earlier, written)
+
+
+def test_without_renewed_epochs_a_later_step_reads_the_old_table(host_vm):
+    """The protection removed (``read_epochs_kept``): the step fed the earlier step's
+    cache reads the table kept for that step, so its read of the released sequence is
+    not clamped (and not counted) -- the check above would fail."""
+    kv = _kv(host_vm)
+    with jax_vmm.testing.read_epochs_kept(), jax_vmm.testing.host_reclaims_paused():
+        with jax_vmm.testing.host_gate_closed():
+            earlier, returned = _gated_attention(kv, returns_cache=True)(kv.cache())
+            _reaches_gate(earlier)
+            kv.release(0)
+            after = _attention_now(kv, returned)
+        jax.block_until_ready((earlier, after))
+    assert np.abs(np.asarray(after)[0]).min() > 0  # read the released sequence
+    kv.check(after)  # and nothing counted it
+
+
+def test_without_the_wait_a_held_step_reads_the_released_sequence_as_gone(host_vm):
+    """The protection removed (``host_device_waits_skipped``): the release lowers the
+    table and unmaps under the held step, which then reads the released sequence wrong."""
+    kv = _kv(host_vm)
+    step = _gated_attention(kv)
+    want = np.asarray(step(kv.cache()))
+    with jax_vmm.testing.host_device_waits_skipped():
+        with jax_vmm.testing.host_gate_closed():
+            got = _reaches_gate(step(kv.cache()))
+            kv.release(0)
+        got = np.asarray(got)
+    assert not np.array_equal(got, want)

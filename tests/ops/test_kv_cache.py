@@ -673,6 +673,34 @@ def test_an_fp8_arena_layer_writes_with_the_arenas_scales_only(cpu_device):
         kv.close()
 
 
+def test_an_fp8_arena_layer_is_read_with_the_arenas_scales_only(cpu_device):
+    """Attention over an fp8 arena layer dequantizes with the arena's scales, as the write
+    quantizes with them: scale leaves a jax.tree.map changed are refused when concrete and
+    replaced by the arena's when traced (else the read is off by that factor)."""
+    f8 = jnp.float8_e4m3fn
+    scales = np.full((1, HKV), 0.5, np.float32)
+    kv = _small_kv(dtype=f8, k_scales=scales, v_scales=scales)
+    try:
+        kv.ensure_all(np.full(B, 4, np.int64))
+        rng = np.random.default_rng(3)
+        new = jnp.asarray(rng.standard_normal((4, HKV, D)), jnp.float32)
+        kv.check(jax_vmm.kv_write(kv.cache()[0], new, 2 * new, jnp.arange(4, dtype=jnp.int32)))
+        q = jnp.asarray(rng.standard_normal((B, HQ, D)), jnp.bfloat16)
+        lengths = jnp.array([4] + [0] * (B - 1), jnp.int32)
+
+        def doubled(cache):
+            return jax.tree.map(lambda x: x * 2 if x.dtype == jnp.float32 else x, cache)
+
+        with pytest.raises(ValueError, match="decode_attention: .* is not the arena's"):
+            jax_vmm.decode_attention(q, doubled(kv.cache())[0], lengths)
+        read = jax.jit(lambda cache: jax_vmm.decode_attention(q, cache[0], lengths))
+        want = np.asarray(read(kv.cache()))
+        np.testing.assert_array_equal(np.asarray(read(doubled(kv.cache()))), want)
+        assert np.abs(want[0]).max() > 0
+    finally:
+        kv.close()
+
+
 # -- fp8 arenas and the streaming kernel -------------------------------------------------------
 
 

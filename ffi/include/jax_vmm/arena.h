@@ -210,6 +210,8 @@ class Arena : public std::enable_shared_from_this<Arena> {
   // Finishes any deferred release first (waiting for the device if some is pending), so
   // that nothing is unmapped behind a view later, and marks the arena as exported.
   std::shared_ptr<ViewLease> LeaseView(int64_t buffer_id);
+  // Whether a raw view was ever handed out (sticky): releases then unmap at once.
+  bool views_exported() const { return views_exported_.load(); }
   // View leases alive: of every buffer (freed ones included), or of one live buffer.
   int64_t LiveViews() const;
   int64_t LiveViews(int64_t buffer_id) const;
@@ -242,9 +244,23 @@ class Arena : public std::enable_shared_from_this<Arena> {
   // call skip those chunks); the memory goes back to the driver once the device has
   // finished the work dispatched before the call (wait: before returning).
   size_t Decommit(int64_t buffer_id, size_t start, size_t stop, bool wait = false);
-  size_t DecommitRanges(const std::vector<Range>& ranges, bool wait = false);
+  // defer_unmap (host driver, whose unmapping needs no device wait): the allocations that
+  // lose their last backed chunk are retired as on a GPU instead of unmapped at once, and
+  // the caller gives them back with ReclaimRetiredBefore once the work that may read
+  // them has finished (jax_vmm/memory/host_reclaim.py). Ignored once raw views were
+  // handed out (those releases unmap at once, after the caller waited).
+  size_t DecommitRanges(const std::vector<Range>& ranges, bool wait = false,
+                        bool defer_unmap = false);
   // Waits for the device and gives every released allocation back. Returns its bytes.
   size_t Reclaim();
+  // Host driver, deferred unmapping: marks the start of a wait for the work in flight
+  // (what the reclaimer's device wait is on a GPU). Allocations retired before the call
+  // are covered by it. Returns the wait's number for ReclaimRetiredBefore.
+  uint64_t BeginHostWait();
+  // Unmaps and releases the allocations retired before host wait `sync` began (that wait
+  // has ended), unless a commit took them back meanwhile. Returns their bytes; 0 once
+  // closed.
+  size_t ReclaimRetiredBefore(uint64_t sync);
 
   // Bytes backed contiguously from `start` (stopping at `stop` or the first hole).
   size_t BackedPrefix(int64_t buffer_id, size_t start, size_t stop) const;
@@ -404,13 +420,14 @@ class Arena : public std::enable_shared_from_this<Arena> {
   // calls and device waits; so do the waits here).
   std::vector<ChunkRun> DecommitRuns(const std::vector<Range>& ranges);
   size_t DecommitLocked(std::unique_lock<std::mutex>& lock, const std::vector<ChunkRun>& runs,
-                        bool wait);
+                        bool wait, bool defer_unmap = false);
   // Takes the backed chunks of `runs` out of the page table (publishing it); returns the
   // allocations touched and the number of chunks in *removed.
   std::vector<Mapping*> Unpublish(const std::vector<ChunkRun>& runs, size_t* removed);
   // Allocations with no backed chunk left go to the reclaimer, or at once where no device
   // wait is needed (host driver) or raw views are alive (after a wait, on this thread).
-  void RetireUnused(std::unique_lock<std::mutex>& lock, const std::vector<Mapping*>& touched);
+  void RetireUnused(std::unique_lock<std::mutex>& lock, const std::vector<Mapping*>& touched,
+                    bool defer_unmap = false);
   void WaitWhileBusy(std::unique_lock<std::mutex>& lock);  // no reclaim or transfer running
   size_t ReclaimAllLocked(std::unique_lock<std::mutex>& lock, bool zero_parked = false);
   size_t ReclaimNow(const std::vector<Mapping*>& batch);  // unmap + release, on this thread
@@ -420,7 +437,7 @@ class Arena : public std::enable_shared_from_this<Arena> {
   void ReleaseAllMemory(std::unique_lock<std::mutex>& lock);  // the device must be idle
   void StartWorker();
   void WorkerLoop();
-  void ReclaimRetiredBefore(std::unique_lock<std::mutex>& lock, uint64_t sync);
+  size_t ReclaimRetiredBefore(std::unique_lock<std::mutex>& lock, uint64_t sync);
 
   // Host images, sleep and transfers (core/arena_transfer.cc), under mu_.
   HostImage AllocImage(size_t bytes);

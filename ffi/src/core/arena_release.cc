@@ -58,21 +58,21 @@ size_t Arena::Decommit(int64_t buffer_id, size_t start, size_t stop, bool wait) 
   return DecommitRanges({Range{buffer_id, start, stop}}, wait);
 }
 
-size_t Arena::DecommitRanges(const std::vector<Range>& ranges, bool wait) {
+size_t Arena::DecommitRanges(const std::vector<Range>& ranges, bool wait, bool defer_unmap) {
   ThrowIfForked("decommit");
   std::unique_lock<std::mutex> lock(mu_);
   ThrowIfClosed("decommit");
   ThrowIfAsleep("decommit");
-  return DecommitLocked(lock, DecommitRuns(ranges), wait);
+  return DecommitLocked(lock, DecommitRuns(ranges), wait, defer_unmap && !wait);
 }
 
 size_t Arena::DecommitLocked(std::unique_lock<std::mutex>& lock, const std::vector<ChunkRun>& runs,
-                             bool wait) {
+                             bool wait, bool defer_unmap) {
   const auto t0 = std::chrono::steady_clock::now();
   size_t removed = 0;
   const std::vector<Mapping*> touched = Unpublish(runs, &removed);
   if (removed > 0) {
-    RetireUnused(lock, touched);
+    RetireUnused(lock, touched, defer_unmap);
     stats_.decommit_calls += 1;
     stats_.decommit_seconds += SecondsSince(t0);
   }
@@ -121,13 +121,16 @@ std::vector<Arena::Mapping*> Arena::Unpublish(const std::vector<ChunkRun>& runs,
   return touched;
 }
 
-void Arena::RetireUnused(std::unique_lock<std::mutex>& lock, const std::vector<Mapping*>& touched) {
+void Arena::RetireUnused(std::unique_lock<std::mutex>& lock, const std::vector<Mapping*>& touched,
+                         bool defer_unmap) {
   const bool views = views_exported_.load();
   const bool quiesce = driver_->UnmapNeedsQuiescence();
+  // The caller reclaims what it defers (host driver, see DecommitRanges).
+  const bool caller_reclaims = defer_unmap && !quiesce && !views;
   std::vector<Mapping*> now;
   for (Mapping* m : touched) {
     if (m->live > 0 || m->pins > 0 || m->retired || m->reclaiming) continue;
-    if (quiesce && !views) {
+    if ((quiesce && !views) || caller_reclaims) {
       m->retired = true;
       m->retired_epoch = syncs_started_;
       retired_.insert(m);
@@ -161,6 +164,19 @@ size_t Arena::Reclaim() {
   ThrowIfForked("reclaim");
   std::unique_lock<std::mutex> lock(mu_);
   return ReclaimAllLocked(lock);
+}
+
+uint64_t Arena::BeginHostWait() {
+  ThrowIfForked("reclaim");
+  std::lock_guard<std::mutex> lock(mu_);
+  return ++syncs_started_;
+}
+
+size_t Arena::ReclaimRetiredBefore(uint64_t sync) {
+  ThrowIfForked("reclaim");
+  std::unique_lock<std::mutex> lock(mu_);
+  if (closed_) return 0;
+  return ReclaimRetiredBefore(lock, sync);
 }
 
 size_t Arena::ReclaimAllLocked(std::unique_lock<std::mutex>& lock, bool zero_parked) {
@@ -290,12 +306,16 @@ void Arena::WorkerLoop() {
   }
 }
 
-void Arena::ReclaimRetiredBefore(std::unique_lock<std::mutex>& lock, uint64_t sync) {
+size_t Arena::ReclaimRetiredBefore(std::unique_lock<std::mutex>& lock, uint64_t sync) {
   std::vector<Mapping*> batch;
+  size_t bytes = 0;
   for (Mapping* m : retired_) {
-    if (m->retired_epoch < sync) batch.push_back(m);
+    if (m->retired_epoch < sync) {
+      batch.push_back(m);
+      bytes += m->bytes;
+    }
   }
-  if (batch.empty()) return;
+  if (batch.empty()) return 0;
   for (Mapping* m : batch) {
     retired_.erase(m);
     m->retired = false;
@@ -311,6 +331,7 @@ void Arena::ReclaimRetiredBefore(std::unique_lock<std::mutex>& lock, uint64_t sy
   lock.lock();
   reclaiming_ -= static_cast<int>(batch.size());
   cv_->notify_all();
+  return bytes;
 }
 
 }  // namespace jax_vmm

@@ -240,14 +240,23 @@ void BindArenaChanges(nb::class_<Arena>& c) {
            nb::arg("wait") = false, nb::call_guard<nb::gil_scoped_release>())
       .def(
           "decommit_ranges",
-          [](Arena& a, const std::vector<std::tuple<int64_t, size_t, size_t>>& r, bool wait) {
+          [](Arena& a, const std::vector<std::tuple<int64_t, size_t, size_t>>& r, bool wait,
+             bool defer_unmap) {
             const std::vector<Arena::Range> ranges = ToRanges(r);
             nb::gil_scoped_release release;
-            return a.DecommitRanges(ranges, wait);
+            return a.DecommitRanges(ranges, wait, defer_unmap);
           },
-          nb::arg("ranges"), nb::arg("wait") = false,
-          "Decommit of (buffer_id, start, stop) ranges in one call.")
+          nb::arg("ranges"), nb::arg("wait") = false, nb::arg("defer_unmap") = false,
+          "Decommit of (buffer_id, start, stop) ranges in one call; defer_unmap (host): "
+          "retire what goes, for reclaim_retired_before.")
       .def("reclaim", &Arena::Reclaim, nb::call_guard<nb::gil_scoped_release>())
+      .def_prop_ro("views_exported", &Arena::views_exported)
+      .def("begin_host_wait", &Arena::BeginHostWait,
+           "Host driver: a wait for the work in flight begins; returns its number.")
+      .def("reclaim_retired_before",
+           nb::overload_cast<uint64_t>(&Arena::ReclaimRetiredBefore), nb::arg("sync"),
+           nb::call_guard<nb::gil_scoped_release>(),
+           "Gives back what was retired before host wait `sync` began; returns its bytes.")
       .def("sleep", &Arena::Sleep, nb::arg("keep_contents"),
            nb::call_guard<nb::gil_scoped_release>())
       .def("wake", &Arena::Wake, nb::call_guard<nb::gil_scoped_release>())

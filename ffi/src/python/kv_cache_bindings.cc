@@ -109,6 +109,12 @@ void BindKvCache(nb::module_& m) {
           "where that is higher: one copy to the device if any changed. Returns whether one "
           "did.")
       .def("limits", &KvCache::Limits)
+      .def("begin_epoch", &KvCache::BeginEpoch,
+           "Keeps the table for readers of the current epoch and advances it (host driver: "
+           "a release that does not wait for the work in flight). Returns the new epoch.")
+      .def("forget_epochs_before", &KvCache::ForgetEpochsBefore, nb::arg("epoch"),
+           "Drops the tables kept for epochs before `epoch` (their work has finished).")
+      .def_prop_ro("epoch", &KvCache::epoch)
       .def("read_clamps", &KvCache::ReadClamps, nb::call_guard<nb::gil_scoped_release>())
       .def("reset_read_clamps", &KvCache::ResetReadClamps, nb::call_guard<nb::gil_scoped_release>())
       .def("close", &KvCache::Close, nb::call_guard<nb::gil_scoped_release>());

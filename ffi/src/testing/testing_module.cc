@@ -59,6 +59,7 @@ FfiRegistry TestingTargets() {
   AddDebugStreamCpuTargets(registry);
   AddNoLimitsCacheCpuTargets(registry);
   AddProbeCpuTargets(registry);
+  AddHostGateCpuTargets(registry);
 #ifdef JAX_VMM_HAVE_CUDA_KERNELS
   AddUncheckedKvWriteCudaTargets(registry);
   AddAddressOnlyKvWriteCudaTargets(registry);
@@ -208,6 +209,9 @@ void BindComputeStreams(nb::module_& m) {
 }
 
 void BindScratchHooks(nb::module_& m) {
+  m.def("set_host_gate", &SetHostGate, nb::arg("open"),
+        "Open or close the gate of jax_vmm_testing_host_gate (host_gate_cpu.cc).");
+  m.def("host_gate_held", &HostGateHeld, "Calls of jax_vmm_testing_host_gate waiting now.");
   m.def(
       "scratch_get",
       [](int device, uint64_t stream, size_t nbytes, bool capturing) {

@@ -44,6 +44,12 @@ void AddNoLimitsCacheCpuTargets(FfiRegistry& registry);
 // jax_vmm_scratch_probe: y = x through a graph-safe scratch workspace (scratch_probe.h).
 void AddProbeCpuTargets(FfiRegistry& registry);
 
+// jax_vmm_testing_host_gate: y = x once the gate is open (SetHostGate); HostGateHeld
+// counts the calls waiting at it. host_gate_cpu.cc.
+void AddHostGateCpuTargets(FfiRegistry& registry);
+void SetHostGate(bool open);
+int HostGateHeld();
+
 #ifdef JAX_VMM_HAVE_CUDA_KERNELS
 void AddUncheckedKvWriteCudaTargets(FfiRegistry& registry);
 void AddAddressOnlyKvWriteCudaTargets(FfiRegistry& registry);

@@ -3,7 +3,10 @@
 #include "ops/attention/attention_cache.h"
 
 #include <algorithm>
+#include <cstring>
+#include <memory>
 #include <string>
+#include <vector>
 
 #include "common/format.h"
 
@@ -46,10 +49,21 @@ std::string PrepareCacheAttention(const char* op, const char* driver_kind, int d
   return "";
 }
 
+int32_t TokenEpochOnHost(const ffi::AnyBuffer& token) {
+  if (token.element_type() != ffi::DataType::S32 || token.size_bytes() < sizeof(int32_t)) return -1;
+  int32_t epoch = 0;
+  std::memcpy(&epoch, token.untyped_data(), sizeof(epoch));
+  return epoch;
+}
+
 void ClampLengthsOnHost(const CacheAttention& call, const int32_t* lengths, int32_t* read,
-                        bool use_limits) {
+                        bool use_limits, int32_t epoch) {
   const int64_t T = call.max_tokens();
-  const int32_t* limits = call.layer.cache->device_limits();  // host memory on the CPU
+  // Held for the call: a kept table stays alive while this reader uses it.
+  const std::shared_ptr<const std::vector<int32_t>> kept =
+      use_limits ? call.layer.cache->ReadTableOf(epoch) : nullptr;
+  const int32_t* limits =
+      kept != nullptr ? kept->data() : call.layer.cache->device_limits();  // host memory
   unsigned long long clamped = 0;
   for (int64_t b = 0; b < call.batch(); ++b) {
     const int64_t n = std::clamp<int64_t>(lengths[b], 0, T);

@@ -48,19 +48,24 @@ std::string PrepareCacheAttention(const char* op, const char* driver_kind, int d
                                   const ffi::Buffer<ffi::S32>& lengths,
                                   const ffi::Buffer<ffi::S32>& read_lengths, CacheAttention* out);
 
+// The read epoch a host handler's ordering token carries (kv_cache.h, BeginEpoch): its
+// int32 value, which the host reads directly; -1 (the live table) for another shape.
+int32_t TokenEpochOnHost(const ffi::AnyBuffer& token);
+
 // read_lengths on the host (the CPU handlers); clamped sequences counted. use_limits:
-// false only in the testing layer (the clamp to T remains, nothing is counted).
+// false only in the testing layer (the clamp to T remains, nothing is counted). The
+// table is the one readers of `epoch` see (the live one, or one a release kept).
 void ClampLengthsOnHost(const CacheAttention& call, const int32_t* lengths, int32_t* read,
-                        bool use_limits);
+                        bool use_limits, int32_t epoch);
 
 // The CPU handler bodies (attention_cache_cpu.cc) of the split-K and the streaming
 // target, shared with the testing layer's variants (use_limits: see ClampLengthsOnHost).
 ffi::Error CacheCpu(bool use_limits, int32_t device, ffi::AnyBuffer q,
-                    ffi::Buffer<ffi::S32> lengths, ffi::AnyBuffer out,
+                    ffi::Buffer<ffi::S32> lengths, int32_t epoch, ffi::AnyBuffer out,
                     ffi::Buffer<ffi::S32> read_lengths, uint64_t cache_uid, int64_t layer,
                     float scale, int64_t chunk, int64_t splits, const Semantics& sem);
 ffi::Error StreamCacheCpu(bool use_limits, int32_t device, ffi::AnyBuffer q,
-                          ffi::Buffer<ffi::S32> lengths, ffi::AnyBuffer k_scale,
+                          ffi::Buffer<ffi::S32> lengths, int32_t epoch, ffi::AnyBuffer k_scale,
                           ffi::AnyBuffer v_scale, ffi::AnyBuffer out,
                           ffi::Buffer<ffi::S32> read_lengths, uint64_t cache_uid, int64_t layer,
                           const stream::StreamAttrs& attrs);
@@ -94,15 +99,15 @@ ffi::Error CacheCpuImpl(int32_t device, ffi::AnyBuffer q, ffi::Buffer<ffi::S32> 
                         ffi::Result<ffi::Buffer<ffi::S32>> read_lengths, uint64_t cache_uid,
                         int64_t layer, float scale, int64_t chunk, int64_t splits, int64_t impl,
                         OptionalLengths q_lengths, int64_t window, float softcap) {
-  (void)token;  // orders the call after the layer's writes; not read
-  (void)impl;   // a CUDA kernel choice
+  (void)impl;  // a CUDA kernel choice
   Semantics sem;
   if (ffi::Error e = MakeSemantics("jax_vmm.attention (KVCache layer, cpu)", q.dimensions()[0],
                                    q_lengths, window, softcap, &sem);
       e.failure()) {
     return e;
   }
-  return CacheCpu(kUseLimits, device, q, lengths, *out, *read_lengths, cache_uid, layer, scale,
+  // The token orders the call after the layer's writes and names its read epoch.
+  return CacheCpu(kUseLimits, device, q, lengths, TokenEpochOnHost(token), *out, *read_lengths, cache_uid, layer, scale,
                   chunk, splits, sem);
 }
 
@@ -113,8 +118,7 @@ ffi::Error StreamCacheCpuImpl(int32_t device, ffi::AnyBuffer q, ffi::Buffer<ffi:
                               ffi::Result<ffi::Buffer<ffi::S32>> read_lengths, uint64_t cache_uid,
                               int64_t layer, float scale, int64_t ctas, int64_t stages,
                               int64_t min_tiles, int64_t combine, int64_t bulk) {
-  (void)token;
-  return StreamCacheCpu(kUseLimits, device, q, lengths, k_scale, v_scale, *out, *read_lengths,
+  return StreamCacheCpu(kUseLimits, device, q, lengths, TokenEpochOnHost(token), k_scale, v_scale, *out, *read_lengths,
                         cache_uid, layer,
                         stream::StreamAttrs{scale, ctas, stages, min_tiles, combine, bulk});
 }

@@ -16,26 +16,28 @@ constexpr const char* kCacheName = "jax_vmm.decode_attention (KVCache layer, cpu
 
 // Resolves the layer and fills read_lengths; an error, or success.
 ffi::Error PrepareOnHost(bool use_limits, int32_t device, uint64_t cache_uid, int64_t layer,
-                         const ffi::AnyBuffer& q, const ffi::Buffer<ffi::S32>& lengths,
+                         int32_t epoch, const ffi::AnyBuffer& q,
+                         const ffi::Buffer<ffi::S32>& lengths,
                          ffi::Buffer<ffi::S32>& read_lengths, CacheAttention* call) {
   if (std::string err = PrepareCacheAttention(kCacheName, "host", device, cache_uid, layer, q,
                                               lengths, read_lengths, call);
       !err.empty()) {
     return ffi::Error::InvalidArgument(err);
   }
-  ClampLengthsOnHost(*call, lengths.typed_data(), read_lengths.typed_data(), use_limits);
+  ClampLengthsOnHost(*call, lengths.typed_data(), read_lengths.typed_data(), use_limits, epoch);
   return ffi::Error::Success();
 }
 
 }  // namespace
 
 ffi::Error CacheCpu(bool use_limits, int32_t device, ffi::AnyBuffer q,
-                    ffi::Buffer<ffi::S32> lengths, ffi::AnyBuffer out,
+                    ffi::Buffer<ffi::S32> lengths, int32_t epoch, ffi::AnyBuffer out,
                     ffi::Buffer<ffi::S32> read_lengths, uint64_t cache_uid, int64_t layer,
                     float scale, int64_t chunk, int64_t splits, const Semantics& sem) {
   CacheAttention call;
   if (ffi::Error e =
-          PrepareOnHost(use_limits, device, cache_uid, layer, q, lengths, read_lengths, &call);
+          PrepareOnHost(use_limits, device, cache_uid, layer, epoch, q, lengths, read_lengths,
+                        &call);
       e.failure()) {
     return e;
   }
@@ -43,13 +45,14 @@ ffi::Error CacheCpu(bool use_limits, int32_t device, ffi::AnyBuffer q,
 }
 
 ffi::Error StreamCacheCpu(bool use_limits, int32_t device, ffi::AnyBuffer q,
-                          ffi::Buffer<ffi::S32> lengths, ffi::AnyBuffer k_scale,
+                          ffi::Buffer<ffi::S32> lengths, int32_t epoch, ffi::AnyBuffer k_scale,
                           ffi::AnyBuffer v_scale, ffi::AnyBuffer out,
                           ffi::Buffer<ffi::S32> read_lengths, uint64_t cache_uid, int64_t layer,
                           const stream::StreamAttrs& attrs) {
   CacheAttention call;
   if (ffi::Error e =
-          PrepareOnHost(use_limits, device, cache_uid, layer, q, lengths, read_lengths, &call);
+          PrepareOnHost(use_limits, device, cache_uid, layer, epoch, q, lengths, read_lengths,
+                        &call);
       e.failure()) {
     return e;
   }

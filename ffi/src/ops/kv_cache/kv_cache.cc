@@ -1,6 +1,7 @@
 #include "ops/kv_cache/kv_cache.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <string>
 #include <utility>
@@ -224,6 +225,31 @@ std::vector<int32_t> KvCache::Limits() const {
   return host_limits_;
 }
 
+int32_t KvCache::BeginEpoch() {
+  std::lock_guard<std::mutex> lock(mu_);
+  kept_tables_[epoch_] = std::make_shared<const std::vector<int32_t>>(host_limits_);
+  epoch_ = epoch_ == INT32_MAX ? 0 : epoch_ + 1;
+  kept_tables_.erase(epoch_);  // wrapped around: never a table of the live epoch
+  return epoch_;
+}
+
+void KvCache::ForgetEpochsBefore(int32_t epoch) {
+  std::lock_guard<std::mutex> lock(mu_);
+  kept_tables_.erase(kept_tables_.begin(), kept_tables_.lower_bound(epoch));
+}
+
+int32_t KvCache::epoch() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return epoch_;
+}
+
+std::shared_ptr<const std::vector<int32_t>> KvCache::ReadTableOf(int32_t epoch) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (closed_ || epoch == epoch_) return nullptr;
+  auto it = kept_tables_.find(epoch);
+  return it == kept_tables_.end() ? nullptr : it->second;
+}
+
 uint64_t KvCache::ReadClamps() const {
   unsigned long long value = 0;
   arena_->driver().CopyFromMetadata(&value, read_clamps_, sizeof(value));
@@ -239,6 +265,7 @@ void KvCache::Close() {
   std::lock_guard<std::mutex> lock(mu_);
   if (closed_) return;
   closed_ = true;
+  kept_tables_.clear();
   std::fill(host_limits_.begin(), host_limits_.end(), 0);
   WriteTableLocked();
 }

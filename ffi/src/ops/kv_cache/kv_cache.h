@@ -21,6 +21,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -96,6 +97,21 @@ class KvCache {
   bool RaiseLimits(const int64_t* tokens, size_t count);
   std::vector<int32_t> Limits() const;
 
+  // Read epochs (host driver; jax_vmm/kv/read_epochs.py). XLA:CPU runs a step after its
+  // dispatch returned and the CPU handlers read this table when they run, so a release
+  // that lowers it at once would clamp the reads of a step dispatched before it. A release
+  // that does not wait first calls BeginEpoch: the table as it stands is kept for readers
+  // of the current epoch, and the epoch advances. The cache's ordering tokens carry the
+  // epoch their step was dispatched in; a reader of an older epoch whose table is still
+  // kept reads that one (ReadTableOf), any other reads the live table. Writes always
+  // check the live table. ForgetEpochsBefore drops the kept tables once the work
+  // dispatched in those epochs has finished. Epochs are in [0, 2^31).
+  int32_t BeginEpoch();
+  void ForgetEpochsBefore(int32_t epoch);
+  int32_t epoch() const;
+  // The table readers of `epoch` see: a kept one, or null for the live table.
+  std::shared_ptr<const std::vector<int32_t>> ReadTableOf(int32_t epoch) const;
+
   // Attention reads whose length exceeded the ensured tokens (each counted once per
   // sequence and call; the read was clamped). Reading does not wait for the device.
   uint64_t ReadClamps() const;
@@ -128,6 +144,8 @@ class KvCache {
   mutable std::mutex mu_;
   bool closed_ = false;
   std::vector<int32_t> host_limits_;
+  int32_t epoch_ = 0;
+  std::map<int32_t, std::shared_ptr<const std::vector<int32_t>>> kept_tables_;  // by epoch
   void* metadata_ = nullptr;  // limits (max_seqs int32, padded to 8 bytes) | read clamps
   int32_t* limits_ = nullptr;
   unsigned long long* read_clamps_ = nullptr;

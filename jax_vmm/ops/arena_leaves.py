@@ -1,0 +1,56 @@
+"""The leaves of an arena layer checked before a cache op uses them: its int32 ordering
+token and an fp8 arena's float32 scales, which are the arena's, not data.
+
+A ``jax.tree.map`` over a cache (an ``astype``, a scaling) changes them. The token is
+refused (before JAX's own aliasing check would say so with an internal message). An fp8
+arena's scales are fixed when it is made, so both the write (which quantizes) and
+attention (which dequantizes) always use the arena's own: concrete scale leaves that
+differ from them are refused, traced ones (unknown until the step runs) are replaced by
+the arena's.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from ..cache.pytree import KVLayer
+from ..cache.registry import arena_of
+
+
+def checked_arena_layer(layer: KVLayer, op: str) -> KVLayer:
+    """``layer`` (an arena layer) with its leaves checked for ``op`` (``kv_write``,
+    ``decode_attention``), and an fp8 layer's scales the arena's own."""
+    lid = layer.id
+    token = layer.token
+    if np.dtype(getattr(token, "dtype", None)) != np.int32:
+        raise TypeError(
+            f"{op}: {lid.describe()} has a {np.dtype(token.dtype)} token; an arena "
+            "layer's leaves are its int32 ordering token (and an fp8 arena's float32 "
+            "scales), not K/V data. Was the cache passed through jax.tree.map (e.g. "
+            "astype)? Map only over your own arrays, and pass kv.cache() layers as they are"
+        )
+    if not lid.fp8:
+        return layer
+    kv = arena_of(lid, op)
+    own = kv.scales(lid.layer)
+    given = (layer.k_scale, layer.v_scale)
+    for name, x, mine in zip(("k_scale", "v_scale"), given, own):
+        if np.dtype(getattr(x, "dtype", None)) != np.float32 or tuple(x.shape) != mine.shape:
+            raise TypeError(
+                f"{op}: {lid.describe()}'s {name} leaf is {getattr(x, 'dtype', x)} "
+                f"{getattr(x, 'shape', '')}; an fp8 arena's scales are float32 "
+                f"{mine.shape}, fixed by kv_arena(k_scales=, v_scales=). Pass kv.cache() "
+                "layers as they are (no jax.tree.map over them)"
+            )
+        if x is mine or isinstance(x, jax.core.Tracer):
+            continue
+        if not np.array_equal(np.asarray(x), np.asarray(mine)):
+            raise ValueError(
+                f"{op}: {lid.describe()}'s {name} {np.asarray(x)} is not the arena's "
+                f"{np.asarray(mine)}: an fp8 arena's scales are fixed by kv_arena(k_scales=, "
+                "v_scales=) and every token in it is quantized with them. Pass kv.cache() "
+                "layers as they are (no jax.tree.map over their scales); for other scales "
+                "make another arena"
+            )
+    return KVLayer._arena(lid, token, tuple(own))
