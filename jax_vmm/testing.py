@@ -33,6 +33,8 @@ the only package code that imports it.
   XLA copies, so the arena is not written inside ``jit``.
 * :func:`host_device_waits_skipped`: a CPU arena gives memory back without waiting for
   the XLA:CPU computations in flight (the host driver's no-op device wait).
+* :func:`shared_writes_allowed`: ``kv.share_prefix`` leaves the shared tokens writable
+  (no floor in the device table), so a write into one sharer lands in the other's tokens.
 * :func:`limits_ignored`: the KVCache-layer kv_write and decode attention without the
   table of ensured tokens (writes past them land where a chunk is backed; reads are not
   clamped or counted).
@@ -69,6 +71,7 @@ from .cache import pytree as _cache
 from .cache import registry as _registry
 from .kv import KVArena
 from .kv import sharded as _sharded
+from .kv import sharing as _sharing
 from .memory import arena as _arena
 from .memory import host_wait as _host_wait
 from .ops import array_writes as _ops
@@ -105,6 +108,7 @@ __all__ = [
     "address_only_dests",
     "identity_stripped",
     "limits_ignored",
+    "shared_writes_allowed",
     "host_device_waits_skipped",
     "legacy_views",
     "decode_attention",
@@ -357,6 +361,19 @@ def limits_ignored() -> Iterator[None]:
         yield
     finally:
         _cache_ops._targets = previous
+
+
+@contextlib.contextmanager
+def shared_writes_allowed() -> Iterator[None]:
+    """Inside the with-block ``kv.share_prefix`` publishes no floor of writable tokens
+    (the device table keeps 0): kv_write into a shared prefix is not dropped but lands in
+    the memory every sharer reads. Floors published before the block stay."""
+    previous = _sharing._publish_floor
+    _sharing._publish_floor = lambda core_cache, seq, tokens: None
+    try:
+        yield
+    finally:
+        _sharing._publish_floor = previous
 
 
 @contextlib.contextmanager

@@ -140,6 +140,18 @@ Arena::CommitPlan Arena::PlanCommit(const std::vector<Range>& ranges) {
 // new allocations.
 void Arena::PlanChunk(size_t a, CommitPlan* plan, bool* extends_run) const {
   if (Mapping* m = chunk_mapping_[a]) {
+    if (m->shared) {
+      // Its bytes live on at another address (core/arena_share.cc): new memory goes here
+      // once the released mapping is reclaimed (the reclaimer wakes the waiting commit).
+      if (m->live > 0) {
+        throw InvalidArgument("Arena: chunk " + std::to_string(a) +
+                              " lies in memory shared with another address and was released "
+                              "by part; release the rest of it (every sharer) first");
+      }
+      plan->must_wait = true;
+      *extends_run = false;
+      return;
+    }
     plan->must_wait |= m->busy();
     plan->revive.push_back(a);
     *extends_run = false;

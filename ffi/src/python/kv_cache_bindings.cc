@@ -109,6 +109,9 @@ void BindKvCache(nb::module_& m) {
           "where that is higher: one copy to the device if any changed. Returns whether one "
           "did.")
       .def("limits", &KvCache::Limits)
+      .def("set_floor", &KvCache::SetFloor, nb::arg("seq"), nb::arg("tokens"),
+           "Tokens of a sequence below which writes are dropped (its shared prefix).")
+      .def("floors", &KvCache::Floors)
       .def("read_clamps", &KvCache::ReadClamps, nb::call_guard<nb::gil_scoped_release>())
       .def("reset_read_clamps", &KvCache::ResetReadClamps, nb::call_guard<nb::gil_scoped_release>())
       .def("close", &KvCache::Close, nb::call_guard<nb::gil_scoped_release>());
