@@ -311,7 +311,9 @@ class KVArena(KVArenaBase, PrefixSharing, TokenBacking, SequenceTransfers):
                 f"num_slots={self.num_slots}, on a page not committed, or past the tokens its "
                 "sequence ensured (none while it is offloaded or the arena asleep). Call "
                 "kv.ensure(n, seq) for every token before writing it "
-                "(slot = seq * max_tokens + position)." + (f" Also {read_note}." if reads else ""),
+                "(slot = seq * max_tokens + position)."
+                + self._shared_write_note()
+                + (f" Also {read_note}." if reads else ""),
                 writes,
                 dropped_reads=reads,
             )

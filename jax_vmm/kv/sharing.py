@@ -264,6 +264,17 @@ class PrefixSharing:
             )
         super().sleep(keep)
 
+    def _shared_write_note(self) -> str:
+        """For ``check()``'s message: which sequences drop writes into a shared prefix."""
+        with self._lock:
+            floors = {int(q): int(self._floors[q]) for q in np.flatnonzero(self._floors)}
+        if not floors:
+            return ""
+        return (
+            f" Writes into a shared prefix (kv.share_prefix) are dropped too: its tokens are "
+            f"read-only for every sharer (sequence: first tokens read-only {floors})."
+        )
+
     def _sharing_stats(self) -> dict[str, Any]:
         with self._lock:
             return {
