@@ -579,8 +579,6 @@ def a_shard_cannot_join_twice_or_with_another_geometry():
     kv.close()
 
 
-
-
 @scenario
 def a_prefix_is_shared_per_device():
     # 1024 tokens of 128 bytes per shard: each sequence spans two 64 KiB host chunks.
