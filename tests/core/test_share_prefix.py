@@ -356,3 +356,19 @@ def test_a_single_sequence_arena_and_an_offloaded_dst_are_refused(vm):
     kv.offload(1)
     with pytest.raises(ValueError, match="offload"):
         kv.share_prefix(0, 1, tpc)
+
+
+def test_ensure_shareable_lets_a_default_arena_share_its_whole_chunks(vm):
+    # kv_arena's default handle_bytes (1 GiB): a plain ensure puts the prompt's whole
+    # chunks and its partial last chunk in one allocation, which CUDA cannot map by part.
+    kv, tpc = _kv(vm, handle_bytes=None)
+    n = int(2.5 * tpc)
+    created = kv.stats()["handles_created"]
+    kv.ensure_shareable(n, 0)
+    assert kv.stats()["handles_created"] - created == 2 * 2 * LAYERS  # whole | partial
+    data = _tokens(kv, n, seed=6)
+    _write(kv, 0, 0, data)
+    got = kv.share_prefix(0, 1, n)
+    assert got["mapped_bytes"] == 2 * kv.arena.chunk_bytes * 2 * LAYERS
+    np.testing.assert_array_equal(_seq_tokens(kv, 1)[:, :, :n], data)
+    assert kv.ensure_shareable(n, 0) == 0  # backed already: a plain ensure
