@@ -372,3 +372,38 @@ def test_ensure_shareable_lets_a_default_arena_share_its_whole_chunks(vm):
     assert got["mapped_bytes"] == 2 * kv.arena.chunk_bytes * 2 * LAYERS
     np.testing.assert_array_equal(_seq_tokens(kv, 1)[:, :, :n], data)
     assert kv.ensure_shareable(n, 0) == 0  # backed already: a plain ensure
+
+
+@pytest.mark.gpu
+def test_the_gpu_gives_no_memory_for_the_mapped_chunks(gpu_device):
+    """cuMemGetInfo (the arena's device_free_bytes) as the oracle: sharing takes only the
+    copied chunks' memory, and the shared memory goes back with the last sharer."""
+    chunk = 2 << 20
+    tpc = chunk // (H * D * 2)  # bfloat16
+    kv = jax_vmm.kv_arena(
+        num_layers=LAYERS,
+        num_kv_heads=H,
+        head_dim=D,
+        max_tokens=64 * tpc,
+        max_seqs=2,
+        dtype=jnp.bfloat16,
+        device=gpu_device,
+        chunk_bytes=chunk,
+        commit_ahead_tokens=0,
+    )
+    try:
+        n = 48 * tpc + tpc // 2  # 48 whole chunks per buffer, one partial
+        kv.ensure_shareable(n, 0)
+        kv.reclaim()
+        free0 = kv.stats()["device_free_bytes"]
+        got = kv.share_prefix(0, 1, n)
+        free1 = kv.stats()["device_free_bytes"]
+        assert got["mapped_bytes"] == 48 * chunk * 2 * LAYERS
+        # One own chunk per buffer for dst (the partial one), not 49.
+        assert free0 - free1 < 4 * chunk * 2 * LAYERS, (free0, free1)
+        kv.release(0, wait=True)  # dst keeps the 48 shared chunks per buffer
+        assert kv.stats()["device_free_bytes"] - free1 < 4 * chunk * 2 * LAYERS
+        kv.release(1, wait=True)
+        assert kv.stats()["device_free_bytes"] - free0 >= 40 * chunk * 2 * LAYERS
+    finally:
+        kv.close()
