@@ -407,3 +407,21 @@ def test_the_gpu_gives_no_memory_for_the_mapped_chunks(gpu_device):
         assert kv.stats()["device_free_bytes"] - free0 >= 40 * chunk * 2 * LAYERS
     finally:
         kv.close()
+
+
+def test_a_sharer_shares_on_and_a_whole_sequence_is_all_mapped(vm):
+    kv, tpc, n, data, _ = _shared(vm)
+    got = kv.share_prefix(1, 2, n)  # from the second address: the same memory again
+    assert got["mapped_bytes"] == 2 * kv.arena.chunk_bytes * 2 * LAYERS
+    kv.release(0)
+    kv.release(1)
+    np.testing.assert_array_equal(_seq_tokens(kv, 2)[:, :, :n], data)
+    kv.release(2)
+    full = _tokens(kv, kv.max_tokens, seed=8)
+    kv.ensure(kv.max_tokens, 0)
+    _write(kv, 0, 0, full)
+    assert kv.share_prefix(0, 1, kv.max_tokens)["copied_bytes"] == 0
+    np.testing.assert_array_equal(_seq_tokens(kv, 1), full)
+    kv.release(0)
+    kv.release(1, wait=True)
+    assert kv.stats()["held_bytes"] == 0
