@@ -141,17 +141,15 @@ class PrefixSharing:
             base_src, base_dst = src * self.seq_bytes, dst * self.seq_bytes
             lo, hi = self._whole_chunks(src, n)
             spans = [(b.id, lo, b.id, lo + shift, hi - lo) for b in self.buffers] if hi > lo else []
-            # src's shared chunks go read-only before a second address can see them.
-            src_floor = max(int(self._floors[src]), -(-(hi - base_src) // self.token_bytes))
+            # The work in flight (which may still write src) finishes first: the CPU's
+            # here, the device's inside share_spans. Then src's shared chunks go read-only
+            # for what is dispatched from now on.
+            self.arena._wait_for_host_work()
+            mapped, left_out = self.arena._handle.share_spans(spans)
             old_src_floor = int(self._floors[src])
-            if hi > lo and src_floor > old_src_floor:
+            src_floor = max(old_src_floor, -(-(hi - base_src) // self.token_bytes))
+            if mapped and src_floor > old_src_floor:
                 self._set_floor(src, src_floor)
-            self.arena._wait_for_host_work()  # CPU: src's writes in flight land first
-            try:
-                mapped, left_out = self.arena._handle.share_spans(spans)
-            except BaseException:
-                self._set_floor(src, old_src_floor)
-                raise
             try:
                 # dst's own memory for the rest (the shared chunks are backed already).
                 self._commit_seqs([(dst, n)])

@@ -425,3 +425,19 @@ def test_a_sharer_shares_on_and_a_whole_sequence_is_all_mapped(vm):
     kv.release(0)
     kv.release(1, wait=True)
     assert kv.stats()["held_bytes"] == 0
+
+
+def test_writes_still_in_flight_land_before_the_prefix_turns_read_only(vm):
+    kv, tpc = _kv(vm)
+    n = int(2.5 * tpc)
+    data = _tokens(kv, n, seed=7)
+    kv.ensure(n, 0)
+    step = jax.jit(
+        lambda c, k, v: c.replace(
+            0, jax_vmm.kv_write(c[0], k, v, seq=jnp.zeros(n, jnp.int32), pos=jnp.arange(n))
+        )
+    )
+    cache = step(kv.cache(), data[0, 0], data[0, 1])  # dispatched, not waited for
+    kv.share_prefix(0, 1, n)
+    kv.check(cache)  # nothing dropped: the write ran before src became read-only
+    np.testing.assert_array_equal(_seq_tokens(kv, 1)[0, :, :n], data[0])

@@ -258,7 +258,8 @@ class Arena : public std::enable_shared_from_this<Arena> {
   // allocation also backs chunks outside its span is mapped only where the driver maps
   // parts of allocations (host); elsewhere (cuda maps allocations whole) it is left out
   // and its dst bytes are appended to *not_shared (dst buffer, start, stop) for the caller
-  // to commit and copy. Released shared chunks are never taken back by a commit (their
+  // to commit and copy. Waits for the device first (work dispatched before may still
+  // write the source). Released shared chunks are never taken back by a commit (their
   // bytes live on at the other address): a commit of one waits for its reclamation.
   // All-or-nothing. Returns the bytes mapped.
   size_t ShareSpans(const std::vector<SpanPair>& spans, std::vector<Range>* not_shared);

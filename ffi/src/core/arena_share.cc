@@ -139,7 +139,10 @@ size_t Arena::ShareSpans(const std::vector<SpanPair>& spans, std::vector<Range>*
     }
   }
   if (pending.mappings.empty()) return 0;
-  DrainIfViewsMayRead();  // a raw reader of the zeros there must not see the swap
+  // The work dispatched before may still write the source (a prefill of the prefix):
+  // it lands before a second address can see the memory, and before the caller makes the
+  // source read-only. It also drains raw readers of the zeros about to be swapped.
+  driver_->Synchronize();
   std::vector<ChunkRun> published;
   for (const Run& r : runs) published.push_back({r.dst_first, r.count});
   try {
