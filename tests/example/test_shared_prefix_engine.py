@@ -74,3 +74,16 @@ def test_shared_prefix_needs_a_common_prefix_and_the_vmm_backend(cpu_device) -> 
         )
     with pytest.raises(ValueError, match="integer >= 0"):
         _serve(_requests(), batch=4, device=cpu_device, shared_prefix=-1)
+
+
+def test_decode_cli_shared_prefix_checks_generation(tmp_path) -> None:
+    from jax_vmm.serving.cli import decode
+
+    args = ["--device", "cpu", "--requests", "4", "--batch", "3", "--max-tokens", "256",
+            "--prompt-len", "4", "20", "--new-tokens", "10", "30", "--block", "4",
+            "--no-plot", "--no-progress", "--out", str(tmp_path)]  # fmt: skip
+    summary = decode.main([*args, "--shared-prefix", "100"])
+    shared = summary["shared_prefix"]
+    assert shared["generation_unchanged"] is True and shared["chunks_shared"] > 0, shared
+    with pytest.raises(SystemExit, match="needs N >= 1 and --backend jax_vmm"):
+        decode.main([*args, "--shared-prefix", "8", "--backend", "prealloc"])

@@ -27,6 +27,7 @@ from pathlib import Path
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import jax  # noqa: E402
+import numpy as np  # noqa: E402
 
 from .. import engine as E
 from .. import model as M
@@ -138,6 +139,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "arena and weights) after every K decode blocks, with sequences in flight; "
         "checks that generation is unchanged (jax_vmm backend)",
     )
+    p.add_argument(
+        "--shared-prefix",
+        type=int,
+        metavar="N",
+        help="every prompt starts with the same N tokens: prefill them once into one slot "
+        "and share them into each request's slot (kv.share_prefix); then serve the "
+        "requests again unshared and check that the tokens are the same (jax_vmm backend)",
+    )
     p.add_argument("--layers", type=int, help="override the preset's layer count")
     p.add_argument("--chunk-bytes", type=int, help="arena commit granularity (jax_vmm)")
     p.add_argument("--seed", type=int, default=0)
@@ -156,6 +165,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--no-progress", action="store_true")
     return p.parse_args(argv)
+
+
+def with_common_prefix(requests: list[E.Request], n: int, vocab: int, seed: int) -> list[E.Request]:
+    """The requests with the same n random tokens in front of each prompt."""
+    prefix = np.random.default_rng(seed + 2).integers(0, vocab, n).astype(np.int32)
+    return [
+        E.Request(r.id, np.concatenate([prefix, np.asarray(r.prompt, np.int32)]), r.max_new_tokens)
+        for r in requests
+    ]
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -188,6 +206,16 @@ def main(argv: list[str] | None = None) -> dict:
             "jax_vmm (it sleeps the jax_vmm arenas)"
         )
 
+    if args.shared_prefix is not None and (args.shared_prefix < 1 or args.backend != "jax_vmm"):
+        raise SystemExit(
+            f"decode.py: --shared-prefix {args.shared_prefix}: needs N >= 1 and --backend "
+            "jax_vmm (it maps one prefix into several sequences of the jax_vmm arena)"
+        )
+    if args.shared_prefix and serving["batch"] < 2:
+        raise SystemExit(
+            "decode.py: --shared-prefix needs --batch 2 or more (the prefix takes one slot)"
+        )
+
     try:
         E.check_block(args.block)
     except ValueError as e:
@@ -212,6 +240,8 @@ def main(argv: list[str] | None = None) -> dict:
             new_tokens=serving["new_tokens"],
             seed=args.seed + 1,
         )
+        if args.shared_prefix:
+            requests = with_common_prefix(requests, args.shared_prefix, cfg.vocab, args.seed)
         cache = make_cache(
             args.backend,
             cfg,
@@ -269,13 +299,27 @@ def main(argv: list[str] | None = None) -> dict:
             tqdm = require("tqdm", "the progress bar (or pass --no-progress)").tqdm
             bar = tqdm(total=total, unit="tok", desc="generating", dynamic_ncols=True)
         try:
-            report = gen.run(requests, progress=bar.update if bar else None)
+            report = gen.run(
+                requests,
+                progress=bar.update if bar else None,
+                shared_prefix=args.shared_prefix or 0,
+            )
         finally:
             if bar is not None:
                 bar.close()
         stats = cache.stats()
         summary = summarize(report, stats, cache, cfg, serving, device, attn_name)
         differ = None
+        if args.shared_prefix:
+            unshared = gen.run(requests)
+            differ = same_tokens(report, unshared)
+            summary["shared_prefix"] = dict(
+                tokens=args.shared_prefix,
+                chunks_shared=stats["chunks_shared"],
+                peak_backed_bytes=max(s.backed_bytes for s in report.trace),
+                unshared_peak_backed_bytes=max(s.backed_bytes for s in unshared.trace),
+                generation_unchanged=not differ,
+            )
         if sleeper is not None:
             slept = gen.run(requests, pause_every=args.sleep_every, pause=sleeper.pause)
             differ = same_tokens(report, slept)
@@ -289,9 +333,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     print_summary(summary)
     if differ:
-        raise SystemExit(
-            f"decode.py: generation changed across sleep/wake (requests {differ[:10]})"
-        )
+        what = "sharing the prefix" if args.shared_prefix else "sleep/wake"
+        raise SystemExit(f"decode.py: generation changed across {what} (requests {differ[:10]})")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2))
     missing = None if args.no_plot else matplotlib_missing()
