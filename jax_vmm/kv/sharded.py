@@ -304,6 +304,22 @@ class ShardedKVArena(KVArenaBase):
                 lambda h: h[0].release(h[1], wait=wait, reuse=reuse, keep_tokens=keep),
             )
 
+    def ensure_shareable(self, num_tokens: int, seq: int | None = None) -> int:
+        """:meth:`KVArena.ensure_shareable` on every shard that holds global sequence
+        ``seq``, all or nothing across devices."""
+        num_tokens = self.shards[0]._check_tokens(num_tokens, "ShardedKVArena.ensure_shareable")
+        holders = self._holders(seq, "ShardedKVArena.ensure_shareable")
+        with self._locked():
+            steps = [
+                (
+                    shard,
+                    {0 if q is None else q: num_tokens},
+                    lambda s=shard, q=q: s.ensure_shareable(num_tokens, q),
+                )
+                for shard, q in holders
+            ]
+            return self._all_or_nothing(steps)
+
     def share_prefix(self, src_seq: int, dst_seq: int, num_tokens: int) -> dict[str, int]:
         """:meth:`KVArena.share_prefix` on every shard that holds the two global sequences
         (each device maps its own memory), all or nothing: a shard that refuses or fails

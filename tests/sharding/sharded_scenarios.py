@@ -584,7 +584,7 @@ def a_prefix_is_shared_per_device():
     # 1024 tokens of 128 bytes per shard: each sequence spans two 64 KiB host chunks.
     kv = make(mesh_2d(), P("dp", None, "tp"), max_tokens=1024, zero_fill=False)
     n = 700  # one whole chunk (512 tokens) mapped, 188 tokens copied, per shard and buffer
-    kv.ensure(n, 0)
+    kv.ensure_shareable(n, 0)
     t = tokens(n, 5)
     write = jax.jit(lambda c, k, v, s: c.replace(0, jax_vmm.kv_write(c[0], k, v, s)))
     kv.check(write(kv.cache(), t["k"][0], t["v"][0], np.arange(n, dtype=np.int32)))
