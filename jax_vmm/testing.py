@@ -39,6 +39,8 @@ the only package code that imports it.
   holds the host reclaim thread (released memory and kept tables stay);
   :func:`wait_for_host_reclaims` waits for it; :func:`host_gate_closed` with
   :func:`through_host_gate` holds a CPU step in flight until the test lets it go.
+* :func:`shared_writes_allowed`: ``kv.share_prefix`` leaves the shared tokens writable
+  (no floor in the device table), so a write into one sharer lands in the other's tokens.
 * :func:`limits_ignored`: the KVCache-layer kv_write and decode attention without the
   table of ensured tokens (writes past them land where a chunk is backed; reads are not
   clamped or counted).
@@ -76,6 +78,7 @@ from .cache import read_epochs as _read_epochs
 from .cache import registry as _registry
 from .kv import KVArena
 from .kv import sharded as _sharded
+from .kv import sharing as _sharing
 from .memory import arena as _arena
 from .memory import host_reclaim as _host_reclaim
 from .memory import host_wait as _host_wait
@@ -114,6 +117,7 @@ __all__ = [
     "address_only_dests",
     "identity_stripped",
     "limits_ignored",
+    "shared_writes_allowed",
     "host_device_waits_skipped",
     "legacy_views",
     "decode_attention",
@@ -378,6 +382,19 @@ def limits_ignored() -> Iterator[None]:
         yield
     finally:
         _cache_ops._targets = previous
+
+
+@contextlib.contextmanager
+def shared_writes_allowed() -> Iterator[None]:
+    """Inside the with-block ``kv.share_prefix`` publishes no floor of writable tokens
+    (the device table keeps 0): kv_write into a shared prefix is not dropped but lands in
+    the memory every sharer reads. Floors published before the block stay."""
+    previous = _sharing._publish_floor
+    _sharing._publish_floor = lambda core_cache, seq, tokens: None
+    try:
+        yield
+    finally:
+        _sharing._publish_floor = previous
 
 
 @contextlib.contextmanager

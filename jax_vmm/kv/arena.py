@@ -24,6 +24,7 @@ from ..ops.array_writes import KVDest
 from .backing import TokenBacking
 from .base import KVArenaBase, LayerViews, check_seq, layer_shape
 from .prefetch import CommitAhead
+from .sharing import PrefixSharing
 from .stats import KVArenaStats
 from .transfers import SequenceTransfers
 
@@ -50,7 +51,7 @@ class _LayerViews(LayerViews):
         return cached
 
 
-class KVArena(KVArenaBase, TokenBacking, SequenceTransfers):
+class KVArena(KVArenaBase, PrefixSharing, TokenBacking, SequenceTransfers):
     """KV cache for ``num_layers`` layers in one :class:`~jax_vmm.Arena`.
 
     Layout per layer and per K/V: ``(max_tokens, num_kv_heads, head_dim)``, or with
@@ -183,6 +184,7 @@ class KVArena(KVArenaBase, TokenBacking, SequenceTransfers):
         self._covered = np.zeros(seqs, np.int64)
         self._valid_gen = np.full(seqs, -1, np.int64)
         self._offloaded: dict[int, Transfer] = {}
+        self._sharing_init(seqs)
         self.arena._on_sleep(self._on_arena_sleep)  # the table goes to 0 while asleep
         # Commit ahead: bumped per sequence when its memory is released, so that a commit
         # that was on its way is not counted for (or left to) a sequence that is gone.
@@ -321,7 +323,9 @@ class KVArena(KVArenaBase, TokenBacking, SequenceTransfers):
                 f"num_slots={self.num_slots}, on a page not committed, or past the tokens its "
                 "sequence ensured (none while it is offloaded or the arena asleep). Call "
                 "kv.ensure(n, seq) for every token before writing it "
-                "(slot = seq * max_tokens + position)." + (f" Also {read_note}." if reads else ""),
+                "(slot = seq * max_tokens + position)."
+                + self._shared_write_note()
+                + (f" Also {read_note}." if reads else ""),
                 writes,
                 dropped_reads=reads,
             )
@@ -346,6 +350,7 @@ class KVArena(KVArenaBase, TokenBacking, SequenceTransfers):
             commits_ahead_skipped=self._ahead_skipped,
             commits_ahead_failed=self._ahead_failures,
             preallocated_equivalent_bytes=2 * self.num_layers * len(tokens) * self.seq_bytes,
+            **self._sharing_stats(),
         )
         return s
 

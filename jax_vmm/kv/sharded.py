@@ -338,6 +338,53 @@ class ShardedKVArena(KVArenaBase):
                 lambda h: h[0].release(h[1], wait=wait, reuse=reuse, keep_tokens=keep),
             )
 
+    def ensure_shareable(self, num_tokens: int, seq: int | None = None) -> int:
+        """:meth:`KVArena.ensure_shareable` on every shard that holds global sequence
+        ``seq``, all or nothing across devices."""
+        num_tokens = self.shards[0]._check_tokens(num_tokens, "ShardedKVArena.ensure_shareable")
+        holders = self._holders(seq, "ShardedKVArena.ensure_shareable")
+        with self._locked():
+            steps = [
+                (
+                    shard,
+                    {0 if q is None else q: num_tokens},
+                    lambda s=shard, q=q: s.ensure_shareable(num_tokens, q),
+                )
+                for shard, q in holders
+            ]
+            return self._all_or_nothing(steps)
+
+    def share_prefix(self, src_seq: int, dst_seq: int, num_tokens: int) -> dict[str, int]:
+        """:meth:`KVArena.share_prefix` on every shard that holds the two global sequences
+        (each device maps its own memory), all or nothing: a shard that refuses or fails
+        releases ``dst_seq`` on the shards done before it. Both sequences must be held by
+        the same shards (heads sharded, or one sequence shard holding both); sequences on
+        different devices cannot share memory. Returns the byte counts summed over the
+        devices."""
+        op = "ShardedKVArena.share_prefix"
+        src = self._holders(src_seq, op)
+        dst = self._holders(dst_seq, op)
+        if [s for s, _ in src] != [s for s, _ in dst]:
+            raise ValueError(
+                f"{op}: sequences {src_seq} and {dst_seq} live on different devices; a "
+                "prefix is shared within one device's memory only: pick a dst_seq on the "
+                "same sequence shard"
+            )
+        total = {"mapped_bytes": 0, "copied_bytes": 0}
+        with self._locked():
+            done: list[tuple[KVArena, int]] = []
+            for (shard, qs), (_, qd) in zip(src, dst):
+                try:
+                    got = shard.share_prefix(qs, qd, num_tokens)
+                except BaseException:
+                    for other, q in reversed(done):
+                        other.release(q)
+                    raise
+                done.append((shard, qd))
+                for key in total:
+                    total[key] += got[key]
+        return total
+
     def reclaim(self) -> int:
         return _each(self.shards, lambda s: s.reclaim())
 

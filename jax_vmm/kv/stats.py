@@ -7,7 +7,17 @@ from typing import TypedDict
 
 from ..memory.stats import ArenaStats
 
-__all__ = ["KVArenaStats", "ShardStats", "ShardedKVArenaStats"]
+__all__ = ["KVArenaStats", "SharedPrefix", "ShardStats", "ShardedKVArenaStats"]
+
+
+class SharedPrefix(TypedDict):
+    """One :meth:`jax_vmm.KVArena.share_prefix` still in place (its ``dst`` not released)."""
+
+    src: int
+    dst: int
+    tokens: int
+    mapped_bytes: int
+    copied_bytes: int
 
 
 class KVArenaStats(ArenaStats):
@@ -23,6 +33,8 @@ class KVArenaStats(ArenaStats):
     commits_ahead_skipped: int
     commits_ahead_failed: int
     preallocated_equivalent_bytes: int
+    shared_prefixes: list[SharedPrefix]
+    sharing_seqs: list[int]
 
 
 class ShardStats(KVArenaStats):

@@ -24,6 +24,9 @@ class ArenaStats(TypedDict):
     held_bytes: int
     parked_bytes: int
     retired_bytes: int
+    alias_bytes: int
+    shared_bytes: int
+    chunks_shared: int
     num_buffers: int
     commit_calls: int
     decommit_calls: int

@@ -9,6 +9,7 @@ from ..base.fp8 import quantize_fp8
 from .array_writes import (
     DROPPED_NOT_ENSURED,
     DROPPED_OUT_OF_RANGE,
+    DROPPED_SHARED,
     DROPPED_UNBACKED,
     PADDING,
     WRITTEN,
@@ -39,4 +40,5 @@ __all__ = [
     "DROPPED_OUT_OF_RANGE",
     "DROPPED_UNBACKED",
     "DROPPED_NOT_ENSURED",
+    "DROPPED_SHARED",
 ]

@@ -80,10 +80,13 @@ __all__ = [
     "DROPPED_OUT_OF_RANGE",
     "DROPPED_UNBACKED",
     "DROPPED_NOT_ENSURED",
+    "DROPPED_SHARED",
 ]
 
 #: Per-token status codes returned by :func:`kv_write_through`.
 PADDING, WRITTEN, DROPPED_OUT_OF_RANGE, DROPPED_UNBACKED, DROPPED_NOT_ENSURED = 0, 1, 2, 3, 4
+#: ... and for a token in its sequence's read-only shared prefix (``kv.share_prefix``).
+DROPPED_SHARED = 5
 
 _WRITE_FP8 = "jax_vmm_kv_write_fp8"
 _FP8_SOURCES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16))

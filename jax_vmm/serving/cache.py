@@ -278,6 +278,16 @@ class VmmCache:
         memory stays backed (jax_vmm.KVArena.release)."""
         self.kv.release(seq, keep_tokens=keep_tokens)
 
+    def ensure_shareable(self, seq: int, num_tokens: int) -> None:
+        """ensure, with the whole chunks of the tokens as an allocation of their own, so
+        that share_prefix maps them on a GPU too (jax_vmm.KVArena.ensure_shareable)."""
+        self.kv.ensure_shareable(num_tokens, seq)
+
+    def share_prefix(self, src: int, dst: int, num_tokens: int) -> None:
+        """Sequence dst starts with src's first num_tokens tokens, their whole chunks the
+        same memory (jax_vmm.KVArena.share_prefix); dst must hold nothing."""
+        self.kv.share_prefix(src, dst, num_tokens)
+
     def check(self) -> None:
         """Raises jax_vmm.OutOfBoundsWrite if a write was dropped (a token not ensured),
         jax_vmm.OutOfBoundsRead if attention read past the ensured tokens."""
@@ -285,9 +295,10 @@ class VmmCache:
 
     def backed_bytes(self) -> int:
         """Memory held for sequences: backed chunks, and released chunks still inside an
-        allocation in use (parked; a kept prompt's allocation can hold some)."""
+        allocation in use (parked; a kept prompt's allocation can hold some). A chunk
+        shared by several sequences (share_prefix) counts once."""
         stats = [a.stats() for a in self._arenas]  # one read of each arena's counters
-        return sum(s["backed_bytes"] + s["parked_bytes"] for s in stats)
+        return sum(s["backed_bytes"] - s["alias_bytes"] + s["parked_bytes"] for s in stats)
 
     def reserved_bytes(self) -> int:
         return int(self.kv.reserved_bytes)

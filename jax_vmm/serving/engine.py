@@ -220,6 +220,17 @@ class Generator:
 
         return self._get(("prefill", bucket, stops), make, *args)
 
+    def _prefill_shared_fn(self, bucket: int, stops: tuple[int, ...], args: tuple) -> Callable:
+        def make():
+            return jax.jit(
+                functools.partial(
+                    S.prefill_shared_slot, cfg=self.cfg, write=self.cache.write, stop_tokens=stops
+                ),
+                donate_argnums=(1, 2),
+            )
+
+        return self._get(("prefill_shared", bucket, stops), make, *args)
+
     def _block_fn(self, steps: int, stops: tuple[int, ...], logits: bool, args: tuple):
         def make():
             return jax.jit(
@@ -270,6 +281,28 @@ class Generator:
             bucket, args = self._prefill_args(state, r.prompt, 0, 1)
             self._prefill_fn(bucket, stops, args)
 
+    def _check_shared_prefix(self, requests: list[Request], n: int) -> np.ndarray | None:
+        """run(shared_prefix=n) checked: the prefix's tokens (None for 0)."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"shared_prefix must be an integer >= 0, got {n!r}")
+        if n == 0:
+            return None
+        if not hasattr(self.cache, "share_prefix"):
+            raise ValueError(
+                f"shared_prefix needs the jax_vmm cache backend (kv.share_prefix); the "
+                f"{self.cache.name} backend cannot map one prefix into several sequences"
+            )
+        if self.cache.max_seqs < 2:
+            raise ValueError("shared_prefix needs 2 or more slots: the prefix takes one")
+        prefix = np.asarray(requests[0].prompt[:n]) if requests else np.zeros(0)
+        for r in requests:
+            if len(r.prompt) <= n or not np.array_equal(np.asarray(r.prompt[:n]), prefix):
+                raise ValueError(
+                    f"request {r.id}: shared_prefix={n} needs every prompt to start with the "
+                    f"same {n} tokens and to have at least one more ({len(r.prompt)} tokens)"
+                )
+        return prefix
+
     # -- serving -----------------------------------------------------------------------
     def run(
         self,
@@ -281,6 +314,7 @@ class Generator:
         select_token: Callable[[int, np.ndarray], int] | None = None,
         pause_every: int | None = None,
         pause: Callable[[], None] | None = None,
+        shared_prefix: int = 0,
     ) -> RunReport:
         """Serves all requests with continuous batching; greedy on the device.
 
@@ -292,7 +326,11 @@ class Generator:
         one step per host call, each read before the next is dispatched, stop tokens
         checked on the host.
         pause_every K, pause(): after every K blocks, wait for everything dispatched and
-        call pause() with sequences in flight (sleep/wake the engine), then go on."""
+        call pause() with sequences in flight (sleep/wake the engine), then go on.
+        shared_prefix N: every prompt starts with the same N tokens; they are prefilled
+        once into the last slot, which serves no request, and shared into each request's
+        slot (kv.share_prefix: the same memory, no copy of whole chunks), whose prefill
+        then runs only the rest of its prompt."""
         cache, max_tokens = self.cache, self.cache.max_tokens
         for r in requests:
             need = len(r.prompt) + r.max_new_tokens - 1
@@ -307,6 +345,7 @@ class Generator:
             raise ValueError(f"pause_every must be an integer >= 1 or None, got {pause_every!r}")
         if (pause_every is None) != (pause is None):
             raise ValueError("pause_every and pause go together: give both or neither")
+        prefix = self._check_shared_prefix(requests, shared_prefix)
         host_mode = self._host_mode(force_tokens, select_token)
         self.precompile(requests, host_tokens=host_mode, record_logits=record_logits)
         n = 1 if host_mode else self.block
@@ -349,7 +388,11 @@ class Generator:
             # will take the slot, the release waits for it (admit): the memory its prompt
             # needs then stays backed instead of going back and being committed again.
             # Otherwise it goes back now (without waiting for the device).
-            if self.keep_slot_memory and len(queue) > sum(s is None for s in slots):
+            if (
+                not shared_prefix
+                and self.keep_slot_memory
+                and len(queue) > sum(s is None for s in slots)
+            ):
                 held.add(seq)
             else:
                 timed(cache.release, seq)
@@ -415,7 +458,7 @@ class Generator:
                     return
 
         def admit_free_slots() -> None:
-            free = [seq for seq in range(batch) if slots[seq] is None][: len(queue)]
+            free = [seq for seq in range(serving) if slots[seq] is None][: len(queue)]
             taken = [(seq, queue.popleft()) for seq in free]
             for seq, req in taken:  # every prompt's memory, in the background
                 if seq in held:  # the slot keeps the chunks of the new prompt
@@ -424,7 +467,8 @@ class Generator:
                         lambda: cache.release(seq, keep_tokens=len(req.prompt)),
                         name="release(keep_tokens)",
                     )
-                timed(cache.prefetch, seq, len(req.prompt))
+                if not shared_prefix:  # a slot shared into holds nothing before
+                    timed(cache.prefetch, seq, len(req.prompt))
             for seq, req in taken:
                 wait_for_memory(seq)
                 admit(seq, req)
@@ -432,11 +476,19 @@ class Generator:
         def admit(seq: int, req: Request) -> None:
             nonlocal state
             slot = _Slot(req, results.setdefault(req.id, Result(req.id, len(req.prompt))))
+            if shared_prefix:
+                timed(cache.share_prefix, prefix_seq, seq, shared_prefix)
             timed(cache.ensure, seq, len(req.prompt))
             slot.ensured = len(req.prompt)
             slots[seq] = slot
-            bucket, args = self._prefill_args(state, req.prompt, seq, req.max_new_tokens)
-            logits, first, out, state = self._prefill_fn(bucket, stops, args)(*args)
+            if shared_prefix:
+                rest = req.prompt[shared_prefix:]
+                bucket, args = self._prefill_args(state, rest, seq, req.max_new_tokens)
+                args += (jnp.int32(shared_prefix),)
+                logits, first, out, state = self._prefill_shared_fn(bucket, stops, args)(*args)
+            else:
+                bucket, args = self._prefill_args(state, req.prompt, seq, req.max_new_tokens)
+                logits, first, out, state = self._prefill_fn(bucket, stops, args)(*args)
             cache.update(out)
             counts["prefills"] += 1
             cols: list[_Slot | None] = [None] * batch
@@ -445,7 +497,18 @@ class Generator:
             record("prefill")
 
         state = S.idle_state(batch)
+        # The shared prefix: prefilled once into the last slot (one token asked, so the
+        # slot stays idle), which then only lends its memory.
+        serving = batch - 1 if shared_prefix else batch
+        prefix_seq = batch - 1
         t_start = time.perf_counter()
+        if shared_prefix:
+            timed(cache.ensure_shareable, prefix_seq, shared_prefix)
+            bucket, args = self._prefill_args(state, prefix, prefix_seq, 1)
+            _, _, out, state = self._prefill_fn(bucket, stops, args)(*args)
+            cache.update(out)
+            counts["prefills"] += 1
+            record("prefill")
         while queue or any(slots) or pending:
             admit_free_slots()  # continuous batching: free slots take requests
             if host_mode:
@@ -489,6 +552,8 @@ class Generator:
                 counts["pauses"] += 1
         for seq in sorted(held):  # no request took it after all
             timed(cache.release, seq)
+        if shared_prefix:
+            timed(cache.release, prefix_seq)
         record("end")
         seconds = time.perf_counter() - t_start
         cache.check()  # no write was dropped (every token was ensured before its step)

@@ -332,6 +332,43 @@ def prefill(
     return logits_from_hidden(params, last, cfg), cache
 
 
+#: attend_cached(q (P, H_q, D), layer, seq, start, length) -> (P, H_q, D): rows [0, length)
+#: of q are positions [start, start + length) of sequence seq, attending over its cached
+#: tokens up to each row's own position (the prefix and the rows before it).
+CachedPromptAttendFn = Callable[[jax.Array, Any, jax.Array, jax.Array, jax.Array], jax.Array]
+
+
+def prefill_after(
+    params: Params,
+    cache: Any,
+    tokens: jax.Array,
+    length: jax.Array,
+    seq: jax.Array,
+    start: jax.Array,
+    *,
+    cfg: ModelConfig,
+    write: WriteFn,
+    attend_cached: CachedPromptAttendFn,
+) -> tuple[jax.Array, Any]:
+    """`prefill` of the rest of a prompt whose first `start` tokens sequence `seq` holds
+    in the cache already (a shared prefix, kv.share_prefix): writes K/V at positions
+    [start, start + length) and attends over the cache, prefix included. Returns the
+    logits of the last real token and the updated cache."""
+    max_tokens = cache[0].shape[1]
+    offsets = jnp.arange(tokens.shape[0], dtype=jnp.int32)
+    positions = start + offsets
+    slots = jnp.where(offsets < length, seq * max_tokens + positions, -1).astype(jnp.int32)
+    x = params.embed[tokens]
+    for i, lp in enumerate(params.layers):
+        q, k, v = qkv_projection(lp, rms_norm(x, lp.attn_norm, cfg.norm_eps), positions, cfg)
+        cache = cache.replace(i, write(cache[i], k, v, slots))
+        o = attend_cached(q, cache[i], seq, start, length)
+        x = x + _matmul(o.reshape(o.shape[0], -1), lp.wo)
+        x = x + mlp(lp, x, cfg)
+    last = jax.lax.dynamic_index_in_dim(x, length - 1, axis=0, keepdims=False)
+    return logits_from_hidden(params, last, cfg), cache
+
+
 def decode_step(
     params: Params,
     cache: Any,

@@ -16,6 +16,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+import jax_vmm
+
 from . import model as M
 
 # control (per slot, per call, from the host): KEEP the device state, STOP the slot, or
@@ -58,13 +60,68 @@ def prefill_slot(
     max_new_tokens - 1 decode steps to go (none if that token is a stop token). Returns
     (last prompt token's logits (vocab,), first token, cache, state)."""
     logits, cache = M.prefill(params, cache, prompt, length, seq, cfg=cfg, write=write)
+    first, state = _start_slot(logits, state, seq, length, max_new_tokens, stop_tokens)
+    return logits, first, cache, state
+
+
+def _start_slot(
+    logits: jax.Array,
+    state: DecodeState,
+    seq: jax.Array,
+    position: jax.Array,
+    max_new_tokens: jax.Array,
+    stop_tokens: tuple[int, ...],
+) -> tuple[jax.Array, DecodeState]:
+    """The slot's first token (greedy) and its decode state: next input at `position`."""
     first = jnp.argmax(logits).astype(jnp.int32)
     steps = jnp.where(_is_stop(first, stop_tokens), 0, max_new_tokens - 1).astype(jnp.int32)
-    state = DecodeState(
+    return first, DecodeState(
         state.tokens.at[seq].set(first),
-        state.positions.at[seq].set(length),
+        state.positions.at[seq].set(position),
         state.remaining.at[seq].set(steps),
     )
+
+
+def attend_cached_prompt(
+    q: jax.Array, layer: Any, seq: jax.Array, start: jax.Array, length: jax.Array
+) -> jax.Array:
+    """model.CachedPromptAttendFn over a cache layer: jax_vmm.attention with sequence
+    seq's rows only (the other rows ask for nothing)."""
+    rows = jnp.arange(layer.shape[0]) == seq
+    qb = jnp.zeros((layer.shape[0],) + q.shape, q.dtype).at[seq].set(q)
+    lengths = jnp.where(rows, start + length, 0).astype(jnp.int32)
+    out = jax_vmm.attention(qb, layer, lengths, q_lengths=jnp.where(rows, length, 0))
+    return out[seq]
+
+
+def prefill_shared_slot(
+    params: M.Params,
+    cache: Any,
+    state: DecodeState,
+    prompt: jax.Array,
+    length: jax.Array,
+    seq: jax.Array,
+    max_new_tokens: jax.Array,
+    start: jax.Array,
+    *,
+    cfg: M.ModelConfig,
+    write: M.WriteFn,
+    stop_tokens: tuple[int, ...],
+) -> tuple[jax.Array, jax.Array, Any, DecodeState]:
+    """prefill_slot of a prompt's last `length` tokens (padded in `prompt`) after the
+    `start` tokens the slot holds already (a shared prefix)."""
+    logits, cache = M.prefill_after(
+        params,
+        cache,
+        prompt,
+        length,
+        seq,
+        start,
+        cfg=cfg,
+        write=write,
+        attend_cached=attend_cached_prompt,
+    )
+    first, state = _start_slot(logits, state, seq, start + length, max_new_tokens, stop_tokens)
     return logits, first, cache, state
 
 

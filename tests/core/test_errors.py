@@ -640,6 +640,53 @@ ROWS += [
 ]
 
 
+# -- shared prefixes --
+def _shared_kv(ctx: Ctx, n: int = 4) -> jax_vmm.KVArena:
+    kv = ctx.kv(max_seqs=4, max_tokens=8 * ctx.c // 32)  # two chunks per sequence
+    kv.ensure(n, 0)
+    return kv
+
+
+def _share_into_holder(ctx: Ctx) -> None:
+    kv = _shared_kv(ctx)
+    kv.ensure(2, 2)
+    kv.share_prefix(0, 2, 4)
+
+
+def _share_too_many(ctx: Ctx) -> None:
+    _shared_kv(ctx).share_prefix(0, 1, 5)
+
+
+def _share_misaligned(ctx: Ctx) -> None:
+    kv = ctx.kv(max_seqs=3, max_tokens=3 * ctx.c // 64)  # 1.5 chunks per sequence
+    kv.ensure(4, 0)
+    kv.share_prefix(0, 1, 4)
+
+
+def _shrink_below_shared(ctx: Ctx) -> None:
+    kv = _shared_kv(ctx, 8)
+    kv.share_prefix(0, 1, 8)
+    kv.shrink(4)
+
+
+def _write_into_shared_then_check(ctx: Ctx) -> None:
+    kv = _shared_kv(ctx)
+    kv.share_prefix(0, 1, 4)
+    x = ctx.put(np.ones((1, 1, 8), np.float32))
+    layer = jax_vmm.kv_write(kv.cache()[0], x, x, seq=jnp.array([1]), pos=jnp.array([2]))
+    jax.block_until_ready(layer)
+    kv.check()
+
+
+ROWS += [
+    Row("P1", _share_into_holder),
+    Row("P2", _share_too_many),
+    Row("P3", _share_misaligned),
+    Row("P4", _shrink_below_shared),
+    Row("P5", _write_into_shared_then_check),
+]
+
+
 def _x64_off() -> str | None:
     return "x64 is on: int64 is kept" if jax.config.jax_enable_x64 else None
 

@@ -763,3 +763,69 @@ def test_zero_piece_ceiling_from_the_environment(fake, monkeypatch):
     with pytest.raises(ValueError, match="JAX_VMM_ZERO_PIECE_MAX_BYTES=lots is not a positive"):
         fake.arena(4 * G)
     assert live(t.fake_cuda_stats())["live_reservations"] == 0
+
+
+# ---- shared memory (Arena.share_spans, kv.share_prefix) ------------------------------
+
+
+def test_a_whole_allocation_is_mapped_at_a_second_address_and_freed_with_the_last(fake):
+    a = fake.arena(32 * G, handle_bytes=4 * G, zero_fill=False)
+    zero = fake.zero_handles()
+    a.allocate(a.reserved_bytes, "all")
+    a.commit(0, 0, 4 * G)  # one allocation of 4 chunks
+    data = np.random.default_rng(3).integers(1, 256, 4 * G, dtype=np.uint8)
+    write(a, 0, data)
+    (src,) = fake.real_mappings(a, zero)
+    t.fake_cuda_map_log(clear=True)
+    assert a.share_spans([(0, 0, 0, 16 * G, 4 * G)]) == (4 * G, [])
+    # The driver's own answer: the same handle, mapped whole, at both addresses.
+    real = fake.real_mappings(a, zero)
+    assert sorted(m[0] - a.base for m in real) == [0, 16 * G]
+    assert {m[2] for m in real} == {src[2]}
+    assert fake.partial_map_refusals() == 0
+    assert (fake.contents(a)[16 * G : 20 * G] == data).all()
+    write(a, 16 * G, data[::-1].copy())  # one memory: the write shows at both addresses
+    assert (fake.contents(a)[: 4 * G] == data[::-1]).all()
+    s = a.stats()
+    assert (s["held_bytes"], s["alias_bytes"], s["shared_bytes"]) == (4 * G, 4 * G, 4 * G)
+    # Released first (deferred: retired, not yet unmapped), the source keeps the memory
+    # for the second address; a commit there at once waits for the reclaimer and gets
+    # new memory, never the shared allocation back.
+    revived = s["chunks_revived"]
+    a.decommit(0, 0, 4 * G, False)
+    a.commit(0, 0, 4 * G)
+    assert a.stats()["chunks_revived"] == revived
+    assert (fake.contents(a)[16 * G : 20 * G] == data[::-1]).all()
+    handles = [m[2] for m in fake.real_mappings(a, zero)]
+    assert len(handles) == 2 and src[2] in handles and len(set(handles)) == 2
+    a.decommit(0, 0, 4 * G, True)
+    a.decommit(0, 16 * G, 20 * G, True)
+    assert fake.real_mappings(a, zero) == []
+    assert fake.zero_handles() == zero, "the shared allocation was released at the last unmap"
+
+
+def test_part_of_an_allocation_is_left_to_the_caller_on_cuda(fake):
+    a = fake.arena(32 * G, handle_bytes=4 * G, zero_fill=False)
+    zero = fake.zero_handles()
+    a.allocate(a.reserved_bytes, "all")
+    a.commit(0, 0, 3 * G)  # one allocation of 3 chunks; share its first 2
+    before = fake.real_mappings(a, zero)
+    assert a.share_spans([(0, 0, 0, 16 * G, 2 * G)]) == (0, [(0, 16 * G, 18 * G)])
+    assert fake.real_mappings(a, zero) == before and fake.partial_map_refusals() == 0
+    assert a.stats()["chunks_shared"] == 0
+    # The caller commits and copies them.
+    a.commit(0, 16 * G, 18 * G)
+    data = np.random.default_rng(4).integers(1, 256, 2 * G, dtype=np.uint8)
+    write(a, 0, data)
+    a.copy_spans([(0, 0, 0, 16 * G, 2 * G)])
+    assert (fake.contents(a)[16 * G : 18 * G] == data).all()
+    # A copy into shared memory, a share into memory that is held, overlaps: refused.
+    a.share_spans([(0, 4 * G, 0, 8 * G, 0)])  # empty: nothing to do
+    with pytest.raises(ValueError, match="holds memory"):
+        a.share_spans([(0, 0, 0, 16 * G, 3 * G)])
+    with pytest.raises(ValueError, match="not all backed"):
+        a.share_spans([(0, 8 * G, 0, 24 * G, G)])
+    with pytest.raises(ValueError, match="overlap"):
+        a.share_spans([(0, 0, 0, G, 3 * G)])
+    with pytest.raises(ValueError, match="whole chunks"):
+        a.share_spans([(0, 0, 0, 24 * G, G // 2)])

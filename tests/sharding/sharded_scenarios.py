@@ -579,5 +579,33 @@ def a_shard_cannot_join_twice_or_with_another_geometry():
     kv.close()
 
 
+@scenario
+def a_prefix_is_shared_per_device():
+    # 1024 tokens of 128 bytes per shard: each sequence spans two 64 KiB host chunks.
+    kv = make(mesh_2d(), P("dp", None, "tp"), max_tokens=1024, zero_fill=False)
+    n = 700  # one whole chunk (512 tokens) mapped, 188 tokens copied, per shard and buffer
+    kv.ensure_shareable(n, 0)
+    t = tokens(n, 5)
+    write = jax.jit(lambda c, k, v, s: c.replace(0, jax_vmm.kv_write(c[0], k, v, s)))
+    kv.check(write(kv.cache(), t["k"][0], t["v"][0], np.arange(n, dtype=np.int32)))
+    got = kv.share_prefix(0, 1, n)
+    holders = kv._holders(0, "test")
+    assert len(holders) == 2 and [s for s, _ in holders] == [s for s, _ in kv._holders(1, "t")]
+    chunk = holders[0][0].arena.chunk_bytes
+    assert got["mapped_bytes"] == len(holders) * 2 * L * chunk, got
+    for shard, q in holders:
+        assert shard.stats()["shared_bytes"] == 2 * L * chunk
+        for side in (0, 1):
+            for layer in range(L):
+                r = raw_layer(shard, side, layer)
+                assert np.array_equal(r[q + 1, :n], r[q, :n])
+                assert r[q, :n].any() == (layer == 0)  # the prefix was written to layer 0
+    raises(ValueError, lambda: kv.share_prefix(0, 3, n), "different devices")
+    kv.release(0)
+    kv.release(1)
+    assert all(s.stats()["held_bytes"] == 0 for s in kv.shards)
+    kv.close()
+
+
 if __name__ == "__main__":
     sys.exit(multidevice.main(SCENARIOS, sys.argv[1:]))

@@ -94,9 +94,12 @@ struct ArenaStats {
   size_t placed_bytes = 0;  // sum of live buffers' (chunk-rounded) sizes
   size_t backed_bytes = 0;  // chunks in the page table
   size_t peak_backed_bytes = 0;
-  size_t held_bytes = 0;     // physical memory the arena holds: backed + parked + retired
-  size_t parked_bytes = 0;   // unbacked chunks inside allocations that are still in use
-  size_t retired_bytes = 0;  // allocations released, waiting for the device to be given back
+  size_t held_bytes = 0;      // physical memory the arena holds: backed + parked + retired
+  size_t parked_bytes = 0;    // unbacked chunks inside allocations that are still in use
+  size_t retired_bytes = 0;   // allocations released, waiting for the device to be given back
+  size_t alias_bytes = 0;     // backed bytes whose physical memory is backed at another address
+  size_t shared_bytes = 0;    // physical memory backed at two or more addresses (counted once)
+  int64_t chunks_shared = 0;  // chunks mapped as a second address of memory (ShareRanges)
   int64_t num_buffers = 0;
   int64_t commit_calls = 0;
   int64_t decommit_calls = 0;
@@ -262,6 +265,31 @@ class Arena : public std::enable_shared_from_this<Arena> {
   // closed.
   size_t ReclaimRetiredBefore(uint64_t sync);
 
+  // Shared memory (core/arena_share.cc). Chunk-aligned byte spans of two buffers (or of
+  // one buffer, not overlapping) of equal size.
+  struct SpanPair {
+    int64_t src_buffer;
+    size_t src_start;
+    int64_t dst_buffer;
+    size_t dst_start;
+    size_t bytes;
+  };
+  // Maps the physical memory under every src span at its dst span too (no copy): both
+  // addresses then read and write the same bytes, and the memory goes back to the driver
+  // once the last address holding it is released. Every src chunk must be backed; every
+  // dst chunk must hold nothing (not backed, parked or retired). A src chunk whose
+  // allocation also backs chunks outside its span is mapped only where the driver maps
+  // parts of allocations (host); elsewhere (cuda maps allocations whole) it is left out
+  // and its dst bytes are appended to *not_shared (dst buffer, start, stop) for the caller
+  // to commit and copy. Waits for the device first (work dispatched before may still
+  // write the source). Released shared chunks are never taken back by a commit (their
+  // bytes live on at the other address): a commit of one waits for its reclamation.
+  // All-or-nothing. Returns the bytes mapped.
+  size_t ShareSpans(const std::vector<SpanPair>& spans, std::vector<Range>* not_shared);
+  // Copies every src span's bytes to its dst span (both backed; dst not shared memory)
+  // after the device finished the work dispatched before (which may write src).
+  void CopySpans(const std::vector<SpanPair>& spans);
+
   // Bytes backed contiguously from `start` (stopping at `stop` or the first hole).
   size_t BackedPrefix(int64_t buffer_id, size_t start, size_t stop) const;
 
@@ -349,7 +377,8 @@ class Arena : public std::enable_shared_from_this<Arena> {
   const Driver& driver() const { return *driver_; }
 
  private:
-  struct Mapping;    // one physical allocation, mapped once (core/arena_internal.h)
+  struct Physical;   // one driver allocation, released with its last mapping
+  struct Mapping;    // physical memory mapped once at one address (core/arena_internal.h)
   struct HostImage;  // contents kept in host memory (core/arena_transfer.cc)
   struct TransferRecord;
   struct SleepImage;
@@ -388,6 +417,11 @@ class Arena : public std::enable_shared_from_this<Arena> {
   // Adds `sign` * the backed bytes of arena chunks [first, first + count) to the buffers
   // placed over them.
   void AccountBacked(size_t first, size_t count, int sign);
+
+  // Sharing (core/arena_share.cc), under mu_: InvalidArgument when a backed chunk of
+  // `runs` is shared memory (sleep and offload move chunks by allocation and would
+  // split what two addresses share).
+  void ThrowIfShared(const std::vector<ChunkRun>& runs, const char* op) const;
 
   // Commit (core/arena_commit.cc), all under mu_.
   struct CommitPlan;  // what a commit will create or take back, before any driver call

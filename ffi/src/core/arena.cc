@@ -405,11 +405,36 @@ ArenaStats Arena::Stats() const {
   std::lock_guard<std::mutex> lock(mu_);
   ArenaStats s = stats_;
   s.held_bytes = s.retired_bytes = 0;
+  // Shared allocations (core/arena_share.cc) are counted once, by their offsets in use.
+  std::map<const Physical*, std::vector<const Mapping*>> shared;
   for (const auto& [first, m] : mappings_) {
+    if (m->shared) {
+      shared[m->physical.get()].push_back(m.get());
+      continue;
+    }
     s.held_bytes += m->bytes;
     if (m->live == 0 && !m->pins) s.retired_bytes += m->bytes;
   }
-  s.parked_bytes = s.held_bytes - s.backed_bytes - s.retired_bytes;
+  size_t physical_backed = s.backed_bytes;
+  s.alias_bytes = s.shared_bytes = 0;
+  for (const auto& [physical, group] : shared) {
+    s.held_bytes += physical->bytes;
+    std::map<size_t, int> users;  // offset of a backed chunk -> addresses backing it
+    bool any_live = false;
+    for (const Mapping* m : group) {
+      any_live |= m->live > 0 || m->pins > 0;
+      for (size_t c = 0; c < m->num_chunks; ++c) {
+        if (host_page_table_[m->first_chunk + c]) ++users[m->offset + c * chunk_bytes_];
+      }
+    }
+    if (!any_live) s.retired_bytes += physical->bytes;
+    for (const auto& [offset, count] : users) {
+      s.alias_bytes += static_cast<size_t>(count - 1) * chunk_bytes_;
+      if (count > 1) s.shared_bytes += chunk_bytes_;
+    }
+  }
+  physical_backed -= s.alias_bytes;
+  s.parked_bytes = s.held_bytes - physical_backed - s.retired_bytes;
   s.views_exported = views_exported_.load();
   s.asleep = sleep_ != nullptr;
   s.sleep_image_bytes = SleepImageBytes();

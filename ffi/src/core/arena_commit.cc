@@ -142,6 +142,18 @@ Arena::CommitPlan Arena::PlanCommit(const std::vector<Range>& ranges) {
 // new allocations.
 void Arena::PlanChunk(size_t a, CommitPlan* plan, bool* extends_run) const {
   if (Mapping* m = chunk_mapping_[a]) {
+    if (m->shared) {
+      // Its bytes live on at another address (core/arena_share.cc): new memory goes here
+      // once the released mapping is reclaimed (the reclaimer wakes the waiting commit).
+      if (m->live > 0) {
+        throw InvalidArgument("Arena: chunk " + std::to_string(a) +
+                              " lies in memory shared with another address and was released "
+                              "by part; release the rest of it (every sharer) first");
+      }
+      plan->must_wait = true;
+      *extends_run = false;
+      return;
+    }
     plan->must_wait |= m->busy();
     plan->revive.push_back(a);
     *extends_run = false;
@@ -219,7 +231,7 @@ void Arena::MapRuns(const CommitPlan& plan, Pending* pending, bool zero) {
       const size_t first = run.first + done;
       pending->mappings.push_back(
           std::make_unique<Mapping>(driver_.get(), first, n, chunk_bytes_, ChunkAddress(first)));
-      pending->mappings.back()->charge = pending->charge.Split(n * chunk_bytes_);
+      pending->mappings.back()->physical->charge = pending->charge.Split(n * chunk_bytes_);
       pieces.push_back({pending->mappings.back()->handle, 0, n * chunk_bytes_});
       done += n;
     }

@@ -16,9 +16,29 @@
 
 namespace jax_vmm {
 
-// One physical allocation of num_chunks chunks, mapped once at `va` over the arena chunks
-// [first_chunk, first_chunk + num_chunks). Owns its handle and, once mapped, its mapping:
-// the destructor undoes both, so a half-built commit unwinds itself on any exception.
+// One physical allocation (driver handle), given back when the last mapping of it goes:
+// kv.share_prefix maps one allocation at several addresses (core/arena_share.cc), and each
+// of those mappings holds it.
+struct Arena::Physical {
+  Physical(Driver* d, size_t n) : driver(d), handle(d->Create(n)), bytes(n) {}
+  ~Physical() { driver->Release(handle); }
+  Physical(const Physical&) = delete;
+  Physical& operator=(const Physical&) = delete;
+
+  Driver* driver;
+  PhysicalHandle handle;
+  size_t bytes;
+  // Its bytes in the arena's budget, taken before Create and (as a member) given back
+  // after the destructor's Release, when the last mapping of it is gone: the budget caps
+  // memory that really exists, and memory mapped at several addresses counts once.
+  BudgetCharge charge;
+};
+
+// A mapping of num_chunks chunks of physical memory at `va`, over the arena chunks
+// [first_chunk, first_chunk + num_chunks): a new allocation mapped once (a commit), or
+// (an alias, core/arena_share.cc) `bytes` of another mapping's allocation from `offset`.
+// Owns its mapping and a reference to its allocation: the destructor unmaps, and the
+// last reference releases, so a half-built commit unwinds itself on any exception.
 //
 // Life cycle (all fields under the arena's mutex):
 //   live > 0                  some chunks are backed (the rest, if any, are parked);
@@ -26,15 +46,32 @@ namespace jax_vmm {
 //   reclaiming                the reclaimer is unmapping it outside the lock;
 //   pins > 0                  a transfer owns its chunks (copying them out or in): it is
 //                             neither reclaimed nor taken back until the transfer is done.
-// A commit that finds a chunk of a reclaiming or pinned allocation waits.
+// A commit that finds a chunk of a reclaiming or pinned allocation waits. A chunk of a
+// shared mapping (its allocation mapped at another address too) is never taken back once
+// released: the other address still holds its bytes (Arena::PlanChunk).
 struct Arena::Mapping {
   Mapping(Driver* d, size_t first, size_t count, size_t chunk_bytes, uintptr_t address)
-      : driver(d), va(address), first_chunk(first), num_chunks(count), bytes(count * chunk_bytes) {
-    handle = driver->Create(bytes);
-  }
+      : driver(d),
+        va(address),
+        first_chunk(first),
+        num_chunks(count),
+        bytes(count * chunk_bytes),
+        physical(std::make_shared<Physical>(d, bytes)),
+        handle(physical->handle) {}
+  // An alias: `count` chunks of `source` from `offset`, mapped at `address`.
+  Mapping(Driver* d, size_t first, size_t count, size_t chunk_bytes, uintptr_t address,
+          std::shared_ptr<Physical> source, size_t source_offset)
+      : driver(d),
+        va(address),
+        first_chunk(first),
+        num_chunks(count),
+        bytes(count * chunk_bytes),
+        physical(std::move(source)),
+        handle(physical->handle),
+        offset(source_offset),
+        shared(true) {}
   ~Mapping() {
     if (mapped) UnmapWhole(*driver, va, bytes);
-    driver->Release(handle);
   }
   Mapping(const Mapping&) = delete;
   Mapping& operator=(const Mapping&) = delete;
@@ -46,16 +83,16 @@ struct Arena::Mapping {
   size_t first_chunk;
   size_t num_chunks;
   size_t bytes;
+  std::shared_ptr<Physical> physical;
   PhysicalHandle handle = 0;
+  size_t offset = 0;    // into the allocation (an alias of part of it)
+  bool shared = false;  // the allocation is (or was) mapped at another address too
   bool mapped = false;
   size_t live = 0;
   size_t pins = 0;
   bool retired = false;
   bool reclaiming = false;
   uint64_t retired_epoch = 0;
-  // Its bytes in the arena's budget, taken before Create and (as a member) given back
-  // after the destructor's Release: the budget caps memory that really exists.
-  BudgetCharge charge;
 };
 
 // What a commit (or a wake, or a restore) will create or take back (core/arena_commit.cc).

@@ -238,7 +238,9 @@ std::vector<std::unique_ptr<Arena::Mapping>> Arena::DetachMappings(
 void Arena::ZeroParked() {
   std::vector<size_t> chunks;
   for (size_t a : parked_dirty_) {
-    if (chunk_mapping_[a] != nullptr && !host_page_table_[a]) chunks.push_back(a);
+    // A shared chunk's bytes are another address's too: never zeroed (nor taken back).
+    const Mapping* m = chunk_mapping_[a];
+    if (m != nullptr && !m->shared && !host_page_table_[a]) chunks.push_back(a);
   }
   parked_dirty_.clear();
   ForEachRun(

@@ -164,6 +164,7 @@ void Arena::Sleep(bool keep_contents) {
   ThrowIfClosed("sleep");
   ThrowIfAsleep("sleep");
   WaitWhileBusy(lock);
+  ThrowIfShared({ChunkRun{0, num_chunks_}}, "Arena.sleep");
   driver_->Synchronize();  // device work that uses the arena is done
   auto image = std::make_unique<SleepImage>();
   image->runs = BackedRunsByMapping({ChunkRun{0, num_chunks_}});
@@ -265,6 +266,7 @@ uint64_t Arena::Offload(const std::vector<Range>& ranges) {
   ThrowIfAsleep("offload");
   auto record = std::make_unique<TransferRecord>();
   record->runs = BackedRunsByMapping(DecommitRuns(ranges));
+  ThrowIfShared(record->runs, "Arena.offload");
   size_t bytes = 0;
   for (const ChunkRun& run : record->runs) bytes += run.count * chunk_bytes_;
   if (bytes > 0) record->image = AllocImage(bytes);

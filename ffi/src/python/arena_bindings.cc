@@ -1,5 +1,6 @@
 // Python bindings of Arena, the drivers' factory functions and the device query.
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
@@ -50,6 +51,9 @@ nb::dict StatsDict(const ArenaStats& s) {
   d["held_bytes"] = s.held_bytes;
   d["parked_bytes"] = s.parked_bytes;
   d["retired_bytes"] = s.retired_bytes;
+  d["alias_bytes"] = s.alias_bytes;
+  d["shared_bytes"] = s.shared_bytes;
+  d["chunks_shared"] = s.chunks_shared;
   d["num_buffers"] = s.num_buffers;
   d["commit_calls"] = s.commit_calls;
   d["decommit_calls"] = s.decommit_calls;
@@ -116,6 +120,15 @@ std::vector<Arena::Range> ToRanges(const std::vector<std::tuple<int64_t, size_t,
   std::vector<Arena::Range> ranges;
   for (const auto& [id, start, stop] : r) ranges.push_back({id, start, stop});
   return ranges;
+}
+
+std::vector<Arena::SpanPair> ToSpanPairs(
+    const std::vector<std::tuple<int64_t, size_t, int64_t, size_t, size_t>>& s) {
+  std::vector<Arena::SpanPair> spans;
+  for (const auto& [src, src_start, dst, dst_start, bytes] : s) {
+    spans.push_back({src, src_start, dst, dst_start, bytes});
+  }
+  return spans;
 }
 
 nb::tuple TransferTuple(TransferState state, const std::string& error) {
@@ -234,6 +247,30 @@ void BindArenaChanges(nb::class_<Arena>& c) {
             return a.CommitAhead(ranges, &added) ? static_cast<int64_t>(added) : -1;
           },
           "commit_ranges from a background thread; -1 (skipped) once raw views were handed out.")
+      .def(
+          "share_spans",
+          [](Arena& a, const std::vector<std::tuple<int64_t, size_t, int64_t, size_t, size_t>>& s) {
+            const std::vector<Arena::SpanPair> spans = ToSpanPairs(s);
+            std::vector<Arena::Range> not_shared;
+            size_t shared = 0;
+            {
+              nb::gil_scoped_release release;
+              shared = a.ShareSpans(spans, &not_shared);
+            }
+            std::vector<std::tuple<int64_t, size_t, size_t>> out;
+            for (const Arena::Range& r : not_shared) out.emplace_back(r.buffer_id, r.start, r.stop);
+            return std::make_pair(shared, out);
+          },
+          "Map (src_id, src_start, dst_id, dst_start, bytes) spans' memory at their dst too; "
+          "returns (bytes mapped, [(dst_id, start, stop) left out: the caller copies]).")
+      .def(
+          "copy_spans",
+          [](Arena& a, const std::vector<std::tuple<int64_t, size_t, int64_t, size_t, size_t>>& s) {
+            const std::vector<Arena::SpanPair> spans = ToSpanPairs(s);
+            nb::gil_scoped_release release;
+            a.CopySpans(spans);
+          },
+          "Copy (src_id, src_start, dst_id, dst_start, bytes) spans after the device's work.")
       .def("free", &Arena::Free, nb::call_guard<nb::gil_scoped_release>())
       .def("commit", &Arena::Commit, nb::call_guard<nb::gil_scoped_release>())
       .def("decommit", &Arena::Decommit, nb::arg("buffer_id"), nb::arg("start"), nb::arg("stop"),

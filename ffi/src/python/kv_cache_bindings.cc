@@ -115,6 +115,9 @@ void BindKvCache(nb::module_& m) {
       .def("forget_epochs_before", &KvCache::ForgetEpochsBefore, nb::arg("epoch"),
            "Drops the tables kept for epochs before `epoch` (their work has finished).")
       .def_prop_ro("epoch", &KvCache::epoch)
+      .def("set_floor", &KvCache::SetFloor, nb::arg("seq"), nb::arg("tokens"),
+           "Tokens of a sequence below which writes are dropped (its shared prefix).")
+      .def("floors", &KvCache::Floors)
       .def("read_clamps", &KvCache::ReadClamps, nb::call_guard<nb::gil_scoped_release>())
       .def("reset_read_clamps", &KvCache::ResetReadClamps, nb::call_guard<nb::gil_scoped_release>())
       .def("close", &KvCache::Close, nb::call_guard<nb::gil_scoped_release>());

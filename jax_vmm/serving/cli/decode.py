@@ -28,6 +28,7 @@ from typing import Any
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import jax  # noqa: E402
+import numpy as np  # noqa: E402
 
 import jax_vmm  # noqa: E402
 
@@ -150,6 +151,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "first, and all their arenas draw from one jax_vmm.MemoryBudget of BYTES "
         "(docs/sharing.md); checks that both generate unchanged",
     )
+    p.add_argument(
+        "--shared-prefix",
+        type=int,
+        metavar="N",
+        help="every prompt starts with the same N tokens: prefill them once into one slot "
+        "and share them into each request's slot (kv.share_prefix); then serve the "
+        "requests again unshared and check that the tokens are the same (jax_vmm backend)",
+    )
     p.add_argument("--layers", type=int, help="override the preset's layer count")
     p.add_argument("--chunk-bytes", type=int, help="arena commit granularity (jax_vmm)")
     p.add_argument("--seed", type=int, default=0)
@@ -216,6 +225,15 @@ def _labels(policy: EngineSleeper, reference: EngineSleeper) -> dict[int, str]:
     }
 
 
+def with_common_prefix(requests: list[E.Request], n: int, vocab: int, seed: int) -> list[E.Request]:
+    """The requests with the same n random tokens in front of each prompt."""
+    prefix = np.random.default_rng(seed + 2).integers(0, vocab, n).astype(np.int32)
+    return [
+        E.Request(r.id, np.concatenate([prefix, np.asarray(r.prompt, np.int32)]), r.max_new_tokens)
+        for r in requests
+    ]
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     device = resolve_device(args.device)
@@ -251,6 +269,15 @@ def main(argv: list[str] | None = None) -> dict:
             f"decode.py: --budget {args.budget}: needs --sleep-every K (the engines take "
             "turns at its pauses) and BYTES > 0"
         )
+    if args.shared_prefix is not None and (args.shared_prefix < 1 or args.backend != "jax_vmm"):
+        raise SystemExit(
+            f"decode.py: --shared-prefix {args.shared_prefix}: needs N >= 1 and --backend "
+            "jax_vmm (it maps one prefix into several sequences of the jax_vmm arena)"
+        )
+    if args.shared_prefix and serving["batch"] < 2:
+        raise SystemExit(
+            "decode.py: --shared-prefix needs --batch 2 or more (the prefix takes one slot)"
+        )
 
     try:
         E.check_block(args.block)
@@ -277,6 +304,8 @@ def main(argv: list[str] | None = None) -> dict:
             seed=args.seed + 1,
         )
         budget = None if args.budget is None else jax_vmm.MemoryBudget(args.budget, device)
+        if args.shared_prefix:
+            requests = with_common_prefix(requests, args.shared_prefix, cfg.vocab, args.seed)
         cache = make_cache(
             args.backend,
             cfg,
@@ -338,25 +367,40 @@ def main(argv: list[str] | None = None) -> dict:
             tqdm = require("tqdm", "the progress bar (or pass --no-progress)").tqdm
             bar = tqdm(total=total, unit="tok", desc="generating", dynamic_ncols=True)
         try:
-            report = gen.run(requests, progress=bar.update if bar else None)
+            report = gen.run(
+                requests,
+                progress=bar.update if bar else None,
+                shared_prefix=args.shared_prefix or 0,
+            )
         finally:
             if bar is not None:
                 bar.close()
         stats = cache.stats()
         summary = summarize(report, stats, cache, cfg, serving, device, attn_name)
         differ = None
+        if args.shared_prefix:
+            unshared = gen.run(requests)
+            differ = same_tokens(report, unshared)
+            summary["shared_prefix"] = dict(
+                tokens=args.shared_prefix,
+                chunks_shared=stats["chunks_shared"],
+                peak_backed_bytes=max(s.backed_bytes for s in report.trace),
+                unshared_peak_backed_bytes=max(s.backed_bytes for s in unshared.trace),
+                generation_unchanged=not differ,
+            )
         if sleeper is not None:
             pause = sleeper.pause
             if turns is not None:
                 turns = TakeTurns(sleeper, *turns)
                 pause = turns.pause
             slept = gen.run(requests, pause_every=args.sleep_every, pause=pause)
-            differ = same_tokens(report, slept)
+            slept_differ = same_tokens(report, slept)
             summary["sleep"] = dict(
                 sleeper.stats.summary(),
                 every_blocks=args.sleep_every,
-                generation_unchanged=not differ,
+                generation_unchanged=not slept_differ,
             )
+            differ = list(differ or []) + list(slept_differ or [])
             if isinstance(turns, TakeTurns):
                 summary["budget"] = dict(
                     budget_summary(budget, _labels(sleeper, turns.reference)),
@@ -371,9 +415,12 @@ def main(argv: list[str] | None = None) -> dict:
 
     print_summary(summary)
     if differ:
-        raise SystemExit(
-            f"decode.py: generation changed across sleep/wake (requests {differ[:10]})"
+        what = " and ".join(
+            w
+            for w, on in (("sharing the prefix", args.shared_prefix), ("sleep/wake", sleeper))
+            if on
         )
+        raise SystemExit(f"decode.py: generation changed across {what} (requests {differ[:10]})")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2))
     missing = None if args.no_plot else matplotlib_missing()

@@ -99,12 +99,14 @@ std::shared_ptr<KvCache> KvCache::Create(std::shared_ptr<Arena> arena,
     }
     cache->layers_.push_back(LayerBuffers{k.uid, v.uid, k.address, v.address});
   }
-  const size_t bytes = LimitsBytes(g.max_seqs) + sizeof(unsigned long long);
+  const size_t bytes = 2 * LimitsBytes(g.max_seqs) + sizeof(unsigned long long);
   Driver& driver = arena->driver();
   cache->metadata_ = driver.AllocMetadata(bytes);
   cache->limits_ = static_cast<int32_t*>(cache->metadata_);
   cache->read_clamps_ = reinterpret_cast<unsigned long long*>(
       static_cast<uint8_t*>(cache->metadata_) + LimitsBytes(g.max_seqs));
+  cache->floors_ = reinterpret_cast<int32_t*>(static_cast<uint8_t*>(cache->metadata_) +
+                                              LimitsBytes(g.max_seqs) + sizeof(unsigned long long));
   try {
     std::vector<uint8_t> zeros(bytes, 0);
     driver.CopyToMetadata(cache->metadata_, zeros.data(), bytes);
@@ -114,6 +116,7 @@ std::shared_ptr<KvCache> KvCache::Create(std::shared_ptr<Arena> arena,
     throw;
   }
   cache->host_limits_.assign(static_cast<size_t>(g.max_seqs), 0);
+  cache->host_floors_.assign(static_cast<size_t>(g.max_seqs), 0);
   Registry& r = GetRegistry();
   std::lock_guard<std::mutex> lock(r.mu);
   // Again under the lock that registers it (two shards racing for one device ordinal);
@@ -178,6 +181,29 @@ void KvCache::SetLimit(int64_t seq, int64_t tokens) {
   host_limits_[static_cast<size_t>(seq)] = static_cast<int32_t>(tokens);
   arena_->driver().CopyToMetadata(limits_ + seq, &host_limits_[static_cast<size_t>(seq)],
                                   sizeof(int32_t));
+}
+
+void KvCache::SetFloor(int64_t seq, int64_t tokens) {
+  if (seq < 0 || seq >= geometry_.max_seqs) {
+    throw InvalidArgument("KvCache.set_floor: seq " + std::to_string(seq) + " is outside [0, " +
+                          std::to_string(geometry_.max_seqs) + ")");
+  }
+  if (tokens < 0 || tokens > geometry_.max_tokens) {
+    throw InvalidArgument("KvCache.set_floor: tokens " + std::to_string(tokens) +
+                          " is outside [0, " + std::to_string(geometry_.max_tokens) + "]");
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  if (closed_) {
+    throw ArenaClosed("KvCache.set_floor: the KV cache is closed; create a new KV arena");
+  }
+  host_floors_[static_cast<size_t>(seq)] = static_cast<int32_t>(tokens);
+  arena_->driver().CopyToMetadata(floors_ + seq, &host_floors_[static_cast<size_t>(seq)],
+                                  sizeof(int32_t));
+}
+
+std::vector<int32_t> KvCache::Floors() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return host_floors_;
 }
 
 void KvCache::CheckTable(const char* op, const int64_t* tokens, size_t count) const {

@@ -8,11 +8,11 @@
 // ordinal), then its buffers by their own uids. Uids are never reused; a closed cache
 // answers kClosed, a destroyed one kGone, and handlers refuse both.
 //
-// The table (int32 per sequence) and the count of attention reads clamped to it (uint64)
-// live in one allocation of the arena's driver metadata (device memory on CUDA). A CUDA
-// handler that may be recorded into a graph pins it (PinMetadataForGraphs): closing the
-// cache then zeroes the table (a stale replay writes nothing and reads no token) and the
-// allocation is kept for the life of the process.
+// The table (int32 per sequence), the count of attention reads clamped to it (uint64) and
+// the per-sequence floors of writable tokens (int32; kv.share_prefix) live in one allocation of the
+// arena's driver metadata (device memory on CUDA). A CUDA handler that may be recorded into a graph
+// pins it (PinMetadataForGraphs): closing the cache then zeroes the table (a stale replay writes
+// nothing and reads no token) and the allocation is kept for the life of the process.
 //
 // Thread-safety: every method may be called from any thread; one mutex per cache guards
 // the table and its host mirror. The registry functions are thread-safe.
@@ -111,6 +111,11 @@ class KvCache {
   int32_t epoch() const;
   // The table readers of `epoch` see: a kept one, or null for the live table.
   std::shared_ptr<const std::vector<int32_t>> ReadTableOf(int32_t epoch) const;
+  // Tokens of sequence `seq` below which kv_write drops (and counts) every write: its
+  // read-only shared prefix (kv.share_prefix; 0 = all writable), published before it
+  // returns. Raise it before the memory is shared, lower it after it is released.
+  void SetFloor(int64_t seq, int64_t tokens);
+  std::vector<int32_t> Floors() const;
 
   // Attention reads whose length exceeded the ensured tokens (each counted once per
   // sequence and call; the read was clamped). Reading does not wait for the device.
@@ -124,6 +129,7 @@ class KvCache {
 
   // Device-visible pointers for kernels (and host code on the CPU).
   const int32_t* device_limits() const { return limits_; }
+  const int32_t* device_floors() const { return floors_; }
   unsigned long long* device_read_clamps() const { return read_clamps_; }
   // Called by CUDA handlers that may bake the pointers above into a graph.
   void PinMetadataForGraphs() const { pinned_ = true; }
@@ -146,8 +152,11 @@ class KvCache {
   std::vector<int32_t> host_limits_;
   int32_t epoch_ = 0;
   std::map<int32_t, std::shared_ptr<const std::vector<int32_t>>> kept_tables_;  // by epoch
-  void* metadata_ = nullptr;  // limits (max_seqs int32, padded to 8 bytes) | read clamps
+  std::vector<int32_t> host_floors_;
+  // limits (max_seqs int32, padded to 8 bytes) | read clamps | floors (max_seqs int32)
+  void* metadata_ = nullptr;
   int32_t* limits_ = nullptr;
+  int32_t* floors_ = nullptr;
   unsigned long long* read_clamps_ = nullptr;
   mutable std::atomic<bool> pinned_{false};
 };

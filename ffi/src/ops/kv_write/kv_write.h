@@ -16,7 +16,8 @@
 // 2 dropped: slot out of range, 3 dropped: slot on an unbacked chunk, 4 dropped: the
 // target is a KV cache buffer and the token lies past its sequence's ensured tokens
 // (backed only because a chunk is shared or rounded up: such memory may vanish when a
-// neighbouring sequence is released).
+// neighbouring sequence is released), 5 dropped: the token lies in its sequence's
+// read-only shared prefix (kv.share_prefix: the memory is another sequence's too).
 #pragma once
 
 #include <cstddef>
@@ -36,6 +37,7 @@ enum TokenStatus : int32_t {
   kDroppedOutOfRange = 2,
   kDroppedUnbacked = 3,
   kDroppedNotEnsured = 4,
+  kDroppedShared = 5,
 };
 
 // Where one side (k or v) of a call reads and writes. Plain data: passed to kernels.
@@ -52,6 +54,7 @@ struct Side {
   // tokens ensured per sequence, where dst lies in the buffer, and the cache's sequence
   // and token sizes. A token is written only inside its sequence's ensured prefix.
   const int32_t* limits = nullptr;  // null: not a KV cache buffer
+  const int32_t* floors = nullptr;  // per sequence: tokens below are read-only (shared)
   uint64_t limit_offset = 0;        // dst - buffer base
   uint64_t seq_bytes = 1;
   uint64_t cache_token_bytes = 0;
@@ -66,7 +69,8 @@ struct Params {
 };
 
 inline constexpr JAX_VMM_HD bool IsDropped(int32_t status) {
-  return status == kDroppedOutOfRange || status == kDroppedUnbacked || status == kDroppedNotEnsured;
+  return status == kDroppedOutOfRange || status == kDroppedUnbacked ||
+         status == kDroppedNotEnsured || status == kDroppedShared;
 }
 
 // The check every production handler runs per token and side, on the host (CPU) or in
@@ -93,6 +97,10 @@ struct CheckedTokens {
       const uint64_t ensured_end =
           seq * s.seq_bytes + static_cast<uint64_t>(s.limits[seq]) * s.cache_token_bytes;
       if (off + p.token_bytes > ensured_end) return kDroppedNotEnsured;
+      if (s.floors != nullptr &&
+          off < seq * s.seq_bytes + static_cast<uint64_t>(s.floors[seq]) * s.cache_token_bytes) {
+        return kDroppedShared;
+      }
     }
     return kValid;
   }

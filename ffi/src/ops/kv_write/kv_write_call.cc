@@ -177,6 +177,7 @@ std::string AttachLimits(Op op, char side_name, const BufferRef& ref, uint64_t t
            " bytes: write it through views of its own shape (kv.k[layer], kv.v[layer])";
   }
   side->limits = cache->device_limits();
+  side->floors = cache->device_floors();
   side->limit_offset = reinterpret_cast<uintptr_t>(side->dst) - ref.buffer_base;
   side->seq_bytes = g.seq_bytes();
   side->cache_token_bytes = g.token_bytes();

@@ -1,0 +1,169 @@
+"""Shared prefixes (issue 32): what a request that starts with a common prefix costs when
+the prefix is shared into its slot (``kv.share_prefix`` + a prefill of the rest of its
+prompt) against prefilling its whole prompt, and the memory a batch of such requests holds.
+
+Side by side in one process, on the example's model (``jax_vmm.serving``):
+
+* time to first token: the prompt's prefill (waited for) after ``ensure``, against
+  ``share_prefix`` + ``ensure`` + the prefill of the rest (``steps.prefill_shared_slot``);
+  median over ``--repeats``, each followed by a release (not timed). Goal: <= 0.3x.
+* memory: ``--batch`` requests sharing the prefix, each holding its rest: physical KV
+  memory (backed - alias + parked) against one copy of the prefix plus each request's
+  own tokens (``token_bytes`` x 2 x layers each). Goal: <= 1.1x.
+
+    python bench/shared_prefix.py                       # GPU preset: 4k prefix, batch 16
+    python bench/shared_prefix.py --device cpu --preset cpu --prefix 256 --suffix 16 --batch 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import _common as C
+from jax_vmm.serving import model as M
+from jax_vmm.serving import steps as S
+from jax_vmm.serving.cache import make_cache
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto")
+    p.add_argument("--preset", choices=tuple(M.PRESETS), default="gpu")
+    p.add_argument("--prefix", type=int, default=4096, help="shared prefix tokens")
+    p.add_argument("--suffix", type=int, default=64, help="each request's own prompt tokens")
+    p.add_argument("--batch", type=int, default=16, help="requests sharing the prefix")
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--json", help="write the results here")
+    args = p.parse_args(argv)
+    device = C.pick_device(args.device)
+    cfg = M.PRESETS[args.preset]
+    total = args.prefix + args.suffix
+    slots = args.batch + 1  # the prefix's own slot
+    rng = np.random.default_rng(0)
+    prefix = rng.integers(0, cfg.vocab, args.prefix).astype(np.int32)
+    rests = rng.integers(0, cfg.vocab, (args.batch, args.suffix)).astype(np.int32)
+    with jax.default_device(device):
+        params = M.init_params(cfg, seed=0)
+        cache = make_cache("jax_vmm", cfg, max_seqs=slots, max_tokens=total, device=device)
+        # Sequences a whole number of chunks apart: each prefix chunk can be shared.
+        per_chunk = cache.kv.arena.chunk_bytes // cache.kv.token_bytes
+        if total % per_chunk:
+            cache.close()
+            aligned = -(-total // per_chunk) * per_chunk
+            cache = make_cache("jax_vmm", cfg, max_seqs=slots, max_tokens=aligned, device=device)
+        try:
+            return _run(args, cfg, params, cache, prefix, rests, device)
+        finally:
+            cache.close()
+
+
+def _run(args, cfg, params, cache, prefix, rests, device) -> dict:
+    state = S.idle_state(cache.max_seqs)
+    full = jax.jit(
+        functools.partial(S.prefill_slot, cfg=cfg, write=cache.write, stop_tokens=()),
+        donate_argnums=(1, 2),
+    )
+    rest = jax.jit(
+        functools.partial(S.prefill_shared_slot, cfg=cfg, write=cache.write, stop_tokens=()),
+        donate_argnums=(1, 2),
+    )
+    src = cache.max_seqs - 1
+    cache.ensure_shareable(src, args.prefix)
+    _, _, out, state = full(
+        params, cache.cache(), state, jnp.asarray(prefix), jnp.int32(len(prefix)),
+        jnp.int32(src), jnp.int32(1),
+    )  # fmt: skip
+    cache.update(out)
+    jax.block_until_ready(state)
+
+    def run_full(seq: int) -> float:
+        nonlocal state
+        prompt = np.concatenate([prefix, rests[seq]])
+        t0 = time.perf_counter()
+        cache.ensure(seq, len(prompt))
+        first, _, out, state = full(
+            params, cache.cache(), state, jnp.asarray(prompt), jnp.int32(len(prompt)),
+            jnp.int32(seq), jnp.int32(1),
+        )  # fmt: skip
+        jax.block_until_ready(first)
+        dt = time.perf_counter() - t0
+        cache.update(out)
+        return dt
+
+    def run_shared(seq: int) -> float:
+        nonlocal state
+        t0 = time.perf_counter()
+        cache.share_prefix(src, seq, args.prefix)
+        cache.ensure(seq, args.prefix + args.suffix)
+        first, _, out, state = rest(
+            params, cache.cache(), state, jnp.asarray(rests[seq]), jnp.int32(args.suffix),
+            jnp.int32(seq), jnp.int32(1), jnp.int32(args.prefix),
+        )  # fmt: skip
+        jax.block_until_ready(first)
+        dt = time.perf_counter() - t0
+        cache.update(out)
+        return dt
+
+    times: dict[str, list[float]] = {"full": [], "shared": []}
+    for i in range(args.repeats + 2):  # 2 warm-ups (compile)
+        for name, fn in (("full", run_full), ("shared", run_shared)):
+            dt = fn(0)
+            jax.block_until_ready(state)
+            cache.release(0)
+            cache.kv.reclaim()
+            if i >= 2:
+                times[name].append(dt)
+    t_full = float(np.median(times["full"]))
+    t_shared = float(np.median(times["shared"]))
+
+    # Memory: every request shares the prefix and holds its rest.
+    for seq in range(args.batch):
+        run_shared(seq)
+    jax.block_until_ready(state)
+    cache.check()
+    physical = cache.backed_bytes()
+    per_token = cache.token_bytes * 2 * cfg.num_layers
+    ideal = (args.prefix + args.batch * args.suffix) * per_token
+    stats = cache.stats()
+    table = C.Table(("measure", 34, "<"), ("value", 14), ("goal", 8))
+    print(
+        f"shared prefix: {args.prefix} tokens, {args.batch} requests of {args.suffix} more, "
+        f"{M.config_summary(cfg)}, {device.platform}"
+    )
+    print(table.header())
+    print(table.rule())
+    print(table.row("prefill of the whole prompt", f"{t_full * 1e3:.2f} ms", ""))
+    print(table.row("share + prefill of the rest", f"{t_shared * 1e3:.2f} ms", ""))
+    print(table.row("time to first token, ratio", f"{t_shared / t_full:.3f}x", "<= 0.3"))
+    print(table.row("physical KV memory", f"{physical / C.MiB:.1f} MiB", ""))
+    print(table.row("one prefix + own tokens", f"{ideal / C.MiB:.1f} MiB", ""))
+    print(table.row("memory, ratio", f"{physical / ideal:.3f}x", "<= 1.1"))
+    print(
+        table.row("shared bytes (physical, once)", f"{stats['shared_bytes'] / C.MiB:.1f} MiB", "")
+    )
+    result = dict(
+        prefix=args.prefix,
+        suffix=args.suffix,
+        batch=args.batch,
+        ttft_full_s=t_full,
+        ttft_shared_s=t_shared,
+        ttft_ratio=t_shared / t_full,
+        physical_bytes=physical,
+        ideal_bytes=ideal,
+        memory_ratio=physical / ideal,
+        chunk_bytes=stats["chunk_bytes"],
+        command=C.command_line("shared_prefix.py", argv=None),
+    )
+    if args.json:
+        C.write_json(args.json, result)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,281 @@
+"""Shared prefixes: ``kv.share_prefix(src, dst, n)`` makes sequence ``dst`` start with
+sequence ``src``'s first ``n`` tokens, in every layer, mapping the same physical memory at
+``dst``'s addresses where it can (no copy) and copying the rest (see ``docs/sharing.md``).
+
+* Chunks wholly inside the prefix are mapped at both addresses (``Arena::ShareSpans``):
+  every kernel, jax_vmm's and cuDNN's, reads them as ordinary memory. The memory goes back
+  to the driver when the last sequence holding it is released.
+* The prefix's partial chunks (its first one when the sequence does not start on a chunk
+  boundary, its last one) and, on CUDA, chunks of an allocation that reaches past the
+  prefix (cuMemMap maps allocations whole) are committed as ``dst``'s own memory and
+  copied. :meth:`PrefixSharing.ensure_shareable` commits a prefix so that all of its whole
+  chunks form an allocation of their own, shared on CUDA too.
+* Shared tokens are read-only: every sharer's *floor* in the KV cache's device table
+  (``KvCache::SetFloor``) makes kv_write drop and count a write below it (status
+  ``DROPPED_SHARED``), on the CPU and in the CUDA kernels, also when replayed in a graph.
+  ``dst``'s floor is ``n``; ``src``'s covers the chunks it shares.
+* Operations that would write or move shared memory refuse with a ``ValueError`` that
+  says what to do: ``shrink`` below a floor, ``release(keep_tokens=)`` of a sharer,
+  ``offload`` of a sharer, ``sleep`` while anything is shared.
+
+:class:`PrefixSharing` is a mixin of :class:`jax_vmm.KVArena` (``jax_vmm/kv/arena.py``);
+it uses the state and helpers of :class:`~jax_vmm.kv.backing.TokenBacking` under ``_lock``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .base import check_seq
+
+
+def _publish_floor(core_cache: Any, seq: int, tokens: int) -> None:
+    """Publishes sequence ``seq``'s floor of writable tokens to the device table.
+    ``jax_vmm.testing.shared_writes_allowed()`` swaps it for a no-op (the one seam for
+    that test hook): the tests then see writes land in shared memory."""
+    core_cache.set_floor(seq, tokens)
+
+
+class PrefixSharing:
+    def _sharing_init(self, seqs: int) -> None:
+        # Host mirror of the floors; one record per dst of a share still in place.
+        self._floors = np.zeros(seqs, np.int64)
+        self._shares: dict[int, dict[str, int]] = {}
+
+    # -- the spans -----------------------------------------------------------------------
+    def _whole_chunks(self, q: int, num_tokens: int) -> tuple[int, int]:
+        """Byte offsets [lo, hi) of the chunks wholly inside tokens [0, num_tokens) of
+        sequence q (lo >= hi: none)."""
+        c = self.arena.chunk_bytes
+        base = q * self.seq_bytes
+        return -(-base // c) * c, (base + num_tokens * self.token_bytes) // c * c
+
+    def ensure_shareable(self, num_tokens: int, seq: int | None = None) -> int:
+        """:meth:`ensure`, committing the whole chunks of tokens [0, ``num_tokens``) as an
+        allocation of their own (the partial last chunk as another), so that
+        :meth:`share_prefix` of them maps them on CUDA too, where an allocation is mapped
+        only whole. On the host driver plain ``ensure`` shares as well. Returns the bytes
+        newly committed."""
+        num_tokens = self._check_tokens(num_tokens, "KVArena.ensure_shareable")
+        self._seq_base(seq, "KVArena.ensure_shareable")
+        q = 0 if seq is None else int(seq)
+        lo, hi = self._whole_chunks(q, num_tokens)
+        whole = (hi - q * self.seq_bytes) // self.token_bytes if hi > lo else 0
+        with self._lock:
+            if not whole or self._backed_already(np.int64(num_tokens), q):
+                return self.ensure(num_tokens, seq)
+            # The whole chunks first: one commit of them (its own allocations), then the
+            # rest (a commit never joins new chunks to an existing allocation).
+            self.arena._check_open("KVArena.ensure_shareable")
+            if self._offloaded:
+                self._settle(q)
+            ranges = [(b.id, lo, hi) for b in self.buffers]
+            added = self.arena._handle.commit_ranges(ranges)
+            try:
+                return added + self.ensure(num_tokens, seq)
+            except BaseException:
+                if added and not self._ensured[q]:  # nothing counts on them yet
+                    self.arena._handle.decommit_ranges(ranges, False)
+                raise
+
+    # -- share ---------------------------------------------------------------------------
+    def share_prefix(self, src_seq: int, dst_seq: int, num_tokens: int) -> dict[str, int]:
+        """Make sequence ``dst_seq`` start with sequence ``src_seq``'s first
+        ``num_tokens`` tokens, in every layer, and ensure them for ``dst_seq``.
+
+        Chunks wholly inside the prefix become the same physical memory at both
+        sequences' addresses (no copy); the rest of the prefix is copied into
+        ``dst_seq``'s own memory. From then on the shared tokens are read-only for both
+        sequences: a kv_write into them is dropped and counted (``check()`` reports it),
+        while ``dst_seq``'s writes at ``num_tokens`` and beyond land in its own memory.
+        Releasing either sequence keeps the memory for the other; it goes back once the
+        last sharer is released.
+
+        ``src_seq`` must have ``num_tokens`` tokens ensured (and written), ``dst_seq``
+        must hold nothing (released, or never used: no tokens, no chunks backed ahead),
+        and the two sequences' starts must lie the same distance from a chunk boundary
+        (always so when ``max_tokens * token_bytes`` is a multiple of ``chunk_bytes``).
+        Returns ``{"mapped_bytes", "copied_bytes"}`` summed over K and V of every layer.
+        Raises ``ValueError`` (nothing changed) otherwise."""
+        op = "KVArena.share_prefix"
+        if self.max_seqs is None:
+            raise ValueError(f"{op}: this KV arena has one sequence (max_seqs=None)")
+        src = check_seq(src_seq, self.max_seqs, op)
+        dst = check_seq(dst_seq, self.max_seqs, op)
+        if src == dst:
+            raise ValueError(f"{op}: src_seq and dst_seq are both {src}; pass two sequences")
+        n = self._check_tokens(num_tokens, op)
+        if n == 0:
+            raise ValueError(f"{op}: num_tokens must be >= 1, got 0")
+        shift = (dst - src) * self.seq_bytes
+        c = self.arena.chunk_bytes
+        if shift % c:
+            raise ValueError(
+                f"{op}: sequences {src} and {dst} start at different offsets within a chunk "
+                f"of {c} bytes (each sequence spans {self.seq_bytes} bytes), so no chunk can "
+                "be mapped at both; pick sequences a multiple of chunk_bytes apart, or "
+                "max_tokens with max_tokens * token_bytes a multiple of chunk_bytes"
+            )
+        with self._lock:
+            self.arena._check_open(op)
+            self._check_awake(op)
+            for q in (src, dst):
+                if q in self._offloaded:
+                    self._settle(q)  # raises while it is away
+            if self._ensured[src] < n:
+                raise ValueError(
+                    f"{op}: sequence {src} has {int(self._ensured[src])} tokens ensured; "
+                    f"sharing {n} needs them all: kv.ensure({n}, {src}) and write them first"
+                )
+            covered = self._covered[dst] if self._valid_gen[dst] == self.arena._generation else 0
+            if self._ensured[dst] or covered or self._floors[dst]:
+                raise ValueError(
+                    f"{op}: sequence {dst} holds memory ({int(self._ensured[dst])} tokens "
+                    f"ensured, {int(covered)} backed); share into a sequence that holds "
+                    f"nothing: kv.release({dst}) first (without reuse or keep_tokens)"
+                )
+            self._ahead.cancel(dst)  # a commit ahead not begun was for dst's old tokens
+            self._epoch[dst] += 1  # ... and one on its way is not counted for it
+            base_src, base_dst = src * self.seq_bytes, dst * self.seq_bytes
+            lo, hi = self._whole_chunks(src, n)
+            spans = [(b.id, lo, b.id, lo + shift, hi - lo) for b in self.buffers] if hi > lo else []
+            # The work in flight (which may still write src) finishes first: the CPU's
+            # here, the device's inside share_spans. Then src's shared chunks go read-only
+            # for what is dispatched from now on.
+            self.arena._wait_for_host_work()
+            mapped, left_out = self.arena._handle.share_spans(spans)
+            old_src_floor = int(self._floors[src])
+            src_floor = max(old_src_floor, -(-(hi - base_src) // self.token_bytes))
+            if mapped and src_floor > old_src_floor:
+                self._set_floor(src, src_floor)
+            try:
+                # dst's own memory for the rest (the shared chunks are backed already).
+                self._commit_seqs([(dst, n)])
+                copies = [
+                    (b.id, s - shift, b.id, s, e - s)
+                    for b in self.buffers
+                    for s, e in self._own_spans(base_dst, base_dst + n * self.token_bytes, spans)
+                ]
+                copies += [(b, s - shift, b, s, e - s) for b, s, e in left_out]
+                self.arena._handle.copy_spans(copies)
+            except BaseException:
+                self._undo_share(dst)
+                self._set_floor(src, old_src_floor)
+                raise
+            copied = sum(x[-1] for x in copies)
+            self._set_floor(dst, n)
+            self._core_cache.set_limit(dst, n)  # the floor first: the table admits dst now
+            self._shares[dst] = dict(
+                src=src, dst=dst, tokens=n, mapped_bytes=mapped, copied_bytes=copied
+            )
+            return {"mapped_bytes": mapped, "copied_bytes": copied}
+
+    def _own_spans(self, start: int, stop: int, spans: list) -> list[tuple[int, int]]:
+        """Byte spans of [start, stop) (dst's prefix) outside the shared chunks."""
+        if not spans:
+            return [(start, stop)]
+        lo, hi = spans[0][3], spans[0][3] + spans[0][4]
+        return [(s, e) for s, e in ((start, lo), (hi, stop)) if s < e]
+
+    def _undo_share(self, dst: int) -> None:
+        """A share that failed after mapping: dst gives back everything it got (the source
+        keeps its memory). Caller holds the lock."""
+        self._ensured[dst] = 0
+        self._covered[dst] = 0
+        self._epoch[dst] += 1
+        self._core_cache.set_limit(dst, 0)
+        base = dst * self.seq_bytes
+        self.arena._handle.decommit_ranges(
+            self._release_ranges(base, base + self.seq_bytes, dst), False
+        )
+
+    def _set_floor(self, q: int, tokens: int) -> None:
+        self._floors[q] = tokens
+        _publish_floor(self._core_cache, q, tokens)
+
+    # -- what sharing forbids --------------------------------------------------------------
+    def _refuse_if_shared(self, q: int, op: str, what: str) -> None:
+        if self._floors[q]:
+            raise ValueError(
+                f"{op}: sequence {q} shares its first {int(self._floors[q])} tokens with "
+                f"another sequence (kv.share_prefix); {what}"
+            )
+
+    def _forget_share(self, q: int) -> None:
+        """After q's memory is released: its tokens are writable again (it holds none)."""
+        self._shares.pop(q, None)
+        if self._floors[q]:
+            self._set_floor(q, 0)
+
+    def release(
+        self,
+        seq: int | None = None,
+        *,
+        wait: bool = False,
+        reuse: bool = False,
+        keep_tokens: int = 0,
+    ) -> int:
+        q = 0 if seq is None else seq
+        if keep_tokens and isinstance(q, (int, np.integer)) and 0 <= q < len(self._floors):
+            self._refuse_if_shared(
+                int(q),
+                "KVArena.release",
+                "its kept chunks would be written by the next sequence: release it without "
+                "keep_tokens",
+            )
+        released = super().release(seq, wait=wait, reuse=reuse, keep_tokens=keep_tokens)
+        with self._lock:
+            self._forget_share(int(q))
+        return released
+
+    def shrink(self, num_tokens: int, *, wait: bool = False) -> int:
+        n = self._check_tokens(num_tokens, "KVArena.shrink")
+        with self._lock:
+            over = np.flatnonzero(self._floors > n)
+            if over.size:
+                self._refuse_if_shared(
+                    int(over[0]),
+                    "KVArena.shrink",
+                    f"shrink to at least {int(self._floors.max())} tokens, or release the "
+                    "sequences that share first",
+                )
+            return super().shrink(num_tokens, wait=wait)
+
+    def offload(self, seq: int | None = None, *, wait: bool = True) -> Any:
+        q = check_seq(seq, self.max_seqs, "KVArena.offload")
+        self._refuse_if_shared(
+            0 if q is None else q,
+            "KVArena.offload",
+            "shared memory cannot move to the host; release it (or its sharers) instead",
+        )
+        return super().offload(seq, wait=wait)
+
+    def sleep(self, keep: str = "host") -> None:
+        with self._lock:
+            sharing = np.flatnonzero(self._floors)
+        if sharing.size:
+            raise ValueError(
+                f"KVArena.sleep: sequences {sharing.tolist()} share memory (kv.share_prefix), "
+                "which sleep would split into copies; release them first"
+            )
+        super().sleep(keep)
+
+    def _shared_write_note(self) -> str:
+        """For ``check()``'s message: which sequences drop writes into a shared prefix."""
+        with self._lock:
+            floors = {int(q): int(self._floors[q]) for q in np.flatnonzero(self._floors)}
+        if not floors:
+            return ""
+        return (
+            f" Writes into a shared prefix (kv.share_prefix) are dropped too: its tokens are "
+            f"read-only for every sharer (sequence: first tokens read-only {floors})."
+        )
+
+    def _sharing_stats(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "shared_prefixes": [dict(r) for r in self._shares.values()],
+                "sharing_seqs": np.flatnonzero(self._floors).tolist(),
+            }

@@ -1,0 +1,443 @@
+"""``kv.share_prefix(src, dst, n)``: dst starts with src's first n tokens, the chunks wholly
+inside them mapped at both sequences' addresses (docs/sharing.md, "Shared prefixes").
+
+Oracles that do not trust the arena: on the host ``/proc/self/maps`` (the same memfd range
+mapped at both addresses) and the memfd's allocated blocks (physical memory held once, and
+given back only at the last release); the arena's bytes read by address (``raw_bytes``).
+The write protection is shown necessary with ``jax_vmm.testing.shared_writes_allowed()``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_vmm
+import jax_vmm.testing
+from conftest import raw_bytes
+from oracles import maps_oracle as mo
+
+H, D = 2, 64  # float32: 512 bytes per token per buffer
+LAYERS = 2
+
+
+def _kv(vm, seqs=3, chunks_per_seq=4, **kw):
+    """One allocation per chunk unless handle_bytes says otherwise (None: kv_arena's)."""
+    tpc = vm.chunk // (H * D * 4)
+    kw.setdefault("handle_bytes", vm.chunk)
+    if kw["handle_bytes"] is None:
+        del kw["handle_bytes"]
+    args = dict(
+        num_layers=LAYERS,
+        num_kv_heads=H,
+        head_dim=D,
+        max_tokens=chunks_per_seq * tpc,
+        max_seqs=seqs,
+        dtype=jnp.float32,
+    )
+    return vm.kv(**(args | kw)), tpc
+
+
+def _tokens(kv, n, seed):
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal((LAYERS, 2, n, H, D)).astype(np.float32)
+
+
+def _write(kv, seq, start, data):
+    """data[l, side] (n, H, D) written at positions [start, start + n) of sequence seq."""
+    n = data.shape[2]
+    cache = kv.cache()
+    seqs = jnp.full((n,), seq, jnp.int32)
+    pos = jnp.arange(start, start + n, dtype=jnp.int32)
+    for layer in range(LAYERS):
+        k, v = (jax.device_put(data[layer, s], kv.arena.device) for s in (0, 1))
+        cache = cache.replace(layer, jax_vmm.kv_write(cache[layer], k, v, seq=seqs, pos=pos))
+    jax.block_until_ready(cache)
+
+
+def _seq_tokens(kv, seq):
+    """[layer, side] tokens of sequence seq as the arena's memory holds them."""
+    out = []
+    for layer in range(LAYERS):
+        row = []
+        for buf in (kv.k_buffers[layer], kv.v_buffers[layer]):
+            raw = raw_bytes(buf).view(np.float32).reshape(kv.max_seqs, kv.max_tokens, H, D)
+            row.append(raw[seq])
+        out.append(row)
+    return np.array(out)
+
+
+def _memfd_places(start, stop, step):
+    """(inode, file offset) of every `step` bytes of the addresses [start, stop)."""
+    maps = [m for m in mo.read_maps() if m.is_memfd]
+    out = []
+    for addr in range(start, stop, step):
+        m = next((m for m in maps if m.start <= addr < m.end), None)
+        out.append(None if m is None else (m.inode, m.offset + addr - m.start))
+    return out
+
+
+def _shared(vm, n_chunks_frac=2.5, **kw):
+    """An arena with sequence 0 holding n tokens (2.5 chunks) of known data, shared into
+    sequence 1. Returns (kv, tpc, n, data)."""
+    kv, tpc = _kv(vm, **kw)
+    n = int(n_chunks_frac * tpc)
+    data = _tokens(kv, n, seed=1)
+    kv.ensure(n, 0)
+    _write(kv, 0, 0, data)
+    kv.check()
+    got = kv.share_prefix(0, 1, n)
+    return kv, tpc, n, data, got
+
+
+# -- the mapping ---------------------------------------------------------------------------
+
+
+def test_whole_chunks_are_one_memfd_range_at_both_addresses(host_vm):
+    kv, tpc, n, data, got = _shared(host_vm)
+    c = kv.arena.chunk_bytes
+    buffers = 2 * LAYERS
+    assert got == {"mapped_bytes": 2 * c * buffers, "copied_bytes": (n - 2 * tpc) * 512 * buffers}
+    for buf in kv.buffers:
+        src = _memfd_places(buf.address, buf.address + 3 * c, c)
+        dst = _memfd_places(buf.address + kv.seq_bytes, buf.address + kv.seq_bytes + 3 * c, c)
+        assert None not in src and None not in dst
+        assert dst[:2] == src[:2], f"{buf.name}: the whole chunks are not the same memory"
+        assert dst[2] != src[2], f"{buf.name}: the partial chunk must be dst's own memory"
+    # Physical memory: src's 3 chunks plus dst's own partial one, per buffer (not 6).
+    o = host_vm.oracle(kv.arena)
+    assert o.probe.physical_bytes() == 4 * c * buffers
+    s = kv.stats()
+    assert s["held_bytes"] == 4 * c * buffers
+    assert s["backed_bytes"] == 6 * c * buffers  # addresses: both sequences' chunks
+    assert s["alias_bytes"] == s["shared_bytes"] == 2 * c * buffers
+    assert s["sharing_seqs"] == [0, 1]
+    assert s["shared_prefixes"] == [dict(src=0, dst=1, tokens=n, **got)]
+    np.testing.assert_array_equal(_seq_tokens(kv, 1)[:, :, :n], data)
+
+
+def test_one_allocation_of_several_chunks_is_shared_by_part_on_the_host(host_vm):
+    # kv_arena's default handle_bytes: src's 3 chunks are one allocation, mapped in part.
+    kv, tpc, n, data, got = _shared(host_vm, handle_bytes=None)
+    assert kv.arena.handle_bytes > 3 * kv.arena.chunk_bytes
+    c, buffers = kv.arena.chunk_bytes, 2 * LAYERS
+    assert got["mapped_bytes"] == 2 * c * buffers
+    np.testing.assert_array_equal(_seq_tokens(kv, 1)[:, :, :n], data)
+    # Released, src's own third chunk stays held with its allocation (parked) until the
+    # last mapping of that allocation goes.
+    o = host_vm.oracle(kv.arena)
+    kv.release(0, wait=True)
+    np.testing.assert_array_equal(_seq_tokens(kv, 1)[:, :, :n], data)
+    s = kv.stats()
+    assert o.probe.physical_bytes() == s["held_bytes"] == 4 * c * buffers
+    assert s["parked_bytes"] == c * buffers
+    kv.release(1, wait=True)
+    o.assert_released()
+
+
+def test_a_prefix_within_one_chunk_is_copied(vm):
+    kv, tpc = _kv(vm)
+    n = tpc // 2
+    data = _tokens(kv, n, seed=2)
+    kv.ensure(n, 0)
+    _write(kv, 0, 0, data)
+    assert kv.share_prefix(0, 2, n) == {"mapped_bytes": 0, "copied_bytes": n * 512 * 2 * LAYERS}
+    np.testing.assert_array_equal(_seq_tokens(kv, 2)[:, :, :n], data)
+    assert kv.stats()["shared_bytes"] == 0
+
+
+# -- writes ----------------------------------------------------------------------------------
+
+
+def _write_one(kv, seq, pos, value):
+    x = np.full((LAYERS, 2, 1, H, D), value, np.float32)
+    _write(kv, seq, pos, x)
+
+
+@pytest.mark.parametrize("writer", [0, 1])
+def test_writes_into_the_shared_prefix_are_dropped_and_counted(vm, writer):
+    kv, tpc, n, data, _ = _shared(vm)
+    for pos in (0, tpc + 3, n - 1):  # a shared chunk, the last shared token
+        if writer == 0 and pos >= 2 * tpc:
+            continue  # src's own tokens past its shared chunks stay writable
+        _write_one(kv, writer, pos, 7.0)
+        with pytest.raises(jax_vmm.OutOfBoundsWrite) as info:
+            kv.check()
+        assert info.value.count == 2 * LAYERS
+    for seq in (0, 1):
+        np.testing.assert_array_equal(_seq_tokens(kv, seq)[:, :, :n], data)
+
+
+def test_kv_write_through_reports_the_shared_status(vm):
+    kv, tpc, n, data, _ = _shared(vm)
+    x = jnp.ones((2, H, D), jnp.float32)
+    slots = jnp.array([kv.max_tokens + 1, kv.max_tokens + n], jnp.int32)  # seq 1: 1, n
+    kv.ensure(n + 1, 1)
+    status = jax_vmm.kv_write_through(kv.k[0], kv.v[0], x, x, slots, dest=kv.dest(0))
+    np.testing.assert_array_equal(
+        np.asarray(status), [[jax_vmm.ops.DROPPED_SHARED, jax_vmm.ops.WRITTEN]] * 2
+    )
+    with pytest.raises(jax_vmm.OutOfBoundsWrite):
+        kv.check()
+    np.testing.assert_array_equal(_seq_tokens(kv, 0)[:, :, :n], data)
+
+
+def test_writes_past_the_prefix_land_in_dst_only(vm):
+    kv, tpc, n, data, _ = _shared(vm)
+    kv.ensure(n + 2, 0)
+    kv.ensure(n + 2, 1)
+    _write_one(kv, 1, n, 5.0)
+    _write_one(kv, 0, n + 1, 6.0)
+    kv.check()
+    dst, src = _seq_tokens(kv, 1), _seq_tokens(kv, 0)
+    assert np.all(dst[:, :, n] == 5.0) and not np.any(src[:, :, n] == 5.0)
+    assert np.all(src[:, :, n + 1] == 6.0) and not np.any(dst[:, :, n + 1] == 6.0)
+    np.testing.assert_array_equal(dst[:, :, :n], data)
+
+
+def test_without_the_floor_a_write_into_dst_lands_in_src(vm):
+    """The switch for the tests above: without the published floor the same write is not
+    dropped and changes src's tokens."""
+    kv, tpc = _kv(vm)
+    n = int(2.5 * tpc)
+    data = _tokens(kv, n, seed=1)
+    kv.ensure(n, 0)
+    _write(kv, 0, 0, data)
+    with jax_vmm.testing.shared_writes_allowed():
+        kv.share_prefix(0, 1, n)
+    _write_one(kv, 1, 0, 7.0)
+    kv.check()
+    assert np.all(_seq_tokens(kv, 0)[:, :, 0] == 7.0)
+
+
+# -- release orders ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("first", [0, 1])
+def test_a_release_keeps_the_memory_for_the_other_sharer(host_vm, first):
+    kv, tpc, n, data, _ = _shared(host_vm)
+    c, buffers = kv.arena.chunk_bytes, 2 * LAYERS
+    o = host_vm.oracle(kv.arena)
+    other = 1 - first
+    kv.release(first, wait=True)
+    np.testing.assert_array_equal(_seq_tokens(kv, other)[:, :, :n], data)
+    # Still held: the shared chunks and the other's own partial chunk (3 per buffer).
+    assert o.probe.physical_bytes() == 3 * c * buffers == kv.stats()["held_bytes"]
+    assert kv.stats()["shared_bytes"] == 0
+    # The released slot starts again in new memory: its writes never reach the other.
+    kv.ensure(n, first)
+    _write(kv, first, 0, _tokens(kv, n, seed=9))
+    kv.check()
+    np.testing.assert_array_equal(_seq_tokens(kv, other)[:, :, :n], data)
+    kv.release(first, wait=True)
+    kv.release(other, wait=True)
+    assert o.probe.physical_bytes() == 0 == kv.stats()["held_bytes"]
+    o.assert_released()
+
+
+def test_the_memory_goes_back_only_at_the_last_of_three_sharers(host_vm):
+    kv, tpc, n, data, _ = _shared(host_vm)
+    kv.share_prefix(0, 2, n)
+    o = host_vm.oracle(kv.arena)
+    c, buffers = kv.arena.chunk_bytes, 2 * LAYERS
+    assert o.probe.physical_bytes() == 5 * c * buffers  # 3 + two own partial chunks
+    assert kv.stats()["alias_bytes"] == 4 * c * buffers
+    kv.release(0, wait=True)
+    kv.release(2, wait=True)
+    np.testing.assert_array_equal(_seq_tokens(kv, 1)[:, :, :n], data)
+    assert o.probe.physical_bytes() == 3 * c * buffers
+    kv.release(1, wait=True)
+    o.assert_released()
+
+
+# -- attention over a shared prefix --------------------------------------------------------
+
+
+def test_attention_over_a_shared_prefix_equals_a_private_copy(vm):
+    kv, tpc, n, data, _ = _shared(vm)
+    kv.ensure(n, 2)
+    _write(kv, 2, 0, data)  # the private copy
+    extra = _tokens(kv, 3, seed=4)
+    for seq in (1, 2):
+        kv.ensure(n + 3, seq)
+        _write(kv, seq, n, extra)
+    kv.check()
+    lengths = jnp.array([0, n + 3, n + 3], jnp.int32)
+    q = jax.device_put(
+        np.random.default_rng(5).standard_normal((3, H, D)).astype(np.float32), kv.arena.device
+    )
+    q = q.at[1].set(q[2])
+    cache = kv.cache()
+    for layer in range(LAYERS):
+        out = np.asarray(jax_vmm.decode_attention(q, cache[layer], lengths))
+        np.testing.assert_array_equal(out[1], out[2])
+        q4 = jnp.broadcast_to(q[:, None], (3, 2, H, D))
+        out4 = np.asarray(jax_vmm.attention(q4, cache[layer], lengths))
+        np.testing.assert_array_equal(out4[1], out4[2])
+    kv.check(out, out4)
+
+
+# -- refusals (nothing changes) ------------------------------------------------------------
+
+
+def _state(kv):
+    s = kv.stats()
+    return (
+        s["backed_bytes"],
+        s["held_bytes"],
+        kv._core_cache.limits(),
+        kv._core_cache.floors(),
+        s["shared_prefixes"],
+        [raw_bytes(b).tobytes() for b in kv.buffers],
+    )
+
+
+def test_refusals_change_nothing(vm):
+    kv, tpc = _kv(vm, seqs=4)
+    n = int(2.5 * tpc)
+    kv.ensure(n, 0)
+    _write(kv, 0, 0, _tokens(kv, n, seed=1))
+    kv.ensure(3, 2)
+    before = _state(kv)
+    cases = [
+        ((0, 2, n), "holds memory"),  # dst holds tokens
+        ((0, 1, n + 1), "tokens ensured"),  # more than src ensured
+        ((0, 0, n), "both 0"),
+        ((0, 1, 0), ">= 1"),
+        ((0, 4, n), "out of range"),
+        ((-1, 1, n), "seq"),
+        ((0, 1, kv.max_tokens + 1), "exceeds max_tokens"),
+    ]
+    for args, match in cases:
+        with pytest.raises(ValueError, match=match):
+            kv.share_prefix(*args)
+        assert _state(kv) == before, args
+    with pytest.raises(TypeError):
+        kv.share_prefix(0, 1)  # the forgotten argument
+
+
+def test_sequences_at_different_chunk_offsets_are_refused(vm):
+    tpc = vm.chunk // (H * D * 4)
+    kv, _ = _kv(vm, chunks_per_seq=1, max_tokens=tpc + tpc // 2)  # 1.5 chunks per sequence
+    kv.ensure(tpc, 0)
+    with pytest.raises(ValueError, match="different offsets within a chunk"):
+        kv.share_prefix(0, 1, tpc)
+    assert kv.stats()["backed_tokens"][1] == 0
+
+
+def test_what_would_move_or_write_shared_memory_is_refused(vm):
+    kv, tpc, n, data, _ = _shared(vm)
+    before = _state(kv)
+    with pytest.raises(ValueError, match="shrink to at least"):
+        kv.shrink(tpc)
+    with pytest.raises(ValueError, match="without keep_tokens"):
+        kv.release(1, keep_tokens=4)
+    with pytest.raises(ValueError, match="cannot move to the host"):
+        kv.offload(0)
+    with pytest.raises(ValueError, match="release them first"):
+        kv.sleep()
+    with pytest.raises(ValueError, match="several addresses"):
+        kv.arena.sleep()
+    assert _state(kv) == before
+    assert not kv.asleep
+    kv.shrink(n)  # at the floor: allowed
+    np.testing.assert_array_equal(_seq_tokens(kv, 1)[:, :, :n], data)
+
+
+def test_a_single_sequence_arena_and_an_offloaded_dst_are_refused(vm):
+    kv1 = vm.kv(num_layers=1, num_kv_heads=H, head_dim=D, max_tokens=64, dtype=jnp.float32)
+    with pytest.raises(ValueError, match="max_seqs=None"):
+        kv1.share_prefix(0, 1, 4)
+    kv, tpc = _kv(vm)
+    kv.ensure(tpc, 0)
+    kv.ensure(4, 1)
+    kv.offload(1)
+    with pytest.raises(ValueError, match="offload"):
+        kv.share_prefix(0, 1, tpc)
+
+
+def test_ensure_shareable_lets_a_default_arena_share_its_whole_chunks(vm):
+    # kv_arena's default handle_bytes (1 GiB): a plain ensure puts the prompt's whole
+    # chunks and its partial last chunk in one allocation, which CUDA cannot map by part.
+    kv, tpc = _kv(vm, handle_bytes=None)
+    n = int(2.5 * tpc)
+    created = kv.stats()["handles_created"]
+    kv.ensure_shareable(n, 0)
+    assert kv.stats()["handles_created"] - created == 2 * 2 * LAYERS  # whole | partial
+    data = _tokens(kv, n, seed=6)
+    _write(kv, 0, 0, data)
+    got = kv.share_prefix(0, 1, n)
+    assert got["mapped_bytes"] == 2 * kv.arena.chunk_bytes * 2 * LAYERS
+    np.testing.assert_array_equal(_seq_tokens(kv, 1)[:, :, :n], data)
+    assert kv.ensure_shareable(n, 0) == 0  # backed already: a plain ensure
+
+
+@pytest.mark.gpu
+def test_the_gpu_gives_no_memory_for_the_mapped_chunks(gpu_device):
+    """cuMemGetInfo (the arena's device_free_bytes) as the oracle: sharing takes only the
+    copied chunks' memory, and the shared memory goes back with the last sharer."""
+    chunk = 2 << 20
+    tpc = chunk // (H * D * 2)  # bfloat16
+    kv = jax_vmm.kv_arena(
+        num_layers=LAYERS,
+        num_kv_heads=H,
+        head_dim=D,
+        max_tokens=64 * tpc,
+        max_seqs=2,
+        dtype=jnp.bfloat16,
+        device=gpu_device,
+        chunk_bytes=chunk,
+        commit_ahead_tokens=0,
+    )
+    try:
+        n = 48 * tpc + tpc // 2  # 48 whole chunks per buffer, one partial
+        kv.ensure_shareable(n, 0)
+        kv.reclaim()
+        free0 = kv.stats()["device_free_bytes"]
+        got = kv.share_prefix(0, 1, n)
+        free1 = kv.stats()["device_free_bytes"]
+        assert got["mapped_bytes"] == 48 * chunk * 2 * LAYERS
+        # One own chunk per buffer for dst (the partial one), not 49.
+        assert free0 - free1 < 4 * chunk * 2 * LAYERS, (free0, free1)
+        kv.release(0, wait=True)  # dst keeps the 48 shared chunks per buffer
+        assert kv.stats()["device_free_bytes"] - free1 < 4 * chunk * 2 * LAYERS
+        kv.release(1, wait=True)
+        assert kv.stats()["device_free_bytes"] - free0 >= 40 * chunk * 2 * LAYERS
+    finally:
+        kv.close()
+
+
+def test_a_sharer_shares_on_and_a_whole_sequence_is_all_mapped(vm):
+    kv, tpc, n, data, _ = _shared(vm)
+    got = kv.share_prefix(1, 2, n)  # from the second address: the same memory again
+    assert got["mapped_bytes"] == 2 * kv.arena.chunk_bytes * 2 * LAYERS
+    kv.release(0)
+    kv.release(1)
+    np.testing.assert_array_equal(_seq_tokens(kv, 2)[:, :, :n], data)
+    kv.release(2)
+    full = _tokens(kv, kv.max_tokens, seed=8)
+    kv.ensure(kv.max_tokens, 0)
+    _write(kv, 0, 0, full)
+    assert kv.share_prefix(0, 1, kv.max_tokens)["copied_bytes"] == 0
+    np.testing.assert_array_equal(_seq_tokens(kv, 1), full)
+    kv.release(0)
+    kv.release(1, wait=True)
+    assert kv.stats()["held_bytes"] == 0
+
+
+def test_writes_still_in_flight_land_before_the_prefix_turns_read_only(vm):
+    kv, tpc = _kv(vm)
+    n = int(2.5 * tpc)
+    data = _tokens(kv, n, seed=7)
+    kv.ensure(n, 0)
+    step = jax.jit(
+        lambda c, k, v: c.replace(
+            0, jax_vmm.kv_write(c[0], k, v, seq=jnp.zeros(n, jnp.int32), pos=jnp.arange(n))
+        )
+    )
+    cache = step(kv.cache(), data[0, 0], data[0, 1])  # dispatched, not waited for
+    kv.share_prefix(0, 1, n)
+    kv.check(cache)  # nothing dropped: the write ran before src became read-only
+    np.testing.assert_array_equal(_seq_tokens(kv, 1)[0, :, :n], data[0])
