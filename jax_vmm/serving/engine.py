@@ -10,6 +10,12 @@ memory of the prompts being admitted is committed on the cache's background thre
 (`prefetch`) while the device runs the prefills dispatched before. The
 schedule depends only on the requests and the stop tokens, so two backends given the
 same requests run exactly the same steps.
+
+Prompts are prefilled whole (one causal pass over the prompt, from position 0), or with
+`prefill_chunk=N` in chunks of N tokens, each attending over the cache
+(`jax_vmm.attention` with N queries per sequence): the same tokens, a bounded prefill
+shape. A request with `follows=ID` is a conversation's next turn: its prompt is appended
+to request ID's prompt and generated tokens in ID's slot, prefilled over that cache.
 """
 
 from __future__ import annotations
@@ -34,6 +40,10 @@ class Request:
     id: int
     prompt: np.ndarray  # int32 (L,), L >= 1
     max_new_tokens: int  # >= 1; the first comes from prefill
+    # The id of an earlier request of the same run whose conversation this continues:
+    # the prompt is appended after that request's prompt and generated tokens, on its
+    # cache (its slot is kept for this request when it finishes).
+    follows: int | None = None
 
 
 @dataclasses.dataclass
@@ -126,10 +136,17 @@ class _Slot:
     blocks: int = 0  # blocks dispatched since its prefill
     feed: int = -1  # host-chosen next token (tokens chosen on the host), else -1
     ensured: int = 0  # tokens the engine has ensured for it
+    prefix: tuple[int, ...] = ()  # earlier turns of its conversation (follows), in order
 
     @property
     def prompt_len(self) -> int:
-        return len(self.request.prompt)
+        """Tokens cached once its prompt is prefilled (earlier turns included)."""
+        return len(self.prefix) + len(self.request.prompt)
+
+    def context(self) -> tuple[int, ...]:
+        """The conversation so far: earlier turns, the prompt and the tokens generated
+        (the last of which is not cached yet)."""
+        return self.prefix + tuple(int(t) for t in self.request.prompt) + tuple(self.result.tokens)
 
     def cached_after(self, blocks: int, block: int) -> int:
         """Tokens in the cache once `blocks` blocks of `block` steps have run (at most:
@@ -153,6 +170,38 @@ def check_block(block: object) -> None:
         )
 
 
+def check_prefill_chunk(chunk: object) -> None:
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+        raise ValueError(
+            f"prefill_chunk (prompt tokens per prefill call) must be an integer >= 1 or None "
+            f"(whole prompts), got {chunk!r}"
+        )
+
+
+def context_lengths(requests: list[Request]) -> dict[int, tuple[int, int]]:
+    """{request id: (tokens cached before its prompt, the most it can cache)}; checks
+    that ids are unique and that every `follows` names an earlier request."""
+    out: dict[int, tuple[int, int]] = {}
+    for r in requests:
+        if r.id in out:
+            raise ValueError(f"request id {r.id} is used twice; ids must be unique")
+        before = 0
+        if r.follows is not None:
+            if r.follows not in out:
+                raise ValueError(
+                    f"request {r.id} follows {r.follows!r}, which is not an earlier request "
+                    "of this run; a conversation's next turn comes after the turn it continues"
+                )
+            # The parent's context: its cache plus its last token (never fed back).
+            before = out[r.follows][1] + 1
+        out[r.id] = (before, before + len(r.prompt) + r.max_new_tokens - 1)
+    followed = [r.follows for r in requests if r.follows is not None]
+    twice = sorted({f for f in followed if followed.count(f) > 1})
+    if twice:
+        raise ValueError(f"requests {twice} are followed more than once; a turn has one next turn")
+    return out
+
+
 class Generator:
     """Compiled prefill and decode-block programs for one model, cache backend and
     attention choice; `run` serves requests with continuous batching. Not thread-safe.
@@ -167,6 +216,11 @@ class Generator:
     sequence leaves its slot idle for the rest of its block, at most block - 1 steps.
     stop_tokens: a sequence ends at the first of these it generates (kept in its
     tokens), on the device, inside a block.
+    attend_chunk: the multi-query attention over the cache (`model.ChunkAttendFn`,
+    `jax_vmm.attention`), for prompts prefilled in chunks and for requests that follow
+    another (a conversation's next turn); prefill_chunk: prefill every prompt in chunks
+    of this many tokens over the cache (None: whole prompts in one pass; a follow-up
+    request's new tokens then go in one chunk of their padded length).
     keep_slot_memory: when a request will take a finished sequence's slot, the slot keeps
     the memory of the new prompt's tokens (``release(seq, keep_tokens=)``) instead of
     giving all of it back and committing the prompt again in the background. Fewer
@@ -184,8 +238,17 @@ class Generator:
         block: int = DEFAULT_BLOCK,
         stop_tokens: tuple[int, ...] = (),
         keep_slot_memory: bool = True,
+        attend_chunk: M.ChunkAttendFn | None = None,
+        prefill_chunk: int | None = None,
     ) -> None:
         check_block(block)
+        check_prefill_chunk(prefill_chunk)
+        if prefill_chunk is not None and attend_chunk is None:
+            raise ValueError(
+                "prefill_chunk needs attend_chunk, the attention of a chunk over the cache "
+                "(jax_vmm.attention, or jax_vmm.serving.attention.chunk_attention(name))"
+            )
+        self.attend_chunk, self.prefill_chunk = attend_chunk, prefill_chunk
         bad = [t for t in stop_tokens if not (isinstance(t, int) and 0 <= t < cfg.vocab)]
         if bad:
             raise ValueError(f"stop tokens {bad} are not token ids of the model's [0, {cfg.vocab})")
@@ -219,6 +282,43 @@ class Generator:
             )
 
         return self._get(("prefill", bucket, stops), make, *args)
+
+    def _chunk_fn(self, size: int, stops: tuple[int, ...], args: tuple) -> Callable:
+        def make():
+            return jax.jit(
+                functools.partial(
+                    S.prefill_chunk_slot,
+                    cfg=self.cfg,
+                    write=self.cache.write,
+                    attend_chunk=self.attend_chunk,
+                    stop_tokens=stops,
+                ),
+                donate_argnums=(1, 2),
+            )
+
+        return self._get(("chunk", size, stops), make, *args)
+
+    def _chunk_size(self, new_tokens: int) -> int:
+        return self.prefill_chunk or prompt_bucket(new_tokens, minimum=16)
+
+    def _chunk_args(
+        self, state: S.DecodeState, tokens: np.ndarray, start: int, seq: int, new: int, size: int
+    ) -> tuple:
+        padded = np.zeros(size, np.int32)
+        padded[: len(tokens)] = tokens
+        return (
+            self.params,
+            self.cache.cache(),
+            state,
+            jnp.asarray(padded),
+            jnp.int32(start),
+            jnp.int32(len(tokens)),
+            jnp.int32(seq),
+            jnp.int32(new),
+        )
+
+    def _chunked(self, request: Request) -> bool:
+        return self.prefill_chunk is not None or request.follows is not None
 
     def _block_fn(self, steps: int, stops: tuple[int, ...], logits: bool, args: tuple):
         def make():
@@ -266,9 +366,21 @@ class Generator:
         control = jnp.full(b, S.KEEP, jnp.int32)
         logits = record_logits or host_tokens
         self._block_fn(steps, stops, logits, (self.params, self.cache.cache(), state, control))
-        for r in {prompt_bucket(len(r.prompt)): r for r in requests}.values():
+        if any(r.follows is not None for r in requests) and self.attend_chunk is None:
+            raise ValueError(
+                "a request that follows another is prefilled over the cache: the Generator "
+                "needs attend_chunk (jax_vmm.attention, or "
+                "jax_vmm.serving.attention.chunk_attention(name))"
+            )
+        whole = [r for r in requests if not self._chunked(r)]
+        for r in {prompt_bucket(len(r.prompt)): r for r in whole}.values():
             bucket, args = self._prefill_args(state, r.prompt, 0, 1)
             self._prefill_fn(bucket, stops, args)
+        # A follow-up appends its parent's last token and its prompt.
+        sizes = {self._chunk_size(len(r.prompt) + (r.follows is not None))
+                 for r in requests if self._chunked(r)}  # fmt: skip
+        for size in sizes:
+            self._chunk_fn(size, stops, self._chunk_args(state, np.zeros(1), 0, 0, 1, size))
 
     # -- serving -----------------------------------------------------------------------
     def run(
@@ -294,12 +406,15 @@ class Generator:
         pause_every K, pause(): after every K blocks, wait for everything dispatched and
         call pause() with sequences in flight (sleep/wake the engine), then go on."""
         cache, max_tokens = self.cache, self.cache.max_tokens
+        contexts = context_lengths(requests)
         for r in requests:
-            need = len(r.prompt) + r.max_new_tokens - 1
+            before, need = contexts[r.id]
             if len(r.prompt) < 1 or r.max_new_tokens < 1 or need > max_tokens:
+                earlier = f"{before} tokens of earlier turns + " if before else ""
                 raise ValueError(
-                    f"request {r.id}: prompt {len(r.prompt)} + {r.max_new_tokens} new tokens "
-                    f"needs {need} cached tokens; the cache holds 1..{max_tokens} per sequence"
+                    f"request {r.id}: {earlier}prompt {len(r.prompt)} + {r.max_new_tokens} "
+                    f"new tokens needs {need} cached tokens; the cache holds "
+                    f"1..{max_tokens} per sequence"
                 )
         if pause_every is not None and (
             isinstance(pause_every, bool) or not isinstance(pause_every, int) or pause_every < 1
@@ -323,6 +438,9 @@ class Generator:
         counts = collections.Counter()
         wait_seconds = idle_seconds = 0.0
         held: set[int] = set()  # finished, memory kept for the request that takes the slot
+        followed = {r.follows for r in requests if r.follows is not None}
+        # Finished turns whose next turn is queued: request id -> (slot, conversation).
+        turns: dict[int, tuple[int, tuple[int, ...]]] = {}
 
         calls: dict[str, tuple[int, float, float]] = {}
 
@@ -348,8 +466,12 @@ class Generator:
             # queued would drop its last writes. With keep_slot_memory, when a request
             # will take the slot, the release waits for it (admit): the memory its prompt
             # needs then stays backed instead of going back and being committed again.
-            # Otherwise it goes back now (without waiting for the device).
-            if self.keep_slot_memory and len(queue) > sum(s is None for s in slots):
+            # Otherwise it goes back now (without waiting for the device). A turn whose
+            # next turn is queued keeps its slot and cache for it.
+            slot = slots[seq]
+            if slot.request.id in followed:
+                turns[slot.request.id] = (seq, slot.context())
+            elif self.keep_slot_memory and len(queue) > sum(s is None for s in slots):
                 held.add(seq)
             else:
                 timed(cache.release, seq)
@@ -414,31 +536,65 @@ class Generator:
                 if done:
                     return
 
+        def take_requests() -> list[tuple[int, Request, tuple[int, ...]]]:
+            """(slot, request, earlier turns) for every queued request that can start:
+            in queue order, a next turn in its finished parent's slot, others in free
+            slots (not one kept for a next turn)."""
+            kept = {seq for seq, _ in turns.values()}
+            free = [seq for seq in range(batch) if slots[seq] is None and seq not in kept]
+            taken, waiting = [], collections.deque()
+            while queue:
+                req = queue.popleft()
+                if req.follows is not None and req.follows in turns:
+                    seq, prefix = turns.pop(req.follows)
+                    taken.append((seq, req, prefix))
+                elif req.follows is None and free:
+                    taken.append((free.pop(0), req, ()))
+                else:
+                    waiting.append(req)
+            queue.extend(waiting)
+            return taken
+
         def admit_free_slots() -> None:
-            free = [seq for seq in range(batch) if slots[seq] is None][: len(queue)]
-            taken = [(seq, queue.popleft()) for seq in free]
-            for seq, req in taken:  # every prompt's memory, in the background
+            taken = take_requests()
+            for seq, req, prefix in taken:  # every prompt's memory, in the background
                 if seq in held:  # the slot keeps the chunks of the new prompt
                     held.discard(seq)
                     timed(
                         lambda: cache.release(seq, keep_tokens=len(req.prompt)),
                         name="release(keep_tokens)",
                     )
-                timed(cache.prefetch, seq, len(req.prompt))
-            for seq, req in taken:
+                timed(cache.prefetch, seq, len(prefix) + len(req.prompt))
+            for seq, req, prefix in taken:
                 wait_for_memory(seq)
-                admit(seq, req)
+                admit(seq, req, prefix)
 
-        def admit(seq: int, req: Request) -> None:
+        def admit(seq: int, req: Request, prefix: tuple[int, ...]) -> None:
             nonlocal state
-            slot = _Slot(req, results.setdefault(req.id, Result(req.id, len(req.prompt))))
-            timed(cache.ensure, seq, len(req.prompt))
-            slot.ensured = len(req.prompt)
+            slot = _Slot(
+                req, results.setdefault(req.id, Result(req.id, len(req.prompt))), prefix=prefix
+            )
+            timed(cache.ensure, seq, slot.prompt_len)
+            slot.ensured = slot.prompt_len
             slots[seq] = slot
-            bucket, args = self._prefill_args(state, req.prompt, seq, req.max_new_tokens)
-            logits, first, out, state = self._prefill_fn(bucket, stops, args)(*args)
-            cache.update(out)
-            counts["prefills"] += 1
+            if self._chunked(req):
+                # Cached: the earlier turns but their last token; it goes first.
+                start = max(len(prefix) - 1, 0)
+                new = np.asarray(prefix[start:] + tuple(int(t) for t in req.prompt), np.int32)
+                size = self._chunk_size(len(new))
+                fn = self._chunk_fn(size, stops, self._chunk_args(state, new[:1], 0, 0, 1, size))
+                for lo in range(0, len(new), size):  # back to back: no decode block between
+                    args = self._chunk_args(
+                        state, new[lo : lo + size], start + lo, seq, req.max_new_tokens, size
+                    )
+                    logits, first, out, state = fn(*args)
+                    cache.update(out)
+                    counts["prefills"] += 1
+            else:
+                bucket, args = self._prefill_args(state, req.prompt, seq, req.max_new_tokens)
+                logits, first, out, state = self._prefill_fn(bucket, stops, args)(*args)
+                cache.update(out)
+                counts["prefills"] += 1
             cols: list[_Slot | None] = [None] * batch
             cols[seq] = slot
             pending.append(_Read(cols, first, logits if want_logits else None))

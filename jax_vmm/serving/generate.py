@@ -1,4 +1,5 @@
-"""Generate text with a Hugging Face checkpoint (Llama, Mistral, Qwen2) on the jax_vmm cache.
+"""Generate text with a Hugging Face checkpoint (Llama, Mistral, Qwen2, Gemma 2) on the
+jax_vmm cache.
 
     ckpt = load_checkpoint("DIR")                       # jax_vmm.serving.hf
     out = generate(ckpt, ["text", [1, 2, 3]], max_new_tokens=N)
@@ -21,7 +22,7 @@ import jax
 import numpy as np
 
 from . import engine as E
-from .attention import choose_attention
+from .attention import chunk_attention, choose_attention
 from .cache import make_cache
 from .hf.checkpoint import Checkpoint, CheckpointError
 from .sampling import RequestSampler, SamplingConfig
@@ -44,6 +45,8 @@ class ServeOptions:
     attention: str = "auto"
     chunk_bytes: int | None = None
     block: int = E.DEFAULT_BLOCK  # decode steps per host call (jax_vmm.serving.engine)
+    # Prefill prompts in chunks of this many tokens over the cache; None: whole prompts.
+    prefill_chunk: int | None = None
 
 
 GREEDY = SamplingConfig()
@@ -100,8 +103,9 @@ def serve(
     select_token, record_logits, force_tokens: as `Generator.run`; stop_tokens: as
     `Generator` (a sequence ends at the first it generates)."""
     cfg = ckpt.config
+    E.check_prefill_chunk(opts.prefill_chunk)
     slots = num_slots(opts, len(requests))
-    max_tokens = max(len(r.prompt) + r.max_new_tokens - 1 for r in requests)
+    max_tokens = max(need for _, need in E.context_lengths(requests).values())
     cache = make_cache(
         opts.backend,
         cfg,
@@ -111,15 +115,23 @@ def serve(
         chunk_bytes=opts.chunk_bytes,
     )
     try:
-        _, attend = choose_attention(
+        name, attend = choose_attention(
             opts.attention,
             backend=opts.backend,
             platform=device.platform,
             tail_may_be_garbage=cache.tail_may_be_garbage,
             dtype=cfg.dtype,
         )
+        chunked = opts.prefill_chunk is not None or any(r.follows is not None for r in requests)
         gen = E.Generator(
-            ckpt.params, cfg, cache, attend, block=opts.block, stop_tokens=stop_tokens
+            ckpt.params,
+            cfg,
+            cache,
+            attend,
+            block=opts.block,
+            stop_tokens=stop_tokens,
+            attend_chunk=chunk_attention(name) if chunked else None,
+            prefill_chunk=opts.prefill_chunk,
         )
         return gen.run(
             requests,

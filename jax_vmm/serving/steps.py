@@ -1,5 +1,6 @@
-"""The device-side programs the engine dispatches: prefill into a slot, and a block of
-N decode steps in one `lax.fori_loop`.
+"""The device-side programs the engine dispatches: prefill into a slot (a whole prompt, or
+a chunk of tokens appended over the cache), and a block of N decode steps in one
+`lax.fori_loop`.
 
 Both thread a `DecodeState` (per slot: the next input token, its position, the tokens
 still to generate) and the cache through, so that consecutive calls depend on each
@@ -58,11 +59,49 @@ def prefill_slot(
     max_new_tokens - 1 decode steps to go (none if that token is a stop token). Returns
     (last prompt token's logits (vocab,), first token, cache, state)."""
     logits, cache = M.prefill(params, cache, prompt, length, seq, cfg=cfg, write=write)
+    return _start_slot(logits, cache, state, length, seq, max_new_tokens, stop_tokens)
+
+
+def prefill_chunk_slot(
+    params: M.Params,
+    cache: Any,
+    state: DecodeState,
+    tokens: jax.Array,
+    start: jax.Array,
+    length: jax.Array,
+    seq: jax.Array,
+    max_new_tokens: jax.Array,
+    *,
+    cfg: M.ModelConfig,
+    write: M.WriteFn,
+    attend_chunk: M.ChunkAttendFn,
+    stop_tokens: tuple[int, ...],
+) -> tuple[jax.Array, jax.Array, Any, DecodeState]:
+    """Appends a chunk (tokens padded; `length` real) to slot `seq`, which caches `start`
+    tokens, over the cache (`model.prefill_chunk`), and starts the slot as `prefill_slot`
+    does from its last token: the engine dispatches a prompt's chunks back to back, so
+    only the last chunk's start is ever decoded from."""
+    logits, cache = M.prefill_chunk(
+        params, cache, tokens, start, length, seq, cfg=cfg, write=write, attend_chunk=attend_chunk
+    )
+    return _start_slot(logits, cache, state, start + length, seq, max_new_tokens, stop_tokens)
+
+
+def _start_slot(
+    logits: jax.Array,
+    cache: Any,
+    state: DecodeState,
+    cached: jax.Array,
+    seq: jax.Array,
+    max_new_tokens: jax.Array,
+    stop_tokens: tuple[int, ...],
+) -> tuple[jax.Array, jax.Array, Any, DecodeState]:
+    """The slot's first token (greedy) becomes its next input at position `cached`."""
     first = jnp.argmax(logits).astype(jnp.int32)
     steps = jnp.where(_is_stop(first, stop_tokens), 0, max_new_tokens - 1).astype(jnp.int32)
     state = DecodeState(
         state.tokens.at[seq].set(first),
-        state.positions.at[seq].set(length),
+        state.positions.at[seq].set(cached),
         state.remaining.at[seq].set(steps),
     )
     return logits, first, cache, state

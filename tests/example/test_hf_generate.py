@@ -49,6 +49,20 @@ def test_fixtures_cover_the_supported_variants() -> None:
     assert has(lambda c, _: "rope_parameters" in c and "rope_theta" not in c)
     assert has(lambda c, _: "rope_scaling" in c and "rope_parameters" not in c)
     assert has(lambda c, _: "head_dim" not in c)
+    # Gemma 2: the window shorter than every prompt + generation, so that it matters.
+    assert has(
+        lambda c, _: (
+            c["architectures"] == ["Gemma2ForCausalLM"]
+            and "sliding_attention" in c["layer_types"]
+            and "full_attention" in c["layer_types"]
+            and c["attn_logit_softcapping"]
+            and c["final_logit_softcapping"]
+            and c["query_pre_attn_scalar"] != c["head_dim"]
+        )
+    )
+    gemma = expected("gemma2")
+    window = json.loads((FIXTURE_DIR / "gemma2" / "config.json").read_text())["sliding_window"]
+    assert window < min(len(r["prompt_ids"]) for r in gemma["requests"]) + gemma["max_new_tokens"]
     for n in NAMES:
         exp = expected(n)
         margins = [m for r in exp["requests"] for m in r["margins"]]
@@ -118,6 +132,21 @@ MUTATIONS = {
         "q/k/v biases dropped": lambda c, p: (
             c,
             _layers(p, bq=lambda lp: None, bk=lambda lp: None, bv=lambda lp: None),
+        ),
+    },
+    "gemma2": {
+        "sliding window ignored": lambda c, p: (dataclasses.replace(c, layer_windows=None), p),
+        "attention soft-capping ignored": lambda c, p: (
+            dataclasses.replace(c, attn_softcap=None),
+            p,
+        ),
+        "query scale 1/sqrt(head_dim)": lambda c, p: (dataclasses.replace(c, attn_scale=None), p),
+        "RMSNorm by w, not 1 + w": lambda c, p: (dataclasses.replace(c, norm_plus_one=False), p),
+        "embeddings not scaled": lambda c, p: (dataclasses.replace(c, embed_scale=False), p),
+        "silu MLP": lambda c, p: (dataclasses.replace(c, mlp_act="silu"), p),
+        "post-block norms dropped": lambda c, p: (
+            c,
+            _layers(p, post_attn_norm=lambda lp: None, post_mlp_norm=lambda lp: None),
         ),
     },
     "mistral": {

@@ -1,4 +1,5 @@
-"""Generate text with a Hugging Face checkpoint (Llama, Mistral, Qwen2) on the jax_vmm cache.
+"""Generate text with a Hugging Face checkpoint (Llama, Mistral, Qwen2, Gemma 2) on the
+jax_vmm cache.
 
     python examples/generate.py --model DIR --prompt "text" [--prompt "text2" ...] \\
         [--prompt-ids 1,2,3 ...] --max-new-tokens N [--dtype float32|bfloat16] \\
