@@ -22,7 +22,7 @@ import jax
 import numpy as np
 
 from . import engine as E
-from .attention import chunk_attention, choose_attention
+from .attention import choose_attention, chunk_attention
 from .cache import make_cache
 from .hf.checkpoint import Checkpoint, CheckpointError
 from .sampling import RequestSampler, SamplingConfig

@@ -155,7 +155,8 @@ class ModelConfig:
             self.head_dim,
             self.ffn_dim,
         )
-        per_layer = (4 if self.post_norms else 2) * d + d * hq * hd * 2 + d * hk * hd * 2 + 3 * d * f
+        norms = 4 if self.post_norms else 2
+        per_layer = norms * d + d * hq * hd * 2 + d * hk * hd * 2 + 3 * d * f
         if self.qkv_bias:
             per_layer += (hq + 2 * hk) * hd
         tables = 1 if self.tie_embeddings else 2

@@ -304,7 +304,9 @@ def _gemma2_fields(get: _Getter, num_layers: int) -> dict[str, Any]:
     types = raw.get("layer_types")
     if types is None:
         types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
-    if not isinstance(types, list) or len(types) != num_layers or not set(types) <= set(_LAYER_TYPES):
+    if not (
+        isinstance(types, list) and len(types) == num_layers and set(types) <= set(_LAYER_TYPES)
+    ):
         raise CheckpointError(
             f"{where}: layer_types must list one of {_LAYER_TYPES} per layer "
             f"({num_layers}), got {types!r}"
