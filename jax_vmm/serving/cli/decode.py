@@ -32,7 +32,7 @@ from .. import engine as E
 from .. import model as M
 from .. import tensor_parallel as TP
 from .._optional import require
-from ..attention import ATTENTION_CHOICES, FP8_HEAD_DIMS, choose_attention
+from ..attention import ATTENTION_CHOICES, FP8_HEAD_DIMS, choose_attention, chunk_attention
 from ..cache import BACKENDS, KV_DTYPES, commit_lead_tokens, make_cache
 from ..report import matplotlib_missing, plot_memory
 from ..sleep_wake import EngineSleeper, same_tokens
@@ -103,6 +103,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         default=E.DEFAULT_BLOCK,
         help=f"decode steps per host call, in one device loop (default {E.DEFAULT_BLOCK})",
+    )
+    p.add_argument(
+        "--prefill-chunk",
+        type=int,
+        metavar="N",
+        help="prefill prompts in chunks of N tokens, each attending over the cache "
+        "(jax_vmm.attention); default: each prompt whole, in one pass",
     )
     p.add_argument(
         "--commit-ahead",
@@ -190,8 +197,14 @@ def main(argv: list[str] | None = None) -> dict:
 
     try:
         E.check_block(args.block)
+        E.check_prefill_chunk(args.prefill_chunk)
     except ValueError as e:
-        raise SystemExit(f"decode.py: --block: {e}") from None
+        raise SystemExit(f"decode.py: {e}") from None
+    if args.prefill_chunk is not None and args.tp is not None:
+        raise SystemExit(
+            "decode.py: --prefill-chunk with --tp: jax_vmm.attention serves a sharded arena "
+            "for decode only (one query per sequence); drop one of them"
+        )
     if args.commit_ahead is not None and args.commit_ahead < 0:
         raise SystemExit(
             f"decode.py: --commit-ahead {args.commit_ahead}: expected a token count >= 0 "
@@ -234,6 +247,7 @@ def main(argv: list[str] | None = None) -> dict:
                 dtype=cfg.dtype,
                 kv_dtype=args.kv_dtype,
             )
+            attend_chunk = None if args.prefill_chunk is None else chunk_attention(attn_name)
         except (ValueError, RuntimeError) as e:  # a bad flag combination: say which
             cache.close()
             raise SystemExit(f"decode.py: {e}") from None
@@ -249,6 +263,8 @@ def main(argv: list[str] | None = None) -> dict:
                 attend,
                 block=args.block,
                 keep_slot_memory=args.slot_memory == "keep",
+                attend_chunk=attend_chunk,
+                prefill_chunk=args.prefill_chunk,
             )
         except ValueError as e:  # --block was checked above; this is anything else
             cache.close()
