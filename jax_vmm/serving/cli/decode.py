@@ -184,6 +184,11 @@ def main(argv: list[str] | None = None) -> dict:
         "chunk_bytes": args.chunk_bytes,
     }
     serving.update({k: v for k, v in overrides.items() if v is not None})
+    if args.prefill_chunk is not None and args.kv_dtype == "fp8":
+        raise SystemExit(
+            "decode.py: --prefill-chunk with --kv-dtype fp8: jax_vmm.attention reads an fp8 "
+            "arena for decode only (one query per sequence); drop one of them"
+        )
     if args.kv_dtype == "fp8" and cfg.head_dim not in FP8_HEAD_DIMS:
         raise SystemExit(
             f"decode.py: --kv-dtype fp8: jax_vmm's fp8 attention takes head_dim in "
