@@ -50,19 +50,22 @@ def _requests(cfg: M.ModelConfig) -> list[E.Request]:
 
 
 def _serve(backend: str, cfg: M.ModelConfig, reqs: list[E.Request], device, **kw) -> E.RunReport:
-    kw.setdefault("chunk_bytes", 4096)
-    report, _ = serving.serve(
-        backend,
-        cfg,
-        reqs,
-        batch=2,
-        max_tokens=CONTEXT,
-        device=device,
-        attention="jax_vmm",
-        block=4,
-        record_logits=True,
-        **kw,
-    )
+    """Two slots, blocks of 4, the jax_vmm kernel on either backend, float32 matmuls at
+    full precision (no TF32 on a GPU)."""
+    kw.setdefault("chunk_bytes", 4096 if device.platform == "cpu" else None)
+    with jax.default_matmul_precision("highest"):
+        report, _ = serving.serve(
+            backend,
+            cfg,
+            reqs,
+            batch=2,
+            max_tokens=CONTEXT,
+            device=device,
+            attention="jax_vmm",
+            block=4,
+            record_logits=True,
+            **kw,
+        )
     return report
 
 
@@ -72,33 +75,36 @@ def _forward(cfg: M.ModelConfig):
     return jax.jit(lambda t: M.forward_no_cache(params, t, cfg=cfg))
 
 
-def _no_cache_greedy(cfg: M.ModelConfig, context: list[int], steps: int) -> list[int]:
+def _no_cache_greedy(
+    cfg: M.ModelConfig, context: list[int], steps: int, device: jax.Device
+) -> list[int]:
     """Greedy tokens recomputed from scratch at every step (no cache at all). The input
     is padded at the end to one length (one compile): causal, so nothing earlier sees it."""
     out: list[int] = []
-    for _ in range(steps):
-        seq = context + out
-        padded = np.zeros(CONTEXT, np.int32)
-        padded[: len(seq)] = seq
-        logits = _forward(cfg)(jnp.asarray(padded))
-        out.append(int(jnp.argmax(logits[len(seq) - 1])))
+    with jax.default_device(device), jax.default_matmul_precision("highest"):
+        for _ in range(steps):
+            seq = context + out
+            padded = np.zeros(CONTEXT, np.int32)
+            padded[: len(seq)] = seq
+            logits = _forward(cfg)(jnp.asarray(padded))
+            out.append(int(jnp.argmax(logits[len(seq) - 1])))
     return out
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_chunked_prefill_gives_the_whole_prompt_tokens(backend, name, cpu_device) -> None:
+def test_chunked_prefill_gives_the_whole_prompt_tokens(backend, name, device) -> None:
     """Chunks of 5 over the cache: token for token the whole-prompt prefill's output and
     the model recomputed without a cache; logits within float32 rounding."""
     cfg = CONFIGS[name]
     reqs = _requests(cfg)
-    whole = _serve(backend, cfg, reqs, cpu_device)
-    chunked = _serve(backend, cfg, reqs, cpu_device, prefill_chunk=5)
+    whole = _serve(backend, cfg, reqs, device)
+    chunked = _serve(backend, cfg, reqs, device, prefill_chunk=5)
     assert chunked.prefills == sum(-(-len(r.prompt) // 5) for r in reqs) > len(reqs)
     for r, a, b in zip(reqs, whole.results, chunked.results, strict=True):
         assert b.tokens == a.tokens, f"request {r.id}"
         np.testing.assert_allclose(np.stack(b.logits), np.stack(a.logits), atol=2e-4, rtol=1e-4)
-        assert b.tokens == _no_cache_greedy(cfg, r.prompt.tolist(), r.max_new_tokens)
+        assert b.tokens == _no_cache_greedy(cfg, r.prompt.tolist(), r.max_new_tokens, device)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -122,13 +128,13 @@ def test_a_chunk_that_ignores_the_earlier_chunks_is_caught(backend, cpu_device) 
             wrong = gen.run(reqs).results[0].tokens
         finally:
             cache.close()
-    right = _no_cache_greedy(cfg, reqs[0].prompt.tolist(), reqs[0].max_new_tokens)
+    right = _no_cache_greedy(cfg, reqs[0].prompt.tolist(), reqs[0].max_new_tokens, cpu_device)
     assert wrong != right
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_next_turn_continues_on_its_cache(backend, name, cpu_device) -> None:
+def test_next_turn_continues_on_its_cache(backend, name, device) -> None:
     """Two conversations of two and three turns plus a single request on two slots:
     each next turn is appended to its conversation's cache (the previous turn's last
     token, then the new prompt, prefilled over the cache) and generates what the model
@@ -146,7 +152,7 @@ def test_next_turn_continues_on_its_cache(backend, name, cpu_device) -> None:
         turn(12, 11, 1),
     ]
     for chunk in (None, 5):
-        report = _serve(backend, cfg, reqs, cpu_device, prefill_chunk=chunk)
+        report = _serve(backend, cfg, reqs, device, prefill_chunk=chunk)
         got = {r.id: r for r in report.results}
         for r in reqs:
             if r.follows is None:
@@ -157,10 +163,10 @@ def test_next_turn_continues_on_its_cache(backend, name, cpu_device) -> None:
                 history = req.prompt.tolist() + got[parent].tokens + history
                 parent = req.follows
             context = history + r.prompt.tolist()
-            want = _no_cache_greedy(cfg, context, r.max_new_tokens)
+            want = _no_cache_greedy(cfg, context, r.max_new_tokens, device)
             assert got[r.id].tokens == want, f"turn {r.id}, chunk {chunk}"
             if r.max_new_tokens > 4:
-                alone = _no_cache_greedy(cfg, r.prompt.tolist(), r.max_new_tokens)
+                alone = _no_cache_greedy(cfg, r.prompt.tolist(), r.max_new_tokens, device)
                 assert got[r.id].tokens != alone, f"turn {r.id}: its history changed nothing"
 
 

@@ -200,11 +200,14 @@ def main(argv: list[str] | None = None) -> dict:
             "jax_vmm (it sleeps the jax_vmm arenas)"
         )
 
-    try:
-        E.check_block(args.block)
-        E.check_prefill_chunk(args.prefill_chunk)
-    except ValueError as e:
-        raise SystemExit(f"decode.py: {e}") from None
+    for flag, check, value in (
+        ("--block", E.check_block, args.block),
+        ("--prefill-chunk", E.check_prefill_chunk, args.prefill_chunk),
+    ):
+        try:
+            check(value)
+        except ValueError as e:
+            raise SystemExit(f"decode.py: {flag}: {e}") from None
     if args.prefill_chunk is not None and args.tp is not None:
         raise SystemExit(
             "decode.py: --prefill-chunk with --tp: jax_vmm.attention serves a sharded arena "
