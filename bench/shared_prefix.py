@@ -5,7 +5,8 @@ prompt) against prefilling its whole prompt, and the memory a batch of such requ
 Side by side in one process, on the example's model (``jax_vmm.serving``):
 
 * time to first token: the prompt's prefill (waited for) after ``ensure``, against
-  ``share_prefix`` + ``ensure`` + the prefill of the rest (``steps.prefill_shared_slot``);
+  ``share_prefix`` + ``ensure`` + the prefill of the rest over the cache
+  (``steps.prefill_chunk_slot`` with ``jax_vmm.attention``);
   median over ``--repeats``, each followed by a release (not timed). Goal: <= 0.3x.
 * memory: ``--batch`` requests sharing the prefix, each holding its rest: physical KV
   memory (backed - alias + parked) against one copy of the prefix plus each request's
@@ -26,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import _common as C
+import jax_vmm
 from jax_vmm.serving import model as M
 from jax_vmm.serving import steps as S
 from jax_vmm.serving.cache import make_cache
@@ -70,7 +72,13 @@ def _run(args, cfg, params, cache, prefix, rests, device) -> dict:
         donate_argnums=(1, 2),
     )
     rest = jax.jit(
-        functools.partial(S.prefill_shared_slot, cfg=cfg, write=cache.write, stop_tokens=()),
+        functools.partial(
+            S.prefill_chunk_slot,
+            cfg=cfg,
+            write=cache.write,
+            attend_chunk=jax_vmm.attention,
+            stop_tokens=(),
+        ),
         donate_argnums=(1, 2),
     )
     src = cache.max_seqs - 1
@@ -102,8 +110,8 @@ def _run(args, cfg, params, cache, prefix, rests, device) -> dict:
         cache.share_prefix(src, seq, args.prefix)
         cache.ensure(seq, args.prefix + args.suffix)
         first, _, out, state = rest(
-            params, cache.cache(), state, jnp.asarray(rests[seq]), jnp.int32(args.suffix),
-            jnp.int32(seq), jnp.int32(1), jnp.int32(args.prefix),
+            params, cache.cache(), state, jnp.asarray(rests[seq]), jnp.int32(args.prefix),
+            jnp.int32(args.suffix), jnp.int32(seq), jnp.int32(1),
         )  # fmt: skip
         jax.block_until_ready(first)
         dt = time.perf_counter() - t0

@@ -1,4 +1,5 @@
-"""Generate text with a Hugging Face checkpoint (Llama, Mistral, Qwen2) on the jax_vmm cache.
+"""Generate text with a Hugging Face checkpoint (Llama, Mistral, Qwen2, Gemma 2) on the
+jax_vmm cache.
 
     python examples/generate.py --model DIR --prompt "text" --max-new-tokens N
 

@@ -148,6 +148,28 @@ FIXTURES: dict[str, dict[str, Any]] = {
             rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
         ),
     ),
+    "gemma2": dict(
+        arch="Gemma2ForCausalLM",
+        spelling="new",
+        bos=True,
+        features="Gemma 2: sliding window 8 on alternate layers (shorter than every "
+        "prompt + generation), attention and final logit soft-capping, query scale "
+        "1/sqrt(24) with head_dim 16, (1 + w) RMSNorm, embeddings scaled by "
+        "sqrt(hidden), post-attention and post-feed-forward norms, gelu_pytorch_tanh MLP, "
+        "untied embeddings (tied ones this small give near-ties)",
+        config=dict(
+            _COMMON,
+            head_dim=16,
+            tie_word_embeddings=False,
+            pad_token_id=None,
+            hidden_activation="gelu_pytorch_tanh",
+            query_pre_attn_scalar=24,
+            sliding_window=8,
+            attn_logit_softcapping=10.0,
+            final_logit_softcapping=30.0,
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+        ),
+    ),
 }
 
 # Llama 3.2 1B's shape (vocab 128256, 16 layers, 2048 wide, 32 q / 8 kv heads of 64).
@@ -212,9 +234,13 @@ def save_tokenizer(tok: Tokenizer, out: Path, add_bos: bool) -> None:
 _GAINS = {"q_proj": 2.0, "k_proj": 2.0, "o_proj": 10.0, "down_proj": 10.0}
 
 
-def reinit_(model: torch.nn.Module, seed: int, logit_gain: float = 1.0) -> None:
+def reinit_(
+    model: torch.nn.Module, seed: int, logit_gain: float = 1.0, embed_std: float = 1.0
+) -> None:
     """Large random weights (see the module doc). Tied lm_head shares embed_tokens and
-    is not listed separately by named_parameters."""
+    is not listed separately by named_parameters. embed_std: Gemma scales embeddings by
+    sqrt(hidden) and normalizes each block's output, so unit embeddings would drown the
+    blocks (the model would repeat its input token); it takes 1/sqrt(hidden)."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -223,7 +249,7 @@ def reinit_(model: torch.nn.Module, seed: int, logit_gain: float = 1.0) -> None:
             elif name.endswith(".bias"):
                 p.normal_(0.0, 0.3, generator=g)
             elif "embed_tokens" in name:
-                p.normal_(0.0, 1.0, generator=g)
+                p.normal_(0.0, embed_std, generator=g)
             elif p.ndim == 2:
                 fan_in = p.shape[1]
                 gain = _GAINS.get(name.split(".")[-2], 1.0)
@@ -239,11 +265,14 @@ def make_model(arch: str, config: dict[str, Any], seed: int) -> torch.nn.Module:
         "LlamaForCausalLM": transformers.LlamaConfig,
         "MistralForCausalLM": transformers.MistralConfig,
         "Qwen2ForCausalLM": transformers.Qwen2Config,
+        "Gemma2ForCausalLM": transformers.Gemma2Config,
     }[arch]
     cfg = config_cls(**config)
     cfg.architectures = [arch]
     model = getattr(transformers, arch)(cfg)
-    reinit_(model, seed)
+    # Gemma 2 multiplies embeddings by sqrt(hidden): unit-scale after that.
+    embed_std = config["hidden_size"] ** -0.5 if arch == "Gemma2ForCausalLM" else 1.0
+    reinit_(model, seed, embed_std=embed_std)
     return model.eval()
 
 

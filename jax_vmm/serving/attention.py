@@ -1,7 +1,11 @@
 """Decode attention for the example: a plain-JAX reference, cuDNN and the jax_vmm kernel.
 
-Both are `attend(q, layer, lengths)`: q (B, H_q, D), a `jax_vmm.KVLayer` whose k/v are
-(B, T, H_kv, D), and live lengths int32 (B,); positions >= length are masked. The
+All are `attend(q, layer, lengths, **options)`: q (B, H_q, D), a `jax_vmm.KVLayer` whose
+k/v are (B, T, H_kv, D), and live lengths int32 (B,); positions >= length are masked;
+options: the layer's window, softcap and scale (`model.attention_options`, Gemma 2).
+A prompt chunk prefilled over the cache attends with `chunk_attention(name)`:
+`jax_vmm.attention` itself, or `jax_vmm.reference_attention` over an array layer (for the
+reference and cuDNN choices: cuDNN serves decode only). The
 reference reads the whole (B, T) cache (masked) with plain XLA ops, so it needs the
 layer's arrays: an array layer (the preallocated backend); so does cuDNN
 (`jax.nn.dot_product_attention(..., implementation="cudnn")`, GPU, bf16/fp16: the
@@ -59,12 +63,22 @@ def reference_decode_attention(
 
 
 def reference_over_layer(
-    q: jax.Array, layer, lengths: jax.Array, *, tail_may_be_garbage: bool = True
+    q: jax.Array, layer, lengths: jax.Array, *, tail_may_be_garbage: bool = True, **options
 ) -> jax.Array:
-    """The reference over an array layer's K/V."""
+    """The reference over an array layer's K/V; with options (window, softcap, scale)
+    jax_vmm's general reference (which reads the tail: the preallocated backend's is
+    finite)."""
+    if options:
+        return reference_chunk_over_layer(q[:, None], layer, lengths, **options)[:, 0]
     return reference_decode_attention(
         q, layer.k, layer.v, lengths, tail_may_be_garbage=tail_may_be_garbage
     )
+
+
+def reference_chunk_over_layer(q: jax.Array, layer, lengths: jax.Array, **options) -> jax.Array:
+    """`jax_vmm.reference_attention` (plain XLA, the semantics of `jax_vmm.attention`)
+    over an array layer's K/V: q (B, S, H_q, D)."""
+    return jax_vmm.reference_attention(q, layer.k, layer.v, lengths, **options)
 
 
 def cudnn_decode_attention(
@@ -85,9 +99,49 @@ def cudnn_decode_attention(
     return out[:, 0]
 
 
-def cudnn_over_layer(q: jax.Array, layer, lengths: jax.Array) -> jax.Array:
-    """cuDNN attention over an array layer's K/V."""
+def cudnn_over_layer(q: jax.Array, layer, lengths: jax.Array, **options) -> jax.Array:
+    """cuDNN attention over an array layer's K/V (a softmax scale, but no window or
+    soft-capping: refused)."""
+    unsupported = sorted(set(options) - {"scale"})
+    if unsupported:
+        raise ValueError(
+            f"--attention cudnn: the model's attention needs {unsupported}, which "
+            "jax.nn.dot_product_attention does not do; use --attention reference or jax_vmm"
+        )
+    if "scale" in options:
+        out = jax.nn.dot_product_attention(
+            q[:, None],
+            layer.k,
+            layer.v,
+            key_value_seq_lengths=jnp.maximum(lengths, 1),
+            scale=options["scale"],
+            implementation="cudnn",
+        )
+        return out[:, 0]
     return cudnn_decode_attention(q, layer.k, layer.v, lengths)
+
+
+def vmm_over_layer(q: jax.Array, layer, lengths: jax.Array, **options) -> jax.Array:
+    """jax_vmm's kernel: `decode_attention` (the plain case), else `jax_vmm.attention`
+    with one query per sequence and the layer's options."""
+    if not options:
+        return jax_vmm.decode_attention(q, layer, lengths)
+    return jax_vmm.attention(q[:, None], layer, lengths, **options)[:, 0]
+
+
+def chunk_attention(name: str) -> Callable[..., jax.Array]:
+    """The multi-query attention (`model.ChunkAttendFn`) that goes with the decode
+    attention `name` (as `choose_attention` returned it), for prompt chunks prefilled
+    over the cache."""
+    if name == "jax_vmm":
+        return jax_vmm.attention
+    if name in ("reference", "cudnn"):
+        return reference_chunk_over_layer
+    raise ValueError(
+        f"prefill in chunks reads the cache with several queries per sequence, which the "
+        f"{name!r} attention does not serve (an fp8 cache serves decode only); prefill "
+        "whole prompts (no --prefill-chunk) or keep the cache in the model's dtype"
+    )
 
 
 def cudnn_unavailable(platform: str, dtype: str) -> str | None:
@@ -160,15 +214,15 @@ def choose_attention(
             "build does not provide; use --attention reference"
         )
     if kv_dtype == "fp8" and dtype not in CUDNN_DTYPES:
-        return "jax_vmm (fp8, bf16 queries)", _bf16_queries(jax_vmm.decode_attention)
-    return "jax_vmm", jax_vmm.decode_attention
+        return "jax_vmm (fp8, bf16 queries)", _bf16_queries(vmm_over_layer)
+    return "jax_vmm", vmm_over_layer
 
 
 def _bf16_queries(attend: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
     """The fp8 kernel takes bf16/fp16 queries: a float32 model's are rounded to bf16 for
     it, and its output cast back."""
 
-    def call(q: jax.Array, layer, lengths: jax.Array) -> jax.Array:
-        return attend(q.astype(jnp.bfloat16), layer, lengths).astype(q.dtype)
+    def call(q: jax.Array, layer, lengths: jax.Array, **options) -> jax.Array:
+        return attend(q.astype(jnp.bfloat16), layer, lengths, **options).astype(q.dtype)
 
     return call

@@ -10,6 +10,15 @@ memory of the prompts being admitted is committed on the cache's background thre
 (`prefetch`) while the device runs the prefills dispatched before. The
 schedule depends only on the requests and the stop tokens, so two backends given the
 same requests run exactly the same steps.
+
+Prompts are prefilled whole (one causal pass over the prompt, from position 0), or with
+`prefill_chunk=N` in chunks of N tokens, each attending over the cache
+(`jax_vmm.attention` with N queries per sequence): the same tokens, a bounded prefill
+shape. A request with `follows=ID` is a conversation's next turn: its prompt is appended
+to request ID's prompt and generated tokens in ID's slot, prefilled over that cache.
+`run(shared_prefix=N)` prefills the prompts' common first N tokens once, maps them into
+each request's slot (`kv.share_prefix`) and prefills the rest of each prompt the same way,
+over the cache: one program appends tokens to a slot, whatever it caches already.
 """
 
 from __future__ import annotations
@@ -34,6 +43,10 @@ class Request:
     id: int
     prompt: np.ndarray  # int32 (L,), L >= 1
     max_new_tokens: int  # >= 1; the first comes from prefill
+    # The id of an earlier request of the same run whose conversation this continues:
+    # the prompt is appended after that request's prompt and generated tokens, on its
+    # cache (its slot is kept for this request when it finishes).
+    follows: int | None = None
 
 
 @dataclasses.dataclass
@@ -126,10 +139,17 @@ class _Slot:
     blocks: int = 0  # blocks dispatched since its prefill
     feed: int = -1  # host-chosen next token (tokens chosen on the host), else -1
     ensured: int = 0  # tokens the engine has ensured for it
+    prefix: tuple[int, ...] = ()  # earlier turns of its conversation (follows), in order
 
     @property
     def prompt_len(self) -> int:
-        return len(self.request.prompt)
+        """Tokens cached once its prompt is prefilled (earlier turns included)."""
+        return len(self.prefix) + len(self.request.prompt)
+
+    def context(self) -> tuple[int, ...]:
+        """The conversation so far: earlier turns, the prompt and the tokens generated
+        (the last of which is not cached yet)."""
+        return self.prefix + tuple(int(t) for t in self.request.prompt) + tuple(self.result.tokens)
 
     def cached_after(self, blocks: int, block: int) -> int:
         """Tokens in the cache once `blocks` blocks of `block` steps have run (at most:
@@ -153,6 +173,38 @@ def check_block(block: object) -> None:
         )
 
 
+def check_prefill_chunk(chunk: object) -> None:
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+        raise ValueError(
+            f"prefill_chunk (prompt tokens per prefill call) must be an integer >= 1 or None "
+            f"(whole prompts), got {chunk!r}"
+        )
+
+
+def context_lengths(requests: list[Request]) -> dict[int, tuple[int, int]]:
+    """{request id: (tokens cached before its prompt, the most it can cache)}; checks
+    that ids are unique and that every `follows` names an earlier request."""
+    out: dict[int, tuple[int, int]] = {}
+    for r in requests:
+        if r.id in out:
+            raise ValueError(f"request id {r.id} is used twice; ids must be unique")
+        before = 0
+        if r.follows is not None:
+            if r.follows not in out:
+                raise ValueError(
+                    f"request {r.id} follows {r.follows!r}, which is not an earlier request "
+                    "of this run; a conversation's next turn comes after the turn it continues"
+                )
+            # The parent's context: its cache plus its last token (never fed back).
+            before = out[r.follows][1] + 1
+        out[r.id] = (before, before + len(r.prompt) + r.max_new_tokens - 1)
+    followed = [r.follows for r in requests if r.follows is not None]
+    twice = sorted({f for f in followed if followed.count(f) > 1})
+    if twice:
+        raise ValueError(f"requests {twice} are followed more than once; a turn has one next turn")
+    return out
+
+
 class Generator:
     """Compiled prefill and decode-block programs for one model, cache backend and
     attention choice; `run` serves requests with continuous batching. Not thread-safe.
@@ -167,6 +219,12 @@ class Generator:
     sequence leaves its slot idle for the rest of its block, at most block - 1 steps.
     stop_tokens: a sequence ends at the first of these it generates (kept in its
     tokens), on the device, inside a block.
+    attend_chunk: the multi-query attention over the cache (`model.ChunkAttendFn`,
+    `jax_vmm.attention`), for prompts prefilled in chunks, for requests that follow
+    another (a conversation's next turn) and for the prompts after a shared prefix
+    (`run(shared_prefix=)`); prefill_chunk: prefill every prompt in chunks
+    of this many tokens over the cache (None: whole prompts in one pass; a follow-up
+    request's new tokens then go in one chunk of their padded length).
     keep_slot_memory: when a request will take a finished sequence's slot, the slot keeps
     the memory of the new prompt's tokens (``release(seq, keep_tokens=)``) instead of
     giving all of it back and committing the prompt again in the background. Fewer
@@ -184,8 +242,17 @@ class Generator:
         block: int = DEFAULT_BLOCK,
         stop_tokens: tuple[int, ...] = (),
         keep_slot_memory: bool = True,
+        attend_chunk: M.ChunkAttendFn | None = None,
+        prefill_chunk: int | None = None,
     ) -> None:
         check_block(block)
+        check_prefill_chunk(prefill_chunk)
+        if prefill_chunk is not None and attend_chunk is None:
+            raise ValueError(
+                "prefill_chunk needs attend_chunk, the attention of a chunk over the cache "
+                "(jax_vmm.attention, or jax_vmm.serving.attention.chunk_attention(name))"
+            )
+        self.attend_chunk, self.prefill_chunk = attend_chunk, prefill_chunk
         bad = [t for t in stop_tokens if not (isinstance(t, int) and 0 <= t < cfg.vocab)]
         if bad:
             raise ValueError(f"stop tokens {bad} are not token ids of the model's [0, {cfg.vocab})")
@@ -220,16 +287,39 @@ class Generator:
 
         return self._get(("prefill", bucket, stops), make, *args)
 
-    def _prefill_shared_fn(self, bucket: int, stops: tuple[int, ...], args: tuple) -> Callable:
+    def _chunk_fn(self, size: int, stops: tuple[int, ...], args: tuple) -> Callable:
         def make():
             return jax.jit(
                 functools.partial(
-                    S.prefill_shared_slot, cfg=self.cfg, write=self.cache.write, stop_tokens=stops
+                    S.prefill_chunk_slot,
+                    cfg=self.cfg,
+                    write=self.cache.write,
+                    attend_chunk=self.attend_chunk,
+                    stop_tokens=stops,
                 ),
                 donate_argnums=(1, 2),
             )
 
-        return self._get(("prefill_shared", bucket, stops), make, *args)
+        return self._get(("chunk", size, stops), make, *args)
+
+    def _chunk_size(self, new_tokens: int) -> int:
+        return self.prefill_chunk or prompt_bucket(new_tokens, minimum=16)
+
+    def _chunk_args(
+        self, state: S.DecodeState, tokens: np.ndarray, start: int, seq: int, new: int, size: int
+    ) -> tuple:
+        padded = np.zeros(size, np.int32)
+        padded[: len(tokens)] = tokens
+        return (
+            self.params,
+            self.cache.cache(),
+            state,
+            jnp.asarray(padded),
+            jnp.int32(start),
+            jnp.int32(len(tokens)),
+            jnp.int32(seq),
+            jnp.int32(new),
+        )
 
     def _block_fn(self, steps: int, stops: tuple[int, ...], logits: bool, args: tuple):
         def make():
@@ -265,8 +355,60 @@ class Generator:
     def _host_mode(self, force_tokens, select_token) -> bool:
         return force_tokens is not None or select_token is not None
 
+    def _appends(self, request: Request, shared_prefix: int) -> tuple[int, int]:
+        """(tokens the request's slot caches before its prefill, tokens the prefill
+        appends) as far as the compiled shapes go: a next turn appends its parent's last
+        token (never cached) and its prompt after the earlier turns (their length is
+        known only when the parent ends: 1 stands for it); after a shared prefix, a
+        first turn appends the rest of its prompt."""
+        if request.follows is not None:
+            return 1, len(request.prompt) + 1
+        if shared_prefix:
+            return shared_prefix, len(request.prompt) - shared_prefix
+        return 0, len(request.prompt)
+
+    def _program(self, start: int, new: int) -> tuple[str, int]:
+        """The prefill of `new` tokens into a slot that caches `start`: ("prefill",
+        bucket), one causal pass from position 0 (model.prefill), for a whole prompt;
+        ("chunk", size), chunks over the cache (model.prefill_chunk), for tokens after
+        cached ones and for every prompt with prefill_chunk."""
+        if start == 0 and self.prefill_chunk is None:
+            return "prefill", prompt_bucket(new)
+        return "chunk", self._chunk_size(new)
+
+    def _prefill(
+        self,
+        state: S.DecodeState,
+        stops: tuple[int, ...],
+        seq: int,
+        tokens: np.ndarray,
+        start: int,
+        new: int,
+    ) -> tuple[jax.Array, jax.Array, S.DecodeState, int]:
+        """Dispatches the prefill of `tokens` into slot `seq`, which caches `start` tokens,
+        and starts the slot with `new` tokens to generate; a prompt's chunks go back to
+        back (no decode block between). Returns (the last token's logits, the first
+        token, the state, device calls)."""
+        kind, size = self._program(start, len(tokens))
+        if kind == "prefill":
+            _, args = self._prefill_args(state, tokens, seq, new)
+            logits, first, out, state = self._prefill_fn(size, stops, args)(*args)
+            self.cache.update(out)
+            return logits, first, state, 1
+        fn = self._chunk_fn(size, stops, self._chunk_args(state, tokens[:1], 0, 0, 1, size))
+        for lo in range(0, len(tokens), size):
+            args = self._chunk_args(state, tokens[lo : lo + size], start + lo, seq, new, size)
+            logits, first, out, state = fn(*args)
+            self.cache.update(out)
+        return logits, first, state, -(-len(tokens) // size)
+
     def precompile(
-        self, requests: list[Request], *, host_tokens: bool = False, record_logits: bool = False
+        self,
+        requests: list[Request],
+        *,
+        host_tokens: bool = False,
+        record_logits: bool = False,
+        shared_prefix: int = 0,
     ) -> None:
         """Compiles every program `run` will need (with the same options), without
         running any. host_tokens: run() gets force_tokens or select_token."""
@@ -277,9 +419,25 @@ class Generator:
         control = jnp.full(b, S.KEEP, jnp.int32)
         logits = record_logits or host_tokens
         self._block_fn(steps, stops, logits, (self.params, self.cache.cache(), state, control))
-        for r in {prompt_bucket(len(r.prompt)): r for r in requests}.values():
-            bucket, args = self._prefill_args(state, r.prompt, 0, 1)
-            self._prefill_fn(bucket, stops, args)
+        appends = [self._appends(r, shared_prefix) for r in requests]
+        if shared_prefix:
+            appends.append((0, shared_prefix))  # the prefix itself, from position 0
+        if self.attend_chunk is None and any(start for start, _ in appends):
+            what = (
+                "a request that follows another"
+                if any(r.follows is not None for r in requests)
+                else "a prompt after a shared prefix"
+            )
+            raise ValueError(
+                f"{what} is prefilled over the cache: the Generator needs attend_chunk "
+                "(jax_vmm.attention, or jax_vmm.serving.attention.chunk_attention(name))"
+            )
+        for kind, size in sorted({self._program(start, new) for start, new in appends}):
+            if kind == "prefill":
+                _, args = self._prefill_args(state, np.zeros(size, np.int32), 0, 1)
+                self._prefill_fn(size, stops, args)
+            else:
+                self._chunk_fn(size, stops, self._chunk_args(state, np.zeros(1), 0, 0, 1, size))
 
     def _check_shared_prefix(self, requests: list[Request], n: int) -> np.ndarray | None:
         """run(shared_prefix=n) checked: the prefix's tokens (None for 0)."""
@@ -294,8 +452,10 @@ class Generator:
             )
         if self.cache.max_seqs < 2:
             raise ValueError("shared_prefix needs 2 or more slots: the prefix takes one")
-        prefix = np.asarray(requests[0].prompt[:n]) if requests else np.zeros(0)
-        for r in requests:
+        # A next turn (follows) goes on in its parent's slot, prefix included.
+        firsts = [r for r in requests if r.follows is None]
+        prefix = np.asarray(firsts[0].prompt[:n]) if firsts else np.zeros(0)
+        for r in firsts:
             if len(r.prompt) <= n or not np.array_equal(np.asarray(r.prompt[:n]), prefix):
                 raise ValueError(
                     f"request {r.id}: shared_prefix={n} needs every prompt to start with the "
@@ -330,14 +490,18 @@ class Generator:
         shared_prefix N: every prompt starts with the same N tokens; they are prefilled
         once into the last slot, which serves no request, and shared into each request's
         slot (kv.share_prefix: the same memory, no copy of whole chunks), whose prefill
-        then runs only the rest of its prompt."""
+        then runs only the rest of its prompt, over the cache (attend_chunk); a next turn
+        (follows) goes on in its parent's slot, so only first turns need the prefix."""
         cache, max_tokens = self.cache, self.cache.max_tokens
+        contexts = context_lengths(requests)
         for r in requests:
-            need = len(r.prompt) + r.max_new_tokens - 1
+            before, need = contexts[r.id]
             if len(r.prompt) < 1 or r.max_new_tokens < 1 or need > max_tokens:
+                earlier = f"{before} tokens of earlier turns + " if before else ""
                 raise ValueError(
-                    f"request {r.id}: prompt {len(r.prompt)} + {r.max_new_tokens} new tokens "
-                    f"needs {need} cached tokens; the cache holds 1..{max_tokens} per sequence"
+                    f"request {r.id}: {earlier}prompt {len(r.prompt)} + {r.max_new_tokens} "
+                    f"new tokens needs {need} cached tokens; the cache holds "
+                    f"1..{max_tokens} per sequence"
                 )
         if pause_every is not None and (
             isinstance(pause_every, bool) or not isinstance(pause_every, int) or pause_every < 1
@@ -345,9 +509,14 @@ class Generator:
             raise ValueError(f"pause_every must be an integer >= 1 or None, got {pause_every!r}")
         if (pause_every is None) != (pause is None):
             raise ValueError("pause_every and pause go together: give both or neither")
-        prefix = self._check_shared_prefix(requests, shared_prefix)
+        prefix_tokens = self._check_shared_prefix(requests, shared_prefix)
         host_mode = self._host_mode(force_tokens, select_token)
-        self.precompile(requests, host_tokens=host_mode, record_logits=record_logits)
+        self.precompile(
+            requests,
+            host_tokens=host_mode,
+            record_logits=record_logits,
+            shared_prefix=shared_prefix,
+        )
         n = 1 if host_mode else self.block
         stops = () if host_mode else self.stop_tokens
         want_logits = record_logits or host_mode
@@ -362,6 +531,9 @@ class Generator:
         counts = collections.Counter()
         wait_seconds = idle_seconds = 0.0
         held: set[int] = set()  # finished, memory kept for the request that takes the slot
+        followed = {r.follows for r in requests if r.follows is not None}
+        # Finished turns whose next turn is queued: request id -> (slot, conversation).
+        turns: dict[int, tuple[int, tuple[int, ...]]] = {}
 
         calls: dict[str, tuple[int, float, float]] = {}
 
@@ -387,8 +559,13 @@ class Generator:
             # queued would drop its last writes. With keep_slot_memory, when a request
             # will take the slot, the release waits for it (admit): the memory its prompt
             # needs then stays backed instead of going back and being committed again.
-            # Otherwise it goes back now (without waiting for the device).
-            if (
+            # Otherwise it goes back now (without waiting for the device). A turn whose
+            # next turn is queued keeps its slot and cache for it. A slot shared into
+            # must hold nothing before the share (kv.share_prefix): it keeps no memory.
+            slot = slots[seq]
+            if slot.request.id in followed:
+                turns[slot.request.id] = (seq, slot.context())
+            elif (
                 not shared_prefix
                 and self.keep_slot_memory
                 and len(queue) > sum(s is None for s in slots)
@@ -457,40 +634,60 @@ class Generator:
                 if done:
                     return
 
+        def take_requests() -> list[tuple[int, Request, tuple[int, ...]]]:
+            """(slot, request, earlier turns) for every queued request that can start:
+            in queue order, a next turn in its finished parent's slot, others in free
+            slots (not one kept for a next turn)."""
+            kept = {seq for seq, _ in turns.values()}
+            free = [seq for seq in range(serving) if slots[seq] is None and seq not in kept]
+            taken, waiting = [], collections.deque()
+            while queue:
+                req = queue.popleft()
+                if req.follows is not None and req.follows in turns:
+                    seq, prefix = turns.pop(req.follows)
+                    taken.append((seq, req, prefix))
+                elif req.follows is None and free:
+                    taken.append((free.pop(0), req, ()))
+                else:
+                    waiting.append(req)
+            queue.extend(waiting)
+            return taken
+
         def admit_free_slots() -> None:
-            free = [seq for seq in range(serving) if slots[seq] is None][: len(queue)]
-            taken = [(seq, queue.popleft()) for seq in free]
-            for seq, req in taken:  # every prompt's memory, in the background
+            taken = take_requests()
+            for seq, req, prefix in taken:  # every prompt's memory, in the background
                 if seq in held:  # the slot keeps the chunks of the new prompt
                     held.discard(seq)
                     timed(
                         lambda: cache.release(seq, keep_tokens=len(req.prompt)),
                         name="release(keep_tokens)",
                     )
-                if not shared_prefix:  # a slot shared into holds nothing before
-                    timed(cache.prefetch, seq, len(req.prompt))
-            for seq, req in taken:
+                if not (shared_prefix and not prefix):  # a slot shared into holds nothing
+                    timed(cache.prefetch, seq, len(prefix) + len(req.prompt))
+            for seq, req, prefix in taken:
                 wait_for_memory(seq)
-                admit(seq, req)
+                admit(seq, req, prefix)
 
-        def admit(seq: int, req: Request) -> None:
+        def admit(seq: int, req: Request, prefix: tuple[int, ...]) -> None:
             nonlocal state
-            slot = _Slot(req, results.setdefault(req.id, Result(req.id, len(req.prompt))))
-            if shared_prefix:
+            slot = _Slot(
+                req, results.setdefault(req.id, Result(req.id, len(req.prompt))), prefix=prefix
+            )
+            if prefix:  # a next turn: cached, the earlier turns but their last token
+                start = len(prefix) - 1
+                new = prefix[start:] + tuple(int(t) for t in req.prompt)
+            elif shared_prefix:
                 timed(cache.share_prefix, prefix_seq, seq, shared_prefix)
-            timed(cache.ensure, seq, len(req.prompt))
-            slot.ensured = len(req.prompt)
-            slots[seq] = slot
-            if shared_prefix:
-                rest = req.prompt[shared_prefix:]
-                bucket, args = self._prefill_args(state, rest, seq, req.max_new_tokens)
-                args += (jnp.int32(shared_prefix),)
-                logits, first, out, state = self._prefill_shared_fn(bucket, stops, args)(*args)
+                start, new = shared_prefix, req.prompt[shared_prefix:]
             else:
-                bucket, args = self._prefill_args(state, req.prompt, seq, req.max_new_tokens)
-                logits, first, out, state = self._prefill_fn(bucket, stops, args)(*args)
-            cache.update(out)
-            counts["prefills"] += 1
+                start, new = 0, req.prompt
+            timed(cache.ensure, seq, slot.prompt_len)
+            slot.ensured = slot.prompt_len
+            slots[seq] = slot
+            logits, first, state, dispatched = self._prefill(
+                state, stops, seq, np.asarray(new, np.int32), start, req.max_new_tokens
+            )
+            counts["prefills"] += dispatched
             cols: list[_Slot | None] = [None] * batch
             cols[seq] = slot
             pending.append(_Read(cols, first, logits if want_logits else None))
@@ -504,10 +701,8 @@ class Generator:
         t_start = time.perf_counter()
         if shared_prefix:
             timed(cache.ensure_shareable, prefix_seq, shared_prefix)
-            bucket, args = self._prefill_args(state, prefix, prefix_seq, 1)
-            _, _, out, state = self._prefill_fn(bucket, stops, args)(*args)
-            cache.update(out)
-            counts["prefills"] += 1
+            _, _, state, dispatched = self._prefill(state, stops, prefix_seq, prefix_tokens, 0, 1)
+            counts["prefills"] += dispatched
             record("prefill")
         while queue or any(slots) or pending:
             admit_free_slots()  # continuous batching: free slots take requests

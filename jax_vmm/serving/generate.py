@@ -1,4 +1,5 @@
-"""Generate text with a Hugging Face checkpoint (Llama, Mistral, Qwen2) on the jax_vmm cache.
+"""Generate text with a Hugging Face checkpoint (Llama, Mistral, Qwen2, Gemma 2) on the
+jax_vmm cache.
 
     ckpt = load_checkpoint("DIR")                       # jax_vmm.serving.hf
     out = generate(ckpt, ["text", [1, 2, 3]], max_new_tokens=N)
@@ -21,7 +22,7 @@ import jax
 import numpy as np
 
 from . import engine as E
-from .attention import choose_attention
+from .attention import choose_attention, chunk_attention
 from .cache import make_cache
 from .hf.checkpoint import Checkpoint, CheckpointError
 from .sampling import RequestSampler, SamplingConfig
@@ -44,6 +45,8 @@ class ServeOptions:
     attention: str = "auto"
     chunk_bytes: int | None = None
     block: int = E.DEFAULT_BLOCK  # decode steps per host call (jax_vmm.serving.engine)
+    # Prefill prompts in chunks of this many tokens over the cache; None: whole prompts.
+    prefill_chunk: int | None = None
 
 
 GREEDY = SamplingConfig()
@@ -100,8 +103,9 @@ def serve(
     select_token, record_logits, force_tokens: as `Generator.run`; stop_tokens: as
     `Generator` (a sequence ends at the first it generates)."""
     cfg = ckpt.config
-    slots = num_slots(opts, len(requests))
-    max_tokens = max(len(r.prompt) + r.max_new_tokens - 1 for r in requests)
+    E.check_prefill_chunk(opts.prefill_chunk)
+    slots = num_slots(opts, sum(r.follows is None for r in requests))  # conversations
+    max_tokens = max(need for _, need in E.context_lengths(requests).values())
     cache = make_cache(
         opts.backend,
         cfg,
@@ -111,15 +115,23 @@ def serve(
         chunk_bytes=opts.chunk_bytes,
     )
     try:
-        _, attend = choose_attention(
+        name, attend = choose_attention(
             opts.attention,
             backend=opts.backend,
             platform=device.platform,
             tail_may_be_garbage=cache.tail_may_be_garbage,
             dtype=cfg.dtype,
         )
+        chunked = opts.prefill_chunk is not None or any(r.follows is not None for r in requests)
         gen = E.Generator(
-            ckpt.params, cfg, cache, attend, block=opts.block, stop_tokens=stop_tokens
+            ckpt.params,
+            cfg,
+            cache,
+            attend,
+            block=opts.block,
+            stop_tokens=stop_tokens,
+            attend_chunk=chunk_attention(name) if chunked else None,
+            prefill_chunk=opts.prefill_chunk,
         )
         return gen.run(
             requests,
@@ -142,8 +154,14 @@ def generate(
     opts: ServeOptions = DEFAULT_SERVING,
     device: jax.Device | None = None,
     record_logits: bool = False,
+    next_turns: Sequence[str | Sequence[int]] = (),
 ) -> dict[str, Any]:
     """Generates `max_new_tokens` per prompt (text, or a sequence of token ids).
+
+    next_turns: further user messages (text, tokenized as a prompt is, or ids), each
+    appended in order to every prompt's conversation once its previous turn is done,
+    on that conversation's cache (prefilled over it); their outputs are each request's
+    "turns" (a list of {"prompt", "prompt_ids", "generated_ids", "text"}).
 
     Returns {"requests": [{"prompt", "prompt_ids", "generated_ids", "text"}, ...],
     "tokens_per_second", ...}. stop_at_eos: each sequence ends at its first token in
@@ -162,9 +180,11 @@ def generate(
         raise ValueError("no prompts: give at least one (--prompt or --prompt-ids)")
     device = device or next(iter(ckpt.params.embed.devices()))  # where the weights are
     encoded = encode_prompts(ckpt, prompts)
+    turns = encode_prompts(ckpt, next_turns)
     window = ckpt.spec.sliding_window
     # The last new token is never fed back: the longest context is prompt + N - 1.
     longest = max(len(p.ids) for p in encoded) + max_new_tokens - 1
+    longest += sum(len(t.ids) + max_new_tokens for t in turns)
     if window is not None and longest > window:
         raise ValueError(
             f"{ckpt.path}: the model attends within a sliding window of {window} tokens; "
@@ -177,8 +197,17 @@ def generate(
             f"--stop-at-eos: {ckpt.path} names no EOS token "
             "(eos_token_id in config.json / generation_config.json)"
         )
+    # Turn t of prompt i is request t * P + i, following request (t - 1) * P + i.
+    n = len(encoded)
     requests = [
-        E.Request(i, np.asarray(p.ids, np.int32), max_new_tokens) for i, p in enumerate(encoded)
+        E.Request(
+            t * n + i,
+            np.asarray(p.ids, np.int32),
+            max_new_tokens,
+            follows=None if t == 0 else (t - 1) * n + i,
+        )
+        for t, turn in enumerate([encoded, *([t] * n for t in turns)])
+        for i, p in enumerate(turn)
     ]
     select = None if sampling.greedy else RequestSampler(sampling)
     # float32 means float32: no TF32 matmuls on GPUs (the default precision there).
@@ -193,20 +222,20 @@ def generate(
             record_logits=record_logits,
             stop_tokens=tuple(sorted(eos)) if stop_at_eos else (),
         )
-    out = []
-    for prompt, res in zip(encoded, report.results, strict=True):
+
+    def entry(prompt: Prompt, res: E.Result) -> dict[str, Any]:
         ids = list(res.tokens)
         text = ckpt.tokenizer.decode(ids) if ckpt.tokenizer is not None else None
-        out.append(
-            {
-                "prompt": prompt.text,
-                "prompt_ids": list(prompt.ids),
-                "generated_ids": ids,
-                "text": text,
-            }
-        )
+        item = {"prompt": prompt.text, "prompt_ids": list(prompt.ids), "generated_ids": ids}
+        item["text"] = text
         if record_logits:
-            out[-1]["logits"] = np.stack(res.logits)[: len(ids)]
+            item["logits"] = np.stack(res.logits)[: len(ids)]
+        return item
+
+    out = [entry(p, res) for p, res in zip(encoded, report.results[:n], strict=True)]
+    for t, turn in enumerate(turns, start=1):
+        for i, item in enumerate(out):
+            item.setdefault("turns", []).append(entry(turn, report.results[t * n + i]))
     return {
         "requests": out,
         "tokens_per_second": report.generated_tokens / max(report.seconds, 1e-9),
@@ -219,6 +248,6 @@ def generate(
         "dtype": ckpt.config.dtype,
         "backend": opts.backend,
         "device": device.platform,
-        "slots": num_slots(opts, len(requests)),
+        "slots": num_slots(opts, n),
         "sampling": dataclasses.asdict(sampling),
     }

@@ -1,7 +1,9 @@
 """A small decoder-only transformer in plain JAX (RMSNorm, rotary embeddings, GQA, SwiGLU).
 
-The architecture of Llama, Mistral and Qwen2: `ModelConfig` carries what differs between
-them (RoPE theta and scaling, q/k/v biases, tied embeddings, head_dim, RMSNorm eps), and
+The architecture of Llama, Mistral, Qwen2 and Gemma 2: `ModelConfig` carries what differs
+between them (RoPE theta and scaling, q/k/v biases, tied embeddings, head_dim, RMSNorm eps;
+Gemma 2's (1 + w) norms, scaled embeddings, post-block norms, gelu-tanh MLP, query scale,
+logit soft-capping and sliding-window layers), and
 `jax_vmm.serving.hf.checkpoint` builds a config and `Params` from a Hugging Face checkpoint.
 The random presets (`PRESETS`, `init_params`) need none of that.
 
@@ -9,8 +11,10 @@ The model knows nothing about where its KV cache lives: the cache is a
 `jax_vmm.KVCache` (one `KVLayer` per layer: a jax_vmm arena layer or a plain array
 layer), every function that touches it takes a `write` callable (new K/V into a layer
 at flat token slots, returning the layer: `jax_vmm.kv_write`) and an `attend` callable
-(decode attention of a query over a layer's per-sequence live lengths). The steps return
-the updated cache, which the caller donates. `jax_vmm.serving.cache` provides the two cache
+(decode attention of a query over a layer's per-sequence live lengths); a prompt chunk
+prefilled over the cache (`prefill_chunk`) takes an `attend_chunk` callable with
+`jax_vmm.attention`'s signature. The steps return the updated cache, which the caller
+donates. `jax_vmm.serving.cache` provides the two cache
 backends and `jax_vmm.serving.attention` the attention implementations.
 
 Cache layout, per layer: k, v of shape (max_seqs, max_tokens, num_kv_heads, head_dim);
@@ -29,9 +33,17 @@ import numpy as np
 
 # write(layer, new_k, new_v, slots) -> layer; new_*: (n, H_kv, D), slots: int32 (n,).
 WriteFn = Callable[[Any, jax.Array, jax.Array, jax.Array], Any]
-# attend(q, layer, lengths) -> out; q: (B, H_q, D), the layer's k/v (B, T, H_kv, D),
-# lengths: int32 (B,).
-AttendFn = Callable[[jax.Array, Any, jax.Array], jax.Array]
+# attend(q, layer, lengths, **options) -> out; q: (B, H_q, D), the layer's k/v
+# (B, T, H_kv, D), lengths: int32 (B,); options (window, softcap, scale: see
+# `attention_options`) only for a config that sets them, so a plain decode attention
+# (jax_vmm.decode_attention) serves the Llama-family models.
+AttendFn = Callable[..., jax.Array]
+# attend_chunk(q, layer, lengths, *, q_lengths, window=None, softcap=None, scale=None)
+# -> out (B, S, H_q, D): q (B, S, H_q, D) are the last q_lengths[b] of the lengths[b]
+# cached tokens of sequence b, causal over the cache: jax_vmm.attention's signature.
+ChunkAttendFn = Callable[..., jax.Array]
+
+MLP_ACTIVATIONS = ("silu", "gelu_tanh")
 
 
 ROPE_SCALING_KINDS = ("linear", "llama3")
@@ -85,6 +97,17 @@ class ModelConfig:
     rope_scaling: RopeScaling | None = None
     qkv_bias: bool = False  # biases on the q, k and v projections (Qwen2)
     tie_embeddings: bool = False  # logits use the embedding table (no separate unembed)
+    # Gemma 2 (the defaults are Llama's):
+    norm_plus_one: bool = False  # RMSNorm scales by (1 + w)
+    embed_scale: bool = False  # embeddings times sqrt(d_model) (in the model dtype)
+    post_norms: bool = False  # RMSNorm of the attention and MLP outputs before each residual add
+    mlp_act: str = "silu"  # gated MLP activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
+    attn_scale: float | None = None  # softmax scale; None: 1 / sqrt(head_dim)
+    attn_softcap: float | None = None  # attention logits -> c * tanh(logits / c)
+    final_softcap: float | None = None  # output logits -> c * tanh(logits / c)
+    # Per layer: the sliding window (a query sees the `w` most recent positions, itself
+    # included) or None for full attention; None: every layer attends to everything.
+    layer_windows: tuple[int | None, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.num_q_heads % self.num_kv_heads:
@@ -94,6 +117,26 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if self.mlp_act not in MLP_ACTIVATIONS:
+            raise ValueError(f"mlp_act must be one of {MLP_ACTIVATIONS}, got {self.mlp_act!r}")
+        for name in ("attn_scale", "attn_softcap", "final_softcap"):
+            value = getattr(self, name)
+            if value is not None and not (np.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be None or a finite number > 0, got {value!r}")
+        windows = self.layer_windows
+        if windows is not None and (
+            len(windows) != self.num_layers
+            or any(w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1)
+                   for w in windows)
+        ):  # fmt: skip
+            raise ValueError(
+                f"layer_windows must give one window (an int >= 1) or None per layer "
+                f"({self.num_layers}), got {windows!r}"
+            )
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window of layer `layer`, None if it attends to everything."""
+        return None if self.layer_windows is None else self.layer_windows[layer]
 
     @property
     def jnp_dtype(self) -> jnp.dtype:
@@ -112,7 +155,8 @@ class ModelConfig:
             self.head_dim,
             self.ffn_dim,
         )
-        per_layer = 2 * d + d * hq * hd * 2 + d * hk * hd * 2 + 3 * d * f
+        norms = 4 if self.post_norms else 2
+        per_layer = norms * d + d * hq * hd * 2 + d * hk * hd * 2 + 3 * d * f
         if self.qkv_bias:
             per_layer += (hq + 2 * hk) * hd
         tables = 1 if self.tie_embeddings else 2
@@ -150,6 +194,9 @@ class LayerParams(NamedTuple):
     bq: jax.Array | None = None
     bk: jax.Array | None = None
     bv: jax.Array | None = None
+    # Norms of the attention and MLP outputs (cfg.post_norms, Gemma 2), else None.
+    post_attn_norm: jax.Array | None = None
+    post_mlp_norm: jax.Array | None = None
 
 
 class Params(NamedTuple):
@@ -197,6 +244,8 @@ def init_params(cfg: ModelConfig, seed: int = 0) -> Params:
             bq=bias(cfg.num_q_heads * hd),
             bk=bias(cfg.num_kv_heads * hd),
             bv=bias(cfg.num_kv_heads * hd),
+            post_attn_norm=jnp.ones((d,), dt) if cfg.post_norms else None,
+            post_mlp_norm=jnp.ones((d,), dt) if cfg.post_norms else None,
         )
         for _ in range(cfg.num_layers)
     )
@@ -212,10 +261,37 @@ def init_params(cfg: ModelConfig, seed: int = 0) -> Params:
 # ----------------------------------------------------------------------------- blocks
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, plus_one: bool = False) -> jax.Array:
+    """RMSNorm in float32, scaled by `weight` (Gemma: by 1 + weight)."""
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return (xf * weight.astype(jnp.float32)).astype(x.dtype)
+    w = weight.astype(jnp.float32)
+    return (xf * (1.0 + w if plus_one else w)).astype(x.dtype)
+
+
+def norm(x: jax.Array, weight: jax.Array, cfg: ModelConfig) -> jax.Array:
+    return rms_norm(x, weight, cfg.norm_eps, cfg.norm_plus_one)
+
+
+def soft_cap(x: jax.Array, cap: float | None) -> jax.Array:
+    """cap * tanh(x / cap) (Gemma 2's logit soft-capping); x unchanged for None."""
+    return x if cap is None else cap * jnp.tanh(x / cap)
+
+
+def embed(params: Params, tokens: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Token embeddings (N, d_model); Gemma scales them by sqrt(d_model), rounded to the
+    model dtype first as transformers does."""
+    x = params.embed[tokens]
+    if cfg.embed_scale:
+        x = x * jnp.asarray(np.sqrt(cfg.d_model), x.dtype)
+    return x
+
+
+def attention_options(cfg: ModelConfig, layer: int) -> dict[str, Any]:
+    """The options of layer `layer`'s attention that the config sets (window, softcap,
+    scale), as keywords of `jax_vmm.attention`; empty for the Llama family."""
+    options = dict(window=cfg.window(layer), softcap=cfg.attn_softcap, scale=cfg.attn_scale)
+    return {k: v for k, v in options.items() if v is not None}
 
 
 def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> jax.Array:
@@ -270,33 +346,62 @@ def qkv_projection(
     return rope(q, positions, theta, scaling), rope(k, positions, theta, scaling), v
 
 
+def _activation(x: jax.Array, kind: str) -> jax.Array:
+    if kind == "gelu_tanh":  # transformers' gelu_pytorch_tanh
+        return jax.nn.gelu(x, approximate=True)
+    return jax.nn.silu(x)
+
+
 def mlp(lp: LayerParams, x: jax.Array, cfg: ModelConfig) -> jax.Array:
-    h = rms_norm(x, lp.mlp_norm, cfg.norm_eps)
-    gate = _matmul(h, lp.w_gate)
-    return _matmul(jax.nn.silu(gate) * _matmul(h, lp.w_up), lp.w_down)
+    """The MLP block's contribution to the residual stream (post-normed for Gemma 2)."""
+    h = norm(x, lp.mlp_norm, cfg)
+    gate = _activation(_matmul(h, lp.w_gate), cfg.mlp_act)
+    out = _matmul(gate * _matmul(h, lp.w_up), lp.w_down)
+    return out if lp.post_mlp_norm is None else norm(out, lp.post_mlp_norm, cfg)
+
+
+def attention_output(lp: LayerParams, o: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """o (N, H_q, D) -> the attention block's contribution to the residual stream."""
+    out = _matmul(o.reshape(o.shape[0], -1), lp.wo)
+    return out if lp.post_attn_norm is None else norm(out, lp.post_attn_norm, cfg)
 
 
 def logits_from_hidden(params: Params, x: jax.Array, cfg: ModelConfig) -> jax.Array:
-    h = rms_norm(x, params.final_norm, cfg.norm_eps)
+    h = norm(x, params.final_norm, cfg)
     # fp32 logits: greedy argmax then compares well across cache backends.
-    return jnp.matmul(h, unembedding(params), preferred_element_type=jnp.float32)
+    logits = jnp.matmul(h, unembedding(params), preferred_element_type=jnp.float32)
+    return soft_cap(logits, cfg.final_softcap)
 
 
 def causal_prompt_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, length: jax.Array
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    length: jax.Array,
+    *,
+    window: int | None = None,
+    softcap: float | None = None,
+    scale: float | None = None,
 ) -> jax.Array:
     """Causal GQA attention within one prompt. q: (P, H_q, D); k, v: (P, H_kv, D).
-    Keys at positions >= length are padding and never attended to."""
+    Keys at positions >= length are padding and never attended to; window, softcap,
+    scale: as `jax_vmm.attention`."""
     p, hq, d = q.shape
     hk = k.shape[1]
     qg = q.reshape(p, hk, hq // hk, d)
-    s = jnp.einsum("ihgd,jhd->hgij", qg, k, preferred_element_type=jnp.float32) / np.sqrt(d)
+    s = jnp.einsum("ihgd,jhd->hgij", qg, k, preferred_element_type=jnp.float32)
+    s = s / np.sqrt(d) if scale is None else s * scale
+    s = soft_cap(s, softcap)
     pos = jnp.arange(p)
     mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] < length)
+    if window is not None:
+        mask &= pos[None, :] > pos[:, None] - window
     s = jnp.where(mask[None, None], s, -jnp.inf)
-    s = s - jnp.max(s, axis=-1, keepdims=True)  # row 0 always sees key 0: finite max
-    w = jnp.exp(s)
-    w = w / jnp.sum(w, axis=-1, keepdims=True)
+    # A padding row past length + window - 1 sees no key: zeros, not NaN (its V would
+    # poison every row of the next layer through 0 * NaN).
+    m = jnp.max(s, axis=-1, keepdims=True)
+    w = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0))
+    w = w / jnp.maximum(jnp.sum(w, axis=-1, keepdims=True), 1e-30)
     out = jnp.einsum("hgij,jhd->ihgd", w, v.astype(jnp.float32))
     return out.reshape(p, hq, d).astype(q.dtype)
 
@@ -321,49 +426,52 @@ def prefill(
     max_tokens = cache[0].shape[1]
     positions = jnp.arange(tokens.shape[0], dtype=jnp.int32)
     slots = jnp.where(positions < length, seq * max_tokens + positions, -1).astype(jnp.int32)
-    x = params.embed[tokens]
+    x = embed(params, tokens, cfg)
     for i, lp in enumerate(params.layers):
-        q, k, v = qkv_projection(lp, rms_norm(x, lp.attn_norm, cfg.norm_eps), positions, cfg)
+        q, k, v = qkv_projection(lp, norm(x, lp.attn_norm, cfg), positions, cfg)
         cache = cache.replace(i, write(cache[i], k, v, slots))
-        o = causal_prompt_attention(q, k, v, length)
-        x = x + _matmul(o.reshape(o.shape[0], -1), lp.wo)
+        o = causal_prompt_attention(q, k, v, length, **attention_options(cfg, i))
+        x = x + attention_output(lp, o, cfg)
         x = x + mlp(lp, x, cfg)
     last = jax.lax.dynamic_index_in_dim(x, length - 1, axis=0, keepdims=False)
     return logits_from_hidden(params, last, cfg), cache
 
 
-#: attend_cached(q (P, H_q, D), layer, seq, start, length) -> (P, H_q, D): rows [0, length)
-#: of q are positions [start, start + length) of sequence seq, attending over its cached
-#: tokens up to each row's own position (the prefix and the rows before it).
-CachedPromptAttendFn = Callable[[jax.Array, Any, jax.Array, jax.Array, jax.Array], jax.Array]
-
-
-def prefill_after(
+def prefill_chunk(
     params: Params,
     cache: Any,
     tokens: jax.Array,
+    start: jax.Array,
     length: jax.Array,
     seq: jax.Array,
-    start: jax.Array,
     *,
     cfg: ModelConfig,
     write: WriteFn,
-    attend_cached: CachedPromptAttendFn,
+    attend_chunk: ChunkAttendFn,
 ) -> tuple[jax.Array, Any]:
-    """`prefill` of the rest of a prompt whose first `start` tokens sequence `seq` holds
-    in the cache already (a shared prefix, kv.share_prefix): writes K/V at positions
-    [start, start + length) and attends over the cache, prefix included. Returns the
-    logits of the last real token and the updated cache."""
-    max_tokens = cache[0].shape[1]
+    """Appends `length` tokens (tokens: int32 (S,), the rest padding) to sequence `seq`,
+    which holds `start` tokens already: writes their K/V at positions [start, start +
+    length), attends each over the sequence's cached tokens up to itself (the earlier
+    chunks, an earlier turn of a conversation, or a prefix shared into the sequence by
+    kv.share_prefix), and returns the logits of the last real token (vocab,) and the
+    updated cache. Prefilling a prompt chunk by chunk gives the logits of `prefill` over
+    the whole prompt."""
+    batch, max_tokens = cache[0].shape[0], cache[0].shape[1]
     offsets = jnp.arange(tokens.shape[0], dtype=jnp.int32)
     positions = start + offsets
     slots = jnp.where(offsets < length, seq * max_tokens + positions, -1).astype(jnp.int32)
-    x = params.embed[tokens]
+    # The attention runs over every sequence row of the layer: only `seq` is live.
+    mine = jnp.arange(batch, dtype=jnp.int32) == seq
+    lengths = jnp.where(mine, start + length, 0).astype(jnp.int32)
+    q_lengths = jnp.where(mine, length, 0).astype(jnp.int32)
+    x = embed(params, tokens, cfg)
     for i, lp in enumerate(params.layers):
-        q, k, v = qkv_projection(lp, rms_norm(x, lp.attn_norm, cfg.norm_eps), positions, cfg)
-        cache = cache.replace(i, write(cache[i], k, v, slots))
-        o = attend_cached(q, cache[i], seq, start, length)
-        x = x + _matmul(o.reshape(o.shape[0], -1), lp.wo)
+        q, k, v = qkv_projection(lp, norm(x, lp.attn_norm, cfg), positions, cfg)
+        layer = write(cache[i], k, v, slots)
+        rows = jnp.zeros((batch, *q.shape), q.dtype).at[seq].set(q)  # (B, S, H_q, D)
+        o = attend_chunk(rows, layer, lengths, q_lengths=q_lengths, **attention_options(cfg, i))
+        cache = cache.replace(i, layer)  # after the attention: the layer carries the order
+        x = x + attention_output(lp, o[seq], cfg)
         x = x + mlp(lp, x, cfg)
     last = jax.lax.dynamic_index_in_dim(x, length - 1, axis=0, keepdims=False)
     return logits_from_hidden(params, last, cfg), cache
@@ -391,13 +499,14 @@ def decode_step(
         jnp.int32
     )
     lengths = jnp.where(active, pos + 1, 0).astype(jnp.int32)
-    x = params.embed[tokens]
+    x = embed(params, tokens, cfg)
     for i, lp in enumerate(params.layers):
-        q, k, v = qkv_projection(lp, rms_norm(x, lp.attn_norm, cfg.norm_eps), pos, cfg)
+        q, k, v = qkv_projection(lp, norm(x, lp.attn_norm, cfg), pos, cfg)
         layer = write(cache[i], k, v, slots)
-        o = attend(q, layer, lengths)  # after the write: the layer carries the order
+        # After the write: the layer carries the order.
+        o = attend(q, layer, lengths, **attention_options(cfg, i))
         cache = cache.replace(i, layer)
-        x = x + _matmul(o.reshape(batch, -1), lp.wo)
+        x = x + attention_output(lp, o, cfg)
         x = x + mlp(lp, x, cfg)
     logits = logits_from_hidden(params, x, cfg)
     return logits, jnp.argmax(logits, axis=-1).astype(jnp.int32), cache
@@ -407,11 +516,13 @@ def forward_no_cache(params: Params, tokens: jax.Array, *, cfg: ModelConfig) -> 
     """Logits (S, vocab) of every position of one sequence, recomputed without a cache:
     the independent reference the cached paths are checked against."""
     positions = jnp.arange(tokens.shape[0], dtype=jnp.int32)
-    x = params.embed[tokens]
-    for lp in params.layers:
-        q, k, v = qkv_projection(lp, rms_norm(x, lp.attn_norm, cfg.norm_eps), positions, cfg)
-        o = causal_prompt_attention(q, k, v, jnp.int32(tokens.shape[0]))
-        x = x + _matmul(o.reshape(o.shape[0], -1), lp.wo)
+    x = embed(params, tokens, cfg)
+    for i, lp in enumerate(params.layers):
+        q, k, v = qkv_projection(lp, norm(x, lp.attn_norm, cfg), positions, cfg)
+        o = causal_prompt_attention(
+            q, k, v, jnp.int32(tokens.shape[0]), **attention_options(cfg, i)
+        )
+        x = x + attention_output(lp, o, cfg)
         x = x + mlp(lp, x, cfg)
     return logits_from_hidden(params, x, cfg)
 
@@ -421,6 +532,12 @@ def config_summary(cfg: ModelConfig) -> str:
         f"rope {cfg.rope_scaling.kind} x{cfg.rope_scaling.factor:g}" if cfg.rope_scaling else "",
         "qkv bias" if cfg.qkv_bias else "",
         "tied embeddings" if cfg.tie_embeddings else "",
+        "gemma norms" if cfg.norm_plus_one else "",
+        f"attention softcap {cfg.attn_softcap:g}" if cfg.attn_softcap else "",
+        f"final softcap {cfg.final_softcap:g}" if cfg.final_softcap else "",
+        f"windows {sorted({w for w in cfg.layer_windows if w})}"
+        if cfg.layer_windows and any(cfg.layer_windows)
+        else "",
     ]
     extra = "".join(f", {e}" for e in extras if e)
     return (
@@ -439,10 +556,12 @@ __all__: Sequence[str] = [
     "LayerParams",
     "init_params",
     "prefill",
+    "prefill_chunk",
     "decode_step",
     "forward_no_cache",
     "config_summary",
     "rms_norm",
+    "attention_options",
     "rope",
     "rope_frequencies",
     "unembedding",

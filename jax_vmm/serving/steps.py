@@ -1,5 +1,6 @@
-"""The device-side programs the engine dispatches: prefill into a slot, and a block of
-N decode steps in one `lax.fori_loop`.
+"""The device-side programs the engine dispatches: prefill into a slot (a whole prompt, or
+a chunk of tokens appended over the cache), and a block of N decode steps in one
+`lax.fori_loop`.
 
 Both thread a `DecodeState` (per slot: the next input token, its position, the tokens
 still to generate) and the cache through, so that consecutive calls depend on each
@@ -15,8 +16,6 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-
-import jax_vmm
 
 from . import model as M
 
@@ -60,68 +59,51 @@ def prefill_slot(
     max_new_tokens - 1 decode steps to go (none if that token is a stop token). Returns
     (last prompt token's logits (vocab,), first token, cache, state)."""
     logits, cache = M.prefill(params, cache, prompt, length, seq, cfg=cfg, write=write)
-    first, state = _start_slot(logits, state, seq, length, max_new_tokens, stop_tokens)
-    return logits, first, cache, state
+    return _start_slot(logits, cache, state, length, seq, max_new_tokens, stop_tokens)
+
+
+def prefill_chunk_slot(
+    params: M.Params,
+    cache: Any,
+    state: DecodeState,
+    tokens: jax.Array,
+    start: jax.Array,
+    length: jax.Array,
+    seq: jax.Array,
+    max_new_tokens: jax.Array,
+    *,
+    cfg: M.ModelConfig,
+    write: M.WriteFn,
+    attend_chunk: M.ChunkAttendFn,
+    stop_tokens: tuple[int, ...],
+) -> tuple[jax.Array, jax.Array, Any, DecodeState]:
+    """Appends a chunk (tokens padded; `length` real) to slot `seq`, which caches `start`
+    tokens, over the cache (`model.prefill_chunk`), and starts the slot as `prefill_slot`
+    does from its last token: the engine dispatches a prompt's chunks back to back, so
+    only the last chunk's start is ever decoded from."""
+    logits, cache = M.prefill_chunk(
+        params, cache, tokens, start, length, seq, cfg=cfg, write=write, attend_chunk=attend_chunk
+    )
+    return _start_slot(logits, cache, state, start + length, seq, max_new_tokens, stop_tokens)
 
 
 def _start_slot(
     logits: jax.Array,
-    state: DecodeState,
-    seq: jax.Array,
-    position: jax.Array,
-    max_new_tokens: jax.Array,
-    stop_tokens: tuple[int, ...],
-) -> tuple[jax.Array, DecodeState]:
-    """The slot's first token (greedy) and its decode state: next input at `position`."""
-    first = jnp.argmax(logits).astype(jnp.int32)
-    steps = jnp.where(_is_stop(first, stop_tokens), 0, max_new_tokens - 1).astype(jnp.int32)
-    return first, DecodeState(
-        state.tokens.at[seq].set(first),
-        state.positions.at[seq].set(position),
-        state.remaining.at[seq].set(steps),
-    )
-
-
-def attend_cached_prompt(
-    q: jax.Array, layer: Any, seq: jax.Array, start: jax.Array, length: jax.Array
-) -> jax.Array:
-    """model.CachedPromptAttendFn over a cache layer: jax_vmm.attention with sequence
-    seq's rows only (the other rows ask for nothing)."""
-    rows = jnp.arange(layer.shape[0]) == seq
-    qb = jnp.zeros((layer.shape[0],) + q.shape, q.dtype).at[seq].set(q)
-    lengths = jnp.where(rows, start + length, 0).astype(jnp.int32)
-    out = jax_vmm.attention(qb, layer, lengths, q_lengths=jnp.where(rows, length, 0))
-    return out[seq]
-
-
-def prefill_shared_slot(
-    params: M.Params,
     cache: Any,
     state: DecodeState,
-    prompt: jax.Array,
-    length: jax.Array,
+    cached: jax.Array,
     seq: jax.Array,
     max_new_tokens: jax.Array,
-    start: jax.Array,
-    *,
-    cfg: M.ModelConfig,
-    write: M.WriteFn,
     stop_tokens: tuple[int, ...],
 ) -> tuple[jax.Array, jax.Array, Any, DecodeState]:
-    """prefill_slot of a prompt's last `length` tokens (padded in `prompt`) after the
-    `start` tokens the slot holds already (a shared prefix)."""
-    logits, cache = M.prefill_after(
-        params,
-        cache,
-        prompt,
-        length,
-        seq,
-        start,
-        cfg=cfg,
-        write=write,
-        attend_cached=attend_cached_prompt,
+    """The slot's first token (greedy) becomes its next input at position `cached`."""
+    first = jnp.argmax(logits).astype(jnp.int32)
+    steps = jnp.where(_is_stop(first, stop_tokens), 0, max_new_tokens - 1).astype(jnp.int32)
+    state = DecodeState(
+        state.tokens.at[seq].set(first),
+        state.positions.at[seq].set(cached),
+        state.remaining.at[seq].set(steps),
     )
-    first, state = _start_slot(logits, state, seq, start + length, max_new_tokens, stop_tokens)
     return logits, first, cache, state
 
 

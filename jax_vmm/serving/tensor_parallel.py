@@ -54,6 +54,7 @@ def cache_sharding(mesh: Mesh) -> NamedSharding:
 def _layer_specs(lp: M.LayerParams) -> M.LayerParams:
     columns, rows, replicated = P(None, AXIS), P(AXIS, None), P()
     bias = None if lp.bq is None else P(AXIS)
+    post = None if lp.post_attn_norm is None else replicated
     return M.LayerParams(
         attn_norm=replicated,
         wq=columns,
@@ -67,6 +68,8 @@ def _layer_specs(lp: M.LayerParams) -> M.LayerParams:
         bq=bias,
         bk=bias,
         bv=bias,
+        post_attn_norm=post,
+        post_mlp_norm=post,
     )
 
 

@@ -697,7 +697,48 @@ def _rope_without_type(ctx: Ctx) -> None:
     config.parse_rope({"rope_scaling": {"factor": 4.0}}, where="config.json", max_position=64)
 
 
-ROWS += [Row("H1", _rope_without_type)]
+def _gemma2_with_gelu(ctx: Ctx) -> None:
+    from jax_vmm.serving.hf import config
+
+    raw = dict(
+        architectures=["Gemma2ForCausalLM"],
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        hidden_activation="gelu",
+    )
+    config.parse_config(raw)
+
+
+def _follows_unknown(ctx: Ctx) -> None:
+    from jax_vmm.serving import engine
+
+    engine.context_lengths([engine.Request(5, np.ones(2, np.int32), 1, follows=99)])
+
+
+def _chunks_over_fp8(ctx: Ctx) -> None:
+    from jax_vmm.serving import attention
+
+    attention.chunk_attention("jax_vmm (fp8, bf16 queries)")
+
+
+def _prefill_chunk_zero(ctx: Ctx) -> None:
+    from jax_vmm.serving import engine
+
+    engine.check_prefill_chunk(0)
+
+
+ROWS += [
+    Row("H1", _rope_without_type),
+    Row("H2", _gemma2_with_gelu),
+    Row("H3", _prefill_chunk_zero),
+    Row("H4", _follows_unknown),
+    Row("H5", _chunks_over_fp8),
+]
 
 
 # -- memory budgets --

@@ -8,7 +8,7 @@ import jax
 
 from jax_vmm.serving import engine as E
 from jax_vmm.serving import model as M
-from jax_vmm.serving.attention import choose_attention
+from jax_vmm.serving.attention import choose_attention, chunk_attention
 from jax_vmm.serving.cache import make_cache
 
 
@@ -24,10 +24,13 @@ def serve(
     chunk_bytes: int | None = None,
     block: int = E.DEFAULT_BLOCK,
     stop_tokens: tuple[int, ...] = (),
+    prefill_chunk: int | None = None,
     **run_kwargs,
 ) -> tuple[E.RunReport, dict]:
     """Seed-0 weights, a `backend` cache of batch x max_tokens, `Generator.run(requests,
-    **run_kwargs)`. Returns (report, the cache's stats at the end)."""
+    **run_kwargs)`; prompts prefilled whole or in chunks of `prefill_chunk` over the
+    cache (requests that follow another always are). Returns (report, the cache's stats
+    at the end)."""
     with jax.default_device(device):
         params = M.init_params(cfg, seed=0)
         cache = make_cache(
@@ -39,14 +42,23 @@ def serve(
             chunk_bytes=chunk_bytes,
         )
         try:
-            _, attend = choose_attention(
+            name, attend = choose_attention(
                 attention,
                 backend=backend,
                 platform=device.platform,
                 tail_may_be_garbage=cache.tail_may_be_garbage,
                 dtype=cfg.dtype,
             )
-            gen = E.Generator(params, cfg, cache, attend, block=block, stop_tokens=stop_tokens)
+            gen = E.Generator(
+                params,
+                cfg,
+                cache,
+                attend,
+                block=block,
+                stop_tokens=stop_tokens,
+                attend_chunk=chunk_attention(name),
+                prefill_chunk=prefill_chunk,
+            )
             report = gen.run(requests, **run_kwargs)
             return report, cache.stats()
         finally:

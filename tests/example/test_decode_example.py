@@ -552,3 +552,23 @@ def test_decode_cli_commit_ahead_and_slot_memory(tmp_path: Path, monkeypatch) ->
     with pytest.raises(SystemExit, match="--block: block .* must be an integer >= 1, got 0"):
         decode.main([*argv, "--block", "0"])
     assert len(made) == n  # neither made a cache
+
+
+def test_decode_cli_prefill_chunk(tmp_path: Path) -> None:
+    """--prefill-chunk N serves every request with prompts prefilled in chunks over the
+    cache; with --tp or an fp8 cache (decode only) it is refused before serving."""
+    from jax_vmm.serving.cli import decode
+
+    argv = ["--device", "cpu", "--requests", "2", "--batch", "2", "--max-tokens", "64"]
+    argv += ["--prompt-len", "9", "20", "--new-tokens", "2", "4", "--no-plot", "--no-progress"]
+    argv += ["--out", str(tmp_path)]
+    summary = decode.main([*argv, "--prefill-chunk", "8"])
+    reqs = E.make_requests(M.PRESETS["cpu"], num=2, prompt_len=(9, 20), new_tokens=(2, 4), seed=1)
+    assert summary["generated_tokens"] == sum(r.max_new_tokens for r in reqs)
+    assert summary["final_backed_bytes"] == 0
+    with pytest.raises(SystemExit, match="integer >= 1"):
+        decode.main([*argv, "--prefill-chunk", "0"])
+    with pytest.raises(SystemExit, match="--prefill-chunk with --tp"):
+        decode.main([*argv, "--prefill-chunk", "8", "--tp", "1"])
+    with pytest.raises(SystemExit, match="--prefill-chunk with --kv-dtype fp8"):
+        decode.main([*argv, "--prefill-chunk", "8", "--kv-dtype", "fp8"])

@@ -395,3 +395,44 @@ def test_tokenizer_matches_transformers_and_is_optional(tmp_path: Path) -> None:
     d = _copy("mistral", tmp_path)
     (d / "tokenizer.json").unlink()
     assert load_checkpoint(d).tokenizer is None
+
+
+def test_gemma2_config_as_transformers_reads_it() -> None:
+    """Gemma 2's keys and transformers' defaults for the ones left out: alternate
+    sliding layers from the first, softcaps 50 / 30, query scale 256^-1/2, (1 + w) norms,
+    scaled embeddings, post norms, gelu-tanh; null softcaps and window mean none; what
+    the example cannot run is refused."""
+    gemma = {"architectures": ["Gemma2ForCausalLM"], "head_dim": 16}
+    cfg = config(**gemma, num_hidden_layers=4)
+    assert cfg.layer_windows == (4096, None, 4096, None)
+    assert (cfg.attn_softcap, cfg.final_softcap) == (50.0, 30.0)
+    assert cfg.attn_scale == 256**-0.5 and cfg.tie_embeddings
+    assert cfg.norm_plus_one and cfg.embed_scale and cfg.post_norms and cfg.mlp_act == "gelu_tanh"
+    assert M.attention_options(cfg, 1) == {"softcap": 50.0, "scale": 256**-0.5}
+    nulls = config(
+        **gemma,
+        attn_logit_softcapping=None,
+        final_logit_softcapping=None,
+        sliding_window=None,
+        layer_types=["full_attention", "sliding_attention"],
+    )
+    assert nulls.attn_softcap is nulls.final_softcap is None
+    assert nulls.layer_windows == (None, None)
+    assert M.attention_options(nulls, 0) == {"scale": 256**-0.5}
+    assert parse_config({**BASE, **gemma}).sliding_window is None  # applied, not refused
+    bad = [
+        (dict(layer_types=["sliding_attention"]), "layer_types must list"),
+        (dict(layer_types=["local", "global"]), "layer_types must list"),
+        (dict(attention_bias=True), "attention_bias is true"),
+        (dict(use_bidirectional_attention=True), "use_bidirectional_attention is true"),
+        (dict(hidden_activation="gelu"), "gelu_pytorch_tanh only"),
+        (dict(query_pre_attn_scalar=0), "query_pre_attn_scalar must be a number > 0"),
+        (dict(attn_logit_softcapping="big"), "attn_logit_softcapping must be a number > 0"),
+    ]
+    for changes, match in bad:
+        with pytest.raises(CheckpointError, match=match):
+            config(**gemma, **changes)
+    names = {s.name for s in expected_tensors(cfg).values()}
+    assert "model.layers.3.pre_feedforward_layernorm.weight" in names
+    assert "model.layers.3.post_feedforward_layernorm.weight" in names
+    assert "lm_head.weight" not in names  # tied by default

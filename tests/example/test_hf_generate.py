@@ -49,6 +49,20 @@ def test_fixtures_cover_the_supported_variants() -> None:
     assert has(lambda c, _: "rope_parameters" in c and "rope_theta" not in c)
     assert has(lambda c, _: "rope_scaling" in c and "rope_parameters" not in c)
     assert has(lambda c, _: "head_dim" not in c)
+    # Gemma 2: the window shorter than every prompt + generation, so that it matters.
+    assert has(
+        lambda c, _: (
+            c["architectures"] == ["Gemma2ForCausalLM"]
+            and "sliding_attention" in c["layer_types"]
+            and "full_attention" in c["layer_types"]
+            and c["attn_logit_softcapping"]
+            and c["final_logit_softcapping"]
+            and c["query_pre_attn_scalar"] != c["head_dim"]
+        )
+    )
+    gemma = expected("gemma2")
+    window = json.loads((FIXTURE_DIR / "gemma2" / "config.json").read_text())["sliding_window"]
+    assert window < min(len(r["prompt_ids"]) for r in gemma["requests"]) + gemma["max_new_tokens"]
     for n in NAMES:
         exp = expected(n)
         margins = [m for r in exp["requests"] for m in r["margins"]]
@@ -118,6 +132,21 @@ MUTATIONS = {
         "q/k/v biases dropped": lambda c, p: (
             c,
             _layers(p, bq=lambda lp: None, bk=lambda lp: None, bv=lambda lp: None),
+        ),
+    },
+    "gemma2": {
+        "sliding window ignored": lambda c, p: (dataclasses.replace(c, layer_windows=None), p),
+        "attention soft-capping ignored": lambda c, p: (
+            dataclasses.replace(c, attn_softcap=None),
+            p,
+        ),
+        "query scale 1/sqrt(head_dim)": lambda c, p: (dataclasses.replace(c, attn_scale=None), p),
+        "RMSNorm by w, not 1 + w": lambda c, p: (dataclasses.replace(c, norm_plus_one=False), p),
+        "embeddings not scaled": lambda c, p: (dataclasses.replace(c, embed_scale=False), p),
+        "silu MLP": lambda c, p: (dataclasses.replace(c, mlp_act="silu"), p),
+        "post-block norms dropped": lambda c, p: (
+            c,
+            _layers(p, post_attn_norm=lambda lp: None, post_mlp_norm=lambda lp: None),
         ),
     },
     "mistral": {
@@ -372,3 +401,70 @@ def test_cli_errors_are_one_clear_line(tmp_path) -> None:
         )
     with pytest.raises(SystemExit, match="at least one --prompt"):
         GC.main(["--model", str(FIXTURE_DIR / "mistral"), "--max-new-tokens", "2"])
+
+
+@pytest.mark.parametrize("name", ["gemma2", "llama3_tied"])
+def test_prefill_in_chunks_generates_what_transformers_generates(name, cpu_device) -> None:
+    """Prompts prefilled 7 tokens at a time over the cache (jax_vmm.attention; the Gemma 2
+    window of 8 spans chunks): transformers' ids and top-1 logits, as whole prompts."""
+    exp = expected(name)
+    n = exp["max_new_tokens"]
+    out = G.generate(
+        checkpoint(name, "float32", cpu_device),
+        [r["prompt_ids"] for r in exp["requests"]],
+        max_new_tokens=n,
+        opts=G.ServeOptions(batch=SLOTS, prefill_chunk=7),
+        device=cpu_device,
+        record_logits=True,
+    )
+    for got, want in zip(out["requests"], exp["requests"], strict=True):
+        assert got["generated_ids"] == want["generated_ids"]
+        top1 = got["logits"][np.arange(n), want["generated_ids"]]
+        np.testing.assert_allclose(top1, want["top1_logits"], atol=F32_LOGIT_TOL, rtol=0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_next_turn_on_the_cache_continues_as_transformers(backend, cpu_device) -> None:
+    """Gemma 2's longest fixture prompt split into a conversation: turn 1 is its first 20
+    tokens, "answered" by the next 10 (fed back as if generated); turn 2 appends the
+    rest on that cache (prefilled over it, past the window of 8) and generates. Its
+    greedy tokens and top-1 logits are transformers' for the whole prompt."""
+    exp = expected("gemma2")
+    want = exp["requests"][-1]
+    ids, n = want["prompt_ids"], exp["max_new_tokens"]
+    requests = [
+        E.Request(0, np.asarray(ids[:20], np.int32), 10),
+        E.Request(1, np.asarray(ids[30:], np.int32), n, follows=0),
+    ]
+    forced = {0: ids[20:30], 1: want["generated_ids"]}
+    ckpt = checkpoint("gemma2", "float32", cpu_device)
+    with jax.default_device(cpu_device), jax.default_matmul_precision("highest"):
+        report = G.serve(
+            ckpt,
+            requests,
+            G.ServeOptions(backend=backend),
+            device=cpu_device,
+            record_logits=True,
+            force_tokens=forced,
+        )
+    turn = report.results[1]
+    assert turn.greedy == want["generated_ids"]
+    top1 = np.stack(turn.logits)[np.arange(n), want["generated_ids"]]
+    np.testing.assert_allclose(top1, want["top1_logits"], atol=F32_LOGIT_TOL, rtol=0)
+
+
+def test_cli_prefill_chunk_and_next_turn(cpu_device, capsys) -> None:
+    """examples/generate.py's --prefill-chunk and --next-turn-ids: the second turn of
+    each conversation is printed, and its ids are the library's."""
+    exp = expected("gemma2")
+    want = exp["requests"][-1]["prompt_ids"]
+    argv = ["--model", str(FIXTURE_DIR / "gemma2"), "--prompt-ids", ",".join(map(str, want[:20]))]
+    argv += ["--next-turn-ids", ",".join(map(str, want[20:])), "--max-new-tokens", "3"]
+    argv += ["--prefill-chunk", "6", "--device", "cpu"]
+    result = GC.main(argv)
+    (only,) = result["requests"]
+    (turn,) = only["turns"]
+    assert turn["prompt_ids"] == want[20:] and len(turn["generated_ids"]) == 3
+    assert "turn 2:" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="prefill_chunk"):
+        GC.main([*argv[:-4], "--prefill-chunk", "0", "--device", "cpu"])

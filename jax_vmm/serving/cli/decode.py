@@ -36,7 +36,7 @@ from .. import engine as E
 from .. import model as M
 from .. import tensor_parallel as TP
 from .._optional import require
-from ..attention import ATTENTION_CHOICES, FP8_HEAD_DIMS, choose_attention
+from ..attention import ATTENTION_CHOICES, FP8_HEAD_DIMS, choose_attention, chunk_attention
 from ..cache import BACKENDS, KV_DTYPES, commit_lead_tokens, make_cache
 from ..report import matplotlib_missing, plot_memory
 from ..sleep_wake import EngineSleeper, same_tokens
@@ -108,6 +108,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         default=E.DEFAULT_BLOCK,
         help=f"decode steps per host call, in one device loop (default {E.DEFAULT_BLOCK})",
+    )
+    p.add_argument(
+        "--prefill-chunk",
+        type=int,
+        metavar="N",
+        help="prefill prompts in chunks of N tokens, each attending over the cache "
+        "(jax_vmm.attention); default: each prompt whole, in one pass",
     )
     p.add_argument(
         "--commit-ahead",
@@ -253,6 +260,21 @@ def main(argv: list[str] | None = None) -> dict:
         "chunk_bytes": args.chunk_bytes,
     }
     serving.update({k: v for k, v in overrides.items() if v is not None})
+    # Both prefill prompt tokens over the cache: several queries per sequence.
+    for flag, value in (
+        ("--prefill-chunk", args.prefill_chunk),
+        ("--shared-prefix", args.shared_prefix),
+    ):
+        if value is not None and args.kv_dtype == "fp8":
+            raise SystemExit(
+                f"decode.py: {flag} with --kv-dtype fp8: jax_vmm.attention reads an fp8 "
+                "arena for decode only (one query per sequence); drop one of them"
+            )
+        if value is not None and args.tp is not None:
+            raise SystemExit(
+                f"decode.py: {flag} with --tp: jax_vmm.attention serves a sharded arena "
+                "for decode only (one query per sequence); drop one of them"
+            )
     if args.kv_dtype == "fp8" and cfg.head_dim not in FP8_HEAD_DIMS:
         raise SystemExit(
             f"decode.py: --kv-dtype fp8: jax_vmm's fp8 attention takes head_dim in "
@@ -279,10 +301,14 @@ def main(argv: list[str] | None = None) -> dict:
             "decode.py: --shared-prefix needs --batch 2 or more (the prefix takes one slot)"
         )
 
-    try:
-        E.check_block(args.block)
-    except ValueError as e:
-        raise SystemExit(f"decode.py: --block: {e}") from None
+    for flag, check, value in (
+        ("--block", E.check_block, args.block),
+        ("--prefill-chunk", E.check_prefill_chunk, args.prefill_chunk),
+    ):
+        try:
+            check(value)
+        except ValueError as e:
+            raise SystemExit(f"decode.py: {flag}: {e}") from None
     if args.commit_ahead is not None and args.commit_ahead < 0:
         raise SystemExit(
             f"decode.py: --commit-ahead {args.commit_ahead}: expected a token count >= 0 "
@@ -329,6 +355,8 @@ def main(argv: list[str] | None = None) -> dict:
                 dtype=cfg.dtype,
                 kv_dtype=args.kv_dtype,
             )
+            over_cache = args.prefill_chunk is not None or args.shared_prefix
+            attend_chunk = chunk_attention(attn_name) if over_cache else None
         except (ValueError, RuntimeError) as e:  # a bad flag combination: say which
             cache.close()
             raise SystemExit(f"decode.py: {e}") from None
@@ -347,6 +375,8 @@ def main(argv: list[str] | None = None) -> dict:
                 attend,
                 block=args.block,
                 keep_slot_memory=args.slot_memory == "keep",
+                attend_chunk=attend_chunk,
+                prefill_chunk=args.prefill_chunk,
             )
         except ValueError as e:  # --block was checked above; this is anything else
             cache.close()
@@ -360,7 +390,8 @@ def main(argv: list[str] | None = None) -> dict:
             f"{'fp8' if args.kv_dtype == 'fp8' else cfg.dtype}, writes {write_name(cache)}, "
             f"attention {attn_name}, device {device.platform}"
         )
-        gen.precompile(requests)  # before the progress bar: compile time is not serving
+        # Before the progress bar: compile time is not serving.
+        gen.precompile(requests, shared_prefix=args.shared_prefix or 0)
         total = sum(r.max_new_tokens for r in requests)
         bar = None
         if not args.no_progress:

@@ -1,4 +1,4 @@
-"""A Hugging Face checkpoint directory (Llama, Mistral, Qwen2) as the example's model.
+"""A Hugging Face checkpoint directory (Llama, Mistral, Qwen2, Gemma 2) as the example's model.
 
     ckpt = load_checkpoint("path/to/dir", dtype="bfloat16")
     ckpt.config, ckpt.params   # jax_vmm.serving.model's ModelConfig and Params

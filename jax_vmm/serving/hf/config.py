@@ -1,4 +1,5 @@
-"""Hugging Face `config.json` -> the example's `ModelConfig`, for Llama, Mistral and Qwen2.
+"""Hugging Face `config.json` -> the example's `ModelConfig`, for Llama, Mistral, Qwen2 and
+Gemma 2.
 
 Keys a config leaves out take the default of that architecture's transformers config
 class, so a sparse config means what transformers makes of it. Both RoPE spellings are
@@ -63,13 +64,29 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         sliding_window=4096,
         max_window_layers=28,
     ),
+    "Gemma2ForCausalLM": dict(
+        num_key_value_heads=4,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        head_dim=256,
+        hidden_activation="gelu_pytorch_tanh",
+        max_position_embeddings=8192,
+        bos_token_id=2,
+        eos_token_id=1,
+        query_pre_attn_scalar=256,
+        sliding_window=4096,
+        final_logit_softcapping=30.0,
+        attn_logit_softcapping=50.0,
+    ),
 }
 SUPPORTED_ARCHITECTURES = tuple(_DEFAULTS)
 _MODEL_TYPES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
 }
+_LAYER_TYPES = ("full_attention", "sliding_attention")
 _DEFAULT_ROPE_THETA = 10_000.0
 
 
@@ -79,9 +96,11 @@ class HFModelSpec:
 
     architecture: str
     config: M.ModelConfig
-    # Attention window of the sliding-window layers, None if every layer sees the whole
-    # context. The example always attends to the whole context, which is the same thing
-    # only while a sequence is at most this long (generate refuses longer ones).
+    # Attention window of the sliding-window layers that the example does not apply
+    # (Mistral, Qwen2), None if every layer sees the whole context or the config applies
+    # the windows itself (Gemma 2: ModelConfig.layer_windows). The example attends to the
+    # whole context, which is the same thing only while a sequence is at most this long
+    # (generate refuses longer ones).
     sliding_window: int | None
     max_position_embeddings: int
     bos_token_id: int | None
@@ -110,8 +129,9 @@ def parse_config(
         raise CheckpointError(f"{where}: expected a JSON object, got {type(raw).__name__}")
     arch = _architecture(raw, where)
     get = _Getter(raw, _DEFAULTS[arch], where)
+    gemma = arch == "Gemma2ForCausalLM"
 
-    if get.str_("hidden_act") != "silu":
+    if not gemma and get.str_("hidden_act") != "silu":
         raise CheckpointError(
             f"{where}: hidden_act is {raw.get('hidden_act')!r}; the "
             f"example's MLP is SwiGLU with silu only"
@@ -142,6 +162,8 @@ def parse_config(
         qkv_bias=arch == "Qwen2ForCausalLM",
         tie_embeddings=get.bool_("tie_word_embeddings"),
     )
+    if gemma:
+        fields.update(_gemma2_fields(get, fields["num_layers"]))
     try:
         cfg = M.ModelConfig(**fields)
     except ValueError as e:  # the GQA ratio, an odd head_dim
@@ -149,7 +171,7 @@ def parse_config(
     return HFModelSpec(
         architecture=arch,
         config=cfg,
-        sliding_window=_sliding_window(arch, get, cfg),
+        sliding_window=None if gemma else _sliding_window(arch, get, cfg),
         max_position_embeddings=max_position,
         bos_token_id=get.int_("bos_token_id", optional=True, minimum=0),
         eos_token_ids=_token_ids(
@@ -260,6 +282,48 @@ def _architecture(raw: dict[str, Any], where: str) -> str:
     return archs[0]
 
 
+def _gemma2_fields(get: _Getter, num_layers: int) -> dict[str, Any]:
+    """What Gemma 2 adds to the Llama architecture, as transformers' Gemma2 model does
+    it: (1 + w) RMSNorm, embeddings scaled by sqrt(hidden), norms after the attention and
+    the MLP, a gelu-tanh gated MLP, softmax scale query_pre_attn_scalar^-1/2, soft-capped
+    attention and final logits, and the sliding window on the layers that layer_types
+    names (default: every other layer, from the first)."""
+    where, raw = get.where, get.raw
+    act = get.str_("hidden_activation")
+    if act != "gelu_pytorch_tanh":
+        raise CheckpointError(
+            f"{where}: hidden_activation is {act!r}; the example's Gemma 2 MLP uses "
+            "gelu_pytorch_tanh only"
+        )
+    for key in ("attention_bias", "use_bidirectional_attention"):
+        if raw.get(key):
+            raise CheckpointError(
+                f"{where}: {key} is true; the example supports causal Gemma 2 without "
+                "biases on the attention projections only"
+            )
+    types = raw.get("layer_types")
+    if types is None:
+        types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
+    if not (
+        isinstance(types, list) and len(types) == num_layers and set(types) <= set(_LAYER_TYPES)
+    ):
+        raise CheckpointError(
+            f"{where}: layer_types must list one of {_LAYER_TYPES} per layer "
+            f"({num_layers}), got {types!r}"
+        )
+    window = get.int_("sliding_window", optional=True)  # null: no window anywhere
+    return dict(
+        norm_plus_one=True,
+        embed_scale=True,
+        post_norms=True,
+        mlp_act="gelu_tanh",
+        attn_scale=get.float_("query_pre_attn_scalar") ** -0.5,
+        attn_softcap=get.float_("attn_logit_softcapping", optional=True),
+        final_softcap=get.float_("final_logit_softcapping", optional=True),
+        layer_windows=tuple(window if t == "sliding_attention" else None for t in types),
+    )
+
+
 def _sliding_window(arch: str, get: _Getter, cfg: M.ModelConfig) -> int | None:
     if arch == "MistralForCausalLM":
         return get.int_("sliding_window", optional=True)
@@ -315,8 +379,10 @@ class _Getter:
             )
         return value
 
-    def float_(self, key: str) -> float:
-        value = self._value(key, False)
+    def float_(self, key: str, *, optional: bool = False) -> float | None:
+        value = self._value(key, optional)
+        if value is None:
+            return None
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
             raise CheckpointError(f"{self.where}: {key} must be a number > 0, got {value!r}")
         return float(value)

@@ -16,6 +16,8 @@ Name mapping (HF tensors are `(out_features, in_features)`; the example computes
     model.layers.N.self_attn.{q,k,v}_proj.bias             -> layers[N].bq, bk, bv (Qwen2)
     model.layers.N.self_attn.o_proj.weight    (d, Hq*D)    -> layers[N].wo  (Hq*D, d)
     model.layers.N.post_attention_layernorm.weight         -> layers[N].mlp_norm
+      Gemma 2: post_attention_layernorm                    -> layers[N].post_attn_norm,
+      pre_feedforward_layernorm -> mlp_norm, post_feedforward_layernorm -> post_mlp_norm
     model.layers.N.mlp.{gate,up}_proj.weight  (F, d)       -> layers[N].w_gate, w_up (d, F)
     model.layers.N.mlp.down_proj.weight       (d, F)       -> layers[N].w_down (F, d)
     model.norm.weight                         (d,)         -> final_norm
@@ -78,6 +80,12 @@ def expected_tensors(cfg: M.ModelConfig) -> dict[tuple, TensorSpec]:
             "w_up": (p + "mlp.up_proj.weight", (f, d), True),
             "w_down": (p + "mlp.down_proj.weight", (d, f), True),
         }
+        if cfg.post_norms:  # Gemma 2: HF's post_attention_layernorm is after attention
+            layer.update(
+                post_attn_norm=(p + "post_attention_layernorm.weight", (d,), False),
+                mlp_norm=(p + "pre_feedforward_layernorm.weight", (d,), False),
+                post_mlp_norm=(p + "post_feedforward_layernorm.weight", (d,), False),
+            )
         if cfg.qkv_bias:
             layer.update(
                 bq=(p + "self_attn.q_proj.bias", (q,), False),
