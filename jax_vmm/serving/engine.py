@@ -418,7 +418,6 @@ class Generator:
         steps = 1 if host_tokens else self.block
         control = jnp.full(b, S.KEEP, jnp.int32)
         logits = record_logits or host_tokens
-        self._block_fn(steps, stops, logits, (self.params, self.cache.cache(), state, control))
         appends = [self._appends(r, shared_prefix) for r in requests]
         if shared_prefix:
             appends.append((0, shared_prefix))  # the prefix itself, from position 0
@@ -432,6 +431,7 @@ class Generator:
                 f"{what} is prefilled over the cache: the Generator needs attend_chunk "
                 "(jax_vmm.attention, or jax_vmm.serving.attention.chunk_attention(name))"
             )
+        self._block_fn(steps, stops, logits, (self.params, self.cache.cache(), state, control))
         for kind, size in sorted({self._program(start, new) for start, new in appends}):
             if kind == "prefill":
                 _, args = self._prefill_args(state, np.zeros(size, np.int32), 0, 1)

@@ -732,12 +732,32 @@ def _prefill_chunk_zero(ctx: Ctx) -> None:
     engine.check_prefill_chunk(0)
 
 
+def _shared_prefix_without_attend_chunk(ctx: Ctx) -> None:
+    from jax_vmm.serving import engine, model
+    from jax_vmm.serving.cache import make_cache
+
+    cfg = model.ModelConfig(vocab=16, d_model=16, num_layers=1, num_q_heads=2, num_kv_heads=1,
+                            head_dim=8, ffn_dim=16)  # fmt: skip
+    cpu = jax.devices("cpu")[0]
+    with jax.default_device(cpu):
+        cache = make_cache("jax_vmm", cfg, max_seqs=2, max_tokens=16, device=cpu)
+        try:
+            gen = engine.Generator(
+                model.init_params(cfg), cfg, cache, jax_vmm.decode_attention, block=1
+            )
+            prompt = np.arange(6, dtype=np.int32)
+            gen.run([engine.Request(0, prompt, 2)], shared_prefix=4)
+        finally:
+            cache.close()
+
+
 ROWS += [
     Row("H1", _rope_without_type),
     Row("H2", _gemma2_with_gelu),
     Row("H3", _prefill_chunk_zero),
     Row("H4", _follows_unknown),
     Row("H5", _chunks_over_fp8),
+    Row("H6", _shared_prefix_without_attend_chunk),
 ]
 
 

@@ -1,19 +1,39 @@
 """The example engine with a shared prefix (`Generator.run(shared_prefix=N)`, decode.py
 `--shared-prefix N`): the prefix is prefilled once and shared into each request's slot
-(kv.share_prefix), and every request generates the tokens it generates unshared."""
+(kv.share_prefix), the rest of each prompt is appended over the cache as a chunk is
+(steps.prefill_chunk_slot), and every request generates the tokens it generates unshared."""
 
 from __future__ import annotations
 
+import dataclasses
+
+import jax
 import numpy as np
 import pytest
 import serving
 
+import jax_vmm
 from jax_vmm.serving import engine as E
 from jax_vmm.serving import model as M
+from jax_vmm.serving.cache import make_cache
 
 SMALL = M.ModelConfig(
     vocab=256, d_model=64, num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=16, ffn_dim=128
 )
+# Gemma 2's options on the same shape: layer 0's window (6) is shorter than the prefix
+# and than most rests, so the rests' attention crosses the shared boundary windowed.
+GEMMA_LIKE = dataclasses.replace(
+    SMALL,
+    norm_plus_one=True,
+    embed_scale=True,
+    post_norms=True,
+    mlp_act="gelu_tanh",
+    attn_scale=0.2,
+    attn_softcap=5.0,
+    final_softcap=20.0,
+    layer_windows=(6, None),
+)
+CONFIGS = {"llama": SMALL, "gemma2": GEMMA_LIKE}
 PREFIX = 40  # 128 bytes per token and buffer: one whole 4 KiB chunk shared, 8 tokens copied
 
 
@@ -26,10 +46,10 @@ def _requests(prefix_len: int = PREFIX) -> list[E.Request]:
     ]
 
 
-def _serve(reqs, *, batch, **kw):
+def _serve(reqs, *, batch, cfg=SMALL, **kw):
     return serving.serve(
         "jax_vmm",
-        SMALL,
+        cfg,
         reqs,
         batch=batch,
         max_tokens=128,
@@ -41,19 +61,65 @@ def _serve(reqs, *, batch, **kw):
     )
 
 
-def test_shared_prefix_serving_generates_the_unshared_tokens(cpu_device) -> None:
-    reqs = _requests()
-    plain, _ = _serve(reqs, batch=3, device=cpu_device, record_logits=True)
-    shared, stats = _serve(
-        reqs, batch=4, device=cpu_device, record_logits=True, shared_prefix=PREFIX
-    )
+@pytest.mark.parametrize(
+    ("name", "chunk"), [("llama", None), ("gemma2", None), ("llama", 8), ("gemma2", 8)]
+)
+def test_shared_prefix_serving_generates_the_unshared_tokens(name, chunk, cpu_device) -> None:
+    """Llama and Gemma 2 (window, soft-capping, scale: through the chunk prefill the rest
+    goes by); prompts whole or in chunks of 8 (then the prefix is prefilled in chunks
+    too), each against unshared serving with the same prefill."""
+    cfg, reqs = CONFIGS[name], _requests()
+    kw = dict(device=cpu_device, cfg=cfg, record_logits=True, prefill_chunk=chunk)
+    plain, _ = _serve(reqs, batch=3, **kw)
+    shared, stats = _serve(reqs, batch=4, shared_prefix=PREFIX, **kw)
     for r, a, b in zip(reqs, plain.results, shared.results, strict=True):
         assert len(b.tokens) == r.max_new_tokens
         assert b.tokens == a.tokens, f"request {r.id}"
-        np.testing.assert_allclose(np.stack(b.logits), np.stack(a.logits), atol=1e-4)
-    assert shared.prefills == len(reqs) + 1  # the prefix once, then each rest
-    assert stats["chunks_shared"] == len(reqs) * 2 * SMALL.num_layers  # 1 chunk per buffer
+        np.testing.assert_allclose(np.stack(b.logits), np.stack(a.logits), atol=2e-4, rtol=1e-4)
+    if chunk is None:  # the prefix once, then each rest (one chunk of its padded length)
+        assert shared.prefills == len(reqs) + 1
+    else:
+        rests = sum(-(-(len(r.prompt) - PREFIX) // chunk) for r in reqs)
+        assert shared.prefills == -(-PREFIX // chunk) + rests
+    assert stats["chunks_shared"] == len(reqs) * 2 * cfg.num_layers  # 1 chunk per buffer
     assert stats["held_bytes"] == 0  # every sharer released at the end
+
+
+def test_a_next_turn_goes_on_after_a_shared_prefix(cpu_device) -> None:
+    """A conversation's next turn (follows) after a first turn that shares the prefix:
+    it goes on in its parent's slot, the shared prefix included, and generates what it
+    generates unshared."""
+    first = _requests()
+    rng = np.random.default_rng(5)
+    turns = [
+        E.Request(10, rng.integers(0, SMALL.vocab, 9, dtype=np.int32), 6, follows=first[0].id),
+        E.Request(11, rng.integers(0, SMALL.vocab, 4, dtype=np.int32), 3, follows=first[3].id),
+        E.Request(12, rng.integers(0, SMALL.vocab, 7, dtype=np.int32), 5, follows=10),
+    ]
+    reqs = first + turns
+    plain, _ = _serve(reqs, batch=3, device=cpu_device)
+    shared, stats = _serve(reqs, batch=4, device=cpu_device, shared_prefix=PREFIX)
+    for r, a, b in zip(reqs, plain.results, shared.results, strict=True):
+        assert len(b.tokens) == r.max_new_tokens
+        assert b.tokens == a.tokens, f"request {r.id}"
+    assert stats["chunks_shared"] == len(first) * 2 * SMALL.num_layers  # first turns only
+    assert stats["held_bytes"] == 0
+
+
+def test_shared_prefix_needs_attend_chunk(cpu_device) -> None:
+    """The rest of each prompt is prefilled over the cache: a Generator without the
+    multi-query attention refuses before it compiles or runs anything."""
+    with jax.default_device(cpu_device):
+        cache = make_cache("jax_vmm", SMALL, max_seqs=4, max_tokens=128, device=cpu_device)
+        try:
+            params = M.init_params(SMALL, seed=0)
+            gen = E.Generator(params, SMALL, cache, jax_vmm.decode_attention, block=4)
+            with pytest.raises(ValueError, match="after a shared prefix .* needs attend_chunk"):
+                gen.run(_requests(), shared_prefix=PREFIX)
+            assert gen.compile_seconds == 0.0
+            assert cache.backed_bytes() == 0
+        finally:
+            cache.close()
 
 
 def test_shared_prefix_needs_a_common_prefix_and_the_vmm_backend(cpu_device) -> None:
@@ -87,3 +153,8 @@ def test_decode_cli_shared_prefix_checks_generation(tmp_path) -> None:
     assert shared["generation_unchanged"] is True and shared["chunks_shared"] > 0, shared
     with pytest.raises(SystemExit, match="needs N >= 1 and --backend jax_vmm"):
         decode.main([*args, "--shared-prefix", "8", "--backend", "prealloc"])
+    # The rests attend over the cache with several queries per sequence: decode only there.
+    with pytest.raises(SystemExit, match="--shared-prefix with --kv-dtype fp8"):
+        decode.main([*args, "--shared-prefix", "8", "--kv-dtype", "fp8"])
+    with pytest.raises(SystemExit, match="--shared-prefix with --tp"):
+        decode.main([*args, "--shared-prefix", "8", "--tp", "1"])
