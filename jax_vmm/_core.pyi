@@ -114,6 +114,16 @@ class Arena:
         commit_ranges from a background thread; -1 (skipped) once raw views were handed out.
         """
 
+    def share_spans(self, arg: Sequence[tuple[int, int, int, int, int]], /) -> tuple[int, list[tuple[int, int, int]]]:
+        """
+        Map (src_id, src_start, dst_id, dst_start, bytes) spans' memory at their dst too; returns (bytes mapped, [(dst_id, start, stop) left out: the caller copies]).
+        """
+
+    def copy_spans(self, arg: Sequence[tuple[int, int, int, int, int]], /) -> None:
+        """
+        Copy (src_id, src_start, dst_id, dst_start, bytes) spans after the device's work.
+        """
+
     def free(self, arg: int, /) -> None: ...
 
     def commit(self, arg0: int, arg1: int, arg2: int, /) -> int: ...
@@ -292,6 +302,13 @@ class KvCache:
 
     @property
     def epoch(self) -> int: ...
+
+    def set_floor(self, seq: int, tokens: int) -> None:
+        """
+        Tokens of a sequence below which writes are dropped (its shared prefix).
+        """
+
+    def floors(self) -> list[int]: ...
 
     def read_clamps(self) -> int: ...
 

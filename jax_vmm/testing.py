@@ -193,10 +193,13 @@ class FaultInjection:
     @contextlib.contextmanager
     def hold_device(self, arena: Any) -> Iterator[None]:
         """Inside the with-block the arena's device waits block (a device still busy with
-        earlier work); leaving it lets them finish."""
+        earlier work), and the host reclaim thread, which unmaps a CPU arena's released
+        memory once the XLA:CPU work that may read it is done, serves nothing; leaving it
+        lets both go on."""
         _testing.hold_device(_core_arena(arena), True)
         try:
-            yield
+            with host_reclaims_paused():
+                yield
         finally:
             _testing.hold_device(_core_arena(arena), False)
 

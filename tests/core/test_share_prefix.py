@@ -59,6 +59,9 @@ def _write(kv, seq, start, data):
 
 def _seq_tokens(kv, seq):
     """[layer, side] tokens of sequence seq as the arena's memory holds them."""
+    # raw_bytes reads whole buffers behind the arena's back: deferred releases finish
+    # first (on a GPU the reclaimer swaps zero pieces in under released chunks meanwhile).
+    kv.reclaim()
     out = []
     for layer in range(LAYERS):
         row = []

