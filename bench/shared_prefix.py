@@ -10,7 +10,7 @@ Side by side in one process, on the example's model (``jax_vmm.serving``):
   median over ``--repeats``, each followed by a release (not timed). Goal: <= 0.3x.
 * memory: ``--batch`` requests sharing the prefix, each holding its rest: physical KV
   memory (backed - alias + parked) against one copy of the prefix plus each request's
-  own tokens (``token_bytes`` x 2 x layers each). Goal: <= 1.1x.
+  own tokens (``token_bytes``, K and V of all layers, each). Goal: <= 1.1x.
 
     python bench/shared_prefix.py                       # GPU preset: 4k prefix, batch 16
     python bench/shared_prefix.py --device cpu --preset cpu --prefix 256 --suffix 16 --batch 4
@@ -136,7 +136,7 @@ def _run(args, cfg, params, cache, prefix, rests, device) -> dict:
     jax.block_until_ready(state)
     cache.check()
     physical = cache.backed_bytes()
-    per_token = cache.token_bytes * 2 * cfg.num_layers
+    per_token = cache.token_bytes  # K and V of every layer (serving/cache.py)
     ideal = (args.prefix + args.batch * args.suffix) * per_token
     stats = cache.stats()
     table = C.Table(("measure", 34, "<"), ("value", 14), ("goal", 8))
