@@ -4,6 +4,8 @@ confused with `jax_vmm.serving`)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 
 from jax_vmm.serving import engine as E
@@ -63,3 +65,23 @@ def serve(
             return report, cache.stats()
         finally:
             cache.close()
+
+
+# Two small models for the example's tests: Llama-like, and the same shape with Gemma 2's
+# options (a window of 6 on layer 0, shorter than the prompts and prefixes, soft-capped
+# attention and logits, a query scale other than 1/sqrt(head_dim)).
+SMALL = M.ModelConfig(
+    vocab=256, d_model=64, num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=16, ffn_dim=128
+)
+GEMMA_LIKE = dataclasses.replace(
+    SMALL,
+    norm_plus_one=True,
+    embed_scale=True,
+    post_norms=True,
+    mlp_act="gelu_tanh",
+    attn_scale=0.2,
+    attn_softcap=5.0,
+    final_softcap=20.0,
+    layer_windows=(6, None),
+)
+CONFIGS = {"llama": SMALL, "gemma2": GEMMA_LIKE}

@@ -5,7 +5,6 @@ the tokens of a whole-prompt prefill and of the model recomputed without a cache
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -20,23 +19,7 @@ from jax_vmm.serving import model as M
 from jax_vmm.serving.attention import choose_attention, chunk_attention
 from jax_vmm.serving.cache import make_cache
 
-SMALL = M.ModelConfig(
-    vocab=256, d_model=64, num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=16, ffn_dim=128
-)
-# Gemma 2's options on the same shape: a window shorter than the prompts on layer 0,
-# soft-capped attention and logits, a query scale other than 1/sqrt(head_dim).
-GEMMA_LIKE = dataclasses.replace(
-    SMALL,
-    norm_plus_one=True,
-    embed_scale=True,
-    post_norms=True,
-    mlp_act="gelu_tanh",
-    attn_scale=0.2,
-    attn_softcap=5.0,
-    final_softcap=20.0,
-    layer_windows=(6, None),
-)
-CONFIGS = {"llama": SMALL, "gemma2": GEMMA_LIKE}
+SMALL, GEMMA_LIKE, CONFIGS = serving.SMALL, serving.GEMMA_LIKE, serving.CONFIGS
 CONTEXT = 96  # tokens per sequence slot
 BACKENDS = ("jax_vmm", "prealloc")
 

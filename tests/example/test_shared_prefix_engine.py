@@ -5,8 +5,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import numpy as np
 import pytest
@@ -17,23 +15,7 @@ from jax_vmm.serving import engine as E
 from jax_vmm.serving import model as M
 from jax_vmm.serving.cache import make_cache
 
-SMALL = M.ModelConfig(
-    vocab=256, d_model=64, num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=16, ffn_dim=128
-)
-# Gemma 2's options on the same shape: layer 0's window (6) is shorter than the prefix
-# and than most rests, so the rests' attention crosses the shared boundary windowed.
-GEMMA_LIKE = dataclasses.replace(
-    SMALL,
-    norm_plus_one=True,
-    embed_scale=True,
-    post_norms=True,
-    mlp_act="gelu_tanh",
-    attn_scale=0.2,
-    attn_softcap=5.0,
-    final_softcap=20.0,
-    layer_windows=(6, None),
-)
-CONFIGS = {"llama": SMALL, "gemma2": GEMMA_LIKE}
+SMALL, GEMMA_LIKE, CONFIGS = serving.SMALL, serving.GEMMA_LIKE, serving.CONFIGS
 PREFIX = 40  # 128 bytes per token and buffer: one whole 4 KiB chunk shared, 8 tokens copied
 
 
