@@ -45,6 +45,9 @@ def defer_reclaim(arena: jax_vmm._core.Arena, defer: bool) -> None:
     While set, unmapping claims to need a device wait (the host driver defers like CUDA).
     """
 
+def unorder_table_writes(arena: jax_vmm._core.Arena, unordered: bool) -> None:
+    """While set, table changes land at once instead of in dispatch order."""
+
 def hold_device(arena: jax_vmm._core.Arena, hold: bool) -> None:
     """While held, device waits block (a device that is still busy)."""
 

@@ -190,6 +190,12 @@ class FaultInjection:
         releases to the reclaimer thread as the CUDA driver does."""
         _testing.defer_reclaim(_core_arena(arena), bool(defer))
 
+    def unorder_table_writes(self, arena: Any, unordered: bool = True) -> None:
+        """While set, a change to a table the kernels read (ensured tokens, page table,
+        floors) lands at once instead of in dispatch order: a step dispatched before a
+        release but still queued reads the lowered table -- the protection removed."""
+        _testing.unorder_table_writes(_core_arena(arena), bool(unordered))
+
     @contextlib.contextmanager
     def hold_device(self, arena: Any) -> Iterator[None]:
         """Inside the with-block the arena's device waits block (a device still busy with

@@ -7,6 +7,9 @@
   sanitizer step runs under compute-sanitizer too.
 * A commit while XLA reads the buffer through a raw view: commits wait for the device
   while views are alive; without the wait the reader faults.
+* A release right after dispatching a step that reads the sequence: the step, still queued
+  behind other work, reads all its tokens (the table change is ordered on XLA's compute
+  stream); with the testing layer's ``unorder_table_writes`` it reads the lowered table.
 * Sleep frees the device memory (cuMemGetInfo), the driver sees no mapping but the zero
   pieces, wake restores contents bit-exact; 100 cycles leak nothing; a fault in the middle
   of wake leaves the arena asleep and intact; a captured decode step (kv_write with dest +
@@ -114,6 +117,71 @@ def test_a_donated_view_leaves_arena_arrays_without_a_view_and_commits_still_wai
         other.commit()
         assert arena.stats()["commit_drains"] == s["commit_drains"] + 1
         del out
+
+
+# -- a release right after a dispatch -------------------------------------------------------
+
+_QUEUED_T, _QUEUED_H, _QUEUED_D = 2048, 8, 128
+
+
+@jax.jit
+def _queued_attention(cache, q, lengths, w):
+    x = w
+    for _ in range(64):  # ~70 ms of matmuls on an H200: the attention waits in the queue
+        x = jnp.tanh(x @ w)
+    q = q + (x[0, 0] * 0).astype(q.dtype)  # ordered after the chain
+    return jax_vmm.decode_attention(q, cache[0], lengths)
+
+
+@pytest.mark.parametrize("tables", ["ordered", "unordered"])
+def test_a_release_after_dispatch_leaves_the_queued_step_its_tokens(faults, tables):
+    """kv.release documents that it may follow the dispatch of a step that still reads
+    the sequence. The step here is queued behind ~70 ms of matmuls when the release runs;
+    its output for the released sequence must equal the same step's without a release,
+    and no read may be counted as clamped. With the table change landing at once
+    (unordered: the protection removed) the queued step reads 0 tokens."""
+    dev = _gpu()
+    T, H, D = _QUEUED_T, _QUEUED_H, _QUEUED_D
+    kv = jax_vmm.kv_arena(
+        num_layers=1, num_kv_heads=H, head_dim=D, max_tokens=T, max_seqs=2,
+        dtype=jnp.bfloat16, device=dev,
+    )  # fmt: skip
+    try:
+        rng = np.random.default_rng(0)
+        for s in range(2):
+            kv.ensure(T, seq=s)
+        new = jax.device_put(jnp.asarray(rng.standard_normal((2 * T, H, D)), jnp.bfloat16), dev)
+        seq = jnp.repeat(jnp.arange(2, dtype=jnp.int32), T)
+        pos = jnp.tile(jnp.arange(T, dtype=jnp.int32), 2)
+        cache = kv.cache()
+        cache = cache.replace(0, jax_vmm.kv_write(cache[0], new, new, seq=seq, pos=pos))
+        kv.check()
+        q = jax.device_put(jnp.asarray(rng.standard_normal((2, 4 * H, D)), jnp.bfloat16), dev)
+        lengths = jax.device_put(jnp.full((2,), T, jnp.int32), dev)
+        w = jax.device_put(jnp.asarray(rng.standard_normal((8192, 8192)) / 90.5, jnp.bfloat16), dev)
+        want = np.asarray(_queued_attention(cache, q, lengths, w), np.float32)
+        assert np.any(want[0] != 0)
+        kv.check()
+        if tables == "unordered":
+            faults.unorder_table_writes(kv)
+        out = _queued_attention(cache, q, lengths, w)
+        kv.release(0)
+        got = np.asarray(out, np.float32)
+        np.testing.assert_array_equal(got[1], want[1])
+        if tables == "ordered":
+            np.testing.assert_array_equal(got[0], want[0])
+            kv.check()  # no clamped read
+            # Dispatched after the release: the lowered table, so a read is clamped.
+            _queued_attention(cache, q, lengths, w).block_until_ready()
+            with pytest.raises(jax_vmm.OutOfBoundsRead):
+                kv.check()
+        else:
+            assert not np.array_equal(got[0], want[0]), (
+                "the release did not reach the queued step even without the ordering: "
+                "this test cannot see the early clamp it guards against"
+            )
+    finally:
+        kv.close()
 
 
 # -- sleep and wake -------------------------------------------------------------------------

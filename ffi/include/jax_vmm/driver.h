@@ -117,8 +117,19 @@ class Driver {
   // read: the arena's page-valid table and counters live here.
   virtual void* AllocMetadata(size_t bytes) = 0;
   virtual void FreeMetadata(void* ptr) noexcept = 0;
+  // At once: lands before the call returns (counters, a new table's first contents).
   virtual void CopyToMetadata(void* dst, const void* src, size_t bytes) = 0;
   virtual void CopyFromMetadata(void* dst, const void* src, size_t bytes) = 0;
+  // A change to a table device code reads (page table, ensured tokens, floors), in
+  // dispatch order: the device work dispatched before the call still sees the old
+  // contents, work dispatched after sees the new, and the caller does not wait for the
+  // former. So a release right after dispatching a step that reads the sequence leaves
+  // that step its tokens. A later Synchronize covers the change. `src` may change once
+  // the call returns. Default: CopyToMetadata (the host backend's readers keep the table
+  // of their read epoch instead, jax_vmm/cache/read_epochs.py).
+  virtual void WriteTable(void* dst, const void* src, size_t bytes) {
+    CopyToMetadata(dst, src, bytes);
+  }
   // Waits until all device work dispatched before the call has finished (any thread may
   // call it; it blocks only the caller).
   virtual void Synchronize() = 0;

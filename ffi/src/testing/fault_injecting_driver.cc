@@ -38,6 +38,7 @@ void FaultInjectingDriver::Disarm() {
   release_broken_.store(false);
   skip_waits_.store(false);
   defer_reclaim_.store(false);
+  tables_unordered_.store(false);
   HoldDevice(false);
 }
 

@@ -15,6 +15,8 @@
 //                  memory.
 //   SkipDeviceWaits  Synchronize does nothing and unmapping claims to need no device wait:
 //                  commits never drain and releases unmap at once, under running kernels.
+//   UnorderTableWrites  table changes land at once (CopyToMetadata), not in dispatch order:
+//                  a step queued before a release reads the lowered table.
 // And two that change timing, so the deferred paths run on the host driver too:
 //   DeferReclaim   unmapping claims to need a device wait (the host then defers like CUDA).
 //   HoldDevice     Synchronize blocks until the hold is lifted (a device that is still busy).
@@ -71,6 +73,7 @@ class FaultInjectingDriver final : public Driver {
   void BreakRelease(bool broken) { release_broken_.store(broken); }
   void SkipDeviceWaits(bool skip) { skip_waits_.store(skip); }
   void DeferReclaim(bool defer) { defer_reclaim_.store(defer); }
+  void UnorderTableWrites(bool unordered) { tables_unordered_.store(unordered); }
   void HoldDevice(bool hold);
   // Faults thrown so far; Synchronize calls so far (held or not).
   int64_t injected() const { return injected_.load(); }
@@ -106,6 +109,13 @@ class FaultInjectingDriver final : public Driver {
   void CopyFromMetadata(void* dst, const void* src, size_t bytes) override {
     inner_->CopyFromMetadata(dst, src, bytes);
   }
+  void WriteTable(void* dst, const void* src, size_t bytes) override {
+    if (tables_unordered_.load()) {
+      inner_->CopyToMetadata(dst, src, bytes);
+    } else {
+      inner_->WriteTable(dst, src, bytes);
+    }
+  }
   void Synchronize() override;
 
   void* AllocHost(size_t bytes) override;
@@ -132,6 +142,7 @@ class FaultInjectingDriver final : public Driver {
   std::atomic<bool> release_broken_{false};
   std::atomic<bool> skip_waits_{false};
   std::atomic<bool> defer_reclaim_{false};
+  std::atomic<bool> tables_unordered_{false};
   std::mutex hold_mu_;
   std::condition_variable hold_cv_;
   bool held_ = false;

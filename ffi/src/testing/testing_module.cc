@@ -124,6 +124,11 @@ void BindFaultInjection(nb::module_& m) {
       nb::arg("arena"), nb::arg("defer"),
       "While set, unmapping claims to need a device wait (the host driver defers like CUDA).");
   m.def(
+      "unorder_table_writes",
+      [](Arena& arena, bool unordered) { FaultsOf(arena).UnorderTableWrites(unordered); },
+      nb::arg("arena"), nb::arg("unordered"),
+      "While set, table changes land at once instead of in dispatch order.");
+  m.def(
       "hold_device", [](Arena& arena, bool hold) { FaultsOf(arena).HoldDevice(hold); },
       nb::arg("arena"), nb::arg("hold"), nb::call_guard<nb::gil_scoped_release>(),
       "While held, device waits block (a device that is still busy).");

@@ -373,6 +373,29 @@ class CudaDriver final : public Driver {
     }
   }
 
+  // On XLA's compute streams, where the kernels that read the table run (compute_streams.h):
+  // in order with them, without a wait. A copy from pageable memory is staged before the
+  // call returns, so the caller may change `src` at once. Before any jax_vmm handler ran on
+  // this device nothing of ours can be queued: the plain copy then.
+  void WriteTable(void* dst, const void* src, size_t bytes) override {
+    const std::vector<void*> streams = ComputeStreams(ordinal_);
+    if (streams.empty()) {
+      CopyToMetadata(dst, src, bytes);
+      return;
+    }
+    ContextGuard g(api_, ctx_.get(), ordinal_);
+    for (void* s : streams) {
+      CUresult r = api_.cuMemcpyHtoDAsync(DevPtr(dst), src, bytes, static_cast<CUstream>(s));
+      if (r != CUDA_SUCCESS) {
+        ThrowDriver(api_, ordinal_,
+                    "cuMemcpyHtoDAsync(table dst=" + Hex(DevPtr(dst)) + ", bytes=" +
+                        std::to_string(bytes) + ", XLA compute stream " +
+                        Hex(reinterpret_cast<uintptr_t>(s)) + ")",
+                    r);
+      }
+    }
+  }
+
   // Reads what device memory holds now; it does not wait for running kernels (call
   // Synchronize() first when device code may still be writing).
   void CopyFromMetadata(void* dst, const void* src, size_t bytes) override {

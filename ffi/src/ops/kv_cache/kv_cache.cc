@@ -161,8 +161,7 @@ bool KvCache::Owns(uint64_t buffer_uid) const {
 }
 
 void KvCache::WriteTableLocked() {
-  arena_->driver().CopyToMetadata(limits_, host_limits_.data(),
-                                  host_limits_.size() * sizeof(int32_t));
+  arena_->driver().WriteTable(limits_, host_limits_.data(), host_limits_.size() * sizeof(int32_t));
 }
 
 void KvCache::SetLimit(int64_t seq, int64_t tokens) {
@@ -179,8 +178,8 @@ void KvCache::SetLimit(int64_t seq, int64_t tokens) {
     throw ArenaClosed("KvCache.set_limit: the KV cache is closed; create a new KV arena");
   }
   host_limits_[static_cast<size_t>(seq)] = static_cast<int32_t>(tokens);
-  arena_->driver().CopyToMetadata(limits_ + seq, &host_limits_[static_cast<size_t>(seq)],
-                                  sizeof(int32_t));
+  arena_->driver().WriteTable(limits_ + seq, &host_limits_[static_cast<size_t>(seq)],
+                              sizeof(int32_t));
 }
 
 void KvCache::SetFloor(int64_t seq, int64_t tokens) {
@@ -197,8 +196,8 @@ void KvCache::SetFloor(int64_t seq, int64_t tokens) {
     throw ArenaClosed("KvCache.set_floor: the KV cache is closed; create a new KV arena");
   }
   host_floors_[static_cast<size_t>(seq)] = static_cast<int32_t>(tokens);
-  arena_->driver().CopyToMetadata(floors_ + seq, &host_floors_[static_cast<size_t>(seq)],
-                                  sizeof(int32_t));
+  arena_->driver().WriteTable(floors_ + seq, &host_floors_[static_cast<size_t>(seq)],
+                              sizeof(int32_t));
 }
 
 std::vector<int32_t> KvCache::Floors() const {
