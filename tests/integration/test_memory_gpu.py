@@ -184,6 +184,41 @@ def test_a_release_after_dispatch_leaves_the_queued_step_its_tokens(faults, tabl
         kv.close()
 
 
+@jax.jit
+def _queued_write(cache, new, w):
+    x = w
+    for _ in range(64):
+        x = jnp.tanh(x @ w)
+    new = new + (x[0, 0] * 0).astype(new.dtype)
+    seq, pos = jnp.array([0], jnp.int32), jnp.array([3], jnp.int32)
+    return cache.replace(0, jax_vmm.kv_write(cache[0], new, new, seq=seq, pos=pos))
+
+
+def test_a_write_queued_before_a_release_is_dropped():
+    """Writes check the table as it is when they run (unlike reads): a write dispatched
+    before the release of its sequence and still queued is dropped and counted, and lands
+    nowhere (the released chunks are on their way back to the driver)."""
+    dev = _gpu()
+    T, H, D = _QUEUED_T, _QUEUED_H, _QUEUED_D
+    kv = jax_vmm.kv_arena(
+        num_layers=1, num_kv_heads=H, head_dim=D, max_tokens=T, max_seqs=2,
+        dtype=jnp.bfloat16, device=dev,
+    )  # fmt: skip
+    try:
+        kv.ensure(T, seq=0)
+        rng = np.random.default_rng(1)
+        new = jax.device_put(jnp.full((1, H, D), 7, jnp.bfloat16), dev)
+        w = jax.device_put(jnp.asarray(rng.standard_normal((8192, 8192)) / 90.5, jnp.bfloat16), dev)
+        cache = _queued_write(kv.cache(), new, w)
+        kv.release(0)
+        assert not cache[0].token.is_ready(), "the write ran before the release: no test"
+        with pytest.raises(jax_vmm.OutOfBoundsWrite):
+            kv.check(cache)
+        assert not np.any(np.asarray(kv.k[0])[0, 3].astype(np.float32) == 7)
+    finally:
+        kv.close()
+
+
 # -- sleep and wake -------------------------------------------------------------------------
 
 

@@ -386,7 +386,7 @@ void Arena::PublishPageTable(const std::vector<ChunkRun>& runs) {
     end = std::max(end, run.first + run.count);
   }
   if (first >= end) return;
-  driver_->WriteTable(device_page_table_ + first, host_page_table_.data() + first, end - first);
+  driver_->CopyToMetadata(device_page_table_ + first, host_page_table_.data() + first, end - first);
 }
 
 BufferInfo Arena::Buffer(int64_t buffer_id) const {

@@ -40,7 +40,7 @@ ffi::Error Clamp(bool use_limits, const CacheAttention& call, const ffi::Buffer<
                  ffi::Buffer<ffi::S32>& read_lengths, cudaStream_t stream) {
   const kvcache::KvCache& cache = *call.layer.cache;
   if (cudaError_t e = kvcache::LaunchClampLengths(
-          lengths.typed_data(), use_limits ? cache.device_limits() : nullptr,
+          lengths.typed_data(), use_limits ? cache.device_read_limits() : nullptr,
           read_lengths.typed_data(), static_cast<int>(call.batch()),
           static_cast<int>(call.max_tokens()), cache.device_read_clamps(), stream);
       e != cudaSuccess) {

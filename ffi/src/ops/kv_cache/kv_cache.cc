@@ -99,7 +99,7 @@ std::shared_ptr<KvCache> KvCache::Create(std::shared_ptr<Arena> arena,
     }
     cache->layers_.push_back(LayerBuffers{k.uid, v.uid, k.address, v.address});
   }
-  const size_t bytes = 2 * LimitsBytes(g.max_seqs) + sizeof(unsigned long long);
+  const size_t bytes = 3 * LimitsBytes(g.max_seqs) + sizeof(unsigned long long);
   Driver& driver = arena->driver();
   cache->metadata_ = driver.AllocMetadata(bytes);
   cache->limits_ = static_cast<int32_t*>(cache->metadata_);
@@ -107,6 +107,9 @@ std::shared_ptr<KvCache> KvCache::Create(std::shared_ptr<Arena> arena,
       static_cast<uint8_t*>(cache->metadata_) + LimitsBytes(g.max_seqs));
   cache->floors_ = reinterpret_cast<int32_t*>(static_cast<uint8_t*>(cache->metadata_) +
                                               LimitsBytes(g.max_seqs) + sizeof(unsigned long long));
+  cache->read_limits_ = reinterpret_cast<int32_t*>(static_cast<uint8_t*>(cache->metadata_) +
+                                                   2 * LimitsBytes(g.max_seqs) +
+                                                   sizeof(unsigned long long));
   try {
     std::vector<uint8_t> zeros(bytes, 0);
     driver.CopyToMetadata(cache->metadata_, zeros.data(), bytes);
@@ -161,7 +164,9 @@ bool KvCache::Owns(uint64_t buffer_uid) const {
 }
 
 void KvCache::WriteTableLocked() {
-  arena_->driver().WriteTable(limits_, host_limits_.data(), host_limits_.size() * sizeof(int32_t));
+  const size_t bytes = host_limits_.size() * sizeof(int32_t);
+  arena_->driver().CopyToMetadata(limits_, host_limits_.data(), bytes);
+  arena_->driver().WriteTable(read_limits_, host_limits_.data(), bytes);
 }
 
 void KvCache::SetLimit(int64_t seq, int64_t tokens) {
@@ -178,8 +183,9 @@ void KvCache::SetLimit(int64_t seq, int64_t tokens) {
     throw ArenaClosed("KvCache.set_limit: the KV cache is closed; create a new KV arena");
   }
   host_limits_[static_cast<size_t>(seq)] = static_cast<int32_t>(tokens);
-  arena_->driver().WriteTable(limits_ + seq, &host_limits_[static_cast<size_t>(seq)],
-                              sizeof(int32_t));
+  const int32_t* entry = &host_limits_[static_cast<size_t>(seq)];
+  arena_->driver().CopyToMetadata(limits_ + seq, entry, sizeof(int32_t));
+  arena_->driver().WriteTable(read_limits_ + seq, entry, sizeof(int32_t));
 }
 
 void KvCache::SetFloor(int64_t seq, int64_t tokens) {
@@ -196,8 +202,8 @@ void KvCache::SetFloor(int64_t seq, int64_t tokens) {
     throw ArenaClosed("KvCache.set_floor: the KV cache is closed; create a new KV arena");
   }
   host_floors_[static_cast<size_t>(seq)] = static_cast<int32_t>(tokens);
-  arena_->driver().WriteTable(floors_ + seq, &host_floors_[static_cast<size_t>(seq)],
-                              sizeof(int32_t));
+  arena_->driver().CopyToMetadata(floors_ + seq, &host_floors_[static_cast<size_t>(seq)],
+                                  sizeof(int32_t));
 }
 
 std::vector<int32_t> KvCache::Floors() const {

@@ -8,9 +8,15 @@
 // ordinal), then its buffers by their own uids. Uids are never reused; a closed cache
 // answers kClosed, a destroyed one kGone, and handlers refuse both.
 //
-// The table (int32 per sequence), the count of attention reads clamped to it (uint64) and
-// the per-sequence floors of writable tokens (int32; kv.share_prefix) live in one allocation of the
-// arena's driver metadata (device memory on CUDA). A CUDA handler that may be recorded into a graph
+// The table (int32 per sequence), the count of attention reads clamped to it (uint64), the
+// per-sequence floors of writable tokens (int32; kv.share_prefix) and the readers' copy of
+// the table live in one allocation of the arena's driver metadata (device memory on CUDA).
+// Two copies of the table because writes and reads want different moments: kv_write
+// checks the table as it is now (a write of a step dispatched before a release is
+// dropped, never landing in memory the slot's next sequence or a shared prefix took),
+// while CUDA attention reads the table of its dispatch (Driver::WriteTable: a step
+// dispatched before a release still reads all its tokens; the CPU handlers get the same
+// from the read epochs below). A CUDA handler that may be recorded into a graph
 // pins it (PinMetadataForGraphs): closing the cache then zeroes the table (a stale replay writes
 // nothing and reads no token) and the allocation is kept for the life of the process.
 //
@@ -128,7 +134,9 @@ class KvCache {
   bool closed() const;
 
   // Device-visible pointers for kernels (and host code on the CPU).
-  const int32_t* device_limits() const { return limits_; }
+  const int32_t* device_limits() const { return limits_; }  // for writes: changes at once
+  // For CUDA reads: changes in dispatch order (the same contents on the host backend).
+  const int32_t* device_read_limits() const { return read_limits_; }
   const int32_t* device_floors() const { return floors_; }
   unsigned long long* device_read_clamps() const { return read_clamps_; }
   // Called by CUDA handlers that may bake the pointers above into a graph.
@@ -153,9 +161,10 @@ class KvCache {
   int32_t epoch_ = 0;
   std::map<int32_t, std::shared_ptr<const std::vector<int32_t>>> kept_tables_;  // by epoch
   std::vector<int32_t> host_floors_;
-  // limits (max_seqs int32, padded to 8 bytes) | read clamps | floors (max_seqs int32)
+  // limits | read clamps | floors | read limits (each table max_seqs int32, padded to 8 bytes)
   void* metadata_ = nullptr;
   int32_t* limits_ = nullptr;
+  int32_t* read_limits_ = nullptr;
   int32_t* floors_ = nullptr;
   unsigned long long* read_clamps_ = nullptr;
   mutable std::atomic<bool> pinned_{false};

@@ -91,7 +91,7 @@ ffi::Error ExecuteImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q,
                                        std::to_string(B) + ",)");
   }
   if (cudaError_t e = kvcache::LaunchClampLengths(
-          lengths.typed_data(), cache.device_limits(), read_lengths->typed_data(),
+          lengths.typed_data(), cache.device_read_limits(), read_lengths->typed_data(),
           static_cast<int>(B), static_cast<int>(cache.geometry().max_tokens),
           cache.device_read_clamps(), stream);
       e != cudaSuccess) {
