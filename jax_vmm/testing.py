@@ -119,6 +119,7 @@ __all__ = [
     "limits_ignored",
     "shared_writes_allowed",
     "host_device_waits_skipped",
+    "commits_take_releases_unwaited",
     "legacy_views",
     "decode_attention",
     "stream_partition",
@@ -470,6 +471,25 @@ def host_reclaims_paused() -> Iterator[None]:
         yield
     finally:
         _host_reclaim.serving.set()
+
+
+@contextlib.contextmanager
+def commits_take_releases_unwaited() -> Iterator[None]:
+    """The protection removed: inside the with-block a commit on the CPU first takes back
+    every deferred release at once (the core's reclaim, not waiting for the XLA:CPU work
+    in flight that may still read it), as an out-of-memory or full-budget commit would
+    without ``Arena._commit``'s wait."""
+    original = _arena.Arena._commit
+
+    def unwaited(self: Any, commit: Any) -> int:
+        self._handle.reclaim()
+        return commit()
+
+    _arena.Arena._commit = unwaited
+    try:
+        yield
+    finally:
+        _arena.Arena._commit = original
 
 
 def wait_for_host_reclaims(timeout: float = 60.0) -> bool:

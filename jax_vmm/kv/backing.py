@@ -398,7 +398,7 @@ class TokenBacking:
             for lo, hi in self._commit_ranges(q, n)
             for b in self.buffers
         ]
-        added = self.arena._handle.commit_ranges(ranges)
+        added = self.arena._commit(lambda: self.arena._handle.commit_ranges(ranges))
         for q, n in need:
             self._ensured[q] = max(self._ensured[q], n)  # the caller publishes the table
             self._covered[q] = max(

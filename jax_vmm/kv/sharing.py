@@ -72,7 +72,7 @@ class PrefixSharing:
             if self._offloaded:
                 self._settle(q)
             ranges = [(b.id, lo, hi) for b in self.buffers]
-            added = self.arena._handle.commit_ranges(ranges)
+            added = self.arena._commit(lambda: self.arena._handle.commit_ranges(ranges))
             try:
                 return added + self.ensure(num_tokens, seq)
             except BaseException:

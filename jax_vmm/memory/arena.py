@@ -187,6 +187,10 @@ class Buffer:
         dtype = self.dtype if dtype is None else np.dtype(jnp.dtype(dtype))
         code, bits = _dlpack_dtype(dtype)
         t = self._arena._target
+        if not self._arena._handle.views_exported:
+            # The first view gives back every deferred release at once (from then on a
+            # reader may touch any byte): on the CPU the work that may read them first.
+            self._arena._wait_for_host_work()
         capsule = _core_view_factory(
             self._arena._handle,
             self._id,
@@ -208,7 +212,7 @@ class Buffer:
         the pages being mapped) or to zero-fill released memory it takes back."""
         self._check_live("Buffer.commit")
         start, stop = self._range(start, stop)
-        return self._arena._handle.commit(self._id, start, stop)
+        return self._arena._commit(lambda: self._arena._handle.commit(self._id, start, stop))
 
     def decommit(self, start: int = 0, stop: int | None = None, *, wait: bool = False) -> int:
         """Give back the physical memory of the chunks that lie fully inside
@@ -580,6 +584,24 @@ class Arena:
         was dispatched for): on the CPU, wait for the XLA:CPU work that may still use them
         (``host_wait.py``; a GPU arena's core waits for the compute stream itself)."""
         wait_for_host_work(self._target.device)
+
+    def _commit(self, commit: Callable[[], int]) -> int:
+        """Run a core commit. On the CPU, memory released while XLA:CPU work that may read
+        it was in flight goes back on the host reclaim thread once that work is done, never
+        from inside a commit (``host_reclaim.py``): a commit that ran out of memory (or
+        budget) with such releases pending waits for them and tries once more, as a GPU
+        commit waits for the device. A zero-filling arena waits before the commit: it may
+        take such memory back and zero it."""
+        host = self._target.device.platform == "cpu"
+        if host and self.zero_fill and host_reclaim.pending():
+            host_reclaim.drain()
+        try:
+            return commit()
+        except MemoryError:
+            if not (host and host_reclaim.pending()):
+                raise
+        host_reclaim.drain()
+        return commit()
 
     def _host_work_to_outlive(self) -> list[jax.Array] | None:
         """For a release that does not wait (a KV arena's ``release`` / ``shrink``): the

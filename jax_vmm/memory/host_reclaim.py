@@ -13,8 +13,14 @@ here; this thread waits for them and then calls the follow-up (the core's
 needs the memory again meanwhile takes the retired allocation back without a driver call,
 as on a GPU.
 
-Thread-safety: :func:`after` may be called from any thread. One daemon thread per
-process serves the queue in order (a follow-up never runs before an earlier one).
+The core never gives such memory back on its own (not when a commit runs out of memory or
+a budget is full: the work that may still read it is Python's to wait for); a commit that
+failed for want of it waits here (:func:`drain`) and tries once more
+(``jax_vmm.Arena._commit``).
+
+Thread-safety: :func:`after`, :func:`pending` and :func:`drain` may be called from any
+thread. One daemon thread per process serves the queue in order (a follow-up never runs
+before an earlier one).
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ _jobs: queue.SimpleQueue[tuple[list[jax.Array], Callable[[], None]]] = queue.Sim
 _thread: threading.Thread | None = None
 _thread_pid = -1
 _start_lock = threading.Lock()
+_pending = 0  # jobs queued and not yet served (under _start_lock)
 
 #: Test hook (``jax_vmm.testing.host_reclaims_paused()``): while clear, the thread takes
 #: no job.
@@ -45,16 +52,24 @@ serving.set()
 def after(arrays: list[jax.Array], then: Callable[[], None]) -> None:
     """Call ``then()`` on the reclaim thread once every array of ``arrays`` is ready.
     ``then`` should hold its objects weakly: a job still queued at exit keeps them."""
-    global _thread, _thread_pid
+    global _thread, _thread_pid, _pending
     with _start_lock:
         if _thread is None or _thread_pid != os.getpid():  # a forked child has no thread
             _thread = threading.Thread(target=_serve, name="jax_vmm-host-reclaim", daemon=True)
             _thread_pid = os.getpid()
             _thread.start()
+        _pending += 1
     _jobs.put((arrays, then))
 
 
+def pending() -> int:
+    """Jobs queued and not yet served: memory released on the CPU that work in flight may
+    still read, not given back yet."""
+    return _pending
+
+
 def _serve() -> None:
+    global _pending
     while True:
         arrays, then = _jobs.get()
         serving.wait()
@@ -65,6 +80,8 @@ def _serve() -> None:
             log.debug("jax_vmm: deferred host release skipped", exc_info=True)
         finally:
             del arrays, then  # hold nothing of a job while waiting for the next one
+            with _start_lock:
+                _pending -= 1
 
 
 def drain(timeout: float | None = None) -> bool:

@@ -11,6 +11,7 @@ partial sums, which shows the tests catch it.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 
@@ -27,7 +28,7 @@ TOKENS, HEADS, DIM = 8192, 8, 128  # one sequence of one layer: 32 MiB of float3
 REPEATS = 2
 
 
-def _kv(vm) -> jax_vmm.KVArena:
+def _kv(vm, **kw) -> jax_vmm.KVArena:
     """Two sequences; sequence 0's K and V of layer 0 filled with a known pattern."""
     kv = vm.kv(
         num_layers=1,
@@ -36,6 +37,7 @@ def _kv(vm) -> jax_vmm.KVArena:
         max_tokens=TOKENS,
         max_seqs=2,
         dtype=jnp.float32,
+        **kw,
     )
     kv.ensure(TOKENS, seq=0)
     data = np.linspace(0.5, 1.5, TOKENS * HEADS * DIM, dtype=np.float32)
@@ -276,3 +278,79 @@ def test_without_the_wait_a_held_step_reads_the_released_sequence_as_gone(host_v
             kv.release(0)
         got = np.asarray(got)
     assert not np.array_equal(got, want)
+
+
+# -- memory taken back while a step still reads it: a full budget, the first view --------
+
+
+def _budget_for_one_sequence(vm) -> jax_vmm.MemoryBudget:
+    """Room for sequence 0's K and V of layer 0 (and a chunk), not for a second sequence."""
+    return jax_vmm.MemoryBudget(2 * TOKENS * HEADS * DIM * 4 + (4 << 20), device=vm.device)
+
+
+def _after_release(kv: jax_vmm.KVArena, take: Callable[[], object]) -> tuple:
+    """(expected, seen, took_while_held): the gated step over sequence 0 run alone, and
+    run with ``release(0)`` then ``take()`` (on another thread) right after its dispatch;
+    whether ``take`` finished while the step was still held at the gate."""
+    step = _gated_attention(kv)
+    want = np.asarray(step(kv.cache()))
+    done = threading.Event()
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            take()
+        except BaseException as e:  # noqa: BLE001 - re-raised by the test
+            errors.append(e)
+        done.set()
+
+    with jax_vmm.testing.host_gate_closed():
+        got = _reaches_gate(step(kv.cache()))
+        kv.release(0)
+        worker = threading.Thread(target=run)
+        worker.start()
+        took_while_held = done.wait(0.5) and _held(got)
+    worker.join(GATE_GUARD_S)
+    if errors:
+        raise errors[0]
+    return want, np.asarray(got), took_while_held
+
+
+_TAKES = {
+    # Sequence 1 needs the memory sequence 0 released: over the budget until it is back.
+    "budget": lambda kv: kv.ensure(TOKENS, seq=1),
+    # The first raw view gives every deferred release back at once.
+    "first_view": lambda kv: kv.k[0].block_until_ready(),
+}
+
+
+@pytest.mark.parametrize("take", sorted(_TAKES))
+def test_memory_a_step_in_flight_reads_is_taken_back_only_after_it(host_vm, take):
+    """A commit that needs released memory (a full budget) and the first raw view wait for
+    the step still reading it, on the CPU as on a GPU: its result is the one it would have
+    had alone, and the waiting call then succeeds."""
+    kv = _kv_with(host_vm, take)
+    want, got, took_while_held = _after_release(kv, lambda: _TAKES[take](kv))
+    assert np.abs(want[0]).min() > 0
+    np.testing.assert_array_equal(got, want)
+    assert not took_while_held, "it took the memory while the step still read it"
+
+
+@pytest.mark.parametrize("take", sorted(_TAKES))
+def test_taking_released_memory_unwaited_changes_the_step_in_flight(host_vm, take):
+    """The protection removed (``commits_take_releases_unwaited``, and for the view
+    ``host_device_waits_skipped``): the memory goes from under the held step, which then
+    reads the released sequence wrong -- the test above would fail."""
+    kv = _kv_with(host_vm, take)
+    unwaited = (
+        jax_vmm.testing.commits_take_releases_unwaited
+        if take == "budget"
+        else jax_vmm.testing.host_device_waits_skipped
+    )
+    with unwaited():
+        want, got, _ = _after_release(kv, lambda: _TAKES[take](kv))
+    assert not np.array_equal(got, want)
+
+
+def _kv_with(vm, take: str) -> jax_vmm.KVArena:
+    return _kv(vm, budget=_budget_for_one_sequence(vm)) if take == "budget" else _kv(vm)

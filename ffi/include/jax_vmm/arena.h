@@ -463,7 +463,13 @@ class Arena : public std::enable_shared_from_this<Arena> {
   void RetireUnused(std::unique_lock<std::mutex>& lock, const std::vector<Mapping*>& touched,
                     bool defer_unmap = false);
   void WaitWhileBusy(std::unique_lock<std::mutex>& lock);  // no reclaim or transfer running
-  size_t ReclaimAllLocked(std::unique_lock<std::mutex>& lock, bool zero_parked = false);
+  // Waits for the device, then gives every retired allocation back. On the host driver
+  // its retired allocations are the caller's (DecommitRanges' defer_unmap): XLA:CPU work
+  // in flight may still read them and only the Python layer can wait for that work, so
+  // they are taken only when `host_work_waited` says the caller did (else left to the
+  // host reclaim thread, and a commit that needed them fails: the caller waits, retries).
+  size_t ReclaimAllLocked(std::unique_lock<std::mutex>& lock, bool zero_parked = false,
+                          bool host_work_waited = true);
   size_t ReclaimNow(const std::vector<Mapping*>& batch);  // unmap + release, on this thread
   void UnmapGroups(std::vector<Mapping*> batch);          // driver calls only
   std::vector<std::unique_ptr<Mapping>> DetachMappings(const std::vector<Mapping*>& batch);

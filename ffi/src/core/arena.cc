@@ -511,7 +511,7 @@ size_t Arena::ReclaimForBudget() {
   if (InForkedChild()) return 0;
   std::unique_lock<std::mutex> lock(mu_);
   if (closed_ || (retired_.empty() && reclaiming_ == 0)) return 0;
-  return ReclaimAllLocked(lock);
+  return ReclaimAllLocked(lock, /*zero_parked=*/false, /*host_work_waited=*/false);
 }
 
 bool Arena::closed() const {

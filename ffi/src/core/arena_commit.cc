@@ -96,7 +96,7 @@ size_t Arena::CommitLocked(std::unique_lock<std::mutex>& lock, const std::vector
       // Memory pressure: released memory waiting for the device comes back first.
       const bool reclaimable = !retired_.empty() || reclaiming_ > 0 || AnyTransferInFlight();
       if (attempt == 0 && reclaimable) {
-        ReclaimAllLocked(lock);
+        ReclaimAllLocked(lock, /*zero_parked=*/false, /*host_work_waited=*/false);
         continue;
       }
       throw CommitOutOfMemory(plan, got, e);
@@ -199,7 +199,7 @@ bool Arena::ChargeBudget(std::unique_lock<std::mutex>& lock, const CommitPlan& p
   // Released memory still held (waiting for the device) counts against the cap: take it
   // back, ours under the lock, the other members' without it (they may be doing the same).
   *reclaimed = true;
-  ReclaimAllLocked(lock);
+  ReclaimAllLocked(lock, /*zero_parked=*/false, /*host_work_waited=*/false);
   const std::shared_ptr<MemoryBudget> budget = budget_;
   lock.unlock();
   try {

@@ -179,9 +179,11 @@ size_t Arena::ReclaimRetiredBefore(uint64_t sync) {
   return ReclaimRetiredBefore(lock, sync);
 }
 
-size_t Arena::ReclaimAllLocked(std::unique_lock<std::mutex>& lock, bool zero_parked) {
+size_t Arena::ReclaimAllLocked(std::unique_lock<std::mutex>& lock, bool zero_parked,
+                               bool host_work_waited) {
   WaitWhileBusy(lock);
   zero_parked = zero_parked && zero_fill_ && !parked_dirty_.empty();
+  if (!driver_->UnmapNeedsQuiescence() && !host_work_waited) return 0;  // the caller's
   if (retired_.empty() && !zero_parked) return 0;
   if (driver_->UnmapNeedsQuiescence()) {
     ++syncs_started_;
