@@ -124,6 +124,14 @@ def test_a_donated_view_leaves_arena_arrays_without_a_view_and_commits_still_wai
 _QUEUED_T, _QUEUED_H, _QUEUED_D = 2048, 8, 128
 
 
+def _queued_kv(dev) -> jax_vmm.KVArena:
+    """One bf16 layer, two sequences of _QUEUED_T tokens, nothing ensured."""
+    return jax_vmm.kv_arena(
+        num_layers=1, num_kv_heads=_QUEUED_H, head_dim=_QUEUED_D, max_tokens=_QUEUED_T,
+        max_seqs=2, dtype=jnp.bfloat16, device=dev,
+    )  # fmt: skip
+
+
 @jax.jit
 def _queued_attention(cache, q, lengths, w):
     x = w
@@ -142,10 +150,7 @@ def test_a_release_after_dispatch_leaves_the_queued_step_its_tokens(faults, tabl
     (unordered: the protection removed) the queued step reads 0 tokens."""
     dev = _gpu()
     T, H, D = _QUEUED_T, _QUEUED_H, _QUEUED_D
-    kv = jax_vmm.kv_arena(
-        num_layers=1, num_kv_heads=H, head_dim=D, max_tokens=T, max_seqs=2,
-        dtype=jnp.bfloat16, device=dev,
-    )  # fmt: skip
+    kv = _queued_kv(dev)
     try:
         rng = np.random.default_rng(0)
         for s in range(2):
@@ -200,10 +205,7 @@ def test_a_write_queued_before_a_release_is_dropped():
     nowhere (the released chunks are on their way back to the driver)."""
     dev = _gpu()
     T, H, D = _QUEUED_T, _QUEUED_H, _QUEUED_D
-    kv = jax_vmm.kv_arena(
-        num_layers=1, num_kv_heads=H, head_dim=D, max_tokens=T, max_seqs=2,
-        dtype=jnp.bfloat16, device=dev,
-    )  # fmt: skip
+    kv = _queued_kv(dev)
     try:
         kv.ensure(T, seq=0)
         rng = np.random.default_rng(1)
