@@ -277,7 +277,7 @@ class KvCache:
 
     def set_limit(self, seq: int, tokens: int) -> None:
         """
-        Tokens ensured for a sequence, published to the device before it returns.
+        Tokens ensured for a sequence: the writers' table before it returns, the readers' in dispatch order (CUDA).
         """
 
     def set_limits(self, tokens: Sequence[int]) -> None:

@@ -45,6 +45,11 @@ def defer_reclaim(arena: jax_vmm._core.Arena, defer: bool) -> None:
     While set, unmapping claims to need a device wait (the host driver defers like CUDA).
     """
 
+def kv_cache_tables(cache: jax_vmm._core.KvCache) -> tuple[list[int], list[int], list[int]]:
+    """
+    (writers' table, readers' table, floors) of a host KV cache, as the kernels see them.
+    """
+
 def unorder_table_writes(arena: jax_vmm._core.Arena, unordered: bool) -> None:
     """While set, table changes land at once instead of in dispatch order."""
 

@@ -444,3 +444,31 @@ def test_writes_still_in_flight_land_before_the_prefix_turns_read_only(vm):
     kv.share_prefix(0, 1, n)
     kv.check(cache)  # nothing dropped: the write ran before src became read-only
     np.testing.assert_array_equal(_seq_tokens(kv, 1)[0, :, :n], data[0])
+
+
+def test_the_tables_the_kernels_read_stay_apart(host_vm):
+    """The KV cache's metadata holds the writers' table, the readers' copy of it (CUDA
+    changes that one in dispatch order) and the floors: through ensure, ensure_all,
+    share_prefix, shrink and release each holds what the host mirror says, none written
+    over by its neighbour (5 sequences: tables padded to 8 bytes)."""
+    kv, tpc = _kv(host_vm, seqs=5, chunks_per_seq=2)
+    tables = jax_vmm.testing.extension().kv_cache_tables
+
+    def check(floors: list[int]) -> None:
+        limits, read_limits, got_floors = tables(kv._core_cache)
+        assert limits == read_limits == list(kv._core_cache.limits())
+        assert got_floors == floors
+
+    kv.ensure(tpc + 3, seq=0)
+    check([0] * 5)
+    _write(kv, 0, 0, _tokens(kv, tpc + 3, seed=1))
+    kv.ensure_all([0, 7, 0, 0, 2 * tpc])
+    check([0] * 5)
+    kv.share_prefix(0, 2, tpc + 3)
+    check([tpc, 0, tpc + 3, 0, 0])
+    kv.shrink(2 * tpc - 1)  # every sequence: only sequence 4 holds more
+    check([tpc, 0, tpc + 3, 0, 0])
+    kv.release(1)
+    kv.release(2)
+    check([tpc, 0, 0, 0, 0])
+    assert list(kv._core_cache.limits()) == [tpc + 3, 0, 0, 0, 2 * tpc - 1]

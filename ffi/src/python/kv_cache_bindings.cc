@@ -96,7 +96,8 @@ void BindKvCache(nb::module_& m) {
       // costs the dispatching thread more in the hand-back than it saves. Nothing they
       // wait for (the cache's mutex, that stream) is held by a thread that needs the GIL.
       .def("set_limit", &KvCache::SetLimit, nb::arg("seq"), nb::arg("tokens"),
-           "Tokens ensured for a sequence, published to the device before it returns.")
+           "Tokens ensured for a sequence: the writers' table before it returns, the "
+           "readers' in dispatch order (CUDA).")
       .def("set_limits", &KvCache::SetLimits, nb::arg("tokens"),
            "Every sequence's ensured tokens at once: one copy to the device.")
       .def(

@@ -29,6 +29,7 @@
 #include "jax_vmm/errors.h"
 #include "jax_vmm/memory_budget.h"
 #include "ops/attention/stream_plan.h"
+#include "ops/kv_cache/kv_cache.h"
 #include "python/registrations.h"
 #include "scratch/simulated_capture.h"
 #include "testing/fault_injecting_driver.h"
@@ -123,6 +124,19 @@ void BindFaultInjection(nb::module_& m) {
       "defer_reclaim", [](Arena& arena, bool defer) { FaultsOf(arena).DeferReclaim(defer); },
       nb::arg("arena"), nb::arg("defer"),
       "While set, unmapping claims to need a device wait (the host driver defers like CUDA).");
+  m.def(
+      "kv_cache_tables",
+      [](const kvcache::KvCache& c) {
+        if (std::string(c.driver_kind()) != "host") {
+          throw InvalidArgument("kv_cache_tables: reads the host backend's tables only");
+        }
+        const size_t n = static_cast<size_t>(c.geometry().max_seqs);
+        auto copy = [n](const int32_t* p) { return std::vector<int32_t>(p, p + n); };
+        return std::make_tuple(copy(c.device_limits()), copy(c.device_read_limits()),
+                               copy(c.device_floors()));
+      },
+      nb::arg("cache"),
+      "(writers' table, readers' table, floors) of a host KV cache, as the kernels see them.");
   m.def(
       "unorder_table_writes",
       [](Arena& arena, bool unordered) { FaultsOf(arena).UnorderTableWrites(unordered); },

@@ -92,9 +92,9 @@ class KvCache {
   // Whether uid is one of this cache's buffers.
   bool Owns(uint64_t buffer_uid) const;
 
-  // Tokens ensured for sequence `seq` (0 <= tokens <= max_tokens), published to the
-  // device before it returns. Raise it after the memory is committed, lower it before
-  // the memory is given back.
+  // Tokens ensured for sequence `seq` (0 <= tokens <= max_tokens): the writers' table
+  // before it returns, the readers' in dispatch order (above). Raise it after the memory
+  // is committed, lower it before the memory is given back.
   void SetLimit(int64_t seq, int64_t tokens);
   // Every sequence's entry at once (tokens[seq], max_seqs of them): one copy to the device.
   void SetLimits(const std::vector<int64_t>& tokens);
