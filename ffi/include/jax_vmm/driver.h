@@ -120,13 +120,13 @@ class Driver {
   // At once: lands before the call returns (counters, a new table's first contents).
   virtual void CopyToMetadata(void* dst, const void* src, size_t bytes) = 0;
   virtual void CopyFromMetadata(void* dst, const void* src, size_t bytes) = 0;
-  // A change to a table device code reads (page table, ensured tokens, floors), in
-  // dispatch order: the device work dispatched before the call still sees the old
-  // contents, work dispatched after sees the new, and the caller does not wait for the
-  // former. So a release right after dispatching a step that reads the sequence leaves
-  // that step its tokens. A later Synchronize covers the change. `src` may change once
-  // the call returns. Default: CopyToMetadata (the host backend's readers keep the table
-  // of their read epoch instead, jax_vmm/cache/read_epochs.py).
+  // A change to a table that device code reads in dispatch order (the readers' copy of a
+  // KV cache's ensured tokens): the device work dispatched before the call still sees
+  // the old contents, work dispatched after sees the new, and the caller does not wait
+  // for the former. So a release right after dispatching a step that reads the sequence
+  // leaves that step its tokens. A later Synchronize covers the change. `src` may change
+  // once the call returns. Default: CopyToMetadata (the host backend's readers keep the
+  // table of their read epoch instead, jax_vmm/cache/read_epochs.py).
   virtual void WriteTable(void* dst, const void* src, size_t bytes) {
     CopyToMetadata(dst, src, bytes);
   }
