@@ -22,6 +22,7 @@ import jax
 import numpy as np
 
 from . import engine as E
+from . import model as M
 from .attention import choose_attention, chunk_attention
 from .cache import make_cache
 from .hf.checkpoint import Checkpoint, CheckpointError
@@ -97,12 +98,15 @@ def serve(
     record_logits: bool = False,
     force_tokens: dict[int, list[int]] | None = None,
     stop_tokens: tuple[int, ...] = (),
+    config: M.ModelConfig | None = None,
 ) -> E.RunReport:
     """The engine-facing glue: one cache, one Generator, one run. `requests` are served
     on min(batch, len(requests)) slots, each with room for its prompt and new tokens.
     select_token, record_logits, force_tokens: as `Generator.run`; stop_tokens: as
-    `Generator` (a sequence ends at the first it generates)."""
-    cfg = ckpt.config
+    `Generator` (a sequence ends at the first it generates). config: the model's config
+    to run (default ckpt.config; generate passes it with the sliding windows a long
+    context needs, HFModelSpec.config_for)."""
+    cfg = ckpt.config if config is None else config
     E.check_prefill_chunk(opts.prefill_chunk)
     slots = num_slots(opts, sum(r.follows is None for r in requests))  # conversations
     max_tokens = max(need for _, need in E.context_lengths(requests).values())
@@ -181,16 +185,10 @@ def generate(
     device = device or next(iter(ckpt.params.embed.devices()))  # where the weights are
     encoded = encode_prompts(ckpt, prompts)
     turns = encode_prompts(ckpt, next_turns)
-    window = ckpt.spec.sliding_window
     # The last new token is never fed back: the longest context is prompt + N - 1.
     longest = max(len(p.ids) for p in encoded) + max_new_tokens - 1
     longest += sum(len(t.ids) + max_new_tokens for t in turns)
-    if window is not None and longest > window:
-        raise ValueError(
-            f"{ckpt.path}: the model attends within a sliding window of {window} tokens; "
-            f"the example attends to the whole context, the same only up to {window} "
-            f"tokens, and a prompt + new tokens here reach {longest}"
-        )
+    config = ckpt.spec.config_for(longest)
     eos = set(ckpt.spec.eos_token_ids if eos_token_ids is None else eos_token_ids)
     if stop_at_eos and not eos:
         raise ValueError(
@@ -221,6 +219,7 @@ def generate(
             select_token=select,
             record_logits=record_logits,
             stop_tokens=tuple(sorted(eos)) if stop_at_eos else (),
+            config=config,
         )
 
     def entry(prompt: Prompt, res: E.Result) -> dict[str, Any]:

@@ -97,7 +97,11 @@ def test_architecture_defaults_and_shapes() -> None:
     assert not config().qkv_bias
     assert parse_config({**BASE, "architectures": ["Qwen2ForCausalLM"]}).config.qkv_bias
     spec = parse_config({**BASE, "architectures": ["MistralForCausalLM"]})
-    assert spec.sliding_window == 4096  # Mistral's default
+    assert spec.sliding_window == 4096  # Mistral's default, on every layer
+    assert spec.sliding_layers == (4096, 4096) and spec.config.layer_windows is None
+    # Applied (as ModelConfig.layer_windows) only for contexts that can outgrow it.
+    assert spec.config_for(4096) is spec.config
+    assert spec.config_for(4097).layer_windows == (4096, 4096)
     assert (
         parse_config(
             {**BASE, "architectures": ["MistralForCausalLM"], "sliding_window": None}
@@ -110,7 +114,12 @@ def test_architecture_defaults_and_shapes() -> None:
         parse_config({**qwen, "use_sliding_window": True, "max_window_layers": 1}).sliding_window
         == 512
     )
+    # transformers: the layers from max_window_layers on slide.
+    assert parse_config(
+        {**qwen, "use_sliding_window": True, "max_window_layers": 1}
+    ).sliding_layers == (None, 512)
     assert parse_config({**qwen, "use_sliding_window": True}).sliding_window is None
+    assert parse_config({**qwen, "use_sliding_window": True}).sliding_layers is None
     assert (
         parse_config(
             {

@@ -96,15 +96,24 @@ class HFModelSpec:
 
     architecture: str
     config: M.ModelConfig
-    # Attention window of the sliding-window layers that the example does not apply
-    # (Mistral, Qwen2), None if every layer sees the whole context or the config applies
-    # the windows itself (Gemma 2: ModelConfig.layer_windows). The example attends to the
-    # whole context, which is the same thing only while a sequence is at most this long
-    # (generate refuses longer ones).
+    # Attention window of the sliding-window layers that `config` leaves off (Mistral,
+    # Qwen2), None if every layer sees the whole context or `config` applies the windows
+    # itself (Gemma 2: ModelConfig.layer_windows); and per layer, that window or None (a
+    # layer that sees the whole context). The whole context is the same thing while a
+    # sequence is at most this long, so generate applies them (as layer_windows) only
+    # when a context can be longer, keeping the plain attention otherwise.
     sliding_window: int | None
+    sliding_layers: tuple[int | None, ...] | None
     max_position_embeddings: int
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]  # generation_config.json's, else config.json's
+
+    def config_for(self, context: int) -> M.ModelConfig:
+        """`config` for sequences of up to `context` tokens: with the sliding layers'
+        windows (ModelConfig.layer_windows) once a sequence can outgrow them."""
+        if self.sliding_layers is None or context <= self.sliding_window:
+            return self.config
+        return dataclasses.replace(self.config, layer_windows=self.sliding_layers)
 
 
 def read_config(model_dir: str | Path, *, dtype: str = "float32") -> HFModelSpec:
@@ -168,10 +177,12 @@ def parse_config(
         cfg = M.ModelConfig(**fields)
     except ValueError as e:  # the GQA ratio, an odd head_dim
         raise CheckpointError(f"{where}: {e}") from None
+    sliding = None if gemma else _sliding_layers(arch, get, cfg)
     return HFModelSpec(
         architecture=arch,
         config=cfg,
-        sliding_window=None if gemma else _sliding_window(arch, get, cfg),
+        sliding_window=None if sliding is None else next(w for w in sliding if w),
+        sliding_layers=sliding,
         max_position_embeddings=max_position,
         bos_token_id=get.int_("bos_token_id", optional=True, minimum=0),
         eos_token_ids=_token_ids(
@@ -324,24 +335,28 @@ def _gemma2_fields(get: _Getter, num_layers: int) -> dict[str, Any]:
     )
 
 
-def _sliding_window(arch: str, get: _Getter, cfg: M.ModelConfig) -> int | None:
-    if arch == "MistralForCausalLM":
-        return get.int_("sliding_window", optional=True)
+def _sliding_layers(arch: str, get: _Getter, cfg: M.ModelConfig) -> tuple[int | None, ...] | None:
+    """Per layer, the window of a Mistral or Qwen2 config (None: the whole context); None
+    when no layer slides."""
+    if arch == "MistralForCausalLM":  # every layer
+        window = get.int_("sliding_window", optional=True)
+        return None if window is None else (window,) * cfg.num_layers
     if arch != "Qwen2ForCausalLM" or not get.bool_("use_sliding_window"):
         return None
     window = get.int_("sliding_window", optional=True)
     types = get.raw.get("layer_types")
     if types is None:  # transformers: the layers from max_window_layers on slide
-        sliding = cfg.num_layers > get.int_("max_window_layers", minimum=0)
-    else:
-        allowed = {"full_attention", "sliding_attention"}
-        if not isinstance(types, list) or len(types) != cfg.num_layers or not set(types) <= allowed:
-            raise CheckpointError(
-                f"{get.where}: layer_types must list one of {allowed} "
-                f"per layer ({cfg.num_layers}), got {types!r}"
-            )
-        sliding = "sliding_attention" in types
-    return window if sliding else None
+        first = get.int_("max_window_layers", minimum=0)
+        types = [_LAYER_TYPES[i >= first] for i in range(cfg.num_layers)]
+    elif not (
+        isinstance(types, list) and len(types) == cfg.num_layers and set(types) <= set(_LAYER_TYPES)
+    ):
+        raise CheckpointError(
+            f"{get.where}: layer_types must list one of {set(_LAYER_TYPES)} "
+            f"per layer ({cfg.num_layers}), got {types!r}"
+        )
+    layers = tuple(window if t == "sliding_attention" else None for t in types)
+    return layers if window is not None and any(layers) else None
 
 
 def _token_ids(
