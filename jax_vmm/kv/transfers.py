@@ -96,7 +96,7 @@ class SequenceTransfers:
                     f"KVArena.restore: sequence {q} is not offloaded (kv.offload(seq) first)"
                 )
             self.arena._check_open("KVArena.restore")
-        self.arena._handle.restore(t.ticket, wait)
+        self.arena._commit(lambda: self.arena._handle.restore(t.ticket, wait))
         if wait:
             t.wait()
             with self._lock:

@@ -550,7 +550,7 @@ class Arena:
         with its contents kept, and a later ``wake()`` can succeed."""
         self._check_open("Arena.wake")
         self._generation += 1
-        self._handle.wake()
+        self._commit(self._handle.wake)
         self._run_sleep_hooks(False)
 
     def close(self) -> None:
@@ -586,12 +586,13 @@ class Arena:
         wait_for_host_work(self._target.device)
 
     def _commit(self, commit: Callable[[], int]) -> int:
-        """Run a core commit. On the CPU, memory released while XLA:CPU work that may read
-        it was in flight goes back on the host reclaim thread once that work is done, never
-        from inside a commit (``host_reclaim.py``): a commit that ran out of memory (or
-        budget) with such releases pending waits for them and tries once more, as a GPU
-        commit waits for the device. A zero-filling arena waits before the commit: it may
-        take such memory back and zero it."""
+        """Run a core call that commits (a commit, ``wake``, ``restore``). On the CPU,
+        memory released while XLA:CPU work that may read it was in flight goes back on the
+        host reclaim thread once that work is done, never from inside a commit
+        (``host_reclaim.py``): a commit that ran out of memory (or budget) with such
+        releases pending waits for them and tries once more, as a GPU commit waits for the
+        device. A zero-filling arena waits before the commit: it may take such memory back
+        and zero it."""
         host = self._target.device.platform == "cpu"
         if host and self.zero_fill and host_reclaim.pending():
             host_reclaim.drain()

@@ -354,3 +354,24 @@ def test_taking_released_memory_unwaited_changes_the_step_in_flight(host_vm, tak
 
 def _kv_with(vm, take: str) -> jax_vmm.KVArena:
     return _kv(vm, budget=_budget_for_one_sequence(vm)) if take == "budget" else _kv(vm)
+
+
+def test_a_wake_over_the_budget_waits_for_the_step_in_flight(host_vm):
+    """Another arena of the budget wakes while a step still reads the memory a release
+    just gave up: the wake waits for the step (then fits), and the step reads its tokens."""
+    budget = _budget_for_one_sequence(host_vm)
+    kv = _kv(host_vm, budget=budget)
+    other = host_vm.kv(
+        num_layers=1, num_kv_heads=HEADS, head_dim=DIM, max_tokens=TOKENS, max_seqs=1,
+        dtype=jnp.float32, budget=budget,
+    )  # fmt: skip
+    kv.release(0)
+    other.ensure(TOKENS, seq=0)  # the budget's room moves to the other arena, then back
+    other.sleep()
+    kv.ensure(TOKENS, seq=0)
+    for b in (kv.k_buffers[0], kv.v_buffers[0]):
+        write_bytes(b, 0, np.linspace(0.5, 1.5, TOKENS * HEADS * DIM, dtype=np.float32))
+    want, got, took_while_held = _after_release(kv, other.wake)
+    np.testing.assert_array_equal(got, want)
+    assert not took_while_held, "the wake took the memory while the step still read it"
+    assert not other.asleep
