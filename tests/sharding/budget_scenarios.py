@@ -13,6 +13,7 @@ import multidevice
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from multidevice import raises
 
 import jax_vmm
 from conftest import mo
@@ -24,16 +25,6 @@ L, S, H, D = 2, 4, 4, 16  # layers, sequences (one per device), KV heads, head d
 def scenario(fn: Callable[[], None]) -> Callable[[], None]:
     SCENARIOS[fn.__name__] = fn
     return fn
-
-
-def _raises(exc, fn, *words):
-    try:
-        fn()
-    except exc as e:
-        for w in words:
-            assert w in str(e), f"{w!r} not in {e}"
-        return e
-    raise AssertionError(f"{fn} did not raise {exc.__name__}")
 
 
 def _chunk() -> int:
@@ -61,7 +52,7 @@ def a_budget_of_another_host_device_is_refused():
     d0, d1 = jax.devices()[:2]
     budget = jax_vmm.MemoryBudget(1 << 24, device=d1)
     before = mo.jax_vmm_memfds()
-    _raises(
+    raises(
         ValueError,
         lambda: jax_vmm.Arena(1 << 20, device=d0, budget=budget),
         "the budget is on",
@@ -76,10 +67,10 @@ def a_budget_of_another_host_device_is_refused():
 def one_budget_for_several_devices_is_refused():
     budget = jax_vmm.MemoryBudget(1 << 24, device=jax.devices()[0])
     before = mo.jax_vmm_memfds()
-    _raises(ValueError, lambda: _sharded(budget, 64), "one MemoryBudget per device")
-    _raises(ValueError, lambda: _sharded([budget, budget], 64), "given twice")
-    _raises(TypeError, lambda: _sharded("1G", 64), "sequence of jax_vmm.MemoryBudget")
-    _raises(TypeError, lambda: _sharded([1 << 24] * 4, 64), "got int")
+    raises(ValueError, lambda: _sharded(budget, 64), "one MemoryBudget per device")
+    raises(ValueError, lambda: _sharded([budget, budget], 64), "given twice")
+    raises(TypeError, lambda: _sharded("1G", 64), "sequence of jax_vmm.MemoryBudget")
+    raises(TypeError, lambda: _sharded([1 << 24] * 4, 64), "got int")
     assert mo.jax_vmm_memfds() == before and budget.stats()["arenas"] == []
 
 
@@ -106,8 +97,8 @@ def each_device_of_a_sharded_arena_draws_from_its_own_budget():
         assert [a["uid"] for a in b.stats()["arenas"]][0] == shard.arena.uid
     kv.ensure(2 * tpc, 1)  # device 1: 2 chunks per buffer, its whole budget
     others[0].ensure(2 * tpc)  # device 0's budget is its own
-    _raises(jax_vmm.OutOfMemoryError, lambda: others[1].ensure(1), "memory budget of")
-    _raises(jax_vmm.OutOfMemoryError, lambda: kv.ensure(3 * tpc, 1), "memory budget of")
+    raises(jax_vmm.OutOfMemoryError, lambda: others[1].ensure(1), "memory budget of")
+    raises(jax_vmm.OutOfMemoryError, lambda: kv.ensure(3 * tpc, 1), "memory budget of")
     for b in budgets:
         s = b.stats()
         assert s["used_bytes"] <= s["cap_bytes"]

@@ -48,6 +48,18 @@ def check(results: dict, name: str) -> None:
     assert results[name]["ok"], results[name]["error"]
 
 
+def raises(exc: type[BaseException], fn: Callable[[], object], *words: str) -> BaseException:
+    """For a scenario: ``fn()`` raises ``exc`` with every one of ``words`` in its message;
+    returns the exception."""
+    try:
+        fn()
+    except exc as e:
+        for w in words:
+            assert w in str(e), f"{w!r} not in {e}"
+        return e
+    raise AssertionError(f"{fn} did not raise {exc.__name__}")
+
+
 def main(scenarios: dict[str, Callable[[], None]], names: list[str]) -> int:
     """The child: run the named scenarios (all by default), one JSON line each."""
     import jax

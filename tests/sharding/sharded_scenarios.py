@@ -24,6 +24,7 @@ import multidevice
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from multidevice import raises
 
 import jax_vmm
 import jax_vmm.testing
@@ -457,16 +458,6 @@ def dropped_writes_and_clamped_reads_are_counted_over_the_shards():
     except jax_vmm.OutOfBoundsRead as e:
         assert e.count == 2, e.count  # seq 3 asked past its 4 tokens, on its 2 devices
     kv.close()
-
-
-def raises(exc, fn, *words):
-    try:
-        fn()
-    except exc as e:
-        for w in words:
-            assert w in str(e), f"{w!r} not in {e}"
-        return e
-    raise AssertionError(f"{fn} did not raise {exc.__name__}")
 
 
 @scenario
