@@ -347,7 +347,9 @@ def _sliding_layers(arch: str, get: _Getter, cfg: M.ModelConfig) -> tuple[int | 
     types = get.raw.get("layer_types")
     if types is None:  # transformers: the layers from max_window_layers on slide
         first = get.int_("max_window_layers", minimum=0)
-        types = [_LAYER_TYPES[i >= first] for i in range(cfg.num_layers)]
+        types = [
+            "sliding_attention" if i >= first else "full_attention" for i in range(cfg.num_layers)
+        ]
     elif not (
         isinstance(types, list) and len(types) == cfg.num_layers and set(types) <= set(_LAYER_TYPES)
     ):
