@@ -2,15 +2,15 @@
 # jax_vmm's custom calls, through the header-only cuDNN frontend in dynamic-loading mode,
 # so the module never links libcudnn and still imports without it.
 #
-# JAX_VMM_CUDNN: OFF (default, until the backend has passed its GPU tests); AUTO builds it when the CUDA kernels are built and both
-# cudnn.h and cudnn_frontend.h are found; ON requires it; OFF skips it.
+# JAX_VMM_CUDNN: AUTO (default) builds it when the CUDA kernels are built and both cudnn.h
+# and cudnn_frontend.h are found; ON requires it; OFF skips it.
 # Header search (first hit wins):
 #   cudnn.h            JAX_VMM_CUDNN_INCLUDE (CMake or environment), the nvidia-cudnn wheel
 #                      of this Python (nvidia/cudnn/include), the CUDA toolkit, /usr/include
 #   cudnn_frontend.h   JAX_VMM_CUDNN_FRONTEND_INCLUDE (CMake or environment), the
 #                      nvidia-cudnn-frontend wheel of this Python (its include/ folder)
 # Expects jax_vmm_core, _core, _use_cuda, _src and Python_EXECUTABLE from the top-level CMakeLists.txt.
-set(JAX_VMM_CUDNN "OFF" CACHE STRING "Build the cuDNN attention backend: AUTO, ON or OFF")
+set(JAX_VMM_CUDNN "AUTO" CACHE STRING "Build the cuDNN attention backend: AUTO, ON or OFF")
 set_property(CACHE JAX_VMM_CUDNN PROPERTY STRINGS AUTO ON OFF)
 
 function(_jax_vmm_cudnn_skip why)

@@ -25,6 +25,7 @@ from ..cache.pytree import KVLayer
 from . import layer_ops, sharded_ops
 from .arena_leaves import checked_arena_layer
 from .array_attention import attention_stats, decode_attention_arrays, reference_decode_attention
+from .attention_backend import routes_to_cudnn
 from .attention_call import attention_plan, stream_attention_plan
 
 __all__ = [
@@ -128,6 +129,12 @@ def decode_attention_tuned(
             )
         if k.is_arena:  # an fp8 layer reads with the arena's own scales
             k = checked_arena_layer(k, "decode_attention")
+            knobs = (impl, chunk, splits, ctas, stages, min_tiles, workspace)
+            default_knobs = knobs == ("auto", 0, 0, 0, 0, 0, "scratch")
+            if routes_to_cudnn(_dtype_of(q), k.id, default_knobs=default_knobs):
+                from .cudnn_attention import cudnn_attention
+
+                return cudnn_attention(q, k, v if lengths is None else lengths, scale=scale)
         layer_attention = sharded_ops.attention if _sharded(k) else layer_ops.attention
         return layer_attention(
             q,
@@ -158,6 +165,10 @@ def decode_attention_tuned(
         stages=stages,
         min_tiles=min_tiles,
     )
+
+
+def _dtype_of(x: Any) -> Any:
+    return x.dtype if hasattr(x, "dtype") else jax.numpy.asarray(x).dtype
 
 
 def _sharded(layer: KVLayer) -> bool:

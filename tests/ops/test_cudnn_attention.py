@@ -391,3 +391,46 @@ def test_captured_in_a_command_buffer(gpu, S):
         f"buffer ({after})"
     )
     assert after["execute_failures"] == 0
+
+
+# -- routing: jax_vmm.attention / decode_attention over an arena layer ------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("S", [1, 16])
+def test_auto_attention_over_an_arena_layer_runs_cudnn(gpu, S, monkeypatch):
+    """The natural call (`jax_vmm.attention(q, layer, lengths)`, and `decode_attention` for
+    S = 1) runs cuDNN when the build has it (its execution counter moves) and gives what
+    jax_vmm's kernels give (JAX_VMM_ATTENTION=kernels) and the float64 reference, under
+    jit with the cache as an argument."""
+    B, T, Hq, Hkv, D = 3, 256, 8, 2, 128
+    rng = np.random.default_rng(23)
+    q, k, v = _data(rng, B, S, T, Hq, Hkv, D, BF16, gpu)
+    kv = jax_vmm.kv_arena(
+        num_layers=1, num_kv_heads=Hkv, head_dim=D, max_tokens=T, dtype=BF16, device=gpu,
+        max_seqs=B, initial_tokens=T,
+    )  # fmt: skip
+    try:
+        _copy_into(kv.k_buffers[0], k)
+        _copy_into(kv.v_buffers[0], v)
+        n = jnp.asarray(np.array([T, 100, 0], np.int32))
+        opts = {} if S == 1 else dict(window=40, softcap=30.0)
+
+        def step(cache, q, n):
+            if S == 1:
+                return jax_vmm.decode_attention(q[:, 0], cache[0], n)[:, None]
+            return jax_vmm.attention(q, cache[0], n, **opts)
+
+        before = ca.cudnn_attention_stats()["execute_calls"]
+        got = jax.jit(step)(kv.cache(), q, n)
+        assert ca.cudnn_attention_stats()["execute_calls"] > before, "cuDNN did not run"
+        monkeypatch.setenv("JAX_VMM_ATTENTION", "kernels")
+        before = ca.cudnn_attention_stats()["execute_calls"]
+        ours = jax.jit(step)(kv.cache(), q, n)  # a new trace: the env var is read there
+        assert ca.cudnn_attention_stats()["execute_calls"] == before
+        want = reference(q, k, v, np.asarray(n), None, opts.get("window"), opts.get("softcap"))
+        _check(got, want, BF16, "auto (cuDNN)")
+        _check(ours, want, BF16, "kernels")
+        kv.check()
+    finally:
+        kv.close()
