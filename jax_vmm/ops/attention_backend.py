@@ -9,7 +9,8 @@ it runs decode at 0.63-1.06x of JAX's own cuDNN call over the same tokens and S 
 keep what cuDNN does not take: fp8 caches, sharded layers, the CPU, and every explicit
 ``impl``/plan knob.
 
-``JAX_VMM_ATTENTION=kernels`` (read at each trace) keeps jax_vmm's kernels everywhere.
+``JAX_VMM_ATTENTION=kernels`` keeps jax_vmm's kernels everywhere. It is read when a step is
+traced: a step already traced (jit caches traces per function) keeps its choice.
 """
 
 from __future__ import annotations

@@ -426,7 +426,8 @@ def test_auto_attention_over_an_arena_layer_runs_cudnn(gpu, S, monkeypatch):
         assert ca.cudnn_attention_stats()["execute_calls"] > before, "cuDNN did not run"
         monkeypatch.setenv("JAX_VMM_ATTENTION", "kernels")
         before = ca.cudnn_attention_stats()["execute_calls"]
-        ours = jax.jit(step)(kv.cache(), q, n)  # a new trace: the env var is read there
+        # The choice is made at trace time: jit caches traces per function, so a new one.
+        ours = jax.jit(lambda *a: step(*a))(kv.cache(), q, n)
         assert ca.cudnn_attention_stats()["execute_calls"] == before
         want = reference(q, k, v, np.asarray(n), None, opts.get("window"), opts.get("softcap"))
         _check(got, want, BF16, "auto (cuDNN)")
