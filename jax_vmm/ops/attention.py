@@ -27,6 +27,7 @@ from .arena_leaves import checked_arena_layer
 from .array_attention import attention_stats, decode_attention_arrays, reference_decode_attention
 from .attention_backend import routes_to_cudnn
 from .attention_call import attention_plan, stream_attention_plan
+from .cudnn_attention import cudnn_attention
 
 __all__ = [
     "decode_attention",
@@ -132,8 +133,6 @@ def decode_attention_tuned(
             knobs = (impl, chunk, splits, ctas, stages, min_tiles, workspace)
             default_knobs = knobs == ("auto", 0, 0, 0, 0, 0, "scratch")
             if routes_to_cudnn(_dtype_of(q), k.id, default_knobs=default_knobs):
-                from .cudnn_attention import cudnn_attention
-
                 return cudnn_attention(q, k, v if lengths is None else lengths, scale=scale)
         layer_attention = sharded_ops.attention if _sharded(k) else layer_ops.attention
         return layer_attention(

@@ -27,6 +27,7 @@ from . import attention_call as _call
 from . import layer_ops
 from .attention import decode_attention_tuned
 from .attention_backend import routes_to_cudnn
+from .cudnn_attention import cudnn_attention
 
 __all__ = ["attention", "reference_attention"]
 
@@ -216,8 +217,6 @@ def _arena_attention(
     q, options = checked_options(q, spec, dict(q_lengths=q_lengths, window=window, softcap=softcap))
     default_knobs = knobs == dict(impl="auto", chunk=0, splits=0)
     if routes_to_cudnn(q_in.dtype, lid, default_knobs=default_knobs):
-        from .cudnn_attention import cudnn_attention  # options checked above, as for ours
-
         return cudnn_attention(
             q_in, layer, lengths, q_lengths=options["q_lengths"], scale=scale,
             window=options["window"] or None, softcap=options["softcap"] or None,
