@@ -213,12 +213,11 @@ def _arena_attention(
     if workspace != "scratch":
         raise ValueError("attention over an arena layer keeps its partials in scratch")
     spec = layer_ops._spec(lid)
-    q_in = q
     q, options = checked_options(q, spec, dict(q_lengths=q_lengths, window=window, softcap=softcap))
     default_knobs = knobs == dict(impl="auto", chunk=0, splits=0)
-    if routes_to_cudnn(q_in.dtype, lid, default_knobs=default_knobs):
+    if routes_to_cudnn(q.dtype, lid, default_knobs=default_knobs):
         return cudnn_attention(
-            q_in, layer, lengths, q_lengths=options["q_lengths"], scale=scale,
+            q, layer, lengths, q_lengths=options["q_lengths"], scale=scale,
             window=options["window"] or None, softcap=options["softcap"] or None,
         )  # fmt: skip
     call = _call.prepare(
