@@ -7,8 +7,8 @@ repeats of N back-to-back steps):
 
   vmm_cudnn   jax_vmm.ops.cudnn_attention.cudnn_attention: cuDNN SDPA graph in our custom
               call (bottom-right causal, padding by lengths / q_lengths), workspace in the
-              graph-safe scratch, plus the small kernel that zeroes the rows cuDNN does
-              not compute (before the graph for decode, after it for S > 1)
+              graph-safe scratch, plus its kernel before the graph (lengths read, and
+              zeros for the rows cuDNN leaves unwritten)
   no_zero     the same without the zeroing (zero_rows=False): what the zeroing costs
   jax_cudnn   jax.nn.dot_product_attention(..., implementation="cudnn") over the same
               views: decode with key_value_seq_lengths=lengths (what a JAX user picks);

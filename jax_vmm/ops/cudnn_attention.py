@@ -259,20 +259,10 @@ def _validate(
         scale=np.float32(scale),
         softcap=np.float32(softcap or 0.0),
         window=np.int64(window or 0),
-        zero_rows=np.int64(_zero_rows_mode(zero_rows, S == 1 and q_lengths is None)),
+        zero_rows=np.int64(1 if zero_rows else 0),
     )
     out_type = jax.ShapeDtypeStruct(q.shape, q.dtype)
     return _Call(q, squeeze, lengths, q_eff, attrs, out_type, empty)
-
-
-def _zero_rows_mode(zero_rows: bool, plain_decode: bool) -> int:
-    """The handler's zero_rows attribute (ZeroRows in cudnn_attention.h). cuDNN leaves the
-    rows of length-0 sequences alone but writes rows past q_lengths of the others, so only
-    plain decode (one query row, q_lengths left to the default) can zero before the graph,
-    in the kernel it launches anyway; every other call zeroes after it."""
-    if not zero_rows:
-        return 0
-    return 2 if plain_decode else 1
 
 
 def cudnn_attention(

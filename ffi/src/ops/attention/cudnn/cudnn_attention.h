@@ -28,18 +28,10 @@ struct ReadLimits {
   unsigned long long* clamped = nullptr;
 };
 
-// The zero_rows attribute: what happens to the rows cuDNN does not compute (cudnn_rows.h).
-enum ZeroRows : int64_t {
-  kLeaveRows = 0,        // nothing (for measuring the zeroing)
-  kZeroRowsAfter = 1,    // a kernel after the graph zeroes rows s >= min(q_lengths, lengths)
-  kZeroEmptyBefore = 2,  // decode (S = 1, q_lengths = 1, the caller's promise): the rows of
-                         // length-0 sequences, zeroed before the graph, which leaves them alone
-};
-
 // The stages' bodies over any K/V buffers (the arrays' or a cache layer's): validate and
 // build the graph, grow the scratch (Initialize; never under capture); validate, fetch the
-// graph and the workspace, record the graph and the small kernels around it (Execute;
-// `read`, (2, B), receives the lengths the graph reads when they are computed on the device).
+// graph and the workspace, record the rows kernel (cudnn_rows.h; it writes `read`, (2, B))
+// and the graph (Execute).
 xla::ffi::Error Initialize(cudaStream_t stream, int32_t device, const xla::ffi::AnyBuffer& q,
                            const xla::ffi::AnyBuffer& k, const xla::ffi::AnyBuffer& v,
                            const xla::ffi::Buffer<xla::ffi::S32>& lengths,

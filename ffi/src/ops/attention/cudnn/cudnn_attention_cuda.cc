@@ -7,7 +7,7 @@
 // (B,) [, out_in (B, S, H_q, D): the _into form, aliased to the result]. Results: out, and
 // read s32 (2, B), the lengths the graph reads (cudnn_rows.h; discarded by the caller).
 // Attributes: scale (f32), softcap (f32, 0 = none), window (i64, 0 = none), zero_rows
-// (i64, ZeroRows in cudnn_attention.h).
+// (i64, 1 = zero the rows cuDNN leaves unwritten).
 #include <cuda_runtime_api.h>
 
 #include <atomic>
@@ -143,43 +143,33 @@ ffi::Error Execute(cudaStream_t stream, int32_t device, const ffi::AnyBuffer& q,
     return Invalid("the read-lengths result must be (2, B) = (2, " + std::to_string(key.batch) +
                    ")");
   }
-  if (zero_rows < kLeaveRows || zero_rows > kZeroEmptyBefore ||
-      (zero_rows == kZeroEmptyBefore && key.q_tokens != 1)) {
-    return Invalid("zero_rows must be 0, 1, or 2 with one query row; got " +
-                   std::to_string(zero_rows) + " with S = " + std::to_string(key.q_tokens));
-  }
   if (key.batch == 0 || key.q_tokens == 0) return ffi::Error::Success();
   const SdpaGraph* graph = nullptr;
   if (std::string err = GetGraph(key, !capturing, &graph); !err.empty()) {
     return ffi::Error::Internal(std::string(kName) + ": " + err);
   }
-  const int64_t row_bytes = key.q_heads * key.head_dim * 2;
-  // Before the graph, when lengths must be clamped or a decode call's empty sequences
-  // zeroed (cudnn_rows.h); the graph then reads the lengths that kernel wrote.
-  const bool prepare = limits.ensured != nullptr || zero_rows == kZeroEmptyBefore;
-  if (prepare) {
-    RowsPlan rows;
-    rows.lengths = lengths.typed_data();
-    rows.q_lengths = q_lengths.typed_data();
-    rows.limits = limits.ensured;
-    rows.clamped = limits.clamped;
-    rows.max_tokens = static_cast<int32_t>(key.max_tokens);
-    rows.read = read.typed_data();
-    rows.batch = key.batch;
-    rows.q_tokens = key.q_tokens;
-    rows.out = zero_rows == kZeroEmptyBefore ? out.untyped_data() : nullptr;
-    rows.row_bytes = row_bytes;
-    if (cudaError_t e = LaunchPrepareRows(rows, stream); e != cudaSuccess) {
-      return ffi::Error::Internal(std::string(kName) + ": rows kernel launch failed: " +
-                                  cudaGetErrorString(e));
-    }
+  // Before the graph: the lengths it reads, and zeros in the rows it leaves unwritten.
+  RowsPlan rows;
+  rows.lengths = lengths.typed_data();
+  rows.q_lengths = q_lengths.typed_data();
+  rows.limits = limits.ensured;
+  rows.clamped = limits.clamped;
+  rows.max_tokens = static_cast<int32_t>(key.max_tokens);
+  rows.read = read.typed_data();
+  rows.batch = key.batch;
+  rows.q_tokens = key.q_tokens;
+  rows.out = zero_rows != 0 ? out.untyped_data() : nullptr;
+  rows.row_bytes = key.q_heads * key.head_dim * 2;
+  if (cudaError_t e = LaunchPrepareRows(rows, stream); e != cudaSuccess) {
+    return ffi::Error::Internal(std::string(kName) + ": rows kernel launch failed: " +
+                                cudaGetErrorString(e));
   }
   SdpaPointers p;
   p.q = q.untyped_data();
   p.k = k.untyped_data();
   p.v = v.untyped_data();
-  p.lengths = prepare ? read.typed_data() : lengths.typed_data();
-  p.q_lengths = prepare ? read.typed_data() + key.batch : q_lengths.typed_data();
+  p.lengths = rows.read;
+  p.q_lengths = rows.read + key.batch;
   p.out = out.untyped_data();
   const int64_t ws = WorkspaceBytes(*graph);
   if (ws > 0) {
@@ -192,14 +182,6 @@ ffi::Error Execute(cudaStream_t stream, int32_t device, const ffi::AnyBuffer& q,
   }
   if (std::string err = cudnn::Execute(*graph, device, stream, p); !err.empty()) {
     return ffi::Error::Internal(std::string(kName) + ": " + err);
-  }
-  if (zero_rows == kZeroRowsAfter) {
-    if (cudaError_t e = LaunchZeroRows(p.out, p.q_lengths, p.lengths, key.batch, key.q_tokens,
-                                       row_bytes, stream);
-        e != cudaSuccess) {
-      return ffi::Error::Internal(std::string(kName) + ": zero-rows kernel launch failed: " +
-                                  cudaGetErrorString(e));
-    }
   }
   return ffi::Error::Success();
 }

@@ -1,12 +1,9 @@
-// The small kernels around a cuDNN attention graph. cuDNN's padding mask leaves every row
-// of a sequence of length 0 unwritten, and writes rows past q_lengths of the other
-// sequences with values of its own; jax_vmm.attention promises zeros in both.
-//
-// - PrepareRows, before the graph, when lengths must be clamped to a KVCache layer's
-//   ensured tokens or when the call is plain decode (S = 1 and q_lengths = 1: then the only
-//   rows not computed are those of length-0 sequences, so zeroing them before the graph is
-//   enough, and the call needs one small kernel, not two).
-// - ZeroRows, after the graph, for every other call: rows s >= min(q_lengths, lengths).
+// The one small kernel each cuDNN attention call launches before its graph: it writes the
+// per-sequence lengths the graph reads and zeroes the output rows the graph will not
+// write, so that padded query rows and sequences of length 0 give zeros as
+// jax_vmm.attention promises. One launch instead of a clamp before the graph and a zeroing
+// after it: each is a node of the command buffer, and at small shapes a node costs about
+// what the attention does.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -27,16 +24,11 @@ struct RowsPlan {
   // query rows computed, min(clamp(q_lengths, 0, S), n). The graph reads these.
   int32_t* read = nullptr;
   int64_t batch = 0, q_tokens = 0;
-  // (B, S, row_bytes) output: every row of a sequence with n = 0 is zeroed. Null: none.
+  // (B, S, row_bytes) output; rows s >= read[1][b] are zeroed. Null: no zeroing.
   void* out = nullptr;
   int64_t row_bytes = 0;  // a multiple of 16 (H_q * D * 2 with D % 8 == 0)
 };
 
 cudaError_t LaunchPrepareRows(const RowsPlan& plan, cudaStream_t stream);
-
-// Zeroes query rows s >= min(q_lengths[b], lengths[b]) of out (B, S, row_bytes).
-cudaError_t LaunchZeroRows(void* out, const int32_t* q_lengths, const int32_t* lengths,
-                           int64_t batch, int64_t q_tokens, int64_t row_bytes,
-                           cudaStream_t stream);
 
 }  // namespace jax_vmm::cudnn
