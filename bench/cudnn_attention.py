@@ -7,9 +7,8 @@ repeats of N back-to-back steps):
 
   vmm_cudnn   jax_vmm.ops.cudnn_attention.cudnn_attention: cuDNN SDPA graph in our custom
               call (bottom-right causal, padding by lengths / q_lengths), workspace in the
-              graph-safe scratch, plus its kernel before the graph (lengths read, and
-              zeros for the rows cuDNN leaves unwritten)
-  no_zero     the same without the zeroing (zero_rows=False): what the zeroing costs
+              graph-safe scratch, plus the kernel that zeroes rows cuDNN leaves unwritten
+  no_zero     the same without that kernel (zero_rows=False): the kernel's cost
   jax_cudnn   jax.nn.dot_product_attention(..., implementation="cudnn") over the same
               views: decode with key_value_seq_lengths=lengths (what a JAX user picks);
               several queries with query_seq_lengths=S and key_value_seq_lengths=lengths and

@@ -183,11 +183,6 @@ class _Call:
     out_type: jax.ShapeDtypeStruct
     empty: bool
 
-    @property
-    def read_type(self) -> jax.ShapeDtypeStruct:
-        """The handler's second result: the (2, B) lengths the graph reads (discarded)."""
-        return jax.ShapeDtypeStruct((2, self.q.shape[0]), jnp.int32)
-
 
 def _validate(
     q: Any,
@@ -235,8 +230,8 @@ def _validate(
         raise ValueError(f"cudnn_attention: scale must be finite, got {scale}")
     lengths = jnp.clip(_check_int_vector("lengths", lengths, B), 0, T).astype(jnp.int32)
     if q_lengths is None and S == 1:
-        # One query token: row 0 is valid exactly when lengths > 0, which the handler's rows
-        # kernel applies (cudnn_rows.h); a constant needs no device op before the call.
+        # One query token: row 0 is valid exactly when lengths > 0, which the zero-rows
+        # kernel applies; a constant needs no device op before the call.
         q_eff = jnp.ones((B,), jnp.int32)
     else:
         q_req = jnp.full((B,), S, jnp.int32) if q_lengths is None else q_lengths
@@ -285,8 +280,8 @@ def cudnn_attention(
     layer is read by the cache's identity, after the layer's writes, with lengths clamped
     to the tokens ensured, as ``jax_vmm.decode_attention(q, layer, lengths)`` does).
 
-    ``zero_rows=False`` leaves the rows cuDNN does not write (rows past ``q_lengths``,
-    sequences of length 0) as they were instead of zeroing them: only for measuring that. ``out``
+    ``zero_rows=False`` skips the small kernel that zeroes the rows cuDNN does not write
+    (rows past ``q_lengths``, sequences of length 0): only for measuring it. ``out``
     (array form): a ``(B, S, H_q, D)`` array the result is written into (aliased; donate
     it under jit to avoid a copy).
     """
@@ -305,8 +300,8 @@ def cudnn_attention(
     if call.empty:
         res = jnp.zeros(q.shape, q.dtype)
     elif out is None:
-        ffi = jax.ffi.ffi_call(_TARGET, (call.out_type, call.read_type), vmap_method="sequential")
-        res, _ = ffi(q, k, v, call.lengths, call.q_lengths, **call.attrs)
+        ffi = jax.ffi.ffi_call(_TARGET, call.out_type, vmap_method="sequential")
+        res = ffi(q, k, v, call.lengths, call.q_lengths, **call.attrs)
     else:
         out = out[:, None] if call.squeeze and out.ndim == 3 else out
         if out.shape != q.shape or out.dtype != q.dtype:
@@ -314,12 +309,9 @@ def cudnn_attention(
                 f"cudnn_attention: out must be {q.dtype}{q.shape}; got {out.dtype}{out.shape}"
             )
         ffi = jax.ffi.ffi_call(
-            _TARGET_INTO,
-            (call.out_type, call.read_type),
-            vmap_method="sequential",
-            input_output_aliases={5: 0},
+            _TARGET_INTO, call.out_type, vmap_method="sequential", input_output_aliases={5: 0}
         )
-        res, _ = ffi(q, k, v, call.lengths, call.q_lengths, out, **call.attrs)
+        res = ffi(q, k, v, call.lengths, call.q_lengths, out, **call.attrs)
     return res[:, 0] if call.squeeze else res
 
 
@@ -356,9 +348,8 @@ def _over_layer(
     if call.empty:
         res = jnp.zeros(q.shape, q.dtype)
     else:
-        ffi = jax.ffi.ffi_call(
-            _TARGET_CACHE, (call.out_type, call.read_type), vmap_method="sequential"
-        )
+        read = jax.ShapeDtypeStruct((q.shape[0],), jnp.int32)  # read_lengths: discarded
+        ffi = jax.ffi.ffi_call(_TARGET_CACHE, (call.out_type, read), vmap_method="sequential")
         res, _ = ffi(
             q,
             call.lengths,

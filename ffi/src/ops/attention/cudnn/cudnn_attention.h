@@ -20,18 +20,9 @@ void AddCudnnTargets(FfiRegistry& registry);
 // layer's arena buffers, found by the cache's identity.
 void AddCudnnCacheTargets(FfiRegistry& registry);
 
-// A KVCache layer's bound on what a call may read: the tokens each sequence ensured
-// (device, (B,)) and the counter of clamped reads that kv.check() reports. Empty for
-// arrays.
-struct ReadLimits {
-  const int32_t* ensured = nullptr;
-  unsigned long long* clamped = nullptr;
-};
-
 // The stages' bodies over any K/V buffers (the arrays' or a cache layer's): validate and
 // build the graph, grow the scratch (Initialize; never under capture); validate, fetch the
-// graph and the workspace, record the rows kernel (cudnn_rows.h; it writes `read`, (2, B))
-// and the graph (Execute).
+// graph and the workspace, record the graph and the zero-rows kernel (Execute).
 xla::ffi::Error Initialize(cudaStream_t stream, int32_t device, const xla::ffi::AnyBuffer& q,
                            const xla::ffi::AnyBuffer& k, const xla::ffi::AnyBuffer& v,
                            const xla::ffi::Buffer<xla::ffi::S32>& lengths,
@@ -42,7 +33,6 @@ xla::ffi::Error Execute(cudaStream_t stream, int32_t device, const xla::ffi::Any
                         const xla::ffi::AnyBuffer& k, const xla::ffi::AnyBuffer& v,
                         const xla::ffi::Buffer<xla::ffi::S32>& lengths,
                         const xla::ffi::Buffer<xla::ffi::S32>& q_lengths, xla::ffi::AnyBuffer out,
-                        xla::ffi::Buffer<xla::ffi::S32> read, const ReadLimits& limits,
                         float scale, float softcap, int64_t window, int64_t zero_rows);
 
 struct HandlerStats {

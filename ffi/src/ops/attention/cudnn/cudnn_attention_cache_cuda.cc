@@ -1,14 +1,14 @@
 // jax_vmm_cudnn_attention_cache: the cuDNN attention backend over a KVCache layer
 // (jax_vmm/_cudnn_attention.py with a KVLayer of a kv_arena). As
 // jax_vmm_decode_attention_cache does, the K/V buffers are not operands: the handler finds
-// the layer's arena buffers by the cache's identity (attributes cache_uid, layer), and the
-// rows kernel (cudnn_rows.h) reads min(clamp(lengths, 0, T), ensured tokens) of each
-// sequence, counting clamped sequences (kv.check() reports them). `token` orders the call
-// after the layer's writes; it is not read.
+// the layer's arena buffers by the cache's identity (attributes cache_uid, layer), and a
+// small kernel first computes what is read, read_lengths = min(clamp(lengths, 0, T),
+// ensured tokens), counting clamped sequences (kv.check() reports them). `token` orders the
+// call after the layer's writes; it is not read.
 //
 // Operands: q (B, S, H_q, D), lengths s32 (B,), q_lengths s32 (B,), token. Results: out,
-// read s32 (2, B) (the lengths the graph reads; discarded). Attributes: cache_uid (u64),
-// layer (i64), then scale, softcap, window, zero_rows as in cudnn_attention_cuda.cc.
+// read_lengths (s32 (B,), discarded). Attributes: cache_uid (u64), layer (i64), then
+// scale, softcap, window, zero_rows as in cudnn_attention_cuda.cc.
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
@@ -18,6 +18,7 @@
 #include "ops/attention/cudnn/cudnn_attention.h"
 #include "ops/kv_cache/kv_cache.h"
 #include "ops/kv_cache/kv_cache_call.h"
+#include "ops/kv_cache/kv_cache_kernels.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -61,11 +62,11 @@ ffi::Error Resolve(int32_t device, uint64_t cache_uid, int64_t layer, const ffi:
 ffi::Error InitializeImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q,
                           ffi::Buffer<ffi::S32> lengths, ffi::Buffer<ffi::S32> q_lengths,
                           ffi::AnyBuffer token, ffi::Result<ffi::AnyBuffer> out,
-                          ffi::Result<ffi::Buffer<ffi::S32>> read, uint64_t cache_uid,
+                          ffi::Result<ffi::Buffer<ffi::S32>> read_lengths, uint64_t cache_uid,
                           int64_t layer, float scale, float softcap, int64_t window,
                           int64_t zero_rows) {
   (void)token;
-  (void)read;
+  (void)read_lengths;
   (void)zero_rows;
   Layer call;
   if (ffi::Error err = Resolve(device, cache_uid, layer, q, &call); err.failure()) return err;
@@ -76,18 +77,29 @@ ffi::Error InitializeImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q,
 ffi::Error ExecuteImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q,
                        ffi::Buffer<ffi::S32> lengths, ffi::Buffer<ffi::S32> q_lengths,
                        ffi::AnyBuffer token, ffi::Result<ffi::AnyBuffer> out,
-                       ffi::Result<ffi::Buffer<ffi::S32>> read, uint64_t cache_uid,
+                       ffi::Result<ffi::Buffer<ffi::S32>> read_lengths, uint64_t cache_uid,
                        int64_t layer, float scale, float softcap, int64_t window,
                        int64_t zero_rows) {
   (void)token;  // orders the call after the layer's writes; not read
   Layer call;
   if (ffi::Error err = Resolve(device, cache_uid, layer, q, &call); err.failure()) return err;
   const kvcache::KvCache& cache = *call.layer.cache;
-  ReadLimits limits;
-  limits.ensured = cache.device_read_limits();
-  limits.clamped = cache.device_read_clamps();
-  return Execute(stream, device, q, ffi::AnyBuffer(&call.k), ffi::AnyBuffer(&call.v), lengths,
-                 q_lengths, *out, *read, limits, scale, softcap, window, zero_rows);
+  const int64_t B = cache.geometry().max_seqs;
+  if (lengths.element_count() != static_cast<size_t>(B) ||
+      read_lengths->element_count() != static_cast<size_t>(B)) {
+    return ffi::Error::InvalidArgument(std::string(kName) + ": lengths must be (" +
+                                       std::to_string(B) + ",)");
+  }
+  if (cudaError_t e = kvcache::LaunchClampLengths(
+          lengths.typed_data(), cache.device_read_limits(), read_lengths->typed_data(),
+          static_cast<int>(B), static_cast<int>(cache.geometry().max_tokens),
+          cache.device_read_clamps(), stream);
+      e != cudaSuccess) {
+    return ffi::Error::Internal(std::string(kName) + ": clamp kernel launch failed: " +
+                                cudaGetErrorString(e));
+  }
+  return Execute(stream, device, q, ffi::AnyBuffer(&call.k), ffi::AnyBuffer(&call.v),
+                 *read_lengths, q_lengths, *out, scale, softcap, window, zero_rows);
 }
 
 template <typename B>
@@ -100,7 +112,7 @@ auto BindCache(B&& b) {
       .template Arg<ffi::Buffer<ffi::S32>>()   // q_lengths
       .template Arg<ffi::AnyBuffer>()          // token
       .template Ret<ffi::AnyBuffer>()          // out
-      .template Ret<ffi::Buffer<ffi::S32>>()   // read (2, B)
+      .template Ret<ffi::Buffer<ffi::S32>>()   // read_lengths
       .template Attr<uint64_t>("cache_uid")
       .template Attr<int64_t>("layer")
       .template Attr<float>("scale")

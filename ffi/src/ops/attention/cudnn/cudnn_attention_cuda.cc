@@ -4,10 +4,9 @@
 // valid workspace pointer across scratch growth.
 //
 // Operands: q (B, S, H_q, D), k and v (B, T, H_kv, D), lengths s32 (B,), q_lengths s32
-// (B,) [, out_in (B, S, H_q, D): the _into form, aliased to the result]. Results: out, and
-// read s32 (2, B), the lengths the graph reads (cudnn_rows.h; discarded by the caller).
-// Attributes: scale (f32), softcap (f32, 0 = none), window (i64, 0 = none), zero_rows
-// (i64, 1 = zero the rows cuDNN leaves unwritten).
+// (B,) [, out_in (B, S, H_q, D): the _into form, aliased to the result]. Attributes:
+// scale (f32), softcap (f32, 0 = none), window (i64, 0 = none), zero_rows (i64, 1 = zero
+// the rows cuDNN leaves unwritten).
 #include <cuda_runtime_api.h>
 
 #include <atomic>
@@ -128,8 +127,8 @@ ffi::Error Initialize(cudaStream_t stream, int32_t device, const ffi::AnyBuffer&
 ffi::Error Execute(cudaStream_t stream, int32_t device, const ffi::AnyBuffer& q,
                    const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
                    const ffi::Buffer<ffi::S32>& lengths, const ffi::Buffer<ffi::S32>& q_lengths,
-                   ffi::AnyBuffer out, ffi::Buffer<ffi::S32> read, const ReadLimits& limits,
-                   float scale, float softcap, int64_t window, int64_t zero_rows) {
+                   ffi::AnyBuffer out, float scale, float softcap, int64_t window,
+                   int64_t zero_rows) {
   g_execute.fetch_add(1, std::memory_order_relaxed);
   const bool capturing = Capturing(stream);
   if (capturing) g_captured.fetch_add(1, std::memory_order_relaxed);
@@ -139,37 +138,17 @@ ffi::Error Execute(cudaStream_t stream, int32_t device, const ffi::AnyBuffer& q,
       err.failure()) {
     return err;
   }
-  if (read.element_count() != static_cast<size_t>(2 * key.batch)) {
-    return Invalid("the read-lengths result must be (2, B) = (2, " + std::to_string(key.batch) +
-                   ")");
-  }
   if (key.batch == 0 || key.q_tokens == 0) return ffi::Error::Success();
   const SdpaGraph* graph = nullptr;
   if (std::string err = GetGraph(key, !capturing, &graph); !err.empty()) {
     return ffi::Error::Internal(std::string(kName) + ": " + err);
   }
-  // Before the graph: the lengths it reads, and zeros in the rows it leaves unwritten.
-  RowsPlan rows;
-  rows.lengths = lengths.typed_data();
-  rows.q_lengths = q_lengths.typed_data();
-  rows.limits = limits.ensured;
-  rows.clamped = limits.clamped;
-  rows.max_tokens = static_cast<int32_t>(key.max_tokens);
-  rows.read = read.typed_data();
-  rows.batch = key.batch;
-  rows.q_tokens = key.q_tokens;
-  rows.out = zero_rows != 0 ? out.untyped_data() : nullptr;
-  rows.row_bytes = key.q_heads * key.head_dim * 2;
-  if (cudaError_t e = LaunchPrepareRows(rows, stream); e != cudaSuccess) {
-    return ffi::Error::Internal(std::string(kName) + ": rows kernel launch failed: " +
-                                cudaGetErrorString(e));
-  }
   SdpaPointers p;
   p.q = q.untyped_data();
   p.k = k.untyped_data();
   p.v = v.untyped_data();
-  p.lengths = rows.read;
-  p.q_lengths = rows.read + key.batch;
+  p.lengths = lengths.typed_data();
+  p.q_lengths = q_lengths.typed_data();
   p.out = out.untyped_data();
   const int64_t ws = WorkspaceBytes(*graph);
   if (ws > 0) {
@@ -183,6 +162,15 @@ ffi::Error Execute(cudaStream_t stream, int32_t device, const ffi::AnyBuffer& q,
   if (std::string err = cudnn::Execute(*graph, device, stream, p); !err.empty()) {
     return ffi::Error::Internal(std::string(kName) + ": " + err);
   }
+  if (zero_rows != 0) {
+    const int64_t row_bytes = key.q_heads * key.head_dim * 2;
+    if (cudaError_t e = LaunchZeroRows(p.out, p.q_lengths, p.lengths, key.batch, key.q_tokens,
+                                       row_bytes, stream);
+        e != cudaSuccess) {
+      return ffi::Error::Internal(std::string(kName) + ": zero-rows kernel launch failed: " +
+                                  cudaGetErrorString(e));
+    }
+  }
   return ffi::Error::Success();
 }
 
@@ -191,9 +179,7 @@ namespace {
 ffi::Error InitializeImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k,
                           ffi::AnyBuffer v, ffi::Buffer<ffi::S32> lengths,
                           ffi::Buffer<ffi::S32> q_lengths, ffi::Result<ffi::AnyBuffer> out,
-                          ffi::Result<ffi::Buffer<ffi::S32>> read, float scale, float softcap,
-                          int64_t window, int64_t zero_rows) {
-  (void)read;
+                          float scale, float softcap, int64_t window, int64_t zero_rows) {
   (void)zero_rows;
   return Initialize(stream, device, q, k, v, lengths, q_lengths, *out, scale, softcap, window);
 }
@@ -201,21 +187,18 @@ ffi::Error InitializeImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q,
 ffi::Error ExecuteImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k,
                        ffi::AnyBuffer v, ffi::Buffer<ffi::S32> lengths,
                        ffi::Buffer<ffi::S32> q_lengths, ffi::Result<ffi::AnyBuffer> out,
-                       ffi::Result<ffi::Buffer<ffi::S32>> read, float scale, float softcap,
-                       int64_t window, int64_t zero_rows) {
-  return Execute(stream, device, q, k, v, lengths, q_lengths, *out, *read, ReadLimits{}, scale,
-                 softcap, window, zero_rows);
+                       float scale, float softcap, int64_t window, int64_t zero_rows) {
+  return Execute(stream, device, q, k, v, lengths, q_lengths, *out, scale, softcap, window,
+                 zero_rows);
 }
 
 // The _into form: out_in is the buffer XLA aliases to the result; it is not read.
 ffi::Error InitializeIntoImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q,
                               ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Buffer<ffi::S32> lengths,
                               ffi::Buffer<ffi::S32> q_lengths, ffi::AnyBuffer out_in,
-                              ffi::Result<ffi::AnyBuffer> out,
-                              ffi::Result<ffi::Buffer<ffi::S32>> read, float scale,
-                              float softcap, int64_t window, int64_t zero_rows) {
+                              ffi::Result<ffi::AnyBuffer> out, float scale, float softcap,
+                              int64_t window, int64_t zero_rows) {
   (void)out_in;
-  (void)read;
   (void)zero_rows;
   return Initialize(stream, device, q, k, v, lengths, q_lengths, *out, scale, softcap, window);
 }
@@ -223,12 +206,11 @@ ffi::Error InitializeIntoImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffe
 ffi::Error ExecuteIntoImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k,
                            ffi::AnyBuffer v, ffi::Buffer<ffi::S32> lengths,
                            ffi::Buffer<ffi::S32> q_lengths, ffi::AnyBuffer out_in,
-                           ffi::Result<ffi::AnyBuffer> out,
-                           ffi::Result<ffi::Buffer<ffi::S32>> read, float scale, float softcap,
+                           ffi::Result<ffi::AnyBuffer> out, float scale, float softcap,
                            int64_t window, int64_t zero_rows) {
   (void)out_in;
-  return Execute(stream, device, q, k, v, lengths, q_lengths, *out, *read, ReadLimits{}, scale,
-                 softcap, window, zero_rows);
+  return Execute(stream, device, q, k, v, lengths, q_lengths, *out, scale, softcap, window,
+                 zero_rows);
 }
 
 template <typename B>
@@ -266,30 +248,26 @@ HandlerStats GetHandlerStats() {
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     CudnnAttentionInitialize, jax_vmm::cudnn::InitializeImpl,
-    jax_vmm::cudnn::BindAttrs(jax_vmm::cudnn::BindCommon(xla::ffi::Ffi::BindInitialize())
-                                  .Ret<xla::ffi::AnyBuffer>()
-                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()));
+    jax_vmm::cudnn::BindAttrs(
+        jax_vmm::cudnn::BindCommon(xla::ffi::Ffi::BindInitialize()).Ret<xla::ffi::AnyBuffer>()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     CudnnAttentionExecute, jax_vmm::cudnn::ExecuteImpl,
-    jax_vmm::cudnn::BindAttrs(jax_vmm::cudnn::BindCommon(xla::ffi::Ffi::Bind())
-                                  .Ret<xla::ffi::AnyBuffer>()
-                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()),
+    jax_vmm::cudnn::BindAttrs(
+        jax_vmm::cudnn::BindCommon(xla::ffi::Ffi::Bind()).Ret<xla::ffi::AnyBuffer>()),
     {xla::ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     CudnnAttentionIntoInitialize, jax_vmm::cudnn::InitializeIntoImpl,
     jax_vmm::cudnn::BindAttrs(jax_vmm::cudnn::BindCommon(xla::ffi::Ffi::BindInitialize())
                                   .Arg<xla::ffi::AnyBuffer>()  // out_in
-                                  .Ret<xla::ffi::AnyBuffer>()
-                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()));
+                                  .Ret<xla::ffi::AnyBuffer>()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     CudnnAttentionIntoExecute, jax_vmm::cudnn::ExecuteIntoImpl,
     jax_vmm::cudnn::BindAttrs(jax_vmm::cudnn::BindCommon(xla::ffi::Ffi::Bind())
                                   .Arg<xla::ffi::AnyBuffer>()  // out_in
-                                  .Ret<xla::ffi::AnyBuffer>()
-                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()),
+                                  .Ret<xla::ffi::AnyBuffer>()),
     {xla::ffi::Traits::kCmdBufferCompatible});
 
 namespace jax_vmm::cudnn {
