@@ -8,8 +8,10 @@
 // scale * q.k, then softcap * tanh(logits / softcap) when softcap > 0. k, v are
 // (B, T, H_kv, D) with H_q % H_kv == 0. All tensors are dense BSHD.
 //
-// cuDNN computes rows i < q_lengths[b] only: rows past it, and every row of a sequence of
-// length 0, are left to the caller (cudnn_rows.h zeroes them).
+// cuDNN's values are right for rows i < q_lengths[b] only. Rows past it, and every row of a
+// sequence of length 0, are the caller's to zero, after the graph: measured on the H200
+// (cuDNN 9.19), the S > 1 graph leaves a length-0 sequence's rows unwritten but writes
+// rows past q_lengths of the others, and the S = 1 graph writes every row (cudnn_rows.h).
 //
 // Building needs no stream and must not run under stream capture (it may allocate and
 // compile kernels); Execute() only records cudnnBackendExecute on the stream, which is
