@@ -1,14 +1,22 @@
 """jax_vmm's cuDNN attention backend side by side with cuDNN through JAX and with
 jax_vmm.decode_attention, in one process, over arena views (bf16, H_q 32, H_kv 8, D 128).
 
-Per configuration, one step runs R layers (layer i reads kv.k[i], kv.v[i] of one
-kv_arena, so repeated runs do not hit in L2); times are per attention call (median over
-repeats of N back-to-back steps):
+Per configuration, one timed call runs --steps decode steps in a ``lax.fori_loop`` (as a
+decode block of the serving engine does), each step R layers (layer i reads kv.k[i],
+kv.v[i] of one kv_arena, so repeated runs do not hit in L2); each layer's output is the
+next layer's query, as in a model. So at small shapes the time is the device's (one
+dispatch per steps x R calls), not the host's. Times are per attention call (median over
+repeats of N back-to-back calls / (steps x R)); --steps 1 is one step per dispatch:
 
-  vmm_cudnn   jax_vmm.ops.cudnn_attention.cudnn_attention: cuDNN SDPA graph in our custom
-              call (bottom-right causal, padding by lengths / q_lengths), workspace in the
-              graph-safe scratch, plus the kernel that zeroes rows cuDNN leaves unwritten
+  vmm_cudnn   jax_vmm.ops.cudnn_attention.cudnn_attention over the views: cuDNN SDPA graph
+              in our custom call (bottom-right causal, padding by lengths / q_lengths),
+              workspace in the graph-safe scratch, plus the kernel that zeroes rows cuDNN
+              leaves unwritten
   no_zero     the same without that kernel (zero_rows=False): the kernel's cost
+  vmm_layer   what a user calls: jax_vmm.decode_attention(q, cache[l], lengths) (S = 1) or
+              jax_vmm.attention(q, cache[l], lengths) over the arena layer of kv.cache(),
+              which the routing sends to the same cuDNN graph, with the lengths clamped to
+              the tokens ensured first (one more small kernel)
   jax_cudnn   jax.nn.dot_product_attention(..., implementation="cudnn") over the same
               views: decode with key_value_seq_lengths=lengths (what a JAX user picks);
               several queries with query_seq_lengths=S and key_value_seq_lengths=lengths and
@@ -16,11 +24,12 @@ repeats of N back-to-back steps):
               "S new queries at the end of each cached sequence"; padding-only is the
               closest mask it has, and does at least our work (S x len scores against our
               S x (len - S/2)), so the ratio is conservative for us
-  vmm_kernel  jax_vmm.decode_attention (our own CUDA kernel; decode only)
+  vmm_kernel  jax_vmm.decode_attention(q, k, v, lengths) over the views: jax_vmm's own
+              split-K CUDA kernel (the array form is not routed to cuDNN; decode only)
 
-"ratio" = vmm_cudnn / jax_cudnn (goal <= 1.0 for decode, <= 1.1 for S > 1), "floor" = live
-K/V bytes / 4.8 TB/s (H200 HBM3e). Decode lengths are full (T) unless --ragged; the
-S > 1 rows draw lengths uniformly from [S, T].
+"ratio" = vmm_cudnn / jax_cudnn and "layer" = vmm_layer / jax_cudnn (goal <= 1.0 for
+decode, <= 1.1 for S > 1), "floor" = live K/V bytes / 4.8 TB/s (H200 HBM3e). Decode
+lengths are full (T) unless --ragged; the S > 1 rows draw lengths uniformly from [S, T].
 
   python bench/cudnn_attention.py                         # the grid (~2-3 minutes)
   python bench/cudnn_attention.py --batches 8 --contexts 8192 --multi-q 0
@@ -66,6 +75,26 @@ def _err(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {' | '.join(lines)[:600]}"
 
 
+def over_layers(attend: Any, layers: int, steps: int) -> Any:
+    """A jitted ``run(q, lengths, cache)``: ``steps`` decode steps (a ``fori_loop`` when
+    > 1), each running ``attend(q, layer_index, lengths, cache)`` over ``layers`` layers
+    with each output the next query, so no call can be hoisted or skipped. ``cache`` (the
+    views, or a ``kv.cache()``) is an argument, never a constant of the trace."""
+
+    def one_step(q, lengths, cache):
+        for layer in range(layers):
+            q = attend(q, layer, lengths, cache).reshape(q.shape)
+        return q
+
+    @jax.jit
+    def run(q, lengths, cache):
+        if steps == 1:
+            return one_step(q, lengths, cache)
+        return jax.lax.fori_loop(0, steps, lambda _, x: one_step(x, lengths, cache), q)
+
+    return run
+
+
 def run_config(
     dev,
     B: int,
@@ -75,6 +104,7 @@ def run_config(
     layers_budget: int,
     runs: int,
     repeats: int,
+    steps: int,
     seed: int = 0,
 ) -> dict:
     rng = np.random.default_rng(seed)
@@ -87,7 +117,7 @@ def run_config(
     n = n.astype(np.int32)
     live = int(2 * n.sum() * HKV * D * 2)
     row: dict[str, Any] = dict(
-        B=B, T=T, S=S, layers=R, live_kv_bytes=live, floor_us=live / HBM_BPS * 1e6
+        B=B, T=T, S=S, layers=R, steps=steps, live_kv_bytes=live, floor_us=live / HBM_BPS * 1e6
     )
     kv = jax_vmm.kv_arena(
         num_layers=R,
@@ -107,7 +137,7 @@ def run_config(
             key, sub = jax.random.split(key)
             _copy_into(buf, jax.random.normal(sub, (B, T, HKV, D), DTYPE))
         key, sub = jax.random.split(key)
-        qs = jax.device_put(jax.random.normal(sub, (R, B, S, HQ, D), DTYPE), dev)
+        q0 = jax.device_put(jax.random.normal(sub, (B, S, HQ, D), DTYPE), dev)
         lens = jax.device_put(jnp.asarray(n), dev)
         qlens = jax.device_put(jnp.full((B,), S, jnp.int32), dev)
         ks = [kv.k[l] for l in range(R)]
@@ -127,34 +157,41 @@ def run_config(
                 implementation="cudnn",
             )
 
+        def vmm_layer(q, layer, n):
+            if S == 1:
+                return jax_vmm.decode_attention(q[:, 0], layer, n)[:, None]
+            return jax_vmm.attention(q, layer, n)
+
         impls = {
             "vmm_cudnn": lambda q, k, v, n: ca.cudnn_attention(q, k, v, n),
             "no_zero": lambda q, k, v, n: ca.cudnn_attention(q, k, v, n, zero_rows=False),
+            "vmm_layer": None,  # over kv.cache(), below
             "jax_cudnn": jax_cudnn,
         }
         if S == 1:
-            impls["vmm_kernel"] = lambda q, k, v, n: jax_vmm.decode_attention(q[:, 0], k, v, n)
+            impls["vmm_kernel"] = lambda q, k, v, n: jax_vmm.decode_attention(q[:, 0], k, v, n)[
+                :, None
+            ]
 
         # layer 0, S == 1: ours against JAX's cuDNN (the same mask there)
         if S == 1:
             try:
-                a = ca.cudnn_attention(qs[0], ks[0], vs[0], lens).astype(jnp.float32)
-                b = jax_cudnn(qs[0], ks[0], vs[0], lens).astype(jnp.float32)
+                a = ca.cudnn_attention(q0, ks[0], vs[0], lens).astype(jnp.float32)
+                b = jax_cudnn(q0, ks[0], vs[0], lens).astype(jnp.float32)
                 row["max_abs_diff_vs_jax_cudnn"] = float(jnp.max(jnp.abs(a - b)))
             except Exception as exc:  # noqa: BLE001 - report and keep going
                 row["check_error"] = _err(exc)
 
-        def over_layers(attend):
-            @jax.jit
-            def step(qs, ks, vs, lens):
-                return jnp.stack([attend(qs[l], ks[l], vs[l], lens) for l in range(R)])
-
-            return step
-
+        views, cache = (ks, vs), kv.cache()
         for name, attend in impls.items():
-            step = over_layers(attend)
+            if attend is None:
+                state = cache
+                run = over_layers(lambda q, l, n, c: vmm_layer(q, c[l], n), R, steps)
+            else:
+                state = views
+                run = over_layers(lambda q, l, n, c, a=attend: a(q, c[0][l], c[1][l], n), R, steps)
             try:
-                t = median_time(lambda: step(qs, ks, vs, lens), repeats, runs) / R
+                t = median_time(lambda: run(q0, lens, state), repeats, runs) / (R * steps)
                 row[f"{name}_us"] = t * 1e6
             except Exception as exc:  # noqa: BLE001 - report and keep going
                 row[f"{name}_us"] = None
@@ -181,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--multi-batch", type=int, default=4)
     p.add_argument("--ragged", action="store_true", help="ragged decode lengths in [1, T]")
     p.add_argument("--layers-budget", type=int, default=1 << 30, help="bytes of K/V per step")
+    p.add_argument("--steps", type=int, default=16, help="decode steps per timed call (fori_loop)")
     p.add_argument("--runs", type=int, default=10)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--json", type=Path, default=None)
@@ -189,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     gpus = [d for d in jax.devices() if d.platform in ("gpu", "cuda")]
     if not gpus:
         sys.exit("needs a CUDA GPU")
+    if args.steps < 1:
+        sys.exit(f"--steps must be >= 1, got {args.steps}")
     dev = gpus[0]
     print(f"jax {jax.__version__}, device {dev.device_kind}")
     print(f"cudnn backend: {ca.cudnn_info()}")
@@ -205,13 +245,16 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     t0 = time.perf_counter()
     head = (
-        f"{'B':>3} {'T':>6} {'S':>5} {'vmm_cudnn':>9} {'no_zero':>8} {'jax_cudnn':>9} "
-        f"{'vmm_kernel':>10} {'ratio':>6} {'kern/jax':>8} {'floor':>8}  (us per layer)"
+        f"{'B':>3} {'T':>6} {'S':>5} {'vmm_cudnn':>9} {'no_zero':>8} {'vmm_layer':>9} "
+        f"{'jax_cudnn':>9} {'vmm_kernel':>10} {'ratio':>6} {'layer':>6} {'kern/jax':>8} "
+        f"{'floor':>8}  (us per layer call)"
     )
     print(head)
     for B, T, S in configs:
         try:
-            row = run_config(dev, B, T, S, args.ragged, args.layers_budget, args.runs, args.repeats)
+            row = run_config(
+                dev, B, T, S, args.ragged, args.layers_budget, args.runs, args.repeats, args.steps
+            )
         except Exception as exc:  # noqa: BLE001 - e.g. out of memory at the largest sizes
             traceback.print_exc()
             row = dict(B=B, T=T, S=S, error=_err(exc))
@@ -220,12 +263,14 @@ def main(argv: list[str] | None = None) -> int:
             continue
         rows.append(row)
         r = _ratio(row.get("vmm_cudnn_us"), row.get("jax_cudnn_us"))
+        rl = _ratio(row.get("vmm_layer_us"), row.get("jax_cudnn_us"))
         rk = _ratio(row.get("vmm_kernel_us"), row.get("jax_cudnn_us"))
         print(
             f"{B:>3} {T:>6} {S:>5} {_fmt(row.get('vmm_cudnn_us'), '{:9.1f}')} "
-            f"{_fmt(row.get('no_zero_us'))} {_fmt(row.get('jax_cudnn_us'), '{:9.1f}')} "
+            f"{_fmt(row.get('no_zero_us'))} {_fmt(row.get('vmm_layer_us'), '{:9.1f}')} "
+            f"{_fmt(row.get('jax_cudnn_us'), '{:9.1f}')} "
             f"{_fmt(row.get('vmm_kernel_us'), '{:10.1f}')} {_fmt(r, '{:6.3f}')} "
-            f"{_fmt(rk, '{:8.3f}')} {_fmt(row['floor_us'])}",
+            f"{_fmt(rl, '{:6.3f}')} {_fmt(rk, '{:8.3f}')} {_fmt(row['floor_us'])}",
             flush=True,
         )
         for k, v in row.items():
