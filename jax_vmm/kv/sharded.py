@@ -426,15 +426,17 @@ class ShardedKVArena(KVArenaBase):
         raise OutOfBoundsRead(f"sharded KV arena: {where}", reads)
 
     def stats(self) -> ShardedKVArenaStats:
-        """Totals over the devices (bytes reserved, backed, peak backed and held; commit and
-        decommit calls and seconds), ``backed_tokens`` per global sequence, and
-        ``devices``: each shard's :meth:`KVArena.stats` with its device."""
+        """Totals over the devices (bytes reserved, backed, peak backed, held and shared,
+        chunks shared; commit and decommit calls and seconds), ``backed_tokens`` per global
+        sequence, and ``devices``: each shard's :meth:`KVArena.stats` with its device."""
         per = [dict(s.stats(), device=str(s.arena.device)) for s in self.shards]
         totals = (
             "reserved_bytes",
             "backed_bytes",
             "peak_backed_bytes",
             "held_bytes",
+            "shared_bytes",
+            "chunks_shared",
             "commit_calls",
             "commit_seconds",
             "decommit_calls",

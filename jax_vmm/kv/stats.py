@@ -50,6 +50,8 @@ class ShardedKVArenaStats(TypedDict):
     backed_bytes: int
     peak_backed_bytes: int
     held_bytes: int
+    shared_bytes: int
+    chunks_shared: int
     commit_calls: int
     commit_seconds: float
     decommit_calls: int

@@ -24,7 +24,7 @@ import numpy as np
 from ..base.fp8 import FP8_STORAGE, dequantize_fp8
 from ..cache.pytree import KVLayer
 from . import attention_call as _call
-from . import layer_ops
+from . import layer_ops, sharded_ops
 from .attention import decode_attention_tuned
 from .attention_backend import routes_to_cudnn
 from .cudnn_attention import cudnn_attention
@@ -76,8 +76,8 @@ def attention(
     The plain case (S = 1 without q_lengths/window/softcap) is ``decode_attention``
     exactly. Otherwise the split-K kernels run (CUDA: tensor cores for 16-bit q with
     head_dim 64/128/256, else the simple kernel); an fp8 cache is then dequantized with
-    XLA first (array form; it reads every token: correct, not fast), and an fp8 or
-    sharded arena layer is refused (NotImplementedError).
+    XLA first (array form; it reads every token: correct, not fast), a sharded arena
+    layer runs them per device, and an fp8 arena layer is refused (NotImplementedError).
     """
     return attention_tuned(
         q,
@@ -195,15 +195,16 @@ def _arena_attention(
     workspace: str,
     knobs: dict,
 ) -> jax.Array:
-    """The general attention over an arena layer: the split-K cache target (its lengths
-    clamped to the tokens ensured, counted)."""
+    """The general attention over an arena layer: cuDNN where the routing takes it, else
+    the split-K cache target (per device on a sharded layer); lengths clamped to the
+    tokens ensured, counted."""
     lid = layer.id
-    if lid.sharded or layer.fp8:
+    if layer.fp8:
         raise NotImplementedError(
             f"attention with S > 1, q_lengths, window or softcap over {lid.describe()}: "
-            "sharded and fp8 arena layers serve decode only (S = 1, no option) for now; "
-            "read the layer's arrays (jax_vmm.ordered_views) and dequantize them, or use "
-            "a 16-bit per-sequence arena"
+            "fp8 arena layers serve decode only (S = 1, no option) for now; read the "
+            "layer's arrays (jax_vmm.ordered_views) and dequantize them, or use a 16-bit "
+            "per-sequence arena"
         )
     if len(lid.shape) != 4:
         raise ValueError(
@@ -220,20 +221,26 @@ def _arena_attention(
             q, layer, lengths, q_lengths=options["q_lengths"], scale=scale,
             window=options["window"] or None, softcap=options["softcap"] or None,
         )  # fmt: skip
-    call = _call.prepare(
-        q, spec, spec, lengths, scale=scale, workspace="scratch", **knobs, **options
-    )
-    if call is None:
-        return jnp.zeros(q.shape, q.dtype)
-    q, lengths = call.operands[0], call.operands[3]
-    batch = jax.ShapeDtypeStruct((q.shape[0],), jnp.int32)  # read_lengths: discarded
-    ffi = jax.ffi.ffi_call(
-        layer_ops._targets.attention, (call.out_type, batch), vmap_method="sequential"
-    )
-    out, _ = ffi(
-        q, lengths, layer.token, *call.tail, **layer_ops._identity_attrs(lid), **call.attrs
-    )
-    return out
+    if lid.sharded:
+        _check_sharded_rows(q, lid, lengths)
+        return sharded_ops.rows_attention(q, layer, lengths, options, scale=scale, knobs=knobs)
+    return layer_ops.rows_attention(q, layer, lengths, options, scale=scale, knobs=knobs)
+
+
+def _check_sharded_rows(q: jax.Array, lid: Any, lengths: Any) -> None:
+    """What shard_map would refuse less clearly: q's batch, heads and head_dim against the
+    sharded layer's global shape, and lengths one per sequence."""
+    B, _, Hkv, D = lid.shape
+    if q.shape[0] != B or q.shape[3] != D or q.shape[2] % Hkv:
+        raise ValueError(
+            f"attention: q must be (max_seqs={B}, S, num_q_heads, head_dim={D}) with "
+            f"num_q_heads a multiple of the {Hkv} KV heads for {lid.describe()}, got {q.shape}"
+        )
+    if tuple(np.shape(lengths)) != (B,):
+        raise ValueError(
+            f"attention: lengths must be ({B},), one per sequence, got shape "
+            f"{tuple(np.shape(lengths))}"
+        )
 
 
 def _is_plain(q: jax.Array, q_lengths: Any, window: Any, softcap: Any) -> bool:

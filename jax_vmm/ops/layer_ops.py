@@ -37,7 +37,7 @@ from .attention_call import prepare
 from .cache_write import write_token
 from .views_check import check_views
 
-__all__ = ["write", "attention", "ordered_views"]
+__all__ = ["write", "attention", "rows_attention", "ordered_views"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,6 +166,25 @@ def attention(q: Any, layer: KVLayer, lengths: Any, *, scale: float | None = Non
     out, _ = jax.ffi.ffi_call(target, (call.out_type, batch), vmap_method="sequential")(
         q, lengths, layer.token, *call.operands[4:], **_identity_attrs(lid), **call.attrs
     )
+    return out
+
+
+def rows_attention(
+    q: jax.Array, layer: KVLayer, lengths: Any, options: dict, *, scale: Any, knobs: dict
+) -> jax.Array:
+    """``jax_vmm.attention(q, layer, lengths, **options)`` with S query rows on jax_vmm's
+    split-K kernels over a single-device, 16-bit or float32 arena layer: the cache target
+    with q ``(B, S, H_q, D)`` and the options (``q_lengths`` int32 ``(B,)`` or None,
+    ``window``, ``softcap``: 0 = none) as checked by ``general_attention.checked_options``.
+    Its lengths are clamped to the tokens ensured, counted."""
+    spec = _spec(layer.id)
+    call = prepare(q, spec, spec, lengths, scale=scale, workspace="scratch", **knobs, **options)
+    if call is None:
+        return jnp.zeros(q.shape, q.dtype)
+    q, lengths = call.operands[0], call.operands[3]
+    batch = jax.ShapeDtypeStruct((q.shape[0],), jnp.int32)  # read_lengths: discarded
+    ffi = jax.ffi.ffi_call(_targets.attention, (call.out_type, batch), vmap_method="sequential")
+    out, _ = ffi(q, lengths, layer.token, *call.tail, **_identity_attrs(layer.id), **call.attrs)
     return out
 
 

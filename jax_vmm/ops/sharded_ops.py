@@ -1,5 +1,5 @@
-"""``kv_write`` and ``decode_attention`` on a layer of a sharded KV arena
-(jax_vmm/kv/sharded.py).
+"""``kv_write``, ``decode_attention`` and ``attention`` (S query rows, options) on a layer
+of a sharded KV arena (jax_vmm/kv/sharded.py).
 
 Each op is a ``shard_map`` over the cache's mesh whose body is the single-device cache op
 (jax_vmm/ops/layer_ops.py) on the device's shard: the same custom call with the same
@@ -28,7 +28,7 @@ from ..cache.sharding import ShardedLayerId
 from . import array_writes as _ops
 from . import layer_ops
 
-__all__ = ["write", "attention"]
+__all__ = ["write", "attention", "rows_attention"]
 
 
 def _token_spec(lid: ShardedLayerId) -> P:
@@ -131,3 +131,33 @@ def attention(q: Any, layer: KVLayer, lengths: Any, *, scale: float | None = Non
         (qspec, P(lid.seq_axes), _token_spec(lid), *scale_specs),
         qspec,
     )(q, lengths, layer.token, *scales)
+
+
+def rows_attention(
+    q: jax.Array, layer: KVLayer, lengths: Any, options: dict, *, scale: Any, knobs: dict
+) -> jax.Array:
+    """``jax_vmm.attention(q, layer, lengths, **options)`` on a sharded, 16-bit or float32
+    arena layer: ``q`` ``(max_seqs, S, num_q_heads, head_dim)``, ``lengths`` and
+    ``options["q_lengths"]`` ``(max_seqs,)``, all global and checked by the caller; each
+    device runs ``layer_ops.rows_attention`` on its shard. The result is split like ``q``'s
+    sequences and heads."""
+    lid = layer.id
+    qspec = P(lid.seq_axes, None, lid.head_axes, None)
+    q_lengths = options["q_lengths"]
+    rest = {k: v for k, v in options.items() if k != "q_lengths"}
+    extra = () if q_lengths is None else (q_lengths,)
+    extra_specs = () if q_lengths is None else (P(lid.seq_axes),)
+
+    def body(q_local, len_local, token, *ql):
+        local = _local_layer(lid, token, ())
+        local_options = dict(rest, q_lengths=ql[0] if ql else None)
+        return layer_ops.rows_attention(
+            q_local, local, len_local, local_options, scale=scale, knobs=knobs
+        )
+
+    return _shard_map(
+        lid,
+        body,
+        (qspec, P(lid.seq_axes), _token_spec(lid), *extra_specs),
+        qspec,
+    )(q, lengths, layer.token, *extra)

@@ -556,7 +556,7 @@ def test_decode_cli_commit_ahead_and_slot_memory(tmp_path: Path, monkeypatch) ->
 
 def test_decode_cli_prefill_chunk(tmp_path: Path) -> None:
     """--prefill-chunk N serves every request with prompts prefilled in chunks over the
-    cache; with --tp or an fp8 cache (decode only) it is refused before serving."""
+    cache, with --tp too; with an fp8 cache (decode only) it is refused before serving."""
     from jax_vmm.serving.cli import decode
 
     argv = ["--device", "cpu", "--requests", "2", "--batch", "2", "--max-tokens", "64"]
@@ -568,7 +568,8 @@ def test_decode_cli_prefill_chunk(tmp_path: Path) -> None:
     assert summary["final_backed_bytes"] == 0
     with pytest.raises(SystemExit, match="integer >= 1"):
         decode.main([*argv, "--prefill-chunk", "0"])
-    with pytest.raises(SystemExit, match="--prefill-chunk with --tp"):
-        decode.main([*argv, "--prefill-chunk", "8", "--tp", "1"])
+    tp = decode.main([*argv, "--prefill-chunk", "8", "--tp", "1"])  # per device: sharded_ops
+    assert tp["generated_tokens"] == summary["generated_tokens"]
+    assert tp["final_backed_bytes"] == 0
     with pytest.raises(SystemExit, match="--prefill-chunk with --kv-dtype fp8"):
         decode.main([*argv, "--prefill-chunk", "8", "--kv-dtype", "fp8"])

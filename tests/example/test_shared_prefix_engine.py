@@ -142,5 +142,7 @@ def test_decode_cli_shared_prefix_checks_generation(tmp_path) -> None:
     # The rests attend over the cache with several queries per sequence: decode only there.
     with pytest.raises(SystemExit, match="--shared-prefix with --kv-dtype fp8"):
         decode.main([*args, "--shared-prefix", "8", "--kv-dtype", "fp8"])
-    with pytest.raises(SystemExit, match="--shared-prefix with --tp"):
-        decode.main([*args, "--shared-prefix", "8", "--tp", "1"])
+    # --tp 1: the same code on a 1-device mesh (tests/sharding: on 2 and 4 devices).
+    tp = decode.main([*args, "--shared-prefix", "100", "--tp", "1"])
+    assert tp["shared_prefix"]["generation_unchanged"] is True, tp["shared_prefix"]
+    assert tp["generated_tokens"] == summary["generated_tokens"]

@@ -141,6 +141,22 @@ def run_equal_to_single_device(name: str) -> None:
         np.testing.assert_allclose(np.asarray(out), np.asarray(ref_out), rtol=1e-6, atol=1e-6)
     kv.check(out)
     ref.check(ref_out)
+    # Several query rows per sequence with every option: each device runs the split-K
+    # kernels on its shard; ragged q_lengths, a row count past a length, an empty sequence.
+    rows = jax.jit(
+        lambda c, q, n, ql: jnp.stack(
+            [
+                jax_vmm.attention(q[layer], c[layer], n, q_lengths=ql, window=3, softcap=2.5)
+                for layer in range(L)
+            ]
+        )
+    )
+    q_rows = np.random.default_rng(9).standard_normal((L, S, 3, HQ, D)).astype(DT)
+    n, ql = np.array([9, 5, 2, 0], np.int32), np.array([3, 1, 3, 2], np.int32)
+    got, want = rows(cache, q_rows, n, ql), rows(ref_cache, q_rows, n, ql)
+    kv.check(got)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+    assert np.abs(np.asarray(want)).max() > 0 and not np.asarray(want)[:, 3].any()
     for side in (0, 1):
         for layer in range(L):
             want = raw_layer(ref, side, layer)
@@ -457,6 +473,26 @@ def dropped_writes_and_clamped_reads_are_counted_over_the_shards():
         raise AssertionError("no OutOfBoundsRead")
     except jax_vmm.OutOfBoundsRead as e:
         assert e.count == 2, e.count  # seq 3 asked past its 4 tokens, on its 2 devices
+    # The same with two query rows and a window (the split-K path per device).
+    q2 = np.stack([q, q], axis=1)
+    out = jax.jit(lambda c, q, n: jax_vmm.attention(q, c[0], n, window=2))(
+        cache, q2, np.array([3, 0, 0, 50], np.int32)
+    )
+    try:
+        kv.check(out)
+        raise AssertionError("no OutOfBoundsRead")
+    except jax_vmm.OutOfBoundsRead as e:
+        assert e.count == 2, e.count
+    raises(
+        ValueError,
+        lambda: jax_vmm.attention(q2[:2], cache[0], np.zeros(S, np.int32), window=2),
+        "q must be (max_seqs=4, S, num_q_heads, head_dim=16)",
+    )
+    raises(
+        ValueError,
+        lambda: jax_vmm.attention(q2, cache[0], np.zeros(2, np.int32), window=2),
+        "lengths must be (4,)",
+    )
     kv.close()
 
 

@@ -22,6 +22,7 @@ import multidevice
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+import jax_vmm
 from jax_vmm.serving import model as M
 from jax_vmm.serving import tensor_parallel as TP
 from jax_vmm.serving.cache import VmmCache
@@ -89,6 +90,53 @@ for _n in (1, 2, 4):
     SCENARIOS[f"tp{_n}_logits_equal_single_device"] = lambda n=_n: tp_logits_equal_single_device(n)
 
 
+def run_chunked(params, cache, prompts, chunk: int = 8):
+    """Each prompt prefilled into slot i in chunks of ``chunk`` tokens over the cache
+    (several queries per sequence: jax_vmm.attention). Returns each prompt's last logits."""
+    step = jax.jit(
+        functools.partial(
+            M.prefill_chunk, cfg=CFG, write=cache.write, attend_chunk=jax_vmm.attention
+        )
+    )
+    out = []
+    for seq, prompt in enumerate(prompts):
+        cache.ensure(seq, len(prompt))
+        for start in range(0, len(prompt), chunk):
+            piece = prompt[start : start + chunk]
+            padded = np.zeros(chunk, np.int32)
+            padded[: len(piece)] = piece
+            logits, c = step(
+                params, cache.cache(), padded, np.int32(start), np.int32(len(piece)), np.int32(seq)
+            )
+            cache.update(c)
+        out.append(np.asarray(logits))
+    cache.check()
+    return out
+
+
+def tp_chunked_prefill_equals_whole_prompt(n: int, tol: float = 2e-5) -> None:
+    """--tp n with prompts prefilled in chunks over the sharded cache (jax_vmm.attention
+    per device) against whole-prompt prefill on one device: the same last logits."""
+    rng = np.random.default_rng(10 + n)
+    prompts = [rng.integers(0, CFG.vocab, size=k).astype(np.int32) for k in (5, 17, 9, 30)]
+    params = M.init_params(CFG, seed=3)
+    ref_cache = VmmCache(CFG, max_seqs=B, max_tokens=T, device=jax.devices("cpu")[0])
+    want = run(params, ref_cache, prompts, np.zeros((B, 0), np.int32))
+    mesh = TP.tp_mesh(n, "cpu")
+    cache = VmmCache(CFG, max_seqs=B, max_tokens=T, sharding=TP.cache_sharding(mesh))
+    got = run_chunked(TP.shard_params(params, CFG, mesh), cache, prompts)
+    for i, (g, w) in enumerate(zip(got, want)):
+        np.testing.assert_allclose(g, w, rtol=tol, atol=tol, err_msg=f"prompt {i}")
+    cache.close()
+    ref_cache.close()
+
+
+for _n in (2, 4):
+    SCENARIOS[f"tp{_n}_chunked_prefill_equals_whole_prompt"] = lambda n=_n: (
+        tp_chunked_prefill_equals_whole_prompt(n)
+    )
+
+
 def cli(*argv: str) -> dict:
     with tempfile.TemporaryDirectory() as out, contextlib.redirect_stdout(io.StringIO()):
         return decode.main([*argv, "--requests", "4", "--no-plot", "--no-progress", "--out", out])
@@ -98,6 +146,13 @@ def decode_cli_tp2_serves_the_same_requests() -> None:
     one, two = cli(), cli("--tp", "2")
     assert two["generated_tokens"] == one["generated_tokens"] > 0
     assert two["final_backed_bytes"] == 0  # every sequence released on both devices
+    # Prompts in chunks over the sharded cache, and a prefix shared into each sequence.
+    chunked = cli("--tp", "2", "--prefill-chunk", "8")
+    assert chunked["generated_tokens"] == one["generated_tokens"]
+    assert chunked["final_backed_bytes"] == 0
+    shared = cli("--tp", "2", "--shared-prefix", "16")
+    assert shared["shared_prefix"]["generation_unchanged"], shared["shared_prefix"]
+    assert shared["final_backed_bytes"] == 0
 
 
 def decode_cli_refuses_bad_tp() -> None:

@@ -270,11 +270,6 @@ def main(argv: list[str] | None = None) -> dict:
                 f"decode.py: {flag} with --kv-dtype fp8: jax_vmm.attention reads an fp8 "
                 "arena for decode only (one query per sequence); drop one of them"
             )
-        if value is not None and args.tp is not None:
-            raise SystemExit(
-                f"decode.py: {flag} with --tp: jax_vmm.attention serves a sharded arena "
-                "for decode only (one query per sequence); drop one of them"
-            )
     if args.kv_dtype == "fp8" and cfg.head_dim not in FP8_HEAD_DIMS:
         raise SystemExit(
             f"decode.py: --kv-dtype fp8: jax_vmm's fp8 attention takes head_dim in "
