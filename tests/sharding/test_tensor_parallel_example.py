@@ -1,5 +1,6 @@
 """The example's ``--tp N`` (jax_vmm.serving.tensor_parallel) on 4 host devices: logits equal to
-one device's for N = 1, 2, 4, the CLI end to end, its refusals. The scenarios
+one device's for N = 1, 2, 4, chunked prefill against whole prompts on one device, the CLI
+end to end, its refusals. The scenarios
 (tests/sharding/tp_scenarios.py) run in one child process (tests/sharding/multidevice.py)."""
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ NAMES = [
     "tp1_logits_equal_single_device",
     "tp2_logits_equal_single_device",
     "tp4_logits_equal_single_device",
+    "tp2_chunked_prefill_equals_whole_prompt",
+    "tp4_chunked_prefill_equals_whole_prompt",
     "decode_cli_tp2_serves_the_same_requests",
     "decode_cli_refuses_bad_tp",
 ]
