@@ -387,6 +387,7 @@ def limits_ignored() -> Iterator[None]:
         write="jax_vmm_testing_kv_cache_write_no_limits",
         attention="jax_vmm_testing_decode_attention_cache_no_limits",
         attention_stream="jax_vmm_testing_decode_attention_v2_cache_no_limits",
+        copy_tokens="jax_vmm_testing_kv_cache_copy_tokens_no_limits",
     )
     try:
         yield

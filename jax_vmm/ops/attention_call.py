@@ -27,6 +27,7 @@ _IMPLS = {"auto": 0, "tensor_core": 1, "simple": 2, "tensor_core_u1": 3}
 _STREAM_IMPLS = {"stream": (0, 0), "stream_combine": (1, 0), "stream_tma": (0, 1)}
 _WORKSPACES = ("scratch", "xla")
 _DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.float32))
+SPLIT_K_TARGET = "jax_vmm_decode_attention"
 _TENSOR_CORE_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 _TENSOR_CORE_HEAD_DIMS = (64, 128, 256)
 # impl="auto" runs the streaming kernel (stream_combine) for 16-bit caches of these head
@@ -153,6 +154,13 @@ def prepare(
     tail = () if q_lengths is None else (q_lengths,)
     out_type = jax.ShapeDtypeStruct(q.shape, q.dtype)
     return _Call((q, k, v, lengths), attrs, out_type, plan, device, tail=tail)
+
+
+def run_split_k(call: _Call) -> jax.Array:
+    """The split-K array target on a prepared call (not streaming), partials in the
+    graph-safe scratch."""
+    ffi = jax.ffi.ffi_call(SPLIT_K_TARGET, call.out_type, vmap_method="sequential")
+    return ffi(*call.operands, *call.tail, **call.attrs)
 
 
 def _auto_picks_stream(q: Any, k: Any, chunk: int, splits: int, workspace: str) -> bool:

@@ -31,7 +31,6 @@ from .cudnn_attention import cudnn_attention
 
 __all__ = ["attention", "reference_attention"]
 
-_TARGET = "jax_vmm_decode_attention"
 _TARGET_XLA_WORKSPACE = "jax_vmm_decode_attention_xla_workspace"
 _FULL = jax.lax.Precision.HIGHEST
 
@@ -76,8 +75,8 @@ def attention(
     The plain case (S = 1 without q_lengths/window/softcap) is ``decode_attention``
     exactly. Otherwise the split-K kernels run (CUDA: tensor cores for 16-bit q with
     head_dim 64/128/256, else the simple kernel); an fp8 cache is then dequantized with
-    XLA first (array form; it reads every token: correct, not fast), a sharded arena
-    layer runs them per device, and an fp8 arena layer is refused (NotImplementedError).
+    XLA first (it reads every token: correct, not fast; over an arena layer, a copy of
+    its live tokens), and a sharded arena layer runs them per device.
     """
     return attention_tuned(
         q,
@@ -175,8 +174,7 @@ def attention_tuned(
     if call is None:
         return jnp.zeros(q.shape, q.dtype)
     if workspace == "scratch":
-        ffi = jax.ffi.ffi_call(_TARGET, call.out_type, vmap_method="sequential")
-        return ffi(*call.operands, *call.tail, **call.attrs)
+        return _call.run_split_k(call)
     ws_type = jax.ShapeDtypeStruct((call.plan["workspace_bytes"],), jnp.uint8)
     ffi = jax.ffi.ffi_call(
         _TARGET_XLA_WORKSPACE, (call.out_type, ws_type), vmap_method="sequential"
@@ -199,13 +197,6 @@ def _arena_attention(
     the split-K cache target (per device on a sharded layer); lengths clamped to the
     tokens ensured, counted."""
     lid = layer.id
-    if layer.fp8:
-        raise NotImplementedError(
-            f"attention with S > 1, q_lengths, window or softcap over {lid.describe()}: "
-            "fp8 arena layers serve decode only (S = 1, no option) for now; read the "
-            "layer's arrays (jax_vmm.ordered_views) and dequantize them, or use a 16-bit "
-            "per-sequence arena"
-        )
     if len(lid.shape) != 4:
         raise ValueError(
             f"attention: {lid.describe()} has shape {lid.shape}; attention needs one buffer "

@@ -26,14 +26,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..base.ffi import register
-from ..base.fp8 import FP8_DTYPE, quantize_fp8
+from ..base.fp8 import FP8_DTYPE, dequantize_fp8, quantize_fp8
 from ..cache.ids import LayerId
 from ..cache.pytree import KVLayer
 from ..cache.registry import arena_of
 from ..memory.lookup import find_view_buffer
 from . import array_writes as _ops
 from .array_attention import decode_attention_arrays
-from .attention_call import prepare
+from .attention_call import _clamped_lengths, prepare, run_split_k
 from .cache_write import write_token
 from .views_check import check_views
 
@@ -47,6 +47,7 @@ class _Targets:
     attention: str = "jax_vmm_decode_attention_cache"
     attention_stream: str = "jax_vmm_decode_attention_v2_cache"
     check_views: str = "jax_vmm_kv_cache_check_views"
+    copy_tokens: str = "jax_vmm_kv_cache_copy_tokens"
 
 
 #: The FFI targets of the arena-layer ops. ``jax_vmm.testing.limits_ignored()`` swaps in
@@ -173,11 +174,18 @@ def rows_attention(
     q: jax.Array, layer: KVLayer, lengths: Any, options: dict, *, scale: Any, knobs: dict
 ) -> jax.Array:
     """``jax_vmm.attention(q, layer, lengths, **options)`` with S query rows on jax_vmm's
-    split-K kernels over a single-device, 16-bit or float32 arena layer: the cache target
+    split-K kernels over a single-device arena layer: the cache target
     with q ``(B, S, H_q, D)`` and the options (``q_lengths`` int32 ``(B,)`` or None,
     ``window``, ``softcap``: 0 = none) as checked by ``general_attention.checked_options``.
-    Its lengths are clamped to the tokens ensured, counted."""
+    Its lengths are clamped to the tokens ensured, counted. An fp8 layer: the kernels read
+    a dequantized copy of its live tokens (:func:`_live_copy`)."""
     spec = _spec(layer.id)
+    if layer.fp8:
+        k, v, n = _live_copy(layer, lengths)
+        k = dequantize_fp8(k, layer.k_scale).astype(q.dtype)
+        v = dequantize_fp8(v, layer.v_scale).astype(q.dtype)
+        call = prepare(q, k, v, n, scale=scale, workspace="scratch", **knobs, **options)
+        return jnp.zeros(q.shape, q.dtype) if call is None else run_split_k(call)
     call = prepare(q, spec, spec, lengths, scale=scale, workspace="scratch", **knobs, **options)
     if call is None:
         return jnp.zeros(q.shape, q.dtype)
@@ -186,6 +194,28 @@ def rows_attention(
     ffi = jax.ffi.ffi_call(_targets.attention, (call.out_type, batch), vmap_method="sequential")
     out, _ = ffi(q, lengths, layer.token, *call.tail, **_identity_attrs(layer.id), **call.attrs)
     return out
+
+
+def _live_copy(layer: KVLayer, lengths: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(k, v, read_lengths): the arena layer's tokens [0, read_lengths[b]) of every
+    sequence copied by one custom call (ordered after the layer's writes by its token),
+    zeros past them, in the layer's shape and dtype; read_lengths = lengths clamped to
+    [0, T] and to the tokens each sequence ensured (counted for ``kv.check()``). For the
+    split-K kernels, which read 16-bit or float32 caches only: fp8 layers with several
+    query rows (correct, not fast: a copy of the layer per call)."""
+    lid = layer.id
+    spec = _spec(lid)
+    B = lid.shape[0]
+    n = _clamped_lengths(lengths, spec)
+    if tuple(n.shape) != (B,) or not jnp.issubdtype(n.dtype, jnp.integer):
+        raise ValueError(
+            f"attention: lengths must be ({B},) integers, one per sequence of "
+            f"{lid.describe()}; got {n.dtype}{tuple(n.shape)}"
+        )
+    register()
+    read = jax.ShapeDtypeStruct((B,), jnp.int32)
+    ffi = jax.ffi.ffi_call(_targets.copy_tokens, (spec, spec, read), vmap_method="sequential")
+    return ffi(n.astype(jnp.int32), layer.token, **_identity_attrs(lid))
 
 
 # -- ordered views ---------------------------------------------------------------------------

@@ -136,20 +136,23 @@ def attention(q: Any, layer: KVLayer, lengths: Any, *, scale: float | None = Non
 def rows_attention(
     q: jax.Array, layer: KVLayer, lengths: Any, options: dict, *, scale: Any, knobs: dict
 ) -> jax.Array:
-    """``jax_vmm.attention(q, layer, lengths, **options)`` on a sharded, 16-bit or float32
-    arena layer: ``q`` ``(max_seqs, S, num_q_heads, head_dim)``, ``lengths`` and
-    ``options["q_lengths"]`` ``(max_seqs,)``, all global and checked by the caller; each
-    device runs ``layer_ops.rows_attention`` on its shard. The result is split like ``q``'s
-    sequences and heads."""
+    """``jax_vmm.attention(q, layer, lengths, **options)`` on a sharded arena layer: ``q``
+    ``(max_seqs, S, num_q_heads, head_dim)``, ``lengths`` and ``options["q_lengths"]``
+    ``(max_seqs,)``, all global and checked by the caller; each device runs
+    ``layer_ops.rows_attention`` on its shard (an fp8 one with its heads' scales). The
+    result is split like ``q``'s sequences and heads."""
     lid = layer.id
     qspec = P(lid.seq_axes, None, lid.head_axes, None)
     q_lengths = options["q_lengths"]
     rest = {k: v for k, v in options.items() if k != "q_lengths"}
+    scales = (layer.k_scale, layer.v_scale) if lid.fp8 else ()
+    scale_specs = (P(lid.head_axes),) * len(scales)
     extra = () if q_lengths is None else (q_lengths,)
     extra_specs = () if q_lengths is None else (P(lid.seq_axes),)
 
-    def body(q_local, len_local, token, *ql):
-        local = _local_layer(lid, token, ())
+    def body(q_local, len_local, token, *rest_args):
+        sc, ql = rest_args[: len(scales)], rest_args[len(scales) :]
+        local = _local_layer(lid, token, sc)
         local_options = dict(rest, q_lengths=ql[0] if ql else None)
         return layer_ops.rows_attention(
             q_local, local, len_local, local_options, scale=scale, knobs=knobs
@@ -158,6 +161,6 @@ def rows_attention(
     return _shard_map(
         lid,
         body,
-        (qspec, P(lid.seq_axes), _token_spec(lid), *extra_specs),
+        (qspec, P(lid.seq_axes), _token_spec(lid), *scale_specs, *extra_specs),
         qspec,
-    )(q, lengths, layer.token, *extra)
+    )(q, lengths, layer.token, *scales, *extra)

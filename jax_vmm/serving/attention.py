@@ -4,8 +4,9 @@ All are `attend(q, layer, lengths, **options)`: q (B, H_q, D), a `jax_vmm.KVLaye
 k/v are (B, T, H_kv, D), and live lengths int32 (B,); positions >= length are masked;
 options: the layer's window, softcap and scale (`model.attention_options`, Gemma 2).
 A prompt chunk prefilled over the cache attends with `chunk_attention(name)`:
-`jax_vmm.attention` itself, or `jax_vmm.reference_attention` over an array layer (for the
-reference and cuDNN choices: cuDNN serves decode only). The
+`jax_vmm.attention` itself (with bf16 queries for an fp8 cache of a float32 model, as in
+decode), or `jax_vmm.reference_attention` over an array layer (for the reference and
+cuDNN choices: cuDNN serves decode only). The
 reference reads the whole (B, T) cache (masked) with plain XLA ops, so it needs the
 layer's arrays: an array layer (the preallocated backend); so does cuDNN
 (`jax.nn.dot_product_attention(..., implementation="cudnn")`, GPU, bf16/fp16: the
@@ -28,6 +29,7 @@ import jax_vmm
 ATTENTION_CHOICES = ("auto", "reference", "jax_vmm", "cudnn")
 CUDNN_DTYPES = ("bfloat16", "float16")
 FP8_HEAD_DIMS = (64, 128, 256)  # jax_vmm's streaming kernel (the one that reads fp8)
+FP8_BF16_QUERIES = "jax_vmm (fp8, bf16 queries)"  # an fp8 cache under a float32 model
 
 
 def reference_decode_attention(
@@ -135,12 +137,13 @@ def chunk_attention(name: str) -> Callable[..., jax.Array]:
     over the cache."""
     if name == "jax_vmm":
         return jax_vmm.attention
+    if name == FP8_BF16_QUERIES:
+        return _bf16_queries(jax_vmm.attention)
     if name in ("reference", "cudnn"):
         return reference_chunk_over_layer
     raise ValueError(
-        f"prefill in chunks reads the cache with several queries per sequence, which the "
-        f"{name!r} attention does not serve (an fp8 cache serves decode only); prefill "
-        "whole prompts (no --prefill-chunk) or keep the cache in the model's dtype"
+        f"chunk_attention: unknown attention {name!r}; expected a name choose_attention "
+        f"returns: 'jax_vmm', {FP8_BF16_QUERIES!r}, 'reference' or 'cudnn'"
     )
 
 
@@ -214,13 +217,14 @@ def choose_attention(
             "build does not provide; use --attention reference"
         )
     if kv_dtype == "fp8" and dtype not in CUDNN_DTYPES:
-        return "jax_vmm (fp8, bf16 queries)", _bf16_queries(vmm_over_layer)
+        return FP8_BF16_QUERIES, _bf16_queries(vmm_over_layer)
     return "jax_vmm", vmm_over_layer
 
 
 def _bf16_queries(attend: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
     """The fp8 kernel takes bf16/fp16 queries: a float32 model's are rounded to bf16 for
-    it, and its output cast back."""
+    it, and its output cast back (chunks too, so that a prompt prefilled in chunks sees
+    what decode sees)."""
 
     def call(q: jax.Array, layer, lengths: jax.Array, **options) -> jax.Array:
         return attend(q.astype(jnp.bfloat16), layer, lengths, **options).astype(q.dtype)

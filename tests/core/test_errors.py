@@ -720,10 +720,10 @@ def _follows_unknown(ctx: Ctx) -> None:
     engine.context_lengths([engine.Request(5, np.ones(2, np.int32), 1, follows=99)])
 
 
-def _chunks_over_fp8(ctx: Ctx) -> None:
+def _chunks_of_an_unknown_attention(ctx: Ctx) -> None:
     from jax_vmm.serving import attention
 
-    attention.chunk_attention("jax_vmm (fp8, bf16 queries)")
+    attention.chunk_attention("flash")
 
 
 def _prefill_chunk_zero(ctx: Ctx) -> None:
@@ -756,7 +756,7 @@ ROWS += [
     Row("H2", _gemma2_with_gelu),
     Row("H3", _prefill_chunk_zero),
     Row("H4", _follows_unknown),
-    Row("H5", _chunks_over_fp8),
+    Row("H5", _chunks_of_an_unknown_attention),
     Row("H6", _shared_prefix_without_attend_chunk),
 ]
 

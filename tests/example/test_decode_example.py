@@ -556,7 +556,7 @@ def test_decode_cli_commit_ahead_and_slot_memory(tmp_path: Path, monkeypatch) ->
 
 def test_decode_cli_prefill_chunk(tmp_path: Path) -> None:
     """--prefill-chunk N serves every request with prompts prefilled in chunks over the
-    cache, with --tp too; with an fp8 cache (decode only) it is refused before serving."""
+    cache, with --tp too (fp8 caches: tests/example/test_prefill_chunks.py)."""
     from jax_vmm.serving.cli import decode
 
     argv = ["--device", "cpu", "--requests", "2", "--batch", "2", "--max-tokens", "64"]
@@ -571,5 +571,5 @@ def test_decode_cli_prefill_chunk(tmp_path: Path) -> None:
     tp = decode.main([*argv, "--prefill-chunk", "8", "--tp", "1"])  # per device: sharded_ops
     assert tp["generated_tokens"] == summary["generated_tokens"]
     assert tp["final_backed_bytes"] == 0
-    with pytest.raises(SystemExit, match="--prefill-chunk with --kv-dtype fp8"):
-        decode.main([*argv, "--prefill-chunk", "8", "--kv-dtype", "fp8"])
+    with pytest.raises(SystemExit, match="--kv-dtype fp8: jax_vmm's fp8 attention takes head_dim"):
+        decode.main([*argv, "--prefill-chunk", "8", "--kv-dtype", "fp8"])  # the cpu preset's 32

@@ -5,6 +5,7 @@ the tokens of a whole-prompt prefill and of the model recomputed without a cache
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -194,5 +195,39 @@ def test_bad_chunk_and_turn_arguments_are_refused(cpu_device) -> None:
             assert cache.backed_bytes() == 0
         finally:
             cache.close()
-    with pytest.raises(ValueError, match="fp8 cache serves decode only"):
-        chunk_attention("jax_vmm (fp8, bf16 queries)")
+    with pytest.raises(ValueError, match="unknown attention 'flash'"):
+        chunk_attention("flash")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fp8_cache_chunks_see_what_token_by_token_sees(backend, device) -> None:
+    """Over an fp8 cache a chunk attends to quantized tokens (its own too: written, then
+    read), so chunks of 5 give what chunks of 1 do (each prompt token alone over the
+    cache, as decode reads it), not what a whole-prompt prefill (exact own tokens) does.
+    Same tokens, logits within bf16 rounding of the queries."""
+    cfg = dataclasses.replace(SMALL, head_dim=64)  # the fp8 decode kernel's head_dim
+    reqs = _requests(cfg)
+
+    def serve(chunk: int) -> E.RunReport:
+        with jax.default_device(device), jax.default_matmul_precision("highest"):
+            params = M.init_params(cfg, seed=0)
+            cache = make_cache(
+                backend, cfg, max_seqs=2, max_tokens=CONTEXT, device=device, kv_dtype="fp8",
+                chunk_bytes=4096 if device.platform == "cpu" else None,
+            )  # fmt: skip
+            try:
+                name, attend = choose_attention(
+                    "jax_vmm", backend=backend, platform=device.platform, kv_dtype="fp8"
+                )
+                gen = E.Generator(
+                    params, cfg, cache, attend, block=4,
+                    attend_chunk=chunk_attention(name), prefill_chunk=chunk,
+                )  # fmt: skip
+                return gen.run(reqs, record_logits=True)
+            finally:
+                cache.close()
+
+    one, five = serve(1), serve(5)
+    for r, a, b in zip(reqs, one.results, five.results, strict=True):
+        assert b.tokens == a.tokens, f"request {r.id}"
+        np.testing.assert_allclose(np.stack(b.logits), np.stack(a.logits), atol=2e-3, rtol=2e-3)

@@ -139,9 +139,6 @@ def test_decode_cli_shared_prefix_checks_generation(tmp_path) -> None:
     assert shared["generation_unchanged"] is True and shared["chunks_shared"] > 0, shared
     with pytest.raises(SystemExit, match="needs N >= 1 and --backend jax_vmm"):
         decode.main([*args, "--shared-prefix", "8", "--backend", "prealloc"])
-    # The rests attend over the cache with several queries per sequence: decode only there.
-    with pytest.raises(SystemExit, match="--shared-prefix with --kv-dtype fp8"):
-        decode.main([*args, "--shared-prefix", "8", "--kv-dtype", "fp8"])
     # --tp 1: the same code on a 1-device mesh (tests/sharding: on 2 and 4 devices).
     tp = decode.main([*args, "--shared-prefix", "100", "--tp", "1"])
     assert tp["shared_prefix"]["generation_unchanged"] is True, tp["shared_prefix"]

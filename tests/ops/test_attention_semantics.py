@@ -12,6 +12,10 @@ simple (bf16, fp32): ``python3 -m pytest tests/ops/test_attention_semantics.py -
 from __future__ import annotations
 
 import math
+import signal
+import subprocess
+import sys
+import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +24,7 @@ import pytest
 
 import jax_vmm
 import jax_vmm.testing
+from conftest import child_env
 from jax_vmm.base.fp8 import FP8_DTYPE, quantize_fp8
 from jax_vmm.ops.general_attention import attention_tuned, reference_attention
 
@@ -300,13 +305,120 @@ def test_bad_shapes_are_refused():
         attention_tuned(jnp.zeros((2, 3, 4, 64), BF16), k, k, jnp.array([3, 4]), impl="stream")
 
 
-def test_fp8_arena_layer_with_options_is_not_implemented(vm):
+def test_fp8_arena_layer_with_options(vm):
+    """An fp8 arena layer with several query rows and every option: the split-K kernels
+    read a copy of its live tokens, dequantized (jax_vmm_kv_cache_copy_tokens); against
+    float64 on the dequantized cache. Lengths past the ensured tokens are clamped and
+    counted; with the table of ensured tokens ignored (testing switch) the same call reads
+    past them, uncounted, and gives another result."""
+    rng = np.random.default_rng(8)
+    B, S, Hq, Hkv, D, T = 4, 5, 8, 2, 64, 96
+    ensured = [96, 3, 40, 0]
+    scales = rng.uniform(0.5, 2.0, (2, 1, Hkv)).astype(np.float32)
     kv = vm.kv(
-        num_layers=1, num_kv_heads=2, head_dim=64, max_tokens=32, max_seqs=2, dtype=FP8_DTYPE,
+        num_layers=1, num_kv_heads=Hkv, head_dim=D, max_tokens=T, max_seqs=B,
+        dtype=FP8_DTYPE, k_scales=scales[0], v_scales=scales[1], zero_fill=True,
     )  # fmt: skip
-    q = jax.device_put(jnp.zeros((2, 3, 4, 64), BF16), kv.arena.device)
-    with pytest.raises(NotImplementedError, match="fp8 arena layers serve decode only"):
-        jax_vmm.attention(q, kv.cache()[0], jnp.array([3, 4]), window=2)
+    dev = kv.arena.device
+    for b, n in enumerate(ensured):
+        kv.ensure(n, b)
+    k, _ = draw(rng, (B * T, Hkv, D), BF16)
+    v, _ = draw(rng, (B * T, Hkv, D), BF16)
+    slots = np.concatenate([b * T + np.arange(n) for b, n in enumerate(ensured)]).astype(np.int32)
+    put = lambda x: jax.device_put(x, dev)  # noqa: E731
+    layer = jax.jit(jax_vmm.kv_write)(kv.cache()[0], put(k[slots]), put(v[slots]), slots)
+    jax.block_until_ready(layer.token)
+    kv.check()
+
+    def dequantized(x, scale):  # what the cache holds, as float64 (B, T, H, D)
+        x8 = quantize_fp8(x, scale[0]).astype(F32) * scale[0][:, None]
+        return np.asarray(x8, np.float64).reshape(B, T, Hkv, D)
+
+    k64, v64 = dequantized(k, scales[0]), dequantized(v, scales[1])
+    q, q64 = draw(rng, (B, S, Hq, D), BF16)
+    lengths, q_lengths = np.array(ensured, np.int32), np.array([5, 2, 0, 1], np.int32)
+
+    def attend(c, q, n, qn):
+        return jax_vmm.attention(q, c[0], n, q_lengths=qn, window=6, softcap=30.0)
+
+    args = [put(x) for x in (q, jnp.asarray(lengths), jnp.asarray(q_lengths))]
+    out = jax.jit(attend)(kv.cache(), *args)
+    kv.check()
+    assert_close(out, ref64(q64, k64, v64, lengths, q_lengths, 6, 30.0), BF16, "fp8 arena layer")
+    plain = jax.jit(lambda c, q, n: jax_vmm.attention(q, c[0], n))(kv.cache(), args[0], args[1])
+    assert_close(plain, ref64(q64, k64, v64, lengths), BF16, "fp8 arena layer, no option")
+
+    too_long = put(jnp.asarray([96, 10, 41, 0], jnp.int32))
+    clamped = jax.jit(attend)(kv.cache(), args[0], too_long, args[2])
+    with pytest.raises(jax_vmm.OutOfBoundsRead) as info:
+        kv.check()
+    assert info.value.count == 2
+    np.testing.assert_array_equal(np.asarray(clamped.astype(F32)), np.asarray(out.astype(F32)))
+    with jax_vmm.testing.limits_ignored():
+        unclamped = jax.jit(lambda c, q, n, qn: attend(c, q, n, qn))(
+            kv.cache(), args[0], too_long, args[2]
+        )
+    kv.check()  # nothing counted without the table
+    assert not np.array_equal(np.asarray(unclamped.astype(F32)), np.asarray(out.astype(F32)))
+
+
+_COPY_PROBE = textwrap.dedent("""
+    import ctypes, sys
+    import jax
+    jax.config.update("jax_platforms", "cpu")
+    import jax.numpy as jnp, numpy as np
+    import jax_vmm
+    import jax_vmm.testing
+
+    B, T, H, D, Hq, S = 2, 512, 2, 64, 4, 3
+    kv = jax_vmm.kv_arena(num_layers=1, num_kv_heads=H, head_dim=D, max_tokens=T,
+                          dtype=jnp.float8_e4m3fn, max_seqs=B, chunk_bytes=4096)
+    for s, n in enumerate((37, 100)):
+        kv.ensure(n, seq=s)
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    for buf in (kv.k_buffers[0], kv.v_buffers[0]):
+        for s in range(B):  # past the committed prefix of each sequence: no access at all
+            lo = s * kv.seq_bytes + kv.backed_tokens(s) * kv.token_bytes
+            if libc.mprotect(buf.address + lo, (s + 1) * kv.seq_bytes - lo, 0) != 0:
+                raise OSError(ctypes.get_errno(), "mprotect")
+    q = jnp.ones((B, S, Hq, D), jnp.bfloat16)
+    attend = jax.jit(lambda c, q, n: jax_vmm.attention(q, c[0], n, window=8))
+    lengths = jnp.asarray([T, T], jnp.int32)  # past the ensured tokens: clamped
+    if sys.argv[1] == "no_limits":
+        with jax_vmm.testing.limits_ignored():
+            attend(kv.cache(), q, lengths).block_until_ready()
+    else:
+        out = attend(kv.cache(), q, lengths).block_until_ready()
+        assert np.isfinite(np.asarray(out.astype(jnp.float32))).all()
+        try:
+            kv.check()
+            raise AssertionError("no OutOfBoundsRead")
+        except jax_vmm.OutOfBoundsRead as e:
+            assert e.count == 2, e.count
+    print("PROBE-OK")
+""")
+
+
+def _run_copy_probe(mode: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", _COPY_PROBE, mode],
+        env=child_env(JAX_PLATFORMS="cpu"),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+
+
+def test_fp8_copy_never_reads_past_the_ensured_tokens_cpu():
+    """Real oracle: every page past each sequence's committed prefix is PROT_NONE, so one
+    read kills the process. Attention with several query rows over the fp8 layer, asked
+    for all T tokens, copies only the ensured ones (and counts the clamp); with the table
+    ignored (testing switch) the same call reads past them and dies with SIGSEGV."""
+    r = _run_copy_probe("production")
+    assert r.returncode == 0 and "PROBE-OK" in r.stdout, (r.returncode, r.stderr[-3000:])
+    r = _run_copy_probe("no_limits")
+    assert r.returncode == -signal.SIGSEGV, (r.returncode, r.stdout[-2000:], r.stderr[-2000:])
 
 
 def test_over_an_array_layer(device):

@@ -275,9 +275,17 @@ def fp8_sharded_equals_single_device():
     slots = (np.arange(S) * T + 1).astype(np.int32)
     lengths = np.full(S, 2, np.int32)
     cache, out = STEP(kv.cache(), t["q"], t["k"], t["v"], slots, lengths)
-    _, ref_out = STEP(ref.cache(), t["q"], t["k"], t["v"], slots, lengths)
+    ref_cache, ref_out = STEP(ref.cache(), t["q"], t["k"], t["v"], slots, lengths)
     kv.check(out)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref_out), rtol=1e-6, atol=1e-6)
+    # Several query rows: per device, a dequantized copy of the shard's live tokens.
+    rows = jax.jit(lambda c, q, n, qn: jax_vmm.attention(q, c[0], n, q_lengths=qn, window=3))
+    q_rows = np.stack([t["q"][0]] * 3, axis=1)
+    n, qn = np.array([4, 2, 3, 0], np.int32), np.array([3, 1, 2, 2], np.int32)
+    got, want = rows(cache, q_rows, n, qn), rows(ref_cache, q_rows, n, qn)
+    kv.check(got)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+    assert np.abs(np.asarray(want)).max() > 0
     for i, shard in enumerate(kv.shards):
         got = raw_bytes(shard.k_buffers[0]).reshape(shard.k_buffers[0].shape)
         want = raw_bytes(ref.k_buffers[0]).reshape(ref.k_buffers[0].shape)

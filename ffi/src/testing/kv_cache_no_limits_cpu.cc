@@ -33,6 +33,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxVmmTestingDecodeAttentionV2CacheNoLimitsCpu,
                               jax_vmm::attention::BindStreamCacheTarget(
                                   xla::ffi::Ffi::Bind().Ctx<xla::ffi::DeviceOrdinal>()));
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxVmmTestingKvCacheCopyTokensNoLimitsCpu,
+                              jax_vmm::attention::CacheCopyCpuImpl<false>,
+                              jax_vmm::attention::BindCacheCopy(
+                                  xla::ffi::Ffi::Bind().Ctx<xla::ffi::DeviceOrdinal>()));
+
 void jax_vmm::testing::AddNoLimitsCacheCpuTargets(FfiRegistry& registry) {
   registry.Add("jax_vmm_testing_kv_cache_write_no_limits", "cpu",
                JaxVmmTestingKvCacheWriteNoLimitsCpu);
@@ -40,4 +45,6 @@ void jax_vmm::testing::AddNoLimitsCacheCpuTargets(FfiRegistry& registry) {
                JaxVmmTestingDecodeAttentionCacheNoLimitsCpu);
   registry.Add("jax_vmm_testing_decode_attention_v2_cache_no_limits", "cpu",
                JaxVmmTestingDecodeAttentionV2CacheNoLimitsCpu);
+  registry.Add("jax_vmm_testing_kv_cache_copy_tokens_no_limits", "cpu",
+               JaxVmmTestingKvCacheCopyTokensNoLimitsCpu);
 }

@@ -37,6 +37,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxVmmTestingStreamCacheNoLimitsCuda,
                               jax_vmm::attention::BindStreamCacheCuda(xla::ffi::Ffi::Bind()),
                               {xla::ffi::Traits::kCmdBufferCompatible});
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxVmmTestingKvCacheCopyTokensNoLimitsCuda,
+                              jax_vmm::attention::CacheCopyExecuteImpl<false>,
+                              jax_vmm::attention::BindCacheCopyCuda(xla::ffi::Ffi::Bind()),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+
 void jax_vmm::testing::AddNoLimitsCacheCudaTargets(FfiRegistry& registry) {
   registry.Add("jax_vmm_testing_kv_cache_write_no_limits", "CUDA",
                JaxVmmTestingKvCacheWriteNoLimitsCuda);
@@ -46,4 +51,6 @@ void jax_vmm::testing::AddNoLimitsCacheCudaTargets(FfiRegistry& registry) {
   registry.Add("jax_vmm_testing_decode_attention_v2_cache_no_limits", "CUDA",
                FfiRegistry::Stages{DecodeAttentionStreamCacheCudaInitialize,
                                    JaxVmmTestingStreamCacheNoLimitsCuda});
+  registry.Add("jax_vmm_testing_kv_cache_copy_tokens_no_limits", "CUDA",
+               JaxVmmTestingKvCacheCopyTokensNoLimitsCuda);
 }

@@ -260,16 +260,6 @@ def main(argv: list[str] | None = None) -> dict:
         "chunk_bytes": args.chunk_bytes,
     }
     serving.update({k: v for k, v in overrides.items() if v is not None})
-    # Both prefill prompt tokens over the cache: several queries per sequence.
-    for flag, value in (
-        ("--prefill-chunk", args.prefill_chunk),
-        ("--shared-prefix", args.shared_prefix),
-    ):
-        if value is not None and args.kv_dtype == "fp8":
-            raise SystemExit(
-                f"decode.py: {flag} with --kv-dtype fp8: jax_vmm.attention reads an fp8 "
-                "arena for decode only (one query per sequence); drop one of them"
-            )
     if args.kv_dtype == "fp8" and cfg.head_dim not in FP8_HEAD_DIMS:
         raise SystemExit(
             f"decode.py: --kv-dtype fp8: jax_vmm's fp8 attention takes head_dim in "

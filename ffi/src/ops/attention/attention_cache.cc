@@ -49,6 +49,47 @@ std::string PrepareCacheAttention(const char* op, const char* driver_kind, int d
   return "";
 }
 
+std::string PrepareCacheCopy(const char* op, const char* driver_kind, int device,
+                             uint64_t cache_uid, int64_t layer,
+                             const ffi::Buffer<ffi::S32>& lengths, const ffi::AnyBuffer& k_out,
+                             const ffi::AnyBuffer& v_out,
+                             const ffi::Buffer<ffi::S32>& read_lengths, CacheAttention* out) {
+  const bool cuda = std::string(driver_kind) == "cuda";
+  if (std::string err =
+          kvcache::ResolveCacheLayer(op, driver_kind, device, cache_uid, layer, cuda, &out->layer);
+      !err.empty()) {
+    return err;
+  }
+  const kvcache::Geometry& g = out->layer.cache->geometry();
+  const std::string who = std::string(op) + ": ";
+  if (!g.per_sequence || g.max_seqs > 65535) {
+    return who + "needs a KV arena with one buffer row per sequence (kv_arena(..., max_seqs=" +
+           "batch)), at most 65535 of them";
+  }
+  for (auto d : {lengths.dimensions(), read_lengths.dimensions()}) {
+    if (d.size() != 1 || d[0] != g.max_seqs) {
+      return who + "lengths must be (" + std::to_string(g.max_seqs) + ",), got " +
+             ShapeString(d.begin(), d.size());
+    }
+  }
+  const std::vector<int64_t>& dims = out->layer.dims;
+  static_assert(sizeof(int64_t) == sizeof(*k_out.dimensions().begin()));
+  for (const ffi::AnyBuffer* b : {&k_out, &v_out}) {
+    auto d = b->dimensions();
+    if (static_cast<int>(b->element_type()) != g.dtype ||
+        !std::equal(d.begin(), d.end(), dims.begin(), dims.end())) {
+      return who + "the copies must have the layer's shape " +
+             ShapeString(dims.data(), dims.size()) + " and dtype; got " +
+             ShapeString(d.begin(), d.size());
+    }
+  }
+  out->k = kvcache::LayerBuffer(reinterpret_cast<void*>(out->layer.buffers.k_address), g.dtype,
+                                out->layer.dims);
+  out->v = kvcache::LayerBuffer(reinterpret_cast<void*>(out->layer.buffers.v_address), g.dtype,
+                                out->layer.dims);
+  return "";
+}
+
 int32_t TokenEpochOnHost(const ffi::AnyBuffer& token) {
   if (token.element_type() != ffi::DataType::S32 || token.size_bytes() < sizeof(int32_t)) return -1;
   int32_t epoch = 0;

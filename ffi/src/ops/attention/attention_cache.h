@@ -48,6 +48,27 @@ std::string PrepareCacheAttention(const char* op, const char* driver_kind, int d
                                   const ffi::Buffer<ffi::S32>& lengths,
                                   const ffi::Buffer<ffi::S32>& read_lengths, CacheAttention* out);
 
+// jax_vmm_kv_cache_copy_tokens(lengths, token) -> (k, v, read_lengths), attributes
+// cache_uid and layer: the layer's tokens [0, read_lengths[b]) of every sequence b copied
+// into k and v (the layer's shape and dtype) and zeros past them, read_lengths clamped and
+// counted as for attention. What jax_vmm.attention runs over an fp8 layer with several
+// query rows: the split-K kernels then read the copy, dequantized by XLA (correct, not
+// fast; the kernels read 16-bit or float32 caches only).
+//
+// Resolves the layer and checks the outputs' shapes and dtype and lengths / read_lengths
+// (B,). An error message, or "".
+std::string PrepareCacheCopy(const char* op, const char* driver_kind, int device,
+                             uint64_t cache_uid, int64_t layer,
+                             const ffi::Buffer<ffi::S32>& lengths, const ffi::AnyBuffer& k_out,
+                             const ffi::AnyBuffer& v_out,
+                             const ffi::Buffer<ffi::S32>& read_lengths, CacheAttention* out);
+
+// The CPU handler body of jax_vmm_kv_cache_copy_tokens (attention_cache_cpu.cc), shared
+// with the testing layer's variant (use_limits: see ClampLengthsOnHost).
+ffi::Error CacheCopyCpu(bool use_limits, int32_t device, ffi::Buffer<ffi::S32> lengths,
+                        int32_t epoch, ffi::AnyBuffer k_out, ffi::AnyBuffer v_out,
+                        ffi::Buffer<ffi::S32> read_lengths, uint64_t cache_uid, int64_t layer);
+
 // The read epoch a host handler's ordering token carries (kv_cache.h, BeginEpoch): its
 // int32 value, which the host reads directly; -1 (the live table) for another shape.
 int32_t TokenEpochOnHost(const ffi::AnyBuffer& token);
@@ -121,6 +142,28 @@ ffi::Error StreamCacheCpuImpl(int32_t device, ffi::AnyBuffer q, ffi::Buffer<ffi:
   return StreamCacheCpu(kUseLimits, device, q, lengths, TokenEpochOnHost(token), k_scale, v_scale, *out, *read_lengths,
                         cache_uid, layer,
                         stream::StreamAttrs{scale, ctas, stages, min_tiles, combine, bulk});
+}
+
+template <bool kUseLimits>
+ffi::Error CacheCopyCpuImpl(int32_t device, ffi::Buffer<ffi::S32> lengths, ffi::AnyBuffer token,
+                            ffi::Result<ffi::AnyBuffer> k_out, ffi::Result<ffi::AnyBuffer> v_out,
+                            ffi::Result<ffi::Buffer<ffi::S32>> read_lengths, uint64_t cache_uid,
+                            int64_t layer) {
+  return CacheCopyCpu(kUseLimits, device, lengths, TokenEpochOnHost(token), *k_out, *v_out,
+                      *read_lengths, cache_uid, layer);
+}
+
+// jax_vmm_kv_cache_copy_tokens after the platform's context in `b`.
+template <typename B>
+auto BindCacheCopy(B&& b) {
+  return std::forward<B>(b)
+      .template Arg<ffi::Buffer<ffi::S32>>()  // lengths
+      .template Arg<ffi::AnyBuffer>()         // token
+      .template Ret<ffi::AnyBuffer>()         // k
+      .template Ret<ffi::AnyBuffer>()         // v
+      .template Ret<ffi::Buffer<ffi::S32>>()  // read_lengths
+      .template Attr<uint64_t>("cache_uid")
+      .template Attr<int64_t>("layer");
 }
 
 // The full signatures of the two targets after the platform's context in `b`.

@@ -2,7 +2,9 @@
 // and streaming CPU bodies (attention_cpu.h, stream_cpu.h) run on the layer's buffers
 // with the lengths clamped to the tokens each sequence has ensured.
 #include <cstdint>
+#include <cstring>
 #include <string>
+#include <utility>
 
 #include "ops/attention/attention_cache.h"
 #include "ops/attention/attention_cpu.h"
@@ -59,7 +61,36 @@ ffi::Error StreamCacheCpu(bool use_limits, int32_t device, ffi::AnyBuffer q,
   return stream::RunCpu(q, call.K(), call.V(), read_lengths, k_scale, v_scale, out, attrs);
 }
 
+ffi::Error CacheCopyCpu(bool use_limits, int32_t device, ffi::Buffer<ffi::S32> lengths,
+                        int32_t epoch, ffi::AnyBuffer k_out, ffi::AnyBuffer v_out,
+                        ffi::Buffer<ffi::S32> read_lengths, uint64_t cache_uid, int64_t layer) {
+  constexpr const char* kCopyName = "jax_vmm.attention (copy of an fp8 KVCache layer, cpu)";
+  CacheAttention call;
+  if (std::string err = PrepareCacheCopy(kCopyName, "host", device, cache_uid, layer, lengths,
+                                         k_out, v_out, read_lengths, &call);
+      !err.empty()) {
+    return ffi::Error::InvalidArgument(err);
+  }
+  ClampLengthsOnHost(call, lengths.typed_data(), read_lengths.typed_data(), use_limits, epoch);
+  const size_t token_bytes = call.layer.cache->geometry().token_bytes();
+  const size_t row = token_bytes * static_cast<size_t>(call.max_tokens());
+  for (int64_t b = 0; b < call.batch(); ++b) {
+    const size_t live = token_bytes * static_cast<size_t>(read_lengths.typed_data()[b]);
+    for (auto [src, dst] : {std::pair{call.k.data, k_out.untyped_data()},
+                            std::pair{call.v.data, v_out.untyped_data()}}) {
+      char* d = static_cast<char*>(dst) + b * row;
+      std::memcpy(d, static_cast<const char*>(src) + b * row, live);
+      std::memset(d + live, 0, row - live);
+    }
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace jax_vmm::attention
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KvCacheCopyTokensCpu, jax_vmm::attention::CacheCopyCpuImpl<true>,
+                              jax_vmm::attention::BindCacheCopy(
+                                  xla::ffi::Ffi::Bind().Ctx<xla::ffi::DeviceOrdinal>()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     DecodeAttentionCacheCpu, jax_vmm::attention::CacheCpuImpl<true>,
@@ -75,6 +106,7 @@ namespace jax_vmm::attention {
 void AddCacheCpuTargets(FfiRegistry& registry) {
   registry.Add("jax_vmm_decode_attention_cache", "cpu", DecodeAttentionCacheCpu);
   registry.Add("jax_vmm_decode_attention_v2_cache", "cpu", DecodeAttentionStreamCacheCpu);
+  registry.Add("jax_vmm_kv_cache_copy_tokens", "cpu", KvCacheCopyTokensCpu);
 }
 
 }  // namespace jax_vmm::attention

@@ -137,7 +137,36 @@ ffi::Error StreamCacheCudaExecute(bool use_limits, cudaStream_t stream, int32_t 
                              out, attrs);
 }
 
+ffi::Error CacheCopyCudaExecute(bool use_limits, cudaStream_t stream, int32_t device,
+                                ffi::Buffer<ffi::S32> lengths, ffi::AnyBuffer k_out,
+                                ffi::AnyBuffer v_out, ffi::Buffer<ffi::S32> read_lengths,
+                                uint64_t cache_uid, int64_t layer) {
+  constexpr const char* kCopyName = "jax_vmm.attention (copy of an fp8 KVCache layer, CUDA)";
+  CacheAttention call;
+  if (std::string err = PrepareCacheCopy(kCopyName, "cuda", device, cache_uid, layer, lengths,
+                                         k_out, v_out, read_lengths, &call);
+      !err.empty()) {
+    return ffi::Error::InvalidArgument(err);
+  }
+  if (ffi::Error e = Clamp(use_limits, call, lengths, read_lengths, stream); e.failure()) return e;
+  const int64_t token_bytes = static_cast<int64_t>(call.layer.cache->geometry().token_bytes());
+  for (auto [src, dst] : {std::pair{call.k.data, k_out.untyped_data()},
+                          std::pair{call.v.data, v_out.untyped_data()}}) {
+    if (cudaError_t e =
+            kvcache::LaunchCopyLiveTokens(src, dst, read_lengths.typed_data(), call.batch(),
+                                          call.max_tokens(), token_bytes, stream);
+        e != cudaSuccess) {
+      return CudaFfiError(kCopyName, "copy kernel launch", e);
+    }
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace jax_vmm::attention
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KvCacheCopyTokensCuda, jax_vmm::attention::CacheCopyExecuteImpl<true>,
+                              jax_vmm::attention::BindCacheCopyCuda(xla::ffi::Ffi::Bind()),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DecodeAttentionCacheCudaInitialize,
                               jax_vmm::attention::InitializeImpl,
@@ -166,6 +195,7 @@ void AddCacheCudaTargets(FfiRegistry& registry) {
   registry.Add("jax_vmm_decode_attention_v2_cache", "CUDA",
                FfiRegistry::Stages{DecodeAttentionStreamCacheCudaInitialize,
                                    DecodeAttentionStreamCacheCudaExecute});
+  registry.Add("jax_vmm_kv_cache_copy_tokens", "CUDA", KvCacheCopyTokensCuda);
 }
 
 }  // namespace jax_vmm::attention

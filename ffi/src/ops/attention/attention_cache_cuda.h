@@ -79,6 +79,29 @@ ffi::Error StreamCacheExecuteImpl(cudaStream_t stream, int32_t device, ffi::AnyB
                                 stream::StreamAttrs{scale, ctas, stages, min_tiles, combine, bulk});
 }
 
+// jax_vmm_kv_cache_copy_tokens (attention_cache.h): the clamp kernel, then one copy kernel
+// per side. No initialize stage: nothing to reserve.
+ffi::Error CacheCopyCudaExecute(bool use_limits, cudaStream_t stream, int32_t device,
+                                ffi::Buffer<ffi::S32> lengths, ffi::AnyBuffer k_out,
+                                ffi::AnyBuffer v_out, ffi::Buffer<ffi::S32> read_lengths,
+                                uint64_t cache_uid, int64_t layer);
+
+template <bool kUseLimits>
+ffi::Error CacheCopyExecuteImpl(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::S32> lengths,
+                                ffi::AnyBuffer token, ffi::Result<ffi::AnyBuffer> k_out,
+                                ffi::Result<ffi::AnyBuffer> v_out,
+                                ffi::Result<ffi::Buffer<ffi::S32>> read_lengths,
+                                uint64_t cache_uid, int64_t layer) {
+  (void)token;  // orders the call after the layer's writes; not read
+  return CacheCopyCudaExecute(kUseLimits, stream, device, lengths, *k_out, *v_out, *read_lengths,
+                              cache_uid, layer);
+}
+
+template <typename B>
+auto BindCacheCopyCuda(B&& b) {
+  return BindCacheCopy(BindCudaContext(std::forward<B>(b)));
+}
+
 template <typename B>
 auto BindCacheCuda(B&& b) {
   return BindCacheTarget(BindCudaContext(std::forward<B>(b)));
