@@ -17,6 +17,9 @@ import pytest
 import jax_vmm
 import jax_vmm.testing
 from conftest import raw_bytes
+from jax_vmm.base.fp8 import FP8_DTYPE
+from jax_vmm.ops.attention import decode_attention_tuned
+from jax_vmm.ops.general_attention import attention_tuned
 from oracles import maps_oracle as mo
 
 H, D = 2, 64  # float32: 512 bytes per token per buffer
@@ -280,6 +283,64 @@ def test_attention_over_a_shared_prefix_equals_a_private_copy(vm):
         out4 = np.asarray(jax_vmm.attention(q4, cache[layer], lengths))
         np.testing.assert_array_equal(out4[1], out4[2])
     kv.check(out, out4)
+
+
+@pytest.mark.parametrize(
+    "dtype, impl",
+    [(jnp.bfloat16, "auto"), (jnp.bfloat16, "tensor_core"), (jnp.bfloat16, "stream"),
+     (FP8_DTYPE, "auto")],
+    ids=["bf16-auto", "bf16-tensor_core", "bf16-stream", "fp8-auto"],
+)  # fmt: skip
+def test_every_kernel_reads_a_shared_prefix_as_a_private_copy(vm, dtype, impl):
+    """Decode (the kernel ``impl`` names; "auto": what the routing picks, cuDNN on a GPU
+    built with it) and two query rows with a window (split-K; an fp8 layer through its
+    copy) give the same bits for a sequence that shares a prefix of 2.5 chunks and one
+    that holds a private copy of it."""
+    Hq = 2 * H
+    tpc = vm.chunk // (H * D * np.dtype(dtype).itemsize)
+    kv = vm.kv(
+        num_layers=1, num_kv_heads=H, head_dim=D, max_tokens=4 * tpc, max_seqs=3, dtype=dtype,
+        handle_bytes=vm.chunk,
+    )  # fmt: skip
+    n = int(2.5 * tpc)
+    rng = np.random.default_rng(7)
+    data = jnp.asarray(rng.standard_normal((2, n + 3, H, D)), jnp.bfloat16)
+
+    def write(seq, start, stop):
+        put = lambda x: jax.device_put(x, kv.arena.device)  # noqa: E731
+        pos = jnp.arange(start, stop, dtype=jnp.int32)
+        layer = jax_vmm.kv_write(
+            kv.cache()[0], put(data[0, start:stop]), put(data[1, start:stop]),
+            seq=jnp.full(pos.shape, seq, jnp.int32), pos=pos,
+        )  # fmt: skip
+        jax.block_until_ready(layer)
+
+    kv.ensure(n, 0)
+    write(0, 0, n)
+    kv.share_prefix(0, 1, n)
+    kv.ensure(n, 2)
+    write(2, 0, n)  # the private copy
+    for seq in (1, 2):
+        kv.ensure(n + 3, seq)
+        write(seq, n, n + 3)
+    kv.check()
+    q = jnp.asarray(rng.standard_normal((3, Hq, D)), jnp.bfloat16)
+    q = jax.device_put(q.at[1].set(q[2]), kv.arena.device)
+    lengths = jnp.array([0, n + 3, n + 3], jnp.int32)
+    layer = kv.cache()[0]
+    if impl == "auto":
+        out = jax_vmm.decode_attention(q, layer, lengths)
+    else:
+        out = decode_attention_tuned(q, layer, lengths, impl=impl)
+    rows = attention_tuned(
+        jnp.stack([q, q], axis=1), layer, lengths, window=5,
+        impl=impl if impl != "stream" else "auto",
+    )  # fmt: skip
+    kv.check(out, rows)
+    out, rows = (np.asarray(x.astype(jnp.float32)) for x in (out, rows))
+    assert np.abs(out[1]).max() > 0
+    np.testing.assert_array_equal(out[1], out[2])
+    np.testing.assert_array_equal(rows[1], rows[2])
 
 
 # -- refusals (nothing changes) ------------------------------------------------------------
