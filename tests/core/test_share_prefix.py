@@ -294,7 +294,7 @@ def test_attention_over_a_shared_prefix_equals_a_private_copy(vm):
 def test_every_kernel_reads_a_shared_prefix_as_a_private_copy(vm, dtype, impl):
     """Decode (the kernel ``impl`` names; "auto": what the routing picks, cuDNN on a GPU
     built with it) and two query rows with a window (split-K; an fp8 layer through its
-    copy) give the same bits for a sequence that shares a prefix of 2.5 chunks and one
+    copy) give the same result for a sequence that shares a prefix of 2.5 chunks and one
     that holds a private copy of it."""
     Hq = 2 * H
     tpc = vm.chunk // (H * D * np.dtype(dtype).itemsize)
@@ -339,8 +339,11 @@ def test_every_kernel_reads_a_shared_prefix_as_a_private_copy(vm, dtype, impl):
     kv.check(out, rows)
     out, rows = (np.asarray(x.astype(jnp.float32)) for x in (out, rows))
     assert np.abs(out[1]).max() > 0
-    np.testing.assert_array_equal(out[1], out[2])
-    np.testing.assert_array_equal(rows[1], rows[2])
+    # Within rounding, not bit for bit: the streaming kernel shares all sequences' tiles
+    # out over its CTAs, so two sequences with the same tokens may be summed in another
+    # order. A wrong mapping differs by the values themselves.
+    np.testing.assert_allclose(out[1], out[2], rtol=1e-2, atol=1e-2)
+    np.testing.assert_allclose(rows[1], rows[2], rtol=1e-2, atol=1e-2)
 
 
 # -- refusals (nothing changes) ------------------------------------------------------------
