@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import subprocess
 import sys
 from collections.abc import Iterable
 from pathlib import Path
@@ -44,6 +45,18 @@ def child_env(*folders: Path, **extra: str) -> dict[str, str]:
     path = [str(f) for f in folders] + [str(TESTS), str(TESTS / "oracles")]
     path += [p for p in sys.path if p and p not in path]
     return dict(os.environ, **extra, PYTHONPATH=os.pathsep.join(path))
+
+
+def run_cpu_script(script: str, *args: str, timeout: int = 240) -> subprocess.CompletedProcess:
+    """``python -c script args...`` in a child on JAX's CPU platform (``child_env``), its
+    output captured: for probes that may kill their process."""
+    return subprocess.run(
+        [sys.executable, "-c", script, *args],
+        env=child_env(JAX_PLATFORMS="cpu"),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 @functools.cache

@@ -13,7 +13,6 @@ from __future__ import annotations
 import math
 import signal
 import subprocess
-import sys
 import textwrap
 
 import jax
@@ -23,7 +22,7 @@ import pytest
 
 import jax_vmm
 import jax_vmm.testing
-from conftest import child_env, write_bytes
+from conftest import run_cpu_script, write_bytes
 from jax_vmm.ops.attention import attention_plan, attention_stats, decode_attention_tuned
 
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
@@ -376,13 +375,7 @@ _PROBE = textwrap.dedent("""
 
 
 def _run_probe(mode: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-c", _PROBE, mode],
-        env=child_env(JAX_PLATFORMS="cpu"),
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    return run_cpu_script(_PROBE, mode)
 
 
 def test_unbacked_tail_is_never_read_cpu():

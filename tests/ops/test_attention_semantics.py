@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import math
 import signal
-import subprocess
-import sys
 import textwrap
 
 import jax
@@ -24,7 +22,7 @@ import pytest
 
 import jax_vmm
 import jax_vmm.testing
-from conftest import child_env
+from conftest import run_cpu_script
 from jax_vmm.base.fp8 import FP8_DTYPE, quantize_fp8
 from jax_vmm.ops.general_attention import attention_tuned, reference_attention
 
@@ -400,24 +398,14 @@ _COPY_PROBE = textwrap.dedent("""
 """)
 
 
-def _run_copy_probe(mode: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-c", _COPY_PROBE, mode],
-        env=child_env(JAX_PLATFORMS="cpu"),
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-
-
 def test_fp8_copy_never_reads_past_the_ensured_tokens_cpu():
     """Real oracle: every page past each sequence's committed prefix is PROT_NONE, so one
     read kills the process. Attention with several query rows over the fp8 layer, asked
     for all T tokens, copies only the ensured ones (and counts the clamp); with the table
     ignored (testing switch) the same call reads past them and dies with SIGSEGV."""
-    r = _run_copy_probe("production")
+    r = run_cpu_script(_COPY_PROBE, "production")
     assert r.returncode == 0 and "PROBE-OK" in r.stdout, (r.returncode, r.stderr[-3000:])
-    r = _run_copy_probe("no_limits")
+    r = run_cpu_script(_COPY_PROBE, "no_limits")
     assert r.returncode == -signal.SIGSEGV, (r.returncode, r.stdout[-2000:], r.stderr[-2000:])
 
 

@@ -12,10 +12,14 @@
 
 namespace jax_vmm::attention {
 
-std::string PrepareCacheAttention(const char* op, const char* driver_kind, int device,
-                                  uint64_t cache_uid, int64_t layer, const ffi::AnyBuffer& q,
-                                  const ffi::Buffer<ffi::S32>& lengths,
-                                  const ffi::Buffer<ffi::S32>& read_lengths, CacheAttention* out) {
+namespace {
+
+// What both preparations share: the layer resolved for `op` (pinned for a CUDA graph), a
+// per-sequence layout, lengths and read_lengths of shape (B,), and the layer's buffers as
+// FFI buffers. An error message, or "".
+std::string ResolveLayer(const char* op, const char* driver_kind, int device, uint64_t cache_uid,
+                         int64_t layer, const ffi::Buffer<ffi::S32>& lengths,
+                         const ffi::Buffer<ffi::S32>& read_lengths, CacheAttention* out) {
   const bool cuda = std::string(driver_kind) == "cuda";
   if (std::string err =
           kvcache::ResolveCacheLayer(op, driver_kind, device, cache_uid, layer, cuda, &out->layer);
@@ -26,17 +30,10 @@ std::string PrepareCacheAttention(const char* op, const char* driver_kind, int d
   const std::string who = std::string(op) + ": ";
   if (!g.per_sequence) {
     return who +
-           "decode attention needs a KV arena with one buffer row per sequence "
+           "attention needs a KV arena with one buffer row per sequence "
            "(kv_arena(..., max_seqs=batch))";
   }
-  auto qd = q.dimensions(), ld = lengths.dimensions(), rd = read_lengths.dimensions();
-  if ((qd.size() != 3 && qd.size() != 4) || qd[0] != g.max_seqs) {
-    return who + "q must be (" + std::to_string(g.max_seqs) + ", H_q, D) or (" +
-           std::to_string(g.max_seqs) +
-           ", S, H_q, D), queries of every sequence of the KV cache; got " +
-           ShapeString(qd.begin(), qd.size());
-  }
-  for (auto d : {ld, rd}) {
+  for (auto d : {lengths.dimensions(), read_lengths.dimensions()}) {
     if (d.size() != 1 || d[0] != g.max_seqs) {
       return who + "lengths must be (" + std::to_string(g.max_seqs) + ",), got " +
              ShapeString(d.begin(), d.size());
@@ -49,44 +46,51 @@ std::string PrepareCacheAttention(const char* op, const char* driver_kind, int d
   return "";
 }
 
+}  // namespace
+
+std::string PrepareCacheAttention(const char* op, const char* driver_kind, int device,
+                                  uint64_t cache_uid, int64_t layer, const ffi::AnyBuffer& q,
+                                  const ffi::Buffer<ffi::S32>& lengths,
+                                  const ffi::Buffer<ffi::S32>& read_lengths, CacheAttention* out) {
+  if (std::string err =
+          ResolveLayer(op, driver_kind, device, cache_uid, layer, lengths, read_lengths, out);
+      !err.empty()) {
+    return err;
+  }
+  const int64_t B = out->batch();
+  auto qd = q.dimensions();
+  if ((qd.size() != 3 && qd.size() != 4) || qd[0] != B) {
+    return std::string(op) + ": q must be (" + std::to_string(B) + ", H_q, D) or (" +
+           std::to_string(B) + ", S, H_q, D), queries of every sequence of the KV cache; got " +
+           ShapeString(qd.begin(), qd.size());
+  }
+  return "";
+}
+
 std::string PrepareCacheCopy(const char* op, const char* driver_kind, int device,
                              uint64_t cache_uid, int64_t layer,
                              const ffi::Buffer<ffi::S32>& lengths, const ffi::AnyBuffer& k_out,
                              const ffi::AnyBuffer& v_out,
                              const ffi::Buffer<ffi::S32>& read_lengths, CacheAttention* out) {
-  const bool cuda = std::string(driver_kind) == "cuda";
   if (std::string err =
-          kvcache::ResolveCacheLayer(op, driver_kind, device, cache_uid, layer, cuda, &out->layer);
+          ResolveLayer(op, driver_kind, device, cache_uid, layer, lengths, read_lengths, out);
       !err.empty()) {
     return err;
   }
-  const kvcache::Geometry& g = out->layer.cache->geometry();
-  const std::string who = std::string(op) + ": ";
-  if (!g.per_sequence || g.max_seqs > 65535) {
-    return who + "needs a KV arena with one buffer row per sequence (kv_arena(..., max_seqs=" +
-           "batch)), at most 65535 of them";
-  }
-  for (auto d : {lengths.dimensions(), read_lengths.dimensions()}) {
-    if (d.size() != 1 || d[0] != g.max_seqs) {
-      return who + "lengths must be (" + std::to_string(g.max_seqs) + ",), got " +
-             ShapeString(d.begin(), d.size());
-    }
+  if (out->batch() > 65535) {  // the copy kernel's grid.y
+    return std::string(op) + ": at most 65535 sequences, got " + std::to_string(out->batch());
   }
   const std::vector<int64_t>& dims = out->layer.dims;
-  static_assert(sizeof(int64_t) == sizeof(*k_out.dimensions().begin()));
+  const int dtype = out->layer.cache->geometry().dtype;
   for (const ffi::AnyBuffer* b : {&k_out, &v_out}) {
     auto d = b->dimensions();
-    if (static_cast<int>(b->element_type()) != g.dtype ||
+    if (static_cast<int>(b->element_type()) != dtype ||
         !std::equal(d.begin(), d.end(), dims.begin(), dims.end())) {
-      return who + "the copies must have the layer's shape " +
+      return std::string(op) + ": the copies must have the layer's shape " +
              ShapeString(dims.data(), dims.size()) + " and dtype; got " +
              ShapeString(d.begin(), d.size());
     }
   }
-  out->k = kvcache::LayerBuffer(reinterpret_cast<void*>(out->layer.buffers.k_address), g.dtype,
-                                out->layer.dims);
-  out->v = kvcache::LayerBuffer(reinterpret_cast<void*>(out->layer.buffers.v_address), g.dtype,
-                                out->layer.dims);
   return "";
 }
 
