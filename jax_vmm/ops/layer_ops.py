@@ -19,6 +19,8 @@ slots skipped, slots past the cache dropped) and the array form of decode attent
 from __future__ import annotations
 
 import dataclasses
+import functools
+import logging
 from typing import Any
 
 import jax
@@ -49,6 +51,8 @@ class _Targets:
     check_views: str = "jax_vmm_kv_cache_check_views"
     copy_tokens: str = "jax_vmm_kv_cache_copy_tokens"
 
+
+_log = logging.getLogger("jax_vmm")
 
 #: The FFI targets of the arena-layer ops. ``jax_vmm.testing.limits_ignored()`` swaps in
 #: the testing layer's variants for its with-block (the one seam for that hook); nothing
@@ -196,6 +200,16 @@ def rows_attention(
     return out
 
 
+@functools.cache
+def _note_the_copy_path() -> None:
+    """Once per process: the fp8 copy path is slow by design; say so where users look."""
+    _log.warning(
+        "jax_vmm.attention over an fp8 arena layer with several query rows or a window/"
+        "softcap reads a dequantized copy of the layer per call (correct, not fast; "
+        "docs/attention.md); decode (one query row, no option) reads fp8 in place"
+    )
+
+
 def _live_copy(layer: KVLayer, lengths: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(k, v, read_lengths): the arena layer's tokens [0, read_lengths[b]) of every
     sequence copied by one custom call (ordered after the layer's writes by its token),
@@ -212,6 +226,7 @@ def _live_copy(layer: KVLayer, lengths: Any) -> tuple[jax.Array, jax.Array, jax.
             f"attention: lengths must be ({B},) integers, one per sequence of "
             f"{lid.describe()}; got {n.dtype}{tuple(n.shape)}"
         )
+    _note_the_copy_path()
     register()
     read = jax.ShapeDtypeStruct((B,), jnp.int32)
     ffi = jax.ffi.ffi_call(_targets.copy_tokens, (spec, spec, read), vmap_method="sequential")

@@ -248,7 +248,7 @@ def test_over_an_arena_layer(vm):
     )
     args = [jax.device_put(x, dev) for x in (q, jnp.asarray(lengths), jnp.asarray(q_lengths))]
     out = fn(kv.cache(), *args)
-    kv.check()  # within the ensured tokens: nothing to report
+    kv.check(out)  # within the ensured tokens: nothing to report
     ref = ref64(q64, k64, v64, lengths, q_lengths, 6, 30.0)
     assert_close(out, ref, BF16, "arena layer")
 
@@ -257,7 +257,7 @@ def test_over_an_arena_layer(vm):
     too_long = jax.device_put(jnp.asarray([96, 10, 41, 0], jnp.int32), dev)
     clamped = fn(kv.cache(), args[0], too_long, args[2])
     with pytest.raises(jax_vmm.OutOfBoundsRead) as info:
-        kv.check()
+        kv.check(clamped)  # a read-only step: check waits for the results it is given
     assert info.value.count == 2
     np.testing.assert_array_equal(np.asarray(clamped.astype(F32)), np.asarray(out.astype(F32)))
 
@@ -341,7 +341,7 @@ def test_fp8_arena_layer_with_options(vm):
 
     args = [put(x) for x in (q, jnp.asarray(lengths), jnp.asarray(q_lengths))]
     out = jax.jit(attend)(kv.cache(), *args)
-    kv.check()
+    kv.check(out)  # a read-only step: check waits for the results it is given
     assert_close(out, ref64(q64, k64, v64, lengths, q_lengths, 6, 30.0), BF16, "fp8 arena layer")
     plain = jax.jit(lambda c, q, n: jax_vmm.attention(q, c[0], n))(kv.cache(), args[0], args[1])
     assert_close(plain, ref64(q64, k64, v64, lengths), BF16, "fp8 arena layer, no option")
@@ -349,14 +349,14 @@ def test_fp8_arena_layer_with_options(vm):
     too_long = put(jnp.asarray([96, 10, 41, 0], jnp.int32))
     clamped = jax.jit(attend)(kv.cache(), args[0], too_long, args[2])
     with pytest.raises(jax_vmm.OutOfBoundsRead) as info:
-        kv.check()
+        kv.check(clamped)
     assert info.value.count == 2
     np.testing.assert_array_equal(np.asarray(clamped.astype(F32)), np.asarray(out.astype(F32)))
     with jax_vmm.testing.limits_ignored():
         unclamped = jax.jit(lambda c, q, n, qn: attend(c, q, n, qn))(
             kv.cache(), args[0], too_long, args[2]
         )
-    kv.check()  # nothing counted without the table
+    kv.check(unclamped)  # nothing counted without the table
     assert not np.array_equal(np.asarray(unclamped.astype(F32)), np.asarray(out.astype(F32)))
 
 
