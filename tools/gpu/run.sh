@@ -66,6 +66,8 @@
 #   example:B           the gpu preset at batch B = 16 or 64 (3 requests per slot), decode
 #                       blocks of 16 -> $OUT/example_bB/; B+release, B+aheadN (and both,
 #                       B+release+ahead16) add --slot-memory release / --commit-ahead N;
+#                       B+chunkM: --chunk-bytes M MiB (fewer, larger commits: what the
+#                       page-table changes of the 2 MiB ones cost the step);
 #                       example:prealloc16 / prealloc64 the cuDNN baseline; example:fp8, example:sleep (batch 16);
 #                       example:hf1b: examples/generate.py on a 1B-shaped random Llama
 #                       checkpoint (tools/make_hf_fixtures.py --preset 1b), bf16, both backends
@@ -279,7 +281,8 @@ step_example() {
           "") ;;
           release|keep) extra+=(--slot-memory "$w") ;;
           ahead*) extra+=(--commit-ahead "${w#ahead}") ;;
-          *) echo "unknown example option $w (release, keep, aheadN)"; return 2 ;;
+          chunk*) extra+=(--chunk-bytes $(("${w#chunk}" * 1048576))) ;;
+          *) echo "unknown example option $w (release, keep, aheadN, chunkMiB)"; return 2 ;;
         esac
       done
       "$PY" "${ex[@]}" --batch "$b" --requests $((3 * b)) "${extra[@]}" \
