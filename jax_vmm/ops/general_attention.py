@@ -25,6 +25,7 @@ from ..base.fp8 import FP8_STORAGE, dequantize_fp8
 from ..cache.pytree import KVLayer
 from . import attention_call as _call
 from . import layer_ops, sharded_ops
+from .arena_leaves import checked_arena_layer
 from .attention import decode_attention_tuned
 from .attention_backend import routes_to_cudnn
 from .cudnn_attention import cudnn_attention
@@ -196,6 +197,7 @@ def _arena_attention(
     """The general attention over an arena layer: cuDNN where the routing takes it, else
     the split-K cache target (per device on a sharded layer); lengths clamped to the
     tokens ensured, counted."""
+    layer = checked_arena_layer(layer, "attention")  # its token; an fp8 arena's own scales
     lid = layer.id
     if len(lid.shape) != 4:
         raise ValueError(

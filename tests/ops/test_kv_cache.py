@@ -697,6 +697,14 @@ def test_an_fp8_arena_layer_is_read_with_the_arenas_scales_only(cpu_device):
         want = np.asarray(read(kv.cache()))
         np.testing.assert_array_equal(np.asarray(read(doubled(kv.cache()))), want)
         assert np.abs(want[0]).max() > 0
+        # Several query rows (the dequantized copy) and the same rule.
+        q2 = jnp.stack([q, q], axis=1)
+        with pytest.raises(ValueError, match="attention: .* is not the arena's"):
+            jax_vmm.attention(q2, doubled(kv.cache())[0], lengths, window=3)
+        rows = jax.jit(lambda cache: jax_vmm.attention(q2, cache[0], lengths, window=3))
+        want2 = np.asarray(rows(kv.cache()))
+        np.testing.assert_array_equal(np.asarray(rows(doubled(kv.cache()))), want2)
+        assert np.abs(want2[0]).max() > 0
     finally:
         kv.close()
 
