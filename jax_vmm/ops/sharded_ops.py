@@ -40,6 +40,14 @@ def _local_layer(lid: ShardedLayerId, token: Any, scales: tuple) -> KVLayer:
     return KVLayer._arena(lid.local(), token.reshape(()), scales)
 
 
+def _scales(layer: KVLayer) -> tuple[tuple, tuple]:
+    """An fp8 layer's (k_scale, v_scale), split like the KV heads, and their specs; ()
+    for other layers."""
+    if not layer.id.fp8:
+        return (), ()
+    return (layer.k_scale, layer.v_scale), (P(layer.id.head_axes),) * 2
+
+
 def _shard_map(lid: ShardedLayerId, body: Any, in_specs: tuple, out_specs: Any) -> Any:
     # check_vma off: a mesh axis the spec does not name holds replicas whose results
     # agree by construction (each wrote and read the same tokens), which the custom call
@@ -73,8 +81,7 @@ def write(layer: KVLayer, new_k: Any, new_v: Any, slots: Any) -> KVLayer:
     if n == 0:
         return layer
     heads = P(None, lid.head_axes, None)
-    scales = (layer.k_scale, layer.v_scale) if lid.fp8 else ()
-    scale_specs = (P(lid.head_axes),) * len(scales)
+    scales, scale_specs = _scales(layer)
 
     def body(nk, nv, sl, token, *sc):
         local = _local_layer(lid, token, sc)
@@ -118,8 +125,7 @@ def attention(q: Any, layer: KVLayer, lengths: Any, *, scale: float | None = Non
             f"shape {tuple(np.shape(lengths))}"
         )
     qspec = P(lid.seq_axes, lid.head_axes, None)
-    scales = (layer.k_scale, layer.v_scale) if lid.fp8 else ()
-    scale_specs = (P(lid.head_axes),) * len(scales)
+    scales, scale_specs = _scales(layer)
 
     def body(q_local, len_local, token, *sc):
         local = _local_layer(lid, token, sc)
@@ -145,8 +151,7 @@ def rows_attention(
     qspec = P(lid.seq_axes, None, lid.head_axes, None)
     q_lengths = options["q_lengths"]
     rest = {k: v for k, v in options.items() if k != "q_lengths"}
-    scales = (layer.k_scale, layer.v_scale) if lid.fp8 else ()
-    scale_specs = (P(lid.head_axes),) * len(scales)
+    scales, scale_specs = _scales(layer)
     extra = () if q_lengths is None else (q_lengths,)
     extra_specs = () if q_lengths is None else (P(lid.seq_axes),)
 
