@@ -360,6 +360,22 @@ def test_fp8_arena_layer_with_options(vm):
     assert not np.array_equal(np.asarray(unclamped.astype(F32)), np.asarray(out.astype(F32)))
 
 
+@pytest.mark.parametrize("dtype", [BF16, FP8_DTYPE], ids=["bf16", "fp8"])
+def test_a_closed_arena_layer_is_refused(cpu_device, dtype):
+    """The stale handle: a cache made before kv.close(), read with several query rows,
+    fails with the arena named closed (fp8: when traced; 16-bit: by the handler)."""
+    kv = jax_vmm.kv_arena(
+        num_layers=1, num_kv_heads=2, head_dim=64, max_tokens=32, max_seqs=2, dtype=dtype,
+        device=cpu_device,
+    )  # fmt: skip
+    kv.ensure(4, 0)
+    cache = kv.cache()
+    kv.close()
+    q = jnp.zeros((2, 3, 4, 64), BF16)
+    with pytest.raises((jax_vmm.ArenaClosedError, jax.errors.JaxRuntimeError), match="closed"):
+        jax.block_until_ready(jax_vmm.attention(q, cache[0], jnp.array([4, 0]), window=2))
+
+
 _COPY_PROBE = textwrap.dedent("""
     import ctypes, sys
     import jax
