@@ -378,8 +378,9 @@ def tokens_unnoted() -> Iterator[None]:
 @contextlib.contextmanager
 def limits_ignored() -> Iterator[None]:
     """Inside the with-block ``jax_vmm.kv_write(layer, ...)`` and
-    ``jax_vmm.decode_attention(q, layer, lengths)`` on arena layers call variants without
-    the table of ensured tokens: a write past a sequence's ensured tokens lands wherever
+    ``jax_vmm.decode_attention(q, layer, lengths)`` / ``jax_vmm.attention`` on arena layers
+    (jax_vmm's kernels, the fp8 copy and the cuDNN route's lengths clamp) call variants
+    without the table of ensured tokens: a write past a sequence's ensured tokens lands wherever
     its chunk happens to be backed (and is not counted), a read is clamped only to T (and
     not counted). Applies to calls traced inside the block."""
     previous = _cache_ops._targets
@@ -388,6 +389,7 @@ def limits_ignored() -> Iterator[None]:
         attention="jax_vmm_testing_decode_attention_cache_no_limits",
         attention_stream="jax_vmm_testing_decode_attention_v2_cache_no_limits",
         copy_tokens="jax_vmm_testing_kv_cache_copy_tokens_no_limits",
+        read_lengths="jax_vmm_testing_kv_cache_read_lengths_no_limits",
     )
     try:
         yield

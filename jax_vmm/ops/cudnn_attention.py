@@ -40,6 +40,7 @@ import numpy as np
 from ..base.ffi import register
 from ..base.loader import core as _core
 from ..cache.pytree import KVLayer
+from . import layer_ops as _layer_ops
 from .scratch import _ordinal
 from .scratch import reserve as _scratch_reserve
 
@@ -229,9 +230,10 @@ def _validate(
     if not math.isfinite(scale):
         raise ValueError(f"cudnn_attention: scale must be finite, got {scale}")
     lengths = jnp.clip(_check_int_vector("lengths", lengths, B), 0, T).astype(jnp.int32)
-    if q_lengths is None and S == 1:
-        # One query token: row 0 is valid exactly when lengths > 0, which the zero-rows
-        # kernel applies; a constant needs no device op before the call.
+    decode = q_lengths is None and S == 1
+    if decode:
+        # One query token: row 0 is valid exactly when lengths > 0; a constant needs no
+        # device op before the call.
         q_eff = jnp.ones((B,), jnp.int32)
     else:
         q_req = jnp.full((B,), S, jnp.int32) if q_lengths is None else q_lengths
@@ -254,7 +256,11 @@ def _validate(
         scale=np.float32(scale),
         softcap=np.float32(softcap or 0.0),
         window=np.int64(window or 0),
-        zero_rows=np.int64(1 if zero_rows else 0),
+        # cuDNN's decode graph writes +0 into the row of a length-0 sequence (measured on
+        # the H200, cuDNN 9.19, and asserted by test_cudnn_attention's
+        # test_decode_graph_writes_zeros_for_empty_sequences), so decode needs no zero-rows
+        # kernel after it: one kernel fewer per layer and step.
+        zero_rows=np.int64(1 if zero_rows and not decode else 0),
     )
     out_type = jax.ShapeDtypeStruct(q.shape, q.dtype)
     return _Call(q, squeeze, lengths, q_eff, attrs, out_type, empty)
@@ -281,7 +287,8 @@ def cudnn_attention(
     to the tokens ensured, as ``jax_vmm.decode_attention(q, layer, lengths)`` does).
 
     ``zero_rows=False`` skips the small kernel that zeroes the rows cuDNN does not write
-    (rows past ``q_lengths``, sequences of length 0): only for measuring it. ``out``
+    (rows past ``q_lengths``, sequences of length 0): only for measuring it. Decode (one
+    query token, no ``q_lengths``) never runs it: cuDNN writes zeros there itself. ``out``
     (array form): a ``(B, S, H_q, D)`` array the result is written into (aliased; donate
     it under jit to avoid a copy).
     """
@@ -348,11 +355,18 @@ def _over_layer(
     if call.empty:
         res = jnp.zeros(q.shape, q.dtype)
     else:
-        read = jax.ShapeDtypeStruct((q.shape[0],), jnp.int32)  # read_lengths: discarded
-        ffi = jax.ffi.ffi_call(_TARGET_CACHE, (call.out_type, read), vmap_method="sequential")
-        res, _ = ffi(
+        # The lengths clamped to the ensured tokens, by a call that names the cache and no
+        # layer: XLA merges the identical clamps of a step's layers into one.
+        clamp = jax.ffi.ffi_call(
+            _layer_ops._targets.read_lengths,
+            jax.ShapeDtypeStruct((q.shape[0],), jnp.int32),
+            vmap_method="sequential",
+        )
+        read_lengths = clamp(call.lengths, cache_uid=np.uint64(lid.cache_uid))
+        ffi = jax.ffi.ffi_call(_TARGET_CACHE, call.out_type, vmap_method="sequential")
+        res = ffi(
             q,
-            call.lengths,
+            read_lengths,
             call.q_lengths,
             layer.token,
             cache_uid=np.uint64(lid.cache_uid),

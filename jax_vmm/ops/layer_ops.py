@@ -50,6 +50,7 @@ class _Targets:
     attention_stream: str = "jax_vmm_decode_attention_v2_cache"
     check_views: str = "jax_vmm_kv_cache_check_views"
     copy_tokens: str = "jax_vmm_kv_cache_copy_tokens"
+    read_lengths: str = "jax_vmm_kv_cache_read_lengths"
 
 
 _log = logging.getLogger("jax_vmm")

@@ -253,6 +253,39 @@ def test_unwritten_rows_are_zeros_in_a_nan_buffer(gpu, S):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("option", [{}, {"window": 48}, {"softcap": 20.0}])
+def test_decode_graph_writes_zeros_for_empty_sequences(gpu, D, option):
+    """Decode (S = 1, no q_lengths) runs no zero-rows kernel: cuDNN's graph itself writes +0
+    into the row of a length-0 sequence. The output starts as NaN, so a cuDNN that left
+    the row unwritten fails here; the S = 2 call shows that the NaN fill sees such rows
+    (cuDNN leaves a length-0 sequence's rows unwritten there, and only the kernel zeroes
+    them)."""
+    B, T, Hq, Hkv = 6, 320, 8, 2
+    rng = np.random.default_rng(D)
+    q, k, v = _data(rng, B, 1, T, Hq, Hkv, D, BF16, gpu)
+    n = np.array([T, 0, 77, 0, 1, 300], np.int32)
+    nan = jnp.full(q.shape, jnp.nan, BF16)
+    got = ca.cudnn_attention(q[:, 0], k, v, jnp.asarray(n), out=nan[:, 0], **option)
+    raw = np.asarray(got.astype(jnp.float32))
+    empty = raw[n == 0]
+    assert (empty == 0).all() and not np.signbit(empty).any(), (
+        f"cuDNN's decode graph did not write +0 for length-0 sequences (NaN: "
+        f"{int(np.isnan(empty).sum())} of {empty.size}); decode needs the zero-rows kernel"
+    )
+    _check(got[:, None], reference(q, k, v, n, **option), BF16, f"decode D={D} {option}")
+
+    q2 = jnp.concatenate([q, q], axis=1)
+    raw2 = ca.cudnn_attention(
+        q2, k, v, jnp.asarray(n), out=jnp.full(q2.shape, jnp.nan, BF16), zero_rows=False
+    )
+    assert np.isnan(np.asarray(raw2.astype(jnp.float32))[n == 0]).all(), (
+        "the S = 2 graph wrote the rows of a length-0 sequence: the NaN fill no longer "
+        "shows that rows are left unwritten (docs/cudnn_attention.md)"
+    )
+
+
+@pytest.mark.gpu
 def test_under_jit_matches_eager(gpu):
     B, S, T, Hq, Hkv, D = 4, 8, 256, 8, 2, 128
     rng = np.random.default_rng(5)
@@ -433,5 +466,59 @@ def test_auto_attention_over_an_arena_layer_runs_cudnn(gpu, S, monkeypatch):
         _check(got, want, BF16, "auto (cuDNN)")
         _check(ours, want, BF16, "kernels")
         kv.check()
+    finally:
+        kv.close()
+
+
+@pytest.mark.gpu
+def test_a_step_clamps_its_lengths_once_for_all_layers(gpu):
+    """A decode step over 4 arena layers runs 4 cuDNN calls and one lengths clamp: the
+    clamp names the cache and no layer, so XLA merges the layers' identical clamps. The
+    merged clamp still clamps every layer's read to the ensured tokens (counted once per
+    step and sequence), and under limits_ignored() no layer is clamped."""
+    L, B, T, Hq, Hkv, D = 4, 3, 256, 8, 2, 128
+    rng = np.random.default_rng(29)
+    kv = jax_vmm.kv_arena(
+        num_layers=L, num_kv_heads=Hkv, head_dim=D, max_tokens=T, dtype=BF16, device=gpu,
+        max_seqs=B, initial_tokens=T,
+    )  # fmt: skip
+    try:
+        ks, vs = [], []
+        for layer in range(L):
+            _, k, v = _data(rng, B, 1, T, Hq, Hkv, D, BF16, gpu)
+            _copy_into(kv.k_buffers[layer], k)
+            _copy_into(kv.v_buffers[layer], v)
+            ks.append(k)
+            vs.append(v)
+        kv.shrink(100)  # every sequence: 100 tokens ensured, the chunk stays backed
+        q = jax.device_put(jnp.asarray(rng.standard_normal((B, Hq, D)), BF16), gpu)
+
+        def step(cache, q, n):
+            outs = [jax_vmm.decode_attention(q, cache[layer], n) for layer in range(L)]
+            return jnp.stack(outs)
+
+        hlo = jax.jit(step).lower(kv.cache(), q, jnp.zeros((B,), jnp.int32)).compile().as_text()
+        calls = [line for line in hlo.splitlines() if "custom-call(" in line]
+        clamps = sum("jax_vmm_kv_cache_read_lengths" in line for line in calls)
+        attends = sum("jax_vmm_cudnn_attention_cache" in line for line in calls)
+        assert (clamps, attends) == (1, L), f"clamps {clamps}, cuDNN calls {attends} (want 1, {L})"
+
+        n = jax.device_put(jnp.asarray([T, 100, 40], jnp.int32), gpu)
+        got = jax.jit(step)(kv.cache(), q, n)
+        with pytest.raises(jax_vmm.OutOfBoundsRead) as info:
+            kv.check(got)
+        assert info.value.count == 1, "one sequence asked past its ensured tokens, one step"
+        read = np.array([100, 100, 40], np.int32)
+        for layer in range(L):
+            want = reference(q[:, None], ks[layer], vs[layer], read)
+            _check(got[layer][:, None], want, BF16, f"layer {layer}, clamped to 100")
+        with jax_vmm.testing.limits_ignored():
+            unclamped = jax.jit(lambda *a: step(*a))(kv.cache(), q, n)
+        kv.check(unclamped)  # not counted without the table
+        for layer in range(L):
+            assert not np.allclose(
+                np.asarray(unclamped[layer, 0].astype(jnp.float32)),
+                np.asarray(got[layer, 0].astype(jnp.float32)),
+            ), f"layer {layer}: limits_ignored() read the same 100 tokens"
     finally:
         kv.close()

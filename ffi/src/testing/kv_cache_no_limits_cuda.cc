@@ -1,9 +1,10 @@
 // The CUDA targets of the "limits ignored" variants (testing_targets.h): the production
-// KVCache-layer handlers (ops/kv_write/kv_write_cuda.h, ops/attention/attention_cache_cuda.h)
-// with the table of ensured tokens left out; their initialize stages are production's.
+// KVCache-layer handlers (ops/kv_write/kv_write_cuda.h, ops/attention/attention_cache_cuda.h,
+// ops/kv_cache/read_lengths.h) with the table of ensured tokens left out; their initialize stages are production's.
 #include <cuda_runtime_api.h>
 
 #include "ops/attention/attention_cache_cuda.h"
+#include "ops/kv_cache/read_lengths.h"
 #include "ops/kv_write/kv_write_cache.h"
 #include "ops/kv_write/kv_write_cuda.h"
 #include "ops/kv_write/kv_write_kernels.h"
@@ -42,6 +43,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxVmmTestingKvCacheCopyTokensNoLimitsCuda,
                               jax_vmm::attention::BindCacheCopyCuda(xla::ffi::Ffi::Bind()),
                               {xla::ffi::Traits::kCmdBufferCompatible});
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxVmmTestingKvCacheReadLengthsNoLimitsCuda,
+                              jax_vmm::kvcache::ReadLengthsCuda<false>,
+                              jax_vmm::kvcache::BindReadLengths(xla::ffi::Ffi::Bind()),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+
 void jax_vmm::testing::AddNoLimitsCacheCudaTargets(FfiRegistry& registry) {
   registry.Add("jax_vmm_testing_kv_cache_write_no_limits", "CUDA",
                JaxVmmTestingKvCacheWriteNoLimitsCuda);
@@ -53,4 +59,6 @@ void jax_vmm::testing::AddNoLimitsCacheCudaTargets(FfiRegistry& registry) {
                                    JaxVmmTestingStreamCacheNoLimitsCuda});
   registry.Add("jax_vmm_testing_kv_cache_copy_tokens_no_limits", "CUDA",
                JaxVmmTestingKvCacheCopyTokensNoLimitsCuda);
+  registry.Add("jax_vmm_testing_kv_cache_read_lengths_no_limits", "CUDA",
+               JaxVmmTestingKvCacheReadLengthsNoLimitsCuda);
 }

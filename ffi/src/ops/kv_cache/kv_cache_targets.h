@@ -11,8 +11,10 @@ namespace jax_vmm::kvcache {
 void AddCpuTargets(FfiRegistry& registry);
 
 #ifdef JAX_VMM_HAVE_CUDA_KERNELS
-// jax_vmm_kv_cache_check_views on "CUDA" (ordered_views_cuda.cc).
+// jax_vmm_kv_cache_check_views on "CUDA" (ordered_views_cuda.cc) and
+// jax_vmm_kv_cache_read_lengths (read_lengths_cuda.cc, through the next function).
 void AddCudaTargets(FfiRegistry& registry);
+void AddReadLengthsCudaTarget(FfiRegistry& registry);
 #endif
 
 }  // namespace jax_vmm::kvcache

@@ -39,6 +39,7 @@ namespace jax_vmm::kvcache {
 
 void AddCudaTargets(FfiRegistry& registry) {
   registry.Add("jax_vmm_kv_cache_check_views", "CUDA", JaxVmmKvCacheCheckViewsCuda);
+  AddReadLengthsCudaTarget(registry);
 }
 
 }  // namespace jax_vmm::kvcache

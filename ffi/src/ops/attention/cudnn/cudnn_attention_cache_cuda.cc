@@ -1,14 +1,14 @@
 // jax_vmm_cudnn_attention_cache: the cuDNN attention backend over a KVCache layer
-// (jax_vmm/_cudnn_attention.py with a KVLayer of a kv_arena). As
+// (jax_vmm/ops/cudnn_attention.py with a KVLayer of a kv_arena). As
 // jax_vmm_decode_attention_cache does, the K/V buffers are not operands: the handler finds
-// the layer's arena buffers by the cache's identity (attributes cache_uid, layer), and a
-// small kernel first computes what is read, read_lengths = min(clamp(lengths, 0, T),
-// ensured tokens), counting clamped sequences (kv.check() reports them). `token` orders the
-// call after the layer's writes; it is not read.
+// the layer's arena buffers by the cache's identity (attributes cache_uid, layer). The
+// lengths it reads come clamped to the ensured tokens by jax_vmm_kv_cache_read_lengths
+// (ops/kv_cache/read_lengths.h: one clamp per step, shared by the layers). `token` orders
+// the call after the layer's writes; it is not read.
 //
-// Operands: q (B, S, H_q, D), lengths s32 (B,), q_lengths s32 (B,), token. Results: out,
-// read_lengths (s32 (B,), discarded). Attributes: cache_uid (u64), layer (i64), then
-// scale, softcap, window, zero_rows as in cudnn_attention_cuda.cc.
+// Operands: q (B, S, H_q, D), read_lengths s32 (B,), q_lengths s32 (B,), token. Result:
+// out. Attributes: cache_uid (u64), layer (i64), then scale, softcap, window, zero_rows as
+// in cudnn_attention_cuda.cc.
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
@@ -18,7 +18,6 @@
 #include "ops/attention/cudnn/cudnn_attention.h"
 #include "ops/kv_cache/kv_cache.h"
 #include "ops/kv_cache/kv_cache_call.h"
-#include "ops/kv_cache/kv_cache_kernels.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -60,46 +59,28 @@ ffi::Error Resolve(int32_t device, uint64_t cache_uid, int64_t layer, const ffi:
 }
 
 ffi::Error InitializeImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q,
-                          ffi::Buffer<ffi::S32> lengths, ffi::Buffer<ffi::S32> q_lengths,
+                          ffi::Buffer<ffi::S32> read_lengths, ffi::Buffer<ffi::S32> q_lengths,
                           ffi::AnyBuffer token, ffi::Result<ffi::AnyBuffer> out,
-                          ffi::Result<ffi::Buffer<ffi::S32>> read_lengths, uint64_t cache_uid,
-                          int64_t layer, float scale, float softcap, int64_t window,
-                          int64_t zero_rows) {
+                          uint64_t cache_uid, int64_t layer, float scale, float softcap,
+                          int64_t window, int64_t zero_rows) {
   (void)token;
-  (void)read_lengths;
   (void)zero_rows;
   Layer call;
   if (ffi::Error err = Resolve(device, cache_uid, layer, q, &call); err.failure()) return err;
-  return Initialize(stream, device, q, ffi::AnyBuffer(&call.k), ffi::AnyBuffer(&call.v), lengths,
-                    q_lengths, *out, scale, softcap, window);
+  return Initialize(stream, device, q, ffi::AnyBuffer(&call.k), ffi::AnyBuffer(&call.v),
+                    read_lengths, q_lengths, *out, scale, softcap, window);
 }
 
 ffi::Error ExecuteImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q,
-                       ffi::Buffer<ffi::S32> lengths, ffi::Buffer<ffi::S32> q_lengths,
-                       ffi::AnyBuffer token, ffi::Result<ffi::AnyBuffer> out,
-                       ffi::Result<ffi::Buffer<ffi::S32>> read_lengths, uint64_t cache_uid,
+                       ffi::Buffer<ffi::S32> read_lengths, ffi::Buffer<ffi::S32> q_lengths,
+                       ffi::AnyBuffer token, ffi::Result<ffi::AnyBuffer> out, uint64_t cache_uid,
                        int64_t layer, float scale, float softcap, int64_t window,
                        int64_t zero_rows) {
   (void)token;  // orders the call after the layer's writes; not read
   Layer call;
   if (ffi::Error err = Resolve(device, cache_uid, layer, q, &call); err.failure()) return err;
-  const kvcache::KvCache& cache = *call.layer.cache;
-  const int64_t B = cache.geometry().max_seqs;
-  if (lengths.element_count() != static_cast<size_t>(B) ||
-      read_lengths->element_count() != static_cast<size_t>(B)) {
-    return ffi::Error::InvalidArgument(std::string(kName) + ": lengths must be (" +
-                                       std::to_string(B) + ",)");
-  }
-  if (cudaError_t e = kvcache::LaunchClampLengths(
-          lengths.typed_data(), cache.device_read_limits(), read_lengths->typed_data(),
-          static_cast<int>(B), static_cast<int>(cache.geometry().max_tokens),
-          cache.device_read_clamps(), stream);
-      e != cudaSuccess) {
-    return ffi::Error::Internal(std::string(kName) + ": clamp kernel launch failed: " +
-                                cudaGetErrorString(e));
-  }
   return Execute(stream, device, q, ffi::AnyBuffer(&call.k), ffi::AnyBuffer(&call.v),
-                 *read_lengths, q_lengths, *out, scale, softcap, window, zero_rows);
+                 read_lengths, q_lengths, *out, scale, softcap, window, zero_rows);
 }
 
 template <typename B>
@@ -108,11 +89,10 @@ auto BindCache(B&& b) {
       .template Ctx<ffi::PlatformStream<cudaStream_t>>()
       .template Ctx<ffi::DeviceOrdinal>()
       .template Arg<ffi::AnyBuffer>()          // q
-      .template Arg<ffi::Buffer<ffi::S32>>()   // lengths
+      .template Arg<ffi::Buffer<ffi::S32>>()   // read_lengths
       .template Arg<ffi::Buffer<ffi::S32>>()   // q_lengths
       .template Arg<ffi::AnyBuffer>()          // token
       .template Ret<ffi::AnyBuffer>()          // out
-      .template Ret<ffi::Buffer<ffi::S32>>()   // read_lengths
       .template Attr<uint64_t>("cache_uid")
       .template Attr<int64_t>("layer")
       .template Attr<float>("scale")

@@ -11,7 +11,8 @@
 // cuDNN's values are right for rows i < q_lengths[b] only. Rows past it, and every row of a
 // sequence of length 0, are the caller's to zero, after the graph: measured on the H200
 // (cuDNN 9.19), the S > 1 graph leaves a length-0 sequence's rows unwritten but writes
-// rows past q_lengths of the others, and the S = 1 graph writes every row (cudnn_rows.h).
+// rows past q_lengths of the others, and the S = 1 graph writes every row, +0 for a
+// sequence of length 0 (so decode needs no zeroing; cudnn_rows.h).
 //
 // Building needs no stream and must not run under stream capture (it may allocate and
 // compile kernels); Execute() only records cudnnBackendExecute on the stream, which is
