@@ -22,10 +22,18 @@ namespace jax_vmm::kvcache {
 
 namespace ffi = xla::ffi;
 
-// kUseLimits = false (the testing layer's variant) clamps to [0, T] only and counts nothing.
+// use_limits = false (the testing layer's variant) clamps to [0, T] only and counts nothing.
+ffi::Error ReadLengthsCudaExecute(bool use_limits, cudaStream_t stream, int32_t device,
+                                  ffi::Buffer<ffi::S32> lengths,
+                                  ffi::Result<ffi::Buffer<ffi::S32>> read_lengths,
+                                  uint64_t cache_uid);
+
+// The execute handler (production: kUseLimits true; the testing layer instantiates false).
 template <bool kUseLimits>
 ffi::Error ReadLengthsCuda(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::S32> lengths,
-                           ffi::Result<ffi::Buffer<ffi::S32>> read_lengths, uint64_t cache_uid);
+                           ffi::Result<ffi::Buffer<ffi::S32>> read_lengths, uint64_t cache_uid) {
+  return ReadLengthsCudaExecute(kUseLimits, stream, device, lengths, read_lengths, cache_uid);
+}
 
 template <typename B>
 auto BindReadLengths(B&& b) {

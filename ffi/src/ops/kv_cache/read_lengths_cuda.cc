@@ -9,9 +9,10 @@
 
 namespace jax_vmm::kvcache {
 
-template <bool kUseLimits>
-ffi::Error ReadLengthsCuda(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::S32> lengths,
-                           ffi::Result<ffi::Buffer<ffi::S32>> read_lengths, uint64_t cache_uid) {
+ffi::Error ReadLengthsCudaExecute(bool use_limits, cudaStream_t stream, int32_t device,
+                                  ffi::Buffer<ffi::S32> lengths,
+                                  ffi::Result<ffi::Buffer<ffi::S32>> read_lengths,
+                                  uint64_t cache_uid) {
   constexpr const char* kName = "jax_vmm_kv_cache_read_lengths (CUDA)";
   CacheLayer call;  // layer 0 stands for the cache: its table is shared by every layer
   if (std::string err =
@@ -28,7 +29,7 @@ ffi::Error ReadLengthsCuda(cudaStream_t stream, int32_t device, ffi::Buffer<ffi:
         ",), one per sequence of a KV arena with one buffer row per sequence");
   }
   if (cudaError_t e = LaunchClampLengths(
-          lengths.typed_data(), kUseLimits ? call.cache->device_read_limits() : nullptr,
+          lengths.typed_data(), use_limits ? call.cache->device_read_limits() : nullptr,
           read_lengths->typed_data(), static_cast<int>(batch), static_cast<int>(g.max_tokens),
           call.cache->device_read_clamps(), stream);
       e != cudaSuccess) {
@@ -37,11 +38,6 @@ ffi::Error ReadLengthsCuda(cudaStream_t stream, int32_t device, ffi::Buffer<ffi:
   }
   return ffi::Error::Success();
 }
-
-template ffi::Error ReadLengthsCuda<true>(cudaStream_t, int32_t, ffi::Buffer<ffi::S32>,
-                                          ffi::Result<ffi::Buffer<ffi::S32>>, uint64_t);
-template ffi::Error ReadLengthsCuda<false>(cudaStream_t, int32_t, ffi::Buffer<ffi::S32>,
-                                           ffi::Result<ffi::Buffer<ffi::S32>>, uint64_t);
 
 }  // namespace jax_vmm::kvcache
 
