@@ -24,8 +24,8 @@ def main() -> None:
     bad = 0
     shapes = itertools.product((1, 4, 16, 64), (256, 2048), (64, 128, 256))
     options = ({}, {"window": 64}, {"softcap": 30.0})
+    Hq, Hkv = 32, 8
     for (B, T, D), opt, fill in itertools.product(shapes, options, (np.nan, 7.0)):
-        Hq, Hkv = 32, 8
         q = jnp.asarray(rng.standard_normal((B, 1, Hq, D)), jnp.bfloat16)
         k = jnp.asarray(rng.standard_normal((B, T, Hkv, D)), jnp.bfloat16)
         v = jnp.asarray(rng.standard_normal((B, T, Hkv, D)), jnp.bfloat16)
