@@ -62,3 +62,22 @@ def test_kernel_names_land_in_their_part(name: str, part: str) -> None:
 
 def test_an_empty_trace_has_no_events() -> None:
     assert TS.summarize({"traceEvents": []}, steps=4, layers=2)["events"] == 0
+
+
+def test_kernels_split_by_the_program_they_ran_in() -> None:
+    trace = _trace()
+    trace["traceEvents"] += [
+        {"ph": "M", "pid": 2, "tid": 9, "name": "thread_name", "args": {"name": "XLA Modules"}},
+        {"ph": "X", "pid": 2, "tid": 9, "ts": 0.0, "dur": 12.0, "name": "jit_prefill(11)"},
+        {"ph": "X", "pid": 2, "tid": 9, "ts": 13.0, "dur": 15.0, "name": "jit_block(12)"},
+    ]
+    s = TS.by_module(trace)
+    assert s["kernels"] == 4 and s["kernels_outside_modules"] == 0
+    prefill, block = s["modules"]["jit_prefill"], s["modules"]["jit_block"]
+    assert prefill["executions"] == 1 and prefill["busy_ms"] == pytest.approx(0.012)
+    assert prefill["parts"] == {
+        "kv_write (arena)": pytest.approx(0.002),
+        "cuDNN attention": pytest.approx(0.010),
+    }
+    assert block["span_ms"] == pytest.approx(0.015) and block["gap_ms"] == pytest.approx(0.003)
+    assert s["busy_ms"] == pytest.approx(0.024) and s["span_ms"] == pytest.approx(0.027)

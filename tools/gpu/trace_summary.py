@@ -12,6 +12,10 @@ the first that matches), and everything is given per decode step and per layer:
     gaps     span - busy: the device idle between kernels (launch gaps inside the
              command buffer, host work between calls)
 
+`by_module(trace)` splits the same kernels by the XLA program they ran in (the derived
+"XLA Modules" line: one event per execution of a jitted program), for a trace of a whole
+serving run: prefill against decode blocks, each program's kernel time and its span.
+
 Pure Python on a parsed trace: tests run it on the CPU with a made-up trace.
 """
 
@@ -39,6 +43,8 @@ PARTS: tuple[tuple[str, str], ...] = (
 )
 OTHER = "other"
 _DERIVED_LINES = re.compile(r"xla ops|xla modules|steps|framework|launch stats|source", re.I)
+_MODULE_LINE = re.compile(r"xla modules", re.I)
+_EXECUTION_ID = re.compile(r"\(\d+\)$")
 
 
 def load(path: str | Path) -> dict:
@@ -56,8 +62,8 @@ def part_of(name: str) -> str:
     return OTHER
 
 
-def device_events(trace: dict) -> list[dict]:
-    """The complete ('X') events of the device stream lines, earliest first."""
+def _lines(trace: dict) -> tuple[set, dict[tuple[Any, Any], str]]:
+    """The device processes' pids, and every (pid, tid)'s line name."""
     events = trace.get("traceEvents", [])
     procs: dict[Any, str] = {}
     threads: dict[tuple[Any, Any], str] = {}
@@ -68,7 +74,13 @@ def device_events(trace: dict) -> list[dict]:
             procs[e.get("pid")] = str(e.get("args", {}).get("name", ""))
         elif e.get("name") == "thread_name":
             threads[(e.get("pid"), e.get("tid"))] = str(e.get("args", {}).get("name", ""))
-    device_pids = {pid for pid, name in procs.items() if name.startswith("/device:")}
+    return {pid for pid, name in procs.items() if name.startswith("/device:")}, threads
+
+
+def device_events(trace: dict) -> list[dict]:
+    """The complete ('X') events of the device stream lines, earliest first."""
+    events = trace.get("traceEvents", [])
+    device_pids, threads = _lines(trace)
 
     def on_stream(e: dict) -> bool:
         if e.get("ph") != "X" or e.get("pid") not in device_pids:
@@ -126,3 +138,63 @@ def trace_file(log_dir: str | Path) -> Path | None:
     """The newest ``*.trace.json.gz`` under a jax.profiler log dir, or None."""
     found = sorted(Path(log_dir).glob("plugins/profile/*/*.trace.json.gz"))
     return found[-1] if found else None
+
+
+def module_events(trace: dict) -> list[dict]:
+    """The device's "XLA Modules" events (one per program execution), earliest first."""
+    device_pids, threads = _lines(trace)
+    return sorted(
+        (
+            e
+            for e in trace.get("traceEvents", [])
+            if e.get("ph") == "X"
+            and e.get("pid") in device_pids
+            and _MODULE_LINE.search(threads.get((e.get("pid"), e.get("tid")), ""))
+        ),
+        key=lambda e: float(e["ts"]),
+    )
+
+
+def by_module(trace: dict) -> dict:
+    """Per program (module name without its execution id): executions, span (the module
+    events' summed durations), kernel time inside them per part, and their gaps; plus
+    the kernels that fall in no module and the whole trace's busy time and span (ms)."""
+    kernels, modules = device_events(trace), module_events(trace)
+    out: dict[str, dict] = {}
+    inside = 0
+    for m in modules:
+        name = _EXECUTION_ID.sub("", str(m.get("name", ""))).strip()
+        row = out.setdefault(name, {"executions": 0, "span_ms": 0.0, "busy_ms": 0.0, "parts": {}})
+        row["executions"] += 1
+        row["span_ms"] += float(m.get("dur", 0.0)) / 1e3
+    # Kernels inside a module's interval belong to it (modules on one device do not overlap).
+    j = 0
+    for m in modules:
+        name = _EXECUTION_ID.sub("", str(m.get("name", ""))).strip()
+        start, end = float(m["ts"]), float(m["ts"]) + float(m.get("dur", 0.0))
+        while j < len(kernels) and float(kernels[j]["ts"]) < start:
+            j += 1
+        row = out[name]
+        while j < len(kernels) and float(kernels[j]["ts"]) < end:
+            k, dur = kernels[j], float(kernels[j].get("dur", 0.0)) / 1e3
+            row["busy_ms"] += dur
+            part = part_of(str(k.get("name", "")))
+            row["parts"][part] = row["parts"].get(part, 0.0) + dur
+            inside += 1
+            j += 1
+    for row in out.values():
+        row["gap_ms"] = row["span_ms"] - row["busy_ms"]
+    busy = sum(float(k.get("dur", 0.0)) for k in kernels) / 1e3
+    span = (
+        (max(float(k["ts"]) + float(k.get("dur", 0.0)) for k in kernels) - float(kernels[0]["ts"]))
+        / 1e3
+        if kernels
+        else 0.0
+    )
+    return {
+        "modules": dict(sorted(out.items(), key=lambda kv: -kv[1]["span_ms"])),
+        "kernels": len(kernels),
+        "kernels_outside_modules": len(kernels) - inside,
+        "busy_ms": busy,
+        "span_ms": span,
+    }

@@ -81,24 +81,32 @@ struct CheckedTokens {
   static JAX_VMM_HD int32_t Check(int32_t slot, const Params& p, const Side& s) {
     if (slot < 0) return kPadding;
     if (slot >= p.num_slots) return kDroppedOutOfRange;
+    // Every table read depends on the slot only, so all are issued before the first
+    // branch on one: a kernel waits for one memory round trip, not one per table (a
+    // decode-size write is latency-bound).
+    uint64_t first = 0, last = 0;
+    uint8_t first_backed = 1;
     if (s.page_table != nullptr) {
       const uint64_t start = reinterpret_cast<uintptr_t>(s.dst) - s.arena_base +
                              static_cast<uint64_t>(slot) * p.token_bytes;
-      const uint64_t first = start / s.chunk_bytes;
-      const uint64_t last = (start + p.token_bytes - 1) / s.chunk_bytes;
-      for (uint64_t c = first; c <= last; ++c) {
-        if (s.page_table[c] != 1) return kDroppedUnbacked;
-      }
+      first = start / s.chunk_bytes;
+      last = (start + p.token_bytes - 1) / s.chunk_bytes;
+      first_backed = s.page_table[first];
+    }
+    // Byte offsets in the buffer: any view geometry of it is checked the same way.
+    const uint64_t off = s.limit_offset + static_cast<uint64_t>(slot) * p.token_bytes;
+    const uint64_t seq = off / s.seq_bytes;
+    const int32_t limit = s.limits != nullptr ? s.limits[seq] : 0;
+    const int32_t floor = s.limits != nullptr && s.floors != nullptr ? s.floors[seq] : 0;
+    if (first_backed != 1) return kDroppedUnbacked;
+    for (uint64_t c = first + 1; c <= last; ++c) {
+      if (s.page_table[c] != 1) return kDroppedUnbacked;
     }
     if (s.limits != nullptr) {
-      // Byte offsets in the buffer: any view geometry of it is checked the same way.
-      const uint64_t off = s.limit_offset + static_cast<uint64_t>(slot) * p.token_bytes;
-      const uint64_t seq = off / s.seq_bytes;
-      const uint64_t ensured_end =
-          seq * s.seq_bytes + static_cast<uint64_t>(s.limits[seq]) * s.cache_token_bytes;
+      const uint64_t seq_start = seq * s.seq_bytes;
+      const uint64_t ensured_end = seq_start + static_cast<uint64_t>(limit) * s.cache_token_bytes;
       if (off + p.token_bytes > ensured_end) return kDroppedNotEnsured;
-      if (s.floors != nullptr &&
-          off < seq * s.seq_bytes + static_cast<uint64_t>(s.floors[seq]) * s.cache_token_bytes) {
+      if (off < seq_start + static_cast<uint64_t>(floor) * s.cache_token_bytes) {
         return kDroppedShared;
       }
     }
