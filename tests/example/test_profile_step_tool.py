@@ -81,3 +81,12 @@ def test_kernels_split_by_the_program_they_ran_in() -> None:
     }
     assert block["span_ms"] == pytest.approx(0.015) and block["gap_ms"] == pytest.approx(0.003)
     assert s["busy_ms"] == pytest.approx(0.024) and s["span_ms"] == pytest.approx(0.027)
+
+
+def test_idle_gaps_are_grouped_by_the_kernels_around_them() -> None:
+    g = TS.idle_gaps(_trace(), min_us=1.0)
+    # gaps: write -> cuDNN 1 us, cuDNN -> write 1 us, write -> cuDNN 1 us
+    assert g["count"] == 3 and g["ms"] == pytest.approx(0.003)
+    top = {(r["before"][:14], r["after"][:14]): r["count"] for r in g["top"]}
+    assert top == {("void jax_vmm::", "cudnn_generate"): 2, ("cudnn_generate", "void jax_vmm::"): 1}
+    assert TS.idle_gaps(_trace(), min_us=1.5)["count"] == 0

@@ -39,6 +39,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--out", type=Path, required=True, help="directory for the report and trace")
     p.add_argument("--parts", type=int, default=8, help="parts printed per program")
     p.add_argument("--kernels", type=int, default=25, help="top kernels printed (whole run)")
+    p.add_argument("--gap-us", type=float, default=10.0, help="idle gaps counted from this long")
     args = p.parse_args(own)
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     sys.path[:0] = [str(Path(__file__).resolve().parent)]
@@ -70,6 +71,7 @@ def main(argv: list[str] | None = None) -> dict:
     trace = TS.load(found)
     split = TS.by_module(trace)
     whole = TS.summarize(trace, steps=1, layers=1)
+    gaps = TS.idle_gaps(trace, min_us=args.gap_us)
     report = {
         "argv": rest,
         "backend": summary.get("backend"),
@@ -80,6 +82,7 @@ def main(argv: list[str] | None = None) -> dict:
         "kernels_ms": {
             k["name"]: [k["per_step"], k["us_per_step"] / 1e3] for k in whole["kernels"]
         },
+        "idle_gaps": gaps,
         **split,
     }
     print(
@@ -92,6 +95,15 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"  top {args.kernels} kernels (count, ms):")
     for name, (count, ms) in list(report["kernels_ms"].items())[: args.kernels]:
         print(f"    {count:8.0f} {ms:9.2f}  {name[:100]}")
+    print(
+        f"  idle gaps >= {gaps['min_us']:g} us: {gaps['count']} of them, {gaps['ms']:.1f} ms; "
+        "the largest groups (kernel before -> kernel after):"
+    )
+    for g in gaps["top"]:
+        print(
+            f"    {g['count']:6d} x, {g['ms']:8.2f} ms (longest {g['longest_us']:7.0f} us)  "
+            f"{g['before'][:50]} -> {g['after'][:50]}"
+        )
     for name, row in split["modules"].items():
         print(
             f"  {name[:60]:60s} x{row['executions']:5d}  span {row['span_ms']:9.2f} ms  "

@@ -198,3 +198,29 @@ def by_module(trace: dict) -> dict:
         "busy_ms": busy,
         "span_ms": span,
     }
+
+
+def idle_gaps(trace: dict, *, min_us: float = 10.0, top: int = 12) -> dict:
+    """The device's idle gaps of at least `min_us` between consecutive kernels (by end time
+    so far, so that overlapping kernels leave no gap), grouped by the kernels on either
+    side: where in a run the device waited. Totals in ms."""
+    events = device_events(trace)
+    groups: dict[tuple[str, str], list[float]] = defaultdict(list)
+    end, before = None, ""
+    for e in events:
+        ts, dur = float(e["ts"]), float(e.get("dur", 0.0))
+        if end is not None and ts - end >= min_us:
+            groups[(before, str(e.get("name", "")))].append(ts - end)
+        if end is None or ts + dur >= end:
+            end, before = ts + dur, str(e.get("name", ""))
+    rows = [
+        {"before": b, "after": a, "count": len(d), "ms": sum(d) / 1e3, "longest_us": max(d)}
+        for (b, a), d in groups.items()
+    ]
+    rows.sort(key=lambda r: -r["ms"])
+    return {
+        "min_us": min_us,
+        "count": sum(r["count"] for r in rows),
+        "ms": sum(r["ms"] for r in rows),
+        "top": rows[:top],
+    }
