@@ -1,0 +1,103 @@
+"""Does cuDNN over an arena layer read past the memory its sequences' ensured tokens back?
+
+With deferred zeros (`JAX_VMM_DEFER_ZERO_READS=1`, docs/design.md "Zero reads") an
+unbacked byte is not mapped until the arena hands out a view, so a read of it faults.
+jax_vmm's own kernels read what the page table admits; cuDNN's graph (the route of
+`jax_vmm.decode_attention` / `jax_vmm.attention` over an arena layer) reads tiles of key
+and value rows, and a tile that runs past a sequence's length may cross into the next,
+unbacked chunk. Making deferred zeros the default needs this to never happen, or the
+route to turn zeros on first. The probe runs, each in a child process (a fault ends
+only that one):
+
+    python3 tools/gpu/cudnn_deferred_zeros_probe.py       # a GPU build with cuDNN
+
+geometries whose chunk holds 1024, 256 and 128 tokens (and one whose rows are not
+chunk-aligned), with lengths ending 1..255 tokens before and exactly at a chunk
+boundary, decode (S = 1) and S = 16 queries, nothing backed past `ensure(length)`
+(`commit_ahead_tokens=0`). Prints one line per case and a PROBE summary line.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+# (kv heads, head dim, max_tokens): chunk tokens 2 MiB / (heads x dim x 2 B).
+GEOMETRIES = ((8, 128, 4096), (32, 128, 4096), (64, 128, 4096), (8, 128, 1000), (4, 256, 3000))
+BEFORE_BOUNDARY = (255, 191, 100, 64, 1, 0)
+
+
+def one(heads: int, dim: int, max_tokens: int, before: int, queries: int) -> None:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import jax_vmm
+
+    kv = jax_vmm.kv_arena(
+        num_layers=1,
+        num_kv_heads=heads,
+        head_dim=dim,
+        max_tokens=max_tokens,
+        max_seqs=4,
+        commit_ahead_tokens=0,
+    )
+    chunk_tokens = kv.arena.chunk_bytes // (heads * dim * 2)
+    target = max(chunk_tokens, queries + before)
+    lengths = np.array(
+        [min(max_tokens, target - before), min(max_tokens, 2 * target - before), 0, max_tokens],
+        np.int32,
+    )
+    lengths = np.maximum(lengths, 0)
+    for seq, n in enumerate(lengths):
+        if n:
+            kv.ensure(int(n), seq=seq)
+    q = jnp.ones((4, queries, 4 * heads, dim), jnp.bfloat16)
+    layer = kv.cache()[0]
+    if queries == 1:
+        out = jax_vmm.decode_attention(q[:, 0], layer, jnp.asarray(lengths))
+    else:
+        q_lengths = np.minimum(lengths, queries).astype(np.int32)
+        out = jax_vmm.attention(q, layer, jnp.asarray(lengths), q_lengths=jnp.asarray(q_lengths))
+    jax.block_until_ready(out)
+    stats = kv.arena.stats()
+    # A view would have turned zeros on: then this case proves nothing.
+    assert not stats["views_exported"], "a view was made: zeros are on, the case proves nothing"
+    print(
+        f"lengths {lengths.tolist()}, {chunk_tokens} tokens per chunk, "
+        f"{stats['backed_bytes'] >> 20} MiB backed",
+        flush=True,
+    )
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--one":
+        one(*(int(x) for x in sys.argv[2:]))
+        return
+    env = dict(os.environ, JAX_VMM_DEFER_ZERO_READS="1", XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    bad = 0
+    for heads, dim, max_tokens in GEOMETRIES:
+        for before in BEFORE_BOUNDARY:
+            for queries in (1, 16):
+                case = [str(x) for x in (heads, dim, max_tokens, before, queries)]
+                r = subprocess.run(
+                    [sys.executable, __file__, "--one", *case],
+                    env=env,
+                    capture_output=True,
+                    text=True,
+                    timeout=120,
+                )
+                ok = r.returncode == 0
+                bad += not ok
+                tail = (r.stdout + r.stderr).strip().splitlines()[-1:] or [""]
+                print(
+                    f"H{heads} D{dim} T{max_tokens} before={before} S={queries}: "
+                    f"{'ok' if ok else f'FAILED rc={r.returncode}'} {tail[0][:160]}",
+                    flush=True,
+                )
+    print("PROBE", "no case faulted" if bad == 0 else f"{bad} cases failed")
+
+
+if __name__ == "__main__":
+    main()
