@@ -194,7 +194,7 @@ def fake_cuda_stream_destroy(arg: int, /) -> int: ...
 
 def fake_cuda_memset(va: int, value: int, bytes: int) -> int: ...
 
-def create_fake_cuda_arena(reserve_bytes: int, chunk_bytes: int = ..., handle_bytes: int = ..., zero_fill: bool = ..., defer_zero_reads: bool = ...) -> jax_vmm._core.Arena:
+def create_fake_cuda_arena(reserve_bytes: int, chunk_bytes: int = ..., handle_bytes: int = ..., zero_fill: bool = ..., defer_zero_reads: bool | None = ...) -> jax_vmm._core.Arena:
     """
     A core Arena over the real CUDA driver code running on the fake CUDA driver.
     """

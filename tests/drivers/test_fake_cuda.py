@@ -83,7 +83,7 @@ class Fake:
         chunk_bytes: int = G,
         handle_bytes: int = 0,
         zero_fill: bool = True,
-        defer_zero_reads: bool = False,
+        defer_zero_reads: bool | None = False,
     ):
         a = t.create_fake_cuda_arena(
             reserve_bytes, chunk_bytes, handle_bytes, zero_fill, defer_zero_reads
@@ -594,6 +594,31 @@ def view(a) -> None:
     """Hands out (and drops) a raw view of buffer 0: from then on any byte may be read."""
     del_me = a.view(0, [a.reserved_bytes], 1, 8, 2, 0)  # uint8, kDLCUDA, device 0
     del del_me
+
+
+@pytest.mark.parametrize(
+    "env, option, deferred",
+    [("1", None, True), ("0", None, False), (None, None, False), ("1", False, False), ("0", True, True)],
+)
+def test_an_explicit_choice_wins_over_the_environment(fake, monkeypatch, env, option, deferred):
+    if env is None:
+        monkeypatch.delenv("JAX_VMM_DEFER_ZERO_READS", raising=False)
+    else:
+        monkeypatch.setenv("JAX_VMM_DEFER_ZERO_READS", env)  # read when the arena is made
+    a = fake.arena(32 * MiB + 3 * G, defer_zero_reads=option)
+    assert (fake.flags(a) == HOLE).all() == deferred  # deferred: no zero mapping yet
+    assert (t.fake_cuda_allocations() == []) == deferred
+
+
+@pytest.mark.parametrize("value", ["yes", "true", "2", " 1"])
+def test_an_unknown_environment_value_is_refused(fake, monkeypatch, value):
+    monkeypatch.setenv("JAX_VMM_DEFER_ZERO_READS", value)
+    before = t.fake_cuda_allocations()
+    with pytest.raises(ValueError, match=r"JAX_VMM_DEFER_ZERO_READS=.*expected 1 .* or 0"):
+        fake.arena(32 * MiB + 3 * G, defer_zero_reads=None)
+    assert t.fake_cuda_allocations() == before  # nothing made
+    monkeypatch.setenv("JAX_VMM_DEFER_ZERO_READS", "1")
+    fake.arena(32 * MiB + 3 * G, defer_zero_reads=None)  # a valid value works after
 
 
 def test_deferred_arena_maps_nothing_and_makes_no_zero_memory(fake):

@@ -59,6 +59,7 @@
 #include <memory>
 #include <mutex>
 #include <new>
+#include <optional>
 #include <set>
 #include <string>
 #include <thread>
@@ -79,8 +80,8 @@ struct ArenaOptions {
   bool zero_fill = true;
   // Unbacked memory is given its read-only zero mapping only when the first raw view is
   // handed out (no reader touches unbacked chunks before: docs/design.md, "Zero reads").
-  // Also on when JAX_VMM_DEFER_ZERO_READS=1 at creation.
-  bool defer_zero_reads = false;
+  // Unset: JAX_VMM_DEFER_ZERO_READS at creation (1 defers, 0 does not), else not deferred.
+  std::optional<bool> defer_zero_reads;
 };
 
 struct ArenaStats {

@@ -30,10 +30,17 @@ std::shared_ptr<Arena> Arena::Create(std::unique_ptr<Driver> driver, size_t rese
 
 namespace {
 
-// JAX_VMM_DEFER_ZERO_READS=1: every arena defers its zero mapping (ArenaOptions).
+// JAX_VMM_DEFER_ZERO_READS: whether an arena that does not choose (ArenaOptions) defers
+// its zero mapping. Unset or empty: no.
 bool DeferZeroReadsFromEnv() {
   const char* env = std::getenv("JAX_VMM_DEFER_ZERO_READS");
-  return env != nullptr && std::string(env) == "1";
+  if (env == nullptr || *env == '\0') return false;
+  const std::string value(env);
+  if (value == "1") return true;
+  if (value == "0") return false;
+  throw InvalidArgument("jax_vmm: JAX_VMM_DEFER_ZERO_READS='" + value +
+                        "': expected 1 (defer the zero mapping of unbacked memory until the "
+                        "first view) or 0 (map it at once); unset it for the default (0)");
 }
 
 }  // namespace
@@ -59,7 +66,8 @@ Arena::Arena(std::unique_ptr<Driver> driver, size_t reserve_bytes, const ArenaOp
   num_chunks_ = reserved_bytes_ / chunk_bytes_;
   // Reserve first: an impossible size fails here, with the OS's answer, before the
   // 1-byte-per-chunk page tables are allocated.
-  zeros_deferred_ = options.defer_zero_reads || DeferZeroReadsFromEnv();
+  zeros_deferred_ = options.defer_zero_reads.has_value() ? *options.defer_zero_reads
+                                                          : DeferZeroReadsFromEnv();
   try {
     base_ = zeros_deferred_ ? driver_->ReserveDeferringZeros(reserved_bytes_)
                             : driver_->Reserve(reserved_bytes_);

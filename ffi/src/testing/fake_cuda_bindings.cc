@@ -3,12 +3,14 @@
 // with the primary context current, as the driver makes them) so that tests can show the
 // fake refuses what the real driver refuses.
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/string.h>
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -216,14 +218,15 @@ void BindFakeCuda(nb::module_& m) {
   m.def(
       "create_fake_cuda_arena",
       [](size_t reserve_bytes, size_t chunk_bytes, size_t handle_bytes, bool zero_fill,
-         bool defer_zero_reads) {
+         std::optional<bool> defer_zero_reads) {
         return Arena::Create(MakeCudaDriverWith(fake::FakeApi(), 0, chunk_bytes), reserve_bytes,
                              ArenaOptions{handle_bytes, zero_fill, defer_zero_reads});
       },
       nb::arg("reserve_bytes"), nb::arg("chunk_bytes") = 0, nb::arg("handle_bytes") = 0,
       nb::arg("zero_fill") = true, nb::arg("defer_zero_reads") = false,
       nb::call_guard<nb::gil_scoped_release>(),
-      "A core Arena over the real CUDA driver code running on the fake CUDA driver.");
+      "A core Arena over the real CUDA driver code running on the fake CUDA driver. "
+      "defer_zero_reads=None: as a production arena, from JAX_VMM_DEFER_ZERO_READS.");
 }
 
 }  // namespace jax_vmm::testing
