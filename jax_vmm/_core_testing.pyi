@@ -196,5 +196,5 @@ def fake_cuda_memset(va: int, value: int, bytes: int) -> int: ...
 
 def create_fake_cuda_arena(reserve_bytes: int, chunk_bytes: int = ..., handle_bytes: int = ..., zero_fill: bool = ..., defer_zero_reads: bool | None = ...) -> jax_vmm._core.Arena:
     """
-    A core Arena over the real CUDA driver code running on the fake CUDA driver.
+    A core Arena over the real CUDA driver code running on the fake CUDA driver. defer_zero_reads=None: as a production arena, from JAX_VMM_DEFER_ZERO_READS.
     """

@@ -598,7 +598,13 @@ def view(a) -> None:
 
 @pytest.mark.parametrize(
     "env, option, deferred",
-    [("1", None, True), ("0", None, False), (None, None, False), ("1", False, False), ("0", True, True)],
+    [
+        ("1", None, True),
+        ("0", None, False),
+        (None, None, False),
+        ("1", False, False),
+        ("0", True, True),
+    ],
 )
 def test_an_explicit_choice_wins_over_the_environment(fake, monkeypatch, env, option, deferred):
     if env is None:

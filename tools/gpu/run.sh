@@ -54,6 +54,9 @@
 #   diag:hazard         XLA's command-buffer log around the hazard scenario (its RESULT line)
 #   diag:example        XLA's command-buffer log of the main job at batch 16 (how often the
 #                       decode block's command buffers were recorded against executed)
+#   diag:serving        tools/gpu/profile_serving.py: the main job at batch 64 under JAX's
+#                       profiler, jax_vmm and prealloc (each its own process): kernel time
+#                       per part, and the device's idle gaps by the kernels around them
 #   diag:host           bench/host_costs.py: the arena and raw VMM calls of a commit and
 #                       a release, device idle and busy, and a cProfile of the main job at
 #                       batch 64 (where its host time in ensure/release goes), and the zero
@@ -101,6 +104,9 @@
 #                       outputs, then timed beside cuDNN and the copy/read ceilings per shape;
 #                       kv_write: the tiled kernel, its token-kernel fallback and XLA's .at[].set,
 #                       kv_write_fp8 (one table at the end; failed variants listed, exit 0)
+#   probe:deferred_zeros  tools/gpu/cudnn_deferred_zeros_probe.py: cuDNN over arena layers
+#                       with deferred zeros, lengths just short of chunk boundaries, each case
+#                       in a child process: must print "PROBE no case faulted"
 #   probe               probe:kernels
 #   all                 build info tests facts sanitize example bench probe
 #
@@ -254,12 +260,20 @@ step_diag() {
     "$PY" tools/gpu/profile_step.py --no-command-buffers --out "$RUN_DIR/profile_step_nocb"
     return
   fi
+  if [ "${1:-}" = serving ]; then  # the main job's device time by part and its idle gaps
+    local be
+    for be in jax_vmm prealloc; do
+      "$PY" tools/gpu/profile_serving.py --out "$RUN_DIR/profile_serving_$be" -- --preset gpu \
+        --block 16 --batch 64 --requests 192 --backend "$be" | grep -vE "^ {6}" || return
+    done
+    return
+  fi
   if [ "${1:-}" = host ]; then
     "$PY" bench/host_costs.py --batch 64 --json "$RUN_DIR/host_costs.json" \
       ${HOST_PARTS:+--parts "$HOST_PARTS"} ${HOST_SWAPS:+--swaps "$HOST_SWAPS"}
     return
   fi
-  [ "${1:-}" = hazard ] || { echo "unknown diag step ${1:-} (hazard, example, host, dispatch, kv_write, kv_write_ncu, step)"; return 2; }
+  [ "${1:-}" = hazard ] || { echo "unknown diag step ${1:-} (hazard, example, host, dispatch, kv_write, kv_write_ncu, step, serving)"; return 2; }
   TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3,command_buffer_conversion_pass=2 \
     "$PY" tests/integration/test_command_buffer_gpu.py hazard grow keep "$RUN_DIR/diag_hazard.json"
   local r=$?
@@ -324,7 +338,10 @@ step_probe() {
     kernels)
       "$PY" bench/kernels_probe.py --json "$RUN_DIR/kernels.json" || return
       note "$(grep -E "^correctness: " "$LOG" | tail -1)" ;;
-    *) echo "unknown probe ${1:-} (kernels)"; return 2 ;;
+    deferred_zeros)
+      "$PY" tools/gpu/cudnn_deferred_zeros_probe.py || return
+      note "$(grep -E "^PROBE " "$LOG" | tail -1)" ;;
+    *) echo "unknown probe ${1:-} (kernels, deferred_zeros)"; return 2 ;;
   esac
 }
 
