@@ -1,5 +1,5 @@
 """Where the main job's device time goes: one serving run of `examples/decode.py` under
-JAX's profiler, split by program (prefill, decode block, ...) and by part of a step.
+JAX's profiler, split by part of a step and by the device's idle gaps.
 
     python tools/gpu/profile_serving.py --out DIR -- --batch 64 --block 16
     python tools/gpu/profile_serving.py --out DIR -- --batch 64 --block 16 --backend prealloc
@@ -7,11 +7,14 @@ JAX's profiler, split by program (prefill, decode block, ...) and by part of a s
 Everything after `--` goes to examples/decode.py (`jax_vmm.serving.cli.decode`) as is.
 Compilation (`Generator.precompile`) runs before the trace starts; the trace covers the
 first `Generator.run`, the one whose tokens/s the main job prints. Run each backend in
-its own process, as the main job does, and compare the two reports: per program the
-executions, the device span of its executions and the kernel time inside them (per part,
-tools/gpu/trace_summary.py), and for the whole run the kernel time per part, the top
-kernels, and the device busy time against its span (the difference is time the device
-waited: host work, launch gaps; negative where kernels overlapped).
+its own process, as the main job does, and compare the two reports (all from
+tools/gpu/trace_summary.py): the kernel time per part and the top kernels of the whole
+run; the device busy time against its span (the difference is time the device waited,
+negative where kernels overlapped); the idle gaps (nothing running on any stream),
+grouped by the kernels on either side, which say where in the run the device waited;
+and, when the trace has XLA's "XLA Modules" line, the same per program (prefill, decode
+block). With jax 0.11.2 on the H200 it had none: every kernel is counted "outside a
+program" there.
 
 The profiler slows the run (CUPTI records every kernel), so read the split, not the
 tokens/s. Writes DIR/serving_profile.json and keeps the trace under DIR/trace.
