@@ -49,7 +49,6 @@ def one(heads: int, dim: int, max_tokens: int, before: int, queries: int) -> Non
         [min(max_tokens, target - before), min(max_tokens, 2 * target - before), 0, max_tokens],
         np.int32,
     )
-    lengths = np.maximum(lengths, 0)
     for seq, n in enumerate(lengths):
         if n:
             kv.ensure(int(n), seq=seq)

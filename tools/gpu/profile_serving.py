@@ -28,8 +28,6 @@ import os
 import sys
 from pathlib import Path
 
-_ROOT = Path(__file__).resolve().parents[2]
-
 
 def main(argv: list[str] | None = None) -> dict:
     args_in = sys.argv[1:] if argv is None else argv
@@ -81,6 +79,9 @@ def main(argv: list[str] | None = None) -> dict:
         "tokens_per_second_traced": summary.get("tokens_per_second"),
         "seconds_traced": summary.get("seconds"),
         "trace_file": str(found),
+        "kernels": whole["events"],
+        "busy_ms": whole["busy_us"] / 1e3,
+        "span_ms": whole["span_us"] / 1e3,
         "parts_ms": {q["part"]: q["us_per_step"] / 1e3 for q in whole["parts"]},
         "kernels_ms": {
             k["name"]: [k["per_step"], k["us_per_step"] / 1e3] for k in whole["kernels"]
@@ -88,10 +89,11 @@ def main(argv: list[str] | None = None) -> dict:
         "idle_gaps": gaps,
         **split,
     }
+    busy, span = whole["busy_us"] / 1e3, whole["span_us"] / 1e3
     print(
-        f"\n{report['backend']}: device busy {split['busy_ms']:.1f} ms of a "
-        f"{split['span_ms']:.1f} ms span ({split['span_ms'] - split['busy_ms']:.1f} ms idle); "
-        f"{split['kernels']} kernels, {split['kernels_outside_modules']} outside a program"
+        f"\n{report['backend']}: device busy {busy:.1f} ms of a {span:.1f} ms span "
+        f"({span - busy:.1f} ms idle); {whole['events']} kernels, "
+        f"{split['kernels_outside_modules']} outside a program"
     )
     for part, ms in report["parts_ms"].items():
         print(f"  {part:40s} {ms:9.2f} ms")

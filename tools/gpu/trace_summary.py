@@ -157,46 +157,32 @@ def module_events(trace: dict) -> list[dict]:
 
 def by_module(trace: dict) -> dict:
     """Per program (module name without its execution id): executions, span (the module
-    events' summed durations), kernel time inside them per part, and their gaps; plus
-    the kernels that fall in no module and the whole trace's busy time and span (ms)."""
-    kernels, modules = device_events(trace), module_events(trace)
+    events' summed durations), kernel time inside them per part, and their gaps (ms);
+    plus how many kernels fall in no module. Whole-trace totals are `summarize`'s."""
+    kernels = device_events(trace)
     out: dict[str, dict] = {}
-    inside = 0
-    for m in modules:
+    inside = j = 0
+    # Kernels inside a module's interval belong to it (modules on one device do not overlap).
+    for m in module_events(trace):
         name = _EXECUTION_ID.sub("", str(m.get("name", ""))).strip()
         row = out.setdefault(name, {"executions": 0, "span_ms": 0.0, "busy_ms": 0.0, "parts": {}})
+        start, dur = float(m["ts"]), float(m.get("dur", 0.0))
         row["executions"] += 1
-        row["span_ms"] += float(m.get("dur", 0.0)) / 1e3
-    # Kernels inside a module's interval belong to it (modules on one device do not overlap).
-    j = 0
-    for m in modules:
-        name = _EXECUTION_ID.sub("", str(m.get("name", ""))).strip()
-        start, end = float(m["ts"]), float(m["ts"]) + float(m.get("dur", 0.0))
+        row["span_ms"] += dur / 1e3
         while j < len(kernels) and float(kernels[j]["ts"]) < start:
             j += 1
-        row = out[name]
-        while j < len(kernels) and float(kernels[j]["ts"]) < end:
-            k, dur = kernels[j], float(kernels[j].get("dur", 0.0)) / 1e3
-            row["busy_ms"] += dur
+        while j < len(kernels) and float(kernels[j]["ts"]) < start + dur:
+            k, ms = kernels[j], float(kernels[j].get("dur", 0.0)) / 1e3
+            row["busy_ms"] += ms
             part = part_of(str(k.get("name", "")))
-            row["parts"][part] = row["parts"].get(part, 0.0) + dur
+            row["parts"][part] = row["parts"].get(part, 0.0) + ms
             inside += 1
             j += 1
     for row in out.values():
         row["gap_ms"] = row["span_ms"] - row["busy_ms"]
-    busy = sum(float(k.get("dur", 0.0)) for k in kernels) / 1e3
-    span = (
-        (max(float(k["ts"]) + float(k.get("dur", 0.0)) for k in kernels) - float(kernels[0]["ts"]))
-        / 1e3
-        if kernels
-        else 0.0
-    )
     return {
         "modules": dict(sorted(out.items(), key=lambda kv: -kv[1]["span_ms"])),
-        "kernels": len(kernels),
         "kernels_outside_modules": len(kernels) - inside,
-        "busy_ms": busy,
-        "span_ms": span,
     }
 
 
