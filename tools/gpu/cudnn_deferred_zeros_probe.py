@@ -15,6 +15,10 @@ geometries whose chunk holds 1024, 256 and 128 tokens (and one whose rows are no
 chunk-aligned), with lengths ending 1..255 tokens before and exactly at a chunk
 boundary, decode (S = 1) and S = 16 queries, nothing backed past `ensure(length)`
 (`commit_ahead_tokens=0`). Prints one line per case and a PROBE summary line.
+
+A control case first reads an unbacked byte of a layer raw (cupy, no view): with
+deferred zeros it must fault, with eager zeros it must read 0. Without it a clean probe
+could mean that unbacked reads do not fault at all.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 # (kv heads, head dim, max_tokens): chunk tokens 2 MiB / (heads x dim x 2 B).
 GEOMETRIES = ((8, 128, 4096), (32, 128, 4096), (64, 128, 4096), (8, 128, 1000), (4, 256, 3000))
@@ -70,32 +75,64 @@ def one(heads: int, dim: int, max_tokens: int, before: int, queries: int) -> Non
     )
 
 
+def control() -> None:
+    """Reads the first byte of an unbacked layer buffer without a view and prints it."""
+    import cupy
+
+    import jax_vmm
+
+    kv = jax_vmm.kv_arena(num_layers=1, num_kv_heads=8, head_dim=128, max_tokens=4096, max_seqs=4)
+    buffer = kv.k_buffers[0]
+    memory = cupy.cuda.UnownedMemory(buffer.address, buffer.nbytes, owner=kv)
+    raw = cupy.ndarray((16,), cupy.uint8, cupy.cuda.MemoryPointer(memory, 0))
+    print("control read", int(raw.sum()), flush=True)
+    cupy.cuda.runtime.deviceSynchronize()
+
+
+def run_child(args: list[str], defer: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, JAX_VMM_DEFER_ZERO_READS=defer, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    command = [sys.executable, __file__, *args]
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=180)
+
+
+def last_line(r: subprocess.CompletedProcess) -> str:
+    return ((r.stdout + r.stderr).strip().splitlines()[-1:] or [""])[0][:160]
+
+
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--one":
         one(*(int(x) for x in sys.argv[2:]))
         return
-    env = dict(os.environ, JAX_VMM_DEFER_ZERO_READS="1", XLA_PYTHON_CLIENT_PREALLOCATE="false")
-    bad = 0
-    for heads, dim, max_tokens in GEOMETRIES:
-        for before in BEFORE_BOUNDARY:
-            for queries in (1, 16):
-                case = [str(x) for x in (heads, dim, max_tokens, before, queries)]
-                r = subprocess.run(
-                    [sys.executable, __file__, "--one", *case],
-                    env=env,
-                    capture_output=True,
-                    text=True,
-                    timeout=120,
-                )
-                ok = r.returncode == 0
-                bad += not ok
-                tail = (r.stdout + r.stderr).strip().splitlines()[-1:] or [""]
-                print(
-                    f"H{heads} D{dim} T{max_tokens} before={before} S={queries}: "
-                    f"{'ok' if ok else f'FAILED rc={r.returncode}'} {tail[0][:160]}",
-                    flush=True,
-                )
+    if len(sys.argv) > 1 and sys.argv[1] == "--control":
+        control()
+        return
+    eager, deferred = run_child(["--control"], "0"), run_child(["--control"], "1")
+    control_ok = eager.returncode == 0 and "control read 0" in eager.stdout
+    control_ok = control_ok and deferred.returncode != 0
+    print(f"control, eager zeros: rc={eager.returncode} {last_line(eager)}")
+    print(f"control, deferred zeros (must fail): rc={deferred.returncode} {last_line(deferred)}")
+    cases = [
+        (heads, dim, max_tokens, before, queries)
+        for heads, dim, max_tokens in GEOMETRIES
+        for before in BEFORE_BOUNDARY
+        for queries in (1, 16)
+    ]
+    # Each case is a small process of its own: four at a time share the GPU.
+    with ThreadPoolExecutor(4) as pool:
+        runs = pool.map(lambda c: run_child(["--one", *map(str, c)], "1"), cases)
+        bad = 0
+        for (heads, dim, max_tokens, before, queries), r in zip(cases, runs):
+            bad += r.returncode != 0
+            status = "ok" if r.returncode == 0 else f"FAILED rc={r.returncode}"
+            print(
+                f"H{heads} D{dim} T{max_tokens} before={before} S={queries}: "
+                f"{status} {last_line(r)}",
+                flush=True,
+            )
+    if not control_ok:
+        print("PROBE control did not behave (an unbacked read must fault only when deferred)")
     print("PROBE", "no case faulted" if bad == 0 else f"{bad} cases failed")
+    sys.exit(0 if control_ok and bad == 0 else 1)
 
 
 if __name__ == "__main__":
