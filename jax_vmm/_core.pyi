@@ -140,6 +140,9 @@ class Arena:
     @property
     def views_exported(self) -> bool: ...
 
+    @property
+    def unbacked_reads_zero(self) -> bool: ...
+
     def begin_host_wait(self) -> int:
         """Host driver: a wait for the work in flight begins; returns its number."""
 

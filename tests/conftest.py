@@ -13,12 +13,13 @@ per chunk through cuda-python (tests/oracles/cuda_oracle.py, when importable).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import os
 import subprocess
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -147,7 +148,10 @@ def read_bytes(buf: jax_vmm.Buffer, start: int = 0, stop: int | None = None) -> 
 
 def raw_bytes(buf: jax_vmm.Buffer, start: int = 0, stop: int | None = None) -> np.ndarray:
     """A host copy of bytes [start, stop) read straight from memory, without a JAX view
-    (a view would count as a raw reader of the arena and change how it releases)."""
+    (a view would count as a raw reader of the arena and change how it releases). While
+    the arena defers its zeros, an unmapped chunk (the CUDA driver's answer) is returned as
+    zeros without being read: it holds no bytes, and a view turns zeros on before any
+    reader of the arena could see it."""
     stop = buf.nbytes if stop is None else stop
     n = stop - start
     target = buf.arena._target
@@ -157,12 +161,58 @@ def raw_bytes(buf: jax_vmm.Buffer, start: int = 0, stop: int | None = None) -> n
         import cupy
     except ImportError:
         pytest.skip("reading GPU arena memory without a view needs cupy")
-    out = np.empty(n, np.uint8)
+    # Lock-free questions only: a test may read while a commit holds the arena's lock.
+    spans = [(buf.address + start, n)]
+    if not buf.arena._handle.unbacked_reads_zero:
+        driver = _cuda_driver_oracle(target.ordinal)
+        if driver is None:
+            pytest.skip("reading a GPU arena that defers its zeros needs cuda-python")
+        spans = _mapped_spans(driver, buf.address + start, n, buf.arena.chunk_bytes)
+    out = np.zeros(n, np.uint8)
     with cupy.cuda.Device(target.ordinal):
-        cupy.cuda.runtime.memcpy(
-            out.ctypes.data, buf.address + start, n, cupy.cuda.runtime.memcpyDeviceToHost
-        )
+        for address, size in spans:
+            at = address - buf.address - start
+            cupy.cuda.runtime.memcpy(
+                out[at:].ctypes.data, address, size, cupy.cuda.runtime.memcpyDeviceToHost
+            )
     return out
+
+
+def _mapped_spans(driver: Any, address: int, n: int, chunk: int) -> list[tuple[int, int]]:
+    """The (address, size) runs of [address, address + n) that the driver has mapped."""
+    spans: list[tuple[int, int]] = []
+    at, stop = address, address + n
+    while at < stop:
+        end = min(stop, (at // chunk + 1) * chunk)
+        if driver.access(at) is not None:
+            if spans and spans[-1][0] + spans[-1][1] == at:
+                spans[-1] = (spans[-1][0], spans[-1][1] + end - at)
+            else:
+                spans.append((at, end - at))
+        at = end
+    return spans
+
+
+@contextlib.contextmanager
+def eager_zeros(eager: bool = True) -> Iterator[None]:
+    """Arenas made inside map their read-only zero pieces at creation
+    (JAX_VMM_DEFER_ZERO_READS=0); eager=False: they defer them until the first view."""
+    before = os.environ.get("JAX_VMM_DEFER_ZERO_READS")
+    os.environ["JAX_VMM_DEFER_ZERO_READS"] = "0" if eager else "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["JAX_VMM_DEFER_ZERO_READS"]
+        else:
+            os.environ["JAX_VMM_DEFER_ZERO_READS"] = before
+
+
+def unbacked_kind(arena: jax_vmm.Arena) -> str:
+    """What the CUDA driver oracle calls an unbacked chunk of ``arena`` now: 'zero' (a
+    read-only zero piece) or 'hole' (zeros deferred and no view yet: nothing mapped).
+    Lock-free (the core's property, not stats(), which waits for a commit in progress)."""
+    return "zero" if arena._handle.unbacked_reads_zero else "hole"
 
 
 def pattern(n: int, seed: int) -> np.ndarray:
@@ -271,9 +321,11 @@ def stable_stats(arena: jax_vmm.Arena) -> dict:
 
 class CudaBackingOracle:
     """The GPU counterpart of maps_oracle.HostOracle, over tests/oracles/cuda_oracle.py: per
-    chunk of the reservation, 'rw' (committed) or 'zero' (the read-only zero chunk)."""
+    chunk of the reservation, 'rw' (committed), else 'zero' (the read-only zero chunk) or,
+    while the arena defers its zeros, 'hole'."""
 
     def __init__(self, arena: jax_vmm.Arena, driver_oracle: Any):
+        self.arena = arena
         self.base = arena.base
         self.size = arena.reserved_bytes
         self.chunk = arena.chunk_bytes
@@ -287,8 +339,9 @@ class CudaBackingOracle:
 
     def assert_backed_exactly(self, ranges: Iterable[tuple[int, int]]) -> None:
         ranges = mo.merge(ranges)
+        unbacked = unbacked_kind(self.arena)
         want = tuple(
-            "rw" if any(lo <= off < hi for lo, hi in ranges) else "zero"
+            "rw" if any(lo <= off < hi for lo, hi in ranges) else unbacked
             for off in range(0, self.size, self.chunk)
         )
         got = self.kinds()

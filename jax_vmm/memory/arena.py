@@ -457,8 +457,10 @@ class Arena:
         ``retired_bytes`` (released, waiting for the device)); commit and decommit counts
         and cumulative seconds, ``commit_drains`` (commits that waited for the device
         because raw views were handed out, ``views_exported``), ``live_views`` and the
-        address space of freed buffers they hold back (``held_range_bytes``); sleep and
-        transfer state; driver kind, granularity, chunk and handle size, and more."""
+        address space of freed buffers they hold back (``held_range_bytes``);
+        ``unbacked_reads_zero`` (false while the arena defers its zero mapping: before
+        its first view a raw read of an unbacked byte faults); sleep and transfer state;
+        driver kind, granularity, chunk and handle size, and more."""
         stats: ArenaStats = dict(self._handle.stats())  # type: ignore[assignment]
         return stats
 

@@ -46,6 +46,7 @@ class ArenaStats(TypedDict):
     live_views: int
     held_range_bytes: int
     views_exported: bool
+    unbacked_reads_zero: bool
     asleep: bool
     sleep_image_bytes: int
     offloaded_bytes: int

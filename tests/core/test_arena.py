@@ -14,7 +14,7 @@ import pytest
 
 import jax_vmm
 import maps_oracle as mo
-from conftest import chunk_range, pattern, read_bytes, stable_stats, write_bytes
+from conftest import chunk_range, pattern, raw_bytes, read_bytes, stable_stats, write_bytes
 from jax_vmm.testing import InjectedFault
 
 # -- placement and views ------------------------------------------------------------------
@@ -494,3 +494,17 @@ def test_out_of_memory_names_the_buffer_and_the_bytes_asked(vm, faults):
         buf.commit()
     assert "'kcache'" in str(info.value)
     assert info.value.requested_bytes == 4 * c
+
+
+@pytest.mark.parametrize("env", ["1", None])
+def test_a_host_arena_reads_zeros_whatever_the_environment_says(monkeypatch, env):
+    """The host driver has no deferred reservation: its unbacked pages read zeros always,
+    and its stats say so."""
+    if env is None:
+        monkeypatch.delenv("JAX_VMM_DEFER_ZERO_READS", raising=False)
+    else:
+        monkeypatch.setenv("JAX_VMM_DEFER_ZERO_READS", env)
+    with jax_vmm.Arena(8 << 20, device=jax.devices("cpu")[0]) as arena:
+        assert arena.stats()["unbacked_reads_zero"]
+        buf = arena.allocate((8 << 20,), jnp.uint8)
+        assert not np.asarray(raw_bytes(buf)).any()

@@ -614,6 +614,10 @@ def test_an_explicit_choice_wins_over_the_environment(fake, monkeypatch, env, op
     a = fake.arena(32 * MiB + 3 * G, defer_zero_reads=option)
     assert (fake.flags(a) == HOLE).all() == deferred  # deferred: no zero mapping yet
     assert (t.fake_cuda_allocations() == []) == deferred
+    assert a.stats()["unbacked_reads_zero"] == (not deferred)
+    a.allocate(a.reserved_bytes, "all")
+    view(a)  # the first view turns zeros on either way
+    assert a.stats()["unbacked_reads_zero"] and not (fake.flags(a) == HOLE).any()
 
 
 @pytest.mark.parametrize("value", ["yes", "true", "2", " 1"])

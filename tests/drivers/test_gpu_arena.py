@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 import jax_vmm
-from conftest import cuda_ordinal, read_bytes, stable_stats, write_bytes
+from conftest import cuda_ordinal, eager_zeros, read_bytes, stable_stats, unbacked_kind, write_bytes
 from jax_vmm.testing import InjectedFault
 
 cu_oracle = pytest.importorskip("cuda_oracle", reason="needs cuda-python (cuda.bindings)")
@@ -46,7 +46,7 @@ def zero_handle(oracle: cu_oracle.CudaOracle, arena: jax_vmm.Arena) -> frozenset
     lives: the zero allocations are shared only while some reservation holds them. None when the
     driver does not hand back stable handle values (then only access flags identify the
     zero memory)."""
-    with jax_vmm.Arena(255 * 2 * MiB, device=arena.device) as probe:
+    with eager_zeros(), jax_vmm.Arena(255 * 2 * MiB, device=arena.device) as probe:
         c = probe.chunk_bytes
         states = oracle.chunk_states(probe.base, probe.reserved_bytes, c)
         again = oracle.allocation_handle(probe.base)
@@ -65,7 +65,7 @@ def kinds(oracle, arena, buf, nbytes=None) -> list[str]:
 
 
 def test_reservation_is_zero_chunk_read_only_everywhere(gpu_device, oracle):
-    with jax_vmm.Arena(64 * MiB, device=gpu_device) as arena:
+    with eager_zeros(), jax_vmm.Arena(64 * MiB, device=gpu_device) as arena:
         assert arena.driver == "cuda"
         c = arena.chunk_bytes
         states = oracle.chunk_states(arena.base, arena.reserved_bytes, c)
@@ -76,15 +76,20 @@ def test_reservation_is_zero_chunk_read_only_everywhere(gpu_device, oracle):
             assert handles <= zeros, "every unbacked chunk maps a shared zero allocation"
 
 
-def test_commit_decommit_seen_by_driver(gpu_device, oracle):
-    with jax_vmm.Arena(64 * MiB, device=gpu_device) as arena:
+@pytest.mark.parametrize("eager", [False, True], ids=["default", "eager_zeros"])
+def test_commit_decommit_seen_by_driver(gpu_device, oracle, eager):
+    with eager_zeros(eager):
+        arena = jax_vmm.Arena(64 * MiB, device=gpu_device)
+    with arena:
         c = arena.chunk_bytes
+        z = unbacked_kind(arena)
+        assert z == ("zero" if eager else "hole")
         buf = arena.allocate((10 * c,), jnp.uint8)
-        assert kinds(oracle, arena, buf) == ["zero"] * 10
+        assert kinds(oracle, arena, buf) == [z] * 10
         free0 = oracle.mem_free()
         # bytes [1.5c, 4.5c) round out to chunks 1..4
         assert buf.commit(3 * c // 2, 9 * c // 2) == 4 * c
-        assert kinds(oracle, arena, buf) == ["zero"] + ["rw"] * 4 + ["zero"] * 5
+        assert kinds(oracle, arena, buf) == [z] + ["rw"] * 4 + [z] * 5
         handles = [oracle.allocation_handle(buf.address + i * c) for i in range(1, 5)]
         assert len(set(handles)) == 4, "one physical allocation per chunk"
         assert free0 - oracle.mem_free() >= 4 * c, "the driver did not hand out the memory"
@@ -92,14 +97,15 @@ def test_commit_decommit_seen_by_driver(gpu_device, oracle):
         # memory is back with the driver; no view is alive, so it would otherwise go in the
         # background)
         assert buf.decommit(2 * c, 9 * c // 2, wait=True) == 2 * c
-        assert kinds(oracle, arena, buf) == ["zero", "rw", "zero", "zero", "rw"] + ["zero"] * 5
+        assert kinds(oracle, arena, buf) == [z, "rw", z, z, "rw"] + [z] * 5
         arena.close()
-        assert kinds(oracle, arena, buf) == ["zero"] * 10
+        assert kinds(oracle, arena, buf) == [z] * 10
         assert oracle.mem_free() >= free0 - c // 2, "close() left physical memory behind"
 
 
 def test_reservation_gone_after_destruction(gpu_device, oracle):
-    arena = jax_vmm.Arena(64 * MiB, device=gpu_device)
+    with eager_zeros():  # a deferred reservation maps nothing: the oracle could not tell
+        arena = jax_vmm.Arena(64 * MiB, device=gpu_device)
     base = arena.base
     assert oracle.access(base) == cu_oracle.READ
     arena.close()
@@ -118,14 +124,14 @@ def test_large_chunks(gpu_device, oracle):
         assert kinds(oracle, arena, buf) == ["rw", "rw"]
 
 
-def test_deferred_zeros_map_nothing_until_the_first_view(gpu_device, oracle, monkeypatch):
-    monkeypatch.setenv("JAX_VMM_DEFER_ZERO_READS", "1")  # read when the arena is made
-    arena = jax_vmm.Arena(64 * MiB, device=gpu_device)
-    monkeypatch.delenv("JAX_VMM_DEFER_ZERO_READS")
+def test_deferred_zeros_map_nothing_until_the_first_view(gpu_device, oracle):
+    with eager_zeros(False):
+        arena = jax_vmm.Arena(64 * MiB, device=gpu_device)
     with arena:
         c = arena.chunk_bytes
         states = oracle.chunk_states(arena.base, arena.reserved_bytes, c)
         assert all(s.access is None for s in states), "no zero piece before a view"
+        assert not arena.stats()["unbacked_reads_zero"]
         buf = arena.allocate((8 * c // 4,), jnp.float32)
         assert buf.commit(c, 3 * c) == 2 * c
         access = [s.access for s in oracle.chunk_states(buf.address, 8 * c, c)]
@@ -133,6 +139,7 @@ def test_deferred_zeros_map_nothing_until_the_first_view(gpu_device, oracle, mon
         write_bytes(buf, c, np.ones(2 * c // 4, np.float32))
         # The first view: every unbacked byte reads zeros from now on, the data stays.
         assert float(jax.jit(jnp.sum)(buf.array)) == 2 * c // 4
+        assert arena.stats()["unbacked_reads_zero"]
         assert kinds(oracle, arena, buf) == ["zero", "rw", "rw"] + ["zero"] * 5
         buf.decommit(wait=True)
         assert kinds(oracle, arena, buf) == ["zero"] * 8
@@ -283,7 +290,7 @@ def test_injected_out_of_memory(gpu_device, oracle, faults):
         faults.arm(arena, "create", 2, out_of_memory=True)
         with pytest.raises(MemoryError, match="XLA_PYTHON_CLIENT_PREALLOCATE"):
             buf.commit()
-        assert kinds(oracle, arena, buf) == ["zero"] * 4
+        assert kinds(oracle, arena, buf) == [unbacked_kind(arena)] * 4
 
 
 # -- concurrency --------------------------------------------------------------------------
@@ -302,7 +309,7 @@ def _churn(oracle, arena, buf, seed, rounds, errors):
             assert got == ["rw"] * (hi - lo), got
             buf.decommit(0, buf.nbytes, wait=True)
             got = oracle.kinds(buf.address, buf.nbytes, c)
-            assert got == ["ro"] * n or got == ["zero"] * n, got
+            assert got == [unbacked_kind(arena)] * n, got
     except BaseException as e:  # noqa: BLE001 - reported by the main thread
         errors.append(e)
 

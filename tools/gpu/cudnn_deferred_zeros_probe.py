@@ -76,17 +76,24 @@ def one(heads: int, dim: int, max_tokens: int, before: int, queries: int) -> Non
 
 
 def control() -> None:
-    """Reads the first byte of an unbacked layer buffer without a view and prints it."""
+    """Reads the first bytes of an unbacked layer buffer without a view and prints them.
+    The address goes in as an integer: cupy's pointer checks must not stand in for the
+    read (they refuse an unmapped address before any kernel runs)."""
     import cupy
 
     import jax_vmm
 
     kv = jax_vmm.kv_arena(num_layers=1, num_kv_heads=8, head_dim=128, max_tokens=4096, max_seqs=4)
-    buffer = kv.k_buffers[0]
-    memory = cupy.cuda.UnownedMemory(buffer.address, buffer.nbytes, owner=kv)
-    raw = cupy.ndarray((16,), cupy.uint8, cupy.cuda.MemoryPointer(memory, 0))
-    print("control read", int(raw.sum()), flush=True)
+    read = cupy.RawKernel(
+        r"""extern "C" __global__ void read(unsigned long long address, int* out) {
+          out[threadIdx.x] = reinterpret_cast<const unsigned char*>(address)[threadIdx.x];
+        }""",
+        "read",
+    )
+    out = cupy.full((16,), -1, cupy.int32)
+    read((1,), (16,), (cupy.uint64(kv.k_buffers[0].address), out))
     cupy.cuda.runtime.deviceSynchronize()
+    print("control read", int(out.sum()), flush=True)
 
 
 def run_child(args: list[str], defer: str) -> subprocess.CompletedProcess:

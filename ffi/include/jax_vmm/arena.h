@@ -80,7 +80,8 @@ struct ArenaOptions {
   bool zero_fill = true;
   // Unbacked memory is given its read-only zero mapping only when the first raw view is
   // handed out (no reader touches unbacked chunks before: docs/design.md, "Zero reads").
-  // Unset: JAX_VMM_DEFER_ZERO_READS at creation (1 defers, 0 does not), else not deferred.
+  // Unset: JAX_VMM_DEFER_ZERO_READS at creation (1 defers, 0 does not), else not
+  // deferred. Drivers without deferred reservations (the host's) never defer.
   std::optional<bool> defer_zero_reads;
 };
 
@@ -120,6 +121,9 @@ struct ArenaStats {
   int64_t live_views = 0;         // view leases alive (all buffers)
   size_t held_range_bytes = 0;    // address ranges of freed buffers held back by live views
   bool views_exported = false;    // a raw view was handed out: commits and releases wait
+  // An unbacked byte reads zeros; false while zeros are deferred (no view yet), when a
+  // raw read of one faults.
+  bool unbacked_reads_zero = true;
   bool asleep = false;
   size_t sleep_image_bytes = 0;  // contents kept on the host while asleep
   size_t offloaded_bytes = 0;    // contents of offloaded ranges on the host
@@ -216,6 +220,9 @@ class Arena : public std::enable_shared_from_this<Arena> {
   std::shared_ptr<ViewLease> LeaseView(int64_t buffer_id);
   // Whether a raw view was ever handed out (sticky): releases then unmap at once.
   bool views_exported() const { return views_exported_.load(); }
+  // Whether an unbacked byte reads zeros now (false while zeros are deferred: no view
+  // yet). Lock-free, unlike Stats(), which waits for a commit in progress.
+  bool unbacked_reads_zero() const { return !zeros_deferred_.load(); }
   // View leases alive: of every buffer (freed ones included), or of one live buffer.
   int64_t LiveViews() const;
   int64_t LiveViews(int64_t buffer_id) const;
@@ -513,7 +520,9 @@ class Arena : public std::enable_shared_from_this<Arena> {
   size_t num_chunks_ = 0;
   size_t handle_bytes_ = 0;
   bool zero_fill_ = true;
-  bool zeros_deferred_ = false;  // the reservation's zero mapping waits for the first view
+  // The reservation's zero mapping waits for the first view. Atomic: read without mu_
+  // (unbacked_reads_zero()); written under it.
+  std::atomic<bool> zeros_deferred_{false};
 
   mutable std::mutex mu_;
   // Any change a waiter or the worker may need. Not a plain member: a forked child must

@@ -78,6 +78,9 @@ class Driver {
   // EnableZeroReads(base), reading an unbacked byte may fault, and MapRun/UnmapRun in it
   // cost no more than the mapping itself. Default: Reserve (zeros from the start).
   virtual uintptr_t ReserveDeferringZeros(size_t bytes) { return Reserve(bytes); }
+  // Whether ReserveDeferringZeros really leaves unbacked memory unmapped (false: it is
+  // Reserve, and unbacked memory reads zeros from the start).
+  virtual bool CanDeferZeroReads() const { return false; }
   // From now on every unbacked byte of the reservation at `base` reads zeros, as after
   // Reserve. The caller runs no MapRun/UnmapRun in that reservation meanwhile. Throws
   // OutOfMemory (the zero memory) or DriverError, having changed nothing. Idempotent;

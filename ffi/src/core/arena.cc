@@ -31,7 +31,8 @@ std::shared_ptr<Arena> Arena::Create(std::unique_ptr<Driver> driver, size_t rese
 namespace {
 
 // JAX_VMM_DEFER_ZERO_READS: whether an arena that does not choose (ArenaOptions) defers
-// its zero mapping. Unset or empty: no.
+// its zero mapping. Unset or empty: no (docs/design.md "Zero reads" says what deferring
+// saves, and what must hold before it can be the default).
 bool DeferZeroReadsFromEnv() {
   const char* env = std::getenv("JAX_VMM_DEFER_ZERO_READS");
   if (env == nullptr || *env == '\0') return false;
@@ -66,8 +67,9 @@ Arena::Arena(std::unique_ptr<Driver> driver, size_t reserve_bytes, const ArenaOp
   num_chunks_ = reserved_bytes_ / chunk_bytes_;
   // Reserve first: an impossible size fails here, with the OS's answer, before the
   // 1-byte-per-chunk page tables are allocated.
-  zeros_deferred_ = options.defer_zero_reads.has_value() ? *options.defer_zero_reads
-                                                          : DeferZeroReadsFromEnv();
+  const bool defer = options.defer_zero_reads.has_value() ? *options.defer_zero_reads
+                                                         : DeferZeroReadsFromEnv();
+  zeros_deferred_ = defer && driver_->CanDeferZeroReads();
   try {
     base_ = zeros_deferred_ ? driver_->ReserveDeferringZeros(reserved_bytes_)
                             : driver_->Reserve(reserved_bytes_);
@@ -444,6 +446,7 @@ ArenaStats Arena::Stats() const {
   physical_backed -= s.alias_bytes;
   s.parked_bytes = s.held_bytes - physical_backed - s.retired_bytes;
   s.views_exported = views_exported_.load();
+  s.unbacked_reads_zero = !zeros_deferred_.load();
   s.asleep = sleep_ != nullptr;
   s.sleep_image_bytes = SleepImageBytes();
   s.offloaded_bytes = s.pending_transfers = 0;

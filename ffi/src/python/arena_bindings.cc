@@ -73,6 +73,7 @@ nb::dict StatsDict(const ArenaStats& s) {
   d["live_views"] = s.live_views;
   d["held_range_bytes"] = s.held_range_bytes;
   d["views_exported"] = s.views_exported;
+  d["unbacked_reads_zero"] = s.unbacked_reads_zero;
   d["asleep"] = s.asleep;
   d["sleep_image_bytes"] = s.sleep_image_bytes;
   d["offloaded_bytes"] = s.offloaded_bytes;
@@ -288,6 +289,7 @@ void BindArenaChanges(nb::class_<Arena>& c) {
           "retire what goes, for reclaim_retired_before.")
       .def("reclaim", &Arena::Reclaim, nb::call_guard<nb::gil_scoped_release>())
       .def_prop_ro("views_exported", &Arena::views_exported)
+      .def_prop_ro("unbacked_reads_zero", &Arena::unbacked_reads_zero)
       .def("begin_host_wait", &Arena::BeginHostWait,
            "Host driver: a wait for the work in flight begins; returns its number.")
       .def("reclaim_retired_before",

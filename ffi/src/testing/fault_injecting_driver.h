@@ -88,6 +88,7 @@ class FaultInjectingDriver final : public Driver {
   bool MapsPartsOfAllocations() const override { return inner_->MapsPartsOfAllocations(); }
   bool UnmapNeedsQuiescence() const override;
   uintptr_t Reserve(size_t bytes) override { return inner_->Reserve(bytes); }
+  bool CanDeferZeroReads() const override { return inner_->CanDeferZeroReads(); }
   uintptr_t ReserveDeferringZeros(size_t bytes) override {
     return inner_->ReserveDeferringZeros(bytes);
   }

@@ -91,6 +91,7 @@ class CudaDriver final : public Driver {
   uintptr_t Reserve(size_t bytes) override { return ReserveWith(bytes, /*defer=*/false); }
 
   // Cost: the cuMemAddressReserve only.
+  bool CanDeferZeroReads() const override { return true; }
   uintptr_t ReserveDeferringZeros(size_t bytes) override {
     return ReserveWith(bytes, /*defer=*/true);
   }
