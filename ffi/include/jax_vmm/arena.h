@@ -559,6 +559,9 @@ class Arena : public std::enable_shared_from_this<Arena> {
   mutable std::mutex placement_mu_;
   std::map<uint64_t, uint64_t> free_ranges_;  // offset -> bytes not placed (common/free_ranges.h)
   std::vector<uint8_t> host_page_table_;      // mirror of the device table
+  // Under mu_: 1 for the chunks a commit being planned has planned already (ranges may
+  // overlap, and neighbouring buffers share boundary chunks); all 0 between plans.
+  std::vector<uint8_t> planned_chunks_;
   uint8_t* device_page_table_ = nullptr;
   unsigned long long* device_drop_counters_ = nullptr;  // kMaxBuffers entries
   ArenaStats stats_;

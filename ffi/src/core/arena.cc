@@ -82,6 +82,7 @@ Arena::Arena(std::unique_ptr<Driver> driver, size_t reserve_bytes, const ArenaOp
   }
   try {
     host_page_table_.assign(num_chunks_, 0);
+    planned_chunks_.assign(num_chunks_, 0);
     chunk_mapping_.assign(num_chunks_, nullptr);
     device_page_table_ = static_cast<uint8_t*>(driver_->AllocMetadata(num_chunks_));
     driver_->CopyToMetadata(device_page_table_, host_page_table_.data(), num_chunks_);

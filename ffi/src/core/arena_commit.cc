@@ -19,7 +19,6 @@
 #include <chrono>
 #include <memory>
 #include <string>
-#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -115,7 +114,21 @@ Arena::CommitPlan Arena::PlanCommit(const std::vector<Range>& ranges) {
                "Buffer.commit");
   }
   CommitPlan plan;
-  std::unordered_set<size_t> planned;  // arena-wide indexes of the chunks in the plan
+  // planned_chunks_ marks what this plan holds; it is all 0 again however we leave. A
+  // byte per chunk, not a set: a large commit plans thousands of chunks.
+  struct ClearMarks {
+    Arena* arena;
+    const std::vector<Range>& ranges;
+    ~ClearMarks() {
+      for (const Range& r : ranges) {
+        if (r.start == r.stop) continue;
+        const Placement& p = arena->buffers_.at(r.buffer_id);
+        const size_t first = arena->ArenaChunk(p, r.start / arena->chunk_bytes_);
+        const size_t count = CeilDiv(r.stop, arena->chunk_bytes_) - r.start / arena->chunk_bytes_;
+        std::fill_n(arena->planned_chunks_.begin() + first, count, 0);
+      }
+    }
+  } clear_marks{this, ranges};
   for (const Range& r : ranges) {
     if (r.start == r.stop) continue;
     const Placement& p = buffers_.at(r.buffer_id);
@@ -126,10 +139,11 @@ Arena::CommitPlan Arena::PlanCommit(const std::vector<Range>& ranges) {
     bool gets_chunks = false;
     for (size_t c = first; c < end; ++c) {
       const size_t a = ArenaChunk(p, c);
-      if (host_page_table_[a] || !planned.insert(a).second) {
+      if (host_page_table_[a] || planned_chunks_[a]) {
         extends_run = false;  // backed already, or planned by an overlapping range
         continue;
       }
+      planned_chunks_[a] = 1;
       gets_chunks = true;
       PlanChunk(a, &plan, &extends_run);
     }
