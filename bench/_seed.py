@@ -19,17 +19,35 @@ def round_up(n: int, unit: int) -> int:
 
 
 class SeedKV:
-    """`buffers` VMM buffers of `reserve_bytes` each, grown by one handle per extension."""
+    """`buffers` VMM buffers of `reserve_bytes` each, grown by one handle per extension.
+    one_reservation: the buffers lie back to back in one reserved range, as an arena's
+    do (the seed reserves one range per buffer), so that a difference between the two
+    layouts is the driver's, not the library's."""
 
-    def __init__(self, raw: RawCuda, buffers: int, reserve_bytes: int, granule: int = 2 << 20):
+    def __init__(
+        self,
+        raw: RawCuda,
+        buffers: int,
+        reserve_bytes: int,
+        granule: int = 2 << 20,
+        one_reservation: bool = False,
+    ):
         self.raw, self.cu, self.granule = raw, raw.cu, granule
         self.reserve_bytes = round_up(reserve_bytes, granule)
         self.vas: list[int] = []
+        self.reservations: list[tuple[int, int]] = []  # (va, bytes) to free
         self.exts: list[list[tuple[int, int, object]]] = []  # per buffer: (offset, bytes, handle)
         try:
-            for _ in range(buffers):
-                self.vas.append(raw.reserve(self.reserve_bytes, granule))
-                self.exts.append([])
+            if one_reservation:
+                total = buffers * self.reserve_bytes
+                base = raw.reserve(total, granule)
+                self.reservations.append((base, total))
+                self.vas = [base + b * self.reserve_bytes for b in range(buffers)]
+            else:
+                for _ in range(buffers):
+                    self.vas.append(raw.reserve(self.reserve_bytes, granule))
+                    self.reservations.append((self.vas[-1], self.reserve_bytes))
+            self.exts = [[] for _ in range(buffers)]
             self.grow_to(granule)  # page 0 of every buffer
         except BaseException:
             self.close()
@@ -71,8 +89,9 @@ class SeedKV:
             for off, n, h in reversed(ext):
                 cu.cuMemUnmap(va + off, n)
                 cu.cuMemRelease(h)
-            cu.cuMemAddressFree(va, self.reserve_bytes)
-        self.vas, self.exts = [], []
+        for va, n in self.reservations:
+            cu.cuMemAddressFree(va, n)
+        self.vas, self.exts, self.reservations = [], [], []
 
 
 class OneAllocation:

@@ -27,7 +27,9 @@ decode path spends in ensure/release.
    median), a 20 GiB cache from nothing (and one 20 GiB allocation, what
    torch_memory_saver does), and the physical memory a fresh arena takes (cuMemGetInfo;
    measured first, before anything made the device's zero pieces). jax_vmm runs with
-   commit_ahead_tokens=0: every commit is inside the timed call, as the seed's is.
+   commit_ahead_tokens=0: every commit is inside the timed call, as the seed's is. The
+   grow and fill rows add the seed's calls over buffers laid out as the arena's (back to
+   back in one reservation): what the driver charges for that layout, apart from jax_vmm.
 
   python bench/commit.py                    # GPU if JAX has one, else CPU
   python bench/commit.py --sections seed    # issue 31's table only (GPU, ~1 minute)
@@ -370,8 +372,13 @@ class SeedBench:
             **SEED_GEOMETRY, dtype=jnp.bfloat16, device=self.device, commit_ahead_tokens=0
         )
 
-    def seed(self) -> SeedKV:
-        return SeedKV(self.raw, self.buffers, SEED_GEOMETRY["max_tokens"] * self.token_bytes)
+    def seed(self, one_reservation: bool = False) -> SeedKV:
+        return SeedKV(
+            self.raw,
+            self.buffers,
+            SEED_GEOMETRY["max_tokens"] * self.token_bytes,
+            one_reservation=one_reservation,
+        )
 
     def fresh_memory(self) -> tuple[int, int]:
         """Physical bytes (cuMemGetInfo) a fresh arena takes: (seed, jax_vmm). Must run
@@ -430,13 +437,15 @@ class SeedBench:
 
     def grow(self, steps: list[int], base: int, repeats: int) -> dict:
         """Total seconds of ensure(t) for t in steps, from `base` tokens backed; both give
-        back to `base` between repeats (jax_vmm: waiting until the driver has it)."""
-        s, kv = self.seed(), self.kv()
+        back to `base` between repeats (jax_vmm: waiting until the driver has it). Also the
+        seed's calls with its buffers in one reservation, laid out as the arena's are."""
+        s, s1, kv = self.seed(), self.seed(one_reservation=True), self.kv()
         try:
             if base:
                 s.grow_to(base * self.token_bytes)
+                s1.grow_to(base * self.token_bytes)
                 kv.ensure(base)
-            ts, tk = [], []
+            ts, ts1, tk = [], [], []
             for _ in range(repeats + 1):
                 t0 = time.perf_counter()
                 for t in steps:
@@ -445,18 +454,25 @@ class SeedBench:
                 for t in steps:
                     kv.ensure(t)
                 t2 = time.perf_counter()
+                for t in steps:
+                    s1.grow_to(t * self.token_bytes)
+                t3 = time.perf_counter()
                 ts.append(t1 - t0)
                 tk.append(t2 - t1)
+                ts1.append(t3 - t2)
                 s.shrink_to(base * self.token_bytes)
+                s1.shrink_to(base * self.token_bytes)
                 kv.shrink(base, wait=True)
             st = kv.stats()
             return {
                 "seed": statistics.median(ts[1:]),
+                "seed_one_reservation": statistics.median(ts1[1:]),
                 "jax_vmm": statistics.median(tk[1:]),
                 "commit_drains": st["commit_drains"],
             }
         finally:
             s.close()
+            s1.close()
             kv.close()
 
 
@@ -493,6 +509,10 @@ def bench_seed(device, repeats: int, raw, steps_to: int = 1 << 16) -> dict | Non
     for label, key in rows:
         r = out[key]
         print(SEED.row(label, ms(r["seed"]), ms(r["jax_vmm"]), f"{r['jax_vmm'] / r['seed']:.2f}x"))
+        if "seed_one_reservation" in r:
+            one_range = r["seed_one_reservation"]
+            ratio_text = f"{r['jax_vmm'] / one_range:.2f}x"
+            print(SEED.row("  the seed's calls in one reservation", ms(one_range), "", ratio_text))
     one = out["from_nothing_20"]["one_allocation"]
     print(
         SEED.row(
