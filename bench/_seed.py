@@ -40,7 +40,7 @@ class SeedKV:
         try:
             if one_reservation:
                 total = buffers * self.reserve_bytes
-                base = raw.reserve(total, granule)
+                base = raw.reserve(total, max(granule, 256 << 20))  # the arena's alignment
                 self.reservations.append((base, total))
                 self.vas = [base + b * self.reserve_bytes for b in range(buffers)]
             else:
