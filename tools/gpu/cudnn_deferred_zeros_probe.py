@@ -24,6 +24,7 @@ could mean that unbacked reads do not fault at all.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -39,6 +40,7 @@ def one(heads: int, dim: int, max_tokens: int, before: int, queries: int) -> Non
     import numpy as np
 
     import jax_vmm
+    from jax_vmm.ops.cudnn_attention import cudnn_attention_stats
 
     kv = jax_vmm.kv_arena(
         num_layers=1,
@@ -59,6 +61,7 @@ def one(heads: int, dim: int, max_tokens: int, before: int, queries: int) -> Non
             kv.ensure(int(n), seq=seq)
     q = jnp.ones((4, queries, 4 * heads, dim), jnp.bfloat16)
     layer = kv.cache()[0]
+    executions = cudnn_attention_stats().get("execute_calls", 0)
     if queries == 1:
         out = jax_vmm.decode_attention(q[:, 0], layer, jnp.asarray(lengths))
     else:
@@ -68,9 +71,10 @@ def one(heads: int, dim: int, max_tokens: int, before: int, queries: int) -> Non
     stats = kv.arena.stats()
     # A view would have turned zeros on: then this case proves nothing.
     assert not stats["views_exported"], "a view was made: zeros are on, the case proves nothing"
+    executions = cudnn_attention_stats().get("execute_calls", 0) - executions
     print(
         f"lengths {lengths.tolist()}, {chunk_tokens} tokens per chunk, "
-        f"{stats['backed_bytes'] >> 20} MiB backed",
+        f"{stats['backed_bytes'] >> 20} MiB backed, cuDNN executions {executions}",
         flush=True,
     )
 
@@ -106,6 +110,30 @@ def last_line(r: subprocess.CompletedProcess) -> str:
     return ((r.stdout + r.stderr).strip().splitlines()[-1:] or [""])[0][:160]
 
 
+def case_failure(r: subprocess.CompletedProcess) -> str | None:
+    """Why a case's child proves nothing or failed; None when it read through cuDNN and
+    survived."""
+    if r.returncode != 0:
+        return f"FAILED rc={r.returncode}"
+    ran = re.search(r"cuDNN executions (\d+)", r.stdout)
+    if not ran or int(ran.group(1)) == 0:
+        return "FAILED: cuDNN did not run (a build without it proves nothing)"
+    return None
+
+
+def control_failure(
+    eager: subprocess.CompletedProcess, deferred: subprocess.CompletedProcess
+) -> str | None:
+    """Why the control did not behave; None when the unbacked read read 0 with eager zeros
+    and faulted (an illegal address, not some other error) with deferred ones."""
+    if eager.returncode != 0 or "control read 0" not in eager.stdout:
+        return f"eager zeros: rc={eager.returncode} {last_line(eager)} (expected 'control read 0')"
+    if deferred.returncode == 0 or "illegal" not in (deferred.stdout + deferred.stderr).lower():
+        rc = deferred.returncode
+        return f"deferred zeros: no illegal-address fault (rc={rc}, {last_line(deferred)})"
+    return None
+
+
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--one":
         one(*(int(x) for x in sys.argv[2:]))
@@ -114,8 +142,7 @@ def main() -> None:
         control()
         return
     eager, deferred = run_child(["--control"], "0"), run_child(["--control"], "1")
-    control_ok = eager.returncode == 0 and "control read 0" in eager.stdout
-    control_ok = control_ok and deferred.returncode != 0
+    control_ok = control_failure(eager, deferred) is None
     print(f"control, eager zeros: rc={eager.returncode} {last_line(eager)}")
     print(f"control, deferred zeros (must fail): rc={deferred.returncode} {last_line(deferred)}")
     cases = [
@@ -129,15 +156,16 @@ def main() -> None:
         runs = pool.map(lambda c: run_child(["--one", *map(str, c)], "1"), cases)
         bad = 0
         for (heads, dim, max_tokens, before, queries), r in zip(cases, runs):
-            bad += r.returncode != 0
-            status = "ok" if r.returncode == 0 else f"FAILED rc={r.returncode}"
+            failure = case_failure(r)
+            bad += failure is not None
+            status = failure or "ok"
             print(
                 f"H{heads} D{dim} T{max_tokens} before={before} S={queries}: "
                 f"{status} {last_line(r)}",
                 flush=True,
             )
     if not control_ok:
-        print("PROBE control did not behave (an unbacked read must fault only when deferred)")
+        print("PROBE control did not behave:", control_failure(eager, deferred))
     print("PROBE", "no case faulted" if bad == 0 else f"{bad} cases failed")
     sys.exit(0 if control_ok and bad == 0 else 1)
 
