@@ -114,40 +114,37 @@ Arena::CommitPlan Arena::PlanCommit(const std::vector<Range>& ranges) {
                "Buffer.commit");
   }
   CommitPlan plan;
-  // planned_chunks_ marks what this plan holds; it is all 0 again however we leave. A
-  // byte per chunk, not a set: a large commit plans thousands of chunks.
-  struct ClearMarks {
-    Arena* arena;
-    const std::vector<Range>& ranges;
-    ~ClearMarks() {
-      for (const Range& r : ranges) {
-        if (r.start == r.stop) continue;
-        const Placement& p = arena->buffers_.at(r.buffer_id);
-        const size_t first = arena->ArenaChunk(p, r.start / arena->chunk_bytes_);
-        const size_t count = CeilDiv(r.stop, arena->chunk_bytes_) - r.start / arena->chunk_bytes_;
-        std::fill_n(arena->planned_chunks_.begin() + first, count, 0);
+  {
+    // planned_chunks_ marks what this plan holds, inside its spans; the guard clears
+    // them when the block ends, however it ends. A byte per chunk, not a set: a large
+    // commit plans thousands of chunks.
+    struct ClearMarks {
+      std::vector<uint8_t>& marks;
+      const std::vector<ChunkRun>& spans;
+      ~ClearMarks() {
+        for (const ChunkRun& s : spans) std::fill_n(marks.begin() + s.first, s.count, 0);
       }
-    }
-  } clear_marks{this, ranges};
-  for (const Range& r : ranges) {
-    if (r.start == r.stop) continue;
-    const Placement& p = buffers_.at(r.buffer_id);
-    const size_t first = r.start / chunk_bytes_;
-    const size_t end = CeilDiv(r.stop, chunk_bytes_);
-    plan.spans.push_back({ArenaChunk(p, first), end - first});
-    bool extends_run = false;  // whether the next missing chunk continues the last run
-    bool gets_chunks = false;
-    for (size_t c = first; c < end; ++c) {
-      const size_t a = ArenaChunk(p, c);
-      if (host_page_table_[a] || planned_chunks_[a]) {
-        extends_run = false;  // backed already, or planned by an overlapping range
-        continue;
+    } clear_marks{planned_chunks_, plan.spans};
+    for (const Range& r : ranges) {
+      if (r.start == r.stop) continue;
+      const Placement& p = buffers_.at(r.buffer_id);
+      const size_t first = r.start / chunk_bytes_;
+      const size_t end = CeilDiv(r.stop, chunk_bytes_);
+      plan.spans.push_back({ArenaChunk(p, first), end - first});
+      bool extends_run = false;  // whether the next missing chunk continues the last run
+      bool gets_chunks = false;
+      for (size_t c = first; c < end; ++c) {
+        const size_t a = ArenaChunk(p, c);
+        if (host_page_table_[a] || planned_chunks_[a]) {
+          extends_run = false;  // backed already, or planned by an overlapping range
+          continue;
+        }
+        planned_chunks_[a] = 1;
+        gets_chunks = true;
+        PlanChunk(a, &plan, &extends_run);
       }
-      planned_chunks_[a] = 1;
-      gets_chunks = true;
-      PlanChunk(a, &plan, &extends_run);
+      if (gets_chunks) AppendName(&plan.buffer_names, p.info.name);
     }
-    if (gets_chunks) AppendName(&plan.buffer_names, p.info.name);
   }
   return plan;
 }
