@@ -162,7 +162,7 @@ def raw_bytes(buf: jax_vmm.Buffer, start: int = 0, stop: int | None = None) -> n
     except ImportError:
         pytest.skip("reading GPU arena memory without a view needs cupy")
     # Lock-free questions only: a test may read while a commit holds the arena's lock.
-    spans = [(buf.address + start, n)]
+    spans = [(buf.address + start, buf.address + stop)]
     if not buf.arena._handle.unbacked_reads_zero:
         driver = _cuda_driver_oracle(target.ordinal)
         if driver is None:
@@ -170,27 +170,24 @@ def raw_bytes(buf: jax_vmm.Buffer, start: int = 0, stop: int | None = None) -> n
         spans = _mapped_spans(driver, buf.address + start, n, buf.arena.chunk_bytes)
     out = np.zeros(n, np.uint8)
     with cupy.cuda.Device(target.ordinal):
-        for address, size in spans:
-            at = address - buf.address - start
+        for lo, hi in spans:
+            at = lo - buf.address - start
             cupy.cuda.runtime.memcpy(
-                out[at:].ctypes.data, address, size, cupy.cuda.runtime.memcpyDeviceToHost
+                out[at:].ctypes.data, lo, hi - lo, cupy.cuda.runtime.memcpyDeviceToHost
             )
     return out
 
 
 def _mapped_spans(driver: Any, address: int, n: int, chunk: int) -> list[tuple[int, int]]:
-    """The (address, size) runs of [address, address + n) that the driver has mapped."""
-    spans: list[tuple[int, int]] = []
+    """The [lo, hi) runs of [address, address + n) that the driver has mapped."""
+    pieces = []
     at, stop = address, address + n
     while at < stop:
         end = min(stop, (at // chunk + 1) * chunk)
         if driver.access(at) is not None:
-            if spans and spans[-1][0] + spans[-1][1] == at:
-                spans[-1] = (spans[-1][0], spans[-1][1] + end - at)
-            else:
-                spans.append((at, end - at))
+            pieces.append((at, end))
         at = end
-    return spans
+    return mo.merge(pieces)
 
 
 @contextlib.contextmanager
