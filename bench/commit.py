@@ -445,21 +445,18 @@ class SeedBench:
                 s.grow_to(base * self.token_bytes)
                 s1.grow_to(base * self.token_bytes)
                 kv.ensure(base)
-            ts, ts1, tk = [], [], []
-            for _ in range(repeats + 1):
+
+            def total(grow) -> float:  # seconds of grow(t) over the steps
                 t0 = time.perf_counter()
                 for t in steps:
-                    s.grow_to(t * self.token_bytes)
-                t1 = time.perf_counter()
-                for t in steps:
-                    kv.ensure(t)
-                t2 = time.perf_counter()
-                for t in steps:
-                    s1.grow_to(t * self.token_bytes)
-                t3 = time.perf_counter()
-                ts.append(t1 - t0)
-                tk.append(t2 - t1)
-                ts1.append(t3 - t2)
+                    grow(t)
+                return time.perf_counter() - t0
+
+            ts, ts1, tk = [], [], []
+            for _ in range(repeats + 1):
+                ts.append(total(lambda t: s.grow_to(t * self.token_bytes)))
+                tk.append(total(kv.ensure))
+                ts1.append(total(lambda t: s1.grow_to(t * self.token_bytes)))
                 s.shrink_to(base * self.token_bytes)
                 s1.shrink_to(base * self.token_bytes)
                 kv.shrink(base, wait=True)
