@@ -601,7 +601,7 @@ def view(a) -> None:
     [
         ("1", None, True),
         ("0", None, False),
-        (None, None, False),
+        (None, None, True),
         ("1", False, False),
         ("0", True, True),
     ],

@@ -80,7 +80,7 @@ struct ArenaOptions {
   bool zero_fill = true;
   // Unbacked memory is given its read-only zero mapping only when the first raw view is
   // handed out (no reader touches unbacked chunks before: docs/design.md, "Zero reads").
-  // Unset: JAX_VMM_DEFER_ZERO_READS at creation (1 defers, 0 does not), else not
+  // Unset: JAX_VMM_DEFER_ZERO_READS at creation (1 defers, 0 does not), else
   // deferred. Drivers without deferred reservations (the host's) never defer.
   std::optional<bool> defer_zero_reads;
 };

@@ -31,17 +31,17 @@ std::shared_ptr<Arena> Arena::Create(std::unique_ptr<Driver> driver, size_t rese
 namespace {
 
 // JAX_VMM_DEFER_ZERO_READS: whether an arena that does not choose (ArenaOptions) defers
-// its zero mapping. Unset or empty: no (docs/design.md "Zero reads" says what deferring
-// saves, and what must hold before it can be the default).
+// its zero mapping. Unset or empty: yes (docs/design.md "Zero reads" says what deferring
+// saves and why no reader can tell).
 bool DeferZeroReadsFromEnv() {
   const char* env = std::getenv("JAX_VMM_DEFER_ZERO_READS");
-  if (env == nullptr || *env == '\0') return false;
+  if (env == nullptr || *env == '\0') return true;
   const std::string value(env);
   if (value == "1") return true;
   if (value == "0") return false;
   throw InvalidArgument("jax_vmm: JAX_VMM_DEFER_ZERO_READS='" + value +
                         "': expected 1 (defer the zero mapping of unbacked memory until the "
-                        "first view) or 0 (map it at once); unset it for the default (0)");
+                        "first view) or 0 (map it at once); unset it for the default (1)");
 }
 
 }  // namespace
