@@ -107,6 +107,9 @@
 #   probe:deferred_zeros  tools/gpu/cudnn_deferred_zeros_probe.py: cuDNN over arena layers
 #                       with deferred zeros, lengths just short of chunk boundaries, each case
 #                       in a child process: must print "PROBE no case faulted"
+#   probe:commit_fill   tools/gpu/commit_fill_probe.py: the fill 0 -> 16 GiB of bench/commit.py's
+#                       seed section by placement (from the buffer base or 2 MiB in) and call
+#                       grouping, raw calls beside kv.ensure: whose is the fill's gap
 #   probe               probe:kernels
 #   all                 build info tests facts sanitize example bench probe
 #
@@ -341,7 +344,8 @@ step_probe() {
     deferred_zeros)
       "$PY" tools/gpu/cudnn_deferred_zeros_probe.py || return
       note "$(grep -E "^PROBE " "$LOG" | tail -1)" ;;
-    *) echo "unknown probe ${1:-} (kernels, deferred_zeros)"; return 2 ;;
+    commit_fill) "$PY" tools/gpu/commit_fill_probe.py ;;
+    *) echo "unknown probe ${1:-} (kernels, deferred_zeros, commit_fill)"; return 2 ;;
   esac
 }
 
