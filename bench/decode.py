@@ -425,6 +425,7 @@ def main(argv: list[str] | None = None) -> dict:
             seed=args.seed,
             quick=args.quick,
             chunk_bytes=args.chunk_bytes,
+            peak_bytes_per_s=args.peak_tbps * 1e12,
         )
         EQ.print_result(report["equal_memory"])
         save(final=False)
