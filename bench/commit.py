@@ -457,10 +457,11 @@ class SeedBench:
                     grow(t)
                 return time.perf_counter() - t0
 
+            ts, tk, ts1 = [], [], []
             runs = [
-                (ts := [], lambda t: s.grow_to(t * self.token_bytes)),
-                (tk := [], kv.ensure),
-                (ts1 := [], lambda t: s1.grow_to(t * self.token_bytes)),
+                (ts, lambda t: s.grow_to(t * self.token_bytes)),
+                (tk, kv.ensure),
+                (ts1, lambda t: s1.grow_to(t * self.token_bytes)),
             ]
             for i in range(repeats + 1):
                 # Each repeat starts with a different one: the first to commit after the
