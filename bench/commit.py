@@ -22,8 +22,8 @@ decode path spends in ensure/release.
 4. (GPU, cuda-python) "seed": the KV cache of issue 31's geometry (32 layers x K,V = 64
    buffers, 8 KV heads x 128, bf16, 1M tokens reserved) against the seed-style baseline
    (bench/_seed.py: one cuMemCreate + cuMemMap + cuMemSetAccess per extension of a
-   buffer), alternating in one process (each repeat starts with another contender and
-   ends with a pause after the releases): grow 16 -> 20 GiB, fill 0 -> 16 GiB, ensure in
+   buffer), alternating in one process (in the grow, fill and step rows each repeat
+   starts with another contender and ends with a pause after the releases): grow 16 -> 20 GiB, fill 0 -> 16 GiB, ensure in
    steps of 4096 and of 256 tokens (empty -> 64k, total), a new arena (first, later ones'
    median), a 20 GiB cache from nothing (and one 20 GiB allocation, what
    torch_memory_saver does), and the physical memory a fresh arena takes (cuMemGetInfo;
