@@ -109,7 +109,7 @@
 #                       in a child process: must print "PROBE no case faulted"
 #   probe:commit_fill   tools/gpu/commit_fill_probe.py: the fill 0 -> 16 GiB of bench/commit.py's
 #                       seed section by placement (from the buffer base or 2 MiB in) and call
-#                       grouping, raw calls beside kv.ensure: whose is the fill's gap
+#                       order, raw calls beside kv.ensure: whose is the fill's gap
 #   probe               probe:kernels
 #   all                 build info tests facts sanitize example bench probe
 #
