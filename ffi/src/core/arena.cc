@@ -447,7 +447,7 @@ ArenaStats Arena::Stats() const {
   physical_backed -= s.alias_bytes;
   s.parked_bytes = s.held_bytes - physical_backed - s.retired_bytes;
   s.views_exported = views_exported_.load();
-  s.unbacked_reads_zero = !zeros_deferred_.load();
+  s.unbacked_reads_zero = unbacked_reads_zero();
   s.asleep = sleep_ != nullptr;
   s.sleep_image_bytes = SleepImageBytes();
   s.offloaded_bytes = s.pending_transfers = 0;

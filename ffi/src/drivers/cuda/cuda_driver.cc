@@ -90,8 +90,8 @@ class CudaDriver final : public Driver {
   // cuMemSetAccess for the range.
   uintptr_t Reserve(size_t bytes) override { return ReserveWith(bytes, /*defer=*/false); }
 
-  // Cost: the cuMemAddressReserve only.
   bool CanDeferZeroReads() const override { return true; }
+  // Cost: the cuMemAddressReserve only.
   uintptr_t ReserveDeferringZeros(size_t bytes) override {
     return ReserveWith(bytes, /*defer=*/true);
   }
