@@ -23,14 +23,15 @@ decode path spends in ensure/release.
    buffers, 8 KV heads x 128, bf16, 1M tokens reserved) against the seed-style baseline
    (bench/_seed.py: one cuMemCreate + cuMemMap + cuMemSetAccess per extension of a
    buffer), alternating in one process (in the grow, fill and step rows each repeat
-   starts with another contender and ends with a pause after the releases): grow 16 -> 20 GiB, fill 0 -> 16 GiB, ensure in
-   steps of 4096 and of 256 tokens (empty -> 64k, total), a new arena (first, later ones'
-   median), a 20 GiB cache from nothing (and one 20 GiB allocation, what
-   torch_memory_saver does), and the physical memory a fresh arena takes (cuMemGetInfo;
-   measured first, before anything made the device's zero pieces). jax_vmm runs with
-   commit_ahead_tokens=0: every commit is inside the timed call, as the seed's is. The
-   grow and fill rows add the seed's calls over buffers laid out as the arena's (back to
-   back in one reservation): what the driver charges for that layout, apart from jax_vmm.
+   starts with another contender and ends with a pause after the releases): grow 16 ->
+   20 GiB, fill 0 -> 16 GiB, ensure in steps of 4096 and of 256 tokens (empty -> 64k,
+   total), a new arena (first, later ones' median), a 20 GiB cache from nothing (and one
+   20 GiB allocation, what torch_memory_saver does), and the physical memory a fresh
+   arena takes (cuMemGetInfo; measured first, before anything made the device's zero
+   pieces). jax_vmm runs with commit_ahead_tokens=0: every commit is inside the timed
+   call, as the seed's is. The grow and fill rows add the seed's calls over buffers laid
+   out as the arena's (back to back in one reservation): what the driver charges for that
+   layout, apart from jax_vmm.
 
   python bench/commit.py                    # GPU if JAX has one, else CPU
   python bench/commit.py --sections seed    # issue 31's table only (GPU, ~1 minute)

@@ -22,6 +22,7 @@ import sys
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -194,15 +195,8 @@ def _mapped_spans(driver: Any, address: int, n: int, chunk: int) -> list[tuple[i
 def eager_zeros(eager: bool = True) -> Iterator[None]:
     """Arenas made inside map their read-only zero pieces at creation
     (JAX_VMM_DEFER_ZERO_READS=0); eager=False: they defer them until the first view."""
-    before = os.environ.get("JAX_VMM_DEFER_ZERO_READS")
-    os.environ["JAX_VMM_DEFER_ZERO_READS"] = "0" if eager else "1"
-    try:
+    with mock.patch.dict(os.environ, {"JAX_VMM_DEFER_ZERO_READS": "0" if eager else "1"}):
         yield
-    finally:
-        if before is None:
-            del os.environ["JAX_VMM_DEFER_ZERO_READS"]
-        else:
-            os.environ["JAX_VMM_DEFER_ZERO_READS"] = before
 
 
 def unbacked_kind(arena: jax_vmm.Arena) -> str:

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from jax_vmm.serving import engine as E
-from tests.scripts import load_script
+from scripts import load_script
 
 EQ = load_script("bench/_equal_memory.py")
 

@@ -276,7 +276,7 @@ def test_sleep_frees_device_memory_and_wake_restores_it(oracle):
             "sleep returned before the memory was free"
         )
         assert set(_kinds(oracle, kv)) == {unbacked_kind(kv.arena)}, (
-            "something is still mapped asleep"
+            "something is still mapped while asleep"
         )
         kv.wake()
         assert _kinds(oracle, kv) == kinds

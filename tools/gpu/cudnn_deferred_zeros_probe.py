@@ -142,7 +142,7 @@ def main() -> None:
         control()
         return
     eager, deferred = run_child(["--control"], "0"), run_child(["--control"], "1")
-    control_ok = control_failure(eager, deferred) is None
+    control_problem = control_failure(eager, deferred)
     print(f"control, eager zeros: rc={eager.returncode} {last_line(eager)}")
     print(f"control, deferred zeros (must fail): rc={deferred.returncode} {last_line(deferred)}")
     cases = [
@@ -164,10 +164,10 @@ def main() -> None:
                 f"{status} {last_line(r)}",
                 flush=True,
             )
-    if not control_ok:
-        print("PROBE control did not behave:", control_failure(eager, deferred))
+    if control_problem is not None:
+        print("PROBE control did not behave:", control_problem)
     print("PROBE", "no case faulted" if bad == 0 else f"{bad} cases failed")
-    sys.exit(0 if control_ok and bad == 0 else 1)
+    sys.exit(0 if control_problem is None and bad == 0 else 1)
 
 
 if __name__ == "__main__":

@@ -89,10 +89,10 @@ def main(argv: list[str] | None = None) -> dict:
         "idle_gaps": gaps,
         **split,
     }
-    busy, span = whole["busy_us"] / 1e3, whole["span_us"] / 1e3
+    busy, span = report["busy_ms"], report["span_ms"]
     print(
         f"\n{report['backend']}: device busy {busy:.1f} ms of a {span:.1f} ms span "
-        f"({span - busy:.1f} ms idle); {whole['events']} kernels, "
+        f"({span - busy:.1f} ms idle); {report['kernels']} kernels, "
         f"{split['kernels_outside_modules']} outside a program"
     )
     for part, ms in report["parts_ms"].items():
