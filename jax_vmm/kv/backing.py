@@ -364,19 +364,14 @@ class TokenBacking:
                 return
             if not done or self.arena.closed or q in self._offloaded:
                 return
-            base = q * self.seq_bytes
-            if not current:
-                if self._ensured[q] == 0:  # released and not started again: all of it goes
-                    self.arena._wait_for_host_work()
-                    self.arena._handle.decommit_ranges(
-                        self._release_ranges(base, base + self.seq_bytes, q), False
-                    )
-                return
-            # Stopped partway: give back what this call backed past what the sequence
-            # counts on (its ensured tokens, its chunks known backed; an ensure on another
-            # thread may have raised both meanwhile).
-            keep = max(int(self._ensured[q]), int(self._covered[q]))
+            # Stopped partway, or made void by a release meanwhile: give back what this
+            # call backed past what the sequence counts on now (its ensured tokens, its
+            # chunks known backed: kept by release(keep_tokens=), or raised by an ensure on
+            # another thread). Never less: a kept chunk holds the next prompt's tokens.
+            valid = self._valid_gen[q] == self.arena._generation
+            keep = max(int(self._ensured[q]), int(self._covered[q]) if valid else 0)
             if keep < tokens:
+                base = q * self.seq_bytes
                 self.arena._wait_for_host_work()
                 self.arena._handle.decommit_ranges(
                     self._release_ranges(

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from conftest import chunk_range, seq_chunk_states, two_seq_kv
+from conftest import chunk_range, k_tokens, seq_chunk_states, two_seq_kv, write_one_token
 from jax_vmm.testing import uncounted_view
 
 H, D = 2, 64  # bfloat16: 256 bytes per token per buffer
@@ -82,14 +82,14 @@ class _ReleaseFirst:
     """Stands in for the core arena: releases the sequence just before the background
     commit reaches the core (the race this test needs, made deterministic)."""
 
-    def __init__(self, core, kv, seq):
-        self._core, self._kv, self._seq = core, kv, seq
+    def __init__(self, core, kv, seq, **release_kw):
+        self._core, self._kv, self._seq, self._release_kw = core, kv, seq, release_kw
 
     def __getattr__(self, name):
         return getattr(self._core, name)
 
     def commit_ahead(self, ranges):
-        self._kv.release(self._seq)
+        self._kv.release(self._seq, **self._release_kw)
         return self._core.commit_ahead(ranges)
 
 
@@ -106,6 +106,30 @@ def test_a_sequence_released_while_its_commit_is_on_the_way_keeps_nothing(vm):
     assert kv.arena.stats()["commits_ahead"] == 1  # it did commit ...
     assert seq_chunk_states(kv, 0) == (False,) * 4  # ... and gave it back
     vm.assert_backed(kv.arena, [])
+
+
+def test_a_slot_released_with_keep_tokens_while_its_commit_is_on_the_way_keeps_them(vm):
+    """The engine's admission into a held slot: release(keep_tokens=) while the old
+    sequence's next chunk is being committed ahead, wait for the worker, ensure, write.
+    The void commit gives back only its own chunk; the kept one still backs the prompt."""
+    kv, tpc = _kv(vm)
+    kv.ensure(tpc - tpc // 8, seq=0)  # near the end of chunk 0: chunk 1 is committed ahead
+    assert kv._ahead.wait_idle()
+    kv.release(0)
+    core = kv.arena._handle
+    kv.arena._handle = _ReleaseFirst(core, kv, 0, keep_tokens=tpc // 2)
+    try:
+        kv.ensure(tpc - tpc // 8, seq=0)
+        assert kv.wait_prefetch(0, timeout=30)
+    finally:
+        kv.arena._handle = core
+    assert seq_chunk_states(kv, 0) == (True, False, False, False)
+    calls = kv.arena.stats()["commit_calls"]
+    assert kv.ensure(tpc // 2, seq=0) == 0 and kv.arena.stats()["commit_calls"] == calls
+    write_one_token(kv, tpc // 2 - 1, 3.0)
+    assert (k_tokens(kv, 0)[tpc // 2 - 1] == 3.0).all()
+    kv.check()  # no write was dropped
+    vm.assert_backed(kv.arena, [chunk_range(b, 0, 1) for b in kv.buffers])
 
 
 def test_a_reused_slot_gets_its_first_chunk_back_in_the_background(vm):
