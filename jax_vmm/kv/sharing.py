@@ -118,6 +118,10 @@ class PrefixSharing:
                 "be mapped at both; pick sequences a multiple of chunk_bytes apart, or "
                 "max_tokens with max_tokens * token_bytes a multiple of chunk_bytes"
             )
+        # A background commit of dst's previous sequence may still be mapping chunks that
+        # its release gave back (it gives them back again when it ends): let it end first,
+        # outside the lock it ends under, so that dst holds nothing when it is checked.
+        self._ahead.wait_for(dst, None)
         with self._lock:
             self.arena._check_open(op)
             self._check_awake(op)
