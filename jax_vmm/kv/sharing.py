@@ -94,7 +94,8 @@ class PrefixSharing:
         last sharer is released.
 
         ``src_seq`` must have ``num_tokens`` tokens ensured (and written), ``dst_seq``
-        must hold nothing (released, or never used: no tokens, no chunks backed ahead),
+        must hold nothing (released, or never used: no tokens, no chunks backed ahead; a
+        background commit still on its way for its previous sequence is waited for),
         and the two sequences' starts must lie the same distance from a chunk boundary
         (always so when ``max_tokens * token_bytes`` is a multiple of ``chunk_bytes``).
         Returns ``{"mapped_bytes", "copied_bytes"}`` summed over K and V of every layer.
