@@ -110,6 +110,9 @@
 #   probe:commit_fill   tools/gpu/commit_fill_probe.py: the fill 0 -> 16 GiB of bench/commit.py's
 #                       seed section by placement (from the buffer base or 2 MiB in) and call
 #                       order, raw calls beside kv.ensure: whose is the fill's gap
+#   probe:step_loop_handlers  tools/gpu/step_loop_handlers.py: bench/step_loop.py's 32-layer
+#                       write+attention step, arena and prealloc: per call, which handler
+#                       stages run on the host (XLA re-records the command buffer each call)
 #   probe               probe:kernels
 #   all                 build info tests facts sanitize example bench probe
 #
@@ -345,7 +348,8 @@ step_probe() {
       "$PY" tools/gpu/cudnn_deferred_zeros_probe.py || return
       note "$(grep -E "^PROBE " "$LOG" | tail -1)" ;;
     commit_fill) "$PY" tools/gpu/commit_fill_probe.py ;;
-    *) echo "unknown probe ${1:-} (kernels, deferred_zeros, commit_fill)"; return 2 ;;
+    step_loop_handlers) "$PY" tools/gpu/step_loop_handlers.py ;;
+    *) echo "unknown probe ${1:-} (kernels, deferred_zeros, commit_fill, step_loop_handlers)"; return 2 ;;
   esac
 }
 
