@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -152,6 +153,87 @@ def test_next_turn_continues_on_its_cache(backend, name, device) -> None:
             if r.max_new_tokens > 4:
                 alone = _no_cache_greedy(cfg, r.prompt.tolist(), r.max_new_tokens, device)
                 assert got[r.id].tokens != alone, f"turn {r.id}: its history changed nothing"
+
+
+class _CommitInFlightAtAdmission:
+    """Stages the race behind a slot's next request losing its writes: when the engine hands
+    slot `seq` to its next request (``release(seq, keep_tokens=n)``), a background commit of
+    the old sequence's next chunk is inside the core, and it ends only after that release.
+    The engine meets this when an admission overtakes a commit ahead that the slot's last
+    block scheduled; here it is staged at every such admission, not left to timing."""
+
+    def __init__(self, seq: int):
+        self.seq, self.staged = seq, 0
+
+    def install(self, monkeypatch) -> None:
+        real_release = jax_vmm.KVArena.release
+
+        def release(kv, seq=None, **kw):
+            if seq != self.seq or not kw.get("keep_tokens"):
+                return real_release(kv, seq, **kw)
+            go = self._commit_in_flight(kv)
+            try:
+                return real_release(kv, seq, **kw)
+            finally:
+                go.set()
+
+        monkeypatch.setattr(jax_vmm.KVArena, "release", release)
+
+    def _commit_in_flight(self, kv) -> threading.Event:
+        """Schedules a commit ahead of the slot's next chunk, waits until it is inside the
+        core and returns the event that lets it end."""
+        inside, go = threading.Event(), threading.Event()
+        core = kv.arena._handle
+
+        class Holding:
+            def __getattr__(self, name):
+                return getattr(core, name)
+
+            def commit_ahead(self, ranges):
+                done = core.commit_ahead(ranges)
+                inside.set()
+                go.wait(timeout=30)
+                return done
+
+        q = self.seq
+        with kv._lock:
+            tokens, epoch = kv._covered_tokens(q, int(kv._covered[q]) + 1), kv._epoch[q]
+        kv.arena._handle = Holding()
+        try:
+            kv._ahead.schedule(q, tokens, epoch)
+            assert inside.wait(30), "the staged commit ahead never reached the core"
+        finally:
+            kv.arena._handle = core  # the worker holds the Holding method it is inside
+        self.staged += 1
+        return go
+
+
+def test_an_admission_that_overtakes_a_commit_ahead_keeps_the_prompts_memory(
+    monkeypatch, cpu_device
+) -> None:
+    """The next turns' requests on two slots, with a commit ahead of slot 1's old sequence
+    in flight when request 30 takes the slot with keep_tokens: the commit, made void by
+    that release, gives back only what it backed, so request 30's prompt and decode writes
+    land (one that gave back the whole sequence would take the kept chunk too:
+    OutOfBoundsWrite, 56 writes dropped) and every request generates what it generates
+    without the staged race."""
+    cfg = CONFIGS["llama"]
+    base = _requests(cfg)
+    turn = lambda i, follows, src: E.Request(i, base[src].prompt, base[src].max_new_tokens, follows)  # noqa: E731
+    reqs = [
+        turn(10, None, 0),
+        turn(20, None, 1),
+        turn(11, 10, 2),
+        E.Request(30, base[3].prompt, 4),
+        turn(21, 20, 4),
+        turn(12, 11, 1),
+    ]
+    plain = _serve("jax_vmm", cfg, reqs, cpu_device, prefill_chunk=5)
+    stage = _CommitInFlightAtAdmission(seq=1)
+    stage.install(monkeypatch)
+    staged = _serve("jax_vmm", cfg, reqs, cpu_device, prefill_chunk=5)  # raises on drops
+    assert stage.staged == 1, "request 30 did not take slot 1 through release(keep_tokens=)"
+    assert [r.tokens for r in staged.results] == [r.tokens for r in plain.results]
 
 
 def test_bad_chunk_and_turn_arguments_are_refused(cpu_device) -> None:
