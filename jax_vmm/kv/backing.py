@@ -261,7 +261,11 @@ class TokenBacking:
 
     def _on_arena_sleep(self, asleep: bool) -> None:
         """Arena hook: the table goes to 0 before the arena sleeps and back after it
-        woke (or after a sleep that failed)."""
+        woke (or after a sleep that failed). Before the sleep, background commits end
+        first (outside the lock they end under): one still inside the core could not give
+        back what it backed once the arena sleeps, and the wake would bring that back."""
+        if asleep:
+            self._ahead.wait_idle()
         with self._lock:
             if not self.arena.closed:
                 self._publish_limits(asleep)

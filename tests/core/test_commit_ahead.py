@@ -5,6 +5,9 @@ sequence released meanwhile keeps nothing."""
 
 from __future__ import annotations
 
+import logging
+import threading
+
 import jax.numpy as jnp
 
 from conftest import chunk_range, k_tokens, seq_chunk_states, two_seq_kv, write_one_token
@@ -130,6 +133,48 @@ def test_a_slot_released_with_keep_tokens_while_its_commit_is_on_the_way_keeps_t
     assert (k_tokens(kv, 0)[tpc // 2 - 1] == 3.0).all()
     kv.check()  # no write was dropped
     vm.assert_backed(kv.arena, [chunk_range(b, 0, 1) for b in kv.buffers])
+
+
+def test_a_sleep_waits_for_a_commit_ahead_inside_the_core(vm, caplog):
+    """kv.sleep() while a commit ahead of a sequence's next chunk is inside the core (held
+    up to 1 s): the sleep waits for it, so the commit ends whole (the next chunk in every
+    buffer, counted for the sequence, slept and woken with it, gone with its release) and
+    the worker logged no failure. Without the wait the commit's later buffers fail while
+    the arena sleeps, it cannot give back what it backed, and the wake brings that chunk
+    back in one buffer only."""
+    kv, tpc = _kv(vm)
+    kv.ensure(tpc // 2, seq=0)
+    assert kv._ahead.wait_idle()
+    core = kv.arena._handle
+    inside, go = threading.Event(), threading.Event()
+
+    class Holding:
+        def __getattr__(self, name):
+            return getattr(core, name)
+
+        def commit_ahead(self, ranges):
+            done = core.commit_ahead(ranges)
+            inside.set()
+            go.wait(timeout=1.0)
+            return done
+
+    kv.arena._handle = Holding()
+    try:
+        kv.ensure(tpc - tpc // 8, seq=0)  # near the end of chunk 0: chunk 1 is committed ahead
+        assert inside.wait(30)
+    finally:
+        kv.arena._handle = core  # the worker holds the Holding method it is inside
+    with caplog.at_level(logging.ERROR, logger="jax_vmm"):
+        kv.sleep()
+        go.set()
+        assert kv._ahead.wait_idle()
+        kv.wake()
+    assert not [r for r in caplog.records if "commit ahead" in r.getMessage()]
+    assert seq_chunk_states(kv, 0) == (True, True, False, False)
+    vm.assert_backed(kv.arena, [chunk_range(b, 0, 2) for b in kv.buffers])
+    kv.check()
+    kv.release(0)
+    vm.assert_backed(kv.arena, [])
 
 
 def test_a_reused_slot_gets_its_first_chunk_back_in_the_background(vm):
