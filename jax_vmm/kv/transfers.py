@@ -41,6 +41,9 @@ class SequenceTransfers:
         base = self._seq_base(seq, "KVArena.offload")
         wait = as_flag(wait, "wait")
         q = 0 if seq is None else int(seq)
+        # A background commit of the sequence ends first (outside the lock it ends under):
+        # the host copy then holds what it backed in every buffer or in none.
+        self._ahead.wait_for(q, None)
         with self._lock:
             self.arena._check_open("KVArena.offload")
             if self._offloaded:

@@ -135,16 +135,9 @@ def test_a_slot_released_with_keep_tokens_while_its_commit_is_on_the_way_keeps_t
     vm.assert_backed(kv.arena, [chunk_range(b, 0, 1) for b in kv.buffers])
 
 
-def test_a_sleep_waits_for_a_commit_ahead_inside_the_core(vm, caplog):
-    """kv.sleep() while a commit ahead of a sequence's next chunk is inside the core (held
-    up to 1 s): the sleep waits for it, so the commit ends whole (the next chunk in every
-    buffer, counted for the sequence, slept and woken with it, gone with its release) and
-    the worker logged no failure. Without the wait the commit's later buffers fail while
-    the arena sleeps, it cannot give back what it backed, and the wake brings that chunk
-    back in one buffer only."""
-    kv, tpc = _kv(vm)
-    kv.ensure(tpc // 2, seq=0)
-    assert kv._ahead.wait_idle()
+def _hold_next_commit_ahead(kv, tpc: int) -> threading.Event:
+    """Has the commit ahead of sequence 0's chunk 1 hold inside the core after its first
+    buffer, until the returned event is set (at most 1 s); returns once it is there."""
     core = kv.arena._handle
     inside, go = threading.Event(), threading.Event()
 
@@ -164,6 +157,20 @@ def test_a_sleep_waits_for_a_commit_ahead_inside_the_core(vm, caplog):
         assert inside.wait(30)
     finally:
         kv.arena._handle = core  # the worker holds the Holding method it is inside
+    return go
+
+
+def test_a_sleep_waits_for_a_commit_ahead_inside_the_core(vm, caplog):
+    """kv.sleep() while a commit ahead of a sequence's next chunk is inside the core (held
+    up to 1 s): the sleep waits for it, so the commit ends whole (the next chunk in every
+    buffer, counted for the sequence, slept and woken with it, gone with its release) and
+    the worker logged no failure. Without the wait the commit's later buffers fail while
+    the arena sleeps, it cannot give back what it backed, and the wake brings that chunk
+    back in one buffer only."""
+    kv, tpc = _kv(vm)
+    kv.ensure(tpc // 2, seq=0)
+    assert kv._ahead.wait_idle()
+    go = _hold_next_commit_ahead(kv, tpc)
     with caplog.at_level(logging.ERROR, logger="jax_vmm"):
         kv.sleep()
         go.set()
@@ -173,6 +180,28 @@ def test_a_sleep_waits_for_a_commit_ahead_inside_the_core(vm, caplog):
     assert seq_chunk_states(kv, 0) == (True, True, False, False)
     vm.assert_backed(kv.arena, [chunk_range(b, 0, 2) for b in kv.buffers])
     kv.check()
+    kv.release(0)
+    vm.assert_backed(kv.arena, [])
+
+
+def test_an_offload_waits_for_a_commit_ahead_inside_the_core(vm):
+    """kv.offload(0) while a commit ahead of its next chunk is inside the core (held up to
+    1 s): the offload waits for it, so the host copy and the restore hold that chunk in
+    every buffer, and the release gives everything back. Without the wait the offload
+    copies the chunk of the one buffer the commit had reached, and the restore brings it
+    back there only."""
+    kv, tpc = _kv(vm)
+    kv.ensure(tpc // 2, seq=0)
+    assert kv._ahead.wait_idle()
+    go = _hold_next_commit_ahead(kv, tpc)
+    try:
+        t = kv.offload(0, wait=False)
+    finally:
+        go.set()
+    t.wait()
+    assert kv._ahead.wait_idle()
+    kv.restore(0).wait()
+    assert seq_chunk_states(kv, 0) == (True, True, False, False)
     kv.release(0)
     vm.assert_backed(kv.arena, [])
 
