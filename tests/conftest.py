@@ -19,7 +19,8 @@ import functools
 import os
 import subprocess
 import sys
-from collections.abc import Iterable, Iterator
+import threading
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -242,6 +243,35 @@ def seq_chunk_states(kv: jax_vmm.KVArena, q: int) -> tuple[bool, ...]:
     states = {chunk_states(b)[q * per_seq : (q + 1) * per_seq] for b in kv.buffers}
     assert len(states) == 1, f"buffers disagree: {states}"
     return states.pop()
+
+
+def hold_commit_ahead(
+    kv: jax_vmm.KVArena, start: Callable[[], Any], hold_s: float
+) -> threading.Event:
+    """Calls ``start``, which makes the KV arena's worker begin a background commit, with a
+    stand-in core whose ``commit_ahead`` holds inside the core after its first buffer
+    until the returned event is set (at most ``hold_s``); returns once the worker is there.
+    The real core is back in place on return (the worker keeps the method it is inside)."""
+    core = kv.arena._handle
+    inside, go = threading.Event(), threading.Event()
+
+    class Holding:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(core, name)
+
+        def commit_ahead(self, ranges: Any) -> int:
+            done = core.commit_ahead(ranges)
+            inside.set()
+            go.wait(timeout=hold_s)
+            return done
+
+    kv.arena._handle = Holding()
+    try:
+        start()
+        assert inside.wait(30), "the background commit never reached the core"
+    finally:
+        kv.arena._handle = core
+    return go
 
 
 def write_one_token(kv: jax_vmm.KVArena, slot: int, value: float) -> None:

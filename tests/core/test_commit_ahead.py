@@ -10,7 +10,14 @@ import threading
 
 import jax.numpy as jnp
 
-from conftest import chunk_range, k_tokens, seq_chunk_states, two_seq_kv, write_one_token
+from conftest import (
+    chunk_range,
+    hold_commit_ahead,
+    k_tokens,
+    seq_chunk_states,
+    two_seq_kv,
+    write_one_token,
+)
 from jax_vmm.testing import uncounted_view
 
 H, D = 2, 64  # bfloat16: 256 bytes per token per buffer
@@ -138,26 +145,8 @@ def test_a_slot_released_with_keep_tokens_while_its_commit_is_on_the_way_keeps_t
 def _hold_next_commit_ahead(kv, tpc: int) -> threading.Event:
     """Has the commit ahead of sequence 0's chunk 1 hold inside the core after its first
     buffer, until the returned event is set (at most 1 s); returns once it is there."""
-    core = kv.arena._handle
-    inside, go = threading.Event(), threading.Event()
-
-    class Holding:
-        def __getattr__(self, name):
-            return getattr(core, name)
-
-        def commit_ahead(self, ranges):
-            done = core.commit_ahead(ranges)
-            inside.set()
-            go.wait(timeout=1.0)
-            return done
-
-    kv.arena._handle = Holding()
-    try:
-        kv.ensure(tpc - tpc // 8, seq=0)  # near the end of chunk 0: chunk 1 is committed ahead
-        assert inside.wait(30)
-    finally:
-        kv.arena._handle = core  # the worker holds the Holding method it is inside
-    return go
+    # Near the end of chunk 0: chunk 1 is committed ahead.
+    return hold_commit_ahead(kv, lambda: kv.ensure(tpc - tpc // 8, seq=0), hold_s=1.0)
 
 
 def test_a_sleep_waits_for_a_commit_ahead_inside_the_core(vm, caplog):

@@ -16,6 +16,7 @@ import pytest
 import serving
 
 import jax_vmm
+from conftest import hold_commit_ahead
 from jax_vmm.serving import engine as E
 from jax_vmm.serving import model as M
 from jax_vmm.serving.attention import choose_attention, chunk_attention
@@ -182,28 +183,10 @@ class _CommitInFlightAtAdmission:
     def _commit_in_flight(self, kv) -> threading.Event:
         """Schedules a commit ahead of the slot's next chunk, waits until it is inside the
         core and returns the event that lets it end."""
-        inside, go = threading.Event(), threading.Event()
-        core = kv.arena._handle
-
-        class Holding:
-            def __getattr__(self, name):
-                return getattr(core, name)
-
-            def commit_ahead(self, ranges):
-                done = core.commit_ahead(ranges)
-                inside.set()
-                go.wait(timeout=30)
-                return done
-
         q = self.seq
         with kv._lock:
             tokens, epoch = kv._covered_tokens(q, int(kv._covered[q]) + 1), kv._epoch[q]
-        kv.arena._handle = Holding()
-        try:
-            kv._ahead.schedule(q, tokens, epoch)
-            assert inside.wait(30), "the staged commit ahead never reached the core"
-        finally:
-            kv.arena._handle = core  # the worker holds the Holding method it is inside
+        go = hold_commit_ahead(kv, lambda: kv._ahead.schedule(q, tokens, epoch), hold_s=30)
         self.staged += 1
         return go
 
