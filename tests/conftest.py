@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import functools
 import os
 import subprocess
@@ -245,33 +246,51 @@ def seq_chunk_states(kv: jax_vmm.KVArena, q: int) -> tuple[bool, ...]:
     return states.pop()
 
 
+@dataclasses.dataclass
+class HeldCommit:
+    """A background commit held by :func:`hold_commit_ahead`: ``inside`` is set once its
+    first buffer's core call returned; setting ``go`` lets it go on."""
+
+    inside: threading.Event
+    go: threading.Event
+
+
 def hold_commit_ahead(
-    kv: jax_vmm.KVArena, start: Callable[[], Any], hold_s: float
-) -> threading.Event:
+    kv: jax_vmm.KVArena,
+    start: Callable[[], Any],
+    hold_s: float,
+    after: threading.Event | None = None,
+) -> HeldCommit:
     """Calls ``start``, which makes the KV arena's worker begin a background commit, with a
-    stand-in core whose ``commit_ahead`` holds inside the core after its first buffer
-    until the returned event is set (at most ``hold_s``); returns once the worker is there.
-    The real core is back in place on return (the worker keeps the method it is inside)."""
+    stand-in core whose ``commit_ahead`` holds after its first buffer's core call until
+    ``go`` is set (at most ``hold_s``); returns once that call returned. With ``after``,
+    the call first waits for that event (at most 30 s) and this returns once the call is
+    entered, before its core call. The real core is back in place on return (the worker
+    keeps the method it is inside)."""
     core = kv.arena._handle
-    inside, go = threading.Event(), threading.Event()
+    entered, held = threading.Event(), HeldCommit(threading.Event(), threading.Event())
 
     class Holding:
         def __getattr__(self, name: str) -> Any:
             return getattr(core, name)
 
         def commit_ahead(self, ranges: Any) -> int:
+            entered.set()
+            if after is not None:
+                after.wait(timeout=30)
             done = core.commit_ahead(ranges)
-            inside.set()
-            go.wait(timeout=hold_s)
+            held.inside.set()
+            held.go.wait(timeout=hold_s)
             return done
 
     kv.arena._handle = Holding()
     try:
         start()
-        assert inside.wait(30), "the background commit never reached the core"
+        reached = entered if after is not None else held.inside
+        assert reached.wait(30), "the background commit never reached the core"
     finally:
         kv.arena._handle = core
-    return go
+    return held
 
 
 def write_one_token(kv: jax_vmm.KVArena, slot: int, value: float) -> None:

@@ -371,11 +371,15 @@ class ShardedKVArena(KVArenaBase):
                 "same sequence shard"
             )
         total = {"mapped_bytes": 0, "copied_bytes": 0}
+        # Each shard's background commit of dst ends first, before the shards' locks are
+        # taken: it ends under its shard's lock (KVArena.share_prefix).
+        for shard, qd in dst:
+            shard._ahead.wait_for(qd, None)
         with self._locked():
             done: list[tuple[KVArena, int]] = []
             for (shard, qs), (_, qd) in zip(src, dst):
                 try:
-                    got = shard.share_prefix(qs, qd, num_tokens)
+                    got = shard._share_prefix(qs, qd, num_tokens, wait_for_dst=False)
                 except BaseException:
                     for other, q in reversed(done):
                         other.release(q)

@@ -100,6 +100,14 @@ class PrefixSharing:
         (always so when ``max_tokens * token_bytes`` is a multiple of ``chunk_bytes``).
         Returns ``{"mapped_bytes", "copied_bytes"}`` summed over K and V of every layer.
         Raises ``ValueError`` (nothing changed) otherwise."""
+        return self._share_prefix(src_seq, dst_seq, num_tokens, wait_for_dst=True)
+
+    def _share_prefix(
+        self, src_seq: int, dst_seq: int, num_tokens: int, wait_for_dst: bool
+    ) -> dict[str, int]:
+        """:meth:`share_prefix`; ``wait_for_dst=False`` for a caller that holds the lock
+        (a sharded arena holds every shard's) and waited for dst's background commit
+        before taking it."""
         op = "KVArena.share_prefix"
         if self.max_seqs is None:
             raise ValueError(f"{op}: this KV arena has one sequence (max_seqs=None)")
@@ -122,7 +130,8 @@ class PrefixSharing:
         # A background commit of dst's previous sequence may still be mapping chunks that
         # its release gave back (it gives them back again when it ends): let it end first,
         # outside the lock it ends under, so that dst holds nothing when it is checked.
-        self._ahead.wait_for(dst, None)
+        if wait_for_dst:
+            self._ahead.wait_for(dst, None)
         with self._lock:
             self.arena._check_open(op)
             self._check_awake(op)

@@ -146,7 +146,7 @@ def _hold_next_commit_ahead(kv, tpc: int) -> threading.Event:
     """Has the commit ahead of sequence 0's chunk 1 hold inside the core after its first
     buffer, until the returned event is set (at most 1 s); returns once it is there."""
     # Near the end of chunk 0: chunk 1 is committed ahead.
-    return hold_commit_ahead(kv, lambda: kv.ensure(tpc - tpc // 8, seq=0), hold_s=1.0)
+    return hold_commit_ahead(kv, lambda: kv.ensure(tpc - tpc // 8, seq=0), hold_s=1.0).go
 
 
 def test_a_sleep_waits_for_a_commit_ahead_inside_the_core(vm, caplog):

@@ -186,9 +186,9 @@ class _CommitInFlightAtAdmission:
         q = self.seq
         with kv._lock:
             tokens, epoch = kv._covered_tokens(q, int(kv._covered[q]) + 1), kv._epoch[q]
-        go = hold_commit_ahead(kv, lambda: kv._ahead.schedule(q, tokens, epoch), hold_s=30)
+        held = hold_commit_ahead(kv, lambda: kv._ahead.schedule(q, tokens, epoch), hold_s=30)
         self.staged += 1
-        return go
+        return held.go
 
 
 def test_an_admission_that_overtakes_a_commit_ahead_keeps_the_prompts_memory(

@@ -14,6 +14,7 @@ same step for the expected bytes and attention results.
 from __future__ import annotations
 
 import sys
+import threading
 from collections.abc import Callable
 
 # Run as a script (multidevice.child_results): this folder is on sys.path; tests/ (conftest),
@@ -28,7 +29,7 @@ from multidevice import raises
 
 import jax_vmm
 import jax_vmm.testing
-from conftest import mo, raw_bytes
+from conftest import hold_commit_ahead, mo, raw_bytes
 
 L, S, T, H, HQ, D = 2, 4, 64, 4, 8, 16
 DT = np.float32
@@ -638,6 +639,44 @@ def a_prefix_is_shared_per_device():
     raises(ValueError, lambda: kv.share_prefix(0, 3, n), "different devices")
     kv.release(0)
     kv.release(1)
+    assert all(s.stats()["held_bytes"] == 0 for s in kv.shards)
+    kv.close()
+
+
+@scenario
+def a_share_right_after_a_release_waits_for_each_shards_commit():
+    # On each shard holding dst, a commit ahead of dst's old sequence's next chunk is
+    # overtaken by dst's release and commits its first buffer after it (void), then is
+    # held (up to 1 s) when the share comes: the share waits for those commits to end and
+    # give that back, before it takes the shards' locks (under which they end); without
+    # the wait it refuses dst as holding memory.
+    kv = make(
+        mesh_2d(), P("dp", None, "tp"), max_tokens=1024, zero_fill=False, commit_ahead_tokens=64
+    )
+    n = 700
+    kv.ensure_shareable(n, 0)
+    released, held = threading.Event(), []
+    for shard, q in kv._holders(1, "test"):
+        tpc = shard.arena.chunk_bytes // shard.token_bytes
+        shard.ensure(tpc // 2, q)
+        assert shard._ahead.wait_idle()
+        start = lambda: shard.ensure(tpc - tpc // 8, q)  # noqa: E731
+        held.append(hold_commit_ahead(shard, start, 1.0, after=released))
+    try:
+        kv.release(1)
+        released.set()
+        assert all(h.inside.wait(30) for h in held)
+        got = kv.share_prefix(0, 1, n)
+    finally:
+        released.set()
+        for h in held:
+            h.go.set()
+    holders = kv._holders(0, "test")
+    chunk = holders[0][0].arena.chunk_bytes
+    assert got["mapped_bytes"] == len(holders) * 2 * L * chunk, got
+    kv.release(0)
+    kv.release(1)
+    assert all(s._ahead.wait_idle() for s in kv.shards)
     assert all(s.stats()["held_bytes"] == 0 for s in kv.shards)
     kv.close()
 
