@@ -18,7 +18,7 @@ import pytest
 
 import jax_vmm
 import jax_vmm.testing
-from conftest import raw_bytes
+from conftest import hold_commit_ahead, raw_bytes
 from jax_vmm.base.fp8 import FP8_DTYPE
 from jax_vmm.ops.attention import decode_attention_tuned
 from jax_vmm.ops.general_attention import attention_tuned
@@ -363,30 +363,12 @@ def _state(kv):
     )
 
 
-class _ReleaseThenCommitAndHold:
-    """Stands in for the core arena: the background commit of dst's next chunk is overtaken
-    by dst's release, commits anyway (void), then holds until `gate` (at most 1 s) before
-    it gives the chunk back: the window in which a user shares into dst just released."""
-
-    def __init__(self, core, kv, seq):
-        self._core, self._kv, self._seq = core, kv, seq
-        self.committed, self.gate = threading.Event(), threading.Event()
-
-    def __getattr__(self, name):
-        return getattr(self._core, name)
-
-    def commit_ahead(self, ranges):
-        self._kv.release(self._seq)
-        done = self._core.commit_ahead(ranges)
-        self.committed.set()
-        self.gate.wait(timeout=1.0)
-        return done
-
-
 def test_a_share_right_after_a_release_waits_for_the_background_commit(vm):
     """release(dst) then share_prefix(src, dst) while a commit ahead of dst's previous
-    sequence is on its way: the share waits for it to give its chunks back instead of
-    refusing dst as "holds memory" (without the wait this test sees that refusal)."""
+    sequence is on its way: overtaken by the release, it commits its first buffer's chunk
+    anyway (void) and is held there (up to 1 s). The share waits for it to give that
+    back instead of refusing dst as "holds memory" (without the wait this test sees that
+    refusal)."""
     tpc = vm.chunk // (H * D * 4)
     kv, _ = _kv(vm, commit_ahead_tokens=tpc // 4)
     n = 2 * tpc + 1
@@ -395,17 +377,18 @@ def test_a_share_right_after_a_release_waits_for_the_background_commit(vm):
     _write(kv, 0, 0, data)
     kv.ensure(tpc // 2, 1)
     assert kv._ahead.wait_idle()
-    core = kv.arena._handle
-    proxy = _ReleaseThenCommitAndHold(core, kv, 1)
-    kv.arena._handle = proxy
+    released = threading.Event()
+    # Near the end of chunk 0: chunk 1 is committed ahead.
+    held = hold_commit_ahead(kv, lambda: kv.ensure(tpc - tpc // 8, 1), 1.0, after=released)
     try:
-        kv.ensure(tpc - tpc // 8, 1)  # near the end of chunk 0: chunk 1 is committed ahead
-        assert proxy.committed.wait(30)
+        kv.release(1)
+        released.set()
+        assert held.inside.wait(30)
         got = kv.share_prefix(0, 1, n)
     finally:
-        proxy.gate.set()
+        released.set()
+        held.go.set()
         assert kv._ahead.wait_idle()
-        kv.arena._handle = core
     assert got["mapped_bytes"] == 2 * 2 * LAYERS * vm.chunk  # chunks 0 and 1 of K and V
     np.testing.assert_array_equal(_seq_tokens(kv, 1)[:, :, :n], data)
     kv.check()
