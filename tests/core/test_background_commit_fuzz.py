@@ -1,7 +1,8 @@
 """Random KV arena calls racing its background commits (commit ahead, prefetch), on the host
 backend: after every call each sequence's ensured tokens lie in chunks backed in every
 layer buffer, writes to ensured tokens land, reads in flight across releases are not
-clamped, and releasing everything gives every byte back.
+clamped, a zero-filling arena's newly backed chunks read zeros, and releasing everything
+gives every byte back.
 
 The background commits are slowed at random (0-5 ms before each core call), so releases,
 shares, offloads, sleeps and shrinks overtake them at different points. The invariants
@@ -23,7 +24,7 @@ import numpy as np
 import pytest
 
 import jax_vmm
-from conftest import chunk_states
+from conftest import chunk_states, raw_bytes
 
 H, D, SEQS, CHUNKS = 2, 64, 3, 4
 CHUNK = 32768
@@ -39,7 +40,8 @@ class _Fuzz:
         self.kv = jax_vmm.kv_arena(
             num_layers=2, num_kv_heads=H, head_dim=D, max_tokens=MAX_TOKENS, max_seqs=SEQS,
             dtype=jnp.float32, device=jax.devices("cpu")[0], chunk_bytes=CHUNK,
-            commit_ahead_tokens=TPC // 4, handle_bytes=CHUNK * self.rng.choice([1, 2]),
+            commit_ahead_tokens=TPC // 4, handle_bytes=CHUNK * self.rng.choice([1, 2, 4]),
+            zero_fill=self.rng.random() < 0.5,
         )  # fmt: skip
         self._slow_background_commits()
         self.write = jax.jit(lambda c, t, s: c.replace(0, jax_vmm.kv_write(c[0], t, t, s)))
@@ -82,7 +84,10 @@ class _Fuzz:
         away = kv.asleep or q in kv._offloaded
         n = rng.randrange(1, MAX_TOKENS + 1)
         if op == "ensure" and not away:
-            kv.ensure(n, q)
+            if kv.arena.zero_fill and rng.random() < 0.25:
+                self.ensure_reads_zeros(n, q)
+            else:
+                kv.ensure(n, q)
         elif op == "read" and not kv.asleep:
             lengths = jnp.asarray(np.array(self.limits(), np.int32))
             self.reads = [*self.reads[-3:], self.read(kv.cache(), self.query, lengths)]
@@ -93,6 +98,8 @@ class _Fuzz:
             op = f"write at {pos}"
         elif op == "release" and not kv.asleep:
             kv.release(q)
+        elif op == "keep" and kv.arena.zero_fill:
+            pass  # refused: kept bytes would not read zeros
         elif op in ("keep", "reuse") and not kv.asleep and not kv._floors[q]:
             kv.release(q, **({"keep_tokens": n - 1 or 1} if op == "keep" else {"reuse": True}))
         elif op == "prefetch" and not away:
@@ -114,6 +121,24 @@ class _Fuzz:
         elif op == "shrink" and not (kv.asleep or kv._floors.any() or kv._offloaded):
             kv.shrink(rng.randrange(0, MAX_TOKENS))
         return f"{op}({q}, n={n})"
+
+    def ensure_reads_zeros(self, n: int, q: int) -> None:
+        """ensure(n, q) with the background commits and writes settled around it: every
+        chunk it backed anew reads zeros (a zero-filling arena's contract)."""
+        kv = self.kv
+        assert kv._ahead.wait_idle()
+        jax.block_until_ready(self.writes)
+        before = [chunk_states(b) for b in kv.buffers]
+        kv.ensure(n, q)
+        assert kv._ahead.wait_idle()
+        kv.reclaim()  # raw_bytes reads the buffers behind the arena's back
+        for b, was in zip(kv.buffers, before):
+            raw = raw_bytes(b)
+            for c, (old, now) in enumerate(zip(was, chunk_states(b))):
+                assert old or not now or not raw[c * CHUNK : (c + 1) * CHUNK].any(), (
+                    f"ensure({n}, {q}): chunk {c} of buffer {b.name}, backed anew, holds "
+                    "nonzero bytes"
+                )
 
     def check_backed(self, after: str) -> None:
         """Every ensured token's chunk is backed in every layer buffer."""
