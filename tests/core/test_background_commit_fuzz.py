@@ -31,7 +31,7 @@ CHUNK = 32768
 TPC = CHUNK // (H * D * 4)  # float32 tokens per chunk
 MAX_TOKENS = CHUNKS * TPC
 LOWERING = ("release", "keep", "reuse", "share", "offload", "sleep", "shrink")
-OPS = ("ensure",) * 3 + ("read", "write") * 2 + LOWERING + ("prefetch", "wait")
+OPS = ("ensure",) * 3 + ("ensure_all", "read", "write") * 2 + LOWERING + ("prefetch", "wait")
 
 
 class _Fuzz:
@@ -88,6 +88,8 @@ class _Fuzz:
                 self.ensure_reads_zeros(n, q)
             else:
                 kv.ensure(n, q)
+        elif op == "ensure_all" and not (kv.asleep or kv._offloaded):
+            kv.ensure_all([max(t, rng.randrange(MAX_TOKENS + 1)) for t in self.limits()])
         elif op == "read" and not kv.asleep:
             lengths = jnp.asarray(np.array(self.limits(), np.int32))
             self.reads = [*self.reads[-3:], self.read(kv.cache(), self.query, lengths)]
