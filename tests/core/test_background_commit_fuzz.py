@@ -36,7 +36,8 @@ OPS = ("ensure",) * 3 + ("ensure_all", "read", "write") * 2 + LOWERING + ("prefe
 
 class _Fuzz:
     def __init__(self, seed: int):
-        self.rng = random.Random(seed)
+        self.rng = random.Random(seed)  # the calls: the same sequence on every run
+        self.delays = random.Random(seed + 1)  # drawn on the worker thread, at its own times
         self.kv = jax_vmm.kv_arena(
             num_layers=2, num_kv_heads=H, head_dim=D, max_tokens=MAX_TOKENS, max_seqs=SEQS,
             dtype=jnp.float32, device=jax.devices("cpu")[0], chunk_bytes=CHUNK,
@@ -52,7 +53,7 @@ class _Fuzz:
         self.reads: list = []
 
     def _slow_background_commits(self) -> None:
-        kv, rng = self.kv, self.rng
+        kv, delays = self.kv, self.delays
         core, commit = kv.arena._handle, kv._commit_ahead
 
         class Slow:
@@ -60,7 +61,7 @@ class _Fuzz:
                 return getattr(core, name)
 
             def commit_ahead(self, ranges):
-                time.sleep(rng.choice([0, 0, 0.001, 0.005]))
+                time.sleep(delays.choice([0, 0, 0.001, 0.005]))
                 return core.commit_ahead(ranges)
 
         def slowed(q, tokens, epoch):
