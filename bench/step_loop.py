@@ -93,7 +93,10 @@ def best_of(steps: dict, caches: dict, args: dict, calls: int, repeats: int) -> 
     return best
 
 
-def run_point(num_layers: int, batch: int, kind: str, args: argparse.Namespace) -> dict:
+def setup_point(num_layers: int, batch: int, kind: str, args: argparse.Namespace):
+    """One point's two caches and arguments: (kv, prealloc cache, views, step arguments
+    after the cache and views). The arena's sequences are ensured whole; the tokens
+    written and read are the same on both sides."""
     heads, dim, tokens = args.kv_heads, args.head_dim, args.max_tokens
     dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
     kv = jax_vmm.kv_arena(
@@ -119,6 +122,11 @@ def run_point(num_layers: int, batch: int, kind: str, args: argparse.Namespace) 
     lengths = jnp.full((batch,), tokens // 2 + 1, jnp.int32)
     step_args = (q, new, new, seq, pos, lengths)
     views = tuple((kv.k[l], kv.v[l]) for l in range(num_layers)) if kind == "views+write" else ()
+    return kv, prealloc, views, step_args
+
+
+def run_point(num_layers: int, batch: int, kind: str, args: argparse.Namespace) -> dict:
+    kv, prealloc, views, step_args = setup_point(num_layers, batch, kind, args)
     step = make_step(num_layers, kind)
     arena_cache = kv.cache()
     effects = jax.make_jaxpr(step)(arena_cache, views, *step_args).effects

@@ -23,10 +23,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 
-import jax_vmm  # noqa: E402
 import step_loop  # noqa: E402
 from jax_vmm import _core  # noqa: E402
 
@@ -54,26 +51,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--step", choices=step_loop.STEPS[:2], default="write+attention")
     p.add_argument("--calls", type=int, default=300)
     args = p.parse_args(argv)
-    heads, dim, tokens, dtype = 2, 64, 256, jnp.bfloat16  # bench/step_loop.py's defaults
-    kv = jax_vmm.kv_arena(
-        num_layers=args.layers, num_kv_heads=heads, head_dim=dim, max_tokens=tokens,
-        max_seqs=args.batch, dtype=dtype,
-    )  # fmt: skip
-    for s in range(args.batch):
-        kv.ensure(tokens, s)
-    shape = (args.batch, tokens, heads, dim)
-    zeros = [jnp.zeros(shape, dtype) for _ in range(2 * args.layers)]
-    prealloc = jax_vmm.KVCache.from_arrays(zeros[: args.layers], zeros[args.layers :])
-    q = jnp.asarray(np.random.default_rng(0).standard_normal((args.batch, heads, dim)), dtype)
-    step_args = (
-        (),
-        q,
-        q,
-        q,
-        jnp.arange(args.batch, dtype=jnp.int32),
-        jnp.full((args.batch,), tokens // 2, jnp.int32),
-        jnp.full((args.batch,), tokens // 2 + 1, jnp.int32),
-    )
+    point = argparse.Namespace(kv_heads=2, head_dim=64, max_tokens=256)  # the bench's defaults
+    kv, prealloc, _, step_args = step_loop.setup_point(args.layers, args.batch, args.step, point)
+    step_args = ((), *step_args)  # no views: neither step reads them
     print(f"{args.step}, {args.layers} layers, batch {args.batch}, {args.calls} calls")
     for name, cache in (("arena", kv.cache()), ("prealloc", prealloc)):
         step = step_loop.make_step(args.layers, args.step)
