@@ -35,6 +35,24 @@ def _requests(cfg: M.ModelConfig) -> list[E.Request]:
     ]
 
 
+def _conversations(cfg: M.ModelConfig) -> list[E.Request]:
+    """Two conversations of two and three turns plus a single request (30, which takes
+    a slot another request finished in): each turn's prompt and length from _requests."""
+    base = _requests(cfg)
+
+    def turn(i: int, follows: int | None, src: int) -> E.Request:
+        return E.Request(i, base[src].prompt, base[src].max_new_tokens, follows)
+
+    return [
+        turn(10, None, 0),
+        turn(20, None, 1),
+        turn(11, 10, 2),  # 23 new tokens after 3 + 6
+        E.Request(30, base[3].prompt, 4),
+        turn(21, 20, 4),
+        turn(12, 11, 1),
+    ]
+
+
 def _serve(backend: str, cfg: M.ModelConfig, reqs: list[E.Request], device, **kw) -> E.RunReport:
     """Two slots, blocks of 4, the jax_vmm kernel on either backend, float32 matmuls at
     full precision (no TF32 on a GPU)."""
@@ -127,16 +145,7 @@ def test_next_turn_continues_on_its_cache(backend, name, device) -> None:
     recomputed without a cache over the whole conversation generates; a next turn alone
     (without its history) generates something else."""
     cfg = CONFIGS[name]
-    base = _requests(cfg)
-    turn = lambda i, follows, src: E.Request(i, base[src].prompt, base[src].max_new_tokens, follows)  # noqa: E731
-    reqs = [
-        turn(10, None, 0),
-        turn(20, None, 1),
-        turn(11, 10, 2),  # 23 new tokens after 3 + 6
-        E.Request(30, base[3].prompt, 4),
-        turn(21, 20, 4),
-        turn(12, 11, 1),
-    ]
+    reqs = _conversations(cfg)
     for chunk in (None, 5):
         report = _serve(backend, cfg, reqs, device, prefill_chunk=chunk)
         got = {r.id: r for r in report.results}
@@ -201,16 +210,7 @@ def test_an_admission_that_overtakes_a_commit_ahead_keeps_the_prompts_memory(
     OutOfBoundsWrite, 56 writes dropped) and every request generates what it generates
     without the staged race."""
     cfg = CONFIGS["llama"]
-    base = _requests(cfg)
-    turn = lambda i, follows, src: E.Request(i, base[src].prompt, base[src].max_new_tokens, follows)  # noqa: E731
-    reqs = [
-        turn(10, None, 0),
-        turn(20, None, 1),
-        turn(11, 10, 2),
-        E.Request(30, base[3].prompt, 4),
-        turn(21, 20, 4),
-        turn(12, 11, 1),
-    ]
+    reqs = _conversations(cfg)
     plain = _serve("jax_vmm", cfg, reqs, cpu_device, prefill_chunk=5)
     stage = _CommitInFlightAtAdmission(seq=1)
     stage.install(monkeypatch)
