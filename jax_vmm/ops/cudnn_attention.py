@@ -121,7 +121,8 @@ def cudnn_info() -> dict:
 
 def cudnn_attention_stats() -> dict:
     """Counters of the handlers and the graph cache (graphs built, build failures, calls,
-    captured calls); empty without the backend."""
+    captured calls, the initialize stages' host time ``initialize_ns``); empty without the
+    backend."""
     return dict(_core.cudnn_attention_stats()) if cudnn_built() else {}
 
 

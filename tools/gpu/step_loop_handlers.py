@@ -8,7 +8,8 @@ new buffers at every call; its FFI calls are replayed from XLA's trace cache whe
 own operands did not move (the execute stage does not run), while the initialize stage
 runs at every call. The counters below (jax_vmm._core's handler statistics, differences
 over the timed calls, per call) show which: e.g. ``cudnn.initialize_calls=32.00`` and no
-``execute_calls`` means 32 initialize stages and no execute per call.
+``execute_calls`` means 32 initialize stages and no execute per call; the cuDNN handlers
+also report their initialize stages' host time (``initialize_ns``).
 """
 
 from __future__ import annotations
@@ -70,6 +71,12 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{name:>9}: {us:7.1f} us/call; per call: " + ", ".join(
             f"{k}={v:.2f}" for k, v in sorted(moved.items())
         ))  # fmt: skip
+        if moved.get("cudnn.initialize_calls"):
+            stage_us = moved["cudnn.initialize_ns"] / moved["cudnn.initialize_calls"] / 1e3
+            print(
+                f"{'':>9}  cuDNN initialize stages: {moved['cudnn.initialize_ns'] / 1e3:.1f} us "
+                f"per call, {stage_us:.2f} us each"
+            )
     kv.check()
     kv.close()
 

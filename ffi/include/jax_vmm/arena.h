@@ -612,7 +612,8 @@ bool FindArenaBuffer(uintptr_t ptr, size_t bytes, BufferRef* out, bool pin_metad
 
 // Registry: the buffer with this uid. kFound: an open arena's buffer (*out filled, and
 // pin_metadata as above); kClosed: its arena was closed (*out and *name filled); kGone:
-// no live arena holds it (destroyed arena, freed buffer, or a uid never handed out).
+// no live arena holds it (destroyed arena, freed buffer, or a uid never handed out). `name`
+// may be null.
 UidLookup FindArenaBufferByUid(uint64_t buffer_uid, BufferRef* out, std::string* name,
                                bool pin_metadata = false);
 

@@ -586,7 +586,7 @@ bool Arena::FindBufferByUidLocked(uint64_t buffer_uid, BufferRef* out, std::stri
   for (const auto& [id, p] : buffers_) {
     if (p.info.uid == buffer_uid) {
       FillRef(p, out);
-      *name = p.info.name;
+      if (name != nullptr) *name = p.info.name;
       *closed = closed_;
       return true;
     }

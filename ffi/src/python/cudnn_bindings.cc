@@ -85,6 +85,7 @@ void BindCudnn(nb::module_& m) {
         d["executions"] = s.executions;
         d["execute_failures"] = s.execute_failures;
         d["initialize_calls"] = h.initialize_calls;
+        d["initialize_ns"] = h.initialize_ns;
         d["execute_calls"] = h.execute_calls;
         d["captured_calls"] = h.captured_calls;
         return d;

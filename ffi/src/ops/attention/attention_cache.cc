@@ -20,22 +20,23 @@ namespace {
 std::string ResolveLayer(const char* op, const char* driver_kind, int device, uint64_t cache_uid,
                          int64_t layer, const ffi::Buffer<ffi::S32>& lengths,
                          const ffi::Buffer<ffi::S32>& read_lengths, CacheAttention* out) {
-  const bool cuda = std::string(driver_kind) == "cuda";
+  const bool cuda = std::strcmp(driver_kind, "cuda") == 0;
   if (std::string err =
           kvcache::ResolveCacheLayer(op, driver_kind, device, cache_uid, layer, cuda, &out->layer);
       !err.empty()) {
     return err;
   }
   const kvcache::Geometry& g = out->layer.cache->geometry();
-  const std::string who = std::string(op) + ": ";
+  // Built on failure only: every step's initialize stage comes through here.
+  const auto who = [op] { return std::string(op) + ": "; };
   if (!g.per_sequence) {
-    return who +
+    return who() +
            "attention needs a KV arena with one buffer row per sequence "
            "(kv_arena(..., max_seqs=batch))";
   }
   for (auto d : {lengths.dimensions(), read_lengths.dimensions()}) {
     if (d.size() != 1 || d[0] != g.max_seqs) {
-      return who + "lengths must be (" + std::to_string(g.max_seqs) + ",), got " +
+      return who() + "lengths must be (" + std::to_string(g.max_seqs) + ",), got " +
              ShapeString(d.begin(), d.size());
     }
   }

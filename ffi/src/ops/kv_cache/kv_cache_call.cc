@@ -19,21 +19,22 @@ std::string Describe(uint64_t cache_uid) { return "KV cache " + std::to_string(c
 std::string CheckBuffer(const char* op, const CacheLayer& c, char side, uint64_t uid,
                         uintptr_t address, bool pin) {
   BufferRef ref;
-  std::string name;
-  const std::string pre = std::string(op) + ": " + Describe(c.cache->uid()) + " layer " +
-                          std::to_string(c.layer) + " " + side + " buffer (uid " +
-                          std::to_string(uid) + ") ";
-  switch (FindArenaBufferByUid(uid, &ref, &name, pin)) {
+  // Built on failure only: every step's initialize stage comes through here.
+  const auto pre = [&] {
+    return std::string(op) + ": " + Describe(c.cache->uid()) + " layer " +
+           std::to_string(c.layer) + " " + side + " buffer (uid " + std::to_string(uid) + ") ";
+  };
+  switch (FindArenaBufferByUid(uid, &ref, /*name=*/nullptr, pin)) {
     case UidLookup::kClosed:
-      return pre + "belongs to an arena that was closed" + kRemedy;
+      return pre() + "belongs to an arena that was closed" + kRemedy;
     case UidLookup::kGone:
-      return pre + "no longer exists" + kRemedy;
+      return pre() + "no longer exists" + kRemedy;
     case UidLookup::kFound:
       break;
   }
   if (ref.buffer_base != address || ref.buffer_bytes < c.cache->geometry().buffer_bytes()) {
-    return pre + "is not where the cache placed it (" + Hex(ref.buffer_base) + ", expected " +
-           Hex(address) + "): the arena was changed behind the KV cache";
+    return pre() + "is not where the cache placed it (" + Hex(ref.buffer_base) +
+           ", expected " + Hex(address) + "): the arena was changed behind the KV cache";
   }
   return "";
 }
@@ -42,15 +43,15 @@ std::string CheckBuffer(const char* op, const CacheLayer& c, char side, uint64_t
 
 std::string ResolveCacheLayer(const char* op, const char* driver_kind, int device_ordinal,
                               uint64_t cache_uid, int64_t layer, bool pin, CacheLayer* out) {
-  const std::string pre = std::string(op) + ": " + Describe(cache_uid);
+  const auto pre = [&] { return std::string(op) + ": " + Describe(cache_uid); };
   std::shared_ptr<KvCache> cache;
   switch (FindKvCache(cache_uid, device_ordinal, &cache)) {
     case CacheLookup::kGone:
-      return pre + " no longer exists (its KV arena was closed and collected)" + kRemedy;
+      return pre() + " no longer exists (its KV arena was closed and collected)" + kRemedy;
     case CacheLookup::kClosed:
-      return pre + " was closed (kv.close())" + kRemedy;
+      return pre() + " was closed (kv.close())" + kRemedy;
     case CacheLookup::kOtherDevice:
-      return pre + " lives on " + cache->driver_kind() + " device " +
+      return pre() + " lives on " + cache->driver_kind() + " device " +
              std::to_string(cache->device_ordinal()) + ", but the call runs on device " +
              std::to_string(device_ordinal) +
              ": run the step on the KV arena's device (its inputs there, e.g. "
@@ -59,12 +60,12 @@ std::string ResolveCacheLayer(const char* op, const char* driver_kind, int devic
       break;
   }
   if (std::strcmp(cache->driver_kind(), driver_kind) != 0) {
-    return pre + " is memory of a " + cache->driver_kind() + " arena, but the call runs on " +
+    return pre() + " is memory of a " + cache->driver_kind() + " arena, but the call runs on " +
            driver_kind + ": run the step on the KV arena's device";
   }
   const Geometry& g = cache->geometry();
   if (layer < 0 || layer >= g.num_layers) {
-    return pre + " has " + std::to_string(g.num_layers) + " layers; the call names layer " +
+    return pre() + " has " + std::to_string(g.num_layers) + " layers; the call names layer " +
            std::to_string(layer);
   }
   out->cache = cache;

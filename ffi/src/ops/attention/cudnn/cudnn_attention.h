@@ -35,8 +35,23 @@ xla::ffi::Error Execute(cudaStream_t stream, int32_t device, const xla::ffi::Any
                         const xla::ffi::Buffer<xla::ffi::S32>& q_lengths, xla::ffi::AnyBuffer out,
                         float scale, float softcap, int64_t window, int64_t zero_rows);
 
+// Counts one initialize stage and its host time (the whole handler, the cache form's layer
+// resolution included): XLA runs that stage at every execution of a step.
+class InitializeTimer {
+ public:
+  InitializeTimer();
+  ~InitializeTimer();
+  InitializeTimer(const InitializeTimer&) = delete;
+  InitializeTimer& operator=(const InitializeTimer&) = delete;
+
+ private:
+  static int64_t NowNs();
+  int64_t start_ns_;
+};
+
 struct HandlerStats {
   int64_t initialize_calls = 0;
+  int64_t initialize_ns = 0;  // host time of those stages
   int64_t execute_calls = 0;
   int64_t captured_calls = 0;  // execute calls on a capturing stream
 };

@@ -65,6 +65,7 @@ ffi::Error InitializeImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q,
                           int64_t window, int64_t zero_rows) {
   (void)token;
   (void)zero_rows;
+  InitializeTimer timer;
   Layer call;
   if (ffi::Error err = Resolve(device, cache_uid, layer, q, &call); err.failure()) return err;
   return Initialize(stream, device, q, ffi::AnyBuffer(&call.k), ffi::AnyBuffer(&call.v),

@@ -9,7 +9,9 @@
 // the rows cuDNN leaves unwritten).
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <string>
 #include <utility>
@@ -27,7 +29,7 @@ namespace {
 
 constexpr const char* kName = "jax_vmm_cudnn_attention (CUDA)";
 
-std::atomic<int64_t> g_initialize{0}, g_execute{0}, g_captured{0};
+std::atomic<int64_t> g_initialize{0}, g_initialize_ns{0}, g_execute{0}, g_captured{0};
 
 ffi::Error Invalid(const std::string& what) {
   return ffi::Error::InvalidArgument(std::string(kName) + ": " + what);
@@ -41,6 +43,13 @@ std::string Dims(const ffi::AnyBuffer& b) {
   return s + ")";
 }
 
+// Compares without building strings: XLA runs the initialize stage at every execution of
+// a step, so its success path stays free of allocations.
+bool SameDims(const ffi::AnyBuffer& a, const ffi::AnyBuffer& b) {
+  const auto ad = a.dimensions(), bd = b.dimensions();
+  return ad.size() == bd.size() && std::equal(ad.begin(), ad.end(), bd.begin());
+}
+
 // Validates the operands (the Python wrapper checks the same, with friendlier messages)
 // and fills the graph key.
 ffi::Error Check(int32_t device, const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
@@ -52,8 +61,8 @@ ffi::Error Check(int32_t device, const ffi::AnyBuffer& q, const ffi::AnyBuffer& 
                    ", k " + Dims(k));
   }
   const auto qd = q.dimensions(), kd = k.dimensions();
-  if (Dims(k) != Dims(v)) return Invalid("k " + Dims(k) + " and v " + Dims(v) + " differ");
-  if (Dims(out) != Dims(q)) return Invalid("out " + Dims(out) + " must have q's shape " + Dims(q));
+  if (!SameDims(k, v)) return Invalid("k " + Dims(k) + " and v " + Dims(v) + " differ");
+  if (!SameDims(out, q)) return Invalid("out " + Dims(out) + " must have q's shape " + Dims(q));
   const ffi::DataType t = q.element_type();
   if ((t != ffi::DataType::BF16 && t != ffi::DataType::F16) || k.element_type() != t ||
       v.element_type() != t || out.element_type() != t) {
@@ -97,11 +106,23 @@ bool Capturing(cudaStream_t stream) {
 
 }  // namespace
 
+InitializeTimer::InitializeTimer() : start_ns_(NowNs()) {}
+
+InitializeTimer::~InitializeTimer() {
+  g_initialize.fetch_add(1, std::memory_order_relaxed);
+  g_initialize_ns.fetch_add(NowNs() - start_ns_, std::memory_order_relaxed);
+}
+
+int64_t InitializeTimer::NowNs() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
 ffi::Error Initialize(cudaStream_t stream, int32_t device, const ffi::AnyBuffer& q,
                       const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
                       const ffi::Buffer<ffi::S32>& lengths, const ffi::Buffer<ffi::S32>& q_lengths,
                       const ffi::AnyBuffer& out, float scale, float softcap, int64_t window) {
-  g_initialize.fetch_add(1, std::memory_order_relaxed);
   SdpaKey key;
   if (ffi::Error err =
           Check(device, q, k, v, lengths, q_lengths, out, scale, softcap, window, &key);
@@ -110,14 +131,15 @@ ffi::Error Initialize(cudaStream_t stream, int32_t device, const ffi::AnyBuffer&
   }
   if (key.batch == 0 || key.q_tokens == 0) return ffi::Error::Success();
   // XLA initializes thunks before it records command buffers: build here, never under
-  // capture, and grow the scratch the graph's workspace will come from.
-  const SdpaGraph* graph = nullptr;
-  if (std::string err = GetGraph(key, !Capturing(stream), &graph); !err.empty()) {
-    return ffi::Error::Internal(std::string(kName) + ": " + err);
-  }
+  // capture, and grow the scratch the graph's workspace will come from. The capture query
+  // is a driver call, made only when the graph is not built yet.
+  std::string err;
+  const SdpaGraph* graph = FindGraph(key, &err);
+  if (graph == nullptr && err.empty()) err = GetGraph(key, !Capturing(stream), &graph);
+  if (!err.empty()) return ffi::Error::Internal(std::string(kName) + ": " + err);
   const int64_t ws = WorkspaceBytes(*graph);
   if (ws > 0) {
-    if (std::string err = scratch::Reserve(device, stream, static_cast<size_t>(ws)); !err.empty()) {
+    if (err = scratch::Reserve(device, stream, static_cast<size_t>(ws)); !err.empty()) {
       return ffi::Error::Internal(std::string(kName) + ": growing the graph-safe scratch: " + err);
     }
   }
@@ -181,6 +203,7 @@ ffi::Error InitializeImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q,
                           ffi::Buffer<ffi::S32> q_lengths, ffi::Result<ffi::AnyBuffer> out,
                           float scale, float softcap, int64_t window, int64_t zero_rows) {
   (void)zero_rows;
+  InitializeTimer timer;
   return Initialize(stream, device, q, k, v, lengths, q_lengths, *out, scale, softcap, window);
 }
 
@@ -200,6 +223,7 @@ ffi::Error InitializeIntoImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffe
                               int64_t window, int64_t zero_rows) {
   (void)out_in;
   (void)zero_rows;
+  InitializeTimer timer;
   return Initialize(stream, device, q, k, v, lengths, q_lengths, *out, scale, softcap, window);
 }
 
@@ -239,6 +263,7 @@ auto BindAttrs(B&& b) {
 HandlerStats GetHandlerStats() {
   HandlerStats s;
   s.initialize_calls = g_initialize.load();
+  s.initialize_ns = g_initialize_ns.load();
   s.execute_calls = g_execute.load();
   s.captured_calls = g_captured.load();
   return s;

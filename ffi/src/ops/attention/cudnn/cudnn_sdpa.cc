@@ -254,6 +254,18 @@ std::string Build(const SdpaKey& key, cudnnHandle_t handle, SdpaGraph* out) {
 
 }  // namespace
 
+const SdpaGraph* FindGraph(const SdpaKey& key, std::string* error) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  auto it = g_graphs.find(key);
+  if (it == g_graphs.end()) return nullptr;
+  g_hits.fetch_add(1, std::memory_order_relaxed);
+  if (!it->second->error.empty()) {
+    *error = it->second->error;
+    return nullptr;
+  }
+  return it->second.get();
+}
+
 std::string GetGraph(const SdpaKey& key, bool may_build, const SdpaGraph** graph) {
   {
     std::lock_guard<std::mutex> lock(g_mu);

@@ -59,6 +59,10 @@ struct SdpaPointers {
 // graph cuDNN does not support fails fast on every later call.
 std::string GetGraph(const SdpaKey& key, bool may_build, const SdpaGraph** graph);
 
+// The cached graph of `key`, or null when none was tried yet (never builds). A cached
+// failure returns null with its reason in *error.
+const SdpaGraph* FindGraph(const SdpaKey& key, std::string* error);
+
 // Bytes of workspace `graph` needs at Execute().
 int64_t WorkspaceBytes(const SdpaGraph& graph);
 
