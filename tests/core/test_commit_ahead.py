@@ -88,31 +88,23 @@ def test_views_that_stand_for_jax_vmm_ops_do_not_stop_it(vm):
     del u
 
 
-class _ReleaseFirst:
-    """Stands in for the core arena: releases the sequence just before the background
-    commit reaches the core (the race this test needs, made deterministic)."""
-
-    def __init__(self, core, kv, seq, **release_kw):
-        self._core, self._kv, self._seq, self._release_kw = core, kv, seq, release_kw
-
-    def __getattr__(self, name):
-        return getattr(self._core, name)
-
-    def commit_ahead(self, ranges):
-        self._kv.release(self._seq, **self._release_kw)
-        return self._core.commit_ahead(ranges)
+def _release_before_the_core_call(kv, start, seq: int, **release_kw) -> None:
+    """Releases ``seq`` (``release_kw``) after ``start`` made the worker begin a background
+    commit and before that commit's core call (the race these tests need, made
+    deterministic), then waits for the worker."""
+    released = threading.Event()
+    held = hold_commit_ahead(kv, start, 0.0, after=released)
+    kv.release(seq, **release_kw)
+    released.set()
+    held.go.set()
+    assert kv._ahead.wait_idle()
 
 
 def test_a_sequence_released_while_its_commit_is_on_the_way_keeps_nothing(vm):
     kv, tpc = _kv(vm)
     kv.ensure(tpc // 2, seq=0)
-    core = kv.arena._handle
-    kv.arena._handle = _ReleaseFirst(core, kv, 0)
-    try:
-        kv.ensure(tpc, seq=0)  # schedules the next chunk; the release overtakes it
-        assert kv._ahead.wait_idle()
-    finally:
-        kv.arena._handle = core
+    # ensure(tpc) schedules the next chunk; the release overtakes it.
+    _release_before_the_core_call(kv, lambda: kv.ensure(tpc, seq=0), 0)
     assert kv.arena.stats()["commits_ahead"] == 1  # it did commit ...
     assert seq_chunk_states(kv, 0) == (False,) * 4  # ... and gave it back
     vm.assert_backed(kv.arena, [])
@@ -126,13 +118,10 @@ def test_a_slot_released_with_keep_tokens_while_its_commit_is_on_the_way_keeps_t
     kv.ensure(tpc - tpc // 8, seq=0)  # near the end of chunk 0: chunk 1 is committed ahead
     assert kv._ahead.wait_idle()
     kv.release(0)
-    core = kv.arena._handle
-    kv.arena._handle = _ReleaseFirst(core, kv, 0, keep_tokens=tpc // 2)
-    try:
-        kv.ensure(tpc - tpc // 8, seq=0)
-        assert kv.wait_prefetch(0, timeout=30)
-    finally:
-        kv.arena._handle = core
+    _release_before_the_core_call(
+        kv, lambda: kv.ensure(tpc - tpc // 8, seq=0), 0, keep_tokens=tpc // 2
+    )
+    assert kv.wait_prefetch(0, timeout=30)
     assert seq_chunk_states(kv, 0) == (True, False, False, False)
     calls = kv.arena.stats()["commit_calls"]
     assert kv.ensure(tpc // 2, seq=0) == 0 and kv.arena.stats()["commit_calls"] == calls
