@@ -418,6 +418,36 @@ def test_refusals_change_nothing(vm):
         kv.share_prefix(0, 1)  # the forgotten argument
 
 
+def test_a_share_the_budget_refuses_leaves_the_source_as_it_was(vm):
+    """A share that mapped src's whole chunks at dst, then found no room in the budget for
+    dst's own partial chunk, changes nothing: src offloads, sleeps and wakes with its
+    tokens, and shares again. (The core kept src marked shared after such a refusal, and
+    refused its offload and sleep: "memory mapped at several addresses".)"""
+    tpc = vm.chunk // (H * D * 4)
+    held = 4 * 2 * LAYERS * vm.chunk  # src's 4 chunks in every buffer: the whole budget
+    budget = jax_vmm.MemoryBudget(held, vm.device)
+    kv, _ = _kv(vm, budget=budget)
+    n = 3 * tpc + tpc // 4
+    data = _tokens(kv, n, seed=3)
+    kv.ensure(n, 0)
+    _write(kv, 0, 0, data)
+    before = _state(kv)
+    with pytest.raises(jax_vmm.OutOfMemoryError, match="budget"):
+        kv.share_prefix(0, 1, 2 * tpc + tpc // 2)  # maps 2 chunks, then needs a third
+    assert _state(kv) == before
+    assert budget.stats()["used_bytes"] == held
+    kv.offload(0)
+    kv.restore(0).wait()
+    kv.sleep()
+    kv.wake()
+    np.testing.assert_array_equal(_seq_tokens(kv, 0)[:, :, :n], data)
+    assert kv.share_prefix(0, 1, 3 * tpc)["mapped_bytes"] == 3 * 2 * LAYERS * vm.chunk
+    np.testing.assert_array_equal(_seq_tokens(kv, 1)[:, :, : 3 * tpc], data[:, :, : 3 * tpc])
+    kv.release(1, wait=True)
+    kv.release(0, wait=True)
+    assert budget.stats()["used_bytes"] == 0
+
+
 def test_sequences_at_different_chunk_offsets_are_refused(vm):
     tpc = vm.chunk // (H * D * 4)
     kv, _ = _kv(vm, chunks_per_seq=1, max_tokens=tpc + tpc // 2)  # 1.5 chunks per sequence

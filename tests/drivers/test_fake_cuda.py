@@ -839,6 +839,31 @@ def test_a_whole_allocation_is_mapped_at_a_second_address_and_freed_with_the_las
     assert fake.zero_handles() == zero, "the shared allocation was released at the last unmap"
 
 
+def test_the_source_holds_its_allocation_alone_once_the_alias_is_reclaimed(fake):
+    """After the second address is released and reclaimed (a share undone, or a sharer
+    released first), the source is ordinary memory again: a chunk it releases is taken
+    back by the next commit (no new allocation), and it sleeps and wakes with its bytes.
+    Marked shared for good, it refused both ("released by part", "several addresses")."""
+    a = fake.arena(32 * G, handle_bytes=4 * G, zero_fill=False)
+    zero = fake.zero_handles()
+    a.allocate(a.reserved_bytes, "all")
+    a.commit(0, 0, 4 * G)  # one allocation of 4 chunks
+    data = np.random.default_rng(5).integers(1, 256, 4 * G, dtype=np.uint8)
+    write(a, 0, data)
+    assert a.share_spans([(0, 0, 0, 16 * G, 4 * G)]) == (4 * G, [])
+    a.decommit(0, 16 * G, 20 * G, True)  # the alias, unmapped and gone
+    s = a.stats()
+    assert (s["held_bytes"], s["alias_bytes"], s["shared_bytes"]) == (4 * G, 0, 0)
+    (src,) = fake.real_mappings(a, zero)
+    a.decommit(0, 3 * G, 4 * G, False)
+    a.commit(0, 3 * G, 4 * G)
+    assert a.stats()["chunks_revived"] == s["chunks_revived"] + 1
+    assert fake.real_mappings(a, zero) == [src]
+    a.sleep(True)
+    a.wake()
+    assert (fake.contents(a)[: 3 * G] == data[: 3 * G]).all()
+
+
 def test_part_of_an_allocation_is_left_to_the_caller_on_cuda(fake):
     a = fake.arena(32 * G, handle_bytes=4 * G, zero_fill=False)
     zero = fake.zero_handles()

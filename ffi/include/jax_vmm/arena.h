@@ -481,6 +481,10 @@ class Arena : public std::enable_shared_from_this<Arena> {
   size_t ReclaimNow(const std::vector<Mapping*>& batch);  // unmap + release, on this thread
   void UnmapGroups(std::vector<Mapping*> batch);          // driver calls only
   std::vector<std::unique_ptr<Mapping>> DetachMappings(const std::vector<Mapping*>& batch);
+  // After a shared mapping of `physical` was detached: the one mapping of it left, when it
+  // maps the whole allocation, is no longer shared (it can sleep, move and be released by
+  // part again). Caller holds mu_.
+  void UnshareIfLast(const Physical* physical);
   void ZeroParked();
   void ReleaseAllMemory(std::unique_lock<std::mutex>& lock);  // the device must be idle
   void StartWorker();

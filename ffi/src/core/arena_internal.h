@@ -86,7 +86,8 @@ struct Arena::Mapping {
   std::shared_ptr<Physical> physical;
   PhysicalHandle handle = 0;
   size_t offset = 0;    // into the allocation (an alias of part of it)
-  bool shared = false;  // the allocation is (or was) mapped at another address too
+  bool shared = false;  // the allocation is mapped at another address too (until the
+                        // other mappings are reclaimed: Arena::UnshareIfLast)
   bool mapped = false;
   size_t live = 0;
   size_t pins = 0;

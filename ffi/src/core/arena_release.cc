@@ -234,7 +234,23 @@ std::vector<std::unique_ptr<Arena::Mapping>> Arena::DetachMappings(
     out.push_back(std::move(it->second));
     mappings_.erase(it);
   }
+  for (const std::unique_ptr<Mapping>& m : out) {
+    if (m->shared) UnshareIfLast(m->physical.get());
+  }
   return out;
+}
+
+void Arena::UnshareIfLast(const Physical* physical) {
+  // A share that failed after mapping, or a sharer released before its source, leaves
+  // the source the allocation's only address: without this it would stay marked shared
+  // for as long as it lives, and refuse sleep, offload and releases by part.
+  Mapping* last = nullptr;
+  for (const auto& [first, m] : mappings_) {
+    if (m->physical.get() != physical) continue;
+    if (last != nullptr) return;  // still mapped at two addresses
+    last = m.get();
+  }
+  if (last != nullptr && last->offset == 0 && last->bytes == physical->bytes) last->shared = false;
 }
 
 void Arena::ZeroParked() {

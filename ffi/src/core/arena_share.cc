@@ -6,7 +6,9 @@
 // allocation (Arena::Physical), so releasing any one address unmaps only that address and
 // the memory goes back to the driver with the last one. Both mappings are marked shared:
 // a released chunk of either is never taken back by a later commit (PlanChunk), since the
-// other address still holds its bytes; a new sequence gets new memory there.
+// other address still holds its bytes; a new sequence gets new memory there. Once every
+// other mapping of the allocation is reclaimed, the one left is unmarked
+// (Arena::UnshareIfLast): a share undone after a failure leaves its source as it was.
 //
 // Allocations and chunks: a commit makes allocations of up to handle_bytes, so one
 // allocation can back several chunks, and cuMemMap maps an allocation only whole. An
