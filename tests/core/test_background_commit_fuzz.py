@@ -11,6 +11,12 @@ detector it is only probabilistic: with offload's wait for the background commit
 removed it failed in 1 of 2 runs when it was written. The targeted tests in
 test_commit_ahead.py, test_share_prefix.py and the sharded scenarios stage each known
 race deterministically and fail without its fix.
+
+The budget variant runs two such arenas in one MemoryBudget smaller than both at their
+largest, so that commits, commits ahead (which then stop partway and give back what they
+backed), wakes and restores run out of memory at random points: the budget never goes
+over its cap, an ensure it refuses changes no ensured tokens, and whenever no background
+commit runs the budget counts exactly what the two arenas hold.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import pytest
 
 import jax_vmm
 from conftest import chunk_states, raw_bytes
+from jax_vmm import testing
 
 H, D, SEQS, CHUNKS = 2, 64, 3, 4
 CHUNK = 32768
@@ -35,15 +42,16 @@ OPS = ("ensure",) * 3 + ("ensure_all", "read", "write") * 2 + LOWERING + ("prefe
 
 
 class _Fuzz:
-    def __init__(self, seed: int):
+    def __init__(self, seed: int, budget: jax_vmm.MemoryBudget | None = None):
         self.rng = random.Random(seed)  # the calls: the same sequence on every run
         self.delays = random.Random(seed + 1)  # drawn on the worker thread, at its own times
         self.kv = jax_vmm.kv_arena(
             num_layers=2, num_kv_heads=H, head_dim=D, max_tokens=MAX_TOKENS, max_seqs=SEQS,
             dtype=jnp.float32, device=jax.devices("cpu")[0], chunk_bytes=CHUNK,
             commit_ahead_tokens=TPC // 4, handle_bytes=CHUNK * self.rng.choice([1, 2, 4]),
-            zero_fill=self.rng.random() < 0.5,
+            zero_fill=self.rng.random() < 0.5, budget=budget,
         )  # fmt: skip
+        self.op = ""  # the call step() is making
         self._slow_background_commits()
         self.write = jax.jit(lambda c, t, s: c.replace(0, jax_vmm.kv_write(c[0], t, t, s)))
         self.read = jax.jit(lambda c, q, n: jax_vmm.decode_attention(q, c[0], n))
@@ -84,6 +92,7 @@ class _Fuzz:
             self.writes.clear()
         away = kv.asleep or q in kv._offloaded
         n = rng.randrange(1, MAX_TOKENS + 1)
+        self.op = op
         if op == "ensure" and not away:
             if kv.arena.zero_fill and rng.random() < 0.25:
                 self.ensure_reads_zeros(n, q)
@@ -155,16 +164,23 @@ class _Fuzz:
                     f"{b.name} has chunks {states} backed"
                 )
 
+    def release_resident(self) -> None:
+        """Releases every sequence in memory (not the offloaded ones), its calls done."""
+        jax.block_until_ready((self.writes, self.reads))
+        for q in range(SEQS):
+            if q not in self.kv._offloaded:
+                self.kv.release(q)
+
     def finish(self) -> None:
         kv = self.kv
-        jax.block_until_ready((self.writes, self.reads))
         if kv.asleep:
             kv.wake()
+        # The resident sequences go first, so that a budget has room for each restore.
+        self.release_resident()
         for q in list(kv._offloaded):
             kv.restore(q).wait()
-        kv.check()  # no write to ensured tokens dropped, no read clamped
-        for q in range(SEQS):
             kv.release(q)
+        kv.check()  # no write to ensured tokens dropped, no read clamped
         assert kv._ahead.wait_idle()
         kv.arena.reclaim()
         assert kv.arena.stats()["backed_bytes"] == 0
@@ -177,3 +193,77 @@ def test_random_calls_racing_background_commits_keep_the_invariants(seed):
     for _ in range(400):
         fuzz.check_backed(fuzz.step())
     fuzz.finish()
+
+
+class _BudgetFuzz:
+    """Two arenas' random calls, interleaved, in one budget of 8-24 chunks (each arena
+    spans 48: 4 layer buffers x 3 sequences x 4 chunks)."""
+
+    def __init__(self, seed: int):
+        rng = random.Random(seed)
+        self.rng = rng
+        self.budget = jax_vmm.MemoryBudget(CHUNK * rng.randrange(8, 25), jax.devices("cpu")[0])
+        self.fuzz = [_Fuzz(1000 * seed + i, self.budget) for i in range(2)]
+        self.refusals = 0
+
+    def step(self) -> str:
+        f = self.rng.choice(self.fuzz)
+        before = f.limits()
+        try:
+            return f.step()
+        except jax_vmm.OutOfMemoryError as e:
+            self.refusals += 1
+            assert "budget" in str(e), e
+            if f.op in ("ensure", "ensure_all"):
+                assert f.limits() == before, f"a refused {f.op} changed the ensured tokens"
+            return f"{f.op} refused"
+
+    def check(self, after: str, settle: bool) -> None:
+        for f in self.fuzz:
+            f.check_backed(after)
+        used = self.budget.stats()["used_bytes"]
+        assert used <= self.budget.bytes, f"after {after}: {used} bytes over the cap"
+        if not settle:
+            return
+        for f in self.fuzz:
+            assert f.kv._ahead.wait_idle()
+        stats = self.budget.stats()
+        held = [f.kv.arena.stats()["held_bytes"] for f in self.fuzz]
+        assert stats["used_bytes"] == sum(held), (
+            f"after {after}: the budget counts {stats['used_bytes']} bytes, the arenas hold "
+            f"{held}"
+        )
+        assert sorted(a["held_bytes"] for a in stats["arenas"]) == sorted(held)
+
+    def finish(self) -> None:
+        # Every awake arena's resident sequences first: then a wake or a restore of either
+        # arena has the whole budget but what it brings back itself.
+        for f in self.fuzz:
+            if not f.kv.asleep:
+                f.release_resident()
+        for f in self.fuzz:
+            f.finish()
+        assert self.budget.stats()["used_bytes"] == 0
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_two_arenas_in_one_budget_racing_background_commits(seed):
+    fuzz = _BudgetFuzz(seed)
+    for i in range(400):
+        op = fuzz.step()
+        fuzz.check(op, settle=i % 20 == 19)
+    fuzz.finish()
+    assert fuzz.refusals > 0, "the budget never refused: the test did not exercise it"
+
+
+def test_the_budget_fuzz_catches_a_budget_that_lets_commits_past_its_cap():
+    """The control: with the budget's refusal bypassed (it still counts), the cap check
+    above fails."""
+    fuzz = _BudgetFuzz(0)
+    try:
+        with testing.budget_check_bypassed(), pytest.raises(AssertionError, match="over the cap"):
+            for i in range(400):
+                fuzz.check(fuzz.step(), settle=i % 20 == 19)
+    finally:
+        for f in fuzz.fuzz:
+            f.kv.close()
