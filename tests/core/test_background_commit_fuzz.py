@@ -230,8 +230,7 @@ class _BudgetFuzz:
         stats = self.budget.stats()
         held = [f.kv.arena.stats()["held_bytes"] for f in self.fuzz]
         assert stats["used_bytes"] == sum(held), (
-            f"after {after}: the budget counts {stats['used_bytes']} bytes, the arenas hold "
-            f"{held}"
+            f"after {after}: the budget counts {stats['used_bytes']} bytes, the arenas hold {held}"
         )
         assert sorted(a["held_bytes"] for a in stats["arenas"]) == sorted(held)
 
