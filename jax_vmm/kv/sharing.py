@@ -43,6 +43,10 @@ class PrefixSharing:
         # Host mirror of the floors; one record per dst of a share still in place.
         self._floors = np.zeros(seqs, np.int64)
         self._shares: dict[int, dict[str, int]] = {}
+        # Per dst of a share in place: the sequence whose memory it maps (its src; once
+        # that is released, the src's own source; None when there is none). A sequence
+        # named here keeps its floor (_settle_floors).
+        self._memory_of: dict[int, int | None] = {}
 
     # -- the spans -----------------------------------------------------------------------
     def _whole_chunks(self, q: int, num_tokens: int) -> tuple[int, int]:
@@ -184,6 +188,7 @@ class PrefixSharing:
             self._shares[dst] = dict(
                 src=src, dst=dst, tokens=n, mapped_bytes=mapped, copied_bytes=copied
             )
+            self._memory_of[dst] = src
             return {"mapped_bytes": mapped, "copied_bytes": copied}
 
     def _own_spans(self, start: int, stop: int, spans: list) -> list[tuple[int, int]]:
@@ -211,17 +216,46 @@ class PrefixSharing:
 
     # -- what sharing forbids --------------------------------------------------------------
     def _refuse_if_shared(self, q: int, op: str, what: str) -> None:
-        if self._floors[q]:
+        with self._lock:
+            self._settle_floors()
+            floor = int(self._floors[q])
+        if floor:
             raise ValueError(
-                f"{op}: sequence {q} shares its first {int(self._floors[q])} tokens with "
-                f"another sequence (kv.share_prefix); {what}"
+                f"{op}: sequence {q} shares its first {floor} tokens with another sequence "
+                f"(kv.share_prefix); {what}"
             )
 
     def _forget_share(self, q: int) -> None:
-        """After q's memory is released: its tokens are writable again (it holds none)."""
+        """After q's memory is released: its tokens are writable again (it holds none).
+        The shares made from q read memory that came from q's own source (the chunks q
+        shared from it), so that source's floor stays while they last."""
         self._shares.pop(q, None)
         if self._floors[q]:
             self._set_floor(q, 0)
+        upstream = self._memory_of.pop(q, None)
+        for d, source in self._memory_of.items():
+            if source == q:
+                self._memory_of[d] = upstream
+
+    def _settle_floors(self) -> None:
+        """Lowers the floor of every source whose sharers were all released: its shared
+        chunks are its own again (its floor drops to what it holds as a dst itself).
+        The released sharers' addresses are reclaimed first, so that the core does not
+        count that memory as mapped twice either. Done lazily, before an operation a
+        floor refuses (sleep, offload, release with keep_tokens, shrink), so that a
+        release never waits for the device. Caller holds the lock."""
+        sources = {q for q in self._memory_of.values() if q is not None}
+        own = {q: r["tokens"] for q, r in self._shares.items()}
+        stale = [
+            int(q)
+            for q in np.flatnonzero(self._floors)
+            if q not in sources and self._floors[q] > own.get(int(q), 0)
+        ]
+        if not stale:
+            return
+        self.arena.reclaim()
+        for q in stale:
+            self._set_floor(q, own.get(q, 0))
 
     def release(
         self,
@@ -247,6 +281,7 @@ class PrefixSharing:
     def shrink(self, num_tokens: int, *, wait: bool = False) -> int:
         n = self._check_tokens(num_tokens, "KVArena.shrink")
         with self._lock:
+            self._settle_floors()
             over = np.flatnonzero(self._floors > n)
             if over.size:
                 self._refuse_if_shared(
@@ -268,6 +303,7 @@ class PrefixSharing:
 
     def sleep(self, keep: str = "host") -> None:
         with self._lock:
+            self._settle_floors()
             sharing = np.flatnonzero(self._floors)
         if sharing.size:
             raise ValueError(

@@ -448,6 +448,36 @@ def test_a_share_the_budget_refuses_leaves_the_source_as_it_was(vm):
     assert budget.stats()["used_bytes"] == 0
 
 
+def test_a_source_whose_sharers_were_released_is_its_own_again(vm):
+    """Once every sequence that maps src's chunks is released, src is refused nothing a
+    sequence that never shared is allowed: offload and restore, sleep and wake, writes
+    into its first tokens. A sharer of a sharer keeps src's floor: it maps src's chunks
+    through the sequence it shared from, even after that one is released."""
+    kv, tpc = _kv(vm)
+    n = 2 * tpc + tpc // 2
+    data = _tokens(kv, n, seed=4)
+    kv.ensure(n, 0)
+    _write(kv, 0, 0, data)
+    kv.share_prefix(0, 1, n)
+    kv.ensure(n + tpc, 1)
+    kv.share_prefix(1, 2, n + tpc)
+    kv.release(1)
+    with pytest.raises(ValueError, match="shares its first"):
+        kv.offload(0)  # sequence 2 still maps 0's first two chunks
+    assert kv.stats()["sharing_seqs"] == [0, 2]
+    kv.release(2)
+    kv.offload(0)
+    kv.restore(0).wait()
+    kv.sleep()
+    kv.wake()
+    assert kv.stats()["sharing_seqs"] == []
+    np.testing.assert_array_equal(_seq_tokens(kv, 0)[:, :, :n], data)
+    again = _tokens(kv, 4, seed=5)
+    _write(kv, 0, 0, again)  # its first tokens are writable again
+    kv.check()
+    np.testing.assert_array_equal(_seq_tokens(kv, 0)[:, :, :4], again)
+
+
 def test_sequences_at_different_chunk_offsets_are_refused(vm):
     tpc = vm.chunk // (H * D * 4)
     kv, _ = _kv(vm, chunks_per_seq=1, max_tokens=tpc + tpc // 2)  # 1.5 chunks per sequence
