@@ -112,7 +112,7 @@ class _Fuzz:
             kv.release(q)
         elif op == "keep" and kv.arena.zero_fill:
             pass  # refused: kept bytes would not read zeros
-        elif op in ("keep", "reuse") and not kv.asleep and not kv._floors[q]:
+        elif op in ("keep", "reuse") and not kv.asleep and not self.shares_memory(q):
             kv.release(q, **({"keep_tokens": n - 1 or 1} if op == "keep" else {"reuse": True}))
         elif op == "prefetch" and not away:
             kv.prefetch(n, q)
@@ -126,13 +126,21 @@ class _Fuzz:
         elif op == "offload" and not kv.asleep:
             if q in kv._offloaded:
                 kv.restore(q).wait()
-            elif self.limits()[q] and not kv._floors.any():
+            elif self.limits()[q] and not self.shares_memory():
                 kv.offload(q)
-        elif op == "sleep" and not kv._floors.any():
+        elif op == "sleep" and not self.shares_memory():
             kv.wake() if kv.asleep else kv.sleep()
-        elif op == "shrink" and not (kv.asleep or kv._floors.any() or kv._offloaded):
+        elif op == "shrink" and not (kv.asleep or self.shares_memory() or kv._offloaded):
             kv.shrink(rng.randrange(0, MAX_TOKENS))
         return f"{op}({q}, n={n})"
+
+    def shares_memory(self, q: int | None = None) -> bool:
+        """Whether sequence q (None: any) maps memory another one maps too: the dst of a
+        share in place, or a source one maps. A floor its sharers' releases left behind
+        does not count: the arena lowers it at the call (KVArena._settle_floors)."""
+        kv = self.kv
+        shared = set(kv._shares) | {s for s in kv._memory_of.values() if s is not None}
+        return bool(shared) if q is None else q in shared
 
     def ensure_reads_zeros(self, n: int, q: int) -> None:
         """ensure(n, q) with the background commits and writes settled around it: every
