@@ -803,13 +803,20 @@ def test_zero_piece_ceiling_from_the_environment(fake, monkeypatch):
 # ---- shared memory (Arena.share_spans, kv.share_prefix) ------------------------------
 
 
-def test_a_whole_allocation_is_mapped_at_a_second_address_and_freed_with_the_last(fake):
+def _one_written_allocation(fake, seed: int):
+    """An arena whose first 4 chunks are one allocation holding random bytes: (arena, the
+    zero allocations, the bytes)."""
     a = fake.arena(32 * G, handle_bytes=4 * G, zero_fill=False)
     zero = fake.zero_handles()
     a.allocate(a.reserved_bytes, "all")
     a.commit(0, 0, 4 * G)  # one allocation of 4 chunks
-    data = np.random.default_rng(3).integers(1, 256, 4 * G, dtype=np.uint8)
+    data = np.random.default_rng(seed).integers(1, 256, 4 * G, dtype=np.uint8)
     write(a, 0, data)
+    return a, zero, data
+
+
+def test_a_whole_allocation_is_mapped_at_a_second_address_and_freed_with_the_last(fake):
+    a, zero, data = _one_written_allocation(fake, seed=3)
     (src,) = fake.real_mappings(a, zero)
     t.fake_cuda_map_log(clear=True)
     assert a.share_spans([(0, 0, 0, 16 * G, 4 * G)]) == (4 * G, [])
@@ -844,12 +851,7 @@ def test_the_source_holds_its_allocation_alone_once_the_alias_is_reclaimed(fake)
     released first), the source is ordinary memory again: a chunk it releases is taken
     back by the next commit (no new allocation), and it sleeps and wakes with its bytes.
     Marked shared for good, it refused both ("released by part", "several addresses")."""
-    a = fake.arena(32 * G, handle_bytes=4 * G, zero_fill=False)
-    zero = fake.zero_handles()
-    a.allocate(a.reserved_bytes, "all")
-    a.commit(0, 0, 4 * G)  # one allocation of 4 chunks
-    data = np.random.default_rng(5).integers(1, 256, 4 * G, dtype=np.uint8)
-    write(a, 0, data)
+    a, zero, data = _one_written_allocation(fake, seed=5)
     assert a.share_spans([(0, 0, 0, 16 * G, 4 * G)]) == (4 * G, [])
     a.decommit(0, 16 * G, 20 * G, True)  # the alias, unmapped and gone
     s = a.stats()
