@@ -145,6 +145,36 @@ def test_one_allocation_of_several_chunks_is_shared_by_part_on_the_host(host_vm)
     o.assert_released()
 
 
+def test_a_released_chunk_of_a_partly_shared_allocation_is_taken_back(host_vm):
+    """src's 3 chunks are one allocation (kv_arena's handle_bytes), of which only the
+    first is mapped at dst too. src's third chunk, released (shrink) and ensured again,
+    comes back from that allocation: no new memory, its bytes src's alone. The core
+    refused it ("released by part"), where a GPU, which shares no partial allocation,
+    commits it."""
+    kv, tpc = _kv(host_vm, handle_bytes=None)
+    c, buffers = kv.arena.chunk_bytes, 2 * LAYERS
+    data = _tokens(kv, 3 * tpc, seed=1)
+    kv.ensure(3 * tpc, 0)
+    _write(kv, 0, 0, data)
+    n = tpc + tpc // 4
+    assert kv.share_prefix(0, 1, n)["mapped_bytes"] == c * buffers
+    o = host_vm.oracle(kv.arena)
+    held = o.probe.physical_bytes()
+    kv.shrink(2 * tpc, wait=True)  # src's third chunk back (parked in its allocation)
+    revived = kv.arena.stats()["chunks_revived"]
+    kv.ensure(3 * tpc, 0)
+    assert kv.arena.stats()["chunks_revived"] == revived + buffers
+    assert o.probe.physical_bytes() == held
+    new = _tokens(kv, tpc, seed=2)
+    _write(kv, 0, 2 * tpc, new)
+    kv.check()
+    np.testing.assert_array_equal(_seq_tokens(kv, 0)[:, :, 2 * tpc : 3 * tpc], new)
+    np.testing.assert_array_equal(_seq_tokens(kv, 1)[:, :, :n], data[:, :, :n])
+    kv.release(0, wait=True)
+    kv.release(1, wait=True)
+    o.assert_released()
+
+
 def test_a_prefix_within_one_chunk_is_copied(vm):
     kv, tpc = _kv(vm)
     n = tpc // 2

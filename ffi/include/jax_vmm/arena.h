@@ -441,6 +441,9 @@ class Arena : public std::enable_shared_from_this<Arena> {
   CommitPlan PlanCommit(const std::vector<Range>& ranges);
   CommitPlan PlanRuns(const std::vector<ChunkRun>& runs) const;
   void PlanChunk(size_t arena_chunk, CommitPlan* plan, bool* extends_run) const;
+  // Whether the bytes of arena chunk `a` of shared mapping `m` are mapped at another
+  // address too (an allocation can be shared by part, so some of its chunks are not).
+  bool MappedElsewhere(const Mapping& m, size_t a) const;
   // The plan's new allocations join the arena and its parked chunks are taken back: as
   // backed (live), or pinned for a transfer that publishes them later.
   void AdoptPlanned(const CommitPlan& plan, Pending* pending, bool pinned);
