@@ -102,15 +102,15 @@ def main(argv: list[str] | None = None) -> None:
         args.layers, args.batch, args.step, point
     )
     print(f"{args.step}, {args.layers} layers, batch {args.batch}, {args.calls} calls")
-    log_dir = Path(tempfile.mkdtemp(prefix="step_loop_xla_log_"))
+    log_dir = Path(tempfile.mkdtemp(prefix="step_loop_xla_log_")) if args.xla_log else None
     # The prealloc side reads its own arrays: no views.
     for name, cache, side_views in (("arena", kv.cache(), views), ("prealloc", prealloc, ())):
         step = step_loop.make_step(args.layers, args.step)
         for _ in range(21):  # compile, then XLA's traces warm
             cache, out = step(cache, side_views, *step_args)
         jax.block_until_ready(out)
-        log = log_dir / f"{name}.log"
-        capture = stderr_into(log) if args.xla_log else contextlib.nullcontext()
+        log = log_dir / f"{name}.log" if log_dir else None
+        capture = stderr_into(log) if log else contextlib.nullcontext()
         before = counters()
         with capture:
             t0 = time.perf_counter()
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> None:
                 f"{'':>9}  cuDNN initialize stages: {moved['cudnn.initialize_ns'] / 1e3:.1f} us "
                 f"per call, {stage_us:.2f} us each"
             )
-        if args.xla_log:
+        if log:
             print(f"{'':>9}  XLA log lines per call ({log}):")
             for per_call, line in log_lines_per_call(log, args.calls):
                 print(f"{'':>11}{per_call:8.2f}  {line[:160]}")
