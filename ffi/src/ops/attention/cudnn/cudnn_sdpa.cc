@@ -267,14 +267,11 @@ const SdpaGraph* FindGraph(const SdpaKey& key, std::string* error) {
 }
 
 std::string GetGraph(const SdpaKey& key, bool may_build, const SdpaGraph** graph) {
-  {
-    std::lock_guard<std::mutex> lock(g_mu);
-    auto it = g_graphs.find(key);
-    if (it != g_graphs.end()) {
-      g_hits.fetch_add(1, std::memory_order_relaxed);
-      *graph = it->second.get();
-      return it->second->error;
-    }
+  std::string cached_error;
+  if (const SdpaGraph* found = FindGraph(key, &cached_error);
+      found != nullptr || !cached_error.empty()) {
+    *graph = found;
+    return cached_error;
   }
   if (!may_build) {
     return "no cuDNN graph was built for " + Describe(key) +
