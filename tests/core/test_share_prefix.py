@@ -126,53 +126,18 @@ def test_whole_chunks_are_one_memfd_range_at_both_addresses(host_vm):
     np.testing.assert_array_equal(_seq_tokens(kv, 1)[:, :, :n], data)
 
 
-def test_one_allocation_of_several_chunks_is_shared_by_part_on_the_host(host_vm):
-    # kv_arena's default handle_bytes: src's 3 chunks are one allocation, mapped in part.
-    kv, tpc, n, data, got = _shared(host_vm, handle_bytes=None)
+def test_one_allocation_of_several_chunks_is_copied_on_every_driver(vm):
+    """kv_arena's default handle_bytes: src's 3 chunks are one allocation, which also backs
+    a chunk past the prefix. CUDA maps an allocation only whole, so the prefix is copied;
+    the host driver, which could map a memfd range by part, does the same (what is shared,
+    and so what may sleep, move and be released by part, is the same on every driver)."""
+    kv, tpc, n, data, got = _shared(vm, handle_bytes=None)
     assert kv.arena.handle_bytes > 3 * kv.arena.chunk_bytes
-    c, buffers = kv.arena.chunk_bytes, 2 * LAYERS
-    assert got["mapped_bytes"] == 2 * c * buffers
-    np.testing.assert_array_equal(_seq_tokens(kv, 1)[:, :, :n], data)
-    # Released, src's own third chunk stays held with its allocation (parked) until the
-    # last mapping of that allocation goes.
-    o = host_vm.oracle(kv.arena)
-    kv.release(0, wait=True)
+    buffers = 2 * LAYERS
+    assert got == {"mapped_bytes": 0, "copied_bytes": n * 512 * buffers}
     np.testing.assert_array_equal(_seq_tokens(kv, 1)[:, :, :n], data)
     s = kv.stats()
-    assert o.probe.physical_bytes() == s["held_bytes"] == 4 * c * buffers
-    assert s["parked_bytes"] == c * buffers
-    kv.release(1, wait=True)
-    o.assert_released()
-
-
-def test_a_released_chunk_of_a_partly_shared_allocation_is_taken_back(host_vm):
-    """src's 3 chunks are one allocation (kv_arena's handle_bytes), of which only the
-    first is mapped at dst too. src's third chunk, released (shrink) and ensured again,
-    comes back from that allocation: no new memory, its bytes src's alone. The core
-    refused it ("released by part"), where a GPU, which shares no partial allocation,
-    commits it."""
-    kv, tpc = _kv(host_vm, handle_bytes=None)
-    c, buffers = kv.arena.chunk_bytes, 2 * LAYERS
-    data = _tokens(kv, 3 * tpc, seed=1)
-    kv.ensure(3 * tpc, 0)
-    _write(kv, 0, 0, data)
-    n = tpc + tpc // 4
-    assert kv.share_prefix(0, 1, n)["mapped_bytes"] == c * buffers
-    o = host_vm.oracle(kv.arena)
-    held = o.probe.physical_bytes()
-    kv.shrink(2 * tpc, wait=True)  # src's third chunk back (parked in its allocation)
-    revived = kv.arena.stats()["chunks_revived"]
-    kv.ensure(3 * tpc, 0)
-    assert kv.arena.stats()["chunks_revived"] == revived + buffers
-    assert o.probe.physical_bytes() == held
-    new = _tokens(kv, tpc, seed=2)
-    _write(kv, 0, 2 * tpc, new)
-    kv.check()
-    np.testing.assert_array_equal(_seq_tokens(kv, 0)[:, :, 2 * tpc : 3 * tpc], new)
-    np.testing.assert_array_equal(_seq_tokens(kv, 1)[:, :, :n], data[:, :, :n])
-    kv.release(0, wait=True)
-    kv.release(1, wait=True)
-    o.assert_released()
+    assert s["shared_bytes"] == s["alias_bytes"] == 0
 
 
 def test_a_prefix_within_one_chunk_is_copied(vm):

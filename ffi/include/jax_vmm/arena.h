@@ -441,9 +441,6 @@ class Arena : public std::enable_shared_from_this<Arena> {
   CommitPlan PlanCommit(const std::vector<Range>& ranges);
   CommitPlan PlanRuns(const std::vector<ChunkRun>& runs) const;
   void PlanChunk(size_t arena_chunk, CommitPlan* plan, bool* extends_run) const;
-  // Whether the bytes of arena chunk `a` of shared mapping `m` are mapped at another
-  // address too (an allocation can be shared by part, so some of its chunks are not).
-  bool MappedElsewhere(const Mapping& m, size_t a) const;
   // The plan's new allocations join the arena and its parked chunks are taken back: as
   // backed (live), or pinned for a transfer that publishes them later.
   void AdoptPlanned(const CommitPlan& plan, Pending* pending, bool pinned);
@@ -463,6 +460,7 @@ class Arena : public std::enable_shared_from_this<Arena> {
 
   // Release (core/arena_release.cc), under mu_ (the reclaimer drops it around driver
   // calls and device waits; so do the waits here).
+  // The whole chunks of `ranges` (validated), sorted and merged: each chunk once.
   std::vector<ChunkRun> DecommitRuns(const std::vector<Range>& ranges);
   size_t DecommitLocked(std::unique_lock<std::mutex>& lock, const std::vector<ChunkRun>& runs,
                         bool wait, bool defer_unmap = false);
@@ -471,6 +469,7 @@ class Arena : public std::enable_shared_from_this<Arena> {
   std::vector<Mapping*> Unpublish(const std::vector<ChunkRun>& runs, size_t* removed);
   // Allocations with no backed chunk left go to the reclaimer, or at once where no device
   // wait is needed (host driver) or raw views are alive (after a wait, on this thread).
+  // `touched` lists each allocation once.
   void RetireUnused(std::unique_lock<std::mutex>& lock, const std::vector<Mapping*>& touched,
                     bool defer_unmap = false);
   void WaitWhileBusy(std::unique_lock<std::mutex>& lock);  // no reclaim or transfer running

@@ -111,10 +111,6 @@ class Driver {
   // first (cuda: yes, a kernel would fault; host: no, mmap(MAP_FIXED) swaps the mapping
   // atomically and the CPU never sees a hole). The arena defers unmapping accordingly.
   virtual bool UnmapNeedsQuiescence() const = 0;
-  // Whether MapRun takes a part of an allocation (a MapPiece with an offset, or fewer
-  // bytes than the allocation): host yes (an mmap of a memfd range), cuda no (cuMemMap
-  // maps allocations whole). Sharing a chunk of a larger allocation needs it.
-  virtual bool MapsPartsOfAllocations() const { return false; }
 
   // Small memory that both the host (through the copies below) and device code can
   // read: the arena's page-valid table and counters live here.

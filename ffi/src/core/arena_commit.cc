@@ -149,24 +149,11 @@ Arena::CommitPlan Arena::PlanCommit(const std::vector<Range>& ranges) {
   return plan;
 }
 
-bool Arena::MappedElsewhere(const Mapping& m, size_t a) const {
-  const size_t offset = m.offset + (a - m.first_chunk) * chunk_bytes_;
-  for (const auto& [first, o] : mappings_) {
-    if (o.get() != &m && o->physical == m.physical && o->offset <= offset &&
-        offset < o->offset + o->bytes) {
-      return true;
-    }
-  }
-  return false;
-}
-
 // Chunk a needs backing: take its parked allocation back, or extend (or start) a run of
 // new allocations.
 void Arena::PlanChunk(size_t a, CommitPlan* plan, bool* extends_run) const {
   if (Mapping* m = chunk_mapping_[a]) {
-    // A chunk of a shared allocation that no other address maps (it was shared by part)
-    // is this address's alone: taken back as any parked chunk is.
-    if (m->shared && MappedElsewhere(*m, a)) {
+    if (m->shared) {
       // Its bytes live on at another address (core/arena_share.cc): new memory goes here
       // once the released mapping is reclaimed (the reclaimer wakes the waiting commit).
       if (m->live > 0) {

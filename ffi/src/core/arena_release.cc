@@ -51,7 +51,20 @@ std::vector<Arena::ChunkRun> Arena::DecommitRuns(const std::vector<Range>& range
     const size_t end = r.stop == p.info.nbytes ? p.num_chunks : r.stop / chunk_bytes_;
     if (first < end) runs.push_back({ArenaChunk(p, first), end - first});
   }
-  return runs;
+  // In address order, each chunk once: the callers count and unpin chunk by chunk, and
+  // list each allocation once only when its runs come in order.
+  std::sort(runs.begin(), runs.end(),
+            [](const ChunkRun& a, const ChunkRun& b) { return a.first < b.first; });
+  std::vector<ChunkRun> merged;
+  for (const ChunkRun& run : runs) {
+    if (!merged.empty() && run.first <= merged.back().first + merged.back().count) {
+      ChunkRun& last = merged.back();
+      last.count = std::max(last.first + last.count, run.first + run.count) - last.first;
+    } else {
+      merged.push_back(run);
+    }
+  }
+  return merged;
 }
 
 size_t Arena::Decommit(int64_t buffer_id, size_t start, size_t stop, bool wait) {

@@ -12,11 +12,12 @@
 //
 // Allocations and chunks: a commit makes allocations of up to handle_bytes, so one
 // allocation can back several chunks, and cuMemMap maps an allocation only whole. An
-// allocation lying wholly inside the span is mapped whole at the second address; one that
-// also backs chunks outside it is mapped by part where the driver can (host: an mmap of a
-// memfd range), else its chunks are left to the caller, which commits and copies them
-// (the KV arena commits a prefix's whole chunks as their own allocation, so that on CUDA
-// they are shared too: jax_vmm/kv/sharing.py).
+// allocation lying wholly inside the span is mapped whole at the second address; the
+// chunks of one that also backs chunks outside it are left to the caller, which commits
+// and copies them (the KV arena commits a prefix's whole chunks as their own allocation,
+// so that they are shared: jax_vmm/kv/sharing.py). The host driver could map a memfd
+// range by part, but does as CUDA does: what is shared, and so what sleeps, moves and is
+// released by part, is the same on every driver.
 #include <algorithm>
 #include <map>
 #include <memory>
@@ -106,7 +107,6 @@ size_t Arena::ShareSpans(const std::vector<SpanPair>& spans, std::vector<Range>*
   };
   std::vector<Run> runs;
   std::vector<Mapping*> sources;
-  const bool parts = driver_->MapsPartsOfAllocations();
   for (const Planned& p : planned) {
     size_t i = 0;
     bool extends = false;
@@ -116,8 +116,8 @@ size_t Arena::ShareSpans(const std::vector<SpanPair>& spans, std::vector<Range>*
       while (j < p.count && chunk_mapping_[p.src_first + j] == m) ++j;
       const size_t first = p.src_first + i, count = j - i;
       const bool whole = first == m->first_chunk && count == m->num_chunks;
-      if (!whole && !parts) {
-        // cuda: the allocation also backs chunks outside the span; the caller copies.
+      if (!whole) {
+        // The allocation also backs chunks outside the span: the caller copies.
         const Placement& dst = buffers_.at(p.dst_buffer);
         const size_t off = (p.dst_first + i - ArenaChunk(dst, 0)) * chunk_bytes_;
         not_shared->push_back({dst.info.id, off, off + count * chunk_bytes_});

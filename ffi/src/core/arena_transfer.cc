@@ -311,7 +311,9 @@ void Arena::FinishOffload(std::unique_lock<std::mutex>& lock, TransferRecord& t,
   for (const ChunkRun& run : t.runs) {
     Mapping* m = chunk_mapping_[run.first];
     m->pins -= run.count;
-    touched.push_back(m);
+    // One allocation holds several runs when a chunk inside it was released: listed once
+    // (the runs come in address order), or RetireUnused would release it twice.
+    if (touched.empty() || touched.back() != m) touched.push_back(m);
   }
   t.state = TransferState::kOffloaded;
   if (reclaimer_sync == 0) {

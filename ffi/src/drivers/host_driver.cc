@@ -89,7 +89,6 @@ class HostDriver final : public Driver {
   size_t chunk_bytes() const override { return chunk_; }
   MemInfo mem_info() const override { return ReadMemInfo(); }
   bool FreshMemoryIsZero() const override { return true; }       // new and punched blocks read 0
-  bool MapsPartsOfAllocations() const override { return true; }  // any memfd range
   bool UnmapNeedsQuiescence() const override { return false; }
 
   uintptr_t Reserve(size_t bytes) override {

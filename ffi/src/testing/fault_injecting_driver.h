@@ -85,7 +85,6 @@ class FaultInjectingDriver final : public Driver {
   size_t chunk_bytes() const override { return inner_->chunk_bytes(); }
   MemInfo mem_info() const override { return inner_->mem_info(); }
   bool FreshMemoryIsZero() const override { return inner_->FreshMemoryIsZero(); }
-  bool MapsPartsOfAllocations() const override { return inner_->MapsPartsOfAllocations(); }
   bool UnmapNeedsQuiescence() const override;
   uintptr_t Reserve(size_t bytes) override { return inner_->Reserve(bytes); }
   bool CanDeferZeroReads() const override { return inner_->CanDeferZeroReads(); }
