@@ -296,12 +296,12 @@ class Run:
         return None
 
 
-def in_child(code: str) -> subprocess.CompletedProcess:
+def in_child(code: str, timeout: float = 300) -> subprocess.CompletedProcess:
     """Runs `code` in a child Python with this module imported as `m`."""
     here = str(Path(__file__).parent)
     head = f"import sys; sys.path.insert(0, {here!r}); import test_host_matches_cuda as m; "
     return subprocess.run(
-        [sys.executable, "-c", head + code], capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", head + code], capture_output=True, text=True, timeout=timeout
     )
 
 
@@ -333,19 +333,24 @@ def test_the_comparison_sees_a_host_that_keeps_old_bytes_where_cuda_gives_zeros(
     pytest.fail(f"no seed showed the difference: {diffs}")
 
 
-@pytest.mark.parametrize("driver", ["host", "fake"])
-def test_offload_of_an_allocation_with_a_released_chunk_inside_releases_it_once(driver):
+@pytest.mark.parametrize(("driver", "raw_view"), [("host", False), ("fake", False), ("fake", True)])
+def test_offload_of_an_allocation_with_a_released_chunk_inside_releases_it_once(driver, raw_view):
     """Two runs of one allocation (its middle chunk released) in one offload: the
-    allocation was listed once per run and released twice (a heap corruption that
-    aborted the process on the host driver)."""
-    proc = in_child(f"m.offload_around_a_released_chunk({driver!r})")
+    allocation was listed once per run and released twice where it is released at once
+    (a heap corruption: the host driver aborted; CUDA with a raw view out, which releases
+    at once too, hung)."""
+    try:
+        proc = in_child(f"m.offload_around_a_released_chunk({driver!r}, {raw_view})", timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the offload and restore did not finish within 60 s")
     assert proc.returncode == 0, f"exit {proc.returncode}: {proc.stderr[-2000:]}"
     assert proc.stdout.split() == ["restored", "2", "closed"], proc.stdout
 
 
-def offload_around_a_released_chunk(driver: str) -> None:
+def offload_around_a_released_chunk(driver: str, raw_view: bool) -> None:
     x = Side(driver, handle_chunks=3, zero_fill=True)
     b = x.ids[0]
+    view = x.a.view(b, [BUF], 1, 8, 2, 0) if raw_view else None  # uint8 on kDLCUDA 0
     x.a.commit(b, 0, 3 * C)  # one allocation of three chunks
     x.write(0, 0, b"\x07" * C)
     x.a.decommit(b, C, 2 * C, True)  # its middle chunk released: two runs in it
@@ -354,6 +359,7 @@ def offload_around_a_released_chunk(driver: str) -> None:
     x.a.restore(ticket, True)
     assert x.read(0)[:C].tobytes() == b"\x07" * C
     print("restored", x.a.stats()["backed_bytes"] // C)
+    del view
     x.a.close()
     print("closed")
 
