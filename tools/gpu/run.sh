@@ -8,7 +8,9 @@
 #
 # Steps and what each checks:
 #   build               pip install of this checkout (no build isolation, no deps); the
-#                       "jax_vmm: CUDA" lines say whether the CUDA kernels were built
+#                       "jax_vmm: CUDA" lines say whether the CUDA kernels were built; with
+#                       .whl/nvidia_cudnn_frontend-*.whl present (pip download it here),
+#                       the cuDNN attention backend is built from its headers, required
 #   info                `python -m jax_vmm info` of the installed package (run from /tmp,
 #                       not the source tree), nvidia-smi, cupy / cuda-python versions (GPU
 #                       tests that write arena memory need cupy, the driver oracle cuda-python)
@@ -134,8 +136,19 @@ export XLA_PYTHON_CLIENT_PREALLOCATE=false  # the arena allocates outside XLA's 
 note() { [ -z "$*" ] || echo "SUMMARY: $*"; }  # for the step's summary line; returns 0
 
 step_build() {
+  # The cuDNN attention backend needs cudnn_frontend.h, which the GPU machine lacks and
+  # cannot download: the nvidia-cudnn-frontend wheel travels in .whl/ (carry it), and its
+  # headers are unpacked outside the source tree; the build then requires the backend.
+  local fe=(.whl/nvidia_cudnn_frontend-*.whl)
+  if [ -z "${JAX_VMM_CUDNN_FRONTEND_INCLUDE:-}" ] && [ -e "${fe[0]}" ]; then
+    local target="${TMPDIR:-/tmp}/jax_vmm_cudnn_frontend"
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$target" \
+      "${fe[0]}" || return
+    export JAX_VMM_CUDNN_FRONTEND_INCLUDE="$target/include" JAX_VMM_CUDNN="${JAX_VMM_CUDNN:-ON}"
+  fi
   "$PY" -m pip install --no-build-isolation --no-deps -v . || return
   note "$(grep -E "jax_vmm: CUDA" "$LOG" | head -1)"
+  note "$(grep -E "jax_vmm: cuDNN" "$LOG" | head -1)"
 }
 
 step_info() {
