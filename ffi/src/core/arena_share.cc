@@ -79,6 +79,20 @@ size_t Arena::ShareSpans(const std::vector<SpanPair>& spans, std::vector<Range>*
     }
     planned.push_back({s0, d0, n, sp.dst_buffer, dst.info.name});
   }
+  // Each destination chunk gets one mapping (a source chunk is backed and a destination
+  // one must hold nothing, so a span's destination cannot be another's source either).
+  std::vector<const Planned*> by_dst;
+  for (const Planned& p : planned) by_dst.push_back(&p);
+  std::sort(by_dst.begin(), by_dst.end(),
+            [](const Planned* a, const Planned* b) { return a->dst_first < b->dst_first; });
+  for (size_t i = 1; i < by_dst.size(); ++i) {
+    const Planned& p = *by_dst[i];
+    if (p.dst_first < by_dst[i - 1]->dst_first + by_dst[i - 1]->count) {
+      const size_t chunk = p.dst_first - ArenaChunk(buffers_.at(p.dst_buffer), 0);
+      throw InvalidArgument("Arena.share: two spans map chunk " + std::to_string(chunk) +
+                            " of '" + p.dst_name + "'; give each destination chunk one span");
+    }
+  }
   // The destination must hold nothing; memory released there and waiting for the device
   // is given back first (a mapping is about to replace it).
   for (int pass = 0; pass < 2; ++pass) {
