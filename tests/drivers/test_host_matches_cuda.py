@@ -5,7 +5,8 @@ bytes; and on each side the count of backed bytes equals the chunks it backs.
 
 The calls are the core's own (commit, decommit, several ranges at once, unsorted and
 overlapping, share_spans + copy_spans as share_prefix makes them, offload/restore,
-sleep/wake, reclaim, writes), in any state, refused ones included, within the KV layer's
+sleep/wake, reclaim, writes), in any state, refused ones included, half the runs under a
+memory budget smaller than the buffers (each side its own), within the KV layer's
 rules for shares: shared chunks are not written nor released by part, and nothing sleeps
 or moves while a share is in place. Where the contract leaves bytes open they are not
 compared: a released chunk before the next reclaim, and with zero_fill=False a chunk not
@@ -28,6 +29,7 @@ import numpy as np
 import pytest
 
 import jax_vmm.testing
+from jax_vmm.base.loader import core as _core
 
 t = jax_vmm.testing.extension()
 OK = t.fake_cuda_results()["CUDA_SUCCESS"]
@@ -43,12 +45,19 @@ VERBOSE = False  # outcomes with the exception message, and the whole log
 class Side:
     """One arena of two buffers, on the host driver or on the fake CUDA driver."""
 
-    def __init__(self, driver: str, handle_chunks: int, zero_fill: bool) -> None:
+    def __init__(
+        self, driver: str, handle_chunks: int, zero_fill: bool, budget_chunks: int | None = None
+    ) -> None:
         reserve, handle = BUFFERS * BUF + 4 * C, handle_chunks * C
         if driver == "host":
             self.a = t.create_fault_injecting_arena("host", 0, reserve, C, handle, zero_fill)
         else:
             self.a = t.create_fake_cuda_arena(reserve, C, handle, zero_fill, False)
+        self.budget = None  # the core's MemoryBudget, of its own on each side
+        if budget_chunks is not None:
+            kind = "host" if driver == "host" else "cuda"
+            self.budget = _core.create_memory_budget(budget_chunks * C, kind, 0)
+            _core.arena_join_budget(self.a, self.budget, driver)
         self.driver = driver
         self.ids = [self.a.allocate(BUF, f"b{i}")["id"] for i in range(BUFFERS)]
         self.tickets: dict = {}
@@ -123,9 +132,13 @@ class Run:
         if self.host_zero_fill is not None:  # the control: chunks kept in allocations
             handle_chunks, self.zero_fill = self.handle_chunks or handle_chunks, True
         host_zf = self.zero_fill if self.host_zero_fill is None else self.host_zero_fill
+        # Half the runs draw from a budget smaller than the buffers (drawn apart, so that
+        # the calls of a seed stay the same).
+        budget = random.Random(self.seed + 1)
+        self.budget_chunks = budget.randrange(12, 40) if budget.random() < 0.5 else None
         self.sides = [
-            Side("host", handle_chunks, host_zf),
-            Side("fake", handle_chunks, self.zero_fill),
+            Side("host", handle_chunks, host_zf, self.budget_chunks),
+            Side("fake", handle_chunks, self.zero_fill, self.budget_chunks),
         ]
         self.asleep = False
         # Per sequence in a share: its first chunks that are shared. As in the KV layer,
@@ -288,6 +301,15 @@ class Run:
             counted, backed = x.a.stats()["backed_bytes"] // C, x.backed_chunks()
             if counted != backed:
                 return f"{op}: {x.driver} counts {counted} chunks backed, backs {backed}"
+        if self.budget_chunks is not None:
+            # What the budget counts includes memory the fake's reclaimer has not given back
+            # yet: equal on both sides (and to what the arena holds) right after reclaim().
+            used = [x.budget.stats()["used_bytes"] for x in self.sides]
+            if max(used) > self.budget_chunks * C:
+                return f"{op}: a budget of {self.budget_chunks} chunks counts {used} bytes"
+            held = [x.a.stats()["held_bytes"] for x in self.sides]
+            if op == "reclaim()" and (used[0] != used[1] or used != held):
+                return f"{op}: budgets count {used} bytes, the arenas hold {held}"
         reclaimed = op == "reclaim()"
         for b in range(BUFFERS):
             host_backed, fake_backed = (x.backed(b) for x in self.sides)
