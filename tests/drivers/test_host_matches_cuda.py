@@ -116,6 +116,13 @@ def share(x: Side, src: int, dst: int, chunks: int, part: int) -> int:
     return mapped + sum(c[-1] for c in copies)
 
 
+def drawn_budget(seed: int) -> int | None:
+    """The budget (in chunks) of run `seed`: half the runs draw from one smaller than the
+    buffers. Drawn apart from the calls, so that a seed's calls stay the same."""
+    r = random.Random(seed + 1)
+    return r.randrange(12, 40) if r.random() < 0.5 else None
+
+
 @dataclass
 class Run:
     seed: int
@@ -132,10 +139,7 @@ class Run:
         if self.host_zero_fill is not None:  # the control: chunks kept in allocations
             handle_chunks, self.zero_fill = self.handle_chunks or handle_chunks, True
         host_zf = self.zero_fill if self.host_zero_fill is None else self.host_zero_fill
-        # Half the runs draw from a budget smaller than the buffers (drawn apart, so that
-        # the calls of a seed stay the same).
-        budget = random.Random(self.seed + 1)
-        self.budget_chunks = budget.randrange(12, 40) if budget.random() < 0.5 else None
+        self.budget_chunks = drawn_budget(self.seed)
         self.sides = [
             Side("host", handle_chunks, host_zf, self.budget_chunks),
             Side("fake", handle_chunks, self.zero_fill, self.budget_chunks),
@@ -353,10 +357,11 @@ def in_child(code: str, timeout: float = 300) -> subprocess.CompletedProcess:
     )
 
 
-def run_in_child(seed: int, steps: int, **control) -> str | None:
+def run_in_child(seed: int, steps: int, budget_bypassed: bool = False, **control) -> str | None:
     """Run(seed, **control).run(steps) in a child process: its difference, or how the
-    child died."""
-    proc = in_child(f"d = m.Run({seed}, **{control!r}).run({steps}); print(d or 'SAME')")
+    child died. budget_bypassed: with the core's budget check off (a control)."""
+    bypass = "m.t.set_budget_check_bypassed(True); " if budget_bypassed else ""
+    proc = in_child(f"{bypass}d = m.Run({seed}, **{control!r}).run({steps}); print(d or 'SAME')")
     if proc.returncode != 0:
         return f"seed {seed}: the child died (exit {proc.returncode}): {proc.stderr[-2000:]}"
     out = proc.stdout.strip()
@@ -377,6 +382,18 @@ def test_the_comparison_sees_a_host_that_keeps_old_bytes_where_cuda_gives_zeros(
     for seed in range(12):
         diffs.append(run_in_child(seed, 300, host_zero_fill=False, handle_chunks=3))
         if diffs[-1] and "hold different bytes" in diffs[-1]:
+            return
+    pytest.fail(f"no seed showed the difference: {diffs}")
+
+
+def test_the_comparison_sees_a_budget_that_lets_commits_past_its_cap():
+    """Not vacuous for budgets: with the core's budget check off, a run under a budget
+    counts more than its cap."""
+    seeds = [s for s in range(40) if drawn_budget(s) is not None][:6]
+    diffs = []
+    for seed in seeds:
+        diffs.append(run_in_child(seed, 300, budget_bypassed=True))
+        if diffs[-1] and "a budget of" in diffs[-1]:
             return
     pytest.fail(f"no seed showed the difference: {diffs}")
 
