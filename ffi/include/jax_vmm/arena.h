@@ -469,8 +469,8 @@ class Arena : public std::enable_shared_from_this<Arena> {
   std::vector<Mapping*> Unpublish(const std::vector<ChunkRun>& runs, size_t* removed);
   // Allocations with no backed chunk left go to the reclaimer, or at once where no device
   // wait is needed (host driver) or raw views are alive (after a wait, on this thread).
-  // `touched` lists each allocation once.
-  void RetireUnused(std::unique_lock<std::mutex>& lock, const std::vector<Mapping*>& touched,
+  // An allocation listed twice in `touched` counts once.
+  void RetireUnused(std::unique_lock<std::mutex>& lock, std::vector<Mapping*> touched,
                     bool defer_unmap = false);
   void WaitWhileBusy(std::unique_lock<std::mutex>& lock);  // no reclaim or transfer running
   // Waits for the device, then gives every retired allocation back. On the host driver
@@ -483,9 +483,8 @@ class Arena : public std::enable_shared_from_this<Arena> {
   size_t ReclaimNow(const std::vector<Mapping*>& batch);  // unmap + release, on this thread
   void UnmapGroups(std::vector<Mapping*> batch);          // driver calls only
   std::vector<std::unique_ptr<Mapping>> DetachMappings(const std::vector<Mapping*>& batch);
-  // After a shared mapping of `physical` was detached: the one mapping of it left, when it
-  // maps the whole allocation, is no longer shared (it can sleep, move and be released by
-  // part again). Caller holds mu_.
+  // After a shared mapping of `physical` was detached: the one mapping of it left is no
+  // longer shared (it can sleep, move and be released by part again). Caller holds mu_.
   void UnshareIfLast(const Physical* physical);
   void ZeroParked();
   void ReleaseAllMemory(std::unique_lock<std::mutex>& lock);  // the device must be idle

@@ -134,8 +134,11 @@ std::vector<Arena::Mapping*> Arena::Unpublish(const std::vector<ChunkRun>& runs,
   return touched;
 }
 
-void Arena::RetireUnused(std::unique_lock<std::mutex>& lock, const std::vector<Mapping*>& touched,
+void Arena::RetireUnused(std::unique_lock<std::mutex>& lock, std::vector<Mapping*> touched,
                          bool defer_unmap) {
+  // An allocation met more than once (several runs of it) is retired or released once.
+  std::sort(touched.begin(), touched.end());
+  touched.erase(std::unique(touched.begin(), touched.end()), touched.end());
   const bool views = views_exported_.load();
   const bool quiesce = driver_->UnmapNeedsQuiescence();
   // The caller reclaims what it defers (host driver, see DecommitRanges).
@@ -263,7 +266,7 @@ void Arena::UnshareIfLast(const Physical* physical) {
     if (last != nullptr) return;  // still mapped at two addresses
     last = m.get();
   }
-  if (last != nullptr && last->offset == 0 && last->bytes == physical->bytes) last->shared = false;
+  if (last != nullptr) last->shared = false;  // aliases map allocations whole: so does it
 }
 
 void Arena::ZeroParked() {

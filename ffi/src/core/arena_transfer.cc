@@ -271,9 +271,8 @@ uint64_t Arena::Offload(const std::vector<Range>& ranges) {
   for (const ChunkRun& run : record->runs) bytes += run.count * chunk_bytes_;
   if (bytes > 0) record->image = AllocImage(bytes);
   size_t removed = 0;
-  std::vector<Mapping*> touched;
   try {
-    touched = Unpublish(record->runs, &removed);
+    Unpublish(record->runs, &removed);
   } catch (...) {
     FreeImage(&record->image);
     throw;
@@ -311,9 +310,7 @@ void Arena::FinishOffload(std::unique_lock<std::mutex>& lock, TransferRecord& t,
   for (const ChunkRun& run : t.runs) {
     Mapping* m = chunk_mapping_[run.first];
     m->pins -= run.count;
-    // One allocation holds several runs when a chunk inside it was released: listed once
-    // (the runs come in address order), or RetireUnused would release it twice.
-    if (touched.empty() || touched.back() != m) touched.push_back(m);
+    touched.push_back(m);  // twice when a released chunk splits it: RetireUnused counts once
   }
   t.state = TransferState::kOffloaded;
   if (reclaimer_sync == 0) {
