@@ -347,6 +347,9 @@ def test_every_kernel_reads_a_shared_prefix_as_a_private_copy(vm, dtype, impl):
 
 
 def _state(kv):
+    # Released aliases are unmapped by the reclaimer thread; on a GPU arena that defers its
+    # zeros that leaves no mapping, so a raw read racing it fails: settle first.
+    kv.arena.reclaim()
     s = kv.stats()
     return (
         s["backed_bytes"],
