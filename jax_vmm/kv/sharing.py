@@ -284,11 +284,12 @@ class PrefixSharing:
             self._settle_floors()
             over = np.flatnonzero(self._floors > n)
             if over.size:
-                self._refuse_if_shared(
-                    int(over[0]),
-                    "KVArena.shrink",
-                    f"shrink to at least {int(self._floors.max())} tokens, or release the "
-                    "sequences that share first",
+                q = int(over[0])
+                raise ValueError(
+                    f"KVArena.shrink: sequence {q} shares its first {int(self._floors[q])} "
+                    "tokens with another sequence (kv.share_prefix); shrink to at least "
+                    f"{int(self._floors.max())} tokens, or release the sequences that share "
+                    "first"
                 )
             return super().shrink(num_tokens, wait=wait)
 
