@@ -89,6 +89,19 @@ def log_lines_per_call(path: Path, calls: int, top: int = 12) -> list[tuple[floa
     return [(n / calls, line) for line, n in counts.most_common(top)]
 
 
+_UPDATE = re.compile(r"Updated command buffer in (\d+) .s; num_commands=(\d+)")
+
+
+def command_buffer_updates(path: Path) -> tuple[int, float, int]:
+    """XLA's command-buffer updates logged in ``path``: (count, median us, commands)."""
+    text = path.read_text(errors="replace")
+    found = [tuple(map(int, m.groups())) for m in _UPDATE.finditer(text)]
+    if not found:
+        return 0, 0.0, 0
+    us = sorted(t for t, _ in found)
+    return len(found), float(us[len(us) // 2]), found[-1][1]
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--layers", type=int, default=32)
@@ -133,6 +146,12 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{'':>9}  XLA log lines per call ({log}):")
             for per_call, line in log_lines_per_call(log, args.calls):
                 print(f"{'':>11}{per_call:8.2f}  {line[:160]}")
+            n, median_us, commands = command_buffer_updates(log)
+            if n:
+                print(
+                    f"{'':>9}  command-buffer updates: {n}, median {median_us:.0f} us, "
+                    f"{commands} commands"
+                )
     kv.check()
     kv.close()
 
