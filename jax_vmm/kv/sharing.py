@@ -45,8 +45,11 @@ class PrefixSharing:
         self._shares: dict[int, dict[str, int]] = {}
         # Per dst of a share in place: the sequence whose memory it maps (its src; once
         # that is released, the src's own source; None when there is none). A sequence
-        # named here keeps its floor (_settle_floors).
+        # named here keeps its floor (_lower_stale_floors).
         self._memory_of: dict[int, int | None] = {}
+        # A sharer was released since the last reclaim: its addresses may still map a
+        # source's allocations, which the core then counts as shared (_settle_floors).
+        self._released_sharer_addresses = False
 
     # -- the spans -----------------------------------------------------------------------
     def _whole_chunks(self, q: int, num_tokens: int) -> tuple[int, int]:
@@ -209,6 +212,7 @@ class PrefixSharing:
         self.arena._handle.decommit_ranges(
             self._release_ranges(base, base + self.seq_bytes, dst), False
         )
+        self._released_sharer_addresses = True
 
     def _set_floor(self, q: int, tokens: int) -> None:
         self._floors[q] = tokens
@@ -237,13 +241,11 @@ class PrefixSharing:
             if source == q:
                 self._memory_of[d] = upstream
 
-    def _settle_floors(self) -> None:
+    def _lower_stale_floors(self) -> bool:
         """Lowers the floor of every source whose sharers were all released: its shared
-        chunks are its own again (its floor drops to what it holds as a dst itself).
-        The released sharers' addresses are reclaimed first, so that the core does not
-        count that memory as mapped twice either. Done lazily, before an operation a
-        floor refuses (sleep, offload, release with keep_tokens, shrink), so that a
-        release never waits for the device. Caller holds the lock."""
+        chunks are its own again (its floor drops to what it holds as a dst itself), so
+        writes into its first tokens land from the next dispatch on. Returns whether a
+        floor dropped. Caller holds the lock."""
         sources = {q for q in self._memory_of.values() if q is not None}
         own = {q: r["tokens"] for q, r in self._shares.items()}
         stale = [
@@ -251,11 +253,20 @@ class PrefixSharing:
             for q in np.flatnonzero(self._floors)
             if q not in sources and self._floors[q] > own.get(int(q), 0)
         ]
-        if not stale:
-            return
-        self.arena.reclaim()
         for q in stale:
             self._set_floor(q, own.get(q, 0))
+        return bool(stale)
+
+    def _settle_floors(self) -> None:
+        """Before an operation that moves memory or releases it by part (sleep, offload,
+        release with keep_tokens, shrink): reclaims the addresses of the sharers released
+        since the last call, so that the core holds each source allocation at one
+        address again and allows it. Kept out of release itself, so that a release never
+        waits for the device. Caller holds the lock."""
+        self._lower_stale_floors()
+        if self._released_sharer_addresses:
+            self.arena.reclaim()
+            self._released_sharer_addresses = False
 
     def release(
         self,
@@ -275,7 +286,10 @@ class PrefixSharing:
             )
         released = super().release(seq, wait=wait, reuse=reuse, keep_tokens=keep_tokens)
         with self._lock:
+            was_sharer = int(q) in self._shares
             self._forget_share(int(q))
+            if self._lower_stale_floors() or was_sharer:
+                self._released_sharer_addresses = not wait
         return released
 
     def shrink(self, num_tokens: int, *, wait: bool = False) -> int:

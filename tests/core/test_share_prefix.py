@@ -10,6 +10,7 @@ The write protection is shown necessary with ``jax_vmm.testing.shared_writes_all
 from __future__ import annotations
 
 import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -347,9 +348,9 @@ def test_every_kernel_reads_a_shared_prefix_as_a_private_copy(vm, dtype, impl):
 
 
 def _state(kv):
-    # Released aliases are unmapped by the reclaimer thread; on a GPU arena that defers its
-    # zeros that leaves no mapping, so a raw read racing it fails: settle first.
-    kv.arena.reclaim()
+    """What a refused call must leave as it was. Its raw read of the buffers must not race
+    a release still being reclaimed: on a GPU arena that defers its zeros, an unmapped
+    alias leaves no mapping to read."""
     s = kv.stats()
     return (
         s["backed_bytes"],
@@ -432,10 +433,10 @@ def test_a_share_the_budget_refuses_leaves_the_source_as_it_was(vm):
     before = _state(kv)
     with pytest.raises(jax_vmm.OutOfMemoryError, match="budget"):
         kv.share_prefix(0, 1, 2 * tpc + tpc // 2)  # maps 2 chunks, then needs a third
+    kv.offload(0)  # at once: it reclaims the undone share's addresses first
+    kv.restore(0).wait()
     assert _state(kv) == before
     assert budget.stats()["used_bytes"] == held
-    kv.offload(0)
-    kv.restore(0).wait()
     kv.sleep()
     kv.wake()
     np.testing.assert_array_equal(_seq_tokens(kv, 0)[:, :, :n], data)
@@ -446,11 +447,61 @@ def test_a_share_the_budget_refuses_leaves_the_source_as_it_was(vm):
     assert budget.stats()["used_bytes"] == 0
 
 
+def _device_busy_for(kv, faults, seconds: float) -> threading.Thread:
+    """The arena's device waits block for ``seconds`` from now (another thread holds the
+    device), so released addresses wait for the reclaimer meanwhile."""
+    entered = threading.Event()
+
+    def hold() -> None:
+        with faults.hold_device(kv):
+            entered.set()
+            time.sleep(seconds)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    entered.wait()
+    return holder
+
+
+def test_a_source_is_not_refused_for_addresses_still_to_be_reclaimed(host_vm, faults):
+    """A released sharer's addresses are unmapped by the reclaimer after a device wait;
+    until then the core counts the source's chunks as mapped twice and refuses to move
+    them. The source's floor drops at the release, and its offload, sleep and shrink
+    reclaim those addresses first instead of refusing ("mapped at several addresses").
+    The host defers its releases here as CUDA does (faults.defer_reclaim), with the device
+    held busy for a moment, so the reclaim is still to come when offload is called."""
+    tpc = host_vm.chunk // (H * D * 4)
+    kv, _ = _kv(host_vm)
+    faults.defer_reclaim(kv)
+    n = 3 * tpc + tpc // 4
+    data = _tokens(kv, n, seed=3)
+    kv.ensure(n, 0)
+    _write(kv, 0, 0, data)
+    kv.share_prefix(0, 1, 2 * tpc)
+    holder = _device_busy_for(kv, faults, 0.3)
+    try:
+        s0 = kv.arena.stats()
+        kv.release(1)
+        s1 = kv.arena.stats()
+        assert s1["deferred_releases"] > s0["deferred_releases"]  # left to the reclaimer,
+        assert s1["reclaim_syncs"] == s0["reclaim_syncs"]  # which waits for the device
+        assert kv.stats()["sharing_seqs"] == []
+        kv.offload(0)
+    finally:
+        holder.join()
+    kv.restore(0).wait()
+    kv.sleep()
+    kv.wake()
+    kv.shrink(tpc)
+    np.testing.assert_array_equal(_seq_tokens(kv, 0)[:, :, :tpc], data[:, :, :tpc])
+
+
 def test_a_source_whose_sharers_were_released_is_its_own_again(vm):
     """Once every sequence that maps src's chunks is released, src is refused nothing a
-    sequence that never shared is allowed: offload and restore, sleep and wake, writes
-    into its first tokens. A sharer of a sharer keeps src's floor: it maps src's chunks
-    through the sequence it shared from, even after that one is released."""
+    sequence that never shared is allowed: writes into its first tokens (at once, before
+    any call that reclaims the sharers' addresses), offload and restore, sleep and wake.
+    A sharer of a sharer keeps src's floor: it maps src's chunks through the sequence it
+    shared from, even after that one is released."""
     kv, tpc = _kv(vm)
     n = 2 * tpc + tpc // 2
     data = _tokens(kv, n, seed=4)
@@ -464,16 +515,17 @@ def test_a_source_whose_sharers_were_released_is_its_own_again(vm):
         kv.offload(0)  # sequence 2 still maps 0's first two chunks
     assert kv.stats()["sharing_seqs"] == [0, 2]
     kv.release(2)
+    assert kv.stats()["sharing_seqs"] == []
+    again = _tokens(kv, 4, seed=5)
+    _write(kv, 0, 0, again)  # its first tokens are writable again, at once
+    kv.check()  # (raises if the write was dropped as a write into a shared prefix)
+    data[:, :, :4] = again
     kv.offload(0)
     kv.restore(0).wait()
     kv.sleep()
     kv.wake()
     assert kv.stats()["sharing_seqs"] == []
     np.testing.assert_array_equal(_seq_tokens(kv, 0)[:, :, :n], data)
-    again = _tokens(kv, 4, seed=5)
-    _write(kv, 0, 0, again)  # its first tokens are writable again
-    kv.check()
-    np.testing.assert_array_equal(_seq_tokens(kv, 0)[:, :, :4], again)
 
 
 def test_sequences_at_different_chunk_offsets_are_refused(vm):
@@ -625,5 +677,5 @@ def test_the_tables_the_kernels_read_stay_apart(host_vm):
     check([tpc, 0, tpc + 3, 0, 0])
     kv.release(1)
     kv.release(2)
-    check([tpc, 0, 0, 0, 0])
+    check([0, 0, 0, 0, 0])  # the last sharer gone, its source's floor drops at once
     assert list(kv._core_cache.limits()) == [tpc + 3, 0, 0, 0, 2 * tpc - 1]
