@@ -45,10 +45,11 @@ class PrefixSharing:
         self._shares: dict[int, dict[str, int]] = {}
         # Per dst of a share in place: the sequence whose memory it maps (its src; once
         # that is released, the src's own source; None when there is none). A sequence
-        # named here keeps its floor (_lower_stale_floors).
+        # named here keeps its floor (_lower_stale_floors, at each sharer's release).
         self._memory_of: dict[int, int | None] = {}
         # A sharer was released since the last reclaim: its addresses may still map a
-        # source's allocations, which the core then counts as shared (_settle_floors).
+        # source's allocations, which the core then counts as shared
+        # (_reclaim_released_sharers).
         self._released_sharer_addresses = False
 
     # -- the spans -----------------------------------------------------------------------
@@ -221,13 +222,15 @@ class PrefixSharing:
     # -- what sharing forbids --------------------------------------------------------------
     def _refuse_if_shared(self, q: int, op: str, what: str) -> None:
         with self._lock:
-            self._settle_floors()
-            floor = int(self._floors[q])
-        if floor:
-            raise ValueError(
-                f"{op}: sequence {q} shares its first {floor} tokens with another sequence "
-                f"(kv.share_prefix); {what}"
-            )
+            self._reclaim_released_sharers()
+            if self._floors[q]:
+                raise self._shared_error(q, op, what)
+
+    def _shared_error(self, q: int, op: str, what: str) -> ValueError:
+        return ValueError(
+            f"{op}: sequence {q} shares its first {int(self._floors[q])} tokens with another "
+            f"sequence (kv.share_prefix); {what}"
+        )
 
     def _forget_share(self, q: int) -> None:
         """After q's memory is released: its tokens are writable again (it holds none).
@@ -257,13 +260,12 @@ class PrefixSharing:
             self._set_floor(q, own.get(q, 0))
         return bool(stale)
 
-    def _settle_floors(self) -> None:
+    def _reclaim_released_sharers(self) -> None:
         """Before an operation that moves memory or releases it by part (sleep, offload,
         release with keep_tokens, shrink): reclaims the addresses of the sharers released
         since the last call, so that the core holds each source allocation at one
         address again and allows it. Kept out of release itself, so that a release never
         waits for the device. Caller holds the lock."""
-        self._lower_stale_floors()
         if self._released_sharer_addresses:
             self.arena.reclaim()
             self._released_sharer_addresses = False
@@ -288,22 +290,22 @@ class PrefixSharing:
         with self._lock:
             was_sharer = int(q) in self._shares
             self._forget_share(int(q))
-            if self._lower_stale_floors() or was_sharer:
+            if was_sharer:  # only a sharer's release leaves a source's floor stale
+                self._lower_stale_floors()
                 self._released_sharer_addresses = not wait
         return released
 
     def shrink(self, num_tokens: int, *, wait: bool = False) -> int:
         n = self._check_tokens(num_tokens, "KVArena.shrink")
         with self._lock:
-            self._settle_floors()
+            self._reclaim_released_sharers()
             over = np.flatnonzero(self._floors > n)
             if over.size:
-                q = int(over[0])
-                raise ValueError(
-                    f"KVArena.shrink: sequence {q} shares its first {int(self._floors[q])} "
-                    "tokens with another sequence (kv.share_prefix); shrink to at least "
-                    f"{int(self._floors.max())} tokens, or release the sequences that share "
-                    "first"
+                raise self._shared_error(
+                    int(over[0]),
+                    "KVArena.shrink",
+                    f"shrink to at least {int(self._floors.max())} tokens, or release the "
+                    "sequences that share first",
                 )
             return super().shrink(num_tokens, wait=wait)
 
@@ -318,7 +320,7 @@ class PrefixSharing:
 
     def sleep(self, keep: str = "host") -> None:
         with self._lock:
-            self._settle_floors()
+            self._reclaim_released_sharers()
             sharing = np.flatnonzero(self._floors)
         if sharing.size:
             raise ValueError(

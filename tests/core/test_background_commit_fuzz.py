@@ -136,8 +136,8 @@ class _Fuzz:
 
     def shares_memory(self, q: int | None = None) -> bool:
         """Whether sequence q (None: any) maps memory another one maps too: the dst of a
-        share in place, or a source one maps. A floor its sharers' releases left behind
-        does not count: the arena lowers it at the call (KVArena._settle_floors)."""
+        share in place, or a source one maps. A source whose sharers were all released
+        does not count: its floor dropped at the last release (KVArena._lower_stale_floors)."""
         kv = self.kv
         shared = set(kv._shares) | {s for s in kv._memory_of.values() if s is not None}
         return bool(shared) if q is None else q in shared
