@@ -478,7 +478,7 @@ def test_a_source_is_not_refused_for_addresses_still_to_be_reclaimed(host_vm, fa
     kv.ensure(n, 0)
     _write(kv, 0, 0, data)
     kv.share_prefix(0, 1, 2 * tpc)
-    holder = _device_busy_for(kv, faults, 0.3)
+    holder = _device_busy_for(kv, faults, 1.0)
     try:
         s0 = kv.arena.stats()
         kv.release(1)
@@ -486,6 +486,8 @@ def test_a_source_is_not_refused_for_addresses_still_to_be_reclaimed(host_vm, fa
         assert s1["deferred_releases"] > s0["deferred_releases"]  # left to the reclaimer,
         assert s1["reclaim_syncs"] == s0["reclaim_syncs"]  # which waits for the device
         assert kv.stats()["sharing_seqs"] == []
+        # Still unreclaimed as offload begins (else this would pass without its reclaim).
+        assert kv.arena.stats()["reclaim_syncs"] == s0["reclaim_syncs"]
         kv.offload(0)
     finally:
         holder.join()
