@@ -138,8 +138,8 @@ def variants_for(fp8: bool, extra: str) -> dict[str, Callable]:
                 q, k, v, n, k_scale=ks, v_scale=vs, impl="stream_tma"
             ),
         }
-        if extra == "big":  # CTAs per SM and ring depth: fp8 tiles carry half the bytes
-            for per, stages in ((1, 0), (3, 0), (4, 0), (2, 3), (2, 4), (3, 3), (4, 2)):
+        if extra == "big":  # CTAs per SM and ring depth (a 32-token fp8 slot is 32 KiB)
+            for per, stages in ((1, 0), (2, 0), (3, 0), (1, 4), (2, 2), (2, 3), (3, 2)):
                 v[f"fp8_stream_c{per}" + (f"s{stages}" if stages else "")] = (
                     lambda c, s: (
                         lambda q, k, v, n, ks, vs: decode_attention_tuned(

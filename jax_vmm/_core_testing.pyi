@@ -126,7 +126,7 @@ def legacy_view(arena: object, buffer_id: int, shape: Sequence[int], code: int, 
     Arena.view as it was before view leases (GIL-taking deleter, no lease).
     """
 
-def attention_stream_partition(lengths: Sequence[int], max_tokens: int, unit_groups: int, ctas: int, min_tiles: int) -> list:
+def attention_stream_partition(lengths: Sequence[int], max_tokens: int, unit_groups: int, ctas: int, min_tiles: int, tile_tokens: int = ...) -> list:
     """
     Per CTA, the pieces (b, hg, first_tile, tiles, slot or -1 for a whole unit, first_owner, last_owner) of the streaming kernel's partition.
     """

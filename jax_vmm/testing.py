@@ -639,13 +639,25 @@ def decode_attention(
 
 
 def stream_partition(
-    lengths: Any, max_tokens: int, unit_groups: int, ctas: int, min_tiles: int
+    lengths: Any,
+    max_tokens: int,
+    unit_groups: int,
+    ctas: int,
+    min_tiles: int,
+    tile_tokens: int = 16,
 ) -> list[list[tuple[int, ...]]]:
     """The streaming attention kernel's partition as the kernel computes it
     (ffi/src/ops/attention/stream_plan.h): per working CTA, its pieces as tuples (b, hg,
-    first_tile, tiles, slot or -1 for a whole unit, first_owner, last_owner)."""
+    first_tile, tiles, slot or -1 for a whole unit, first_owner, last_owner), for tiles of
+    ``tile_tokens`` tokens (the plan's ``tile_tokens``: 16, or 32 for K/V rows of at most
+    128 bytes)."""
     parts = _testing.attention_stream_partition(
-        [int(n) for n in lengths], int(max_tokens), int(unit_groups), int(ctas), int(min_tiles)
+        [int(n) for n in lengths],
+        int(max_tokens),
+        int(unit_groups),
+        int(ctas),
+        int(min_tiles),
+        int(tile_tokens),
     )
     return [list(pieces) for pieces in parts]
 

@@ -465,7 +465,8 @@ def stream_attention_plan(
     """Plan of the streaming kernel (ffi/src/ops/attention/stream_plan.h): ``ctas`` (grid
     size; by default 2 per SM, 1 for 16-bit head_dim 256, 3 for fp8 head_dim <= 128; the
     CPU model uses 16),
-    ``head_group``, ``unit_groups``, ``min_tiles``, ``workspace_bytes`` and
+    ``head_group``, ``unit_groups``, ``min_tiles``, ``tile_tokens`` (tokens per tile: 16, or
+    32 for K/V rows of at most 128 bytes), ``workspace_bytes`` and
     ``unsupported`` (why the shape cannot be served, or ""). ``parallel_units``: the SM
     count to plan for (0: the CPU model); default JAX's default device."""
     if parallel_units is None:

@@ -104,6 +104,36 @@ def test_forced_partitions(device, ctas, min_tiles):
         assert_close(out, ref, BF16, f"ctas={ctas} min_tiles={min_tiles} {impl}")
 
 
+@pytest.mark.parametrize("storage", ["fp8", "bf16"])
+@pytest.mark.parametrize("ctas,min_tiles", [(0, 0), (5, 1), (1, 1)])
+def test_lengths_at_the_edges_of_32_token_tiles(device, storage, ctas, min_tiles):
+    """K/V rows of <= 128 bytes (fp8 at head_dim 128, 16-bit at 64) stream in tiles of 32
+    tokens, two tensor-core tiles each: lengths on either side of 16, 32 and 48 mask the
+    right rows of each half, and pieces that start and end mid-unit combine."""
+    D = 128 if storage == "fp8" else 64
+    lengths = np.array([15, 16, 17, 31, 32, 33, 47, 48, 49, 64, 1, 0], np.int32)
+    B, T, Hq, Hkv = len(lengths), 64, 8, 2
+    plan = stream_attention_plan(B, T, Hq, Hkv, D, fp8=storage == "fp8", parallel_units=0)
+    assert plan["tile_tokens"] == 32
+    rng = np.random.default_rng(ctas * 7 + min_tiles)
+    knobs = dict(ctas=ctas, min_tiles=min_tiles)
+    impls = ("stream", "stream_combine", "stream_tma")
+    if storage == "fp8":
+        (q, k, v, ks, vs), (q64, k64, v64) = fp8_inputs(rng, B, T, Hq, Hkv, D, BF16)
+        q, k, v, ks, vs, lens = on(device, q, k, v, ks, vs, jnp.asarray(lengths))
+        ref = reference(q64, k64, v64, lengths)
+        for impl in impls:
+            out = decode_attention_tuned(q, k, v, lens, k_scale=ks, v_scale=vs, impl=impl, **knobs)
+            close_fp8(out, ref, BF16, f"fp8 {impl} {knobs}")
+    else:
+        (q, k, v), (q64, k64, v64) = random_inputs(rng, B, T, Hq, Hkv, D, BF16)
+        q, k, v, lens = on(device, q, k, v, jnp.asarray(lengths))
+        ref = reference(q64, k64, v64, lengths)
+        for impl in impls:
+            out = decode_attention_tuned(q, k, v, lens, impl=impl, **knobs)
+            assert_close(out, ref, BF16, f"bf16 {impl} {knobs}")
+
+
 @pytest.mark.parametrize(
     "shape",
     [(3, 300, 8, 2, 128), (2, 70, 4, 4, 64), (2, 50, 16, 2, 256), (2, 90, 8, 1, 64)],
@@ -187,6 +217,7 @@ def test_matches_the_split_kernel(device):
 # -- partition and plan ------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("tile_tokens", [16, 32])
 @pytest.mark.parametrize(
     "lengths,groups,ctas,min_tiles",
     [
@@ -198,9 +229,11 @@ def test_matches_the_split_kernel(device):
         ([16 * 9] * 3, 3, 4, 1),
     ],
 )
-def test_partition_covers_every_tile_once_with_balanced_ctas(lengths, groups, ctas, min_tiles):
-    parts = jax_vmm.testing.stream_partition(lengths, 8192, groups, ctas, min_tiles)
-    tiles = [math.ceil(n / 16) for n in lengths]
+def test_partition_covers_every_tile_once_with_balanced_ctas(
+    lengths, groups, ctas, min_tiles, tile_tokens
+):
+    parts = jax_vmm.testing.stream_partition(lengths, 8192, groups, ctas, min_tiles, tile_tokens)
+    tiles = [math.ceil(n / tile_tokens) for n in lengths]
     covered = {}
     per_cta = []
     for c, pieces in enumerate(parts):
@@ -236,6 +269,17 @@ def test_plan_and_workspace():
     # fp8 rows of <= 128 bytes: three CTAs per SM
     assert stream_attention_plan(32, 8192, 32, 8, 128, parallel_units=132, fp8=True)["ctas"] == 396
     assert stream_attention_plan(32, 8192, 32, 8, 64, parallel_units=132, fp8=True)["ctas"] == 396
+    # tiles of 32 tokens for K/V rows of <= 128 bytes, else 16 (the same bytes per ring tile)
+    for D, fp8, want in [(128, False, 16), (256, False, 16), (64, False, 32), (64, True, 32)]:
+        for units in (0, 132):
+            p = stream_attention_plan(4, 1024, 8, 8, D, parallel_units=units, fp8=fp8)
+            assert p["tile_tokens"] == want, (D, fp8, units)
+    assert (
+        stream_attention_plan(4, 1024, 8, 8, 128, fp8=True, parallel_units=0)["tile_tokens"] == 32
+    )
+    assert (
+        stream_attention_plan(4, 1024, 8, 8, 256, fp8=True, parallel_units=0)["tile_tokens"] == 16
+    )
     assert stream_attention_plan(2000, 64, 8, 8, 64, parallel_units=132)["unsupported"]
     assert stream_attention_plan(4, 64, 8, 8, 64, parallel_units=132, ctas=9)["ctas"] == 9
 

@@ -19,6 +19,11 @@ import pytest
 CONFIGS = [(2, 64), (2, 128), (2, 256), (1, 64), (1, 128), (1, 256)]  # (bytes per element, D)
 
 
+def tile_rows(rb: int) -> int:
+    """Tokens per ring tile (stream_plan.h TileTokens): 32 for rows of <= 128 bytes."""
+    return 32 if rb <= 128 else 16
+
+
 def swizzle(row: int, rb: int) -> int:
     chunks = rb // 16
     return row & 7 if chunks >= 8 else (row >> 1) & 3
@@ -54,15 +59,16 @@ def wavefronts(accesses: list[tuple[int, int]]) -> int:
 @pytest.mark.parametrize("eb,D", CONFIGS, ids=lambda x: str(x))
 def test_swizzle_is_a_bijection_and_the_copy_lands_every_byte(eb, D):
     rb = D * eb
-    tile = np.full(16 * rb, -1)
-    for q in range(16 * rb // 16):  # the kernel's chunk loop: chunk q -> (row, col)
+    rows = tile_rows(rb)
+    tile = np.full(rows * rb, -1)
+    for q in range(rows * rb // 16):  # the kernel's chunk loop: chunk q -> (row, col)
         row, col = divmod(q, rb // 16)
         dst = ring_offset(row, col * 16, rb)
         assert tile[dst : dst + 16].max() == -1, "two chunks written to one place"
         tile[dst : dst + 16] = np.arange(16) + (row * rb + col * 16)
-    assert (np.sort(tile) == np.arange(16 * rb)).all()
+    assert (np.sort(tile) == np.arange(rows * rb)).all()
     # and every (row, byte) read through ring_offset finds that source byte
-    for row in range(16):
+    for row in range(rows):
         for byte in range(rb):
             assert tile[ring_offset(row, byte, rb)] == row * rb + byte
 
@@ -72,7 +78,7 @@ def test_qk_fragment_reads_are_conflict_free(eb, D):
     rb = D * eb
     width = 8 * eb  # 8 elements per lane-load
     for j in range(D // 32):
-        for rowsel in (0, 8):
+        for rowsel in range(0, tile_rows(rb), 8):  # rows grp, grp + 8 of each 16-token sub-tile
             acc = [
                 (ring_offset(grp + rowsel, (32 * j + 8 * tig) * eb, rb), width)
                 for _, grp, tig in lanes()
@@ -84,16 +90,21 @@ def test_qk_fragment_reads_are_conflict_free(eb, D):
 def test_pv_fragment_reads_are_conflict_free(eb, D):
     rb = D * eb
     width = 8 * eb
-    for x in range(D // 64):
-        for t4 in range(4):
-            acc = [
-                (
-                    ring_offset(2 * tig + (t4 & 1) + 8 * (t4 >> 1), (64 * x + 8 * grp) * eb, rb),
-                    width,
-                )
-                for _, grp, tig in lanes()
-            ]
-            assert wavefronts(acc) == 32 * width // 128, (x, t4, wavefronts(acc))
+    for sub in range(tile_rows(rb) // 16):
+        for x in range(D // 64):
+            for t4 in range(4):
+                acc = [  # rows 2 tig (+ 1, + 8, + 9) of the sub-tile
+                    (
+                        ring_offset(
+                            16 * sub + 2 * tig + (t4 & 1) + 8 * (t4 >> 1),
+                            (64 * x + 8 * grp) * eb,
+                            rb,
+                        ),
+                        width,
+                    )
+                    for _, grp, tig in lanes()
+                ]
+                assert wavefronts(acc) == 32 * width // 128, (sub, x, t4, wavefronts(acc))
 
 
 def test_wavefront_model_sees_a_conflict():
@@ -135,19 +146,24 @@ def padded_offset(row: int, byte: int, rb: int) -> int:
 def test_padded_rows_are_conflict_free(eb, D):
     rb, width = D * eb, 8 * eb
     for j in range(D // 32):
-        for rowsel in (0, 8):
+        for rowsel in range(0, tile_rows(rb), 8):
             acc = [
                 (padded_offset(grp + rowsel, (32 * j + 8 * tig) * eb, rb), width)
                 for _, grp, tig in lanes()
             ]
             assert wavefronts(acc) == 32 * width // 128, ("qk", j, rowsel)
-    for x in range(D // 64):
-        for t4 in range(4):
-            acc = [
-                (
-                    padded_offset(2 * tig + (t4 & 1) + 8 * (t4 >> 1), (64 * x + 8 * grp) * eb, rb),
-                    width,
-                )
-                for _, grp, tig in lanes()
-            ]
-            assert wavefronts(acc) == 32 * width // 128, ("pv", x, t4)
+    for sub in range(tile_rows(rb) // 16):
+        for x in range(D // 64):
+            for t4 in range(4):
+                acc = [
+                    (
+                        padded_offset(
+                            16 * sub + 2 * tig + (t4 & 1) + 8 * (t4 >> 1),
+                            (64 * x + 8 * grp) * eb,
+                            rb,
+                        ),
+                        width,
+                    )
+                    for _, grp, tig in lanes()
+                ]
+                assert wavefronts(acc) == 32 * width // 128, ("pv", sub, x, t4)

@@ -63,12 +63,14 @@ void BindAttention(nb::module_& m) {
          int64_t storage_bytes, int64_t sm_count, int64_t ctas, int64_t min_tiles) {
         const Shapes s = CheckedShapes(batch, max_tokens, q_heads, kv_heads, head_dim);
         const stream::Plan p = stream::MakeStreamPlan(
-            s, stream::DefaultCtas(sm_count, head_dim, storage_bytes), ctas, min_tiles);
+            s, storage_bytes, stream::DefaultCtas(sm_count, head_dim, storage_bytes), ctas,
+            min_tiles);
         nb::dict d;
         d["ctas"] = p.ctas;
         d["head_group"] = p.head_group;
         d["unit_groups"] = p.unit_groups;
         d["min_tiles"] = p.min_tiles;
+        d["tile_tokens"] = p.tile_tokens;
         d["workspace_bytes"] = p.workspace_bytes;
         d["unsupported"] = stream::Unsupported(s);
         return d;

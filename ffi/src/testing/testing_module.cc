@@ -283,13 +283,13 @@ void BindStreamPartition(nb::module_& m) {
   m.def(
       "attention_stream_partition",
       [](const std::vector<int64_t>& lengths, int64_t max_tokens, int64_t unit_groups, int64_t ctas,
-         int64_t min_tiles) {
+         int64_t min_tiles, int64_t tile_tokens) {
         namespace stream = attention::stream;
         const int B = static_cast<int>(lengths.size());
         std::vector<int> prefix(B + 1, 0);
         for (int b = 0; b < B; ++b) {
           const int len = static_cast<int>(std::clamp<int64_t>(lengths[b], 0, max_tokens));
-          prefix[b + 1] = prefix[b] + stream::TilesOf(len);
+          prefix[b + 1] = prefix[b] + stream::TilesOf(len, static_cast<int>(tile_tokens));
         }
         const int G = static_cast<int>(unit_groups);
         const int total = G * prefix[B];
@@ -314,7 +314,7 @@ void BindStreamPartition(nb::module_& m) {
         return out;
       },
       nb::arg("lengths"), nb::arg("max_tokens"), nb::arg("unit_groups"), nb::arg("ctas"),
-      nb::arg("min_tiles"),
+      nb::arg("min_tiles"), nb::arg("tile_tokens") = attention::stream::kTileTokens,
       "Per CTA, the pieces (b, hg, first_tile, tiles, slot or -1 for a whole unit, "
       "first_owner, last_owner) of the streaming kernel's partition.");
 }

@@ -67,14 +67,15 @@ struct Model {
     const int64_t kvh = hg * GB / G;
     const float ks = k_scale[kvh], vs = v_scale[kvh];
     std::vector<float> wm(kWarps * GB, kNegInf), wl(kWarps * GB, 0.f), wa(kWarps * GB * D, 0.f);
-    std::vector<float> qv(GB * D), s(kTileTokens);
+    const int tile_tokens = static_cast<int>(plan.tile_tokens);
+    std::vector<float> qv(GB * D), s(tile_tokens);
     for (int64_t h = 0; h < GB; ++h) {
       for (int64_t d = 0; d < D; ++d) qv[h * D + d] = Query(b, hg * GB + h, d);
     }
     for (int i = 0; i < count; ++i) {
       const int w = (local0 + i) % kWarps;
-      const int t0 = (tile0 + i) * kTileTokens;
-      const int n = std::min(kTileTokens, lens[b] - t0);
+      const int t0 = (tile0 + i) * tile_tokens;
+      const int n = std::min(tile_tokens, lens[b] - t0);
       for (int64_t h = 0; h < GB; ++h) {
         float mx = kNegInf;
         for (int r = 0; r < n; ++r) {
@@ -164,7 +165,8 @@ struct Model {
     const int B = static_cast<int>(sh.batch), HG = static_cast<int>(plan.unit_groups);
     const int64_t D = sh.head_dim, GB = plan.head_group;
     prefix.assign(B + 1, 0);
-    for (int b = 0; b < B; ++b) prefix[b + 1] = prefix[b] + TilesOf(lens[b]);
+    const int tile_tokens = static_cast<int>(plan.tile_tokens);
+    for (int b = 0; b < B; ++b) prefix[b + 1] = prefix[b] + TilesOf(lens[b], tile_tokens);
     const int total = HG * prefix[B];
     for (int b = 0; b < B; ++b) {
       if (lens[b] != 0) continue;
@@ -229,7 +231,7 @@ ffi::Error RunCpu(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi::A
     return e;
   }
   if (md.sh.batch == 0) return ffi::Error::Success();
-  md.plan = MakeStreamPlan(md.sh, kCpuCtas, attrs.ctas, attrs.min_tiles);
+  md.plan = MakeStreamPlan(md.sh, StorageBytes(md.kv), kCpuCtas, attrs.ctas, attrs.min_tiles);
   md.q_bf16 = q.element_type() == ffi::DataType::BF16;
   md.q = q.untyped_data();
   md.k = k.untyped_data();

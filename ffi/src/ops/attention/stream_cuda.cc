@@ -92,8 +92,9 @@ ffi::Error Prepare(int device, const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
   if (cudaError_t e = SmCount(device, &sms); e != cudaSuccess) {
     return CudaFailure("cudaDeviceGetAttribute(MultiProcessorCount)", e);
   }
-  call->plan = MakeStreamPlan(sh, DefaultCtas(sms, sh.head_dim, StorageBytes(kc.kv)), attrs.ctas,
-                              attrs.min_tiles);
+  const int64_t storage_bytes = StorageBytes(kc.kv);
+  call->plan = MakeStreamPlan(sh, storage_bytes, DefaultCtas(sms, sh.head_dim, storage_bytes),
+                              attrs.ctas, attrs.min_tiles);
   kc.q_bf16 = q.element_type() == ffi::DataType::BF16;
   kc.head_dim = static_cast<int>(sh.head_dim);
   kc.two_head_tiles = call->plan.head_group > 8;

@@ -3,14 +3,16 @@
 // StreamKernel<S, QT, D, NQT, kBulk> (S: storage type of K/V, QT: type of q and the
 // output, NQT: head tiles of 8 query heads, kBulk: tiles by bulk copies), in phases:
 //   1. lengths and tile prefix: each CTA reads the lengths and builds the prefix of
-//      16-token tiles per sequence in shared memory (Tables, stream_tables.cuh);
+//      tiles per sequence in shared memory (Tables, stream_tables.cuh); a tile is
+//      TileTokens(row bytes) tokens, 16 or 32 (stream_plan.h), so every ring tile carries
+//      the same bytes and short rows pay the per-tile work once per 32 tokens;
 //   2. zeros for empty sequences, spread over the grid;
 //   3. this CTA's equal share of all live tiles, whatever the lengths (stream_plan.h):
 //      each of the 4 warps streams its own tiles (w, w + 4, ... of the CTA's range)
 //      through a private ring of `stages` shared-memory slots (stream_ring.cuh: 16-byte
 //      cp.async into a swizzled ring, or bulk copies on mbarriers; nothing past a length
-//      is read), with no block barrier in the steady state. Per tile, QK^T and PV on
-//      tensor cores (mma.sync m16n8k16, fp32 accumulation) with the split kernel's
+//      is read), with no block barrier in the steady state. Per 16 tokens of a tile, QK^T
+//      and PV on tensor cores (mma.sync m16n8k16, fp32 accumulation) with the split kernel's
 //      fragment layout (attention_tensor_core.cuh: permuted reduction dimension for QK,
 //      byte-permuted token pairs for PV); online softmax in registers: the QK accumulator
 //      (tokens x heads) becomes the PV B operand with movmatrix.trans, so logits never go
@@ -62,12 +64,14 @@ __global__ void __launch_bounds__(kThreads) StreamKernel(const StreamParams p) {
   constexpr int kVChunks = D / 64;
   constexpr int kMTiles = D / 16;
   constexpr int RB = D * St::kBytes;  // bytes of one token row of one KV head
+  constexpr int kTile = TileTokens(RB);  // tokens per ring tile
+  constexpr int kSub = kTile / 16;       // 16-token tensor-core tiles per ring tile
   constexpr int kRowStride = kBulk ? RB + 16 : RB;
-  constexpr int kTileBytes = 16 * kRowStride;  // one K (or V) tile
+  constexpr int kTileBytes = kTile * kRowStride;  // one K (or V) tile
   constexpr int kChunksPerRow = RB / 16;
   constexpr int kRedStride = D + 4;
   static_assert(D % 64 == 0 && RB % 64 == 0, "head_dim must be a multiple of 64");
-  static_assert(RB % 32 == 0, "tile chunks must split evenly over a warp");
+  static_assert(kTile * RB % 512 == 0, "tile chunks must split evenly over a warp");
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, grp = lane >> 2, tig = lane & 3;
   const int B = p.batch, HG = p.unit_groups, GB = p.head_group;
@@ -96,7 +100,7 @@ __global__ void __launch_bounds__(kThreads) StreamKernel(const StreamParams p) {
     const int b = threadIdx.x * per + i;
     if (b < B) {
       lens[b] = kernels::LiveLength(p.lengths, b, p.max_tokens);
-      mine += TilesOf(lens[b]);
+      mine += TilesOf(lens[b], kTile);
     }
   }
   int incl = mine;  // inclusive scan over the warp
@@ -114,7 +118,7 @@ __global__ void __launch_bounds__(kThreads) StreamKernel(const StreamParams p) {
       const int b = threadIdx.x * per + i;
       if (b < B) {
         prefix[b] = run;
-        run += TilesOf(lens[b]);
+        run += TilesOf(lens[b], kTile);
       }
     }
     if (threadIdx.x == kThreads - 1) prefix[B] = run;
@@ -142,12 +146,12 @@ __global__ void __launch_bounds__(kThreads) StreamKernel(const StreamParams p) {
   const uint8_t* vbytes = static_cast<const uint8_t*>(p.v);
 
   // Copies tile c (or, past the end, nothing) into ring slot `slot` (cp.async: one commit
-  // group each; bulk: one copy per live row, lanes 0-15 K and 16-31 V, rows past the
-  // length zeroed, the slot's barrier expecting the bytes).
+  // group each; bulk: one copy per live row, lanes 0-15 K rows and 16-31 V rows, each lane
+  // every 16th row, rows past the length zeroed, the slot's barrier expecting the bytes).
   auto issue = [&](const Cursor& c, bool valid, int slot) {
     if (valid) {
-      const int t0 = c.tile * kTileTokens;
-      const int n = min(kTileTokens, lens[c.b] - t0);
+      const int t0 = c.tile * kTile;
+      const int n = min(kTile, lens[c.b] - t0);
       const int kvh = c.hg * GB / p.group;
       const int64_t base = (static_cast<int64_t>(c.b) * p.max_tokens + t0) * tstride +
                            static_cast<int64_t>(kvh) * RB;
@@ -155,19 +159,24 @@ __global__ void __launch_bounds__(kThreads) StreamKernel(const StreamParams p) {
       if constexpr (kBulk) {
         if (lane == 0) MbarArriveExpectTx(bars + slot, 2u * n * RB);
         __syncwarp();
-        const int row = lane & 15;
         const bool is_v = lane >= 16;
-        uint8_t* d = dst + (is_v ? kTileBytes : 0) + row * kRowStride;
-        if (row < n) {
-          BulkCopy(d, (is_v ? vbytes : kbytes) + base + row * tstride, RB, bars + slot);
-        } else {
 #pragma unroll
-          for (int i = 0; i < RB / 16; ++i) reinterpret_cast<uint4*>(d)[i] = make_uint4(0, 0, 0, 0);
-          FenceProxyAsync();
+        for (int h = 0; h < kSub; ++h) {
+          const int row = 16 * h + (lane & 15);
+          uint8_t* d = dst + (is_v ? kTileBytes : 0) + row * kRowStride;
+          if (row < n) {
+            BulkCopy(d, (is_v ? vbytes : kbytes) + base + row * tstride, RB, bars + slot);
+          } else {
+#pragma unroll
+            for (int i = 0; i < RB / 16; ++i) {
+              reinterpret_cast<uint4*>(d)[i] = make_uint4(0, 0, 0, 0);
+            }
+            FenceProxyAsync();
+          }
         }
       } else {
 #pragma unroll
-        for (int i = 0; i < RB / 32; ++i) {
+        for (int i = 0; i < kTile * RB / 512; ++i) {
           const int q = lane + 32 * i;  // chunk q of the tile: consecutive lanes, consecutive bytes
           const int row = q / kChunksPerRow, col = q % kChunksPerRow;
           const bool live = row < n;
@@ -236,44 +245,59 @@ __global__ void __launch_bounds__(kThreads) StreamKernel(const StreamParams p) {
 
       const uint8_t* ks = ring + cslot * 2 * kTileBytes;
       const uint8_t* vs = ks + kTileBytes;
-      const int n = min(kTileTokens, lens[b] - cc.tile * kTileTokens);
+      const int n = min(kTile, lens[b] - cc.tile * kTile);
 
-      // QK: logits (16 tokens x 8 heads per n-tile).
-      float sc[NQT][4];
+      // QK: logits (16 tokens x 8 heads per sub-tile and n-tile).
+      float sc[kSub][NQT][4];
 #pragma unroll
-      for (int nt = 0; nt < NQT; ++nt) sc[nt][0] = sc[nt][1] = sc[nt][2] = sc[nt][3] = 0.f;
-#pragma unroll
-      for (int j = 0; j < kKBlocks; ++j) {
-        const int byte = (32 * j + 8 * tig) * St::kBytes;
-        const uint4 ka = St::Load8(ks + TileOffset<RB, kBulk>(grp, byte));
-        const uint4 kb = St::Load8(ks + TileOffset<RB, kBulk>(grp + 8, byte));
+      for (int s = 0; s < kSub; ++s) {
 #pragma unroll
         for (int nt = 0; nt < NQT; ++nt) {
-          TC::Mma(sc[nt], ka.x, kb.x, ka.y, kb.y, qf[nt][j][0], qf[nt][j][1]);
-          TC::Mma(sc[nt], ka.z, kb.z, ka.w, kb.w, qf[nt][j][2], qf[nt][j][3]);
+          sc[s][nt][0] = sc[s][nt][1] = sc[s][nt][2] = sc[s][nt][3] = 0.f;
+        }
+#pragma unroll
+        for (int j = 0; j < kKBlocks; ++j) {
+          const int byte = (32 * j + 8 * tig) * St::kBytes;
+          const uint4 ka = St::Load8(ks + TileOffset<RB, kBulk>(16 * s + grp, byte));
+          const uint4 kb = St::Load8(ks + TileOffset<RB, kBulk>(16 * s + grp + 8, byte));
+#pragma unroll
+          for (int nt = 0; nt < NQT; ++nt) {
+            TC::Mma(sc[s][nt], ka.x, kb.x, ka.y, kb.y, qf[nt][j][0], qf[nt][j][1]);
+            TC::Mma(sc[s][nt], ka.z, kb.z, ka.w, kb.w, qf[nt][j][2], qf[nt][j][3]);
+          }
         }
       }
 
-      // Online softmax in registers; rows at or past n are masked (their K/V are zeros).
-      const bool live0 = grp < n, live1 = grp + 8 < n;
-      uint32_t pb[NQT][2];
+      // Online softmax in registers, one rescale per ring tile; rows at or past n are
+      // masked (their K/V are zeros).
+      uint32_t pb[kSub][NQT][2];
 #pragma unroll
       for (int nt = 0; nt < NQT; ++nt) {
-        float pr[4], alpha[2];
+        float pr[kSub][4], alpha[2];
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          const float s0 = live0 ? sc[nt][e] * lscale[nt][e] : -INFINITY;
-          const float s1 = live1 ? sc[nt][2 + e] * lscale[nt][e] : -INFINITY;
-          float mx = fmaxf(s0, s1);
+          float sv[kSub][2];
+          float mx = -INFINITY;
+#pragma unroll
+          for (int s = 0; s < kSub; ++s) {
+            sv[s][0] = 16 * s + grp < n ? sc[s][nt][e] * lscale[nt][e] : -INFINITY;
+            sv[s][1] = 16 * s + grp + 8 < n ? sc[s][nt][2 + e] * lscale[nt][e] : -INFINITY;
+            mx = fmaxf(mx, fmaxf(sv[s][0], sv[s][1]));
+          }
           mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
           mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
           mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
           const float m_new = fmaxf(mrun[nt][e], mx);  // finite: row 0 of a tile is live
           alpha[e] = exp2f(mrun[nt][e] - m_new);       // 0 on the first tile
           mrun[nt][e] = m_new;
-          pr[e] = exp2f(s0 - m_new);
-          pr[2 + e] = exp2f(s1 - m_new);
-          lrun[nt][e] = lrun[nt][e] * alpha[e] + pr[e] + pr[2 + e];
+          float sum = 0.f;
+#pragma unroll
+          for (int s = 0; s < kSub; ++s) {
+            pr[s][e] = exp2f(sv[s][0] - m_new);
+            pr[s][2 + e] = exp2f(sv[s][1] - m_new);
+            sum += pr[s][e] + pr[s][2 + e];
+          }
+          lrun[nt][e] = lrun[nt][e] * alpha[e] + sum;
         }
 #pragma unroll
         for (int mt = 0; mt < kMTiles; ++mt) {
@@ -283,27 +307,34 @@ __global__ void __launch_bounds__(kThreads) StreamKernel(const StreamParams p) {
           acc[nt][mt][3] *= alpha[1];
         }
         // (token grp, heads 2tig..) -> (head grp, tokens 2tig..): the PV B fragment.
-        pb[nt][0] = MoveTransposed(TC::Pack(pr[0], pr[1]));
-        pb[nt][1] = MoveTransposed(TC::Pack(pr[2], pr[3]));
+#pragma unroll
+        for (int s = 0; s < kSub; ++s) {
+          pb[s][nt][0] = MoveTransposed(TC::Pack(pr[s][0], pr[s][1]));
+          pb[s][nt][1] = MoveTransposed(TC::Pack(pr[s][2], pr[s][3]));
+        }
       }
 
-      // PV: O^T += V^T P^T (m = 16 dims, n = 8 heads, k = 16 tokens).
+      // PV: O^T += V^T P^T (m = 16 dims, n = 8 heads, k = 16 tokens per sub-tile).
 #pragma unroll
-      for (int x = 0; x < kVChunks; ++x) {
-        const int byte = (64 * x + 8 * grp) * St::kBytes;
-        const uint4 w0 = St::Load8(vs + TileOffset<RB, kBulk>(2 * tig, byte));      // token 2tig
-        const uint4 w1 = St::Load8(vs + TileOffset<RB, kBulk>(2 * tig + 1, byte));  // 2tig + 1
-        const uint4 w2 = St::Load8(vs + TileOffset<RB, kBulk>(2 * tig + 8, byte));  // 2tig + 8
-        const uint4 w3 = St::Load8(vs + TileOffset<RB, kBulk>(2 * tig + 9, byte));  // 2tig + 9
+      for (int s = 0; s < kSub; ++s) {
+        const int r = 16 * s + 2 * tig;
 #pragma unroll
-        for (int i2 = 0; i2 < 4; ++i2) {
-          const uint32_t a0 = __byte_perm(Word(w0, i2), Word(w1, i2), 0x5410u);  // dim d
-          const uint32_t a1 = __byte_perm(Word(w0, i2), Word(w1, i2), 0x7632u);  // dim d + 1
-          const uint32_t a2 = __byte_perm(Word(w2, i2), Word(w3, i2), 0x5410u);
-          const uint32_t a3 = __byte_perm(Word(w2, i2), Word(w3, i2), 0x7632u);
+        for (int x = 0; x < kVChunks; ++x) {
+          const int byte = (64 * x + 8 * grp) * St::kBytes;
+          const uint4 w0 = St::Load8(vs + TileOffset<RB, kBulk>(r, byte));      // token 2tig
+          const uint4 w1 = St::Load8(vs + TileOffset<RB, kBulk>(r + 1, byte));  // 2tig + 1
+          const uint4 w2 = St::Load8(vs + TileOffset<RB, kBulk>(r + 8, byte));  // 2tig + 8
+          const uint4 w3 = St::Load8(vs + TileOffset<RB, kBulk>(r + 9, byte));  // 2tig + 9
 #pragma unroll
-          for (int nt = 0; nt < NQT; ++nt)
-            TC::Mma(acc[nt][4 * x + i2], a0, a1, a2, a3, pb[nt][0], pb[nt][1]);
+          for (int i2 = 0; i2 < 4; ++i2) {
+            const uint32_t a0 = __byte_perm(Word(w0, i2), Word(w1, i2), 0x5410u);  // dim d
+            const uint32_t a1 = __byte_perm(Word(w0, i2), Word(w1, i2), 0x7632u);  // dim d + 1
+            const uint32_t a2 = __byte_perm(Word(w2, i2), Word(w3, i2), 0x5410u);
+            const uint32_t a3 = __byte_perm(Word(w2, i2), Word(w3, i2), 0x7632u);
+#pragma unroll
+            for (int nt = 0; nt < NQT; ++nt)
+              TC::Mma(acc[nt][4 * x + i2], a0, a1, a2, a3, pb[s][nt][0], pb[s][nt][1]);
+          }
         }
       }
       __syncwarp();  // every lane is done with this slot before it is refilled

@@ -19,14 +19,14 @@ namespace {
 // Merges the split units after StreamKernel (combine = kCombineKernel): one block per
 // unit (grid (unit_groups, batch)); units finished inside one CTA (and empty sequences)
 // were written already. `grid`: the StreamKernel's grid size.
-template <typename QT, int D>
+template <typename QT, int D, int kTile>
 __global__ void __launch_bounds__(kThreads) CombineKernel(const StreamParams p, int grid) {
   const int hg = blockIdx.x, b = blockIdx.y;
   __shared__ int sums[2][kThreads];
   __shared__ float tot[2 * 16];
   int before = 0, all = 0;
   for (int i = threadIdx.x; i < p.batch; i += kThreads) {
-    const int t = TilesOf(kernels::LiveLength(p.lengths, i, p.max_tokens));
+    const int t = TilesOf(kernels::LiveLength(p.lengths, i, p.max_tokens), kTile);
     all += t;
     if (i < b) before += t;
   }
@@ -40,7 +40,7 @@ __global__ void __launch_bounds__(kThreads) CombineKernel(const StreamParams p, 
     }
   }
   __syncthreads();
-  const int tiles = TilesOf(kernels::LiveLength(p.lengths, b, p.max_tokens));
+  const int tiles = TilesOf(kernels::LiveLength(p.lengths, b, p.max_tokens), kTile);
   if (tiles == 0) return;
   const int total = p.unit_groups * sums[1][0];
   const int C = EffectiveCtas(grid, total, p.min_tiles);
@@ -64,7 +64,7 @@ cudaError_t RunKernel(const StreamParams* p, const KernelChoice& k, cudaStream_t
   if (attr != cudaSuccess || p == nullptr) return attr;
   StreamKernel<S, QT, D, NQT, kBulk><<<k.ctas, kThreads, k.smem, stream>>>(*p);
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess || p->fused) return e;
-  CombineKernel<QT, D>
+  CombineKernel<QT, D, TileTokens(D * Storage<S>::kBytes)>
       <<<dim3(static_cast<unsigned>(p->unit_groups), static_cast<unsigned>(p->batch)), kThreads, 0,
          stream>>>(*p, static_cast<int>(k.ctas));
   return cudaGetLastError();

@@ -58,11 +58,12 @@ inline size_t FixedSharedBytes(int64_t batch, int rows, int64_t head_dim) {
          sizeof(float) * (rows * (head_dim + 4) + 2 * kWarps * rows + 2 * rows) + sizeof(int) + 16;
 }
 
-// Ring bytes of one slot for all warps: a K and a V tile of 16 rows each (bulk: rows
-// padded by 16 bytes).
+// Ring bytes of one slot for all warps: a K and a V tile of TileTokens rows each (bulk:
+// rows padded by 16 bytes).
 inline size_t StageBytes(int64_t head_dim, KvStorage kv, bool bulk) {
-  const size_t row = static_cast<size_t>(head_dim * StorageBytes(kv)) + (bulk ? 16 : 0);
-  return static_cast<size_t>(kWarps) * 2 * kTileTokens * row;
+  const int64_t row_bytes = head_dim * StorageBytes(kv);
+  const size_t row = static_cast<size_t>(row_bytes) + (bulk ? 16 : 0);
+  return static_cast<size_t>(kWarps) * 2 * TileTokens(row_bytes) * row;
 }
 
 // Raises the chosen kernel's dynamic shared-memory limit to kMaxSmemPerCta (once per

@@ -4,8 +4,9 @@
 // slot and combine bookkeeping of the GPU path.
 //
 // Work. A *unit* is (sequence b, head group hg): head_group query heads that share one
-// KV head. Unit u = b * unit_groups + hg holds tiles(b) = ceil(len_b / 16) tiles of 16
-// tokens. The units' tiles, laid end to end (b-major), form one global tile range
+// KV head. Unit u = b * unit_groups + hg holds tiles(b) = ceil(len_b / t) tiles of t
+// tokens, t = TileTokens(row bytes): 16, or 32 for rows of at most 128 bytes. The units'
+// tiles, laid end to end (b-major), form one global tile range
 // [0, total) that is cut into C contiguous, equal pieces, one per CTA: CTA c takes
 // [RangeStart(c), RangeStart(c + 1)). So every CTA reads the same number of KV bytes
 // whatever the lengths (no tail wave, no idle CTA), and a unit that straddles CTA
@@ -46,11 +47,11 @@
 
 namespace jax_vmm::attention::stream {
 
-inline constexpr int kTileTokens = 16;
+inline constexpr int kTileTokens = 16;  // the smallest tile (rows of more than 128 bytes)
 inline constexpr int kWarps = 4;  // warps per CTA (each streams its own tiles)
 inline constexpr int kThreads = 32 * kWarps;
 inline constexpr int64_t kMaxBatch = 1024;       // lengths and tile prefix live in shared memory
-inline constexpr int64_t kDefaultMinTiles = 16;  // fewest tiles per CTA (4 per warp)
+inline constexpr int64_t kDefaultMinTiles = 16;  // fewest 16-token tiles per CTA (4 per warp)
 inline constexpr int64_t kCpuCtas = 16;          // CPU model: fixed, machine independent
 
 // How K and V are stored: the query's 16-bit type, or float8_e4m3fn (uint8 is taken as
@@ -67,16 +68,27 @@ struct Plan {
   int64_t head_group = 0;   // query heads per unit
   int64_t unit_groups = 0;  // units per sequence = q_heads / head_group
   int64_t min_tiles = 0;
+  int64_t tile_tokens = kTileTokens;  // TileTokens(head_dim * storage bytes)
   int64_t acc_offset = 0, m_offset = 0, l_offset = 0, counter_offset = 0;  // bytes
   int64_t workspace_bytes = 0;
 };
 
+// Tokens per tile for K/V rows of `row_bytes` (head_dim x element bytes): 32 for rows of at
+// most 128 bytes (fp8 head_dim <= 128, 16-bit head_dim 64), else 16. A warp's fixed work
+// per tile (its wait, cursor, copy addresses, softmax reductions and accumulator rescale)
+// is the same whatever the row width; doubling short rows' tiles halves that work per
+// byte (the kernel runs two tensor-core tiles of 16 tokens per ring tile).
+constexpr int TileTokens(int64_t row_bytes) {
+  return row_bytes <= 128 ? 2 * kTileTokens : kTileTokens;
+}
+
 // The grid size of the automatic plan. On a GPU (sm_count > 0) two CTAs per SM for K/V
 // rows of <= 256 bytes (so each SM streams with 8 warps), one for 16-bit head_dim 256
 // (its tiles need the shared memory of a whole SM for a 3-deep ring), three for fp8
-// rows of <= 128 bytes: a tile of those carries half the bytes for the same tensor-core
-// and conversion work per token, so an SM needs more warps in flight to keep HBM busy
-// (H200, head_dim 128: 2-4% faster than two, see docs/benchmarks.md); the CPU model
+// rows of <= 128 bytes: converting fp8 to fp16 makes that kernel issue about 1.5x the
+// instructions per byte of the 16-bit one (ncu, H200: 0.48 against 0.32 issued per
+// scheduler cycle), so an SM needs more warps to issue from (head_dim 128: 2-4% faster
+// than two, see docs/benchmarks.md); the CPU model
 // (sm_count 0) uses kCpuCtas. storage_bytes: bytes per K/V element (2, or 1 for fp8).
 inline int64_t DefaultCtas(int64_t sm_count, int64_t head_dim, int64_t storage_bytes) {
   if (sm_count <= 0) return kCpuCtas;
@@ -85,8 +97,9 @@ inline int64_t DefaultCtas(int64_t sm_count, int64_t head_dim, int64_t storage_b
   return sm_count * (row_bytes > 256 ? 1 : 2);
 }
 
-// The deepest ring the automatic plan gives fp8 tiles: at three CTAs per SM a 3-deep
-// ring was faster than the 4 that shared memory allows (H200, head_dim 128).
+// The deepest ring the automatic plan gives fp8 tiles (with 16-token tiles a 3-deep ring
+// at three CTAs per SM was faster than the 4 that shared memory allowed; with 32-token
+// tiles only 2 fit there, and 2 or 3 measured alike: docs/benchmarks.md).
 inline constexpr int64_t kFp8AutoStages = 3;
 
 // Empty string when the streaming kernel can serve these shapes, else why not.
@@ -96,6 +109,7 @@ inline std::string Unsupported(const Shapes& s) {
            " (the per-CTA length table lives in shared memory)";
   }
   const int64_t groups = s.q_heads / HeadGroup(s.q_heads, s.kv_heads);
+  // Counted in the smallest tiles, so the bound holds for every storage.
   const int64_t tiles = CeilDiv<int64_t>(std::max<int64_t>(s.max_tokens, 1), kTileTokens);
   if (s.batch * groups * tiles >= (int64_t{1} << 31)) {
     return "batch * head groups * ceil(max_tokens / 16) must be < 2^31";
@@ -104,14 +118,18 @@ inline std::string Unsupported(const Shapes& s) {
 }
 
 // ctas_override / min_tiles_override > 0 force those values; 0 = automatic.
-// default_ctas: DefaultCtas() of the device the plan is for.
-inline Plan MakeStreamPlan(const Shapes& s, int64_t default_ctas, int64_t ctas_override = 0,
-                           int64_t min_tiles_override = 0) {
+// default_ctas: DefaultCtas() of the device the plan is for; storage_bytes: bytes per K/V
+// element (2, or 1 for fp8).
+inline Plan MakeStreamPlan(const Shapes& s, int64_t storage_bytes, int64_t default_ctas,
+                           int64_t ctas_override = 0, int64_t min_tiles_override = 0) {
   Plan p;
+  p.tile_tokens = TileTokens(s.head_dim * storage_bytes);
   p.head_group = HeadGroup(s.q_heads, s.kv_heads);
   p.unit_groups = s.q_heads / p.head_group;
   p.ctas = std::max<int64_t>(1, ctas_override > 0 ? ctas_override : default_ctas);
-  p.min_tiles = min_tiles_override > 0 ? min_tiles_override : kDefaultMinTiles;
+  // The automatic floor is in tokens: 256 per CTA whatever the tile.
+  p.min_tiles = min_tiles_override > 0 ? min_tiles_override
+                                       : kDefaultMinTiles * kTileTokens / p.tile_tokens;
   const int64_t rows = p.ctas * 2 * p.head_group;
   p.acc_offset = 0;
   p.m_offset = RoundUp<int64_t>(rows * s.head_dim * 4, 256);
@@ -123,7 +141,9 @@ inline Plan MakeStreamPlan(const Shapes& s, int64_t default_ctas, int64_t ctas_o
 
 // -- the partition (host and device) ---------------------------------------------------
 
-JAX_VMM_STREAM_HD int TilesOf(int length) { return (length + kTileTokens - 1) / kTileTokens; }
+JAX_VMM_STREAM_HD int TilesOf(int length, int tile_tokens) {
+  return (length + tile_tokens - 1) / tile_tokens;
+}
 
 // CTAs that get work: each at least min_tiles tiles, at most `grid`, at least 1.
 JAX_VMM_STREAM_HD int EffectiveCtas(int grid, int total, int min_tiles) {
@@ -149,7 +169,7 @@ struct UnitTile {
 };
 
 // The unit tile of global tile g (0 <= g < groups * prefix[batch]); prefix[0..batch] is
-// the exclusive prefix of TilesOf(length) per sequence. The largest b with
+// the exclusive prefix of TilesOf(length, tile_tokens) per sequence. The largest b with
 // groups * prefix[b] <= g has a non-empty unit range holding g (binary search).
 JAX_VMM_STREAM_HD UnitTile LocateTile(const int* prefix, int batch, int groups, int g) {
   int lo = 0, hi = batch - 1;
