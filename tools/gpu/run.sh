@@ -112,6 +112,9 @@
 #   probe:commit_fill   tools/gpu/commit_fill_probe.py: the fill 0 -> 16 GiB of bench/commit.py's
 #                       seed section by placement (from the buffer base or 2 MiB in) and call
 #                       order, raw calls beside kv.ensure: whose is the fill's gap
+#   probe:stream_ncu    Nsight Compute (needs hardware counters: Firecracker machines) of the
+#                       streaming attention kernel at B32 T8k, bf16 and fp8 caches
+#                       (tools/gpu/stream_kernel_ncu.py): DRAM %, issue rate, warps, occupancy
 #   probe:step_loop_handlers  tools/gpu/step_loop_handlers.py: bench/step_loop.py's 32-layer
 #                       write+attention step, arena and prealloc: per call, which handler
 #                       stages run on the host (XLA re-records the command buffer each call)
@@ -362,7 +365,11 @@ step_probe() {
       note "$(grep -E "^PROBE " "$LOG" | tail -1)" ;;
     commit_fill) "$PY" tools/gpu/commit_fill_probe.py ;;
     step_loop_handlers) "$PY" tools/gpu/step_loop_handlers.py ;;
-    *) echo "unknown probe ${1:-} (kernels, deferred_zeros, commit_fill, step_loop_handlers)"; return 2 ;;
+    stream_ncu)
+      ncu --clock-control none -k regex:StreamKernel --launch-skip 2 --launch-count 2 \
+        --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
+        --section Occupancy "$PY" tools/gpu/stream_kernel_ncu.py both ;;
+    *) echo "unknown probe ${1:-} (kernels, deferred_zeros, commit_fill, step_loop_handlers, stream_ncu)"; return 2 ;;
   esac
 }
 
