@@ -4,8 +4,9 @@ each 16-byte chunk of a K/V tile (XOR swizzle), which bytes each lane reads for 
 PV fragments, and the movmatrix hand-over of the softmax weights from the QK accumulator
 layout to the PV operand layout.
 
-Checked for every (storage, head_dim) the kernel instantiates: the swizzle is a
-bijection inside each row (every byte of the tile lands exactly once), every fragment
+Checked for every (storage, head_dim) the kernel instantiates, over its ring tiles of 16
+or 32 token rows (32 for rows of <= 128 bytes, read as two 16-token sub-tiles): the
+swizzle is a bijection inside each row (every byte of the tile lands exactly once), every fragment
 read returns the element the fragment layout asks for, and each warp-wide read needs no
 more shared-memory wavefronts than its bytes require (no bank conflicts). The index
 arithmetic is copied from the kernel by hand; the GPU tests check the kernel itself.
@@ -73,38 +74,36 @@ def test_swizzle_is_a_bijection_and_the_copy_lands_every_byte(eb, D):
             assert tile[ring_offset(row, byte, rb)] == row * rb + byte
 
 
-@pytest.mark.parametrize("eb,D", CONFIGS, ids=lambda x: str(x))
-def test_qk_fragment_reads_are_conflict_free(eb, D):
-    rb = D * eb
-    width = 8 * eb  # 8 elements per lane-load
+def qk_reads(eb: int, D: int, offset):
+    """Each warp-wide K fragment read of a ring tile: (what, [(byte address, width)]), for
+    rows grp and grp + 8 of every 16-token sub-tile; offset(row, byte, rb) places a byte."""
+    rb, width = D * eb, 8 * eb  # 8 elements per lane-load
     for j in range(D // 32):
-        for rowsel in range(0, tile_rows(rb), 8):  # rows grp, grp + 8 of each 16-token sub-tile
-            acc = [
-                (ring_offset(grp + rowsel, (32 * j + 8 * tig) * eb, rb), width)
-                for _, grp, tig in lanes()
-            ]
-            assert wavefronts(acc) == 32 * width // 128, (j, rowsel, wavefronts(acc))
+        for rowsel in range(0, tile_rows(rb), 8):
+            yield (
+                ("qk", j, rowsel),
+                [
+                    (offset(grp + rowsel, (32 * j + 8 * tig) * eb, rb), width)
+                    for _, grp, tig in lanes()
+                ],
+            )
 
 
-@pytest.mark.parametrize("eb,D", CONFIGS, ids=lambda x: str(x))
-def test_pv_fragment_reads_are_conflict_free(eb, D):
-    rb = D * eb
-    width = 8 * eb
+def pv_reads(eb: int, D: int, offset):
+    """Each warp-wide V fragment read: rows 2 tig (+ 1, + 8, + 9) of every sub-tile."""
+    rb, width = D * eb, 8 * eb
     for sub in range(tile_rows(rb) // 16):
         for x in range(D // 64):
             for t4 in range(4):
-                acc = [  # rows 2 tig (+ 1, + 8, + 9) of the sub-tile
-                    (
-                        ring_offset(
-                            16 * sub + 2 * tig + (t4 & 1) + 8 * (t4 >> 1),
-                            (64 * x + 8 * grp) * eb,
-                            rb,
-                        ),
-                        width,
-                    )
-                    for _, grp, tig in lanes()
-                ]
-                assert wavefronts(acc) == 32 * width // 128, (sub, x, t4, wavefronts(acc))
+                rows = [16 * sub + 2 * tig + (t4 & 1) + 8 * (t4 >> 1) for _, _, tig in lanes()]
+                byte = [(64 * x + 8 * grp) * eb for _, grp, _ in lanes()]
+                yield ("pv", sub, x, t4), [(offset(r, c, rb), width) for r, c in zip(rows, byte)]
+
+
+@pytest.mark.parametrize("eb,D", CONFIGS, ids=lambda x: str(x))
+def test_fragment_reads_are_conflict_free(eb, D):
+    for what, acc in [*qk_reads(eb, D, ring_offset), *pv_reads(eb, D, ring_offset)]:
+        assert wavefronts(acc) == 32 * 8 * eb // 128, (what, wavefronts(acc))
 
 
 def test_wavefront_model_sees_a_conflict():
@@ -144,26 +143,5 @@ def padded_offset(row: int, byte: int, rb: int) -> int:
 
 @pytest.mark.parametrize("eb,D", CONFIGS, ids=lambda x: str(x))
 def test_padded_rows_are_conflict_free(eb, D):
-    rb, width = D * eb, 8 * eb
-    for j in range(D // 32):
-        for rowsel in range(0, tile_rows(rb), 8):
-            acc = [
-                (padded_offset(grp + rowsel, (32 * j + 8 * tig) * eb, rb), width)
-                for _, grp, tig in lanes()
-            ]
-            assert wavefronts(acc) == 32 * width // 128, ("qk", j, rowsel)
-    for sub in range(tile_rows(rb) // 16):
-        for x in range(D // 64):
-            for t4 in range(4):
-                acc = [
-                    (
-                        padded_offset(
-                            16 * sub + 2 * tig + (t4 & 1) + 8 * (t4 >> 1),
-                            (64 * x + 8 * grp) * eb,
-                            rb,
-                        ),
-                        width,
-                    )
-                    for _, grp, tig in lanes()
-                ]
-                assert wavefronts(acc) == 32 * width // 128, ("pv", sub, x, t4)
+    for what, acc in [*qk_reads(eb, D, padded_offset), *pv_reads(eb, D, padded_offset)]:
+        assert wavefronts(acc) == 32 * 8 * eb // 128, (what, wavefronts(acc))
