@@ -498,6 +498,48 @@ def test_a_source_is_not_refused_for_addresses_still_to_be_reclaimed(host_vm, fa
     np.testing.assert_array_equal(_seq_tokens(kv, 0)[:, :, :tpc], data[:, :, :tpc])
 
 
+def test_a_refused_share_leaves_no_addresses_that_block_the_source(host_vm, faults, monkeypatch):
+    """A share the budget refuses after mapping src's whole chunks at dst gives those
+    addresses back without waiting for the device (the reclaimer unmaps them). src's
+    offload right after the refusal reclaims them first instead of being refused ("mapped
+    at several addresses"). The device is held from the moment the share is undone (a
+    wrapper of the undo, here in the test), so the reclaim is still to come when offload
+    is called, whatever the timing: the host defers its releases as CUDA does."""
+    tpc = host_vm.chunk // (H * D * 4)
+    held = 4 * 2 * LAYERS * host_vm.chunk  # src's 4 chunks in every buffer: the whole budget
+    budget = jax_vmm.MemoryBudget(held, host_vm.device)
+    kv, _ = _kv(host_vm, budget=budget)
+    faults.defer_reclaim(kv)
+    n = 3 * tpc + tpc // 4
+    data = _tokens(kv, n, seed=6)
+    kv.ensure(n, 0)
+    _write(kv, 0, 0, data)
+    holders = []
+    undo = type(kv)._undo_share
+
+    def undo_with_the_device_busy(self, dst):
+        holders.append(_device_busy_for(kv, faults, 1.0))
+        undo(self, dst)
+
+    monkeypatch.setattr(type(kv), "_undo_share", undo_with_the_device_busy)
+    s0 = kv.arena.stats()
+    try:
+        with pytest.raises(jax_vmm.OutOfMemoryError, match="budget"):
+            kv.share_prefix(0, 1, 2 * tpc + tpc // 2)  # maps 2 chunks, then needs a third
+        assert len(holders) == 1  # the share was undone after mapping
+        s1 = kv.arena.stats()
+        assert s1["deferred_releases"] > s0["deferred_releases"]  # left to the reclaimer
+        # Still unreclaimed as offload begins (else this would pass without its reclaim).
+        assert s1["reclaim_syncs"] == s0["reclaim_syncs"]
+        kv.offload(0)
+    finally:
+        for h in holders:
+            h.join()
+    kv.restore(0).wait()
+    assert budget.stats()["used_bytes"] == held
+    np.testing.assert_array_equal(_seq_tokens(kv, 0)[:, :, :n], data)
+
+
 def test_a_source_whose_sharers_were_released_is_its_own_again(vm):
     """Once every sequence that maps src's chunks is released, src is refused nothing a
     sequence that never shared is allowed: writes into its first tokens (at once, before
