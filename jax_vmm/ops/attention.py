@@ -112,10 +112,11 @@ def decode_attention_tuned(
     knobs chunk / splits (0 = automatic); or the streaming kernel (fp8 caches always run
     it, "auto" included): "stream" (combine fused, last arrival), "stream_combine"
     (combine as a second kernel), "stream_tma" (tiles by bulk copies), with its plan knobs
-    ctas (grid size), stages (ring slots per warp, 2..8) and min_tiles (fewest 16-token
-    tiles per CTA), 0 = automatic. workspace: "scratch" keeps the partials in jax_vmm's
-    graph-safe scratch (grown at the FFI initialize stage); "xla" (split-K only) makes
-    them a second, discarded output that XLA allocates.
+    ctas (grid size), stages (ring slots per warp, 2..8) and min_tiles (fewest tiles per
+    CTA; a tile is 16 tokens, or 32 for K/V rows of at most 128 bytes), 0 = automatic.
+    workspace: "scratch" keeps the partials in jax_vmm's graph-safe scratch (grown at the
+    FFI initialize stage); "xla" (split-K only) makes them a second, discarded output that
+    XLA allocates.
 
     ``k`` may be a KVLayer: ``decode_attention_tuned(q, layer, lengths)`` (or with ``v=None``
     and ``lengths=``), with the same knobs.

@@ -274,6 +274,7 @@ def test_plan_and_workspace():
         for units in (0, 132):
             p = stream_attention_plan(4, 1024, 8, 8, D, parallel_units=units, fp8=fp8)
             assert p["tile_tokens"] == want, (D, fp8, units)
+            assert p["min_tiles"] * want == 256  # the automatic floor: 256 tokens per CTA
     assert (
         stream_attention_plan(4, 1024, 8, 8, 128, fp8=True, parallel_units=0)["tile_tokens"] == 32
     )

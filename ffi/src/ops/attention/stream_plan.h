@@ -50,9 +50,9 @@ namespace jax_vmm::attention::stream {
 inline constexpr int kTileTokens = 16;  // the smallest tile (rows of more than 128 bytes)
 inline constexpr int kWarps = 4;  // warps per CTA (each streams its own tiles)
 inline constexpr int kThreads = 32 * kWarps;
-inline constexpr int64_t kMaxBatch = 1024;       // lengths and tile prefix live in shared memory
-inline constexpr int64_t kDefaultMinTiles = 16;  // fewest 16-token tiles per CTA (4 per warp)
-inline constexpr int64_t kCpuCtas = 16;          // CPU model: fixed, machine independent
+inline constexpr int64_t kMaxBatch = 1024;         // lengths and tile prefix live in shared memory
+inline constexpr int64_t kDefaultMinTokens = 256;  // automatic floor of a CTA's work (min_tiles)
+inline constexpr int64_t kCpuCtas = 16;            // CPU model: fixed, machine independent
 
 // How K and V are stored: the query's 16-bit type, or float8_e4m3fn (uint8 is taken as
 // float8_e4m3fn bits: the fallback where a runtime cannot import float8 DLPack views).
@@ -127,9 +127,7 @@ inline Plan MakeStreamPlan(const Shapes& s, int64_t storage_bytes, int64_t defau
   p.head_group = HeadGroup(s.q_heads, s.kv_heads);
   p.unit_groups = s.q_heads / p.head_group;
   p.ctas = std::max<int64_t>(1, ctas_override > 0 ? ctas_override : default_ctas);
-  // The automatic floor is in tokens: 256 per CTA whatever the tile.
-  p.min_tiles = min_tiles_override > 0 ? min_tiles_override
-                                       : kDefaultMinTiles * kTileTokens / p.tile_tokens;
+  p.min_tiles = min_tiles_override > 0 ? min_tiles_override : kDefaultMinTokens / p.tile_tokens;
   const int64_t rows = p.ctas * 2 * p.head_group;
   p.acc_offset = 0;
   p.m_offset = RoundUp<int64_t>(rows * s.head_dim * 4, 256);
