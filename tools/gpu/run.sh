@@ -115,6 +115,10 @@
 #   probe:stream_ncu    Nsight Compute (needs hardware counters: Firecracker machines) of the
 #                       streaming attention kernel at B32 T8k, bf16 and fp8 caches
 #                       (tools/gpu/stream_kernel_ncu.py): DRAM %, issue rate, warps, occupancy
+#   probe:attention_trace  tools/gpu/attention_trace.py: the kernels_probe step (3 layers) of
+#                       the fp8 streaming kernel, bf16 cuDNN and bf16 streaming kernel under
+#                       jax.profiler: per layer, wall vs device busy, kernels by name
+#                       -> attention_trace.json
 #   probe:step_loop_handlers  tools/gpu/step_loop_handlers.py: bench/step_loop.py's 32-layer
 #                       write+attention step, arena and prealloc: per call, which handler
 #                       stages run on the host (XLA re-records the command buffer each call)
@@ -369,7 +373,8 @@ step_probe() {
       ncu --clock-control none -k regex:StreamKernel --launch-skip 2 --launch-count 2 \
         --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
         --section Occupancy "$PY" tools/gpu/stream_kernel_ncu.py both ;;
-    *) echo "unknown probe ${1:-} (kernels, deferred_zeros, commit_fill, step_loop_handlers, stream_ncu)"; return 2 ;;
+    attention_trace) "$PY" tools/gpu/attention_trace.py --json "$RUN_DIR/attention_trace.json" ;;
+    *) echo "unknown probe ${1:-} (kernels, deferred_zeros, commit_fill, step_loop_handlers, stream_ncu, attention_trace)"; return 2 ;;
   esac
 }
 
