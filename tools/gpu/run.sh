@@ -119,6 +119,9 @@
 #                       the fp8 streaming kernel, bf16 cuDNN and bf16 streaming kernel under
 #                       jax.profiler: per layer, wall vs device busy, kernels by name
 #                       -> attention_trace.json
+#   probe:row_read      tools/gpu/row_read_probe.py (cupy): read bandwidth of the streaming
+#                       kernel's tile pattern (128- and 256-byte rows) in the kernel's tile
+#                       order, heads-fastest and linear -> row_read.json
 #   probe:step_loop_handlers  tools/gpu/step_loop_handlers.py: bench/step_loop.py's 32-layer
 #                       write+attention step, arena and prealloc: per call, which handler
 #                       stages run on the host (XLA re-records the command buffer each call)
@@ -374,7 +377,8 @@ step_probe() {
         --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
         --section Occupancy "$PY" tools/gpu/stream_kernel_ncu.py both ;;
     attention_trace) "$PY" tools/gpu/attention_trace.py --json "$RUN_DIR/attention_trace.json" ;;
-    *) echo "unknown probe ${1:-} (kernels, deferred_zeros, commit_fill, step_loop_handlers, stream_ncu, attention_trace)"; return 2 ;;
+    row_read) "$PY" tools/gpu/row_read_probe.py --json "$RUN_DIR/row_read.json" ;;
+    *) echo "unknown probe ${1:-} (kernels, deferred_zeros, commit_fill, step_loop_handlers, stream_ncu, attention_trace, row_read)"; return 2 ;;
   esac
 }
 
