@@ -24,11 +24,14 @@ it uses the state and helpers of :class:`~jax_vmm.kv.backing.TokenBacking` under
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import numpy as np
 
 from .base import check_seq
+
+_log = logging.getLogger("jax_vmm")
 
 
 def _publish_floor(core_cache: Any, seq: int, tokens: int) -> None:
@@ -79,13 +82,15 @@ class PrefixSharing:
             self.arena._check_open("KVArena.ensure_shareable")
             if self._offloaded:
                 self._settle(q)
+            # A refusal gives back only what this call committed: chunks backed before
+            # it (tokens ensured, a kept or prefetched chunk) stay, as ensure's would.
+            point = self._ensure_point({q: num_tokens})
             ranges = [(b.id, lo, hi) for b in self.buffers]
             added = self.arena._commit(lambda: self.arena._handle.commit_ranges(ranges))
             try:
                 return added + self.ensure(num_tokens, seq)
             except BaseException:
-                if added and not self._ensured[q]:  # nothing counts on them yet
-                    self.arena._handle.decommit_ranges(ranges, False)
+                self._roll_back(point)
                 raise
 
     # -- share ---------------------------------------------------------------------------
@@ -187,12 +192,21 @@ class PrefixSharing:
                 self._set_floor(src, old_src_floor)
                 raise
             copied = sum(x[-1] for x in copies)
+            if left_out:
+                _log.warning(
+                    "KVArena.share_prefix(%d, %d, %d): %d bytes of whole chunks were copied, "
+                    "not mapped: their allocation also backs tokens past the prefix (a plain "
+                    "ensure). Commit a prefix to share with kv.ensure_shareable(n, seq).",
+                    src, dst, n, sum(x[-1] for x in left_out),
+                )  # fmt: skip
             self._set_floor(dst, n)
             self._core_cache.set_limit(dst, n)  # the floor first: the table admits dst now
             self._shares[dst] = dict(
                 src=src, dst=dst, tokens=n, mapped_bytes=mapped, copied_bytes=copied
             )
-            self._memory_of[dst] = src
+            # dst reads src's memory only where something was mapped: a share that copied
+            # everything must not keep src's floor up once src's real sharers are gone.
+            self._memory_of[dst] = src if mapped else None
             return {"mapped_bytes": mapped, "copied_bytes": copied}
 
     def _own_spans(self, start: int, stop: int, spans: list) -> list[tuple[int, int]]:

@@ -19,6 +19,7 @@ import numpy as np
 from ..base.ffi import register
 from ..base.fp8 import FP8_STORAGE
 from ..base.loader import core as _core
+from .lengths import clamped_counts
 from .scratch import reserve as _scratch_reserve
 
 _IMPLS = {"auto": 0, "tensor_core": 1, "simple": 2, "tensor_core_u1": 3}
@@ -179,21 +180,32 @@ def _auto_picks_stream(q: Any, k: Any, chunk: int, splits: int, workspace: str) 
 
 
 def _clamped_lengths(lengths: Any, k: jax.Array) -> jax.Array:
-    """``lengths`` as an array, integers wider than int32 clamped to [0, T] first: the
-    int32 cast must not wrap (2**32 + 1 would become 1). Host values are clamped before
-    JAX sees them (without x64, JAX itself would truncate an int64 array to int32)."""
+    """``lengths`` as an array, integers of 32 bits or more clamped to [0, T + 1] before
+    the int32 cast (``lengths.clamped_counts``: 2**32 + 1 must not become 1). T + 1, not
+    T: a length past the capacity still exceeds every sequence's ensured tokens, so an
+    arena layer counts it whatever its dtype; every kernel clamps to T itself."""
     T = k.shape[1] if k.ndim == 4 else None
-    if not isinstance(lengths, jax.Array):
-        try:
-            host = np.asarray(lengths)
-        except Exception:  # noqa: BLE001 - e.g. a list of traced scalars: JAX stacks it
-            return jnp.asarray(lengths)
-        if T is not None and np.issubdtype(host.dtype, np.integer) and host.dtype.itemsize >= 4:
-            host = np.clip(host, 0, T).astype(np.int32)
-        return jnp.asarray(host)
-    if T is not None and jnp.issubdtype(lengths.dtype, jnp.integer) and lengths.dtype.itemsize >= 4:
-        lengths = jnp.clip(lengths, 0, T)
-    return lengths
+    return clamped_counts(lengths, None if T is None else T + 1)
+
+
+def checked_fp8_scales(k_scale: Any, v_scale: Any, kv_heads: int, op: str) -> list[jax.Array]:
+    """The per-KV-head scales of an fp8 cache as float32 ``(kv_heads,)`` arrays, or a
+    ValueError that says what they must be."""
+    if k_scale is None or v_scale is None:
+        raise ValueError(
+            f"{op}: an fp8 cache needs k_scale and v_scale, float32 of shape ({kv_heads},): "
+            "the per-KV-head scales it was quantized with"
+        )
+    scales = []
+    for name, x in (("k_scale", k_scale), ("v_scale", v_scale)):
+        x = jnp.asarray(x)
+        if x.shape != (kv_heads,) or np.dtype(x.dtype) != np.float32:
+            raise ValueError(
+                f"{op}: {name} must be float32 of shape ({kv_heads},), one scale per KV "
+                f"head; got {x.dtype} {x.shape}"
+            )
+        scales.append(x)
+    return scales
 
 
 def _prepare_stream(
@@ -233,22 +245,12 @@ def _prepare_stream(
             f"decode_attention: the streaming kernel needs head_dim in {_TENSOR_CORE_HEAD_DIMS}, "
             f"got {D}"
         )
-    if fp8 and (k_scale is None or v_scale is None):
-        raise ValueError(
-            f"decode_attention: an fp8 cache ({k.dtype}) needs k_scale and v_scale, float32 "
-            f"of shape ({Hkv},): the per-KV-head scales it was quantized with"
-        )
     if not fp8 and (k_scale is not None or v_scale is not None):
         raise ValueError(f"decode_attention: k_scale/v_scale are for fp8 caches; k is {k.dtype}")
-    scales = []
-    for name, x in (("k_scale", k_scale), ("v_scale", v_scale)):
-        x = jnp.ones((Hkv,), jnp.float32) if x is None else jnp.asarray(x)
-        if x.shape != (Hkv,) or np.dtype(x.dtype) != np.float32:
-            raise ValueError(
-                f"decode_attention: {name} must be float32 of shape ({Hkv},), got "
-                f"{x.dtype} {x.shape}"
-            )
-        scales.append(x)
+    if fp8:
+        scales = checked_fp8_scales(k_scale, v_scale, Hkv, "decode_attention")
+    else:
+        scales = [jnp.ones((Hkv,), jnp.float32)] * 2
     _check_plan_values(("ctas", ctas), ("stages", stages), ("min_tiles", min_tiles))
     if stages and not 2 <= stages <= 8:
         raise ValueError(f"stages must be 2..8 (or 0 = automatic), got {stages}")

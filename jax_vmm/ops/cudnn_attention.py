@@ -41,6 +41,7 @@ from ..base.ffi import register
 from ..base.loader import core as _core
 from ..cache.pytree import KVLayer
 from . import layer_ops as _layer_ops
+from .lengths import clamped_counts
 from .scratch import _ordinal
 from .scratch import reserve as _scratch_reserve
 
@@ -180,6 +181,7 @@ class _Call:
     q: jax.Array
     squeeze: bool
     lengths: jax.Array
+    requested: jax.Array  # lengths before the clamp to T: an arena layer counts past ensured
     q_lengths: jax.Array
     attrs: dict
     out_type: jax.ShapeDtypeStruct
@@ -230,7 +232,10 @@ def _validate(
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     if not math.isfinite(scale):
         raise ValueError(f"cudnn_attention: scale must be finite, got {scale}")
-    lengths = jnp.clip(_check_int_vector("lengths", lengths, B), 0, T).astype(jnp.int32)
+    # Counted against the ensured tokens over an arena layer before the clamp to T (T + 1:
+    # see attention_call._clamped_lengths); cuDNN itself gets [0, T].
+    requested = _check_int_vector("lengths", clamped_counts(lengths, T + 1), B)
+    lengths = jnp.clip(requested, 0, T).astype(jnp.int32)
     decode = q_lengths is None and S == 1
     if decode:
         # One query token: row 0 is valid exactly when lengths > 0; a constant needs no
@@ -238,7 +243,7 @@ def _validate(
         q_eff = jnp.ones((B,), jnp.int32)
     else:
         q_req = jnp.full((B,), S, jnp.int32) if q_lengths is None else q_lengths
-        q_req = _check_int_vector("q_lengths", q_req, B)
+        q_req = _check_int_vector("q_lengths", clamped_counts(q_req, S), B)
         q_eff = jnp.clip(q_req, 0, jnp.minimum(lengths, S)).astype(jnp.int32)
     arrays = [x for x in (q, k, v) if isinstance(x, jax.Array)]
     device = _device_of(*arrays)
@@ -264,7 +269,7 @@ def _validate(
         zero_rows=np.int64(1 if zero_rows and not decode else 0),
     )
     out_type = jax.ShapeDtypeStruct(q.shape, q.dtype)
-    return _Call(q, squeeze, lengths, q_eff, attrs, out_type, empty)
+    return _Call(q, squeeze, lengths, requested.astype(jnp.int32), q_eff, attrs, out_type, empty)
 
 
 def cudnn_attention(
@@ -363,7 +368,7 @@ def _over_layer(
             jax.ShapeDtypeStruct((q.shape[0],), jnp.int32),
             vmap_method="sequential",
         )
-        read_lengths = clamp(call.lengths, cache_uid=np.uint64(lid.cache_uid))
+        read_lengths = clamp(call.requested, cache_uid=np.uint64(lid.cache_uid))
         ffi = jax.ffi.ffi_call(_TARGET_CACHE, call.out_type, vmap_method="sequential")
         res = ffi(
             q,

@@ -29,6 +29,7 @@ from .arena_leaves import checked_arena_layer
 from .attention import decode_attention_tuned
 from .attention_backend import routes_to_cudnn
 from .cudnn_attention import cudnn_attention
+from .lengths import clamped_counts
 
 __all__ = ["attention", "reference_attention"]
 
@@ -159,14 +160,14 @@ def attention_tuned(
     v = v if isinstance(v, jax.Array) else jnp.asarray(v)
     k = k if isinstance(k, jax.Array) else jnp.asarray(k)
     if np.dtype(k.dtype) in FP8_STORAGE:
-        if k_scale is None or v_scale is None:
-            raise ValueError(
-                f"attention: an fp8 cache ({k.dtype}) needs k_scale and v_scale, float32 (H_kv,)"
-            )
+        kv_heads = k.shape[2] if k.ndim == 4 else 0
+        k_scale, v_scale = _call.checked_fp8_scales(k_scale, v_scale, kv_heads, "attention")
         # The split-K kernels read 16-bit or float32 caches: dequantize (every token).
         k = dequantize_fp8(k, k_scale).astype(q.dtype)
         v = dequantize_fp8(v, v_scale).astype(q.dtype)
         k_scale = v_scale = None
+    elif k_scale is not None or v_scale is not None:
+        raise ValueError(f"attention: k_scale/v_scale are for fp8 caches; k is {k.dtype}")
     q, options = checked_options(q, k, dict(q_lengths=q_lengths, window=window, softcap=softcap))
     call = _call.prepare(
         q, k, v, lengths, scale=scale, workspace=workspace, k_scale=k_scale, v_scale=v_scale,
@@ -215,6 +216,8 @@ def _arena_attention(
             window=options["window"] or None, softcap=options["softcap"] or None,
         )  # fmt: skip
     if lid.sharded:
+        # An array before shard_map (sharded_ops.attention says why).
+        lengths = clamped_counts(lengths, lid.shape[1] + 1)
         _check_sharded_rows(q, lid, lengths)
         return sharded_ops.rows_attention(q, layer, lengths, options, scale=scale, knobs=knobs)
     return layer_ops.rows_attention(q, layer, lengths, options, scale=scale, knobs=knobs)
@@ -294,11 +297,7 @@ def _checked_q_lengths(q_lengths: Any, batch: int, q_len: int) -> jax.Array | No
     """int32 (B,), wide integers clamped to [0, S] before the cast (no wrap)."""
     if q_lengths is None:
         return None
-    if not isinstance(q_lengths, jax.Array):
-        host = np.asarray(q_lengths)
-        if np.issubdtype(host.dtype, np.integer) and host.dtype.itemsize >= 4:
-            host = np.clip(host, 0, q_len).astype(np.int32)
-        q_lengths = jnp.asarray(host)
+    q_lengths = clamped_counts(q_lengths, q_len)
     if q_lengths.shape != (batch,):
         raise ValueError(
             f"attention: q_lengths must have shape ({batch},) (live query rows per sequence), "
@@ -306,8 +305,6 @@ def _checked_q_lengths(q_lengths: Any, batch: int, q_len: int) -> jax.Array | No
         )
     if not jnp.issubdtype(q_lengths.dtype, jnp.integer):
         raise TypeError(f"attention: q_lengths must be integers (int32), got {q_lengths.dtype}")
-    if q_lengths.dtype.itemsize >= 4:
-        q_lengths = jnp.clip(q_lengths, 0, q_len)
     return q_lengths.astype(jnp.int32)
 
 
@@ -335,8 +332,8 @@ def reference_attention(
     softcap = _checked_softcap(softcap)
     scale = _call._softmax_scale(scale, D)
     acc = jnp.promote_types(jnp.float32, jnp.result_type(q.dtype, k.dtype))
-    n = jnp.clip(jnp.asarray(lengths).astype(jnp.int32), 0, T)
-    qn = n.clip(0, S) if q_lengths is None else jnp.asarray(q_lengths).astype(jnp.int32)
+    n = jnp.clip(clamped_counts(lengths, T).astype(jnp.int32), 0, T)
+    qn = n.clip(0, S) if q_lengths is None else clamped_counts(q_lengths, S).astype(jnp.int32)
     qn = jnp.clip(qn, 0, jnp.minimum(S, n))
     qg = q.astype(acc).reshape(B, S, Hkv, Hq // Hkv, D)
     s = jnp.einsum("bshgd,bthd->bshgt", qg, k.astype(acc), precision=_FULL) * scale

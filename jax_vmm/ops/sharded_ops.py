@@ -27,6 +27,7 @@ from ..cache.pytree import KVLayer
 from ..cache.sharding import ShardedLayerId
 from . import array_writes as _ops
 from . import layer_ops
+from .lengths import clamped_counts
 
 __all__ = ["write", "attention", "rows_attention"]
 
@@ -119,10 +120,13 @@ def attention(q: Any, layer: KVLayer, lengths: Any, *, scale: float | None = Non
             f"decode_attention: num_q_heads={q_shape[1]} must be a multiple of the cache's "
             f"{lid.shape[2]} KV heads"
         )
-    if tuple(np.shape(lengths)) != (lid.shape[0],):
+    # As an array before shard_map, which would take a list for a pytree of scalars and
+    # truncate int64 to int32 (T + 1: see attention_call._clamped_lengths).
+    lengths = clamped_counts(lengths, lid.shape[1] + 1)
+    if tuple(lengths.shape) != (lid.shape[0],):
         raise ValueError(
             f"decode_attention: lengths must be ({lid.shape[0]},), one per sequence, got "
-            f"shape {tuple(np.shape(lengths))}"
+            f"shape {tuple(lengths.shape)}"
         )
     qspec = P(lid.seq_axes, lid.head_axes, None)
     scales, scale_specs = _scales(layer)
@@ -144,7 +148,8 @@ def rows_attention(
 ) -> jax.Array:
     """``jax_vmm.attention(q, layer, lengths, **options)`` on a sharded arena layer: ``q``
     ``(max_seqs, S, num_q_heads, head_dim)``, ``lengths`` and ``options["q_lengths"]``
-    ``(max_seqs,)``, all global and checked by the caller; each device runs
+    ``(max_seqs,)``, all global and checked by the caller (lengths an array, as
+    ``clamped_counts`` makes it); each device runs
     ``layer_ops.rows_attention`` on its shard (an fp8 one with its heads' scales). The
     result is split like ``q``'s sequences and heads."""
     lid = layer.id

@@ -723,3 +723,74 @@ def test_the_tables_the_kernels_read_stay_apart(host_vm):
     kv.release(2)
     check([0, 0, 0, 0, 0])  # the last sharer gone, its source's floor drops at once
     assert list(kv._core_cache.limits()) == [tpc + 3, 0, 0, 0, 2 * tpc - 1]
+
+
+@pytest.mark.parametrize("held_before", ["ensured", "kept", "prefetched"])
+def test_a_refused_ensure_shareable_gives_back_only_what_it_committed(vm, held_before):
+    """ensure_shareable that the budget refuses after committing the prefix's whole chunks
+    changes nothing: the chunks the sequence held before (tokens ensured, a chunk kept by
+    release(keep_tokens=), a prefetched one) stay backed and counted, and its next ensure
+    and writes land. (It gave back either nothing, keeping the new chunks, or everything,
+    leaving a chunk the arena still counted as backed unmapped.)"""
+    tpc = vm.chunk // (H * D * 4)
+    budget = jax_vmm.MemoryBudget(3 * 2 * LAYERS * vm.chunk, vm.device)
+    kv, _ = _kv(vm, seqs=4, budget=budget, commit_ahead_tokens=0)
+    if held_before == "ensured":
+        kv.ensure(10, 1)
+    elif held_before == "kept":
+        kv.ensure(tpc - 3, 1)
+        kv.release(1, keep_tokens=tpc - 3)
+    else:
+        kv.prefetch(tpc - 3, 1)
+        kv.wait_prefetch(1)
+    kv.ensure(tpc, 0)  # 2 of the 3 chunks per buffer now held
+    before = _state(kv), budget.stats()["used_bytes"], kv.is_backed(tpc - 3, 1)
+    assert before[2]
+    with pytest.raises(jax_vmm.OutOfMemoryError, match="budget"):
+        kv.ensure_shareable(2 * tpc + tpc // 2, 1)  # its 2nd whole chunk fits, the rest not
+    assert (_state(kv), budget.stats()["used_bytes"], kv.is_backed(tpc - 3, 1)) == before
+    data = _tokens(kv, tpc - 3, seed=21)
+    kv.ensure(tpc - 3, 1)
+    _write(kv, 1, 0, data)
+    kv.check()  # nothing dropped: the chunk is there
+    np.testing.assert_array_equal(_seq_tokens(kv, 1)[:, :, : tpc - 3], data)
+
+
+def test_a_share_that_maps_nothing_leaves_the_source_writable_after_the_others(vm):
+    """A copy-only share (its prefix inside src's first chunk) does not read src's memory:
+    once the share that maps src's chunks is released, src's floor drops, its writes land
+    and it offloads, though the copy-only sharer is still in place."""
+    kv, tpc = _kv(vm, seqs=3)
+    n = 2 * tpc + tpc // 2
+    kv.ensure_shareable(n, 0)
+    _write(kv, 0, 0, _tokens(kv, n, seed=23))
+    assert kv.share_prefix(0, 1, n)["mapped_bytes"] > 0
+    assert kv.share_prefix(0, 2, tpc // 2)["mapped_bytes"] == 0
+    kv.release(1)
+    assert kv.stats()["sharing_seqs"] == [2]  # dst 2's own prefix stays read-only
+    late = _tokens(kv, 1, seed=24)
+    _write(kv, 0, tpc + 1, late)
+    kv.check()  # landed, not dropped
+    np.testing.assert_array_equal(_seq_tokens(kv, 0)[:, :, tpc + 1 : tpc + 2], late)
+    kv.offload(0)
+    kv.restore(0).wait()
+
+
+def test_a_share_of_an_unshareable_allocation_says_so(vm, caplog):
+    """Whole chunks of a prompt committed by a plain ensure (one allocation past the
+    prefix) are copied, not mapped; the share says why and what to call instead."""
+    kv, tpc = _kv(vm, handle_bytes=None)
+    n = int(2.5 * tpc)
+    kv.ensure(n, 0)
+    _write(kv, 0, 0, _tokens(kv, n, seed=25))
+    with caplog.at_level("WARNING", logger="jax_vmm"):
+        got = kv.share_prefix(0, 1, n)
+    assert got["mapped_bytes"] == 0
+    assert "kv.ensure_shareable(n, seq)" in caplog.text
+    caplog.clear()
+    kv.release(1, wait=True)
+    kv.release(0, wait=True)
+    kv.ensure_shareable(n, 0)
+    with caplog.at_level("WARNING", logger="jax_vmm"):
+        assert kv.share_prefix(0, 1, n)["mapped_bytes"] > 0
+    assert "ensure_shareable" not in caplog.text

@@ -262,6 +262,88 @@ def test_over_an_arena_layer(vm):
     np.testing.assert_array_equal(np.asarray(clamped.astype(F32)), np.asarray(out.astype(F32)))
 
 
+@pytest.mark.parametrize(
+    "to_lengths",
+    [
+        lambda n: np.asarray(n, np.int16),
+        lambda n: np.asarray(n, np.uint8),
+        lambda n: np.asarray(n, np.int32),
+        lambda n: np.asarray(n, np.int64),
+        lambda n: np.asarray(n, np.uint32),
+        lambda n: list(n),
+        lambda n: jnp.asarray(n, jnp.int32),
+    ],
+    ids=["int16", "uint8", "int32", "int64", "uint32", "list", "jnp-int32"],
+)
+@pytest.mark.parametrize("S", [1, 3])
+def test_a_length_past_the_capacity_is_counted_whatever_its_type(vm, to_lengths, S):
+    """A length past T over a full arena layer reads the T tokens and is counted, in every
+    integer type a user may pass (the wide ones are clamped before the int32 cast; before
+    the fix only the narrow ones were counted)."""
+    rng = np.random.default_rng(13)
+    B, Hq, Hkv, D, T = 2, 4, 2, 64, 16
+    kv, k64, v64 = _filled_arena(vm, rng, B, T, Hkv, D, F32, [T, T])
+    q, q64 = draw(rng, (B, S, Hq, D), F32)
+    q = jax.device_put(q, kv.arena.device)
+    out = jax_vmm.attention(q, kv.cache()[0], to_lengths([100, T]))
+    with pytest.raises(jax_vmm.OutOfBoundsRead) as info:
+        kv.check(out)
+    assert info.value.count == 1  # sequence 0 asked past its 16 ensured tokens
+    assert_close(out, ref64(q64, k64, v64, [T, T]), F32, "length past T")
+
+
+def test_wide_lengths_are_clamped_not_wrapped_everywhere(device):
+    """2**32 + 1 (int64) means all T tokens, not 1: in attention, in reference_attention
+    and as q_lengths."""
+    rng = np.random.default_rng(17)
+    B, S, Hq, Hkv, D, T = 2, 3, 4, 2, 64, 20
+    q, q64 = draw(rng, (B, S, Hq, D), F32)
+    k, k64 = draw(rng, (B, T, Hkv, D), F32)
+    v, v64 = draw(rng, (B, T, Hkv, D), F32)
+    q, k, v = (jax.device_put(x, device) for x in (q, k, v))
+    wide = np.full(B, 2**32 + 1, np.int64)
+    want = ref64(q64, k64, v64, [T, T])
+    assert_close(jax_vmm.attention(q, k, v, wide, q_lengths=wide), want, F32, "attention")
+    assert_close(reference_attention(q, k, v, wide), want, F32, "reference_attention")
+    assert_close(reference_attention(q, k, v, wide, q_lengths=wide), want, F32, "q_lengths")
+
+
+def test_q_lengths_may_be_a_list_of_traced_scalars(device):
+    """As lengths may: inside jit, a list built from traced values."""
+    rng = np.random.default_rng(19)
+    B, S, Hq, Hkv, D, T = 2, 3, 4, 2, 64, 12
+    q, q64 = draw(rng, (B, S, Hq, D), F32)
+    k, k64 = draw(rng, (B, T, Hkv, D), F32)
+    v, v64 = draw(rng, (B, T, Hkv, D), F32)
+    q, k, v = (jax.device_put(x, device) for x in (q, k, v))
+
+    @jax.jit
+    def fn(q, k, v, a, b):
+        return jax_vmm.attention(q, k, v, [a + 9, b + 9], q_lengths=[a, b], window=4)
+
+    out = fn(q, k, v, jnp.int32(3), jnp.int32(1))
+    assert_close(out, ref64(q64, k64, v64, [12, 10], [3, 1], window=4), F32, "traced list")
+
+
+@pytest.mark.parametrize(
+    "options", [dict(softcap=30.0), dict(window=4), dict(q_lengths=np.ones(2, np.int32))]
+)
+def test_fp8_scales_are_checked_with_every_option(options):
+    """The array form with options dequantizes in XLA; its scales get the same check as
+    the plain call's (a (1,) scale would otherwise broadcast over every KV head)."""
+    k8 = jnp.zeros((2, 10, 2, 64), FP8_DTYPE)
+    q = jnp.zeros((2, 3, 4, 64), BF16)
+    good = jnp.ones((2,), F32)
+    for bad in (jnp.ones((1,), F32), jnp.ones((3,), F32), jnp.ones((2,), F16), 0.5):
+        with pytest.raises(ValueError, match=r"k_scale must be float32 of shape \(2,\)"):
+            jax_vmm.attention(q, k8, k8, [3, 4], k_scale=bad, v_scale=good, **options)
+    with pytest.raises(ValueError, match="an fp8 cache needs k_scale and v_scale"):
+        jax_vmm.attention(q, k8, k8, [3, 4], k_scale=good, **options)
+    bf = jnp.zeros((2, 10, 2, 64), BF16)
+    with pytest.raises(ValueError, match="k_scale/v_scale are for fp8 caches"):
+        jax_vmm.attention(q, bf, bf, [3, 4], k_scale=good, v_scale=good, **options)
+
+
 # -- validation --------------------------------------------------------------------------
 
 

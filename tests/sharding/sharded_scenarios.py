@@ -506,6 +506,46 @@ def dropped_writes_and_clamped_reads_are_counted_over_the_shards():
 
 
 @scenario
+def lengths_as_lists_and_wide_integers_read_what_int32_arrays_read():
+    """The natural forms of ``lengths`` over a sharded layer: a Python list (in and out of
+    jit), and int64 past 2**32 (all T tokens, clamped and counted, never wrapped to 1 by
+    shard_map's cast to int32) give what the int32 array gives. (A jitted function's
+    int64 argument is cast by JAX at the jit boundary, before jax_vmm sees it, so the
+    wide case is eager.)"""
+    kv = make(mesh_2d(), P("dp", None, "tp"))
+    for q in range(S):
+        kv.ensure(T, q)
+    t = tokens(S * T, 3)
+    slots = np.arange(S * T, dtype=np.int32)
+    write = jax.jit(lambda c, k, v, s: c.replace(0, jax_vmm.kv_write(c[0], k, v, s)))
+    cache = write(kv.cache(), t["k"][0], t["v"][0], slots)
+    q = tokens(S, 4)["q"][0]
+    q_rows = np.stack([q, q], axis=1)
+
+    def decode(n):
+        return jax_vmm.decode_attention(q, cache[0], n)
+
+    def rows(n):
+        return jax_vmm.attention(q_rows, cache[0], n, window=4)
+
+    full = np.full(S, T, np.int32)
+    wide = np.full(S, 2**32 + 1, np.int64)
+    for attend in (decode, rows):
+        want = np.asarray(jax.jit(attend)(full))
+        if attend is decode:  # T tokens and 1 token differ
+            assert np.abs(want - np.asarray(decode(np.ones(S, np.int32)))).max() > 1e-3
+        for got in (jax.jit(attend)(full.tolist()), attend(full.tolist()), attend(wide)):
+            np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6, atol=1e-6)
+        try:
+            kv.check(got)  # the last: 2**32 + 1 asked past the T ensured tokens
+            raise AssertionError("no OutOfBoundsRead for lengths past T")
+        except jax_vmm.OutOfBoundsRead:
+            pass
+    kv.check()
+    kv.close()
+
+
+@scenario
 def bad_shardings_are_refused_clearly():
     m1, m2 = mesh_1d(), mesh_2d()
     live = len(jax_vmm.cache.registry.live_arenas())
