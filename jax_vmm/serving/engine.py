@@ -439,6 +439,40 @@ class Generator:
             else:
                 self._chunk_fn(size, stops, self._chunk_args(state, np.zeros(1), 0, 0, 1, size))
 
+    def _check_request(self, r: Request, before: int, need: int) -> None:
+        """One request checked against the model and the cache (``before``: tokens of its
+        earlier turns; ``need``: the cached tokens it needs in all)."""
+        if len(r.prompt) < 1:
+            raise ValueError(f"request {r.id}: the prompt is empty; give it at least one token")
+        if isinstance(r.max_new_tokens, bool) or not isinstance(
+            r.max_new_tokens, (int, np.integer)
+        ):
+            raise ValueError(
+                f"request {r.id}: max_new_tokens must be an integer >= 1, got {r.max_new_tokens!r}"
+            )
+        if r.max_new_tokens < 1:
+            raise ValueError(
+                f"request {r.id}: max_new_tokens must be >= 1 (the engine generates at least "
+                f"one token per request), got {r.max_new_tokens}"
+            )
+        ids = np.asarray(r.prompt)
+        vocab = self.cfg.vocab
+        if not np.issubdtype(ids.dtype, np.integer):
+            raise ValueError(f"request {r.id}: prompt token ids must be integers, got {ids.dtype}")
+        bad = ids[(ids < 0) | (ids >= vocab)]
+        if bad.size:
+            raise ValueError(
+                f"request {r.id}: prompt token ids {bad[:8].tolist()} are not token ids of the "
+                f"model's [0, {vocab}) (the embedding would clamp them silently)"
+            )
+        if need > self.cache.max_tokens:
+            earlier = f"{before} tokens of earlier turns + " if before else ""
+            raise ValueError(
+                f"request {r.id}: {earlier}prompt {len(r.prompt)} + {r.max_new_tokens} new "
+                f"tokens needs {need} cached tokens; the cache holds {self.cache.max_tokens} "
+                "per sequence"
+            )
+
     def _check_shared_prefix(self, requests: list[Request], n: int) -> np.ndarray | None:
         """run(shared_prefix=n) checked: the prefix's tokens (None for 0)."""
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
@@ -492,17 +526,10 @@ class Generator:
         slot (kv.share_prefix: the same memory, no copy of whole chunks), whose prefill
         then runs only the rest of its prompt, over the cache (attend_chunk); a next turn
         (follows) goes on in its parent's slot, so only first turns need the prefix."""
-        cache, max_tokens = self.cache, self.cache.max_tokens
+        cache = self.cache
         contexts = context_lengths(requests)
         for r in requests:
-            before, need = contexts[r.id]
-            if len(r.prompt) < 1 or r.max_new_tokens < 1 or need > max_tokens:
-                earlier = f"{before} tokens of earlier turns + " if before else ""
-                raise ValueError(
-                    f"request {r.id}: {earlier}prompt {len(r.prompt)} + {r.max_new_tokens} "
-                    f"new tokens needs {need} cached tokens; the cache holds "
-                    f"1..{max_tokens} per sequence"
-                )
+            self._check_request(r, *contexts[r.id])
         if pause_every is not None and (
             isinstance(pause_every, bool) or not isinstance(pause_every, int) or pause_every < 1
         ):
@@ -510,6 +537,13 @@ class Generator:
         if (pause_every is None) != (pause is None):
             raise ValueError("pause_every and pause go together: give both or neither")
         prefix_tokens = self._check_shared_prefix(requests, shared_prefix)
+        if prefix_tokens is not None and pause_every is not None:
+            # A sleep refuses while memory is shared (docs/sharing.md), and the first pause
+            # would come after work was dispatched.
+            raise ValueError(
+                "shared_prefix and pause_every go separately: the arena cannot sleep while "
+                "sequences share a prefix's memory; run the two in separate calls"
+            )
         host_mode = self._host_mode(force_tokens, select_token)
         self.precompile(
             requests,

@@ -585,3 +585,30 @@ def test_decode_cli_prefill_chunk(tmp_path: Path) -> None:
     assert tp["final_backed_bytes"] == 0
     with pytest.raises(SystemExit, match="--kv-dtype fp8: jax_vmm's fp8 attention takes head_dim"):
         decode.main([*argv, "--prefill-chunk", "8", "--kv-dtype", "fp8"])  # the cpu preset's 32
+
+
+@pytest.mark.parametrize(
+    "flags,match",
+    [
+        (["--batch", "0"], "--batch 0: expected an integer >= 1"),
+        (["--max-tokens", "0"], "--max-tokens 0: expected an integer >= 1"),
+        (["--layers", "0"], "--layers 0: expected an integer >= 1"),  # was the preset's
+        (["--layers", "-1"], "--layers -1: expected an integer >= 1"),
+        (["--chunk-bytes", "0"], "--chunk-bytes 0: expected an integer >= 1"),  # was 64 KiB
+        (["--tp", "0"], "--tp 0: expected an integer >= 1"),
+        (["--prompt-len", "10", "5"], "--prompt-len 10 5: expected 1 <= MIN <= MAX"),
+        (["--new-tokens", "0", "2"], "--new-tokens 0 2: expected 1 <= MIN <= MAX"),
+        (["--max-tokens", "10"], "--max-tokens 10: the longest request .* caches 27 tokens"),
+        (["--tp", "1", "--sleep-every", "1"], "--tp with --sleep-every / --budget"),
+        (["--budget", "100", "--sleep-every", "1"], "smaller than one chunk of the arena"),
+    ],
+)
+def test_decode_cli_refuses_bad_sizes_by_flag(tmp_path: Path, flags, match) -> None:
+    """Each bad size flag ends in a `decode.py: --flag ...` message, not a traceback from
+    deep in the run or a silent default."""
+    from jax_vmm.serving.cli import decode
+
+    argv = ["--device", "cpu", "--requests", "2", "--prompt-len", "8", "20"]
+    argv += ["--new-tokens", "4", "8", "--no-plot", "--no-progress", "--out", str(tmp_path)]
+    with pytest.raises(SystemExit, match=f"decode.py: .*{match}"):
+        decode.main([*argv, *flags])

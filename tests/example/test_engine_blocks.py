@@ -258,6 +258,61 @@ def test_block_and_pause_arguments_are_checked(cpu_device) -> None:
         cache.close()
 
 
+@pytest.mark.parametrize(
+    "request_,match",
+    [
+        (E.Request(0, np.array([600, 3], np.int32), 2), r"prompt token ids \[600\] are not"),
+        (E.Request(0, np.array([-1, 3], np.int32), 2), r"prompt token ids \[-1\] are not"),
+        (E.Request(0, np.array([1.5, 3.0]), 2), "prompt token ids must be integers"),
+        (E.Request(0, np.zeros(0, np.int32), 2), "the prompt is empty"),
+        (E.Request(0, np.array([1, 3], np.int32), 0), "max_new_tokens must be >= 1"),
+        (E.Request(0, np.array([1, 3], np.int32), -3), "max_new_tokens must be >= 1"),
+        (E.Request(0, np.array([1, 3], np.int32), 2.0), "max_new_tokens must be an integer"),
+        (
+            E.Request(0, np.arange(10, dtype=np.int32), 8),
+            "needs 17 cached tokens; the cache holds 16",
+        ),
+    ],
+)
+def test_a_bad_request_is_refused_by_what_is_wrong(cpu_device, request_, match) -> None:
+    """Each wrong request says what is wrong with it (an out-of-vocabulary id was clamped by
+    the embedding and served silently; an empty prompt or max_new_tokens 0 were reported as
+    a cache too small), before anything is dispatched."""
+    with jax.default_device(cpu_device):
+        params = M.init_params(SMALL, seed=0)
+        cache = make_cache("jax_vmm", SMALL, max_seqs=2, max_tokens=16, device=cpu_device)
+        gen = E.Generator(params, SMALL, cache, jax_vmm.decode_attention)
+        with pytest.raises(ValueError, match=match):
+            gen.run([request_])
+        assert cache.kv.stats()["backed_bytes"] == 0
+        cache.close()
+
+
+def test_a_shared_prefix_with_pauses_is_refused_before_any_work(cpu_device) -> None:
+    """The arena cannot sleep while a prefix is shared: the run refuses the pair up front
+    (it failed at its first pause, leaving the prefix shared and read-only, so the next
+    run's prefill writes were dropped)."""
+    with jax.default_device(cpu_device):
+        params = M.init_params(SMALL, seed=0)
+        cache = make_cache(
+            "jax_vmm", SMALL, max_seqs=3, max_tokens=64, device=cpu_device, chunk_bytes=4096
+        )
+        gen = E.Generator(
+            params, SMALL, cache, jax_vmm.decode_attention, attend_chunk=jax_vmm.attention
+        )
+        prefix = np.arange(10, dtype=np.int32)
+        reqs = [
+            E.Request(i, np.concatenate([prefix, [20 + i]]).astype(np.int32), 4) for i in (0, 1)
+        ]
+        with pytest.raises(ValueError, match="shared_prefix and pause_every go separately"):
+            gen.run(reqs, shared_prefix=10, pause_every=1, pause=lambda: None)
+        stats = cache.kv.stats()
+        assert stats["backed_bytes"] == 0 and stats["shared_prefixes"] == []
+        assert len(gen.run(reqs, shared_prefix=10).results) == 2
+        cache.kv.check()
+        cache.close()
+
+
 @pytest.mark.gpu
 def test_blocks_replay_the_captured_step_across_blocks_and_growth(gpu_device) -> None:
     """On the GPU the decode block's custom calls (kv_write and decode_attention on the

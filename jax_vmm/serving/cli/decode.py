@@ -241,6 +241,23 @@ def with_common_prefix(requests: list[E.Request], n: int, vocab: int, seed: int)
     ]
 
 
+def check_sizes(args: argparse.Namespace) -> None:
+    """The size flags, refused with the flag's name before anything is built."""
+    for flag, value in (
+        ("--batch", args.batch),
+        ("--max-tokens", args.max_tokens),
+        ("--requests", args.requests),
+        ("--layers", args.layers),
+        ("--chunk-bytes", args.chunk_bytes),
+        ("--tp", args.tp),
+    ):
+        if value is not None and value < 1:
+            raise SystemExit(f"decode.py: {flag} {value}: expected an integer >= 1")
+    for flag, pair in (("--prompt-len", args.prompt_len), ("--new-tokens", args.new_tokens)):
+        if pair is not None and not 1 <= pair[0] <= pair[1]:
+            raise SystemExit(f"decode.py: {flag} {pair[0]} {pair[1]}: expected 1 <= MIN <= MAX")
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     device = resolve_device(args.device)
@@ -248,7 +265,8 @@ def main(argv: list[str] | None = None) -> dict:
     if preset == "auto":
         preset = "gpu" if device.platform == "gpu" else "cpu"
     cfg = M.PRESETS[preset]
-    if args.layers:
+    check_sizes(args)
+    if args.layers is not None:
         cfg = dataclasses.replace(cfg, num_layers=args.layers)
     serving = dict(SERVING[preset])
     overrides = {
@@ -260,6 +278,15 @@ def main(argv: list[str] | None = None) -> dict:
         "chunk_bytes": args.chunk_bytes,
     }
     serving.update({k: v for k, v in overrides.items() if v is not None})
+    longest = serving["prompt_len"][1] + (args.shared_prefix or 0) + serving["new_tokens"][1] - 1
+    if longest > serving["max_tokens"]:
+        raise SystemExit(
+            f"decode.py: --max-tokens {serving['max_tokens']}: the longest request (prompt "
+            f"{serving['prompt_len'][1]}"
+            + (f" + shared prefix {args.shared_prefix}" if args.shared_prefix else "")
+            + f" + {serving['new_tokens'][1]} new tokens) caches {longest} tokens; raise "
+            "--max-tokens or shorten --prompt-len / --new-tokens"
+        )
     if args.kv_dtype == "fp8" and cfg.head_dim not in FP8_HEAD_DIMS:
         raise SystemExit(
             f"decode.py: --kv-dtype fp8: jax_vmm's fp8 attention takes head_dim in "
@@ -271,6 +298,11 @@ def main(argv: list[str] | None = None) -> dict:
             "jax_vmm (it sleeps the jax_vmm arenas)"
         )
 
+    if args.tp is not None and (args.sleep_every is not None or args.budget is not None):
+        raise SystemExit(
+            "decode.py: --tp with --sleep-every / --budget: a sharded KV arena does not "
+            "sleep (docs/sharding.md); run the sleep pass without --tp"
+        )
     if args.budget is not None and (args.sleep_every is None or args.budget <= 0):
         raise SystemExit(
             f"decode.py: --budget {args.budget}: needs --sleep-every K (the engines take "
@@ -317,20 +349,25 @@ def main(argv: list[str] | None = None) -> dict:
         budget = None if args.budget is None else jax_vmm.MemoryBudget(args.budget, device)
         if args.shared_prefix:
             requests = with_common_prefix(requests, args.shared_prefix, cfg.vocab, args.seed)
-        cache = make_cache(
-            args.backend,
-            cfg,
-            max_seqs=serving["batch"],
-            max_tokens=serving["max_tokens"],
-            device=device,
-            chunk_bytes=serving["chunk_bytes"],
-            kv_dtype=args.kv_dtype,
-            sharding=None if mesh is None else TP.cache_sharding(mesh),
-            commit_ahead_tokens=(
-                commit_lead_tokens(args.block) if args.commit_ahead is None else args.commit_ahead
-            ),
-            budget=budget,
-        )
+        try:
+            cache = make_cache(
+                args.backend,
+                cfg,
+                max_seqs=serving["batch"],
+                max_tokens=serving["max_tokens"],
+                device=device,
+                chunk_bytes=serving["chunk_bytes"],
+                kv_dtype=args.kv_dtype,
+                sharding=None if mesh is None else TP.cache_sharding(mesh),
+                commit_ahead_tokens=(
+                    commit_lead_tokens(args.block)
+                    if args.commit_ahead is None
+                    else args.commit_ahead
+                ),
+                budget=budget,
+            )
+        except ValueError as e:  # the cache's own check of the flags' sizes, said as is
+            raise SystemExit(f"decode.py: {e}") from None
         try:
             attn_name, attend = choose_attention(
                 args.attention,
