@@ -292,15 +292,18 @@ def test_a_length_past_the_capacity_is_counted_whatever_its_type(vm, to_lengths,
     assert_close(out, ref64(q64, k64, v64, [T, T]), F32, "length past T")
 
 
+def _float32_qkv(seed, B, T, device, S=3, Hq=4, Hkv=2, D=64):
+    """(q, k, v) on ``device`` and their float64 copies."""
+    rng = np.random.default_rng(seed)
+    pairs = [draw(rng, shape, F32) for shape in ((B, S, Hq, D), (B, T, Hkv, D), (B, T, Hkv, D))]
+    return [jax.device_put(x, device) for x, _ in pairs], [x64 for _, x64 in pairs]
+
+
 def test_wide_lengths_are_clamped_not_wrapped_everywhere(device):
     """2**32 + 1 (int64) means all T tokens, not 1: in attention, in reference_attention
     and as q_lengths."""
-    rng = np.random.default_rng(17)
-    B, S, Hq, Hkv, D, T = 2, 3, 4, 2, 64, 20
-    q, q64 = draw(rng, (B, S, Hq, D), F32)
-    k, k64 = draw(rng, (B, T, Hkv, D), F32)
-    v, v64 = draw(rng, (B, T, Hkv, D), F32)
-    q, k, v = (jax.device_put(x, device) for x in (q, k, v))
+    B, T = 2, 20
+    (q, k, v), (q64, k64, v64) = _float32_qkv(17, B, T, device)
     wide = np.full(B, 2**32 + 1, np.int64)
     want = ref64(q64, k64, v64, [T, T])
     assert_close(jax_vmm.attention(q, k, v, wide, q_lengths=wide), want, F32, "attention")
@@ -310,12 +313,7 @@ def test_wide_lengths_are_clamped_not_wrapped_everywhere(device):
 
 def test_q_lengths_may_be_a_list_of_traced_scalars(device):
     """As lengths may: inside jit, a list built from traced values."""
-    rng = np.random.default_rng(19)
-    B, S, Hq, Hkv, D, T = 2, 3, 4, 2, 64, 12
-    q, q64 = draw(rng, (B, S, Hq, D), F32)
-    k, k64 = draw(rng, (B, T, Hkv, D), F32)
-    v, v64 = draw(rng, (B, T, Hkv, D), F32)
-    q, k, v = (jax.device_put(x, device) for x in (q, k, v))
+    (q, k, v), (q64, k64, v64) = _float32_qkv(19, 2, 12, device)
 
     @jax.jit
     def fn(q, k, v, a, b):

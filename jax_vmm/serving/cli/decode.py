@@ -202,11 +202,7 @@ def _reference_engine(
     ref_cache = make_cache(
         "jax_vmm",
         cfg,
-        max_seqs=serving["batch"],
-        max_tokens=serving["max_tokens"],
-        device=device,
-        chunk_bytes=serving["chunk_bytes"],
-        kv_dtype=args.kv_dtype,
+        **_cache_shape(serving, device, args),
         commit_ahead_tokens=cache.kv.commit_ahead_tokens,
         budget=budget,
     )
@@ -239,6 +235,17 @@ def with_common_prefix(requests: list[E.Request], n: int, vocab: int, seed: int)
         E.Request(r.id, np.concatenate([prefix, np.asarray(r.prompt, np.int32)]), r.max_new_tokens)
         for r in requests
     ]
+
+
+def _cache_shape(serving: dict, device: jax.Device, args: argparse.Namespace) -> dict:
+    """make_cache's arguments that both engines' caches share."""
+    return dict(
+        max_seqs=serving["batch"],
+        max_tokens=serving["max_tokens"],
+        device=device,
+        chunk_bytes=serving["chunk_bytes"],
+        kv_dtype=args.kv_dtype,
+    )
 
 
 def check_sizes(args: argparse.Namespace) -> None:
@@ -353,11 +360,7 @@ def main(argv: list[str] | None = None) -> dict:
             cache = make_cache(
                 args.backend,
                 cfg,
-                max_seqs=serving["batch"],
-                max_tokens=serving["max_tokens"],
-                device=device,
-                chunk_bytes=serving["chunk_bytes"],
-                kv_dtype=args.kv_dtype,
+                **_cache_shape(serving, device, args),
                 sharding=None if mesh is None else TP.cache_sharding(mesh),
                 commit_ahead_tokens=(
                     commit_lead_tokens(args.block)
