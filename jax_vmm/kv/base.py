@@ -47,6 +47,13 @@ def layer_shape(
         if as_int(max_seqs, "max_seqs") <= 0:
             raise ValueError(f"max_seqs must be > 0 or None, got {max_seqs}")
         shape = (int(max_seqs),) + shape
+    slots = int(np.prod(shape[:-2], dtype=np.int64))
+    if slots >= 2**31:
+        raise ValueError(
+            f"max_seqs x max_tokens = {slots} token slots: kv_write addresses a token by an "
+            f"int32 slot (seq * max_tokens + pos), so it must be below 2**31; use fewer "
+            "sequences or a smaller max_tokens (or several arenas)"
+        )
     return shape
 
 

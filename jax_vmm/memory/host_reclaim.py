@@ -25,6 +25,7 @@ before an earlier one).
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import queue
@@ -37,7 +38,7 @@ from . import host_wait
 
 log = logging.getLogger("jax_vmm")
 
-_jobs: queue.SimpleQueue[tuple[list[jax.Array], Callable[[], None]]] = queue.SimpleQueue()
+_jobs: queue.SimpleQueue[tuple[list[jax.Array], Callable[[], None]] | None] = queue.SimpleQueue()
 _thread: threading.Thread | None = None
 _thread_pid = -1
 _start_lock = threading.Lock()
@@ -47,6 +48,19 @@ _pending = 0  # jobs queued and not yet served (under _start_lock)
 #: no job.
 serving = threading.Event()
 serving.set()
+
+
+@atexit.register
+def _stop_at_exit() -> None:
+    """Serves the queued jobs and stops the thread at interpreter exit, before daemon
+    threads are killed: one killed inside a core call aborts the process (SIGABRT; see
+    jax_vmm/kv/prefetch.py). A release right before exit queues exactly such a job."""
+    thread = _thread
+    if thread is None or _thread_pid != os.getpid() or not thread.is_alive():
+        return
+    serving.set()
+    _jobs.put(None)
+    thread.join()
 
 
 def after(arrays: list[jax.Array], then: Callable[[], None]) -> None:
@@ -71,7 +85,10 @@ def pending() -> int:
 def _serve() -> None:
     global _pending
     while True:
-        arrays, then = _jobs.get()
+        job = _jobs.get()
+        if job is None:  # _stop_at_exit
+            return
+        arrays, then = job
         serving.wait()
         try:
             host_wait.wait_for(arrays)

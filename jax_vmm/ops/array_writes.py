@@ -332,6 +332,7 @@ def kv_write_fp8(
         _WRITE_FP8,
         (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
         input_output_aliases={0: 0, 1: 1},
+        has_side_effect=True,  # as kv_write: an unused result must still write the arena
     )(k, v, new_k, new_v, slots, ks, vs, **attrs)
     return out[0], out[1]
 

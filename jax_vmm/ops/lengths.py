@@ -1,9 +1,10 @@
-"""Per-sequence counts (``lengths``, ``q_lengths``) as the int32 arrays the custom calls
-take, whatever the user passed: a jax.Array, a NumPy array, a list of Python or NumPy
-integers, or a list of traced scalars (inside ``jit``). Integers wider than int32 are
-clamped before the cast, so ``2**32 + 1`` never becomes 1: host values before JAX sees
-them (without x64 JAX itself would truncate an int64 array to int32), traced ones in the
-graph. Shapes and dtypes are the caller's to check."""
+"""Per-sequence counts (``lengths``, ``q_lengths``) and write coordinates (``seq``,
+``pos``) as the int32 arrays the custom calls take, whatever the user passed: a
+jax.Array, a NumPy array, a list of Python or NumPy integers, or a list of traced scalars
+(inside ``jit``). Integers wider than int32 are clamped before the cast, so ``2**32 + 1``
+never becomes 1: host values before JAX sees them (without x64 JAX itself would truncate
+an int64 array to int32), traced ones in the graph. Shapes and dtypes are the caller's to
+check."""
 
 from __future__ import annotations
 
@@ -18,6 +19,12 @@ def clamped_counts(values: Any, upper: int | None) -> jax.Array:
     """``values`` as a jax.Array; integers of 32 bits or more clamped to [0, ``upper``]
     (no clamp when ``upper`` is None) and cast to int32. Narrower integers and
     non-integers are returned as they are, for the caller's checks."""
+    return clamped_int32(values, 0, upper)
+
+
+def clamped_int32(values: Any, lower: int, upper: int | None) -> jax.Array:
+    """:func:`clamped_counts` with a lower bound of choice (``seq`` and ``pos`` of a
+    write clamp to one past each end, so an out-of-range value stays out of range)."""
     if not isinstance(values, jax.Array):
         try:
             host = np.asarray(values)
@@ -25,10 +32,10 @@ def clamped_counts(values: Any, upper: int | None) -> jax.Array:
             values = jnp.asarray(values)
         else:
             if upper is not None and _is_wide_int(host.dtype):
-                host = np.clip(host, 0, upper).astype(np.int32)
+                host = np.clip(host, lower, upper).astype(np.int32)
             return jnp.asarray(host)
     if upper is not None and _is_wide_int(values.dtype):
-        values = jnp.clip(values, 0, upper).astype(jnp.int32)
+        values = jnp.clip(values, lower, upper).astype(jnp.int32)
     return values
 
 

@@ -14,6 +14,7 @@ from ..cache.pytree import KVCache, KVLayer
 from . import layer_ops, sharded_ops
 from .arena_leaves import checked_arena_layer
 from .array_writes import KVDest, kv_write_arrays
+from .lengths import clamped_int32
 
 __all__ = ["kv_write"]
 
@@ -128,7 +129,13 @@ def seq_pos_slots(layer: KVLayer, new_k: Any, seq: Any, pos: Any) -> jax.Array:
     if seq is None or pos is None:
         missing = "seq" if seq is None else "pos"
         raise TypeError(f"kv_write(layer, new_k, new_v, *, seq, pos): {missing}= is missing")
-    n = tuple(getattr(new_k, "shape", ()))[:1]
+    k_shape = tuple(getattr(new_k, "shape", ()))
+    if len(k_shape) != 3:
+        raise ValueError(
+            f"kv_write: new_k must be (n, num_kv_heads, head_dim), one row per new token; got "
+            f"shape {k_shape} (one token: new_k[None])"
+        )
+    n = k_shape[:1]
     for name, x in (("seq", seq), ("pos", pos)):
         shape = tuple(np.shape(x))
         if shape != n:
@@ -142,8 +149,10 @@ def seq_pos_slots(layer: KVLayer, new_k: Any, seq: Any, pos: Any) -> jax.Array:
     shape = layer.shape
     tokens = shape[-3]
     seqs = shape[0] if len(shape) == 4 else 1
-    seq = jnp.asarray(seq, jnp.int32)
-    pos = jnp.asarray(pos, jnp.int32)
+    # Clamped to one past each end before the int32 cast: 2**32 + 1 must stay out of
+    # range (dropped, counted), not wrap to 1; -1 (idle) only where the user gave -1.
+    seq = clamped_int32(seq, -2, seqs).astype(jnp.int32)
+    pos = clamped_int32(pos, -1, tokens).astype(jnp.int32)
     valid = (seq >= 0) & (seq < seqs) & (pos >= 0) & (pos < tokens)
     dropped = jnp.int32(seqs * tokens)
     slots = jnp.where(valid, seq * tokens + pos, jnp.where(seq == -1, -1, dropped))

@@ -10,6 +10,7 @@ host, the CUDA driver on a GPU), never by the arena's counters alone.
 
 from __future__ import annotations
 
+import textwrap
 import threading
 import time
 from collections.abc import Callable
@@ -422,3 +423,40 @@ def test_neighbour_readers_see_exact_data_while_others_churn(vm, faults, counted
     worker.join()
     results.append(int(f(view)))
     assert results and all(r == want for r in results), "a reader of seq 1 saw wrong data"
+
+
+def test_a_release_right_before_exit_does_not_abort_the_process():
+    """A release with a step still running queues a job on the reclaim thread; at exit the
+    thread is stopped after serving it. (Killed as a daemon inside its wait for the step,
+    the process aborted with SIGABRT; that depends on the step still running at exit,
+    which the 24 large matrix products make likely, so the control is not certain.)"""
+    from conftest import run_cpu_script
+
+    script = textwrap.dedent(
+        """
+        import jax, jax.numpy as jnp, jax_vmm
+        kv = jax_vmm.kv_arena(num_layers=1, num_kv_heads=2, head_dim=8, max_tokens=16,
+                              max_seqs=2, dtype=jnp.float32)
+        kv.ensure(4, seq=0)
+
+        @jax.jit
+        def step(cache, big):
+            x = big
+            for _ in range(24):
+                x = jnp.tanh(x @ x)
+            new = jnp.zeros((1, 2, 8)) + x[0, 0]
+            layer = jax_vmm.kv_write(cache[0], new, new, seq=jnp.array([0]), pos=jnp.array([0]))
+            return cache.replace(0, layer)
+
+        big = jnp.ones((1500, 1500))
+        jax.block_until_ready(step(kv.cache(), big))
+        cache = step(kv.cache(), big)  # dispatched, still running
+        kv.release(0)
+        print("released")
+        """
+    )
+    proc = run_cpu_script(script)
+    assert proc.returncode == 0 and "released" in proc.stdout, (
+        proc.returncode,
+        proc.stderr[-2000:],
+    )

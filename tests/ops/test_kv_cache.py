@@ -415,6 +415,49 @@ def test_wide_lengths_are_clamped_before_the_int32_cast(vm):
     assert np.all(np.isfinite(out))
 
 
+@pytest.mark.parametrize(
+    "seq,pos",
+    [
+        (0, 2**32 + 1),  # wrapped to position 1
+        (2**32 + 1, 0),  # wrapped to sequence 1
+        (0, -(2**32) + 2),  # wrapped to position 2
+        (2**32 - 1, 0),  # wrapped to -1: an idle row, skipped uncounted
+        (np.uint32(2**32 - 1), 0),
+    ],
+)
+def test_a_write_out_of_the_int32_range_is_dropped_and_counted(vm, seq, pos):
+    """seq / pos past int32 never wrap into the cache: the write is dropped and counted,
+    and no token of any sequence changes."""
+    kv = _kv(vm)
+    kv.ensure(T, 0)
+    kv.ensure(T, 1)
+    before = [raw_bytes(b).tobytes() for b in kv.buffers]
+    new = jax.device_put(jnp.full((1, HKV, D), 9.0, DT), vm.device)
+    dtype = np.uint32 if isinstance(seq, np.uint32) else np.int64
+    layer = jax_vmm.kv_write(
+        kv.cache()[0], new, new, seq=np.array([seq], dtype), pos=np.array([pos], np.int64)
+    )
+    with pytest.raises(jax_vmm.OutOfBoundsWrite) as info:
+        kv.check(layer)
+    assert info.value.count == 2  # K and V
+    assert [raw_bytes(b).tobytes() for b in kv.buffers] == before
+
+
+def test_a_token_without_its_n_axis_is_named_in_the_error(vm):
+    kv = _kv(vm, initial_tokens=4)
+    one = jnp.ones((HKV, D), DT)
+    with pytest.raises(ValueError, match=r"new_k must be \(n, num_kv_heads, head_dim\)"):
+        jax_vmm.kv_write(kv.cache()[0], one, one, seq=np.array([0]), pos=np.array([1]))
+
+
+def test_an_arena_of_2_31_slots_or_more_is_refused():
+    with pytest.raises(ValueError, match="token slots: kv_write addresses a token by an int32"):
+        jax_vmm.kv_arena(
+            num_layers=1, num_kv_heads=1, head_dim=8, max_tokens=2**20, max_seqs=2**11,
+            dtype=DT,
+        )  # fmt: skip
+
+
 # -- identity: closed, destroyed, other devices --------------------------------------------------
 
 

@@ -386,20 +386,21 @@ def test_kv_write_through_refuses_copies(vm):
 # -- what XLA must keep, and when check() may read the counters ----------------------------
 
 
-@pytest.mark.parametrize("op", ["through", "write"])
+@pytest.mark.parametrize("op", ["through", "write", "fp8"])
 def test_a_write_whose_result_is_unused_still_writes(vm, op):
     """The custom calls have a side effect (the arena): XLA must not remove them when
-    the step ignores their result."""
+    the step ignores their result (kv_write_fp8 lacked it: nothing landed)."""
+    dtype = jnp.float8_e4m3fn if op == "fp8" else jnp.float32
     kv = vm.kv(
-        num_layers=1,
-        num_kv_heads=H,
-        head_dim=D,
-        max_tokens=16,
-        dtype=jnp.float32,
-        initial_tokens=16,
+        num_layers=1, num_kv_heads=H, head_dim=D, max_tokens=16, dtype=dtype, initial_tokens=16
     )
     dest = kv.dest(0)
-    write = ops.kv_write_through if op == "through" else ops.kv_write
+    scale = jnp.ones((H,), jnp.float32)
+    write = {
+        "through": ops.kv_write_through,
+        "write": ops.kv_write,
+        "fp8": lambda *a, dest: ops.kv_write_fp8(*a, scale, scale, dest=dest),
+    }[op]
 
     @jax.jit
     def step(k, v, new, slots):
@@ -407,11 +408,11 @@ def test_a_write_whose_result_is_unused_still_writes(vm, op):
         return slots + 1
 
     new = _values((2, H, D), np.float32, 3)
+    want = np.asarray(jnp.asarray(new).astype(dtype).astype(jnp.float32))
     slots = _put(vm, np.array([4, 9], np.int32))
     jax.block_until_ready(step(kv.k[0], kv.v[0], _put(vm, new), slots))
-    got = _cache(kv.k_buffers[0], np.float32)
-    _same(got[[4, 9]], new, "the write was removed")
-    _same(_cache(kv.v_buffers[0], np.float32)[[4, 9]], new)
+    got = np.asarray(jnp.asarray(_cache(kv.k_buffers[0], dtype)).astype(jnp.float32))
+    _same(got[[4, 9]], want, "the write was removed")
 
 
 def _slow_step_dropping(kv, n: int):
