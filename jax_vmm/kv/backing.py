@@ -422,21 +422,28 @@ class TokenBacking:
             work = self._release_begins(wait)
             self._core_cache.set_limits(np.minimum(self._ensured, num_tokens).tolist())
             self._ahead.cancel()
-            ranges = []
-            for seq in range(1 if self.max_seqs is None else self.max_seqs):
-                base = seq * self.seq_bytes
-                q = None if self.max_seqs is None else seq
-                ranges += self._release_ranges(
-                    base + num_tokens * self.token_bytes,
-                    base + self.seq_bytes,
-                    q,
-                    keep_before=num_tokens > 0,
-                )
-            released = self.arena._handle.decommit_ranges(ranges, wait, bool(work))
+            # The ranges are found against every sequence's state after the shrink: a chunk
+            # two sequences share goes too when neither keeps tokens in it.
+            before = self._ensured.copy(), self._covered.copy()
+            np.minimum(self._ensured, num_tokens, out=self._ensured)
+            np.minimum(self._covered, num_tokens, out=self._covered)
+            try:
+                ranges = []
+                for seq in range(1 if self.max_seqs is None else self.max_seqs):
+                    base = seq * self.seq_bytes
+                    q = None if self.max_seqs is None else seq
+                    ranges += self._release_ranges(
+                        base + num_tokens * self.token_bytes,
+                        base + self.seq_bytes,
+                        q,
+                        keep_before=num_tokens > 0,
+                    )
+                released = self.arena._handle.decommit_ranges(ranges, wait, bool(work))
+            except BaseException:
+                self._ensured[:], self._covered[:] = before
+                raise
             self._release_ends(work)
-            for seq in range(len(self._ensured)):
-                self._ensured[seq] = min(self._ensured[seq], num_tokens)
-                self._covered[seq] = min(self._covered[seq], num_tokens)
+            for seq in range(len(self._epoch)):
                 self._epoch[seq] += 1
         return released
 

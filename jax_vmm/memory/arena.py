@@ -31,6 +31,11 @@ _DL_FLOAT8_E4M3FN = 10  # DLPack 1.1; jax 0.10.2 imports it zero-copy as float8_
 
 
 def _dlpack_dtype(dtype: np.dtype) -> tuple[int, int]:
+    if not dtype.isnative:
+        raise TypeError(
+            f"dtype {dtype.str} is not in this machine's byte order; arena memory holds "
+            f"native values: use {dtype.newbyteorder('=').name}"
+        )
     if dtype == jnp.bfloat16:
         return _DL_BFLOAT, 16
     if dtype == jnp.float8_e4m3fn:
@@ -50,6 +55,8 @@ def _canonical(src: np.ndarray) -> np.ndarray:
     """``src`` in the dtype JAX gives it (with x64 off, int64 -> int32, float64 ->
     float32), so the buffer holds what its view reads and the view is zero-copy. Integers
     that do not fit are refused rather than wrapped."""
+    if not src.dtype.isnative:  # the bytes go in as they are: native order first
+        src = src.astype(src.dtype.newbyteorder("="))
     dtype = np.dtype(jax.dtypes.canonicalize_dtype(src.dtype))
     if dtype == src.dtype:
         return src
@@ -186,6 +193,13 @@ class Buffer:
         shape = self.shape if shape is None else as_shape(shape)
         dtype = self.dtype if dtype is None else np.dtype(jnp.dtype(dtype))
         code, bits = _dlpack_dtype(dtype)
+        if np.dtype(jax.dtypes.canonicalize_dtype(dtype)) != dtype:
+            raise TypeError(
+                f"Buffer.view: a {dtype} view needs jax_enable_x64 (without it JAX would "
+                f"convert the buffer to {jax.dtypes.canonicalize_dtype(dtype)}: a copy, "
+                "not a view of the arena); enable x64, or pass a 32-bit dtype= to view "
+                "the same bytes"
+            )
         t = self._arena._target
         if not self._arena._handle.views_exported:
             # The first view gives back every deferred release at once (from then on a

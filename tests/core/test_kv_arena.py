@@ -161,6 +161,23 @@ def test_shrink_multi_sequence_keeps_the_first_tokens(vm):
     _assert_tokens(kv, 0, 0, tpc + 5, seed=3)
 
 
+def test_shrink_to_zero_frees_the_chunks_sequences_share(vm):
+    """Sequences of 1.5 chunks share every other chunk; shrink(0) gives back all of it at
+    once (each shared chunk was kept for a neighbour whose tokens the same call dropped)."""
+    tpc = _tpc(vm)
+    kv = _make(vm, max_tokens=tpc + tpc // 2, max_seqs=4)
+    for q in range(4):
+        kv.ensure(tpc + tpc // 2, seq=q)
+    kv.shrink(0, wait=True)
+    kv.reclaim()
+    assert [kv.backed_tokens(q) for q in range(4)] == [0] * 4
+    assert kv.stats()["backed_bytes"] == 0
+    vm.assert_backed(kv.arena, [])
+    kv.ensure(5, seq=2)  # and the sequences work on from there
+    _write_tokens(kv, 2, 0, 5, seed=4)
+    _assert_tokens(kv, 2, 0, 5, seed=4)
+
+
 def test_release_single_sequence(vm):
     tpc = _tpc(vm)
     kv = _make(vm, max_tokens=3 * tpc + 1)  # the buffers end in a partial chunk

@@ -349,6 +349,27 @@ def test_put_stores_the_dtype_jax_reads(vm):
     assert arena.stats()["held_bytes"] == held  # nothing left behind
 
 
+def test_byte_order_and_64_bit_views_are_never_misread(vm):
+    """A big-endian array is put in native order (its raw bytes were read as native:
+    1.5 became 6.9e-41); a non-native dtype cannot back a buffer; with x64 off a 64-bit
+    view is refused (JAX would hand back a converted copy, not the arena's memory)."""
+    arena = vm.arena(8 * vm.chunk)
+    for x in (np.array([1.5, 2.5], ">f4"), np.array([1, 2], ">i4")):
+        view = arena.put(x)
+        np.testing.assert_array_equal(np.asarray(view), x)
+        assert view.unsafe_buffer_pointer() == arena.buffers[-1].address
+    held = arena.stats()["held_bytes"]
+    with pytest.raises(TypeError, match="not in this machine's byte order"):
+        arena.allocate((2,), ">f4")
+    assert arena.stats()["held_bytes"] == held
+    if not jax.config.jax_enable_x64:
+        buf = arena.allocate((4,), np.float64)
+        buf.commit()
+        with pytest.raises(TypeError, match="a float64 view needs jax_enable_x64"):
+            buf.array  # noqa: B018
+        assert buf.view((8,), np.float32).unsafe_buffer_pointer() == buf.address
+
+
 def test_put_rejects_what_it_cannot_hold(vm):
     arena = vm.arena(8 * vm.chunk)
     with pytest.raises(ValueError, match="at least one dimension"):
