@@ -189,6 +189,9 @@ class KVArena(KVArenaBase, PrefixSharing, TokenBacking, SequenceTransfers):
         # Commit ahead: bumped per sequence when its memory is released, so that a commit
         # that was on its way is not counted for (or left to) a sequence that is gone.
         self._epoch = [0] * seqs
+        # Per sequence released (or shrunk) while XLA:CPU work was in flight: that work,
+        # waited for before the table admits the sequence's tokens again (_outlive_old_writes).
+        self._old_work: dict[int, list] = {}
         tokens_per_chunk = max(1, chunk // self.token_bytes)
         self.commit_ahead_tokens = (
             max(1, tokens_per_chunk // 8)

@@ -30,6 +30,7 @@ from ..base.args import as_flag, as_index
 from ..base.errors import ArenaAsleepError
 from ..base.loader import core as _core
 from ..cache import read_epochs
+from ..memory import host_wait
 
 
 class TokenBacking:
@@ -108,11 +109,13 @@ class TokenBacking:
                 self._settle(q)
             if num_tokens <= self._covered[q] and self._valid_gen[q] == self.arena._generation:
                 if num_tokens > self._ensured[q]:
+                    self._outlive_old_writes([q])
                     self._ensured[q] = num_tokens
                     self._core_cache.set_limit(q, num_tokens)  # the memory is there already
                 self._maybe_ahead(q, num_tokens)
                 return 0
             added = self._commit_seqs([(q, num_tokens)])
+            self._outlive_old_writes([q])
             # Published after the memory: the kernels may write what the table admits.
             self._core_cache.set_limit(q, int(self._ensured[q]))
             self._maybe_ahead(q, num_tokens)
@@ -133,7 +136,9 @@ class TokenBacking:
             need = _core.ensure_need(tokens, self._covered, self._valid_gen, self.arena._generation)
             # The memory first, then the table (kernels may write what it admits); a failed
             # commit leaves both as they were.
+            grown = np.flatnonzero(tokens > self._ensured).tolist() if self._old_work else []
             added = self._commit_seqs([(q, int(tokens[q])) for q in need]) if need else 0
+            self._outlive_old_writes(grown)
             np.maximum(self._ensured, tokens, out=self._ensured)
             self._core_cache.raise_limits(tokens)
             if self.commit_ahead_tokens:
@@ -420,6 +425,7 @@ class TokenBacking:
             for q in list(self._offloaded):
                 self._settle(q)
             work = self._release_begins(wait)
+            self._note_old_work(range(len(self._ensured)), work)
             self._core_cache.set_limits(np.minimum(self._ensured, num_tokens).tolist())
             self._ahead.cancel()
             # The ranges are found against every sequence's state after the shrink: a chunk
@@ -484,6 +490,7 @@ class TokenBacking:
             self.arena._check_open("KVArena.release")
             self._check_awake("KVArena.release")
             work = self._release_begins(wait)
+            self._note_old_work([q], work)
             t = self._offloaded.pop(q, None)
             if t is not None:
                 t._finish()  # drops the host copy
@@ -521,6 +528,30 @@ class TokenBacking:
             epoch = self._core_cache.begin_epoch()
             read_epochs.advance(self.uid, epoch)
         return work
+
+    def _note_old_work(self, seqs: Any, work: list) -> None:
+        """A release or shrink of ``seqs`` lowered the table with ``work`` (XLA:CPU arrays)
+        in flight: its writes to those sequences are dropped while the table stays low.
+        Caller holds the lock."""
+        for q in seqs:
+            if work:
+                self._old_work[q] = work
+            else:
+                self._old_work.pop(q, None)
+        # Work that has finished needs no wait: drop it rather than hold its arrays.
+        for q in [q for q, w in self._old_work.items() if w is not work and _finished(w)]:
+            del self._old_work[q]
+
+    def _outlive_old_writes(self, seqs: list[int]) -> None:
+        """Before the table admits tokens of ``seqs`` again: the work in flight at their
+        release finishes first, so a write it still holds for the old sequence is dropped
+        (and counted), never landing in the tokens of the sequence that follows in the
+        slot (where the slot's chunk stayed backed: kept tokens, a neighbour's chunk).
+        Caller holds the lock."""
+        for q in seqs:
+            work = self._old_work.pop(q, None)
+            if work:
+                host_wait.wait_for(work)
 
     def _release_ends(self, work: list) -> None:
         """After a release that deferred its unmapping (``decommit_ranges(defer_unmap=)``):
@@ -579,6 +610,14 @@ class TokenBacking:
         stop = base + self.seq_bytes
         prefix = min(b.backed_prefix(base, stop) for b in self.buffers)
         return prefix // self.token_bytes
+
+
+def _finished(arrays: list) -> bool:
+    """Every array of ``arrays`` ready (or gone: deleted, donated)."""
+    try:
+        return all(a.is_deleted() or a.is_ready() for a in arrays)
+    except RuntimeError:  # deleted meanwhile by another thread
+        return False
 
 
 @dataclasses.dataclass(frozen=True)

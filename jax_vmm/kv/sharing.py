@@ -200,6 +200,7 @@ class PrefixSharing:
                     src, dst, n, sum(x[-1] for x in left_out),
                 )  # fmt: skip
             self._set_floor(dst, n)
+            self._outlive_old_writes([dst])
             self._core_cache.set_limit(dst, n)  # the floor first: the table admits dst now
             self._shares[dst] = dict(
                 src=src, dst=dst, tokens=n, mapped_bytes=mapped, copied_bytes=copied

@@ -448,9 +448,10 @@ ROWS = [
     Row(
         "E22",
         lambda x: x.kv_args(
-            num_layers=64, num_kv_heads=64, head_dim=128, max_tokens=1 << 30, max_seqs=1024
+            num_layers=64, num_kv_heads=64, head_dim=128, max_tokens=1 << 20, max_seqs=1024
         ),
     ),
+    Row("E22b", lambda x: x.kv_args(max_tokens=1 << 21, max_seqs=1024)),
     Row("E23", lambda x: pickle.dumps(x.kv1)),
     Row("E24a", lambda x: x.kv_args(max_seqs=True)),
     Row("E24b", lambda x: x.kv_args(num_layers=True)),

@@ -460,3 +460,43 @@ def test_a_release_right_before_exit_does_not_abort_the_process():
         proc.returncode,
         proc.stderr[-2000:],
     )
+
+
+@pytest.mark.parametrize("how", ["neighbour", "keep_tokens", "ensure_all"])
+def test_a_write_in_flight_at_a_release_never_lands_in_the_next_sequence(host_vm, how):
+    """A step still running writes the old sequence of slot 3; the slot is released and
+    ensured for the next sequence, whose chunk stayed backed (a neighbour's tokens share
+    it, or the release kept tokens). The write is dropped and counted, and the next
+    sequence's tokens stay as they were (it landed there, uncounted: the fast ensure raised
+    the table before the step ran). Large matrix products keep the step running."""
+    kv = host_vm.kv(
+        num_layers=1, num_kv_heads=2, head_dim=8, max_tokens=16, max_seqs=4, dtype=jnp.float32
+    )
+    kv.ensure(4, seq=2)
+    kv.ensure(4, seq=3)
+
+    @jax.jit
+    def step(cache, new, big):
+        x = big
+        for _ in range(20):
+            x = jnp.tanh(x @ x)
+        layer = jax_vmm.kv_write(
+            cache[0], new + x[0, 0] * 0, new, seq=jnp.array([3, 3]), pos=jnp.array([0, 1])
+        )
+        return cache.replace(0, layer)
+
+    big = jnp.ones((1500, 1500))
+    jax.block_until_ready(step(kv.cache(), jnp.zeros((2, 2, 8)), big))
+    kv.check()
+    out = step(kv.cache(), jnp.full((2, 2, 8), 9.0), big)  # in flight
+    kv.release(3, keep_tokens=4 if how == "keep_tokens" else 0)
+    if how == "ensure_all":
+        kv.ensure_all([0, 0, 0, 4])
+    else:
+        kv.ensure(4, seq=3)
+    jax.block_until_ready(out)
+    with pytest.raises(jax_vmm.OutOfBoundsWrite) as info:
+        kv.check()
+    assert info.value.count == 4  # 2 tokens, K and V
+    k = raw_bytes(kv.k_buffers[0]).view(np.float32).reshape(4, 16, 2, 8)
+    assert not (k[3, :2] == 9.0).any(), "the old sequence's write landed in the next one"
