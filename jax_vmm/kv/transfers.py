@@ -48,7 +48,15 @@ class SequenceTransfers:
             self.arena._check_open("KVArena.offload")
             if self._offloaded:
                 self._settle(q)
-            ranges = self._release_ranges(base, base + self.seq_bytes, seq)
+            # Only the chunks wholly inside the sequence (the core rounds inward): one it
+            # shares with a neighbour stays backed with its bytes in it, whether or not the
+            # neighbour holds tokens now. Sent away, the neighbour's next ensure, prefetch or
+            # commit ahead would back it again, and the restore could never take it back.
+            ranges = [
+                (b.id, base, min(base + self.seq_bytes, b.nbytes))
+                for b in self.buffers
+                if base < min(base + self.seq_bytes, b.nbytes)
+            ]
             # The table first: from now on kernels drop writes to the sequence and clamp
             # (and count) reads of it, also in a chunk it shares with a neighbour, which
             # stays backed and is not part of the host copy.

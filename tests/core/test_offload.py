@@ -54,6 +54,29 @@ def _assert_seq(kv, q):
         np.testing.assert_array_equal(got, pattern(kv.seq_bytes, seed=10 * q + i))
 
 
+def test_a_neighbour_admitted_while_a_sequence_is_away_does_not_block_its_restore(vm):
+    """Seq 0 shares its last chunk with seq 1, which holds nothing. The offload keeps that
+    chunk backed (seq 0's bytes stay in it): the neighbour's ensure then takes it as it
+    is, and the restore brings seq 0 back bit-exact. (The chunk went away with seq 0; the
+    neighbour backed it again, and every restore was refused: "committed while its
+    contents were away", the tokens lost but for a release.)"""
+    kv, t = _kv(vm, seqs=2)
+    kv.release(1, wait=True)
+    kv.offload(0)
+    kv.ensure(t // 2, seq=1)  # admits seq 1 into the chunk the two share
+    write_bytes(kv.buffers[0], kv.seq_bytes, pattern(16, seed=77))  # seq 1's first token
+    kv.restore(0)
+    assert kv.stats()["offloaded_seqs"] == []
+    _assert_seq(kv, 0)
+    np.testing.assert_array_equal(
+        raw_bytes(kv.buffers[0], kv.seq_bytes, kv.seq_bytes + 16), pattern(16, seed=77)
+    )
+    kv.release(0, wait=True)
+    kv.release(1, wait=True)
+    kv.reclaim()
+    vm.assert_backed(kv.arena, [])
+
+
 def test_offload_frees_the_memory_and_restore_brings_it_back_bit_exact(vm):
     kv, t = _kv(vm)
     held0 = kv.arena.stats()["held_bytes"]
