@@ -113,6 +113,12 @@ class KVArena(KVArenaBase, PrefixSharing, TokenBacking, SequenceTransfers):
         self.max_tokens = int(max_tokens)
         self.max_seqs = None if max_seqs is None else int(max_seqs)
         self.dtype = np.dtype(jnp.dtype(dtype))
+        if np.dtype(jax.dtypes.canonicalize_dtype(self.dtype)) != self.dtype:
+            raise TypeError(
+                f"kv_arena: dtype {self.dtype} needs jax_enable_x64 (without it JAX computes "
+                f"in {jax.dtypes.canonicalize_dtype(self.dtype)}, so no kv_write could match "
+                "the cache); use a 32- or 16-bit dtype, or enable x64"
+            )
         self.token_bytes = self.num_kv_heads * self.head_dim * self.dtype.itemsize
         self.seq_bytes = self.max_tokens * self.token_bytes
         seqs = 1 if self.max_seqs is None else self.max_seqs

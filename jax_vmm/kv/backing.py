@@ -89,8 +89,9 @@ class TokenBacking:
             t._finish()
             self._publish_limits()  # back: the table admits its ensured tokens again
             return
+        arg = "" if self.max_seqs is None else str(q)
         raise ValueError(
-            f"sequence {q} is {state} (kv.offload); call kv.restore({q}) and wait "
+            f"sequence {q} is {state} (kv.offload); call kv.restore({arg}) and wait "
             "for it before growing, writing or reading it"
         )
 
@@ -203,6 +204,8 @@ class TokenBacking:
                 "KVArena.wait_prefetch: timeout must be a number of seconds or None, got "
                 f"{type(timeout).__name__}"
             )
+        if timeout is not None and timeout == float("inf"):
+            timeout = None  # wait as long as it takes (threading takes no infinite timeout)
         if timeout is not None and not timeout >= 0:
             raise ValueError(
                 f"KVArena.wait_prefetch: timeout must be seconds >= 0 or None, got {timeout!r}"

@@ -17,6 +17,7 @@ from typing import Literal
 
 import jax
 
+from ..base.args import as_int
 from ..base.loader import core as _core
 from .stats import ScratchStats
 
@@ -64,9 +65,12 @@ def set_reserve_bytes(nbytes: int) -> None:
     """Virtual bytes reserved per grow-in-place workspace (default 1 GiB, or the
     ``JAX_VMM_SCRATCH_RESERVE_BYTES`` environment variable); 0 restores the default.
     Outgrowing it retires the range and reserves a larger one."""
-    if int(nbytes) < 0:
-        raise ValueError(f"nbytes must be >= 0, got {nbytes}")
-    _core.scratch_set_reserve_bytes(int(nbytes))
+    nbytes = as_int(nbytes, "scratch.set_reserve_bytes: nbytes")
+    if not 0 <= nbytes < 2**64:
+        raise ValueError(
+            f"scratch.set_reserve_bytes: nbytes must be >= 0 and below 2**64, got {nbytes}"
+        )
+    _core.scratch_set_reserve_bytes(nbytes)
 
 
 def get_reserve_bytes() -> int:
@@ -88,6 +92,12 @@ def reserve(nbytes: int, device: jax.Device | None = None) -> None:
     Custom calls recorded into a CUDA graph fall back to this workspace when their
     stream has none of its own (see scratch.h). ``device`` defaults to
     ``jax.devices()[0]``; a CPU device reserves the host default workspace."""
-    if int(nbytes) <= 0:
-        raise ValueError(f"nbytes must be > 0, got {nbytes}")
-    _core.scratch_reserve(_ordinal(device), int(nbytes))
+    nbytes = as_int(nbytes, "scratch.reserve: nbytes")
+    if not 0 < nbytes < 2**64:
+        raise ValueError(f"scratch.reserve: nbytes must be > 0 and below 2**64, got {nbytes}")
+    if device is not None and not isinstance(device, jax.Device):
+        raise TypeError(
+            f"scratch.reserve: device must be a jax.Device (e.g. jax.devices()[0]), got "
+            f"{type(device).__name__}"
+        )
+    _core.scratch_reserve(_ordinal(device), nbytes)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -362,3 +363,26 @@ def test_close(vm):
     ) as kv2:
         kv2.ensure(8)
     assert kv2.arena.closed
+
+
+def test_small_refusals_say_what_to_do(vm):
+    """Inputs that were taken in silence or answered with an unrelated error."""
+    from jax_vmm.ops import scratch
+
+    for bad in (True, 1.5):
+        with pytest.raises(TypeError, match="scratch.reserve: nbytes must be an integer"):
+            scratch.reserve(bad)
+    with pytest.raises(TypeError, match="scratch.set_reserve_bytes: nbytes must be an integer"):
+        scratch.set_reserve_bytes(1.9)
+    with pytest.raises(TypeError, match="device must be a jax.Device"):
+        scratch.reserve(4096, device="cpu")
+    if not jax.config.jax_enable_x64:
+        with pytest.raises(TypeError, match="dtype float64 needs jax_enable_x64"):
+            vm.kv(num_layers=1, num_kv_heads=1, head_dim=4, max_tokens=8, dtype=jnp.float64)
+    one = _make(vm, max_tokens=_tpc(vm))
+    one.ensure(4)
+    assert one.wait_prefetch(timeout=float("inf"))  # as long as it takes, not OverflowError
+    one.offload()
+    with pytest.raises(ValueError, match=r"call kv.restore\(\) and wait"):
+        one.ensure(8)
+    one.restore()
