@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ..base.errors import TransferError
+from ..base.errors import ArenaClosedError, TransferError
 
 _STATES = ("offloading", "offloaded", "restoring", "restored", "failed")
 _IN_FLIGHT = ("offloading", "restoring")
@@ -44,9 +44,18 @@ class Transfer:
     def ticket(self) -> int:
         return self._ticket
 
+    def _check_open(self, op: str) -> None:
+        """A closed arena dropped its transfers: say so, not "no transfer"."""
+        if self._core.closed:
+            raise ArenaClosedError(
+                f"Transfer.{op}: the arena of sequence {self._seq}'s transfer was closed (its "
+                "host copy went with it)"
+            )
+
     def _query(self) -> tuple[str, str]:
         if self._final is not None:
             return self._final, self._final_error
+        self._check_open("state")
         code, error = self._core.transfer_state(self._ticket)
         return _STATES[code], error
 
@@ -69,6 +78,7 @@ class Transfer:
         offload failed (the sequence stayed in place) or the last restore failed (the
         sequence is still offloaded)."""
         if self._final is None:
+            self._check_open("wait")
             code, error = self._core.wait_transfer(self._ticket)
             state = _STATES[code]
         else:

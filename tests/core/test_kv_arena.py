@@ -382,7 +382,11 @@ def test_small_refusals_say_what_to_do(vm):
     one = _make(vm, max_tokens=_tpc(vm))
     one.ensure(4)
     assert one.wait_prefetch(timeout=float("inf"))  # as long as it takes, not OverflowError
-    one.offload()
+    t = one.offload()
     with pytest.raises(ValueError, match=r"call kv.restore\(\) and wait"):
         one.ensure(8)
-    one.restore()
+    one.close()
+    with pytest.raises(jax_vmm.ArenaClosedError, match="was closed"):
+        t.state  # noqa: B018 - the query is what raises
+    with pytest.raises(jax_vmm.ArenaClosedError, match="was closed"):
+        t.wait()
