@@ -77,6 +77,7 @@ from .cache import pytree as _cache
 from .cache import read_epochs as _read_epochs
 from .cache import registry as _registry
 from .kv import KVArena
+from .kv import base as _kv_base
 from .kv import sharded as _sharded
 from .kv import sharing as _sharing
 from .memory import arena as _arena
@@ -373,6 +374,20 @@ def tokens_unnoted() -> Iterator[None]:
         yield
     finally:
         _registry.note_token = previous
+
+
+@contextlib.contextmanager
+def live_results_unwaited() -> Iterator[None]:
+    """Inside the with-block ``kv.check()`` does not wait for the computations on the
+    arena's devices whose results are alive (``kv/base.py`` ``wait_for_live_results``):
+    a step that writes a layer, reads it and returns only what it read is then checked
+    before it has run. What that wait exists to prevent."""
+    previous = _kv_base.wait_for_live_results
+    _kv_base.wait_for_live_results = lambda devices: None
+    try:
+        yield
+    finally:
+        _kv_base.wait_for_live_results = previous
 
 
 @contextlib.contextmanager

@@ -311,10 +311,11 @@ class KVArena(KVArenaBase, PrefixSharing, TokenBacking, SequenceTransfers):
         :class:`~jax_vmm.errors.OutOfBoundsRead`.
 
         Waits for what can still count first: for ``arrays`` (any pytrees of arrays, e.g.
-        a step's results) and, through ``jax.effects_barrier()``, for every computation
-        with a kv_write that this thread dispatched. A step dispatched from another thread,
-        or one that only reads (decode_attention has no side effect), is covered only by
-        passing its results here."""
+        a step's results), through ``jax.effects_barrier()`` for every computation with a
+        kv_write that this thread dispatched, and for every computation on the arena's
+        device whose results are still alive (a step that writes a layer, reads it and
+        returns only what it read). A step whose results were all dropped is covered by
+        none of these: nothing of it can be observed but these counts."""
         writes = self.dropped_writes(*arrays)
         reads = int(self._core_cache.read_clamps())
         if not writes and not reads:

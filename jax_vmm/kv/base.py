@@ -76,13 +76,17 @@ def check_seq(seq: Any, max_seqs: int | None, op: str) -> int | None:
     return seq
 
 
-def wait_for_writes(arrays: tuple, uid: int | None = None) -> None:
+def wait_for_writes(arrays: tuple, uid: int | None = None, devices: Any = ()) -> None:
     """Blocks until the given arrays are computed, the latest returned cache tokens of
-    arena ``uid`` are (each waits for every write of its layer before it), and every
+    arena ``uid`` are (each waits for every write of its layer before it), every
     computation with a JAX effect (array-level kv_write, kv_write_through, a cache write
-    whose result went unused) dispatched from this thread has finished."""
+    whose result went unused) dispatched from this thread has finished, and so has every
+    computation on ``devices`` whose results are alive (a step that writes a layer, reads
+    it and returns only what it read has none of the other three)."""
     if arrays:
         jax.block_until_ready(arrays)
+    if devices:
+        wait_for_live_results(set(devices))
     for token in () if uid is None else latest_tokens(uid):
         try:
             token.block_until_ready()
@@ -95,6 +99,16 @@ def wait_for_writes(arrays: tuple, uid: int | None = None) -> None:
         # until another one replaces it): it has finished, and its error belongs to its
         # own results, not to this check of the counters.
         pass
+
+
+def wait_for_live_results(devices: set) -> None:
+    """Blocks until every live array on ``devices`` that is not ready yet is (or gone)."""
+    for a in jax.live_arrays():
+        try:
+            if not a.is_deleted() and not a.is_ready() and devices & set(a.devices()):
+                a.block_until_ready()
+        except RuntimeError:  # deleted or donated meanwhile, or a failed step: finished
+            continue
 
 
 class LayerViews(Sequence[jax.Array]):
@@ -234,14 +248,14 @@ class KVArenaBase(abc.ABC):
         its sequence's ensured tokens) since the last :meth:`check`, summed over K and V of
         every layer (and every shard: a token dropped on a sequence split over ``h`` head
         shards counts ``h`` times). Waits first, as :meth:`check` does."""
-        wait_for_writes(arrays, self.uid)
+        wait_for_writes(arrays, self.uid, [s.arena.device for s in self.shards_of()])
         return sum(s.arena._handle.drop_count(b.id) for s in self.shards_of() for b in s.buffers)
 
     def dropped_reads(self, *arrays: Any) -> int:
         """Sequences that ``decode_attention`` over a layer of this cache asked to read past
         their ensured tokens since the last :meth:`check` (each was clamped to them), over
         every layer and call. Waits first, as :meth:`check` does."""
-        wait_for_writes(arrays, self.uid)
+        wait_for_writes(arrays, self.uid, [s.arena.device for s in self.shards_of()])
         return sum(int(s._core_cache.read_clamps()) for s in self.shards_of())
 
     # -- lifetime --------------------------------------------------------------------

@@ -404,7 +404,7 @@ class ShardedKVArena(KVArenaBase):
         writes, then raises :class:`~jax_vmm.errors.OutOfBoundsWrite` (or
         ``OutOfBoundsRead``) if any shard dropped a write (clamped a read), naming the
         devices; every shard's counts are reset."""
-        wait_for_writes(arrays, self.uid)
+        wait_for_writes(arrays, self.uid, [s.arena.device for s in self.shards])
         with self._locked():
             errors = []
             for shard in self.shards:

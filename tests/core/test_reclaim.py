@@ -500,3 +500,43 @@ def test_a_write_in_flight_at_a_release_never_lands_in_the_next_sequence(host_vm
     assert info.value.count == 4  # 2 tokens, K and V
     k = raw_bytes(kv.k_buffers[0]).view(np.float32).reshape(4, 16, 2, 8)
     assert not (k[3, :2] == 9.0).any(), "the old sequence's write landed in the next one"
+
+
+@pytest.mark.parametrize("waited", [True, False], ids=["waited", "control"])
+def test_check_waits_for_a_step_that_returns_only_what_it_read(host_vm, waited):
+    """A step writes a layer (one token past the ensured ones: dropped), reads it and
+    returns only the attention output: kv.check() right after the dispatch waits for it
+    and reports the drop (it returned 0, and the drop surfaced at a later check). Large
+    matrix products keep the step running; the control (the wait for live results off)
+    misses the drop."""
+    kv = host_vm.kv(
+        num_layers=1, num_kv_heads=2, head_dim=8, max_tokens=16, max_seqs=4, dtype=jnp.float32
+    )
+    kv.ensure(4, seq=0)
+    q = jnp.ones((4, 2, 8))
+
+    @jax.jit
+    def step(cache, new, big):
+        x = big
+        for _ in range(20):
+            x = jnp.tanh(x @ x)
+        layer = jax_vmm.kv_write(
+            cache[0], new + x[0, 0] * 0, new, seq=jnp.array([0]), pos=jnp.array([9])
+        )
+        return jax_vmm.decode_attention(q, layer, jnp.array([4, 0, 0, 0]))
+
+    big = jnp.ones((1500, 1500))
+    jax.block_until_ready(step(kv.cache(), jnp.ones((1, 2, 8)), big))
+    with pytest.raises(jax_vmm.OutOfBoundsWrite):
+        kv.check()  # the compile run's drop
+    if not waited:
+        with jax_vmm.testing.live_results_unwaited():
+            out = step(kv.cache(), jnp.ones((1, 2, 8)), big)
+            kv.check()  # too early: the step has not run, nothing counted yet
+        jax.block_until_ready(out)
+        return
+    out = step(kv.cache(), jnp.ones((1, 2, 8)), big)
+    with pytest.raises(jax_vmm.OutOfBoundsWrite) as info:
+        kv.check()
+    assert info.value.count == 2  # K and V
+    assert out.is_ready()

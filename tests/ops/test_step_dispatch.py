@@ -136,9 +136,10 @@ def test_check_waits_for_the_steps_it_was_not_given(vm):
 
 
 def test_the_wait_would_be_missed_without_noting_tokens(host_vm):
-    """With the returned tokens not noted, check() reads the counters while the step
-    still runs and misses its drop: the test above tests the wait, not luck."""
-    with jax_vmm.testing.tokens_unnoted():
+    """With the returned tokens not noted (and the wait for live results off, which
+    covers the returned cache too), check() reads the counters while the step still runs
+    and misses its drop: the test above tests the wait, not luck."""
+    with jax_vmm.testing.tokens_unnoted(), jax_vmm.testing.live_results_unwaited():
         with pytest.raises(pytest.fail.Exception, match="DID NOT RAISE"):
             _check_waits_for_a_step_in_flight(host_vm)
 
