@@ -462,6 +462,27 @@ def test_a_release_right_before_exit_does_not_abort_the_process():
     )
 
 
+def _small_kv(vm):
+    return vm.kv(
+        num_layers=1, num_kv_heads=2, head_dim=8, max_tokens=16, max_seqs=4, dtype=jnp.float32
+    )
+
+
+def _slow_write(seq, pos, result):
+    """A jitted step(cache, new, big): 20 large matrix products (seconds on a CPU), then a
+    kv_write of ``new`` at (seq, pos) into layer 0; returns ``result(cache, layer)``."""
+
+    @jax.jit
+    def step(cache, new, big):
+        x = big
+        for _ in range(20):
+            x = jnp.tanh(x @ x)
+        layer = jax_vmm.kv_write(cache[0], new + x[0, 0] * 0, new, seq=seq, pos=pos)
+        return result(cache, layer)
+
+    return step
+
+
 @pytest.mark.parametrize("how", ["neighbour", "keep_tokens", "ensure_all"])
 def test_a_write_in_flight_at_a_release_never_lands_in_the_next_sequence(host_vm, how):
     """A step still running writes the old sequence of slot 3; the slot is released and
@@ -469,22 +490,12 @@ def test_a_write_in_flight_at_a_release_never_lands_in_the_next_sequence(host_vm
     it, or the release kept tokens). The write is dropped and counted, and the next
     sequence's tokens stay as they were (it landed there, uncounted: the fast ensure raised
     the table before the step ran). Large matrix products keep the step running."""
-    kv = host_vm.kv(
-        num_layers=1, num_kv_heads=2, head_dim=8, max_tokens=16, max_seqs=4, dtype=jnp.float32
-    )
+    kv = _small_kv(host_vm)
     kv.ensure(4, seq=2)
     kv.ensure(4, seq=3)
-
-    @jax.jit
-    def step(cache, new, big):
-        x = big
-        for _ in range(20):
-            x = jnp.tanh(x @ x)
-        layer = jax_vmm.kv_write(
-            cache[0], new + x[0, 0] * 0, new, seq=jnp.array([3, 3]), pos=jnp.array([0, 1])
-        )
-        return cache.replace(0, layer)
-
+    step = _slow_write(
+        jnp.array([3, 3]), jnp.array([0, 1]), lambda cache, layer: cache.replace(0, layer)
+    )
     big = jnp.ones((1500, 1500))
     jax.block_until_ready(step(kv.cache(), jnp.zeros((2, 2, 8)), big))
     kv.check()
@@ -509,22 +520,14 @@ def test_check_waits_for_a_step_that_returns_only_what_it_read(host_vm, waited):
     and reports the drop (it returned 0, and the drop surfaced at a later check). Large
     matrix products keep the step running; the control (the wait for live results off)
     misses the drop."""
-    kv = host_vm.kv(
-        num_layers=1, num_kv_heads=2, head_dim=8, max_tokens=16, max_seqs=4, dtype=jnp.float32
-    )
+    kv = _small_kv(host_vm)
     kv.ensure(4, seq=0)
     q = jnp.ones((4, 2, 8))
-
-    @jax.jit
-    def step(cache, new, big):
-        x = big
-        for _ in range(20):
-            x = jnp.tanh(x @ x)
-        layer = jax_vmm.kv_write(
-            cache[0], new + x[0, 0] * 0, new, seq=jnp.array([0]), pos=jnp.array([9])
-        )
-        return jax_vmm.decode_attention(q, layer, jnp.array([4, 0, 0, 0]))
-
+    step = _slow_write(
+        jnp.array([0]),
+        jnp.array([9]),
+        lambda cache, layer: jax_vmm.decode_attention(q, layer, jnp.array([4, 0, 0, 0])),
+    )
     big = jnp.ones((1500, 1500))
     jax.block_until_ready(step(kv.cache(), jnp.ones((1, 2, 8)), big))
     with pytest.raises(jax_vmm.OutOfBoundsWrite):
