@@ -463,6 +463,7 @@ class TokenBacking:
         wait: bool = False,
         reuse: bool = False,
         keep_tokens: int = 0,
+        writes_in_flight: bool = True,
     ) -> int:
         """Give back all memory of sequence ``seq``. Returns bytes released.
 
@@ -483,9 +484,16 @@ class TokenBacking:
         after any release the sequence has 0 tokens ensured: nothing writes or reads them
         until ``ensure``, which then makes no driver call for the kept chunks. Until the
         next sequence writes them they hold the old sequence's bytes, so a zero-filling
-        arena refuses ``keep_tokens``."""
+        arena refuses ``keep_tokens``.
+
+        ``writes_in_flight=False``: the caller knows no step dispatched so far writes this
+        sequence (say its rows there are idle, seq=-1), so the slot's next ``ensure`` need
+        not wait for those steps. By default it does, on the CPU, where the slot's chunk
+        stayed backed: a write still in flight is then dropped and counted, never landing
+        in the next sequence's tokens."""
         base = self._seq_base(seq, "KVArena.release")
         wait = as_flag(wait, "wait")
+        in_flight = as_flag(writes_in_flight, "writes_in_flight")
         reuse = as_flag(reuse, "reuse")
         keep = self._check_keep_tokens(keep_tokens, "KVArena.release")
         q = 0 if seq is None else int(seq)
@@ -493,7 +501,7 @@ class TokenBacking:
             self.arena._check_open("KVArena.release")
             self._check_awake("KVArena.release")
             work = self._release_begins(wait)
-            self._note_old_work([q], work)
+            self._note_old_work([q], work if in_flight else [])
             t = self._offloaded.pop(q, None)
             if t is not None:
                 t._finish()  # drops the host copy

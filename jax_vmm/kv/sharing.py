@@ -292,6 +292,7 @@ class PrefixSharing:
         wait: bool = False,
         reuse: bool = False,
         keep_tokens: int = 0,
+        writes_in_flight: bool = True,
     ) -> int:
         q = 0 if seq is None else seq
         if keep_tokens and isinstance(q, (int, np.integer)) and 0 <= q < len(self._floors):
@@ -301,7 +302,9 @@ class PrefixSharing:
                 "its kept chunks would be written by the next sequence: release it without "
                 "keep_tokens",
             )
-        released = super().release(seq, wait=wait, reuse=reuse, keep_tokens=keep_tokens)
+        released = super().release(
+            seq, wait=wait, reuse=reuse, keep_tokens=keep_tokens, writes_in_flight=writes_in_flight
+        )
         with self._lock:
             was_sharer = int(q) in self._shares
             self._forget_share(int(q))

@@ -275,8 +275,14 @@ class VmmCache:
 
     def release(self, seq: int, *, keep_tokens: int = 0) -> None:
         """keep_tokens: the slot's next sequence starts with that many tokens, whose
-        memory stays backed (jax_vmm.KVArena.release)."""
-        self.kv.release(seq, keep_tokens=keep_tokens)
+        memory stays backed (jax_vmm.KVArena.release). The engine releases a slot only
+        once its request finished, and the steps in flight then write the slot's rows as
+        idle (slot -1): so no write in flight is for it (writes_in_flight=False), and the
+        slot's next ensure does not wait for those steps."""
+        if isinstance(self.kv, jax_vmm.KVArena):
+            self.kv.release(seq, keep_tokens=keep_tokens, writes_in_flight=False)
+        else:  # a sharded arena's shards wait at the release itself
+            self.kv.release(seq, keep_tokens=keep_tokens)
 
     def ensure_shareable(self, seq: int, num_tokens: int) -> None:
         """ensure, with the whole chunks of the tokens as an allocation of their own, so

@@ -513,6 +513,23 @@ def test_a_write_in_flight_at_a_release_never_lands_in_the_next_sequence(host_vm
     assert not (k[3, :2] == 9.0).any(), "the old sequence's write landed in the next one"
 
 
+def test_a_release_that_declares_no_writes_in_flight_does_not_wait(host_vm):
+    """writes_in_flight=False (the serving engine's releases: its finished slots' rows are
+    idle): the slot's next ensure returns while the step still runs."""
+    kv = _small_kv(host_vm)
+    kv.ensure(4, seq=2)
+    kv.ensure(4, seq=3)
+    step = _slow_write(jnp.array([-1, -1]), jnp.array([0, 1]), lambda c, layer: c.replace(0, layer))
+    big = jnp.ones((1500, 1500))
+    jax.block_until_ready(step(kv.cache(), jnp.zeros((2, 2, 8)), big))
+    out = step(kv.cache(), jnp.zeros((2, 2, 8)), big)  # idle rows, in flight
+    kv.release(3, keep_tokens=4, writes_in_flight=False)
+    kv.ensure(4, seq=3)
+    assert not out[0].token.is_ready(), "the ensure waited for the step"
+    jax.block_until_ready(out)
+    kv.check()
+
+
 @pytest.mark.parametrize("waited", [True, False], ids=["waited", "control"])
 def test_check_waits_for_a_step_that_returns_only_what_it_read(host_vm, waited):
     """A step writes a layer (one token past the ensured ones: dropped), reads it and
