@@ -24,6 +24,7 @@ from ..cache import read_epochs
 from ..cache.ids import LayerId
 from ..cache.pytree import KVCache, KVLayer
 from ..cache.registry import forget_tokens, latest_tokens
+from ..memory import host_wait
 
 __all__ = ["KVArenaBase", "LayerViews", "check_seq", "layer_shape", "wait_for_writes"]
 
@@ -102,13 +103,9 @@ def wait_for_writes(arrays: tuple, uid: int | None = None, devices: Any = ()) ->
 
 
 def wait_for_live_results(devices: set) -> None:
-    """Blocks until every live array on ``devices`` that is not ready yet is (or gone)."""
-    for a in jax.live_arrays():
-        try:
-            if not a.is_deleted() and not a.is_ready() and devices & set(a.devices()):
-                a.block_until_ready()
-        except RuntimeError:  # deleted or donated meanwhile, or a failed step: finished
-            continue
+    """``kv.check()``'s wait for the live results on the arena's devices (the seam
+    ``jax_vmm.testing.live_results_unwaited()`` swaps)."""
+    host_wait.wait_for_live_arrays(devices)
 
 
 class LayerViews(Sequence[jax.Array]):

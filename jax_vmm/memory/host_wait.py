@@ -31,9 +31,15 @@ def wait_for_host_work(device: jax.Device) -> None:
     as anything can observe it (see the module docstring). No-op for other platforms."""
     if skip or device.platform != "cpu":
         return
+    wait_for_live_arrays({device})
+
+
+def wait_for_live_arrays(devices: set) -> None:
+    """Block until every live array on any of ``devices`` that is not ready yet is (or is
+    gone), whatever the platform."""
     for a in jax.live_arrays():
         try:
-            if a.is_deleted() or a.is_ready() or device not in a.devices():
+            if a.is_deleted() or a.is_ready() or not devices & set(a.devices()):
                 continue
             a.block_until_ready()
         except RuntimeError:  # deleted or donated meanwhile by another thread: not ours
