@@ -23,6 +23,11 @@ class DeviceTarget:
         return self.device.platform
 
     @property
+    def name(self) -> str:
+        """How errors name the device: ``cpu:1``, ``cuda:0``."""
+        return f"{'cpu' if self.driver == 'host' else 'cuda'}:{xla_device_ordinal(self.device)}"
+
+    @property
     def dlpack_device_id(self) -> int:
         """The DLPack device id of views: JAX places a DLPack tensor on the device of that
         local hardware id (on the CPU the host device's index, so an arena of ``cpu:1``

@@ -57,7 +57,9 @@ class MemoryBudget:
         if cap >= 1 << 64:
             raise ValueError(f"MemoryBudget: bytes={cap} is too large: it must be below 2^64")
         self._target: DeviceTarget = resolve_device(device)
-        self._handle = _core.create_memory_budget(cap, self._target.driver, self._target.ordinal)
+        self._handle = _core.create_memory_budget(
+            cap, self._target.driver, self._target.ordinal, self._target.name
+        )
 
     @property
     def bytes(self) -> int:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import logging
 import time
 from collections.abc import Callable
 
@@ -36,6 +37,8 @@ import numpy as np
 from . import model as M
 from . import steps as S
 from .cache import CacheBackend
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -525,7 +528,11 @@ class Generator:
         once into the last slot, which serves no request, and shared into each request's
         slot (kv.share_prefix: the same memory, no copy of whole chunks), whose prefill
         then runs only the rest of its prompt, over the cache (attend_chunk); a next turn
-        (follows) goes on in its parent's slot, so only first turns need the prefix."""
+        (follows) goes on in its parent's slot, so only first turns need the prefix.
+
+        A run that raises midway (a commit past the memory budget, a failing pause(),
+        KeyboardInterrupt) first waits for its dispatched calls and releases every slot,
+        so the cache holds nothing of it."""
         cache = self.cache
         contexts = context_lengths(requests)
         for r in requests:
@@ -732,57 +739,71 @@ class Generator:
         # slot stays idle), which then only lends its memory.
         serving = batch - 1 if shared_prefix else batch
         prefix_seq = batch - 1
-        t_start = time.perf_counter()
-        if shared_prefix:
-            timed(cache.ensure_shareable, prefix_seq, shared_prefix)
-            _, _, state, dispatched = self._prefill(state, stops, prefix_seq, prefix_tokens, 0, 1)
-            counts["prefills"] += dispatched
-            record("prefill")
-        while queue or any(slots) or pending:
-            admit_free_slots()  # continuous batching: free slots take requests
-            if host_mode:
-                while pending:  # every token is a host decision: read before going on
-                    read(pending.popleft())
-                if not any(slots):
+
+        def serve_all() -> None:
+            nonlocal state
+            if shared_prefix:
+                timed(cache.ensure_shareable, prefix_seq, shared_prefix)
+                _, _, state, dispatched = self._prefill(
+                    state, stops, prefix_seq, prefix_tokens, 0, 1
+                )
+                counts["prefills"] += dispatched
+                record("prefill")
+            while queue or any(slots) or pending:
+                admit_free_slots()  # continuous batching: free slots take requests
+                if host_mode:
+                    while pending:  # every token is a host decision: read before going on
+                        read(pending.popleft())
+                    if not any(slots):
+                        continue
+                elif not any(slots):
+                    while pending:
+                        read(pending.popleft())
                     continue
-            elif not any(slots):
-                while pending:
-                    read(pending.popleft())
-                continue
-            control = np.full(batch, S.STOP, np.int32)
-            live = [(seq, s) for seq, s in enumerate(slots) if s is not None]
-            for seq, s in live:
-                control[seq] = s.feed if host_mode else S.KEEP
-            # What the block can write, ensured ENSURE_BLOCKS blocks at a time: one table
-            # update (a driver copy) serves that many blocks.
-            if any(s.cached_after(s.blocks + 1, n) > s.ensured for _, s in live):
-                need = np.zeros(batch, np.int64)
+                control = np.full(batch, S.STOP, np.int32)
+                live = [(seq, s) for seq, s in enumerate(slots) if s is not None]
                 for seq, s in live:
-                    s.ensured = max(s.ensured, s.cached_after(s.blocks + ENSURE_BLOCKS, n))
-                    need[seq] = s.ensured
-                timed(cache.ensure_all, need)
-            args = (self.params, cache.cache(), state, jnp.asarray(control))
-            tokens, logits, out, state = self._block_fn(n, stops, want_logits, args)(*args)
-            cache.update(out)
-            counts["blocks"] += 1
-            pending.append(_Read(list(slots), tokens, logits if want_logits else None))
-            for s in slots:
-                if s is not None:
-                    s.blocks += 1
-            record("decode")
-            # Double buffering: read everything but the block just dispatched.
-            while len(pending) > (0 if host_mode else 1):
-                read(pending.popleft())
-            if pause_every is not None and counts["blocks"] % pause_every == 0:
-                while pending:
+                    control[seq] = s.feed if host_mode else S.KEEP
+                # What the block can write, ensured ENSURE_BLOCKS blocks at a time: one table
+                # update (a driver copy) serves that many blocks.
+                if any(s.cached_after(s.blocks + 1, n) > s.ensured for _, s in live):
+                    need = np.zeros(batch, np.int64)
+                    for seq, s in live:
+                        s.ensured = max(s.ensured, s.cached_after(s.blocks + ENSURE_BLOCKS, n))
+                        need[seq] = s.ensured
+                    timed(cache.ensure_all, need)
+                args = (self.params, cache.cache(), state, jnp.asarray(control))
+                tokens, logits, out, state = self._block_fn(n, stops, want_logits, args)(*args)
+                cache.update(out)
+                counts["blocks"] += 1
+                pending.append(_Read(list(slots), tokens, logits if want_logits else None))
+                for s in slots:
+                    if s is not None:
+                        s.blocks += 1
+                record("decode")
+                # Double buffering: read everything but the block just dispatched.
+                while len(pending) > (0 if host_mode else 1):
                     read(pending.popleft())
-                jax.block_until_ready(state)
-                pause()
-                counts["pauses"] += 1
-        for seq in sorted(held):  # no request took it after all
-            timed(cache.release, seq)
-        if shared_prefix:
-            timed(cache.release, prefix_seq)
+                if pause_every is not None and counts["blocks"] % pause_every == 0:
+                    while pending:
+                        read(pending.popleft())
+                    jax.block_until_ready(state)
+                    pause()
+                    counts["pauses"] += 1
+            for seq in sorted(held):  # no request took it after all
+                timed(cache.release, seq)
+            if shared_prefix:
+                timed(cache.release, prefix_seq)
+
+        t_start = time.perf_counter()
+        try:
+            serve_all()
+        except BaseException:
+            # The slots' memory goes back (shared prefix last), so the cache is as
+            # before the run: a failed commit, a failing pause() or Ctrl-C leaves nothing
+            # held or shared for the next run to trip over.
+            _give_back_slots(cache, pending, range(batch))
+            raise
         record("end")
         seconds = time.perf_counter() - t_start
         cache.check()  # no write was dropped (every token was ensured before its step)
@@ -802,3 +823,19 @@ class Generator:
             memory_wait_idle_seconds=idle_seconds,
             host_calls=calls,
         )
+
+
+def _give_back_slots(cache: CacheBackend, pending: collections.deque, seqs: range) -> None:
+    """After a run failed: waits for the calls in flight (an error of theirs is the run's,
+    raised already or by them), then releases every slot in order (a shared prefix's slot
+    is the last), logging a release that cannot be made (an arena left asleep)."""
+    for item in pending:
+        try:
+            jax.block_until_ready(item.tokens)
+        except Exception:  # noqa: BLE001, S110 - the run's own error is being raised
+            pass
+    for seq in seqs:
+        try:
+            cache.release(seq)
+        except Exception as e:  # noqa: BLE001
+            log.warning("a failed run could not release slot %d of its cache: %s", seq, e)

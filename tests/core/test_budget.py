@@ -208,7 +208,7 @@ def test_a_commit_past_the_budget_names_it_and_changes_nothing(vm):
     with pytest.raises(jax_vmm.OutOfMemoryError) as e:
         b.ensure(CHUNKS * tpc)
     msg = str(e.value)
-    where = "host device 0" if vm.is_host else f"cuda device {cuda_ordinal(vm.device)}"
+    where = f"cpu:{vm.device.id}" if vm.is_host else f"cuda:{cuda_ordinal(vm.device)}"
     asked = 4 * (CHUNKS - 1) * vm.chunk
     for part in (
         f"arena {b.arena.uid}: commit of buffer(s) '",

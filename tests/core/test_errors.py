@@ -345,6 +345,7 @@ ROWS = [
     Row("A3", lambda x: x.new_arena(1.5)),
     Row("A4", lambda x: x.new_arena(2**64 + 5)),
     Row("A5", lambda x: x.new_arena(1 << 62)),
+    Row("A5b", lambda x: x.new_arena(chunk_bytes=1 << 62)),
     Row("A6", lambda x: x.new_arena(chunk_bytes=1000)),
     Row("A7", lambda x: x.new_arena(chunk_bytes=0)),
     Row("A8", lambda x: x.new_arena(chunk_bytes=-4096)),

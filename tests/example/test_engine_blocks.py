@@ -498,3 +498,61 @@ def test_decode_cli_two_engines_take_turns_in_one_budget(tmp_path: Path) -> None
         decode.main([*args[:-2], "--budget", "4096"])
     with pytest.raises(SystemExit, match="--budget 0: needs --sleep-every K .* BYTES > 0"):
         decode.main([*args, "--budget", "0"])
+
+
+def test_a_run_that_fails_midway_gives_its_slots_memory_back(cpu_device) -> None:
+    """A commit past the budget in the middle of a run with a shared prefix raises, and the
+    cache is left as before the run: nothing backed, nothing shared, the budget empty; so
+    the next run on the same cache serves (it held the failed run's slots, and its share
+    into a slot still holding memory was refused)."""
+    with jax.default_device(cpu_device):
+        params = M.init_params(SMALL, seed=0)
+        # a token is 128 B per buffer (2 heads x 16 x fp32): a 4 KiB chunk holds 32
+        budget = jax_vmm.MemoryBudget(3 * 4 * 4096, cpu_device)  # 3 chunks per buffer
+        cache = make_cache(
+            "jax_vmm",
+            SMALL,
+            max_seqs=3,
+            max_tokens=128,
+            device=cpu_device,
+            chunk_bytes=4096,
+            budget=budget,
+            commit_ahead_tokens=0,  # what each run holds is then exact
+        )
+        gen = E.Generator(
+            params,
+            SMALL,
+            cache,
+            jax_vmm.decode_attention,
+            block=4,
+            attend_chunk=jax_vmm.attention,
+        )
+        prefix = np.arange(1, 33, dtype=np.int32)  # one whole chunk, shared
+
+        def reqs(new_tokens: int) -> list[E.Request]:
+            return [
+                E.Request(i, np.concatenate([prefix, [40 + i]]).astype(np.int32), new_tokens)
+                for i in (0, 1)
+            ]
+
+        with pytest.raises(jax_vmm.OutOfMemoryError, match="memory budget"):
+            gen.run(reqs(60), shared_prefix=32)  # two sharers past 64 tokens: 5 chunks
+        stats = cache.kv.stats()
+        assert stats["backed_bytes"] == 0 and stats["shared_prefixes"] == [], stats
+        assert budget.stats()["used_bytes"] == 0
+        got = gen.run(reqs(8), shared_prefix=32)
+        fresh = make_cache(
+            "jax_vmm", SMALL, max_seqs=3, max_tokens=128, device=cpu_device, chunk_bytes=4096
+        )
+        want = E.Generator(
+            params,
+            SMALL,
+            fresh,
+            jax_vmm.decode_attention,
+            block=4,
+            attend_chunk=jax_vmm.attention,
+        ).run(reqs(8), shared_prefix=32)
+        assert [r.tokens for r in got.results] == [r.tokens for r in want.results]
+        assert cache.kv.stats()["backed_bytes"] == 0
+        cache.close()
+        fresh.close()

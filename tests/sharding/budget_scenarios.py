@@ -17,6 +17,7 @@ from multidevice import raises
 
 import jax_vmm
 from conftest import mo
+from jax_vmm.base.devices import resolve_device
 
 SCENARIOS: dict[str, Callable[[], None]] = {}
 L, S, H, D = 2, 4, 4, 16  # layers, sequences (one per device), KV heads, head dim
@@ -97,7 +98,14 @@ def each_device_of_a_sharded_arena_draws_from_its_own_budget():
         assert [a["uid"] for a in b.stats()["arenas"]][0] == shard.arena.uid
     kv.ensure(2 * tpc, 1)  # device 1: 2 chunks per buffer, its whole budget
     others[0].ensure(2 * tpc)  # device 0's budget is its own
-    raises(jax_vmm.OutOfMemoryError, lambda: others[1].ensure(1), "memory budget of")
+    # named by its own device: the host driver's ordinal is 0 for every CPU device
+    name = resolve_device(budgets[1].device).name
+    assert name.endswith(":1"), name
+    raises(
+        jax_vmm.OutOfMemoryError,
+        lambda: others[1].ensure(1),
+        f"memory budget of {budgets[1].bytes} bytes on {name}:",
+    )
     raises(jax_vmm.OutOfMemoryError, lambda: kv.ensure(3 * tpc, 1), "memory budget of")
     for b in budgets:
         s = b.stats()

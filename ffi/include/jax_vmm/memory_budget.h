@@ -83,9 +83,12 @@ struct BudgetStats {
 
 class MemoryBudget : public std::enable_shared_from_this<MemoryBudget> {
  public:
-  // cap_bytes > 0 (else InvalidArgument); the device the members must be on.
+  // cap_bytes > 0 (else InvalidArgument); the device the members must be on. `device_name`
+  // is how errors name it ("cpu:1"); empty: "<driver_kind> device <ordinal>" (the host
+  // driver's ordinal is 0 for every CPU device, so the caller names it).
   static std::shared_ptr<MemoryBudget> Create(size_t cap_bytes, const std::string& driver_kind,
-                                              int device_ordinal);
+                                              int device_ordinal,
+                                              const std::string& device_name = "");
   MemoryBudget(const MemoryBudget&) = delete;
   MemoryBudget& operator=(const MemoryBudget&) = delete;
 
@@ -110,7 +113,8 @@ class MemoryBudget : public std::enable_shared_from_this<MemoryBudget> {
 
  private:
   friend class BudgetCharge;
-  MemoryBudget(size_t cap_bytes, std::string driver_kind, int device_ordinal);
+  MemoryBudget(size_t cap_bytes, std::string driver_kind, int device_ordinal,
+               std::string device_name);
   void Uncharge(uint64_t arena_uid, size_t bytes) noexcept;
   std::string DescribeLocked() const;  // "arena 'x' holds 1.0 MiB (peak 2.0 MiB), ..."
 
@@ -124,6 +128,7 @@ class MemoryBudget : public std::enable_shared_from_this<MemoryBudget> {
   const size_t cap_bytes_;
   const std::string driver_kind_;
   const int device_ordinal_;
+  const std::string device_name_;
   mutable std::mutex mu_;
   size_t used_ = 0;
   size_t peak_ = 0;

@@ -74,11 +74,18 @@ Arena::Arena(std::unique_ptr<Driver> driver, size_t reserve_bytes, const ArenaOp
     base_ = zeros_deferred_ ? driver_->ReserveDeferringZeros(reserved_bytes_)
                             : driver_->Reserve(reserved_bytes_);
   } catch (const DriverError& e) {
+    // A huge chunk_bytes grows a small reserve_bytes: the message says which one to cut.
+    const std::string rounded =
+        reserved_bytes_ == reserve_bytes
+            ? std::string()
+            : " (reserve_bytes rounded up to whole chunks of chunk_bytes=" +
+                  std::to_string(chunk_bytes_) + ")";
     throw DriverError("Arena(reserve_bytes=" + std::to_string(reserve_bytes) +
                       "): cannot reserve " + std::to_string(reserved_bytes_) +
-                      " bytes of address space on " + driver_->kind() + " device " +
-                      std::to_string(driver_->device_ordinal()) + ": " + e.what() +
-                      "; create the arena with a smaller reserve_bytes");
+                      " bytes of address space" + rounded + " on " + driver_->kind() +
+                      " device " + std::to_string(driver_->device_ordinal()) + ": " + e.what() +
+                      (rounded.empty() ? "; create the arena with a smaller reserve_bytes"
+                                       : "; create the arena with a smaller chunk_bytes"));
   }
   try {
     host_page_table_.assign(num_chunks_, 0);

@@ -54,19 +54,25 @@ BudgetCharge BudgetCharge::Split(size_t bytes) {
 // -- MemoryBudget ------------------------------------------------------------------------
 
 std::shared_ptr<MemoryBudget> MemoryBudget::Create(size_t cap_bytes, const std::string& driver_kind,
-                                                   int device_ordinal) {
+                                                   int device_ordinal,
+                                                   const std::string& device_name) {
   if (cap_bytes == 0) {
     throw InvalidArgument(
         "MemoryBudget: bytes must be > 0 (the physical memory its arenas may "
         "hold together)");
   }
-  return std::shared_ptr<MemoryBudget>(new MemoryBudget(cap_bytes, driver_kind, device_ordinal));
+  const std::string name =
+      device_name.empty() ? driver_kind + " device " + std::to_string(device_ordinal) : device_name;
+  return std::shared_ptr<MemoryBudget>(
+      new MemoryBudget(cap_bytes, driver_kind, device_ordinal, name));
 }
 
-MemoryBudget::MemoryBudget(size_t cap_bytes, std::string driver_kind, int device_ordinal)
+MemoryBudget::MemoryBudget(size_t cap_bytes, std::string driver_kind, int device_ordinal,
+                           std::string device_name)
     : cap_bytes_(cap_bytes),
       driver_kind_(std::move(driver_kind)),
-      device_ordinal_(device_ordinal) {}
+      device_ordinal_(device_ordinal),
+      device_name_(std::move(device_name)) {}
 
 void MemoryBudget::Join(const std::shared_ptr<Arena>& arena, const std::string& label) {
   std::lock_guard<std::mutex> lock(mu_);
@@ -102,7 +108,7 @@ BudgetCharge MemoryBudget::Charge(uint64_t arena_uid, size_t bytes, const std::s
     const std::string who =
         it->second.label.empty() ? "arena " + std::to_string(arena_uid) : it->second.label;
     throw BudgetExceeded(who + ": " + what + ": over the memory budget of " + Bytes(cap_bytes_) +
-                             " on " + driver_kind_ + " device " + std::to_string(device_ordinal_) +
+                             " on " + device_name_ +
                              ": asked for " + Bytes(bytes) +
                              " more while the budget's arenas "
                              "hold " +

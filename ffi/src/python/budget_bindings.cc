@@ -47,7 +47,7 @@ void BindBudget(nb::module_& m) {
       .def_prop_ro("device_ordinal", &MemoryBudget::device_ordinal)
       .def("stats", [](const MemoryBudget& b) { return BudgetStatsDict(b.Stats()); });
   m.def("create_memory_budget", &MemoryBudget::Create, nb::arg("cap_bytes"), nb::arg("driver"),
-        nb::arg("device"));
+        nb::arg("device"), nb::arg("device_name") = "");
   m.def(
       "arena_join_budget",
       [](Arena& a, std::shared_ptr<MemoryBudget> budget, const std::string& label) {
