@@ -498,6 +498,10 @@ def test_decode_cli_two_engines_take_turns_in_one_budget(tmp_path: Path) -> None
         decode.main([*args[:-2], "--budget", "4096"])
     with pytest.raises(SystemExit, match="--budget 0: needs --sleep-every K .* BYTES > 0"):
         decode.main([*args, "--budget", "0"])
+    # Too small for the engines: a usage error naming the flag, not a traceback.
+    with pytest.raises(SystemExit, match=r"(?s)out of memory: .*memory budget of 300000 .*"
+                       r"To go on, give a larger --budget than 300000\."):  # fmt: skip
+        decode.main([*args, "--budget", "300000"])
 
 
 def test_a_run_that_fails_midway_gives_its_slots_memory_back(cpu_device) -> None:

@@ -267,6 +267,19 @@ def check_sizes(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    try:
+        return _serve(args)
+    except jax_vmm.OutOfMemoryError as e:
+        # Too little memory for the flags' sizes is a usage error: say which flag to change.
+        fix = (
+            f"give a larger --budget than {args.budget}"
+            if args.budget is not None and "memory budget" in str(e)
+            else "lower --batch, --max-tokens or --layers"
+        )
+        raise SystemExit(f"decode.py: out of memory: {e}\nTo go on, {fix}.") from None
+
+
+def _serve(args: argparse.Namespace) -> dict:
     device = resolve_device(args.device)
     preset = args.preset
     if preset == "auto":
