@@ -124,6 +124,11 @@ class Arena:
         Copy (src_id, src_start, dst_id, dst_start, bytes) spans after the device's work.
         """
 
+    def shared_bytes(self, arg: Sequence[tuple[int, int, int]], /) -> int:
+        """
+        Bytes of the chunks in (buffer_id, start, stop) ranges still mapped elsewhere too.
+        """
+
     def free(self, arg: int, /) -> None: ...
 
     def commit(self, arg0: int, arg1: int, arg2: int, /) -> int: ...
@@ -221,9 +226,7 @@ class MemoryBudget:
 
     def stats(self) -> dict: ...
 
-def create_memory_budget(
-    cap_bytes: int, driver: str, device: int, device_name: str = ...
-) -> MemoryBudget: ...
+def create_memory_budget(cap_bytes: int, driver: str, device: int, device_name: str = ...) -> MemoryBudget: ...
 
 def arena_join_budget(arena: Arena, budget: MemoryBudget, label: str) -> None:
     """Every later physical allocation of the arena comes from the budget."""

@@ -345,6 +345,15 @@ class KVArena(KVArenaBase, PrefixSharing, TokenBacking, SequenceTransfers):
             reads,
         )
 
+    def _away_seqs(self) -> list[int]:
+        """Sequences offloaded or on their way: a transfer that has ended (a restore
+        landed, an offload failed) is settled first, as the next ensure would."""
+        with self._lock:
+            for q, t in list(self._offloaded.items()):
+                if t is not None and t.state in ("restored", "failed"):
+                    self._settle(q)
+            return sorted(self._offloaded)
+
     def stats(self) -> KVArenaStats:
         s: Any = self.arena.stats()
         seqs = range(1 if self.max_seqs is None else self.max_seqs)
@@ -355,7 +364,7 @@ class KVArena(KVArenaBase, PrefixSharing, TokenBacking, SequenceTransfers):
             max_seqs=self.max_seqs,
             token_bytes_all_layers=2 * self.num_layers * self.token_bytes,
             backed_tokens=tokens,
-            offloaded_seqs=sorted(self._offloaded),
+            offloaded_seqs=self._away_seqs(),
             commit_ahead_tokens=self.commit_ahead_tokens,
             commits_ahead_skipped=self._ahead_skipped,
             commits_ahead_failed=self._ahead_failures,

@@ -504,7 +504,7 @@ class TokenBacking:
             self._note_old_work([q], work if in_flight else [])
             t = self._offloaded.pop(q, None)
             if t is not None:
-                t._finish()  # drops the host copy
+                t._finish(released=True)  # drops the host copy
             self._ensured[q] = 0
             self._core_cache.set_limit(q, 0)  # the table first: nothing may write what goes
             self._ahead.cancel(q)  # a prefetch or commit ahead not begun is for the old sequence

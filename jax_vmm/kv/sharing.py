@@ -197,7 +197,7 @@ class PrefixSharing:
                     "KVArena.share_prefix(%d, %d, %d): %d bytes of whole chunks were copied, "
                     "not mapped: their allocation also backs tokens past the prefix (a plain "
                     "ensure). Commit a prefix to share with kv.ensure_shareable(n, seq).",
-                    src, dst, n, sum(x[-1] for x in left_out),
+                    src, dst, n, sum(e - s for _, s, e in left_out),
                 )  # fmt: skip
             self._set_floor(dst, n)
             self._outlive_old_writes([dst])
@@ -284,6 +284,26 @@ class PrefixSharing:
         if self._released_sharer_addresses:
             self.arena.reclaim()
             self._released_sharer_addresses = False
+        self._free_lone_destinations()
+
+    def _free_lone_destinations(self) -> None:
+        """A destination whose source was released holds the shared chunks alone once no
+        other address maps them any more (the core says so once those addresses were
+        reclaimed): its prefix is its own again, writable, and it may sleep, move and be
+        released by part. Caller holds the lock."""
+        sources = {q for q in self._memory_of.values() if q is not None}
+        for dst, record in list(self._shares.items()):
+            if not record["mapped_bytes"] or self._memory_of.get(dst) is not None:
+                continue  # a copy only, or its source still holds the memory
+            if dst in sources:
+                continue
+            base = dst * self.seq_bytes
+            stop = base + int(self._floors[dst]) * self.token_bytes
+            if self.arena._handle.shared_bytes([(b.id, base, stop) for b in self.buffers]):
+                continue  # another destination of the same source still maps it
+            del self._shares[dst]
+            del self._memory_of[dst]
+            self._set_floor(dst, 0)
 
     def release(
         self,
@@ -360,6 +380,7 @@ class PrefixSharing:
 
     def _sharing_stats(self) -> dict[str, Any]:
         with self._lock:
+            self._free_lone_destinations()
             return {
                 "shared_prefixes": [dict(r) for r in self._shares.values()],
                 "sharing_seqs": np.flatnonzero(self._floors).tolist(),

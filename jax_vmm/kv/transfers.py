@@ -83,7 +83,7 @@ class SequenceTransfers:
         return t
 
     def _landed(self, q: int, t: Transfer) -> None:
-        """``t.wait()`` saw the restore land: the sequence is back in the table."""
+        """``t.done`` or ``t.wait()`` saw the restore land: the sequence is back in the table."""
         with self._lock:
             if self._offloaded.get(q) is t:
                 self._settle(q)
@@ -92,7 +92,8 @@ class SequenceTransfers:
         """Bring an offloaded sequence back: the same chunks are backed again and its tokens
         copied back, at the same addresses. ``wait=False``: the copy runs in the background
         and the chunks join the page table when it lands; the sequence may be written and
-        read once ``wait()`` returned (or the next ``ensure`` of it): until then its writes
+        read once ``done`` is True (or ``wait()`` returned, or the next ``ensure`` of it,
+        or :meth:`stats`): until then its writes
         are dropped and its reads clamped, both counted for :meth:`check`. A failure
         leaves the sequence offloaded, its host copy intact: raised at once when inline
         (``wait=True``, host driver), else as :class:`jax_vmm.TransferError` from

@@ -7,7 +7,7 @@ from typing import Any
 
 from ..base.errors import ArenaClosedError, TransferError
 
-_STATES = ("offloading", "offloaded", "restoring", "restored", "failed")
+_STATES = ("offloading", "offloaded", "restoring", "restored", "failed")  # the core's codes
 _IN_FLIGHT = ("offloading", "restoring")
 
 
@@ -16,9 +16,12 @@ class Transfer:
 
     ``state`` is one of ``"offloading"`` (waiting for earlier device work, or copying to
     the host), ``"offloaded"`` (the contents are in host memory, the device memory is given
-    back), ``"restoring"`` (copying back), ``"restored"`` (back at the same addresses) and
-    ``"failed"`` (the offload failed and was undone: the contents never left). A failed
-    restore returns to ``"offloaded"`` with :attr:`error` set. Thread-safe.
+    back), ``"restoring"`` (copying back), ``"restored"`` (back at the same addresses),
+    ``"failed"`` (the offload failed and was undone: the contents never left) and
+    ``"released"`` (the sequence was released while offloaded: the host copy is gone). A
+    restore that fails in the background returns to ``"offloaded"`` with :attr:`error`
+    set; one refused at the call (out of memory) raises there and leaves the transfer as
+    it was. Thread-safe.
     """
 
     def __init__(
@@ -70,8 +73,19 @@ class Transfer:
 
     @property
     def done(self) -> bool:
-        """Nothing is in flight (the last step finished, or failed)."""
-        return self._query()[0] not in _IN_FLIGHT
+        """Nothing is in flight (the last step finished, or failed). Once a restore has
+        landed, the first ``done`` (like ``wait()``) opens the sequence to writes and reads
+        again."""
+        state = self._query()[0]
+        if state == "restored":
+            self._opened()
+        return state not in _IN_FLIGHT
+
+    def _opened(self) -> None:
+        """The restore landed: the KV arena admits the sequence again (once)."""
+        on_restored, self._on_restored = self._on_restored, None
+        if on_restored is not None:
+            on_restored()
 
     def wait(self) -> Transfer:
         """Block until nothing is in flight. Raises :class:`jax_vmm.TransferError` when the
@@ -85,17 +99,19 @@ class Transfer:
             state, error = self._final, self._final_error
         if state == "failed" or (state == "offloaded" and error):
             raise TransferError(f"sequence {self._seq}: {error}")
-        if state == "restored" and self._on_restored is not None:
-            on_restored, self._on_restored = self._on_restored, None
-            on_restored()
+        if state == "restored":
+            self._opened()
         return self
 
-    def _finish(self) -> str:
+    def _finish(self, released: bool = False) -> str:
         """Wait for anything in flight (without raising), then let the arena forget the
-        ticket and its host copy; remember how it ended."""
+        ticket and its host copy; remember how it ended (``released``: the sequence was
+        released, so a copy still away is gone)."""
         if self._final is None:
             code, error = self._core.wait_transfer(self._ticket)
-            self._final, self._final_error = _STATES[code], error
+            state = _STATES[code]
+            self._final = "released" if released and state == "offloaded" else state
+            self._final_error = error
             self._core.drop_transfer(self._ticket)
         return self._final
 

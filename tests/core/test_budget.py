@@ -142,13 +142,15 @@ def wake(vm) -> None:
     x = b.allocate((3 * c,), jnp.uint8)
     x.commit()  # 3 chunks: one left, a needs two
     _check_cap(vm, budget, [a, b])
-    refused = False
+    refused = ""
     try:
         a.wake()
-    except jax_vmm.OutOfMemoryError:
-        refused = True
+    except jax_vmm.OutOfMemoryError as e:
+        refused = str(e)
     _check_cap(vm, budget, [a, b])
-    assert refused and a.asleep
+    # named by the buffers it needed, as a commit is
+    assert f"wake of buffer(s) '{a.buffers[0].name}'" in refused, refused
+    assert a.asleep
     x.decommit()
     a.wake()
     _check_cap(vm, budget, [a, b])

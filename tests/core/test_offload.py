@@ -7,6 +7,9 @@ The deferred (background) path runs on the host too through the testing layer
 
 from __future__ import annotations
 
+import time
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -103,7 +106,7 @@ def test_offload_frees_the_memory_and_restore_brings_it_back_bit_exact(vm):
 
 def test_an_offloaded_sequence_is_kept_away_from(vm):
     kv, t = _kv(vm)
-    kv.offload(0)
+    tr = kv.offload(0)
     for call in (
         lambda: kv.ensure(1, seq=0),
         lambda: kv.ensure_all([1, 0, 0]),
@@ -115,11 +118,39 @@ def test_an_offloaded_sequence_is_kept_away_from(vm):
     with pytest.raises(ValueError, match="sequence 1 is not offloaded"):
         kv.restore(1)
     assert kv.ensure(t, seq=2) == 0  # the others keep working
+    away = kv.stats()["offloaded_seqs"]
     kv.release(0)  # dropping an offloaded sequence frees its host copy
-    assert kv.arena.stats()["offloaded_bytes"] == 0 and kv.stats()["offloaded_seqs"] == []
+    assert away == [0] and kv.arena.stats()["offloaded_bytes"] == 0
+    assert kv.stats()["offloaded_seqs"] == []
+    assert tr.state == "released" and tr.done  # its host copy is gone with it
     kv.ensure(3, seq=0)
     with pytest.raises(ValueError, match="not offloaded"):
         kv.restore(0)
+
+
+@pytest.mark.parametrize("opened_by", ["done", "stats"])
+def test_a_background_restore_opens_the_sequence_once_it_landed(vm, faults, opened_by):
+    """restore(wait=False), then the first ``done`` that sees the copy landed (or
+    ``stats()``) opens the sequence: a write right after lands and a read of all its
+    tokens is not clamped. (Until wait() or an ensure, ``done`` said True while the
+    sequence's writes were dropped and its reads clamped, and stats() listed it away.)"""
+    kv, t = _kv(vm)
+    faults.defer_reclaim(kv)
+    tr = kv.offload(1)
+    tr = kv.restore(1, wait=False)
+    deadline = time.monotonic() + 30
+    while tr.state != "restored" and time.monotonic() < deadline:
+        time.sleep(0.001)  # the core's state: it does not open the sequence
+    assert tr.done if opened_by == "done" else kv.stats()["offloaded_seqs"] == []
+    token = jax.device_put(jnp.full((1, H, D), 3.0, jnp.bfloat16), kv.arena.device)
+    layer = jax_vmm.kv_write(
+        kv.cache()[0], token, token, seq=jnp.array([1]), pos=jnp.array([t - 1])
+    )
+    q = jax.device_put(jnp.ones((3, H, D), jnp.bfloat16), kv.arena.device)
+    out = jax_vmm.decode_attention(q, layer, jnp.array([0, t, 0]))
+    kv.check(out)  # neither the write dropped nor the read clamped
+    got = raw_bytes(kv.k_buffers[0], 2 * kv.seq_bytes - kv.token_bytes, 2 * kv.seq_bytes)
+    np.testing.assert_array_equal(got.view(jnp.bfloat16), np.full(H * D, 3.0, jnp.bfloat16))
 
 
 def test_offload_and_restore_in_the_background(vm, faults):

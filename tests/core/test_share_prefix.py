@@ -572,6 +572,62 @@ def test_a_source_whose_sharers_were_released_is_its_own_again(vm):
     np.testing.assert_array_equal(_seq_tokens(kv, 0)[:, :, :n], data)
 
 
+def test_a_destination_whose_source_was_released_is_its_own_again(vm):
+    """Once its source is released and no other address maps its chunks, a share's
+    destination is refused nothing a sequence that never shared is allowed: a write into
+    its prefix lands, offload and restore, sleep and wake, release with keep_tokens. (It
+    stayed read-only, refused them all and named a sharer that was gone.)"""
+    kv, tpc, n, data, got = _shared(vm)
+    assert got["mapped_bytes"] > 0
+    kv.release(0)
+    assert kv.stats()["sharing_seqs"] == [] and kv.stats()["shared_prefixes"] == []
+    again = _tokens(kv, 4, seed=31)
+    _write(kv, 1, 0, again)
+    kv.check()  # (raises if the write was dropped as a write into a shared prefix)
+    data[:, :, :4] = again
+    kv.offload(1)
+    kv.restore(1).wait()
+    kv.sleep()
+    kv.wake()
+    np.testing.assert_array_equal(_seq_tokens(kv, 1)[:, :, :n], data)
+    kv.release(1, keep_tokens=4)
+    np.testing.assert_array_equal(_seq_tokens(kv, 1)[:, :, :4], data[:, :, :4])
+
+
+class _NothingSharedSaysTheCore:
+    """The arena's core, but for shared_bytes, which says no chunk is mapped elsewhere."""
+
+    def __init__(self, core):
+        self._core = core
+
+    def shared_bytes(self, ranges):
+        return 0
+
+    def __getattr__(self, name):
+        return getattr(self._core, name)
+
+
+def test_destinations_of_a_released_source_stay_read_only_while_two_map_it(vm, monkeypatch):
+    """Two destinations of one source, the source released: they still map the same
+    memory, so both keep their prefixes read-only and refuse to move. Without the core's
+    word that the other maps the chunks, a write into one lands in the other's tokens."""
+    kv, tpc, n, data, _ = _shared(vm)
+    kv.share_prefix(0, 2, n)
+    kv.release(0)
+    assert kv.stats()["sharing_seqs"] == [1, 2]
+    with pytest.raises(ValueError, match="shares its first"):
+        kv.offload(1)
+    _write_one(kv, 1, 0, 7.0)
+    with pytest.raises(jax_vmm.OutOfBoundsWrite):
+        kv.check()
+    np.testing.assert_array_equal(_seq_tokens(kv, 2)[:, :, :n], data)
+    monkeypatch.setattr(kv.arena, "_handle", _NothingSharedSaysTheCore(kv.arena._handle))
+    assert kv.stats()["sharing_seqs"] == []  # both taken for lone: the floors drop
+    _write_one(kv, 1, 0, 7.0)
+    kv.check()
+    assert np.all(_seq_tokens(kv, 2)[:, :, 0] == 7.0)
+
+
 def test_sequences_at_different_chunk_offsets_are_refused(vm):
     tpc = vm.chunk // (H * D * 4)
     kv, _ = _kv(vm, chunks_per_seq=1, max_tokens=tpc + tpc // 2)  # 1.5 chunks per sequence
@@ -787,6 +843,8 @@ def test_a_share_of_an_unshareable_allocation_says_so(vm, caplog):
         got = kv.share_prefix(0, 1, n)
     assert got["mapped_bytes"] == 0
     assert "kv.ensure_shareable(n, seq)" in caplog.text
+    whole = 2 * 2 * LAYERS * kv.arena.chunk_bytes  # 2 whole chunks of each buffer
+    assert f"{whole} bytes of whole chunks were copied" in caplog.text, caplog.text
     caplog.clear()
     kv.release(1, wait=True)
     kv.release(0, wait=True)

@@ -294,6 +294,9 @@ class Arena : public std::enable_shared_from_this<Arena> {
   // bytes live on at the other address): a commit of one waits for its reclamation.
   // All-or-nothing. Returns the bytes mapped.
   size_t ShareSpans(const std::vector<SpanPair>& spans, std::vector<Range>* not_shared);
+  // Bytes of the chunks in `ranges` whose memory is still mapped at another address too
+  // (a share's source or destination, until the other addresses are reclaimed).
+  size_t SharedBytes(const std::vector<Range>& ranges) const;
   // Copies every src span's bytes to its dst span (both backed; dst not shared memory)
   // after the device finished the work dispatched before (which may write src).
   void CopySpans(const std::vector<SpanPair>& spans);

@@ -192,7 +192,16 @@ Arena::CommitPlan Arena::PlanRuns(const std::vector<ChunkRun>& runs) const {
       PlanChunk(a, &plan, &extends_run);
     }
   }
-  plan.buffer_names = "(restored ranges)";
+  // Named like a commit's buffers: an out-of-memory error says what the restore needed.
+  for (const auto& [id, p] : buffers_) {
+    const size_t first = ArenaChunk(p, 0);
+    for (const ChunkRun& run : runs) {
+      if (run.first < first + p.num_chunks && first < run.first + run.count) {
+        AppendName(&plan.buffer_names, p.info.name);
+        break;
+      }
+    }
+  }
   return plan;
 }
 

@@ -202,6 +202,21 @@ size_t Arena::ShareSpans(const std::vector<SpanPair>& spans, std::vector<Range>*
   return shared;
 }
 
+size_t Arena::SharedBytes(const std::vector<Range>& ranges) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  ThrowIfClosed("shared_bytes");
+  size_t chunks = 0;
+  for (const Range& r : ranges) {
+    const Placement& p = PlacementOrThrow(r.buffer_id, "Arena.shared_bytes");
+    CheckRange(p.info, r.start, r.stop, "Arena.shared_bytes");
+    for (size_t c = r.start / chunk_bytes_; c < CeilDiv(r.stop, chunk_bytes_); ++c) {
+      const Mapping* m = chunk_mapping_[ArenaChunk(p, c)];
+      if (m != nullptr && m->shared) ++chunks;
+    }
+  }
+  return chunks * chunk_bytes_;
+}
+
 void Arena::CopySpans(const std::vector<SpanPair>& spans) {
   ThrowIfForked("copy");
   std::lock_guard<std::mutex> lock(mu_);

@@ -272,6 +272,14 @@ void BindArenaChanges(nb::class_<Arena>& c) {
             a.CopySpans(spans);
           },
           "Copy (src_id, src_start, dst_id, dst_start, bytes) spans after the device's work.")
+      .def(
+          "shared_bytes",
+          [](const Arena& a, const std::vector<std::tuple<int64_t, size_t, size_t>>& r) {
+            const std::vector<Arena::Range> ranges = ToRanges(r);
+            nb::gil_scoped_release release;
+            return a.SharedBytes(ranges);
+          },
+          "Bytes of the chunks in (buffer_id, start, stop) ranges still mapped elsewhere too.")
       .def("free", &Arena::Free, nb::call_guard<nb::gil_scoped_release>())
       .def("commit", &Arena::Commit, nb::call_guard<nb::gil_scoped_release>())
       .def("decommit", &Arena::Decommit, nb::arg("buffer_id"), nb::arg("start"), nb::arg("stop"),
