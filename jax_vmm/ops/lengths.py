@@ -32,11 +32,17 @@ def clamped_int32(values: Any, lower: int, upper: int | None) -> jax.Array:
             values = jnp.asarray(values)
         else:
             if upper is not None and _is_wide_int(host.dtype):
-                host = np.clip(host, lower, upper).astype(np.int32)
+                host = np.clip(host, _lower_of(host.dtype, lower), upper).astype(np.int32)
             return jnp.asarray(host)
     if upper is not None and _is_wide_int(values.dtype):
-        values = jnp.clip(values, lower, upper).astype(jnp.int32)
+        values = jnp.clip(values, _lower_of(values.dtype, lower), upper).astype(jnp.int32)
     return values
+
+
+def _lower_of(dtype: Any, lower: int) -> int:
+    """The clamp's lower bound in ``dtype``: a negative bound of an unsigned type would
+    wrap to its largest value and clamp everything to ``upper``."""
+    return max(lower, 0) if np.issubdtype(dtype, np.unsignedinteger) else lower
 
 
 def _is_wide_int(dtype: Any) -> bool:

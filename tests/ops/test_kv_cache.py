@@ -443,6 +443,29 @@ def test_a_write_out_of_the_int32_range_is_dropped_and_counted(vm, seq, pos):
     assert [raw_bytes(b).tobytes() for b in kv.buffers] == before
 
 
+@pytest.mark.parametrize("dtype", [jnp.uint8, jnp.uint16, jnp.uint32, np.uint32, np.uint64])
+@pytest.mark.parametrize("jit", [False, True])
+def test_a_write_at_unsigned_coordinates_lands(vm, dtype, jit):
+    """seq / pos of an unsigned type write where they say. (A uint32 jax array was clamped
+    with the lower bound -2 wrapped to 2**32 - 2, so every write was dropped.)"""
+    kv = _kv(vm)
+    kv.ensure(T, 1)
+    new = jax.device_put(jnp.full((1, HKV, D), 5.0, DT), vm.device)
+    seq, pos = (
+        (jnp.asarray if dtype in (jnp.uint8, jnp.uint16, jnp.uint32) else np.asarray)([1], dtype),
+        np.asarray([2], dtype),
+    )
+
+    def write(cache, seq, pos):
+        return jax_vmm.kv_write(cache[0], new, new, seq=seq, pos=pos)
+
+    layer = (jax.jit(write) if jit else write)(kv.cache(), seq, pos)
+    kv.check(layer)
+    got = raw_bytes(kv.k_buffers[0], kv.seq_bytes, 2 * kv.seq_bytes).view(DT)
+    got = got.reshape(T, HKV, D)
+    assert np.all(got[2] == 5.0) and np.count_nonzero(got) == HKV * D
+
+
 def test_a_token_without_its_n_axis_is_named_in_the_error(vm):
     kv = _kv(vm, initial_tokens=4)
     one = jnp.ones((HKV, D), DT)
