@@ -625,6 +625,51 @@ def test_ordered_views_refuse_a_layer_written_in_the_same_function(vm):
         jax.jit(step)(kv.cache(), kv.k[0], kv.v[0])
 
 
+def _sum_k_before_each_write(kv, loop: str):
+    """A jitted loop of 4 steps: each reads the sum of K through ordered_views, then writes
+    one token of ones (K and V) at the step's position of sequence 0."""
+    new = jnp.ones((1, HKV, D), DT)
+
+    def body(t, carry):
+        cache, k, v, sums = carry
+        kk, _ = jax_vmm.ordered_views(cache[0], k, v)
+        sums = sums.at[t].set(kk.sum())
+        layer = jax_vmm.kv_write(cache[0], new, new, seq=jnp.zeros(1, jnp.int32), pos=t[None])
+        return cache.replace(0, layer), k, v, sums
+
+    def run(cache, k, v):
+        carry = (cache, k, v, jnp.zeros(4, DT))
+        if loop == "scan":
+            carry, _ = jax.lax.scan(lambda c, t: (body(t, c), None), carry, jnp.arange(4))
+        elif loop == "fori_loop":
+            carry = jax.lax.fori_loop(0, 4, lambda t, c: body(jnp.int32(t), c), carry)
+        else:  # a while loop, the read in a nested jit
+            carry = jax.lax.while_loop(
+                lambda c: c[0] < 4,
+                lambda c: (c[0] + 1, jax.jit(body)(c[0], c[1])),
+                (jnp.int32(0), carry),
+            )[1]
+        return carry[0], carry[3]
+
+    return jax.jit(run)(kv.cache(), kv.k[0], kv.v[0])
+
+
+@pytest.mark.parametrize("loop", ["scan", "fori_loop", "while_loop"])
+def test_ordered_views_refuse_a_loop_body(vm, loop, monkeypatch):
+    """In a loop body the views are loop-invariant for XLA, which hoists its reads of them
+    out of the loop, before every iteration's write: refused. The control lets the call
+    through, and the loop reads K as it was before the loop, every iteration (all zeros
+    where 0, 1, 2, 3 tokens of ones were written: 0, 128, 256, 384)."""
+    kv = _kv(vm)
+    kv.ensure(4, 0)
+    with pytest.raises(ValueError, match=r"is read in a loop body \((scan|fori_loop|while)"):
+        _sum_k_before_each_write(kv, loop)
+    monkeypatch.setattr(jax_vmm.ops.layer_ops, "_enclosing_loop", lambda: None)
+    cache, sums = _sum_k_before_each_write(kv, loop)
+    kv.check(cache)
+    assert np.asarray(sums).tolist() != [i * HKV * D for i in range(4)]
+
+
 def test_ordered_views_refuse_a_copy_of_the_arena(vm):
     """A view that reaches the step as XLA's copy (another layer's buffer here, or a view
     donated on the CPU) fails the step instead of reading stale memory."""
