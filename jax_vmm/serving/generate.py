@@ -15,6 +15,7 @@ The command line (`examples/generate.py`) is `jax_vmm.serving.cli.generate`.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -54,8 +55,41 @@ GREEDY = SamplingConfig()
 DEFAULT_SERVING = ServeOptions()
 
 
-def encode_prompts(ckpt: Checkpoint, prompts: Sequence[str | Sequence[int]]) -> list[Prompt]:
-    """Text prompts through the checkpoint's tokenizer; id prompts checked against the
+def prompt_list(prompts: Any, what: str = "prompts") -> list[str | list[int]]:
+    """The prompts as a list, one entry per prompt, from what a caller naturally passes:
+    a list of texts or of id lists, one text, one flat list (or 1-D array) of ids, or a
+    2-D integer array (a prompt per row)."""
+    if isinstance(prompts, str):
+        return [prompts]
+    if hasattr(prompts, "__array__") and not isinstance(prompts, (list, tuple)):
+        prompts = np.asarray(prompts)  # a jax.Array too
+    if isinstance(prompts, np.ndarray):
+        if prompts.ndim not in (1, 2) or not np.issubdtype(prompts.dtype, np.integer):
+            raise ValueError(
+                f"{what}: an array of prompts must hold integer token ids, 1-D (one prompt) "
+                f"or 2-D (a prompt per row); got {prompts.ndim}-D {prompts.dtype}"
+            )
+        return [prompts.tolist()] if prompts.ndim == 1 else prompts.tolist()
+    if isinstance(prompts, (bytes, dict)) or not isinstance(prompts, Sequence):
+        raise TypeError(
+            f"{what} must be a list of prompts (texts or lists of token ids), got "
+            f"{type(prompts).__name__}"
+        )
+    items = list(prompts)
+    if items and all(_is_token_id(t) for t in items):
+        return [items]  # one prompt of ids
+    return items
+
+
+def _is_token_id(x: Any) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, (bool, np.bool_))
+
+
+def encode_prompts(
+    ckpt: Checkpoint, prompts: Sequence[str | Sequence[int]], *, first_turn: bool = True
+) -> list[Prompt]:
+    """Text prompts through the checkpoint's tokenizer (with BOS only for a first turn:
+    a later turn continues a conversation that has one); id prompts checked against the
     model's vocabulary (an out-of-range id would be clamped by the embedding gather)."""
     out = []
     vocab = ckpt.config.vocab
@@ -66,8 +100,13 @@ def encode_prompts(ckpt: Checkpoint, prompts: Sequence[str | Sequence[int]]) -> 
                     f"prompt {i} is text, but {ckpt.path} has no "
                     "tokenizer.json; give token ids (--prompt-ids)"
                 )
-            ids, text = ckpt.tokenizer.encode(p), p
+            ids, text = ckpt.tokenizer.encode(p, special_tokens=first_turn), p
         else:
+            p = np.asarray(p).tolist() if hasattr(p, "__array__") else p
+            if not isinstance(p, Sequence) or not all(_is_token_id(t) for t in p):
+                raise ValueError(
+                    f"prompt {i} ({p!r}) is neither text nor a list of integer token ids"
+                )
             ids, text = [int(t) for t in p], None
         if not ids:
             raise ValueError(f"prompt {i} ({p!r}) has no tokens; a prompt needs at least one")
@@ -104,12 +143,12 @@ def serve(
     on min(batch, len(requests)) slots, each with room for its prompt and new tokens.
     select_token, record_logits, force_tokens: as `Generator.run`; stop_tokens: as
     `Generator` (a sequence ends at the first it generates). config: the model's config
-    to run (default ckpt.config; generate passes it with the sliding windows a long
-    context needs, HFModelSpec.config_for)."""
-    cfg = ckpt.config if config is None else config
+    to run (default: ckpt.config with the sliding windows the requests' longest context
+    needs, HFModelSpec.config_for)."""
     E.check_prefill_chunk(opts.prefill_chunk)
     slots = num_slots(opts, sum(r.follows is None for r in requests))  # conversations
     max_tokens = max(need for _, need in E.context_lengths(requests).values())
+    cfg = ckpt.spec.config_for(max_tokens) if config is None else config
     cache = make_cache(
         opts.backend,
         cfg,
@@ -147,6 +186,20 @@ def serve(
         cache.close()
 
 
+def _eos_ids(eos_token_ids: Any, stop_at_eos: bool) -> list[int]:
+    """eos_token_ids as ints; given, they must come with stop_at_eos (else they would do
+    nothing)."""
+    ids = [eos_token_ids] if _is_token_id(eos_token_ids) else list(eos_token_ids)
+    if not all(_is_token_id(t) for t in ids):
+        raise ValueError(f"eos_token_ids must be integer token ids, got {eos_token_ids!r}")
+    if not stop_at_eos:
+        raise ValueError(
+            f"eos_token_ids={ids} stops nothing without stop_at_eos=True; pass both to "
+            "end each sequence at its first of them"
+        )
+    return [int(t) for t in ids]
+
+
 def generate(
     ckpt: Checkpoint,
     prompts: Sequence[str | Sequence[int]],
@@ -162,7 +215,8 @@ def generate(
 ) -> dict[str, Any]:
     """Generates `max_new_tokens` per prompt (text, or a sequence of token ids).
 
-    next_turns: further user messages (text, tokenized as a prompt is, or ids), each
+    prompts: a list of texts or of token-id lists; one text, or one flat list of ids, is
+    one prompt. next_turns: further user messages (text, tokenized without BOS, or ids), each
     appended in order to every prompt's conversation once its previous turn is done,
     on that conversation's cache (prefilled over it); their outputs are each request's
     "turns" (a list of {"prompt", "prompt_ids", "generated_ids", "text"}).
@@ -174,17 +228,21 @@ def generate(
     request also gets "logits", the float32
     (steps, vocab) array each generated token was chosen from. device: where the steps
     run (default: where the checkpoint's weights are)."""
-    if (
-        isinstance(max_new_tokens, bool)
-        or not isinstance(max_new_tokens, int)
-        or max_new_tokens < 1
-    ):
+    if not _is_token_id(max_new_tokens) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    max_new_tokens = int(max_new_tokens)
+    if not isinstance(sampling, SamplingConfig):
+        raise TypeError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
+    if not isinstance(opts, ServeOptions):
+        raise TypeError(f"opts must be a ServeOptions, got {type(opts).__name__}")
+    prompts = prompt_list(prompts)
     if not prompts:
         raise ValueError("no prompts: give at least one (--prompt or --prompt-ids)")
+    if eos_token_ids is not None:
+        eos_token_ids = _eos_ids(eos_token_ids, stop_at_eos)
     device = device or next(iter(ckpt.params.embed.devices()))  # where the weights are
     encoded = encode_prompts(ckpt, prompts)
-    turns = encode_prompts(ckpt, next_turns)
+    turns = encode_prompts(ckpt, prompt_list(next_turns, "next_turns"), first_turn=False)
     # The last new token is never fed back: the longest context is prompt + N - 1.
     longest = max(len(p.ids) for p in encoded) + max_new_tokens - 1
     longest += sum(len(t.ids) + max_new_tokens for t in turns)

@@ -15,6 +15,7 @@ which the engine serves them.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 
 import numpy as np
 
@@ -27,18 +28,16 @@ class SamplingConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if not (
-            isinstance(self.temperature, (int, float))
-            and self.temperature >= 0
-            and np.isfinite(self.temperature)
-        ):
+        if not (_is_real(self.temperature) and self.temperature >= 0):
             raise ValueError(
                 f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}"
             )
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+        if not (_is_int(self.top_k) and self.top_k >= 0):
             raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
-        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+        if not (_is_real(self.top_p) and 0 < self.top_p <= 1):
             raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p!r}")
+        if not (_is_int(self.seed) and 0 <= self.seed < 2**63):
+            raise ValueError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
         if self.greedy and (self.top_k or self.top_p < 1):
             raise ValueError(
                 "top_k and top_p shape the sampling distribution: they need "
@@ -48,6 +47,18 @@ class SamplingConfig:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, (bool, np.bool_))
+
+
+def _is_real(x: object) -> bool:
+    return (
+        isinstance(x, numbers.Real)
+        and not isinstance(x, (bool, np.bool_))
+        and bool(np.isfinite(float(x)))
+    )
 
 
 def next_token_probabilities(logits: np.ndarray, cfg: SamplingConfig) -> np.ndarray:
@@ -72,11 +83,14 @@ def _candidates(logits: np.ndarray, cfg: SamplingConfig) -> tuple[np.ndarray, np
     """(token ids, their probabilities) of the kept set, most likely first."""
     if cfg.greedy:
         raise ValueError("a greedy config has no sampling distribution")
-    x = np.asarray(logits, np.float64).reshape(-1) / cfg.temperature
+    x = np.asarray(logits, np.float64).reshape(-1)
     order = np.argsort(-x, kind="stable")  # ties: the lower id first
     if cfg.top_k:
         order = order[: cfg.top_k]
-    p = np.exp(x[order] - x[order[0]])
+    # Shifted before the division: a tiny temperature sends the rest to -inf (p 0), the
+    # most likely to 0 (p 1), never inf - inf.
+    with np.errstate(over="ignore"):
+        p = np.exp((x[order] - x[order[0]]) / cfg.temperature)
     p /= p.sum()
     if cfg.top_p < 1:
         # The smallest prefix with mass >= top_p (the token that crosses it is kept).

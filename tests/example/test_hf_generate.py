@@ -344,6 +344,49 @@ def test_a_mistral_window_shorter_than_the_context_is_applied(
     assert np.abs(windowed - plain).max() > 100 * F32_LOGIT_TOL  # the window matters
 
 
+def test_serve_applies_the_window_a_long_context_needs(cpu_device: jax.Device) -> None:
+    """serve() (the engine-facing call) without a config runs the sliding windows the
+    requests' contexts need, as generate() does: the same tokens. (It ran the checkpoint's
+    plain config, every layer attending to the whole context.)"""
+    ckpt = checkpoint("mistral", "float32", cpu_device)
+    spec = dataclasses.replace(
+        ckpt.spec, sliding_window=4, sliding_layers=(4,) * ckpt.config.num_layers
+    )
+    narrow = dataclasses.replace(ckpt, spec=spec)
+    prompt = [1, 5, 9, 33, 71, 12, 8, 100, 7]
+    want = G.generate(narrow, [prompt], max_new_tokens=6, device=cpu_device)
+    plain = G.generate(ckpt, [prompt], max_new_tokens=6, device=cpu_device)
+    with jax.default_device(cpu_device), jax.default_matmul_precision("highest"):
+        got = G.serve(
+            narrow, [E.Request(0, np.asarray(prompt, np.int32), 6)], G.ServeOptions(),
+            device=cpu_device,
+        )  # fmt: skip
+    assert got.results[0].tokens == want["requests"][0]["generated_ids"]
+    assert want["requests"][0]["generated_ids"] != plain["requests"][0]["generated_ids"]
+
+
+def test_the_natural_prompt_forms_are_one_prompt_each(cpu_device: jax.Device) -> None:
+    """One text, one flat list of ids, a 1-D or 2-D integer array: the prompts they say
+    (a text was split into a prompt per character, a flat id list raised TypeError);
+    NumPy integers count as integers; a later text turn gets no second BOS."""
+    ckpt = checkpoint("llama3_tied", "float32", cpu_device)
+    ids = ckpt.tokenizer.encode("Hi")
+
+    def gen(prompts, **kw):
+        out = G.generate(ckpt, prompts, max_new_tokens=np.int64(2), device=cpu_device, **kw)
+        return [(r["prompt_ids"], r["generated_ids"]) for r in out["requests"]]
+
+    want = gen([ids])
+    assert len(want) == 1
+    for prompts in ("Hi", ids, np.asarray(ids), np.asarray([ids]), jnp.asarray(ids)):
+        assert gen(prompts) == want, prompts
+    assert ckpt.tokenizer.encode("Yo", special_tokens=False) == ckpt.tokenizer.encode("Yo")[1:]
+    turn = G.generate(ckpt, "Hi", max_new_tokens=2, device=cpu_device, next_turns="Yo")
+    (turns,) = [r["turns"] for r in turn["requests"]]
+    assert len(turns) == 1
+    assert turns[0]["prompt_ids"] == ckpt.tokenizer.encode("Yo", special_tokens=False)
+
+
 def test_request_errors_name_the_problem(cpu_device: jax.Device, tmp_path) -> None:
     """Bad prompts and options fail before anything runs, saying what is wrong."""
     ckpt = checkpoint("mistral", "float32", cpu_device)
@@ -368,6 +411,17 @@ def test_request_errors_name_the_problem(cpu_device: jax.Device, tmp_path) -> No
     no_tok = dataclasses.replace(ckpt, tokenizer=None)
     with pytest.raises(ValueError, match="has no tokenizer.json; give token ids"):
         G.generate(no_tok, ["Hi"], max_new_tokens=2, device=cpu_device)
+    with pytest.raises(ValueError, match=r"neither text nor a list of integer token ids"):
+        G.generate(ckpt, [[5.7, 6.2]], max_new_tokens=2, device=cpu_device)
+    with pytest.raises(ValueError, match="stops nothing without stop_at_eos=True"):
+        G.generate(ckpt, ["Hi"], max_new_tokens=2, eos_token_ids=[5], device=cpu_device)
+    with pytest.raises(TypeError, match="sampling must be a SamplingConfig"):
+        G.generate(ckpt, ["Hi"], max_new_tokens=2, sampling={"temperature": 1.0})
+    for bad in (-1, 1.5, None, True):
+        with pytest.raises(ValueError, match="seed must be an integer"):
+            SamplingConfig(temperature=1.0, seed=bad)
+    with pytest.raises(ValueError, match="temperature must be a finite number"):
+        SamplingConfig(temperature=True)
 
 
 def test_cli_prints_text_and_writes_json(tmp_path, capsys) -> None:

@@ -110,3 +110,14 @@ def test_request_streams_are_seeded_and_independent() -> None:
 def test_bad_sampling_settings_are_refused(kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         SamplingConfig(**kwargs)
+
+
+@pytest.mark.parametrize("temperature", [1e-5, 1e-300, 1e-320])
+def test_a_tiny_temperature_is_the_argmax(temperature: float) -> None:
+    """A temperature near 0 puts all the mass on the most likely token. (Dividing the
+    logits first made inf - inf: NaN probabilities, and token 0 was drawn.)"""
+    logits = np.array([0.1, 0.9, 0.3, -2.0])
+    cfg = SamplingConfig(temperature=temperature)
+    np.testing.assert_array_equal(next_token_probabilities(logits, cfg), [0, 1, 0, 0])
+    rng = np.random.default_rng(0)
+    assert {choose_token(logits, cfg, rng) for _ in range(20)} == {1}

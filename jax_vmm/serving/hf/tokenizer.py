@@ -33,8 +33,10 @@ class TextTokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=True).ids)
+    def encode(self, text: str, *, special_tokens: bool = True) -> list[int]:
+        """special_tokens=False: no BOS (a conversation's later turn, which continues a
+        sequence that has one)."""
+        return list(self._tok.encode(text, add_special_tokens=special_tokens).ids)
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
