@@ -4,13 +4,14 @@ object that owns a reservation."""
 
 from __future__ import annotations
 
+import numbers
 import operator
 from typing import Any
 
 import jax
 import numpy as np
 
-__all__ = ["as_int", "as_index", "as_flag", "as_shape", "layer_index", "refuse_copy"]
+__all__ = ["as_int", "as_float32", "as_index", "as_flag", "as_shape", "layer_index", "refuse_copy"]
 
 
 def as_int(value: Any, what: str) -> int:
@@ -22,6 +23,27 @@ def as_int(value: Any, what: str) -> int:
         return operator.index(value)
     except TypeError:
         raise TypeError(f"{what} must be an integer, got {type(value).__name__}") from None
+
+
+def as_float32(value: Any, what: str) -> float:
+    """``value`` as a float that float32 holds finite (the kernels compute in float32):
+    a Python, NumPy or concrete JAX real scalar, not a bool; ValueError when float32 would
+    make it inf."""
+    if isinstance(value, jax.Array) and not isinstance(value, jax.core.Tracer):
+        value = value.item() if value.ndim == 0 else value
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise TypeError(
+            f"{what} must be a real number (static: a Python, NumPy or concrete JAX scalar), "
+            f"got {type(value).__name__}"
+        )
+    out = float(value)
+    with np.errstate(over="ignore"):
+        if not np.isfinite(np.float32(out)):
+            raise ValueError(
+                f"{what} must be finite in float32 (|x| < 3.4e38; the kernels compute in "
+                f"float32), got {value}"
+            )
+    return out
 
 
 def as_index(value: Any, what: str, minimum: int = 0) -> int:

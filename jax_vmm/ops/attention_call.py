@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..base.args import as_float32
 from ..base.ffi import register
 from ..base.fp8 import FP8_STORAGE
 from ..base.loader import core as _core
@@ -318,16 +318,7 @@ def _refuse_knobs_of(kernel: str, *knobs: tuple[str, Any]) -> None:
 def _softmax_scale(scale: float | None, head_dim: int) -> float:
     if scale is None:
         return 1.0 / math.sqrt(head_dim)
-    if isinstance(scale, (str, bytes, bool, np.bool_)) or not isinstance(
-        scale, (numbers.Real, np.floating, np.integer)
-    ):
-        raise TypeError(
-            f"scale must be a real number (the softmax scale), got {type(scale).__name__}"
-        )
-    scale = float(scale)
-    if not math.isfinite(scale):
-        raise ValueError(f"scale must be finite, got {scale}")
-    return scale
+    return as_float32(scale, "scale (the softmax scale)")
 
 
 def _check(

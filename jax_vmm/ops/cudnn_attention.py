@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..base.args import as_float32
 from ..base.ffi import register
 from ..base.loader import core as _core
 from ..cache.pytree import KVLayer
@@ -227,11 +228,11 @@ def _validate(
         raise ValueError(f"cudnn_attention: head_dim must be a multiple of 8 up to 256, got {D}")
     if window is not None and (int(window) != window or window < 1):
         raise ValueError(f"cudnn_attention: window must be an integer >= 1 or None, got {window}")
-    if softcap is not None and not (math.isfinite(softcap) and softcap > 0):
-        raise ValueError(f"cudnn_attention: softcap must be a number > 0 or None, got {softcap}")
-    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    if not math.isfinite(scale):
-        raise ValueError(f"cudnn_attention: scale must be finite, got {scale}")
+    if softcap is not None:
+        softcap = as_float32(softcap, "cudnn_attention: softcap")
+        if np.float32(softcap) <= 0:
+            raise ValueError(f"cudnn_attention: softcap must be > 0 or None, got {softcap}")
+    scale = 1.0 / math.sqrt(D) if scale is None else as_float32(scale, "cudnn_attention: scale")
     # Counted against the ensured tokens over an arena layer before the clamp to T (T + 1:
     # see attention_call._clamped_lengths); cuDNN itself gets [0, T].
     requested = _check_int_vector("lengths", clamped_counts(lengths, T + 1), B)

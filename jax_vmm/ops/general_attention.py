@@ -13,14 +13,13 @@ split-K kernels (attention_ffi.h ``Semantics``).
 
 from __future__ import annotations
 
-import math
-import numbers
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..base.args import as_float32, as_int
 from ..base.fp8 import FP8_STORAGE, dequantize_fp8
 from ..cache.pytree import KVLayer
 from . import attention_call as _call
@@ -266,11 +265,13 @@ def checked_options(q: Any, k: Any, options: dict) -> tuple[jax.Array, dict]:
 def _checked_window(window: Any) -> int:
     if window is None:
         return 0
-    if isinstance(window, (bool, np.bool_)) or not isinstance(window, (int, np.integer)):
+    try:
+        window = as_int(window, "window")
+    except TypeError:
         raise TypeError(
             f"attention: window must be None or an int >= 1 (positions a query sees, itself "
-            f"included), got {type(window).__name__} {window!r}"
-        )
+            f"included; static), got {type(window).__name__} {window!r}"
+        ) from None
     if window < 1:
         raise ValueError(f"attention: window must be >= 1 (or None for no window), got {window}")
     return int(min(window, np.iinfo(np.int32).max))
@@ -279,16 +280,10 @@ def _checked_window(window: Any) -> int:
 def _checked_softcap(softcap: Any) -> float:
     if softcap is None:
         return 0.0
-    if isinstance(softcap, (str, bytes, bool, np.bool_)) or not isinstance(
-        softcap, (numbers.Real, np.floating, np.integer)
-    ):
-        raise TypeError(
-            f"attention: softcap must be None or a real number > 0, got {type(softcap).__name__}"
-        )
-    value = float(softcap)
-    if not math.isfinite(value) or value <= 0:
+    value = as_float32(softcap, "attention: softcap (None for no cap)")
+    if np.float32(value) <= 0:  # one float32 rounds to 0 would mean no cap
         raise ValueError(
-            f"attention: softcap must be finite and > 0 (or None for no cap), got {softcap}"
+            f"attention: softcap must be > 0 in float32 (or None for no cap), got {softcap}"
         )
     return value
 

@@ -352,14 +352,17 @@ def test_fp8_scales_are_checked_with_every_option(options):
         (dict(window=-3), ValueError, "window must be >= 1"),
         (dict(window=2.5), TypeError, "window must be None or an int"),
         (dict(window=True), TypeError, "window must be None or an int"),
-        (dict(softcap=0.0), ValueError, "softcap must be finite and > 0"),
-        (dict(softcap=-1.0), ValueError, "softcap must be finite and > 0"),
-        (dict(softcap=float("inf")), ValueError, "softcap must be finite"),
-        (dict(softcap=float("nan")), ValueError, "softcap must be finite"),
-        (dict(softcap="30"), TypeError, "softcap must be None or a real"),
+        (dict(softcap=0.0), ValueError, "softcap must be > 0 in float32"),
+        (dict(softcap=-1.0), ValueError, "softcap must be > 0 in float32"),
+        (dict(softcap=1e-46), ValueError, "softcap must be > 0 in float32"),  # 0: no cap
+        (dict(softcap=float("inf")), ValueError, r"softcap .* must be finite in float32"),
+        (dict(softcap=1e39), ValueError, r"softcap .* must be finite in float32"),
+        (dict(softcap=float("nan")), ValueError, r"softcap .* must be finite in float32"),
+        (dict(softcap="30"), TypeError, r"softcap .* must be a real number"),
         (dict(q_lengths=np.zeros(3, np.int32)), ValueError, r"q_lengths must have shape \(2,\)"),
         (dict(q_lengths=np.zeros(2, np.float32)), TypeError, "q_lengths must be integers"),
-        (dict(scale="x"), TypeError, "scale must be a real number"),
+        (dict(scale="x"), TypeError, "scale .* must be a real number"),
+        (dict(scale=1e39), ValueError, r"scale .* must be finite in float32"),  # was NaN out
     ],
 )
 def test_bad_options_are_refused(kw, exc, match):
@@ -367,6 +370,20 @@ def test_bad_options_are_refused(kw, exc, match):
     k = jnp.zeros((2, 10, 2, 64), BF16)
     with pytest.raises(exc, match=match):
         jax_vmm.attention(q, k, k, jnp.array([3, 4]), **kw)
+
+
+def test_options_as_concrete_jax_scalars_are_accepted():
+    """window, softcap and scale as concrete JAX scalars (jnp.int32(2)) mean what the
+    Python numbers mean (they were refused as not an int / not a real)."""
+    rng = np.random.default_rng(3)
+    q = jnp.asarray(rng.standard_normal((2, 3, 4, 64)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((2, 10, 2, 64)), jnp.float32)
+    lengths = jnp.array([6, 9])
+    want = jax_vmm.attention(q, k, k, lengths, window=2, softcap=2.0, scale=0.5)
+    got = jax_vmm.attention(
+        q, k, k, lengths, window=jnp.int32(2), softcap=jnp.float32(2), scale=jnp.float32(0.5)
+    )
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 def test_bad_shapes_are_refused():
