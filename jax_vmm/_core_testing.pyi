@@ -72,6 +72,11 @@ def set_host_map_limit(limit: int) -> None:
 def set_budget_check_bypassed(bypassed: bool) -> None:
     """While set, memory budgets never refuse a commit (they still count)."""
 
+def set_host_available_bytes(bytes: int) -> None:
+    """
+    The host driver takes `bytes` (0: /proc/meminfo's) as the memory available and checks every commit against it.
+    """
+
 class ZeroLayout:
     def __init__(self, base: int, bytes: int, max_piece: int, unit: int) -> None: ...
 

@@ -112,6 +112,7 @@ __all__ = [
     "fault_injection",
     "host_map_limit",
     "budget_check_bypassed",
+    "host_memory_available",
     "uncounted_view",
     "unchecked_kv_writes",
     "token_kernel_kv_writes",
@@ -254,6 +255,22 @@ def budget_check_bypassed() -> Iterator[None]:
         yield
     finally:
         _testing.set_budget_check_bypassed(False)
+
+
+@contextlib.contextmanager
+def host_memory_available(num_bytes: int) -> Iterator[None]:
+    """Inside the with-block the host driver takes ``num_bytes`` as the memory the machine
+    has available (instead of /proc/meminfo's) and checks every commit against it: tests
+    show its refusal of a commit past the machine's memory (which the kernel's OOM killer
+    would answer by killing the process) without filling the machine. Process-wide; not
+    for concurrent use."""
+    if num_bytes < 1:
+        raise ValueError(f"num_bytes must be >= 1, got {num_bytes}")
+    _testing.set_host_available_bytes(num_bytes)
+    try:
+        yield
+    finally:
+        _testing.set_host_available_bytes(0)
 
 
 # -- views that do not count ----------------------------------------------------------

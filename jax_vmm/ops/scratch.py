@@ -32,6 +32,9 @@ __all__ = [
 
 Mode = Literal["default", "grow", "retire"]
 
+#: The user address space of x86-64 and AArch64 Linux (47 bits): no workspace is larger.
+_ADDRESS_SPACE = 1 << 47
+
 
 def scratch_stats() -> list[ScratchStats]:
     """One dict per workspace ever created.
@@ -66,9 +69,10 @@ def set_reserve_bytes(nbytes: int) -> None:
     ``JAX_VMM_SCRATCH_RESERVE_BYTES`` environment variable); 0 restores the default.
     Outgrowing it retires the range and reserves a larger one."""
     nbytes = as_int(nbytes, "scratch.set_reserve_bytes: nbytes")
-    if not 0 <= nbytes < 2**64:
+    if not 0 <= nbytes <= _ADDRESS_SPACE:
         raise ValueError(
-            f"scratch.set_reserve_bytes: nbytes must be >= 0 and below 2**64, got {nbytes}"
+            f"scratch.set_reserve_bytes: nbytes must be >= 0 and at most 2**47 (the "
+            f"process's address space), got {nbytes}"
         )
     _core.scratch_set_reserve_bytes(nbytes)
 
@@ -93,8 +97,11 @@ def reserve(nbytes: int, device: jax.Device | None = None) -> None:
     stream has none of its own (see scratch.h). ``device`` defaults to
     ``jax.devices()[0]``; a CPU device reserves the host default workspace."""
     nbytes = as_int(nbytes, "scratch.reserve: nbytes")
-    if not 0 < nbytes < 2**64:
-        raise ValueError(f"scratch.reserve: nbytes must be > 0 and below 2**64, got {nbytes}")
+    if not 0 < nbytes <= _ADDRESS_SPACE:
+        raise ValueError(
+            f"scratch.reserve: nbytes must be > 0 and at most 2**47 (the process's address "
+            f"space), got {nbytes}"
+        )
     if device is not None and not isinstance(device, jax.Device):
         raise TypeError(
             f"scratch.reserve: device must be a jax.Device (e.g. jax.devices()[0]), got "

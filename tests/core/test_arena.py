@@ -508,3 +508,22 @@ def test_a_host_arena_reads_zeros_whatever_the_environment_says(monkeypatch, env
         assert arena.stats()["unbacked_reads_zero"]
         buf = arena.allocate((8 << 20,), jnp.uint8)
         assert not np.asarray(raw_bytes(buf)).any()
+
+
+def test_a_commit_past_the_hosts_memory_is_refused_whole(host_vm):
+    """On the host, a commit past the memory the machine has available raises
+    OutOfMemoryError before anything is created: fallocate of a memfd does not fail
+    there, the kernel's OOM killer ends the process instead (seen with a 1 TiB scratch
+    reserve). The machine is pretended to have 8 chunks available (testing switch): 16
+    are refused, nothing committed; 4 go through."""
+    c = host_vm.chunk
+    a = host_vm.arena(64 * c)
+    buf = a.allocate((16 * c,), jnp.uint8, name="big")
+    with jax_vmm.testing.host_memory_available(8 * c):
+        with pytest.raises(jax_vmm.OutOfMemoryError, match="'big'.*out of memory committing") as e:
+            buf.commit()
+        assert e.value.requested_bytes == 16 * c
+        host_vm.assert_backed(a, [])
+        assert buf.commit(0, 4 * c) == 4 * c
+    host_vm.assert_backed(a, [chunk_range(buf, 0, 4)])
+    buf.commit()  # the machine's real memory holds 16 chunks

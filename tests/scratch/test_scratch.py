@@ -219,6 +219,10 @@ def test_errors():
         scratch.set_scratch_mode("fast")
     with pytest.raises(ValueError, match="> 0"):
         scratch.reserve(0)
+    with pytest.raises(ValueError, match=r"at most 2\*\*47 \(the process's address space\)"):
+        scratch.reserve(2**63)
+    with pytest.raises(ValueError, match=r"at most 2\*\*47 \(the process's address space\)"):
+        scratch.set_reserve_bytes(2**63)  # was accepted, to fail at a later growth
     with pytest.raises(ValueError, match="smaller than the input"):
         testing.scratch_probe(jnp.zeros(100), 10)
     if not _core.built_with_cuda_kernels:
@@ -259,3 +263,19 @@ def test_gpu_probe_and_growth(gpu_device, mode):
     else:
         assert testing.address_of(a_small) != testing.address_of(a_big)
         assert w["retired_blocks"] >= 1
+
+
+def test_a_growth_past_the_hosts_memory_is_refused():
+    """A host workspace growth past the memory the machine has available fails with a
+    message instead of the kernel's OOM killer ending the process (a 1 TiB reserve did).
+    The machine is pretended to have 8 MiB available (testing switch)."""
+    _new_generation("grow")
+    stream = _stream()
+    _get(stream, 1 << 20)
+    before = _ws(stream)["backed_bytes"]
+    with testing.host_memory_available(8 << 20):
+        with pytest.raises(RuntimeError, match="out of memory committing memory of"):
+            _get(stream, 64 << 20)
+    assert _ws(stream)["backed_bytes"] == before
+    _get(stream, 64 << 20)  # the real machine has the room
+    assert _ws(stream)["backed_bytes"] >= 64 << 20

@@ -87,6 +87,9 @@ class Driver {
   // nothing to do for a reservation made by Reserve.
   virtual void EnableZeroReads(uintptr_t base) { (void)base; }
 
+  // Before a commit creates `bytes` in all: throws OutOfMemory if the memory is plainly
+  // not there, where running out would not fail a Create but kill the process (host).
+  virtual void CheckRoomFor(size_t bytes) { (void)bytes; }
   // One physical allocation of `bytes` (a positive multiple of chunk_bytes()). Throws
   // OutOfMemory when the device (or the host) has no room.
   virtual PhysicalHandle Create(size_t bytes) = 0;
@@ -146,6 +149,13 @@ class Driver {
 // Host driver: a real virtual-memory backend for JAX's cpu platform.
 // chunk_bytes must be a multiple of the OS page size (0 picks the default, 64 KiB).
 std::unique_ptr<Driver> MakeHostDriver(size_t chunk_bytes);
+
+namespace testing {
+// Test-only: the host driver's CheckRoomFor takes `bytes` (0: /proc/meminfo's) as the
+// memory available and checks every commit, so tests show its refusal without filling
+// the machine. Process-wide.
+void SetHostAvailableBytes(size_t bytes);
+}  // namespace testing
 
 // CUDA driver VMM for one device. chunk_bytes must be a multiple of the device's
 // granularity (0 picks the granularity). Throws DriverError when no CUDA driver is

@@ -241,6 +241,7 @@ void Arena::DrainIfViewsMayRead() {
 // Everything built is in pending as soon as it exists, so that an exception anywhere
 // leaves the caller what to unwind.
 void Arena::MapRuns(const CommitPlan& plan, Pending* pending, bool zero) {
+  if (plan.missing_chunks != 0) driver_->CheckRoomFor(plan.missing_chunks * chunk_bytes_);
   const size_t per_handle = handle_bytes_ / chunk_bytes_;
   const bool fill = zero && !driver_->FreshMemoryIsZero();
   for (const ChunkRun& run : plan.runs) {

@@ -24,6 +24,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
@@ -58,11 +59,35 @@ MemInfo ReadMemInfo() {
   return info;
 }
 
-[[noreturn]] void ThrowHostOutOfMemory(const std::string& what, size_t bytes) {
-  const size_t free_bytes = ReadMemInfo().free_bytes;
+[[noreturn]] void ThrowHostOutOfMemory(const std::string& what, size_t bytes,
+                                       size_t free_bytes) {
   throw OutOfMemory("host driver: out of memory " + what + " of " + std::to_string(bytes) +
                         " bytes (" + std::to_string(free_bytes) + " bytes available)",
                     bytes, free_bytes);
+}
+
+[[noreturn]] void ThrowHostOutOfMemory(const std::string& what, size_t bytes) {
+  ThrowHostOutOfMemory(what, bytes, ReadMemInfo().free_bytes);
+}
+
+// A memfd commit past the machine's memory is answered by the kernel's OOM killer (the
+// process dies), not by fallocate's ENOMEM: so a commit larger than MemAvailable, less a
+// reserve of 1/64 of the memory, is refused before anything is created. /proc/meminfo is
+// read once per kUncheckedBytes the process commits, so small commits stay cheap.
+constexpr size_t kUncheckedBytes = size_t{16} << 20;
+std::atomic<size_t> g_unchecked_bytes{0};
+std::atomic<size_t> g_available_override{0};  // testing::SetHostAvailableBytes
+
+void CheckHostRoomFor(size_t bytes) {
+  const size_t forced = g_available_override.load();
+  if (forced == 0 && g_unchecked_bytes.fetch_add(bytes) + bytes < kUncheckedBytes) return;
+  g_unchecked_bytes.store(0);
+  const MemInfo info = forced ? MemInfo{forced, forced} : ReadMemInfo();
+  if (info.free_bytes == 0) return;  // /proc/meminfo unreadable: nothing to go by
+  const size_t reserve = forced ? 0 : info.total_bytes / 64;
+  if (bytes > info.free_bytes || info.free_bytes - bytes < reserve) {
+    ThrowHostOutOfMemory("committing memory", bytes, info.free_bytes);
+  }
 }
 
 // Thread-safety: Create/Release share the file's bookkeeping under `mu_`; every other
@@ -109,6 +134,8 @@ class HostDriver final : public Driver {
   void Unreserve(uintptr_t va, size_t bytes) noexcept override {
     munmap(reinterpret_cast<void*>(va), bytes);
   }
+
+  void CheckRoomFor(size_t bytes) override { CheckHostRoomFor(bytes); }
 
   PhysicalHandle Create(size_t bytes) override {
     if (bytes == 0 || bytes % chunk_ != 0) {
@@ -256,5 +283,9 @@ class HostDriver final : public Driver {
 std::unique_ptr<Driver> MakeHostDriver(size_t chunk_bytes) {
   return std::make_unique<HostDriver>(chunk_bytes);
 }
+
+namespace testing {
+void SetHostAvailableBytes(size_t bytes) { g_available_override.store(bytes); }
+}  // namespace testing
 
 }  // namespace jax_vmm

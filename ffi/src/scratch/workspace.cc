@@ -60,6 +60,7 @@ std::string Workspace::MapChunks(Range& range, size_t want_chunks) {
   PhysicalHandle fresh = 0;
   bool created = false, mapped = false;
   try {
+    driver_->CheckRoomFor(bytes);
     fresh = driver_->Create(bytes);
     created = true;
     const MapPiece piece{fresh, 0, bytes};
@@ -96,7 +97,8 @@ std::string Workspace::NewRange(size_t reserve, size_t want_chunks, Range* out) 
   } catch (const std::exception& e) {
     return "jax_vmm scratch: reserving " + std::to_string(reserve) +
            " bytes of virtual address space on " + DeviceName(stats_.device) +
-           " failed: " + e.what();
+           " failed: " + e.what() +
+           "; ask for less (jax_vmm.ops.scratch.reserve, set_reserve_bytes)";
   }
   std::string err = MapChunks(*out, want_chunks);
   if (!err.empty()) {

@@ -94,6 +94,7 @@ class FaultInjectingDriver final : public Driver {
   void EnableZeroReads(uintptr_t base) override { inner_->EnableZeroReads(base); }
   void Unreserve(uintptr_t va, size_t bytes) noexcept override { inner_->Unreserve(va, bytes); }
 
+  void CheckRoomFor(size_t bytes) override { inner_->CheckRoomFor(bytes); }
   PhysicalHandle Create(size_t bytes) override;
   void Release(PhysicalHandle handle) noexcept override;
   void MapRun(uintptr_t va, const MapPiece* pieces, size_t count) override;

@@ -164,6 +164,9 @@ void BindFaultInjection(nb::module_& m) {
       "one).");
   m.def("set_budget_check_bypassed", &testing::SetBudgetCheckBypassed, nb::arg("bypassed"),
         "While set, memory budgets never refuse a commit (they still count).");
+  m.def("set_host_available_bytes", &testing::SetHostAvailableBytes, nb::arg("bytes"),
+        "The host driver takes `bytes` (0: /proc/meminfo's) as the memory available and "
+        "checks every commit against it.");
 }
 
 // The CUDA driver's zero-mapping bookkeeping, for tests without a GPU.
