@@ -28,13 +28,13 @@ def collect() -> dict[str, Any]:
     host = _core.create_arena("host", 0, 1, 0)
     host_stats = host.stats()
     host.close()
+    devices, jax_error = _jax_devices()
     return {
         "python": platform.python_version(),
         "jax": jax.__version__,
         "jax_vmm_cuda_kernels": bool(_core.built_with_cuda_kernels),
-        "jax_devices": [
-            f"{d.platform}:{d.id} {getattr(d, 'device_kind', '')}" for d in jax.devices()
-        ],
+        "jax_devices": [f"{d.platform}:{d.id} {getattr(d, 'device_kind', '')}" for d in devices],
+        "jax_error": jax_error,
         "host": {
             "granularity": host_stats["granularity"],
             "chunk_bytes": host_stats["chunk_bytes"],
@@ -47,13 +47,26 @@ def collect() -> dict[str, Any]:
     }
 
 
+def _jax_devices() -> tuple[list, str | None]:
+    """JAX's devices, or none and why: a misconfigured JAX (JAX_PLATFORMS naming a backend
+    that is missing) is what this report is for, so it is reported, not raised."""
+    try:
+        return list(jax.devices()), None
+    except Exception as e:  # noqa: BLE001 - any backend failure is part of the report
+        why = f"{type(e).__name__}: {e}".strip().rstrip(":")
+        return [], f"{why}; JAX_PLATFORMS={os.environ.get('JAX_PLATFORMS', '<unset>')}"
+
+
 def main() -> int:
     info = collect()
     print(
         f"jax_vmm {__import__('jax_vmm').__version__}  python {info['python']}  jax {info['jax']}"
     )
     print(f"CUDA kernels compiled in: {'yes' if info['jax_vmm_cuda_kernels'] else 'no'}")
-    print("JAX devices: " + ", ".join(info["jax_devices"]))
+    if info["jax_error"] is not None:
+        print(f"JAX devices: none ({info['jax_error']})")
+    else:
+        print("JAX devices: " + ", ".join(info["jax_devices"]))
     h = info["host"]
     print(
         f"host driver (cpu): VMM yes, granularity {h['granularity']} B, "
@@ -74,7 +87,7 @@ def main() -> int:
     for k, v in info["allocator_env"].items():
         print(f"  {k}={v if v is not None else '<unset>'}")
     if (
-        any(d.platform == "gpu" for d in jax.devices())
+        any(d.startswith("gpu:") for d in info["jax_devices"])
         and info["allocator_env"]["XLA_PYTHON_CLIENT_PREALLOCATE"] != "false"
     ):
         print(

@@ -250,6 +250,7 @@ class ShardedKVArena(KVArenaBase):
         num_tokens = self.shards[0]._check_tokens(num_tokens, "ShardedKVArena.ensure")
         holders = self._holders(seq, "ShardedKVArena.ensure")
         with self._locked():
+            self.check_open("ShardedKVArena.ensure")
             steps = []
             for shard, q in holders:
                 q0 = 0 if q is None else q
@@ -276,6 +277,7 @@ class ShardedKVArena(KVArenaBase):
             )
         n = self._layout.local_seqs
         with self._locked():
+            self.check_open("ShardedKVArena.ensure_all")
             steps = []
             for shard, start in zip(self.shards, self._layout.seq_start):
                 local = shard._token_array(tokens[start : start + n])
@@ -287,6 +289,7 @@ class ShardedKVArena(KVArenaBase):
     def prefetch(self, num_tokens: int, seq: int | None = None) -> None:
         """:meth:`KVArena.prefetch` on every shard that holds global sequence ``seq``."""
         num_tokens = self.shards[0]._check_tokens(num_tokens, "ShardedKVArena.prefetch")
+        self.check_open("ShardedKVArena.prefetch")
         for shard, q in self._holders(seq, "ShardedKVArena.prefetch"):
             shard.prefetch(num_tokens, q)
 
@@ -344,6 +347,7 @@ class ShardedKVArena(KVArenaBase):
         num_tokens = self.shards[0]._check_tokens(num_tokens, "ShardedKVArena.ensure_shareable")
         holders = self._holders(seq, "ShardedKVArena.ensure_shareable")
         with self._locked():
+            self.check_open("ShardedKVArena.ensure_shareable")
             steps = [
                 (
                     shard,

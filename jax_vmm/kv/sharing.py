@@ -75,11 +75,11 @@ class PrefixSharing:
         lo, hi = self._whole_chunks(q, num_tokens)
         whole = (hi - q * self.seq_bytes) // self.token_bytes if hi > lo else 0
         with self._lock:
+            self.arena._check_open("KVArena.ensure_shareable")
             if not whole or self._backed_already(np.int64(num_tokens), q):
                 return self.ensure(num_tokens, seq)
             # The whole chunks first: one commit of them (its own allocations), then the
             # rest (a commit never joins new chunks to an existing allocation).
-            self.arena._check_open("KVArena.ensure_shareable")
             if self._offloaded:
                 self._settle(q)
             # A refusal gives back only what this call committed: chunks backed before

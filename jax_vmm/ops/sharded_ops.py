@@ -24,6 +24,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from ..cache.pytree import KVLayer
+from ..cache.registry import arena_of
 from ..cache.sharding import ShardedLayerId
 from . import array_writes as _ops
 from . import layer_ops
@@ -77,6 +78,9 @@ def write(layer: KVLayer, new_k: Any, new_v: Any, slots: Any) -> KVLayer:
     """``jax_vmm.kv_write(layer, new_k, new_v, slots)`` on a sharded arena layer: ``new_k``,
     ``new_v`` ``(n, num_kv_heads, head_dim)`` (global heads), ``slots`` ``(n,)`` global."""
     lid = layer.id
+    # Refused here, at the call: a device's refusal inside the shard_map would surface
+    # only when its result is waited for (and again at exit).
+    arena_of(lid, "kv_write")
     spec = jax.ShapeDtypeStruct(lid.shape, jnp.dtype(lid.dtype))
     n = _ops.check_write("kv_write", spec, spec, new_k, new_v, slots, fp8=lid.fp8)
     if n == 0:

@@ -44,3 +44,21 @@ def test_python_dash_m(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("usage: python -m jax_vmm "), proc.stdout
+
+
+def test_info_reports_a_jax_without_a_usable_backend(tmp_path):
+    """`python -m jax_vmm info` is for a misconfigured machine: a JAX_PLATFORMS that names a
+    backend this machine lacks is a line of its report, the rest still printed (it was a
+    traceback and nothing else)."""
+    env = child_env() | {"JAX_PLATFORMS": "tpu"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "jax_vmm", "info"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "JAX devices: none (" in proc.stdout and "JAX_PLATFORMS=tpu" in proc.stdout
+    assert "host driver (cpu): VMM yes" in proc.stdout, proc.stdout

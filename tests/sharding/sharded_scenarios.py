@@ -606,15 +606,30 @@ def inputs_on_other_devices_and_closed_arenas_are_refused():
     write = jax.jit(lambda c, k, s: c.replace(0, jax_vmm.kv_write(c[0], k, k, s)))
     raises(ValueError, lambda: write(kv.cache(), other, np.zeros(1, np.int32)), "devices")
     cache = kv.cache()
-    # The same step traced against this arena refuses once it is closed, on every device.
+    slot = np.zeros(1, np.int32)
+    jax.block_until_ready(write(cache, t["k"][0], slot))  # compiled while open
     kv.close()
+    # A write traced now is refused at the call (it surfaced only when its result was
+    # waited for, and again at exit).
+    raises(
+        jax_vmm.ArenaClosedError,
+        lambda: jax_vmm.kv_write(cache[0], t["k"][0], t["k"][0], slot),
+        "kv_write: the arena is closed",
+    )
+    # The step compiled before the close refuses at run time, on every device.
     try:
         jax.block_until_ready(write(cache, t["k"][0], np.zeros(1, np.int32)))
         raise AssertionError("a closed sharded arena was written")
     except jax.errors.JaxRuntimeError as e:
         assert "closed" in str(e), e
     raises(jax_vmm.ArenaClosedError, kv.cache)
-    raises(jax_vmm.ArenaClosedError, lambda: kv.ensure(5, 0))
+    for op, call in (
+        ("ensure", lambda: kv.ensure(5, 0)),
+        ("ensure_all", lambda: kv.ensure_all([1] * S)),
+        ("ensure_shareable", lambda: kv.ensure_shareable(1, 0)),
+        ("prefetch", lambda: kv.prefetch(1, 0)),
+    ):  # named by the call made, not an internal one (KvCache.set_limits)
+        raises(jax_vmm.ArenaClosedError, call, f"ShardedKVArena.{op}: the arena is closed")
     # JAX keeps raising the failed step's error from every effects barrier (at exit too)
     # until a later step with a side effect succeeds: run one.
     live = make()
