@@ -60,6 +60,19 @@ def _canonical(src: np.ndarray) -> np.ndarray:
     dtype = np.dtype(jax.dtypes.canonicalize_dtype(src.dtype))
     if dtype == src.dtype:
         return src
+    if src.dtype.kind == "c":  # named as given: complex128 is refused, not "complex64"
+        _dlpack_dtype(src.dtype)
+    if np.issubdtype(dtype, np.inexact) and src.size:
+        with np.errstate(over="ignore"):
+            out = src.astype(dtype)
+        if np.count_nonzero(np.isfinite(out)) != np.count_nonzero(np.isfinite(src)):
+            raise ValueError(
+                f"Arena.put: a {src.dtype} array with finite values beyond {dtype}'s range "
+                f"(|x| > {np.finfo(dtype).max:.3g}) would become inf in {dtype}, the dtype "
+                "JAX uses for it with x64 off; enable x64 (jax.config.update("
+                "'jax_enable_x64', True)) or pass values that fit"
+            )
+        return out
     if np.issubdtype(dtype, np.integer) and src.size:
         info = np.iinfo(dtype)
         if src.min() < info.min or src.max() > info.max:
@@ -183,13 +196,15 @@ class Buffer:
 
     @property
     def array(self) -> jax.Array:
-        return self.view(self.shape, self.dtype)
+        return self.view(self.shape, self.dtype, _op="Buffer.array")
 
-    def view(self, shape: Sequence[int] | None = None, dtype: Any = None) -> jax.Array:
+    def view(
+        self, shape: Sequence[int] | None = None, dtype: Any = None, *, _op: str = "Buffer.view"
+    ) -> jax.Array:
         """A zero-copy ``jax.Array`` over this buffer's memory with another shape/dtype
         (it must fit in :attr:`nbytes`)."""
-        self._arena._check_open("Buffer.array")
-        self._check_live("Buffer.array")
+        self._arena._check_open(_op)
+        self._check_live(_op)
         shape = self.shape if shape is None else as_shape(shape)
         dtype = self.dtype if dtype is None else np.dtype(jnp.dtype(dtype))
         code, bits = _dlpack_dtype(dtype)
@@ -389,6 +404,8 @@ class Arena:
         """Place a buffer of ``shape`` and ``dtype``; nothing is backed yet."""
         self._check_open("Arena.allocate")
         shape = as_shape(shape)
+        if dtype is None:  # JAX's default float (float32 with x64 off), as jnp.zeros
+            dtype = jax.dtypes.canonicalize_dtype(jnp.float64)
         try:
             np_dtype = np.dtype(jnp.dtype(dtype))
         except TypeError:

@@ -527,3 +527,15 @@ def test_a_commit_past_the_hosts_memory_is_refused_whole(host_vm):
         assert buf.commit(0, 4 * c) == 4 * c
     host_vm.assert_backed(a, [chunk_range(buf, 0, 4)])
     buf.commit()  # the machine's real memory holds 16 chunks
+
+
+def test_allocate_with_dtype_none_is_jaxs_default_float(vm):
+    """dtype=None means what it means to jnp.zeros (float32 with x64 off), so the buffer's
+    array is a view (NumPy's float64 made a buffer that .array then refused)."""
+    a = vm.arena(4 * vm.chunk)
+    buf = a.allocate((4,), None)
+    assert buf.dtype == np.dtype(jnp.zeros(1).dtype)
+    buf.commit()
+    assert buf.array.dtype == jnp.zeros(1).dtype
+    with pytest.raises(TypeError, match="dtype complex128 cannot back an arena buffer"):
+        a.put(np.ones(2, np.complex128))

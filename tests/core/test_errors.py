@@ -650,6 +650,7 @@ ROWS += [
     Row("M10", lambda x: x.kv3.ensure_all([1.5, 0, 0])),
     Row("M11", lambda x: x.arena.put(np.float32(1))),
     Row("M12", lambda x: x.arena.put(np.array([2**40], np.int64)), requires=lambda: _x64_off()),
+    Row("M12b", lambda x: x.arena.put(np.array([1.0, 1e300])), requires=lambda: _x64_off()),
     Row("M13", _asleep_release),
     Row("M14", _offloaded_read_then_check),
     Row("M15", _offloaded_write_then_check),
