@@ -246,6 +246,13 @@ def generate(
     # The last new token is never fed back: the longest context is prompt + N - 1.
     longest = max(len(p.ids) for p in encoded) + max_new_tokens - 1
     longest += sum(len(t.ids) + max_new_tokens for t in turns)
+    slots = num_slots(opts, len(encoded))
+    if slots * longest >= 2**31:  # kv_write's int32 slot (docs/errors.md E22b)
+        raise ValueError(
+            f"max_new_tokens={max_new_tokens}: the longest conversation caches {longest} "
+            f"tokens, and {slots} sequence slots of that many exceed the 2**31 token slots a "
+            "KV cache addresses; ask for fewer new tokens (or fewer slots: ServeOptions.batch)"
+        )
     config = ckpt.spec.config_for(longest)
     eos = set(ckpt.spec.eos_token_ids if eos_token_ids is None else eos_token_ids)
     if stop_at_eos and not eos:

@@ -156,7 +156,16 @@ def test_eos_ids_come_from_generation_config_first(tmp_path: Path) -> None:
         (dict(hidden_size=...), "no 'hidden_size'; the config must give it"),
         (dict(num_hidden_layers=0), "num_hidden_layers must be an integer >= 1, got 0"),
         (dict(num_attention_heads=4.0), "num_attention_heads must be an integer"),
-        (dict(num_key_value_heads=3), r"num_q_heads \(4\) must be a multiple of num_kv_heads"),
+        (
+            dict(num_key_value_heads=3),
+            r"num_attention_heads \(4\) must be a multiple of num_key_value_heads \(3\)$",
+        ),
+        (
+            dict(architectures=["MistralForCausalLM"], num_key_value_heads=...),
+            r"num_key_value_heads \(8, transformers' default for MistralForCausalLM: "
+            r"config.json has none\)",
+        ),
+        (dict(architectures=[], model_type="gpt2"), "names none of the supported ones"),
         (dict(head_dim=15), "head_dim must be even"),
         (dict(hidden_act="gelu"), "hidden_act is 'gelu'"),
         (dict(attention_bias=True), "attention_bias is true"),
@@ -445,3 +454,18 @@ def test_gemma2_config_as_transformers_reads_it() -> None:
     assert "model.layers.3.pre_feedforward_layernorm.weight" in names
     assert "model.layers.3.post_feedforward_layernorm.weight" in names
     assert "lm_head.weight" not in names  # tied by default
+
+
+def test_architectures_as_one_string_is_read(tmp_path: Path) -> None:
+    """ "architectures": "LlamaForCausalLM" (the list left out) reads as the list would;
+    an empty list falls back to model_type (both were refused, the first naming a
+    model_type it did not look at)."""
+    want = read_config_of(tmp_path, BASE).config
+    assert read_config_of(tmp_path, {**BASE, "architectures": "LlamaForCausalLM"}).config == want
+    raw = {**BASE, "architectures": [], "model_type": "llama"}
+    assert read_config_of(tmp_path, raw).architecture == "LlamaForCausalLM"
+
+
+def read_config_of(tmp_path: Path, raw: dict):
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    return read_config(tmp_path)

@@ -487,6 +487,13 @@ def test_cli_errors_are_one_clear_line(tmp_path) -> None:
         )
     with pytest.raises(SystemExit, match="at least one --prompt"):
         GC.main(["--model", str(FIXTURE_DIR / "mistral"), "--max-new-tokens", "2"])
+    model = ["--model", str(FIXTURE_DIR / "mistral"), "--prompt", "x", "--device", "cpu"]
+    blocked = tmp_path / "a_file"
+    blocked.write_text("")
+    with pytest.raises(SystemExit, match=r"--json .*a_file/out\.json"):  # before the run
+        GC.main([*model, "--max-new-tokens", "2", "--json", str(blocked / "out.json")])
+    with pytest.raises(SystemExit, match=r"max_new_tokens=1000000000000: the longest .* 2\*\*31"):
+        GC.main([*model, "--max-new-tokens", str(10**12)])
 
 
 @pytest.mark.parametrize("name", ["gemma2", "llama3_tied"])

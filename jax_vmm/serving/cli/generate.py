@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -112,6 +113,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if not args.prompts:
         raise SystemExit("generate.py: give at least one --prompt or --prompt-ids")
     device = resolve_device(args.device)
+    if args.json is not None:  # before a long load and run, not after them
+        try:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise SystemExit(f"generate.py: --json {args.json}: {e.strerror}") from None
+        if not os.access(args.json.parent, os.W_OK):
+            raise SystemExit(f"generate.py: --json {args.json}: its folder is not writable")
     try:
         sampling = SamplingConfig(args.temperature, args.top_k, args.top_p, args.seed)
         opts = ServeOptions(
@@ -155,6 +163,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"{result['compile_seconds']:.1f} s, not counted)"
     )
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2))
+        try:
+            args.json.write_text(json.dumps(result, indent=2))
+        except OSError as e:
+            raise SystemExit(f"generate.py: --json {args.json}: {e.strerror}") from None
     return result

@@ -173,9 +173,17 @@ def parse_config(
     )
     if gemma:
         fields.update(_gemma2_fields(get, fields["num_layers"]))
+    if heads % fields["num_kv_heads"]:
+        kv = "num_key_value_heads" in raw
+        raise CheckpointError(
+            f"{where}: num_attention_heads ({heads}) must be a multiple of "
+            f"num_key_value_heads ({fields['num_kv_heads']}"
+            + ("" if kv else f", transformers' default for {arch}: config.json has none")
+            + ")"
+        )
     try:
         cfg = M.ModelConfig(**fields)
-    except ValueError as e:  # the GQA ratio, an odd head_dim
+    except ValueError as e:  # an odd head_dim
         raise CheckpointError(f"{where}: {e}") from None
     sliding = None if gemma else _sliding_layers(arch, get, cfg)
     return HFModelSpec(
@@ -278,12 +286,14 @@ def _without_theta(d: dict[str, Any]) -> dict[str, Any]:
 
 def _architecture(raw: dict[str, Any], where: str) -> str:
     archs = raw.get("architectures")
-    if archs is None and raw.get("model_type") in _MODEL_TYPES:
+    if isinstance(archs, str):  # one name written without its list
+        archs = [archs]
+    if not archs and raw.get("model_type") in _MODEL_TYPES:
         return _MODEL_TYPES[raw["model_type"]]
     if not isinstance(archs, list) or not archs:
         raise CheckpointError(
-            f"{where}: no 'architectures' list (and model_type "
-            f"{raw.get('model_type')!r} is not one of {list(_MODEL_TYPES)})"
+            f"{where}: no 'architectures' list, and model_type {raw.get('model_type')!r} "
+            f"names none of the supported ones {list(_MODEL_TYPES)}"
         )
     if len(archs) != 1 or archs[0] not in _DEFAULTS:
         raise CheckpointError(
