@@ -87,8 +87,8 @@ def layer_index(layer: Any, num_layers: int, op: str) -> int:
     a layer picks buffers on the host, when a step is traced."""
     if isinstance(layer, jax.core.Tracer):
         raise TypeError(
-            f"{op}: the layer must be static (a Python int), got a traced value. A dest names "
-            "buffers when the step is traced: pass the layer as a static argument "
+            f"{op}: the layer must be static (a Python int), got a traced value (a layer "
+            "picks its buffers when the step is traced): pass the layer as a static argument "
             "(static_argnums) or loop over layers in Python"
         )
     if isinstance(layer, (bool, np.bool_)):

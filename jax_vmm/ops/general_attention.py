@@ -79,18 +79,25 @@ def attention(
     XLA first (it reads every token: correct, not fast; over an arena layer, a copy of
     its live tokens), and a sharded arena layer runs them per device.
     """
-    return attention_tuned(
-        q,
-        k_or_layer,
-        v,
-        lengths,
-        q_lengths=q_lengths,
-        window=window,
-        softcap=softcap,
-        scale=scale,
-        k_scale=k_scale,
-        v_scale=v_scale,
-    )
+    try:
+        return attention_tuned(
+            q,
+            k_or_layer,
+            v,
+            lengths,
+            q_lengths=q_lengths,
+            window=window,
+            softcap=softcap,
+            scale=scale,
+            k_scale=k_scale,
+            v_scale=v_scale,
+        )
+    except (TypeError, ValueError) as e:
+        # The checks are decode_attention's, shared: name the call the user made.
+        prefix = "decode_attention: "
+        if type(e) in (TypeError, ValueError) and str(e).startswith(prefix):
+            raise type(e)("attention: " + str(e)[len(prefix) :]) from None
+        raise
 
 
 def attention_tuned(

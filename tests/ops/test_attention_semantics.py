@@ -394,7 +394,7 @@ def test_bad_shapes_are_refused():
         jax_vmm.attention(jnp.zeros((2, 0, 4, 64), BF16), k, k, jnp.array([3, 4]))
     with pytest.raises(ValueError, match="not a multiple of kv_heads"):
         jax_vmm.attention(jnp.zeros((2, 3, 3, 64), BF16), k, k, jnp.array([3, 4]), window=2)
-    with pytest.raises(TypeError, match="share one dtype"):
+    with pytest.raises(TypeError, match="^attention: q, k, v must share one dtype"):
         jax_vmm.attention(jnp.zeros((2, 3, 4, 64), F16), k, k, jnp.array([3, 4]), window=2)
     with pytest.raises(ValueError, match="split-K kernels only"):
         attention_tuned(jnp.zeros((2, 3, 4, 64), BF16), k, k, jnp.array([3, 4]), impl="stream")
