@@ -120,6 +120,7 @@ __all__ = [
     "identity_stripped",
     "limits_ignored",
     "shared_writes_allowed",
+    "loop_views_unbarriered",
     "host_device_waits_skipped",
     "commits_take_releases_unwaited",
     "legacy_views",
@@ -440,6 +441,19 @@ def shared_writes_allowed() -> Iterator[None]:
         yield
     finally:
         _sharing._publish_floor = previous
+
+
+@contextlib.contextmanager
+def loop_views_unbarriered() -> Iterator[None]:
+    """Inside the with-block (while tracing) ``ordered_views`` returns the views as they
+    came, without the barrier that ties them to the layer's token: in a loop body XLA
+    then hoists reads of them out of the loop, before every iteration's write."""
+    previous = _cache_ops._loop_variant_views
+    _cache_ops._loop_variant_views = lambda k, v, token: (k, v)
+    try:
+        yield
+    finally:
+        _cache_ops._loop_variant_views = previous
 
 
 @contextlib.contextmanager

@@ -245,17 +245,17 @@ def ordered_views(layer: KVLayer, k: Any, v: Any) -> tuple[Any, Any]:
     returned nor updated there) with the layer, and write
     ``k, v = jax_vmm.ordered_views(layer, k, v)``: the same buffers, no copy.
 
-    Ordering: ``layer`` must come into the computation as a jit argument, not from a
-    ``kv_write`` earlier in the same function, and the call must not sit in a loop body
-    (``scan``, ``fori_loop``, ``while_loop``). XLA starts a computation once its inputs are
-    ready, so reads there follow the writes that produced the layer. Within one
-    computation nothing orders a plain read of the views after a ``kv_write``: as far as
-    XLA knows the views never change, and it may read them whenever it likes (it may,
-    say, copy them into another layout first, and in a loop it hoists that copy out of the
-    loop, before the writes of every iteration); a layer written in the same function, and
-    a call in a loop body, are refused here (``ValueError``). Read such a layer with
-    ``jax_vmm.attention`` / ``jax_vmm.decode_attention``, which take the token as an
-    operand.
+    Ordering: ``layer`` must come into the computation (a jit argument, or a loop carry),
+    not from a ``kv_write`` earlier in the same function. XLA starts a computation (and a
+    loop iteration) once its inputs are ready, so reads there follow the writes that
+    produced the layer; the returned views pass through a barrier with the layer's token,
+    so that in a loop XLA cannot hoist reads of them out of the loop, before the writes of
+    the iterations before. Within one computation nothing orders a plain read of the
+    views after a ``kv_write``: as far as XLA knows the views never change, and it may
+    read them whenever it likes (it may, say, copy them into another layout first); a
+    layer written in the same function is refused here (``ValueError``). Read such a
+    layer with ``jax_vmm.attention`` / ``jax_vmm.decode_attention``, which take the token
+    as an operand.
 
     A small custom call checks at run time that the buffers XLA hands over ARE the
     layer's arena buffers, and fails the step otherwise (a donated view on the CPU, for
@@ -282,16 +282,6 @@ def ordered_views(layer: KVLayer, k: Any, v: Any) -> tuple[Any, Any]:
             "jax_vmm.decode_attention(q, layer, lengths), or read the views in the next "
             "step (pass the layer in as a jit argument)"
         )
-    loop = _enclosing_loop()
-    if loop is not None:
-        raise ValueError(
-            f"ordered_views: {lid.describe()} is read in a loop body ({loop}), and XLA "
-            "cannot order plain reads of the arena views after the writes of earlier "
-            "iterations (the views never change as far as XLA knows, so it may read them "
-            "once, before the loop). Read it with jax_vmm.attention(q, layer, lengths) or "
-            "jax_vmm.decode_attention inside the loop, or read the views in a jitted call "
-            "of their own, the layer passed in as an argument"
-        )
     for name, x in (("k", k), ("v", v)):
         if tuple(getattr(x, "shape", ())) != lid.shape or np.dtype(x.dtype) != np.dtype(lid.dtype):
             raise ValueError(
@@ -306,26 +296,18 @@ def ordered_views(layer: KVLayer, k: Any, v: Any) -> tuple[Any, Any]:
     # Kept although nothing uses its result, with no JAX effect: the step keeps JAX's fast
     # dispatch path (ops/views_check.py).
     check_views(_targets.check_views, k, v, layer.token, _identity_attrs(lid))
+    return _loop_variant_views(k, v, layer.token)
+
+
+def _loop_variant_views(k: Any, v: Any, token: Any) -> tuple[Any, Any]:
+    """In a loop body the views are loop-invariant for XLA, which hoists its reads of them
+    out of the loop, before every iteration's write (a scan writing one token per step
+    read zeros at every step). Passed through a barrier with the layer's token, which the
+    loop carries, they depend on the iteration: the reads stay in it, after the writes of
+    the iterations before (no copy: the barrier's outputs are its operands). Outside a
+    loop it changes nothing. The seam of ``jax_vmm.testing.loop_views_unbarriered()``."""
+    k, v, _ = jax.lax.optimization_barrier((k, v, token))
     return k, v
-
-
-#: Traces of loop bodies (``DebugInfo.traced_for``): scan, fori_loop, while_body/_cond.
-_LOOP_TRACES = ("scan", "fori", "while")
-
-
-def _enclosing_loop() -> str | None:
-    """The kind of the innermost loop body being traced around this call (through nested
-    jit, checkpoint, vmap...), or None outside any."""
-    from jax._src import core  # the trace stack has no public API
-
-    trace = getattr(getattr(core, "trace_ctx", None), "trace", None)
-    while trace is not None:
-        info = getattr(getattr(trace, "frame", None), "debug_info", None)
-        kind = str(getattr(info, "traced_for", "") or "")
-        if any(word in kind for word in _LOOP_TRACES):
-            return kind
-        trace = getattr(trace, "parent_trace", None)
-    return None
 
 
 def _check_concrete_views(lid: LayerId, k: Any, v: Any) -> None:

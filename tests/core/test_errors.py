@@ -269,19 +269,6 @@ def _written_then_ordered_views(ctx: Ctx) -> None:
     jax.jit(step)(kv.cache(), kv.k[0], kv.v[0])
 
 
-def _ordered_views_in_a_loop(ctx: Ctx) -> None:
-    kv = ctx.kv1
-
-    def body(carry, _):
-        cache, k, v = carry
-        jax_vmm.ordered_views(cache[0], k, v)
-        return carry, None
-
-    jax.jit(lambda c, k, v: jax.lax.scan(body, (c, k, v), None, length=2))(
-        kv.cache(), kv.k[0], kv.v[0]
-    )
-
-
 def _ordered_views_of_another_layer(ctx: Ctx) -> None:
     kv = ctx.kv1
     step = jax.jit(lambda c, k, v: jax_vmm.ordered_views(c[0], k, v)[0].sum())
@@ -494,7 +481,6 @@ ROWS = [
     Row("F6", lambda x: x.kv1.cache().replace(0, x.kv1.cache()[1])),
     Row("F7", lambda x: jax_vmm.KVLayer.from_arrays(x.kv1.k[0], x.kv1.v[0])),
     Row("F8", _written_then_ordered_views),
-    Row("F8b", _ordered_views_in_a_loop),
     Row("F9", _ordered_views_of_another_layer),
     Row("F10", _array_write_without_dest),
     Row("F11", _cache_on_another_device),
