@@ -4,6 +4,7 @@ object that owns a reservation."""
 
 from __future__ import annotations
 
+import math
 import numbers
 import operator
 from typing import Any
@@ -36,7 +37,10 @@ def as_float32(value: Any, what: str) -> float:
             f"{what} must be a real number (static: a Python, NumPy or concrete JAX scalar), "
             f"got {type(value).__name__}"
         )
-    out = float(value)
+    try:
+        out = float(value)
+    except OverflowError:  # an int past float64's range
+        out = math.inf
     with np.errstate(over="ignore"):
         if not np.isfinite(np.float32(out)):
             raise ValueError(

@@ -349,9 +349,10 @@ class KVArena(KVArenaBase, PrefixSharing, TokenBacking, SequenceTransfers):
         """Sequences offloaded or on their way: a transfer that has ended (a restore
         landed, an offload failed) is settled first, as the next ensure would."""
         with self._lock:
-            for q, t in list(self._offloaded.items()):
-                if t is not None and t.state in ("restored", "failed"):
-                    self._settle(q)
+            if not self.arena.closed:  # a closed arena's transfers are gone with it
+                for q, t in list(self._offloaded.items()):
+                    if t is not None and t.state in ("restored", "failed"):
+                        self._settle(q)
             return sorted(self._offloaded)
 
     def stats(self) -> KVArenaStats:

@@ -50,6 +50,8 @@ class PrefixSharing:
         # that is released, the src's own source; None when there is none). A sequence
         # named here keeps its floor (_lower_stale_floors, at each sharer's release).
         self._memory_of: dict[int, int | None] = {}
+        # The dsts of shares in place whose src was released since (_free_lone_destinations).
+        self._source_gone: set[int] = set()
         # A sharer was released since the last reclaim: its addresses may still map a
         # source's allocations, which the core then counts as shared
         # (_reclaim_released_sharers).
@@ -252,6 +254,8 @@ class PrefixSharing:
         The shares made from q read memory that came from q's own source (the chunks q
         shared from it), so that source's floor stays while they last."""
         self._shares.pop(q, None)
+        self._source_gone.discard(q)
+        self._source_gone.update(d for d, r in self._shares.items() if r["src"] == q)
         if self._floors[q]:
             self._set_floor(q, 0)
         upstream = self._memory_of.pop(q, None)
@@ -289,12 +293,13 @@ class PrefixSharing:
     def _free_lone_destinations(self) -> None:
         """A destination whose source was released holds the shared chunks alone once no
         other address maps them any more (the core says so once those addresses were
-        reclaimed): its prefix is its own again, writable, and it may sleep, move and be
-        released by part. Caller holds the lock."""
+        reclaimed; a share that copied everything maps none): its prefix is its own
+        again, writable, and it may sleep, move and be released by part. Caller holds
+        the lock."""
         sources = {q for q in self._memory_of.values() if q is not None}
-        for dst, record in list(self._shares.items()):
-            if not record["mapped_bytes"] or self._memory_of.get(dst) is not None:
-                continue  # a copy only, or its source still holds the memory
+        for dst in list(self._shares):
+            if dst not in self._source_gone or self._memory_of.get(dst) is not None:
+                continue  # its source lives, or holds the memory through a chain
             if dst in sources:
                 continue
             base = dst * self.seq_bytes
@@ -303,6 +308,7 @@ class PrefixSharing:
                 continue  # another destination of the same source still maps it
             del self._shares[dst]
             del self._memory_of[dst]
+            self._source_gone.discard(dst)
             self._set_floor(dst, 0)
 
     def release(
@@ -380,7 +386,8 @@ class PrefixSharing:
 
     def _sharing_stats(self) -> dict[str, Any]:
         with self._lock:
-            self._free_lone_destinations()
+            if not self.arena.closed:
+                self._free_lone_destinations()
             return {
                 "shared_prefixes": [dict(r) for r in self._shares.values()],
                 "sharing_seqs": np.flatnonzero(self._floors).tolist(),

@@ -59,7 +59,12 @@ class Transfer:
         if self._final is not None:
             return self._final, self._final_error
         self._check_open("state")
-        code, error = self._core.transfer_state(self._ticket)
+        try:
+            code, error = self._core.transfer_state(self._ticket)
+        except ValueError:
+            if self._final is None:
+                raise
+            return self._final, self._final_error  # settled meanwhile by another thread
         return _STATES[code], error
 
     @property
@@ -91,11 +96,16 @@ class Transfer:
         """Block until nothing is in flight. Raises :class:`jax_vmm.TransferError` when the
         offload failed (the sequence stayed in place) or the last restore failed (the
         sequence is still offloaded)."""
+        state = error = None
         if self._final is None:
             self._check_open("wait")
-            code, error = self._core.wait_transfer(self._ticket)
-            state = _STATES[code]
-        else:
+            try:
+                code, error = self._core.wait_transfer(self._ticket)
+                state = _STATES[code]
+            except ValueError:
+                if self._final is None:
+                    raise
+        if state is None:  # settled, maybe meanwhile by another thread
             state, error = self._final, self._final_error
         if state == "failed" or (state == "offloaded" and error):
             raise TransferError(f"sequence {self._seq}: {error}")

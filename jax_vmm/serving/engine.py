@@ -802,7 +802,7 @@ class Generator:
             # The slots' memory goes back (shared prefix last), so the cache is as
             # before the run: a failed commit, a failing pause() or Ctrl-C leaves nothing
             # held or shared for the next run to trip over.
-            _give_back_slots(cache, pending, range(batch))
+            _give_back_slots(cache, [*(r.tokens for r in pending), state], range(batch))
             raise
         record("end")
         seconds = time.perf_counter() - t_start
@@ -825,13 +825,15 @@ class Generator:
         )
 
 
-def _give_back_slots(cache: CacheBackend, pending: collections.deque, seqs: range) -> None:
-    """After a run failed: waits for the calls in flight (an error of theirs is the run's,
-    raised already or by them), then releases every slot in order (a shared prefix's slot
-    is the last), logging a release that cannot be made (an arena left asleep)."""
-    for item in pending:
+def _give_back_slots(cache: CacheBackend, in_flight: list, seqs: range) -> None:
+    """After a run failed: waits for the calls in flight (their outputs `in_flight`, the
+    decode state included, which a prefill unread yet, the shared prefix's, produced; an
+    error of theirs is the run's, raised already or by them), then releases every slot in
+    order (a shared prefix's slot is the last), logging a release that cannot be made (an
+    arena left asleep)."""
+    for out in in_flight:
         try:
-            jax.block_until_ready(item.tokens)
+            jax.block_until_ready(out)
         except Exception:  # noqa: BLE001, S110 - the run's own error is being raised
             pass
     for seq in seqs:

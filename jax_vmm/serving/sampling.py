@@ -54,11 +54,12 @@ def _is_int(x: object) -> bool:
 
 
 def _is_real(x: object) -> bool:
-    return (
-        isinstance(x, numbers.Real)
-        and not isinstance(x, (bool, np.bool_))
-        and bool(np.isfinite(float(x)))
-    )
+    if not isinstance(x, numbers.Real) or isinstance(x, (bool, np.bool_)):
+        return False
+    try:
+        return bool(np.isfinite(float(x)))
+    except OverflowError:  # an int past float64's range
+        return False
 
 
 def next_token_probabilities(logits: np.ndarray, cfg: SamplingConfig) -> np.ndarray:

@@ -16,6 +16,7 @@ import pytest
 
 import jax_vmm
 from conftest import chunk_range, chunk_states, pattern, raw_bytes, write_bytes
+from jax_vmm.memory.transfer import Transfer
 from jax_vmm.testing import InjectedFault
 
 H, D = 2, 64  # bfloat16: 256 bytes per token per buffer
@@ -240,3 +241,41 @@ def test_offload_of_an_empty_sequence_and_release_while_in_flight(vm, faults):
     kv.release(0)  # waits for the transfer, then drops it
     assert kv.arena.stats()["offloaded_bytes"] == 0
     vm.assert_backed(kv.arena, [])
+
+
+def test_a_transfer_settled_by_another_thread_meanwhile_reads_as_settled():
+    """done / state / wait while another thread settles the transfer (stats, ensure or
+    release drop its ticket between this thread's two looks): the settled state, not the
+    core's "no transfer" error."""
+
+    class SettledMeanwhile:
+        closed = False
+
+        def __init__(self):
+            self.transfer = None
+
+        def _settle(self):
+            self.transfer._final, self.transfer._final_error = "restored", ""
+            raise ValueError("Arena.transfer: no transfer 1 in this arena")
+
+        def transfer_state(self, ticket):
+            self._settle()
+
+        def wait_transfer(self, ticket):
+            self._settle()
+
+    for look in ("done", "state", "wait"):
+        core = SettledMeanwhile()
+        tr = core.transfer = Transfer(core, 1, 0)
+        got = tr.wait() if look == "wait" else getattr(tr, look)
+        assert got is tr if look == "wait" else got in (True, "restored")
+        assert tr.state == "restored"
+
+
+def test_stats_of_a_closed_arena_with_sequences_away(vm):
+    """stats() after close with a sequence offloaded: the stats, not the closed
+    transfer's error (stats settles ended transfers only while the arena is open)."""
+    kv, t = _kv(vm)
+    kv.offload(1)
+    kv.close()
+    assert kv.stats()["offloaded_seqs"] == [1]

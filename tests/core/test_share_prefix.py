@@ -594,6 +594,35 @@ def test_a_destination_whose_source_was_released_is_its_own_again(vm):
     np.testing.assert_array_equal(_seq_tokens(kv, 1)[:, :, :4], data[:, :, :4])
 
 
+def test_a_copied_prefix_is_writable_once_its_source_is_released(vm):
+    """A share that copied everything (a prefix within one chunk) maps nothing: once its
+    source is released the destination's prefix is writable and it may move (it stayed
+    read-only, and refused to, for as long as it lived). stats() of the closed arena
+    with a share in place still works."""
+    kv, tpc = _kv(vm)
+    n = tpc // 2
+    kv.ensure(n, 0)
+    data = _tokens(kv, n, seed=33)
+    _write(kv, 0, 0, data)
+    assert kv.share_prefix(0, 1, n)["mapped_bytes"] == 0
+    _write_one(kv, 1, 0, 7.0)
+    with pytest.raises(jax_vmm.OutOfBoundsWrite):
+        kv.check()  # read-only while the source lives
+    kv.release(0)
+    assert kv.stats()["sharing_seqs"] == []
+    _write_one(kv, 1, 0, 7.0)
+    kv.check()
+    kv.offload(1)
+    kv.restore(1).wait()
+    got = _seq_tokens(kv, 1)
+    assert np.all(got[:, :, 0] == 7.0)
+    np.testing.assert_array_equal(got[:, :, 1:n], data[:, :, 1:])
+    kv.ensure(n, 0)
+    kv.share_prefix(1, 2, n)
+    kv.close()
+    assert kv.stats()["sharing_seqs"] == [2]  # a copy raises no floor on its source
+
+
 class _NothingSharedSaysTheCore:
     """The arena's core, but for shared_bytes, which says no chunk is mapped elsewhere."""
 

@@ -357,6 +357,7 @@ def test_fp8_scales_are_checked_with_every_option(options):
         (dict(softcap=1e-46), ValueError, "softcap must be > 0 in float32"),  # 0: no cap
         (dict(softcap=float("inf")), ValueError, r"softcap .* must be finite in float32"),
         (dict(softcap=1e39), ValueError, r"softcap .* must be finite in float32"),
+        (dict(softcap=10**400), ValueError, r"softcap .* must be finite in float32"),
         (dict(softcap=float("nan")), ValueError, r"softcap .* must be finite in float32"),
         (dict(softcap="30"), TypeError, r"softcap .* must be a real number"),
         (dict(q_lengths=np.zeros(3, np.int32)), ValueError, r"q_lengths must have shape \(2,\)"),

@@ -86,7 +86,12 @@ void CheckHostRoomFor(size_t bytes) {
   if (info.free_bytes == 0) return;  // /proc/meminfo unreadable: nothing to go by
   const size_t reserve = forced ? 0 : info.total_bytes / 64;
   if (bytes > info.free_bytes || info.free_bytes - bytes < reserve) {
-    ThrowHostOutOfMemory("committing memory", bytes, info.free_bytes);
+    throw OutOfMemory("host driver: out of memory committing " + std::to_string(bytes) +
+                          " bytes: the machine has " + std::to_string(info.free_bytes) +
+                          " bytes available and keeps " + std::to_string(reserve) +
+                          " (1/64 of its memory) in reserve, since a memfd commit past it "
+                          "is answered by the kernel's OOM killer, not by an error",
+                      bytes, info.free_bytes);
   }
 }
 
