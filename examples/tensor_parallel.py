@@ -1,6 +1,6 @@
-"""Serve with tensor parallelism: examples/decode.py with --tp N (default: every device
-jax sees). On a CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N gives N host
-devices.
+"""Serve with tensor parallelism: examples/decode.py with --tp N (default: the most devices
+jax sees that the model's heads and MLP split over evenly). On a CPU,
+XLA_FLAGS=--xla_force_host_platform_device_count=N gives N host devices.
 
     python examples/tensor_parallel.py [--tp N] [decode.py options]
 
@@ -16,5 +16,5 @@ if __name__ == "__main__":
     if not any(a.startswith("--tp") for a in argv):
         import jax
 
-        argv = ["--tp", str(len(jax.devices())), *argv]
+        argv = ["--tp", str(decode.default_tp(argv, len(jax.devices()))), *argv]
     decode.main(argv)

@@ -33,6 +33,7 @@ def collect() -> dict[str, Any]:
         "python": platform.python_version(),
         "jax": jax.__version__,
         "jax_vmm_cuda_kernels": bool(_core.built_with_cuda_kernels),
+        "jax_vmm_cudnn": bool(getattr(_core, "built_with_cudnn", False)),
         "jax_devices": [f"{d.platform}:{d.id} {getattr(d, 'device_kind', '')}" for d in devices],
         "jax_error": jax_error,
         "host": {
@@ -63,6 +64,10 @@ def main() -> int:
         f"jax_vmm {__import__('jax_vmm').__version__}  python {info['python']}  jax {info['jax']}"
     )
     print(f"CUDA kernels compiled in: {'yes' if info['jax_vmm_cuda_kernels'] else 'no'}")
+    print(
+        "cuDNN attention compiled in: "
+        + ("yes" if info["jax_vmm_cudnn"] else "no (docs/cudnn_attention.md says how)")
+    )
     if info["jax_error"] is not None:
         print(f"JAX devices: none ({info['jax_error']})")
     else:

@@ -30,8 +30,8 @@ def tp_mesh(n: int, platform: str) -> Mesh:
     devices = jax.devices(platform)
     if not 1 <= n <= len(devices):
         raise ValueError(
-            f"--tp {n}: needs 1..{len(devices)} devices of platform {platform!r}, this "
-            f"machine has {len(devices)} (on the CPU, XLA_FLAGS="
+            f"--tp {n}: needs {max(n, 1)} devices of platform {platform!r}, this machine "
+            f"has {len(devices)} (on the CPU, XLA_FLAGS="
             f"--xla_force_host_platform_device_count={max(n, 1)} gives more)"
         )
     return Mesh(np.array(devices[:n]), (AXIS,))

@@ -62,3 +62,4 @@ def test_info_reports_a_jax_without_a_usable_backend(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "JAX devices: none (" in proc.stdout and "JAX_PLATFORMS=tpu" in proc.stdout
     assert "host driver (cpu): VMM yes" in proc.stdout, proc.stdout
+    assert "cuDNN attention compiled in: " in proc.stdout  # docs/cudnn_attention.md says so

@@ -137,6 +137,9 @@ def test_decode_cli_shared_prefix_checks_generation(tmp_path) -> None:
     summary = decode.main([*args, "--shared-prefix", "100"])
     shared = summary["shared_prefix"]
     assert shared["generation_unchanged"] is True and shared["chunks_shared"] > 0, shared
+    # One peak, physical memory: the headline counted a shared chunk at every address.
+    assert summary["peak_backed_bytes"] == shared["peak_backed_bytes"]
+    assert shared["peak_backed_bytes"] < shared["unshared_peak_backed_bytes"]
     with pytest.raises(SystemExit, match="needs N >= 1 and --backend jax_vmm"):
         decode.main([*args, "--shared-prefix", "8", "--backend", "prealloc"])
     # --tp 1: the same code on a 1-device mesh (tests/sharding: on 2 and 4 devices).

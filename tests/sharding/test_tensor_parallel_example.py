@@ -20,6 +20,7 @@ NAMES = [
     "tp4_chunked_prefill_equals_whole_prompt",
     "decode_cli_tp2_serves_the_same_requests",
     "decode_cli_refuses_bad_tp",
+    "tensor_parallel_example_picks_a_tp_the_model_splits_over",
 ]
 
 

@@ -156,7 +156,7 @@ def decode_cli_tp2_serves_the_same_requests() -> None:
 
 
 def decode_cli_refuses_bad_tp() -> None:
-    for argv, words in ((("--tp", "3"), "not divisible by 3"), (("--tp", "8"), "needs 1..4")):
+    for argv, words in ((("--tp", "3"), "not divisible by 3"), (("--tp", "8"), "needs 8 devices")):
         try:
             cli(*argv)
         except SystemExit as e:
@@ -171,7 +171,18 @@ def decode_cli_refuses_bad_tp() -> None:
         raise AssertionError("--tp with the prealloc backend was accepted")
 
 
+def tensor_parallel_example_picks_a_tp_the_model_splits_over() -> None:
+    """examples/tensor_parallel.py without --tp on 4 host devices: the CPU preset's 2 KV
+    heads split over 2, not 4 (it took every device and stopped: not divisible by 4)."""
+    assert decode.default_tp([], 4) == 2
+    assert decode.default_tp(["--preset", "gpu"], 4) == 4
+    assert decode.default_tp([], 1) == 1
+
+
 SCENARIOS["decode_cli_tp2_serves_the_same_requests"] = decode_cli_tp2_serves_the_same_requests
+SCENARIOS["tensor_parallel_example_picks_a_tp_the_model_splits_over"] = (
+    tensor_parallel_example_picks_a_tp_the_model_splits_over
+)
 SCENARIOS["decode_cli_refuses_bad_tp"] = decode_cli_refuses_bad_tp
 
 if __name__ == "__main__":

@@ -265,6 +265,18 @@ def check_sizes(args: argparse.Namespace) -> None:
             raise SystemExit(f"decode.py: {flag} {pair[0]} {pair[1]}: expected 1 <= MIN <= MAX")
 
 
+def default_tp(argv: list[str], devices: int) -> int:
+    """The --tp examples/tensor_parallel.py takes when none is given: the most of
+    ``devices`` that the preset's heads and MLP width split over evenly."""
+    args = parse_args(argv)
+    preset = args.preset
+    if preset == "auto":
+        preset = "gpu" if resolve_device(args.device).platform == "gpu" else "cpu"
+    cfg = M.PRESETS[preset]
+    fields = ("num_q_heads", "num_kv_heads", "ffn_dim")
+    return max(n for n in range(1, devices + 1) if all(getattr(cfg, f) % n == 0 for f in fields))
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     try:
