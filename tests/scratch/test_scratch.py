@@ -274,7 +274,9 @@ def test_a_growth_past_the_hosts_memory_is_refused():
     _get(stream, 1 << 20)
     before = _ws(stream)["backed_bytes"]
     with testing.host_memory_available(8 << 20):
-        with pytest.raises(RuntimeError, match="out of memory committing .* bytes available and keeps 0"):
+        with pytest.raises(
+            RuntimeError, match="out of memory committing .* bytes available and keeps 0"
+        ):
             _get(stream, 64 << 20)
     assert _ws(stream)["backed_bytes"] == before
     _get(stream, 64 << 20)  # the real machine has the room
