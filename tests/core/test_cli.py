@@ -32,16 +32,19 @@ def test_a_bare_command_prints_help(monkeypatch, capsys):
     assert out.startswith("usage: jax-vmm ") and "info" in out
 
 
-def test_python_dash_m(tmp_path):
-    env = child_env()
-    proc = subprocess.run(
-        [sys.executable, "-m", "jax_vmm", "--help"],
+def _python_dash_m(tmp_path, *args: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "jax_vmm", *args],
         cwd=tmp_path,
-        env=env,
+        env=child_env() | env,
         capture_output=True,
         text=True,
         timeout=120,
     )
+
+
+def test_python_dash_m(tmp_path):
+    proc = _python_dash_m(tmp_path, "--help")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("usage: python -m jax_vmm "), proc.stdout
 
@@ -50,15 +53,7 @@ def test_info_reports_a_jax_without_a_usable_backend(tmp_path):
     """`python -m jax_vmm info` is for a misconfigured machine: a JAX_PLATFORMS that names a
     backend this machine lacks is a line of its report, the rest still printed (it was a
     traceback and nothing else)."""
-    env = child_env() | {"JAX_PLATFORMS": "tpu"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "jax_vmm", "info"],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = _python_dash_m(tmp_path, "info", JAX_PLATFORMS="tpu")
     assert proc.returncode == 0, proc.stderr
     assert "JAX devices: none (" in proc.stdout and "JAX_PLATFORMS=tpu" in proc.stdout
     assert "host driver (cpu): VMM yes" in proc.stdout, proc.stdout

@@ -560,16 +560,23 @@ def test_a_source_whose_sharers_were_released_is_its_own_again(vm):
     assert kv.stats()["sharing_seqs"] == [0, 2]
     kv.release(2)
     assert kv.stats()["sharing_seqs"] == []
-    again = _tokens(kv, 4, seed=5)
-    _write(kv, 0, 0, again)  # its first tokens are writable again, at once
-    kv.check()  # (raises if the write was dropped as a write into a shared prefix)
-    data[:, :, :4] = again
-    kv.offload(0)
-    kv.restore(0).wait()
-    kv.sleep()
-    kv.wake()
+    _write_then_move(kv, 0, data, seed=5)  # its first tokens are writable again, at once
     assert kv.stats()["sharing_seqs"] == []
     np.testing.assert_array_equal(_seq_tokens(kv, 0)[:, :, :n], data)
+
+
+def _write_then_move(kv, seq, data, seed):
+    """Writes 4 new tokens at the start of seq (raising if they were dropped as writes
+    into a shared prefix), records them in data, then offloads and restores seq and
+    sleeps and wakes the arena: what a sequence that shares nothing may do."""
+    again = _tokens(kv, 4, seed=seed)
+    _write(kv, seq, 0, again)
+    kv.check()
+    data[:, :, :4] = again
+    kv.offload(seq)
+    kv.restore(seq).wait()
+    kv.sleep()
+    kv.wake()
 
 
 def test_a_destination_whose_source_was_released_is_its_own_again(vm):
@@ -581,14 +588,7 @@ def test_a_destination_whose_source_was_released_is_its_own_again(vm):
     assert got["mapped_bytes"] > 0
     kv.release(0)
     assert kv.stats()["sharing_seqs"] == [] and kv.stats()["shared_prefixes"] == []
-    again = _tokens(kv, 4, seed=31)
-    _write(kv, 1, 0, again)
-    kv.check()  # (raises if the write was dropped as a write into a shared prefix)
-    data[:, :, :4] = again
-    kv.offload(1)
-    kv.restore(1).wait()
-    kv.sleep()
-    kv.wake()
+    _write_then_move(kv, 1, data, seed=31)
     np.testing.assert_array_equal(_seq_tokens(kv, 1)[:, :, :n], data)
     kv.release(1, keep_tokens=4)
     np.testing.assert_array_equal(_seq_tokens(kv, 1)[:, :, :4], data[:, :, :4])
