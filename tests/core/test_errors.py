@@ -269,6 +269,23 @@ def _written_then_ordered_views(ctx: Ctx) -> None:
     jax.jit(step)(kv.cache(), kv.k[0], kv.v[0])
 
 
+def _grad_through_a_write(ctx: Ctx) -> None:
+    def loss(x):
+        layer = jax_vmm.kv_write(ctx.kv1.cache()[0], x, x, ctx.slot)
+        return jax_vmm.decode_attention(
+            ctx.put(np.ones((1, 1, 8), np.float32)), layer, ctx.put(np.ones(1, np.int32))
+        ).sum()
+
+    jax.grad(loss)(ctx.one)
+
+
+def _grad_through_attention(ctx: Ctx) -> None:
+    lengths = ctx.put(np.ones(3, np.int32))
+    jax.grad(lambda q: jax_vmm.decode_attention(q, ctx.kv3.cache()[0], lengths).sum())(
+        ctx.put(np.ones((3, 1, 8), np.float32))
+    )
+
+
 def _ordered_views_of_another_layer(ctx: Ctx) -> None:
     kv = ctx.kv1
     step = jax.jit(lambda c, k, v: jax_vmm.ordered_views(c[0], k, v)[0].sum())
@@ -490,6 +507,8 @@ ROWS = [
     Row("F15", _fp8_scales_mapped),
     Row("F16", lambda x: jax_vmm.kv_write(x.kv1.cache(), x.one, x.one, x.slot)),
     Row("F17", _cache_mapped_astype),
+    Row("F18", _grad_through_a_write),
+    Row("F19", _grad_through_attention),
 ]
 
 
