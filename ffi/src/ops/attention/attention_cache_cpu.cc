@@ -14,7 +14,7 @@
 namespace jax_vmm::attention {
 namespace {
 
-constexpr const char* kCacheName = "jax_vmm.decode_attention (KVCache layer, cpu)";
+constexpr const char* kCacheName = "jax_vmm attention (decode_attention or attention over a KVCache layer, cpu)";
 
 // Resolves the layer and fills read_lengths; an error, or success.
 ffi::Error PrepareOnHost(bool use_limits, int32_t device, uint64_t cache_uid, int64_t layer,

@@ -23,7 +23,7 @@
 namespace jax_vmm::attention {
 namespace {
 
-constexpr const char* kCacheName = "jax_vmm.decode_attention (KVCache layer, CUDA)";
+constexpr const char* kCacheName = "jax_vmm attention (decode_attention or attention over a KVCache layer, CUDA)";
 
 ffi::Error Prepare(int32_t device, uint64_t cache_uid, int64_t layer, const ffi::AnyBuffer& q,
                    const ffi::Buffer<ffi::S32>& lengths, const ffi::Buffer<ffi::S32>& read_lengths,
