@@ -225,6 +225,13 @@ def _dest_attrs(op: str, k: Any, v: Any, dest: KVDest | None) -> dict:
     return _attrs(dest.k_address, dest.v_address, dest.k_uid, dest.v_uid)
 
 
+def _vmap_method(attrs: dict) -> str | None:
+    """Under vmap, a write into plain arrays is a pure function of them: one call per
+    batch element ("sequential") is its meaning. A write into named arena buffers is a
+    side effect on one cache, which a batch of calls cannot mean: JAX refuses it."""
+    return "sequential" if not attrs["dest_k"] and not attrs["dest_v"] else None
+
+
 def _attrs(k_address: int, v_address: int, k_uid: int, v_uid: int) -> dict:
     return {
         "dest_k": np.uint64(k_address),
@@ -283,6 +290,7 @@ def kv_write_arrays(
         (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
         input_output_aliases={0: 0, 1: 1},
         has_side_effect=True,
+        vmap_method=_vmap_method(attrs),
     )(k, v, new_k, new_v, slots, **attrs)
     return out[0], out[1]
 
@@ -333,6 +341,7 @@ def kv_write_fp8(
         (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
         input_output_aliases={0: 0, 1: 1},
         has_side_effect=True,  # as kv_write: an unused result must still write the arena
+        vmap_method=_vmap_method(attrs),
     )(k, v, new_k, new_v, slots, ks, vs, **attrs)
     return out[0], out[1]
 

@@ -601,3 +601,28 @@ def test_stats_count_host_invocations(cpu_device):
     ops.reset_kv_write_stats()
     s = ops.kv_write_stats()
     assert s["kv_write"]["calls"] == 0 and s["dropped_writes"] == 0
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_vmap_of_a_write_into_plain_arrays_is_one_write_per_element(fp8):
+    """Array-level kv_write (and kv_write_fp8) on plain arrays is a pure function, so vmap
+    means a write per batch element: over a batch of caches, and over new tokens into one
+    cache (each element gets its own copy). It raised JAX's raw "vmap_method" error."""
+    N = 10
+    dtype = jnp.float8_e4m3fn if fp8 else jnp.float32
+    scale = jnp.ones(H, jnp.float32)
+
+    def write(k, v, nk, slots):
+        if fp8:
+            return jax_vmm.ops.kv_write_fp8(k, v, nk, nk, slots, scale, scale)
+        return jax_vmm.kv_write(k, v, nk, nk, slots)
+
+    caches = jnp.zeros((3, N, H, D), dtype)
+    new = jnp.arange(3 * H * D, dtype=jnp.float32).reshape(3, 1, H, D) / 8 + 1
+    slots = jnp.array([[2], [5], [-1]], jnp.int32)
+    got = jax.vmap(lambda k, n, s: write(k, k, n, s)[0])(caches, new, slots)
+    want = jnp.stack([write(caches[i], caches[i], new[i], slots[i])[0] for i in range(3)])
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    one = jax.vmap(lambda n, s: write(caches[0], caches[0], n, s)[0])(new, slots)
+    np.testing.assert_array_equal(np.asarray(one, np.float32), np.asarray(want, np.float32))
+    assert np.count_nonzero(np.asarray(got, np.float32)) == 2 * H * D  # the -1 slot dropped
