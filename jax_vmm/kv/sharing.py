@@ -332,7 +332,9 @@ class PrefixSharing:
             seq, wait=wait, reuse=reuse, keep_tokens=keep_tokens, writes_in_flight=writes_in_flight
         )
         with self._lock:
-            was_sharer = int(q) in self._shares
+            # A source's addresses as much as a destination's: until reclaimed, the core
+            # counts the chunks they map as shared (on a GPU the release is deferred).
+            was_sharer = int(q) in self._shares or int(q) in self._memory_of.values()
             self._forget_share(int(q))
             if was_sharer:  # only a sharer's release leaves a source's floor stale
                 self._lower_stale_floors()

@@ -659,8 +659,10 @@ def test_ordered_views_in_a_loop_read_the_earlier_iterations_writes(vm, loop):
     """In a loop body (a scan, a fori_loop, a while loop with the read in a nested jit)
     each iteration reads K after the writes of the iterations before: 0, 1, 2, 3 tokens
     of ones, sums 0, 128, 256, 384. The control takes the views as they came, without the
-    barrier on the layer's token: XLA then hoists the read out of the loop, and every
-    iteration reads K as it was before the loop (it did so, silently, all zeros)."""
+    barrier on the layer's token: XLA:CPU then hoists the read out of the loop, and every
+    iteration reads K as it was before the loop (it did so, silently, all zeros). XLA:GPU
+    kept the read in the loop without the barrier here (H100, jax 0.11.2), which nothing
+    promises."""
     kv = _kv(vm)
     kv.ensure(4, 0)
     want = [i * HKV * D for i in range(4)]
@@ -672,7 +674,8 @@ def test_ordered_views_in_a_loop_read_the_earlier_iterations_writes(vm, loop):
     with jax_vmm.testing.loop_views_unbarriered():
         cache, sums = _sum_k_before_each_write(kv, loop)
     kv.check(cache)
-    assert np.asarray(sums).tolist() != want
+    if vm.is_host:  # XLA:CPU hoists the read; XLA:GPU happened not to in this program
+        assert np.asarray(sums).tolist() != want
 
 
 def test_ordered_views_in_a_loop_still_check_the_buffers(vm):
