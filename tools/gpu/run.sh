@@ -122,6 +122,9 @@
 #   probe:row_read      tools/gpu/row_read_probe.py (cupy): read bandwidth of the streaming
 #                       kernel's tile pattern (128- and 256-byte rows) in the kernel's tile
 #                       order, heads-fastest and linear -> row_read.json
+#   probe:views_barrier tools/gpu/views_barrier_ab.py: bench/_stack.py's vmm+cudnn loop with
+#                       and without ordered_views' barrier, beside prealloc+cudnn (32
+#                       layers): ms per step and checksums -> views_barrier.json
 #   probe:step_loop_handlers  tools/gpu/step_loop_handlers.py: bench/step_loop.py's 32-layer
 #                       write+attention step, arena and prealloc: per call, which handler
 #                       stages run on the host (XLA re-records the command buffer each call)
@@ -378,7 +381,8 @@ step_probe() {
         --section Occupancy "$PY" tools/gpu/stream_kernel_ncu.py both ;;
     attention_trace) "$PY" tools/gpu/attention_trace.py --json "$RUN_DIR/attention_trace.json" ;;
     row_read) "$PY" tools/gpu/row_read_probe.py --json "$RUN_DIR/row_read.json" ;;
-    *) echo "unknown probe ${1:-} (kernels, deferred_zeros, commit_fill, step_loop_handlers, stream_ncu, attention_trace, row_read)"; return 2 ;;
+    views_barrier) "$PY" tools/gpu/views_barrier_ab.py --json "$RUN_DIR/views_barrier.json" ;;
+    *) echo "unknown probe ${1:-} (kernels, deferred_zeros, commit_fill, step_loop_handlers, stream_ncu, attention_trace, row_read, views_barrier)"; return 2 ;;
   esac
 }
 
