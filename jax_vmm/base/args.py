@@ -12,7 +12,21 @@ from typing import Any
 import jax
 import numpy as np
 
-__all__ = ["as_int", "as_float32", "as_index", "as_flag", "as_shape", "layer_index", "refuse_copy"]
+__all__ = [
+    "is_int",
+    "as_int",
+    "as_float32",
+    "as_index",
+    "as_flag",
+    "as_shape",
+    "layer_index",
+    "refuse_copy",
+]
+
+
+def is_int(value: Any) -> bool:
+    """Whether ``value`` is a Python or NumPy integer, not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
 
 
 def as_int(value: Any, what: str) -> int:

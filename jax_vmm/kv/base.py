@@ -26,7 +26,17 @@ from ..cache.pytree import KVCache, KVLayer
 from ..cache.registry import forget_tokens, latest_tokens
 from ..memory import host_wait
 
-__all__ = ["KVArenaBase", "LayerViews", "check_seq", "layer_shape", "wait_for_writes"]
+__all__ = [
+    "KVArenaBase",
+    "LayerViews",
+    "MAX_TOKEN_SLOTS",
+    "check_seq",
+    "layer_shape",
+    "wait_for_writes",
+]
+
+#: kv_write addresses a token by an int32 slot (seq * max_tokens + pos): a cache has fewer.
+MAX_TOKEN_SLOTS = 2**31
 
 
 def layer_shape(
@@ -49,7 +59,7 @@ def layer_shape(
             raise ValueError(f"max_seqs must be > 0 or None, got {max_seqs}")
         shape = (int(max_seqs),) + shape
     slots = int(np.prod(shape[:-2], dtype=np.int64))
-    if slots >= 2**31:
+    if slots >= MAX_TOKEN_SLOTS:
         raise ValueError(
             f"max_seqs x max_tokens = {slots} token slots: kv_write addresses a token by an "
             f"int32 slot (seq * max_tokens + pos), so it must be below 2**31; use fewer "

@@ -59,12 +59,17 @@ class Transfer:
         if self._final is not None:
             return self._final, self._final_error
         self._check_open("state")
+        return self._ask_core(self._core.transfer_state)
+
+    def _ask_core(self, call: Callable[[int], tuple[int, str]]) -> tuple[str, str]:
+        """``call(ticket)``'s (state, error); the settled ones when another thread settled
+        the transfer meanwhile (the core forgot the ticket between our two looks)."""
         try:
-            code, error = self._core.transfer_state(self._ticket)
+            code, error = call(self._ticket)
         except ValueError:
             if self._final is None:
                 raise
-            return self._final, self._final_error  # settled meanwhile by another thread
+            return self._final, self._final_error
         return _STATES[code], error
 
     @property
@@ -96,16 +101,10 @@ class Transfer:
         """Block until nothing is in flight. Raises :class:`jax_vmm.TransferError` when the
         offload failed (the sequence stayed in place) or the last restore failed (the
         sequence is still offloaded)."""
-        state = error = None
         if self._final is None:
             self._check_open("wait")
-            try:
-                code, error = self._core.wait_transfer(self._ticket)
-                state = _STATES[code]
-            except ValueError:
-                if self._final is None:
-                    raise
-        if state is None:  # settled, maybe meanwhile by another thread
+            state, error = self._ask_core(self._core.wait_transfer)
+        else:
             state, error = self._final, self._final_error
         if state == "failed" or (state == "offloaded" and error):
             raise TransferError(f"sequence {self._seq}: {error}")

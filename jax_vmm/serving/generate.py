@@ -15,13 +15,14 @@ The command line (`examples/generate.py`) is `jax_vmm.serving.cli.generate`.
 from __future__ import annotations
 
 import dataclasses
-import numbers
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
+from ..base.args import is_int
+from ..kv.base import MAX_TOKEN_SLOTS
 from . import engine as E
 from . import model as M
 from .attention import choose_attention, chunk_attention
@@ -76,13 +77,9 @@ def prompt_list(prompts: Any, what: str = "prompts") -> list[str | list[int]]:
             f"{type(prompts).__name__}"
         )
     items = list(prompts)
-    if items and all(_is_token_id(t) for t in items):
+    if items and all(is_int(t) for t in items):
         return [items]  # one prompt of ids
     return items
-
-
-def _is_token_id(x: Any) -> bool:
-    return isinstance(x, numbers.Integral) and not isinstance(x, (bool, np.bool_))
 
 
 def encode_prompts(
@@ -103,7 +100,7 @@ def encode_prompts(
             ids, text = ckpt.tokenizer.encode(p, special_tokens=first_turn), p
         else:
             p = np.asarray(p).tolist() if hasattr(p, "__array__") else p
-            if not isinstance(p, Sequence) or not all(_is_token_id(t) for t in p):
+            if not isinstance(p, Sequence) or not all(is_int(t) for t in p):
                 raise ValueError(
                     f"prompt {i} ({p!r}) is neither text nor a list of integer token ids"
                 )
@@ -189,8 +186,8 @@ def serve(
 def _eos_ids(eos_token_ids: Any, stop_at_eos: bool) -> list[int]:
     """eos_token_ids as ints; given, they must come with stop_at_eos (else they would do
     nothing)."""
-    ids = [eos_token_ids] if _is_token_id(eos_token_ids) else list(eos_token_ids)
-    if not all(_is_token_id(t) for t in ids):
+    ids = [eos_token_ids] if is_int(eos_token_ids) else list(eos_token_ids)
+    if not all(is_int(t) for t in ids):
         raise ValueError(f"eos_token_ids must be integer token ids, got {eos_token_ids!r}")
     if not stop_at_eos:
         raise ValueError(
@@ -228,7 +225,7 @@ def generate(
     request also gets "logits", the float32
     (steps, vocab) array each generated token was chosen from. device: where the steps
     run (default: where the checkpoint's weights are)."""
-    if not _is_token_id(max_new_tokens) or max_new_tokens < 1:
+    if not is_int(max_new_tokens) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
     max_new_tokens = int(max_new_tokens)
     if not isinstance(sampling, SamplingConfig):
@@ -247,7 +244,7 @@ def generate(
     longest = max(len(p.ids) for p in encoded) + max_new_tokens - 1
     longest += sum(len(t.ids) + max_new_tokens for t in turns)
     slots = num_slots(opts, len(encoded))
-    if slots * longest >= 2**31:  # kv_write's int32 slot (docs/errors.md E22b)
+    if slots * longest >= MAX_TOKEN_SLOTS:  # docs/errors.md E22b
         raise ValueError(
             f"max_new_tokens={max_new_tokens}: the longest conversation caches {longest} "
             f"tokens, and {slots} sequence slots of that many exceed the 2**31 token slots a "

@@ -19,6 +19,8 @@ import numbers
 
 import numpy as np
 
+from ..base.args import is_int
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingConfig:
@@ -32,11 +34,11 @@ class SamplingConfig:
             raise ValueError(
                 f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}"
             )
-        if not (_is_int(self.top_k) and self.top_k >= 0):
+        if not (is_int(self.top_k) and self.top_k >= 0):
             raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
         if not (_is_real(self.top_p) and 0 < self.top_p <= 1):
             raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p!r}")
-        if not (_is_int(self.seed) and 0 <= self.seed < 2**63):
+        if not (is_int(self.seed) and 0 <= self.seed < 2**63):
             raise ValueError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
         if self.greedy and (self.top_k or self.top_p < 1):
             raise ValueError(
@@ -47,10 +49,6 @@ class SamplingConfig:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
-
-
-def _is_int(x: object) -> bool:
-    return isinstance(x, numbers.Integral) and not isinstance(x, (bool, np.bool_))
 
 
 def _is_real(x: object) -> bool:

@@ -37,9 +37,17 @@ def tp_mesh(n: int, platform: str) -> Mesh:
     return Mesh(np.array(devices[:n]), (AXIS,))
 
 
+#: What tensor parallelism splits over the devices: the head counts and the MLP width.
+SPLIT_FIELDS = ("num_q_heads", "num_kv_heads", "ffn_dim")
+
+
+def splits_over(cfg: M.ModelConfig, n: int) -> bool:
+    return all(getattr(cfg, name) % n == 0 for name in SPLIT_FIELDS)
+
+
 def check_divisible(cfg: M.ModelConfig, n: int) -> None:
     """The head counts and the MLP width must split evenly over ``n`` devices."""
-    for name in ("num_q_heads", "num_kv_heads", "ffn_dim"):
+    for name in SPLIT_FIELDS:
         if getattr(cfg, name) % n:
             raise ValueError(
                 f"--tp {n}: the model's {name}={getattr(cfg, name)} is not divisible by {n}"

@@ -59,15 +59,11 @@ MemInfo ReadMemInfo() {
   return info;
 }
 
-[[noreturn]] void ThrowHostOutOfMemory(const std::string& what, size_t bytes,
-                                       size_t free_bytes) {
+[[noreturn]] void ThrowHostOutOfMemory(const std::string& what, size_t bytes) {
+  const size_t free_bytes = ReadMemInfo().free_bytes;
   throw OutOfMemory("host driver: out of memory " + what + " of " + std::to_string(bytes) +
                         " bytes (" + std::to_string(free_bytes) + " bytes available)",
                     bytes, free_bytes);
-}
-
-[[noreturn]] void ThrowHostOutOfMemory(const std::string& what, size_t bytes) {
-  ThrowHostOutOfMemory(what, bytes, ReadMemInfo().free_bytes);
 }
 
 // A memfd commit past the machine's memory is answered by the kernel's OOM killer (the

@@ -269,12 +269,15 @@ def default_tp(argv: list[str], devices: int) -> int:
     """The --tp examples/tensor_parallel.py takes when none is given: the most of
     ``devices`` that the preset's heads and MLP width split over evenly."""
     args = parse_args(argv)
-    preset = args.preset
-    if preset == "auto":
-        preset = "gpu" if resolve_device(args.device).platform == "gpu" else "cpu"
-    cfg = M.PRESETS[preset]
-    fields = ("num_q_heads", "num_kv_heads", "ffn_dim")
-    return max(n for n in range(1, devices + 1) if all(getattr(cfg, f) % n == 0 for f in fields))
+    cfg = M.PRESETS[_preset(args, resolve_device(args.device))]
+    return max(n for n in range(1, devices + 1) if TP.splits_over(cfg, n))
+
+
+def _preset(args: argparse.Namespace, device: jax.Device) -> str:
+    """--preset, auto resolved: gpu on a GPU, else cpu."""
+    if args.preset != "auto":
+        return args.preset
+    return "gpu" if device.platform == "gpu" else "cpu"
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -293,9 +296,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 def _serve(args: argparse.Namespace) -> dict:
     device = resolve_device(args.device)
-    preset = args.preset
-    if preset == "auto":
-        preset = "gpu" if device.platform == "gpu" else "cpu"
+    preset = _preset(args, device)
     cfg = M.PRESETS[preset]
     check_sizes(args)
     if args.layers is not None:
