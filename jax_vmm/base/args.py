@@ -64,6 +64,19 @@ def as_float32(value: Any, what: str) -> float:
     return out
 
 
+def as_softcap(softcap: Any, op: str) -> float:
+    """A logit soft-cap for ``op``'s error messages: 0.0 for None (no cap), else a float
+    > 0 in float32 (one that float32 rounds to 0 would silently mean no cap)."""
+    if softcap is None:
+        return 0.0
+    value = as_float32(softcap, f"{op}: softcap (None for no cap)")
+    if np.float32(value) <= 0:
+        raise ValueError(
+            f"{op}: softcap must be > 0 in float32 (or None for no cap), got {softcap}"
+        )
+    return value
+
+
 def as_index(value: Any, what: str, minimum: int = 0) -> int:
     """``value`` as an int >= ``minimum`` (0 or 1), see :func:`as_int`."""
     i = as_int(value, what)

@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..base.args import as_float32
+from ..base.args import as_float32, as_softcap
 from ..base.ffi import register
 from ..base.loader import core as _core
 from ..cache.pytree import KVLayer
@@ -228,10 +228,7 @@ def _validate(
         raise ValueError(f"cudnn_attention: head_dim must be a multiple of 8 up to 256, got {D}")
     if window is not None and (int(window) != window or window < 1):
         raise ValueError(f"cudnn_attention: window must be an integer >= 1 or None, got {window}")
-    if softcap is not None:
-        softcap = as_float32(softcap, "cudnn_attention: softcap")
-        if np.float32(softcap) <= 0:
-            raise ValueError(f"cudnn_attention: softcap must be > 0 or None, got {softcap}")
+    softcap = as_softcap(softcap, "cudnn_attention") or None
     scale = 1.0 / math.sqrt(D) if scale is None else as_float32(scale, "cudnn_attention: scale")
     # Counted against the ensured tokens over an arena layer before the clamp to T (T + 1:
     # see attention_call._clamped_lengths); cuDNN itself gets [0, T].

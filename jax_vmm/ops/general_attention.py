@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..base.args import as_float32, as_int
+from ..base.args import as_int, as_softcap
 from ..base.fp8 import FP8_STORAGE, dequantize_fp8
 from ..cache.pytree import KVLayer
 from . import attention_call as _call
@@ -265,7 +265,7 @@ def checked_options(q: Any, k: Any, options: dict) -> tuple[jax.Array, dict]:
     return q, dict(
         q_lengths=_checked_q_lengths(options.get("q_lengths"), B, S),
         window=_checked_window(options.get("window")),
-        softcap=_checked_softcap(options.get("softcap")),
+        softcap=as_softcap(options.get("softcap"), "attention"),
     )
 
 
@@ -282,17 +282,6 @@ def _checked_window(window: Any) -> int:
     if window < 1:
         raise ValueError(f"attention: window must be >= 1 (or None for no window), got {window}")
     return int(min(window, np.iinfo(np.int32).max))
-
-
-def _checked_softcap(softcap: Any) -> float:
-    if softcap is None:
-        return 0.0
-    value = as_float32(softcap, "attention: softcap (None for no cap)")
-    if np.float32(value) <= 0:  # one float32 rounds to 0 would mean no cap
-        raise ValueError(
-            f"attention: softcap must be > 0 in float32 (or None for no cap), got {softcap}"
-        )
-    return value
 
 
 def _checked_q_lengths(q_lengths: Any, batch: int, q_len: int) -> jax.Array | None:
@@ -331,7 +320,7 @@ def reference_attention(
     B, S, Hq, D = q.shape
     T, Hkv = k.shape[1], k.shape[2]
     window = _checked_window(window)
-    softcap = _checked_softcap(softcap)
+    softcap = as_softcap(softcap, "attention")
     scale = _call._softmax_scale(scale, D)
     acc = jnp.promote_types(jnp.float32, jnp.result_type(q.dtype, k.dtype))
     n = jnp.clip(clamped_counts(lengths, T).astype(jnp.int32), 0, T)

@@ -112,8 +112,9 @@ def test_bad_inputs_are_refused_with_a_message():
         ca.cudnn_attention(q.astype(jnp.float32), k, k, n)
     with pytest.raises(ValueError, match="window"):
         ca.cudnn_attention(q, k, k, n, window=0)
-    with pytest.raises(ValueError, match="softcap"):
-        ca.cudnn_attention(q, k, k, n, softcap=-1.0)
+    for cap in (-1.0, 0.0, 1e-46):  # 1e-46 is 0 in float32: no cap, silently
+        with pytest.raises(ValueError, match="cudnn_attention: softcap must be > 0 in float32"):
+            ca.cudnn_attention(q, k, k, n, softcap=cap)
     with pytest.raises(ValueError, match="lengths"):
         ca.cudnn_attention(q, k, k, jnp.array([1, 2, 3], jnp.int32))
     with pytest.raises(ValueError, match="head_dim"):
