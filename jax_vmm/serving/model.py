@@ -166,6 +166,9 @@ class ModelConfig:
 PRESETS: dict[str, ModelConfig] = {
     # Runs on a 2-core CPU in seconds.
     "cpu": ModelConfig(),
+    # The cpu preset with heads of 64 (the fp8 kernel takes head_dim 64/128/256): what
+    # `--kv-dtype fp8` serves on a CPU.
+    "cpu_fp8": ModelConfig(d_model=256, num_q_heads=4, num_kv_heads=2, head_dim=64, ffn_dim=512),
     # A realistic decode shape: 8 layers, 32 query / 8 KV heads of 128, bf16 (~1.4B params).
     "gpu": ModelConfig(
         vocab=32_000,

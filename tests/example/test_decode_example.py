@@ -584,7 +584,25 @@ def test_decode_cli_prefill_chunk(tmp_path: Path) -> None:
     assert tp["generated_tokens"] == summary["generated_tokens"]
     assert tp["final_backed_bytes"] == 0
     with pytest.raises(SystemExit, match="--kv-dtype fp8: jax_vmm's fp8 attention takes head_dim"):
-        decode.main([*argv, "--prefill-chunk", "8", "--kv-dtype", "fp8"])  # the cpu preset's 32
+        decode.main([*argv, "--preset", "cpu", "--kv-dtype", "fp8"])  # the cpu preset's 32
+
+
+def test_decode_cli_fp8_on_the_cpu_takes_the_cpu_fp8_preset(tmp_path: Path) -> None:
+    """`--kv-dtype fp8` without --preset on a CPU serves the cpu_fp8 preset (heads of 64,
+    which the fp8 kernel reads) in seconds, every request, memory back to 0; the cpu
+    preset's heads of 32 are refused only when asked for by name (above)."""
+    from jax_vmm.serving.cli import decode
+
+    argv = ["--device", "cpu", "--requests", "3", "--batch", "2", "--max-tokens", "64"]
+    argv += ["--prompt-len", "9", "20", "--new-tokens", "2", "6", "--no-plot", "--no-progress"]
+    summary = decode.main([*argv, "--kv-dtype", "fp8", "--out", str(tmp_path)])
+    assert summary["model"] == dataclasses.asdict(M.PRESETS["cpu_fp8"])
+    assert summary["kv_dtype"] == "fp8" and summary["model"]["head_dim"] == 64
+    reqs = E.make_requests(
+        M.PRESETS["cpu_fp8"], num=3, prompt_len=(9, 20), new_tokens=(2, 6), seed=1
+    )
+    assert summary["generated_tokens"] == sum(r.max_new_tokens for r in reqs)
+    assert summary["final_backed_bytes"] == 0
 
 
 @pytest.mark.parametrize(

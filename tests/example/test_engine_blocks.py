@@ -399,7 +399,7 @@ def test_decode_cli_sleep_every_checks_generation(tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match="needs K >= 1 and --backend jax_vmm"):
         decode.main([*args, "--sleep-every", "2", "--backend", "prealloc"])
     with pytest.raises(SystemExit, match="fp8 attention takes head_dim in"):
-        decode.main([*args, "--kv-dtype", "fp8"])
+        decode.main([*args, "--preset", "cpu", "--kv-dtype", "fp8"])
     with pytest.raises(SystemExit, match="block .* must be an integer >= 1"):
         decode.main([*args, "--block", "0"])  # the last one counts
 

@@ -65,6 +65,7 @@ SERVING = {
         chunk_bytes=None,
     ),
 }
+SERVING["cpu_fp8"] = SERVING["cpu"]  # 16 KiB: 128 tokens of its fp8 layer buffers
 
 
 def resolve_device(name: str) -> jax.Device:
@@ -92,7 +93,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--preset",
         choices=("auto", *M.PRESETS),
         default="auto",
-        help="model and serving size; auto = gpu on a GPU, else cpu",
+        help="model and serving size; auto = gpu on a GPU, else cpu (cpu_fp8 with "
+        "--kv-dtype fp8: heads of 64, which the fp8 kernel reads)",
     )
     p.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto")
     p.add_argument(
@@ -274,10 +276,12 @@ def default_tp(argv: list[str], devices: int) -> int:
 
 
 def _preset(args: argparse.Namespace, device: jax.Device) -> str:
-    """--preset, auto resolved: gpu on a GPU, else cpu."""
+    """--preset, auto resolved: gpu on a GPU, else cpu (cpu_fp8 for an fp8 cache)."""
     if args.preset != "auto":
         return args.preset
-    return "gpu" if device.platform == "gpu" else "cpu"
+    if device.platform == "gpu":
+        return "gpu"
+    return "cpu_fp8" if args.kv_dtype == "fp8" else "cpu"
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -323,7 +327,8 @@ def _serve(args: argparse.Namespace) -> dict:
     if args.kv_dtype == "fp8" and cfg.head_dim not in FP8_HEAD_DIMS:
         raise SystemExit(
             f"decode.py: --kv-dtype fp8: jax_vmm's fp8 attention takes head_dim in "
-            f"{FP8_HEAD_DIMS}; the {preset} preset's is {cfg.head_dim} (use --preset gpu)"
+            f"{FP8_HEAD_DIMS}; the {preset} preset's is {cfg.head_dim} (use --preset "
+            "cpu_fp8, or gpu)"
         )
     if args.sleep_every is not None and (args.sleep_every < 1 or args.backend != "jax_vmm"):
         raise SystemExit(
