@@ -458,10 +458,8 @@ def stream_attention_plan(
     """Plan of the streaming kernel (ffi/src/ops/attention/stream_plan.h): ``ctas`` (grid
     size; by default 2 per SM, 1 for 16-bit head_dim 256, 3 for fp8 head_dim <= 128; the
     CPU model uses 16),
-    ``head_group`` (query heads per unit), ``kv_per_unit`` (2 where a unit takes two
-    adjacent KV heads: rows of at most 128 bytes, GQA groups of at most 4), ``unit_groups``,
-    ``min_tiles``, ``tile_tokens`` (tokens per tile: 16, or 32 where a unit's K/V row of a
-    token is at most 128 bytes), ``workspace_bytes`` and
+    ``head_group``, ``unit_groups``, ``min_tiles``, ``tile_tokens`` (tokens per tile: 16, or
+    32 for K/V rows of at most 128 bytes), ``workspace_bytes`` and
     ``unsupported`` (why the shape cannot be served, or ""). ``parallel_units``: the SM
     count to plan for (0: the CPU model); default JAX's default device."""
     if parallel_units is None:

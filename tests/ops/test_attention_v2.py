@@ -107,15 +107,14 @@ def test_forced_partitions(device, ctas, min_tiles):
 @pytest.mark.parametrize("storage", ["fp8", "bf16"])
 @pytest.mark.parametrize("ctas,min_tiles", [(0, 0), (5, 1), (1, 1)])
 def test_lengths_at_the_edges_of_32_token_tiles(device, storage, ctas, min_tiles):
-    """K/V rows of <= 128 bytes (fp8 at head_dim 128, 16-bit at 64) of one KV head per unit
-    (a GQA group of 8: no pairing) stream in tiles of 32 tokens, two tensor-core tiles
-    each: lengths on either side of 16, 32 and 48 mask the right rows of each half, and
-    pieces that start and end mid-unit combine."""
+    """K/V rows of <= 128 bytes (fp8 at head_dim 128, 16-bit at 64) stream in tiles of 32
+    tokens, two tensor-core tiles each: lengths on either side of 16, 32 and 48 mask the
+    right rows of each half, and pieces that start and end mid-unit combine."""
     D = 128 if storage == "fp8" else 64
     lengths = np.array([15, 16, 17, 31, 32, 33, 47, 48, 49, 64, 1, 0], np.int32)
-    B, T, Hq, Hkv = len(lengths), 64, 8, 1
+    B, T, Hq, Hkv = len(lengths), 64, 8, 2
     plan = stream_attention_plan(B, T, Hq, Hkv, D, fp8=storage == "fp8", parallel_units=0)
-    assert (plan["tile_tokens"], plan["kv_per_unit"]) == (32, 1)
+    assert plan["tile_tokens"] == 32
     rng = np.random.default_rng(ctas * 7 + min_tiles)
     knobs = dict(ctas=ctas, min_tiles=min_tiles)
     impls = ("stream", "stream_combine", "stream_tma")
@@ -133,80 +132,6 @@ def test_lengths_at_the_edges_of_32_token_tiles(device, storage, ctas, min_tiles
         for impl in impls:
             out = decode_attention_tuned(q, k, v, lens, impl=impl, **knobs)
             assert_close(out, ref, BF16, f"bf16 {impl} {knobs}")
-
-
-PAIRED_SHAPES = [
-    # B, T, Hq, Hkv, D: GQA groups 4, 2, 1 and 3 (6 of a tile's 8 query columns), fp8 at
-    # head_dim 64 and 128 and 16-bit at 64: two adjacent KV heads per unit
-    (12, 64, 8, 2, 128),
-    (5, 200, 8, 4, 128),
-    (4, 96, 4, 4, 64),
-    (3, 130, 12, 4, 128),
-    (3, 70, 6, 2, 64),
-]
-
-
-@pytest.mark.parametrize("shape", PAIRED_SHAPES, ids=lambda s: "B{}T{}Hq{}Hkv{}D{}".format(*s))
-@pytest.mark.parametrize("ctas,min_tiles", [(0, 0), (5, 1), (1, 1)])
-def test_paired_kv_heads_match_the_reference(device, shape, ctas, min_tiles):
-    """Units of two KV heads (rows of <= 128 bytes, groups of <= 4): each query column sums
-    only its own head's keys and values, with its own head's k_scale and v_scale (scales
-    far apart between the two heads of a unit, so a swapped or shared scale shows), at
-    lengths on either side of the 16- and 32-token tiles, split over CTAs or whole."""
-    B, T, Hq, Hkv, D = shape
-    rng = np.random.default_rng(sum(shape) + 13 * ctas + min_tiles)
-    lengths = np.array(([15, 16, 17, 31, 32, 33, 1, 0] + [T] * B)[:B], np.int32)
-    lengths = np.minimum(lengths, T)
-    knobs = dict(ctas=ctas, min_tiles=min_tiles)
-    for fp8 in (True, False) if D == 64 else (True,):
-        plan = stream_attention_plan(B, T, Hq, Hkv, D, fp8=fp8, parallel_units=0)
-        row = 2 * D * (1 if fp8 else 2)  # both heads' bytes of a token
-        assert (plan["kv_per_unit"], plan["tile_tokens"]) == (2, 16 if row > 128 else 32), plan
-        assert plan["head_group"] == 2 * Hq // Hkv
-        if fp8:
-            (q, k, v, ks, vs), _ = fp8_inputs(rng, B, T, Hq, Hkv, D, BF16)
-            spread = jnp.asarray([1.0, 64.0] * (Hkv // 2), jnp.float32)
-            ks, vs = ks * spread, vs * spread[::-1]
-            q64 = np.asarray(q.astype(jnp.float32), np.float64)
-            k64, v64 = (
-                np.asarray(dequantize_fp8(x, sc), np.float64) for x, sc in ((k, ks), (v, vs))
-            )
-            q, k, v, ks, vs, lens = on(device, q, k, v, ks, vs, jnp.asarray(lengths))
-            ref = reference(q64, k64, v64, lengths)
-            for impl in ("stream", "stream_combine", "stream_tma"):
-                out = decode_attention_tuned(
-                    q, k, v, lens, k_scale=ks, v_scale=vs, impl=impl, **knobs
-                )
-                close_fp8(out, ref, BF16, f"fp8 {impl} {shape} {knobs}")
-        else:
-            (q, k, v), (q64, k64, v64) = random_inputs(rng, B, T, Hq, Hkv, D, BF16)
-            q, k, v, lens = on(device, q, k, v, jnp.asarray(lengths))
-            ref = reference(q64, k64, v64, lengths)
-            for impl in ("stream", "stream_combine", "stream_tma"):
-                out = decode_attention_tuned(q, k, v, lens, impl=impl, **knobs)
-                assert_close(out, ref, BF16, f"bf16 {impl} {shape} {knobs}")
-
-
-@pytest.mark.parametrize(
-    "Hq,Hkv,D,fp8,paired",
-    [
-        (32, 8, 128, True, True),  # Llama-style GQA over an fp8 cache
-        (32, 8, 128, False, False),  # 256-byte rows already
-        (32, 8, 64, False, True),
-        (64, 8, 128, True, False),  # a group of 8 fills the tile alone
-        (24, 3, 64, False, False),  # an odd KV head count
-        (16, 8, 256, True, False),  # 256-byte fp8 rows
-        (10, 2, 64, True, False),  # a group of 5: two heads need 10 columns
-    ],
-)
-def test_plan_pairs_kv_heads_where_rows_are_short(Hq, Hkv, D, fp8, paired):
-    p = stream_attention_plan(8, 4096, Hq, Hkv, D, fp8=fp8, parallel_units=132)
-    G = Hq // Hkv
-    assert p["kv_per_unit"] == (2 if paired else 1)
-    assert p["head_group"] == (2 * G if paired else min(G, 16))
-    assert p["unit_groups"] * p["head_group"] == Hq
-    row = p["kv_per_unit"] * D * (1 if fp8 else 2)  # the unit's bytes of a token
-    assert p["tile_tokens"] == (16 if row > 128 else 32)
 
 
 @pytest.mark.parametrize(
@@ -344,22 +269,17 @@ def test_plan_and_workspace():
     # fp8 rows of <= 128 bytes: three CTAs per SM
     assert stream_attention_plan(32, 8192, 32, 8, 128, parallel_units=132, fp8=True)["ctas"] == 396
     assert stream_attention_plan(32, 8192, 32, 8, 64, parallel_units=132, fp8=True)["ctas"] == 396
-    # tiles of 32 tokens for unit rows of <= 128 bytes, else 16 (the same bytes per ring
-    # tile); 8 query heads over 1 KV head: no pairing, so the row is one head's
+    # tiles of 32 tokens for K/V rows of <= 128 bytes, else 16 (the same bytes per ring tile)
     for D, fp8, want in [(128, False, 16), (256, False, 16), (64, False, 32), (64, True, 32)]:
         for units in (0, 132):
-            p = stream_attention_plan(4, 1024, 8, 1, D, parallel_units=units, fp8=fp8)
+            p = stream_attention_plan(4, 1024, 8, 8, D, parallel_units=units, fp8=fp8)
             assert p["tile_tokens"] == want, (D, fp8, units)
             assert p["min_tiles"] * want == 256  # the automatic floor: 256 tokens per CTA
     assert (
-        stream_attention_plan(4, 1024, 8, 1, 128, fp8=True, parallel_units=0)["tile_tokens"] == 32
+        stream_attention_plan(4, 1024, 8, 8, 128, fp8=True, parallel_units=0)["tile_tokens"] == 32
     )
     assert (
         stream_attention_plan(4, 1024, 8, 8, 256, fp8=True, parallel_units=0)["tile_tokens"] == 16
-    )
-    # paired (8 KV heads, group 1): two 128-byte heads make a 256-byte row, 16-token tiles
-    assert (
-        stream_attention_plan(4, 1024, 8, 8, 128, fp8=True, parallel_units=0)["tile_tokens"] == 16
     )
     assert stream_attention_plan(2000, 64, 8, 8, 64, parallel_units=132)["unsupported"]
     assert stream_attention_plan(4, 64, 8, 8, 64, parallel_units=132, ctas=9)["ctas"] == 9

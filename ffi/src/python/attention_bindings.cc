@@ -68,7 +68,6 @@ void BindAttention(nb::module_& m) {
         nb::dict d;
         d["ctas"] = p.ctas;
         d["head_group"] = p.head_group;
-        d["kv_per_unit"] = p.kv_per_unit;
         d["unit_groups"] = p.unit_groups;
         d["min_tiles"] = p.min_tiles;
         d["tile_tokens"] = p.tile_tokens;

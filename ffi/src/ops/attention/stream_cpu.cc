@@ -64,7 +64,8 @@ struct Model {
   // first CTA-local index), merged in warp order. Writes rows of (M, L, A).
   void Piece(int b, int hg, int tile0, int count, int local0, float* M, float* L, float* A) const {
     const int64_t D = sh.head_dim, GB = plan.head_group, G = sh.q_heads / sh.kv_heads;
-    auto kv_head = [&](int64_t h) { return (hg * GB + h) / G; };  // 1 or 2 per unit
+    const int64_t kvh = hg * GB / G;
+    const float ks = k_scale[kvh], vs = v_scale[kvh];
     std::vector<float> wm(kWarps * GB, kNegInf), wl(kWarps * GB, 0.f), wa(kWarps * GB * D, 0.f);
     const int tile_tokens = static_cast<int>(plan.tile_tokens);
     std::vector<float> qv(GB * D), s(tile_tokens);
@@ -76,8 +77,6 @@ struct Model {
       const int t0 = (tile0 + i) * tile_tokens;
       const int n = std::min(tile_tokens, lens[b] - t0);
       for (int64_t h = 0; h < GB; ++h) {
-        const int64_t kvh = kv_head(h);
-        const float ks = k_scale[kvh];
         float mx = kNegInf;
         for (int r = 0; r < n; ++r) {
           const int64_t row = ((b * sh.max_tokens + t0 + r) * sh.kv_heads + kvh) * D;
@@ -107,7 +106,6 @@ struct Model {
       for (int w = 0; w < kWarps; ++w) mx = std::max(mx, wm[w * GB + h]);
       float tl = 0.f;
       for (int64_t d = 0; d < D; ++d) A[h * D + d] = 0.f;
-      const float vs = v_scale[kv_head(h)];
       for (int w = 0; w < kWarps; ++w) {
         const float f = std::exp2(wm[w * GB + h] - mx);
         tl += wl[w * GB + h] * f;

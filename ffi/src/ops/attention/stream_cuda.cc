@@ -47,8 +47,7 @@ struct Call {
 ffi::Error ChooseStages(int64_t requested, int sms, Call* call) {
   const Shapes& sh = call->shapes;
   const int rows = call->kernel.two_head_tiles ? 16 : 8;
-  const size_t stage_bytes =
-      StageBytes(sh.head_dim, call->kernel.kv, call->kernel.bulk, call->plan.kv_per_unit);
+  const size_t stage_bytes = StageBytes(sh.head_dim, call->kernel.kv, call->kernel.bulk);
   const size_t fixed = FixedSharedBytes(sh.batch, rows, sh.head_dim);
   const int64_t resident = std::max<int64_t>(1, (call->plan.ctas + sms - 1) / sms);
   const size_t budget =
@@ -99,7 +98,6 @@ ffi::Error Prepare(int device, const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
   kc.q_bf16 = q.element_type() == ffi::DataType::BF16;
   kc.head_dim = static_cast<int>(sh.head_dim);
   kc.two_head_tiles = call->plan.head_group > 8;
-  kc.paired = call->plan.kv_per_unit == 2;
   kc.bulk = attrs.bulk == 1;
   kc.ctas = static_cast<unsigned>(call->plan.ctas);
   return ChooseStages(attrs.stages, sms, call);

@@ -1,8 +1,7 @@
 // The streaming ("stream-K") decode-attention kernel. Host view: stream_kernels.h.
 //
-// StreamKernel<S, QT, D, NQT, kBulk, KP> (S: storage type of K/V, QT: type of q and the
-// output, NQT: head tiles of 8 query heads, kBulk: tiles by bulk copies, KP: KV heads per
-// unit, 1 or 2), in phases:
+// StreamKernel<S, QT, D, NQT, kBulk> (S: storage type of K/V, QT: type of q and the
+// output, NQT: head tiles of 8 query heads, kBulk: tiles by bulk copies), in phases:
 //   1. lengths and tile prefix: each CTA reads the lengths and builds the prefix of
 //      tiles per sequence in shared memory (Tables, stream_tables.cuh); a tile is
 //      TileTokens(row bytes) tokens, 16 or 32 (stream_plan.h), so every ring tile carries
@@ -18,10 +17,6 @@
 //      byte-permuted token pairs for PV); online softmax in registers: the QK accumulator
 //      (tokens x heads) becomes the PV B operand with movmatrix.trans, so logits never go
 //      through shared memory;
-//      With KP = 2 (stream_plan.h PairsKvHeads) a ring row is both heads' rows of a token
-//      (contiguous in the cache) and the tile's 8 query columns are 2 x group heads: each
-//      product runs once per head over its half of the row with the other head's query
-//      columns (QK) or probabilities (PV) zeroed, so every column sums only its own head;
 //   4. at the end of each piece of a unit the 4 warps merge in a fixed order
 //      (deterministic); a whole unit is written out, a piece goes to its workspace slot;
 //      with the fused combine the piece that arrives last (per-unit counter) merges the
@@ -59,7 +54,7 @@ using kernels::AccumulateWarpsInOrder;
 using kernels::FromFloat;
 using kernels::TensorCore;
 
-template <typename S, typename QT, int D, int NQT, bool kBulk, int KP>
+template <typename S, typename QT, int D, int NQT, bool kBulk>
 __global__ void __launch_bounds__(kThreads) StreamKernel(const StreamParams p) {
   using St = Storage<S>;
   using T = typename St::Compute;
@@ -68,8 +63,7 @@ __global__ void __launch_bounds__(kThreads) StreamKernel(const StreamParams p) {
   constexpr int kKBlocks = D / 32;
   constexpr int kVChunks = D / 64;
   constexpr int kMTiles = D / 16;
-  constexpr int RBH = D * St::kBytes;  // bytes of one token row of one KV head
-  constexpr int RB = KP * RBH;         // bytes of a ring row: the unit's KV heads of a token
+  constexpr int RB = D * St::kBytes;  // bytes of one token row of one KV head
   constexpr int kTile = TileTokens(RB);  // tokens per ring tile
   constexpr int kSub = kTile / 16;       // 16-token tensor-core tiles per ring tile
   constexpr int kRowStride = kBulk ? RB + 16 : RB;
@@ -78,7 +72,6 @@ __global__ void __launch_bounds__(kThreads) StreamKernel(const StreamParams p) {
   constexpr int kRedStride = D + 4;
   static_assert(D % 64 == 0 && RB % 64 == 0, "head_dim must be a multiple of 64");
   static_assert(kTile * RB % 512 == 0, "tile chunks must split evenly over a warp");
-  static_assert(KP == 1 || (KP == 2 && NQT == 1), "paired units have one head tile");
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, grp = lane >> 2, tig = lane & 3;
   const int B = p.batch, HG = p.unit_groups, GB = p.head_group;
@@ -148,7 +141,7 @@ __global__ void __launch_bounds__(kThreads) StreamKernel(const StreamParams p) {
   const int g0 = RangeStart(cta, total, C), g1 = RangeStart(cta + 1, total, C);
   if (g0 >= g1) return;
 
-  const int64_t tstride = static_cast<int64_t>(p.kv_heads) * RBH;  // bytes between tokens
+  const int64_t tstride = static_cast<int64_t>(p.kv_heads) * RB;  // bytes between tokens
   const uint8_t* kbytes = static_cast<const uint8_t*>(p.k);
   const uint8_t* vbytes = static_cast<const uint8_t*>(p.v);
 
@@ -161,7 +154,7 @@ __global__ void __launch_bounds__(kThreads) StreamKernel(const StreamParams p) {
       const int n = min(kTile, lens[c.b] - t0);
       const int kvh = c.hg * GB / p.group;
       const int64_t base = (static_cast<int64_t>(c.b) * p.max_tokens + t0) * tstride +
-                           static_cast<int64_t>(kvh) * RBH;
+                           static_cast<int64_t>(kvh) * RB;
       uint8_t* dst = ring + slot * 2 * kTileBytes;
       if constexpr (kBulk) {
         if (lane == 0) MbarArriveExpectTx(bars + slot, 2u * n * RB);
@@ -221,32 +214,13 @@ __global__ void __launch_bounds__(kThreads) StreamKernel(const StreamParams p) {
     const int unit_tiles = tab.Tiles(b);
     const int unit_start = g - seg.tile, unit_end = unit_start + unit_tiles;
     const int seg_end = min(g1, unit_end);
-    const int kvh = hg * GB / p.group;  // the unit's (first) KV head
-    float kscale[KP], vscale[KP];
-#pragma unroll
-    for (int hh = 0; hh < KP; ++hh) {
-      kscale[hh] = p.k_scale != nullptr ? __ldg(p.k_scale + kvh + hh) : 1.f;
-      vscale[hh] = p.v_scale != nullptr ? __ldg(p.v_scale + kvh + hh) : 1.f;
-    }
+    const int kvh = hg * GB / p.group;
+    const float kscale = p.k_scale != nullptr ? __ldg(p.k_scale + kvh) : 1.f;
+    const float vscale = p.v_scale != nullptr ? __ldg(p.v_scale + kvh) : 1.f;
 
     uint32_t qf[NQT][kKBlocks][4];
     float lscale[NQT][2];
-    LoadQuery<QT, T, D, NQT, KP>(p, b, hg, kscale, qf, lscale);
-    // qk[hh]: the query columns of the unit's KV head hh, the others zero (a lane's
-    // B-fragment column is unit head 8 nt + grp, of KV head (8 nt + grp) / group).
-    uint32_t qk[KP][NQT][kKBlocks][4];
-#pragma unroll
-    for (int hh = 0; hh < KP; ++hh) {
-#pragma unroll
-      for (int nt = 0; nt < NQT; ++nt) {
-        const bool mine = KP == 1 || (8 * nt + grp) / p.group == hh;
-#pragma unroll
-        for (int j = 0; j < kKBlocks; ++j) {
-#pragma unroll
-          for (int i = 0; i < 4; ++i) qk[hh][nt][j][i] = mine ? qf[nt][j][i] : 0u;
-        }
-      }
-    }
+    LoadQuery<QT, T, D, NQT>(p, b, hg, kscale, qf, lscale);
     float mrun[NQT][2], lrun[NQT][2], acc[NQT][kMTiles][4];
 #pragma unroll
     for (int nt = 0; nt < NQT; ++nt) {
@@ -282,17 +256,14 @@ __global__ void __launch_bounds__(kThreads) StreamKernel(const StreamParams p) {
           sc[s][nt][0] = sc[s][nt][1] = sc[s][nt][2] = sc[s][nt][3] = 0.f;
         }
 #pragma unroll
-        for (int hh = 0; hh < KP; ++hh) {
+        for (int j = 0; j < kKBlocks; ++j) {
+          const int byte = (32 * j + 8 * tig) * St::kBytes;
+          const uint4 ka = St::Load8(ks + TileOffset<RB, kBulk>(16 * s + grp, byte));
+          const uint4 kb = St::Load8(ks + TileOffset<RB, kBulk>(16 * s + grp + 8, byte));
 #pragma unroll
-          for (int j = 0; j < kKBlocks; ++j) {
-            const int byte = hh * RBH + (32 * j + 8 * tig) * St::kBytes;
-            const uint4 ka = St::Load8(ks + TileOffset<RB, kBulk>(16 * s + grp, byte));
-            const uint4 kb = St::Load8(ks + TileOffset<RB, kBulk>(16 * s + grp + 8, byte));
-#pragma unroll
-            for (int nt = 0; nt < NQT; ++nt) {
-              TC::Mma(sc[s][nt], ka.x, kb.x, ka.y, kb.y, qk[hh][nt][j][0], qk[hh][nt][j][1]);
-              TC::Mma(sc[s][nt], ka.z, kb.z, ka.w, kb.w, qk[hh][nt][j][2], qk[hh][nt][j][3]);
-            }
+          for (int nt = 0; nt < NQT; ++nt) {
+            TC::Mma(sc[s][nt], ka.x, kb.x, ka.y, kb.y, qf[nt][j][0], qf[nt][j][1]);
+            TC::Mma(sc[s][nt], ka.z, kb.z, ka.w, kb.w, qf[nt][j][2], qf[nt][j][3]);
           }
         }
       }
@@ -348,32 +319,21 @@ __global__ void __launch_bounds__(kThreads) StreamKernel(const StreamParams p) {
       for (int s = 0; s < kSub; ++s) {
         const int r = 16 * s + 2 * tig;
 #pragma unroll
-        for (int hh = 0; hh < KP; ++hh) {
-          // P^T columns of the other KV head zeroed (the lane's column: unit head 8 nt + grp)
-          uint32_t ph[NQT][2];
+        for (int x = 0; x < kVChunks; ++x) {
+          const int byte = (64 * x + 8 * grp) * St::kBytes;
+          const uint4 w0 = St::Load8(vs + TileOffset<RB, kBulk>(r, byte));      // token 2tig
+          const uint4 w1 = St::Load8(vs + TileOffset<RB, kBulk>(r + 1, byte));  // 2tig + 1
+          const uint4 w2 = St::Load8(vs + TileOffset<RB, kBulk>(r + 8, byte));  // 2tig + 8
+          const uint4 w3 = St::Load8(vs + TileOffset<RB, kBulk>(r + 9, byte));  // 2tig + 9
 #pragma unroll
-          for (int nt = 0; nt < NQT; ++nt) {
-            const bool mine = KP == 1 || (8 * nt + grp) / p.group == hh;
-            ph[nt][0] = mine ? pb[s][nt][0] : 0u;
-            ph[nt][1] = mine ? pb[s][nt][1] : 0u;
-          }
+          for (int i2 = 0; i2 < 4; ++i2) {
+            const uint32_t a0 = __byte_perm(Word(w0, i2), Word(w1, i2), 0x5410u);  // dim d
+            const uint32_t a1 = __byte_perm(Word(w0, i2), Word(w1, i2), 0x7632u);  // dim d + 1
+            const uint32_t a2 = __byte_perm(Word(w2, i2), Word(w3, i2), 0x5410u);
+            const uint32_t a3 = __byte_perm(Word(w2, i2), Word(w3, i2), 0x7632u);
 #pragma unroll
-          for (int x = 0; x < kVChunks; ++x) {
-            const int byte = hh * RBH + (64 * x + 8 * grp) * St::kBytes;
-            const uint4 w0 = St::Load8(vs + TileOffset<RB, kBulk>(r, byte));      // token 2tig
-            const uint4 w1 = St::Load8(vs + TileOffset<RB, kBulk>(r + 1, byte));  // 2tig + 1
-            const uint4 w2 = St::Load8(vs + TileOffset<RB, kBulk>(r + 8, byte));  // 2tig + 8
-            const uint4 w3 = St::Load8(vs + TileOffset<RB, kBulk>(r + 9, byte));  // 2tig + 9
-#pragma unroll
-            for (int i2 = 0; i2 < 4; ++i2) {
-              const uint32_t a0 = __byte_perm(Word(w0, i2), Word(w1, i2), 0x5410u);  // dim d
-              const uint32_t a1 = __byte_perm(Word(w0, i2), Word(w1, i2), 0x7632u);  // dim d + 1
-              const uint32_t a2 = __byte_perm(Word(w2, i2), Word(w3, i2), 0x5410u);
-              const uint32_t a3 = __byte_perm(Word(w2, i2), Word(w3, i2), 0x7632u);
-#pragma unroll
-              for (int nt = 0; nt < NQT; ++nt)
-                TC::Mma(acc[nt][4 * x + i2], a0, a1, a2, a3, ph[nt][0], ph[nt][1]);
-            }
+            for (int nt = 0; nt < NQT; ++nt)
+              TC::Mma(acc[nt][4 * x + i2], a0, a1, a2, a3, pb[s][nt][0], pb[s][nt][1]);
           }
         }
       }
@@ -406,8 +366,7 @@ __global__ void __launch_bounds__(kThreads) StreamKernel(const StreamParams p) {
         const int head = nt * 8 + 2 * tig + e;
         float M = -INFINITY;
         for (int w = 0; w < kWarps; ++w) M = fmaxf(M, mw[w * kRows + head]);
-        const int hh = KP == 1 ? 0 : min(head / p.group, KP - 1);  // the column's KV head
-        f[nt][e] = exp2f(mrun[nt][e] - M) * vscale[hh];  // a warp without tiles here: 0
+        f[nt][e] = exp2f(mrun[nt][e] - M) * vscale;  // a warp without tiles here: 0
       }
     }
     AccumulateWarpsInOrder<kWarps, NQT, kMTiles>(red, kRedStride, GB, acc, f);

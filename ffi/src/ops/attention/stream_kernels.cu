@@ -52,40 +52,33 @@ __global__ void __launch_bounds__(kThreads) CombineKernel(const StreamParams p, 
 }
 
 // launch = false only raises the kernel's shared-memory limit.
-template <typename S, typename QT, int D, int NQT, bool kBulk, int KP>
+template <typename S, typename QT, int D, int NQT, bool kBulk>
 cudaError_t RunKernel(const StreamParams* p, const KernelChoice& k, cudaStream_t stream) {
   static std::once_flag once;
   static cudaError_t attr = cudaSuccess;
   std::call_once(once, [] {
-    attr = cudaFuncSetAttribute(StreamKernel<S, QT, D, NQT, kBulk, KP>,
+    attr = cudaFuncSetAttribute(StreamKernel<S, QT, D, NQT, kBulk>,
                                 cudaFuncAttributeMaxDynamicSharedMemorySize,
                                 static_cast<int>(kMaxSmemPerCta));
   });
   if (attr != cudaSuccess || p == nullptr) return attr;
-  StreamKernel<S, QT, D, NQT, kBulk, KP><<<k.ctas, kThreads, k.smem, stream>>>(*p);
+  StreamKernel<S, QT, D, NQT, kBulk><<<k.ctas, kThreads, k.smem, stream>>>(*p);
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess || p->fused) return e;
-  CombineKernel<QT, D, TileTokens(KP * D * Storage<S>::kBytes)>
+  CombineKernel<QT, D, TileTokens(D * Storage<S>::kBytes)>
       <<<dim3(static_cast<unsigned>(p->unit_groups), static_cast<unsigned>(p->batch)), kThreads, 0,
          stream>>>(*p, static_cast<int>(k.ctas));
   return cudaGetLastError();
 }
 
 // The instantiation `k` names; p == nullptr: only its shared-memory limit.
-// Paired units exist only for rows of at most 128 bytes, with one head tile (PairsKvHeads).
 template <typename S, typename QT, int D>
 cudaError_t RunHeads(const StreamParams* p, const KernelChoice& k, cudaStream_t stream) {
-  if constexpr (D * Storage<S>::kBytes <= 128) {
-    if (k.paired) {
-      return k.bulk ? RunKernel<S, QT, D, 1, true, 2>(p, k, stream)
-                    : RunKernel<S, QT, D, 1, false, 2>(p, k, stream);
-    }
-  }
   if (k.two_head_tiles) {
-    return k.bulk ? RunKernel<S, QT, D, 2, true, 1>(p, k, stream)
-                  : RunKernel<S, QT, D, 2, false, 1>(p, k, stream);
+    return k.bulk ? RunKernel<S, QT, D, 2, true>(p, k, stream)
+                  : RunKernel<S, QT, D, 2, false>(p, k, stream);
   }
-  return k.bulk ? RunKernel<S, QT, D, 1, true, 1>(p, k, stream)
-                : RunKernel<S, QT, D, 1, false, 1>(p, k, stream);
+  return k.bulk ? RunKernel<S, QT, D, 1, true>(p, k, stream)
+                : RunKernel<S, QT, D, 1, false>(p, k, stream);
 }
 
 template <typename S, typename QT>

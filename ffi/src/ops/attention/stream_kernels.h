@@ -45,7 +45,6 @@ struct KernelChoice {
   bool q_bf16 = true;           // q and the output: bfloat16, else float16
   int head_dim = 0;             // 64, 128 or 256
   bool two_head_tiles = false;  // head_group > 8
-  bool paired = false;          // two KV heads per unit (Plan::kv_per_unit == 2)
   bool bulk = false;            // tiles by bulk copies (impl stream_tma)
   unsigned ctas = 0;            // grid size
   size_t smem = 0;              // dynamic shared memory bytes
@@ -59,10 +58,10 @@ inline size_t FixedSharedBytes(int64_t batch, int rows, int64_t head_dim) {
          sizeof(float) * (rows * (head_dim + 4) + 2 * kWarps * rows + 2 * rows) + sizeof(int) + 16;
 }
 
-// Ring bytes of one slot for all warps: a K and a V tile of TileTokens rows each, a row
-// holding the unit's kv_per_unit heads of one token (bulk: rows padded by 16 bytes).
-inline size_t StageBytes(int64_t head_dim, KvStorage kv, bool bulk, int64_t kv_per_unit) {
-  const int64_t row_bytes = kv_per_unit * head_dim * StorageBytes(kv);
+// Ring bytes of one slot for all warps: a K and a V tile of TileTokens rows each (bulk:
+// rows padded by 16 bytes).
+inline size_t StageBytes(int64_t head_dim, KvStorage kv, bool bulk) {
+  const int64_t row_bytes = head_dim * StorageBytes(kv);
   const size_t row = static_cast<size_t>(row_bytes) + (bulk ? 16 : 0);
   return static_cast<size_t>(kWarps) * 2 * TileTokens(row_bytes) * row;
 }

@@ -4,11 +4,8 @@
 // slot and combine bookkeeping of the GPU path.
 //
 // Work. A *unit* is (sequence b, head group hg): head_group query heads that share one
-// KV head, or, where K/V rows are at most 128 bytes and the GQA group at most 4 query
-// heads, the query heads of two adjacent KV heads (kv_per_unit = 2, PairsKvHeads): the
-// unit then reads both heads' rows of a token as one contiguous row of twice the bytes.
-// Unit u = b * unit_groups + hg holds tiles(b) = ceil(len_b / t) tiles of t
-// tokens, t = TileTokens(unit row bytes): 16, or 32 for rows of at most 128 bytes. The units'
+// KV head. Unit u = b * unit_groups + hg holds tiles(b) = ceil(len_b / t) tiles of t
+// tokens, t = TileTokens(row bytes): 16, or 32 for rows of at most 128 bytes. The units'
 // tiles, laid end to end (b-major), form one global tile range
 // [0, total) that is cut into C contiguous, equal pieces, one per CTA: CTA c takes
 // [RangeStart(c), RangeStart(c + 1)). So every CTA reads the same number of KV bytes
@@ -69,27 +66,12 @@ enum Combine : int64_t { kCombineFused = 0, kCombineKernel = 1 };
 struct Plan {
   int64_t ctas = 0;         // grid size
   int64_t head_group = 0;   // query heads per unit
-  int64_t kv_per_unit = 1;  // KV heads per unit: 1, or 2 (PairsKvHeads)
   int64_t unit_groups = 0;  // units per sequence = q_heads / head_group
   int64_t min_tiles = 0;
   int64_t tile_tokens = kTileTokens;  // TileTokens(head_dim * storage bytes)
   int64_t acc_offset = 0, m_offset = 0, l_offset = 0, counter_offset = 0;  // bytes
   int64_t workspace_bytes = 0;
 };
-
-// Whether a unit takes two adjacent KV heads: rows of at most 128 bytes (fp8 at head_dim
-// <= 128, 16-bit at 64), a GQA group of at most 4 query heads (so both heads' queries fit
-// one tensor-core tile of 8) and an even KV head count. Why: with one head per unit a warp
-// reads each token's 128-byte row alone, 1 KiB or more from the next, while the warps
-// reading that token's other heads are at unrelated positions; DRAM then delivers 8% less
-// than a linear read (tools/gpu/row_read_probe.py), against under 1% for 256-byte rows in
-// any order. Paired, the row is 256 bytes, and the 8 query columns of every tensor-core
-// tile are all used (with one head and a group of 4, half of them are padding).
-inline bool PairsKvHeads(const Shapes& s, int64_t storage_bytes) {
-  const int64_t group = s.q_heads / s.kv_heads;
-  return s.head_dim * storage_bytes <= 128 && group <= 4 && s.kv_heads % 2 == 0 &&
-         HeadGroup(s.q_heads, s.kv_heads) == group;
-}
 
 // Tokens per tile for K/V rows of `row_bytes` (head_dim x element bytes): 32 for rows of at
 // most 128 bytes (fp8 head_dim <= 128, 16-bit head_dim 64), else 16. A warp's fixed work
@@ -141,9 +123,8 @@ inline std::string Unsupported(const Shapes& s) {
 inline Plan MakeStreamPlan(const Shapes& s, int64_t storage_bytes, int64_t default_ctas,
                            int64_t ctas_override = 0, int64_t min_tiles_override = 0) {
   Plan p;
-  p.kv_per_unit = PairsKvHeads(s, storage_bytes) ? 2 : 1;
-  p.tile_tokens = TileTokens(p.kv_per_unit * s.head_dim * storage_bytes);
-  p.head_group = p.kv_per_unit * HeadGroup(s.q_heads, s.kv_heads);
+  p.tile_tokens = TileTokens(s.head_dim * storage_bytes);
+  p.head_group = HeadGroup(s.q_heads, s.kv_heads);
   p.unit_groups = s.q_heads / p.head_group;
   p.ctas = std::max<int64_t>(1, ctas_override > 0 ? ctas_override : default_ctas);
   p.min_tiles = min_tiles_override > 0 ? min_tiles_override : kDefaultMinTokens / p.tile_tokens;

@@ -48,11 +48,9 @@ __device__ void CombineUnit(const StreamParams& p, int b, int hg, int first, int
 
 // Loads the query heads of unit (b, hg) as QK B fragments (the permutation of the split
 // kernel: lane (grp, tig) holds dims [32 j + 8 tig, +8) of head 8 nt + grp) and sets the
-// per-column logit factor of the lane's heads 8 nt + 2 tig + e, with the k_scale of the
-// column's KV head (kscale[hh]: the unit's KV head hh, KP of them).
-template <typename QT, typename T, int D, int NQT, int KP>
-__device__ __forceinline__ void LoadQuery(const StreamParams& p, int b, int hg,
-                                          const float (&kscale)[KP],
+// per-column logit factor of the lane's heads 8 nt + 2 tig + e.
+template <typename QT, typename T, int D, int NQT>
+__device__ __forceinline__ void LoadQuery(const StreamParams& p, int b, int hg, float kscale,
                                           uint32_t (&qf)[NQT][D / 32][4], float (&lscale)[NQT][2]) {
   constexpr int kKBlocks = D / 32;
   const int lane = threadIdx.x & 31, grp = lane >> 2, tig = lane & 3;
@@ -111,8 +109,7 @@ __device__ __forceinline__ void LoadQuery(const StreamParams& p, int b, int hg,
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
       const float s = __shfl_sync(0xffffffffu, qscale, 4 * (2 * tig + e));
-      const int hh = KP == 1 ? 0 : min((8 * nt + 2 * tig + e) / p.group, KP - 1);
-      lscale[nt][e] = p.scale_log2 * kscale[hh] / s;
+      lscale[nt][e] = p.scale_log2 * kscale / s;
     }
   }
 }
