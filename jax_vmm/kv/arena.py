@@ -152,65 +152,81 @@ class KVArena(KVArenaBase, PrefixSharing, TokenBacking, SequenceTransfers):
                 f"({self._size_formula()}, in whole chunks), and the reservation "
                 f"failed: {e}. Lower max_tokens or max_seqs"
             ) from e
-        self.k_buffers = [
-            self.arena.allocate(shape, self.dtype, name=f"k{l}") for l in range(self.num_layers)
-        ]
-        self.v_buffers = [
-            self.arena.allocate(shape, self.dtype, name=f"v{l}") for l in range(self.num_layers)
-        ]
-        self.k = _LayerViews(self.k_buffers, "kv.k")
-        self.v = _LayerViews(self.v_buffers, "kv.v")
-        self._scales = self._fp8_scales(k_scales, v_scales, target.device)
-        # The identity the cache pytree carries, and the table of ensured tokens.
-        self._core_cache = _core.create_kv_cache(
-            self.arena._handle,
-            [b.id for b in self.k_buffers],
-            [b.id for b in self.v_buffers],
-            seqs,
-            self.max_seqs is not None,
-            self.max_tokens,
-            self.num_kv_heads,
-            self.head_dim,
-            self.dtype.name,
-            self.dtype.itemsize,
-            xla_device_ordinal(target.device),
-            _shard_of or 0,
-        )
-        self._shard = _shard_of is not None
-        if _shard_of is None:
-            register_arena(self)
-            if target.device.platform == "cpu":  # its releases may advance the read epoch
-                read_epochs.warm_up(target.device)
-        self._lock = threading.RLock()
-        # Tokens each sequence asked for through ensure(): decides which chunks shared
-        # by two sequences may be released (actual backing can be larger: chunk rounding).
-        self._ensured = np.zeros(seqs, np.int64)
-        # Tokens known backed (whole chunks from the last ensure), valid while the arena's
-        # generation equals _valid_gen: ensure() within them needs no call into the core.
-        self._covered = np.zeros(seqs, np.int64)
-        self._valid_gen = np.full(seqs, -1, np.int64)
-        self._offloaded: dict[int, Transfer] = {}
-        self._sharing_init(seqs)
-        self.arena._on_sleep(self._on_arena_sleep)  # the table goes to 0 while asleep
-        # Commit ahead: bumped per sequence when its memory is released, so that a commit
-        # that was on its way is not counted for (or left to) a sequence that is gone.
-        self._epoch = [0] * seqs
-        # Per sequence released (or shrunk) while XLA:CPU work was in flight: that work,
-        # waited for before the table admits the sequence's tokens again (_outlive_old_writes).
-        self._old_work: dict[int, list] = {}
-        tokens_per_chunk = max(1, chunk // self.token_bytes)
-        self.commit_ahead_tokens = (
-            max(1, tokens_per_chunk // 8)
-            if commit_ahead_tokens is None
-            else as_index(commit_ahead_tokens, "commit_ahead_tokens")
-        )
-        self._ahead = CommitAhead(self)
-        self._ahead_blocked = np.full(seqs, -1, np.int64)  # covered when a commit ahead was skipped
-        self._ahead_skipped = 0
-        self._ahead_failures = 0
-        if initial_tokens:
-            for seq in range(seqs):
-                self.ensure(initial_tokens, None if self.max_seqs is None else seq)
+        try:
+            self.k_buffers = [
+                self.arena.allocate(shape, self.dtype, name=f"k{l}") for l in range(self.num_layers)
+            ]
+            self.v_buffers = [
+                self.arena.allocate(shape, self.dtype, name=f"v{l}") for l in range(self.num_layers)
+            ]
+            self.k = _LayerViews(self.k_buffers, "kv.k")
+            self.v = _LayerViews(self.v_buffers, "kv.v")
+            self._scales = self._fp8_scales(k_scales, v_scales, target.device)
+            # The identity the cache pytree carries, and the table of ensured tokens.
+            self._core_cache = _core.create_kv_cache(
+                self.arena._handle,
+                [b.id for b in self.k_buffers],
+                [b.id for b in self.v_buffers],
+                seqs,
+                self.max_seqs is not None,
+                self.max_tokens,
+                self.num_kv_heads,
+                self.head_dim,
+                self.dtype.name,
+                self.dtype.itemsize,
+                xla_device_ordinal(target.device),
+                _shard_of or 0,
+            )
+            self._shard = _shard_of is not None
+            if _shard_of is None:
+                register_arena(self)
+                if target.device.platform == "cpu":  # its releases may advance the read epoch
+                    read_epochs.warm_up(target.device)
+            self._lock = threading.RLock()
+            # Tokens each sequence asked for through ensure(): decides which chunks shared
+            # by two sequences may be released (actual backing can be larger: chunk rounding).
+            self._ensured = np.zeros(seqs, np.int64)
+            # Tokens known backed (whole chunks from the last ensure), valid while the arena's
+            # generation equals _valid_gen: ensure() within them needs no call into the core.
+            self._covered = np.zeros(seqs, np.int64)
+            self._valid_gen = np.full(seqs, -1, np.int64)
+            self._offloaded: dict[int, Transfer] = {}
+            self._sharing_init(seqs)
+            self.arena._on_sleep(self._on_arena_sleep)  # the table goes to 0 while asleep
+            # Commit ahead: bumped per sequence when its memory is released, so that a commit
+            # that was on its way is not counted for (or left to) a sequence that is gone.
+            self._epoch = [0] * seqs
+            # Per sequence released (or shrunk) while XLA:CPU work was in flight: that work,
+            # waited for before the table admits the sequence's tokens again (_outlive_old_writes).
+            self._old_work: dict[int, list] = {}
+            tokens_per_chunk = max(1, chunk // self.token_bytes)
+            self.commit_ahead_tokens = (
+                max(1, tokens_per_chunk // 8)
+                if commit_ahead_tokens is None
+                else as_index(commit_ahead_tokens, "commit_ahead_tokens")
+            )
+            self._ahead = CommitAhead(self)
+            # covered when a commit ahead was skipped
+            self._ahead_blocked = np.full(seqs, -1, np.int64)
+            self._ahead_skipped = 0
+            self._ahead_failures = 0
+            if initial_tokens:
+                for seq in range(seqs):
+                    self.ensure(initial_tokens, None if self.max_seqs is None else seq)
+        except BaseException:  # leave nothing behind: no memory, no place in a budget
+            self._abandon()
+            raise
+
+    def _abandon(self) -> None:
+        """Undo a constructor that raised after its arena was made (an initial_tokens
+        commit refused, bad fp8 scales): nobody can reach this object to close it."""
+        ahead = getattr(self, "_ahead", None)
+        if ahead is not None:
+            ahead.stop()
+        core = getattr(self, "_core_cache", None)
+        if core is not None:
+            core.close()
+        self.arena.close()
 
     def _fp8_scales(self, k_scales: Any, v_scales: Any, device: jax.Device) -> tuple | None:
         """Per-layer, per-KV-head float32 scales of an fp8 arena, on its device (None for
@@ -349,10 +365,11 @@ class KVArena(KVArenaBase, PrefixSharing, TokenBacking, SequenceTransfers):
         """Sequences offloaded or on their way: a transfer that has ended (a restore
         landed, an offload failed) is settled first, as the next ensure would."""
         with self._lock:
-            if not self.arena.closed:  # a closed arena's transfers are gone with it
-                for q, t in list(self._offloaded.items()):
-                    if t is not None and t.state in ("restored", "failed"):
-                        self._settle(q)
+            if self.arena.closed:  # its transfers and their host copies went with it
+                return []
+            for q, t in list(self._offloaded.items()):
+                if t is not None and t.state in ("restored", "failed"):
+                    self._settle(q)
             return sorted(self._offloaded)
 
     def stats(self) -> KVArenaStats:

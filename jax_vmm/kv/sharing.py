@@ -69,7 +69,8 @@ class PrefixSharing:
         """:meth:`ensure`, committing the whole chunks of tokens [0, ``num_tokens``) as an
         allocation of their own (the partial last chunk as another), so that
         :meth:`share_prefix` of them maps them on CUDA too, where an allocation is mapped
-        only whole. On the host driver plain ``ensure`` shares as well. Returns the bytes
+        only whole; the host driver does the same (docs/sharing.md), so a prefix committed
+        by plain ``ensure`` with more tokens after it is copied there too. Returns the bytes
         newly committed."""
         num_tokens = self._check_tokens(num_tokens, "KVArena.ensure_shareable")
         self._seq_base(seq, "KVArena.ensure_shareable")

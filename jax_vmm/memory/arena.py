@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import math
 import threading
@@ -24,6 +25,16 @@ from .host_wait import in_flight, wait_for_host_work
 from .stats import ArenaStats
 
 log = logging.getLogger("jax_vmm")
+
+# Every Arena not yet collected: a commit refused for memory counts them around the garbage
+# collection it runs (Arena._commit).
+_live_arenas: weakref.WeakSet[Arena] = weakref.WeakSet()
+
+
+def _open_arenas() -> set[int]:
+    """Identities of the arenas not yet collected nor closed (those that hold memory)."""
+    return {id(a) for a in list(_live_arenas) if not a.closed}
+
 
 # DLPack dtype codes (dlpack.h).
 _DL_INT, _DL_UINT, _DL_FLOAT, _DL_BFLOAT, _DL_BOOL = 0, 1, 2, 4, 6
@@ -383,6 +394,7 @@ class Arena:
             raise
         self._lock = threading.Lock()
         self._buffers: list[Buffer] = []
+        _live_arenas.add(self)
         # Bumped by every call that may unback memory behind a KV arena's bookkeeping
         # (Buffer.decommit/free, close, sleep, wake): KVArena.ensure trusts its own record
         # of backed tokens only while this is unchanged.
@@ -625,16 +637,24 @@ class Arena:
         (``host_reclaim.py``): a commit that ran out of memory (or budget) with such
         releases pending waits for them and tries once more, as a GPU commit waits for the
         device. A zero-filling arena waits before the commit: it may take such memory back
-        and zero it."""
+        and zero it. A commit refused for memory also tries once more after a garbage
+        collection that found something: an arena nobody references any more holds its
+        memory (and its place in a budget) until then, as it and its buffers refer to each
+        other; a collection that took no open arena frees nothing, so it does not retry."""
         host = self._target.device.platform == "cpu"
         if host and self.zero_fill and host_reclaim.pending():
             host_reclaim.drain()
         try:
             return commit()
         except MemoryError:
-            if not (host and host_reclaim.pending()):
+            holding = _open_arenas()
+            gc.collect()
+            collected = bool(holding - _open_arenas())  # one went, and its memory with it
+            reclaim = host and host_reclaim.pending()
+            if not (collected or reclaim):
                 raise
-        host_reclaim.drain()
+        if reclaim:
+            host_reclaim.drain()
         return commit()
 
     def _host_work_to_outlive(self) -> list[jax.Array] | None:

@@ -90,6 +90,14 @@ class MemoryBudget:
             f"{s['used_bytes']} used by {len(s['arenas'])} arena(s))"
         )
 
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError(
+            f"jax_vmm.MemoryBudget cannot be pickled or copied: it is the one count of what "
+            f"the arenas of this process hold on {self._target.device}. Share the object "
+            "itself (it is thread-safe), or make a MemoryBudget(budget.bytes) in the other "
+            "process"
+        )
+
     def _check(self, target: DeviceTarget, chunk_bytes: int, what: str) -> None:
         """ValueError unless an arena on ``target`` with chunks of ``chunk_bytes`` may join."""
         if target.device != self._target.device:

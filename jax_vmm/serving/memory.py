@@ -2,9 +2,10 @@
 
 GPU: XLA's allocator statistics (`Device.memory_stats()`), which do NOT include jax_vmm
 arena memory (committed through the CUDA driver, outside XLA) -- add the arena's backed
-bytes for a device total. CPU: the process's resident set (Linux /proc), which includes
-arena pages once they are touched (host commits are lazy: a committed page costs RAM
-only when first written).
+bytes for a device total. CPU: the process's resident set (Linux /proc), which counts
+arena pages only once the process touches them through its mapping, while the host
+driver backs a commit at once (its memfd's pages, Shmem in /proc/meminfo): the arena's
+backed bytes are the measure of its memory there too.
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import threading
 
 import jax.numpy as jnp
@@ -320,6 +321,87 @@ def test_stats_report_each_arena_and_closed_or_collected_arenas_leave(vm):
     z.commit()
     _check_cap(vm, budget, [e])
     assert read_bytes(z).sum() == 0
+
+
+@contextlib.contextmanager
+def _automatic_gc_off():
+    """Only explicit collections run: a test that depends on one cannot pass by chance."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def _new_memfd_bytes(before: dict[int, int]) -> int:
+    """Physical bytes held by the jax_vmm memfds opened since ``before`` (the kernel's
+    count of their allocated blocks)."""
+    after = mo.jax_vmm_memfds()
+    return sum(os.fstat(fd).st_blocks * 512 for fd, ino in after.items() if before.get(fd) != ino)
+
+
+def _unreachable_kv(vm, budget, **kw) -> jax_vmm.KVArena:
+    """A KV arena the harness does not track (nothing else refers to it)."""
+    args = dict(num_layers=2, num_kv_heads=H, head_dim=D, max_tokens=CHUNKS * _tpc(vm))
+    args |= dict(dtype=jnp.float32, device=vm.device, commit_ahead_tokens=0, budget=budget)
+    return jax_vmm.kv_arena(**(args | kw))
+
+
+def test_an_arena_nobody_refers_to_gives_its_budget_to_the_next_commit(vm):
+    """A KV arena deleted without close() holds its memory until a garbage collection (it
+    and its buffers refer to each other): a commit refused for the budget collects and
+    tries once more, so memory no one can reach never blocks the arenas in use."""
+    budget = _budget(vm, 16)
+    tokens = CHUNKS * _tpc(vm)
+    before = mo.jax_vmm_memfds() if vm.is_host else None
+    with _automatic_gc_off():
+        old = _unreachable_kv(vm, budget)
+        old.ensure(tokens)
+        del old
+        # still held: what the retry has to free (without it the ensure below raises)
+        assert budget.stats()["used_bytes"] == 16 * vm.chunk
+        new = _unreachable_kv(vm, budget)
+        try:
+            new.ensure(tokens)
+            s = budget.stats()
+            assert [x["uid"] for x in s["arenas"]] == [new.arena.uid]
+            assert s["used_bytes"] == 16 * vm.chunk
+            if vm.is_host:  # the kernel's view: the old arena's memory went back
+                assert _new_memfd_bytes(before) == 16 * vm.chunk
+        finally:
+            new.close()
+
+
+def test_a_kv_arena_whose_constructor_raises_leaves_the_budget_as_it_was(vm):
+    """initial_tokens refused for the budget after the first sequence was backed, or fp8
+    scales of the wrong shape: the half-made arena gives back its memory and leaves the
+    budget at once (nobody could reach it to close it)."""
+    budget = _budget(vm, 24)  # one full sequence (16 chunks) fits, two do not
+    before = mo.jax_vmm_memfds() if vm.is_host else None
+    with _automatic_gc_off():
+        with pytest.raises(jax_vmm.OutOfMemoryError):
+            _unreachable_kv(vm, budget, max_seqs=2, initial_tokens=CHUNKS * _tpc(vm))
+        assert budget.stats()["arenas"] == [] and budget.stats()["used_bytes"] == 0
+        with pytest.raises(ValueError, match="k_scales"):
+            _unreachable_kv(vm, budget, dtype=jnp.float8_e4m3fn, k_scales=np.ones((3, 3)))
+        assert budget.stats()["arenas"] == [] and budget.stats()["used_bytes"] == 0
+        if vm.is_host:  # the kernel's view: their memfds hold no memory
+            assert _new_memfd_bytes(before) == 0
+    ok = _unreachable_kv(vm, budget, initial_tokens=CHUNKS * _tpc(vm))
+    assert budget.stats()["used_bytes"] == 16 * vm.chunk
+    ok.close()
+
+
+def test_a_budget_is_not_copied_or_pickled(cpu_device):
+    import copy
+    import pickle
+
+    budget = jax_vmm.MemoryBudget(1 << 20, device=cpu_device)
+    for copier in (copy.copy, copy.deepcopy, pickle.dumps):
+        with pytest.raises(TypeError, match="MemoryBudget cannot be pickled or copied"):
+            copier(budget)
 
 
 def test_an_arena_without_a_budget_is_not_counted(vm):

@@ -274,8 +274,12 @@ def test_a_transfer_settled_by_another_thread_meanwhile_reads_as_settled():
 
 def test_stats_of_a_closed_arena_with_sequences_away(vm):
     """stats() after close with a sequence offloaded: the stats, not the closed
-    transfer's error (stats settles ended transfers only while the arena is open)."""
+    transfer's error, and nothing away (the host copy went with the arena: its transfer
+    says so), as every count of a closed arena reads 0."""
     kv, t = _kv(vm)
-    kv.offload(1)
+    tr = kv.offload(1)
     kv.close()
-    assert kv.stats()["offloaded_seqs"] == [1]
+    s = kv.stats()
+    assert s["offloaded_seqs"] == [] and s["offloaded_bytes"] == 0 and s["backed_bytes"] == 0
+    with pytest.raises(jax_vmm.ArenaClosedError, match="host copy"):
+        tr.state  # noqa: B018
