@@ -65,14 +65,17 @@ def as_float32(value: Any, what: str) -> float:
 
 
 def as_softcap(softcap: Any, op: str) -> float:
-    """A logit soft-cap for ``op``'s error messages: 0.0 for None (no cap), else a float
-    > 0 in float32 (one that float32 rounds to 0 would silently mean no cap)."""
+    """A logit soft-cap for ``op``'s error messages: 0.0 for None (no cap), else a normal
+    float32 > 0 (one that float32 rounds to 0, or a subnormal the kernels flush to 0,
+    would silently mean no cap)."""
     if softcap is None:
         return 0.0
     value = as_float32(softcap, f"{op}: softcap (None for no cap)")
-    if np.float32(value) <= 0:
+    if np.float32(value) < np.finfo(np.float32).tiny:
         raise ValueError(
-            f"{op}: softcap must be > 0 in float32 (or None for no cap), got {softcap}"
+            f"{op}: softcap must be > 0 in float32, and at least its smallest normal "
+            f"1.18e-38 (the kernels flush smaller ones to 0: no cap), or None for no cap; "
+            f"got {softcap}"
         )
     return value
 

@@ -23,12 +23,21 @@ def checked_arena_layer(layer: KVLayer, op: str) -> KVLayer:
     ``decode_attention``), and an fp8 layer's scales the arena's own."""
     lid = layer.id
     token = layer.token
-    if np.dtype(getattr(token, "dtype", None)) != np.int32:
+    dtype, shape = getattr(token, "dtype", None), getattr(token, "shape", None)
+    # One scalar per layer (a sharded layer's token has one element per device instead).
+    misshapen = dtype is not None and not lid.sharded and tuple(shape) != ()
+    if dtype is None or np.dtype(dtype) != np.int32 or misshapen:
+        if dtype is None:
+            what = f"a {type(token).__name__} token"
+        elif misshapen:
+            what = f"a {np.dtype(dtype)} token of shape {tuple(shape)} (a scalar belongs there)"
+        else:
+            what = f"a {np.dtype(dtype)} token"
         raise TypeError(
-            f"{op}: {lid.describe()} has a {np.dtype(token.dtype)} token; an arena "
-            "layer's leaves are its int32 ordering token (and an fp8 arena's float32 "
-            "scales), not K/V data. Was the cache passed through jax.tree.map (e.g. "
-            "astype)? Map only over your own arrays, and pass kv.cache() layers as they are"
+            f"{op}: {lid.describe()} has {what}; an arena layer's leaves are its int32 "
+            "ordering token (and an fp8 arena's float32 scales), not K/V data. Was the "
+            "cache passed through jax.tree.map (e.g. astype, or a stack)? Map only over "
+            "your own arrays, and pass kv.cache() layers as they are"
         )
     if not lid.fp8:
         return layer

@@ -21,7 +21,7 @@ from typing import Any
 import jax
 
 from ..base.fp8 import FP8_DTYPE, FP8_MAX, dequantize_fp8
-from ..cache.pytree import KVLayer
+from ..cache.pytree import KVCache, KVLayer
 from . import layer_ops, sharded_ops
 from .arena_leaves import checked_arena_layer
 from .array_attention import attention_stats, decode_attention_arrays, reference_decode_attention
@@ -88,6 +88,19 @@ def decode_attention(
     return decode_attention_tuned(q, k, v, lengths, scale=scale, k_scale=k_scale, v_scale=v_scale)
 
 
+def refuse_misplaced_cache(op: str, q: Any, k: Any) -> None:
+    """A whole KVCache as the layer, or a cache object where q belongs: say so."""
+    if isinstance(k, KVCache):
+        raise TypeError(
+            f"{op}(q, layer, lengths): got a whole KVCache as the layer; pass one layer, cache[l]"
+        )
+    if isinstance(q, (KVCache, KVLayer)):
+        raise TypeError(
+            f"{op}(q, layer, lengths): the first argument is the query array, got a "
+            f"{type(q).__name__}"
+        )
+
+
 def decode_attention_tuned(
     q: Any,
     k: Any,
@@ -121,9 +134,12 @@ def decode_attention_tuned(
     ``k`` may be a KVLayer: ``decode_attention_tuned(q, layer, lengths)`` (or with ``v=None``
     and ``lengths=``), with the same knobs.
     """
+    refuse_misplaced_cache("decode_attention", q, k)
     if isinstance(k, KVLayer):
         if lengths is not None and v is not None:
             raise TypeError("decode_attention(q, layer, lengths): too many arguments")
+        if lengths is None and v is None:
+            raise TypeError("decode_attention(q, layer, lengths): lengths is missing")
         if k_scale is not None or v_scale is not None:
             raise ValueError(
                 "decode_attention(q, layer, lengths): an fp8 layer carries its scales; "

@@ -124,8 +124,11 @@ def _batching_rule(args: tuple, dims: tuple, **params: Any):
     last by the token (which stays unbatched: one layer)."""
     if dims[_TOKEN_OPERAND] is not _NOT_MAPPED:
         raise NotImplementedError(
-            "jax_vmm.kv_write: vmap over cache layers is not supported; vmap over the new "
-            "tokens with the layer unbatched (in_axes=None for the cache)"
+            "jax_vmm.kv_write: the layer's token is batched: either the cache itself was "
+            "vmapped (not supported: vmap over the new tokens with the cache unbatched, "
+            "in_axes=None), or the write sits in a lax.cond/switch/while_loop whose "
+            "predicate is batched (vmap runs every branch and batches all their operands, "
+            "the token too): write outside such a branch"
         )
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not _NOT_MAPPED)
     moved = [None if d is _NOT_MAPPED else jnp.moveaxis(a, d, 0) for a, d in zip(args, dims)]

@@ -25,7 +25,7 @@ from ..cache.pytree import KVLayer
 from . import attention_call as _call
 from . import layer_ops, sharded_ops
 from .arena_leaves import checked_arena_layer
-from .attention import decode_attention_tuned
+from .attention import decode_attention_tuned, refuse_misplaced_cache
 from .attention_backend import routes_to_cudnn
 from .cudnn_attention import cudnn_attention
 from .lengths import clamped_counts
@@ -132,6 +132,7 @@ def attention_tuned(
         k = None
     else:
         k = k_or_layer
+        refuse_misplaced_cache("attention", q, k)
         if v is None or lengths is None:
             raise TypeError(
                 "attention takes (q, layer, lengths) or (q, k, v, lengths); got k of type "

@@ -186,6 +186,14 @@ def rows_attention(
     a dequantized copy of its live tokens (:func:`_live_copy`)."""
     spec = _spec(layer.id)
     if layer.fp8:
+        # Every check first, on the shapes of the copy to come: a refused call copies
+        # (and counts) nothing.
+        like = jax.ShapeDtypeStruct(spec.shape, q.dtype)
+        if (
+            prepare(q, like, like, lengths, scale=scale, workspace="scratch", **knobs, **options)
+            is None
+        ):
+            return jnp.zeros(q.shape, q.dtype)
         k, v, n = _live_copy(layer, lengths)
         k = dequantize_fp8(k, layer.k_scale).astype(q.dtype)
         v = dequantize_fp8(v, layer.v_scale).astype(q.dtype)

@@ -355,6 +355,7 @@ def test_fp8_scales_are_checked_with_every_option(options):
         (dict(softcap=0.0), ValueError, "softcap must be > 0 in float32"),
         (dict(softcap=-1.0), ValueError, "softcap must be > 0 in float32"),
         (dict(softcap=1e-46), ValueError, "softcap must be > 0 in float32"),  # 0: no cap
+        (dict(softcap=1e-39), ValueError, "at least its smallest normal"),  # flushed to 0
         (dict(softcap=float("inf")), ValueError, r"softcap .* must be finite in float32"),
         (dict(softcap=1e39), ValueError, r"softcap .* must be finite in float32"),
         (dict(softcap=10**400), ValueError, r"softcap .* must be finite in float32"),
@@ -521,6 +522,27 @@ def test_fp8_copy_never_reads_past_the_ensured_tokens_cpu():
     assert r.returncode == 0 and "PROBE-OK" in r.stdout, (r.returncode, r.stderr[-3000:])
     r = run_cpu_script(_COPY_PROBE, "no_limits")
     assert r.returncode == -signal.SIGSEGV, (r.returncode, r.stdout[-2000:], r.stderr[-2000:])
+
+
+def test_a_refused_call_over_an_fp8_arena_layer_counts_no_read(cpu_device):
+    """The fp8 copy path checks q (heads, head_dim, batch, dtype) before it copies the
+    layer: a call that raises leaves the clamp count as it was (kv.check() passes)."""
+    kv = jax_vmm.kv_arena(
+        num_layers=1, num_kv_heads=2, head_dim=64, max_tokens=32, max_seqs=2,
+        dtype=jnp.float8_e4m3fn, device=cpu_device,
+    )  # fmt: skip
+    kv.ensure(3, seq=0)
+    layer, lengths = kv.cache()[0], jnp.array([10, 5])  # both past the 3 tokens ensured
+    bad = [((2, 2, 3, 64), BF16), ((2, 2, 4, 32), BF16), ((3, 2, 4, 64), BF16)]
+    bad.append(((2, 2, 4, 64), jnp.int32))
+    for shape, dtype in bad:
+        with pytest.raises((ValueError, TypeError)):
+            jax_vmm.attention(jnp.ones(shape, dtype), layer, lengths, window=2)
+    assert kv.dropped_reads() == 0
+    kv.check()
+    jax_vmm.attention(jnp.ones((2, 2, 4, 64), BF16), layer, lengths, window=2)
+    assert kv.dropped_reads() == 2  # the call that ran counts its clamps
+    kv.close()
 
 
 def test_over_an_array_layer(device):

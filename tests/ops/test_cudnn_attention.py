@@ -112,7 +112,7 @@ def test_bad_inputs_are_refused_with_a_message():
         ca.cudnn_attention(q.astype(jnp.float32), k, k, n)
     with pytest.raises(ValueError, match="window"):
         ca.cudnn_attention(q, k, k, n, window=0)
-    for cap in (-1.0, 0.0, 1e-46):  # 1e-46 is 0 in float32: no cap, silently
+    for cap in (-1.0, 0.0, 1e-46, 1e-39):  # 0 in float32, or flushed to 0: no cap
         with pytest.raises(ValueError, match="cudnn_attention: softcap must be > 0 in float32"):
             ca.cudnn_attention(q, k, k, n, softcap=cap)
     with pytest.raises(ValueError, match="lengths"):

@@ -24,6 +24,7 @@ of ensured tokens: a write past them lands and a read past them is not counted).
 from __future__ import annotations
 
 import gc
+import re
 import subprocess
 import sys
 import warnings
@@ -566,6 +567,41 @@ def test_kv_write_says_the_first_argument_must_be_a_layer(vm):
         jax.jit(lambda c: jax_vmm.kv_write(c[0], new, new, slot))(
             jax.tree.map(lambda x: x.astype(jnp.bfloat16), cache)
         )
+
+
+def test_mapped_tokens_of_any_kind_are_refused_by_every_op(vm):
+    """A token stacked to another shape, or replaced by a Python scalar or None, is named
+    (not JAX's lowering error, not an AttributeError from inside the check)."""
+    kv = _kv(vm, initial_tokens=4)
+    cache, new, slot = kv.cache(), jnp.ones((1, HKV, D), DT), jnp.array([1], jnp.int32)
+    q, lengths = jnp.ones((B, 2 * HKV, D), DT), jnp.ones((B,), jnp.int32)
+    mapped = {
+        "int32 token of shape (2,)": jax.tree.map(lambda x: jnp.stack([x, x]), cache),
+        "int token": jax.tree.map(lambda x: 0, cache),
+        "NoneType token": jax.tree.map(lambda x: None, cache),
+    }
+    for words, bad in mapped.items():
+        with pytest.raises(TypeError, match=f"has a {re.escape(words)}.*an arena layer's leaves"):
+            jax_vmm.kv_write(bad[0], new, new, slot)
+        with pytest.raises(TypeError, match=f"has a {re.escape(words)}"):
+            jax_vmm.decode_attention(q, bad[0], lengths)
+
+
+def test_attention_names_arguments_in_the_wrong_place(vm):
+    kv = _kv(vm, initial_tokens=4)
+    cache = kv.cache()
+    q, lengths = jnp.ones((B, 2 * HKV, D), DT), jnp.ones((B,), jnp.int32)
+    whole = r"got a whole KVCache as the layer; pass one layer, cache\[l\]"
+    with pytest.raises(TypeError, match="decode_attention.*" + whole):
+        jax_vmm.decode_attention(q, cache, lengths)
+    with pytest.raises(TypeError, match="attention.*" + whole):
+        jax_vmm.attention(q[:, None], cache, lengths)
+    with pytest.raises(TypeError, match="the first argument is the query array, got a KVLayer"):
+        jax_vmm.attention(cache[0], q[:, None], lengths)
+    with pytest.raises(
+        TypeError, match=r"decode_attention\(q, layer, lengths\): lengths is missing"
+    ):
+        jax_vmm.decode_attention(q, cache[0])
 
 
 def test_a_layer_read_outside_jit_waits_for_its_writes(vm):
