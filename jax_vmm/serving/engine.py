@@ -27,6 +27,7 @@ import collections
 import dataclasses
 import functools
 import logging
+import math
 import time
 from collections.abc import Callable
 
@@ -34,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..base.args import is_int
 from . import model as M
 from . import steps as S
 from .cache import CacheBackend
@@ -170,7 +172,7 @@ class _Read:
 
 
 def check_block(block: object) -> None:
-    if isinstance(block, bool) or not isinstance(block, int) or block < 1:
+    if not is_int(block) or block < 1:
         raise ValueError(
             f"block (decode steps per host call) must be an integer >= 1, got {block!r}"
         )
@@ -256,11 +258,13 @@ class Generator:
                 "(jax_vmm.attention, or jax_vmm.serving.attention.chunk_attention(name))"
             )
         self.attend_chunk, self.prefill_chunk = attend_chunk, prefill_chunk
-        bad = [t for t in stop_tokens if not (isinstance(t, int) and 0 <= t < cfg.vocab)]
+        if isinstance(stop_tokens, (int, np.integer)):
+            raise TypeError(f"stop_tokens must be a sequence of token ids, got {stop_tokens!r}")
+        bad = [t for t in stop_tokens if not (is_int(t) and 0 <= t < cfg.vocab)]
         if bad:
             raise ValueError(f"stop tokens {bad} are not token ids of the model's [0, {cfg.vocab})")
         self.params, self.cfg, self.cache, self.attend = params, cfg, cache, attend
-        self.block, self.stop_tokens = block, tuple(sorted(set(stop_tokens)))
+        self.block, self.stop_tokens = int(block), tuple(sorted({int(t) for t in stop_tokens}))
         if not isinstance(keep_slot_memory, bool):
             raise ValueError(
                 f"keep_slot_memory must be True or False, got {keep_slot_memory!r} "
@@ -355,6 +359,26 @@ class Generator:
             jnp.int32(new),
         )
 
+    def _check_forced(self, requests: list[Request], force_tokens: dict) -> None:
+        """force_tokens: for every request, max_new_tokens token ids of the model."""
+        for r in requests:
+            forced = force_tokens.get(r.id) if isinstance(force_tokens, dict) else None
+            if forced is None or len(forced) < r.max_new_tokens:
+                raise ValueError(
+                    f"force_tokens must map every request id to its max_new_tokens token ids; "
+                    f"request {r.id} needs {r.max_new_tokens}, got "
+                    f"{'none' if forced is None else len(forced)}"
+                )
+            ids = np.asarray(forced[: r.max_new_tokens])
+            if (
+                not np.issubdtype(ids.dtype, np.integer)
+                or ((ids < 0) | (ids >= self.cfg.vocab)).any()
+            ):
+                raise ValueError(
+                    f"force_tokens[{r.id}] holds values that are not token ids of the model's "
+                    f"[0, {self.cfg.vocab})"
+                )
+
     def _host_mode(self, force_tokens, select_token) -> bool:
         return force_tokens is not None or select_token is not None
 
@@ -423,6 +447,7 @@ class Generator:
         logits = record_logits or host_tokens
         appends = [self._appends(r, shared_prefix) for r in requests]
         if shared_prefix:
+            self._check_shared_prefix(requests, shared_prefix)
             appends.append((0, shared_prefix))  # the prefix itself, from position 0
         if self.attend_chunk is None and any(start for start, _ in appends):
             what = (
@@ -489,6 +514,17 @@ class Generator:
             )
         if self.cache.max_seqs < 2:
             raise ValueError("shared_prefix needs 2 or more slots: the prefix takes one")
+        kv = getattr(self.cache, "kv", None)
+        for shard in [] if kv is None else kv.shards_of():
+            chunk, row = shard.arena.chunk_bytes, shard.seq_bytes
+            if row % chunk:  # share_prefix maps chunks: every sequence must start on one
+                step = chunk // math.gcd(chunk, shard.token_bytes)
+                raise ValueError(
+                    f"shared_prefix needs every sequence of the cache to start on a chunk: "
+                    f"max_tokens {shard.max_tokens} x {shard.token_bytes} bytes per token is "
+                    f"not a multiple of the arena's {chunk}-byte chunk; make max_tokens a "
+                    f"multiple of {step} (or change chunk_bytes)"
+                )
         # A next turn (follows) goes on in its parent's slot, prefix included.
         firsts = [r for r in requests if r.follows is None]
         prefix = np.asarray(firsts[0].prompt[:n]) if firsts else np.zeros(0)
@@ -551,6 +587,12 @@ class Generator:
                 "shared_prefix and pause_every go separately: the arena cannot sleep while "
                 "sequences share a prefix's memory; run the two in separate calls"
             )
+        if force_tokens is not None and select_token is not None:
+            raise ValueError(
+                "force_tokens and select_token both choose the fed-back tokens: give one"
+            )
+        if force_tokens is not None:
+            self._check_forced(requests, force_tokens)
         host_mode = self._host_mode(force_tokens, select_token)
         self.precompile(
             requests,
@@ -623,7 +665,14 @@ class Generator:
             if force_tokens is not None:
                 token = int(force_tokens[slot.request.id][len(res.tokens)])
             elif select_token is not None:
-                token = int(select_token(slot.request.id, logits))
+                chosen = select_token(slot.request.id, logits)
+                if not (is_int(chosen) and 0 <= chosen < self.cfg.vocab):
+                    raise ValueError(
+                        f"select_token returned {chosen!r} for request {slot.request.id} at "
+                        f"its token {len(res.tokens)}: expected a token id of the model's "
+                        f"[0, {self.cfg.vocab})"
+                    )
+                token = int(chosen)
             res.tokens.append(token)
             if record_logits:
                 res.logits.append(logits)

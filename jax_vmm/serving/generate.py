@@ -117,11 +117,9 @@ def encode_prompts(
 
 
 def num_slots(opts: ServeOptions, num_requests: int) -> int:
-    if opts.batch is not None and (
-        isinstance(opts.batch, bool) or not isinstance(opts.batch, int) or opts.batch < 1
-    ):
+    if opts.batch is not None and (not is_int(opts.batch) or opts.batch < 1):
         raise ValueError(f"batch (sequence slots) must be an integer >= 1, got {opts.batch!r}")
-    return min(opts.batch or DEFAULT_MAX_SLOTS, num_requests)
+    return min(int(opts.batch or DEFAULT_MAX_SLOTS), num_requests)
 
 
 def serve(

@@ -619,6 +619,15 @@ def test_decode_cli_fp8_on_the_cpu_takes_the_cpu_fp8_preset(tmp_path: Path) -> N
         (["--max-tokens", "10"], "--max-tokens 10: the longest request .* caches 27 tokens"),
         (["--tp", "1", "--sleep-every", "1"], "--tp with --sleep-every / --budget"),
         (["--budget", "100", "--sleep-every", "1"], "smaller than one chunk of the arena"),
+        # above one KV chunk, below one chunk of the weights' arena
+        (["--budget", "20000", "--sleep-every", "1"], "--budget 20000: .*smaller than one chunk"),
+        (["--seed", "-2"], r"--seed -2: expected an integer in \[0, 2\*\*63"),
+        (["--seed", str(2**64)], "--seed 18446744073709551616: expected an integer"),
+        (["--out", __file__], "exists and is not a directory"),
+        (  # share_prefix maps chunks: every slot must start on one (64 tokens here)
+            ["--batch", "2", "--max-tokens", "200", "--shared-prefix", "16"],
+            "start on a chunk: max_tokens 200 .* make max_tokens a multiple of 64",
+        ),
     ],
 )
 def test_decode_cli_refuses_bad_sizes_by_flag(tmp_path: Path, flags, match) -> None:

@@ -258,6 +258,39 @@ def test_block_and_pause_arguments_are_checked(cpu_device) -> None:
         cache.close()
 
 
+def test_host_chosen_tokens_are_checked(cpu_device) -> None:
+    """select_token / force_tokens feed tokens back: one outside the vocabulary (or the
+    engine's own -1/-2 codes, which hung or were recorded but not fed) is refused, naming
+    the request; force_tokens short of a request or both options together are refused
+    before anything runs; the Generator serves again afterwards, its memory all back."""
+    with jax.default_device(cpu_device):
+        params = M.init_params(SMALL, seed=0)
+        cache = make_cache("jax_vmm", SMALL, max_seqs=2, max_tokens=16, device=cpu_device)
+        gen = E.Generator(
+            params, SMALL, cache, jax_vmm.decode_attention, stop_tokens=(np.int64(3),)
+        )
+        assert gen.stop_tokens == (3,)
+        reqs = [E.Request(i, np.arange(1, 4, dtype=np.int32), 4) for i in range(2)]
+        for bad in (-2, -1, SMALL.vocab, 2.0):
+            with pytest.raises(ValueError, match=f"select_token returned {bad!r} for request"):
+                gen.run(reqs, select_token=lambda rid, logits, bad=bad: bad)
+            assert cache.kv.stats()["backed_bytes"] == 0
+        with pytest.raises(ValueError, match="request 1 needs 4, got none"):
+            gen.run(reqs, force_tokens={0: [1, 2, 3, 4]})
+        with pytest.raises(ValueError, match="request 0 needs 4, got 2"):
+            gen.run(reqs, force_tokens={0: [1, 2], 1: [1, 2, 3, 4]})
+        with pytest.raises(ValueError, match=r"force_tokens\[1\] holds values that are not"):
+            gen.run(reqs, force_tokens={0: [1, 2, 3, 4], 1: [1, 2, 3, 9999]})
+        with pytest.raises(ValueError, match="give one"):
+            gen.run(reqs, force_tokens={0: [1] * 4, 1: [1] * 4}, select_token=lambda r, x: 1)
+        with pytest.raises(TypeError, match="stop_tokens must be a sequence"):
+            E.Generator(params, SMALL, cache, jax_vmm.decode_attention, stop_tokens=3)
+        picked = gen.run(reqs, select_token=lambda rid, logits: int(np.argmax(logits)))
+        assert picked.results[0].tokens == picked.results[0].greedy
+        assert cache.kv.stats()["backed_bytes"] == 0
+        cache.close()
+
+
 @pytest.mark.parametrize(
     "request_,match",
     [

@@ -96,7 +96,9 @@ def test_shared_prefix_needs_attend_chunk(cpu_device) -> None:
     """The rest of each prompt is prefilled over the cache: a Generator without the
     multi-query attention refuses before it compiles or runs anything."""
     with jax.default_device(cpu_device):
-        cache = make_cache("jax_vmm", SMALL, max_seqs=4, max_tokens=128, device=cpu_device)
+        cache = make_cache(  # 128 tokens of 128 bytes: one 16 KiB chunk per sequence
+            "jax_vmm", SMALL, max_seqs=4, max_tokens=128, device=cpu_device, chunk_bytes=16384
+        )
         try:
             params = M.init_params(SMALL, seed=0)
             gen = E.Generator(params, SMALL, cache, jax_vmm.decode_attention, block=4)

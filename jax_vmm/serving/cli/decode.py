@@ -369,6 +369,14 @@ def _serve(args: argparse.Namespace) -> dict:
             f"decode.py: --commit-ahead {args.commit_ahead}: expected a token count >= 0 "
             "(0 turns committing ahead off)"
         )
+    if not 0 <= args.seed < 2**63 - 1000:  # seeds derived from it add up to 1000
+        raise SystemExit(f"decode.py: --seed {args.seed}: expected an integer in [0, 2**63 - 1000)")
+    if args.out.exists() and not args.out.is_dir():
+        raise SystemExit(f"decode.py: --out {args.out}: exists and is not a directory")
+    try:  # before serving: a run must not end in a traceback for want of its folder
+        args.out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise SystemExit(f"decode.py: --out {args.out}: cannot create it ({e})") from None
 
     with jax.default_device(device):
         params = M.init_params(cfg, seed=args.seed)
@@ -416,13 +424,18 @@ def _serve(args: argparse.Namespace) -> dict:
         except (ValueError, RuntimeError) as e:  # a bad flag combination: say which
             cache.close()
             raise SystemExit(f"decode.py: {e}") from None
-        turns = None
-        if budget is not None:  # the reference engine first: it sleeps until its turn
-            turns = _reference_engine(cfg, serving, cache, attend, requests, args, device, budget)
-        sleeper = None
-        if args.sleep_every is not None:  # the weights go into an arena: they sleep too
-            sleeper = EngineSleeper(cache.kv, params, device, budget=budget)
-            params = sleeper.params
+        turns = sleeper = None
+        try:
+            if budget is not None:  # the reference engine first: it sleeps until its turn
+                turns = _reference_engine(
+                    cfg, serving, cache, attend, requests, args, device, budget
+                )
+            if args.sleep_every is not None:  # the weights go into an arena: they sleep too
+                sleeper = EngineSleeper(cache.kv, params, device, budget=budget)
+                params = sleeper.params
+        except ValueError as e:  # e.g. a budget below one chunk of the weights' arena
+            cache.close()
+            raise SystemExit(f"decode.py: --budget {args.budget}: {e}") from None
         try:
             gen = E.Generator(
                 params,
@@ -447,7 +460,10 @@ def _serve(args: argparse.Namespace) -> dict:
             f"attention {attn_name}, device {device.platform}"
         )
         # Before the progress bar: compile time is not serving.
-        gen.precompile(requests, shared_prefix=args.shared_prefix or 0)
+        try:
+            gen.precompile(requests, shared_prefix=args.shared_prefix or 0)
+        except ValueError as e:  # what the flags ask cannot be served: say so, no traceback
+            raise SystemExit(f"decode.py: {e}") from None
         total = sum(r.max_new_tokens for r in requests)
         bar = None
         if not args.no_progress:
@@ -475,6 +491,15 @@ def _serve(args: argparse.Namespace) -> dict:
                 unshared_peak_backed_bytes=max(s.backed_bytes for s in unshared.trace),
                 generation_unchanged=not differ,
             )
+            if differ and args.kv_dtype == "fp8":
+                # Not a sharing fault: the rest of each prompt reads the shared prefix as
+                # stored (rounded to fp8), a whole-prompt prefill reads it exact.
+                print(
+                    f"fp8 KV: {len(differ)} request(s) generated other tokens than the "
+                    "unshared run (the rest of a prompt attends to the prefix rounded to "
+                    "fp8, a whole-prompt prefill to its exact values; docs/example.md)"
+                )
+                differ = None
         if sleeper is not None:
             pause = sleeper.pause
             if turns is not None:
