@@ -570,6 +570,12 @@ class Generator:
         KeyboardInterrupt) first waits for its dispatched calls and releases every slot,
         so the cache holds nothing of it."""
         cache = self.cache
+        for r in requests:
+            if np.ndim(r.prompt) != 1:
+                raise ValueError(
+                    f"request {getattr(r, 'id', '?')}: the prompt must be a 1-D sequence of "
+                    f"token ids, got shape {np.shape(r.prompt)}"
+                )
         contexts = context_lengths(requests)
         for r in requests:
             self._check_request(r, *contexts[r.id])

@@ -83,7 +83,11 @@ def prompt_list(prompts: Any, what: str = "prompts") -> list[str | list[int]]:
 
 
 def encode_prompts(
-    ckpt: Checkpoint, prompts: Sequence[str | Sequence[int]], *, first_turn: bool = True
+    ckpt: Checkpoint,
+    prompts: Sequence[str | Sequence[int]],
+    *,
+    first_turn: bool = True,
+    what: str = "prompt",
 ) -> list[Prompt]:
     """Text prompts through the checkpoint's tokenizer (with BOS only for a first turn:
     a later turn continues a conversation that has one); id prompts checked against the
@@ -94,7 +98,7 @@ def encode_prompts(
         if isinstance(p, str):
             if ckpt.tokenizer is None:
                 raise CheckpointError(
-                    f"prompt {i} is text, but {ckpt.path} has no "
+                    f"{what} {i} is text, but {ckpt.path} has no "
                     "tokenizer.json; give token ids (--prompt-ids)"
                 )
             ids, text = ckpt.tokenizer.encode(p, special_tokens=first_turn), p
@@ -102,15 +106,15 @@ def encode_prompts(
             p = np.asarray(p).tolist() if hasattr(p, "__array__") else p
             if not isinstance(p, Sequence) or not all(is_int(t) for t in p):
                 raise ValueError(
-                    f"prompt {i} ({p!r}) is neither text nor a list of integer token ids"
+                    f"{what} {i} ({p!r}) is neither text nor a list of integer token ids"
                 )
             ids, text = [int(t) for t in p], None
         if not ids:
-            raise ValueError(f"prompt {i} ({p!r}) has no tokens; a prompt needs at least one")
+            raise ValueError(f"{what} {i} ({p!r}) has no tokens; a prompt needs at least one")
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(
-                f"prompt {i}: token ids {bad[:5]} are outside the model's vocabulary [0, {vocab})"
+                f"{what} {i}: token ids {bad[:5]} are outside the model's vocabulary [0, {vocab})"
             )
         out.append(Prompt(text, tuple(ids)))
     return out
@@ -237,7 +241,9 @@ def generate(
         eos_token_ids = _eos_ids(eos_token_ids, stop_at_eos)
     device = device or next(iter(ckpt.params.embed.devices()))  # where the weights are
     encoded = encode_prompts(ckpt, prompts)
-    turns = encode_prompts(ckpt, prompt_list(next_turns, "next_turns"), first_turn=False)
+    turns = encode_prompts(
+        ckpt, prompt_list(next_turns, "next_turns"), first_turn=False, what="next turn"
+    )
     # The last new token is never fed back: the longest context is prompt + N - 1.
     longest = max(len(p.ids) for p in encoded) + max_new_tokens - 1
     longest += sum(len(t.ids) + max_new_tokens for t in turns)
@@ -252,7 +258,9 @@ def generate(
     eos = set(ckpt.spec.eos_token_ids if eos_token_ids is None else eos_token_ids)
     if stop_at_eos and not eos:
         raise ValueError(
-            f"--stop-at-eos: {ckpt.path} names no EOS token "
+            "--stop-at-eos: eos_token_ids is empty; give the ids to stop at"
+            if eos_token_ids is not None
+            else f"--stop-at-eos: {ckpt.path} names no EOS token "
             "(eos_token_id in config.json / generation_config.json)"
         )
     # Turn t of prompt i is request t * P + i, following request (t - 1) * P + i.

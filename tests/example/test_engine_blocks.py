@@ -298,6 +298,11 @@ def test_host_chosen_tokens_are_checked(cpu_device) -> None:
         (E.Request(0, np.array([-1, 3], np.int32), 2), r"prompt token ids \[-1\] are not"),
         (E.Request(0, np.array([1.5, 3.0]), 2), "prompt token ids must be integers"),
         (E.Request(0, np.zeros(0, np.int32), 2), "the prompt is empty"),
+        (
+            E.Request(0, np.ones((2, 3), np.int32), 2),
+            r"1-D sequence of token ids, got shape \(2, 3\)",
+        ),
+        (E.Request(0, np.int32(5), 2), r"1-D sequence of token ids, got shape \(\)"),
         (E.Request(0, np.array([1, 3], np.int32), 0), "max_new_tokens must be >= 1"),
         (E.Request(0, np.array([1, 3], np.int32), -3), "max_new_tokens must be >= 1"),
         (E.Request(0, np.array([1, 3], np.int32), 2.0), "max_new_tokens must be an integer"),
@@ -490,6 +495,13 @@ def test_generate_cli_checks_block_before_loading(tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match=r"generate\.py: block .* must be an integer >= 1"):
         G.main(["--model", str(tmp_path), "--prompt", "x", "--max-new-tokens", "2",
                 "--block", "0", "--device", "cpu"])  # fmt: skip
+    # so are --max-new-tokens 0 and a --json that is a directory
+    with pytest.raises(SystemExit, match=r"--max-new-tokens must be an integer >= 1, got 0"):
+        G.main(["--model", str(tmp_path), "--prompt", "x", "--max-new-tokens", "0",
+                "--device", "cpu"])  # fmt: skip
+    with pytest.raises(SystemExit, match=r"--json .*: is a directory; give a file"):
+        G.main(["--model", str(tmp_path), "--prompt", "x", "--max-new-tokens", "2",
+                "--json", str(tmp_path), "--device", "cpu"])  # fmt: skip
 
 
 @pytest.mark.parametrize("ensure_blocks", [2, 1], ids=["default", "control-every-block"])

@@ -408,6 +408,12 @@ def test_request_errors_name_the_problem(cpu_device: jax.Device, tmp_path) -> No
     no_eos = dataclasses.replace(ckpt, spec=dataclasses.replace(ckpt.spec, eos_token_ids=()))
     with pytest.raises(ValueError, match="names no EOS token"):
         G.generate(no_eos, ["Hi"], max_new_tokens=2, stop_at_eos=True, device=cpu_device)
+    with pytest.raises(ValueError, match="eos_token_ids is empty; give the ids to stop at"):
+        G.generate(
+            ckpt, ["Hi"], max_new_tokens=2, stop_at_eos=True, eos_token_ids=[], device=cpu_device
+        )
+    with pytest.raises(ValueError, match=r"next turn 1 \(''\) has no tokens"):
+        G.generate(ckpt, ["Hi"], max_new_tokens=2, next_turns=["Yo", ""], device=cpu_device)
     no_tok = dataclasses.replace(ckpt, tokenizer=None)
     with pytest.raises(ValueError, match="has no tokenizer.json; give token ids"):
         G.generate(no_tok, ["Hi"], max_new_tokens=2, device=cpu_device)

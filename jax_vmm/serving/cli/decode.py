@@ -452,8 +452,10 @@ def _serve(args: argparse.Namespace) -> dict:
             raise SystemExit(f"decode.py: {e}") from None
         print(f"model: {M.config_summary(cfg)}")
         print(
-            f"serving {len(requests)} requests (prompts {serving['prompt_len'][0]}-"
-            f"{serving['prompt_len'][1]}, new tokens {serving['new_tokens'][0]}-"
+            f"serving {len(requests)} requests (prompts "
+            + (f"{args.shared_prefix} shared + " if args.shared_prefix else "")
+            + f"{serving['prompt_len'][0]}-{serving['prompt_len'][1]}, new tokens "
+            f"{serving['new_tokens'][0]}-"
             f"{serving['new_tokens'][1]}) on {serving['batch']} slots x "
             f"{serving['max_tokens']} tokens | backend {cache.name}, KV "
             f"{'fp8' if args.kv_dtype == 'fp8' else cfg.dtype}, writes {write_name(cache)}, "

@@ -25,6 +25,7 @@ from typing import Any
 
 import jax
 
+from ...base.args import is_int
 from .. import engine as E
 from .. import model as M
 from ..attention import ATTENTION_CHOICES
@@ -114,6 +115,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         raise SystemExit("generate.py: give at least one --prompt or --prompt-ids")
     device = resolve_device(args.device)
     if args.json is not None:  # before a long load and run, not after them
+        if args.json.is_dir():
+            raise SystemExit(f"generate.py: --json {args.json}: is a directory; give a file")
         try:
             args.json.parent.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -130,6 +133,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             prefill_chunk=args.prefill_chunk,
         )
         num_slots(opts, len(args.prompts))  # bad options fail before a long load
+        if not is_int(args.max_new_tokens) or args.max_new_tokens < 1:
+            raise ValueError(f"--max-new-tokens must be an integer >= 1, got {args.max_new_tokens}")
         E.check_block(opts.block)
         E.check_prefill_chunk(opts.prefill_chunk)
         with jax.default_device(device):
