@@ -762,7 +762,8 @@ def _shared_prefix_without_attend_chunk(ctx: Ctx) -> None:
                             head_dim=8, ffn_dim=16)  # fmt: skip
     cpu = jax.devices("cpu")[0]
     with jax.default_device(cpu):
-        cache = make_cache("jax_vmm", cfg, max_seqs=2, max_tokens=16, device=cpu)
+        # 128 tokens x 32 bytes: each sequence one 4 KiB chunk, as sharing needs
+        cache = make_cache("jax_vmm", cfg, max_seqs=2, max_tokens=128, device=cpu, chunk_bytes=4096)
         try:
             gen = engine.Generator(
                 model.init_params(cfg), cfg, cache, jax_vmm.decode_attention, block=1
