@@ -171,6 +171,11 @@ class _Read:
     logits: jax.Array | None  # (steps, B, vocab) / (vocab,) when needed on the host
 
 
+def _is_token_id(t: object, vocab: int) -> bool:
+    """A Python or NumPy integer in [0, vocab): what the embedding takes unclamped."""
+    return is_int(t) and 0 <= t < vocab  # type: ignore[operator]
+
+
 def check_block(block: object) -> None:
     if not is_int(block) or block < 1:
         raise ValueError(
@@ -260,7 +265,7 @@ class Generator:
         self.attend_chunk, self.prefill_chunk = attend_chunk, prefill_chunk
         if isinstance(stop_tokens, (int, np.integer)):
             raise TypeError(f"stop_tokens must be a sequence of token ids, got {stop_tokens!r}")
-        bad = [t for t in stop_tokens if not (is_int(t) and 0 <= t < cfg.vocab)]
+        bad = [t for t in stop_tokens if not _is_token_id(t, cfg.vocab)]
         if bad:
             raise ValueError(f"stop tokens {bad} are not token ids of the model's [0, {cfg.vocab})")
         self.params, self.cfg, self.cache, self.attend = params, cfg, cache, attend
@@ -672,7 +677,7 @@ class Generator:
                 token = int(force_tokens[slot.request.id][len(res.tokens)])
             elif select_token is not None:
                 chosen = select_token(slot.request.id, logits)
-                if not (is_int(chosen) and 0 <= chosen < self.cfg.vocab):
+                if not _is_token_id(chosen, self.cfg.vocab):
                     raise ValueError(
                         f"select_token returned {chosen!r} for request {slot.request.id} at "
                         f"its token {len(res.tokens)}: expected a token id of the model's "

@@ -120,6 +120,13 @@ def encode_prompts(
     return out
 
 
+def checked_max_new_tokens(n: Any, what: str = "max_new_tokens") -> int:
+    """``n`` as an int >= 1 (``what`` names it in the error: the argument or the flag)."""
+    if not is_int(n) or n < 1:
+        raise ValueError(f"{what} must be an integer >= 1, got {n!r}")
+    return int(n)
+
+
 def num_slots(opts: ServeOptions, num_requests: int) -> int:
     if opts.batch is not None and (not is_int(opts.batch) or opts.batch < 1):
         raise ValueError(f"batch (sequence slots) must be an integer >= 1, got {opts.batch!r}")
@@ -227,9 +234,7 @@ def generate(
     request also gets "logits", the float32
     (steps, vocab) array each generated token was chosen from. device: where the steps
     run (default: where the checkpoint's weights are)."""
-    if not is_int(max_new_tokens) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-    max_new_tokens = int(max_new_tokens)
+    max_new_tokens = checked_max_new_tokens(max_new_tokens)
     if not isinstance(sampling, SamplingConfig):
         raise TypeError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
     if not isinstance(opts, ServeOptions):

@@ -435,7 +435,8 @@ def _serve(args: argparse.Namespace) -> dict:
                 params = sleeper.params
         except ValueError as e:  # e.g. a budget below one chunk of the weights' arena
             cache.close()
-            raise SystemExit(f"decode.py: --budget {args.budget}: {e}") from None
+            flag = "" if args.budget is None else f"--budget {args.budget}: "
+            raise SystemExit(f"decode.py: {flag}{e}") from None
         try:
             gen = E.Generator(
                 params,

@@ -25,12 +25,17 @@ from typing import Any
 
 import jax
 
-from ...base.args import is_int
 from .. import engine as E
 from .. import model as M
 from ..attention import ATTENTION_CHOICES
 from ..cache import BACKENDS
-from ..generate import DEFAULT_MAX_SLOTS, ServeOptions, generate, num_slots
+from ..generate import (
+    DEFAULT_MAX_SLOTS,
+    ServeOptions,
+    checked_max_new_tokens,
+    generate,
+    num_slots,
+)
 from ..hf.checkpoint import DTYPES, CheckpointError, load_checkpoint
 from ..sampling import SamplingConfig
 from .decode import resolve_device
@@ -133,8 +138,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             prefill_chunk=args.prefill_chunk,
         )
         num_slots(opts, len(args.prompts))  # bad options fail before a long load
-        if not is_int(args.max_new_tokens) or args.max_new_tokens < 1:
-            raise ValueError(f"--max-new-tokens must be an integer >= 1, got {args.max_new_tokens}")
+        checked_max_new_tokens(args.max_new_tokens, "--max-new-tokens")
         E.check_block(opts.block)
         E.check_prefill_chunk(opts.prefill_chunk)
         with jax.default_device(device):
