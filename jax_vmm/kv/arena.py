@@ -97,6 +97,7 @@ class KVArena(KVArenaBase, PrefixSharing, TokenBacking, SequenceTransfers):
         k_scales: Any = None,
         v_scales: Any = None,
         budget: MemoryBudget | None = None,
+        name: str | None = None,
         _shard_of: int | None = None,
     ):
         # _shard_of (jax_vmm.kv.sharded only): this arena is one device's shard of a sharded
@@ -144,7 +145,8 @@ class KVArena(KVArenaBase, PrefixSharing, TokenBacking, SequenceTransfers):
                 handle_bytes=handle_bytes,
                 zero_fill=zero_fill,
                 budget=budget,
-                _budget_label="KV arena",
+                name=name,
+                _kind="KV arena",
             )
         except (DriverError, ValueError) as e:  # the reservation itself: name our arguments
             raise type(e)(

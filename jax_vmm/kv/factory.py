@@ -32,6 +32,7 @@ def kv_arena(
     v_scales: Any = None,
     sharding: Any = None,
     budget: Any = None,
+    name: str | None = None,
 ) -> KVArena | ShardedKVArena:
     """Create a :class:`KVArena`: K/V buffers for every layer in one reserved range.
 
@@ -48,7 +49,8 @@ def kv_arena(
 
     ``budget``: a :class:`~jax_vmm.MemoryBudget` on the arena's device, shared with other
     arenas (docs/sharing.md); with ``sharding``, a sequence of budgets, one per device of
-    the mesh, in any order."""
+    the mesh, in any order. ``name``: how the budget's stats and errors call the arena
+    (``KV arena 7 (policy)``)."""
     kw = dict(locals())  # the arguments above, as given: the same keywords as KVArena's
     del kw["sharding"]
     if sharding is not None:

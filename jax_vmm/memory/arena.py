@@ -337,7 +337,8 @@ class Arena:
     (else whatever the memory held: cheaper, for data that is written before it is read).
     ``budget``: a :class:`~jax_vmm.MemoryBudget` of the same device that caps the
     physical memory of this arena together with the budget's other arenas
-    (``docs/sharing.md``).
+    (``docs/sharing.md``). ``name``: how the budget's stats and errors call this arena
+    (``"weights"`` reads there as ``arena 7 (weights)``; default just ``arena 7``).
 
     ``close()`` releases all physical memory at once; views that are still alive then
     read zeros (the address range stays reserved until the last view is gone). Also a
@@ -355,10 +356,11 @@ class Arena:
         handle_bytes: int | None = None,
         zero_fill: bool = True,
         budget: MemoryBudget | None = None,
-        _budget_label: str = "arena",
+        name: str | None = None,
+        _kind: str = "arena",
     ):
-        # _budget_label (jax_vmm.kv only): how the budget's stats and errors name this
-        # arena, before its uid ("KV arena 42").
+        # _kind (jax_vmm.kv only): what the budget's stats and errors call this arena
+        # before its uid ("KV arena 42").
         reserve_bytes = as_int(reserve_bytes, "reserve_bytes")
         if reserve_bytes <= 0:
             raise ValueError(
@@ -380,13 +382,17 @@ class Arena:
             )
         zero_fill = as_flag(zero_fill, "zero_fill")
         budget = check_budget(budget, "Arena")
+        if name is not None and not isinstance(name, str):
+            raise TypeError(f"Arena: name must be a str or None, got {type(name).__name__}")
+        self.name: str | None = name
         self._target: DeviceTarget = resolve_device(device)
         self._handle = _core_arena_factory(
             self._target.driver, self._target.ordinal, reserve_bytes, chunk, handle, zero_fill
         )
         try:
             if budget is not None:
-                budget._join(self._handle, self._target, f"{_budget_label} {self._handle.uid}")
+                label = f"{_kind} {self._handle.uid}" + (f" ({name})" if name else "")
+                budget._join(self._handle, self._target, label)
             # before the arena's first device wait (it waits for that stream)
             register_compute_stream(self._target)
         except BaseException:

@@ -85,6 +85,13 @@ def decode_attention(
     reads ``lengths`` from device memory, so captured steps stay correct as sequences
     grow. Not differentiable.
     """
+    ndim = getattr(q, "ndim", None)
+    if ndim is not None and ndim != 3:
+        raise ValueError(
+            f"decode_attention: q must be (batch, q_heads, head_dim), got shape {q.shape}; "
+            "for several query rows per sequence, (batch, S, q_heads, head_dim), use "
+            "jax_vmm.attention"
+        )
     return decode_attention_tuned(q, k, v, lengths, scale=scale, k_scale=k_scale, v_scale=v_scale)
 
 

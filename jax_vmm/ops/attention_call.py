@@ -31,6 +31,24 @@ _DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.float32))
 SPLIT_K_TARGET = "jax_vmm_decode_attention"
 _TENSOR_CORE_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 _TENSOR_CORE_HEAD_DIMS = (64, 128, 256)
+
+
+def check_fp8_query(q: jax.Array, op: str) -> None:
+    """An fp8 cache is read by the streaming kernel, with 16-bit queries of head_dim 64,
+    128 or 256: refuse anything else the same way for every option (the copy path that
+    options take would accept more, then decode of the same cache would refuse it)."""
+    if np.dtype(q.dtype) not in _TENSOR_CORE_DTYPES:
+        raise TypeError(
+            f"{op}: an fp8 cache is read with q in bfloat16 or float16, got {q.dtype}; "
+            "cast the query (q.astype(jnp.bfloat16)) and the result back"
+        )
+    if q.shape[-1] not in _TENSOR_CORE_HEAD_DIMS:
+        raise ValueError(
+            f"{op}: an fp8 cache is read with head_dim in {_TENSOR_CORE_HEAD_DIMS}, got "
+            f"{q.shape[-1]}"
+        )
+
+
 # impl="auto" runs the streaming kernel (stream_combine) for 16-bit caches of these head
 # dims from this many cache tokens (B x T) up: there it read 1.2x faster than split-K and
 # than cuDNN on the H200 (docs/attention.md); elsewhere split-K.

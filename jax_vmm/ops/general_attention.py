@@ -145,6 +145,8 @@ def attention_tuned(
         raise ValueError(
             f"attention: q must be (batch, queries S >= 1, q_heads, head_dim), got shape {q.shape}"
         )
+    if _reads_fp8(layer, k):
+        _call.check_fp8_query(q, "attention")
     knobs = dict(impl=impl, chunk=chunk, splits=splits)
     if _is_plain(q, q_lengths, window, softcap):
         if layer is not None:
@@ -189,6 +191,13 @@ def attention_tuned(
         _TARGET_XLA_WORKSPACE, (call.out_type, ws_type), vmap_method="sequential"
     )
     return ffi(*call.operands, *call.tail, **call.attrs)[0]
+
+
+def _reads_fp8(layer: KVLayer | None, k: Any) -> bool:
+    if layer is not None:
+        return layer.id.fp8 if layer.is_arena else np.dtype(layer.k.dtype) in FP8_STORAGE
+    dtype = k.dtype if hasattr(k, "dtype") else jnp.asarray(k).dtype
+    return np.dtype(dtype) in FP8_STORAGE
 
 
 def _arena_attention(

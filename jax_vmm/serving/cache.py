@@ -209,6 +209,7 @@ class VmmCache:
         sharding: Any = None,
         commit_ahead_tokens: int | None = None,
         budget: jax_vmm.MemoryBudget | None = None,
+        arena_name: str | None = None,
     ) -> None:
         """zero_fill: committed tokens read as zeros until written (costs a fill per
         commit; for readers of tokens never written). commit_ahead_tokens: how close to
@@ -217,7 +218,7 @@ class VmmCache:
         "model" = the model's dtype, or "fp8" (float8_e4m3fn, scale 1 per layer and KV
         head: docs/kv_cache.md). sharding (jax_vmm.serving.tensor_parallel): one arena per
         device of its mesh. budget: the MemoryBudget the arena draws from
-        (docs/sharing.md)."""
+        (docs/sharing.md); arena_name: what its stats and errors call the arena."""
         device = device or jax.devices()[0]
         # Host arenas hand out zero-filled pages (memfd) and read zeros where unbacked;
         # CUDA physical memory (cuMemCreate) comes uninitialised.
@@ -240,6 +241,7 @@ class VmmCache:
             sharding=sharding,
             commit_ahead_tokens=commit_ahead_tokens,
             budget=budget,
+            name=arena_name,
         )
         self._arenas = [s.arena for s in getattr(self.kv, "shards", [self.kv])]
         self._cache = self.kv.cache()
@@ -337,7 +339,10 @@ def make_cache(
     sharding: Any = None,
     commit_ahead_tokens: int | None = None,
     budget: jax_vmm.MemoryBudget | None = None,
+    arena_name: str | None = None,
 ) -> CacheBackend:
+    """The serving cache of ``backend``; ``arena_name`` names a jax_vmm arena in budget
+    stats and errors (a preallocated cache has no arena)."""
     kv_storage_dtype(cfg, kv_dtype)  # a bad kv_dtype fails here, before any memory
     if backend == "prealloc":
         if budget is not None:
@@ -358,5 +363,6 @@ def make_cache(
             sharding=sharding,
             commit_ahead_tokens=commit_ahead_tokens,
             budget=budget,
+            arena_name=arena_name,
         )
     raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")

@@ -48,13 +48,15 @@ class EngineSleeper:
         params: Any,
         device: jax.Device,
         budget: jax_vmm.MemoryBudget | None = None,
+        name: str = "weights",
     ) -> None:
+        """name: what the budget's stats and errors call the weights' arena."""
         leaves = jax.tree_util.tree_leaves(params)
         total = sum(int(x.nbytes) for x in leaves)
         # Every buffer is rounded up to whole chunks (the driver's granularity): room for
         # that rounding per leaf; address space is free.
         self.weights = jax_vmm.Arena(
-            2 * total + len(leaves) * (64 << 20), device=device, budget=budget
+            2 * total + len(leaves) * (64 << 20), device=device, budget=budget, name=name
         )
         self.params = jax.tree_util.tree_map(self.weights.put, params)
         self.kv = kv

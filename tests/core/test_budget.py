@@ -233,6 +233,30 @@ def test_a_commit_past_the_budget_names_it_and_changes_nothing(vm):
     _check_cap(vm, budget, [a.arena, b.arena])
 
 
+def test_named_arenas_are_named_in_the_budgets_stats_and_errors(vm):
+    """Two engines in one budget: without names the error says "arena 7" and "KV arena
+    9", which the user cannot map to their policy or reference model."""
+    budget = _budget(vm, 6)
+    kv = _kv(vm, budget, name="policy KV")
+    weights = jax_vmm.Arena(4 * vm.chunk, device=vm.device, budget=budget, name="weights")
+    plain = jax_vmm.Arena(4 * vm.chunk, device=vm.device, budget=budget)
+    assert (kv.arena.name, weights.name, plain.name) == ("policy KV", "weights", None)
+    labels = [x["label"] for x in budget.stats()["arenas"]]
+    assert labels == [
+        f"KV arena {kv.arena.uid} (policy KV)",
+        f"arena {weights.uid} (weights)",
+        f"arena {plain.uid}",
+    ]
+    weights.allocate(2 * vm.chunk, jnp.uint8).commit()
+    with pytest.raises(jax_vmm.OutOfMemoryError) as e:
+        kv.ensure(CHUNKS * _tpc(vm))
+    assert f"arena {weights.uid} (weights) holds {2 * vm.chunk} bytes" in str(e.value)
+    assert f"KV arena {kv.arena.uid} (policy KV)" in str(e.value)
+    with pytest.raises(TypeError, match="name must be a str or None, got int"):
+        jax_vmm.Arena(vm.chunk, device=vm.device, budget=budget, name=7)
+    assert len(budget.stats()["arenas"]) == 3  # the refused one never joined
+
+
 # -- releases ------------------------------------------------------------------------------
 
 

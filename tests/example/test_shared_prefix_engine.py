@@ -141,6 +141,9 @@ def test_decode_cli_shared_prefix_checks_generation(tmp_path) -> None:
     assert shared["generation_unchanged"] is True and shared["chunks_shared"] > 0, shared
     # One peak, physical memory: the headline counted a shared chunk at every address.
     assert summary["peak_backed_bytes"] == shared["peak_backed_bytes"]
+    # The prompts served: the prefix and the rest (summary.json said 4-20).
+    assert summary["serving"]["prompt_len"] == (104, 120)
+    assert summary["serving"]["shared_prefix"] == 100
     assert shared["peak_backed_bytes"] < shared["unshared_peak_backed_bytes"]
     with pytest.raises(SystemExit, match="needs N >= 1 and --backend jax_vmm"):
         decode.main([*args, "--shared-prefix", "8", "--backend", "prealloc"])

@@ -545,6 +545,53 @@ def test_a_refused_call_over_an_fp8_arena_layer_counts_no_read(cpu_device):
     kv.close()
 
 
+@pytest.mark.parametrize(
+    "options", [{}, dict(softcap=30.0), dict(window=4), dict(q_lengths=np.ones(2, np.int32))]
+)
+@pytest.mark.parametrize("S", [1, 3])
+def test_an_fp8_cache_takes_16_bit_queries_with_every_option(cpu_device, options, S):
+    """The fp8 kernel reads 16-bit queries of head_dim 64/128/256. A call with options
+    reads a dequantized copy instead, which would take a float32 query: the same cache
+    then worked with a window and was refused without one. Every call refuses alike."""
+    kv = jax_vmm.kv_arena(
+        num_layers=1, num_kv_heads=2, head_dim=64, max_tokens=32, max_seqs=2,
+        dtype=FP8_DTYPE, device=cpu_device,
+    )  # fmt: skip
+    kv.ensure(8, seq=0)
+    kv.ensure(8, seq=1)
+    k8 = jnp.zeros((2, 10, 2, 64), FP8_DTYPE)
+    one = jnp.ones((2,), F32)
+    lengths = jnp.array([5, 6])
+    q32 = jnp.ones((2, S, 4, 64), F32)
+    with pytest.raises(TypeError, match="an fp8 cache is read with q in bfloat16 or float16"):
+        jax_vmm.attention(q32, kv.cache()[0], lengths, **options)
+    with pytest.raises(TypeError, match="an fp8 cache is read with q in bfloat16 or float16"):
+        jax_vmm.attention(q32, k8, k8, lengths, k_scale=one, v_scale=one, **options)
+    k8_d32 = jnp.zeros((2, 10, 2, 32), FP8_DTYPE)
+    with pytest.raises(ValueError, match=r"an fp8 cache is read with head_dim in \(64, 128"):
+        jax_vmm.attention(
+            jnp.ones((2, S, 4, 32), BF16), k8_d32, k8_d32, lengths, k_scale=one, v_scale=one,
+            **options,
+        )  # fmt: skip
+    out = jax_vmm.attention(q32.astype(BF16), kv.cache()[0], lengths, **options)
+    assert out.shape == (2, S, 4, 64) and out.dtype == BF16
+    assert kv.dropped_reads() == 0
+    kv.close()
+
+
+def test_decode_attention_takes_one_query_row_and_names_attention_for_more(cpu_device):
+    """decode_attention's q is (B, H_q, D). A (B, S, H_q, D) query ran jax_vmm.attention's
+    causal rows unannounced (undocumented, and a (B, 1, H_q, D) result where the
+    docs promise (B, H_q, D))."""
+    k = jnp.zeros((2, 10, 2, 64), BF16)
+    for shape in ((2, 1, 4, 64), (2, 3, 4, 64), (4, 64)):
+        with pytest.raises(ValueError, match=r"decode_attention: q must be \(batch, q_heads, "):
+            jax_vmm.decode_attention(jnp.zeros(shape, BF16), k, k, jnp.array([3, 4]))
+    with pytest.raises(ValueError, match="use jax_vmm.attention"):
+        jax_vmm.decode_attention(jnp.zeros((2, 3, 4, 64), BF16), jax_vmm.KVLayer.from_arrays(k, k),
+                                 jnp.array([3, 4]))  # fmt: skip
+
+
 def test_over_an_array_layer(device):
     rng = np.random.default_rng(21)
     B, S, Hq, Hkv, D, T = 3, 4, 8, 2, 128, 50

@@ -207,8 +207,9 @@ def _reference_engine(
         **_cache_shape(serving, device, args),
         commit_ahead_tokens=cache.kv.commit_ahead_tokens,
         budget=budget,
+        arena_name="reference KV",
     )
-    sleeper = EngineSleeper(ref_cache.kv, params, device, budget=budget)
+    sleeper = EngineSleeper(ref_cache.kv, params, device, budget=budget, name="reference weights")
     gen = E.Generator(sleeper.params, cfg, ref_cache, attend, block=args.block)
     # A stand-in for scoring the policy's sequences: the prompts (where the KV peaks) and
     # one decode block each, so a turn stays short next to the policy's serving.
@@ -222,12 +223,8 @@ def _reference_engine(
 
 
 def _labels(policy: EngineSleeper, reference: EngineSleeper) -> dict[int, str]:
-    return {
-        policy.kv.arena.uid: "policy KV",
-        policy.weights.uid: "policy weights",
-        reference.kv.arena.uid: "reference KV",
-        reference.weights.uid: "reference weights",
-    }
+    arenas = (policy.kv.arena, policy.weights, reference.kv.arena, reference.weights)
+    return {a.uid: a.name for a in arenas}
 
 
 def with_common_prefix(requests: list[E.Request], n: int, vocab: int, seed: int) -> list[E.Request]:
@@ -407,6 +404,7 @@ def _serve(args: argparse.Namespace) -> dict:
                     else args.commit_ahead
                 ),
                 budget=budget,
+                arena_name="policy KV",
             )
         except ValueError as e:  # the cache's own check of the flags' sizes, said as is
             raise SystemExit(f"decode.py: {e}") from None
@@ -431,7 +429,9 @@ def _serve(args: argparse.Namespace) -> dict:
                     cfg, serving, cache, attend, requests, args, device, budget
                 )
             if args.sleep_every is not None:  # the weights go into an arena: they sleep too
-                sleeper = EngineSleeper(cache.kv, params, device, budget=budget)
+                sleeper = EngineSleeper(
+                    cache.kv, params, device, budget=budget, name="policy weights"
+                )
                 params = sleeper.params
         except ValueError as e:  # e.g. a budget below one chunk of the weights' arena
             cache.close()
@@ -485,6 +485,9 @@ def _serve(args: argparse.Namespace) -> dict:
         summary = summarize(report, stats, cache, cfg, serving, device, attn_name)
         differ = None
         if args.shared_prefix:
+            lo, hi = serving["prompt_len"]  # the prompts served: the prefix and the rest
+            n = args.shared_prefix
+            summary["serving"] = dict(serving, prompt_len=(lo + n, hi + n), shared_prefix=n)
             unshared = gen.run(requests)
             differ = same_tokens(report, unshared)
             summary["shared_prefix"] = dict(
