@@ -85,6 +85,7 @@ from .memory import host_reclaim as _host_reclaim
 from .memory import host_wait as _host_wait
 from .ops import array_writes as _ops
 from .ops import layer_ops as _cache_ops
+from .ops import vmap_reads as _vmap_reads
 from .ops.attention_call import prepare as _prepare_attention
 from .ops.general_attention import checked_options
 from .ops.scratch import reserve as _scratch_reserve
@@ -121,6 +122,7 @@ __all__ = [
     "limits_ignored",
     "shared_writes_allowed",
     "loop_views_unbarriered",
+    "vmapped_reads_allowed",
     "host_device_waits_skipped",
     "commits_take_releases_unwaited",
     "legacy_views",
@@ -454,6 +456,19 @@ def loop_views_unbarriered() -> Iterator[None]:
         yield
     finally:
         _cache_ops._loop_variant_views = previous
+
+
+@contextlib.contextmanager
+def vmapped_reads_allowed() -> Iterator[None]:
+    """Inside the with-block a cache read of a layer that a kv_write batched by the same
+    vmap produced is not refused (ops/vmap_reads.py): it runs and reads every element's
+    writes."""
+    previous = _vmap_reads.refuse_read
+    _vmap_reads.refuse_read = lambda layer, op: None
+    try:
+        yield
+    finally:
+        _vmap_reads.refuse_read = previous
 
 
 @contextlib.contextmanager

@@ -16,6 +16,7 @@ import numpy as np
 
 from ..cache.pytree import KVLayer
 from ..cache.registry import arena_of
+from . import vmap_reads
 
 
 def checked_arena_layer(layer: KVLayer, op: str) -> KVLayer:
@@ -39,6 +40,8 @@ def checked_arena_layer(layer: KVLayer, op: str) -> KVLayer:
             "cache passed through jax.tree.map (e.g. astype, or a stack)? Map only over "
             "your own arrays, and pass kv.cache() layers as they are"
         )
+    if op != "kv_write":
+        vmap_reads.refuse_read(layer, op)
     if not lid.fp8:
         return layer
     kv = arena_of(lid, op)

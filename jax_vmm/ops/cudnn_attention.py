@@ -42,6 +42,7 @@ from ..base.ffi import register
 from ..base.loader import core as _core
 from ..cache.pytree import KVLayer
 from . import layer_ops as _layer_ops
+from . import vmap_reads
 from .lengths import clamped_counts
 from .scratch import _ordinal
 from .scratch import reserve as _scratch_reserve
@@ -342,6 +343,7 @@ def _over_layer(
         if layer.k_scale is not None:
             raise TypeError("cudnn_attention: fp8 caches are not for cuDNN (use decode_attention)")
         return cudnn_attention(q, layer.k, layer.v, lengths, zero_rows=zero_rows, **kw)
+    vmap_reads.refuse_read(layer, "cudnn_attention")
     lid = layer.id
     if lid.sharded:
         raise NotImplementedError(

@@ -957,6 +957,50 @@ def test_vmap_over_queries_with_the_layer_unbatched(vm):
     np.testing.assert_allclose(np.asarray(outs), np.broadcast_to(np.asarray(single), outs.shape))
 
 
+def test_a_read_in_the_vmap_that_wrote_the_layer_is_refused(vm):
+    """vmap over candidate tokens at one slot, each read back: an array cache is copied
+    per element, so each element attends to its own candidate; the arena is one memory,
+    so each would attend to the last one written. Refused (jit(vmap) and vmap alike);
+    with the refusal switched off the same call gives every element the last candidate,
+    which is what the refusal prevents. Reading another layer in the vmap, or the written
+    layer after it, is allowed."""
+    kv = _kv(vm)
+    kv.ensure(3, 0)
+    kv.ensure(3, 1)
+    rng = np.random.default_rng(5)
+    news = jnp.asarray(rng.standard_normal((3, 1, HKV, D)), DT)
+    seq, pos = jnp.zeros((3, 1), jnp.int32), jnp.full((3, 1), 2, jnp.int32)
+    q = jnp.asarray(rng.standard_normal((B, HQ, D)), DT)
+    lengths = jnp.array([3, 3], jnp.int32)
+
+    def write_then_read(cache, new, s, p):
+        layer = jax_vmm.kv_write(cache[0], new, new, seq=s, pos=p)
+        return jax_vmm.decode_attention(q, layer, lengths)
+
+    def own_copy(new):  # what an array cache gives element i: its candidate only
+        k = jnp.zeros((B, T, HKV, D), DT).at[0, 2].set(new[0])
+        return jax_vmm.decode_attention(q, k, k, lengths)
+
+    want = np.stack([np.asarray(own_copy(n)) for n in news])
+    in_axes = (None, 0, 0, 0)
+    for run in (jax.vmap(write_then_read, in_axes), jax.jit(jax.vmap(write_then_read, in_axes))):
+        with pytest.raises(ValueError, match="written by a kv_write batched by this same vmap"):
+            run(kv.cache(), news, seq, pos)
+    with jax_vmm.testing.vmapped_reads_allowed():
+        got = np.asarray(jax.vmap(write_then_read, in_axes)(kv.cache(), news, seq, pos))
+    assert not np.allclose(got[0], want[0], atol=1e-5)  # element 0 read candidate 2
+    np.testing.assert_allclose(got[0], want[2], atol=1e-5)
+
+    def write_read_other(cache, new, s, p):
+        layer = jax_vmm.kv_write(cache[0], new, new, seq=s, pos=p)
+        return cache.replace(0, layer), jax_vmm.decode_attention(q, cache[1], lengths)
+
+    cache, _ = jax.vmap(write_read_other, in_axes, (None, 0))(kv.cache(), news, seq, pos)
+    after = jax_vmm.decode_attention(q, cache[0], lengths)  # every write has landed
+    np.testing.assert_allclose(np.asarray(after), want[2], atol=1e-5)
+    kv.check()
+
+
 # -- devices ---------------------------------------------------------------------------------------
 
 _DEVICES_CHILD = """
