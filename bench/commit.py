@@ -31,7 +31,9 @@ decode path spends in ensure/release.
    pieces). jax_vmm runs with commit_ahead_tokens=0: every commit is inside the timed
    call, as the seed's is. The grow and fill rows add the seed's calls over buffers laid
    out as the arena's (back to back in one reservation): what the driver charges for that
-   layout, apart from jax_vmm.
+   layout, apart from jax_vmm. The fill row also runs from the seed's own start (page 0 of
+   every buffer backed, as its arena is made, on both sides): the fill from empty maps
+   each buffer's first granule too, which the seed did when it was made.
 
   python bench/commit.py                    # GPU if JAX has one, else CPU
   python bench/commit.py --sections seed    # issue 31's table only (GPU, ~1 minute)
@@ -371,6 +373,10 @@ class SeedBench:
         self.token_bytes = g["num_kv_heads"] * g["head_dim"] * 2  # one buffer, bf16
         self.buffers = 2 * g["num_layers"]
 
+    @property
+    def tokens_per_granule(self) -> int:  # the seed's page 0: one 2 MiB granule a buffer
+        return (2 << 20) // self.token_bytes
+
     def tokens(self, gib: float) -> int:  # tokens per sequence for gib over all buffers
         return int(gib * GiB) // (self.buffers * self.token_bytes)
 
@@ -504,6 +510,7 @@ def bench_seed(device, repeats: int, raw, steps_to: int = 1 << 16) -> dict | Non
     t16, t20, t64k = b.tokens(16), b.tokens(20), steps_to
     out["grow_16_20"] = b.grow([t20], t16, repeats)
     out["fill_0_16"] = b.grow([t16], 0, repeats)
+    out["fill_page0_16"] = b.grow([t16], b.tokens_per_granule, repeats)
     out["steps_4096"] = b.grow(list(range(4096, t64k + 1, 4096)), 0, repeats)
     out["steps_256"] = b.grow(list(range(256, t64k + 1, 256)), 0, max(1, repeats // 2))
     out["creation"] = b.creation(repeats)
@@ -513,6 +520,7 @@ def bench_seed(device, repeats: int, raw, steps_to: int = 1 << 16) -> dict | Non
     rows = [
         ("grow 16 -> 20 GiB, one call", "grow_16_20"),
         ("fill 0 -> 16 GiB, one call", "fill_0_16"),
+        ("  from page 0 backed (the seed's start)", "fill_page0_16"),
         (f"ensure, steps of 4096 tokens, 0 -> {t64k >> 10}k, total", "steps_4096"),
         (f"ensure, steps of 256 tokens, 0 -> {t64k >> 10}k, total", "steps_256"),
         ("a new arena (later ones, median)", "creation"),
