@@ -286,6 +286,35 @@ def _grad_through_attention(ctx: Ctx) -> None:
     )
 
 
+def _read_in_the_vmap_that_wrote(ctx: Ctx) -> None:
+    kv = ctx.kv3
+    q, lengths = ctx.put(np.ones((3, 1, 8), np.float32)), ctx.put(np.ones(3, np.int32))
+
+    def write_then_read(cache, new):
+        layer = jax_vmm.kv_write(
+            cache[0], new, new, seq=jnp.zeros(1, jnp.int32), pos=jnp.zeros(1, jnp.int32)
+        )
+        return jax_vmm.decode_attention(q, layer, lengths)
+
+    jax.vmap(write_then_read, (None, 0))(kv.cache(), ctx.put(np.ones((2, 1, 1, 8), np.float32)))
+
+
+def _float32_query_over_an_fp8_cache(ctx: Ctx) -> None:
+    k8 = ctx.put(np.zeros((2, 10, 2, 64), np.float32)).astype(jnp.float8_e4m3fn)
+    one = ctx.put(np.ones(2, np.float32))
+    q = ctx.put(np.ones((2, 3, 4, 64), np.float32))
+    jax_vmm.attention(
+        q, k8, k8, ctx.put(np.array([3, 4], np.int32)), k_scale=one, v_scale=one, window=2
+    )
+
+
+def _several_query_rows_to_decode_attention(ctx: Ctx) -> None:
+    lengths = ctx.put(np.ones(3, np.int32))
+    jax_vmm.decode_attention(
+        ctx.put(np.ones((3, 2, 1, 8), np.float32)), ctx.kv3.cache()[0], lengths
+    )
+
+
 def _ordered_views_of_another_layer(ctx: Ctx) -> None:
     kv = ctx.kv1
     step = jax.jit(lambda c, k, v: jax_vmm.ordered_views(c[0], k, v)[0].sum())
@@ -509,6 +538,9 @@ ROWS = [
     Row("F17", _cache_mapped_astype),
     Row("F18", _grad_through_a_write),
     Row("F19", _grad_through_attention),
+    Row("F20", _read_in_the_vmap_that_wrote),
+    Row("F21", _float32_query_over_an_fp8_cache),
+    Row("F22", _several_query_rows_to_decode_attention),
 ]
 
 
