@@ -80,6 +80,23 @@ def as_softcap(softcap: Any, op: str) -> float:
     return value
 
 
+def as_window(window: Any, op: str) -> int:
+    """A sliding window for ``op``'s error messages: 0 for None (no window), else a static
+    int >= 1, capped at int32's largest (a window past every position is no window)."""
+    if window is None:
+        return 0
+    try:
+        window = as_int(window, "window")
+    except TypeError:
+        raise TypeError(
+            f"{op}: window must be None or an int >= 1 (positions a query sees, itself "
+            f"included; static, not traced), got {type(window).__name__} {window!r}"
+        ) from None
+    if window < 1:
+        raise ValueError(f"{op}: window must be >= 1 (or None for no window), got {window}")
+    return int(min(window, np.iinfo(np.int32).max))
+
+
 def as_index(value: Any, what: str, minimum: int = 0) -> int:
     """``value`` as an int >= ``minimum`` (0 or 1), see :func:`as_int`."""
     i = as_int(value, what)

@@ -29,8 +29,8 @@ OutOfMemoryError = _core.OutOfMemoryError
 class OutOfBoundsWrite(RuntimeError):
     """Writes into a KV arena were dropped because their slot was outside the buffer, on a
     page that was not committed, or past the tokens its sequence ensured. ``count`` is the
-    number of dropped token writes; ``dropped_reads`` the reads clamped in the same period
-    (see :class:`OutOfBoundsRead`)."""
+    number of dropped K/V row writes (a token's K and V rows count apiece);
+    ``dropped_reads`` the reads clamped in the same period (see :class:`OutOfBoundsRead`)."""
 
     def __init__(self, message: str, count: int, dropped_reads: int = 0):
         super().__init__(message)

@@ -342,12 +342,14 @@ class KVArena(KVArenaBase, PrefixSharing, TokenBacking, SequenceTransfers):
             self.arena._handle.reset_drop_count(b.id)
         self._core_cache.reset_read_clamps()
         read_note = (
-            f"{reads} decode_attention reads of a sequence asked for more tokens than it "
+            f"{reads} attention reads of a sequence (decode_attention, attention, "
+            "cudnn_attention) asked for more tokens than it "
             "ensured (none while it is offloaded or the arena asleep) and were clamped to them"
         )
         if writes:
             raise OutOfBoundsWrite(
-                f"{writes} token writes into this KV arena were dropped: their slot was >= "
+                f"{writes} K/V row writes into this KV arena were dropped (a token's K and V "
+                "rows count apiece): their slot was >= "
                 f"num_slots={self.num_slots}, on a page not committed, or past the tokens its "
                 "sequence ensured (none while it is offloaded or the arena asleep). Call "
                 "kv.ensure(n, seq) for every token before writing it "

@@ -425,7 +425,7 @@ class ShardedKVArena(KVArenaBase):
         where = "; ".join(f"{s.arena.device}: {e}" for s, e in errors)
         if writes:
             raise OutOfBoundsWrite(
-                f"sharded KV arena: {writes} token writes dropped over "
+                f"sharded KV arena: {writes} K/V row writes dropped over "
                 f"{len(errors)} of {len(self.shards)} devices (one per device holding the "
                 f"token's heads) -- {where}",
                 writes,

@@ -43,10 +43,11 @@ __all__ = [
 
 def decode_attention(
     q: jax.Array,
-    k: Any,
+    k: Any = None,
     v: Any = None,
     lengths: Any = None,
     *,
+    layer: KVLayer | None = None,
     scale: float | None = None,
     k_scale: jax.Array | None = None,
     v_scale: jax.Array | None = None,
@@ -59,7 +60,7 @@ def decode_attention(
     Args:
       q: ``(B, H_q, D)``, the query of each sequence's new token.
       layer: ``cache[l]`` of ``kv.cache()`` (a ``kv_arena(..., max_seqs=B)``) or an array
-        layer. An arena layer is read in place (the kernel finds the arena by the layer's
+        layer, in k's place or as ``layer=``. An arena layer is read in place (the kernel finds the arena by the layer's
         identity; no copy) after the writes that produced the layer (its token is an
         operand), and each length is clamped to the tokens its sequence ensured: a
         sequence asked to read past them is counted, and ``kv.check()`` raises
@@ -92,7 +93,25 @@ def decode_attention(
             "for several query rows per sequence, (batch, S, q_heads, head_dim), use "
             "jax_vmm.attention"
         )
+    k = layer_or_k("decode_attention", layer, k)
     return decode_attention_tuned(q, k, v, lengths, scale=scale, k_scale=k_scale, v_scale=v_scale)
+
+
+def layer_or_k(op: str, layer: Any, k: Any) -> Any:
+    """The layer given as ``layer=`` or in k's place (``op(q, layer, lengths)``), or k."""
+    if layer is None:
+        if k is None:
+            raise TypeError(
+                f"{op} takes (q, layer, lengths) or (q, k, v, lengths); got no layer or k"
+            )
+        return k
+    if k is not None:
+        raise TypeError(f"{op}: got layer= and k; pass the layer once (or k and v, no layer)")
+    if not isinstance(layer, KVLayer):
+        raise TypeError(
+            f"{op}: layer= must be a KVLayer (kv.cache()[l]), got {type(layer).__name__}"
+        )
+    return layer
 
 
 def refuse_misplaced_cache(op: str, q: Any, k: Any) -> None:

@@ -54,6 +54,7 @@ def check_fp8_query(q: jax.Array, op: str) -> None:
 # than cuDNN on the H200 (docs/attention.md); elsewhere split-K.
 _AUTO_STREAM_HEAD_DIMS = (256,)
 _AUTO_STREAM_MIN_TOKENS = 65536
+_STREAM_MAX_BATCH = 1024  # kMaxBatch in ffi/src/ops/attention/stream_plan.h
 _CPU_PARALLEL_UNITS = 8  # kCpuParallelUnits in ffi/src/ops/attention/attention_plan.h
 _DEFAULT_SM_COUNT = 132  # H100/H200, when JAX does not report core_count
 
@@ -184,8 +185,9 @@ def run_split_k(call: _Call) -> jax.Array:
 
 def _auto_picks_stream(q: Any, k: Any, chunk: int, splits: int, workspace: str) -> bool:
     """Whether impl="auto" takes the streaming kernel: a 16-bit cache (q of the same dtype)
-    of a head dim in _AUTO_STREAM_HEAD_DIMS with at least _AUTO_STREAM_MIN_TOKENS tokens,
-    and no split-K knob (chunk, splits, workspace="xla") asked for."""
+    of a head dim in _AUTO_STREAM_HEAD_DIMS with at least _AUTO_STREAM_MIN_TOKENS tokens
+    and a batch the streaming kernel serves, and no split-K knob (chunk, splits,
+    workspace="xla") asked for."""
     if chunk or splits or workspace != "scratch" or len(k.shape) != 4:
         return False
     dtype = np.dtype(k.dtype)
@@ -194,6 +196,7 @@ def _auto_picks_stream(q: Any, k: Any, chunk: int, splits: int, workspace: str) 
         and np.dtype(q.dtype) == dtype
         and k.shape[3] in _AUTO_STREAM_HEAD_DIMS
         and k.shape[0] * k.shape[1] >= _AUTO_STREAM_MIN_TOKENS
+        and k.shape[0] <= _STREAM_MAX_BATCH
     )
 
 
@@ -378,6 +381,7 @@ def _check(
                 f"decode_attention: an fp8 cache needs k and v of one dtype out of "
                 f"{[str(d) for d in kv_dtypes]}, got {k.dtype}, {v.dtype}"
             )
+        check_fp8_query(q, "decode_attention")
         dtypes = {np.dtype(q.dtype)}
     else:
         dtypes = {np.dtype(x.dtype) for x in (q, k, v)}

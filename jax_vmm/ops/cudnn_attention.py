@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..base.args import as_float32, as_softcap
+from ..base.args import as_float32, as_softcap, as_window
 from ..base.ffi import register
 from ..base.loader import core as _core
 from ..cache.pytree import KVLayer
@@ -227,8 +227,7 @@ def _validate(
         )
     if D % 8 or D > _MAX_HEAD_DIM:
         raise ValueError(f"cudnn_attention: head_dim must be a multiple of 8 up to 256, got {D}")
-    if window is not None and (int(window) != window or window < 1):
-        raise ValueError(f"cudnn_attention: window must be an integer >= 1 or None, got {window}")
+    window = as_window(window, "cudnn_attention") or None
     softcap = as_softcap(softcap, "cudnn_attention") or None
     scale = 1.0 / math.sqrt(D) if scale is None else as_float32(scale, "cudnn_attention: scale")
     # Counted against the ensured tokens over an arena layer before the clamp to T (T + 1:
@@ -249,7 +248,8 @@ def _validate(
     if device.platform not in ("gpu", "cuda"):
         raise ValueError(
             f"cudnn_attention runs on CUDA devices only; the inputs are on {device} "
-            "(use jax_vmm.decode_attention, which has a CPU path)"
+            "(use jax_vmm.attention, or jax_vmm.decode_attention for one query row: both "
+            "have a CPU path)"
         )
     if err := _ensure_loaded():
         raise RuntimeError(f"cudnn_attention: the cuDNN backend is not available: {err}")

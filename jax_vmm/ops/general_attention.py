@@ -19,13 +19,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..base.args import as_int, as_softcap
+from ..base.args import as_softcap, as_window
 from ..base.fp8 import FP8_STORAGE, dequantize_fp8
 from ..cache.pytree import KVLayer
 from . import attention_call as _call
 from . import layer_ops, sharded_ops
 from .arena_leaves import checked_arena_layer
-from .attention import decode_attention_tuned, refuse_misplaced_cache
+from .attention import decode_attention_tuned, layer_or_k, refuse_misplaced_cache
 from .attention_backend import routes_to_cudnn
 from .cudnn_attention import cudnn_attention
 from .lengths import clamped_counts
@@ -38,10 +38,11 @@ _FULL = jax.lax.Precision.HIGHEST
 
 def attention(
     q: jax.Array,
-    k_or_layer: Any,
+    k: Any = None,
     v: Any = None,
     lengths: Any = None,
     *,
+    layer: KVLayer | None = None,
     q_lengths: Any = None,
     window: int | None = None,
     softcap: float | None = None,
@@ -51,8 +52,9 @@ def attention(
 ) -> jax.Array:
     """Causal attention of the last S tokens of each sequence over its cached tokens.
 
-    Two forms: ``attention(q, layer, lengths)`` over a :class:`~jax_vmm.KVLayer` and
-    ``attention(q, k, v, lengths)`` over ``(B, T, H_kv, D)`` arrays.
+    Two forms: ``attention(q, layer, lengths)`` over a :class:`~jax_vmm.KVLayer` (or
+    ``attention(q, layer=layer, lengths=lengths)``) and ``attention(q, k, v, lengths)``
+    over ``(B, T, H_kv, D)`` arrays.
 
     Args:
       q: ``(B, S, H_q, D)``, S >= 1: the queries of the last ``q_lengths[b]`` (default S)
@@ -82,7 +84,7 @@ def attention(
     try:
         return attention_tuned(
             q,
-            k_or_layer,
+            layer_or_k("attention", layer, k),
             v,
             lengths,
             q_lengths=q_lengths,
@@ -274,24 +276,9 @@ def checked_options(q: Any, k: Any, options: dict) -> tuple[jax.Array, dict]:
     B, S = q.shape[0], q.shape[1]
     return q, dict(
         q_lengths=_checked_q_lengths(options.get("q_lengths"), B, S),
-        window=_checked_window(options.get("window")),
+        window=as_window(options.get("window"), "attention"),
         softcap=as_softcap(options.get("softcap"), "attention"),
     )
-
-
-def _checked_window(window: Any) -> int:
-    if window is None:
-        return 0
-    try:
-        window = as_int(window, "window")
-    except TypeError:
-        raise TypeError(
-            f"attention: window must be None or an int >= 1 (positions a query sees, itself "
-            f"included; static), got {type(window).__name__} {window!r}"
-        ) from None
-    if window < 1:
-        raise ValueError(f"attention: window must be >= 1 (or None for no window), got {window}")
-    return int(min(window, np.iinfo(np.int32).max))
 
 
 def _checked_q_lengths(q_lengths: Any, batch: int, q_len: int) -> jax.Array | None:
@@ -307,6 +294,18 @@ def _checked_q_lengths(q_lengths: Any, batch: int, q_len: int) -> jax.Array | No
     if not jnp.issubdtype(q_lengths.dtype, jnp.integer):
         raise TypeError(f"attention: q_lengths must be integers (int32), got {q_lengths.dtype}")
     return q_lengths.astype(jnp.int32)
+
+
+def _check_reference_shapes(q: jax.Array, k: jax.Array, v: jax.Array) -> None:
+    ok = q.ndim == 4 and k.ndim == 4 and v.shape == k.shape
+    if ok:
+        (B, _, Hq, D), (kb, _, Hkv, kd) = q.shape, k.shape
+        ok = kb == B and kd == D and Hkv > 0 and Hq % Hkv == 0
+    if not ok:
+        raise ValueError(
+            "reference_attention: q must be (B, S, H_q, D) and k, v (B, T, H_kv, D) with the "
+            f"same B and D and H_q a multiple of H_kv; got q {q.shape}, k {k.shape}, v {v.shape}"
+        )
 
 
 def reference_attention(
@@ -325,11 +324,26 @@ def reference_attention(
     """Plain-JAX attention with the semantics of :func:`attention` (masked softmax over
     all T tokens; float32, or float64 inputs under ``jax_enable_x64`` for a float64
     reference), output in q's dtype. An fp8 cache is dequantized first."""
+    q, k, v = (x if isinstance(x, jax.Array) else jnp.asarray(x) for x in (q, k, v))
+    _check_reference_shapes(q, k, v)
+    if (k_scale is None) != (v_scale is None):
+        raise ValueError(
+            "reference_attention: an fp8 cache needs both k_scale and v_scale, other caches neither"
+        )
     if k_scale is not None:
         k, v = dequantize_fp8(k, k_scale), dequantize_fp8(v, v_scale)
     B, S, Hq, D = q.shape
     T, Hkv = k.shape[1], k.shape[2]
-    window = _checked_window(window)
+    for name, x in (("lengths", lengths), ("q_lengths", q_lengths)):
+        if x is None:
+            continue
+        dtype = x.dtype if hasattr(x, "dtype") else jnp.asarray(x).dtype
+        if np.shape(x) != (B,) or not jnp.issubdtype(dtype, jnp.integer):
+            raise ValueError(
+                f"reference_attention: {name} must be integers of shape ({B},), got "
+                f"{dtype} {np.shape(x)}"
+            )
+    window = as_window(window, "attention")
     softcap = as_softcap(softcap, "attention")
     scale = _call._softmax_scale(scale, D)
     acc = jnp.promote_types(jnp.float32, jnp.result_type(q.dtype, k.dtype))

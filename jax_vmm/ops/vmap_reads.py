@@ -9,8 +9,9 @@ the cache reads (``checked_arena_layer``) refuse such a layer while that vmap is
 tracing. A layer returned from the vmap and read after it is not refused: all writes
 have landed by then, as an array cache with ``out_axes=None`` would say.
 
-Not seen: a write and a read inside a ``jit`` or a loop body nested in the vmap (their
-trace is not the vmap's); docs/kv_cache.md says so.
+Not seen: a read inside a ``jit``, ``checkpoint``, ``cond``, loop body or inner vmap
+nested in the vmap: such a body is traced on its own (its trace is not the vmap's, and
+the layer crosses into it as a fresh object); docs/kv_cache.md says so.
 """
 
 from __future__ import annotations

@@ -77,8 +77,10 @@ def kv_write(
                     f"as seq=/pos= or as flat slots, not both; got {len(args)} positional "
                     "arguments after the layer with seq=/pos="
                 )
-            slots = seq_pos_slots(cache, args[0], seq, pos)
-            args = (args[0], args[1], slots)
+            new_k, new_v = (_as_array(x) for x in args)
+            seq, pos = _as_array(seq, jnp.int32), _as_array(pos, jnp.int32)
+            slots = seq_pos_slots(cache, new_k, seq, pos)
+            args = (new_k, new_v, slots)
         elif len(args) != 3:
             raise TypeError(
                 "kv_write(layer, new_k, new_v, *, seq, pos) needs seq= and pos= (int (n,): "
@@ -119,6 +121,16 @@ def _check_first_argument(cache: Any, args: tuple) -> None:
                     f"{type(cache).__name__} first and a {type(arg).__name__} as argument "
                     f"{i}; call jax_vmm.kv_write(cache[l], new_k, new_v, seq=seq, pos=pos)"
                 )
+
+
+def _as_array(x: Any, empty_dtype: Any = None) -> Any:
+    """A Python list or tuple (of numbers, or of traced scalars inside jit) as an array;
+    an empty one as ``empty_dtype`` (``[]`` is float32 to JAX). Anything else as given."""
+    if not isinstance(x, (list, tuple)):
+        return x
+    if len(x) == 0 and empty_dtype is not None:
+        return jnp.zeros((0,), empty_dtype)
+    return jnp.asarray(x)
 
 
 def seq_pos_slots(layer: KVLayer, new_k: Any, seq: Any, pos: Any) -> jax.Array:

@@ -222,7 +222,7 @@ def test_a_step_dispatched_after_the_release_reads_the_lowered_table(host_vm):
         for x in (fresh, after):
             np.testing.assert_array_equal(np.asarray(x)[0], 0)
         assert np.abs(np.asarray(earlier)[0]).min() > 0  # the earlier step read its tokens
-        with pytest.raises(jax_vmm.OutOfBoundsRead, match="2 decode_attention reads"):
+        with pytest.raises(jax_vmm.OutOfBoundsRead, match="2 attention reads"):
             kv.check(fresh, earlier, after)  # the two later reads, clamped and counted
 
 
