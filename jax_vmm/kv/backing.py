@@ -425,11 +425,17 @@ class TokenBacking:
         with self._lock:
             self.arena._check_open("KVArena.shrink")
             self._check_awake("KVArena.shrink")
-            for q in list(self._offloaded):
-                self._settle(q)
+            for q, t in list(self._offloaded.items()):
+                # An offloaded sequence that the shrink would cut is refused; one it leaves
+                # whole stays away (a transfer that ended is settled either way).
+                if self._ensured[q] > num_tokens or t.state in ("restored", "failed"):
+                    self._settle(q)
             work = self._release_begins(wait)
             self._note_old_work(range(len(self._ensured)), work)
-            self._core_cache.set_limits(np.minimum(self._ensured, num_tokens).tolist())
+            limits = np.minimum(self._ensured, num_tokens)
+            for q in self._offloaded:  # away: its table entry stays 0
+                limits[q] = 0
+            self._core_cache.set_limits(limits.tolist())
             self._ahead.cancel()
             # The ranges are found against every sequence's state after the shrink: a chunk
             # two sequences share goes too when neither keeps tokens in it.

@@ -80,6 +80,16 @@ class PrefixSharing:
         with self._lock:
             self.arena._check_open("KVArena.ensure_shareable")
             if not whole or self._backed_already(np.int64(num_tokens), q):
+                if whole and self._ensured[q] < num_tokens:
+                    _log.warning(
+                        "KVArena.ensure_shareable(%d, seq=%d): those tokens' chunks were "
+                        "backed ahead already (kv.prefetch, commit ahead, or release with "
+                        "keep_tokens), not as an allocation of their own; share_prefix "
+                        "copies what it cannot map (an allocation that reaches past the "
+                        "prefix). Call ensure_shareable before any prefetch of the "
+                        "sequence (or release it without keep_tokens first).",
+                        num_tokens, q,
+                    )  # fmt: skip
                 return self.ensure(num_tokens, seq)
             # The whole chunks first: one commit of them (its own allocations), then the
             # rest (a commit never joins new chunks to an existing allocation).
@@ -199,7 +209,9 @@ class PrefixSharing:
                 _log.warning(
                     "KVArena.share_prefix(%d, %d, %d): %d bytes of whole chunks were copied, "
                     "not mapped: their allocation also backs tokens past the prefix (a plain "
-                    "ensure). Commit a prefix to share with kv.ensure_shareable(n, seq).",
+                    "ensure, or chunks backed ahead by a prefetch, commit ahead or "
+                    "release(keep_tokens=)). Commit a prefix to share with "
+                    "kv.ensure_shareable(n, seq) before anything else backs it.",
                     src, dst, n, sum(e - s for _, s, e in left_out),
                 )  # fmt: skip
             self._set_floor(dst, n)
@@ -321,10 +333,13 @@ class PrefixSharing:
         keep_tokens: int = 0,
         writes_in_flight: bool = True,
     ) -> int:
-        q = 0 if seq is None else seq
-        if keep_tokens and isinstance(q, (int, np.integer)) and 0 <= q < len(self._floors):
+        # Checked here first (the base class checks again): a concrete JAX or NumPy scalar
+        # is a sequence number as much as an int, and must meet the sharing check too.
+        q = check_seq(seq, self.max_seqs, "KVArena.release")
+        q = 0 if q is None else q
+        if keep_tokens:
             self._refuse_if_shared(
-                int(q),
+                q,
                 "KVArena.release",
                 "its kept chunks would be written by the next sequence: release it without "
                 "keep_tokens",
@@ -392,6 +407,10 @@ class PrefixSharing:
             if not self.arena.closed:
                 self._free_lone_destinations()
             return {
-                "shared_prefixes": [dict(r) for r in self._shares.values()],
+                # A released source's slot may hold another request by now: no source.
+                "shared_prefixes": [
+                    dict(r, src=None if dst in self._source_gone else r["src"])
+                    for dst, r in self._shares.items()
+                ],
                 "sharing_seqs": np.flatnonzero(self._floors).tolist(),
             }

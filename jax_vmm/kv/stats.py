@@ -13,7 +13,7 @@ __all__ = ["KVArenaStats", "SharedPrefix", "ShardStats", "ShardedKVArenaStats"]
 class SharedPrefix(TypedDict):
     """One :meth:`jax_vmm.KVArena.share_prefix` still in place (its ``dst`` not released)."""
 
-    src: int
+    src: int | None  # None once the source was released (its slot may hold another request)
     dst: int
     tokens: int
     mapped_bytes: int

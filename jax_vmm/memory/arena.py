@@ -385,6 +385,7 @@ class Arena:
         if name is not None and not isinstance(name, str):
             raise TypeError(f"Arena: name must be a str or None, got {type(name).__name__}")
         self.name: str | None = name
+        self._budget, self._kind = budget, _kind
         self._target: DeviceTarget = resolve_device(device)
         self._handle = _core_arena_factory(
             self._target.driver, self._target.ordinal, reserve_bytes, chunk, handle, zero_fill
@@ -438,7 +439,17 @@ class Arena:
                 f"than the whole {self._handle.reserved_bytes} bytes reservation; create the arena "
                 "with a larger reserve_bytes"
             )
-        info = self._handle.allocate(nbytes, name or "")
+        try:
+            info = self._handle.allocate(nbytes, name or "")
+        except ReservationFullError as e:
+            held = int(self._handle.stats().get("held_range_bytes", 0))
+            if not held:
+                raise
+            raise ReservationFullError(
+                f"{e} ({held} bytes of the reservation are held by freed buffers whose "
+                "views are still alive: a freed range is placed again once its last view "
+                "is gone; drop those views first)"
+            ) from None
         buf = Buffer(self, info, shape, np_dtype)
         with self._lock:
             self._buffers.append(buf)
@@ -550,7 +561,10 @@ class Arena:
                 f"Arena.put: needs an array with at least one dimension and one "
                 f"element; got shape {shape}"
             )
-        buf = self.allocate(shape, dtype, name=name)
+        try:
+            buf = self.allocate(shape, dtype, name=name)
+        except ReservationFullError as e:
+            raise ReservationFullError(f"Arena.put: {e}") from None
         try:
             buf.commit()
             pointer = src.unsafe_buffer_pointer() if isinstance(src, jax.Array) else src.ctypes.data
@@ -652,16 +666,44 @@ class Arena:
             host_reclaim.drain()
         try:
             return commit()
-        except MemoryError:
+        except MemoryError as e:
             holding = _open_arenas()
             gc.collect()
             collected = bool(holding - _open_arenas())  # one went, and its memory with it
             reclaim = host and host_reclaim.pending()
             if not (collected or reclaim):
-                raise
+                raise self._with_parked_note(e) from None
         if reclaim:
             host_reclaim.drain()
-        return commit()
+        try:
+            return commit()
+        except MemoryError as e:
+            raise self._with_parked_note(e) from None
+
+    def _with_parked_note(self, e: MemoryError) -> MemoryError:
+        """A budget refusal that names what its arenas hold parked (released chunks inside
+        allocations that still back others: handle_bytes), which no reclaim gives back."""
+        if self._budget is None or "memory budget" not in str(e):
+            return e
+        parked = [
+            (a, int(a._handle.stats()["parked_bytes"]))
+            for a in list(_live_arenas)
+            if a._budget is self._budget and not a.closed
+        ]
+        parked = [(a, n) for a, n in parked if n]
+        if not parked:
+            return e
+        where = ", ".join(
+            f"{a._kind} {a.uid}{f' ({a.name})' if a.name else ''}: {n} bytes" for a, n in parked
+        )
+        out = type(e)(
+            f"{e} Of what they hold, these bytes are parked: released chunks inside "
+            f"allocations that still back other chunks ({where}); they go back once the rest "
+            "of their allocation is released (release the sequence without keep_tokens, or "
+            "use a smaller handle_bytes)."
+        )
+        out.__dict__.update(getattr(e, "__dict__", {}))
+        return out
 
     def _host_work_to_outlive(self) -> list[jax.Array] | None:
         """For a release that does not wait (a KV arena's ``release`` / ``shrink``): the

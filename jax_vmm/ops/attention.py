@@ -60,10 +60,10 @@ def decode_attention(
     Args:
       q: ``(B, H_q, D)``, the query of each sequence's new token.
       layer: ``cache[l]`` of ``kv.cache()`` (a ``kv_arena(..., max_seqs=B)``) or an array
-        layer, in k's place or as ``layer=``. An arena layer is read in place (the kernel finds the arena by the layer's
-        identity; no copy) after the writes that produced the layer (its token is an
-        operand), and each length is clamped to the tokens its sequence ensured: a
-        sequence asked to read past them is counted, and ``kv.check()`` raises
+        layer, in k's place or as ``layer=``. An arena layer is read in place (the kernel
+        finds the arena by the layer's identity; no copy) after the writes that produced
+        the layer (its token is an operand), and each length is clamped to the tokens its
+        sequence ensured: a sequence asked to read past them is counted, and ``kv.check()`` raises
         :class:`~jax_vmm.OutOfBoundsRead`. An fp8 layer carries its scales.
       k, v: ``(B, T, H_kv, D)`` arrays (any, arena views or not); the same dtype as ``q``
         (bfloat16, float16 or float32). Grouped-query attention when ``H_q`` is a

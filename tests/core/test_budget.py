@@ -257,6 +257,28 @@ def test_named_arenas_are_named_in_the_budgets_stats_and_errors(vm):
     assert len(budget.stats()["arenas"]) == 3  # the refused one never joined
 
 
+def test_a_budget_refusal_names_the_parked_bytes_no_reclaim_gives_back(vm):
+    """release(seq, keep_tokens=n) keeps the allocation of the kept chunks, and with it the
+    released rest (parked). The budget counted that memory and its error advised a release
+    or a shrink, neither of which gives it back; it now says how much is parked and why."""
+    tpc = _tpc(vm)
+    budget = _budget(vm, 20)
+    a = _kv(vm, budget, max_seqs=1, commit_ahead_tokens=0, handle_bytes=CHUNKS * vm.chunk)
+    b = _kv(vm, budget, name="other")
+    a.ensure(CHUNKS * tpc, 0)
+    a.release(0, keep_tokens=tpc // 2, wait=True)
+    a.ensure(tpc // 2, 0)
+    parked = a.stats()["parked_bytes"]
+    assert parked == 4 * (CHUNKS - 1) * vm.chunk  # 4 buffers x the 3 chunks past the kept one
+    with pytest.raises(jax_vmm.OutOfMemoryError) as e:
+        b.ensure(2 * tpc)
+    msg = str(e.value)
+    assert "these bytes are parked" in msg and f"KV arena {a.arena.uid}: {parked} bytes" in msg
+    assert e.value.requested_bytes == 4 * 2 * vm.chunk
+    a.release(0, wait=True)  # the whole allocation goes: room for b
+    b.ensure(2 * tpc)
+
+
 # -- releases ------------------------------------------------------------------------------
 
 

@@ -286,6 +286,17 @@ def _grad_through_attention(ctx: Ctx) -> None:
     )
 
 
+def _allocate_behind_a_freed_buffers_view(ctx: Ctx) -> None:
+    arena = ctx.vm.arena(4 * ctx.c)
+    buf = arena.allocate(3 * ctx.c, jnp.uint8)
+    view = buf.array
+    buf.free()
+    try:
+        arena.allocate(4 * ctx.c, jnp.uint8)
+    finally:
+        del view
+
+
 def _read_in_the_vmap_that_wrote(ctx: Ctx) -> None:
     kv = ctx.kv3
     q, lengths = ctx.put(np.ones((3, 1, 8), np.float32)), ctx.put(np.ones(3, np.int32))
@@ -431,6 +442,8 @@ ROWS = [
     Row("B13", lambda x: x.closed_buf.arena.allocate(4)),
     Row("B14", lambda x: x.arena.allocate((True, 2))),
     Row("B15", lambda x: pickle.dumps(x.buf)),
+    Row("B16", _allocate_behind_a_freed_buffers_view),
+    Row("B17", lambda x: x.vm.arena(4 * x.c).put(np.ones(5 * x.c // 4, np.float32))),
     # -- Buffer.commit / decommit / backed_prefix / view / free --
     Row("C1", lambda x: x.buf.commit(10, 5)),
     Row("C2", lambda x: x.buf.commit(0, x.buf.nbytes + 1)),

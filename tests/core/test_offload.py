@@ -129,6 +129,31 @@ def test_an_offloaded_sequence_is_kept_away_from(vm):
         kv.restore(0)
 
 
+def test_a_shrink_that_leaves_an_offloaded_sequence_whole_runs(vm):
+    """shrink(n) cuts every sequence past n tokens: one that is away is refused only if the
+    shrink would cut it (it refused whenever any sequence was away). The away sequence's
+    table entry stays 0 (a write to it is dropped and counted) and it comes back whole."""
+    kv, t = _kv(vm)
+    kv.release(0, wait=True)
+    kv.ensure(10, seq=0)
+    before = [raw_bytes(b, 0, 10 * kv.token_bytes) for b in kv.buffers]
+    kv.offload(0)
+    with pytest.raises(ValueError, match="sequence 0 is offloaded.*restore"):
+        kv.shrink(5)
+    assert kv.shrink(t // 2) > 0  # cuts sequences 1 and 2, not the 10 tokens of 0
+    assert kv.stats()["offloaded_seqs"] == [0]
+    one = jnp.ones((1, H, D), jnp.bfloat16)
+    layer = jax_vmm.kv_write(
+        kv.cache()[0], one, one, seq=jnp.zeros(1, jnp.int32), pos=jnp.zeros(1, jnp.int32)
+    )
+    with pytest.raises(jax_vmm.OutOfBoundsWrite):
+        kv.check(layer)
+    kv.restore(0)
+    assert kv.ensure(10, seq=0) == 0
+    for b, want in zip(kv.buffers, before):
+        np.testing.assert_array_equal(raw_bytes(b, 0, 10 * kv.token_bytes), want)
+
+
 @pytest.mark.parametrize("opened_by", ["done", "stats"])
 def test_a_background_restore_opens_the_sequence_once_it_landed(vm, faults, opened_by):
     """restore(wait=False), then the first ``done`` that sees the copy landed (or

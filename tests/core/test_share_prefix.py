@@ -883,3 +883,45 @@ def test_a_share_of_an_unshareable_allocation_says_so(vm, caplog):
     with caplog.at_level("WARNING", logger="jax_vmm"):
         assert kv.share_prefix(0, 1, n)["mapped_bytes"] > 0
     assert "ensure_shareable" not in caplog.text
+
+
+# -- review cases --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("as_scalar", [int, np.int64, jnp.int32])
+def test_a_sharer_released_with_keep_tokens_is_refused_for_every_integer(vm, as_scalar):
+    """keep_tokens on a sharer would let the slot's next sequence write the shared chunks.
+    A JAX scalar got past the check (it looked only at Python and NumPy ints), and the
+    next writes landed in the source's read-only prefix."""
+    kv, tpc, n, data, _ = _shared(vm)
+    with pytest.raises(ValueError, match="its kept chunks would be written"):
+        kv.release(as_scalar(1), keep_tokens=tpc)
+    np.testing.assert_array_equal(_seq_tokens(kv, 0)[:, :, :n], data)
+    assert kv.stats()["sharing_seqs"] == [0, 1]
+
+
+def test_a_released_source_is_no_longer_named_in_the_stats(vm):
+    """After the source's release its slot may take an unrelated request: the shares made
+    from it show no source (the memory lives on in the sharers)."""
+    kv, tpc, n, _, _ = _shared(vm)
+    kv.share_prefix(1, 2, n)
+    kv.release(0)
+    kv.ensure(tpc // 2, 0)  # another request in slot 0
+    assert [(r["src"], r["dst"]) for r in kv.stats()["shared_prefixes"]] == [(None, 1), (1, 2)]
+
+
+def test_ensure_shareable_of_tokens_backed_ahead_says_why_they_will_be_copied(vm, caplog):
+    """A prefetch backs the prefix as part of a larger allocation; ensure_shareable then
+    cannot make it an allocation of its own, and share_prefix copies it. That was silent
+    (share_prefix's warning advised the call just made)."""
+    kv, tpc = _kv(vm, handle_bytes=None)
+    n = int(2.5 * tpc)
+    kv.prefetch(n, 0)
+    kv.wait_prefetch(0)
+    with caplog.at_level("WARNING", logger="jax_vmm"):
+        kv.ensure_shareable(n, 0)
+    assert "backed ahead already (kv.prefetch" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="jax_vmm"):
+        kv.ensure_shareable(n, 0)  # ensured already: nothing to say
+    assert caplog.text == ""

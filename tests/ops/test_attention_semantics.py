@@ -607,3 +607,94 @@ def test_over_an_array_layer(device):
         q, layer, n, qn
     )
     assert_close(out, ref64(q64, k64, v64, lengths, q_lengths, 3), F16, "array layer")
+
+
+# -- review cases --------------------------------------------------------------------------
+
+
+def test_head_dim_256_batches_past_the_streaming_kernels_limit_stay_on_split_k():
+    """impl="auto" takes the streaming kernel for head_dim 256 from 65536 cached tokens up;
+    it serves batches of at most 1024, and a larger one was refused instead of taking the
+    split-K kernel (Gemma 2's head_dim)."""
+    rng = np.random.default_rng(11)
+    B, T, H, D = 1025, 64, 1, 256
+    q, q64 = draw(rng, (B, H, D), BF16)
+    k, k64 = draw(rng, (B, T, H, D), BF16)
+    lengths = rng.integers(0, T + 1, B).astype(np.int32)
+    out = jax_vmm.decode_attention(q, k, k, jnp.asarray(lengths))
+    want = ref64(q64[:, None], k64, k64, lengths, None)[:, 0]
+    assert_close(out, want, BF16, "B1025 D256")
+
+
+def test_layer_and_k_keywords():
+    """The names the docs use: attention(q, layer=, lengths=), attention(q, k=, v=,
+    lengths=), and the same for decode_attention; both or neither is refused."""
+    k = jnp.asarray(np.random.default_rng(2).standard_normal((2, 8, 1, 16)), F32)
+    layer, lengths = jax_vmm.KVLayer.from_arrays(k, k), jnp.array([3, 5])
+    q = jnp.ones((2, 2, 1, 16), F32)
+    want = jax_vmm.attention(q, layer, lengths)
+    for got in (
+        jax_vmm.attention(q, layer=layer, lengths=lengths),
+        jax_vmm.attention(q, k=k, v=k, lengths=lengths),
+    ):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    np.testing.assert_array_equal(
+        np.asarray(jax_vmm.decode_attention(q[:, 1], layer=layer, lengths=lengths)),
+        np.asarray(jax_vmm.decode_attention(q[:, 1], layer, lengths)),
+    )
+    with pytest.raises(TypeError, match="pass the layer once"):
+        jax_vmm.attention(q, k, layer=layer, lengths=lengths)
+    with pytest.raises(TypeError, match="got no layer or k"):
+        jax_vmm.attention(q, lengths=lengths)
+    with pytest.raises(TypeError, match="layer= must be a KVLayer"):
+        jax_vmm.decode_attention(q[:, 1], layer=k, lengths=lengths)
+
+
+def test_reference_attention_checks_its_inputs():
+    q, k = jnp.ones((2, 3, 3, 16)), jnp.ones((2, 8, 2, 16))
+    with pytest.raises(ValueError, match="H_q a multiple of H_kv"):
+        reference_attention(q, k, k, [3, 4])
+    with pytest.raises(ValueError, match=r"lengths must be integers of shape \(2,\)"):
+        reference_attention(jnp.ones((2, 3, 2, 16)), k, k, [2.7, 8.0])
+    with pytest.raises(ValueError, match="both k_scale and v_scale"):
+        reference_attention(jnp.ones((2, 3, 2, 16)), k, k, [2, 8], k_scale=jnp.ones(2))
+
+
+def test_an_fp8_cache_names_16_bit_queries_for_any_query_dtype(cpu_device):
+    """An int32 query was told "use bfloat16, float16 or float32", then float32 refused."""
+    kv = jax_vmm.kv_arena(
+        num_layers=1, num_kv_heads=1, head_dim=64, max_tokens=8, max_seqs=2,
+        dtype=FP8_DTYPE, device=cpu_device,
+    )  # fmt: skip
+    kv.ensure(3, seq=0)
+    for dtype in (jnp.int32, F32):
+        with pytest.raises(TypeError, match="an fp8 cache is read with q in bfloat16 or float16"):
+            jax_vmm.decode_attention(jnp.ones((2, 1, 64), dtype), kv.cache()[0], [3, 0])
+    kv.close()
+
+
+def test_kv_write_takes_lists_of_tokens_and_of_traced_positions(cpu_device):
+    """seq=[0], pos=[t] with a traced t (inside scan) raised a tracer conversion error; a
+    nested list of tokens was reported as shape (); an empty write said float64."""
+    kv = jax_vmm.kv_arena(
+        num_layers=1, num_kv_heads=2, head_dim=16, max_tokens=8, max_seqs=1,
+        dtype=F32, device=cpu_device,
+    )  # fmt: skip
+    kv.ensure(4, seq=0)
+
+    def body(layer, t):
+        tok = jnp.ones((1, 2, 16), F32) * (t + 1)
+        return jax_vmm.kv_write(layer, tok, tok, seq=[0], pos=[t]), None
+
+    layer, _ = jax.lax.scan(body, kv.cache()[0], jnp.arange(4))
+    kv.check(layer)
+    np.testing.assert_array_equal(np.asarray(kv.k[0])[0, :4, 0, 0], [1, 2, 3, 4])
+    tok = (np.ones((2, 2, 16), np.float32) * 7).tolist()
+    kv.check(jax_vmm.kv_write(kv.cache()[0], tok, tok, seq=[0, 0], pos=[0, 1]))
+    np.testing.assert_array_equal(np.asarray(kv.k[0])[0, :4, 0, 0], [7, 7, 3, 4])
+    empty = np.zeros((0, 2, 16), np.float32)
+    kv.check(jax_vmm.kv_write(kv.cache()[0], empty, empty, seq=[], pos=[]))
+    np.testing.assert_array_equal(np.asarray(kv.k[0])[0, :4, 0, 0], [7, 7, 3, 4])
+    with pytest.raises(TypeError, match="seq must hold integers, got float32"):
+        jax_vmm.kv_write(kv.cache()[0], tok, tok, seq=[0.5, 0], pos=[0, 1])
+    kv.close()
