@@ -124,6 +124,11 @@ class Arena:
         Copy (src_id, src_start, dst_id, dst_start, bytes) spans after the device's work.
         """
 
+    def zero_ranges(self, arg: Sequence[tuple[int, int, int]], /) -> int:
+        """
+        Zero the backed, unshared bytes of (buffer_id, start, stop) ranges after the device's work; returns the bytes zeroed.
+        """
+
     def shared_bytes(self, arg: Sequence[tuple[int, int, int]], /) -> int:
         """
         Bytes of the chunks in (buffer_id, start, stop) ranges still mapped elsewhere too.

@@ -192,6 +192,10 @@ class KVArena(KVArenaBase, PrefixSharing, TokenBacking, SequenceTransfers):
             # generation equals _valid_gen: ensure() within them needs no call into the core.
             self._covered = np.zeros(seqs, np.int64)
             self._valid_gen = np.full(seqs, -1, np.int64)
+            # The most tokens each slot ever had ensured: past its ensured tokens, rows
+            # below this may hold an earlier sequence's bytes (a zero-filling arena zeroes
+            # them when they are ensured again: _zero_stale_rows).
+            self._ever_ensured = np.zeros(seqs, np.int64)
             self._offloaded: dict[int, Transfer] = {}
             self._sharing_init(seqs)
             self.arena._on_sleep(self._on_arena_sleep)  # the table goes to 0 while asleep

@@ -111,12 +111,15 @@ class TokenBacking:
             if num_tokens <= self._covered[q] and self._valid_gen[q] == self.arena._generation:
                 if num_tokens > self._ensured[q]:
                     self._outlive_old_writes([q])
+                    self._zero_stale_rows([(q, int(self._ensured[q]), num_tokens)])
                     self._ensured[q] = num_tokens
                     self._core_cache.set_limit(q, num_tokens)  # the memory is there already
                 self._maybe_ahead(q, num_tokens)
                 return 0
+            before = int(self._ensured[q])
             added = self._commit_seqs([(q, num_tokens)])
             self._outlive_old_writes([q])
+            self._zero_stale_rows([(q, before, int(self._ensured[q]))])
             # Published after the memory: the kernels may write what the table admits.
             self._core_cache.set_limit(q, int(self._ensured[q]))
             self._maybe_ahead(q, num_tokens)
@@ -138,8 +141,13 @@ class TokenBacking:
             # The memory first, then the table (kernels may write what it admits); a failed
             # commit leaves both as they were.
             grown = np.flatnonzero(tokens > self._ensured).tolist() if self._old_work else []
+            before = self._ensured.copy()
             added = self._commit_seqs([(q, int(tokens[q])) for q in need]) if need else 0
             self._outlive_old_writes(grown)
+            if self.arena.zero_fill:  # (the list costs a pass over the sequences)
+                self._zero_stale_rows(
+                    [(q, int(before[q]), int(tokens[q])) for q in np.flatnonzero(tokens > before)]
+                )
             np.maximum(self._ensured, tokens, out=self._ensured)
             self._core_cache.raise_limits(tokens)
             if self.commit_ahead_tokens:
@@ -558,6 +566,26 @@ class TokenBacking:
         # Work that has finished needs no wait: drop it rather than hold its arrays.
         for q in [q for q, w in self._old_work.items() if w is not work and _finished(w)]:
             del self._old_work[q]
+
+    def _zero_stale_rows(self, grown: list[tuple[int, int, int]]) -> None:
+        """For each (q, old, new) ensure of sequence q from ``old`` to ``new`` tokens: on a
+        zero-filling arena, rows [old, new) that an earlier sequence of the slot had ensured
+        are zeroed (after the device's work) before the table admits them. A fresh commit
+        zero-fills whole chunks, but a chunk that stayed backed (a neighbour's, or the part
+        of a shrink's last chunk) keeps its bytes. Records the high-water mark either way.
+        Caller holds the lock, after ``_outlive_old_writes``."""
+        if not self.arena.zero_fill:
+            return
+        ranges = []
+        for q, old, new in grown:
+            stale = min(new, int(self._ever_ensured[q]))
+            if stale > old:
+                base = q * self.seq_bytes
+                lo, hi = base + old * self.token_bytes, base + stale * self.token_bytes
+                ranges += [(b.id, lo, hi) for b in self.buffers]
+            self._ever_ensured[q] = max(int(self._ever_ensured[q]), new)
+        if ranges:
+            self.arena._handle.zero_ranges(ranges)
 
     def _outlive_old_writes(self, seqs: list[int]) -> None:
         """Before the table admits tokens of ``seqs`` again: the work in flight at their

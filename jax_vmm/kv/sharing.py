@@ -215,6 +215,7 @@ class PrefixSharing:
                     src, dst, n, sum(e - s for _, s, e in left_out),
                 )  # fmt: skip
             self._set_floor(dst, n)
+            self._ever_ensured[dst] = max(int(self._ever_ensured[dst]), n)  # copies stay
             self._outlive_old_writes([dst])
             self._core_cache.set_limit(dst, n)  # the floor first: the table admits dst now
             self._shares[dst] = dict(

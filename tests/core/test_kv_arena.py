@@ -390,3 +390,39 @@ def test_small_refusals_say_what_to_do(vm):
         t.state  # noqa: B018 - the query is what raises
     with pytest.raises(jax_vmm.ArenaClosedError, match="was closed"):
         t.wait()
+
+
+@pytest.mark.parametrize("how", ["release", "shrink", "ensure_all"])
+def test_a_zero_filling_arena_gives_a_reused_slot_zeros(vm, how):
+    """zero_fill=True: tokens read zeros until written. A fresh commit zero-fills whole
+    chunks, but a release keeps a chunk the neighbour holds tokens in, and a shrink keeps
+    its last partial chunk: their rows kept the earlier sequence's bytes, which the next
+    ensure of those rows handed out as if never written. Now they read zeros, and the
+    neighbour's tokens stay."""
+    tpc = _tpc(vm)
+    t = tpc + tpc // 2  # neighbours share a chunk
+    kv = _make(vm, num_layers=1, max_tokens=t, max_seqs=3, zero_fill=True, commit_ahead_tokens=0)
+    for q in range(3):
+        kv.ensure(t, seq=q)
+        for b in kv.buffers:
+            write_bytes(b, q * kv.seq_bytes, pattern(kv.seq_bytes, seed=q + 1))
+    cut = tpc // 4
+    if how == "release":
+        kv.release(1, wait=True)
+        kv.ensure(t, seq=1)
+    elif how == "shrink":
+        kv.shrink(cut, wait=True)
+        kv.ensure(t, seq=1)
+    else:
+        kv.shrink(cut, wait=True)
+        kv.ensure_all([cut, t, cut])
+    lo = 0 if how == "release" else cut * kv.token_bytes
+    for b in kv.buffers:
+        seq1 = read_bytes(b, kv.seq_bytes + lo, 2 * kv.seq_bytes)
+        assert not seq1.any(), f"{how}: {np.count_nonzero(seq1)} stale bytes in sequence 1"
+        keep = cut * kv.token_bytes if how != "release" else kv.seq_bytes
+        for q in (0, 2):  # the neighbours' tokens are theirs still
+            np.testing.assert_array_equal(
+                read_bytes(b, q * kv.seq_bytes, q * kv.seq_bytes + keep),
+                pattern(kv.seq_bytes, seed=q + 1)[:keep],
+            )

@@ -300,6 +300,10 @@ class Arena : public std::enable_shared_from_this<Arena> {
   // Copies every src span's bytes to its dst span (both backed; dst not shared memory)
   // after the device finished the work dispatched before (which may write src).
   void CopySpans(const std::vector<SpanPair>& spans);
+  // Writes zeros over the backed, unshared bytes of `ranges` (the rest reads zeros already
+  // or is a shared prefix, read-only) after the device finished the work dispatched
+  // before (which may still write them). Returns the bytes zeroed.
+  size_t ZeroRanges(const std::vector<Range>& ranges);
 
   // Bytes backed contiguously from `start` (stopping at `stop` or the first hole).
   size_t BackedPrefix(int64_t buffer_id, size_t start, size_t stop) const;

@@ -252,6 +252,38 @@ void Arena::CopySpans(const std::vector<SpanPair>& spans) {
   driver_->CopyToDevice(regions.data(), regions.size());
 }
 
+size_t Arena::ZeroRanges(const std::vector<Range>& ranges) {
+  ThrowIfForked("zero");
+  std::lock_guard<std::mutex> lock(mu_);
+  ThrowIfClosed("zero");
+  ThrowIfAsleep("zero");
+  std::vector<std::pair<uintptr_t, size_t>> pieces;  // (address, bytes), in order
+  for (const Range& r : ranges) {
+    const Placement& p = PlacementOrThrow(r.buffer_id, "Arena.zero");
+    CheckRange(p.info, r.start, r.stop, "Arena.zero");
+    for (size_t c = r.start / chunk_bytes_; c < CeilDiv(r.stop, chunk_bytes_); ++c) {
+      const size_t a = ArenaChunk(p, c);
+      if (!host_page_table_[a] || chunk_mapping_[a]->shared) continue;
+      const size_t lo = std::max(r.start, c * chunk_bytes_);
+      const size_t hi = std::min(r.stop, (c + 1) * chunk_bytes_);
+      const uintptr_t va = p.info.address + lo;
+      if (!pieces.empty() && pieces.back().first + pieces.back().second == va) {
+        pieces.back().second += hi - lo;
+      } else {
+        pieces.emplace_back(va, hi - lo);
+      }
+    }
+  }
+  if (pieces.empty()) return 0;
+  driver_->Synchronize();  // work dispatched before may still write these bytes
+  size_t zeroed = 0;
+  for (const auto& [va, bytes] : pieces) {
+    driver_->ZeroFill(va, bytes);
+    zeroed += bytes;
+  }
+  return zeroed;
+}
+
 void Arena::ThrowIfShared(const std::vector<ChunkRun>& runs, const char* op) const {
   for (const ChunkRun& run : runs) {
     for (size_t a = run.first; a < run.first + run.count; ++a) {

@@ -273,6 +273,15 @@ void BindArenaChanges(nb::class_<Arena>& c) {
           },
           "Copy (src_id, src_start, dst_id, dst_start, bytes) spans after the device's work.")
       .def(
+          "zero_ranges",
+          [](Arena& a, const std::vector<std::tuple<int64_t, size_t, size_t>>& r) {
+            const std::vector<Arena::Range> ranges = ToRanges(r);
+            nb::gil_scoped_release release;
+            return a.ZeroRanges(ranges);
+          },
+          "Zero the backed, unshared bytes of (buffer_id, start, stop) ranges after the "
+          "device's work; returns the bytes zeroed.")
+      .def(
           "shared_bytes",
           [](const Arena& a, const std::vector<std::tuple<int64_t, size_t, size_t>>& r) {
             const std::vector<Arena::Range> ranges = ToRanges(r);
