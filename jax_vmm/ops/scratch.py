@@ -96,6 +96,12 @@ def reserve(nbytes: int, device: jax.Device | None = None) -> None:
     Custom calls recorded into a CUDA graph fall back to this workspace when their
     stream has none of its own (see scratch.h). ``device`` defaults to
     ``jax.devices()[0]``; a CPU device reserves the host default workspace."""
+    if isinstance(nbytes, jax.core.Tracer):
+        raise TypeError(
+            "scratch.reserve is a host call that grows the workspace now: call it outside "
+            "jit with a Python int (inside jit it would run once, at trace time, with no "
+            "size to read)"
+        )
     nbytes = as_int(nbytes, "scratch.reserve: nbytes")
     if not 0 < nbytes <= _ADDRESS_SPACE:
         raise ValueError(

@@ -245,6 +245,15 @@ class VmmCache:
         )
         self._arenas = [s.arena for s in getattr(self.kv, "shards", [self.kv])]
         self._cache = self.kv.cache()
+        # A sharded fp8 cache's scale leaves' first placement (tokens: None), for update.
+        self._scale_shardings = (
+            [
+                None if np.dtype(x.dtype) == np.int32 else x.sharding
+                for x in jax.tree.leaves(self._cache)
+            ]
+            if fp8 and sharding is not None
+            else None
+        )
         self._returned = _ReturnedBytes()
 
     def cache(self) -> jax_vmm.KVCache:
@@ -254,7 +263,21 @@ class VmmCache:
         """Takes a step's returned cache: the same arena, with the tokens that order the
         next step after this one's writes."""
         self._returned.note(cache)
+        if self._scale_shardings is not None:
+            cache = self._scales_placed_as_first(cache)
         self._cache = cache
+
+    def _scales_placed_as_first(self, cache: jax_vmm.KVCache) -> jax_vmm.KVCache:
+        """The returned cache with its fp8 scale leaves placed as the first cache's: a step
+        returns them as XLA chose (replicated over a mesh), while the next step was
+        compiled ahead of time for the first placement (split over the KV heads). The
+        values are the arena's fixed scales; the tokens stay as the step returned them."""
+        leaves, tree = jax.tree_util.tree_flatten(cache)
+        placed = [
+            x if want is None or x.sharding == want else jax.device_put(x, want)
+            for x, want in zip(leaves, self._scale_shardings)
+        ]
+        return jax.tree_util.tree_unflatten(tree, placed)
 
     def ensure(self, seq: int, num_tokens: int) -> None:
         # Exactly what the sequence needs: the arena's table then admits writes up to

@@ -184,7 +184,7 @@ def check_block(block: object) -> None:
 
 
 def check_prefill_chunk(chunk: object) -> None:
-    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+    if chunk is not None and (not is_int(chunk) or chunk < 1):  # NumPy integers too
         raise ValueError(
             f"prefill_chunk (prompt tokens per prefill call) must be an integer >= 1 or None "
             f"(whole prompts), got {chunk!r}"

@@ -97,13 +97,19 @@ def encode_prompts(
     for i, p in enumerate(prompts):
         if isinstance(p, str):
             if ckpt.tokenizer is None:
+                ids_flag = "--next-turn-ids" if what == "next turn" else "--prompt-ids"
                 raise CheckpointError(
                     f"{what} {i} is text, but {ckpt.path} has no "
-                    "tokenizer.json; give token ids (--prompt-ids)"
+                    f"tokenizer.json; give token ids ({ids_flag})"
                 )
             ids, text = ckpt.tokenizer.encode(p, special_tokens=first_turn), p
         else:
             p = np.asarray(p).tolist() if hasattr(p, "__array__") else p
+            if isinstance(p, (bytes, bytearray)):  # a Sequence of ints, but not token ids
+                raise TypeError(
+                    f"{what} {i} is bytes ({p!r}); pass text as str (decode it first) or "
+                    "token ids as a list of ints"
+                )
             if not isinstance(p, Sequence) or not all(is_int(t) for t in p):
                 raise ValueError(
                     f"{what} {i} ({p!r}) is neither text nor a list of integer token ids"
@@ -244,6 +250,11 @@ def generate(
         raise ValueError("no prompts: give at least one (--prompt or --prompt-ids)")
     if eos_token_ids is not None:
         eos_token_ids = _eos_ids(eos_token_ids, stop_at_eos)
+    if device is not None and not isinstance(device, jax.Device):
+        raise TypeError(
+            f"generate: device must be a jax.Device (e.g. jax.devices('cpu')[0]) or None, "
+            f"got {type(device).__name__} {device!r}"
+        )
     device = device or next(iter(ckpt.params.embed.devices()))  # where the weights are
     encoded = encode_prompts(ckpt, prompts)
     turns = encode_prompts(

@@ -376,6 +376,8 @@ def test_small_refusals_say_what_to_do(vm):
         scratch.set_reserve_bytes(1.9)
     with pytest.raises(TypeError, match="device must be a jax.Device"):
         scratch.reserve(4096, device="cpu")
+    with pytest.raises(TypeError, match="scratch.reserve is a host call .* outside jit"):
+        jax.jit(lambda n: scratch.reserve(n))(4096)
     if not jax.config.jax_enable_x64:
         with pytest.raises(TypeError, match="dtype float64 needs jax_enable_x64"):
             vm.kv(num_layers=1, num_kv_heads=1, head_dim=4, max_tokens=8, dtype=jnp.float64)

@@ -627,6 +627,16 @@ def test_decode_cli_shared_prefix_check_knows_fp8_rounding(
             decode.main(argv)
 
 
+def test_decode_cli_refuses_an_out_whose_summary_is_a_directory(tmp_path: Path) -> None:
+    """It was found only after the whole run, as a traceback."""
+    from jax_vmm.serving.cli import decode
+
+    (tmp_path / "summary.json").mkdir()
+    argv = ["--device", "cpu", "--requests", "2", "--no-plot", "--no-progress"]
+    with pytest.raises(SystemExit, match="--out .*: its summary.json is a directory"):
+        decode.main([*argv, "--out", str(tmp_path)])
+
+
 @pytest.mark.parametrize(
     "flags,match",
     [
@@ -643,8 +653,9 @@ def test_decode_cli_shared_prefix_check_knows_fp8_rounding(
         (["--budget", "100", "--sleep-every", "1"], "smaller than one chunk of the arena"),
         # above one KV chunk, below one chunk of the weights' arena
         (["--budget", "20000", "--sleep-every", "1"], "--budget 20000: .*smaller than one chunk"),
-        (["--seed", "-2"], r"--seed -2: expected an integer in \[0, 2\*\*63"),
+        (["--seed", "-2"], r"--seed -2: expected an integer in \[0, 2\*\*32"),
         (["--seed", str(2**64)], "--seed 18446744073709551616: expected an integer"),
+        (["--seed", str(2**32)], "--seed 4294967296: expected an integer"),  # weights of 0
         (["--out", __file__], "exists and is not a directory"),
         (  # share_prefix maps chunks: every slot must start on one (64 tokens here)
             ["--batch", "2", "--max-tokens", "200", "--shared-prefix", "16"],

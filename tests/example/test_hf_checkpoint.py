@@ -176,7 +176,10 @@ def test_eos_ids_come_from_generation_config_first(tmp_path: Path) -> None:
             "RoPE type 'yarn' is not supported; the example implements 'default', 'linear', "
             "'llama3'",
         ),
-        (dict(rope_scaling={"rope_type": "linear"}), "RoPE type 'linear' needs a number 'factor'"),
+        (
+            dict(rope_scaling={"rope_type": "linear"}),
+            "RoPE type 'linear' needs a finite number 'factor'",
+        ),
         (
             dict(rope_scaling={"factor": 4.0}),
             r"the RoPE parameters set 'factor' but no 'rope_type' \(or 'type'\), so it is "
@@ -197,7 +200,15 @@ def test_eos_ids_come_from_generation_config_first(tmp_path: Path) -> None:
             ),
             "disagree; keep one",
         ),
-        (dict(rope_theta="big"), "rope_theta must be a number > 1"),
+        (dict(rope_theta="big"), "rope_theta must be a finite number > 1"),
+        (dict(rope_theta=float("nan")), "rope_theta must be a finite number > 1"),
+        (dict(rms_norm_eps=float("nan")), "rms_norm_eps must be a finite number > 0"),
+        (dict(rms_norm_eps=float("inf")), "rms_norm_eps must be a finite number > 0"),
+        (
+            dict(rope_scaling={"rope_type": "linear", "factor": float("inf")}),
+            "needs a finite number 'factor'",
+        ),
+        (dict(rope_scaling={"rope_type": None, "factor": 2.0}), "set 'factor' but no 'rope_type'"),
         (dict(partial_rotary_factor=0.5), "partial_rotary_factor 0.5 is not supported"),
         (
             dict(rope_parameters={"full_attention": {"rope_type": "default"}}),
@@ -444,8 +455,8 @@ def test_gemma2_config_as_transformers_reads_it() -> None:
         (dict(attention_bias=True), "attention_bias is true"),
         (dict(use_bidirectional_attention=True), "use_bidirectional_attention is true"),
         (dict(hidden_activation="gelu"), "gelu_pytorch_tanh only"),
-        (dict(query_pre_attn_scalar=0), "query_pre_attn_scalar must be a number > 0"),
-        (dict(attn_logit_softcapping="big"), "attn_logit_softcapping must be a number > 0"),
+        (dict(query_pre_attn_scalar=0), "query_pre_attn_scalar must be a finite number > 0"),
+        (dict(attn_logit_softcapping="big"), "attn_logit_softcapping must be a finite number > 0"),
     ]
     for changes, match in bad:
         with pytest.raises(CheckpointError, match=match):
@@ -469,3 +480,14 @@ def test_architectures_as_one_string_is_read(tmp_path: Path) -> None:
 def read_config_of(tmp_path: Path, raw: dict):
     (tmp_path / "config.json").write_text(json.dumps(raw))
     return read_config(tmp_path)
+
+
+def test_both_rope_spellings_take_theta_from_the_newer_dict():
+    """rope_parameters holds rope_theta; an older rope_scaling beside it with the same
+    settings but no theta won, and theta fell back to the default 10000 (wrong tokens)."""
+    raw = {k: v for k, v in BASE.items() if k != "rope_theta"}
+    scaling = {"rope_type": "linear", "factor": 2.0}
+    cfg = parse_config(
+        {**raw, "rope_scaling": scaling, "rope_parameters": {**scaling, "rope_theta": 500000.0}}
+    ).config
+    assert cfg.rope_theta == 500000.0 and cfg.rope_scaling.factor == 2.0

@@ -22,6 +22,8 @@ from jax_vmm.serving import generate as G
 from jax_vmm.serving import model as M
 from jax_vmm.serving.cache import BACKENDS
 from jax_vmm.serving.cli import generate as GC
+from jax_vmm.serving.hf.config import read_config
+from jax_vmm.serving.hf.tokenizer import load_tokenizer
 from jax_vmm.serving.sampling import SamplingConfig
 
 SLOTS = 2  # fewer than the 4 prompts: slots are reused (continuous batching)
@@ -387,6 +389,42 @@ def test_the_natural_prompt_forms_are_one_prompt_each(cpu_device: jax.Device) ->
     assert turns[0]["prompt_ids"] == ckpt.tokenizer.encode("Yo", special_tokens=False)
 
 
+def test_numpy_sizes_and_checkpoint_files_as_found(cpu_device: jax.Device, tmp_path, caplog):
+    """A NumPy prefill_chunk is an integer like any other size; a generation_config.json
+    that is not an object is named; EOS ids past the vocabulary (a config shared across
+    model sizes) are left out of the stop tokens with a warning, not a refusal of the run;
+    a tokenizer.json that is a directory is named as such."""
+    ckpt = checkpoint("mistral", "float32", cpu_device)
+    want = G.generate(ckpt, ["Hi"], max_new_tokens=3, device=cpu_device)
+    got = G.generate(
+        ckpt,
+        ["Hi"],
+        max_new_tokens=3,
+        device=cpu_device,
+        opts=G.ServeOptions(prefill_chunk=np.int64(4)),
+    )
+    assert [r["generated_ids"] for r in got["requests"]] == [
+        r["generated_ids"] for r in want["requests"]
+    ]
+    model = tmp_path / "model"
+    model.mkdir()
+    for f in (FIXTURE_DIR / "mistral").iterdir():
+        (model / f.name).symlink_to(f)
+    (model / "generation_config.json").unlink(missing_ok=True)
+    (model / "generation_config.json").write_text("[1]")
+    with pytest.raises(G.CheckpointError, match="generation_config.json: expected a JSON object"):
+        read_config(model)
+    vocab = read_config(FIXTURE_DIR / "mistral").config.vocab
+    (model / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, vocab + 5]}))
+    with caplog.at_level("WARNING", logger="jax_vmm"):
+        assert read_config(model).eos_token_ids == (1,)
+    assert f"eos_token_id [{vocab + 5}] lies past the vocabulary" in caplog.text
+    (model / "tokenizer.json").unlink()
+    (model / "tokenizer.json").mkdir()
+    with pytest.raises(G.CheckpointError, match="tokenizer.json: not a file"):
+        load_tokenizer(model)
+
+
 def test_request_errors_name_the_problem(cpu_device: jax.Device, tmp_path) -> None:
     """Bad prompts and options fail before anything runs, saying what is wrong."""
     ckpt = checkpoint("mistral", "float32", cpu_device)
@@ -419,6 +457,14 @@ def test_request_errors_name_the_problem(cpu_device: jax.Device, tmp_path) -> No
         G.generate(no_tok, ["Hi"], max_new_tokens=2, device=cpu_device)
     with pytest.raises(ValueError, match=r"neither text nor a list of integer token ids"):
         G.generate(ckpt, [[5.7, 6.2]], max_new_tokens=2, device=cpu_device)
+    with pytest.raises(TypeError, match=r"prompt 0 is bytes \(b'Hi'\); pass text as str"):
+        G.generate(ckpt, [b"Hi"], max_new_tokens=2, device=cpu_device)  # read as ids [72, 105]
+    with pytest.raises(
+        ValueError, match=r"has no tokenizer.json; give token ids \(--next-turn-ids"
+    ):
+        G.generate(no_tok, [[1, 2]], max_new_tokens=2, next_turns=["Yo"], device=cpu_device)
+    with pytest.raises(TypeError, match="device must be a jax.Device"):
+        G.generate(ckpt, ["Hi"], max_new_tokens=2, device="cpu")
     with pytest.raises(ValueError, match="stops nothing without stop_at_eos=True"):
         G.generate(ckpt, ["Hi"], max_new_tokens=2, eos_token_ids=[5], device=cpu_device)
     with pytest.raises(TypeError, match="sampling must be a SamplingConfig"):

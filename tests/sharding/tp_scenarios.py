@@ -153,6 +153,11 @@ def decode_cli_tp2_serves_the_same_requests() -> None:
     shared = cli("--tp", "2", "--shared-prefix", "16")
     assert shared["shared_prefix"]["generation_unchanged"], shared["shared_prefix"]
     assert shared["final_backed_bytes"] == 0
+    # An fp8 cache: its scale leaves came back from the prefill replicated, and the
+    # decode block compiled for them split over the heads refused them.
+    fp8_one, fp8 = cli("--kv-dtype", "fp8"), cli("--tp", "2", "--kv-dtype", "fp8")
+    assert fp8["generated_tokens"] == fp8_one["generated_tokens"] > 0
+    assert fp8["final_backed_bytes"] == 0
 
 
 def decode_cli_refuses_bad_tp() -> None:

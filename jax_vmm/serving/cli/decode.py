@@ -366,14 +366,18 @@ def _serve(args: argparse.Namespace) -> dict:
             f"decode.py: --commit-ahead {args.commit_ahead}: expected a token count >= 0 "
             "(0 turns committing ahead off)"
         )
-    if not 0 <= args.seed < 2**63 - 1000:  # seeds derived from it add up to 1000
-        raise SystemExit(f"decode.py: --seed {args.seed}: expected an integer in [0, 2**63 - 1000)")
+    # Seeds derived from it add up to 1000; jax.random.key keeps 32 bits (x64 off), so a
+    # larger seed would repeat a smaller one's weights.
+    if not 0 <= args.seed < 2**32 - 1000:
+        raise SystemExit(f"decode.py: --seed {args.seed}: expected an integer in [0, 2**32 - 1000)")
     if args.out.exists() and not args.out.is_dir():
         raise SystemExit(f"decode.py: --out {args.out}: exists and is not a directory")
     try:  # before serving: a run must not end in a traceback for want of its folder
         args.out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise SystemExit(f"decode.py: --out {args.out}: cannot create it ({e})") from None
+    if (args.out / "summary.json").is_dir():
+        raise SystemExit(f"decode.py: --out {args.out}: its summary.json is a directory")
 
     with jax.default_device(device):
         params = M.init_params(cfg, seed=args.seed)
@@ -539,8 +543,11 @@ def _serve(args: argparse.Namespace) -> dict:
             if on
         )
         raise SystemExit(f"decode.py: generation changed across {what} (requests {differ[:10]})")
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "summary.json").write_text(json.dumps(summary, indent=2))
+    try:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "summary.json").write_text(json.dumps(summary, indent=2))
+    except OSError as e:  # removed or made read-only while the run went on
+        raise SystemExit(f"decode.py: --out {args.out}: cannot write summary.json ({e})") from None
     missing = None if args.no_plot else matplotlib_missing()
     if missing:
         print(missing)

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
+import math
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +23,8 @@ from .. import model as M
 
 CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
+
+_log = logging.getLogger("jax_vmm")
 
 
 class CheckpointError(ValueError):
@@ -124,9 +128,22 @@ def read_config(model_dir: str | Path, *, dtype: str = "float32") -> HFModelSpec
     gen_path = Path(model_dir) / GENERATION_CONFIG_FILE
     if gen_path.exists():
         gen = _read_json(gen_path, what="the generation defaults")
+        if not isinstance(gen, dict):
+            raise CheckpointError(f"{gen_path}: expected a JSON object, got {type(gen).__name__}")
         if gen.get("eos_token_id") is not None:
             eos = _token_ids(gen, "eos_token_id", str(gen_path))
             spec = dataclasses.replace(spec, eos_token_ids=eos)
+    vocab = spec.config.vocab
+    never = [t for t in spec.eos_token_ids if t >= vocab]
+    if never:  # a config shared across model sizes may list ids past a small vocabulary
+        _log.warning(
+            "%s: eos_token_id %s lies past the vocabulary [0, %d): the model never "
+            "generates it, so it is left out of the stop tokens",
+            gen_path if gen_path.exists() else path, never, vocab,
+        )  # fmt: skip
+        spec = dataclasses.replace(
+            spec, eos_token_ids=tuple(t for t in spec.eos_token_ids if t < vocab)
+        )
     return spec
 
 
@@ -218,24 +235,26 @@ def parse_rope(
             f"{where}: rope_parameters {new} and rope_scaling {old} disagree; keep one "
             "(rope_parameters is the newer spelling)"
         )
-    params = dict(old or new or {})
+    # The newer dict holds rope_theta; the older one may carry the same settings without it.
+    params = {**(old or {}), **(new or {})}
     if any(isinstance(v, dict) for v in params.values()):
         raise CheckpointError(
             f"{where}: RoPE parameters per layer type ({sorted(params)}) "
             "are not supported; the example uses one RoPE for all layers"
         )
     theta = params.get("rope_theta", raw.get("rope_theta", _DEFAULT_ROPE_THETA))
-    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 1:
-        raise CheckpointError(f"{where}: rope_theta must be a number > 1, got {theta!r}")
+    if not _finite_number(theta) or theta <= 1:
+        raise CheckpointError(f"{where}: rope_theta must be a finite number > 1, got {theta!r}")
     partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
     if partial not in (None, 1, 1.0):
         raise CheckpointError(
             f"{where}: partial_rotary_factor {partial} is not supported "
             "(the example rotates the whole head)"
         )
-    kind = params.get("rope_type", params.get("type"))
+    kind = params.get("rope_type")
+    kind = params.get("type") if kind is None else kind
     if kind is None:
-        settings = sorted(set(params) - _UNTYPED_ROPE_KEYS)
+        settings = sorted({k for k, v in params.items() if v is not None} - _UNTYPED_ROPE_KEYS)
         if settings:
             # A factor without a type would silently load as default RoPE.
             raise CheckpointError(
@@ -249,9 +268,9 @@ def parse_rope(
 
     def number(key: str, default: float | None = None) -> float:
         value = params.get(key, default)
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if not _finite_number(value):
             raise CheckpointError(
-                f"{where}: RoPE type {kind!r} needs a number {key!r}, got {value!r}"
+                f"{where}: RoPE type {kind!r} needs a finite number {key!r}, got {value!r}"
             )
         return value
 
@@ -275,6 +294,12 @@ def parse_rope(
         f"{where}: RoPE type {kind!r} is not supported; the example implements "
         f"'default', {', '.join(repr(k) for k in M.ROPE_SCALING_KINDS)}"
     )
+
+
+def _finite_number(value: Any) -> bool:
+    """A real JSON number that is not NaN or infinite (JSON's NaN/Infinity extensions
+    parse in Python and would pass every `<=` check)."""
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
 
 
 def _without_theta(d: dict[str, Any]) -> dict[str, Any]:
@@ -410,8 +435,8 @@ class _Getter:
         value = self._value(key, optional)
         if value is None:
             return None
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-            raise CheckpointError(f"{self.where}: {key} must be a number > 0, got {value!r}")
+        if not _finite_number(value) or value <= 0:
+            raise CheckpointError(f"{self.where}: {key} must be a finite number > 0, got {value!r}")
         return float(value)
 
     def bool_(self, key: str) -> bool:

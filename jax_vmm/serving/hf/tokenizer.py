@@ -46,4 +46,6 @@ def load_tokenizer(model_dir: str | Path) -> TextTokenizer | None:
     """The checkpoint's tokenizer, or None when it has no tokenizer.json (token-id
     prompts still work)."""
     path = Path(model_dir) / TOKENIZER_FILE
+    if path.exists() and not path.is_file():
+        raise CheckpointError(f"{path}: not a file (a tokenizer.json was expected there)")
     return TextTokenizer(path) if path.is_file() else None
