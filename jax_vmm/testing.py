@@ -64,6 +64,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from typing import Any, Literal
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -458,17 +459,11 @@ def loop_views_unbarriered() -> Iterator[None]:
         _cache_ops._loop_variant_views = previous
 
 
-@contextlib.contextmanager
-def vmapped_reads_allowed() -> Iterator[None]:
+def vmapped_reads_allowed() -> contextlib.AbstractContextManager[Any]:
     """Inside the with-block a cache read of a layer that a kv_write batched by the same
     vmap produced is not refused (ops/vmap_reads.py): it runs and reads every element's
     writes."""
-    previous = _vmap_reads.refuse_read
-    _vmap_reads.refuse_read = lambda layer, op: None
-    try:
-        yield
-    finally:
-        _vmap_reads.refuse_read = previous
+    return mock.patch.object(_vmap_reads, "refuse_read", lambda layer, op: None)
 
 
 @contextlib.contextmanager
