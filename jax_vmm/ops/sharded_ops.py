@@ -54,9 +54,37 @@ def _shard_map(lid: ShardedLayerId, body: Any, in_specs: tuple, out_specs: Any) 
     # check_vma off: a mesh axis the spec does not name holds replicas whose results
     # agree by construction (each wrote and read the same tokens), which the custom call
     # cannot tell the checker.
-    return jax.shard_map(
+    mapped = jax.shard_map(
         body, mesh=lid.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
     )
+
+    def run(*args: Any) -> Any:
+        _refuse_inputs_off_the_mesh(lid, args)
+        return mapped(*args)
+
+    return run
+
+
+def _refuse_inputs_off_the_mesh(lid: ShardedLayerId, args: tuple) -> None:
+    """A concrete input committed to a device outside the cache's mesh, said plainly (JAX's
+    own error names an internal function). Inside jit, JAX refuses such an argument at
+    the jitted call itself."""
+    mesh_devices = set(lid.mesh.devices.flat)
+    for x in args:
+        concrete = isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+        if not concrete or not getattr(x, "committed", True):  # uncommitted: JAX moves it
+            continue
+        try:
+            off = set(x.devices()) - mesh_devices
+        except RuntimeError:  # deleted: the call itself will say so
+            continue
+        if off:
+            raise ValueError(
+                f"{lid.describe()}: an input of shape {tuple(x.shape)} is committed to "
+                f"{sorted(str(d) for d in off)}, off the cache's mesh "
+                f"({sorted(str(d) for d in mesh_devices)}); put it on the mesh, e.g. "
+                "jax.device_put(x, jax.sharding.NamedSharding(mesh, P()))"
+            )
 
 
 def _local_slots(lid: ShardedLayerId, slots: jax.Array) -> jax.Array:

@@ -605,6 +605,19 @@ def inputs_on_other_devices_and_closed_arenas_are_refused():
     other = jax.device_put(t["k"][0], jax.devices()[3])  # committed to a device off the mesh
     write = jax.jit(lambda c, k, s: c.replace(0, jax_vmm.kv_write(c[0], k, k, s)))
     raises(ValueError, lambda: write(kv.cache(), other, np.zeros(1, np.int32)), "devices")
+    # The same outside jit: said plainly (JAX's own error named an internal function).
+    off_mesh = "is committed to ['cpu:3'], off the cache's mesh"
+    raises(
+        ValueError,
+        lambda: jax_vmm.kv_write(kv.cache()[0], other, other, np.zeros(1, np.int32)),
+        off_mesh,
+    )
+    q_off = jax.device_put(np.ones((S, HQ, D), DT), jax.devices()[3])
+    raises(
+        ValueError,
+        lambda: jax_vmm.decode_attention(q_off, kv.cache()[0], np.full(S, 4, np.int32)),
+        off_mesh,
+    )
     cache = kv.cache()
     slot = np.zeros(1, np.int32)
     jax.block_until_ready(write(cache, t["k"][0], slot))  # compiled while open
