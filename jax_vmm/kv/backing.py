@@ -263,14 +263,18 @@ class TokenBacking:
                 self.arena._wait_for_host_work()
                 self.arena._handle.decommit_ranges(ranges, False)
 
-    def _publish_limits(self, asleep: bool | None = None) -> None:
-        """Publish the device table of ensured tokens: 0 for a sequence that is away
-        (offloaded, or restored but not yet settled) and for every sequence while the arena
-        sleeps (``asleep``: the state to publish for, default the arena's), so the kernels
-        drop (and count) writes to their memory and clamp (and count) reads of it instead
-        of reading zeros or a neighbour's chunk. Caller holds the lock."""
+    def _publish_limits(
+        self, asleep: bool | None = None, ensured: np.ndarray | None = None
+    ) -> None:
+        """Publish the device table of ensured tokens (``ensured``, default the arena's
+        record): 0 for a sequence that is away (offloaded, or restored but not yet settled)
+        and for every sequence while the arena sleeps (``asleep``: the state to publish
+        for, default the arena's), so the kernels drop (and count) writes to their memory
+        and clamp (and count) reads of it instead of reading zeros or a neighbour's chunk.
+        Caller holds the lock."""
         asleep = self.arena.asleep if asleep is None else asleep
-        visible = np.zeros_like(self._ensured) if asleep else self._ensured.copy()
+        ensured = self._ensured if ensured is None else ensured
+        visible = np.zeros_like(ensured) if asleep else ensured.copy()
         for q in self._offloaded:
             visible[q] = 0
         self._core_cache.set_limits(visible.tolist())
@@ -440,10 +444,7 @@ class TokenBacking:
                     self._settle(q)
             work = self._release_begins(wait)
             self._note_old_work(range(len(self._ensured)), work)
-            limits = np.minimum(self._ensured, num_tokens)
-            for q in self._offloaded:  # away: its table entry stays 0
-                limits[q] = 0
-            self._core_cache.set_limits(limits.tolist())
+            self._publish_limits(ensured=np.minimum(self._ensured, num_tokens))
             self._ahead.cancel()
             # The ranges are found against every sequence's state after the shrink: a chunk
             # two sequences share goes too when neither keeps tokens in it.

@@ -385,15 +385,16 @@ class Arena:
         if name is not None and not isinstance(name, str):
             raise TypeError(f"Arena: name must be a str or None, got {type(name).__name__}")
         self.name: str | None = name
-        self._budget, self._kind = budget, _kind
+        self._budget = budget
         self._target: DeviceTarget = resolve_device(device)
         self._handle = _core_arena_factory(
             self._target.driver, self._target.ordinal, reserve_bytes, chunk, handle, zero_fill
         )
         try:
+            # How the budget's stats and errors (and _with_parked_note) name this arena.
+            self._budget_label = f"{_kind} {self._handle.uid}" + (f" ({name})" if name else "")
             if budget is not None:
-                label = f"{_kind} {self._handle.uid}" + (f" ({name})" if name else "")
-                budget._join(self._handle, self._target, label)
+                budget._join(self._handle, self._target, self._budget_label)
             # before the arena's first device wait (it waits for that stream)
             register_compute_stream(self._target)
         except BaseException:
@@ -685,17 +686,11 @@ class Arena:
         allocations that still back others: handle_bytes), which no reclaim gives back."""
         if self._budget is None or "memory budget" not in str(e):
             return e
-        parked = [
-            (a, int(a._handle.stats()["parked_bytes"]))
-            for a in list(_live_arenas)
-            if a._budget is self._budget and not a.closed
-        ]
-        parked = [(a, n) for a, n in parked if n]
-        if not parked:
+        members = [a for a in list(_live_arenas) if a._budget is self._budget and not a.closed]
+        parked = [(a._budget_label, int(a._handle.stats()["parked_bytes"])) for a in members]
+        where = ", ".join(f"{label}: {n} bytes" for label, n in parked if n)
+        if not where:
             return e
-        where = ", ".join(
-            f"{a._kind} {a.uid}{f' ({a.name})' if a.name else ''}: {n} bytes" for a, n in parked
-        )
         out = type(e)(
             f"{e} Of what they hold, these bytes are parked: released chunks inside "
             f"allocations that still back other chunks ({where}); they go back once the rest "

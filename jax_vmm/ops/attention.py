@@ -175,7 +175,7 @@ def decode_attention_tuned(
             k = checked_arena_layer(k, "decode_attention")
             knobs = (impl, chunk, splits, ctas, stages, min_tiles, workspace)
             default_knobs = knobs == ("auto", 0, 0, 0, 0, 0, "scratch")
-            if routes_to_cudnn(_dtype_of(q), k.id, default_knobs=default_knobs):
+            if routes_to_cudnn(dtype_of(q), k.id, default_knobs=default_knobs):
                 return cudnn_attention(q, k, v if lengths is None else lengths, scale=scale)
         layer_attention = sharded_ops.attention if _sharded(k) else layer_ops.attention
         return layer_attention(
@@ -209,7 +209,7 @@ def decode_attention_tuned(
     )
 
 
-def _dtype_of(x: Any) -> Any:
+def dtype_of(x: Any) -> Any:
     return x.dtype if hasattr(x, "dtype") else jax.numpy.asarray(x).dtype
 
 

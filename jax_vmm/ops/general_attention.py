@@ -25,7 +25,7 @@ from ..cache.pytree import KVLayer
 from . import attention_call as _call
 from . import layer_ops, sharded_ops
 from .arena_leaves import checked_arena_layer
-from .attention import decode_attention_tuned, layer_or_k, refuse_misplaced_cache
+from .attention import decode_attention_tuned, dtype_of, layer_or_k, refuse_misplaced_cache
 from .attention_backend import routes_to_cudnn
 from .cudnn_attention import cudnn_attention
 from .lengths import clamped_counts
@@ -198,8 +198,7 @@ def attention_tuned(
 def _reads_fp8(layer: KVLayer | None, k: Any) -> bool:
     if layer is not None:
         return layer.id.fp8 if layer.is_arena else np.dtype(layer.k.dtype) in FP8_STORAGE
-    dtype = k.dtype if hasattr(k, "dtype") else jnp.asarray(k).dtype
-    return np.dtype(dtype) in FP8_STORAGE
+    return np.dtype(dtype_of(k)) in FP8_STORAGE
 
 
 def _arena_attention(
@@ -337,7 +336,7 @@ def reference_attention(
     for name, x in (("lengths", lengths), ("q_lengths", q_lengths)):
         if x is None:
             continue
-        dtype = x.dtype if hasattr(x, "dtype") else jnp.asarray(x).dtype
+        dtype = dtype_of(x)
         if np.shape(x) != (B,) or not jnp.issubdtype(dtype, jnp.integer):
             raise ValueError(
                 f"reference_attention: {name} must be integers of shape ({B},), got "
