@@ -72,6 +72,7 @@ import numpy as np
 
 from .base import compute_streams as _compute_streams
 from .base import ffi as _ffi
+from .base import record_stages as _record_stages
 from .base.args import as_shape
 from .base.devices import resolve_device
 from .cache import pytree as _cache
@@ -790,3 +791,10 @@ def free_scratch_on_growth() -> Iterator[None]:
         yield
     finally:
         _testing.scratch_set_free_on_growth(previous)
+
+
+def record_stages_off() -> contextlib.AbstractContextManager[Any]:
+    """Inside the with-block the CUDA lowering names the plain targets instead of their
+    recorded variants (base/record_stages.py), which XLA traces into its command buffers.
+    Takes effect for functions traced and compiled inside the block."""
+    return mock.patch.object(_record_stages, "_use_recorded", False)

@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import jax
 
+from . import record_stages
 from .loader import core as _core
 
 Registrations = Callable[[str], dict]
@@ -61,6 +62,8 @@ def register() -> None:
                     jax.ffi.register_ffi_target(name, target, platform=platform)
                     _registered.append(f"{platform}:{name}")
                 _done.add((i, platform))
+        if "CUDA" in platforms:
+            record_stages.ensure()  # after the bootstrap target was registered above
         _complete = True
 
 

@@ -30,6 +30,8 @@ from jax.extend.core import Primitive
 from jax.interpreters import mlir
 from jax.interpreters import partial_eval as pe
 
+from ..base import record_stages
+
 __all__ = ["check_views"]
 
 check_views_p = Primitive("jax_vmm_kv_cache_check_views")
@@ -56,7 +58,14 @@ def _lowering(ctx: Any, *operands: Any, target: str, attrs: tuple):
     return rule(ctx, *operands, **dict(attrs))
 
 
+def _cuda_lowering(ctx: Any, *operands: Any, target: str, attrs: tuple):
+    """On a GPU the check's recorded variant, where registered: in a command buffer it adds
+    no node and re-traces nothing at an update (base/record_stages.py)."""
+    return _lowering(ctx, *operands, target=record_stages.target_for(target), attrs=attrs)
+
+
 mlir.register_lowering(check_views_p, _lowering)
+mlir.register_lowering(check_views_p, _cuda_lowering, platform="cuda")
 
 
 def _dce_rule(used_outputs: list[bool], eqn: Any):

@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <string>
 
+#include "common/ffi_record_stage.h"
 #include "common/ffi_registry.h"
 #include "drivers/cuda/compute_streams.h"
 #include "jax_vmm/errors.h"
@@ -86,6 +87,8 @@ FfiRegistry ProductionTargets() {
   attention::AddStreamCudaTargets(registry);
   attention::AddCacheCudaTargets(registry);
   kvcache::AddCudaTargets(registry);
+  // After every target with a record stage was added (common/ffi_record_stage.h).
+  registry.Add("jax_vmm_register_record_stages", "CUDA", record_stage::BootstrapHandler());
 #endif
 #ifdef JAX_VMM_HAVE_CUDNN
   cudnn::AddCudnnTargets(registry);
@@ -116,7 +119,12 @@ NB_MODULE(_core, m) {
   nb::register_exception_translator(TranslateOutOfMemory);
 
   BindRegistrations(m, ProductionTargets());
+  m.def("record_stage_status", &record_stage::Status,
+        "'registered' once the bootstrap target registered jax_vmm's targets with XLA's FFI "
+        "record stage; 'pending' before; 'unavailable: ...' or 'failed: ...' otherwise.");
 #ifdef JAX_VMM_HAVE_CUDA_KERNELS
+  m.def("check_views_record_calls", &kvcache::CheckViewsRecordCalls,
+        "Record-stage runs of jax_vmm_kv_cache_check_views_recorded in this process.");
   m.attr("built_with_cuda_kernels") = true;
   kv::InstallCudaDropHooks();
   scratch::internal::InstallCudaPlatform();

@@ -3,6 +3,8 @@
 // their own folders.)
 #pragma once
 
+#include <cstdint>
+
 #include "common/ffi_registry.h"
 
 namespace jax_vmm::kvcache {
@@ -15,6 +17,10 @@ void AddCpuTargets(FfiRegistry& registry);
 // jax_vmm_kv_cache_read_lengths (read_lengths_cuda.cc, through the next function).
 void AddCudaTargets(FfiRegistry& registry);
 void AddReadLengthsCudaTarget(FfiRegistry& registry);
+
+// Record-stage runs of jax_vmm_kv_cache_check_views_recorded so far (tests: the check ran
+// where XLA records, not only at execute).
+int64_t CheckViewsRecordCalls();
 #endif
 
 }  // namespace jax_vmm::kvcache
