@@ -13,7 +13,8 @@ ops/cache_write.py for the JAX source lines). The check's two needs are met othe
 Unlike a write, nothing has to wait for the check: it runs on the host when XLA runs (or,
 on a GPU, records) the call, and a failure fails that execution of the step. Its s32
 result carries no value (the CUDA handler enqueues no device work for it) and is never
-read.
+read. On a GPU it lowers to the check's recorded variant where XLA's FFI record stage is
+registered (``base/record_stages.py``): no node in the step's command buffer.
 """
 
 from __future__ import annotations
