@@ -62,8 +62,7 @@ def register() -> None:
                     jax.ffi.register_ffi_target(name, target, platform=platform)
                     _registered.append(f"{platform}:{name}")
                 _done.add((i, platform))
-        if "CUDA" in platforms:
-            record_stages.ensure()  # after the bootstrap target was registered above
+        record_stages.ensure("CUDA" in platforms)  # after its bootstrap target, above
         _complete = True
 
 

@@ -42,16 +42,24 @@ def _switched_off() -> bool:
     return os.environ.get("JAX_VMM_RECORD_STAGES", "").strip().lower() in ("0", "off", "false")
 
 
+_no_backend = ""  # set by ensure() where the process has no CUDA backend
+
+
 def status() -> str:
     """The record-stage status: ``"registered"``, ``"pending"`` (the bootstrap has not
     run), ``"off: ..."``, ``"unavailable: ..."`` or ``"failed: ..."``."""
-    return _OFF if _switched_off() else _core.record_stage_status()
+    if _switched_off():
+        return _OFF
+    if not _core.built_with_cuda_kernels:
+        return "unavailable: this jax_vmm build has no CUDA targets"
+    return _no_backend or _core.record_stage_status()
 
 
-def ensure() -> str:
+def ensure(has_cuda_backend: bool) -> str:
     """Run the bootstrap once per process on the first CUDA device, eagerly (also while a
-    jit traces). Returns :func:`status`. Never raises: a failure leaves the plain targets."""
-    global _tried
+    jit traces), after the FFI registration (base/ffi.py) registered the bootstrap target.
+    Returns :func:`status`. Never raises: a failure leaves the plain targets."""
+    global _tried, _no_backend
     if _tried:
         return status()
     with _lock:
@@ -60,10 +68,10 @@ def ensure() -> str:
         _tried = True
         if _switched_off():
             return status()
-        try:
-            gpus = jax.devices("cuda")
-        except RuntimeError:
+        if not has_cuda_backend:
+            _no_backend = "unavailable: no CUDA backend in this process"
             return status()
+        gpus = jax.devices("cuda")
         call = jax.ffi.ffi_call(
             _BOOTSTRAP, jax.ShapeDtypeStruct((), jnp.int32), has_side_effect=True
         )

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import pytest
 
 import jax_vmm
 from jax_vmm.base import record_stages
+from jax_vmm.base.loader import core as _core
 
 PLAIN = "jax_vmm_kv_cache_check_views"
 
@@ -30,7 +32,19 @@ def test_the_cpu_lowering_names_the_plain_check(cpu_device):
     kv.close()
 
 
+def test_the_status_says_why_there_is_no_record_stage():
+    """Without CUDA targets or a CUDA backend the status says so ("pending" would read as
+    if the bootstrap were still to run)."""
+    jax_vmm.base.ffi.register()
+    if _core.built_with_cuda_kernels and jax_vmm.base.ffi._has_cuda_backend():
+        pytest.skip("a GPU process: tests/integration/test_record_stage_gpu.py checks it")
+    assert record_stages.status().startswith("unavailable: "), record_stages.status()
+    assert record_stages.target_for(PLAIN) == PLAIN
+
+
 def test_the_recorded_name_needs_a_registration(monkeypatch):
+    monkeypatch.setattr(record_stages, "_no_backend", "")
+    monkeypatch.setattr(_core, "built_with_cuda_kernels", True)
     monkeypatch.setattr(record_stages._core, "record_stage_status", lambda: "pending")
     assert record_stages.target_for(PLAIN) == PLAIN
     monkeypatch.setattr(record_stages._core, "record_stage_status", lambda: "registered")
