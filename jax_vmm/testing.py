@@ -794,7 +794,7 @@ def free_scratch_on_growth() -> Iterator[None]:
 
 
 def record_stages_off() -> contextlib.AbstractContextManager[Any]:
-    """Inside the with-block the CUDA lowering names the plain targets instead of their
-    recorded variants (base/record_stages.py), which XLA traces into its command buffers.
-    Takes effect for functions traced and compiled inside the block."""
+    """Inside the with-block calls traced lower to the plain targets on a GPU instead of
+    their recorded variants (base/record_stages.py), which XLA then traces into its
+    command buffers. Takes effect for functions traced inside the block."""
     return mock.patch.object(_record_stages, "_use_recorded", False)

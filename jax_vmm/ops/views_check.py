@@ -41,7 +41,14 @@ check_views_p = Primitive("jax_vmm_kv_cache_check_views")
 def check_views(target: str, k: Any, v: Any, token: Any, attrs: dict) -> None:
     """Bind the check of the views ``k``, ``v`` of the layer that ``attrs`` names
     (``cache_uid``, ``layer``), ordered after the writes behind ``token``."""
-    check_views_p.bind(k, v, token, target=target, attrs=tuple(sorted(attrs.items())))
+    check_views_p.bind(
+        k,
+        v,
+        token,
+        target=target,
+        recorded=record_stages.use_recorded(target),
+        attrs=tuple(sorted(attrs.items())),
+    )
 
 
 def _abstract_eval(*avals: Any, **_: Any):
@@ -54,15 +61,18 @@ check_views_p.def_abstract_eval(_abstract_eval)
 check_views_p.def_impl(functools.partial(_dispatch.apply_primitive, check_views_p))
 
 
-def _lowering(ctx: Any, *operands: Any, target: str, attrs: tuple):
+def _lowering(ctx: Any, *operands: Any, target: str, recorded: bool, attrs: tuple):
+    del recorded  # the CPU has no record stage
     rule = jax.ffi.ffi_lowering(target, has_side_effect=True)
     return rule(ctx, *operands, **dict(attrs))
 
 
-def _cuda_lowering(ctx: Any, *operands: Any, target: str, attrs: tuple):
-    """On a GPU the check's recorded variant, where registered: in a command buffer it adds
-    no node and re-traces nothing at an update (base/record_stages.py)."""
-    return _lowering(ctx, *operands, target=record_stages.target_for(target), attrs=attrs)
+def _cuda_lowering(ctx: Any, *operands: Any, target: str, recorded: bool, attrs: tuple):
+    """On a GPU the check's recorded variant where the call was traced with it: in a
+    command buffer it adds no node and re-traces nothing at an update
+    (base/record_stages.py)."""
+    name = record_stages.target_for(target, recorded)
+    return _lowering(ctx, *operands, target=name, recorded=False, attrs=attrs)
 
 
 mlir.register_lowering(check_views_p, _lowering)
