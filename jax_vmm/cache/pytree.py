@@ -28,6 +28,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax._src.array import ArrayImpl
 
@@ -146,6 +147,9 @@ class KVLayer:
                 "KVLayer.from_arrays: an fp8 cache (float8_e4m3fn, or uint8 bits) needs "
                 "k_scale and v_scale, float32 (H,); other caches take none"
             )
+        # NumPy arrays become jax Arrays (on the default device, as jit would put them):
+        # an eager kv_write updates the layer with .at[].set.
+        k, v = (jnp.asarray(x) if isinstance(x, np.ndarray) else x for x in (k, v))
         heads = k.shape[-2]
         scales = ()
         if fp8:

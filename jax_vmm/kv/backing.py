@@ -315,7 +315,11 @@ class TokenBacking:
             if isinstance(num_tokens, (str, bytes)):
                 num_tokens = None
             arr = np.asarray(num_tokens)
-            if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
+            # np.asarray([True, 1]) is an int array: a bool among ints is refused here too
+            has_bool = isinstance(num_tokens, (list, tuple)) and any(
+                isinstance(x, (bool, np.bool_)) for x in num_tokens
+            )
+            if has_bool or arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
                 raise TypeError(
                     f"KVArena.ensure_all: num_tokens must be {seqs} ints (one per "
                     f"sequence), got {num_tokens!r}"

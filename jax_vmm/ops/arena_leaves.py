@@ -34,11 +34,20 @@ def checked_arena_layer(layer: KVLayer, op: str) -> KVLayer:
             what = f"a {np.dtype(dtype)} token of shape {tuple(shape)} (a scalar belongs there)"
         else:
             what = f"a {np.dtype(dtype)} token"
+        if misshapen and len(shape) == 1:  # what vmap's default out_axes=0 makes of it
+            cause = (
+                "Was the cache returned from a jax.vmap with out_axes=0 (the default)? "
+                "Return it with out_axes=None for the cache: every element wrote the one "
+                "arena"
+            )
+        else:
+            cause = (
+                "Was the cache passed through jax.tree.map (e.g. astype, or a stack)? Map "
+                "only over your own arrays, and pass kv.cache() layers as they are"
+            )
         raise TypeError(
             f"{op}: {lid.describe()} has {what}; an arena layer's leaves are its int32 "
-            "ordering token (and an fp8 arena's float32 scales), not K/V data. Was the "
-            "cache passed through jax.tree.map (e.g. astype, or a stack)? Map only over "
-            "your own arrays, and pass kv.cache() layers as they are"
+            f"ordering token (and an fp8 arena's float32 scales), not K/V data. {cause}"
         )
     if op != "kv_write":
         vmap_reads.refuse_read(layer, op)

@@ -73,6 +73,15 @@ def test_every_int_form_ensures_the_same(vm, tokens):
     assert kv.backed_tokens(0) >= 5 and kv.backed_tokens(2) >= 3
 
 
+@pytest.mark.parametrize("tokens", [[True, 1, 1], (1, np.True_, 0)], ids=["bool", "np.bool_"])
+def test_a_bool_among_the_counts_is_refused(vm, tokens):
+    """np.asarray([True, 1, 1]) is an int array; kv.ensure(True) is refused, so is this."""
+    kv = _kv(vm)
+    with pytest.raises(TypeError, match="num_tokens must be 3 ints"):
+        kv.ensure_all(tokens)
+    assert kv._core_cache.limits() == [0, 0, 0]
+
+
 def test_a_huge_unsigned_count_is_out_of_range_not_wrapped(vm):
     kv = _kv(vm)
     with pytest.raises(ValueError, match=r"must be in \[0, 256\].*max 18446744073709551615"):

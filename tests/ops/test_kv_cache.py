@@ -1084,3 +1084,33 @@ def test_every_way_of_ensuring_publishes_the_table(vm):
     with pytest.raises(jax_vmm.OutOfBoundsWrite):
         kv.check()
     assert kv._core_cache.limits() == [0, 2]
+
+
+def test_a_cache_returned_from_vmap_with_out_axes_0_names_out_axes(vm):
+    """vmap's default out_axes=0 gives each arena layer a (N,) token; the next read says
+    to return the cache with out_axes=None (it blamed jax.tree.map)."""
+    kv = _kv(vm)
+    for seq in range(B):
+        kv.ensure(3, seq)
+    new = jnp.ones((B, 1, HKV, D), DT)
+
+    def write(cache, k, s):
+        return cache.replace(0, jax_vmm.kv_write(cache[0], k, k, seq=s[None], pos=jnp.array([2])))
+
+    cache = jax.vmap(write, in_axes=(None, 0, 0))(kv.cache(), new, jnp.arange(B))
+    q = jnp.ones((B, HQ, D), DT)
+    with pytest.raises(TypeError, match="out_axes=None for the cache"):
+        jax_vmm.decode_attention(q, cache[0], jnp.full((B,), 3, jnp.int32))
+    kv.check()
+
+
+def test_an_array_layer_from_numpy_takes_an_eager_write(cpu_device):
+    """KVLayer.from_arrays of NumPy arrays: an eager kv_write works as under jit (it
+    raised AttributeError: 'numpy.ndarray' object has no attribute 'at')."""
+    k = np.zeros((B, T, HKV, D), np.float32)
+    layer = jax_vmm.KVLayer.from_arrays(k, k.copy())
+    x = np.ones((1, HKV, D), np.float32)
+    eager = jax_vmm.kv_write(layer, x, x, seq=[1], pos=[2])
+    jitted = jax.jit(lambda lay: jax_vmm.kv_write(lay, x, x, seq=[1], pos=[2]))(layer)
+    for got in (eager, jitted):
+        assert np.asarray(got.k)[1, 2].sum() == HKV * D and np.asarray(got.k).sum() == HKV * D
