@@ -508,7 +508,7 @@ class Generator:
 
     def _check_shared_prefix(self, requests: list[Request], n: int) -> np.ndarray | None:
         """run(shared_prefix=n) checked: the prefix's tokens (None for 0)."""
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        if not is_int(n) or n < 0:
             raise ValueError(f"shared_prefix must be an integer >= 0, got {n!r}")
         if n == 0:
             return None
@@ -532,7 +532,7 @@ class Generator:
                 )
         # A next turn (follows) goes on in its parent's slot, prefix included.
         firsts = [r for r in requests if r.follows is None]
-        prefix = np.asarray(firsts[0].prompt[:n]) if firsts else np.zeros(0)
+        prefix = np.asarray(firsts[0].prompt[:n]) if firsts else np.zeros(0, np.int32)
         for r in firsts:
             if len(r.prompt) <= n or not np.array_equal(np.asarray(r.prompt[:n]), prefix):
                 raise ValueError(
@@ -584,13 +584,12 @@ class Generator:
         contexts = context_lengths(requests)
         for r in requests:
             self._check_request(r, *contexts[r.id])
-        if pause_every is not None and (
-            isinstance(pause_every, bool) or not isinstance(pause_every, int) or pause_every < 1
-        ):
+        if pause_every is not None and (not is_int(pause_every) or pause_every < 1):
             raise ValueError(f"pause_every must be an integer >= 1 or None, got {pause_every!r}")
         if (pause_every is None) != (pause is None):
             raise ValueError("pause_every and pause go together: give both or neither")
         prefix_tokens = self._check_shared_prefix(requests, shared_prefix)
+        shared_prefix = int(shared_prefix)
         if prefix_tokens is not None and pause_every is not None:
             # A sleep refuses while memory is shared (docs/sharing.md), and the first pause
             # would come after work was dispatched.
@@ -662,7 +661,8 @@ class Generator:
             elif (
                 not shared_prefix
                 and self.keep_slot_memory
-                and len(queue) > sum(s is None for s in slots)
+                # next turns run in their parent's slot: only first turns take a free one
+                and sum(r.follows is None for r in queue) > sum(s is None for s in slots)
             ):
                 held.add(seq)
             else:

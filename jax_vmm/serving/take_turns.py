@@ -36,11 +36,17 @@ class TakeTurns:
         self.turns = 0
 
     def pause(self) -> None:
+        # The policy wakes whatever the reference run does: a policy left asleep could not
+        # give its run's slots back (the engine's run raises with this pause's error).
         self.policy.sleep()
-        self.reference.wake()
-        report = self.gen.run(self.requests)
-        self.reference.sleep()
-        self.policy.wake()
+        try:
+            self.reference.wake()
+            try:
+                report = self.gen.run(self.requests)
+            finally:
+                self.reference.sleep()
+        finally:
+            self.policy.wake()
         if self.first is None:
             self.first = report
         else:

@@ -605,3 +605,85 @@ def test_a_run_that_fails_midway_gives_its_slots_memory_back(cpu_device) -> None
         assert cache.kv.stats()["backed_bytes"] == 0
         cache.close()
         fresh.close()
+
+
+def test_a_finished_slot_is_not_held_for_next_turns(cpu_device) -> None:
+    """keep_slot_memory holds a finished slot's memory only for a queued first turn: next
+    turns (follows) run in their parent's slot. With only next turns queued, request 1's
+    slot goes back when it finishes (it stayed backed to the end of the run)."""
+    with jax.default_device(cpu_device):
+        params = M.init_params(SMALL, seed=0)
+        cache = make_cache(
+            "jax_vmm", SMALL, max_seqs=2, max_tokens=256, device=cpu_device, chunk_bytes=4096
+        )
+        gen = E.Generator(
+            params, SMALL, cache, jax_vmm.decode_attention, block=4, attend_chunk=jax_vmm.attention
+        )
+        rng = np.random.default_rng(0)
+        reqs = [
+            E.Request(0, rng.integers(0, SMALL.vocab, 40, dtype=np.int32), 120),
+            E.Request(1, rng.integers(0, SMALL.vocab, 30, dtype=np.int32), 2),
+            E.Request(2, np.array([1, 2, 3], np.int32), 4, follows=0),
+            E.Request(3, np.array([4, 5], np.int32), 4, follows=2),
+        ]
+        seen = []
+        gen.run(reqs, progress=lambda n: seen.append(cache.kv.stats()["backed_tokens"][1]))
+        assert seen[-1] == 0, seen[-5:]  # slot 1 gave its tokens back while 0 decoded on
+        assert cache.kv.stats()["backed_tokens"] == [0, 0]
+        cache.close()
+
+
+def test_numpy_ints_for_shared_prefix_and_pause_every(cpu_device) -> None:
+    """shared_prefix and pause_every take NumPy integers, as block and prefill_chunk do."""
+    with jax.default_device(cpu_device):
+        params = M.init_params(SMALL, seed=0)
+        cache = make_cache(
+            "jax_vmm", SMALL, max_seqs=3, max_tokens=64, device=cpu_device, chunk_bytes=4096
+        )
+        gen = E.Generator(
+            params, SMALL, cache, jax_vmm.decode_attention, block=2, attend_chunk=jax_vmm.attention
+        )
+        reqs = [E.Request(i, np.arange(1, 6, dtype=np.int32), 3) for i in range(2)]
+        paused = []
+        plain = gen.run(reqs)
+        again = gen.run(reqs, pause_every=np.int64(1), pause=lambda: paused.append(1))
+        assert paused and [r.tokens for r in again.results] == [r.tokens for r in plain.results]
+        shared = gen.run(reqs, shared_prefix=np.int64(2))
+        assert [r.tokens for r in shared.results] == [r.tokens for r in plain.results]
+        assert cache.kv.stats()["backed_tokens"] == [0, 0, 0]
+        cache.close()
+
+
+def test_take_turns_wakes_the_policy_when_the_reference_run_fails() -> None:
+    """A failing reference run (out of budget, say) still puts the reference back to sleep
+    and wakes the policy, whose own run then raises with slots it can release (a policy
+    left asleep refused every release and kept its memory after a later wake)."""
+    from jax_vmm.serving.take_turns import TakeTurns
+
+    calls = []
+
+    class Sleeper:
+        def __init__(self, name):
+            self.name = name
+
+        def sleep(self):
+            calls.append(f"{self.name}.sleep")
+
+        def wake(self):
+            calls.append(f"{self.name}.wake")
+
+    class FailingRun:
+        def run(self, requests):
+            calls.append("reference.run")
+            raise jax_vmm.OutOfMemoryError("out of the budget")
+
+    turns = TakeTurns(Sleeper("policy"), Sleeper("reference"), FailingRun(), [])
+    with pytest.raises(jax_vmm.OutOfMemoryError, match="out of the budget"):
+        turns.pause()
+    assert calls == [
+        "policy.sleep",
+        "reference.wake",
+        "reference.run",
+        "reference.sleep",
+        "policy.wake",
+    ]
