@@ -607,18 +607,25 @@ def test_a_run_that_fails_midway_gives_its_slots_memory_back(cpu_device) -> None
         fresh.close()
 
 
+def _small_4k_chunk_engine(device, max_seqs: int, max_tokens: int, block: int):
+    """(Generator, cache): SMALL over a jax_vmm cache of 4 KiB chunks (every sequence
+    starts on a chunk, as shared prefixes need), next turns prefilled by jax_vmm.attention."""
+    params = M.init_params(SMALL, seed=0)
+    cache = make_cache(
+        "jax_vmm", SMALL, max_seqs=max_seqs, max_tokens=max_tokens, device=device, chunk_bytes=4096
+    )
+    gen = E.Generator(
+        params, SMALL, cache, jax_vmm.decode_attention, block=block, attend_chunk=jax_vmm.attention
+    )
+    return gen, cache
+
+
 def test_a_finished_slot_is_not_held_for_next_turns(cpu_device) -> None:
     """keep_slot_memory holds a finished slot's memory only for a queued first turn: next
     turns (follows) run in their parent's slot. With only next turns queued, request 1's
     slot goes back when it finishes (it stayed backed to the end of the run)."""
     with jax.default_device(cpu_device):
-        params = M.init_params(SMALL, seed=0)
-        cache = make_cache(
-            "jax_vmm", SMALL, max_seqs=2, max_tokens=256, device=cpu_device, chunk_bytes=4096
-        )
-        gen = E.Generator(
-            params, SMALL, cache, jax_vmm.decode_attention, block=4, attend_chunk=jax_vmm.attention
-        )
+        gen, cache = _small_4k_chunk_engine(cpu_device, max_seqs=2, max_tokens=256, block=4)
         rng = np.random.default_rng(0)
         reqs = [
             E.Request(0, rng.integers(0, SMALL.vocab, 40, dtype=np.int32), 120),
@@ -636,13 +643,7 @@ def test_a_finished_slot_is_not_held_for_next_turns(cpu_device) -> None:
 def test_numpy_ints_for_shared_prefix_and_pause_every(cpu_device) -> None:
     """shared_prefix and pause_every take NumPy integers, as block and prefill_chunk do."""
     with jax.default_device(cpu_device):
-        params = M.init_params(SMALL, seed=0)
-        cache = make_cache(
-            "jax_vmm", SMALL, max_seqs=3, max_tokens=64, device=cpu_device, chunk_bytes=4096
-        )
-        gen = E.Generator(
-            params, SMALL, cache, jax_vmm.decode_attention, block=2, attend_chunk=jax_vmm.attention
-        )
+        gen, cache = _small_4k_chunk_engine(cpu_device, max_seqs=3, max_tokens=64, block=2)
         reqs = [E.Request(i, np.arange(1, 6, dtype=np.int32), 3) for i in range(2)]
         paused = []
         plain = gen.run(reqs)
