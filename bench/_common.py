@@ -65,6 +65,17 @@ def pick_device(kind: str) -> jax.Device:
 # -- timing ---------------------------------------------------------------------------
 
 
+#: HBM bandwidth (TB/s) of the physical floor by device kind; others get the H200's.
+HBM_TBPS = {"H100": 3.35, "H200": 4.8}
+
+
+def hbm_tbps(device: jax.Device) -> float:
+    """The floor's bandwidth for ``device``: its entry in HBM_TBPS by device kind (an
+    "NVIDIA H100 80GB HBM3" is an H100), else the H200's 4.8 TB/s."""
+    kind = getattr(device, "device_kind", "")
+    return next((tbps for name, tbps in HBM_TBPS.items() if name in kind), 4.8)
+
+
 def median_time(fn: Callable[[], Any], repeats: int, runs: int = 1, warmups: int = 2) -> float:
     """Median over `repeats` samples of (wall time of `runs` back-to-back calls, waited
     for) / runs, after `warmups` calls (compile, first command-buffer recording). `fn`

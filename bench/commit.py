@@ -422,31 +422,42 @@ class SeedBench:
         return {"seed": statistics.median(ts[1:]), "jax_vmm": statistics.median(tk[1:])}
 
     def from_nothing(self, gib: float, repeats: int) -> dict:
+        """Median seconds to make a cache of ``gib`` and back it whole: the seed (create +
+        grow), jax_vmm (kv_arena + ensure), one allocation of it all (torch_memory_saver's
+        way). Each repeat starts with another of the three and lets the driver settle
+        after each release, as grow() does."""
         n = self.tokens(gib)
-        ts, tk, tone = [], [], []
-        for _ in range(repeats + 1):
+
+        def seed() -> float:
             t0 = time.perf_counter()
             s = self.seed()
             s.grow_to(n * self.token_bytes)
-            t1 = time.perf_counter()
+            dt = time.perf_counter() - t0
             s.close()
-            t2 = time.perf_counter()
+            return dt
+
+        def arena() -> float:
+            t0 = time.perf_counter()
             kv = self.kv()
             kv.ensure(n)
-            t3 = time.perf_counter()
+            dt = time.perf_counter() - t0
             kv.close()
-            t4 = time.perf_counter()
-            one = OneAllocation(self.raw, n * self.token_bytes * self.buffers)
-            t5 = time.perf_counter()
-            one.close()
-            ts.append(t1 - t0)
-            tk.append(t3 - t2)
-            tone.append(t5 - t4)
-        return {
-            "seed": statistics.median(ts[1:]),
-            "jax_vmm": statistics.median(tk[1:]),
-            "one_allocation": statistics.median(tone[1:]),
-        }
+            return dt
+
+        def one() -> float:
+            t0 = time.perf_counter()
+            alloc = OneAllocation(self.raw, n * self.token_bytes * self.buffers)
+            dt = time.perf_counter() - t0
+            alloc.close()
+            return dt
+
+        runs = [("seed", seed), ("jax_vmm", arena), ("one_allocation", one)]
+        times: dict[str, list[float]] = {name: [] for name, _ in runs}
+        for i in range(repeats + 1):
+            for name, fn in runs[i % 3 :] + runs[: i % 3]:
+                times[name].append(fn())
+                time.sleep(SETTLE_S)
+        return {name: statistics.median(ts[1:]) for name, ts in times.items()}
 
     def grow(self, steps: list[int], base: int, repeats: int) -> dict:
         """Total seconds of ensure(t) for t in steps, from `base` tokens backed; both give

@@ -17,14 +17,14 @@
      vmm+kernel       the jax_vmm arena + jax_vmm.decode_attention
      prealloc+xla     jnp.zeros cache + masked plain-XLA attention over all T (the floor
                       a naive cache starts from)
-   plus the physical floor: the KV bytes a step must move (live tokens read once, new
-   ones written) at --peak-tbps (H200 HBM3e: 4.8 TB/s). Goal: vmm+X / prealloc+X <= 1.02
-   for X = cudnn and kernel; "+us/layer" is (vmm - prealloc) / layers with the same
-   attention (cuDNN where both ran), the fixed cost per layer that --grid layers32 and
-   layers8 (B 1/4/16/64 x T 1k/4k on a GPU, step time only) pin down. Each sequence's
-   live length is uniform in [--min-fill * context, context - steps]; tokens are
-   pre-ensured (commits are measured by bench/commit.py and the example) and filled
-   with one pattern, so that the
+   plus the physical floor: the KV bytes a step must move (live tokens read once, new ones
+   written) at --peak-tbps (by default the device's: H200 4.8 TB/s, H100 3.35). Goal: vmm+X
+   / prealloc+X <= 1.02 for X = cudnn and kernel; "+us/layer" is (vmm - prealloc) / layers
+   with the same attention (cuDNN where both ran), the fixed cost per layer that --grid
+   layers32 and layers8 (B 1/4/16/64 x T 1k/4k on a GPU, step time only) pin down. Each
+   sequence's live length is uniform in [--min-fill * context, context - steps]; tokens are
+   pre-ensured (commits are measured by bench/commit.py and the example) and filled with
+   one pattern, so that the
    variants' output checksums must agree ("chk": the largest relative difference from
    the baseline's; bf16 rounding differs between the attentions). On the CPU the cuDNN
    variants are skipped (cuDNN is GPU-only) and ratios are against prealloc+kernel.
@@ -56,7 +56,14 @@ import numpy as np  # noqa: E402
 
 import _equal_memory as EQ  # noqa: E402
 import _stack as ST  # noqa: E402
-from _common import Table, command_line, parse_size, two_panel_figure, write_json  # noqa: E402
+from _common import (  # noqa: E402
+    Table,
+    command_line,
+    hbm_tbps,
+    parse_size,
+    two_panel_figure,
+    write_json,
+)
 from jax_vmm.serving import model as M  # noqa: E402
 from jax_vmm.serving.attention import cudnn_unavailable, vmm_kernel_available  # noqa: E402
 from jax_vmm.serving.cache import PreallocatedCache, VmmCache, capacity_bytes  # noqa: E402
@@ -311,7 +318,11 @@ def main(argv: list[str] | None = None) -> dict:
     )
     p.add_argument("--layers", type=int, help="override the preset's layer count")
     p.add_argument("--chunk-bytes", type=int, help="jax_vmm arena chunk size")
-    p.add_argument("--peak-tbps", type=float, default=4.8, help="HBM bandwidth of the floor")
+    p.add_argument(
+        "--peak-tbps",
+        type=float,
+        help="HBM bandwidth of the floor (default: the device's, _common.HBM_TBPS)",
+    )
     p.add_argument("--budget", type=parse_size, help="KV budget of the equal-memory case")
     p.add_argument("--block", type=int, help="decode block of the equal-memory runs")
     p.add_argument("--no-equal-memory", action="store_true")
@@ -323,6 +334,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
 
     device = jax.devices()[0]
+    if args.peak_tbps is None:
+        args.peak_tbps = hbm_tbps(device)
     preset = (
         args.preset if args.preset != "auto" else ("gpu" if device.platform == "gpu" else "cpu")
     )

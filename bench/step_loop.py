@@ -11,9 +11,11 @@ attention with plain XLA ops over what the layer holds, cuDNN on a GPU) eagerly 
 Python loop:
 
     arena    kv.cache() (jax_vmm.kv_write + jax_vmm.decode_attention over arena layers,
-             or the read over jax_vmm.ordered_views of kv.k[l], kv.v[l])
-    prealloc KVCache.from_arrays(jnp.zeros...) (the same calls: a donated functional
-             scatter and the array attention, or the read over the layer's arrays)
+             which runs cuDNN in jax_vmm's call on a GPU, or the read over
+             jax_vmm.ordered_views of kv.k[l], kv.v[l])
+    prealloc KVCache.from_arrays(jnp.zeros...) (kv_write: a donated functional scatter;
+             the attention a user picks over arrays: JAX's cuDNN on a GPU, XLA's on the
+             CPU, in both attention steps)
 
 and prints the per-call time of each and their ratio (goal: arena / prealloc <= 1.2),
 plus whether the arena step takes JAX's C++ fast path (no effects in its jaxpr).
@@ -46,6 +48,17 @@ def _views_read(q, layer, views, lengths):
     return cudnn_decode_attention(q, k, v, lengths, implementation=impl)
 
 
+def _attention_after_write(q, layer, lengths):
+    """An arena layer through jax_vmm.decode_attention (the only read of a layer written
+    in the same step); an array layer through what a user picks over arrays, as in
+    _views_read (jax_vmm's own split-K kernel, which decode_attention runs over arrays,
+    is slower than cuDNN)."""
+    if layer.is_arena:
+        return jax_vmm.decode_attention(q, layer, lengths)
+    impl = "cudnn" if jax.default_backend() == "gpu" else "xla"
+    return cudnn_decode_attention(q, layer.k, layer.v, lengths, implementation=impl)
+
+
 def make_step(num_layers: int, kind: str):
     """One decode step over every layer: "write" (kv_write only), "write+attention"
     (jax_vmm.decode_attention after the write), "views+write" (attention over the layer
@@ -61,7 +74,7 @@ def make_step(num_layers: int, kind: str):
             written = jax_vmm.kv_write(cache[layer], new_k, new_v, seq=seq, pos=pos)
             cache = cache.replace(layer, written)
             if kind == "write+attention":
-                out = out + jax_vmm.decode_attention(out, written, lengths)
+                out = out + _attention_after_write(out, written, lengths)
             elif kind == "write":
                 out = out + new_k
         return cache, out
