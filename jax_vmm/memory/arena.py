@@ -177,7 +177,7 @@ class Buffer:
 
     @property
     def id(self) -> int:
-        """Index of the buffer in its arena (an index may be used again after free())."""
+        """Index of the buffer in its arena (never reused within the arena)."""
         return self._id
 
     @property
@@ -373,12 +373,15 @@ class Arena:
                 "(and fit the process's virtual address space); reserve less"
             )
         chunk = 0 if chunk_bytes is None else as_int(chunk_bytes, "chunk_bytes")
-        if chunk_bytes is not None and chunk <= 0:
-            raise ValueError(f"chunk_bytes must be > 0 (or None for the default), got {chunk}")
-        handle = 0 if handle_bytes is None else as_int(handle_bytes, "handle_bytes")
-        if handle_bytes is not None and handle <= 0:
+        if chunk_bytes is not None and not 0 < chunk < 1 << 64:
             raise ValueError(
-                f"handle_bytes must be > 0 (or None for one allocation per chunk), got {handle}"
+                f"chunk_bytes must be > 0 and below 2^64 (or None for the default), got {chunk}"
+            )
+        handle = 0 if handle_bytes is None else as_int(handle_bytes, "handle_bytes")
+        if handle_bytes is not None and not 0 < handle < 1 << 64:
+            raise ValueError(
+                f"handle_bytes must be > 0 and below 2^64 (or None for one allocation per "
+                f"chunk), got {handle}"
             )
         zero_fill = as_flag(zero_fill, "zero_fill")
         budget = check_budget(budget, "Arena")
@@ -402,6 +405,7 @@ class Arena:
             raise
         self._lock = threading.Lock()
         self._buffers: list[Buffer] = []
+        self._free_at_wake: list[Buffer] = []  # guarded by _lock (_free_failed_put)
         _live_arenas.add(self)
         # Bumped by every call that may unback memory behind a KV arena's bookkeeping
         # (Buffer.decommit/free, close, sleep, wake): KVArena.ensure trusts its own record
@@ -571,9 +575,19 @@ class Arena:
             pointer = src.unsafe_buffer_pointer() if isinstance(src, jax.Array) else src.ctypes.data
             self._handle.copy_in(buf.id, 0, int(pointer), buf.nbytes)
         except BaseException:
-            buf.free()
+            self._free_failed_put(buf)
             raise
         return buf.array
+
+    def _free_failed_put(self, buf: Buffer) -> None:
+        """Free the buffer of a put that failed. Another thread may have put the arena to
+        sleep since the put began (its copy then failed), and an asleep arena refuses a
+        free: the buffer is then freed by the next successful wake()."""
+        try:
+            buf.free()
+        except ArenaAsleepError:
+            with self._lock:
+                self._free_at_wake.append(buf)
 
     def free_host_cache(self) -> None:
         """Free the page-locked host memory kept for the next sleep (or offload)."""
@@ -618,6 +632,10 @@ class Arena:
         self._generation += 1
         self._commit(self._handle.wake)
         self._run_sleep_hooks(False)
+        with self._lock:
+            pending, self._free_at_wake = self._free_at_wake, []
+        for buf in pending:  # failed puts' buffers (_free_failed_put)
+            buf.free()
 
     def close(self) -> None:
         """Release all physical memory. Later calls on the arena raise

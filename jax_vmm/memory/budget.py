@@ -44,7 +44,9 @@ class MemoryBudget:
     :class:`~jax_vmm.OutOfMemoryError` that names the budget, what each arena holds and
     what was asked, and changes nothing. Before raising, the commit takes back the memory
     that deferred releases of every arena in the budget still hold (waiting for the
-    device). Arenas that are closed or collected leave the budget. Thread-safe.
+    device). Arenas that are closed leave the budget, and so do arenas that are collected
+    once no view of theirs is alive (a live view keeps its arena's memory, and its place in
+    the budget). Thread-safe.
     """
 
     def __init__(self, bytes: int, device: jax.Device | None = None):  # noqa: A002

@@ -405,6 +405,7 @@ ROWS = [
     Row("A5b", lambda x: x.new_arena(chunk_bytes=1 << 62)),
     Row("A6", lambda x: x.new_arena(chunk_bytes=1000)),
     Row("A7", lambda x: x.new_arena(chunk_bytes=0)),
+    Row("A7", lambda x: x.new_arena(chunk_bytes=1 << 64)),
     Row("A8", lambda x: x.new_arena(chunk_bytes=-4096)),
     Row("A9", lambda x: x.new_arena(chunk_bytes=4096.0)),
     Row("A10", lambda x: x.new_arena(device="cpu")),
@@ -690,6 +691,7 @@ ROWS += [
 ROWS += [
     Row("M1", lambda x: x.new_arena(handle_bytes=3 * x.c // 2)),
     Row("M2", lambda x: x.new_arena(handle_bytes=0)),
+    Row("M2", lambda x: x.new_arena(handle_bytes=1 << 64)),
     Row("M3", lambda x: x.new_arena(zero_fill=1)),
     Row("M4", lambda x: x.arena.sleep(keep="disk")),
     Row("M5", lambda x: x.arena.wake()),

@@ -384,3 +384,27 @@ def test_put_rejects_what_it_cannot_hold(vm):
     arena.close()
     with pytest.raises(jax_vmm.ArenaClosedError):
         arena.put(np.zeros(4, np.float32))
+
+
+def test_a_put_that_meets_a_sleep_from_another_thread_leaves_nothing_after_wake(vm, monkeypatch):
+    """Another thread sleeps the arena between put's commit and its copy: the copy fails,
+    and so did the clean-up's free (asleep), which left the buffer placed and backed after
+    wake. The buffer is freed by the next wake now."""
+    arena = vm.arena(8 * vm.chunk)
+    commit = jax_vmm.Buffer.commit
+
+    def commit_then_another_thread_sleeps(self, *args):
+        out = commit(self, *args)
+        self._arena.sleep()
+        return out
+
+    monkeypatch.setattr(jax_vmm.Buffer, "commit", commit_then_another_thread_sleeps)
+    with pytest.raises(jax_vmm.ArenaAsleepError):
+        arena.put(np.ones(vm.chunk // 4, np.float32))
+    monkeypatch.undo()
+    arena.wake()
+    assert arena.buffers == [] and arena.backed_bytes == 0
+    assert arena.stats()["held_bytes"] == 0
+    kept = arena.put(np.arange(8, dtype=np.float32))  # the arena serves on
+    np.testing.assert_array_equal(np.asarray(kept), np.arange(8, dtype=np.float32))
+    arena.close()
