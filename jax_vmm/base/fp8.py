@@ -15,7 +15,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["FP8_DTYPE", "FP8_MAX", "FP8_STORAGE", "quantize_fp8", "dequantize_fp8"]
+__all__ = [
+    "FP8_DTYPE",
+    "FP8_MAX",
+    "FP8_STORAGE",
+    "MIN_FP8_SCALE",
+    "check_scale_values",
+    "quantize_fp8",
+    "dequantize_fp8",
+]
 
 #: Storage dtype of an fp8 KV cache.
 FP8_DTYPE = np.dtype(jnp.float8_e4m3fn)
@@ -23,6 +31,21 @@ FP8_DTYPE = np.dtype(jnp.float8_e4m3fn)
 FP8_MAX = 448.0
 #: The dtypes an fp8 cache may have: float8_e4m3fn, or uint8 holding its bits.
 FP8_STORAGE = (FP8_DTYPE, np.dtype(np.uint8))
+
+
+#: Smallest scale accepted: float32's smallest normal. Below it 1 / scale overflows to inf
+#: in float32, and a zero token quantizes to 0 * inf = NaN.
+MIN_FP8_SCALE = float(np.finfo(np.float32).tiny)
+
+
+def check_scale_values(values: np.ndarray, name: str) -> None:
+    """Refuse fp8 scales that are not finite or below :data:`MIN_FP8_SCALE` (zero,
+    negative, or so small that 1 / scale is inf)."""
+    if not (np.all(np.isfinite(values)) and np.all(values >= MIN_FP8_SCALE)):
+        raise ValueError(
+            f"{name} must be finite and at least {MIN_FP8_SCALE:.4g} (float32's smallest "
+            f"normal: the cache holds x * (1 / scale)), got {values}"
+        )
 
 
 def quantize_fp8(x: jax.Array, scale: jax.Array) -> jax.Array:

@@ -33,7 +33,7 @@ import numpy as np
 from jax._src.array import ArrayImpl
 
 from ..base.args import layer_index
-from ..base.fp8 import FP8_DTYPE
+from ..base.fp8 import FP8_DTYPE, check_scale_values
 from ..memory.lookup import describe_buffer, find_view_buffer
 from . import read_epochs
 from . import registry as _registry
@@ -309,10 +309,7 @@ def _check_scale(x: Any, heads: int, name: str) -> Any:
             f"{getattr(x, 'dtype', type(x).__name__)} {getattr(x, 'shape', '')}"
         )
     if not isinstance(x, jax.core.Tracer):
-        values = np.asarray(x)
-        if not (np.all(np.isfinite(values)) and np.all(values > 0)):
-            # As kv_arena(k_scales=) refuses: a zero scale quantizes to inf/nan.
-            raise ValueError(f"{name} must be positive and finite, got {values}")
+        check_scale_values(np.asarray(x), name)  # as kv_arena(k_scales=) does
     return x
 
 

@@ -12,7 +12,7 @@ import numpy as np
 from ..base.args import as_flag, as_index, layer_index
 from ..base.devices import resolve_device, xla_device_ordinal
 from ..base.errors import DriverError, OutOfBoundsRead, OutOfBoundsWrite
-from ..base.fp8 import FP8_DTYPE
+from ..base.fp8 import FP8_DTYPE, check_scale_values
 from ..base.loader import core as _core
 from ..cache import read_epochs
 from ..cache.ids import LayerId
@@ -253,8 +253,7 @@ class KVArena(KVArenaBase, PrefixSharing, TokenBacking, SequenceTransfers):
                     f"{name} must be float32 of shape {shape} (num_layers, num_kv_heads), "
                     f"got {x.dtype} {x.shape}"
                 )
-            if not (np.all(np.isfinite(x)) and np.all(x > 0)):
-                raise ValueError(f"{name} must be positive and finite, got {x}")
+            check_scale_values(x, name)
             out.append(tuple(jax.device_put(row, device) for row in x))
         return tuple(out)
 

@@ -59,7 +59,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..base.ffi import register
-from ..base.fp8 import FP8_STORAGE, quantize_fp8
+from ..base.fp8 import FP8_STORAGE, check_scale_values, quantize_fp8
 from ..base.loader import core as _core
 from ..cache.pytree import ArenaNotWrittenWarning
 from ..cache.registry import live_arenas
@@ -145,6 +145,13 @@ def check_write(
                 )
             if d not in _FP8_SOURCES:
                 raise TypeError(f"{op}: {name} must be float32, bfloat16 or float16, got {d}")
+        elif d != kd and kd in FP8_STORAGE:
+            # A cast would store unscaled values: fp8 caches quantize with their scales.
+            raise TypeError(
+                f"{op}: {name} has dtype {d} but the cache is fp8 ({kd}); write it with "
+                "jax_vmm.kv_write(kv.cache()[layer], ...) (the arena's scales) or "
+                "jax_vmm.kv_write_fp8(..., k_scale, v_scale), which quantize it"
+            )
         elif d != kd:
             raise TypeError(
                 f"{op}: {name} has dtype {d} but the cache holds {kd}; cast it with "
@@ -317,7 +324,10 @@ def kv_write_fp8(
         (round to nearest even, saturated to +-448, NaN kept: :func:`quantize_fp8`), and
         ``decode_attention(q, k, v, lengths, k_scale=..., v_scale=...)`` reads
         ``fp8 * scale[h]``. Device arrays, so they may change between steps without a
-        recompile; a scale must be positive and finite (not checked on the device).
+        recompile. Into a KV arena's buffers they are yours to keep: the arena's cache
+        API (``kv.cache()``) reads with the arena's own scales, ``kv.scales(layer)``, so
+        pass those where it reads the tokens. A scale must be finite and at least
+        float32's smallest normal (checked when concrete).
 
     Returns the updated ``(k, v)``, like :func:`kv_write` (validation, status and drop
     counting identical; the CUDA handler needs head_dim a multiple of 8).
@@ -331,6 +341,9 @@ def kv_write_fp8(
                 f"kv_write_fp8: {name} must be float32 of shape ({H},), one scale per "
                 f"KV head; got {x.dtype} {x.shape}"
             )
+    for name, x in (("k_scale", ks), ("v_scale", vs)):
+        if not isinstance(x, jax.core.Tracer):
+            check_scale_values(np.asarray(x), f"kv_write_fp8: {name}")
     attrs = _dest_attrs("kv_write_fp8", k, v, dest)
     _warn_if_arena_not_written("kv_write_fp8", k, dest)
     if n == 0:

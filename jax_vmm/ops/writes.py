@@ -61,7 +61,9 @@ def kv_write(
     A slot out of range, on a page not committed, or past the tokens its sequence ensured
     is not written and is counted.
 
-    ``new_k``, ``new_v``: ``(n, H, D)`` in the cache's dtype (fp8: float32/bfloat16/float16).
+    ``new_k``, ``new_v``: ``(n, H, D)``; over a KVLayer of an fp8 arena float32, bfloat16
+    or float16 (quantized with the arena's scales), else in the cache's dtype (an fp8 array
+    cache takes kv_write_fp8).
     """
     _check_first_argument(cache, args)
     if isinstance(cache, KVLayer):

@@ -598,6 +598,11 @@ def _asleep_release(ctx: Ctx) -> None:
     kv.release(1)
 
 
+def _zero_fill_keep_tokens(ctx: Ctx) -> None:
+    kv = ctx.kv(max_seqs=2, initial_tokens=4, zero_fill=True)
+    kv.release(0, keep_tokens=2)
+
+
 def _offloaded_read_then_check(ctx: Ctx) -> None:
     kv = ctx.kv(max_seqs=2, head_dim=64, initial_tokens=2)
     kv.offload(1)
@@ -706,6 +711,7 @@ ROWS += [
     Row("M13", _asleep_release),
     Row("M14", _offloaded_read_then_check),
     Row("M15", _offloaded_write_then_check),
+    Row("M16", _zero_fill_keep_tokens),
 ]
 
 

@@ -1114,3 +1114,38 @@ def test_an_array_layer_from_numpy_takes_an_eager_write(cpu_device):
     jitted = jax.jit(lambda lay: jax_vmm.kv_write(lay, x, x, seq=[1], pos=[2]))(layer)
     for got in (eager, jitted):
         assert np.asarray(got.k)[1, 2].sum() == HKV * D and np.asarray(got.k).sum() == HKV * D
+
+
+def test_fp8_scales_too_small_for_their_inverse_are_refused(vm):
+    """A scale below float32's smallest normal passed the old check (positive, finite),
+    then 1 / scale was inf and a zero token quantized to NaN (attention returned NaN)."""
+    tiny = np.full((L, HKV), 1e-40, np.float32)
+    for where in ("k_scales", "v_scales"):
+        with pytest.raises(ValueError, match="at least 1.175e-38"):
+            _kv(vm, dtype=jnp.float8_e4m3fn, **{where: tiny})
+    k = jnp.zeros((B, T, HKV, D), jnp.float8_e4m3fn)
+    with pytest.raises(ValueError, match="k_scale must be finite and at least"):
+        jax_vmm.KVLayer.from_arrays(
+            k, k, k_scale=jnp.full((HKV,), 1e-40), v_scale=jnp.ones((HKV,), jnp.float32)
+        )
+    ok = np.full((L, HKV), np.finfo(np.float32).tiny, np.float32)  # the smallest accepted
+    _kv(vm, dtype=jnp.float8_e4m3fn, k_scales=ok, v_scales=ok).close()
+
+
+def test_array_writes_into_an_fp8_arena_keep_its_scales(vm):
+    """kv_write over an fp8 array with bf16 tokens pointed at .astype(float8), which
+    stores unscaled values (3.0 read back as 0.03 by the cache API); it names the calls
+    that quantize, and kv_write_fp8 with the arena's scales writes what the cache reads."""
+    scales = np.full((L, HKV), 0.01, np.float32)
+    kv = _kv(vm, dtype=jnp.float8_e4m3fn, k_scales=scales, v_scales=scales)
+    kv.ensure(1, 0)
+    x = jnp.full((1, HKV, D), 3.0, jnp.bfloat16)
+    slot = jnp.array([0], jnp.int32)
+    with pytest.raises(TypeError, match="write it with jax_vmm.kv_write\\(kv.cache"):
+        jax_vmm.kv_write(kv.k[0], kv.v[0], x, x, slot, dest=kv.dest(0))
+    k_scale, v_scale = kv.scales(0)
+    jax_vmm.kv_write_fp8(kv.k[0], kv.v[0], x, x, slot, k_scale, v_scale, dest=kv.dest(0))
+    kv.check()
+    got = np.asarray(kv.k[0]).astype(np.float32)[0, 0] * 0.01
+    np.testing.assert_allclose(got, 3.0, rtol=0.07)
+    kv.close()

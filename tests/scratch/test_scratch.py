@@ -230,6 +230,22 @@ def test_errors():
             _get(_stream(), 100, device=0)
 
 
+@pytest.mark.parametrize("mode", ["grow", "retire"])
+@pytest.mark.parametrize("nbytes", [2**64 - 1, 2**64 - CHUNK // 2, 2**62 + 1])
+def test_a_size_near_2_64_is_refused_not_wrapped(mode, nbytes):
+    """The C++ Get() (what an FFI author calls, with a size_t) refuses a size near 2^64:
+    rounded up to a chunk it wrapped to 0, and Get() returned the old workspace (or a
+    fresh one of capacity 0) as if it were that large."""
+    _new_generation(mode)
+    stream = _stream()
+    _get(stream, 4 * KIB)
+    with pytest.raises(RuntimeError, match="more than any device holds"):
+        _get(stream, nbytes)
+    assert _ws(stream)["capacity"] < 2**62
+    with pytest.raises(RuntimeError, match="more than any device holds"):
+        _get(_stream(), nbytes)  # a fresh workspace
+
+
 # -- GPU ---------------------------------------------------------------------------------
 
 

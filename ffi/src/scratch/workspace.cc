@@ -20,6 +20,14 @@ Workspace::Workspace(int device, uintptr_t stream, int64_t generation,
 std::string Workspace::GrowTo(size_t bytes, ScratchMode requested, size_t reserve_bytes,
                               const GrowthPolicy& policy) {
   if (bytes == 0) bytes = 1;
+  // Far beyond any device, and rounding it up to a chunk or granule would wrap to 0: a
+  // size_t made from a negative int64 lands here.
+  constexpr size_t kMaxBytes = size_t{1} << 62;
+  if (bytes > kMaxBytes) {
+    return "jax_vmm scratch: a workspace of " + std::to_string(bytes) + " bytes on " +
+           DeviceName(stats_.device) + " is more than any device holds (at most 2^62); " +
+           "ask for less (was the size a negative number converted to size_t?)";
+  }
   if (bytes <= stats_.capacity) return "";
   if (stats_.mode == ScratchMode::kDefault) {
     std::string err = ChooseMode(requested);
