@@ -57,6 +57,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax._src.interpreters import batching
 
 from ..base.ffi import register
 from ..base.fp8 import FP8_STORAGE, check_scale_values, quantize_fp8
@@ -232,11 +233,22 @@ def _dest_attrs(op: str, k: Any, v: Any, dest: KVDest | None) -> dict:
     return _attrs(dest.k_address, dest.v_address, dest.k_uid, dest.v_uid)
 
 
-def _vmap_method(attrs: dict) -> str | None:
+def _vmap_method(op: str, attrs: dict, operands: tuple) -> str | None:
     """Under vmap, a write into plain arrays is a pure function of them: one call per
     batch element ("sequential") is its meaning. A write into named arena buffers is a
-    side effect on one cache, which a batch of calls cannot mean: JAX refuses it."""
-    return "sequential" if not attrs["dest_k"] and not attrs["dest_v"] else None
+    side effect on one cache, which a batch of calls cannot mean: refused here where the
+    vmap is seen (an operand batched by it), else by JAX."""
+    if not attrs["dest_k"] and not attrs["dest_v"]:
+        return "sequential"
+    if any(isinstance(x, batching.BatchTracer) for x in operands):
+        raise ValueError(
+            f"{op}: a write into a KV arena's buffers (dest=, or its views) under jax.vmap: "
+            "the arena is one cache, not one per batch element. Write the batch's rows in "
+            "one call (stack them into new_k/new_v and slots), or write through the cache "
+            "API, jax_vmm.kv_write(kv.cache()[layer], ...), which vmap batches into one "
+            "write"
+        )
+    return None
 
 
 def _attrs(k_address: int, v_address: int, k_uid: int, v_uid: int) -> dict:
@@ -297,7 +309,7 @@ def kv_write_arrays(
         (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
         input_output_aliases={0: 0, 1: 1},
         has_side_effect=True,
-        vmap_method=_vmap_method(attrs),
+        vmap_method=_vmap_method("kv_write", attrs, (k, v, new_k, new_v, slots)),
     )(k, v, new_k, new_v, slots, **attrs)
     return out[0], out[1]
 
@@ -354,7 +366,7 @@ def kv_write_fp8(
         (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
         input_output_aliases={0: 0, 1: 1},
         has_side_effect=True,  # as kv_write: an unused result must still write the arena
-        vmap_method=_vmap_method(attrs),
+        vmap_method=_vmap_method("kv_write_fp8", attrs, (k, v, new_k, new_v, slots, ks, vs)),
     )(k, v, new_k, new_v, slots, ks, vs, **attrs)
     return out[0], out[1]
 

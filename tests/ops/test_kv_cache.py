@@ -1149,3 +1149,20 @@ def test_array_writes_into_an_fp8_arena_keep_its_scales(vm):
     got = np.asarray(kv.k[0]).astype(np.float32)[0, 0] * 0.01
     np.testing.assert_allclose(got, 3.0, rtol=0.07)
     kv.close()
+
+
+def test_an_array_write_with_dest_under_vmap_says_why(vm):
+    """vmap of an array-level kv_write into an arena's buffers gave JAX's bare
+    "vmap is only supported for the ffi_call primitive when vmap_method is ..."."""
+    kv = _kv(vm)
+    kv.ensure(2, 0)
+    new = jnp.ones((3, 1, HKV, D), DT)
+    slots = jnp.array([[0], [1], [0]], jnp.int32)
+
+    def write(x, s):
+        return jax_vmm.kv_write(kv.k[0], kv.v[0], x, x, s, dest=kv.dest(0))[0].sum()
+
+    with pytest.raises(ValueError, match="under jax.vmap: the arena is one cache"):
+        jax.vmap(write)(new, slots)
+    kv.check()
+    kv.close()
