@@ -79,6 +79,12 @@ def _run_eagerly(fn: Callable[[], Any], device: jax.Device) -> None:
         raise failure[0]
 
 
+def _bootstrap_call() -> jax.Array:
+    """The bootstrap custom call (its s32 result carries no value)."""
+    call = jax.ffi.ffi_call(_BOOTSTRAP, jax.ShapeDtypeStruct((), jnp.int32), has_side_effect=True)
+    return call()
+
+
 def ensure(has_cuda_backend: bool) -> str:
     """Run the bootstrap once per process on this process's first CUDA device, after the
     FFI registration (base/ffi.py) registered the bootstrap target. Returns :func:`status`.
@@ -96,11 +102,7 @@ def ensure(has_cuda_backend: bool) -> str:
             _unavailable = "unavailable: no CUDA backend in this process"
             return status()
         try:
-            device = jax.local_devices(backend="cuda")[0]
-            call = jax.ffi.ffi_call(
-                _BOOTSTRAP, jax.ShapeDtypeStruct((), jnp.int32), has_side_effect=True
-            )
-            _run_eagerly(call, device)
+            _run_eagerly(_bootstrap_call, jax.local_devices(backend="cuda")[0])
         except Exception as e:  # noqa: BLE001 - any failure keeps the plain targets
             _unavailable = f"failed: the bootstrap call raised {type(e).__name__}: {e}"
         state = status()

@@ -515,17 +515,30 @@ def test_a_write_in_flight_at_a_release_never_lands_in_the_next_sequence(host_vm
 
 def test_a_release_that_declares_no_writes_in_flight_does_not_wait(host_vm):
     """writes_in_flight=False (the serving engine's releases: its finished slots' rows are
-    idle): the slot's next ensure returns while the step still runs."""
+    idle): the slot's next ensure returns while the step still runs. The step is held at
+    the testing host gate, so no timing is involved: an ensure that waited for it would
+    wait for the gate's 60 s guard, and the step would then be done."""
     kv = _small_kv(host_vm)
     kv.ensure(4, seq=2)
     kv.ensure(4, seq=3)
-    step = _slow_write(jnp.array([-1, -1]), jnp.array([0, 1]), lambda c, layer: c.replace(0, layer))
-    big = jnp.ones((1500, 1500))
-    jax.block_until_ready(step(kv.cache(), jnp.zeros((2, 2, 8)), big))
-    out = step(kv.cache(), jnp.zeros((2, 2, 8)), big)  # idle rows, in flight
-    kv.release(3, keep_tokens=4, writes_in_flight=False)
-    kv.ensure(4, seq=3)
-    assert not out[0].token.is_ready(), "the ensure waited for the step"
+    busy = jnp.ones(8192)  # enough work that XLA:CPU queues the step instead of inlining it
+
+    @jax.jit
+    def step(cache, new, busy):
+        new = jax_vmm.testing.through_host_gate(new + 0 * jnp.sum(jnp.sin(busy)))
+        idle = jnp.array([-1, -1])
+        return cache.replace(0, jax_vmm.kv_write(cache[0], new, new, seq=idle, pos=idle + 1))
+
+    jax.block_until_ready(step(kv.cache(), jnp.zeros((2, 2, 8)), busy))
+    with jax_vmm.testing.host_gate_closed():
+        out = step(kv.cache(), jnp.zeros((2, 2, 8)), busy)  # idle rows, in flight
+        deadline = time.monotonic() + 60
+        while jax_vmm.testing.host_gate_held() == 0 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        kv.release(3, keep_tokens=4, writes_in_flight=False)
+        kv.ensure(4, seq=3)
+        held = not out[0].token.is_ready() and jax_vmm.testing.host_gate_held() > 0
+    assert held, "the ensure waited for the step"
     jax.block_until_ready(out)
     kv.check()
 

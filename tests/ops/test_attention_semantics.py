@@ -533,10 +533,14 @@ def test_a_refused_call_over_an_fp8_arena_layer_counts_no_read(cpu_device):
     )  # fmt: skip
     kv.ensure(3, seq=0)
     layer, lengths = kv.cache()[0], jnp.array([10, 5])  # both past the 3 tokens ensured
-    bad = [((2, 2, 3, 64), BF16), ((2, 2, 4, 32), BF16), ((3, 2, 4, 64), BF16)]
-    bad.append(((2, 2, 4, 64), jnp.int32))
-    for shape, dtype in bad:
-        with pytest.raises((ValueError, TypeError)):
+    bad = [
+        ((2, 2, 3, 64), BF16, ValueError, "not a multiple of kv_heads=2"),
+        ((2, 2, 4, 32), BF16, ValueError, r"head_dim in \(64, 128, 256\), got 32"),
+        ((3, 2, 4, 64), BF16, ValueError, "q has batch 3 but k/v have 2 sequences"),
+        ((2, 2, 4, 64), jnp.int32, TypeError, "bfloat16 or float16, got int32"),
+    ]
+    for shape, dtype, error, match in bad:
+        with pytest.raises(error, match=match):
             jax_vmm.attention(jnp.ones(shape, dtype), layer, lengths, window=2)
     assert kv.dropped_reads() == 0
     kv.check()
