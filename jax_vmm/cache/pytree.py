@@ -154,8 +154,8 @@ class KVLayer:
         scales = ()
         if fp8:
             scales = (
-                _check_scale(k_scale, heads, "k_scale"),
-                _check_scale(v_scale, heads, "v_scale"),
+                check_scale(k_scale, heads, "k_scale"),
+                check_scale(v_scale, heads, "v_scale"),
             )
         return cls(_ArraysId(fp8), (k, v, *scales))
 
@@ -302,7 +302,9 @@ def _warn_if_arena_shaped(name: str, x: Any) -> bool:
     return False
 
 
-def _check_scale(x: Any, heads: int, name: str) -> Any:
+def check_scale(x: Any, heads: int, name: str) -> Any:
+    """An fp8 cache's per-KV-head scale (``KVLayer.from_arrays``, ``kv_write_fp8``):
+    float32 ``(heads,)``, its values checked when concrete; returned as given."""
     if not hasattr(x, "shape") or tuple(x.shape) != (heads,) or np.dtype(x.dtype) != np.float32:
         raise ValueError(
             f"{name} must be float32 of shape ({heads},), one scale per KV head; got "

@@ -60,9 +60,9 @@ import numpy as np
 from jax._src.interpreters import batching
 
 from ..base.ffi import register
-from ..base.fp8 import FP8_STORAGE, check_scale_values, quantize_fp8
+from ..base.fp8 import FP8_STORAGE, quantize_fp8
 from ..base.loader import core as _core
-from ..cache.pytree import ArenaNotWrittenWarning
+from ..cache.pytree import ArenaNotWrittenWarning, check_scale
 from ..cache.registry import live_arenas
 from ..memory.lookup import describe_buffer, find_view_buffer
 from .stats import KVWriteStats
@@ -348,14 +348,7 @@ def kv_write_fp8(
     ks, vs = jnp.asarray(k_scale), jnp.asarray(v_scale)
     H = k.shape[-2]
     for name, x in (("k_scale", ks), ("v_scale", vs)):
-        if x.shape != (H,) or np.dtype(x.dtype) != np.float32:
-            raise ValueError(
-                f"kv_write_fp8: {name} must be float32 of shape ({H},), one scale per "
-                f"KV head; got {x.dtype} {x.shape}"
-            )
-    for name, x in (("k_scale", ks), ("v_scale", vs)):
-        if not isinstance(x, jax.core.Tracer):
-            check_scale_values(np.asarray(x), f"kv_write_fp8: {name}")
+        check_scale(x, H, f"kv_write_fp8: {name}")
     attrs = _dest_attrs("kv_write_fp8", k, v, dest)
     _warn_if_arena_not_written("kv_write_fp8", k, dest)
     if n == 0:
