@@ -52,12 +52,18 @@ def counters() -> dict[str, float]:
         "attention": _core.attention_stats(),
         "kv_write": _core.kv_write_stats(),
     }
-    return {
-        f"{group}.{name}": value
-        for group, values in stats.items()
-        for name, value in values.items()
-        if isinstance(value, (int, float)) and not isinstance(value, bool)
-    }
+    flat: dict[str, float] = {}
+
+    def add(prefix: str, values: dict) -> None:
+        for name, value in values.items():
+            if isinstance(value, dict):
+                add(f"{prefix}.{name}", value)
+            elif isinstance(value, (int, float)) and not isinstance(value, bool):
+                flat[f"{prefix}.{name}"] = value
+
+    for group, values in stats.items():
+        add(group, values)
+    return flat
 
 
 @contextlib.contextmanager
