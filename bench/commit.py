@@ -361,7 +361,30 @@ SEED_GEOMETRY = dict(num_layers=32, num_kv_heads=8, head_dim=128, max_tokens=1 <
 # the driver still settling its freed memory, not the commit path under test.
 SETTLE_S = 0.5
 
-SEED = Table(("measure", 44, "<"), ("seed", 10), ("jax_vmm", 10), ("jax_vmm/seed", 12))
+SEED = Table(
+    ("measure", 44, "<"),
+    ("seed", 10),
+    ("jax_vmm", 10),
+    ("jax_vmm/seed", 12),
+    ("paired: median [IQR]", 24),
+)
+
+
+def paired_ratios(seed: list[float], arena: list[float]) -> dict:
+    """The ratio arena / seed of each repeat (the two measured back to back), as median and
+    interquartile range: steadier than the ratio of the two medians when the driver's
+    state moves both sides between repeats."""
+    r = sorted(a / s for a, s in zip(arena, seed) if s > 0)
+    if not r:
+        return {}
+    q = statistics.quantiles(r, n=4, method="inclusive") if len(r) > 1 else [r[0]] * 3
+    return {"median": statistics.median(r), "q1": q[0], "q3": q[2], "n": len(r)}
+
+
+def paired_text(p: dict) -> str:
+    if not p:
+        return "-"
+    return f"{p['median']:.2f}x [{p['q1']:.2f}-{p['q3']:.2f}] n={p['n']}"
 
 
 class SeedBench:
@@ -419,7 +442,11 @@ class SeedBench:
             tk.append(t2 - t1)
             s.close()
             kv.close()
-        return {"seed": statistics.median(ts[1:]), "jax_vmm": statistics.median(tk[1:])}
+        return {
+            "seed": statistics.median(ts[1:]),
+            "jax_vmm": statistics.median(tk[1:]),
+            "paired": paired_ratios(ts[1:], tk[1:]),
+        }
 
     def from_nothing(self, gib: float, repeats: int) -> dict:
         """Median seconds to make a cache of ``gib`` and back it whole: the seed (create +
@@ -457,7 +484,10 @@ class SeedBench:
             for name, fn in runs[i % 3 :] + runs[: i % 3]:
                 times[name].append(fn())
                 time.sleep(SETTLE_S)
-        return {name: statistics.median(ts[1:]) for name, ts in times.items()}
+        out: dict = {name: statistics.median(ts[1:]) for name, ts in times.items()}
+        out["paired"] = paired_ratios(times["seed"][1:], times["jax_vmm"][1:])
+        out["all"] = {name: ts[1:] for name, ts in times.items()}
+        return out
 
     def grow(self, steps: list[int], base: int, repeats: int) -> dict:
         """Total seconds of ensure(t) for t in steps, from `base` tokens backed; both give
@@ -496,6 +526,7 @@ class SeedBench:
                 "seed": statistics.median(ts[1:]),
                 "seed_one_reservation": statistics.median(ts1[1:]),
                 "jax_vmm": statistics.median(tk[1:]),
+                "paired": paired_ratios(ts[1:], tk[1:]),
                 "commit_drains": st["commit_drains"],
                 "all": {"seed": ts[1:], "jax_vmm": tk[1:], "seed_one_reservation": ts1[1:]},
             }
@@ -539,11 +570,21 @@ def bench_seed(device, repeats: int, raw, steps_to: int = 1 << 16) -> dict | Non
     ]
     for label, key in rows:
         r = out[key]
-        print(SEED.row(label, ms(r["seed"]), ms(r["jax_vmm"]), f"{r['jax_vmm'] / r['seed']:.2f}x"))
+        print(
+            SEED.row(
+                label,
+                ms(r["seed"]),
+                ms(r["jax_vmm"]),
+                f"{r['jax_vmm'] / r['seed']:.2f}x",
+                paired_text(r.get("paired", {})),
+            )
+        )
         if "seed_one_reservation" in r:
             one_range = r["seed_one_reservation"]
             ratio_text = f"{r['jax_vmm'] / one_range:.2f}x"
-            print(SEED.row("  the seed's calls in one reservation", ms(one_range), "", ratio_text))
+            print(
+                SEED.row("  the seed's calls in one reservation", ms(one_range), "", ratio_text, "")
+            )
     one = out["from_nothing_20"]["one_allocation"]
     print(
         SEED.row(
@@ -551,6 +592,7 @@ def bench_seed(device, repeats: int, raw, steps_to: int = 1 << 16) -> dict | Non
             ms(one),
             "",
             f"{out['from_nothing_20']['jax_vmm'] / one:.2f}x",
+            "",
         )
     )
     fb = out["fresh_bytes"]
@@ -560,6 +602,7 @@ def bench_seed(device, repeats: int, raw, steps_to: int = 1 << 16) -> dict | Non
             f"{fb['seed'] / 2**20:.0f} MiB",
             f"{fb['jax_vmm'] / 2**20:.0f} MiB",
             fmt(ratio(fb["jax_vmm"], fb["seed"]), "{:.2f}x", "-"),
+            "",
         ),
         flush=True,
     )
