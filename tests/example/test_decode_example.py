@@ -672,3 +672,18 @@ def test_decode_cli_refuses_bad_sizes_by_flag(tmp_path: Path, flags, match) -> N
     argv += ["--new-tokens", "4", "8", "--no-plot", "--no-progress", "--out", str(tmp_path)]
     with pytest.raises(SystemExit, match=f"decode.py: .*{match}"):
         decode.main([*argv, *flags])
+
+
+def test_decode_cli_warmup_serves_once_untimed(tmp_path: Path, capsys) -> None:
+    """--warmup serves the requests once before the timed run: the summary counts one run
+    (the same tokens as without it), and the warm-up says it was not counted."""
+    from jax_vmm.serving.cli import decode
+
+    argv = ["--device", "cpu", "--requests", "3", "--batch", "2", "--max-tokens", "64"]
+    argv += ["--prompt-len", "4", "8", "--new-tokens", "2", "6", "--no-progress", "--no-plot"]
+    plain = decode.main([*argv, "--out", str(tmp_path / "plain")])
+    assert "warm-up run" not in capsys.readouterr().out
+    warm = decode.main([*argv, "--warmup", "--out", str(tmp_path / "warm")])
+    assert "warm-up run:" in capsys.readouterr().out
+    assert warm["generated_tokens"] == plain["generated_tokens"]
+    assert warm["final_backed_bytes"] == 0

@@ -185,6 +185,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument(
+        "--warmup",
+        action="store_true",
+        help="serve the requests once before the timed run, not counted: the first "
+        "execution of each program (cuDNN graph builds, XLA's autotuning) then falls "
+        "outside the timing, for both backends alike",
+    )
     return p.parse_args(argv)
 
 
@@ -471,6 +478,9 @@ def _serve(args: argparse.Namespace) -> dict:
             gen.precompile(requests, shared_prefix=args.shared_prefix or 0)
         except ValueError as e:  # what the flags ask cannot be served: say so, no traceback
             raise SystemExit(f"decode.py: {e}") from None
+        if args.warmup:
+            warm = gen.run(requests, shared_prefix=args.shared_prefix or 0)
+            print(f"warm-up run: {warm.seconds:.1f} s (not counted)")
         total = sum(r.max_new_tokens for r in requests)
         bar = None
         if not args.no_progress:
