@@ -371,9 +371,9 @@ SEED = Table(
 
 
 def paired_ratios(seed: list[float], arena: list[float]) -> dict:
-    """The ratio arena / seed of each repeat (the two measured back to back), as median and
-    interquartile range: steadier than the ratio of the two medians when the driver's
-    state moves both sides between repeats."""
+    """The ratio arena / seed of each repeat (both timed within it, in the repeat's rotated
+    order), as median and interquartile range: steadier than the ratio of the two medians
+    when the driver's state moves both sides between repeats."""
     r = sorted(a / s for a, s in zip(arena, seed) if s > 0)
     if not r:
         return {}

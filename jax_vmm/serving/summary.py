@@ -19,6 +19,24 @@ def write_name(cache) -> str:
     return "kv_write on arena layers (in place)"
 
 
+#: The cache statistics summarize() reports that add up over the cache's life.
+RUN_COUNTERS = (
+    "commit_calls",
+    "commit_seconds",
+    "commits_ahead",
+    "decommit_calls",
+    "decommit_seconds",
+)
+
+
+def counters_since(stats: dict, before: dict) -> dict:
+    """``stats`` with its RUN_COUNTERS counted from ``before`` (an earlier cache.stats()):
+    one run's counts when the cache served another run first (decode.py --warmup)."""
+    return dict(
+        stats, **{k: stats[k] - before[k] for k in RUN_COUNTERS if k in stats and k in before}
+    )
+
+
 def summarize(
     report: E.RunReport,
     stats: dict,

@@ -676,7 +676,8 @@ def test_decode_cli_refuses_bad_sizes_by_flag(tmp_path: Path, flags, match) -> N
 
 def test_decode_cli_warmup_serves_once_untimed(tmp_path: Path, capsys) -> None:
     """--warmup serves the requests once before the timed run: the summary counts one run
-    (the same tokens as without it), and the warm-up says it was not counted."""
+    (the same tokens, commits and releases as without it), and the warm-up says it was not
+    counted."""
     from jax_vmm.serving.cli import decode
 
     argv = ["--device", "cpu", "--requests", "3", "--batch", "2", "--max-tokens", "64"]
@@ -685,5 +686,6 @@ def test_decode_cli_warmup_serves_once_untimed(tmp_path: Path, capsys) -> None:
     assert "warm-up run" not in capsys.readouterr().out
     warm = decode.main([*argv, "--warmup", "--out", str(tmp_path / "warm")])
     assert "warm-up run:" in capsys.readouterr().out
-    assert warm["generated_tokens"] == plain["generated_tokens"]
-    assert warm["final_backed_bytes"] == 0
+    for key in ("generated_tokens", "commit_calls", "commits_ahead", "decommit_calls"):
+        assert warm[key] == plain[key], (key, warm[key], plain[key])
+    assert plain["commit_calls"] > 0 and warm["final_backed_bytes"] == 0

@@ -40,7 +40,7 @@ from ..attention import ATTENTION_CHOICES, FP8_HEAD_DIMS, choose_attention, chun
 from ..cache import BACKENDS, KV_DTYPES, commit_lead_tokens, make_cache
 from ..report import matplotlib_missing, plot_memory
 from ..sleep_wake import EngineSleeper, same_tokens
-from ..summary import print_summary, summarize, write_name
+from ..summary import counters_since, print_summary, summarize, write_name
 from ..take_turns import TakeTurns, budget_summary
 
 # Serving defaults per preset: batch (slots), per-sequence max_tokens, requests, prompt and
@@ -478,9 +478,11 @@ def _serve(args: argparse.Namespace) -> dict:
             gen.precompile(requests, shared_prefix=args.shared_prefix or 0)
         except ValueError as e:  # what the flags ask cannot be served: say so, no traceback
             raise SystemExit(f"decode.py: {e}") from None
+        before = {}
         if args.warmup:
             warm = gen.run(requests, shared_prefix=args.shared_prefix or 0)
             print(f"warm-up run: {warm.seconds:.1f} s (not counted)")
+            before = cache.stats()
         total = sum(r.max_new_tokens for r in requests)
         bar = None
         if not args.no_progress:
@@ -495,7 +497,7 @@ def _serve(args: argparse.Namespace) -> dict:
         finally:
             if bar is not None:
                 bar.close()
-        stats = cache.stats()
+        stats = counters_since(cache.stats(), before)
         summary = summarize(report, stats, cache, cfg, serving, device, attn_name)
         differ = None
         if args.shared_prefix:
