@@ -100,7 +100,16 @@
 #   bench:capacity      bench/capacity.py: one decode step over 1 GiB and 32 GiB caches, as a
 #                       ratio (arena: ~1.0) -> bench_capacity.json
 #   bench:sleep         bench/sleep.py: 100 sleep/wake cycles of a 20 GiB cache -> bench_sleep.json
+#   bench:multi_query   bench/cudnn_attention.py, several queries per sequence only: jax_vmm
+#                       against JAX's cuDNN, padding-only and the equal-score split (best)
+#   bench:seed          bench/commit.py --sections seed --repeats 9: against the seed's
+#                       one-handle-per-extension code, with paired ratios -> seed.json
+#   bench:shared_prefix bench/shared_prefix.py: time to first token and memory of a
+#                       shared 4k prefix -> shared_prefix.json
 #   bench               the seven benches
+#   goals               the goals not established or missed by a hair: bench:multi_query
+#                       bench:seed bench:shared_prefix and the main job at batch 16 and 64,
+#                       both backends (more than one device call: split it with DEADLINE)
 #   probe:kernels       bench/kernels_probe.py -> kernels.json: every decode-attention kernel
 #                       (split-K, streaming, fp8) checked against float64 with NaN-prefilled
 #                       outputs, then timed beside cuDNN and the copy/read ceilings per shape;
@@ -363,7 +372,10 @@ step_bench() {
     decode8) "$PY" bench/decode.py --grid layers8 --out "$RUN_DIR/decode8" ;;
     step_loop) "$PY" bench/step_loop.py --layers 2 8 32 --calls 300 ;;
     growth) "$PY" bench/growth.py --out "$RUN_DIR/growth" ;;
-    *) echo "unknown bench ${1:-} (attention, attention_options, kv_write, commit, decode, decode32, decode8, step_loop, growth, sleep, capacity)"; return 2 ;;
+    multi_query) "$PY" bench/cudnn_attention.py --batches "" --json "$RUN_DIR/multi_query.json" ;;
+    seed) "$PY" bench/commit.py --sections seed --repeats 9 --json "$RUN_DIR/seed.json" ;;
+    shared_prefix) "$PY" bench/shared_prefix.py --json "$RUN_DIR/shared_prefix.json" ;;
+    *) echo "unknown bench ${1:-} (attention, attention_options, kv_write, commit, decode, decode32, decode8, step_loop, growth, multi_query, seed, shared_prefix, sleep, capacity)"; return 2 ;;
   esac
 }
 
@@ -407,6 +419,8 @@ expand() {  # STEP -> the steps it stands for
     sanitize) echo sanitize:hazard sanitize:attention sanitize:memory ;;
     bench) echo bench:attention bench:kv_write bench:commit bench:decode bench:growth bench:sleep bench:capacity ;;
     probe) echo probe:kernels ;;
+    goals) echo bench:multi_query bench:seed bench:shared_prefix example:16 example:prealloc16 \
+                example:64 example:prealloc64 ;;
     all) echo build info tests facts; expand sanitize; echo example; expand bench; expand probe ;;
     *) echo "$1" ;;
   esac
