@@ -51,7 +51,9 @@ def split_causal_attention(q: Any, k: Any, v: Any, lengths: Any, attend: Attend)
 
 def cudnn_attend(q: Any, k: Any, v: Any, kv_lengths: Any, causal: bool) -> tuple[Any, Any]:
     """cuDNN's fused attention through JAX, with its softmax statistics (the rows'
-    log-sum-exp of the scaled scores): JAX's own call, ``return_residual=True``."""
+    log-sum-exp of the scaled scores): the call jax.nn.dot_product_attention makes, taken
+    directly because the public one casts the statistics to the output's dtype (bf16 here:
+    too coarse to join two calls by)."""
     from jax._src.cudnn import fused_attention_stablehlo as fa  # the call JAX's cuDNN path makes
 
     b, s, _, d = q.shape
@@ -69,17 +71,15 @@ def cudnn_attend(q: Any, k: Any, v: Any, kv_lengths: Any, causal: bool) -> tuple
 
 
 def reference_attend(q: Any, k: Any, v: Any, kv_lengths: Any, causal: bool) -> tuple[Any, Any]:
-    """The same contract in plain JAX (float32), grouped-query heads: for the tests."""
-    hq, hkv, d = q.shape[2], k.shape[2], q.shape[3]
-    kk = jnp.repeat(k.astype(jnp.float32), hq // hkv, axis=2)
-    vv = jnp.repeat(v.astype(jnp.float32), hq // hkv, axis=2)
-    scores = jnp.einsum("bshd,bthd->bhst", q.astype(jnp.float32), kk) / math.sqrt(d)
-    t = jnp.arange(k.shape[1])
-    keep = t[None, None, None, :] < kv_lengths[:, None, None, None]
-    if causal:
-        keep = keep & (t[None, None, None, :] <= jnp.arange(q.shape[1])[None, None, :, None])
-    scores = jnp.where(keep, scores, -jnp.inf)
-    lse = jax.nn.logsumexp(scores, axis=-1)
-    p = jnp.where(keep, jnp.exp(scores - lse[..., None]), 0.0)
-    out = jnp.einsum("bhst,bthd->bshd", p, vv)
-    return out, jnp.transpose(lse, (0, 2, 1))
+    """The same contract through JAX's XLA implementation, in float32: for the tests."""
+    b, s = q.shape[:2]
+    return jax.nn.dot_product_attention(
+        q.astype(jnp.float32),
+        k.astype(jnp.float32),
+        v.astype(jnp.float32),
+        is_causal=causal,
+        query_seq_lengths=jnp.full((b,), s, jnp.int32),
+        key_value_seq_lengths=kv_lengths.astype(jnp.int32),
+        implementation="xla",
+        return_residual=True,
+    )

@@ -1,6 +1,6 @@
 """bench/_split_causal.py: the equal-work JAX baseline of bench/cudnn_attention.py for
 several queries per sequence (a prefix call and a causal diagonal-block call, joined by
-their log-sum-exps) equals bottom-right causal attention, here with the plain JAX attention
+their log-sum-exps) equals bottom-right causal attention, here with JAX's XLA attention
 in place of cuDNN's, against a float64 NumPy reference; ragged lengths, a sequence of
 exactly S tokens (no prefix) and one of all T included, also with an attention that leaves
 NaN and +inf in the rows of an empty prefix (as cuDNN may: rows it does not write). The
