@@ -81,7 +81,7 @@ class KVLayer:
     """One layer of a KV cache: an arena layer (``kv.cache()[l]``) or an array layer
     (:meth:`from_arrays`). Immutable: ``kv_write`` returns a new one."""
 
-    __slots__ = ("_id", "_leaves", "_written_in_trace", "_epoch", "_vmap_writer")
+    __slots__ = ("_id", "_leaves", "_written_in_trace", "_epoch")
 
     def __init__(self, layer_id: LayerId | _ArraysId, leaves: tuple):
         self._id = layer_id
@@ -95,9 +95,6 @@ class KVLayer:
         # data: a layer that crossed a jit or loop boundary was written in an earlier
         # computation or iteration). jax_vmm.ordered_views refuses such a layer.
         self._written_in_trace = False
-        # A weak reference to the vmap trace that batched the kv_write which returned this
-        # layer (ops/vmap_reads.py), else None.
-        self._vmap_writer: Any = None
 
     # -- construction ----------------------------------------------------------------
     @classmethod

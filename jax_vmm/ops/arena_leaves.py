@@ -50,7 +50,7 @@ def checked_arena_layer(layer: KVLayer, op: str) -> KVLayer:
             f"ordering token (and an fp8 arena's float32 scales), not K/V data. {cause}"
         )
     if op != "kv_write":
-        vmap_reads.refuse_read(layer, op)
+        layer = vmap_reads.fenced(layer, op)
     if not lid.fp8:
         return layer
     kv = arena_of(lid, op)

@@ -44,6 +44,7 @@ from jax.interpreters import mlir
 from jax.interpreters import partial_eval as pe
 
 from ..cache.pytree import KVWriteResultUnusedWarning
+from . import vmap_reads
 
 __all__ = ["write_token"]
 
@@ -119,9 +120,12 @@ def _dce_rule(used_outputs: list[bool], eqn: Any):
 pe.dce_rules[kv_cache_write_p] = _dce_rule
 
 
-def _batching_rule(args: tuple, dims: tuple, **params: Any):
+def _batching_rule(axis_data: Any, args: tuple, dims: tuple, **params: Any):
     """vmap over the new tokens: the writes run one after another, each ordered after the
-    last by the token (which stays unbatched: one layer)."""
+    last by the token (which stays unbatched: one layer). The layer is noted as written by
+    this vmap, whose reads of it are refused (ops/vmap_reads.py)."""
+    if all(d is _NOT_MAPPED for d in dims):  # an unbatched write inside the vmap: one write
+        return kv_cache_write_p.bind(*args, **params), _NOT_MAPPED
     if dims[_TOKEN_OPERAND] is not _NOT_MAPPED:
         raise NotImplementedError(
             "jax_vmm.kv_write: the layer's token is batched: either the cache itself was "
@@ -139,7 +143,9 @@ def _batching_rule(args: tuple, dims: tuple, **params: Any):
         return kv_cache_write_p.bind(*ops, **params), None
 
     token, _ = jax.lax.scan(body, args[_TOKEN_OPERAND], tuple(moved), length=size)
+    attrs = dict(params["attrs"])
+    vmap_reads.note_batched_write(axis_data, (int(attrs["cache_uid"]), int(attrs["layer"])))
     return token, _NOT_MAPPED
 
 
-batching.primitive_batchers[kv_cache_write_p] = _batching_rule
+batching.fancy_primitive_batchers[kv_cache_write_p] = _batching_rule

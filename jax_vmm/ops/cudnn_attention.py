@@ -343,7 +343,7 @@ def _over_layer(
         if layer.k_scale is not None:
             raise TypeError("cudnn_attention: fp8 caches are not for cuDNN (use decode_attention)")
         return cudnn_attention(q, layer.k, layer.v, lengths, zero_rows=zero_rows, **kw)
-    vmap_reads.refuse_read(layer, "cudnn_attention")
+    layer = vmap_reads.fenced(layer, "cudnn_attention")
     lid = layer.id
     if lid.sharded:
         raise NotImplementedError(

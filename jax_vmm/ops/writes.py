@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..cache.pytree import KVCache, KVLayer
-from . import layer_ops, sharded_ops, vmap_reads
+from . import layer_ops, sharded_ops
 from .arena_leaves import checked_arena_layer
 from .array_writes import KVDest, kv_write_arrays
 from .lengths import clamped_int32
@@ -92,7 +92,7 @@ def kv_write(
         if cache.is_arena:
             cache = checked_arena_layer(cache, "kv_write")
         write = sharded_ops.write if cache.is_arena and cache.id.sharded else layer_ops.write
-        return vmap_reads.note_write(write(cache, *args), args)
+        return write(cache, *args)
     if seq is not None or pos is not None:
         raise TypeError(
             "kv_write: seq=/pos= are for the cache form kv_write(layer, new_k, new_v, seq=, "

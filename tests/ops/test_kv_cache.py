@@ -1001,6 +1001,94 @@ def test_a_read_in_the_vmap_that_wrote_the_layer_is_refused(vm):
     kv.check()
 
 
+def _nested(form: str, write_then_read):
+    """``write_then_read(cache, new, s, p)`` with its read (or both calls) in a body JAX
+    traces apart from the vmap and batches later."""
+    if form == "jit":
+        return jax.jit(write_then_read)
+    if form == "checkpoint":
+        return jax.checkpoint(write_then_read)
+    if form == "cond":  # an unbatched predicate: vmap batches both branches' bodies
+        return lambda c, n, s, p: jax.lax.cond(
+            c[0].token >= 0, write_then_read, lambda *a: write_then_read(*a) * 0, c, n, s, p
+        )
+    if form == "fori_loop":
+        return lambda c, n, s, p: jax.lax.fori_loop(
+            0, 1, lambda i, out: write_then_read(c, n, s, p), jnp.zeros((B, HQ, D), DT)
+        )
+    if form == "inner_vmap":  # an inner vmap over nothing the write takes
+        return lambda c, n, s, p: jax.vmap(lambda i: write_then_read(c, n, s, p))(jnp.arange(1))[0]
+    raise AssertionError(form)
+
+
+@pytest.mark.parametrize("form", ["jit", "checkpoint", "cond", "fori_loop", "inner_vmap"])
+def test_a_read_nested_in_the_vmap_that_wrote_the_layer_is_refused(vm, form):
+    """The same candidates at one slot as above, the step in a body JAX traces on its own
+    (``vmap(jit(step))``, a checkpoint, a cond branch, a loop body, an inner vmap): the
+    check sits in the batching rules, which see the nested body when vmap batches it. With
+    the refusal switched off the same call gives element 0 the last candidate."""
+    kv = _kv(vm)
+    kv.ensure(3, 0)
+    kv.ensure(3, 1)
+    rng = np.random.default_rng(6)
+    news = jnp.asarray(rng.standard_normal((3, 1, HKV, D)), DT)
+    seq, pos = jnp.zeros((3, 1), jnp.int32), jnp.full((3, 1), 2, jnp.int32)
+    q = jnp.asarray(rng.standard_normal((B, HQ, D)), DT)
+    lengths = jnp.array([3, 3], jnp.int32)
+
+    def write_then_read(cache, new, s, p):
+        layer = jax_vmm.kv_write(cache[0], new, new, seq=s, pos=p)
+        return jax_vmm.decode_attention(q, layer, lengths)
+
+    def own_copy(new):
+        k = jnp.zeros((B, T, HKV, D), DT).at[0, 2].set(new[0])
+        return jax_vmm.decode_attention(q, k, k, lengths)
+
+    want = np.stack([np.asarray(own_copy(n)) for n in news])
+    in_axes = (None, 0, 0, 0)
+    step = _nested(form, write_then_read)
+    for run in (jax.vmap(step, in_axes), jax.jit(jax.vmap(step, in_axes))):
+        with pytest.raises(ValueError, match="written by a kv_write batched by this same vmap"):
+            run(kv.cache(), news, seq, pos)
+    with jax_vmm.testing.vmapped_reads_allowed():
+        step = _nested(form, write_then_read)  # a fresh function: no trace from above
+        got = np.asarray(jax.jit(jax.vmap(step, in_axes))(kv.cache(), news, seq, pos))
+    assert not np.allclose(got[0], want[0], atol=1e-5)
+    np.testing.assert_allclose(got[0], want[2], atol=1e-5)
+    kv.check()
+
+
+def test_a_layer_a_vmap_returned_is_read_in_the_next_vmap(vm):
+    """Two vmaps in one jit: the first writes (the cache returned with out_axes=None), the
+    second reads every candidate's query against the written layer. Not refused: the
+    first vmap's writes have all landed, as with an array cache returned unbatched."""
+    kv = _kv(vm)
+    kv.ensure(3, 0)
+    kv.ensure(3, 1)
+    rng = np.random.default_rng(7)
+    news = jnp.asarray(rng.standard_normal((3, 1, HKV, D)), DT)
+    seq = jnp.array([[0], [1], [0]], jnp.int32)
+    pos = jnp.array([[0], [0], [1]], jnp.int32)
+    qs = jnp.asarray(rng.standard_normal((3, B, HQ, D)), DT)
+    lengths = jnp.array([2, 1], jnp.int32)
+
+    def write(cache, new, s, p):
+        return cache.replace(0, jax_vmm.kv_write(cache[0], new, new, seq=s, pos=p))
+
+    @jax.jit
+    def write_then_read(cache):
+        cache = jax.vmap(write, (None, 0, 0, 0), None)(cache, news, seq, pos)
+        read = jax.vmap(jax.jit(lambda qq: jax_vmm.decode_attention(qq, cache[0], lengths)))
+        return cache, read(qs)
+
+    _, got = write_then_read(kv.cache())
+    k = jnp.zeros((B, T, HKV, D), DT)
+    k = k.at[0, 0].set(news[0, 0]).at[1, 0].set(news[1, 0]).at[0, 1].set(news[2, 0])
+    want = np.stack([np.asarray(jax_vmm.decode_attention(qq, k, k, lengths)) for qq in qs])
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-5)
+    kv.check()
+
+
 # -- devices ---------------------------------------------------------------------------------------
 
 _DEVICES_CHILD = """
