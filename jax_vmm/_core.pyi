@@ -32,6 +32,11 @@ def registrations(platform: str) -> dict:
     {target name: capsule, or {stage: capsule}} of every XLA FFI handler of this module on `platform` ('cpu' or 'CUDA'), for jax.ffi.register_ffi_target.
     """
 
+def record_stage_status() -> str:
+    """
+    'registered' once the bootstrap target registered jax_vmm's targets with XLA's FFI record stage; 'pending' before; 'unavailable: ...' or 'failed: ...' otherwise.
+    """
+
 built_with_cuda_kernels: bool = ...
 
 built_with_cudnn: bool = ...

@@ -520,8 +520,10 @@ class Arena:
         """A plain dict: reserved/backed/peak bytes; ``held_bytes`` (physical memory held:
         backed + ``parked_bytes`` (released chunks inside allocations still in use) +
         ``retired_bytes`` (released, waiting for the device)); commit and decommit counts
-        and cumulative seconds, ``commit_drains`` (commits that waited for the device
-        because raw views were handed out, ``views_exported``), ``live_views`` and the
+        and cumulative seconds, ``commit_drains`` (device waits before new memory was
+        mapped, by a commit, wake or restore, because raw views were handed out
+        (``views_exported``) or a zero-filling arena revived chunks; a commit that then
+        failed and rolled back still counts its wait), ``live_views`` and the
         address space of freed buffers they hold back (``held_range_bytes``);
         ``unbacked_reads_zero`` (false while the arena defers its zero mapping: before
         its first view a raw read of an unbacked byte faults); sleep and transfer state;

@@ -13,6 +13,7 @@ The test-only probe custom call and the free-on-growth emulation are in
 
 from __future__ import annotations
 
+import os
 from typing import Literal
 
 import jax
@@ -34,6 +35,25 @@ Mode = Literal["default", "grow", "retire"]
 
 #: The user address space of x86-64 and AArch64 Linux (47 bits): no workspace is larger.
 _ADDRESS_SPACE = 1 << 47
+
+#: The default of set_reserve_bytes, read by the core when it first makes a workspace.
+RESERVE_ENV = "JAX_VMM_SCRATCH_RESERVE_BYTES"
+
+
+def _check_reserve_env() -> None:
+    """Refuse a malformed ``JAX_VMM_SCRATCH_RESERVE_BYTES`` at import: the core would
+    ignore it (or, for "-1", wrap it to 2**64 - 1) and nothing would say so."""
+    text = os.environ.get(RESERVE_ENV, "")
+    if not text:  # unset or empty: the 1 GiB default
+        return
+    if not (text.isascii() and text.isdigit() and 0 < int(text) <= _ADDRESS_SPACE):
+        raise ValueError(
+            f"{RESERVE_ENV}={text!r}: expected a positive number of bytes (decimal digits "
+            f"only) of at most 2**47, e.g. {1 << 30} for 1 GiB; unset it for the 1 GiB default"
+        )
+
+
+_check_reserve_env()
 
 
 def scratch_stats() -> list[ScratchStats]:
@@ -66,7 +86,8 @@ def get_scratch_mode() -> str:
 
 def set_reserve_bytes(nbytes: int) -> None:
     """Virtual bytes reserved per grow-in-place workspace (default 1 GiB, or the
-    ``JAX_VMM_SCRATCH_RESERVE_BYTES`` environment variable); 0 restores the default.
+    ``JAX_VMM_SCRATCH_RESERVE_BYTES`` environment variable); 0 restores the default (the
+    variable's value where it is set).
     Outgrowing it retires the range and reserves a larger one."""
     nbytes = as_int(nbytes, "scratch.set_reserve_bytes: nbytes")
     if not 0 <= nbytes <= _ADDRESS_SPACE:

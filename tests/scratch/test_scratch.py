@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import ctypes
 import itertools
+import subprocess
+import sys
 import threading
 
 import jax
@@ -19,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import cuda_ordinal
+from conftest import child_env, cuda_ordinal
 from jax_vmm import testing
 from jax_vmm.base.loader import core as _core
 from jax_vmm.ops import scratch
@@ -228,6 +230,40 @@ def test_errors():
     if not _core.built_with_cuda_kernels:
         with pytest.raises(RuntimeError, match="no CUDA kernels"):
             _get(_stream(), 100, device=0)
+
+
+_RESERVE_CHILD = """
+from jax_vmm.ops import scratch
+print(scratch.get_reserve_bytes())
+scratch.set_reserve_bytes(3 << 20)
+print(scratch.get_reserve_bytes())
+scratch.set_reserve_bytes(0)
+print(scratch.get_reserve_bytes())
+"""
+
+
+def _reserve_child(value: str) -> subprocess.CompletedProcess:
+    env = child_env() | {scratch.RESERVE_ENV: value}
+    return subprocess.run(
+        [sys.executable, "-c", _RESERVE_CHILD], env=env, capture_output=True, text=True
+    )
+
+
+def test_the_reserve_variable_is_the_default_that_zero_restores():
+    """JAX_VMM_SCRATCH_RESERVE_BYTES sets the default, and set_reserve_bytes(0) goes back
+    to it (it went back to 1 GiB, ignoring the variable)."""
+    r = _reserve_child(str(5 << 20))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == [str(5 << 20), str(3 << 20), str(5 << 20)]
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "1e9", " 1024", "1GiB", str(2**47 + 1)])
+def test_a_malformed_reserve_variable_is_refused_at_import(value):
+    """The core ignored such a value (or wrapped -1 to 2**64 - 1) without a word."""
+    r = _reserve_child(value)
+    assert r.returncode != 0
+    assert "JAX_VMM_SCRATCH_RESERVE_BYTES=" in r.stderr
+    assert "expected a positive number of bytes" in r.stderr
 
 
 @pytest.mark.parametrize("mode", ["grow", "retire"])

@@ -114,7 +114,7 @@ struct ArenaStats {
   int64_t handles_released = 0;
   int64_t set_access_calls = 0;
   int64_t failed_commits = 0;     // commits that threw and were rolled back
-  int64_t commit_drains = 0;      // commits that waited for the device (views exported)
+  int64_t commit_drains = 0;      // device waits before mapping (rolled-back commits too)
   int64_t commits_ahead = 0;      // background commits (CommitAhead) that backed something
   int64_t deferred_releases = 0;  // allocations handed to the reclaimer
   int64_t reclaim_syncs = 0;      // device waits made to reclaim memory

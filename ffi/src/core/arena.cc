@@ -56,7 +56,7 @@ Arena::Arena(std::unique_ptr<Driver> driver, size_t reserve_bytes, const ArenaOp
   if (handle_bytes_ % chunk_bytes_ != 0) {
     throw InvalidArgument("Arena: handle_bytes=" + std::to_string(options.handle_bytes) +
                           " must be a multiple of chunk_bytes (" + std::to_string(chunk_bytes_) +
-                          "), or 0 for one allocation per chunk");
+                          "); leave it unset (None from Python, 0 in C++) for one allocation per chunk");
   }
   zero_fill_ = options.zero_fill;
   if (reserve_bytes > SIZE_MAX - chunk_bytes_) {

@@ -196,6 +196,7 @@ class HostDriver final : public Driver {
   }
 
   void UnmapRun(uintptr_t va, const size_t* piece_bytes, size_t count) noexcept override {
+    if (count == 0) return;  // as the CUDA driver: mmap refuses a zero length
     size_t bytes = 0;
     for (size_t i = 0; i < count; ++i) bytes += piece_bytes[i];
     RestoreZero(va, bytes);

@@ -145,7 +145,7 @@ ScratchMode GetMode() {
 void SetReserveBytes(size_t bytes) {
   Table& t = GetTable();
   std::lock_guard<std::mutex> lock(t.mu);
-  t.reserve_bytes = bytes == 0 ? kDefaultReserveBytes : bytes;
+  t.reserve_bytes = bytes == 0 ? ReserveBytesFromEnv() : bytes;
 }
 
 size_t GetReserveBytes() {
