@@ -82,6 +82,9 @@ def test_package_ships_the_stub(name: str) -> None:
 def test_stub_matches_the_built_module(name: str, tmp_path: Path) -> None:
     if importlib.util.find_spec("nanobind") is None:
         pytest.skip("nanobind (its stubgen) is not installed")
+    if _core.built_with_cuda_kernels:
+        # The committed stubs are made from a CPU build; a CUDA build binds more names.
+        pytest.skip("a build with CUDA kernels: the committed stubs are a CPU build's")
     committed = SOURCE_PACKAGE / f"{name}.pyi"
     if not committed.is_file():
         pytest.skip(f"no source tree next to the tests ({committed} missing)")
