@@ -464,23 +464,27 @@ def test_check_waits_for_the_writes_in_flight(vm, wait):
 
 
 @pytest.mark.parametrize("op", ["through", "write"])
-def test_out_of_range_and_unbacked_slots_are_dropped_and_counted(vm, op):
+def test_out_of_range_and_unensured_slots_are_dropped_and_counted(vm, op):
+    """A slot past the ensured tokens is DROPPED_NOT_ENSURED whether or not its chunk is
+    backed: the status must not depend on the chunk size (64 KiB on the host, 2 MiB on a
+    GPU). It was DROPPED_UNBACKED where the chunk was not backed."""
     dtype = jnp.bfloat16
     tpc = vm.chunk // (H * D * 2)  # tokens per chunk
     kv = vm.kv(num_layers=2, num_kv_heads=H, head_dim=D, max_tokens=3 * tpc, dtype=dtype)
-    kv.ensure(tpc)  # chunk 0 backed, chunks 1 and 2 not
+    kv.ensure(tpc - 4)  # chunk 0 backed, its last 4 tokens not ensured; chunks 1 and 2 not
     before = _fill(kv, dtype)
-    slots = np.array([2, -1, kv.num_slots + 5, tpc + 3, tpc - 1, 2 * tpc], np.int32)
+    slots = np.array([2, -1, kv.num_slots + 5, tpc + 3, tpc - 5, 2 * tpc, tpc - 2], np.int32)
     codes = [
         ops.WRITTEN,
         ops.PADDING,
         ops.DROPPED_OUT_OF_RANGE,
-        ops.DROPPED_UNBACKED,
+        ops.DROPPED_NOT_ENSURED,  # unbacked chunk
         ops.WRITTEN,
-        ops.DROPPED_UNBACKED,
+        ops.DROPPED_NOT_ENSURED,  # unbacked chunk
+        ops.DROPPED_NOT_ENSURED,  # backed chunk
     ]
     valid = [c == ops.WRITTEN for c in codes]
-    nk, nv = _values((6, H, D), dtype, 31), _values((6, H, D), dtype, 32)
+    nk, nv = _values((7, H, D), dtype, 31), _values((7, H, D), dtype, 32)
     s0 = ops.kv_write_stats()
     if op == "through":
         status = jax.jit(ops.kv_write_through)(
@@ -501,11 +505,11 @@ def test_out_of_range_and_unbacked_slots_are_dropped_and_counted(vm, op):
     _same(_cache(kv.k_buffers[1], dtype), before[1], "k1")
     _same(_cache(kv.v_buffers[1], dtype), before[3], "v1")
     assert kv.backed_tokens() == tpc, "a dropped write must not commit memory"
-    assert d["dropped_writes"] == 6  # 3 dropped tokens, k and v side
-    assert kv.dropped_writes() == 6
+    assert d["dropped_writes"] == 8  # 4 dropped tokens, k and v side
+    assert kv.dropped_writes() == 8
     with pytest.raises(jax_vmm.OutOfBoundsWrite) as info:
         kv.check()
-    assert info.value.count == 6
+    assert info.value.count == 8
     kv.check()  # the count was reset
     # Committing the page makes the same slot writable.
     kv.ensure(2 * tpc)

@@ -98,10 +98,8 @@ struct CheckedTokens {
     const uint64_t seq = off / s.seq_bytes;
     const int32_t limit = s.limits != nullptr ? s.limits[seq] : 0;
     const int32_t floor = s.limits != nullptr && s.floors != nullptr ? s.floors[seq] : 0;
-    if (first_backed != 1) return kDroppedUnbacked;
-    for (uint64_t c = first + 1; c <= last; ++c) {
-      if (s.page_table[c] != 1) return kDroppedUnbacked;
-    }
+    // The ensured tokens first: whether a token past them is backed depends on the chunk
+    // size (64 KiB on the host, 2 MiB on a GPU), and its status must not.
     if (s.limits != nullptr) {
       const uint64_t seq_start = seq * s.seq_bytes;
       const uint64_t ensured_end = seq_start + static_cast<uint64_t>(limit) * s.cache_token_bytes;
@@ -109,6 +107,10 @@ struct CheckedTokens {
       if (off < seq_start + static_cast<uint64_t>(floor) * s.cache_token_bytes) {
         return kDroppedShared;
       }
+    }
+    if (first_backed != 1) return kDroppedUnbacked;
+    for (uint64_t c = first + 1; c <= last; ++c) {
+      if (s.page_table[c] != 1) return kDroppedUnbacked;
     }
     return kValid;
   }
