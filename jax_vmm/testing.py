@@ -460,11 +460,16 @@ def loop_views_unbarriered() -> Iterator[None]:
         _cache_ops._loop_variant_views = previous
 
 
-def vmapped_reads_allowed() -> contextlib.AbstractContextManager[Any]:
+@contextlib.contextmanager
+def vmapped_reads_allowed() -> Iterator[None]:
     """Inside the with-block a cache read of a layer that a kv_write batched by the same
-    vmap produced is not refused (ops/vmap_reads.py): it runs and reads every element's
-    writes."""
-    return mock.patch.object(_vmap_reads, "refuse_read", lambda *args: None)
+    vmap produced, and a batched write of a layer a loop body read, are not refused
+    (ops/vmap_reads.py): they run, and the reads see every element's writes."""
+    with (
+        mock.patch.object(_vmap_reads, "refuse_read", lambda *args: None),
+        mock.patch.object(_vmap_reads, "refuse_loop_write", lambda *args: None),
+    ):
+        yield
 
 
 @contextlib.contextmanager

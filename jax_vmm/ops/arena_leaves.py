@@ -74,4 +74,6 @@ def checked_arena_layer(layer: KVLayer, op: str) -> KVLayer:
                 "layers as they are (no jax.tree.map over their scales); for other scales "
                 "make another arena"
             )
-    return KVLayer._arena(lid, token, tuple(own))
+    # layer.token: the fenced one for a read (a DCE before batching would drop the fence
+    # if its output went unused).
+    return KVLayer._arena(lid, layer.token, tuple(own))

@@ -144,7 +144,9 @@ def _batching_rule(axis_data: Any, args: tuple, dims: tuple, **params: Any):
 
     token, _ = jax.lax.scan(body, args[_TOKEN_OPERAND], tuple(moved), length=size)
     attrs = dict(params["attrs"])
-    vmap_reads.note_batched_write(axis_data, (int(attrs["cache_uid"]), int(attrs["layer"])))
+    vmap_reads.note_batched_write(
+        axis_data, (int(attrs["cache_uid"]), int(attrs["layer"])), params["label"] or "a layer"
+    )
     return token, _NOT_MAPPED
 
 

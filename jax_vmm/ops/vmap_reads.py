@@ -16,46 +16,113 @@ layer noted under the same ``AxisData``. Each call of a vmapped function makes i
 ``AxisData``, so a layer returned from one vmap (``out_axes=None``) and read in another,
 or after it, is not refused: all its writes have landed by then.
 
-Not seen: a write and a read in two separately jitted functions whose batched forms JAX
-takes from its cache (``_batch_jaxpr2`` is keyed by the vmap's size, not by the vmap), and
-a loop body that reads before it writes (it reads the previous iteration's batched
-writes) unless JAX batches the body twice.
+Three hooks on JAX's batching keep this exact:
+
+* JAX caches a batched body (``_batch_jaxpr2``, ``_batch_jaxpr_axes``) by the vmap's
+  size, not by the vmap, and a cached body runs no rule: a body that holds a write or a
+  read of ours is evicted first, so its rules run in every vmap.
+* A body's notes reach the eqns after it. Only one branch of a ``cond`` runs, so a
+  branch does not see its sibling's notes, and a loop body batched twice (JAX's
+  fixed point over the carry) does not see its first pass's.
+* In a loop body a layer both read and written by the vmap is refused whatever the
+  order: from the second iteration on, the read sees the batched writes of the last.
+
+Notes live per thread (a trace runs on one thread) and per scope, for as long as the
+trace that made them.
 """
 
 from __future__ import annotations
 
-import collections
+import contextlib
+import threading
+import weakref
 from typing import Any
 
 from jax._src import core as jax_core
 from jax._src.interpreters import batching
+from jax._src.lax.control_flow.conditionals import cond_p
+from jax._src.lax.control_flow.loops import scan_p, while_p
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
 from ..cache.pytree import KVLayer
 
-#: How many vmaps' notes are kept (each holds its AxisData alive, so its id stays unique).
-_MAX_VMAPS = 64
-
-#: id(AxisData) -> (the AxisData, {(cache_uid, layer) written by a batched kv_write}).
-_batched_writes: collections.OrderedDict[int, tuple[Any, set]] = collections.OrderedDict()
+#: The primitives whose batching rules keep the notes: the arena write and the read fence.
+_OURS = frozenset({"jax_vmm_kv_cache_write", "jax_vmm_read_fence"})
 
 
-def note_batched_write(axis_data: Any, layer_key: tuple[int, int]) -> None:
+class _Scope:
+    """The notes visible at one level of batching: ``written`` maps id(AxisData) to the
+    AxisData (kept alive, so the id stays its own) and the layers its vmap wrote;
+    ``pending`` holds what nested bodies wrote, merged at the next eqn; ``loop_reads``
+    (a loop body's scope and those inside it) the layers read there."""
+
+    def __init__(self, written: dict | None = None, loop_reads: set | None = None):
+        self.written: dict[int, tuple[Any, set]] = written or {}
+        self.pending: list[dict[int, tuple[Any, set]]] = []
+        self.loop_reads = loop_reads
+        self.siblings = 0  # > 0 while a cond's branches (or a loop's passes) are batched
+
+    def settle(self) -> None:
+        for delta in self.pending:
+            for key, (axis_data, layers) in delta.items():
+                self.written.setdefault(key, (axis_data, set()))[1].update(layers)
+        self.pending.clear()
+
+    def child(self, loop: bool) -> _Scope:
+        copy = {k: (ad, set(layers)) for k, (ad, layers) in self.written.items()}
+        reads = set() if loop else self.loop_reads
+        return _Scope(copy, reads)
+
+    def delta_of(self, child: _Scope) -> dict[int, tuple[Any, set]]:
+        out = {}
+        for key, (axis_data, layers) in child.written.items():
+            new = layers - self.written.get(key, (None, set()))[1]
+            if new:
+                out[key] = (axis_data, new)
+        return out
+
+
+class _State(threading.local):
+    def __init__(self) -> None:
+        self.scopes = [_Scope()]
+        self.loop_batcher = False  # a loop's batching rule is running: its bodies are loops
+
+
+_state = _State()
+
+
+def _scope() -> _Scope:
+    scope = _state.scopes[-1]
+    if not scope.siblings:
+        scope.settle()
+    return scope
+
+
+def note_batched_write(axis_data: Any, layer_key: tuple[int, int], label: str) -> None:
     """Called by the write's batching rule when the vmap of ``axis_data`` batches it."""
-    entry = _batched_writes.get(id(axis_data))
-    if entry is None or entry[0] is not axis_data:
-        entry = (axis_data, set())
-        _batched_writes[id(axis_data)] = entry
-    _batched_writes.move_to_end(id(axis_data))
-    entry[1].add(layer_key)
-    while len(_batched_writes) > _MAX_VMAPS:
-        _batched_writes.popitem(last=False)
+    scope = _scope()
+    if scope.loop_reads is not None and (id(axis_data), layer_key) in scope.loop_reads:
+        refuse_loop_write(label)
+    scope.written.setdefault(id(axis_data), (axis_data, set()))[1].add(layer_key)
+
+
+def refuse_loop_write(label: str) -> None:
+    raise ValueError(
+        f"kv_write: {label} is read and then written in a loop body batched by one vmap: "
+        "from the second iteration on, every element's read would see every element's "
+        "writes of the iteration before (the arena is one cache, not a copy per batch "
+        "element). Loop over the batch elements instead, or move the loop out of the "
+        "vmap (docs/kv_cache.md, vmap)"
+    )
 
 
 def refuse_read(axis_data: Any, layer_key: tuple[int, int], op: str, label: str) -> None:
-    """Raise if the vmap of ``axis_data`` batched a kv_write of ``layer_key``."""
-    entry = _batched_writes.get(id(axis_data))
+    """Raise if the vmap of ``axis_data`` batched a kv_write of ``layer_key`` before."""
+    scope = _scope()
+    if scope.loop_reads is not None:
+        scope.loop_reads.add((id(axis_data), layer_key))
+    entry = scope.written.get(id(axis_data))
     if entry is None or entry[0] is not axis_data or layer_key not in entry[1]:
         return
     raise ValueError(
@@ -93,3 +160,81 @@ def fenced(layer: KVLayer, op: str) -> KVLayer:
         layer.token, layer_key=(lid.cache_uid, lid.layer), op=op, label=lid.describe()
     )
     return KVLayer._arena(lid, token, tuple(layer._leaves[1:]))
+
+
+# -- the hooks on JAX's batching ------------------------------------------------------------
+
+
+def _holds_ours(jaxpr: Any) -> bool:
+    """Whether ``jaxpr`` (a Jaxpr) or a body inside it binds a write or a read fence."""
+    try:
+        return _holds_ours_memo[jaxpr]
+    except (KeyError, TypeError):
+        pass
+    found = any(e.primitive.name in _OURS for e in jaxpr.eqns) or any(
+        _holds_ours(sub) for sub in jax_core.subjaxprs(jaxpr)
+    )
+    with contextlib.suppress(TypeError):
+        _holds_ours_memo[jaxpr] = found
+    return found
+
+
+_holds_ours_memo: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _scoped_batching(cached: Any) -> Any:
+    """``cached`` (one of JAX's cached jaxpr batchers), re-run for a body of ours (its
+    rules must run in this vmap) in a scope of its own."""
+
+    def batch(closed_jaxpr: Any, *args: Any) -> Any:
+        if not _holds_ours(closed_jaxpr.jaxpr):
+            return cached(closed_jaxpr, *args)
+        cached.evict_weakref(closed_jaxpr)
+        parent = _scope()
+        child = parent.child(loop=_state.loop_batcher)
+        loop_batcher, _state.loop_batcher = _state.loop_batcher, False
+        _state.scopes.append(child)
+        try:
+            return cached(closed_jaxpr, *args)
+        finally:
+            _state.scopes.pop()
+            _state.loop_batcher = loop_batcher
+            child.settle()
+            parent.pending.append(parent.delta_of(child))
+
+    batch.__wrapped__ = cached
+    return batch
+
+
+def _sibling_bodies(rule: Any, loop: bool) -> Any:
+    """A control-flow primitive's batching rule whose bodies (a cond's branches, a loop's
+    fixed-point passes) do not see each other's notes; all reach the eqns after it."""
+
+    def batch(*args: Any, **params: Any) -> Any:
+        scope = _scope()
+        scope.siblings += 1
+        loop_batcher, _state.loop_batcher = _state.loop_batcher, loop
+        try:
+            return rule(*args, **params)
+        finally:
+            _state.loop_batcher = loop_batcher
+            scope.siblings -= 1
+            if not scope.siblings:
+                scope.settle()
+
+    batch.__wrapped__ = rule
+    return batch
+
+
+def _install() -> None:
+    for name in ("_batch_jaxpr2", "_batch_jaxpr_axes"):
+        cached = getattr(batching, name)
+        if not hasattr(cached, "__wrapped__"):
+            setattr(batching, name, _scoped_batching(cached))
+    rules = batching.fancy_primitive_batchers
+    for prim, loop in ((cond_p, False), (scan_p, True), (while_p, True)):
+        if not hasattr(rules[prim], "__wrapped__"):
+            rules[prim] = _sibling_bodies(rules[prim], loop)
+
+
+_install()

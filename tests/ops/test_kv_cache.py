@@ -1058,6 +1058,154 @@ def test_a_read_nested_in_the_vmap_that_wrote_the_layer_is_refused(vm, form):
     kv.check()
 
 
+def _candidates(vm, seed: int):
+    """A zero-filled arena with 3 tokens ensured per sequence, three candidate tokens for
+    slot (0, 2), a query, and what each candidate gives over a cache of its own."""
+    kv = _kv(vm)
+    kv.ensure(3, 0)
+    kv.ensure(3, 1)
+    rng = np.random.default_rng(seed)
+    news = jnp.asarray(rng.standard_normal((3, 1, HKV, D)), DT)
+    seq, pos = jnp.zeros((3, 1), jnp.int32), jnp.full((3, 1), 2, jnp.int32)
+    q = jnp.asarray(rng.standard_normal((B, HQ, D)), DT)
+    lengths = jnp.array([3, 3], jnp.int32)
+
+    def own_copy(new):
+        k = jnp.zeros((B, T, HKV, D), DT).at[0, 2].set(new[0])
+        return np.asarray(jax_vmm.decode_attention(q, k, k, lengths))
+
+    return kv, news, seq, pos, q, lengths, np.stack([own_copy(n) for n in news])
+
+
+@pytest.mark.parametrize("helper", ["jitted read", "jitted write", "checkpointed read"])
+def test_a_body_jax_batched_before_is_checked_again(vm, helper):
+    """JAX caches a batched body by the vmap's size: a helper vmapped once legitimately
+    (a read over several queries, a write returned with out_axes=None) came back from
+    that cache in a later vmap without running the rules, and a read after a batched
+    write there was not refused."""
+    kv, news, seq, pos, q, lengths, want = _candidates(vm, 8)
+    read = lambda qq, layer: jax_vmm.decode_attention(qq, layer, lengths)  # noqa: E731
+    write = lambda layer, n, s, p: jax_vmm.kv_write(layer, n, n, seq=s, pos=p)  # noqa: E731
+    if helper == "jitted read":
+        read = jax.jit(read)
+        jax.vmap(read, (0, None))(jnp.stack([q] * 3), kv.cache()[0])
+    elif helper == "checkpointed read":
+        read = jax.checkpoint(read)
+        jax.vmap(read, (0, None))(jnp.stack([q] * 3), kv.cache()[0])
+    else:
+        write = jax.jit(write)
+        jax.vmap(write, (None, 0, 0, 0), None)(kv.cache()[0], news, seq, pos)
+
+    def step(cache, new, s, p):
+        return read(q + 0 * new.sum(), write(cache[0], new, s, p))
+
+    with pytest.raises(ValueError, match="written by a kv_write batched by this same vmap"):
+        jax.vmap(step, (None, 0, 0, 0))(kv.cache(), news, seq, pos)
+    with jax_vmm.testing.vmapped_reads_allowed():
+        got = np.asarray(jax.vmap(step, (None, 0, 0, 0))(kv.cache(), news, seq, pos))
+    assert not np.allclose(got[0], want[0], atol=1e-5)
+    np.testing.assert_allclose(got[0], want[2], atol=1e-5)
+
+
+def test_a_cond_branch_does_not_see_its_siblings_write(vm):
+    """Only one branch of a cond runs: a write in one branch does not refuse a read in the
+    other (a prefill/decode switch), and a branch that reads before it writes runs as the
+    same code outside a cond does (JAX batches the branches twice; the second pass saw
+    the first's note)."""
+    kv, news, seq, pos, q, lengths, _ = _candidates(vm, 9)
+
+    def write_branch(layer, new, s, p):
+        return jax_vmm.kv_write(layer, new, new, seq=s, pos=p), jnp.zeros((B, HQ, D), DT)
+
+    def read_branch(layer, new, s, p):
+        return layer, jax_vmm.decode_attention(q + 0 * new.sum(), layer, lengths)
+
+    def switch(prefill, cache, new, s, p):
+        layer, out = jax.lax.cond(prefill, write_branch, read_branch, cache[0], new, s, p)
+        return cache.replace(0, layer), out
+
+    _, got = jax.vmap(switch, (None, None, 0, 0, 0), (None, 0))(
+        jnp.bool_(False), kv.cache(), news, seq, pos
+    )
+    want = jax_vmm.decode_attention(q, kv.cache()[0], lengths)
+    np.testing.assert_allclose(np.asarray(got), np.stack([np.asarray(want)] * 3), atol=1e-5)
+
+    before = jnp.array([2, 2], jnp.int32)  # positions 0 and 1; the write fills position 2
+
+    def read_then_write(layer, new, s, p):
+        out = jax_vmm.decode_attention(q + 0 * new.sum(), layer, before)
+        return jax_vmm.kv_write(layer, new, new, seq=s, pos=p), out
+
+    def nothing(layer, new, s, p):
+        return layer, jnp.zeros((B, HQ, D), DT)
+
+    def in_cond(cache, new, s, p):
+        return jax.lax.cond(cache[0].token >= 0, read_then_write, nothing, cache[0], new, s, p)[1]
+
+    got = jax.vmap(in_cond, (None, 0, 0, 0))(kv.cache(), news, seq, pos)
+    want = jax_vmm.decode_attention(q, kv.cache()[0], before)
+    np.testing.assert_allclose(np.asarray(got), np.stack([np.asarray(want)] * 3), atol=1e-5)
+    kv.check()
+
+
+@pytest.mark.parametrize("carry", ["batched", "unbatched"])
+def test_a_loop_body_that_reads_then_writes_a_layer_in_a_vmap_is_refused(vm, carry):
+    """From the second iteration on the read sees every element's write of the first. It
+    was refused or not depending on whether JAX batched the body once or twice (an
+    unbatched carry that turns batched); with the refusal off each element reads the
+    last candidate."""
+    kv, news, seq, pos, q, _, _ = _candidates(vm, 10)
+    first = jnp.array([1, 1], jnp.int32)
+
+    def step(cache, new, s, p):
+        def body(i, c):
+            layer, _ = c
+            out = jax_vmm.decode_attention(q + 0 * new.sum(), layer, first)
+            return jax_vmm.kv_write(layer, new, new, seq=s, pos=jnp.zeros_like(p)), out
+
+        init = jnp.zeros((B, HQ, D), DT) + (0 * new.sum() if carry == "batched" else 0)
+        return jax.lax.fori_loop(0, 2, body, (cache[0], init))[1]
+
+    with pytest.raises(ValueError, match="read and then written in a loop body"):
+        jax.vmap(step, (None, 0, 0, 0))(kv.cache(), news, seq, pos)
+
+    def own(new):
+        k = jnp.zeros((B, T, HKV, D), DT).at[0, 0].set(new[0])
+        return np.asarray(jax_vmm.decode_attention(q, k, k, first))
+
+    with jax_vmm.testing.vmapped_reads_allowed():
+        got = np.asarray(jax.vmap(step, (None, 0, 0, 0))(kv.cache(), news, seq, pos))
+    assert not np.allclose(got[0], own(news[0]), atol=1e-5)
+    np.testing.assert_allclose(got[0], own(news[2]), atol=1e-5)
+
+
+def test_an_fp8_read_under_grad_in_a_vmap_is_refused(vm):
+    """An fp8 layer's read dropped the fenced token for the arena's scales, so a DCE
+    before batching (grad of a checkpoint) removed the fence and nothing was refused."""
+    L8 = 2
+    kv = vm.kv(
+        num_layers=L8, num_kv_heads=HKV, head_dim=D, max_tokens=T, max_seqs=B,
+        dtype=jnp.float8_e4m3fn, k_scales=np.ones((L8, HKV), np.float32),
+        v_scales=np.ones((L8, HKV), np.float32), zero_fill=True,
+    )  # fmt: skip
+    kv.ensure(3, 0)
+    kv.ensure(3, 1)
+    rng = np.random.default_rng(11)
+    news = jnp.asarray(rng.standard_normal((3, 1, HKV, D)), jnp.bfloat16)
+    seq, pos = jnp.zeros((3, 1), jnp.int32), jnp.full((3, 1), 2, jnp.int32)
+    q = jnp.asarray(rng.standard_normal((B, HQ, D)), jnp.bfloat16)
+    lengths = jnp.array([3, 3], jnp.int32)
+
+    def loss(x, cache, new, s, p):
+        layer = jax_vmm.kv_write(cache[0], new, new, seq=s, pos=p)
+        return (x * jax_vmm.decode_attention(q, layer, lengths).astype(jnp.float32)).sum()
+
+    grad = jax.grad(jax.checkpoint(loss))
+    with pytest.raises(ValueError, match="written by a kv_write batched by this same vmap"):
+        jax.vmap(grad, (None, None, 0, 0, 0))(1.0, kv.cache(), news, seq, pos)
+    kv.check()
+
+
 def test_a_layer_a_vmap_returned_is_read_in_the_next_vmap(vm):
     """Two vmaps in one jit: the first writes (the cache returned with out_axes=None), the
     second reads every candidate's query against the written layer. Not refused: the
