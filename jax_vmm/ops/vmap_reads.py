@@ -27,8 +27,7 @@ Three hooks on JAX's batching keep this exact:
 * In a loop body a layer both read and written by the vmap is refused whatever the
   order: from the second iteration on, the read sees the batched writes of the last.
 
-Notes live per thread (a trace runs on one thread) and per scope, for as long as the
-trace that made them.
+Notes live per thread (a trace runs on one thread) and per scope.
 """
 
 from __future__ import annotations
@@ -46,6 +45,9 @@ from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
 from ..cache.pytree import KVLayer
+
+#: How many vmaps' notes one scope keeps.
+_MAX_VMAPS = 4096
 
 #: The primitives whose batching rules keep the notes: the arena write and the read fence.
 _OURS = frozenset({"jax_vmm_kv_cache_write", "jax_vmm_read_fence"})
@@ -105,6 +107,11 @@ def note_batched_write(axis_data: Any, layer_key: tuple[int, int], label: str) -
     if scope.loop_reads is not None and (id(axis_data), layer_key) in scope.loop_reads:
         refuse_loop_write(label)
     scope.written.setdefault(id(axis_data), (axis_data, set()))[1].add(layer_key)
+    # Finished vmaps' notes are never looked up again; the oldest go past this many (each
+    # vmap that writes adds one while it is traced, so only that many nested in one
+    # another could lose a live note).
+    while len(scope.written) > _MAX_VMAPS:
+        del scope.written[next(iter(scope.written))]
 
 
 def refuse_loop_write(label: str) -> None:
