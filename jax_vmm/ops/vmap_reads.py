@@ -193,10 +193,15 @@ def _scoped_batching(cached: Any) -> Any:
     """``cached`` (one of JAX's cached jaxpr batchers), re-run for a body of ours (its
     rules must run in this vmap) in a scope of its own."""
 
+    evict = getattr(cached, "evict_weakref", None)
+
     def batch(closed_jaxpr: Any, *args: Any) -> Any:
-        if not _holds_ours(closed_jaxpr.jaxpr):
+        if not _holds_ours(getattr(closed_jaxpr, "jaxpr", closed_jaxpr)):
             return cached(closed_jaxpr, *args)
-        cached.evict_weakref(closed_jaxpr)
+        if evict is not None:
+            evict(closed_jaxpr)
+        else:
+            cached.cache_clear()
         parent = _scope()
         child = parent.child(loop=_state.loop_batcher)
         loop_batcher, _state.loop_batcher = _state.loop_batcher, False
