@@ -596,3 +596,24 @@ def test_gpu_step_is_captured_and_replays_with_device_lengths(gpu_device, impl):
     finally:
         kv.close()
         lens_arena.close()
+
+
+def test_a_shape_past_the_cuda_grid_is_refused_on_the_cpu_too():
+    """The CUDA split kernel refuses S x q_heads > 65535 head blocks (the simple kernel,
+    which float32 runs) and batch > 65535; the CPU ran such calls, so a CPU-tested
+    program failed on a GPU. Both refuse now; one row fewer runs."""
+    T, Hq, D = 16, 32, 8
+    k = jnp.zeros((1, T, 1, D), F32)
+    lengths = jnp.array([1], jnp.int32)
+    with pytest.raises((jax.errors.JaxRuntimeError, ValueError), match="CUDA grid limit of 65535"):
+        jax.block_until_ready(jax_vmm.attention(jnp.zeros((1, 2048, Hq, D), F32), k, k, lengths))
+    out = jax_vmm.attention(jnp.ones((1, 2047, Hq, D), F32), k, k, lengths)
+    assert out.shape == (1, 2047, Hq, D)
+
+
+def test_a_splits_override_is_clamped_to_what_the_combine_takes():
+    """The CUDA combine keeps one float per split in 48 KiB of shared memory: 11772 splits
+    at most. The CPU took more, and such a plan failed to launch on a GPU."""
+    plan = attention_plan(1, 16 * 20000, 8, 8, 64, parallel_units=8, chunk=16, splits=20000)
+    assert plan["max_chunks"] == 20000
+    assert plan["splits"] == 48 * 1024 // 4 - 516

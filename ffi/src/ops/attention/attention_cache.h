@@ -84,7 +84,8 @@ void ClampLengthsOnHost(const CacheAttention& call, const int32_t* lengths, int3
 ffi::Error CacheCpu(bool use_limits, int32_t device, ffi::AnyBuffer q,
                     ffi::Buffer<ffi::S32> lengths, int32_t epoch, ffi::AnyBuffer out,
                     ffi::Buffer<ffi::S32> read_lengths, uint64_t cache_uid, int64_t layer,
-                    float scale, int64_t chunk, int64_t splits, const Semantics& sem);
+                    float scale, int64_t chunk, int64_t splits, const Semantics& sem,
+                    int64_t impl);
 ffi::Error StreamCacheCpu(bool use_limits, int32_t device, ffi::AnyBuffer q,
                           ffi::Buffer<ffi::S32> lengths, int32_t epoch, ffi::AnyBuffer k_scale,
                           ffi::AnyBuffer v_scale, ffi::AnyBuffer out,
@@ -120,7 +121,6 @@ ffi::Error CacheCpuImpl(int32_t device, ffi::AnyBuffer q, ffi::Buffer<ffi::S32> 
                         ffi::Result<ffi::Buffer<ffi::S32>> read_lengths, uint64_t cache_uid,
                         int64_t layer, float scale, int64_t chunk, int64_t splits, int64_t impl,
                         OptionalLengths q_lengths, int64_t window, float softcap) {
-  (void)impl;  // a CUDA kernel choice
   Semantics sem;
   if (ffi::Error e = MakeSemantics("jax_vmm.attention (KVCache layer, cpu)", q.dimensions()[0],
                                    q_lengths, window, softcap, &sem);
@@ -129,7 +129,7 @@ ffi::Error CacheCpuImpl(int32_t device, ffi::AnyBuffer q, ffi::Buffer<ffi::S32> 
   }
   // The token orders the call after the layer's writes and names its read epoch.
   return CacheCpu(kUseLimits, device, q, lengths, TokenEpochOnHost(token), *out, *read_lengths, cache_uid, layer, scale,
-                  chunk, splits, sem);
+                  chunk, splits, sem, impl);
 }
 
 template <bool kUseLimits>

@@ -35,7 +35,8 @@ ffi::Error PrepareOnHost(bool use_limits, int32_t device, uint64_t cache_uid, in
 ffi::Error CacheCpu(bool use_limits, int32_t device, ffi::AnyBuffer q,
                     ffi::Buffer<ffi::S32> lengths, int32_t epoch, ffi::AnyBuffer out,
                     ffi::Buffer<ffi::S32> read_lengths, uint64_t cache_uid, int64_t layer,
-                    float scale, int64_t chunk, int64_t splits, const Semantics& sem) {
+                    float scale, int64_t chunk, int64_t splits, const Semantics& sem,
+                    int64_t impl) {
   CacheAttention call;
   if (ffi::Error e =
           PrepareOnHost(use_limits, device, cache_uid, layer, epoch, q, lengths, read_lengths,
@@ -43,7 +44,8 @@ ffi::Error CacheCpu(bool use_limits, int32_t device, ffi::AnyBuffer q,
       e.failure()) {
     return e;
   }
-  return RunCpu(q, call.K(), call.V(), read_lengths, out, nullptr, scale, chunk, splits, sem);
+  return RunCpu(q, call.K(), call.V(), read_lengths, out, nullptr, scale, chunk, splits, sem,
+                impl);
 }
 
 ffi::Error StreamCacheCpu(bool use_limits, int32_t device, ffi::AnyBuffer q,

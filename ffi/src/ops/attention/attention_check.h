@@ -3,6 +3,7 @@
 // name the operand, its shape and what was expected.
 #pragma once
 
+#include <cstdint>
 #include <string>
 
 #include "common/format.h"
@@ -75,6 +76,55 @@ inline ffi::Error CheckOperands(const char* name, const ffi::AnyBuffer& q, const
     return ffi::Error::InvalidArgument(
         std::string(name) +
         ": q, k, v and the output must share one dtype out of float32, bfloat16, float16");
+  }
+  return ffi::Error::Success();
+}
+
+// Whether the CUDA build runs the tensor-core split kernel (bf16/f16, head_dim 64, 128 or
+// 256, impl not simple); the simple kernel otherwise.
+inline bool TensorCoreSupported(ffi::DataType t, int64_t head_dim) {
+  return (t == ffi::DataType::BF16 || t == ffi::DataType::F16) &&
+         (head_dim == 64 || head_dim == 128 || head_dim == 256);
+}
+inline bool UsesTensorCores(ffi::DataType t, int64_t head_dim, int64_t impl) {
+  return impl != static_cast<int64_t>(Impl::kSimple) && TensorCoreSupported(t, head_dim);
+}
+
+// The `impl` attribute: a known value, and tensor_core only where the call supports it.
+inline ffi::Error CheckImpl(const char* name, int64_t impl, ffi::DataType t, int64_t head_dim) {
+  switch (static_cast<Impl>(impl)) {
+    case Impl::kAuto:
+    case Impl::kSimple:
+      return ffi::Error::Success();
+    case Impl::kTensorCore:
+    case Impl::kTensorCoreOneTile:
+      if (TensorCoreSupported(t, head_dim)) return ffi::Error::Success();
+      return ffi::Error::InvalidArgument(std::string(name) +
+                                         ": impl=tensor_core needs bfloat16/float16 and "
+                                         "head_dim 64, 128 or 256; got head_dim=" +
+                                         std::to_string(head_dim));
+  }
+  return ffi::Error::InvalidArgument(std::string(name) + ": unknown impl " + std::to_string(impl) +
+                                     " (expected 0 auto, 1 tensor_core, 2 simple)");
+}
+
+// What the CUDA kernels' int indexing and grid can take. Checked on the CPU too, with the
+// kernel a GPU would run, so that a call a GPU refuses is refused everywhere.
+inline ffi::Error CheckLaunchLimits(const char* name, const Shapes& sh, const Plan& plan,
+                                    bool tensor_core) {
+  const int64_t blocks_y =
+      tensor_core ? sh.kv_heads * plan.row_blocks : sh.q_len * sh.q_heads;
+  if (sh.batch > 65535 || blocks_y > 65535) {
+    return ffi::Error::InvalidArgument(
+        std::string(name) + ": batch " + std::to_string(sh.batch) + " or head blocks " +
+        std::to_string(blocks_y) + " (" + (tensor_core ? "kv_heads x row blocks" : "S x q_heads") +
+        ") exceed the CUDA grid limit of 65535; split the call (fewer sequences, or fewer "
+        "queries per sequence in each call)");
+  }
+  if (sh.max_tokens > INT32_MAX || sh.head_dim > 4096) {
+    return ffi::Error::InvalidArgument(
+        std::string(name) + ": max_tokens must be < 2^31 and head_dim <= 4096; got " +
+        std::to_string(sh.max_tokens) + ", " + std::to_string(sh.head_dim));
   }
   return ffi::Error::Success();
 }

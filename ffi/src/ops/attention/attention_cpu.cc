@@ -206,13 +206,12 @@ ffi::Error DecodeAttentionCpuImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBu
                                   ffi::Buffer<ffi::S32> lengths, ffi::Result<ffi::AnyBuffer> out,
                                   float scale, int64_t chunk, int64_t splits, int64_t impl,
                                   OptionalLengths q_lengths, int64_t window, float softcap) {
-  (void)impl;  // CUDA-only choice; accepted so both platforms share one attribute set
   Semantics sem;
   if (ffi::Error e = MakeSemantics(kCpuName, q.dimensions()[0], q_lengths, window, softcap, &sem);
       e.failure()) {
     return e;
   }
-  return RunCpu(q, k, v, lengths, *out, nullptr, scale, chunk, splits, sem);
+  return RunCpu(q, k, v, lengths, *out, nullptr, scale, chunk, splits, sem, impl);
 }
 
 ffi::Error DecodeAttentionCpuXlaWorkspaceImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
@@ -222,21 +221,21 @@ ffi::Error DecodeAttentionCpuXlaWorkspaceImpl(ffi::AnyBuffer q, ffi::AnyBuffer k
                                               int64_t chunk, int64_t splits, int64_t impl,
                                               OptionalLengths q_lengths, int64_t window,
                                               float softcap) {
-  (void)impl;
   Semantics sem;
   if (ffi::Error e = MakeSemantics(kCpuName, q.dimensions()[0], q_lengths, window, softcap, &sem);
       e.failure()) {
     return e;
   }
   ffi::AnyBuffer ws = *workspace;
-  return RunCpu(q, k, v, lengths, *out, &ws, scale, chunk, splits, sem);
+  return RunCpu(q, k, v, lengths, *out, &ws, scale, chunk, splits, sem, impl);
 }
 
 }  // namespace
 
 ffi::Error RunCpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                   ffi::Buffer<ffi::S32> lengths, ffi::AnyBuffer out, ffi::AnyBuffer* workspace,
-                  float scale, int64_t chunk, int64_t splits, const Semantics& sem) {
+                  float scale, int64_t chunk, int64_t splits, const Semantics& sem,
+                  int64_t impl) {
   GetCounters().cpu_calls.fetch_add(1, std::memory_order_relaxed);
   CpuCall c;
   c.q = q.untyped_data();
@@ -249,6 +248,14 @@ ffi::Error RunCpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
     return err;
   }
   c.plan = MakePlan(c.sh, kCpuParallelUnits, chunk, splits);
+  if (ffi::Error err = CheckImpl(kCpuName, impl, c.cv.dtype, c.sh.head_dim); err.failure()) {
+    return err;
+  }
+  if (ffi::Error err = CheckLaunchLimits(kCpuName, c.sh, c.plan,
+                                         UsesTensorCores(c.cv.dtype, c.sh.head_dim, impl));
+      err.failure()) {
+    return err;
+  }
   if (c.sh.batch == 0) return ffi::Error::Success();
   // Not zero-filled: only live splits are read, and each is written first. (The plan's
   // splits grow with max_tokens; clearing the whole workspace would make every call cost

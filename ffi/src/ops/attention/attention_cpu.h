@@ -15,6 +15,6 @@ inline constexpr const char* kCpuName = "jax_vmm_decode_attention (cpu)";
 xla::ffi::Error RunCpu(xla::ffi::AnyBuffer q, xla::ffi::AnyBuffer k, xla::ffi::AnyBuffer v,
                        xla::ffi::Buffer<xla::ffi::S32> lengths, xla::ffi::AnyBuffer out,
                        xla::ffi::AnyBuffer* workspace, float scale, int64_t chunk, int64_t splits,
-                       const Semantics& sem);
+                       const Semantics& sem, int64_t impl = 0);
 
 }  // namespace jax_vmm::attention

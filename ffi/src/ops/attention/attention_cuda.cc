@@ -34,11 +34,6 @@ constexpr const char* kName = "jax_vmm_decode_attention (CUDA)";
 
 ffi::Error CudaFailure(const char* what, cudaError_t e) { return CudaFfiError(kName, what, e); }
 
-bool TensorCoreSupported(ffi::DataType t, int64_t head_dim) {
-  return (t == ffi::DataType::BF16 || t == ffi::DataType::F16) &&
-         (head_dim == 64 || head_dim == 128 || head_dim == 256);
-}
-
 // Validated operands + plan + kernel choice of one call.
 struct Call {
   Shapes shapes;
@@ -49,46 +44,15 @@ struct Call {
 
 // The split kernel the `impl` attribute asks for, given what the call supports.
 ffi::Error ChooseKernel(int64_t impl, Call* call) {
-  const bool tc_ok = TensorCoreSupported(call->dtype, call->shapes.head_dim);
-  switch (static_cast<Impl>(impl)) {
-    case Impl::kAuto:
-      call->kernel = tc_ok ? SplitKernel::kTensorCore : SplitKernel::kSimple;
-      return ffi::Error::Success();
-    case Impl::kSimple:
-      call->kernel = SplitKernel::kSimple;
-      return ffi::Error::Success();
-    case Impl::kTensorCore:
-    case Impl::kTensorCoreOneTile:
-      if (!tc_ok) {
-        return ffi::Error::InvalidArgument(
-            std::string(kName) +
-            ": impl=tensor_core needs bfloat16/float16 and head_dim 64, "
-            "128 or 256; got head_dim=" +
-            std::to_string(call->shapes.head_dim));
-      }
-      call->kernel = static_cast<Impl>(impl) == Impl::kTensorCoreOneTile
-                         ? SplitKernel::kTensorCoreOneTile
-                         : SplitKernel::kTensorCore;
-      return ffi::Error::Success();
+  if (ffi::Error e = CheckImpl(kName, impl, call->dtype, call->shapes.head_dim); e.failure()) {
+    return e;
   }
-  return ffi::Error::InvalidArgument(std::string(kName) + ": unknown impl " + std::to_string(impl) +
-                                     " (expected 0 auto, 1 tensor_core, 2 simple)");
-}
-
-// What the kernels' int indexing and the CUDA grid can take.
-ffi::Error CheckLaunchLimits(const Call& call) {
-  const Shapes& sh = call.shapes;
-  const bool tensor_core = call.kernel != SplitKernel::kSimple;
-  const int64_t blocks_y = tensor_core ? sh.kv_heads * call.plan.row_blocks : sh.q_len * sh.q_heads;
-  if (sh.batch > 65535 || blocks_y > 65535) {
-    return ffi::Error::InvalidArgument(std::string(kName) + ": batch " + std::to_string(sh.batch) +
-                                       " or head blocks " + std::to_string(blocks_y) +
-                                       " exceed the CUDA grid limit of 65535");
-  }
-  if (sh.max_tokens > INT32_MAX || sh.head_dim > 4096) {
-    return ffi::Error::InvalidArgument(
-        std::string(kName) + ": max_tokens must be < 2^31 and head_dim <= 4096; got " +
-        std::to_string(sh.max_tokens) + ", " + std::to_string(sh.head_dim));
+  if (!UsesTensorCores(call->dtype, call->shapes.head_dim, impl)) {
+    call->kernel = SplitKernel::kSimple;
+  } else {
+    call->kernel = static_cast<Impl>(impl) == Impl::kTensorCoreOneTile
+                       ? SplitKernel::kTensorCoreOneTile
+                       : SplitKernel::kTensorCore;
   }
   return ffi::Error::Success();
 }
@@ -109,7 +73,7 @@ ffi::Error Prepare(int device, const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
     }
   }
   call->plan = MakePlan(call->shapes, sms, chunk, splits);
-  return CheckLaunchLimits(*call);
+  return CheckLaunchLimits(kName, call->shapes, call->plan, call->kernel != SplitKernel::kSimple);
 }
 
 // The partials' memory: the XLA workspace result when there is one, else the scratch

@@ -17,6 +17,7 @@
 
 #include "ops/attention/attention_device.cuh"
 #include "ops/attention/attention_kernels.h"
+#include "ops/attention/attention_plan.h"
 #include "ops/attention/attention_tensor_core.cuh"
 
 namespace jax_vmm::attention {
@@ -142,9 +143,10 @@ __global__ void __launch_bounds__(kThreads) SplitKernelSimple(const ParamsOf<kRo
 // splits in flight), the rows then added in a fixed order (deterministic).
 
 // Shared floats of the combine: row sums [kThreads * 4], reduction [kWarps], weights [splits].
-inline size_t CombineSharedBytes(int64_t splits) {
+constexpr size_t CombineSharedBytes(int64_t splits) {
   return sizeof(float) * (static_cast<size_t>(splits) + 4 * kThreads + kWarps);
 }
+static_assert(CombineSharedBytes(kMaxSplits) <= 48 * 1024, "kMaxSplits past the combine's smem");
 
 // Block-wide max / sum of every thread's x (red: kWarps floats); all threads get the result.
 template <bool kMax>

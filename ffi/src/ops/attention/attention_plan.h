@@ -34,6 +34,9 @@ inline constexpr int64_t kMinAutoChunk = 256;
 inline constexpr int64_t kMaxHeadGroup = 16;     // query heads one CUDA block serves
 inline constexpr int64_t kBlocksPerUnit = 16;    // target blocks per SM (CPU: per "unit")
 inline constexpr int64_t kCpuParallelUnits = 8;  // fixed, so CPU plans are machine independent
+// Most splits the CUDA combine kernel takes: one float each in its 48 KiB of shared memory
+// beside 516 of its own (attention_kernels.cu); an override past it is clamped everywhere.
+inline constexpr int64_t kMaxSplits = 48 * 1024 / 4 - 516;
 
 struct Shapes {
   int64_t batch = 0;
@@ -124,7 +127,7 @@ inline Plan MakePlan(const Shapes& s, int64_t parallel_units, int64_t chunk_over
   }
   p.max_chunks = CeilDiv(tokens, p.chunk);
   if (splits_override > 0) {
-    p.splits = std::min(splits_override, p.max_chunks);
+    p.splits = std::min({splits_override, p.max_chunks, kMaxSplits});
   } else {
     // Enough splits to fill the device twice over, at least 64 so that long contexts
     // keep their parallelism; never more than there are chunks.
