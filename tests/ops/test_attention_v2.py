@@ -450,3 +450,17 @@ def test_auto_at_head_dim_256_matches_the_reference(device):
     assert _target_of(q, k, v, lens) == "v2"
     out = jax.jit(jax_vmm.decode_attention)(q, k, v, lens)
     assert_close(out, reference(q64, k64, v64, lengths), BF16, "auto at head_dim 256")
+
+
+def test_a_ring_a_gpu_cannot_hold_is_refused_on_the_cpu_too():
+    """stages=4 at head_dim 256 needs 256 KiB of ring in a CTA's 227 KiB: the CUDA handler
+    refused it, the CPU model (which does not use the ring) ran it."""
+    rng = np.random.default_rng(3)
+    q = jnp.asarray(rng.standard_normal((1, 8, 256)), BF16)
+    k = jnp.asarray(rng.standard_normal((1, 64, 1, 256)), BF16)
+    L = jnp.array([64], jnp.int32)
+    with pytest.raises((jax.errors.JaxRuntimeError, ValueError), match="stages=4 does not fit"):
+        jax.block_until_ready(decode_attention_tuned(q, k, k, L, impl="stream", stages=4))
+    out = decode_attention_tuned(q, k, k, L, impl="stream", stages=3)
+    f64 = [np.asarray(x.astype(jnp.float32), np.float64) for x in (q, k)]
+    assert_close(out, reference(f64[0], f64[1], f64[1], np.asarray(L)), BF16)

@@ -216,6 +216,10 @@ ffi::Error ValidateCpu(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const f
   if (std::string why = Unsupported(*shapes); !why.empty()) {
     return ffi::Error::InvalidArgument(std::string(kCpuName) + ": " + why);
   }
+  if (attrs.bulk != 0 && attrs.bulk != 1) {
+    return ffi::Error::InvalidArgument(std::string(kCpuName) + ": bulk must be 0 or 1, got " +
+                                       std::to_string(attrs.bulk));
+  }
   return CheckCombine(kCpuName, attrs.combine);
 }
 
@@ -223,7 +227,8 @@ ffi::Error RunCpu(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi::A
                   const ffi::Buffer<ffi::S32>& lengths, const ffi::AnyBuffer& k_scale,
                   const ffi::AnyBuffer& v_scale, ffi::AnyBuffer out, const StreamAttrs& attrs) {
   // attrs.stages and attrs.bulk are CUDA choices (ring depth, how tiles are copied): the
-  // arithmetic does not depend on them. combine: both ways merge identically here.
+  // arithmetic does not depend on them, but a ring a GPU cannot hold is refused here too.
+  // combine: both ways merge identically here.
   GetCounters().cpu_calls.fetch_add(1, std::memory_order_relaxed);
   Model md;
   if (ffi::Error e = ValidateCpu(q, k, v, lengths, k_scale, v_scale, out, attrs, &md.sh, &md.kv);
@@ -232,6 +237,14 @@ ffi::Error RunCpu(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi::A
   }
   if (md.sh.batch == 0) return ffi::Error::Success();
   md.plan = MakeStreamPlan(md.sh, StorageBytes(md.kv), kCpuCtas, attrs.ctas, attrs.min_tiles);
+  if (attrs.stages != 0) {
+    const int rows = md.plan.head_group > 8 ? 16 : 8;
+    if (std::string why = StagesFit(attrs.stages, md.sh.batch, rows, md.sh.head_dim, md.kv,
+                                    attrs.bulk == 1);
+        !why.empty()) {
+      return ffi::Error::InvalidArgument(std::string(kCpuName) + ": " + why);
+    }
+  }
   md.q_bf16 = q.element_type() == ffi::DataType::BF16;
   md.q = q.untyped_data();
   md.k = k.untyped_data();

@@ -58,11 +58,10 @@ ffi::Error ChooseStages(int64_t requested, int sms, Call* call) {
     if (call->kernel.kv == KvStorage::kFp8) s = std::min<int64_t>(s, kFp8AutoStages);
     s = std::min<int64_t>(kMaxStages, std::max<int64_t>(2, s));
   }
-  if (s < 2 || s > kMaxStages || fixed + s * stage_bytes > kMaxSmemPerCta) {
-    return Invalid("stages=" + std::to_string(s) + " does not fit (2.." +
-                   std::to_string(kMaxStages) + " slots of " + std::to_string(stage_bytes) +
-                   " bytes plus " + std::to_string(fixed) + " within " +
-                   std::to_string(kMaxSmemPerCta) + " bytes of shared memory)");
+  if (std::string why = StagesFit(s, sh.batch, rows, sh.head_dim, call->kernel.kv,
+                                   call->kernel.bulk);
+      !why.empty()) {
+    return Invalid(why);
   }
   call->stages = static_cast<int>(s);
   call->kernel.smem = fixed + s * stage_bytes;

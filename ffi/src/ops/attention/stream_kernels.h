@@ -15,8 +15,6 @@
 
 namespace jax_vmm::attention::stream {
 
-inline constexpr int kMaxStages = 8;                  // ring slots per warp
-inline constexpr size_t kMaxSmemPerCta = 227 * 1024;  // sm_90 opt-in limit
 inline constexpr size_t kSmemPerSm = 228 * 1024;      // what the CTAs of one SM share
 inline constexpr size_t kSmemReservedPerCta = 1024;   // the runtime's own share per CTA
 
@@ -49,22 +47,6 @@ struct KernelChoice {
   unsigned ctas = 0;            // grid size
   size_t smem = 0;              // dynamic shared memory bytes
 };
-
-// Shared memory a CTA needs besides its ring (batch sequences, `rows` = 8 or 16 query
-// heads per unit tile): slot barriers, lengths and tile prefix, the scan scratch, the warp
-// merge and its statistics. stream_kernel.cuh carves it in this order.
-inline size_t FixedSharedBytes(int64_t batch, int rows, int64_t head_dim) {
-  return sizeof(uint64_t) * kWarps * kMaxStages + sizeof(int) * (2 * batch + 1 + kThreads) +
-         sizeof(float) * (rows * (head_dim + 4) + 2 * kWarps * rows + 2 * rows) + sizeof(int) + 16;
-}
-
-// Ring bytes of one slot for all warps: a K and a V tile of TileTokens rows each (bulk:
-// rows padded by 16 bytes).
-inline size_t StageBytes(int64_t head_dim, KvStorage kv, bool bulk) {
-  const int64_t row_bytes = head_dim * StorageBytes(kv);
-  const size_t row = static_cast<size_t>(row_bytes) + (bulk ? 16 : 0);
-  return static_cast<size_t>(kWarps) * 2 * TileTokens(row_bytes) * row;
-}
 
 // Raises the chosen kernel's dynamic shared-memory limit to kMaxSmemPerCta (once per
 // instantiation; a cudaFuncSetAttribute, so never under stream capture).

@@ -97,6 +97,40 @@ inline int64_t DefaultCtas(int64_t sm_count, int64_t head_dim, int64_t storage_b
   return sm_count * (row_bytes > 256 ? 1 : 2);
 }
 
+inline constexpr int kMaxStages = 8;                  // ring slots per warp
+inline constexpr size_t kMaxSmemPerCta = 227 * 1024;  // sm_90 opt-in limit
+
+// Shared memory a CTA needs besides its ring (batch sequences, `rows` = 8 or 16 query
+// heads per unit tile): slot barriers, lengths and tile prefix, the scan scratch, the warp
+// merge and its statistics. stream_kernel.cuh carves it in this order.
+inline size_t FixedSharedBytes(int64_t batch, int rows, int64_t head_dim) {
+  return sizeof(uint64_t) * kWarps * kMaxStages + sizeof(int) * (2 * batch + 1 + kThreads) +
+         sizeof(float) * (rows * (head_dim + 4) + 2 * kWarps * rows + 2 * rows) + sizeof(int) + 16;
+}
+
+// Ring bytes of one slot for all warps: a K and a V tile of TileTokens rows each (bulk:
+// rows padded by 16 bytes).
+inline size_t StageBytes(int64_t head_dim, KvStorage kv, bool bulk) {
+  const int64_t row_bytes = head_dim * StorageBytes(kv);
+  const size_t row = static_cast<size_t>(row_bytes) + (bulk ? 16 : 0);
+  return static_cast<size_t>(kWarps) * 2 * TileTokens(row_bytes) * row;
+}
+
+// Empty when a ring of `stages` slots fits a CTA's shared memory, else why not; checked on
+// the CPU too, so that a stages= a GPU refuses is refused there.
+inline std::string StagesFit(int64_t stages, int64_t batch, int rows, int64_t head_dim,
+                             KvStorage kv, bool bulk) {
+  const size_t stage_bytes = StageBytes(head_dim, kv, bulk);
+  const size_t fixed = FixedSharedBytes(batch, rows, head_dim);
+  if (stages >= 2 && stages <= kMaxStages &&
+      fixed + static_cast<size_t>(stages) * stage_bytes <= kMaxSmemPerCta) {
+    return {};
+  }
+  return "stages=" + std::to_string(stages) + " does not fit (2.." + std::to_string(kMaxStages) +
+         " slots of " + std::to_string(stage_bytes) + " bytes plus " + std::to_string(fixed) +
+         " within " + std::to_string(kMaxSmemPerCta) + " bytes of shared memory)";
+}
+
 // The deepest ring the automatic plan gives fp8 tiles (with 16-token tiles a 3-deep ring
 // at three CTAs per SM was faster than the 4 that shared memory allowed; with 32-token
 // tiles only 2 fit there, and 2 or 3 measured alike: docs/benchmarks.md).
