@@ -957,6 +957,25 @@ def test_vmap_over_queries_with_the_layer_unbatched(vm):
     np.testing.assert_allclose(np.asarray(outs), np.broadcast_to(np.asarray(single), outs.shape))
 
 
+def _candidates(vm, seed: int):
+    """A zero-filled arena with 3 tokens ensured per sequence, three candidate tokens for
+    slot (0, 2), a query, and what each candidate gives over a cache of its own."""
+    kv = _kv(vm)
+    kv.ensure(3, 0)
+    kv.ensure(3, 1)
+    rng = np.random.default_rng(seed)
+    news = jnp.asarray(rng.standard_normal((3, 1, HKV, D)), DT)
+    seq, pos = jnp.zeros((3, 1), jnp.int32), jnp.full((3, 1), 2, jnp.int32)
+    q = jnp.asarray(rng.standard_normal((B, HQ, D)), DT)
+    lengths = jnp.array([3, 3], jnp.int32)
+
+    def own_copy(new):
+        k = jnp.zeros((B, T, HKV, D), DT).at[0, 2].set(new[0])
+        return np.asarray(jax_vmm.decode_attention(q, k, k, lengths))
+
+    return kv, news, seq, pos, q, lengths, np.stack([own_copy(n) for n in news])
+
+
 def test_a_read_in_the_vmap_that_wrote_the_layer_is_refused(vm):
     """vmap over candidate tokens at one slot, each read back: an array cache is copied
     per element, so each element attends to its own candidate; the arena is one memory,
@@ -1027,24 +1046,12 @@ def test_a_read_nested_in_the_vmap_that_wrote_the_layer_is_refused(vm, form):
     (``vmap(jit(step))``, a checkpoint, a cond branch, a loop body, an inner vmap): the
     check sits in the batching rules, which see the nested body when vmap batches it. With
     the refusal switched off the same call gives element 0 the last candidate."""
-    kv = _kv(vm)
-    kv.ensure(3, 0)
-    kv.ensure(3, 1)
-    rng = np.random.default_rng(6)
-    news = jnp.asarray(rng.standard_normal((3, 1, HKV, D)), DT)
-    seq, pos = jnp.zeros((3, 1), jnp.int32), jnp.full((3, 1), 2, jnp.int32)
-    q = jnp.asarray(rng.standard_normal((B, HQ, D)), DT)
-    lengths = jnp.array([3, 3], jnp.int32)
+    kv, news, seq, pos, q, lengths, want = _candidates(vm, 6)
 
     def write_then_read(cache, new, s, p):
         layer = jax_vmm.kv_write(cache[0], new, new, seq=s, pos=p)
         return jax_vmm.decode_attention(q, layer, lengths)
 
-    def own_copy(new):
-        k = jnp.zeros((B, T, HKV, D), DT).at[0, 2].set(new[0])
-        return jax_vmm.decode_attention(q, k, k, lengths)
-
-    want = np.stack([np.asarray(own_copy(n)) for n in news])
     in_axes = (None, 0, 0, 0)
     step = _nested(form, write_then_read)
     for run in (jax.vmap(step, in_axes), jax.jit(jax.vmap(step, in_axes))):
@@ -1056,25 +1063,6 @@ def test_a_read_nested_in_the_vmap_that_wrote_the_layer_is_refused(vm, form):
     assert not np.allclose(got[0], want[0], atol=1e-5)
     np.testing.assert_allclose(got[0], want[2], atol=1e-5)
     kv.check()
-
-
-def _candidates(vm, seed: int):
-    """A zero-filled arena with 3 tokens ensured per sequence, three candidate tokens for
-    slot (0, 2), a query, and what each candidate gives over a cache of its own."""
-    kv = _kv(vm)
-    kv.ensure(3, 0)
-    kv.ensure(3, 1)
-    rng = np.random.default_rng(seed)
-    news = jnp.asarray(rng.standard_normal((3, 1, HKV, D)), DT)
-    seq, pos = jnp.zeros((3, 1), jnp.int32), jnp.full((3, 1), 2, jnp.int32)
-    q = jnp.asarray(rng.standard_normal((B, HQ, D)), DT)
-    lengths = jnp.array([3, 3], jnp.int32)
-
-    def own_copy(new):
-        k = jnp.zeros((B, T, HKV, D), DT).at[0, 2].set(new[0])
-        return np.asarray(jax_vmm.decode_attention(q, k, k, lengths))
-
-    return kv, news, seq, pos, q, lengths, np.stack([own_copy(n) for n in news])
 
 
 @pytest.mark.parametrize("helper", ["jitted read", "jitted write", "checkpointed read"])
