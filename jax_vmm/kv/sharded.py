@@ -31,6 +31,7 @@ from ..cache.sharding import ShardedLayerId, layout
 from ..memory.budget import MemoryBudget, check_budget
 from .arena import KVArena
 from .base import KVArenaBase, LayerViews, check_seq, layer_shape, wait_for_writes
+from .sharing import shrink_refused
 from .stats import ShardedKVArenaStats
 
 __all__ = ["ShardedKVArena", "ShardedLayerId"]
@@ -141,6 +142,10 @@ class ShardedKVArena(KVArenaBase):
                         _shard_of=self.shards[0].uid if self.shards else 0,
                     )
                 )
+                # Its sharing refusals reach this arena's caller: they name this class
+                # and the global sequences (the shard's local q is global q + start).
+                self.shards[-1]._api = "ShardedKVArena"
+                self.shards[-1]._seq_offset = split.seq_start[i]
         except BaseException:
             for shard in self.shards:
                 shard.close()
@@ -309,12 +314,17 @@ class ShardedKVArena(KVArenaBase):
     def shrink(self, num_tokens: int, *, wait: bool = False) -> int:
         """Release memory past the first ``num_tokens`` tokens of every sequence, on every
         shard. Returns bytes released, summed over the devices."""
-        self.shards[0]._check_tokens(num_tokens, "ShardedKVArena.shrink")
+        num_tokens = self.shards[0]._check_tokens(num_tokens, "ShardedKVArena.shrink")
         wait = as_flag(wait, "wait")
         with self._locked():
             self.check_open("ShardedKVArena.shrink")
             for s in self.shards:  # a shard asleep: no shard changes
                 s._check_awake("ShardedKVArena.shrink")
+            over: dict[int, int] = {}  # a prefix shared on any shard: no shard changes
+            for s in self.shards:
+                over.update(s._over_floor(num_tokens))
+            if over:
+                raise shrink_refused("ShardedKVArena.shrink", over)
             return _each(self.shards, lambda s: s.shrink(num_tokens, wait=wait))
 
     def release(

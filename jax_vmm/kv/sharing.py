@@ -13,10 +13,16 @@ sequence ``src``'s first ``n`` tokens, in every layer, mapping the same physical
 * Shared tokens are read-only: every sharer's *floor* in the KV cache's device table
   (``KvCache::SetFloor``) makes kv_write drop and count a write below it (status
   ``DROPPED_SHARED``), on the CPU and in the CUDA kernels, also when replayed in a graph.
-  ``dst``'s floor is ``n``; ``src``'s covers the chunks it shares.
+  ``dst``'s floor is ``n``; ``src``'s ends with the last chunk mapped into ``dst`` (a
+  chunk copied past it is ``src``'s own, and stays writable).
 * Operations that would write or move shared memory refuse with a ``ValueError`` that
-  says what to do: ``shrink`` below a floor, ``release(keep_tokens=)`` of a sharer,
-  ``offload`` of a sharer, ``sleep`` while anything is shared.
+  says what to do: ``shrink`` below a floor, ``release(keep_tokens=)`` of a sequence
+  that maps memory shared with another, ``offload`` of one, ``sleep`` while any does. A
+  share that mapped nothing (all copied) blocks none of the last three: ``dst`` keeps its
+  floor, and moves with its copy.
+* A shard of a :class:`~jax_vmm.ShardedKVArena` names the sharded arena and its global
+  sequences in these messages (``_api``, ``_seq_offset``, set by the sharded arena): they
+  reach the caller of the sharded arena, whose sequence numbers they must be.
 
 :class:`PrefixSharing` is a mixin of :class:`jax_vmm.KVArena` (``jax_vmm/kv/arena.py``);
 it uses the state and helpers of :class:`~jax_vmm.kv.backing.TokenBacking` under ``_lock``.
@@ -29,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from ..base.args import as_flag
 from .base import check_seq
 
 _log = logging.getLogger("jax_vmm")
@@ -42,6 +49,19 @@ def _publish_floor(core_cache: Any, seq: int, tokens: int) -> None:
 
 
 class PrefixSharing:
+    #: How the messages below name this arena's methods and sequences: a shard of a
+    #: ShardedKVArena names the sharded arena and its global sequences (the first global
+    #: sequence the shard holds is its local sequence 0; jax_vmm/kv/sharded.py sets both).
+    _api = "KVArena"
+    _seq_offset = 0
+
+    def _op(self, method: str) -> str:
+        return f"{self._api}.{method}"
+
+    def _seq_name(self, q: int) -> int:
+        """Local sequence ``q`` as the caller numbers it (a sharded arena: global)."""
+        return int(q) + self._seq_offset
+
     def _sharing_init(self, seqs: int) -> None:
         # Host mirror of the floors; one record per dst of a share still in place.
         self._floors = np.zeros(seqs, np.int64)
@@ -133,14 +153,15 @@ class PrefixSharing:
     ) -> dict[str, int]:
         """:meth:`share_prefix`; ``wait_for_dst=False`` for a caller that holds the lock
         (a sharded arena holds every shard's) and waited for dst's background commit
-        before taking it."""
-        op = "KVArena.share_prefix"
+        before taking it. Messages name the sequences as the caller does (_seq_name)."""
+        op = self._op("share_prefix")
         if self.max_seqs is None:
             raise ValueError(f"{op}: this KV arena has one sequence (max_seqs=None)")
         src = check_seq(src_seq, self.max_seqs, op)
         dst = check_seq(dst_seq, self.max_seqs, op)
+        src_name, dst_name = self._seq_name(src), self._seq_name(dst)
         if src == dst:
-            raise ValueError(f"{op}: src_seq and dst_seq are both {src}; pass two sequences")
+            raise ValueError(f"{op}: src_seq and dst_seq are both {src_name}; pass two sequences")
         n = self._check_tokens(num_tokens, op)
         if n == 0:
             raise ValueError(f"{op}: num_tokens must be >= 1, got 0")
@@ -148,10 +169,10 @@ class PrefixSharing:
         c = self.arena.chunk_bytes
         if shift % c:
             raise ValueError(
-                f"{op}: sequences {src} and {dst} start at different offsets within a chunk "
-                f"of {c} bytes (each sequence spans {self.seq_bytes} bytes), so no chunk can "
-                "be mapped at both; pick sequences a multiple of chunk_bytes apart, or "
-                "max_tokens with max_tokens * token_bytes a multiple of chunk_bytes"
+                f"{op}: sequences {src_name} and {dst_name} start at different offsets "
+                f"within a chunk of {c} bytes (each sequence spans {self.seq_bytes} bytes), "
+                "so no chunk can be mapped at both; pick sequences a multiple of chunk_bytes "
+                "apart, or max_tokens with max_tokens * token_bytes a multiple of chunk_bytes"
             )
         # A background commit of dst's previous sequence may still be mapping chunks that
         # its release gave back (it gives them back again when it ends): let it end first,
@@ -166,15 +187,17 @@ class PrefixSharing:
                     self._settle(q)  # raises while it is away
             if self._ensured[src] < n:
                 raise ValueError(
-                    f"{op}: sequence {src} has {int(self._ensured[src])} tokens ensured; "
-                    f"sharing {n} needs them all: kv.ensure({n}, {src}) and write them first"
+                    f"{op}: sequence {src_name} has {int(self._ensured[src])} tokens "
+                    f"ensured; sharing {n} needs them all: kv.ensure({n}, {src_name}) and "
+                    "write them first"
                 )
             covered = self._covered[dst] if self._valid_gen[dst] == self.arena._generation else 0
             if self._ensured[dst] or covered or self._floors[dst]:
                 raise ValueError(
-                    f"{op}: sequence {dst} holds memory ({int(self._ensured[dst])} tokens "
-                    f"ensured, {int(covered)} backed); share into a sequence that holds "
-                    f"nothing: kv.release({dst}) first (without reuse or keep_tokens)"
+                    f"{op}: sequence {dst_name} holds memory ({int(self._ensured[dst])} "
+                    f"tokens ensured, {int(covered)} backed); share into a sequence that "
+                    f"holds nothing: kv.release({dst_name}) first (without reuse or "
+                    "keep_tokens)"
                 )
             self._ahead.cancel(dst)  # a commit ahead not begun was for dst's old tokens
             self._epoch[dst] += 1  # ... and one on its way is not counted for it
@@ -186,10 +209,14 @@ class PrefixSharing:
             # for what is dispatched from now on.
             self.arena._wait_for_host_work()
             mapped, left_out = self.arena._handle.share_spans(spans)
+            # src's floor covers the chunks now mapped at dst's addresses too; a chunk
+            # copied instead stays src's own, writable.
             old_src_floor = int(self._floors[src])
-            src_floor = max(old_src_floor, -(-(hi - base_src) // self.token_bytes))
-            if mapped and src_floor > old_src_floor:
-                self._set_floor(src, src_floor)
+            if mapped:
+                end = self._mapped_end(spans, left_out, shift)
+                src_floor = max(old_src_floor, -(-(end - base_src) // self.token_bytes))
+                if src_floor > old_src_floor:
+                    self._set_floor(src, src_floor)
             try:
                 # dst's own memory for the rest (the shared chunks are backed already).
                 self._commit_seqs([(dst, n)])
@@ -207,12 +234,12 @@ class PrefixSharing:
             copied = sum(x[-1] for x in copies)
             if left_out:
                 _log.warning(
-                    "KVArena.share_prefix(%d, %d, %d): %d bytes of whole chunks were copied, "
+                    "%s(%d, %d, %d): %d bytes of whole chunks were copied, "
                     "not mapped: their allocation also backs tokens past the prefix (a plain "
                     "ensure, or chunks backed ahead by a prefetch, commit ahead or "
                     "release(keep_tokens=)). Commit a prefix to share with "
                     "kv.ensure_shareable(n, seq) before anything else backs it.",
-                    src, dst, n, sum(e - s for _, s, e in left_out),
+                    op, src_name, dst_name, n, sum(e - s for _, s, e in left_out),
                 )  # fmt: skip
             self._set_floor(dst, n)
             self._ever_ensured[dst] = max(int(self._ever_ensured[dst]), n)  # copies stay
@@ -225,6 +252,26 @@ class PrefixSharing:
             # everything must not keep src's floor up once src's real sharers are gone.
             self._memory_of[dst] = src if mapped else None
             return {"mapped_bytes": mapped, "copied_bytes": copied}
+
+    def _mapped_end(self, spans: list, left_out: list, shift: int) -> int:
+        """The end (a byte offset of src's, as in ``spans``) of the last chunk that
+        ``share_spans(spans)`` mapped in any buffer: ``left_out`` lists (buffer, start,
+        stop) of dst's chunks it did not map (copied instead), in dst's offsets."""
+        c = self.arena.chunk_bytes
+        skipped: dict[int, set[int]] = {}
+        for b, start, stop in left_out:
+            skipped.setdefault(b, set()).update(range(start // c, -(-stop // c)))
+        end = 0
+        for _, _, b, dst_start, nbytes in spans:
+            gone = skipped.get(b, set())
+            last = next(
+                (k for k in range((dst_start + nbytes) // c - 1, dst_start // c - 1, -1)
+                 if k not in gone),
+                None,
+            )  # fmt: skip
+            if last is not None:
+                end = max(end, (last + 1) * c - shift)
+        return end
 
     def _own_spans(self, start: int, stop: int, spans: list) -> list[tuple[int, int]]:
         """Byte spans of [start, stop) (dst's prefix) outside the shared chunks."""
@@ -251,16 +298,29 @@ class PrefixSharing:
         _publish_floor(self._core_cache, q, tokens)
 
     # -- what sharing forbids --------------------------------------------------------------
+    def _sharing_memory(self) -> list[int]:
+        """The sequences whose addresses map memory that another sequence's map too: the
+        destinations of shares that mapped chunks (while no other address maps them any
+        more, _free_lone_destinations ends their share) and the sequences whose chunks are
+        mapped elsewhere. A destination whose prefix was all copied (a share that mapped
+        nothing) is not one: its floor keeps its prefix read-only, but its memory is its
+        own, and may sleep, move and be released by part. Caller holds the lock, after
+        _reclaim_released_sharers."""
+        sources = {q for q in self._memory_of.values() if q is not None}
+        mapping = {q for q, r in self._shares.items() if r["mapped_bytes"]}
+        return sorted(sources | mapping)
+
     def _refuse_if_shared(self, q: int, op: str, what: str) -> None:
         with self._lock:
+            self.arena._check_open(op)
             self._reclaim_released_sharers()
-            if self._floors[q]:
+            if q in self._sharing_memory():
                 raise self._shared_error(q, op, what)
 
     def _shared_error(self, q: int, op: str, what: str) -> ValueError:
         return ValueError(
-            f"{op}: sequence {q} shares its first {int(self._floors[q])} tokens with another "
-            f"sequence (kv.share_prefix); {what}"
+            f"{op}: sequence {self._seq_name(q)} shares its first {int(self._floors[q])} "
+            f"tokens with another sequence (kv.share_prefix); {what}"
         )
 
     def _forget_share(self, q: int) -> None:
@@ -334,19 +394,25 @@ class PrefixSharing:
         keep_tokens: int = 0,
         writes_in_flight: bool = True,
     ) -> int:
-        # Checked here first (the base class checks again): a concrete JAX or NumPy scalar
-        # is a sequence number as much as an int, and must meet the sharing check too.
+        # Every argument is checked here first, as the base class checks them (it checks
+        # again): a concrete JAX or NumPy scalar is a sequence number as much as an int,
+        # and must meet the sharing check too; a bad keep_tokens is refused for what it
+        # is, not for the sharing, and before that check waits for the device.
         q = check_seq(seq, self.max_seqs, "KVArena.release")
         q = 0 if q is None else q
-        if keep_tokens:
+        as_flag(wait, "wait")
+        as_flag(writes_in_flight, "writes_in_flight")
+        as_flag(reuse, "reuse")
+        keep = self._check_keep_tokens(keep_tokens, "KVArena.release")
+        if keep:
             self._refuse_if_shared(
                 q,
-                "KVArena.release",
+                self._op("release"),
                 "its kept chunks would be written by the next sequence: release it without "
                 "keep_tokens",
             )
         released = super().release(
-            seq, wait=wait, reuse=reuse, keep_tokens=keep_tokens, writes_in_flight=writes_in_flight
+            seq, wait=wait, reuse=reuse, keep_tokens=keep, writes_in_flight=writes_in_flight
         )
         with self._lock:
             # A source's addresses as much as a destination's: until reclaimed, the core
@@ -358,36 +424,43 @@ class PrefixSharing:
                 self._released_sharer_addresses = not wait
         return released
 
+    def _over_floor(self, num_tokens: int) -> dict[int, int]:
+        """{sequence (as the caller numbers it): floor} of every sequence whose floor is
+        above ``num_tokens``: a shrink to ``num_tokens`` would cut its read-only prefix.
+        Caller holds the lock."""
+        self._reclaim_released_sharers()
+        over = np.flatnonzero(self._floors > num_tokens)
+        return {self._seq_name(q): int(self._floors[q]) for q in over}
+
     def shrink(self, num_tokens: int, *, wait: bool = False) -> int:
         n = self._check_tokens(num_tokens, "KVArena.shrink")
         with self._lock:
-            self._reclaim_released_sharers()
-            over = np.flatnonzero(self._floors > n)
-            if over.size:
-                raise self._shared_error(
-                    int(over[0]),
-                    "KVArena.shrink",
-                    f"shrink to at least {int(self._floors.max())} tokens, or release the "
-                    "sequences that share first",
-                )
+            self.arena._check_open("KVArena.shrink")
+            over = self._over_floor(n)
+            if over:
+                raise shrink_refused(self._op("shrink"), over)
             return super().shrink(num_tokens, wait=wait)
 
     def offload(self, seq: int | None = None, *, wait: bool = True) -> Any:
         q = check_seq(seq, self.max_seqs, "KVArena.offload")
+        as_flag(wait, "wait")
         self._refuse_if_shared(
             0 if q is None else q,
-            "KVArena.offload",
+            self._op("offload"),
             "shared memory cannot move to the host; release it (or its sharers) instead",
         )
         return super().offload(seq, wait=wait)
 
     def sleep(self, keep: str = "host") -> None:
         with self._lock:
-            self._reclaim_released_sharers()
-            sharing = np.flatnonzero(self._floors)
-        if sharing.size:
+            if not self.arena.closed:  # the arena's sleep says it is closed
+                self._reclaim_released_sharers()
+                sharing = [self._seq_name(q) for q in self._sharing_memory()]
+            else:
+                sharing = []
+        if sharing:
             raise ValueError(
-                f"KVArena.sleep: sequences {sharing.tolist()} share memory (kv.share_prefix), "
+                f"{self._op('sleep')}: sequences {sharing} share memory (kv.share_prefix), "
                 "which sleep would split into copies; release them first"
             )
         super().sleep(keep)
@@ -395,7 +468,7 @@ class PrefixSharing:
     def _shared_write_note(self) -> str:
         """For ``check()``'s message: which sequences drop writes into a shared prefix."""
         with self._lock:
-            floors = {int(q): int(self._floors[q]) for q in np.flatnonzero(self._floors)}
+            floors = {self._seq_name(q): int(self._floors[q]) for q in np.flatnonzero(self._floors)}
         if not floors:
             return ""
         return (
@@ -405,8 +478,9 @@ class PrefixSharing:
 
     def _sharing_stats(self) -> dict[str, Any]:
         with self._lock:
-            if not self.arena.closed:
-                self._free_lone_destinations()
+            if self.arena.closed:  # its memory, and every share of it, went with it
+                return {"shared_prefixes": [], "sharing_seqs": []}
+            self._free_lone_destinations()
             return {
                 # A released source's slot may hold another request by now: no source.
                 "shared_prefixes": [
@@ -415,3 +489,14 @@ class PrefixSharing:
                 ],
                 "sharing_seqs": np.flatnonzero(self._floors).tolist(),
             }
+
+
+def shrink_refused(op: str, over: dict[int, int]) -> ValueError:
+    """The refusal of a shrink that would cut the read-only prefixes ``over`` ({sequence:
+    floor}, as the caller numbers the sequences; not empty)."""
+    q = min(over)
+    return ValueError(
+        f"{op}: sequence {q} shares its first {over[q]} tokens with another sequence "
+        f"(kv.share_prefix); shrink to at least {max(over.values())} tokens, or release "
+        "the sequences that share first"
+    )

@@ -102,12 +102,12 @@ class SequenceTransfers:
         wait = as_flag(wait, "wait")
         q = 0 if seq is None else int(seq)
         with self._lock:
+            self.arena._check_open("KVArena.restore")  # a closed arena has nothing offloaded
             t = self._offloaded.get(q)
             if t is None:
                 raise ValueError(
                     f"KVArena.restore: sequence {q} is not offloaded (kv.offload(seq) first)"
                 )
-            self.arena._check_open("KVArena.restore")
         self.arena._commit(lambda: self.arena._handle.restore(t.ticket, wait))
         if wait:
             t.wait()

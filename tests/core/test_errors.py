@@ -493,6 +493,7 @@ ROWS = [
     Row("E15b", lambda x: x.kv_closed.shrink(0)),
     Row("E15c", lambda x: x.kv_closed.release()),
     Row("E15d", lambda x: x.kv_closed.ensure_all([0])),
+    Row("E15e", lambda x: x.kv_closed.restore()),
     Row("E16", _dropped_then_check),
     Row("E17a", lambda x: x.kv1.dest(2)),
     Row("E17b", lambda x: x.kv_closed.dest(0)),

@@ -600,7 +600,7 @@ def test_a_copied_prefix_is_writable_once_its_source_is_released(vm):
     """A share that copied everything (a prefix within one chunk) maps nothing: once its
     source is released the destination's prefix is writable and it may move (it stayed
     read-only, and refused to, for as long as it lived). stats() of the closed arena
-    with a share in place still works."""
+    with a share in place still works, and lists no share (the memory went with it)."""
     kv, tpc = _kv(vm)
     n = tpc // 2
     kv.ensure(n, 0)
@@ -621,8 +621,9 @@ def test_a_copied_prefix_is_writable_once_its_source_is_released(vm):
     np.testing.assert_array_equal(got[:, :, 1:n], data[:, :, 1:])
     kv.ensure(n, 0)
     kv.share_prefix(1, 2, n)
-    kv.close()
     assert kv.stats()["sharing_seqs"] == [2]  # a copy raises no floor on its source
+    kv.close()
+    assert (kv.stats()["sharing_seqs"], kv.stats()["shared_prefixes"]) == ([], [])
 
 
 class _NothingSharedSaysTheCore:
@@ -925,3 +926,132 @@ def test_ensure_shareable_of_tokens_backed_ahead_says_why_they_will_be_copied(vm
     with caplog.at_level("WARNING", logger="jax_vmm"):
         kv.ensure_shareable(n, 0)  # ensured already: nothing to say
     assert caplog.text == ""
+
+
+# -- review 3 cases ------------------------------------------------------------------------
+
+
+def test_a_share_that_maps_nothing_blocks_neither_sleep_nor_offload(vm):
+    """A share that mapped nothing (its prefix inside one chunk: all copied) leaves dst's
+    memory its own: dst may sleep, offload and restore, and be released with keep_tokens,
+    and the arena sleeps. Its floor stays through all of them: writes into its prefix are
+    still dropped, and its data is intact. They were refused as moving shared memory,
+    while stats said shared_bytes 0."""
+    kv, tpc = _kv(vm)
+    n = tpc // 2
+    kv.ensure_shareable(n, 0)
+    data = _tokens(kv, n, seed=41)
+    _write(kv, 0, 0, data)
+    assert kv.share_prefix(0, 1, n)["mapped_bytes"] == 0
+    assert kv.stats()["shared_bytes"] == 0
+
+    def still_read_only():
+        _write_one(kv, 1, 1, 7.0)
+        with pytest.raises(jax_vmm.OutOfBoundsWrite, match="read-only"):
+            kv.check()
+        got = _seq_tokens(kv, 1)[:, :, :n]
+        np.testing.assert_array_equal(got, data)
+        np.testing.assert_array_equal(_seq_tokens(kv, 0)[:, :, :n], data)
+
+    kv.sleep()
+    kv.wake()
+    still_read_only()
+    kv.offload(1)
+    kv.restore(1).wait()
+    still_read_only()
+    assert kv.stats()["sharing_seqs"] == [1]
+    kv.release(1, keep_tokens=n)  # its kept chunk is its own
+    assert kv.stats()["sharing_seqs"] == []
+
+
+def test_a_shared_dst_still_refuses_to_move_after_a_copied_share(vm):
+    """The refusals follow the memory: beside a copy-only share, a share that maps
+    chunks still refuses sleep, and the offload of both of its sequences."""
+    kv, tpc, n, data, got = _shared(vm)
+    assert got["mapped_bytes"] > 0
+    assert kv.share_prefix(0, 2, tpc // 2)["mapped_bytes"] == 0
+    with pytest.raises(ValueError, match=r"sequences \[0, 1\] share memory"):
+        kv.sleep()
+    for q in (0, 1):
+        with pytest.raises(ValueError, match=f"sequence {q} shares its first"):
+            kv.offload(q)
+    kv.offload(2)
+    kv.restore(2).wait()
+    kv.release(1)
+    kv.sleep()
+    kv.wake()
+    np.testing.assert_array_equal(_seq_tokens(kv, 0)[:, :, :n], data)
+
+
+def test_the_source_floor_ends_with_the_last_chunk_mapped(vm):
+    """A whole chunk of the prefix in an allocation that reaches past it is copied, not
+    mapped: src's writes into it land (it is src's own memory) and dst's copy keeps its
+    bytes; the chunks mapped stay read-only for both. src's floor covered every whole
+    chunk of the prefix, so its writes into the copied chunk were dropped."""
+    kv, tpc = _kv(vm, chunks_per_seq=8, handle_bytes=None)
+    kv.ensure_shareable(2 * tpc + tpc // 2, 0)  # chunks 0-1 | chunk 2
+    kv.ensure(8 * tpc, 0)  # chunks 3-7: one allocation
+    n = 4 * tpc + tpc // 2  # whole chunks 0-3; 3 is copied
+    data = _tokens(kv, n, seed=42)
+    _write(kv, 0, 0, data)
+    got = kv.share_prefix(0, 1, n)
+    c = kv.arena.chunk_bytes
+    assert got["mapped_bytes"] == 3 * c * 2 * LAYERS, got
+    late = _tokens(kv, 10, seed=43)
+    _write(kv, 0, 3 * tpc + 5, late)
+    kv.check()  # landed: chunk 3 is src's own
+    np.testing.assert_array_equal(_seq_tokens(kv, 0)[:, :, 3 * tpc + 5 : 3 * tpc + 15], late)
+    np.testing.assert_array_equal(_seq_tokens(kv, 1)[:, :, :n], data)
+    for q in (0, 1):
+        _write_one(kv, q, 3 * tpc - 1, 7.0)  # the last mapped chunk: read-only for both
+        with pytest.raises(jax_vmm.OutOfBoundsWrite):
+            kv.check()
+    _write_one(kv, 1, 3 * tpc + 5, 7.0)  # dst's floor is n
+    with pytest.raises(jax_vmm.OutOfBoundsWrite):
+        kv.check()
+    np.testing.assert_array_equal(_seq_tokens(kv, 1)[:, :, :n], data)
+    assert kv.stats()["sharing_seqs"] == [0, 1]
+
+
+@pytest.mark.parametrize(
+    "keep, error",
+    [(-1, ValueError), (1.5, TypeError), ("a", TypeError), (True, TypeError)]
+    + [(np.array([1, 2]), TypeError)],
+    ids=["-1", "1.5", "str", "True", "array"],
+)
+def test_keep_tokens_is_checked_before_the_sharing(vm, keep, error, monkeypatch):
+    """A bad keep_tokens on a sharer is refused as it is on any sequence, before the
+    sharing check, which may wait for the device (reclaim). It was refused for the
+    sharing after that wait, and an array with NumPy's 'truth value ambiguous' (on any
+    sequence)."""
+    with pytest.raises(error, match="keep_tokens must be") as plain:
+        _plain_release(vm, keep)
+    kv, tpc, n, data, _ = _shared(vm)
+    kv.share_prefix(0, 2, n)
+    kv.release(2)  # a sharer released: the next sharing check reclaims its addresses
+    reclaims = []
+    real = kv.arena.reclaim
+    monkeypatch.setattr(kv.arena, "reclaim", lambda: reclaims.append(1) or real())
+    for q in (0, 1):
+        with pytest.raises(plain.type) as got:
+            kv.release(q, keep_tokens=keep)
+        assert str(got.value) == str(plain.value)
+    assert reclaims == []
+    assert kv.stats()["sharing_seqs"] == [0, 1]
+
+
+def _plain_release(vm, keep):
+    """release(keep_tokens=keep) of a sequence that shares nothing."""
+    kv, _ = _kv(vm)
+    kv.ensure(4, 0)
+    kv.release(0, keep_tokens=keep)
+
+
+def test_a_closed_arena_lists_no_share(vm):
+    """stats() after close reads 0 and empty (docs/errors.md), the shares too: it still
+    listed sharing_seqs and shared_prefixes."""
+    kv, tpc, n, data, _ = _shared(vm)
+    kv.close()
+    s = kv.stats()
+    assert (s["backed_bytes"], s["shared_bytes"]) == (0, 0)
+    assert (s["sharing_seqs"], s["shared_prefixes"]) == ([], [])

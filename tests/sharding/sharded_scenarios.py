@@ -749,5 +749,55 @@ def a_share_right_after_a_release_waits_for_each_shards_commit():
     kv.close()
 
 
+@scenario
+def sharing_refusals_name_the_global_sequences():
+    # Global sequences 2 and 3 live on the second row of the mesh, as its shards' local
+    # sequences 0 and 1. A refusal of theirs names them and the sharded arena, so that its
+    # advice acts on them: it named the local sequences and KVArena (kv.release(1) would
+    # have released global sequence 1). A shrink refused on one row changes no row (the
+    # first row shrank before the second refused).
+    kv = make(mesh_2d(), P("dp", None, "tp"), max_tokens=1024, zero_fill=False)
+    n = 700  # per shard: one whole 512-token chunk mapped, the rest copied
+    kv.ensure_shareable(n, 2)
+    kv.share_prefix(2, 3, n)
+    op = "ShardedKVArena.share_prefix"
+    raises(
+        ValueError,
+        lambda: kv.share_prefix(2, 3, n),
+        f"{op}: sequence 3 holds memory",
+        "kv.release(3) first",
+    )
+    raises(
+        ValueError,
+        lambda: kv.share_prefix(2, 3, n + 1),
+        f"{op}: sequence 2 has {n} tokens ensured",
+        f"kv.ensure({n + 1}, 2)",
+    )
+    raises(ValueError, lambda: kv.share_prefix(2, 2, n), "both 2")
+    for q, floor in ((2, 512), (3, n)):
+        raises(
+            ValueError,
+            lambda q=q: kv.release(q, keep_tokens=4),
+            f"ShardedKVArena.release: sequence {q} shares its first {floor} tokens",
+        )
+    kv.ensure(n, 0)  # on the first row
+    backed = kv.backed_tokens(0)
+    raises(
+        ValueError,
+        lambda: kv.shrink(10),
+        "ShardedKVArena.shrink: sequence 2 shares its first 512 tokens",
+        f"shrink to at least {n} tokens",
+    )
+    assert kv.backed_tokens(0) == backed, (kv.backed_tokens(0), backed)
+    one = np.ones((1, H, D), DT)
+    write = jax.jit(lambda c, k, v, s: c.replace(0, jax_vmm.kv_write(c[0], k, v, s)))
+    cache = write(kv.cache(), one, one, np.array([3 * 1024 + 5], np.int32))
+    raises(jax_vmm.OutOfBoundsWrite, lambda: kv.check(cache), f"{{2: 512, 3: {n}}}")
+    kv.release(3)
+    kv.release(2)
+    kv.shrink(10)  # nothing shared any more
+    kv.close()
+
+
 if __name__ == "__main__":
     sys.exit(multidevice.main(SCENARIOS, sys.argv[1:]))
