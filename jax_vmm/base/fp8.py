@@ -11,6 +11,8 @@ runtime cannot import float8 DLPack views).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,6 +25,7 @@ __all__ = [
     "check_scale_values",
     "quantize_fp8",
     "dequantize_fp8",
+    "scales_folded",
 ]
 
 #: Storage dtype of an fp8 KV cache.
@@ -63,3 +66,20 @@ def dequantize_fp8(x: jax.Array, scale: jax.Array) -> jax.Array:
     if np.dtype(x.dtype) == np.uint8:
         x = jax.lax.bitcast_convert_type(x, FP8_DTYPE)
     return x.astype(jnp.float32) * jnp.asarray(scale, jnp.float32)[:, None]
+
+
+def scales_folded(
+    q: jax.Array, k: jax.Array, v: jax.Array, k_scale: jax.Array, v_scale: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array, Callable[[jax.Array], jax.Array]]:
+    """An fp8 cache ``k``, ``v`` ``(B, T, H_kv, D)`` for kernels that read q's dtype: the
+    tokens unscaled (float8_e4m3fn to 16 bits is exact), ``k_scale`` folded into ``q``
+    ``(..., H_q, D)`` per KV head and ``v_scale`` into the output by the returned
+    function. Dequantized tokens could leave q's range (float16 ends at 65504: a scale over
+    146 made a token of 448 inf); the logits and the output are the same either way."""
+    group = q.shape[-2] // k.shape[-2]
+    ks = jnp.repeat(jnp.asarray(k_scale, jnp.float32), group)[:, None]
+    vs = jnp.repeat(jnp.asarray(v_scale, jnp.float32), group)[:, None]
+    ones = jnp.ones((k.shape[-2],), jnp.float32)
+    q = (q.astype(jnp.float32) * ks).astype(q.dtype)
+    k, v = (dequantize_fp8(x, ones).astype(q.dtype) for x in (k, v))
+    return q, k, v, lambda out: (out.astype(jnp.float32) * vs).astype(out.dtype)

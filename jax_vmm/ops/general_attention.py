@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..base.args import as_softcap, as_window
-from ..base.fp8 import FP8_STORAGE, dequantize_fp8
+from ..base.fp8 import FP8_STORAGE, dequantize_fp8, scales_folded
 from ..cache.pytree import KVLayer
 from . import attention_call as _call
 from . import layer_ops, sharded_ops
@@ -170,12 +170,18 @@ def attention_tuned(
             )
     v = v if isinstance(v, jax.Array) else jnp.asarray(v)
     k = k if isinstance(k, jax.Array) else jnp.asarray(k)
+    scaled = None
     if np.dtype(k.dtype) in FP8_STORAGE:
         kv_heads = k.shape[2] if k.ndim == 4 else 0
         k_scale, v_scale = _call.checked_fp8_scales(k_scale, v_scale, kv_heads, "attention")
-        # The split-K kernels read 16-bit or float32 caches: dequantize (every token).
-        k = dequantize_fp8(k, k_scale).astype(q.dtype)
-        v = dequantize_fp8(v, v_scale).astype(q.dtype)
+        # The split-K kernels read 16-bit or float32 caches: every token, the scales folded
+        # into q and the output (shapes that do not fit are refused by prepare below).
+        q = q if isinstance(q, jax.Array) else jnp.asarray(q)
+        if _folds(q, k):
+            q, k, v, scaled = scales_folded(q, k, v, k_scale, v_scale)
+        else:
+            k = dequantize_fp8(k, k_scale).astype(q.dtype)
+            v = dequantize_fp8(v, v_scale).astype(q.dtype)
         k_scale = v_scale = None
     elif k_scale is not None or v_scale is not None:
         raise ValueError(f"attention: k_scale/v_scale are for fp8 caches; k is {k.dtype}")
@@ -187,12 +193,25 @@ def attention_tuned(
     if call is None:
         return jnp.zeros(q.shape, q.dtype)
     if workspace == "scratch":
-        return _call.run_split_k(call)
-    ws_type = jax.ShapeDtypeStruct((call.plan["workspace_bytes"],), jnp.uint8)
-    ffi = jax.ffi.ffi_call(
-        _TARGET_XLA_WORKSPACE, (call.out_type, ws_type), vmap_method="sequential"
+        out = _call.run_split_k(call)
+    else:
+        ws_type = jax.ShapeDtypeStruct((call.plan["workspace_bytes"],), jnp.uint8)
+        ffi = jax.ffi.ffi_call(
+            _TARGET_XLA_WORKSPACE, (call.out_type, ws_type), vmap_method="sequential"
+        )
+        out = ffi(*call.operands, *call.tail, **call.attrs)[0]
+    return out if scaled is None else scaled(out)
+
+
+def _folds(q: jax.Array, k: jax.Array) -> bool:
+    """Whether ``q`` and an fp8 ``k`` have shapes an fp8 scale can be folded across."""
+    return (
+        q.ndim in (3, 4)
+        and k.ndim == 4
+        and k.shape[2] > 0
+        and q.shape[-2] % k.shape[2] == 0
+        and q.shape[-1] == k.shape[-1]
     )
-    return ffi(*call.operands, *call.tail, **call.attrs)[0]
 
 
 def _reads_fp8(layer: KVLayer | None, k: Any) -> bool:

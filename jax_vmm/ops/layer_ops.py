@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..base.ffi import register
-from ..base.fp8 import FP8_DTYPE, dequantize_fp8, quantize_fp8
+from ..base.fp8 import FP8_DTYPE, quantize_fp8, scales_folded
 from ..cache.ids import LayerId
 from ..cache.pytree import KVLayer
 from ..cache.registry import arena_of
@@ -195,10 +195,9 @@ def rows_attention(
         ):
             return jnp.zeros(q.shape, q.dtype)
         k, v, n = _live_copy(layer, lengths)
-        k = dequantize_fp8(k, layer.k_scale).astype(q.dtype)
-        v = dequantize_fp8(v, layer.v_scale).astype(q.dtype)
+        q, k, v, scaled = scales_folded(q, k, v, layer.k_scale, layer.v_scale)
         call = prepare(q, k, v, n, scale=scale, workspace="scratch", **knobs, **options)
-        return jnp.zeros(q.shape, q.dtype) if call is None else run_split_k(call)
+        return jnp.zeros(q.shape, q.dtype) if call is None else scaled(run_split_k(call))
     call = prepare(q, spec, spec, lengths, scale=scale, workspace="scratch", **knobs, **options)
     if call is None:
         return jnp.zeros(q.shape, q.dtype)

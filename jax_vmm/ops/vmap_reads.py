@@ -54,35 +54,45 @@ _OURS = frozenset({"jax_vmm_kv_cache_write", "jax_vmm_read_fence"})
 
 
 class _Scope:
-    """The notes visible at one level of batching: ``written`` maps id(AxisData) to the
-    AxisData (kept alive, so the id stays its own) and the layers its vmap wrote;
-    ``pending`` holds what nested bodies wrote, merged at the next eqn; ``loop_reads``
-    (a loop body's scope and those inside it) the layers read there."""
+    """The notes made at one level of batching: ``own`` maps id(AxisData) to the AxisData
+    (kept alive, so the id stays its own) and the layers its vmap wrote here; a lookup
+    also sees the enclosing scopes' (``parent``). ``pending`` holds what nested bodies
+    wrote, merged at the next eqn; ``loop_reads`` (a loop body's scope and those inside
+    it) the layers read there."""
 
-    def __init__(self, written: dict | None = None, loop_reads: set | None = None):
-        self.written: dict[int, tuple[Any, set]] = written or {}
+    def __init__(self, parent: _Scope | None = None, loop_reads: set | None = None):
+        self.parent = parent
+        self.own: dict[int, tuple[Any, set]] = {}
         self.pending: list[dict[int, tuple[Any, set]]] = []
         self.loop_reads = loop_reads
         self.siblings = 0  # > 0 while a cond's branches (or a loop's passes) are batched
 
+    def note(self, axis_data: Any, layers: set) -> None:
+        key = id(axis_data)
+        entry = self.own.pop(key, None)  # re-inserted last: the cap drops the oldest
+        if entry is None or entry[0] is not axis_data:
+            entry = (axis_data, set())
+        entry[1].update(layers)
+        self.own[key] = entry
+        # Finished vmaps' notes are never looked up again; past this many the one written
+        # longest ago goes (only so many writing vmaps nested in a live one could lose it).
+        while len(self.own) > _MAX_VMAPS:
+            del self.own[next(iter(self.own))]
+
     def settle(self) -> None:
         for delta in self.pending:
-            for key, (axis_data, layers) in delta.items():
-                self.written.setdefault(key, (axis_data, set()))[1].update(layers)
+            for axis_data, layers in delta.values():
+                self.note(axis_data, layers)
         self.pending.clear()
 
-    def child(self, loop: bool) -> _Scope:
-        copy = {k: (ad, set(layers)) for k, (ad, layers) in self.written.items()}
-        reads = set() if loop else self.loop_reads
-        return _Scope(copy, reads)
-
-    def delta_of(self, child: _Scope) -> dict[int, tuple[Any, set]]:
-        out = {}
-        for key, (axis_data, layers) in child.written.items():
-            new = layers - self.written.get(key, (None, set()))[1]
-            if new:
-                out[key] = (axis_data, new)
-        return out
+    def wrote(self, axis_data: Any, layer_key: tuple[int, int]) -> bool:
+        scope: _Scope | None = self
+        while scope is not None:
+            entry = scope.own.get(id(axis_data))
+            if entry is not None and entry[0] is axis_data and layer_key in entry[1]:
+                return True
+            scope = scope.parent
+        return False
 
 
 class _State(threading.local):
@@ -106,12 +116,7 @@ def note_batched_write(axis_data: Any, layer_key: tuple[int, int], label: str) -
     scope = _scope()
     if scope.loop_reads is not None and (id(axis_data), layer_key) in scope.loop_reads:
         refuse_loop_write(label)
-    scope.written.setdefault(id(axis_data), (axis_data, set()))[1].add(layer_key)
-    # Finished vmaps' notes are never looked up again; the oldest go past this many (each
-    # vmap that writes adds one while it is traced, so only that many nested in one
-    # another could lose a live note).
-    while len(scope.written) > _MAX_VMAPS:
-        del scope.written[next(iter(scope.written))]
+    scope.note(axis_data, {layer_key})
 
 
 def refuse_loop_write(label: str) -> None:
@@ -129,8 +134,7 @@ def refuse_read(axis_data: Any, layer_key: tuple[int, int], op: str, label: str)
     scope = _scope()
     if scope.loop_reads is not None:
         scope.loop_reads.add((id(axis_data), layer_key))
-    entry = scope.written.get(id(axis_data))
-    if entry is None or entry[0] is not axis_data or layer_key not in entry[1]:
+    if not scope.wrote(axis_data, layer_key):
         return
     raise ValueError(
         f"{op}: {label} was written by a kv_write batched by this same vmap. The arena is "
@@ -189,30 +193,40 @@ def _holds_ours(jaxpr: Any) -> bool:
 _holds_ours_memo: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+#: Held while a body of ours is batched: JAX's caches are shared by threads and keyed by
+#: value (a same-size vmap elsewhere has an equal key), so no other thread may store or
+#: find a batched body of ours between the eviction and the rules running.
+_batching_lock = threading.RLock()
+
+
 def _scoped_batching(cached: Any) -> Any:
     """``cached`` (one of JAX's cached jaxpr batchers), re-run for a body of ours (its
-    rules must run in this vmap) in a scope of its own."""
-
+    rules must run in this vmap) in a scope of its own, and never left in the cache."""
     evict = getattr(cached, "evict_weakref", None)
 
-    def batch(closed_jaxpr: Any, *args: Any) -> Any:
-        if not _holds_ours(getattr(closed_jaxpr, "jaxpr", closed_jaxpr)):
-            return cached(closed_jaxpr, *args)
+    def forget(closed_jaxpr: Any) -> None:
         if evict is not None:
             evict(closed_jaxpr)
         else:
             cached.cache_clear()
-        parent = _scope()
-        child = parent.child(loop=_state.loop_batcher)
-        loop_batcher, _state.loop_batcher = _state.loop_batcher, False
-        _state.scopes.append(child)
-        try:
+
+    def batch(closed_jaxpr: Any, *args: Any) -> Any:
+        if not _holds_ours(getattr(closed_jaxpr, "jaxpr", closed_jaxpr)):
             return cached(closed_jaxpr, *args)
-        finally:
-            _state.scopes.pop()
-            _state.loop_batcher = loop_batcher
-            child.settle()
-            parent.pending.append(parent.delta_of(child))
+        with _batching_lock:
+            forget(closed_jaxpr)
+            parent = _scope()
+            child = _Scope(parent, set() if _state.loop_batcher else parent.loop_reads)
+            loop_batcher, _state.loop_batcher = _state.loop_batcher, False
+            _state.scopes.append(child)
+            try:
+                return cached(closed_jaxpr, *args)
+            finally:
+                _state.scopes.pop()
+                _state.loop_batcher = loop_batcher
+                forget(closed_jaxpr)
+                child.settle()
+                parent.pending.append(child.own)
 
     batch.__wrapped__ = cached
     return batch

@@ -208,6 +208,43 @@ def test_fp8_cache(device, S, window, softcap):
     assert_close(out, ref64(q64, k64, v64, lengths, None, window, softcap), BF16, "fp8")
 
 
+def test_fp8_cache_with_a_large_scale_read_by_float16_queries(device):
+    """The options' split-K path dequantized the cache to q's dtype: with a scale over 146
+    a float16 token of 448 * scale was inf, and the result silently garbage (zeros over an
+    arena layer) while plain decode was right. The scales are folded into q and the
+    output now; the array form and the arena form against float64."""
+    rng = np.random.default_rng(13)
+    B, S, Hq, Hkv, D, T = 2, 3, 4, 2, 64, 24
+    # K tokens past float16's 65504 once scaled; V's within it (so is the output).
+    scales = [np.asarray(x, np.float32) for x in ([300.0, 1000.0], [100.0, 120.0])]
+    x = [rng.uniform(-400, 400, (B, T, Hkv, D)).astype(np.float32) * c[:, None] for c in scales]
+    k8, v8 = (quantize_fp8(jnp.asarray(a), jnp.asarray(c)) for a, c in zip(x, scales))
+    k64, v64 = (
+        np.asarray(a.astype(F32), np.float64) * c[:, None] for a, c in zip((k8, v8), scales)
+    )
+    q = jnp.asarray(rng.standard_normal((B, S, Hq, D)) / 4e5, F16)
+    q64 = np.asarray(q.astype(F32), np.float64)
+    lengths = np.array([T, 9], np.int32)
+    ks, vs = (jax.device_put(jnp.asarray(c), device) for c in scales)
+    q, k8, v8, n = (jax.device_put(a, device) for a in (q, k8, v8, jnp.asarray(lengths)))
+    for window in (None, T):
+        out = jax_vmm.attention(q, k8, v8, n, window=window, k_scale=ks, v_scale=vs)
+        assert_close(out, ref64(q64, k64, v64, lengths, None, window), F16, f"window {window}")
+
+    kv = jax_vmm.kv_arena(
+        num_layers=1, num_kv_heads=Hkv, head_dim=D, max_tokens=T, max_seqs=B,
+        dtype=FP8_DTYPE, k_scales=scales[0][None], v_scales=scales[1][None], device=device,
+    )  # fmt: skip
+    for b in range(B):
+        kv.ensure(T, b)
+    slots = jnp.arange(B * T, dtype=jnp.int32)
+    flat = [jax.device_put(jnp.asarray(a.reshape(B * T, Hkv, D), F32), device) for a in x]
+    layer = jax_vmm.kv_write(kv.cache()[0], *flat, jax.device_put(slots, device))
+    got = jax.jit(lambda c, q, n: jax_vmm.attention(q, c, n, window=T))(layer, q, n)
+    assert_close(got, ref64(q64, k64, v64, lengths, None, T), F16, "arena layer, window T")
+    kv.check()
+
+
 # -- over a KV arena layer ---------------------------------------------------------------
 
 

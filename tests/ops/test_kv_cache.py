@@ -1095,6 +1095,53 @@ def test_a_body_jax_batched_before_is_checked_again(vm, helper):
     np.testing.assert_allclose(got[0], want[2], atol=1e-5)
 
 
+def test_a_body_another_thread_batches_meanwhile_is_still_checked(vm, monkeypatch):
+    """JAX's batched-body caches are shared by threads and keyed by the vmap's size: a
+    legitimate vmap of a jitted read in thread A, batched while thread B had evicted the
+    same body and not yet batched it, left a cached form that B then took without running
+    the rules (1 refusal in 60 went through). B pauses there now until A is done or
+    0.5 s have passed (A waits for B's lock), and is refused either way."""
+    import threading
+
+    from jax_vmm.ops import vmap_reads
+
+    kv, news, seq, pos, q, lengths, _ = _candidates(vm, 12)
+    shared = jax.jit(lambda qq, layer: jax_vmm.decode_attention(qq, layer, lengths))
+    qs = jnp.stack([q] * 3)
+    a_done, b_paused = threading.Event(), threading.Event()
+    scope_of, calls = vmap_reads._scope, []
+
+    def pausing_scope():  # B's second call: in the hook, after the eviction of `shared`
+        if threading.current_thread().name == "B":
+            calls.append(1)
+            if len(calls) == 2:
+                b_paused.set()
+                a_done.wait(0.5)
+        return scope_of()
+
+    monkeypatch.setattr(vmap_reads, "_scope", pausing_scope)
+
+    def step(c, n, s, p):
+        return shared(q + 0 * n.sum(), jax_vmm.kv_write(c[0], n, n, seq=s, pos=p))
+
+    outcome = {}
+
+    def thread_b():
+        try:
+            jax.vmap(step, (None, 0, 0, 0))(kv.cache(), news, seq, pos)
+            outcome["b"] = "not refused"
+        except ValueError as e:
+            outcome["b"] = str(e)
+
+    b = threading.Thread(target=thread_b, name="B")
+    b.start()
+    assert b_paused.wait(30)
+    jax.vmap(shared, (0, None))(qs, kv.cache()[0])  # thread A: legitimate
+    a_done.set()
+    b.join(30)
+    assert "written by a kv_write batched by this same vmap" in outcome["b"], outcome
+
+
 def test_a_cond_branch_does_not_see_its_siblings_write(vm):
     """Only one branch of a cond runs: a write in one branch does not refuse a read in the
     other (a prefill/decode switch), and a branch that reads before it writes runs as the
