@@ -20,14 +20,16 @@ Three hooks on JAX's batching keep this exact:
 
 * JAX caches a batched body (``_batch_jaxpr2``, ``_batch_jaxpr_axes``) by the vmap's
   size, not by the vmap, and a cached body runs no rule: a body that holds a write or a
-  read of ours is evicted first, so its rules run in every vmap.
+  read of ours is evicted before and after it is batched, under one lock (the caches
+  are shared by threads), so its rules run in every vmap.
 * A body's notes reach the eqns after it. Only one branch of a ``cond`` runs, so a
   branch does not see its sibling's notes, and a loop body batched twice (JAX's
   fixed point over the carry) does not see its first pass's.
 * In a loop body a layer both read and written by the vmap is refused whatever the
   order: from the second iteration on, the read sees the batched writes of the last.
 
-Notes live per thread (a trace runs on one thread) and per scope.
+Notes live per thread (a trace runs on one thread) and per scope; a scope looks up its
+enclosing scopes' notes, it does not copy them.
 """
 
 from __future__ import annotations
