@@ -77,6 +77,11 @@ def set_host_available_bytes(bytes: int) -> None:
     The host driver takes `bytes` (0: /proc/meminfo's) as the memory available and checks every commit against it.
     """
 
+def set_host_fresh_memory_poisoned(poisoned: bool) -> None:
+    """
+    While set, memory the host driver commits holds 0xFF bytes (NaN), not zeros.
+    """
+
 class ZeroLayout:
     def __init__(self, base: int, bytes: int, max_piece: int, unit: int) -> None: ...
 

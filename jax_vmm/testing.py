@@ -278,6 +278,21 @@ def host_memory_available(num_bytes: int) -> Iterator[None]:
         _testing.set_host_available_bytes(0)
 
 
+@contextlib.contextmanager
+def fresh_memory_poisoned() -> Iterator[None]:
+    """Inside the with-block the host driver fills the memory it commits with 0xFF bytes
+    (NaN in every float type a cache holds) instead of zeros: a GPU's fresh memory
+    (``cuMemCreate``) may hold anything, so a CPU test that passes only because unwritten
+    host memory reads zeros fails here as it would on a GPU. Arenas with
+    ``zero_fill=True`` still read zeros. Process-wide; not for concurrent use. The test
+    suite runs whole under it with ``JAX_VMM_TEST_POISON_FRESH=1``."""
+    _testing.set_host_fresh_memory_poisoned(True)
+    try:
+        yield
+    finally:
+        _testing.set_host_fresh_memory_poisoned(False)
+
+
 # -- views that do not count ----------------------------------------------------------
 
 

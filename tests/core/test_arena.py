@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import jax_vmm
+import jax_vmm.testing
 import maps_oracle as mo
 from conftest import chunk_range, pattern, raw_bytes, read_bytes, stable_stats, write_bytes
 from jax_vmm.testing import InjectedFault
@@ -539,3 +540,22 @@ def test_allocate_with_dtype_none_is_jaxs_default_float(vm):
     assert buf.array.dtype == jnp.zeros(1).dtype
     with pytest.raises(TypeError, match="dtype complex128 cannot back an arena buffer"):
         a.put(np.ones(2, np.complex128))
+
+
+def test_poisoned_fresh_memory_reads_nan_except_where_zero_filled():
+    """jax_vmm.testing.fresh_memory_poisoned(): the host's committed memory holds 0xFF
+    bytes (NaN) as a GPU's may hold anything, and a zero-filling arena still reads zeros
+    (the host says its fresh memory is not zero then). Outside it, zeros again."""
+    kw = dict(num_layers=1, num_kv_heads=2, head_dim=8, max_tokens=64, max_seqs=2,
+              dtype=jnp.float32)  # fmt: skip
+    with jax_vmm.testing.fresh_memory_poisoned():
+        raw, zeroed = jax_vmm.kv_arena(**kw), jax_vmm.kv_arena(**kw, zero_fill=True)
+        raw.ensure(4, 0)
+        zeroed.ensure(4, 0)
+    assert np.isnan(np.asarray(raw.k[0])[0, :4]).all()
+    assert not np.asarray(zeroed.k[0])[0, :4].any()
+    after = jax_vmm.kv_arena(**kw)
+    after.ensure(4, 0)
+    assert not np.asarray(after.k[0])[0, :4].any()
+    for kv in (raw, zeroed, after):
+        kv.close()

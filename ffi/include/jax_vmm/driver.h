@@ -155,6 +155,10 @@ namespace testing {
 // memory available and checks every commit, so tests show its refusal without filling
 // the machine. Process-wide.
 void SetHostAvailableBytes(size_t bytes);
+// Test-only: while set, the host driver fills the memory it commits with 0xFF bytes (NaN in
+// every float type) instead of zeros, as a GPU's fresh memory may hold anything, and says
+// so (FreshMemoryIsZero false: a zero-filling arena zeroes it). Process-wide.
+void SetHostFreshMemoryPoisoned(bool poisoned);
 }  // namespace testing
 
 // CUDA driver VMM for one device. chunk_bytes must be a multiple of the device's

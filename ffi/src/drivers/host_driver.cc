@@ -73,6 +73,7 @@ MemInfo ReadMemInfo() {
 constexpr size_t kUncheckedBytes = size_t{16} << 20;
 std::atomic<size_t> g_unchecked_bytes{0};
 std::atomic<size_t> g_available_override{0};  // testing::SetHostAvailableBytes
+std::atomic<bool> g_poison_fresh{false};       // testing::SetHostFreshMemoryPoisoned
 
 void CheckHostRoomFor(size_t bytes) {
   const size_t forced = g_available_override.load();
@@ -114,7 +115,8 @@ class HostDriver final : public Driver {
   size_t granularity() const override { return page_; }
   size_t chunk_bytes() const override { return chunk_; }
   MemInfo mem_info() const override { return ReadMemInfo(); }
-  bool FreshMemoryIsZero() const override { return true; }       // new and punched blocks read 0
+  // New and punched blocks read 0, unless a test poisons them as a GPU's may hold anything.
+  bool FreshMemoryIsZero() const override { return !g_poison_fresh.load(); }
   bool UnmapNeedsQuiescence() const override { return false; }
 
   uintptr_t Reserve(size_t bytes) override {
@@ -153,6 +155,7 @@ class HostDriver final : public Driver {
       errno = err;
       throw DriverError(Errno("fallocate(memfd)"));
     }
+    if (g_poison_fresh.load()) Poison(offset, bytes);
     std::lock_guard<std::mutex> lock(mu_);
     sizes_[offset] = bytes;
     return static_cast<PhysicalHandle>(offset);
@@ -260,6 +263,13 @@ class HostDriver final : public Driver {
     std::lock_guard<std::mutex> lock(mu_);
     GiveRange(ranges_, static_cast<uint64_t>(offset), bytes);
   }
+  // 0xFF bytes: NaN in every float type a cache holds (float8_e4m3fn included).
+  void Poison(off_t offset, size_t bytes) {
+    void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd_, offset);
+    if (p == MAP_FAILED) throw DriverError(Errno("mmap(poison)"));
+    std::memset(p, 0xFF, bytes);
+    munmap(p, bytes);
+  }
   static void RestoreZero(uintptr_t va, size_t bytes) noexcept {
     // Cannot fail for a range inside our own reservation short of address-space
     // exhaustion; if it ever did, the range would fault, so report loudly.
@@ -288,6 +298,7 @@ std::unique_ptr<Driver> MakeHostDriver(size_t chunk_bytes) {
 
 namespace testing {
 void SetHostAvailableBytes(size_t bytes) { g_available_override.store(bytes); }
+void SetHostFreshMemoryPoisoned(bool poisoned) { g_poison_fresh.store(poisoned); }
 }  // namespace testing
 
 }  // namespace jax_vmm

@@ -167,6 +167,9 @@ void BindFaultInjection(nb::module_& m) {
   m.def("set_host_available_bytes", &testing::SetHostAvailableBytes, nb::arg("bytes"),
         "The host driver takes `bytes` (0: /proc/meminfo's) as the memory available and "
         "checks every commit against it.");
+  m.def("set_host_fresh_memory_poisoned", &testing::SetHostFreshMemoryPoisoned,
+        nb::arg("poisoned"),
+        "While set, memory the host driver commits holds 0xFF bytes (NaN), not zeros.");
 }
 
 // The CUDA driver's zero-mapping bookkeeping, for tests without a GPU.
