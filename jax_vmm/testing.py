@@ -62,6 +62,7 @@ Thread-safety: the switches are process-wide. Use them from one test at a time.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from typing import Any, Literal
 from unittest import mock
@@ -284,13 +285,23 @@ def fresh_memory_poisoned() -> Iterator[None]:
     (NaN in every float type a cache holds) instead of zeros: a GPU's fresh memory
     (``cuMemCreate``) may hold anything, so a CPU test that passes only because unwritten
     host memory reads zeros fails here as it would on a GPU. Arenas with
-    ``zero_fill=True`` still read zeros. Process-wide; not for concurrent use. The test
-    suite runs whole under it with ``JAX_VMM_TEST_POISON_FRESH=1``."""
+    ``zero_fill=True`` still read zeros. Process-wide; not for concurrent use. With
+    ``JAX_VMM_TEST_POISON_FRESH=1`` a process that imports this module runs whole under
+    it (the test suite and the children its tests start)."""
+    global _fresh_memory_poisoned
+    before, _fresh_memory_poisoned = _fresh_memory_poisoned, True
     _testing.set_host_fresh_memory_poisoned(True)
     try:
         yield
     finally:
-        _testing.set_host_fresh_memory_poisoned(False)
+        _fresh_memory_poisoned = before
+        _testing.set_host_fresh_memory_poisoned(before)
+
+
+#: Whether fresh_memory_poisoned() is in force (the core's switch has no getter).
+_fresh_memory_poisoned = os.environ.get("JAX_VMM_TEST_POISON_FRESH") == "1"
+if _fresh_memory_poisoned:  # a whole test run so (tests/conftest.py imports this module)
+    _testing.set_host_fresh_memory_poisoned(True)
 
 
 # -- views that do not count ----------------------------------------------------------

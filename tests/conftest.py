@@ -41,11 +41,6 @@ from jax_vmm.base.loader import core as _core
 
 TESTS = Path(__file__).resolve().parent
 
-if os.environ.get("JAX_VMM_TEST_POISON_FRESH") == "1":
-    # The whole run (not the child processes some tests start) with the host's
-    # fresh memory holding NaN bytes, as a GPU's may: jax_vmm.testing.fresh_memory_poisoned.
-    jax_vmm.testing.fresh_memory_poisoned().__enter__()
-
 
 def child_env(*folders: Path, **extra: str) -> dict[str, str]:
     """``os.environ`` plus ``extra`` for a child Python process that imports what this one

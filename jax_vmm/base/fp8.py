@@ -11,7 +11,7 @@ runtime cannot import float8 DLPack views).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +25,7 @@ __all__ = [
     "check_scale_values",
     "quantize_fp8",
     "dequantize_fp8",
-    "scales_folded",
+    "split_k_dtype",
 ]
 
 #: Storage dtype of an fp8 KV cache.
@@ -68,18 +68,8 @@ def dequantize_fp8(x: jax.Array, scale: jax.Array) -> jax.Array:
     return x.astype(jnp.float32) * jnp.asarray(scale, jnp.float32)[:, None]
 
 
-def scales_folded(
-    q: jax.Array, k: jax.Array, v: jax.Array, k_scale: jax.Array, v_scale: jax.Array
-) -> tuple[jax.Array, jax.Array, jax.Array, Callable[[jax.Array], jax.Array]]:
-    """An fp8 cache ``k``, ``v`` ``(B, T, H_kv, D)`` for kernels that read q's dtype: the
-    tokens unscaled (float8_e4m3fn to 16 bits is exact), ``k_scale`` folded into ``q``
-    ``(..., H_q, D)`` per KV head and ``v_scale`` into the output by the returned
-    function. Dequantized tokens could leave q's range (float16 ends at 65504: a scale over
-    146 made a token of 448 inf); the logits and the output are the same either way."""
-    group = q.shape[-2] // k.shape[-2]
-    ks = jnp.repeat(jnp.asarray(k_scale, jnp.float32), group)[:, None]
-    vs = jnp.repeat(jnp.asarray(v_scale, jnp.float32), group)[:, None]
-    ones = jnp.ones((k.shape[-2],), jnp.float32)
-    q = (q.astype(jnp.float32) * ks).astype(q.dtype)
-    k, v = (dequantize_fp8(x, ones).astype(q.dtype) for x in (k, v))
-    return q, k, v, lambda out: (out.astype(jnp.float32) * vs).astype(out.dtype)
+def split_k_dtype(q_dtype: Any) -> Any:
+    """The dtype the split-K kernels read an fp8 cache in for queries of ``q_dtype``: q's
+    own, except float32 for float16, whose range a scaled token may leave (448 * a scale
+    over 146 is past float16's 65504); bfloat16 has float32's range."""
+    return jnp.float32 if np.dtype(q_dtype) == np.dtype(jnp.float16) else q_dtype

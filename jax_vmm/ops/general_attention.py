@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..base.args import as_softcap, as_window
-from ..base.fp8 import FP8_STORAGE, dequantize_fp8, scales_folded
+from ..base.fp8 import FP8_STORAGE, dequantize_fp8, split_k_dtype
 from ..cache.pytree import KVLayer
 from . import attention_call as _call
 from . import layer_ops, sharded_ops
@@ -170,18 +170,17 @@ def attention_tuned(
             )
     v = v if isinstance(v, jax.Array) else jnp.asarray(v)
     k = k if isinstance(k, jax.Array) else jnp.asarray(k)
-    scaled = None
+    out_dtype = None
     if np.dtype(k.dtype) in FP8_STORAGE:
         kv_heads = k.shape[2] if k.ndim == 4 else 0
         k_scale, v_scale = _call.checked_fp8_scales(k_scale, v_scale, kv_heads, "attention")
-        # The split-K kernels read 16-bit or float32 caches: every token, the scales folded
-        # into q and the output (shapes that do not fit are refused by prepare below).
+        # The split-K kernels read 16-bit or float32 caches: every token, dequantized (in
+        # float32 for float16 queries, whose range a scaled token may leave).
         q = q if isinstance(q, jax.Array) else jnp.asarray(q)
-        if _folds(q, k):
-            q, k, v, scaled = scales_folded(q, k, v, k_scale, v_scale)
-        else:
-            k = dequantize_fp8(k, k_scale).astype(q.dtype)
-            v = dequantize_fp8(v, v_scale).astype(q.dtype)
+        out_dtype, dtype = q.dtype, split_k_dtype(q.dtype)
+        q = q.astype(dtype)
+        k = dequantize_fp8(k, k_scale).astype(dtype)
+        v = dequantize_fp8(v, v_scale).astype(dtype)
         k_scale = v_scale = None
     elif k_scale is not None or v_scale is not None:
         raise ValueError(f"attention: k_scale/v_scale are for fp8 caches; k is {k.dtype}")
@@ -190,8 +189,9 @@ def attention_tuned(
         q, k, v, lengths, scale=scale, workspace=workspace, k_scale=k_scale, v_scale=v_scale,
         **knobs, **options,
     )  # fmt: skip
+    out_dtype = q.dtype if out_dtype is None else out_dtype
     if call is None:
-        return jnp.zeros(q.shape, q.dtype)
+        return jnp.zeros(q.shape, out_dtype)
     if workspace == "scratch":
         out = _call.run_split_k(call)
     else:
@@ -200,18 +200,7 @@ def attention_tuned(
             _TARGET_XLA_WORKSPACE, (call.out_type, ws_type), vmap_method="sequential"
         )
         out = ffi(*call.operands, *call.tail, **call.attrs)[0]
-    return out if scaled is None else scaled(out)
-
-
-def _folds(q: jax.Array, k: jax.Array) -> bool:
-    """Whether ``q`` and an fp8 ``k`` have shapes an fp8 scale can be folded across."""
-    return (
-        q.ndim in (3, 4)
-        and k.ndim == 4
-        and k.shape[2] > 0
-        and q.shape[-2] % k.shape[2] == 0
-        and q.shape[-1] == k.shape[-1]
-    )
+    return out.astype(out_dtype)
 
 
 def _reads_fp8(layer: KVLayer | None, k: Any) -> bool:

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..base.ffi import register
-from ..base.fp8 import FP8_DTYPE, quantize_fp8, scales_folded
+from ..base.fp8 import FP8_DTYPE, dequantize_fp8, quantize_fp8, split_k_dtype
 from ..cache.ids import LayerId
 from ..cache.pytree import KVLayer
 from ..cache.registry import arena_of
@@ -195,9 +195,15 @@ def rows_attention(
         ):
             return jnp.zeros(q.shape, q.dtype)
         k, v, n = _live_copy(layer, lengths)
-        q, k, v, scaled = scales_folded(q, k, v, layer.k_scale, layer.v_scale)
-        call = prepare(q, k, v, n, scale=scale, workspace="scratch", **knobs, **options)
-        return jnp.zeros(q.shape, q.dtype) if call is None else scaled(run_split_k(call))
+        out_dtype, dtype = q.dtype, split_k_dtype(q.dtype)
+        k = dequantize_fp8(k, layer.k_scale).astype(dtype)
+        v = dequantize_fp8(v, layer.v_scale).astype(dtype)
+        call = prepare(
+            q.astype(dtype), k, v, n, scale=scale, workspace="scratch", **knobs, **options
+        )
+        return (
+            jnp.zeros(q.shape, out_dtype) if call is None else run_split_k(call).astype(out_dtype)
+        )
     call = prepare(q, spec, spec, lengths, scale=scale, workspace="scratch", **knobs, **options)
     if call is None:
         return jnp.zeros(q.shape, q.dtype)

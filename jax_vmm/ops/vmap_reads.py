@@ -226,8 +226,8 @@ def _scoped_batching(cached: Any) -> Any:
             finally:
                 _state.scopes.pop()
                 _state.loop_batcher = loop_batcher
-                forget(closed_jaxpr)
                 child.settle()
+                forget(closed_jaxpr)
                 parent.pending.append(child.own)
 
     batch.__wrapped__ = cached

@@ -211,8 +211,8 @@ def test_fp8_cache(device, S, window, softcap):
 def test_fp8_cache_with_a_large_scale_read_by_float16_queries(device):
     """The options' split-K path dequantized the cache to q's dtype: with a scale over 146
     a float16 token of 448 * scale was inf, and the result silently garbage (zeros over an
-    arena layer) while plain decode was right. The scales are folded into q and the
-    output now; the array form and the arena form against float64."""
+    arena layer) while plain decode was right. Float16 queries read it in float32 now
+    (the output stays float16); the array form and the arena form against float64."""
     rng = np.random.default_rng(13)
     B, S, Hq, Hkv, D, T = 2, 3, 4, 2, 64, 24
     # K tokens past float16's 65504 once scaled; V's within it (so is the output).
@@ -229,6 +229,7 @@ def test_fp8_cache_with_a_large_scale_read_by_float16_queries(device):
     q, k8, v8, n = (jax.device_put(a, device) for a in (q, k8, v8, jnp.asarray(lengths)))
     for window in (None, T):
         out = jax_vmm.attention(q, k8, v8, n, window=window, k_scale=ks, v_scale=vs)
+        assert out.dtype == F16
         assert_close(out, ref64(q64, k64, v64, lengths, None, window), F16, f"window {window}")
 
     kv = jax_vmm.kv_arena(
@@ -241,6 +242,7 @@ def test_fp8_cache_with_a_large_scale_read_by_float16_queries(device):
     flat = [jax.device_put(jnp.asarray(a.reshape(B * T, Hkv, D), F32), device) for a in x]
     layer = jax_vmm.kv_write(kv.cache()[0], *flat, jax.device_put(slots, device))
     got = jax.jit(lambda c, q, n: jax_vmm.attention(q, c, n, window=T))(layer, q, n)
+    assert got.dtype == F16
     assert_close(got, ref64(q64, k64, v64, lengths, None, T), F16, "arena layer, window T")
     kv.check()
 

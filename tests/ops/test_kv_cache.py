@@ -1096,11 +1096,12 @@ def test_a_body_jax_batched_before_is_checked_again(vm, helper):
 
 
 def test_a_body_another_thread_batches_meanwhile_is_still_checked(vm, monkeypatch):
-    """JAX's batched-body caches are shared by threads and keyed by the vmap's size: a
-    legitimate vmap of a jitted read in thread A, batched while thread B had evicted the
-    same body and not yet batched it, left a cached form that B then took without running
-    the rules (1 refusal in 60 went through). B pauses there now until A is done or
-    0.5 s have passed (A waits for B's lock), and is refused either way."""
+    """JAX's batched-body caches are shared by threads and keyed by the vmap's size: thread
+    B evicted a jitted read's batched form, thread A (a legitimate vmap of the same read)
+    stored it again, and B took it from the cache without running the rules (1 refusal in
+    60 went through). Staged here: B pauses after its eviction until A has stored its
+    form, A keeps it until B has looked (each waits 0.5 s at most). A lock around the
+    batching of such bodies, and an eviction after it, keep B's lookup from finding it."""
     import threading
 
     from jax_vmm.ops import vmap_reads
@@ -1108,18 +1109,29 @@ def test_a_body_another_thread_batches_meanwhile_is_still_checked(vm, monkeypatc
     kv, news, seq, pos, q, lengths, _ = _candidates(vm, 12)
     shared = jax.jit(lambda qq, layer: jax_vmm.decode_attention(qq, layer, lengths))
     qs = jnp.stack([q] * 3)
-    a_done, b_paused = threading.Event(), threading.Event()
-    scope_of, calls = vmap_reads._scope, []
+    a_stored, b_looked = threading.Event(), threading.Event()
+    scope_of, settle, b_calls = vmap_reads._scope, vmap_reads._Scope.settle, []
 
-    def pausing_scope():  # B's second call: in the hook, after the eviction of `shared`
+    def pausing_scope():  # B's second call: in the hook, just after evicting `shared`
         if threading.current_thread().name == "B":
-            calls.append(1)
-            if len(calls) == 2:
-                b_paused.set()
-                a_done.wait(0.5)
+            b_calls.append(1)
+            if len(b_calls) == 2:
+                a_stored.wait(0.5)
         return scope_of()
 
+    def pausing_settle(scope):  # A's body scope, popped: its form is in JAX's cache now
+        if (
+            threading.current_thread().name == "A"
+            and scope.parent is not None
+            and scope not in vmap_reads._state.scopes
+            and not a_stored.is_set()
+        ):
+            a_stored.set()
+            b_looked.wait(0.5)
+        settle(scope)
+
     monkeypatch.setattr(vmap_reads, "_scope", pausing_scope)
+    monkeypatch.setattr(vmap_reads._Scope, "settle", pausing_settle)
 
     def step(c, n, s, p):
         return shared(q + 0 * n.sum(), jax_vmm.kv_write(c[0], n, n, seq=s, pos=p))
@@ -1132,12 +1144,15 @@ def test_a_body_another_thread_batches_meanwhile_is_still_checked(vm, monkeypatc
             outcome["b"] = "not refused"
         except ValueError as e:
             outcome["b"] = str(e)
+        b_looked.set()
 
     b = threading.Thread(target=thread_b, name="B")
+    a = threading.Thread(target=lambda: jax.vmap(shared, (0, None))(qs, kv.cache()[0]), name="A")
     b.start()
-    assert b_paused.wait(30)
-    jax.vmap(shared, (0, None))(qs, kv.cache()[0])  # thread A: legitimate
-    a_done.set()
+    while len(b_calls) < 2 and b.is_alive():
+        b.join(0.01)
+    a.start()
+    a.join(30)
     b.join(30)
     assert "written by a kv_write batched by this same vmap" in outcome["b"], outcome
 
