@@ -176,7 +176,6 @@ def attention_tuned(
         k_scale, v_scale = _call.checked_fp8_scales(k_scale, v_scale, kv_heads, "attention")
         # The split-K kernels read 16-bit or float32 caches: every token, dequantized (in
         # float32 for float16 queries, whose range a scaled token may leave).
-        q = q if isinstance(q, jax.Array) else jnp.asarray(q)
         out_dtype, dtype = q.dtype, split_k_dtype(q.dtype)
         q = q.astype(dtype)
         k = dequantize_fp8(k, k_scale).astype(dtype)

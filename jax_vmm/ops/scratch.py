@@ -44,12 +44,12 @@ def _check_reserve_env() -> None:
     """Refuse a malformed ``JAX_VMM_SCRATCH_RESERVE_BYTES`` at import: the core would
     ignore it (or, for "-1", wrap it to 2**64 - 1) and nothing would say so."""
     text = os.environ.get(RESERVE_ENV, "")
-    if not text:  # unset or empty: the 1 GiB default
+    if not text:  # unset or empty: the 1 GiB default (so is 0)
         return
-    if not (text.isascii() and text.isdigit() and 0 < int(text) <= _ADDRESS_SPACE):
+    if not (text.isascii() and text.isdigit() and 0 <= int(text) <= _ADDRESS_SPACE):
         raise ValueError(
-            f"{RESERVE_ENV}={text!r}: expected a positive number of bytes (decimal digits "
-            f"only) of at most 2**47, e.g. {1 << 30} for 1 GiB; unset it for the 1 GiB default"
+            f"{RESERVE_ENV}={text!r}: expected a number of bytes (decimal digits only) of at "
+            f"most 2**47, e.g. {1 << 30} for 1 GiB; unset it (or 0) for the 1 GiB default"
         )
 
 

@@ -30,19 +30,22 @@ Three hooks on JAX's batching keep this exact:
 
 Notes live per thread (a trace runs on one thread) and per scope; a scope looks up its
 enclosing scopes' notes, it does not copy them.
+
+Not seen: a write of a sharded arena's layer under ``vmap(..., spmd_axis_name=...)``: its
+``shard_map`` batches the write with an AxisData of its own, so the read after it outside
+the ``shard_map`` does not find its note.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
+import warnings
 import weakref
 from typing import Any
 
 from jax._src import core as jax_core
 from jax._src.interpreters import batching
-from jax._src.lax.control_flow.conditionals import cond_p
-from jax._src.lax.control_flow.loops import scan_p, while_p
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
@@ -101,6 +104,7 @@ class _State(threading.local):
     def __init__(self) -> None:
         self.scopes = [_Scope()]
         self.loop_batcher = False  # a loop's batching rule is running: its bodies are loops
+        self.loop_reads: set | None = None  # the layers read in that loop's bodies
 
 
 _state = _State()
@@ -218,7 +222,7 @@ def _scoped_batching(cached: Any) -> Any:
         with _batching_lock:
             forget(closed_jaxpr)
             parent = _scope()
-            child = _Scope(parent, set() if _state.loop_batcher else parent.loop_reads)
+            child = _Scope(parent, _state.loop_reads if _state.loop_batcher else parent.loop_reads)
             loop_batcher, _state.loop_batcher = _state.loop_batcher, False
             _state.scopes.append(child)
             try:
@@ -242,10 +246,13 @@ def _sibling_bodies(rule: Any, loop: bool) -> Any:
         scope = _scope()
         scope.siblings += 1
         loop_batcher, _state.loop_batcher = _state.loop_batcher, loop
+        # One set for the loop's bodies (a while's cond reads what its body wrote).
+        loop_reads, _state.loop_reads = _state.loop_reads, set() if loop else _state.loop_reads
         try:
             return rule(*args, **params)
         finally:
             _state.loop_batcher = loop_batcher
+            _state.loop_reads = loop_reads
             scope.siblings -= 1
             if not scope.siblings:
                 scope.settle()
@@ -255,14 +262,34 @@ def _sibling_bodies(rule: Any, loop: bool) -> Any:
 
 
 def _install() -> None:
+    """The hooks, where this JAX has what they wrap (jax 0.10 and 0.11 do); without one,
+    a warning says which check is weaker, and importing jax_vmm still works."""
+    missing = []
     for name in ("_batch_jaxpr2", "_batch_jaxpr_axes"):
-        cached = getattr(batching, name)
-        if not hasattr(cached, "__wrapped__"):
+        cached = getattr(batching, name, None)
+        if cached is None:
+            missing.append(f"batching.{name}")
+        elif not hasattr(cached, "__wrapped__"):
             setattr(batching, name, _scoped_batching(cached))
-    rules = batching.fancy_primitive_batchers
-    for prim, loop in ((cond_p, False), (scan_p, True), (while_p, True)):
-        if not hasattr(rules[prim], "__wrapped__"):
-            rules[prim] = _sibling_bodies(rules[prim], loop)
+    try:
+        from jax._src.lax.control_flow.conditionals import cond_p
+        from jax._src.lax.control_flow.loops import scan_p, while_p
+    except ImportError:
+        missing.append("cond_p, scan_p, while_p")
+    else:
+        rules = batching.fancy_primitive_batchers
+        for prim, loop in ((cond_p, False), (scan_p, True), (while_p, True)):
+            if prim not in rules:
+                missing.append(f"the batching rule of {prim}")
+            elif not hasattr(rules[prim], "__wrapped__"):
+                rules[prim] = _sibling_bodies(rules[prim], loop)
+    if missing:
+        warnings.warn(
+            f"jax_vmm: this JAX lacks {', '.join(missing)}; the refusal of a cache read after "
+            "a kv_write batched by the same vmap may miss reads in cached or sibling bodies "
+            "(docs/kv_cache.md, vmap)",
+            stacklevel=2,
+        )
 
 
 _install()

@@ -1229,6 +1229,27 @@ def test_a_loop_body_that_reads_then_writes_a_layer_in_a_vmap_is_refused(vm, car
     np.testing.assert_allclose(got[0], own(news[2]), atol=1e-5)
 
 
+def test_a_while_condition_that_reads_what_its_body_writes_in_a_vmap_is_refused(vm):
+    """The condition of a while_loop runs before each iteration and reads what the body
+    wrote in the last: batched, every element's condition sees every element's writes.
+    The cond and body bodies were given separate read sets, so it was not refused."""
+    kv, news, seq, pos, q, lengths, _ = _candidates(vm, 14)
+
+    def step(cache, new, s, p):
+        def cond(c):
+            layer, i = c
+            return (i < 2) & (jax_vmm.decode_attention(q, layer, lengths).sum() < 1e30)
+
+        def body(c):
+            layer, i = c
+            return jax_vmm.kv_write(layer, new, new, seq=s, pos=p), i + 1
+
+        return jax.lax.while_loop(cond, body, (cache[0], 0))[1]
+
+    with pytest.raises(ValueError, match="read and then written in a loop body"):
+        jax.vmap(step, (None, 0, 0, 0))(kv.cache(), news, seq, pos)
+
+
 def test_an_fp8_read_under_grad_in_a_vmap_is_refused(vm):
     """An fp8 layer's read dropped the fenced token for the arena's scales, so a DCE
     before batching (grad of a checkpoint) removed the fence and nothing was refused."""

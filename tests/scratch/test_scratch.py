@@ -257,13 +257,13 @@ def test_the_reserve_variable_is_the_default_that_zero_restores():
     assert r.stdout.split() == [str(5 << 20), str(3 << 20), str(5 << 20)]
 
 
-@pytest.mark.parametrize("value", ["0", "-1", "1e9", " 1024", "1GiB", str(2**47 + 1)])
+@pytest.mark.parametrize("value", ["-1", "1e9", " 1024", "1GiB", str(2**47 + 1)])
 def test_a_malformed_reserve_variable_is_refused_at_import(value):
     """The core ignored such a value (or wrapped -1 to 2**64 - 1) without a word."""
     r = _reserve_child(value)
     assert r.returncode != 0
     assert "JAX_VMM_SCRATCH_RESERVE_BYTES=" in r.stderr
-    assert "expected a positive number of bytes" in r.stderr
+    assert "expected a number of bytes" in r.stderr
 
 
 @pytest.mark.parametrize("mode", ["grow", "retire"])

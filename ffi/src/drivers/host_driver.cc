@@ -155,7 +155,16 @@ class HostDriver final : public Driver {
       errno = err;
       throw DriverError(Errno("fallocate(memfd)"));
     }
-    if (g_poison_fresh.load()) Poison(offset, bytes);
+    if (g_poison_fresh.load()) {
+      try {
+        Poison(offset, bytes);
+      } catch (...) {
+        fallocate(fd_, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, offset,
+                  static_cast<off_t>(bytes));
+        GiveFileRange(offset, bytes);
+        throw;
+      }
+    }
     std::lock_guard<std::mutex> lock(mu_);
     sizes_[offset] = bytes;
     return static_cast<PhysicalHandle>(offset);

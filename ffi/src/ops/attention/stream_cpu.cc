@@ -235,16 +235,15 @@ ffi::Error RunCpu(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi::A
       e.failure()) {
     return e;
   }
-  if (md.sh.batch == 0) return ffi::Error::Success();
   md.plan = MakeStreamPlan(md.sh, StorageBytes(md.kv), kCpuCtas, attrs.ctas, attrs.min_tiles);
-  if (attrs.stages != 0) {
-    const int rows = md.plan.head_group > 8 ? 16 : 8;
-    if (std::string why = StagesFit(attrs.stages, md.sh.batch, rows, md.sh.head_dim, md.kv,
-                                    attrs.bulk == 1);
-        !why.empty()) {
-      return ffi::Error::InvalidArgument(std::string(kCpuName) + ": " + why);
-    }
+  // The CUDA handler's automatic ring is at least 2 deep, and checked for every batch.
+  const int tile_rows = md.plan.head_group > 8 ? 16 : 8;
+  if (std::string why = StagesFit(attrs.stages != 0 ? attrs.stages : 2, md.sh.batch, tile_rows,
+                                  md.sh.head_dim, md.kv, attrs.bulk == 1);
+      !why.empty()) {
+    return ffi::Error::InvalidArgument(std::string(kCpuName) + ": " + why);
   }
+  if (md.sh.batch == 0) return ffi::Error::Success();
   md.q_bf16 = q.element_type() == ffi::DataType::BF16;
   md.q = q.untyped_data();
   md.k = k.untyped_data();
