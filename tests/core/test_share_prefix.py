@@ -596,17 +596,24 @@ def test_a_destination_whose_source_was_released_is_its_own_again(vm):
     np.testing.assert_array_equal(_seq_tokens(kv, 1)[:, :, :4], data[:, :, :4])
 
 
+def _copy_only_share(vm, seed: int, ensure: str):
+    """Sequence 0 with half a chunk of written tokens (committed by ``kv.<ensure>``),
+    shared into sequence 1: all copied, nothing mapped. Returns kv, n, the tokens."""
+    kv, tpc = _kv(vm)
+    n = tpc // 2
+    getattr(kv, ensure)(n, 0)
+    data = _tokens(kv, n, seed=seed)
+    _write(kv, 0, 0, data)
+    assert kv.share_prefix(0, 1, n)["mapped_bytes"] == 0
+    return kv, n, data
+
+
 def test_a_copied_prefix_is_writable_once_its_source_is_released(vm):
     """A share that copied everything (a prefix within one chunk) maps nothing: once its
     source is released the destination's prefix is writable and it may move (it stayed
     read-only, and refused to, for as long as it lived). stats() of the closed arena
     with a share in place still works, and lists no share (the memory went with it)."""
-    kv, tpc = _kv(vm)
-    n = tpc // 2
-    kv.ensure(n, 0)
-    data = _tokens(kv, n, seed=33)
-    _write(kv, 0, 0, data)
-    assert kv.share_prefix(0, 1, n)["mapped_bytes"] == 0
+    kv, n, data = _copy_only_share(vm, seed=33, ensure="ensure")
     _write_one(kv, 1, 0, 7.0)
     with pytest.raises(jax_vmm.OutOfBoundsWrite):
         kv.check()  # read-only while the source lives
@@ -937,12 +944,7 @@ def test_a_share_that_maps_nothing_blocks_neither_sleep_nor_offload(vm):
     and the arena sleeps. Its floor stays through all of them: writes into its prefix are
     still dropped, and its data is intact. They were refused as moving shared memory,
     while stats said shared_bytes 0."""
-    kv, tpc = _kv(vm)
-    n = tpc // 2
-    kv.ensure_shareable(n, 0)
-    data = _tokens(kv, n, seed=41)
-    _write(kv, 0, 0, data)
-    assert kv.share_prefix(0, 1, n)["mapped_bytes"] == 0
+    kv, n, data = _copy_only_share(vm, seed=41, ensure="ensure_shareable")
     assert kv.stats()["shared_bytes"] == 0
 
     def still_read_only():
