@@ -326,6 +326,12 @@ def _several_query_rows_to_decode_attention(ctx: Ctx) -> None:
     )
 
 
+def _attention_past_the_cuda_grid(ctx: Ctx) -> None:
+    k = ctx.put(np.zeros((1, 16, 1, 8), np.float32))
+    q = ctx.put(np.zeros((1, 2048, 32, 8), np.float32))
+    jax.block_until_ready(jax_vmm.attention(q, k, k, ctx.put(np.ones(1, np.int32))))
+
+
 def _ordered_views_of_another_layer(ctx: Ctx) -> None:
     kv = ctx.kv1
     step = jax.jit(lambda c, k, v: jax_vmm.ordered_views(c[0], k, v)[0].sum())
@@ -556,6 +562,7 @@ ROWS = [
     Row("F20", _read_in_the_vmap_that_wrote),
     Row("F21", _float32_query_over_an_fp8_cache),
     Row("F22", _several_query_rows_to_decode_attention),
+    Row("F23", _attention_past_the_cuda_grid),
 ]
 
 
