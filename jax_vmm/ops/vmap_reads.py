@@ -51,6 +51,12 @@ from jax.interpreters import mlir
 
 from ..cache.pytree import KVLayer
 
+try:  # where jax 0.10 and 0.11 keep them; without them _install warns of a weaker check
+    from jax._src.lax.control_flow.conditionals import cond_p
+    from jax._src.lax.control_flow.loops import scan_p, while_p
+except ImportError:
+    cond_p = scan_p = while_p = None
+
 #: How many vmaps' notes one scope keeps.
 _MAX_VMAPS = 4096
 
@@ -271,10 +277,7 @@ def _install() -> None:
             missing.append(f"batching.{name}")
         elif not hasattr(cached, "__wrapped__"):
             setattr(batching, name, _scoped_batching(cached))
-    try:
-        from jax._src.lax.control_flow.conditionals import cond_p
-        from jax._src.lax.control_flow.loops import scan_p, while_p
-    except ImportError:
+    if cond_p is None:
         missing.append("cond_p, scan_p, while_p")
     else:
         rules = batching.fancy_primitive_batchers
