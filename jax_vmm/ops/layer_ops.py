@@ -26,6 +26,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax._src.interpreters.partial_eval import DynamicJaxprTracer
 
 from ..base.ffi import register
 from ..base.fp8 import FP8_DTYPE, dequantize_fp8, quantize_fp8, split_k_dtype
@@ -266,7 +267,9 @@ def ordered_views(layer: KVLayer, k: Any, v: Any) -> tuple[Any, Any]:
     the iterations before. Within one computation nothing orders a plain read of the
     views after a ``kv_write``: as far as XLA knows the views never change, and it may
     read them whenever it likes (it may, say, copy them into another layout first); a
-    layer written in the same function is refused here (``ValueError``). Read such a
+    layer written in the same function, or returned by a jitted helper it calls, is
+    refused here (``ValueError``). Not seen: a jitted helper that calls ordered_views on
+    a layer its caller wrote (the helper is traced apart; XLA inlines it). Read such a
     layer with ``jax_vmm.attention`` / ``jax_vmm.decode_attention``, which take the token
     as an operand.
 
@@ -287,7 +290,7 @@ def ordered_views(layer: KVLayer, k: Any, v: Any) -> tuple[Any, Any]:
             "jax_vmm.decode_attention(q, layer, lengths) (plain XLA reads of a sharded arena "
             "are not ordered or checked per device)"
         )
-    if layer._written_in_trace:
+    if layer._written_in_trace or _computed_here(layer.token):
         raise ValueError(
             f"ordered_views: {lid.describe()} was written by a kv_write in this same "
             "computation, and XLA cannot order plain reads of the arena views after it (the "
@@ -310,6 +313,13 @@ def ordered_views(layer: KVLayer, k: Any, v: Any) -> tuple[Any, Any]:
     # dispatch path (ops/views_check.py).
     check_views(_targets.check_views, k, v, layer.token, _identity_attrs(lid))
     return _loop_variant_views(k, v, layer.token)
+
+
+def _computed_here(token: Any) -> bool:
+    """Whether a traced token is the result of an equation of the computation being traced
+    (a kv_write in a nested jit, a cond), not handed to it (a jit argument, a loop carry):
+    XLA inlines nested computations, so their writes are this computation's."""
+    return isinstance(token, DynamicJaxprTracer) and getattr(token, "parent", None) is not None
 
 
 def _loop_variant_views(k: Any, v: Any, token: Any) -> tuple[Any, Any]:

@@ -648,14 +648,23 @@ def test_ordered_views_let_xla_read_the_arena_after_the_writes(vm):
         jax_vmm.ordered_views(cache[0], kv.k[1], kv.v[0])
 
 
-def test_ordered_views_refuse_a_layer_written_in_the_same_function(vm):
+@pytest.mark.parametrize("write_in", ["the step", "a nested jit"])
+def test_ordered_views_refuse_a_layer_written_in_the_same_function(vm, write_in):
+    """Also a layer a jitted helper wrote: XLA inlines it, so its write is this
+    computation's (the step read the views before it: sum 0, not 16). It was not
+    refused, since the layer rebuilt from the helper's result carried no mark."""
     kv = _kv(vm)
     kv.ensure(2, 0)
     new = jnp.ones((1, HKV, D), DT)
 
+    def write(layer):
+        return jax_vmm.kv_write(layer, new, new, jnp.array([0], jnp.int32))
+
+    if write_in == "a nested jit":
+        write = jax.jit(write)
+
     def step(cache, k, v):
-        layer = jax_vmm.kv_write(cache[0], new, new, jnp.array([0], jnp.int32))
-        return jax_vmm.ordered_views(layer, k, v)
+        return jax_vmm.ordered_views(write(cache[0]), k, v)
 
     with pytest.raises(ValueError, match="written by a kv_write in this same computation"):
         jax.jit(step)(kv.cache(), kv.k[0], kv.v[0])
