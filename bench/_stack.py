@@ -113,9 +113,13 @@ def time_variant(
     if backend == "prealloc":
         cache = PreallocatedCache(cfg, max_seqs=batch, max_tokens=context, device=device)
     else:
+        # zero_fill: a masked read over the views (cuDNN, XLA) multiplies the tail past the
+        # lengths by 0, and 0 x a NaN left in fresh memory is NaN. Its cost is in the setup
+        # (every token is ensured before the timed calls).
         cache = VmmCache(
-            cfg, max_seqs=batch, max_tokens=context, device=device, chunk_bytes=chunk_bytes
-        )
+            cfg, max_seqs=batch, max_tokens=context, device=device, chunk_bytes=chunk_bytes,
+            zero_fill=True,
+        )  # fmt: skip
     try:
         for seq, n in enumerate(lengths):  # every pass rewrites the same positions
             cache.ensure(seq, int(n) + steps)

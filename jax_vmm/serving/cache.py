@@ -220,9 +220,10 @@ class VmmCache:
         device of its mesh. budget: the MemoryBudget the arena draws from
         (docs/sharing.md); arena_name: what its stats and errors call the arena."""
         device = device or jax.devices()[0]
-        # Host arenas hand out zero-filled pages (memfd) and read zeros where unbacked;
-        # CUDA physical memory (cuMemCreate) comes uninitialised.
-        self.tail_may_be_garbage = device.platform != "cpu" and not zero_fill
+        # CUDA physical memory (cuMemCreate) comes uninitialised; the host's reads zeros,
+        # but is treated alike, so that the CPU runs the GPU's code (and a test run with
+        # jax_vmm.testing.fresh_memory_poisoned() shows what the GPU would read).
+        self.tail_may_be_garbage = not zero_fill
         self.max_seqs, self.max_tokens = max_seqs, max_tokens
         self.kv_dtype, self.token_bytes = kv_dtype, kv_token_bytes(cfg, kv_dtype)
         fp8 = kv_dtype == "fp8"

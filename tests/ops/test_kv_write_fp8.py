@@ -82,6 +82,7 @@ def _cache(vm, H, D, T, seqs):
         dtype=FP8,
         max_seqs=seqs,
         initial_tokens=T,
+        zero_fill=True,  # the tests check that untouched tokens stay zero
     )
 
 
