@@ -25,7 +25,7 @@ __all__ = [
     "check_scale_values",
     "quantize_fp8",
     "dequantize_fp8",
-    "split_k_dtype",
+    "dequantized_for_split_k",
 ]
 
 #: Storage dtype of an fp8 KV cache.
@@ -68,8 +68,13 @@ def dequantize_fp8(x: jax.Array, scale: jax.Array) -> jax.Array:
     return x.astype(jnp.float32) * jnp.asarray(scale, jnp.float32)[:, None]
 
 
-def split_k_dtype(q_dtype: Any) -> Any:
-    """The dtype the split-K kernels read an fp8 cache in for queries of ``q_dtype``: q's
-    own, except float32 for float16, whose range a scaled token may leave (448 * a scale
-    over 146 is past float16's 65504); bfloat16 has float32's range."""
-    return jnp.float32 if np.dtype(q_dtype) == np.dtype(jnp.float16) else q_dtype
+def dequantized_for_split_k(
+    q: jax.Array, k: jax.Array, v: jax.Array, k_scale: Any, v_scale: Any
+) -> tuple[jax.Array, jax.Array, jax.Array, Any]:
+    """``q`` and an fp8 cache ``k``, ``v`` in the dtype the split-K kernels read them in,
+    and the dtype their output goes back to (q's). That is q's own, except float32 for
+    float16, whose range a scaled token may leave (448 * a scale over 146 is past
+    float16's 65504); bfloat16 has float32's range."""
+    dtype = jnp.float32 if np.dtype(q.dtype) == np.dtype(jnp.float16) else q.dtype
+    k, v = dequantize_fp8(k, k_scale).astype(dtype), dequantize_fp8(v, v_scale).astype(dtype)
+    return q.astype(dtype), k, v, q.dtype

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..base.args import as_softcap, as_window
-from ..base.fp8 import FP8_STORAGE, dequantize_fp8, split_k_dtype
+from ..base.fp8 import FP8_STORAGE, dequantize_fp8, dequantized_for_split_k
 from ..cache.pytree import KVLayer
 from . import attention_call as _call
 from . import layer_ops, sharded_ops
@@ -176,10 +176,7 @@ def attention_tuned(
         k_scale, v_scale = _call.checked_fp8_scales(k_scale, v_scale, kv_heads, "attention")
         # The split-K kernels read 16-bit or float32 caches: every token, dequantized (in
         # float32 for float16 queries, whose range a scaled token may leave).
-        out_dtype, dtype = q.dtype, split_k_dtype(q.dtype)
-        q = q.astype(dtype)
-        k = dequantize_fp8(k, k_scale).astype(dtype)
-        v = dequantize_fp8(v, v_scale).astype(dtype)
+        q, k, v, out_dtype = dequantized_for_split_k(q, k, v, k_scale, v_scale)
         k_scale = v_scale = None
     elif k_scale is not None or v_scale is not None:
         raise ValueError(f"attention: k_scale/v_scale are for fp8 caches; k is {k.dtype}")

@@ -29,7 +29,7 @@ import numpy as np
 from jax._src.interpreters.partial_eval import DynamicJaxprTracer
 
 from ..base.ffi import register
-from ..base.fp8 import FP8_DTYPE, dequantize_fp8, quantize_fp8, split_k_dtype
+from ..base.fp8 import FP8_DTYPE, dequantized_for_split_k, quantize_fp8
 from ..cache.ids import LayerId
 from ..cache.pytree import KVLayer
 from ..cache.registry import arena_of
@@ -196,12 +196,8 @@ def rows_attention(
         ):
             return jnp.zeros(q.shape, q.dtype)
         k, v, n = _live_copy(layer, lengths)
-        out_dtype, dtype = q.dtype, split_k_dtype(q.dtype)
-        k = dequantize_fp8(k, layer.k_scale).astype(dtype)
-        v = dequantize_fp8(v, layer.v_scale).astype(dtype)
-        call = prepare(
-            q.astype(dtype), k, v, n, scale=scale, workspace="scratch", **knobs, **options
-        )
+        q32, k, v, out_dtype = dequantized_for_split_k(q, k, v, layer.k_scale, layer.v_scale)
+        call = prepare(q32, k, v, n, scale=scale, workspace="scratch", **knobs, **options)
         return (
             jnp.zeros(q.shape, out_dtype) if call is None else run_split_k(call).astype(out_dtype)
         )
