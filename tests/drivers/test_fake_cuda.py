@@ -460,6 +460,30 @@ def test_sleep_and_wake_are_bit_exact(fake):
     assert not fake.contents(a).any(), "discarded contents wake zero-filled"
 
 
+def test_an_emulated_device_waits_on_none_of_xlas_compute_streams(fake):
+    # The compute-stream table is keyed by device ordinal, and the fake is device 0, as a
+    # real GPU is: on a GPU machine the streams a real arena registered there belong to
+    # libcuda, and the fake's wait on them failed (CUDA_ERROR_INVALID_HANDLE). A made-up
+    # stream stands in for XLA's; every device wait (sleep, wake, a table write) must
+    # leave it alone.
+    theirs = t.forget_compute_streams(0)
+    t.register_compute_streams(0, [*theirs, 0x5EED0000])
+    try:
+        a = fake.arena(8 * G)
+        a.allocate(a.reserved_bytes, "all")
+        a.commit(0, 0, 4 * G)
+        data = np.arange(4 * G, dtype=np.uint8)
+        write(a, 0, data)
+        a.sleep(True)
+        a.wake()
+        assert (fake.contents(a)[: 4 * G] == data).all()
+        assert a.decommit(0, 0, 4 * G, True) == 4 * G
+        a.reclaim()
+    finally:
+        t.forget_compute_streams(0)
+        t.register_compute_streams(0, theirs)
+
+
 def test_offload_and_restore_are_bit_exact(fake):
     a = fake.arena(32 * G)
     a.allocate(a.reserved_bytes, "all")
