@@ -97,7 +97,8 @@ def test_multi_sequence_layout(vm):
 
 def test_ensure_backs_every_layer(vm):
     tpc = _tpc(vm)
-    kv = _make(vm, max_tokens=4 * tpc)
+    # zero_fill: the count below expects the unwritten tokens to read zero.
+    kv = _make(vm, max_tokens=4 * tpc, zero_fill=True)
     c = vm.chunk
     assert kv.ensure(tpc + 1) == 6 * 2 * c  # 6 buffers, 2 chunks each
     assert kv.backed_tokens() == 2 * tpc  # chunk rounding backs whole chunks
@@ -221,7 +222,8 @@ def test_release_never_frees_what_another_sequence_uses(vm):
 def test_ensure_of_one_sequence_keeps_neighbour_data(vm):
     tpc = _tpc(vm)
     t = tpc + tpc // 2
-    kv = _make(vm, max_tokens=t, max_seqs=2, num_layers=1)
+    # zero_fill: seq 1's tokens must still read zero, so its ensure rewrote nothing.
+    kv = _make(vm, max_tokens=t, max_seqs=2, num_layers=1, zero_fill=True)
     kv.ensure(t, seq=0)
     _write_tokens(kv, 0, 0, t, seed=20)
     kv.ensure(t, seq=1)  # shares chunk 1 with seq 0: already backed, untouched

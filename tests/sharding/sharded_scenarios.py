@@ -686,7 +686,8 @@ def a_shard_cannot_join_twice_or_with_another_geometry():
 @scenario
 def a_prefix_is_shared_per_device():
     # 1024 tokens of 128 bytes per shard: each sequence spans two 64 KiB host chunks.
-    kv = make(mesh_2d(), P("dp", None, "tp"), max_tokens=1024, zero_fill=False)
+    # zero_fill: the layers the prefix was not written to must read zero below.
+    kv = make(mesh_2d(), P("dp", None, "tp"), max_tokens=1024, zero_fill=True)
     n = 700  # one whole chunk (512 tokens) mapped, 188 tokens copied, per shard and buffer
     kv.ensure_shareable(n, 0)
     t = tokens(n, 5)
