@@ -251,6 +251,7 @@ step_sanitize() {
   local rc=0 hazard=tests/integration/test_command_buffer_gpu.py
   case "${1:-}" in
     hazard)
+      export PYTHONPATH="tests:tests/oracles${PYTHONPATH:+:$PYTHONPATH}"  # the scenario imports conftest
       memcheck jax clean "$PY" -c "import jax.numpy as jnp; print('RESULT', float(jnp.arange(8.0).sum()))" || rc=1
       memcheck grow clean "$PY" "$hazard" hazard grow keep "$RUN_DIR/hazard_grow.json" || rc=1
       memcheck retire clean "$PY" "$hazard" hazard retire keep "$RUN_DIR/hazard_retire.json" || rc=1
@@ -315,7 +316,8 @@ step_diag() {
     return
   fi
   [ "${1:-}" = hazard ] || { echo "unknown diag step ${1:-} (hazard, example, host, dispatch, kv_write, kv_write_ncu, step, serving)"; return 2; }
-  TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3,command_buffer_conversion_pass=2 \
+  PYTHONPATH="tests:tests/oracles${PYTHONPATH:+:$PYTHONPATH}" TF_CPP_MIN_LOG_LEVEL=0 \
+    TF_CPP_VMODULE=command_buffer_thunk=3,command_buffer_conversion_pass=2 \
     "$PY" tests/integration/test_command_buffer_gpu.py hazard grow keep "$RUN_DIR/diag_hazard.json"
   local r=$?
   note "$(grep RESULT "$LOG" | cut -c1-300)"
