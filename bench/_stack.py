@@ -90,6 +90,19 @@ def fill_sequence(cache, seq, length):
     return cache
 
 
+def time_variant_if_it_fits(variant: str, *args: Any, **kw: Any) -> dict[str, Any] | str:
+    """time_variant's result, or why it does not fit this device ("does not fit: ..."):
+    the arena's OutOfMemoryError or XLA's RESOURCE_EXHAUSTED. A grid sized for one card
+    (an H200's 141 GB) then reports the points a smaller one cannot hold instead of ending
+    the run; any other failure raises."""
+    try:
+        return time_variant(variant, *args, **kw)
+    except (jax_vmm.OutOfMemoryError, jax.errors.JaxRuntimeError) as e:
+        if not isinstance(e, jax_vmm.OutOfMemoryError) and "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        return "does not fit: " + str(e).splitlines()[0][:200]
+
+
 def time_variant(
     variant: str,
     cfg: M.ModelConfig,

@@ -146,9 +146,12 @@ def measure_point(
         if variant in ST.CUDNN_VARIANTS and no_cudnn:
             point["skipped"][variant] = no_cudnn
             continue
-        point["cases"][variant] = ST.time_variant(
-            variant, cfg, device, lengths, context=context, **timing
-        )
+        got = ST.time_variant_if_it_fits(variant, cfg, device, lengths, context=context, **timing)
+        if isinstance(got, str):
+            point["skipped"][variant] = got
+            print(f"     {variant} at B{batch} T{context}: {got}")
+        else:
+            point["cases"][variant] = got
         gc.collect()
     return point
 
@@ -520,7 +523,7 @@ def plot(report: dict, path: Path) -> None:
         if vmm:
             a2.bar(
                 x,
-                [p["cases"][vmm]["held_bytes"] / div for p in pts],
+                [p["cases"][vmm]["held_bytes"] / div if vmm in p["cases"] else 0 for p in pts],
                 0.2,
                 label="jax_vmm backed",
             )

@@ -10,10 +10,11 @@ import functools
 import jax
 import numpy as np
 import pytest
-from scripts import load_script
 
+import jax_vmm
 from jax_vmm.serving import model as M
 from jax_vmm.serving.attention import cudnn_decode_attention
+from scripts import load_script
 
 ST = load_script("bench/_stack.py")
 
@@ -62,3 +63,36 @@ def test_the_reads_alone_agree_and_differ_from_the_whole_step(cpu_device) -> Non
     assert reads["vmm+kernel"] == pytest.approx(reads["prealloc+kernel"], rel=1e-4)
     whole = run(variant="vmm+kernel", repeats=1)["checksum"]
     assert whole != pytest.approx(reads["vmm+kernel"], rel=1e-4)
+
+
+def test_a_variant_that_does_not_fit_is_reported_not_raised(cpu_device, monkeypatch) -> None:
+    # bench/decode.py's 32-layer grid is sized for an H200: on an 80 GB card its largest
+    # point ran out of memory and the traceback ended the whole run.
+    def arena_full(*args, **kw):
+        raise jax_vmm.OutOfMemoryError("commit of buffer(s) 'k0': out of physical memory")
+
+    def xla_full(*args, **kw):
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 2 GiB")
+
+    def other(*args, **kw):
+        raise jax.errors.JaxRuntimeError("INTERNAL: something else")
+
+    for fake, says in ((arena_full, "commit of buffer(s)"), (xla_full, "RESOURCE_EXHAUSTED")):
+        monkeypatch.setattr(ST, "time_variant", fake)
+        got = ST.time_variant_if_it_fits("vmm+kernel", CFG, cpu_device, np.array([5], np.int32))
+        assert isinstance(got, str) and got.startswith("does not fit: " + says), got
+    monkeypatch.setattr(ST, "time_variant", other)
+    with pytest.raises(jax.errors.JaxRuntimeError, match="something else"):
+        ST.time_variant_if_it_fits("vmm+kernel", CFG, cpu_device, np.array([5], np.int32))
+    monkeypatch.undo()
+    got = ST.time_variant_if_it_fits(
+        "vmm+kernel",
+        CFG,
+        cpu_device,
+        np.array([5, 30], np.int32),
+        context=64,
+        steps=2,
+        repeats=1,
+        chunk_bytes=4096,
+    )
+    assert isinstance(got, dict) and got["step_ms"] > 0
