@@ -90,17 +90,25 @@ def fill_sequence(cache, seq, length):
     return cache
 
 
+def does_not_fit(e: BaseException) -> str | None:
+    """ "does not fit: ..." when `e` is the arena's OutOfMemoryError or XLA's allocator
+    running out (RESOURCE_EXHAUSTED), else None. A grid sized for one card (an H200's
+    141 GB) then reports the points a smaller one cannot hold instead of ending the run."""
+    if isinstance(e, jax_vmm.OutOfMemoryError) or (
+        isinstance(e, jax.errors.JaxRuntimeError) and "RESOURCE_EXHAUSTED" in str(e)
+    ):
+        return "does not fit: " + str(e).splitlines()[0][:200]
+    return None
+
+
 def time_variant_if_it_fits(variant: str, *args: Any, **kw: Any) -> dict[str, Any] | str:
-    """time_variant's result, or why it does not fit this device ("does not fit: ..."):
-    the arena's OutOfMemoryError or XLA's RESOURCE_EXHAUSTED. A grid sized for one card
-    (an H200's 141 GB) then reports the points a smaller one cannot hold instead of ending
-    the run; any other failure raises."""
+    """time_variant's result, or `does_not_fit`'s reason; any other failure raises."""
     try:
         return time_variant(variant, *args, **kw)
     except (jax_vmm.OutOfMemoryError, jax.errors.JaxRuntimeError) as e:
-        if not isinstance(e, jax_vmm.OutOfMemoryError) and "RESOURCE_EXHAUSTED" not in str(e):
+        if (why := does_not_fit(e)) is None:
             raise
-        return "does not fit: " + str(e).splitlines()[0][:200]
+        return why
 
 
 def time_variant(

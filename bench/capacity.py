@@ -46,6 +46,7 @@ from _common import (  # noqa: E402
     parse_size,
     write_json,  # noqa: E402
 )
+from _stack import does_not_fit  # noqa: E402
 
 CASES = ("arena", "arrays", "arrays-kept")
 TABLE = Table(
@@ -185,8 +186,16 @@ def main(argv: list[str] | None = None) -> dict:
     print(TABLE.header())
     rows = []
     for case in args.cases:
-        a = time_case(case, small, args, device)
-        b = time_case(case, large, args, device)
+        try:
+            a = time_case(case, small, args, device)
+            b = time_case(case, large, args, device)
+        except (jax_vmm.OutOfMemoryError, jax.errors.JaxRuntimeError) as e:
+            if (why := does_not_fit(e)) is None:
+                raise
+            rows.append(dict(case=case, skipped=why))
+            print(f"{case}: {why}")
+            gc.collect()
+            continue
         for mode in ("call", "loop"):
             row = dict(
                 case=case, mode=mode, small_ms=a[mode], large_ms=b[mode], ratio=b[mode] / a[mode]
