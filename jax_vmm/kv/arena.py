@@ -68,7 +68,10 @@ class KVArena(KVArenaBase, PrefixSharing, TokenBacking, SequenceTransfers):
     ``commit_ahead_tokens`` = an eighth of a chunk's tokens: once a sequence is that close
     to the end of its backed chunks, a background thread backs the next chunk, so that the
     decode loop's ``ensure`` makes no driver call (0 turns it off; it stops once the arena
-    handed out a raw view, ``kv.k[l]``: hold none on the decode path). Step with
+    handed out a raw view, ``kv.k[l]``: hold none on the decode path). In a ``budget`` it
+    defaults to 0: its background commits would take room from the budget's other arenas
+    whenever the thread runs, so that their next ``ensure`` fits or not by timing; pass
+    ``commit_ahead_tokens`` to turn it on there. Step with
     :meth:`cache` (the :class:`~jax_vmm.KVCache` pytree): it makes no raw view.
 
     The tokens each sequence has ensured form a device-visible table that the kernels
@@ -206,8 +209,11 @@ class KVArena(KVArenaBase, PrefixSharing, TokenBacking, SequenceTransfers):
             # waited for before the table admits the sequence's tokens again (_outlive_old_writes).
             self._old_work: dict[int, list] = {}
             tokens_per_chunk = max(1, chunk // self.token_bytes)
+            # Off by default in a budget: a background commit takes room from the budget's
+            # other arenas at a time the caller does not choose, so whether their next
+            # ensure fits would depend on a thread's timing.
             self.commit_ahead_tokens = (
-                max(1, tokens_per_chunk // 8)
+                (0 if budget is not None else max(1, tokens_per_chunk // 8))
                 if commit_ahead_tokens is None
                 else as_index(commit_ahead_tokens, "commit_ahead_tokens")
             )

@@ -561,3 +561,39 @@ def test_gpu_budget_caps_what_the_driver_gives_out(gpu_device, bypass):
     # the mappings, the KV table): 4 chunks, half of what the bypassed run goes over by.
     over = worst > budget.bytes + 4 * chunk
     assert over == bypass, (worst, budget.bytes)
+
+
+def test_a_kv_arena_in_a_budget_commits_ahead_only_when_asked(vm):
+    # Two caches whose needs fill the budget exactly. With commit ahead on (the default
+    # outside a budget), the first one's background commit takes its next chunks from the
+    # shared cap and the second one's ensure is refused, or not, by the thread's timing.
+    tpc = _tpc(vm)
+    need = 2 * 2 * 2 * vm.chunk  # 2 layers x K, V x 2 chunks
+    budget = jax_vmm.MemoryBudget(2 * need, device=vm.device)
+    a, b = (_kv(vm, budget, commit_ahead_tokens=None) for _ in range(2))  # kv_arena's default
+    assert a.commit_ahead_tokens == 0 and b.commit_ahead_tokens == 0
+    b.ensure(2 * tpc)
+    assert b.wait_prefetch(timeout=30)
+    a.ensure(2 * tpc)
+    assert budget.stats()["used_bytes"] == 2 * need
+    a.close()
+    b.close()
+    # Asked for, it is on, and takes room: the refusal the default avoids.
+    a, b = (_kv(vm, budget, commit_ahead_tokens=tpc // 8) for _ in range(2))
+    b.ensure(2 * tpc)
+    assert b.wait_prefetch(timeout=30)
+    assert budget.stats()["used_bytes"] > need
+    with pytest.raises(jax_vmm.OutOfMemoryError, match="memory budget"):
+        a.ensure(2 * tpc)
+
+
+def test_a_kv_arena_outside_a_budget_commits_ahead_by_default(vm):
+    kv = vm.kv(
+        num_layers=1,
+        num_kv_heads=H,
+        head_dim=D,
+        max_tokens=4 * _tpc(vm),
+        dtype=jnp.float32,
+        commit_ahead_tokens=None,
+    )
+    assert kv.commit_ahead_tokens == max(1, _tpc(vm) // 8)
