@@ -115,10 +115,22 @@ def layer_or_k(op: str, layer: Any, k: Any) -> Any:
 
 
 def refuse_misplaced_cache(op: str, q: Any, k: Any) -> None:
-    """A whole KVCache as the layer, or a cache object where q belongs: say so."""
+    """A whole KVCache or KV arena as the layer, a (k, v) pair, or a cache object where q
+    belongs: say so."""
     if isinstance(k, KVCache):
         raise TypeError(
             f"{op}(q, layer, lengths): got a whole KVCache as the layer; pass one layer, cache[l]"
+        )
+    if callable(getattr(k, "cache", None)) and callable(getattr(k, "ensure", None)):
+        # a KV arena (the kv layer sits above ops: known by its methods)
+        raise TypeError(
+            f"{op}(q, layer, lengths): got the KV arena ({type(k).__name__}) as the layer; "
+            "pass one layer of its cache, kv.cache()[l]"
+        )
+    if isinstance(k, (tuple, list)):
+        raise TypeError(
+            f"{op}: got a {type(k).__name__} where the layer or k belongs; pass k and v as "
+            f"two arguments, {op}(q, k, v, lengths), or a cache layer, kv.cache()[l]"
         )
     if isinstance(q, (KVCache, KVLayer)):
         raise TypeError(

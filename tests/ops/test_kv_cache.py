@@ -602,6 +602,20 @@ def test_attention_names_arguments_in_the_wrong_place(vm):
         TypeError, match=r"decode_attention\(q, layer, lengths\): lengths is missing"
     ):
         jax_vmm.decode_attention(q, cache[0])
+    # The arena itself, or a (k, v) pair, where the layer belongs (the message said "a
+    # missing lengths" though lengths was passed).
+    arena = (
+        r"got the KV arena \(KVArena\) as the layer; pass one layer of its cache, kv.cache\(\)\[l\]"
+    )
+    with pytest.raises(TypeError, match="decode_attention.*" + arena):
+        jax_vmm.decode_attention(q, kv, lengths)
+    with pytest.raises(TypeError, match="attention.*" + arena):
+        jax_vmm.attention(q[:, None], kv, lengths, window=2)
+    pair = r"got a tuple where the layer or k belongs; pass k and v as two arguments"
+    with pytest.raises(TypeError, match=pair):
+        jax_vmm.attention(q[:, None], (cache[0].k, cache[0].v), lengths)
+    with pytest.raises(TypeError, match=pair):
+        jax_vmm.decode_attention(q, (cache[0].k, cache[0].v), lengths)
 
 
 def test_a_layer_read_outside_jit_waits_for_its_writes(vm):
