@@ -70,7 +70,8 @@ def arena_of(lid: LayerId, op: str) -> Any:
     if kv is None:
         raise ValueError(
             f"{op}: {lid.describe()} no longer exists (the KVArena was closed and "
-            "collected); build the cache of an open KV arena (kv.cache())"
+            "collected; a cache does not keep its KVArena alive: hold a reference to it while "
+            "the cache is used); build the cache of an open KV arena (kv.cache())"
         )
     kv.check_open(op)
     return kv

@@ -135,7 +135,7 @@ class KVArena(KVArenaBase, PrefixSharing, TokenBacking, SequenceTransfers):
         )
         budget = check_budget(budget, "kv_arena")
         if budget is not None:  # before anything is made
-            budget._check(target, chunk, self._signature())
+            budget._check(target, chunk, self._signature(), buffers=2 * self.num_layers)
         if handle_bytes is None:
             handle_bytes = max(chunk, DEFAULT_KV_HANDLE_BYTES // chunk * chunk)
         buffer_bytes = seqs * self.seq_bytes

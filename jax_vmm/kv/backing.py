@@ -34,8 +34,8 @@ from ..memory import host_wait
 
 
 class TokenBacking:
-    def _check_tokens(self, n: Any, op: str, name: str = "num_tokens") -> int:
-        n = as_index(n, name)
+    def _check_tokens(self, n: Any, op: str, name: str = "num_tokens", minimum: int = 0) -> int:
+        n = as_index(n, f"{op}: {name}", minimum)
         if n > self.max_tokens:
             raise ValueError(f"{op}: {name}={n} exceeds max_tokens={self.max_tokens}")
         return n

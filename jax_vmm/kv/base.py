@@ -81,7 +81,7 @@ def check_seq(seq: Any, max_seqs: int | None, op: str) -> int | None:
         raise ValueError(
             f"{op}: this KV arena has max_seqs={max_seqs}; pass seq=<0..{max_seqs - 1}>"
         )
-    seq = as_index(seq, "seq")
+    seq = as_index(seq, f"{op}: seq")
     if seq >= max_seqs:
         raise ValueError(f"{op}: seq={seq} is out of range; expected 0 <= seq < {max_seqs}")
     return seq

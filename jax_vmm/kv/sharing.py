@@ -162,9 +162,7 @@ class PrefixSharing:
         src_name, dst_name = self._seq_name(src), self._seq_name(dst)
         if src == dst:
             raise ValueError(f"{op}: src_seq and dst_seq are both {src_name}; pass two sequences")
-        n = self._check_tokens(num_tokens, op)
-        if n == 0:
-            raise ValueError(f"{op}: num_tokens must be >= 1, got 0")
+        n = self._check_tokens(num_tokens, op, minimum=1)
         shift = (dst - src) * self.seq_bytes
         c = self.arena.chunk_bytes
         if shift % c:

@@ -100,8 +100,10 @@ class MemoryBudget:
             "process"
         )
 
-    def _check(self, target: DeviceTarget, chunk_bytes: int, what: str) -> None:
-        """ValueError unless an arena on ``target`` with chunks of ``chunk_bytes`` may join."""
+    def _check(self, target: DeviceTarget, chunk_bytes: int, what: str, buffers: int = 1) -> None:
+        """ValueError unless an arena on ``target`` with chunks of ``chunk_bytes`` may join;
+        ``buffers``: how many chunks its smallest commit takes (a KV arena's first token
+        backs one chunk in each of its buffers)."""
         if target.device != self._target.device:
             raise ValueError(
                 f"{what}: the budget is on {self._target.device} and the arena on "
@@ -112,6 +114,13 @@ class MemoryBudget:
                 f"{what}: the budget of {self.bytes} bytes is smaller than one chunk of the "
                 f"arena ({chunk_bytes} bytes), the least it can commit; create a larger "
                 "budget or use a smaller chunk_bytes"
+            )
+        if buffers * chunk_bytes > self.bytes:
+            raise ValueError(
+                f"{what}: the budget of {self.bytes} bytes is smaller than one chunk of "
+                f"{chunk_bytes} bytes in each of the arena's {buffers} buffers, the least "
+                "that backing one token commits; create a larger budget or use a smaller "
+                "chunk_bytes"
             )
 
     def _join(self, core_arena: Any, target: DeviceTarget, label: str) -> None:

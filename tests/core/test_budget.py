@@ -597,3 +597,15 @@ def test_a_kv_arena_outside_a_budget_commits_ahead_by_default(vm):
         commit_ahead_tokens=None,
     )
     assert kv.commit_ahead_tokens == max(1, _tpc(vm) // 8)
+
+
+def test_a_budget_too_small_for_one_token_of_a_kv_arena_is_refused(vm):
+    # 2 layers x K, V: backing the first token commits 4 chunks. A 3-chunk budget was
+    # accepted, and every ensure then failed advising to release memory nobody held.
+    with pytest.raises(
+        ValueError, match=r"one chunk of \d+ bytes in each of the arena's 4 buffers"
+    ):
+        _kv(vm, jax_vmm.MemoryBudget(3 * vm.chunk, device=vm.device))
+    kv = _kv(vm, jax_vmm.MemoryBudget(4 * vm.chunk, device=vm.device))
+    kv.ensure(1)
+    assert kv.stats()["backed_bytes"] == 4 * vm.chunk

@@ -405,7 +405,7 @@ def test_refusals_change_nothing(vm):
         ((0, 2, n), "holds memory"),  # dst holds tokens
         ((0, 1, n + 1), "tokens ensured"),  # more than src ensured
         ((0, 0, n), "both 0"),
-        ((0, 1, 0), ">= 1"),
+        ((0, 1, 0), "num_tokens must be > 0"),
         ((0, 4, n), "out of range"),
         ((-1, 1, n), "seq"),
         ((0, 1, kv.max_tokens + 1), "exceeds max_tokens"),
@@ -1057,3 +1057,20 @@ def test_a_closed_arena_lists_no_share(vm):
     s = kv.stats()
     assert (s["backed_bytes"], s["shared_bytes"]) == (0, 0)
     assert (s["sharing_seqs"], s["shared_prefixes"]) == ([], [])
+
+
+def test_bad_token_counts_and_sequences_name_the_method(vm):
+    kv, _ = _kv(vm)
+    kv.ensure_shareable(8, 0)
+    for n in (0, -1):  # -1 said "must be >= 0" and no method, though 0 is refused too
+        with pytest.raises(
+            ValueError, match=rf"KVArena.share_prefix: num_tokens must be > 0, got {n}"
+        ):
+            kv.share_prefix(0, 1, n)
+    with pytest.raises(ValueError, match=r"KVArena.ensure: num_tokens must be >= 0, got -1"):
+        kv.ensure(-1, 0)
+    with pytest.raises(ValueError, match=r"KVArena.share_prefix: seq must be >= 0, got -1"):
+        kv.share_prefix(0, -1, 8)
+    with pytest.raises(ValueError, match=r"KVArena.release: seq must be >= 0, got -1"):
+        kv.release(-1)
+    assert kv.backed_tokens(1) == 0

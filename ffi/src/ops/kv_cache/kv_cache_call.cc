@@ -47,7 +47,10 @@ std::string ResolveCacheLayer(const char* op, const char* driver_kind, int devic
   std::shared_ptr<KvCache> cache;
   switch (FindKvCache(cache_uid, device_ordinal, &cache)) {
     case CacheLookup::kGone:
-      return pre() + " no longer exists (its KV arena was closed and collected)" + kRemedy;
+      return pre() +
+             " no longer exists (its KV arena was closed and collected; a cache does not keep"
+             " its KVArena alive: hold a reference to it while the cache is used)" +
+             kRemedy;
     case CacheLookup::kClosed:
       return pre() + " was closed (kv.close())" + kRemedy;
     case CacheLookup::kOtherDevice:
