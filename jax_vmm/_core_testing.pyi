@@ -101,15 +101,15 @@ def zero_piece_bytes(total_bytes: int, granularity: int, ceiling: int = ...) -> 
 
 def zero_piece_ceiling_from_env() -> int: ...
 
-def compute_streams(ordinal: int) -> list[int]:
+def compute_streams(ordinal: int, emulated: bool = ...) -> list[int]:
     """The XLA compute streams registered for CUDA device `ordinal`."""
 
-def forget_compute_streams(ordinal: int) -> list[int]:
+def forget_compute_streams(ordinal: int, emulated: bool = ...) -> list[int]:
     """
     Removes and returns them: device waits fall back to cuCtxSynchronize meanwhile.
     """
 
-def register_compute_streams(ordinal: int, streams: Sequence[int]) -> None:
+def register_compute_streams(ordinal: int, streams: Sequence[int], emulated: bool = ...) -> None:
     """Puts forgotten streams back."""
 
 def set_host_gate(open: bool) -> None:

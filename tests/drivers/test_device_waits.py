@@ -38,13 +38,15 @@ G = t.fake_cuda_granularity()
 
 @pytest.fixture
 def no_registered_streams():
-    """Device 0's registered streams put aside for the test (the fake driver is device 0)."""
-    saved = t.forget_compute_streams(0)
+    """Device 0's registered streams put aside for the test, libcuda's and the fake
+    driver's (its device is 0 of its own entry-point table)."""
+    saved = {e: t.forget_compute_streams(0, emulated=e) for e in (False, True)}
     try:
         yield
     finally:
-        t.forget_compute_streams(0)
-        t.register_compute_streams(0, saved)
+        for e, streams in saved.items():
+            t.forget_compute_streams(0, emulated=e)
+            t.register_compute_streams(0, streams, emulated=e)
 
 
 def _calls(name: str) -> int:
@@ -67,8 +69,8 @@ def test_a_device_wait_syncs_the_registered_stream_not_the_context(no_registered
         arena.allocate(arena.reserved_bytes, "all")
         ctx_waits, _ = _wait_once(arena)
         assert ctx_waits > 0, "with no stream registered the context is waited for"
-        t.register_compute_streams(0, [stream])
-        assert t.compute_streams(0) == [stream]
+        t.register_compute_streams(0, [stream], emulated=True)
+        assert t.compute_streams(0, emulated=True) == [stream]
         ctx_waits, stream_waits = _wait_once(arena)
         assert ctx_waits == 0, "a registered stream is waited for instead of the context"
         assert stream_waits >= 2, "the registered stream and the driver's copy stream"

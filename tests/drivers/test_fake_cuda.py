@@ -461,11 +461,12 @@ def test_sleep_and_wake_are_bit_exact(fake):
 
 
 def test_an_emulated_device_waits_on_none_of_xlas_compute_streams(fake):
-    # The compute-stream table is keyed by device ordinal, and the fake is device 0, as a
-    # real GPU is: on a GPU machine the streams a real arena registered there belong to
-    # libcuda, and the fake's wait on them failed (CUDA_ERROR_INVALID_HANDLE). A made-up
-    # stream stands in for XLA's; every device wait (sleep, wake, a table write) must
-    # leave it alone.
+    # The fake is device 0, as a real GPU is: on a GPU machine the streams a real arena
+    # registered for device 0 belong to libcuda, and the fake's wait on them failed
+    # (CUDA_ERROR_INVALID_HANDLE) while the table was keyed by ordinal alone. A made-up
+    # stream stands in for XLA's; every device wait (sleep, wake, a table write) of the
+    # fake must leave it alone (tests/drivers/test_device_waits.py shows that the fake does
+    # wait on a stream registered for its own table).
     theirs = t.forget_compute_streams(0)
     t.register_compute_streams(0, [*theirs, 0x5EED0000])
     try:

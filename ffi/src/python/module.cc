@@ -142,7 +142,8 @@ NB_MODULE(_core, m) {
   // first, so that no later device wait (an arena destroyed at exit) touches a dead stream.
   m.def(
       "forget_compute_streams",
-      [](int ordinal) { return cuda::ForgetComputeStreams(ordinal).size(); }, nb::arg("ordinal"),
+      [](int ordinal) { return cuda::ForgetComputeStreams(cuda::GetApi(), ordinal).size(); },
+      nb::arg("ordinal"),
       "Forget the XLA compute streams registered for CUDA device `ordinal` (their JAX client "
       "is going); device waits there wait for the whole context until one is registered "
       "again. Returns how many were forgotten.");

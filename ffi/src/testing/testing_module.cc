@@ -32,6 +32,7 @@
 #include "ops/kv_cache/kv_cache.h"
 #include "python/registrations.h"
 #include "scratch/simulated_capture.h"
+#include "testing/fake_cuda.h"
 #include "testing/fault_injecting_driver.h"
 #include "testing/scratch_free_on_growth.h"
 #include "testing/scratch_probe.h"
@@ -217,20 +218,33 @@ void BindComputeStreams(nb::module_& m) {
     for (void* s : streams) out.push_back(reinterpret_cast<uintptr_t>(s));
     return out;
   };
+  // emulated: the streams of the fake driver's device (its own table), not libcuda's.
+  auto api = [](bool emulated) -> const cuda::Api& {
+    return emulated ? fake_cuda::FakeApi() : cuda::GetApi();
+  };
   m.def(
-      "compute_streams", [as_ints](int ordinal) { return as_ints(cuda::ComputeStreams(ordinal)); },
-      nb::arg("ordinal"), "The XLA compute streams registered for CUDA device `ordinal`.");
+      "compute_streams",
+      [as_ints, api](int ordinal, bool emulated) {
+        return as_ints(cuda::ComputeStreams(api(emulated), ordinal));
+      },
+      nb::arg("ordinal"), nb::arg("emulated") = false,
+      "The XLA compute streams registered for CUDA device `ordinal`.");
   m.def(
       "forget_compute_streams",
-      [as_ints](int ordinal) { return as_ints(cuda::ForgetComputeStreams(ordinal)); },
-      nb::arg("ordinal"),
+      [as_ints, api](int ordinal, bool emulated) {
+        return as_ints(cuda::ForgetComputeStreams(api(emulated), ordinal));
+      },
+      nb::arg("ordinal"), nb::arg("emulated") = false,
       "Removes and returns them: device waits fall back to cuCtxSynchronize meanwhile.");
   m.def(
       "register_compute_streams",
-      [](int ordinal, const std::vector<uint64_t>& streams) {
-        for (uint64_t s : streams) cuda::RegisterComputeStream(ordinal, reinterpret_cast<void*>(s));
+      [api](int ordinal, const std::vector<uint64_t>& streams, bool emulated) {
+        for (uint64_t s : streams) {
+          cuda::RegisterComputeStream(api(emulated), ordinal, reinterpret_cast<void*>(s));
+        }
       },
-      nb::arg("ordinal"), nb::arg("streams"), "Puts forgotten streams back.");
+      nb::arg("ordinal"), nb::arg("streams"), nb::arg("emulated") = false,
+      "Puts forgotten streams back.");
 }
 
 void BindScratchHooks(nb::module_& m) {

@@ -14,9 +14,11 @@ namespace ffi = xla::ffi;
 namespace jax_vmm::cuda {
 namespace {
 
+using Key = std::pair<const Api*, int>;  // (entry-point table, device ordinal)
+
 std::mutex g_mu;
-std::map<int, std::vector<void*>>& Table() {
-  static auto* table = new std::map<int, std::vector<void*>>();  // outlives exit-time waits
+std::map<Key, std::vector<void*>>& Table() {
+  static auto* table = new std::map<Key, std::vector<void*>>();  // outlives exit-time waits
   return *table;
 }
 
@@ -29,29 +31,29 @@ ffi::Error RegisterFromHandler(void* stream, int32_t ordinal, ffi::AnyBuffer in,
         "jax_vmm_register_compute_stream: XLA handed over no stream for CUDA device " +
         std::to_string(ordinal));
   }
-  RegisterComputeStream(ordinal, stream);
+  RegisterComputeStream(GetApi(), ordinal, stream);  // XLA's streams are libcuda's
   return ffi::Error::Success();
 }
 
 }  // namespace
 
-void RegisterComputeStream(int ordinal, void* stream) {
+void RegisterComputeStream(const Api& api, int ordinal, void* stream) {
   std::lock_guard<std::mutex> lock(g_mu);
-  std::vector<void*>& streams = Table()[ordinal];
+  std::vector<void*>& streams = Table()[Key(&api, ordinal)];
   if (std::find(streams.begin(), streams.end(), stream) == streams.end()) {
     streams.push_back(stream);
   }
 }
 
-std::vector<void*> ComputeStreams(int ordinal) {
+std::vector<void*> ComputeStreams(const Api& api, int ordinal) {
   std::lock_guard<std::mutex> lock(g_mu);
-  auto it = Table().find(ordinal);
+  auto it = Table().find(Key(&api, ordinal));
   return it == Table().end() ? std::vector<void*>{} : it->second;
 }
 
-std::vector<void*> ForgetComputeStreams(int ordinal) {
+std::vector<void*> ForgetComputeStreams(const Api& api, int ordinal) {
   std::lock_guard<std::mutex> lock(g_mu);
-  auto it = Table().find(ordinal);
+  auto it = Table().find(Key(&api, ordinal));
   if (it == Table().end()) return {};
   std::vector<void*> streams = std::move(it->second);
   Table().erase(it);

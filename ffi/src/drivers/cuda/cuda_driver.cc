@@ -69,8 +69,7 @@ class CudaDriver final : public Driver {
         ctx_(api, dev, ordinal),
         stream_(api, ctx_.get(), ordinal),
         copy_stream_(api, ctx_.get(), ordinal),
-        max_piece_(PlannedMaxPiece()),
-        uses_xla_streams_(&api == &GetApi()) {}
+        max_piece_(PlannedMaxPiece()) {}
 
   const char* kind() const override { return "cuda"; }
   int device_ordinal() const override { return ordinal_; }
@@ -380,7 +379,7 @@ class CudaDriver final : public Driver {
   // call returns, so the caller may change `src` at once. Before any jax_vmm handler ran on
   // this device nothing of ours can be queued: the plain copy then.
   void WriteTable(void* dst, const void* src, size_t bytes) override {
-    const std::vector<void*> streams = XlaComputeStreams();
+    const std::vector<void*> streams = ComputeStreams(api_, ordinal_);
     if (streams.empty()) {
       CopyToMetadata(dst, src, bytes);
       return;
@@ -417,7 +416,7 @@ class CudaDriver final : public Driver {
   // (no jax_vmm handler ran on this device) the context is all there is to wait for.
   void Synchronize() override {
     ContextGuard g(api_, ctx_.get(), ordinal_);
-    const std::vector<void*> streams = XlaComputeStreams();
+    const std::vector<void*> streams = ComputeStreams(api_, ordinal_);
     if (streams.empty()) {
       CUresult r = api_.cuCtxSynchronize();
       if (r != CUDA_SUCCESS) ThrowDriver(api_, ordinal_, "cuCtxSynchronize", r);
@@ -467,10 +466,6 @@ class CudaDriver final : public Driver {
   }
 
  private:
-  std::vector<void*> XlaComputeStreams() const {
-    return uses_xla_streams_ ? ComputeStreams(ordinal_) : std::vector<void*>{};
-  }
-
   static CUdeviceptr DevPtr(const void* p) {
     return static_cast<CUdeviceptr>(reinterpret_cast<uintptr_t>(p));
   }
@@ -769,9 +764,6 @@ class CudaDriver final : public Driver {
   OwnedStream stream_;       // metadata copies and zero fills: small, latency-bound
   OwnedStream copy_stream_;  // bulk host <-> device copies (sleep, offload, put)
   const size_t max_piece_;  // of the zero allocations, once made
-  // XLA's compute streams belong to libcuda's table: a driver over another table (the
-  // testing layer's emulation) must not wait on them, though they share device ordinals.
-  const bool uses_xla_streams_;
   std::mutex zero_make_mu_;
   std::shared_ptr<const ZeroAllocations> zero_owner_;  // made on first need
   std::atomic<const ZeroAllocations*> zero_{nullptr};  // zero_owner_, once made
