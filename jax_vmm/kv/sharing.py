@@ -233,10 +233,11 @@ class PrefixSharing:
             if left_out:
                 _log.warning(
                     "%s(%d, %d, %d): %d bytes of whole chunks were copied, "
-                    "not mapped: their allocation also backs tokens past the prefix (a plain "
-                    "ensure, or chunks backed ahead by a prefetch, commit ahead or "
-                    "release(keep_tokens=)). Commit a prefix to share with "
-                    "kv.ensure_shareable(n, seq) before anything else backs it.",
+                    "not mapped: their allocation also backs tokens past the prefix (a "
+                    "longer prefix committed by ensure_shareable than the one shared here, a "
+                    "plain ensure, or chunks backed ahead by a prefetch, commit ahead or "
+                    "release(keep_tokens=)). Share the whole prefix that "
+                    "kv.ensure_shareable(n, seq) committed, before anything else backs it.",
                     op, src_name, dst_name, n, sum(e - s for _, s, e in left_out),
                 )  # fmt: skip
             self._set_floor(dst, n)
