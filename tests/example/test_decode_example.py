@@ -651,8 +651,11 @@ def test_decode_cli_refuses_an_out_whose_summary_is_a_directory(tmp_path: Path) 
         (["--max-tokens", "10"], "--max-tokens 10: the longest request .* caches 27 tokens"),
         (["--tp", "1", "--sleep-every", "1"], "--tp with --sleep-every / --budget"),
         (["--budget", "100", "--sleep-every", "1"], "smaller than one chunk of the arena"),
-        # above one KV chunk, below one chunk of the weights' arena
-        (["--budget", "20000", "--sleep-every", "1"], "--budget 20000: .*smaller than one chunk"),
+        # above one KV chunk, below one per buffer of the KV arena (2 layers: 4 chunks)
+        (
+            ["--budget", "20000", "--sleep-every", "1"],
+            "--budget 20000: .*smaller than one chunk of 16384 bytes in each of the arena's 4",
+        ),
         (["--seed", "-2"], r"--seed -2: expected an integer in \[0, 2\*\*32"),
         (["--seed", str(2**64)], "--seed 18446744073709551616: expected an integer"),
         (["--seed", str(2**32)], "--seed 4294967296: expected an integer"),  # weights of 0

@@ -418,7 +418,8 @@ def _serve(args: argparse.Namespace) -> dict:
                 arena_name="policy KV",
             )
         except ValueError as e:  # the cache's own check of the flags' sizes, said as is
-            raise SystemExit(f"decode.py: {e}") from None
+            flag = f"--budget {args.budget}: " if budget is not None and "budget" in str(e) else ""
+            raise SystemExit(f"decode.py: {flag}{e}") from None
         try:
             attn_name, attend = choose_attention(
                 args.attention,
