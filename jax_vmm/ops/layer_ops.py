@@ -267,7 +267,10 @@ def ordered_views(layer: KVLayer, k: Any, v: Any) -> tuple[Any, Any]:
     refused here (``ValueError``). Not seen: a jitted helper that calls ordered_views on
     a layer its caller wrote (the helper is traced apart; XLA inlines it). Read such a
     layer with ``jax_vmm.attention`` / ``jax_vmm.decode_attention``, which take the token
-    as an operand.
+    as an operand. Nor is a read of the views ordered before a later ``kv_write`` of the
+    layer in the same computation (or loop iteration): read only tokens that it does not
+    write (a decode step reads each sequence's first ``length`` tokens, writes at
+    ``length``).
 
     A small custom call checks at run time that the buffers XLA hands over ARE the
     layer's arena buffers, and fails the step otherwise (a donated view on the CPU, for

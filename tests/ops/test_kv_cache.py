@@ -685,14 +685,17 @@ def test_ordered_views_refuse_a_layer_written_in_the_same_function(vm, write_in)
 
 
 def _sum_k_before_each_write(kv, loop: str):
-    """A jitted loop of 4 steps: each reads the sum of K through ordered_views, then writes
-    one token of ones (K and V) at the step's position of sequence 0."""
+    """A jitted loop of 4 steps: step t reads the sum of sequence 0's K tokens before t
+    through ordered_views, then writes one token of ones (K and V) at position t. Nothing
+    orders the read before the same step's write (jax 0.11's XLA:CPU ran the write first),
+    so the read covers only tokens the step does not write, as a decode step's does."""
     new = jnp.ones((1, HKV, D), DT)
 
     def body(t, carry):
         cache, k, v, sums = carry
         kk, _ = jax_vmm.ordered_views(cache[0], k, v)
-        sums = sums.at[t].set(kk.sum())
+        per_token = kk[0].sum(axis=(1, 2))  # loop-invariant for XLA without the barrier
+        sums = sums.at[t].set(jnp.where(jnp.arange(per_token.shape[0]) < t, per_token, 0).sum())
         layer = jax_vmm.kv_write(cache[0], new, new, seq=jnp.zeros(1, jnp.int32), pos=t[None])
         return cache.replace(0, layer), k, v, sums
 
