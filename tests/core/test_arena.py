@@ -449,8 +449,9 @@ def test_rollback_protection_is_what_keeps_the_state(host_vm, faults, op):
     finally:
         faults.disarm(arena)
     after = host_vm.snapshot(arena, [buf])
-    with pytest.raises(AssertionError):
-        assert after == before
+    # Not `pytest.raises(AssertionError)` around `==`: pytest then diffs the two snapshots'
+    # contents, quadratic in their length (with poisoned fresh memory it ran for minutes).
+    assert after != before, "the broken rollback left the state as it was"
     # Physical memory leaked into the memfd: this is what the rollback tests guard.
     assert after["oracle"][1] > before["oracle"][1]
 
