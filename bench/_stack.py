@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -90,25 +91,17 @@ def fill_sequence(cache, seq, length):
     return cache
 
 
-def does_not_fit(e: BaseException) -> str | None:
-    """ "does not fit: ..." when `e` is the arena's OutOfMemoryError or XLA's allocator
-    running out (RESOURCE_EXHAUSTED), else None. A grid sized for one card (an H200's
-    141 GB) then reports the points a smaller one cannot hold instead of ending the run."""
-    if isinstance(e, jax_vmm.OutOfMemoryError) or (
-        isinstance(e, jax.errors.JaxRuntimeError) and "RESOURCE_EXHAUSTED" in str(e)
-    ):
-        return "does not fit: " + str(e).splitlines()[0][:200]
-    return None
-
-
-def time_variant_if_it_fits(variant: str, *args: Any, **kw: Any) -> dict[str, Any] | str:
-    """time_variant's result, or `does_not_fit`'s reason; any other failure raises."""
+def if_it_fits(run: Callable[[], Any]) -> Any:
+    """``run()``'s result, or "does not fit: ..." when it raised the arena's
+    OutOfMemoryError or XLA's allocator ran out (RESOURCE_EXHAUSTED); any other failure
+    raises. A grid sized for one card (an H200's 141 GB) then reports the points a smaller
+    one cannot hold instead of ending the run."""
     try:
-        return time_variant(variant, *args, **kw)
+        return run()
     except (jax_vmm.OutOfMemoryError, jax.errors.JaxRuntimeError) as e:
-        if (why := does_not_fit(e)) is None:
+        if not isinstance(e, jax_vmm.OutOfMemoryError) and "RESOURCE_EXHAUSTED" not in str(e):
             raise
-        return why
+        return "does not fit: " + str(e).splitlines()[0][:200]
 
 
 def time_variant(

@@ -46,7 +46,7 @@ from _common import (  # noqa: E402
     parse_size,
     write_json,  # noqa: E402
 )
-from _stack import does_not_fit  # noqa: E402
+from _stack import if_it_fits  # noqa: E402
 
 CASES = ("arena", "arrays", "arrays-kept")
 TABLE = Table(
@@ -186,16 +186,15 @@ def main(argv: list[str] | None = None) -> dict:
     print(TABLE.header())
     rows = []
     for case in args.cases:
-        try:
-            a = time_case(case, small, args, device)
-            b = time_case(case, large, args, device)
-        except (jax_vmm.OutOfMemoryError, jax.errors.JaxRuntimeError) as e:
-            if (why := does_not_fit(e)) is None:
-                raise
-            rows.append(dict(case=case, skipped=why))
-            print(f"{case}: {why}")
+        got = if_it_fits(
+            lambda c=case: (time_case(c, small, args, device), time_case(c, large, args, device))
+        )
+        if isinstance(got, str):
+            rows.append(dict(case=case, skipped=got))
+            print(f"{case}: {got}")
             gc.collect()
             continue
+        a, b = got
         for mode in ("call", "loop"):
             row = dict(
                 case=case, mode=mode, small_ms=a[mode], large_ms=b[mode], ratio=b[mode] / a[mode]

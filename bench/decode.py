@@ -146,7 +146,9 @@ def measure_point(
         if variant in ST.CUDNN_VARIANTS and no_cudnn:
             point["skipped"][variant] = no_cudnn
             continue
-        got = ST.time_variant_if_it_fits(variant, cfg, device, lengths, context=context, **timing)
+        got = ST.if_it_fits(
+            lambda v=variant: ST.time_variant(v, cfg, device, lengths, context=context, **timing)
+        )
         if isinstance(got, str):
             point["skipped"][variant] = got
             print(f"     {variant} at B{batch} T{context}: {got}")
