@@ -369,5 +369,6 @@ def reference_attention(
     p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0))
     denom = jnp.sum(p, axis=-1, keepdims=True)
     o = jnp.einsum("bshgt,bthd->bshgd", p, v.astype(acc), precision=_FULL)
-    o = jnp.where(denom > 0, o / jnp.where(denom > 0, denom, 1.0), 0.0)
+    # Zeros only for rows without a live token; a NaN logit gives a NaN row, as softmax's.
+    o = jnp.where(denom == 0, 0.0, o / jnp.where(denom == 0, 1.0, denom))
     return o.reshape(B, S, Hq, D).astype(q.dtype)

@@ -143,15 +143,23 @@ void ComputeSplit(const CpuCall& c, int64_t b, int64_t kvh, int64_t s, int64_t l
 }
 
 // out[b] from the `live` splits of every row of sequence b; splits without a live token
-// (m = -inf) weigh nothing, and a row without any gets zeros.
+// (m = -inf) weigh nothing, and a row without any gets zeros. A NaN logit (NaN in q, or in
+// K at a live token) makes its split's l NaN, even where the max skipped it: that row is
+// NaN, as softmax's, so a diverged sequence never looks empty.
 void CombineSequence(const CpuCall& c, int64_t b, int64_t live, std::vector<float>& outf) {
   const int64_t rows = c.sh.q_len * c.sh.q_heads, D = c.sh.head_dim, S = c.plan.splits;
   for (int64_t h = 0; h < rows; ++h) {
     std::fill(outf.begin(), outf.end(), 0.0f);
     const int64_t base = (b * rows + h) * S;
     float mx = kNegInf;
-    for (int64_t s = 0; s < live; ++s) mx = std::max(mx, c.ws_m[base + s]);
-    if (mx != kNegInf) {
+    bool nan = false;
+    for (int64_t s = 0; s < live; ++s) {
+      mx = std::max(mx, c.ws_m[base + s]);
+      nan |= std::isnan(c.ws_l[base + s]);
+    }
+    if (nan) {
+      std::fill(outf.begin(), outf.end(), std::numeric_limits<float>::quiet_NaN());
+    } else if (mx != kNegInf) {
       float total = 0.0f;
       for (int64_t s = 0; s < live; ++s) {
         if (c.ws_m[base + s] == kNegInf) continue;

@@ -163,7 +163,9 @@ __device__ __forceinline__ float BlockReduce(float x, float* red) {
 }
 
 // kRows: blockIdx.x is the row (query i, head) i * Hq + head; a split without a live
-// token of the row (m = -inf) weighs nothing, and a row without any gets zeros.
+// token of the row (m = -inf) weighs nothing, and a row without any gets zeros. A row
+// whose live logits are all NaN also has m = -inf (fmaxf skips NaN) but l = NaN: it runs
+// the weighted sum, which gives NaN, as softmax's (a diverged sequence never looks empty).
 template <typename T, bool kRows = false>
 __global__ void __launch_bounds__(kThreads) CombineKernel(const ParamsOf<kRows> p) {
   const int h = blockIdx.x, b = blockIdx.y;
@@ -180,7 +182,13 @@ __global__ void __launch_bounds__(kThreads) CombineKernel(const ParamsOf<kRows> 
   float mx = -INFINITY;
   for (int i = threadIdx.x; i < live; i += kThreads) mx = fmaxf(mx, p.ws_m[base + i]);
   mx = BlockReduce<true>(mx, red);
-  if (live == 0 || (kRows && mx == -INFINITY)) {  // block-uniform
+  bool zeros = live == 0;  // block-uniform, as mx is
+  if (kRows && !zeros && mx == -INFINITY) {
+    int nan = 0;
+    for (int i = threadIdx.x; i < live; i += kThreads) nan |= isnan(p.ws_l[base + i]);
+    zeros = !__syncthreads_or(nan);
+  }
+  if (zeros) {
     for (int d = threadIdx.x; d < D; d += kThreads) o[d] = FromFloat<T>(0.f);
     return;
   }
