@@ -30,7 +30,13 @@ NAN_SEQ, CLEAN_SEQS = 2, [0, 3]
 def split_k_variants(device):
     if device.platform == "cpu":
         return [(BF16, "auto"), (F32, "auto")]
-    return [(BF16, "tensor_core"), (F16, "tensor_core"), (BF16, "tensor_core_u1"), (BF16, "simple"), (F32, "simple")]  # fmt: skip
+    return [
+        (BF16, "tensor_core"),
+        (F16, "tensor_core"),
+        (BF16, "tensor_core_u1"),
+        (BF16, "simple"),
+        (F32, "simple"),
+    ]
 
 
 def inputs(device, dtype, S, *, nan_in):
@@ -69,9 +75,14 @@ def check(out, clean_ref, S, q_lengths, what):
 @pytest.mark.parametrize("nan_in", ["q", "k"])
 @pytest.mark.parametrize(
     "S,options,splits",
-    [(1, {}, 1), (1, {}, 3), (3, dict(window=5, softcap=30.0), 2), (3, dict(q_lengths=[3, 3, 2, 1]), 4)],
+    [
+        (1, {}, 1),
+        (1, {}, 3),
+        (3, dict(window=5, softcap=30.0), 2),
+        (3, dict(q_lengths=[3, 3, 2, 1]), 4),
+    ],
     ids=["decode-1split", "decode-3splits", "S3-window-softcap", "S3-ragged"],
-)  # fmt: skip
+)
 def test_split_k_kernels_give_nan_rows(device, nan_in, S, options, splits):
     q_lengths = options.get("q_lengths")
     if q_lengths is not None:
