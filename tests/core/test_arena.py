@@ -547,8 +547,9 @@ def test_poisoned_fresh_memory_reads_nan_except_where_zero_filled():
     """jax_vmm.testing.fresh_memory_poisoned(): the host's committed memory holds 0xFF
     bytes (NaN) as a GPU's may hold anything, and a zero-filling arena still reads zeros
     (the host says its fresh memory is not zero then). Outside it, zeros again."""
+    # On the host, whatever the default device: the switch poisons the host's memory.
     kw = dict(num_layers=1, num_kv_heads=2, head_dim=8, max_tokens=64, max_seqs=2,
-              dtype=jnp.float32)  # fmt: skip
+              dtype=jnp.float32, device=jax.devices("cpu")[0])  # fmt: skip
     with jax_vmm.testing.fresh_memory_poisoned():
         raw, zeroed = jax_vmm.kv_arena(**kw), jax_vmm.kv_arena(**kw, zero_fill=True)
         raw.ensure(4, 0)

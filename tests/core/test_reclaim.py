@@ -468,44 +468,79 @@ def _small_kv(vm):
     )
 
 
-def _slow_write(seq, pos, result):
-    """A jitted step(cache, new, big): 20 large matrix products (seconds on a CPU), then a
-    kv_write of ``new`` at (seq, pos) into layer 0; returns ``result(cache, layer)``."""
+def _gated_write(seq, pos, result):
+    """A jitted step(cache, new, busy): a kv_write of ``new`` at (seq, pos) into layer 0,
+    behind the testing host gate; returns ``result(cache, layer)``. Inside
+    ``host_gate_closed()`` the step stays in flight across the test's calls, however fast
+    the machine (``busy``: enough work that XLA:CPU queues the step instead of inlining
+    it)."""
 
     @jax.jit
-    def step(cache, new, big):
-        x = big
-        for _ in range(20):
-            x = jnp.tanh(x @ x)
-        layer = jax_vmm.kv_write(cache[0], new + x[0, 0] * 0, new, seq=seq, pos=pos)
+    def step(cache, new, busy):
+        new = jax_vmm.testing.through_host_gate(new + 0 * jnp.sum(jnp.sin(busy)))
+        layer = jax_vmm.kv_write(cache[0], new, new, seq=seq, pos=pos)
         return result(cache, layer)
 
     return step
 
 
+def _held_at_the_gate() -> None:
+    deadline = time.monotonic() + 60
+    while jax_vmm.testing.host_gate_held() == 0:
+        assert time.monotonic() < deadline, "the step never reached the host gate"
+        time.sleep(0.001)
+
+
+def _blocks_while_the_gate_is_closed(call: Callable[[], None]) -> tuple[threading.Thread, list]:
+    """Runs ``call`` on a thread; returns it (joined for half a second: still alive if
+    ``call`` waits for the held step) and the list its exception lands in."""
+    errors: list = []
+
+    def run():
+        try:
+            call()
+        except Exception as e:  # noqa: BLE001 - handed to the test
+            errors.append(e)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join(0.5)
+    return thread, errors
+
+
 @pytest.mark.parametrize("how", ["neighbour", "keep_tokens", "ensure_all"])
 def test_a_write_in_flight_at_a_release_never_lands_in_the_next_sequence(host_vm, how):
-    """A step still running writes the old sequence of slot 3; the slot is released and
-    ensured for the next sequence, whose chunk stayed backed (a neighbour's tokens share
-    it, or the release kept tokens). The write is dropped and counted, and the next
-    sequence's tokens stay as they were (it landed there, uncounted: the fast ensure raised
-    the table before the step ran). Large matrix products keep the step running."""
+    """A step still in flight (held at the testing host gate) writes the old sequence of
+    slot 3; the slot is released and ensured for the next sequence, whose chunk stayed
+    backed (a neighbour's tokens share it, or the release kept tokens). The ensure waits
+    for the step, whose write is dropped and counted: the next sequence's tokens stay as
+    they were (a fast ensure that raised the table first let it land there, uncounted)."""
     kv = _small_kv(host_vm)
     kv.ensure(4, seq=2)
     kv.ensure(4, seq=3)
-    step = _slow_write(
+    step = _gated_write(
         jnp.array([3, 3]), jnp.array([0, 1]), lambda cache, layer: cache.replace(0, layer)
     )
-    big = jnp.ones((1500, 1500))
-    jax.block_until_ready(step(kv.cache(), jnp.zeros((2, 2, 8)), big))
+    busy = jnp.ones(8192)
+    jax.block_until_ready(step(kv.cache(), jnp.zeros((2, 2, 8)), busy))
     kv.check()
-    out = step(kv.cache(), jnp.full((2, 2, 8), 9.0), big)  # in flight
-    kv.release(3, keep_tokens=4 if how == "keep_tokens" else 0)
-    if how == "ensure_all":
-        kv.ensure_all([0, 0, 0, 4])
-    else:
-        kv.ensure(4, seq=3)
+
+    def ensure_next():
+        if how == "ensure_all":
+            kv.ensure_all([0, 0, 0, 4])
+        else:
+            kv.ensure(4, seq=3)
+
+    with jax_vmm.testing.host_gate_closed():
+        out = step(kv.cache(), jnp.full((2, 2, 8), 9.0), busy)  # in flight
+        _held_at_the_gate()
+        kv.release(3, keep_tokens=4 if how == "keep_tokens" else 0)
+        ensuring, errors = _blocks_while_the_gate_is_closed(ensure_next)
+        waited = ensuring.is_alive()
+    ensuring.join()
     jax.block_until_ready(out)
+    assert not errors, errors
+    assert waited, "the next sequence's ensure did not wait for the write in flight"
     with pytest.raises(jax_vmm.OutOfBoundsWrite) as info:
         kv.check()
     assert info.value.count == 4  # 2 tokens, K and V
@@ -547,29 +582,34 @@ def test_a_release_that_declares_no_writes_in_flight_does_not_wait(host_vm):
 def test_check_waits_for_a_step_that_returns_only_what_it_read(host_vm, waited):
     """A step writes a layer (one token past the ensured ones: dropped), reads it and
     returns only the attention output: kv.check() right after the dispatch waits for it
-    and reports the drop (it returned 0, and the drop surfaced at a later check). Large
-    matrix products keep the step running; the control (the wait for live results off)
-    misses the drop."""
+    and reports the drop (it returned 0, and the drop surfaced at a later check). The step
+    is held at the testing host gate; the control (the wait for live results off) misses
+    the drop."""
     kv = _small_kv(host_vm)
     kv.ensure(4, seq=0)
     q = jnp.ones((4, 2, 8))
-    step = _slow_write(
+    step = _gated_write(
         jnp.array([0]),
         jnp.array([9]),
         lambda cache, layer: jax_vmm.decode_attention(q, layer, jnp.array([4, 0, 0, 0])),
     )
-    big = jnp.ones((1500, 1500))
-    jax.block_until_ready(step(kv.cache(), jnp.ones((1, 2, 8)), big))
+    busy = jnp.ones(8192)
+    jax.block_until_ready(step(kv.cache(), jnp.ones((1, 2, 8)), busy))
     with pytest.raises(jax_vmm.OutOfBoundsWrite):
         kv.check()  # the compile run's drop
+    with jax_vmm.testing.host_gate_closed():
+        out = step(kv.cache(), jnp.ones((1, 2, 8)), busy)
+        _held_at_the_gate()
+        if not waited:
+            with jax_vmm.testing.live_results_unwaited():
+                kv.check()  # too early: the step has not run, nothing counted yet
+        else:
+            checking, errors = _blocks_while_the_gate_is_closed(kv.check)
+            blocked = checking.is_alive()
+    jax.block_until_ready(out)
     if not waited:
-        with jax_vmm.testing.live_results_unwaited():
-            out = step(kv.cache(), jnp.ones((1, 2, 8)), big)
-            kv.check()  # too early: the step has not run, nothing counted yet
-        jax.block_until_ready(out)
         return
-    out = step(kv.cache(), jnp.ones((1, 2, 8)), big)
-    with pytest.raises(jax_vmm.OutOfBoundsWrite) as info:
-        kv.check()
-    assert info.value.count == 2  # K and V
-    assert out.is_ready()
+    checking.join()
+    assert blocked, "kv.check() did not wait for the step in flight"
+    assert len(errors) == 1 and isinstance(errors[0], jax_vmm.OutOfBoundsWrite), errors
+    assert errors[0].count == 2  # K and V

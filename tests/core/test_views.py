@@ -33,11 +33,13 @@ REPO = Path(__file__).resolve().parents[2]
 # Eight sequences of 32768 x 8 x 128 float32 (1 GiB per buffer, unbacked: it reads zeros
 # and costs no memory), read by a queue of passes, each its own asynchronous dispatch (a
 # loop inside one computation could make the dispatch wait on the host for its trip
-# count). One pass takes about a second on a CPU and half a millisecond on an H200, so
-# 2000 queued passes outlast their dispatch. The script checks that the work it leaves
-# behind is still running (and queues ten times more passes until it is).
+# count). On a GPU, 2000 queued passes (half a millisecond each on an H200) outlast their
+# dispatch; the script checks that the work it leaves behind is still running (and queues
+# ten times more passes until it is). On the CPU the passes wait at the testing host gate,
+# which the script opens only at exit: they run while the interpreter shuts down, however
+# fast the machine.
 _EXIT_SCRIPT = r"""
-import contextlib, faulthandler, sys
+import atexit, contextlib, faulthandler, sys
 faulthandler.dump_traceback_later(45, exit=True)  # a hang fails with every thread's stack
 import jax, jax.numpy as jnp
 import jax_vmm, jax_vmm.testing
@@ -48,8 +50,15 @@ kv = jax_vmm.kv_arena(num_layers=1, num_kv_heads=8, head_dim=128, max_tokens=327
 legacy = jax_vmm.testing.legacy_views() if views == "legacy" else contextlib.nullcontext()
 with legacy:
     k = kv.k[0]
-one_pass = jax.jit(lambda k, s: s + jnp.sin(k).sum())
-passes = 1 if platform == "cpu" else 2000
+if platform == "cpu":
+    gate = jax_vmm.testing.host_gate_closed()
+    gate.__enter__()
+    atexit.register(gate.__exit__, None, None, None)  # runs before JAX's own exit handlers
+    held = jax_vmm.testing.through_host_gate
+    one_pass = jax.jit(lambda k, s: s + jnp.sin(k + 0 * held(s)).sum())
+else:
+    one_pass = jax.jit(lambda k, s: s + jnp.sin(k).sum())
+passes = 4 if platform == "cpu" else 2000
 while True:
     out = jnp.zeros((), jnp.float32, device=device)
     for _ in range(passes):
