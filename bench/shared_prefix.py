@@ -11,7 +11,9 @@ Side by side in one process, on the example's model (``jax_vmm.serving``):
   by a release (not timed). Goal: <= 0.3x.
 * memory: ``--batch`` requests sharing the prefix, each holding its rest: physical KV
   memory (backed - alias + parked) against one copy of the prefix plus each request's
-  own tokens (``token_bytes``, K and V of all layers, each). Goal: <= 1.1x.
+  own tokens (``token_bytes``, K and V of all layers, each). Goal: <= 1.1x. Two floors
+  beside it: what any layout holds where a chunk takes one layer's K or V (this arena's),
+  and where one chunk takes every layer's K and V of its tokens.
 
     python bench/shared_prefix.py                       # GPU preset: 4k prefix, batch 16
     python bench/shared_prefix.py --device cpu --preset cpu --prefix 256 --suffix 16 --batch 4
@@ -64,6 +66,15 @@ def main(argv: list[str] | None = None) -> dict:
             return _run(args, cfg, params, cache, prefix, rests, device)
         finally:
             cache.close()
+
+
+def chunk_floor(prefix: int, suffix: int, batch: int, chunk_bytes: int, row_bytes: int) -> int:
+    """The least memory a buffer of ``row_bytes`` per token holds when physical memory
+    comes in chunks of ``chunk_bytes``: the prefix's chunks once, and per request the
+    chunks its own tokens touch (the prefix's partial last chunk is a copy)."""
+    per_chunk = max(chunk_bytes // row_bytes, 1)
+    own = -(-(prefix + suffix) // per_chunk) - prefix // per_chunk
+    return chunk_bytes * (-(-prefix // per_chunk) + batch * own)
 
 
 def _run(args, cfg, params, cache, prefix, rests, device) -> dict:
@@ -138,6 +149,10 @@ def _run(args, cfg, params, cache, prefix, rests, device) -> dict:
     per_token = cache.token_bytes  # K and V of every layer (serving/cache.py)
     ideal = (args.prefix + args.batch * args.suffix) * per_token
     stats = cache.stats()
+    chunk = stats["chunk_bytes"]
+    floor_layers = chunk_floor(args.prefix, args.suffix, args.batch, chunk, cache.kv.token_bytes)
+    floor_layers *= cache.token_bytes // cache.kv.token_bytes  # one such floor per buffer
+    floor_spanning = chunk_floor(args.prefix, args.suffix, args.batch, chunk, per_token)
     table = C.Table(("measure", 34, "<"), ("value", 14), ("goal", 8))
     print(
         f"shared prefix: {args.prefix} tokens, {args.batch} requests of {args.suffix} more, "
@@ -151,6 +166,8 @@ def _run(args, cfg, params, cache, prefix, rests, device) -> dict:
     print(table.row("physical KV memory", f"{physical / C.MiB:.1f} MiB", ""))
     print(table.row("one prefix + own tokens", f"{ideal / C.MiB:.1f} MiB", ""))
     print(table.row("memory, ratio", f"{physical / ideal:.3f}x", "<= 1.1"))
+    print(table.row("floor, a chunk per layer's K or V", f"{floor_layers / ideal:.3f}x", ""))
+    print(table.row("floor, a chunk over every layer", f"{floor_spanning / ideal:.3f}x", ""))
     print(
         table.row("shared bytes (physical, once)", f"{stats['shared_bytes'] / C.MiB:.1f} MiB", "")
     )
@@ -164,6 +181,8 @@ def _run(args, cfg, params, cache, prefix, rests, device) -> dict:
         physical_bytes=physical,
         ideal_bytes=ideal,
         memory_ratio=physical / ideal,
+        floor_ratio_chunk_per_buffer=floor_layers / ideal,
+        floor_ratio_chunk_over_layers=floor_spanning / ideal,
         chunk_bytes=stats["chunk_bytes"],
         command=C.command_line("shared_prefix.py", argv=None),
     )
