@@ -18,6 +18,8 @@ and leave the unmapping to ``host_reclaim.py``, which waits for them on its own 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import jax
 
 #: Test hook (``jax_vmm.testing.host_device_waits_skipped()``): when True the wait does
@@ -34,10 +36,18 @@ def wait_for_host_work(device: jax.Device) -> None:
     wait_for_live_arrays({device})
 
 
+def live_arrays_on(devices: set) -> Iterator[jax.Array]:
+    """The live arrays of the backends of ``devices``. ``jax.live_arrays()`` alone lists
+    the default backend's: on a machine with a GPU a CPU arena saw none of its work in
+    flight, and gave memory back under it."""
+    for platform in sorted({d.platform for d in devices}):
+        yield from jax.live_arrays(platform)
+
+
 def wait_for_live_arrays(devices: set) -> None:
     """Block until every live array on any of ``devices`` that is not ready yet is (or is
     gone), whatever the platform."""
-    for a in jax.live_arrays():
+    for a in live_arrays_on(devices):
         try:
             if a.is_deleted() or a.is_ready() or not devices & set(a.devices()):
                 continue
@@ -53,7 +63,7 @@ def in_flight(device: jax.Device) -> list[jax.Array]:
     if skip or device.platform != "cpu":
         return []
     out = []
-    for a in jax.live_arrays():
+    for a in live_arrays_on({device}):
         try:
             if not a.is_deleted() and not a.is_ready() and device in a.devices():
                 out.append(a)

@@ -123,6 +123,25 @@ def test_without_the_wait_the_memory_goes_under_the_running_step(host_vm, step):
     assert any(not np.array_equal(got, want) for want, got in results)
 
 
+@pytest.mark.parametrize("release", ["release", "close"])
+def test_the_wait_sees_the_cpu_work_when_another_backend_is_the_default(
+    host_vm, release, monkeypatch
+):
+    """On a machine with a GPU, ``jax.live_arrays()`` lists the GPU's arrays only: a CPU
+    arena asked it for its work in flight, found none, and gave memory back under a
+    running step (the GPU machine's runs of the tests above). Here the default backend's
+    list is made to hold nothing of the CPU's, as there: the wait must still see the
+    step."""
+    listed = jax.live_arrays
+
+    def default_backend_is_elsewhere(platform=None):
+        return [] if platform is None else listed(platform)
+
+    monkeypatch.setattr(jax, "live_arrays", default_backend_is_elsewhere)
+    for want, got in _results_after(host_vm, "reduction", release):
+        np.testing.assert_array_equal(got, want)
+
+
 # -- a release does not wait: the step in flight is held at a gate ----------------------
 #
 # The steps below pass their query through jax_vmm.testing.through_host_gate, so they
