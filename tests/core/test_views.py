@@ -74,9 +74,8 @@ if end == "raise":
 
 
 def _run_exit_script(platform: str, end: str, views: str) -> subprocess.CompletedProcess:
-    # The CPU's run on JAX's CPU platform alone, as on a machine without a GPU: with a GPU
-    # backend beside it, the exit waited for the CPU's work before the interpreter went
-    # (the control below did not abort on the H100 machine).
+    # The CPU's run on JAX's CPU platform alone, as on a machine without a GPU: with the
+    # GPU as JAX's default backend the control below did not abort (the H100 machine).
     env = child_env(JAX_PLATFORMS="cpu") if platform == "cpu" else child_env()
     return subprocess.run(
         [sys.executable, "-c", _EXIT_SCRIPT, platform, end, views],
