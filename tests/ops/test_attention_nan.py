@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_attention_semantics import variants  # every split-K kernel, per platform
 
 import jax_vmm
 import jax_vmm.testing
@@ -25,18 +26,6 @@ BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
 B, T, HQ, HKV, D = 4, 48, 4, 2, 64
 LENGTHS = np.array([40, 0, 48, 17], np.int32)
 NAN_SEQ, CLEAN_SEQS = 2, [0, 3]
-
-
-def split_k_variants(device):
-    if device.platform == "cpu":
-        return [(BF16, "auto"), (F32, "auto")]
-    return [
-        (BF16, "tensor_core"),
-        (F16, "tensor_core"),
-        (BF16, "tensor_core_u1"),
-        (BF16, "simple"),
-        (F32, "simple"),
-    ]
 
 
 def inputs(device, dtype, S, *, nan_in):
@@ -87,7 +76,7 @@ def test_split_k_kernels_give_nan_rows(device, nan_in, S, options, splits):
     q_lengths = options.get("q_lengths")
     if q_lengths is not None:
         options = dict(options, q_lengths=jax.device_put(jnp.asarray(q_lengths, jnp.int32), device))
-    for dtype, impl in split_k_variants(device):
+    for dtype, impl in variants(device):
         q, k, v, n = inputs(device, dtype, S, nan_in=nan_in)
         out = jax_vmm.testing.decode_attention(
             q, k, v, n, out_init=jnp.full(q.shape, 7, q.dtype), impl=impl, chunk=16,
