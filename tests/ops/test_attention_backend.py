@@ -68,9 +68,10 @@ def test_without_the_backend_nothing_routes(monkeypatch):
 def test_a_misspelt_mode_is_refused_by_the_natural_call(monkeypatch):
     """The env var is checked by the call a user makes, with what is accepted."""
     monkeypatch.setenv("JAX_VMM_ATTENTION", "cuddn")
+    # zero_fill: the unwritten tokens read as zeros, so the output is finite.
     kv = jax_vmm.kv_arena(
         num_layers=1, num_kv_heads=2, head_dim=16, max_tokens=64, dtype=jnp.float32,
-        device=jax.devices("cpu")[0], max_seqs=2, initial_tokens=8,
+        device=jax.devices("cpu")[0], max_seqs=2, initial_tokens=8, zero_fill=True,
     )  # fmt: skip
     try:
         q = jnp.ones((2, 4, 16), jnp.float32)

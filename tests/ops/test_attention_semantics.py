@@ -524,7 +524,8 @@ _COPY_PROBE = textwrap.dedent("""
 
     B, T, H, D, Hq, S = 2, 512, 2, 64, 4, 3
     kv = jax_vmm.kv_arena(num_layers=1, num_kv_heads=H, head_dim=D, max_tokens=T,
-                          dtype=jnp.float8_e4m3fn, max_seqs=B, chunk_bytes=4096)
+                          dtype=jnp.float8_e4m3fn, max_seqs=B, chunk_bytes=4096,
+                          zero_fill=True)  # unwritten tokens read as zeros: a finite output
     for s, n in enumerate((37, 100)):
         kv.ensure(n, seq=s)
     libc = ctypes.CDLL(None, use_errno=True)
