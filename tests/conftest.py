@@ -21,6 +21,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -534,3 +535,31 @@ def host_vm(cpu_device) -> Harness:
     h = Harness(cpu_device)
     yield h
     h.close_all()
+
+
+# -- steps held at the testing host gate ---------------------------------------------------
+
+
+def held_at_the_host_gate() -> None:
+    """Returns once a step waits at the testing host gate (``jax_vmm.testing``)."""
+    deadline = time.monotonic() + 60
+    while jax_vmm.testing.host_gate_held() == 0:
+        assert time.monotonic() < deadline, "the step never reached the host gate"
+        time.sleep(0.001)
+
+
+def blocks_while_the_gate_is_closed(call: Callable[[], None]) -> tuple[threading.Thread, list]:
+    """Runs ``call`` on a thread; returns it (joined for half a second: still alive if
+    ``call`` waits for the held step) and the list its exception lands in."""
+    errors: list = []
+
+    def run():
+        try:
+            call()
+        except Exception as e:  # noqa: BLE001 - handed to the test
+            errors.append(e)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join(0.5)
+    return thread, errors

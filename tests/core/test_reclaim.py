@@ -21,7 +21,16 @@ import numpy as np
 import pytest
 
 import jax_vmm
-from conftest import chunk_range, chunk_states, pattern, raw_bytes, read_bytes, write_bytes
+from conftest import (
+    blocks_while_the_gate_is_closed,
+    chunk_range,
+    chunk_states,
+    held_at_the_host_gate,
+    pattern,
+    raw_bytes,
+    read_bytes,
+    write_bytes,
+)
 from jax_vmm.testing import uncounted_view
 
 
@@ -484,30 +493,6 @@ def _gated_write(seq, pos, result):
     return step
 
 
-def _held_at_the_gate() -> None:
-    deadline = time.monotonic() + 60
-    while jax_vmm.testing.host_gate_held() == 0:
-        assert time.monotonic() < deadline, "the step never reached the host gate"
-        time.sleep(0.001)
-
-
-def _blocks_while_the_gate_is_closed(call: Callable[[], None]) -> tuple[threading.Thread, list]:
-    """Runs ``call`` on a thread; returns it (joined for half a second: still alive if
-    ``call`` waits for the held step) and the list its exception lands in."""
-    errors: list = []
-
-    def run():
-        try:
-            call()
-        except Exception as e:  # noqa: BLE001 - handed to the test
-            errors.append(e)
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    thread.join(0.5)
-    return thread, errors
-
-
 @pytest.mark.parametrize("how", ["neighbour", "keep_tokens", "ensure_all"])
 def test_a_write_in_flight_at_a_release_never_lands_in_the_next_sequence(host_vm, how):
     """A step still in flight (held at the testing host gate) writes the old sequence of
@@ -533,9 +518,9 @@ def test_a_write_in_flight_at_a_release_never_lands_in_the_next_sequence(host_vm
 
     with jax_vmm.testing.host_gate_closed():
         out = step(kv.cache(), jnp.full((2, 2, 8), 9.0), busy)  # in flight
-        _held_at_the_gate()
+        held_at_the_host_gate()
         kv.release(3, keep_tokens=4 if how == "keep_tokens" else 0)
-        ensuring, errors = _blocks_while_the_gate_is_closed(ensure_next)
+        ensuring, errors = blocks_while_the_gate_is_closed(ensure_next)
         waited = ensuring.is_alive()
     ensuring.join()
     jax.block_until_ready(out)
@@ -599,12 +584,12 @@ def test_check_waits_for_a_step_that_returns_only_what_it_read(host_vm, waited):
         kv.check()  # the compile run's drop
     with jax_vmm.testing.host_gate_closed():
         out = step(kv.cache(), jnp.ones((1, 2, 8)), busy)
-        _held_at_the_gate()
+        held_at_the_host_gate()
         if not waited:
             with jax_vmm.testing.live_results_unwaited():
                 kv.check()  # too early: the step has not run, nothing counted yet
         else:
-            checking, errors = _blocks_while_the_gate_is_closed(kv.check)
+            checking, errors = blocks_while_the_gate_is_closed(kv.check)
             blocked = checking.is_alive()
     jax.block_until_ready(out)
     if not waited:

@@ -17,7 +17,7 @@ from jax._src.interpreters import pxla
 
 import jax_vmm
 import jax_vmm.testing
-from conftest import raw_bytes
+from conftest import blocks_while_the_gate_is_closed, held_at_the_host_gate, raw_bytes
 
 S, T, H, D, L = 2, 16, 2, 8, 2
 DT = np.float32
@@ -105,12 +105,17 @@ def test_an_effectful_step_is_seen_by_the_counter(vm, slow_path_calls):
 
 
 def _check_waits_for_a_step_in_flight(vm) -> None:
+    """kv.check() right after dispatching a step that drops 2 * S writes must report them.
+    On the CPU the step waits at the testing host gate until check() has been called, so
+    it is in flight however fast the machine; on a GPU large matrix products keep it
+    running. Fails with pytest's "DID NOT RAISE" when check() misses the drop."""
     kv = _kv(vm)
-    x = jnp.full((1500, 1500), 1e-3, DT)
+    on_cpu = vm.device.platform == "cpu"
+    x = jnp.full((64, 64) if on_cpu else (1500, 1500), 1e-3, DT)
 
     @jax.jit
     def slow_dropping_step(cache, x):
-        y = x
+        y = jax_vmm.testing.through_host_gate(x) if on_cpu else x
         for _ in range(3):
             y = jnp.sin(y @ y)
         late = (y[0, 0] > 2).astype(jnp.int32)  # 0, known only after the work
@@ -123,10 +128,22 @@ def _check_waits_for_a_step_in_flight(vm) -> None:
     jax.block_until_ready(cache)
     with pytest.raises(jax_vmm.OutOfBoundsWrite):
         kv.check()
-    cache = slow_dropping_step(cache, x)  # dispatched on the fast path; still computing
-    with pytest.raises(jax_vmm.OutOfBoundsWrite) as info:
-        kv.check()
-    assert info.value.count == 2 * S
+    if not on_cpu:
+        cache = slow_dropping_step(cache, x)  # dispatched on the fast path; still computing
+        with pytest.raises(jax_vmm.OutOfBoundsWrite) as info:
+            kv.check()
+        assert info.value.count == 2 * S
+        return
+    with jax_vmm.testing.host_gate_closed():
+        cache = slow_dropping_step(cache, x)  # dispatched on the fast path; held
+        held_at_the_host_gate()
+        checking, errors = blocks_while_the_gate_is_closed(kv.check)
+    checking.join()
+    jax.block_until_ready(cache)
+    if not errors:
+        pytest.fail("DID NOT RAISE OutOfBoundsWrite: check() missed the step in flight")
+    assert isinstance(errors[0], jax_vmm.OutOfBoundsWrite), errors
+    assert errors[0].count == 2 * S
 
 
 def test_check_waits_for_the_steps_it_was_not_given(vm):
