@@ -537,29 +537,43 @@ def host_vm(cpu_device) -> Harness:
     h.close_all()
 
 
-# -- steps held at the testing host gate ---------------------------------------------------
+# -- calls on other threads, and steps held at the testing host gate ------------------------
+
+
+def wait_until(cond: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
+    t0 = time.monotonic()
+    while not cond():
+        if time.monotonic() - t0 > timeout:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.002)
+
+
+class BackgroundCall:
+    """Runs fn in a thread; .done tells whether it returned, .result / .error what."""
+
+    def __init__(self, fn: Callable[[], object]):
+        self.result = self.error = None
+        self._thread = threading.Thread(target=self._run, args=(fn,), daemon=True)
+        self._thread.start()
+
+    def _run(self, fn):
+        try:
+            self.result = fn()
+        except BaseException as exc:  # noqa: BLE001 - re-raised by join()
+            self.error = exc
+
+    @property
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def join(self, timeout: float = 60.0):
+        self._thread.join(timeout)
+        assert not self._thread.is_alive(), "the call hung"
+        if self.error is not None:
+            raise self.error
+        return self.result
 
 
 def held_at_the_host_gate() -> None:
     """Returns once a step waits at the testing host gate (``jax_vmm.testing``)."""
-    deadline = time.monotonic() + 60
-    while jax_vmm.testing.host_gate_held() == 0:
-        assert time.monotonic() < deadline, "the step never reached the host gate"
-        time.sleep(0.001)
-
-
-def blocks_while_the_gate_is_closed(call: Callable[[], None]) -> tuple[threading.Thread, list]:
-    """Runs ``call`` on a thread; returns it (joined for half a second: still alive if
-    ``call`` waits for the held step) and the list its exception lands in."""
-    errors: list = []
-
-    def run():
-        try:
-            call()
-        except Exception as e:  # noqa: BLE001 - handed to the test
-            errors.append(e)
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    thread.join(0.5)
-    return thread, errors
+    wait_until(lambda: jax_vmm.testing.host_gate_held() > 0, "a step at the host gate")
