@@ -110,7 +110,7 @@ def thread_cpu() -> dict[int, tuple[str, float]]:
     return out
 
 
-def measure(batch: int, preset: str = "gpu") -> dict:
+def measure(batch: int, preset: str = "gpu", device: str = "auto") -> dict:
     times = CallTimes(threading.get_ident())
     seen: dict = {}
     make_cache, run = C.make_cache, E.Generator.run
@@ -135,7 +135,8 @@ def measure(batch: int, preset: str = "gpu") -> dict:
     D.make_cache, E.Generator.run = instrumented_cache, measured_run
     try:
         summary = D.main(
-            ["--preset", preset, "--batch", str(batch), "--requests", str(3 * batch)]
+            ["--preset", preset, "--device", device, "--batch", str(batch)]
+            + ["--requests", str(3 * batch)]
             + ["--no-progress", "--no-plot", "--out", "/tmp/dispatch_costs"]
         )
     finally:

@@ -13,7 +13,7 @@ dispatch_costs = load_script("bench/dispatch_costs.py")
 
 def test_breakdown_matches_the_engine_calls(cpu_device) -> None:
     run, make = E.Generator.run, D.make_cache
-    r = dispatch_costs.measure(batch=2, preset="cpu")
+    r = dispatch_costs.measure(batch=2, preset="cpu", device="cpu")
     assert (E.Generator.run, D.make_cache) == (run, make)
     inside = {row["call"]: row for row in r["inside_calls"]}
     engine = r["engine_calls"]
