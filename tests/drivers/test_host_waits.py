@@ -12,7 +12,6 @@ partial sums, which shows the tests catch it.
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 
 import jax
@@ -22,7 +21,7 @@ import pytest
 
 import jax_vmm
 import jax_vmm.testing
-from conftest import write_bytes
+from conftest import held_at_the_host_gate, write_bytes
 
 TOKENS, HEADS, DIM = 8192, 8, 128  # one sequence of one layer: 32 MiB of float32
 REPEATS = 2
@@ -177,10 +176,8 @@ def _held(x: jax.Array) -> bool:
 
 def _reaches_gate(x: jax.Array) -> jax.Array:
     """x, once the step that computes it waits at the gate (it has started)."""
-    deadline = time.monotonic() + GATE_GUARD_S
-    while jax_vmm.testing.host_gate_held() == 0 and time.monotonic() < deadline:
-        time.sleep(0.001)
-    assert _held(x), "the step never reached the gate"
+    held_at_the_host_gate()
+    assert _held(x), "the step at the gate is not the one that computes x"
     return x
 
 
