@@ -9,10 +9,12 @@ arrays hold them too; the statistics say whether XLA handed over the arena itsel
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import jax
@@ -22,8 +24,9 @@ import pytest
 
 import jax_vmm
 import jax_vmm.testing
-from conftest import read_bytes, write_bytes
+from conftest import BackgroundCall, held_at_the_host_gate, read_bytes, write_bytes
 from jax_vmm import ops
+from jax_vmm.kv import base as _kv_base
 
 H, D = 2, 8
 
@@ -416,13 +419,15 @@ def test_a_write_whose_result_is_unused_still_writes(vm, op):
 
 
 def _slow_step_dropping(kv, n: int):
-    """A step that computes for a while (seconds on a CPU) and only then writes n tokens
-    to slots past the cache, all dropped and counted."""
+    """A step that writes n tokens to slots past the cache, all dropped and counted, only
+    after work: on the CPU it first waits at the testing host gate, on a GPU large matrix
+    products keep it running."""
     dest = kv.dest(0)
+    gated = kv.arena.device.platform == "cpu"
 
     @jax.jit
     def step(k, v, x):
-        y = x
+        y = jax_vmm.testing.through_host_gate(x) if gated else x
         for _ in range(4):
             y = jnp.sin(y @ y)
         late = (y[0, 0] > 2).astype(jnp.int32)  # 0, but only known after the work
@@ -433,31 +438,55 @@ def _slow_step_dropping(kv, n: int):
     return step
 
 
-@pytest.mark.parametrize("wait", ["barrier", "arrays_from_another_thread"])
-def test_check_waits_for_the_writes_in_flight(vm, wait):
+def _check_waits_for_the_writes_in_flight(vm, wait: str) -> None:
     """kv.check() right after dispatching a step sees that step's drops: it waits for
-    every kv_write dispatched from this thread (jax.effects_barrier), and for the arrays
-    it is given (a step dispatched from another thread)."""
+    every kv_write dispatched from its thread (jax.effects_barrier), and for the arrays
+    it is given (a step dispatched from another thread). On the CPU the step is held at
+    the host gate until check() has been called, however fast the machine. Fails with
+    pytest's "DID NOT RAISE" when check() misses the drop."""
     kv = vm.kv(num_layers=1, num_kv_heads=H, head_dim=D, max_tokens=16, dtype=jnp.float32)
     n = 4096
     step = _slow_step_dropping(kv, n)
-    x = _put(vm, np.full((1500, 1500), 1e-3, np.float32))
+    on_cpu = vm.device.platform == "cpu"
+    x = _put(vm, np.full((64, 64) if on_cpu else (1500, 1500), 1e-3, np.float32))
     jax.block_until_ready(step(kv.k[0], kv.v[0], x))  # compile and run once
     with pytest.raises(jax_vmm.OutOfBoundsWrite):  # reset the count
         kv.check()
-    if wait == "barrier":
-        step(kv.k[0], kv.v[0], x)  # dispatched; still computing
-        arrays = ()
-    else:
+
+    def dispatch_then_check():
+        if wait == "barrier":  # the same thread dispatches and checks
+            step(kv.k[0], kv.v[0], x)
+            return kv.check()
         box: list = []
         worker = threading.Thread(target=lambda: box.append(step(kv.k[0], kv.v[0], x)))
         worker.start()
-        worker.join()  # dispatched from the worker; its result may still be computing
-        arrays = tuple(box)
+        worker.join()  # dispatched from the worker; its result still computing
+        return kv.check(*box)
+
+    gate = jax_vmm.testing.host_gate_closed() if on_cpu else contextlib.nullcontext()
+    with gate:
+        checking = BackgroundCall(dispatch_then_check)
+        if on_cpu:
+            held_at_the_host_gate()
+            time.sleep(0.5)  # check() starts while the step is held
     with pytest.raises(jax_vmm.OutOfBoundsWrite) as info:
-        kv.check(*arrays)
+        checking.join()
     assert info.value.count == 2 * n
     kv.check()
+
+
+@pytest.mark.parametrize("wait", ["barrier", "arrays_from_another_thread"])
+def test_check_waits_for_the_writes_in_flight(vm, wait):
+    _check_waits_for_the_writes_in_flight(vm, wait)
+
+
+@pytest.mark.parametrize("wait", ["barrier", "arrays_from_another_thread"])
+def test_a_check_that_does_not_wait_misses_the_drop(host_vm, wait, monkeypatch):
+    """The control: with kv.check()'s wait removed it reads the counters while the step
+    is held and misses its drop, so the test above tests the wait."""
+    monkeypatch.setattr(_kv_base, "wait_for_writes", lambda *a, **k: None)
+    with pytest.raises(pytest.fail.Exception, match="DID NOT RAISE"):
+        _check_waits_for_the_writes_in_flight(host_vm, wait)
 
 
 # -- device-side validation ---------------------------------------------------------------

@@ -20,6 +20,7 @@ drops its writes (tests/integration/test_command_buffer_gpu.py).
 
 from __future__ import annotations
 
+import contextlib
 import gc
 
 import jax
@@ -29,7 +30,7 @@ import pytest
 
 import jax_vmm
 import jax_vmm.testing
-from conftest import read_bytes
+from conftest import held_at_the_host_gate, read_bytes
 from jax_vmm import ops
 
 H, D, T = 2, 8, 16
@@ -244,17 +245,25 @@ def test_a_refused_step_does_not_break_later_checks(vm):
     dest = kv.dest(0)
     kv.close()
     other = _make(vm)
-    x = _put(vm, np.full((1500, 1500), 1e-3, np.float32))
+    on_cpu = vm.device.platform == "cpu"
+    x = _put(vm, np.full((64, 64) if on_cpu else (1500, 1500), 1e-3, np.float32))
 
     @jax.jit
     def step(x):
-        y = jnp.sin(x @ x @ x)  # a while on a CPU: the refusal comes after dispatch
+        # The refusal comes when the step runs, after its dispatch returned: on the CPU
+        # the step waits at the testing host gate first, on a GPU behind matrix products.
+        y = jax_vmm.testing.through_host_gate(x) if on_cpu else x
+        y = jnp.sin(y @ y @ y)
         cache = jnp.zeros((T, H, D), jnp.float32) + y[0, 0]
         new = jnp.ones((1, H, D), jnp.float32)
         return ops.kv_write_through(cache, cache, new, new, jnp.array([1], jnp.int32), dest=dest)
 
+    with jax_vmm.testing.host_gate_closed() if on_cpu else contextlib.nullcontext():
+        refused = step(x)
+        if on_cpu:
+            held_at_the_host_gate()
     with pytest.raises(jax.errors.JaxRuntimeError, match="which was closed"):
-        jax.block_until_ready(step(x))
+        jax.block_until_ready(refused)
     other.check()  # nothing dropped, and no stale error
     slot = _put(vm, np.array([other.num_slots], np.int32))  # out of range: dropped
     one = _put(vm, np.ones((1, H, D), np.float32))
