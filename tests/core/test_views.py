@@ -36,11 +36,11 @@ REPO = Path(__file__).resolve().parents[2]
 # count). On a GPU, 2000 queued passes (half a millisecond each on an H200) outlast their
 # dispatch; the script checks that the work it leaves behind is still running (and queues
 # ten times more passes until it is). On the CPU the passes wait at the testing host gate,
-# which opens only once the interpreter's shutdown has collected the view: the buffer is
-# released after that, however fast the machine (opened at atexit, before the collection,
-# fast passes ended first and the control below ran clean on a 16-core machine).
+# which the script opens only at exit, so they run while the interpreter shuts down. Their
+# number scales with the cores, so that they last about as long on any machine: with 4 on
+# a 16-core machine they ended too early and the legacy control below exited clean.
 _EXIT_SCRIPT = r"""
-import contextlib, faulthandler, sys, weakref
+import atexit, contextlib, faulthandler, os, sys
 faulthandler.dump_traceback_later(45, exit=True)  # a hang fails with every thread's stack
 import jax, jax.numpy as jnp
 import jax_vmm, jax_vmm.testing
@@ -54,16 +54,12 @@ with legacy:
 if platform == "cpu":
     gate = jax_vmm.testing.host_gate_closed()
     gate.__enter__()
-    # The gate opens when the interpreter's shutdown collects the view, so the passes end
-    # and release the view's buffer after that, on an XLA:CPU thread, however fast they
-    # run; atexit=False: not at atexit time, which comes before the view is collected.
-    opener = weakref.finalize(k, gate.__exit__, None, None, None)
-    opener.atexit = False
+    atexit.register(gate.__exit__, None, None, None)  # runs before JAX's own exit handlers
     held = jax_vmm.testing.through_host_gate
     one_pass = jax.jit(lambda k, s: s + jnp.sin(k + 0 * held(s)).sum())
 else:
     one_pass = jax.jit(lambda k, s: s + jnp.sin(k).sum())
-passes = 4 if platform == "cpu" else 2000
+passes = 2 * os.cpu_count() if platform == "cpu" else 2000  # CPU: ~constant time
 while True:
     out = jnp.zeros((), jnp.float32, device=device)
     for _ in range(passes):
