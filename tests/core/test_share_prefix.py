@@ -9,8 +9,8 @@ The write protection is shown necessary with ``jax_vmm.testing.shared_writes_all
 
 from __future__ import annotations
 
+import contextlib
 import threading
-import time
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +19,7 @@ import pytest
 
 import jax_vmm
 import jax_vmm.testing
-from conftest import hold_commit_ahead, raw_bytes
+from conftest import BackgroundCall, hold_commit_ahead, raw_bytes, wait_until
 from jax_vmm.base.fp8 import FP8_DTYPE
 from jax_vmm.ops.attention import decode_attention_tuned
 from jax_vmm.ops.general_attention import attention_tuned
@@ -448,20 +448,18 @@ def test_a_share_the_budget_refuses_leaves_the_source_as_it_was(vm):
     assert budget.stats()["used_bytes"] == 0
 
 
-def _device_busy_for(kv, faults, seconds: float) -> threading.Thread:
-    """The arena's device waits block for ``seconds`` from now (another thread holds the
-    device), so released addresses wait for the reclaimer meanwhile."""
-    entered = threading.Event()
-
-    def hold() -> None:
-        with faults.hold_device(kv):
-            entered.set()
-            time.sleep(seconds)
-
-    holder = threading.Thread(target=hold)
-    holder.start()
-    entered.wait()
-    return holder
+def _offload_then_free_the_device(kv, faults, device_held: contextlib.ExitStack, seq: int):
+    """kv.offload(seq) while ``device_held`` (holding ``faults.hold_device(kv)``) keeps the
+    arena's device busy; it is closed once the offload waits for the device, so addresses
+    released before stay unreclaimed until the offload reclaims them itself."""
+    syncs = faults.device_syncs(kv)
+    offloading = BackgroundCall(lambda: kv.offload(seq))
+    try:
+        waiting = lambda: faults.device_syncs(kv) > syncs or offloading.done  # noqa: E731
+        wait_until(waiting, "the offload's device wait")
+    finally:
+        device_held.close()
+    offloading.join()
 
 
 def test_a_source_is_not_refused_for_addresses_still_to_be_reclaimed(host_vm, faults):
@@ -470,7 +468,8 @@ def test_a_source_is_not_refused_for_addresses_still_to_be_reclaimed(host_vm, fa
     them. The source's floor drops at the release, and its offload, sleep and shrink
     reclaim those addresses first instead of refusing ("mapped at several addresses").
     The host defers its releases here as CUDA does (faults.defer_reclaim), with the device
-    held busy for a moment, so the reclaim is still to come when offload is called."""
+    held busy until the offload waits for it: the reclaim is still to come when offload is
+    called, whatever the timing."""
     tpc = host_vm.chunk // (H * D * 4)
     kv, _ = _kv(host_vm)
     faults.defer_reclaim(kv)
@@ -479,8 +478,8 @@ def test_a_source_is_not_refused_for_addresses_still_to_be_reclaimed(host_vm, fa
     kv.ensure(n, 0)
     _write(kv, 0, 0, data)
     kv.share_prefix(0, 1, 2 * tpc)
-    holder = _device_busy_for(kv, faults, 1.0)
-    try:
+    with contextlib.ExitStack() as device_held:
+        device_held.enter_context(faults.hold_device(kv))
         s0 = kv.arena.stats()
         kv.release(1)
         s1 = kv.arena.stats()
@@ -489,9 +488,7 @@ def test_a_source_is_not_refused_for_addresses_still_to_be_reclaimed(host_vm, fa
         assert kv.stats()["sharing_seqs"] == []
         # Still unreclaimed as offload begins (else this would pass without its reclaim).
         assert kv.arena.stats()["reclaim_syncs"] == s0["reclaim_syncs"]
-        kv.offload(0)
-    finally:
-        holder.join()
+        _offload_then_free_the_device(kv, faults, device_held, 0)
     kv.restore(0).wait()
     kv.sleep()
     kv.wake()
@@ -515,27 +512,26 @@ def test_a_refused_share_leaves_no_addresses_that_block_the_source(host_vm, faul
     data = _tokens(kv, n, seed=6)
     kv.ensure(n, 0)
     _write(kv, 0, 0, data)
-    holders = []
+    undos = []
     undo = type(kv)._undo_share
+    device_held = contextlib.ExitStack()
 
     def undo_with_the_device_busy(self, dst):
-        holders.append(_device_busy_for(kv, faults, 1.0))
+        undos.append(dst)
+        device_held.enter_context(faults.hold_device(kv))
         undo(self, dst)
 
     monkeypatch.setattr(type(kv), "_undo_share", undo_with_the_device_busy)
     s0 = kv.arena.stats()
-    try:
+    with device_held:
         with pytest.raises(jax_vmm.OutOfMemoryError, match="budget"):
             kv.share_prefix(0, 1, 2 * tpc + tpc // 2)  # maps 2 chunks, then needs a third
-        assert len(holders) == 1  # the share was undone after mapping
+        assert undos == [1]  # the share was undone after mapping
         s1 = kv.arena.stats()
         assert s1["deferred_releases"] > s0["deferred_releases"]  # left to the reclaimer
         # Still unreclaimed as offload begins (else this would pass without its reclaim).
         assert s1["reclaim_syncs"] == s0["reclaim_syncs"]
-        kv.offload(0)
-    finally:
-        for h in holders:
-            h.join()
+        _offload_then_free_the_device(kv, faults, device_held, 0)
     kv.restore(0).wait()
     assert budget.stats()["used_bytes"] == held
     np.testing.assert_array_equal(_seq_tokens(kv, 0)[:, :, :n], data)
