@@ -141,7 +141,8 @@
 #   all                 build info tests facts sanitize example bench probe
 #
 # Environment: OUT (default ./out), PYTHON (default python3), TAIL (log lines shown, 30),
-# PYTEST_ARGS (added to every tests step), ARTIFACTS=1 (the command-buffer test keeps its
+# PYTEST_ARGS (added to every tests step, split into words), PYTEST_K (a -k expression,
+# spaces allowed: PYTEST_K="fake_cuda or device_waits"), ARTIFACTS=1 (the command-buffer test keeps its
 # XLA dump in $OUT/artifacts), LIMIT_<step> (seconds, ':' as '_': LIMIT_bench_decode=600),
 # DEADLINE (seconds for the whole run: later steps get what is left, or are skipped),
 # PACK=1 (write everything into $OUT/gpu-run.tar.gz plus $OUT/summary.txt: the device
@@ -183,8 +184,10 @@ step_info() {
 pytest_run() {  # pytest arguments...
   local timeout_opt=()
   "$PY" -c "import pytest_timeout" 2>/dev/null && timeout_opt=(--timeout=120)
+  local k_opt=()
+  [ -n "${PYTEST_K:-}" ] && k_opt=(-k "$PYTEST_K")
   # shellcheck disable=SC2086  # PYTEST_ARGS is a list of words
-  "$PY" -m pytest "$@" -v -p no:cacheprovider "${timeout_opt[@]}" ${PYTEST_ARGS:-}
+  "$PY" -m pytest "$@" -v -p no:cacheprovider "${timeout_opt[@]}" "${k_opt[@]}" ${PYTEST_ARGS:-}
   local r=$?
   note "$(grep -E "(passed|failed|error|skipped|deselected|no tests ran).* in [0-9.]+s" "$LOG" | tail -1 | tr -d '=' | xargs)"
   return "$r"
