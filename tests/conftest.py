@@ -566,6 +566,14 @@ class BackgroundCall:
     def done(self) -> bool:
         return not self._thread.is_alive()
 
+    def inside(self, fn: Callable[..., object]) -> bool:
+        """Whether the call is running ``fn`` now (a frame of its code on the thread's
+        stack): a step held at the gate can be let go once the call is inside its wait."""
+        frame = sys._current_frames().get(self._thread.ident)
+        while frame is not None and frame.f_code is not fn.__code__:
+            frame = frame.f_back
+        return frame is not None
+
     def join(self, timeout: float = 60.0):
         self._thread.join(timeout)
         assert not self._thread.is_alive(), "the call hung"

@@ -14,7 +14,6 @@ import os
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import jax
@@ -24,11 +23,12 @@ import pytest
 
 import jax_vmm
 import jax_vmm.testing
-from conftest import BackgroundCall, held_at_the_host_gate, read_bytes, write_bytes
+from conftest import BackgroundCall, held_at_the_host_gate, read_bytes, wait_until, write_bytes
 from jax_vmm import ops
 from jax_vmm.kv import base as _kv_base
 
 H, D = 2, 8
+_CHECK_WAIT = _kv_base.wait_for_writes  # kv.check()'s wait, before any test replaces it
 
 # The array level is tested here, the trap of a jitted write without dest included (its
 # results are right, the arena is not written): the ArenaNotWrittenWarning it raises is
@@ -466,9 +466,10 @@ def _check_waits_for_the_writes_in_flight(vm, wait: str) -> None:
     gate = jax_vmm.testing.host_gate_closed() if on_cpu else contextlib.nullcontext()
     with gate:
         checking = BackgroundCall(dispatch_then_check)
-        if on_cpu:
+        if on_cpu:  # the step is let go once check() is inside its wait, or has returned
             held_at_the_host_gate()
-            time.sleep(0.5)  # check() starts while the step is held
+            in_wait = lambda: checking.inside(_CHECK_WAIT) or checking.done  # noqa: E731
+            wait_until(in_wait, "check()'s wait")
     with pytest.raises(jax_vmm.OutOfBoundsWrite) as info:
         checking.join()
     assert info.value.count == 2 * n
