@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import textwrap
 import threading
-import time
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +30,7 @@ from conftest import (
     wait_until,
     write_bytes,
 )
+from jax_vmm.memory import host_wait
 from jax_vmm.testing import uncounted_view
 
 
@@ -487,7 +487,9 @@ def test_a_write_in_flight_at_a_release_never_lands_in_the_next_sequence(host_vm
         held_at_the_host_gate()
         kv.release(3, keep_tokens=4 if how == "keep_tokens" else 0)
         ensuring = BackgroundCall(ensure_next)
-        time.sleep(0.5)
+        # Let go once the ensure blocks on the step in flight, or has returned.
+        blocked = lambda: ensuring.inside(host_wait.wait_for)  # noqa: E731
+        wait_until(lambda: blocked() or ensuring.done, "the ensure's wait")
         waited = not ensuring.done
     ensuring.join()
     jax.block_until_ready(out)
@@ -554,7 +556,8 @@ def test_check_waits_for_a_step_that_returns_only_what_it_read(host_vm, waited):
                 kv.check()  # too early: the step has not run, nothing counted yet
         else:
             checking = BackgroundCall(kv.check)
-            time.sleep(0.5)
+            in_wait = lambda: checking.inside(host_wait.wait_for_live_arrays)  # noqa: E731
+            wait_until(lambda: in_wait() or checking.done, "check()'s wait")
             blocked = not checking.done
     jax.block_until_ready(out)
     if not waited:
