@@ -568,11 +568,16 @@ class BackgroundCall:
 
     def inside(self, fn: Callable[..., object]) -> bool:
         """Whether the call is running ``fn`` now (a frame of its code on the thread's
-        stack): a step held at the gate can be let go once the call is inside its wait."""
+        stack)."""
         frame = sys._current_frames().get(self._thread.ident)
         while frame is not None and frame.f_code is not fn.__code__:
             frame = frame.f_back
         return frame is not None
+
+    def wait_inside(self, fn: Callable[..., object], what: str) -> None:
+        """Returns once the call is inside ``fn`` (its wait), or has returned: a step held
+        at the testing host gate can then be let go, and ``done`` tells which."""
+        wait_until(lambda: self.inside(fn) or self.done, what)
 
     def join(self, timeout: float = 60.0):
         self._thread.join(timeout)

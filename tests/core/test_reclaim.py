@@ -487,9 +487,7 @@ def test_a_write_in_flight_at_a_release_never_lands_in_the_next_sequence(host_vm
         held_at_the_host_gate()
         kv.release(3, keep_tokens=4 if how == "keep_tokens" else 0)
         ensuring = BackgroundCall(ensure_next)
-        # Let go once the ensure blocks on the step in flight, or has returned.
-        blocked = lambda: ensuring.inside(host_wait.wait_for)  # noqa: E731
-        wait_until(lambda: blocked() or ensuring.done, "the ensure's wait")
+        ensuring.wait_inside(host_wait.wait_for, "the ensure's wait")  # or its return
         waited = not ensuring.done
     ensuring.join()
     jax.block_until_ready(out)
@@ -556,8 +554,7 @@ def test_check_waits_for_a_step_that_returns_only_what_it_read(host_vm, waited):
                 kv.check()  # too early: the step has not run, nothing counted yet
         else:
             checking = BackgroundCall(kv.check)
-            in_wait = lambda: checking.inside(host_wait.wait_for_live_arrays)  # noqa: E731
-            wait_until(lambda: in_wait() or checking.done, "check()'s wait")
+            checking.wait_inside(host_wait.wait_for_live_arrays, "check()'s wait")
             blocked = not checking.done
     jax.block_until_ready(out)
     if not waited:

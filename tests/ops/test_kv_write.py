@@ -23,7 +23,7 @@ import pytest
 
 import jax_vmm
 import jax_vmm.testing
-from conftest import BackgroundCall, held_at_the_host_gate, read_bytes, wait_until, write_bytes
+from conftest import BackgroundCall, held_at_the_host_gate, read_bytes, write_bytes
 from jax_vmm import ops
 from jax_vmm.kv import base as _kv_base
 
@@ -442,8 +442,8 @@ def _check_waits_for_the_writes_in_flight(vm, wait: str) -> None:
     """kv.check() right after dispatching a step sees that step's drops: it waits for
     every kv_write dispatched from its thread (jax.effects_barrier), and for the arrays
     it is given (a step dispatched from another thread). On the CPU the step is held at
-    the host gate until check() has been called, however fast the machine. Fails with
-    pytest's "DID NOT RAISE" when check() misses the drop."""
+    the host gate until check() is inside its wait (or has returned), however fast the
+    machine. Fails with pytest's "DID NOT RAISE" when check() misses the drop."""
     kv = vm.kv(num_layers=1, num_kv_heads=H, head_dim=D, max_tokens=16, dtype=jnp.float32)
     n = 4096
     step = _slow_step_dropping(kv, n)
@@ -468,8 +468,7 @@ def _check_waits_for_the_writes_in_flight(vm, wait: str) -> None:
         checking = BackgroundCall(dispatch_then_check)
         if on_cpu:  # the step is let go once check() is inside its wait, or has returned
             held_at_the_host_gate()
-            in_wait = lambda: checking.inside(_CHECK_WAIT) or checking.done  # noqa: E731
-            wait_until(in_wait, "check()'s wait")
+            checking.wait_inside(_CHECK_WAIT, "check()'s wait")
     with pytest.raises(jax_vmm.OutOfBoundsWrite) as info:
         checking.join()
     assert info.value.count == 2 * n

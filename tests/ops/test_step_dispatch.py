@@ -17,7 +17,7 @@ from jax._src.interpreters import pxla
 
 import jax_vmm
 import jax_vmm.testing
-from conftest import BackgroundCall, held_at_the_host_gate, raw_bytes, wait_until
+from conftest import BackgroundCall, held_at_the_host_gate, raw_bytes
 from jax_vmm.memory import host_wait
 
 S, T, H, D, L = 2, 16, 2, 8, 2
@@ -107,9 +107,10 @@ def test_an_effectful_step_is_seen_by_the_counter(vm, slow_path_calls):
 
 def _check_waits_for_a_step_in_flight(vm) -> None:
     """kv.check() right after dispatching a step that drops 2 * S writes must report them.
-    On the CPU the step waits at the testing host gate until check() waits for it (or has
-    returned), so it is in flight however fast the machine; on a GPU large matrix products keep it
-    running. Fails with pytest's "DID NOT RAISE" when check() misses the drop."""
+    On the CPU the step waits at the testing host gate until check() waits for it (or
+    has returned), so it is in flight however fast the machine; on a GPU large matrix
+    products keep it running. Fails with pytest's "DID NOT RAISE" when check() misses the
+    drop."""
     kv = _kv(vm)
     on_cpu = vm.device.platform == "cpu"
     x = jnp.full((64, 64) if on_cpu else (1500, 1500), 1e-3, DT)
@@ -139,10 +140,9 @@ def _check_waits_for_a_step_in_flight(vm) -> None:
         cache = slow_dropping_step(cache, x)  # dispatched on the fast path; held
         held_at_the_host_gate()
         checking = BackgroundCall(kv.check)
-        # The step is let go once check() blocks on the step's live results, or has
-        # returned (the control's check, which waits for nothing).
-        blocked = lambda: checking.inside(host_wait.wait_for_live_arrays)  # noqa: E731
-        wait_until(lambda: blocked() or checking.done, "check()'s wait")
+        # Let go once check() waits on the step's live results, or has returned (the
+        # control's check, which waits for nothing).
+        checking.wait_inside(host_wait.wait_for_live_arrays, "check()'s wait")
     jax.block_until_ready(cache)
     with pytest.raises(jax_vmm.OutOfBoundsWrite) as info:
         checking.join()

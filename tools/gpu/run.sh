@@ -142,8 +142,8 @@
 #
 # Environment: OUT (default ./out), PYTHON (default python3), TAIL (log lines shown, 30),
 # PYTEST_ARGS (added to every tests step, split into words), PYTEST_K (a -k expression,
-# spaces allowed: PYTEST_K="fake_cuda or device_waits"), ARTIFACTS=1 (the command-buffer test keeps its
-# XLA dump in $OUT/artifacts), LIMIT_<step> (seconds, ':' as '_': LIMIT_bench_decode=600),
+# spaces allowed: PYTEST_K="fake_cuda or device_waits"), ARTIFACTS=1 (the command-buffer
+# test keeps its XLA dump in $OUT/artifacts), LIMIT_<step> (seconds, ':' as '_': LIMIT_bench_decode=600),
 # DEADLINE (seconds for the whole run: later steps get what is left, or are skipped),
 # PACK=1 (write everything into $OUT/gpu-run.tar.gz plus $OUT/summary.txt: the device
 # tool brings back 8 files at most).
