@@ -137,6 +137,9 @@
 #   probe:step_loop_handlers  tools/gpu/step_loop_handlers.py: bench/step_loop.py's 32-layer
 #                       write+attention step, arena and prealloc: per call, which handler
 #                       stages run on the host (XLA re-records the command buffer each call)
+#   probe:spanning      tools/gpu/spanning_layout_probe.py (plain JAX): cuDNN decode over a
+#                       2 MiB page layout spanning every layer (paged mode) against dense
+#                       per-layer arrays, 8 and 32 layers -> spanning.json
 #   probe               probe:kernels
 #   all                 build info tests facts sanitize example bench probe
 #
@@ -401,7 +404,8 @@ step_probe() {
     attention_trace) "$PY" tools/gpu/attention_trace.py --json "$RUN_DIR/attention_trace.json" ;;
     row_read) "$PY" tools/gpu/row_read_probe.py --json "$RUN_DIR/row_read.json" ;;
     views_barrier) "$PY" tools/gpu/views_barrier_ab.py --json "$RUN_DIR/views_barrier.json" ;;
-    *) echo "unknown probe ${1:-} (kernels, deferred_zeros, commit_fill, step_loop_handlers, stream_ncu, attention_trace, row_read, views_barrier)"; return 2 ;;
+    spanning) "$PY" tools/gpu/spanning_layout_probe.py --json "$RUN_DIR/spanning.json" ;;
+    *) echo "unknown probe ${1:-} (kernels, deferred_zeros, commit_fill, step_loop_handlers, stream_ncu, attention_trace, row_read, views_barrier, spanning)"; return 2 ;;
   esac
 }
 
