@@ -25,7 +25,7 @@ import jax
 
 from jax_vmm.serving import engine as E
 from jax_vmm.serving import model as M
-from jax_vmm.serving.attention import choose_attention, write_attention
+from jax_vmm.serving.attention import choose_attention
 from jax_vmm.serving.cache import make_cache
 from jax_vmm.serving.cli.decode import SERVING
 from jax_vmm.serving.report import fmt_bytes
@@ -132,10 +132,7 @@ def serve(
             tail_may_be_garbage=cache.tail_may_be_garbage,
             dtype=cfg.dtype,
         )
-        gen = E.Generator(
-            params, cfg, cache, attend, block=block, write_attend=write_attention(name, backend)
-        )
-        report = gen.run(requests)
+        report = E.Generator(params, cfg, cache, attend, block=block).run(requests)
         stats = cache.stats()
         peak = max(
             max((r.backed_bytes for r in report.trace), default=0),

@@ -14,12 +14,6 @@ one jitted `fori_loop` (the cache donated), so host dispatch does not count.
 Variants (`VARIANTS`): a cache (prealloc = `jnp.zeros` array layers, vmm = a jax_vmm
 arena) + an attention (cudnn = `jax.nn.dot_product_attention(implementation="cudnn")`,
 kernel = `jax_vmm.decode_attention`, xla = the masked plain-XLA reference over all T).
-Two more arena variants write first, as a model's layer does (the layer's input, one query
-head per KV head, goes to position `length`; the attention reads `length + 1` tokens):
-vmm+fused (`jax_vmm.kv_write_attention`: one custom call per layer where jax_vmm runs
-cuDNN) and vmm+unfused (`kv_write`, then `decode_attention`: two). They compute the same
-thing as each other, not as the read-first variants (their checksums are compared
-between the two only); the work is the same up to one token per sequence.
 """
 
 from __future__ import annotations
@@ -38,17 +32,7 @@ from jax_vmm.serving import model as M
 from jax_vmm.serving.attention import cudnn_decode_attention, reference_decode_attention
 from jax_vmm.serving.cache import PreallocatedCache, VmmCache
 
-VARIANTS = (
-    "prealloc+cudnn",
-    "prealloc+kernel",
-    "vmm+cudnn",
-    "vmm+kernel",
-    "prealloc+xla",
-    "vmm+fused",
-    "vmm+unfused",
-)
-#: The variants that write each layer before they read it (see the module docstring).
-WRITE_FIRST = ("vmm+fused", "vmm+unfused")
+VARIANTS = ("prealloc+cudnn", "prealloc+kernel", "vmm+cudnn", "vmm+kernel", "prealloc+xla")
 BASELINE = "prealloc+cudnn"
 CUDNN_VARIANTS = tuple(v for v in VARIANTS if v.endswith("+cudnn"))
 
@@ -77,18 +61,6 @@ def stack_loop(cache, views, x, lengths, *, steps: int, kind: str, group: int, w
         cache, x, acc = carry
         live = lengths + i
         for l in range(len(cache)):
-            if kind in ("fused", "unfused"):
-                new = x[:, ::group]
-                slots = base + live
-                if kind == "fused":
-                    x, layer = jax_vmm.kv_write_attention(
-                        x, cache[l], new, new, slots, lengths=live + 1
-                    )
-                else:
-                    layer = jax_vmm.kv_write(cache[l], new, new, slots)
-                    x = jax_vmm.decode_attention(x, layer, live + 1)
-                cache = cache.replace(l, layer)
-                continue
             out = _read(kind, x, cache[l], views[l] if views else None, live)
             if writes:
                 new = out[:, ::group]  # (B, H_kv, D): one query head per KV head

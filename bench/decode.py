@@ -92,7 +92,7 @@ GRIDS = {
 }
 # The per-layer cost grids (issue 29): the step-time part only, at a fixed layer count,
 # with the rows that compare the memory backends under one attention, side by side.
-LAYER_VARIANTS = ("prealloc+cudnn", "vmm+cudnn", "vmm+kernel", "vmm+fused", "vmm+unfused")
+LAYER_VARIANTS = ("prealloc+cudnn", "vmm+cudnn", "vmm+kernel")
 LAYER_GRIDS = {
     "gpu": dict(batches=(1, 4, 16, 64), contexts=(1024, 4096), steps=8, repeats=5),
     "cpu": dict(batches=(1, 4), contexts=(256,), steps=4, repeats=3),
@@ -182,22 +182,12 @@ def step_table(variants: tuple[str, ...]) -> Table:
 
 
 def checksum_spread(pt: dict) -> float | None:
-    """The largest relative checksum difference: of the read-first variants from the
-    baseline's, and of the write-first ones from each other (they compute another thing:
-    bench/_stack.py)."""
-    spreads = []
-
-    def spread(cases: list, ref: float) -> float:
-        return max(abs(c["checksum"] - ref) for c in cases) / max(abs(ref), 1e-30)
-
+    """The largest |checksum - baseline's| / |baseline's| over the variants."""
     base = baseline_of(pt)
-    if base is not None:
-        read_first = [c for v, c in pt["cases"].items() if v not in ST.WRITE_FIRST]
-        spreads.append(spread(read_first, pt["cases"][base]["checksum"]))
-    write_first = [pt["cases"][v] for v in ST.WRITE_FIRST if v in pt["cases"]]
-    if write_first:
-        spreads.append(spread(write_first, write_first[0]["checksum"]))
-    return max(spreads) if spreads else None
+    if base is None:
+        return None
+    ref = pt["cases"][base]["checksum"]
+    return max(abs(c["checksum"] - ref) for c in pt["cases"].values()) / max(abs(ref), 1e-30)
 
 
 def extra_us_per_layer(pt: dict, layers: int) -> float | None:
@@ -219,7 +209,7 @@ def step_row(pt: dict, layers: int, variants: tuple[str, ...] = ST.VARIANTS) -> 
         if c is None:
             cells.append("skipped")
         else:
-            cells.append(f"{c['step_ms']:.3f} ({c['step_ms'] / ref:.3f})" if ref else "n/a")
+            cells.append(f"{c['step_ms']:.3f} ({c['step_ms'] / ref:.2f})" if ref else "n/a")
 
     def vs(x: str) -> str:
         a, b = pt["cases"].get(f"vmm+{x}"), pt["cases"].get(f"prealloc+{x}")

@@ -6,10 +6,9 @@ against the same step over a preallocated array cache.
 
 A sampler that calls one jitted step per token from a Python loop pays JAX's dispatch
 cost at every call. Both variants run the same step (every layer: write one token per
-sequence; "write+attention": then decode attention over it; "one-call": the same
-through jax_vmm.kv_write_attention on the arena side, one custom call per layer where
-jax_vmm runs cuDNN; "views+write": first attention with plain XLA ops over what the
-layer holds, cuDNN on a GPU) eagerly in a Python loop:
+sequence; "write+attention": then decode attention over it; "views+write": first
+attention with plain XLA ops over what the layer holds, cuDNN on a GPU) eagerly in a
+Python loop:
 
     arena    kv.cache() (jax_vmm.kv_write + jax_vmm.decode_attention over arena layers,
              which runs cuDNN in jax_vmm's call on a GPU, or the read over
@@ -37,7 +36,7 @@ import numpy as np  # noqa: E402
 import jax_vmm  # noqa: E402
 from jax_vmm.serving.attention import cudnn_decode_attention  # noqa: E402
 
-STEPS = ("write", "write+attention", "one-call", "views+write")
+STEPS = ("write", "write+attention", "views+write")
 
 
 def _views_read(q, layer, views, lengths):
@@ -72,16 +71,9 @@ def make_step(num_layers: int, kind: str):
             if kind == "views+write":
                 view = views[layer] if views else None
                 out = out + _views_read(out, cache[layer], view, lengths)
-            if kind == "one-call" and cache[layer].is_arena:
-                o, written = jax_vmm.kv_write_attention(
-                    out, cache[layer], new_k, new_v, seq=seq, pos=pos, lengths=lengths
-                )
-                cache = cache.replace(layer, written)
-                out = out + o
-                continue
             written = jax_vmm.kv_write(cache[layer], new_k, new_v, seq=seq, pos=pos)
             cache = cache.replace(layer, written)
-            if kind in ("write+attention", "one-call"):
+            if kind == "write+attention":
                 out = out + _attention_after_write(out, written, lengths)
             elif kind == "write":
                 out = out + new_k

@@ -53,7 +53,6 @@ from .ops import (  # noqa: E402
 )
 from .ops.array_attention import attention_stats  # noqa: E402
 from .ops.general_attention import attention, reference_attention  # noqa: E402
-from .ops.write_attention import kv_write_attention  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -76,7 +75,6 @@ __all__ = [
     "kv_write_through",
     "decode_attention",
     "attention",
-    "kv_write_attention",
     "reference_attention",
     "ordered_views",
     "quantize_fp8",

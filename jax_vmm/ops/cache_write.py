@@ -46,7 +46,7 @@ from jax.interpreters import partial_eval as pe
 from ..cache.pytree import KVWriteResultUnusedWarning
 from . import vmap_reads
 
-__all__ = ["write_token", "write_token_and_read"]
+__all__ = ["write_token"]
 
 #: How a batching rule marks an operand or result vmap does not map.
 _NOT_MAPPED = None
@@ -55,11 +55,6 @@ _NOT_MAPPED = None
 _TOKEN_OPERAND = 3
 
 kv_cache_write_p = Primitive("jax_vmm_kv_cache_write")
-
-#: The same write with a read of the layer after it in one custom call
-#: (``jax_vmm.kv_write_attention``): results (token, out).
-kv_cache_write_read_p = Primitive("jax_vmm_kv_cache_write_read")
-kv_cache_write_read_p.multiple_results = True
 
 
 def write_token(
@@ -79,24 +74,6 @@ def write_token(
     )
 
 
-def write_token_and_read(
-    target: str, operands: tuple, attrs: dict, out: jax.ShapeDtypeStruct, *, label: str = ""
-) -> tuple[Any, Any]:
-    """Bind a write followed by a read of the layer in one custom call: ``operands``
-    ``(new_k, new_v, index, token, *read_operands)``; returns (the new token, the read's
-    result of type ``out``). The write is kept and waited for as :func:`write_token`'s."""
-    token, result = kv_cache_write_read_p.bind(
-        *operands,
-        target=target,
-        attrs=tuple(sorted(attrs.items())),
-        effectful=False,
-        label=label,
-        out_shape=tuple(out.shape),
-        out_dtype=jnp.dtype(out.dtype),
-    )
-    return token, result
-
-
 def _abstract_eval(*avals: Any, effectful: bool, **_: Any):
     _jcore.standard_vma_rule("jax_vmm_kv_cache_write", *avals)  # as ffi_call checks
     out = _jcore.ShapedArray((), jnp.dtype(jnp.int32))
@@ -107,18 +84,8 @@ def _abstract_eval(*avals: Any, effectful: bool, **_: Any):
 kv_cache_write_p.def_effectful_abstract_eval(_abstract_eval)
 
 
-def _abstract_eval_read(*avals: Any, effectful: bool, out_shape: tuple, out_dtype: Any, **_: Any):
-    token, effects = _abstract_eval(*avals, effectful=effectful)
-    out = _jcore.ShapedArray(out_shape, out_dtype)
-    return [token, out.update(sharding=_jcore.get_cur_mesh_sharding())], effects
-
-
-kv_cache_write_read_p.def_effectful_abstract_eval(_abstract_eval_read)
-
-
 # Eager: compiled once per parameters and cached, as JAX runs any primitive.
 kv_cache_write_p.def_impl(functools.partial(_dispatch.apply_primitive, kv_cache_write_p))
-kv_cache_write_read_p.def_impl(functools.partial(_dispatch.apply_primitive, kv_cache_write_read_p))
 
 
 def _lowering(ctx: Any, *operands: Any, target: str, attrs: tuple, **_: Any):
@@ -129,15 +96,12 @@ def _lowering(ctx: Any, *operands: Any, target: str, attrs: tuple, **_: Any):
 
 
 mlir.register_lowering(kv_cache_write_p, _lowering)
-mlir.register_lowering(kv_cache_write_read_p, _lowering)
 
 
 def _dce_rule(used_outputs: list[bool], eqn: Any):
     """Never drop the write. Its token unused: carry the effect (see the module docstring)."""
     keep = [True] * len(eqn.invars)
-    # A used read of the written layer (the one-call form's second result) orders and keeps
-    # the write as a separate read of its token would.
-    if any(used_outputs) or eqn.params["effectful"]:
+    if used_outputs[0] or eqn.params["effectful"]:
         return keep, eqn
     warnings.warn(
         KVWriteResultUnusedWarning(
@@ -154,7 +118,6 @@ def _dce_rule(used_outputs: list[bool], eqn: Any):
 
 
 pe.dce_rules[kv_cache_write_p] = _dce_rule
-pe.dce_rules[kv_cache_write_read_p] = _dce_rule
 
 
 def _batching_rule(axis_data: Any, args: tuple, dims: tuple, **params: Any):
@@ -188,13 +151,3 @@ def _batching_rule(axis_data: Any, args: tuple, dims: tuple, **params: Any):
 
 
 batching.fancy_primitive_batchers[kv_cache_write_p] = _batching_rule
-
-
-def _batching_rule_read(axis_data: Any, args: tuple, dims: tuple, **params: Any):
-    raise NotImplementedError(
-        "jax_vmm.kv_write_attention under vmap is not supported: inside the vmap call "
-        "jax_vmm.kv_write and then jax_vmm.attention (or decode_attention) on its result"
-    )
-
-
-batching.fancy_primitive_batchers[kv_cache_write_read_p] = _batching_rule_read

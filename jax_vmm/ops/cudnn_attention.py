@@ -361,7 +361,14 @@ def _over_layer(
     if call.empty:
         res = jnp.zeros(q.shape, q.dtype)
     else:
-        read_lengths = clamped_read_lengths(call.requested, lid)
+        # The lengths clamped to the ensured tokens, by a call that names the cache and no
+        # layer: XLA merges the identical clamps of a step's layers into one.
+        clamp = jax.ffi.ffi_call(
+            _layer_ops._targets.read_lengths,
+            jax.ShapeDtypeStruct((q.shape[0],), jnp.int32),
+            vmap_method="sequential",
+        )
+        read_lengths = clamp(call.requested, cache_uid=np.uint64(lid.cache_uid))
         ffi = jax.ffi.ffi_call(_TARGET_CACHE, call.out_type, vmap_method="sequential")
         res = ffi(
             q,
@@ -373,15 +380,3 @@ def _over_layer(
             **call.attrs,
         )
     return res[:, 0] if call.squeeze else res
-
-
-def clamped_read_lengths(requested: jax.Array, lid: Any) -> jax.Array:
-    """``requested`` (int32 ``(B,)``) clamped to the tokens each sequence of the arena
-    layer ``lid``'s cache ensured, counted for ``kv.check()``: a call that names the cache
-    and no layer, so XLA merges the identical clamps of a step's layers into one."""
-    clamp = jax.ffi.ffi_call(
-        _layer_ops._targets.read_lengths,
-        jax.ShapeDtypeStruct(requested.shape, jnp.int32),
-        vmap_method="sequential",
-    )
-    return clamp(requested, cache_uid=np.uint64(lid.cache_uid))

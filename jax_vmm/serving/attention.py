@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -130,18 +129,6 @@ def vmm_over_layer(q: jax.Array, layer, lengths: jax.Array, **options) -> jax.Ar
     if not options:
         return jax_vmm.decode_attention(q, layer, lengths)
     return jax_vmm.attention(q[:, None], layer, lengths, **options)[:, 0]
-
-
-def vmm_write_attend(q: jax.Array, layer, new_k, new_v, slots, lengths, **options):
-    """`jax_vmm.kv_write_attention`: the write and `vmm_over_layer`'s attention, in one
-    custom call where jax_vmm runs cuDNN (a 16-bit arena layer on a GPU)."""
-    return jax_vmm.kv_write_attention(q, layer, new_k, new_v, slots, lengths=lengths, **options)
-
-
-def write_attention(name: str, backend: str) -> Callable[..., Any] | None:
-    """The decode steps' write-then-attend in one call (`model.WriteAttendFn`) that goes
-    with the attention `name` on `backend`, or None (the write, then the attention)."""
-    return vmm_write_attend if name == "jax_vmm" and backend == "jax_vmm" else None
 
 
 def chunk_attention(name: str) -> Callable[..., jax.Array]:

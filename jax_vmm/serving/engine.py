@@ -232,9 +232,7 @@ class Generator:
     attend_chunk: the multi-query attention over the cache (`model.ChunkAttendFn`,
     `jax_vmm.attention`), for prompts prefilled in chunks, for requests that follow
     another (a conversation's next turn) and for the prompts after a shared prefix
-    (`run(shared_prefix=)`); write_attend: the decode steps' write and attention of a
-    layer in one call (`model.WriteAttendFn`; `jax_vmm.serving.attention.write_attention`),
-    None: `cache.write` and then `attend`; prefill_chunk: prefill every prompt in chunks
+    (`run(shared_prefix=)`); prefill_chunk: prefill every prompt in chunks
     of this many tokens over the cache (None: whole prompts in one pass; a follow-up
     request's new tokens then go in one chunk of their padded length).
     keep_slot_memory: when a request will take a finished sequence's slot, the slot keeps
@@ -256,7 +254,6 @@ class Generator:
         keep_slot_memory: bool = True,
         attend_chunk: M.ChunkAttendFn | None = None,
         prefill_chunk: int | None = None,
-        write_attend: M.WriteAttendFn | None = None,
     ) -> None:
         check_block(block)
         check_prefill_chunk(prefill_chunk)
@@ -272,7 +269,6 @@ class Generator:
         if bad:
             raise ValueError(f"stop tokens {bad} are not token ids of the model's [0, {cfg.vocab})")
         self.params, self.cfg, self.cache, self.attend = params, cfg, cache, attend
-        self.write_attend = write_attend
         self.block, self.stop_tokens = int(block), tuple(sorted({int(t) for t in stop_tokens}))
         if not isinstance(keep_slot_memory, bool):
             raise ValueError(
@@ -346,7 +342,6 @@ class Generator:
                     cfg=self.cfg,
                     write=self.cache.write,
                     attend=self.attend,
-                    write_attend=self.write_attend,
                     stop_tokens=stops,
                     with_logits=logits,
                 ),

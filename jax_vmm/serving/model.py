@@ -38,10 +38,6 @@ WriteFn = Callable[[Any, jax.Array, jax.Array, jax.Array], Any]
 # `attention_options`) only for a config that sets them, so a plain decode attention
 # (jax_vmm.decode_attention) serves the Llama-family models.
 AttendFn = Callable[..., jax.Array]
-# write_attend(q, layer, new_k, new_v, slots, lengths, **options) -> (out, layer): the write
-# and then the attention in one call where the backend has one (jax_vmm.kv_write_attention);
-# the same results as write followed by attend.
-WriteAttendFn = Callable[..., tuple[jax.Array, Any]]
 # attend_chunk(q, layer, lengths, *, q_lengths, window=None, softcap=None, scale=None)
 # -> out (B, S, H_q, D): q (B, S, H_q, D) are the last q_lengths[b] of the lengths[b]
 # cached tokens of sequence b, causal over the cache: jax_vmm.attention's signature.
@@ -493,13 +489,12 @@ def decode_step(
     cfg: ModelConfig,
     write: WriteFn,
     attend: AttendFn,
-    write_attend: WriteAttendFn | None = None,
 ) -> tuple[jax.Array, jax.Array, Any]:
     """One token for every sequence slot. tokens: int32 (B,); positions: int32 (B,), the
     position of that token (= tokens already cached), -1 for an idle slot (its write is
     dropped and its output ignored). Writes each layer's new K/V, then attends over the
-    layer including them (through `write_attend` when given). Returns (logits (B, vocab)
-    fp32, greedy next tokens int32 (B,), the updated cache)."""
+    layer including them. Returns (logits (B, vocab) fp32, greedy next tokens int32 (B,),
+    the updated cache)."""
     batch, max_tokens = cache[0].shape[0], cache[0].shape[1]
     active = positions >= 0
     pos = jnp.maximum(positions, 0)
@@ -510,12 +505,9 @@ def decode_step(
     x = embed(params, tokens, cfg)
     for i, lp in enumerate(params.layers):
         q, k, v = qkv_projection(lp, norm(x, lp.attn_norm, cfg), pos, cfg)
-        if write_attend is not None:
-            o, layer = write_attend(q, cache[i], k, v, slots, lengths, **attention_options(cfg, i))
-        else:
-            layer = write(cache[i], k, v, slots)
-            # After the write: the layer carries the order.
-            o = attend(q, layer, lengths, **attention_options(cfg, i))
+        layer = write(cache[i], k, v, slots)
+        # After the write: the layer carries the order.
+        o = attend(q, layer, lengths, **attention_options(cfg, i))
         cache = cache.replace(i, layer)
         x = x + attention_output(lp, o, cfg)
         x = x + mlp(lp, x, cfg)

@@ -119,7 +119,6 @@ def decode_block(
     attend: M.AttendFn,
     stop_tokens: tuple[int, ...],
     with_logits: bool,
-    write_attend: M.WriteAttendFn | None = None,
 ) -> tuple[jax.Array, jax.Array | None, Any, DecodeState]:
     """`num_steps` greedy decode steps of every slot in one device loop.
 
@@ -143,7 +142,6 @@ def decode_block(
             cfg=cfg,
             write=write,
             attend=attend,
-            write_attend=write_attend,
         )
         out = out.at[i].set(jnp.where(active, nxt, -1))
         if all_logits is not None:

@@ -10,7 +10,7 @@ import jax
 
 from jax_vmm.serving import engine as E
 from jax_vmm.serving import model as M
-from jax_vmm.serving.attention import choose_attention, chunk_attention, write_attention
+from jax_vmm.serving.attention import choose_attention, chunk_attention
 from jax_vmm.serving.cache import make_cache
 
 
@@ -27,13 +27,11 @@ def serve(
     block: int = E.DEFAULT_BLOCK,
     stop_tokens: tuple[int, ...] = (),
     prefill_chunk: int | None = None,
-    one_call_writes: bool = False,
     **run_kwargs,
 ) -> tuple[E.RunReport, dict]:
     """Seed-0 weights, a `backend` cache of batch x max_tokens, `Generator.run(requests,
     **run_kwargs)`; prompts prefilled whole or in chunks of `prefill_chunk` over the
-    cache (requests that follow another always are); one_call_writes: the decode steps
-    write and attend in one call (`write_attention`). Returns (report, the cache's stats
+    cache (requests that follow another always are). Returns (report, the cache's stats
     at the end)."""
     with jax.default_device(device):
         params = M.init_params(cfg, seed=0)
@@ -62,7 +60,6 @@ def serve(
                 stop_tokens=stop_tokens,
                 attend_chunk=chunk_attention(name),
                 prefill_chunk=prefill_chunk,
-                write_attend=write_attention(name, backend) if one_call_writes else None,
             )
             report = gen.run(requests, **run_kwargs)
             return report, cache.stats()

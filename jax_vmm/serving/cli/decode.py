@@ -36,13 +36,7 @@ from .. import engine as E
 from .. import model as M
 from .. import tensor_parallel as TP
 from .._optional import require
-from ..attention import (
-    ATTENTION_CHOICES,
-    FP8_HEAD_DIMS,
-    choose_attention,
-    chunk_attention,
-    write_attention,
-)
+from ..attention import ATTENTION_CHOICES, FP8_HEAD_DIMS, choose_attention, chunk_attention
 from ..cache import BACKENDS, KV_DTYPES, commit_lead_tokens, make_cache
 from ..report import matplotlib_missing, plot_memory
 from ..sleep_wake import EngineSleeper, same_tokens
@@ -109,14 +103,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="auto",
         help="auto = jax_vmm.decode_attention for the jax_vmm backend; for prealloc cuDNN "
         "on a GPU (bf16), else the plain-XLA reference",
-    )
-    p.add_argument(
-        "--write-attention",
-        choices=("one-call", "separate"),
-        default="one-call",
-        help="jax_vmm backend with jax_vmm attention: each layer's write and attention in one "
-        "custom call where jax_vmm runs cuDNN (jax_vmm.kv_write_attention; a 16-bit cache on "
-        "a GPU), or as kv_write then decode_attention (separate); the same tokens either way",
     )
     p.add_argument("--batch", type=int, help="sequence slots decoded together")
     p.add_argument(
@@ -445,8 +431,6 @@ def _serve(args: argparse.Namespace) -> dict:
             )
             over_cache = args.prefill_chunk is not None or args.shared_prefix
             attend_chunk = chunk_attention(attn_name) if over_cache else None
-            one_call = args.write_attention == "one-call"
-            write_attend = write_attention(attn_name, args.backend) if one_call else None
         except (ValueError, RuntimeError) as e:  # a bad flag combination: say which
             cache.close()
             raise SystemExit(f"decode.py: {e}") from None
@@ -475,7 +459,6 @@ def _serve(args: argparse.Namespace) -> dict:
                 keep_slot_memory=args.slot_memory == "keep",
                 attend_chunk=attend_chunk,
                 prefill_chunk=args.prefill_chunk,
-                write_attend=write_attend,
             )
         except ValueError as e:  # --block was checked above; this is anything else
             cache.close()

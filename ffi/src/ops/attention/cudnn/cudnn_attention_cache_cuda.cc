@@ -9,13 +9,6 @@
 // Operands: q (B, S, H_q, D), read_lengths s32 (B,), q_lengths s32 (B,), token. Result:
 // out. Attributes: cache_uid (u64), layer (i64), then scale, softcap, window, zero_rows as
 // in cudnn_attention_cuda.cc.
-//
-// jax_vmm_cudnn_attention_cache_write (jax_vmm.kv_write_attention): the layer's kv_write
-// (kv_write_cuda.h, the same checks and counters) and then this attention, in one call, so
-// that a decode step has one jax_vmm command per layer instead of two: XLA updates each
-// traced custom call of a command buffer at every re-record, and replays each as a child
-// graph. Operands: new_k, new_v, slots s32 (n,), token, then q, read_lengths, q_lengths as
-// above. Results: the new token (aliases `token`), out. The same attributes.
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
@@ -25,8 +18,6 @@
 #include "ops/attention/cudnn/cudnn_attention.h"
 #include "ops/kv_cache/kv_cache.h"
 #include "ops/kv_cache/kv_cache_call.h"
-#include "ops/kv_write/kv_write_cuda.h"
-#include "ops/kv_write/kv_write_kernels.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -111,72 +102,8 @@ auto BindCache(B&& b) {
       .template Attr<int64_t>("zero_rows");
 }
 
-// The fused write + attention: the initialize stage is the attention's (the write has
-// none); execute launches the write, then the attention reads the layer on the same stream.
-ffi::Error WriteInitializeImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer new_k,
-                               ffi::AnyBuffer new_v, ffi::Buffer<ffi::S32> slots,
-                               ffi::AnyBuffer token, ffi::AnyBuffer q,
-                               ffi::Buffer<ffi::S32> read_lengths,
-                               ffi::Buffer<ffi::S32> q_lengths,
-                               ffi::Result<ffi::AnyBuffer> token_out,
-                               ffi::Result<ffi::AnyBuffer> out, uint64_t cache_uid, int64_t layer,
-                               float scale, float softcap, int64_t window, int64_t zero_rows) {
-  (void)new_k;
-  (void)new_v;
-  (void)slots;
-  (void)token_out;
-  return InitializeImpl(stream, device, q, read_lengths, q_lengths, token, out, cache_uid, layer,
-                        scale, softcap, window, zero_rows);
-}
-
-ffi::Error WriteExecuteImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer new_k,
-                            ffi::AnyBuffer new_v, ffi::Buffer<ffi::S32> slots,
-                            ffi::AnyBuffer token, ffi::AnyBuffer q,
-                            ffi::Buffer<ffi::S32> read_lengths, ffi::Buffer<ffi::S32> q_lengths,
-                            ffi::Result<ffi::AnyBuffer> token_out,
-                            ffi::Result<ffi::AnyBuffer> out, uint64_t cache_uid, int64_t layer,
-                            float scale, float softcap, int64_t window, int64_t zero_rows) {
-  if (ffi::Error err = kv::CudaCacheWrite(kv::LaunchKvWrite, stream, device, new_k, new_v, slots,
-                                          token, token_out, cache_uid, layer);
-      err.failure()) {
-    return err;
-  }
-  return ExecuteImpl(stream, device, q, read_lengths, q_lengths, token, out, cache_uid, layer,
-                     scale, softcap, window, zero_rows);
-}
-
-template <typename B>
-auto BindCacheWrite(B&& b) {
-  return std::forward<B>(b)
-      .template Ctx<ffi::PlatformStream<cudaStream_t>>()
-      .template Ctx<ffi::DeviceOrdinal>()
-      .template Arg<ffi::AnyBuffer>()          // new_k
-      .template Arg<ffi::AnyBuffer>()          // new_v
-      .template Arg<ffi::Buffer<ffi::S32>>()   // slots
-      .template Arg<ffi::AnyBuffer>()          // token
-      .template Arg<ffi::AnyBuffer>()          // q
-      .template Arg<ffi::Buffer<ffi::S32>>()   // read_lengths
-      .template Arg<ffi::Buffer<ffi::S32>>()   // q_lengths
-      .template Ret<ffi::AnyBuffer>()          // token_out
-      .template Ret<ffi::AnyBuffer>()          // out
-      .template Attr<uint64_t>("cache_uid")
-      .template Attr<int64_t>("layer")
-      .template Attr<float>("scale")
-      .template Attr<float>("softcap")
-      .template Attr<int64_t>("window")
-      .template Attr<int64_t>("zero_rows");
-}
-
 }  // namespace
 }  // namespace jax_vmm::cudnn
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(CudnnAttentionCacheWriteInitialize,
-                              jax_vmm::cudnn::WriteInitializeImpl,
-                              jax_vmm::cudnn::BindCacheWrite(xla::ffi::Ffi::BindInitialize()));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(CudnnAttentionCacheWriteExecute, jax_vmm::cudnn::WriteExecuteImpl,
-                              jax_vmm::cudnn::BindCacheWrite(xla::ffi::Ffi::Bind()),
-                              {xla::ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CudnnAttentionCacheInitialize, jax_vmm::cudnn::InitializeImpl,
                               jax_vmm::cudnn::BindCache(xla::ffi::Ffi::BindInitialize()));
@@ -190,9 +117,6 @@ namespace jax_vmm::cudnn {
 void AddCudnnCacheTargets(FfiRegistry& registry) {
   registry.Add("jax_vmm_cudnn_attention_cache", "CUDA",
                FfiRegistry::Stages{CudnnAttentionCacheInitialize, CudnnAttentionCacheExecute});
-  registry.Add("jax_vmm_cudnn_attention_cache_write", "CUDA",
-               FfiRegistry::Stages{CudnnAttentionCacheWriteInitialize,
-                                   CudnnAttentionCacheWriteExecute});
 }
 
 }  // namespace jax_vmm::cudnn
