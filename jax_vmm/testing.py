@@ -125,7 +125,6 @@ __all__ = [
     "limits_ignored",
     "shared_writes_allowed",
     "loop_views_unbarriered",
-    "helper_marks_off",
     "vmapped_reads_allowed",
     "host_device_waits_skipped",
     "commits_take_releases_unwaited",
@@ -485,15 +484,6 @@ def loop_views_unbarriered() -> Iterator[None]:
         yield
     finally:
         _cache_ops._loop_variant_views = previous
-
-
-@contextlib.contextmanager
-def helper_marks_off() -> Iterator[None]:
-    """Inside the with-block (while tracing) an arena layer that a computation wrote goes
-    into a jitted helper unmarked (cache/pytree.py ``_WrittenByCaller``): ``ordered_views``
-    in the helper then takes it as an input of the computation, as it did before the mark."""
-    with mock.patch.object(_cache, "_flattened_as_jit_arguments", lambda: False):
-        yield
 
 
 @contextlib.contextmanager

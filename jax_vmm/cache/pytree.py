@@ -23,7 +23,6 @@ See docs/kv_cache.md.
 from __future__ import annotations
 
 import dataclasses
-import sys
 import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -61,40 +60,6 @@ class KVWriteResultUnusedWarning(UserWarning):
 def _flatten_arena_layer(layer: KVLayer) -> tuple[tuple, LayerId]:
     layer._renew_token()  # a dispatch: the step reads the table of the current epoch
     return layer._leaves, layer._id
-
-
-@dataclasses.dataclass(frozen=True)
-class _WrittenByCaller:
-    """Aux data of an arena layer that the computation being traced wrote and now hands
-    to a jitted helper as an argument. XLA inlines the helper, so that write is the
-    helper's computation's too: the helper's trace rebuilds the layer marked as written
-    (``jax_vmm.ordered_views`` refuses it there), and the mark is part of the helper's
-    compile-cache key (a layer that came in unwritten is traced apart)."""
-
-    lid: LayerId
-
-
-#: Where JAX flattens the arguments of a call to a jitted function, as (module, function)
-#: of the Python caller of the flatten: its cache signature (``_infer_params``, through
-#: the C++ argument parser) and the tree its trace rebuilds (``flatten_static_argnums``,
-#: through ``FlatTree.flatten``), in jax 0.10 and 0.11. Loop carries, ``vmap`` and
-#: ``tree_util`` calls flatten elsewhere. ``tests/ops/test_kv_cache.py``
-#: (``test_ordered_views_refuse_in_a_jitted_helper_a_layer_its_caller_wrote``) fails if a
-#: JAX version moves them.
-_JIT_ARGUMENT_FLATTENS = frozenset(
-    {("jax._src.pjit", "_infer_params"), ("jax._src.tree_util", "flatten_static_argnums")}
-)
-
-
-def _flattened_as_jit_arguments() -> bool:
-    """Whether the KVLayer.tree_flatten that called this flattens a jitted function's
-    arguments (see _JIT_ARGUMENT_FLATTENS). Only asked for layers written in a trace."""
-    frame = sys._getframe(2)  # the Python caller of KVLayer.tree_flatten
-    where = (frame.f_globals.get("__name__"), frame.f_code.co_name)
-    if where == ("jax._src.tree_util", "flatten") and frame.f_back is not None:
-        frame = frame.f_back
-        where = (frame.f_globals.get("__name__"), frame.f_code.co_name)
-    return where in _JIT_ARGUMENT_FLATTENS
 
 
 #: Flattens an arena layer: (leaves, aux). The seam for
@@ -194,14 +159,7 @@ class KVLayer:
     # -- pytree ----------------------------------------------------------------------
     def tree_flatten(self) -> tuple[tuple, Any]:
         if isinstance(self._id, LayerId):
-            leaves, aux = _arena_flatten(self)
-            if (
-                self._written_in_trace
-                and isinstance(aux, LayerId)
-                and _flattened_as_jit_arguments()
-            ):
-                aux = _WrittenByCaller(aux)
-            return leaves, aux
+            return _arena_flatten(self)
         return self._leaves, self._id
 
     @classmethod
@@ -209,11 +167,6 @@ class KVLayer:
         # No checks: JAX unflattens with placeholder leaves while tracing.
         if isinstance(aux, _ViewsId):
             return aux.unflatten(leaves)
-        if isinstance(aux, _WrittenByCaller):  # a jitted helper's trace: see the class
-            _registry.note_token(aux.lid, leaves[0])
-            layer = cls(aux.lid, tuple(leaves))
-            layer._written_in_trace = True
-            return layer
         if isinstance(aux, LayerId):
             # A jitted step's returned cache is rebuilt here, even on JAX's C++ fast
             # path: the token it carries is what kv.check() waits for.

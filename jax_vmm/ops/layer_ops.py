@@ -263,12 +263,11 @@ def ordered_views(layer: KVLayer, k: Any, v: Any) -> tuple[Any, Any]:
     the iterations before. Within one computation nothing orders a plain read of the
     views after a ``kv_write``: as far as XLA knows the views never change, and it may
     read them whenever it likes (it may, say, copy them into another layout first); a
-    layer written in the same function, returned by a jitted helper it calls, or written
-    by the caller of the jitted helper that calls ordered_views (XLA inlines the helper)
-    is refused here (``ValueError``). Not seen: such a helper under ``jax.checkpoint`` or
-    another transformation that is not ``jit``. Read such a layer with
-    ``jax_vmm.attention`` / ``jax_vmm.decode_attention``, which take the token as an
-    operand. Nor is a read of the views ordered before a later ``kv_write`` of the
+    layer written in the same function, or returned by a jitted helper it calls, is
+    refused here (``ValueError``). Not seen: a jitted helper that calls ordered_views on
+    a layer its caller wrote (the helper is traced apart; XLA inlines it). Read such a
+    layer with ``jax_vmm.attention`` / ``jax_vmm.decode_attention``, which take the token
+    as an operand. Nor is a read of the views ordered before a later ``kv_write`` of the
     layer in the same computation (or loop iteration): read only tokens that it does not
     write (a decode step reads each sequence's first ``length`` tokens, writes at
     ``length``).
@@ -293,9 +292,8 @@ def ordered_views(layer: KVLayer, k: Any, v: Any) -> tuple[Any, Any]:
     if layer._written_in_trace or _computed_here(layer.token):
         raise ValueError(
             f"ordered_views: {lid.describe()} was written by a kv_write in this same "
-            "computation (a jitted helper is part of its caller's), and XLA cannot order "
-            "plain reads of the arena views after it (the views never change as far as XLA "
-            "knows). Read it with "
+            "computation, and XLA cannot order plain reads of the arena views after it (the "
+            "views never change as far as XLA knows). Read it with "
             "jax_vmm.decode_attention(q, layer, lengths), or read the views in the next "
             "step (pass the layer in as a jit argument)"
         )

@@ -684,52 +684,6 @@ def test_ordered_views_refuse_a_layer_written_in_the_same_function(vm, write_in)
         jax.jit(step)(kv.cache(), kv.k[0], kv.v[0])
 
 
-def test_ordered_views_refuse_in_a_jitted_helper_a_layer_its_caller_wrote(vm):
-    """The helper is traced apart with the layer as its input, but XLA inlines it into the
-    step that wrote the layer: it is refused there, from the mark the layer carries into
-    the helper. The same helper on a layer the step did not write reads it (a separate
-    trace: the mark is part of the helper's cache key, so neither order of the two calls
-    reuses the other's trace). Without the mark (the testing switch) it is not refused."""
-    kv = _kv(vm)
-    kv.ensure(2, 0)
-    new = jnp.ones((1, HKV, D), DT)
-    jax_vmm.kv_write(kv.cache()[0], new, new, jnp.array([0], jnp.int32))  # token 0: ones
-    views = (kv.k[0], kv.v[0])
-    refused = "jitted helper is part of its caller's"
-
-    def steps():
-        @jax.jit
-        def read(layer, k, v):  # a fresh helper: no trace shared with another order
-            kk, _ = jax_vmm.ordered_views(layer, k, v)
-            return kk[0, :2].sum()
-
-        def write(layer):
-            return jax_vmm.kv_write(layer, new, new, jnp.array([1], jnp.int32))
-
-        def read_then_write(cache, k, v):  # reads what came into the step
-            return read(cache[0], k, v), cache.replace(0, write(cache[0]))
-
-        def write_then_read(cache, k, v):
-            layer = write(cache[0])
-            return read(layer, k, v), cache.replace(0, layer)
-
-        return jax.jit(read_then_write), jax.jit(write_then_read)
-
-    for legit_first in (True, False):
-        legit, wrong = steps()
-        if legit_first:
-            assert float(legit(kv.cache(), *views)[0]) == pytest.approx(HKV * D)
-        with pytest.raises(ValueError, match=refused):
-            wrong(kv.cache(), *views)
-        if not legit_first:  # token 1 holds ones now too (the legit step of the first pass)
-            assert float(legit(kv.cache(), *views)[0]) == pytest.approx(2 * HKV * D)
-    kv.check()
-    _, wrong = steps()
-    with jax_vmm.testing.helper_marks_off():
-        wrong(kv.cache(), *views)  # the control: not refused
-    kv.check()
-
-
 def _sum_k_before_each_write(kv, loop: str):
     """A jitted loop of 4 steps: step t reads the sum of sequence 0's K tokens before t
     through ordered_views, then writes one token of ones (K and V) at position t. Nothing
