@@ -121,42 +121,18 @@ def run_point(layers: int, batch: int, tokens: int, args: argparse.Namespace) ->
             for k, v in layers_kv
         ]
 
-    def contig_step(q, layers_kv):
+    def paged_step(q, layers):  # layers: (k container, v container, k table, v table)
         return [
             fa.paged_attention(
-                q,
-                k,
-                v,
-                ones,
-                lengths,
-                page_ids,
-                page_ids,
-                scale=scale,
-                mask_type=fa.MaskType.PADDING,
+                q, k, v, ones, lengths, tk, tv, scale=scale, mask_type=fa.MaskType.PADDING
             )
-            for k, v in layers_kv
-        ]
-
-    def spanning_step(q, arena, tables):
-        return [
-            fa.paged_attention(
-                q,
-                arena,
-                arena,
-                ones,
-                lengths,
-                tk,
-                tv,
-                scale=scale,
-                mask_type=fa.MaskType.PADDING,
-            )
-            for tk, tv in tables
+            for k, v, tk, tv in layers
         ]
 
     variants = {
         "dense": (jax.jit(dense_step), (q, dense)),
-        "contig": (jax.jit(contig_step), (q, contig)),
-        "spanning": (jax.jit(spanning_step), (q, arena, tables)),
+        "contig": (jax.jit(paged_step), (q, [(k, v, page_ids, page_ids) for k, v in contig])),
+        "spanning": (jax.jit(paged_step), (q, [(arena, arena, tk, tv) for tk, tv in tables])),
     }
     row = {"layers": layers, "batch": batch, "tokens": tokens, "P": P}
     outs, ready = {}, {}
