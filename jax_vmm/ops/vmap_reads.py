@@ -33,7 +33,9 @@ enclosing scopes' notes, it does not copy them.
 
 Not seen: a write of a sharded arena's layer under ``vmap(..., spmd_axis_name=...)``: its
 ``shard_map`` batches the write with an AxisData of its own, so the read after it outside
-the ``shard_map`` does not find its note.
+the ``shard_map`` does not find its note. On jax 0.10.2 JAX itself refused such a vmap in
+every layout tried (the spmd axis the arena's, another axis of its mesh: "vmap
+spmd_axis_name cannot appear in shard_map in_specs"; an axis outside its mesh: KeyError).
 """
 
 from __future__ import annotations

@@ -800,5 +800,35 @@ def sharing_refusals_name_the_global_sequences():
     kv.close()
 
 
+@scenario
+def jax_refuses_a_vmap_with_spmd_axis_name_over_sharded_writes():
+    """A sharded arena's kv_write under vmap(spmd_axis_name=) is not seen by the vmap check
+    (its shard_map batches it apart, ops/vmap_reads.py), so a read after it in the same
+    vmap would see every element's writes. JAX refuses such a vmap itself in every layout
+    here; a JAX version that runs one fails this scenario, and the gap is open."""
+    two = Mesh(np.array(jax.devices()[:2]), ("tp",))
+    cases = (
+        (mesh_1d(), "tp", ValueError, "spmd_axis_name cannot appear in shard_map"),
+        (mesh_2d(), "dp", ValueError, "spmd_axis_name cannot appear in shard_map"),
+        (two, "dp", KeyError, "dp"),  # an axis outside the arena's mesh
+    )
+    for mesh, spmd, exc, words in cases:
+        kv = make(mesh, P(None, None, "tp"))
+        try:
+            for s in range(S):
+                kv.ensure(8, s)
+            cache = kv.cache()
+
+            def write_then_read(q, new, cache=cache):
+                layer = jax_vmm.kv_write(cache[0], new, new, jnp.array([3], jnp.int32))
+                return jax_vmm.decode_attention(q, layer, jnp.full((S,), 4, jnp.int32))
+
+            q, new = jnp.ones((2, S, HQ, D), DT), jnp.ones((2, 1, H, D), DT)
+            batched = jax.jit(jax.vmap(write_then_read, spmd_axis_name=spmd))
+            raises(exc, lambda b=batched: b(q, new), words)
+        finally:
+            kv.close()
+
+
 if __name__ == "__main__":
     sys.exit(multidevice.main(SCENARIOS, sys.argv[1:]))
