@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -36,6 +37,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax._src.cudnn import fused_attention_stablehlo as fa
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+from _common import hbm_tbps  # noqa: E402  (the bench helpers, plain JAX)
 
 PAGE_BYTES = 2 << 20
 POINTS = (
@@ -71,17 +75,13 @@ def _layer_blocks(arena: jax.Array, layer: int, kv: int, layers: int) -> jax.Arr
     return arena.reshape(pages, 2 * layers, *arena.shape[1:])[:, 2 * layer + kv]
 
 
-def time_us(fn, args, calls: int, repeats: int) -> float:
-    """Best per-call time over ``repeats`` rounds of ``calls`` back-to-back calls."""
-    jax.block_until_ready(fn(*args))
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        best = min(best, (time.perf_counter() - t0) / calls)
-    return best * 1e6
+def time_us(fn, args, calls: int) -> float:
+    """Per-call time of ``calls`` back-to-back calls (compiled and run before)."""
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        out = fn(*args)
+    jax.block_until_ready(out)
+    return (time.perf_counter() - t0) / calls * 1e6
 
 
 def run_point(layers: int, batch: int, tokens: int, args: argparse.Namespace) -> dict:
@@ -150,7 +150,7 @@ def run_point(layers: int, batch: int, tokens: int, args: argparse.Namespace) ->
     best = dict.fromkeys(variants, float("inf"))
     for _ in range(args.repeats):  # rounds interleaved: a drifting clock slows all alike
         for name, (fn, fargs) in ready.items():
-            best[name] = min(best[name], time_us(fn, fargs, args.calls, 1))
+            best[name] = min(best[name], time_us(fn, fargs, args.calls))
     for name in variants:
         row[name] = best[name] / len(timed) if name in ready else None
     for name in ("contig", "spanning"):
@@ -159,7 +159,7 @@ def run_point(layers: int, batch: int, tokens: int, args: argparse.Namespace) ->
             if row[name] and row["dense"]:
                 row[f"{name}_ratio"] = row[name] / row["dense"]
     bytes_read = 2 * batch * tokens * H * D * 2
-    row["floor_us"] = bytes_read / (args.hbm_tbps * 1e12) * 1e6
+    row["floor_us"] = bytes_read / (args.hbm_tbps * 1e12) * 1e6  # of one layer call
     return row
 
 
@@ -177,10 +177,12 @@ def main() -> None:
     ap.add_argument("--layers-timed", type=int, default=8, help="layers per timed call")
     ap.add_argument("--calls", type=int, default=50)
     ap.add_argument("--repeats", type=int, default=10)
-    ap.add_argument("--hbm-tbps", type=float, default=3.35, help="floor: H100 3.35, H200 4.8")
+    ap.add_argument("--hbm-tbps", type=float, help="the floor's bandwidth (default: the device's)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
-    print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}")
+    args.hbm_tbps = args.hbm_tbps or hbm_tbps(jax.devices()[0])
+    kind = jax.devices()[0].device_kind
+    print(f"device: {kind}, jax {jax.__version__}, floor at {args.hbm_tbps} TB/s")
     rows = []
     header = (
         "L",
