@@ -140,6 +140,9 @@
 #   probe:spanning      tools/gpu/spanning_layout_probe.py (plain JAX): cuDNN decode over a
 #                       2 MiB page layout spanning every layer (paged mode) against dense
 #                       per-layer arrays, 8 and 32 layers -> spanning.json
+#   probe:interleaved   tools/gpu/interleaved_layout_probe.py (torch + cuDNN's Python
+#                       frontend from .whl/): cuDNN decode over one (B, T, 2L, H, D) buffer,
+#                       layer l a strided view, against compact per-layer arrays -> interleaved.json
 #   probe               probe:kernels
 #   all                 build info tests facts sanitize example bench probe
 #
@@ -405,7 +408,8 @@ step_probe() {
     row_read) "$PY" tools/gpu/row_read_probe.py --json "$RUN_DIR/row_read.json" ;;
     views_barrier) "$PY" tools/gpu/views_barrier_ab.py --json "$RUN_DIR/views_barrier.json" ;;
     spanning) "$PY" tools/gpu/spanning_layout_probe.py --json "$RUN_DIR/spanning.json" ;;
-    *) echo "unknown probe ${1:-} (kernels, deferred_zeros, commit_fill, step_loop_handlers, stream_ncu, attention_trace, row_read, views_barrier, spanning)"; return 2 ;;
+    interleaved) "$PY" tools/gpu/interleaved_layout_probe.py --json "$RUN_DIR/interleaved.json" ;;
+    *) echo "unknown probe ${1:-} (kernels, deferred_zeros, commit_fill, step_loop_handlers, stream_ncu, attention_trace, row_read, views_barrier, spanning, interleaved)"; return 2 ;;
   esac
 }
 
