@@ -19,6 +19,7 @@ kernel = `jax_vmm.decode_attention`, xla = the masked plain-XLA reference over a
 from __future__ import annotations
 
 import functools
+import gc
 import time
 from collections.abc import Callable
 from typing import Any
@@ -104,6 +105,117 @@ def if_it_fits(run: Callable[[], Any]) -> Any:
         return "does not fit: " + str(e).splitlines()[0][:200]
 
 
+class VariantRun:
+    """One variant set up, compiled and warmed (two calls: compile, first command-buffer
+    recording): :meth:`call` times one more jitted call of `steps` steps, :meth:`result`
+    checks the cache and the outputs and reports, :meth:`close` frees the cache. Several
+    may be alive at once, so that bench/decode.py can interleave their calls: a GPU's
+    clocks then treat the two sides of a ratio alike. writes: see stack_loop."""
+
+    def __init__(
+        self,
+        variant: str,
+        cfg: M.ModelConfig,
+        device: jax.Device,
+        lengths: np.ndarray,
+        *,
+        context: int,
+        steps: int,
+        chunk_bytes: int | None = None,
+        writes: bool = True,
+    ):
+        backend, kind = variant.split("+")
+        batch = len(lengths)
+        self.variant, self.steps = variant, steps
+        t0 = time.perf_counter()
+        if backend == "prealloc":
+            self.cache = PreallocatedCache(cfg, max_seqs=batch, max_tokens=context, device=device)
+        else:
+            # zero_fill: a masked read over the views (cuDNN, XLA) multiplies the tail past the
+            # lengths by 0, and 0 x a NaN left in fresh memory is NaN. Its cost is in the setup
+            # (every token is ensured before the timed calls).
+            self.cache = VmmCache(
+                cfg, max_seqs=batch, max_tokens=context, device=device, chunk_bytes=chunk_bytes,
+                zero_fill=True,
+            )  # fmt: skip
+        try:
+            cache = self.cache
+            for seq, n in enumerate(lengths):  # every pass rewrites the same positions
+                cache.ensure(seq, int(n) + steps)
+            fill = jax.jit(fill_sequence, donate_argnums=(0,))
+            for seq, n in enumerate(lengths):
+                cache.update(fill(cache.cache(), jnp.int32(seq), jnp.int32(n)))
+            self.live = jax.device_put(jnp.asarray(lengths, jnp.int32), device)
+            self.views = ()
+            if backend == "vmm" and kind == "cudnn":  # raw views: from now on commits drain
+                self.views = tuple((cache.kv.k[l], cache.kv.v[l]) for l in range(cfg.num_layers))
+            self.setup_s = time.perf_counter() - t0
+            fn = jax.jit(
+                functools.partial(
+                    stack_loop,
+                    steps=steps,
+                    kind=kind,
+                    group=cfg.num_q_heads // cfg.num_kv_heads,
+                    writes=writes,
+                ),
+                donate_argnums=(0,),
+            )
+            self.x = jax.device_put(
+                jax.random.normal(
+                    jax.random.key(0), (batch, cfg.num_q_heads, cfg.head_dim), jnp.float32
+                ).astype(cfg.jnp_dtype),
+                device,
+            )
+            self.state = cache.cache()
+            t0 = time.perf_counter()
+            self.fn = fn.lower(self.state, self.views, self.x, self.live).compile()
+            self.compile_s = time.perf_counter() - t0
+            try:  # an in-place cache needs no temp buffer of its size (a copy would show here)
+                self.temp = int(self.fn.memory_analysis().temp_size_in_bytes)
+            except Exception:  # memory_analysis is best effort on some backends
+                self.temp = -1
+            self._run()
+            self._run()  # a second warm-up: graph recording
+        except BaseException:
+            self.close()
+            raise
+
+    def _run(self) -> None:
+        self.state, self.acc = self.fn(self.state, self.views, self.x, self.live)
+        jax.block_until_ready(self.acc)
+
+    def call(self) -> float:
+        """Seconds per step of one more call."""
+        t0 = time.perf_counter()
+        self._run()
+        return (time.perf_counter() - t0) / self.steps
+
+    def result(self, times: list[float], around_call: Any = None) -> dict[str, Any]:
+        """The report over `times` (from :meth:`call`); around_call: a context manager
+        factory entered around one more call (a profiler trace), or None."""
+        if around_call is not None:
+            with around_call():
+                self._run()
+        self.cache.update(self.state)
+        self.cache.check()
+        if not np.all(np.isfinite(np.asarray(self.acc))):
+            raise RuntimeError(f"{self.variant}: non-finite attention outputs")
+        return {
+            "variant": self.variant,
+            "step_ms": 1e3 * min(times),
+            "step_ms_median": 1e3 * float(np.median(times)),
+            "setup_s": self.setup_s,
+            "compile_s": self.compile_s,
+            "temp_bytes": self.temp,
+            "held_bytes": self.cache.backed_bytes(),
+            "reserved_bytes": self.cache.reserved_bytes(),
+            "checksum": float(np.asarray(self.acc, np.float64).sum()),
+        }
+
+    def close(self) -> None:
+        self.cache.close()
+
+
 def time_variant(
     variant: str,
     cfg: M.ModelConfig,
@@ -118,88 +230,113 @@ def time_variant(
     around_call: Any = None,
 ) -> dict[str, Any]:
     """Per-step time of the stack (best of `repeats` calls of `steps` steps, after two
-    warm-up calls: compile, first command-buffer recording), and the KV memory held.
-    writes: see stack_loop. around_call: a context manager factory entered around one
-    more call after the timed ones (a profiler trace), or None."""
-    backend, kind = variant.split("+")
-    batch = len(lengths)
-    t0 = time.perf_counter()
-    if backend == "prealloc":
-        cache = PreallocatedCache(cfg, max_seqs=batch, max_tokens=context, device=device)
-    else:
-        # zero_fill: a masked read over the views (cuDNN, XLA) multiplies the tail past the
-        # lengths by 0, and 0 x a NaN left in fresh memory is NaN. Its cost is in the setup
-        # (every token is ensured before the timed calls).
-        cache = VmmCache(
-            cfg, max_seqs=batch, max_tokens=context, device=device, chunk_bytes=chunk_bytes,
-            zero_fill=True,
-        )  # fmt: skip
+    warm-up calls), and the KV memory held: one :class:`VariantRun` on its own."""
+    run = VariantRun(
+        variant, cfg, device, lengths, context=context, steps=steps, chunk_bytes=chunk_bytes,
+        writes=writes,
+    )  # fmt: skip
     try:
-        for seq, n in enumerate(lengths):  # every pass rewrites the same positions
-            cache.ensure(seq, int(n) + steps)
-        fill = jax.jit(fill_sequence, donate_argnums=(0,))
-        for seq, n in enumerate(lengths):
-            cache.update(fill(cache.cache(), jnp.int32(seq), jnp.int32(n)))
-        live = jax.device_put(jnp.asarray(lengths, jnp.int32), device)
-        views = ()
-        if backend == "vmm" and kind == "cudnn":  # raw views: from now on commits drain
-            views = tuple((cache.kv.k[l], cache.kv.v[l]) for l in range(cfg.num_layers))
-        setup_s = time.perf_counter() - t0
-        fn = jax.jit(
-            functools.partial(
-                stack_loop,
-                steps=steps,
-                kind=kind,
-                group=cfg.num_q_heads // cfg.num_kv_heads,
-                writes=writes,
-            ),
-            donate_argnums=(0,),
-        )
-        x = jax.device_put(
-            jax.random.normal(
-                jax.random.key(0), (batch, cfg.num_q_heads, cfg.head_dim), jnp.float32
-            ).astype(cfg.jnp_dtype),
-            device,
-        )
-        state = cache.cache()
-        t0 = time.perf_counter()
-        fn = fn.lower(state, views, x, live).compile()
-        compile_s = time.perf_counter() - t0
-        try:  # an in-place cache needs no temp buffer of its size (a copy would show here)
-            temp = int(fn.memory_analysis().temp_size_in_bytes)
-        except Exception:  # memory_analysis is best effort on some backends
-            temp = -1
-        state, acc = fn(state, views, x, live)
-        jax.block_until_ready(acc)
-        state, acc = fn(state, views, x, live)  # a second warm-up: graph recording
-        jax.block_until_ready(acc)
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            state, acc = fn(state, views, x, live)
-            jax.block_until_ready(acc)
-            times.append((time.perf_counter() - t0) / steps)
-        if around_call is not None:
-            with around_call():
-                state, acc = fn(state, views, x, live)
-                jax.block_until_ready(acc)
-        cache.update(state)
-        cache.check()
-        if not np.all(np.isfinite(np.asarray(acc))):
-            raise RuntimeError(f"{variant}: non-finite attention outputs")
-        return {
-            "variant": variant,
-            "step_ms": 1e3 * min(times),
-            "step_ms_median": 1e3 * float(np.median(times)),
-            "setup_s": setup_s,
-            "compile_s": compile_s,
-            "temp_bytes": temp,
-            "held_bytes": cache.backed_bytes(),
-            "reserved_bytes": cache.reserved_bytes(),
-            "checksum": float(np.asarray(acc, np.float64).sum()),
-        }
+        return run.result([run.call() for _ in range(repeats)], around_call)
     finally:
-        cache.close()
+        run.close()
+
+
+def time_pair(
+    variants: tuple[str, str],
+    cfg: M.ModelConfig,
+    device: jax.Device,
+    lengths: np.ndarray,
+    *,
+    context: int,
+    steps: int,
+    repeats: int,
+    chunk_bytes: int | None = None,
+) -> tuple[dict[str, Any], dict[str, Any], list[float]]:
+    """Two variants alive at once, their calls interleaved for `repeats` rounds (the order
+    alternating, so that neither always runs first): each one's report (as time_variant's)
+    and the per-round ratios second / first."""
+    timing = dict(context=context, steps=steps, chunk_bytes=chunk_bytes)
+    first = VariantRun(variants[0], cfg, device, lengths, **timing)
+    try:
+        second = VariantRun(variants[1], cfg, device, lengths, **timing)
+        try:
+            times: tuple[list[float], list[float]] = ([], [])
+            for r in range(repeats):
+                order = (0, 1) if r % 2 == 0 else (1, 0)
+                for i in order:
+                    times[i].append((first, second)[i].call())
+            ratios = [b / a for a, b in zip(*times)]
+            return first.result(times[0]), second.result(times[1]), ratios
+        finally:
+            second.close()
+    finally:
+        first.close()
+
+
+def time_all(
+    variants: tuple[str, ...],
+    cfg: M.ModelConfig,
+    device: jax.Device,
+    lengths: np.ndarray,
+    *,
+    context: int,
+    steps: int,
+    repeats: int,
+    chunk_bytes: int | None = None,
+    skip: dict[str, str] | None = None,
+    log: Callable[[str], Any] = print,
+) -> tuple[dict[str, dict], dict[str, str], dict[str, dict]]:
+    """Every variant but those in `skip` (variant -> why) at one point: (reports by variant,
+    why each other one was skipped, paired ratios by attention). prealloc+X and vmm+X run
+    as a pair (time_pair): timed apart, a GPU's clocks, idle during one side's setup and
+    compile, moved small points by up to 0.3 between runs. A pair that does not fit
+    together is timed apart; paired[X] holds the median and quartiles of the per-round
+    ratios vmm / prealloc."""
+    cases: dict[str, dict] = {}
+    skipped: dict[str, str] = dict(skip or {})
+    paired: dict[str, dict] = {}
+    timing = dict(context=context, steps=steps, repeats=repeats, chunk_bytes=chunk_bytes)
+    batch = len(lengths)
+
+    def record(variant: str, got: dict | str) -> None:
+        if isinstance(got, str):
+            skipped[variant] = got
+            log(f"     {variant} at B{batch} T{context}: {got}")
+        else:
+            cases[variant] = got
+
+    def alone(variant: str) -> None:
+        record(
+            variant,
+            if_it_fits(lambda: time_variant(variant, cfg, device, lengths, **timing)),
+        )
+        gc.collect()
+
+    done: set[str] = set(skipped)
+    for variant in variants:
+        if variant in done:
+            continue
+        kind = variant.split("+")[1]
+        pair = (f"prealloc+{kind}", f"vmm+{kind}")
+        if not (set(pair) <= set(variants) and done.isdisjoint(pair)):
+            done.add(variant)
+            alone(variant)
+            continue
+        done.update(pair)
+        got = if_it_fits(lambda: time_pair(pair, cfg, device, lengths, **timing))
+        gc.collect()
+        if isinstance(got, str):
+            log(f"     {pair[0]} and {pair[1]} at B{batch} T{context} together: {got}; timed apart")
+            for v in pair:
+                alone(v)
+            continue
+        record(pair[0], got[0])
+        record(pair[1], got[1])
+        q1, median, q3 = np.percentile(got[2], [25, 50, 75])
+        paired[kind] = {
+            "median": float(median), "q1": float(q1), "q3": float(q3), "rounds": len(got[2]),
+        }  # fmt: skip
+    return cases, skipped, paired
 
 
 def bytes_per_step(cfg: M.ModelConfig, lengths: np.ndarray, steps: int) -> int:

@@ -26,8 +26,11 @@
    pre-ensured (commits are measured by bench/commit.py and the example) and filled with
    one pattern, so that the
    variants' output checksums must agree ("chk": the largest relative difference from
-   the baseline's; bf16 rounding differs between the attentions). On the CPU the cuDNN
-   variants are skipped (cuDNN is GPU-only) and ratios are against prealloc+kernel.
+   the baseline's; bf16 rounding differs between the attentions). prealloc+X and vmm+X
+   run as a pair, their calls interleaved round by round (both alive at once; timed
+   apart where the pair does not fit), and the median [IQR] of the per-round ratios is
+   printed under each row. On the CPU the cuDNN variants are skipped (cuDNN is GPU-only)
+   and ratios are against prealloc+kernel.
 2. Equal memory (bench/_equal_memory.py): at a fixed KV budget (--budget, GPU 16 GiB),
    the largest batch each backend serves with the example's request mix
    (examples/decode.py's preset), and its tokens/s through the example's engine.
@@ -41,7 +44,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import os
 import subprocess
 import sys
@@ -94,7 +96,7 @@ GRIDS = {
 # with the rows that compare the memory backends under one attention, side by side.
 LAYER_VARIANTS = ("prealloc+cudnn", "vmm+cudnn", "vmm+kernel")
 LAYER_GRIDS = {
-    "gpu": dict(batches=(1, 4, 16, 64), contexts=(1024, 4096), steps=8, repeats=5),
+    "gpu": dict(batches=(1, 4, 16, 64), contexts=(1024, 4096), steps=8, repeats=21),
     "cpu": dict(batches=(1, 4), contexts=(256,), steps=4, repeats=3),
 }
 GRID_LAYERS = {"layers32": 32, "layers8": 8}
@@ -127,8 +129,8 @@ def measure_point(
     peak_bytes_per_s: float,
     variants: tuple[str, ...],
 ) -> dict:
-    """Every variant at one (batch, context, lengths) point, and the floor. timing:
-    steps, repeats, chunk_bytes (ST.time_variant's)."""
+    """Every variant at one (batch, context, lengths) point (ST.time_all), and the floor.
+    timing: steps, repeats, chunk_bytes (ST.time_variant's)."""
     steps = timing["steps"]
     moved = ST.bytes_per_step(cfg, lengths, steps)
     point = {
@@ -142,19 +144,10 @@ def measure_point(
         "skipped": {},
     }
     no_cudnn = cudnn_unavailable(device.platform, cfg.dtype)
-    for variant in variants:
-        if variant in ST.CUDNN_VARIANTS and no_cudnn:
-            point["skipped"][variant] = no_cudnn
-            continue
-        got = ST.if_it_fits(
-            lambda v=variant: ST.time_variant(v, cfg, device, lengths, context=context, **timing)
-        )
-        if isinstance(got, str):
-            point["skipped"][variant] = got
-            print(f"     {variant} at B{batch} T{context}: {got}")
-        else:
-            point["cases"][variant] = got
-        gc.collect()
+    skip = {v: no_cudnn for v in variants if v in ST.CUDNN_VARIANTS and no_cudnn}
+    point["cases"], point["skipped"], point["paired"] = ST.time_all(
+        variants, cfg, device, lengths, context=context, skip=skip, **timing
+    )
     return point
 
 
@@ -225,6 +218,13 @@ def step_row(pt: dict, layers: int, variants: tuple[str, ...] = ST.VARIANTS) -> 
         vs("kernel"),
         "n/a" if (extra := extra_us_per_layer(pt, layers)) is None else f"{extra:.2f}",
         "n/a" if checksum_spread(pt) is None else f"{checksum_spread(pt):.1e}",
+    )
+
+
+def paired_text(pt: dict) -> str:
+    return ", ".join(
+        f"{kind} {p['median']:.3f} [{p['q1']:.3f}-{p['q3']:.3f}] over {p['rounds']}"
+        for kind, p in pt["paired"].items()
     )
 
 
@@ -425,6 +425,8 @@ def main(argv: list[str] | None = None) -> dict:
             point["checksum_spread"] = checksum_spread(point)
             results.append(point)
             print(step_row(point, cfg.num_layers, variants), flush=True)
+            if point["paired"]:
+                print("     paired vmm/prealloc, median [IQR] of the rounds: " + paired_text(point))
             for name, c in point["cases"].items():
                 if c["temp_bytes"] >= point["capacity_bytes"] // 2:
                     print(

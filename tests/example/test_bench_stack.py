@@ -96,3 +96,53 @@ def test_a_variant_that_does_not_fit_is_reported_not_raised(cpu_device) -> None:
         )  # fmt: skip
     )
     assert isinstance(got, dict) and got["step_ms"] > 0
+
+
+def test_a_pair_runs_its_calls_in_alternating_rounds(cpu_device, monkeypatch) -> None:
+    """bench/decode.py's ratios come from time_pair: both sides alive at once, one call of
+    each per round, the order swapped every round (timed apart, a GPU's clocks moved the
+    small points by up to 0.3)."""
+    order: list[str] = []
+    call = ST.VariantRun.call
+
+    def logged(self):
+        order.append(self.variant)
+        return call(self)
+
+    monkeypatch.setattr(ST.VariantRun, "call", logged)
+    lengths = np.array([5, 30, 17], np.int32)
+    pre, vmm, ratios = ST.time_pair(
+        ("prealloc+kernel", "vmm+kernel"), CFG, cpu_device, lengths, context=64, steps=2,
+        repeats=4, chunk_bytes=4096,
+    )  # fmt: skip
+    p, v = "prealloc+kernel", "vmm+kernel"
+    assert order == [p, v, v, p, p, v, v, p]
+    assert (pre["variant"], vmm["variant"]) == (p, v)
+    assert vmm["checksum"] == pytest.approx(pre["checksum"], rel=1e-4)
+    assert len(ratios) == 4 and all(r > 0 for r in ratios)
+    assert vmm["held_bytes"] > 0 and pre["held_bytes"] > 0
+
+
+def test_time_all_pairs_what_it_can_and_times_the_rest_alone(cpu_device, monkeypatch) -> None:
+    lengths = np.array([5, 30], np.int32)
+    timing = dict(context=64, steps=2, repeats=2, chunk_bytes=4096)
+    variants = ("prealloc+kernel", "vmm+kernel", "prealloc+xla", "vmm+cudnn")
+    cases, skipped, paired = ST.time_all(
+        variants, CFG, cpu_device, lengths, skip={"vmm+cudnn": "no GPU"}, **timing
+    )
+    assert set(cases) == {"prealloc+kernel", "vmm+kernel", "prealloc+xla"}
+    assert skipped == {"vmm+cudnn": "no GPU"}
+    assert set(paired) == {"kernel"} and paired["kernel"]["rounds"] == 2
+    assert paired["kernel"]["q1"] <= paired["kernel"]["median"] <= paired["kernel"]["q3"]
+
+    # A pair that does not fit together is timed apart, and says so; no paired entry.
+    def too_big(*args, **kwargs):
+        raise jax_vmm.OutOfMemoryError("commit of buffer(s) 'k0': out of physical memory")
+
+    monkeypatch.setattr(ST, "time_pair", too_big)
+    said: list[str] = []
+    cases, skipped, paired = ST.time_all(
+        variants[:2], CFG, cpu_device, lengths, log=said.append, **timing
+    )
+    assert set(cases) == {"prealloc+kernel", "vmm+kernel"} and not skipped and not paired
+    assert len(said) == 1 and "timed apart" in said[0], said
