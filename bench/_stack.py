@@ -288,8 +288,8 @@ def time_all(
 ) -> tuple[dict[str, dict], dict[str, str], dict[str, dict]]:
     """Every variant but those in `skip` (variant -> why) at one point: (reports by variant,
     why each other one was skipped, paired ratios by attention). prealloc+X and vmm+X run
-    as a pair (time_pair): timed apart, a GPU's clocks, idle during one side's setup and
-    compile, moved small points by up to 0.3 between runs. A pair that does not fit
+    as a pair (time_pair): timed apart, small points moved by up to 0.3 between runs (one
+    suspect: a GPU's clocks, idle during the other side's setup and compile). A pair that does not fit
     together is timed apart; paired[X] holds the median and quartiles of the per-round
     ratios vmm / prealloc."""
     cases: dict[str, dict] = {}

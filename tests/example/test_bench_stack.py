@@ -100,8 +100,8 @@ def test_a_variant_that_does_not_fit_is_reported_not_raised(cpu_device) -> None:
 
 def test_a_pair_runs_its_calls_in_alternating_rounds(cpu_device, monkeypatch) -> None:
     """bench/decode.py's ratios come from time_pair: both sides alive at once, one call of
-    each per round, the order swapped every round (timed apart, a GPU's clocks moved the
-    small points by up to 0.3)."""
+    each per round, the order swapped every round (timed apart, the small points moved by
+    up to 0.3 between runs)."""
     order: list[str] = []
     call = ST.VariantRun.call
 
