@@ -106,6 +106,8 @@
 #                       one-handle-per-extension code, with paired ratios -> seed.json
 #   bench:shared_prefix bench/shared_prefix.py: time to first token and memory of a
 #                       shared 4k prefix -> shared_prefix.json
+#   bench:main_job      bench/main_job.py: the main job at batch 16 and 64, both backends in
+#                       one process, 3 rounds in alternating order -> main_job.json
 #   bench               the seven benches
 #   goals               the goals not established or missed by a hair: bench:multi_query
 #                       bench:seed bench:shared_prefix and the main job at batch 16 and 64,
@@ -386,7 +388,8 @@ step_bench() {
     multi_query) "$PY" bench/cudnn_attention.py --batches "" --json "$RUN_DIR/multi_query.json" ;;
     seed) "$PY" bench/commit.py --sections seed --repeats 9 --json "$RUN_DIR/seed.json" ;;
     shared_prefix) "$PY" bench/shared_prefix.py --json "$RUN_DIR/shared_prefix.json" ;;
-    *) echo "unknown bench ${1:-} (attention, attention_options, kv_write, commit, decode, decode32, decode8, step_loop, growth, multi_query, seed, shared_prefix, sleep, capacity)"; return 2 ;;
+    main_job) "$PY" bench/main_job.py --json "$RUN_DIR/main_job.json" ;;
+    *) echo "unknown bench ${1:-} (attention, attention_options, kv_write, commit, decode, decode32, decode8, step_loop, growth, multi_query, seed, shared_prefix, main_job, sleep, capacity)"; return 2 ;;
   esac
 }
 
