@@ -10,7 +10,7 @@ alternating from round to round; the first round of each backend adds `--warmup`
 timed run compiles or builds cuDNN graphs. Goal (issue 29): jax_vmm's tokens/s >= 1.0x
 prealloc + cuDNN's. Printed per batch: each round's tokens/s and ratio, and the median
 of the per-round ratios. Run one process per side instead (`examples/decode.py
---backend ...`), the ratio mixes in the process-to-process spread (about 1%).
+--backend ...`), the ratio also carries whatever differs between the two processes.
 """
 
 from __future__ import annotations
