@@ -109,8 +109,8 @@ class VariantRun:
     """One variant set up, compiled and warmed (two calls: compile, first command-buffer
     recording): :meth:`call` times one more jitted call of `steps` steps, :meth:`result`
     checks the cache and the outputs and reports, :meth:`close` frees the cache. Several
-    may be alive at once, so that bench/decode.py can interleave their calls: a GPU's
-    clocks then treat the two sides of a ratio alike. writes: see stack_loop."""
+    may be alive at once, so that bench/decode.py can interleave their calls and the two
+    sides of a ratio run under the same conditions. writes: see stack_loop."""
 
     def __init__(
         self,
@@ -222,19 +222,14 @@ def time_variant(
     device: jax.Device,
     lengths: np.ndarray,
     *,
-    context: int,
-    steps: int,
     repeats: int,
-    chunk_bytes: int | None = None,
-    writes: bool = True,
     around_call: Any = None,
+    **setup: Any,
 ) -> dict[str, Any]:
     """Per-step time of the stack (best of `repeats` calls of `steps` steps, after two
-    warm-up calls), and the KV memory held: one :class:`VariantRun` on its own."""
-    run = VariantRun(
-        variant, cfg, device, lengths, context=context, steps=steps, chunk_bytes=chunk_bytes,
-        writes=writes,
-    )  # fmt: skip
+    warm-up calls), and the KV memory held: one :class:`VariantRun` on its own (setup:
+    its context, steps, chunk_bytes, writes). around_call: see VariantRun.result."""
+    run = VariantRun(variant, cfg, device, lengths, **setup)
     try:
         return run.result([run.call() for _ in range(repeats)], around_call)
     finally:
@@ -247,18 +242,16 @@ def time_pair(
     device: jax.Device,
     lengths: np.ndarray,
     *,
-    context: int,
-    steps: int,
     repeats: int,
-    chunk_bytes: int | None = None,
+    **setup: Any,
 ) -> tuple[dict[str, Any], dict[str, Any], list[float]]:
-    """Two variants alive at once, their calls interleaved for `repeats` rounds (the order
-    alternating, so that neither always runs first): each one's report (as time_variant's)
-    and the per-round ratios second / first."""
-    timing = dict(context=context, steps=steps, chunk_bytes=chunk_bytes)
-    first = VariantRun(variants[0], cfg, device, lengths, **timing)
+    """Two variants alive at once (setup: VariantRun's context, steps, chunk_bytes), their
+    calls interleaved for `repeats` rounds (the order alternating, so that neither always
+    runs first): each one's report (as time_variant's) and the per-round ratios second /
+    first."""
+    first = VariantRun(variants[0], cfg, device, lengths, **setup)
     try:
-        second = VariantRun(variants[1], cfg, device, lengths, **timing)
+        second = VariantRun(variants[1], cfg, device, lengths, **setup)
         try:
             times: tuple[list[float], list[float]] = ([], [])
             for r in range(repeats):
@@ -279,24 +272,21 @@ def time_all(
     device: jax.Device,
     lengths: np.ndarray,
     *,
-    context: int,
-    steps: int,
-    repeats: int,
-    chunk_bytes: int | None = None,
     skip: dict[str, str] | None = None,
     log: Callable[[str], Any] = print,
+    **timing: Any,
 ) -> tuple[dict[str, dict], dict[str, str], dict[str, dict]]:
-    """Every variant but those in `skip` (variant -> why) at one point: (reports by variant,
-    why each other one was skipped, paired ratios by attention). prealloc+X and vmm+X run
-    as a pair (time_pair): timed apart, small points moved by up to 0.3 between runs (one
-    suspect: a GPU's clocks, idle during the other side's setup and compile). A pair that does not fit
-    together is timed apart; paired[X] holds the median and quartiles of the per-round
-    ratios vmm / prealloc."""
+    """Every variant but those in `skip` (variant -> why) at one point (timing:
+    time_variant's context, steps, repeats, chunk_bytes): (reports by variant, why each
+    other one was skipped, paired ratios by attention). prealloc+X and vmm+X run as a pair
+    (time_pair): timed apart, small points moved by up to 0.3 between runs (one suspect: a
+    GPU's clocks, idle during the other side's setup and compile). A pair that does not
+    fit together is timed apart; paired[X] holds the median and quartiles of the
+    per-round ratios vmm / prealloc."""
     cases: dict[str, dict] = {}
     skipped: dict[str, str] = dict(skip or {})
     paired: dict[str, dict] = {}
-    timing = dict(context=context, steps=steps, repeats=repeats, chunk_bytes=chunk_bytes)
-    batch = len(lengths)
+    batch, context = len(lengths), timing["context"]
 
     def record(variant: str, got: dict | str) -> None:
         if isinstance(got, str):
