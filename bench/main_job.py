@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> dict:
                 print(
                     f"batch {batch} round {r + 1}: jax_vmm {tps['jax_vmm']:,.0f}, prealloc "
                     f"{tps['prealloc']:,.0f} tokens/s, ratio "
-                    f"{tps['jax_vmm'] / tps['prealloc']:.3f} (order {', '.join(order)})",
+                    f"{tps['jax_vmm'] / tps['prealloc']:.4f} (order {', '.join(order)})",
                     flush=True,
                 )
             ratios = [x["tokens_per_second"]["jax_vmm"] / x["tokens_per_second"]["prealloc"]
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> dict:
             report["batches"][batch] = {"rounds": rounds, "median_ratio": statistics.median(ratios)}
             print(
                 f"batch {batch}: jax_vmm / prealloc tokens/s, median of {len(ratios)} rounds "
-                f"{statistics.median(ratios):.3f} (range {min(ratios):.3f}-{max(ratios):.3f}; "
+                f"{statistics.median(ratios):.4f} (range {min(ratios):.4f}-{max(ratios):.4f}; "
                 "goal >= 1.0)"
             )
     if args.json:
