@@ -70,9 +70,13 @@ HBM_TBPS = {"H100": 3.35, "H200": 4.8}
 
 
 def hbm_tbps(device: jax.Device) -> float:
-    """The floor's bandwidth for ``device``: its entry in HBM_TBPS by device kind (an
-    "NVIDIA H100 80GB HBM3" is an H100), else the H200's 4.8 TB/s."""
-    kind = getattr(device, "device_kind", "")
+    """The floor's bandwidth for ``device``: hbm_tbps_of_kind of its device kind."""
+    return hbm_tbps_of_kind(getattr(device, "device_kind", ""))
+
+
+def hbm_tbps_of_kind(kind: str) -> float:
+    """The entry in HBM_TBPS of a device named ``kind`` (an "NVIDIA H100 80GB HBM3" is an
+    H100), else the H200's 4.8 TB/s."""
     return next((tbps for name, tbps in HBM_TBPS.items() if name in kind), 4.8)
 
 

@@ -36,6 +36,9 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+from _common import hbm_tbps_of_kind  # noqa: E402  (the bench helpers; imports JAX, no GPU)
+
 PAGE_BYTES = 2 << 20
 POINTS = {
     8: (
@@ -50,7 +53,6 @@ POINTS = {
     ),
     32: ((1, 1024), (4, 8192), (16, 4096), (32, 4096), (64, 2048)),
 }
-HBM_TBPS = {"H100": 3.35, "H200": 4.8}  # bench/_common.py's table (that module imports JAX)
 
 
 def import_cudnn():
@@ -240,7 +242,7 @@ def main() -> None:
 
     cudnn = import_cudnn()
     kind = torch.cuda.get_device_name()
-    args.hbm_tbps = next((t for n, t in HBM_TBPS.items() if n in kind), 4.8)
+    args.hbm_tbps = hbm_tbps_of_kind(kind)
     print(
         f"device: {kind}, torch {torch.__version__}, cuDNN {cudnn.backend_version()}, "
         f"floor at {args.hbm_tbps} TB/s"
