@@ -1,4 +1,5 @@
-"""KV-cache buffers on an arena: one K and one V buffer per layer, grown by sequence."""
+"""KV-cache buffers on an arena, grown by sequence: one K and one V buffer per layer, or
+one buffer that interleaves every layer (``layout="interleaved"``)."""
 
 from __future__ import annotations
 
@@ -33,6 +34,24 @@ from .transfers import SequenceTransfers
 #: still frees all of its memory (a commit never puts two sequences in one allocation).
 DEFAULT_KV_HANDLE_BYTES = 1 << 30
 
+#: The layouts :func:`~jax_vmm.kv_arena` offers (``layout=``).
+LAYOUTS = ("per_layer", "interleaved")
+
+
+class _InterleavedViews(LayerViews):
+    """``kv.k[l]`` of an interleaved arena: there is no such array (a layer's tokens are
+    strided in the one buffer), so every access explains what to use instead."""
+
+    def _view(self, layer: int) -> jax.Array:
+        raise TypeError(
+            f"{self._name}[{layer}]: this KV arena interleaves every layer in one buffer "
+            "(kv_arena(..., layout='interleaved')), so a layer is not a contiguous array and "
+            "has no zero-copy view. Read and write it through its cache: "
+            "layer = kv.cache()[l]; jax_vmm.kv_write(layer, ...), "
+            "jax_vmm.decode_attention(q, layer, lengths) or jax_vmm.attention(...). For "
+            "per-layer views make the arena with layout='per_layer' (the default)"
+        )
+
 
 class _LayerViews(LayerViews):
     """``kv.k[l]``: a zero-copy view of layer ``l``'s buffer. Views are cached and made
@@ -56,7 +75,15 @@ class KVArena(KVArenaBase, PrefixSharing, TokenBacking, SequenceTransfers):
 
     Layout per layer and per K/V: ``(max_tokens, num_kv_heads, head_dim)``, or with
     ``max_seqs`` ``(max_seqs, max_tokens, num_kv_heads, head_dim)`` (each sequence
-    contiguous; flat slot = ``seq * max_tokens + position``). Physical memory follows
+    contiguous; flat slot = ``seq * max_tokens + position``). With ``layout="per_layer"``
+    (the default) each is a buffer of its own and ``kv.k[l]`` a zero-copy ``jax.Array``.
+    With ``layout="interleaved"`` one buffer ``(max_seqs, max_tokens, 2 * num_layers,
+    num_kv_heads, head_dim)`` holds them all (layer ``l``'s K at ``2l``, V at ``2l + 1``),
+    so that a chunk holds a token range of every layer: a sequence's partial last chunk
+    is paid once instead of ``2 * num_layers`` times (memory for short sequences and
+    shared prefixes, docs/sharing.md), and a growth is one commit instead of one per
+    buffer. Its layers are strided, so it has no views (``kv.k[l]`` and ``kv.dest``
+    raise): read and write it through :meth:`cache`. Physical memory follows
     :meth:`ensure`, :meth:`shrink` and :meth:`release`; :meth:`sleep` / :meth:`wake` give
     all of it back and take it again, :meth:`offload` / :meth:`restore` move one
     sequence to host memory and back. Create with :func:`kv_arena`.
@@ -101,6 +128,7 @@ class KVArena(KVArenaBase, PrefixSharing, TokenBacking, SequenceTransfers):
         v_scales: Any = None,
         budget: MemoryBudget | None = None,
         name: str | None = None,
+        layout: str = "per_layer",
         _shard_of: int | None = None,
     ):
         # _shard_of (jax_vmm.kv.sharded only): this arena is one device's shard of a sharded
@@ -111,6 +139,9 @@ class KVArena(KVArenaBase, PrefixSharing, TokenBacking, SequenceTransfers):
         if initial_tokens > max_tokens:
             raise ValueError(f"initial_tokens={initial_tokens} exceeds max_tokens={max_tokens}")
         zero_fill = as_flag(zero_fill, "zero_fill")
+        if layout not in LAYOUTS:
+            raise ValueError(f"kv_arena: layout must be one of {LAYOUTS}, got {layout!r}")
+        self.layout = layout
         self.num_layers = int(num_layers)
         self.num_kv_heads = int(num_kv_heads)
         self.head_dim = int(head_dim)
@@ -123,7 +154,11 @@ class KVArena(KVArenaBase, PrefixSharing, TokenBacking, SequenceTransfers):
                 f"in {jax.dtypes.canonicalize_dtype(self.dtype)}, so no kv_write could match "
                 "the cache); use a 32- or 16-bit dtype, or enable x64"
             )
-        self.token_bytes = self.num_kv_heads * self.head_dim * self.dtype.itemsize
+        # One token of one layer's K; a buffer's rows are token_bytes apart (every layer's
+        # K and V of a token when interleaved), its sequences seq_bytes.
+        self.layer_token_bytes = self.num_kv_heads * self.head_dim * self.dtype.itemsize
+        layers_per_buffer = 2 * self.num_layers if layout == "interleaved" else 1
+        self.token_bytes = layers_per_buffer * self.layer_token_bytes
         self.seq_bytes = self.max_tokens * self.token_bytes
         seqs = 1 if self.max_seqs is None else self.max_seqs
         # Every buffer is rounded up to whole chunks; ask the driver what a chunk is.
@@ -135,11 +170,13 @@ class KVArena(KVArenaBase, PrefixSharing, TokenBacking, SequenceTransfers):
         )
         budget = check_budget(budget, "kv_arena")
         if budget is not None:  # before anything is made
-            budget._check(target, chunk, self._signature(), buffers=2 * self.num_layers)
+            budget._check(
+                target, chunk, self._signature(), buffers=2 * self.num_layers // layers_per_buffer
+            )
         if handle_bytes is None:
             handle_bytes = max(chunk, DEFAULT_KV_HANDLE_BYTES // chunk * chunk)
         buffer_bytes = seqs * self.seq_bytes
-        reserve = 2 * self.num_layers * -(-buffer_bytes // chunk) * chunk
+        reserve = 2 * self.num_layers // layers_per_buffer * -(-buffer_bytes // chunk) * chunk
         try:
             self.arena = Arena(
                 reserve,
@@ -158,14 +195,24 @@ class KVArena(KVArenaBase, PrefixSharing, TokenBacking, SequenceTransfers):
                 f"failed: {e}. Lower max_tokens or max_seqs"
             ) from e
         try:
-            self.k_buffers = [
-                self.arena.allocate(shape, self.dtype, name=f"k{l}") for l in range(self.num_layers)
-            ]
-            self.v_buffers = [
-                self.arena.allocate(shape, self.dtype, name=f"v{l}") for l in range(self.num_layers)
-            ]
-            self.k = _LayerViews(self.k_buffers, "kv.k")
-            self.v = _LayerViews(self.v_buffers, "kv.v")
+            if layout == "interleaved":
+                wide = shape[:-2] + (2 * self.num_layers,) + shape[-2:]
+                self._buffers = [self.arena.allocate(wide, self.dtype, name="kv")]
+                self.k_buffers = self.v_buffers = self._buffers * self.num_layers
+                self.k: LayerViews = _InterleavedViews(self.num_layers, "kv.k")
+                self.v: LayerViews = _InterleavedViews(self.num_layers, "kv.v")
+            else:
+                self.k_buffers = [
+                    self.arena.allocate(shape, self.dtype, name=f"k{l}")
+                    for l in range(self.num_layers)
+                ]
+                self.v_buffers = [
+                    self.arena.allocate(shape, self.dtype, name=f"v{l}")
+                    for l in range(self.num_layers)
+                ]
+                self._buffers = self.k_buffers + self.v_buffers
+                self.k = _LayerViews(self.k_buffers, "kv.k")
+                self.v = _LayerViews(self.v_buffers, "kv.v")
             self._scales = self._fp8_scales(k_scales, v_scales, target.device)
             # The identity the cache pytree carries, and the table of ensured tokens.
             self._core_cache = _core.create_kv_cache(
@@ -181,6 +228,7 @@ class KVArena(KVArenaBase, PrefixSharing, TokenBacking, SequenceTransfers):
                 self.dtype.itemsize,
                 xla_device_ordinal(target.device),
                 _shard_of or 0,
+                layout == "interleaved",
             )
             self._shard = _shard_of is not None
             if _shard_of is None:
@@ -291,10 +339,11 @@ class KVArena(KVArenaBase, PrefixSharing, TokenBacking, SequenceTransfers):
         return self._scales[0][layer], self._scales[1][layer]
 
     def _signature(self) -> str:
+        layout = "" if self.layout == "per_layer" else f", layout={self.layout!r}"
         return (
             f"kv_arena(num_layers={self.num_layers}, num_kv_heads={self.num_kv_heads}, "
             f"head_dim={self.head_dim}, max_tokens={self.max_tokens}, "
-            f"max_seqs={self.max_seqs}, dtype={self.dtype})"
+            f"max_seqs={self.max_seqs}, dtype={self.dtype}{layout})"
         )
 
     def _size_formula(self) -> str:
@@ -306,11 +355,14 @@ class KVArena(KVArenaBase, PrefixSharing, TokenBacking, SequenceTransfers):
 
     # -- geometry ------------------------------------------------------------------
     def fresh_view(self, side: int, layer: int) -> jax.Array:
+        if self.layout == "interleaved":
+            return (self.k if side == 0 else self.v)[layer]  # raises: no such view
         return (self.k_buffers if side == 0 else self.v_buffers)[layer].array
 
     @property
     def buffers(self) -> list[Buffer]:
-        return self.k_buffers + self.v_buffers
+        """The arena buffers of the cache, each once (growth and release run over them)."""
+        return self._buffers
 
     def _seq_base(self, seq: int | None, op: str) -> int:
         q = check_seq(seq, self.max_seqs, op)
@@ -325,6 +377,12 @@ class KVArena(KVArenaBase, PrefixSharing, TokenBacking, SequenceTransfers):
         sits at those addresses then."""
         layer = layer_index(layer, self.num_layers, "KVArena.dest")
         self.arena._check_open("KVArena.dest")
+        if self.layout == "interleaved":
+            raise TypeError(
+                "KVArena.dest: this KV arena interleaves every layer in one buffer "
+                "(layout='interleaved'), so the array-level kv_write cannot address a layer. "
+                "Write through its cache: jax_vmm.kv_write(kv.cache()[layer], k, v, slots)"
+            )
         k, v = self.k_buffers[layer], self.v_buffers[layer]
         return KVDest(
             k_address=k.address, v_address=v.address, nbytes=k.nbytes, k_uid=k.uid, v_uid=v.uid
@@ -393,13 +451,17 @@ class KVArena(KVArenaBase, PrefixSharing, TokenBacking, SequenceTransfers):
             num_layers=self.num_layers,
             max_tokens=self.max_tokens,
             max_seqs=self.max_seqs,
-            token_bytes_all_layers=2 * self.num_layers * self.token_bytes,
+            token_bytes_all_layers=2 * self.num_layers * self.layer_token_bytes,
             backed_tokens=tokens,
             offloaded_seqs=self._away_seqs(),
             commit_ahead_tokens=self.commit_ahead_tokens,
             commits_ahead_skipped=self._ahead_skipped,
             commits_ahead_failed=self._ahead_failures,
-            preallocated_equivalent_bytes=2 * self.num_layers * len(tokens) * self.seq_bytes,
+            preallocated_equivalent_bytes=2
+            * self.num_layers
+            * len(tokens)
+            * self.max_tokens
+            * self.layer_token_bytes,
             **self._sharing_stats(),
         )
         return s
@@ -409,5 +471,5 @@ class KVArena(KVArenaBase, PrefixSharing, TokenBacking, SequenceTransfers):
             f"KVArena(layers={self.num_layers}, max_seqs={self.max_seqs}, "
             f"max_tokens={self.max_tokens}, "
             f"heads={self.num_kv_heads}, head_dim={self.head_dim}, dtype={self.dtype}, "
-            f"backed={self.arena.backed_bytes})"
+            f"layout={self.layout}, backed={self.arena.backed_bytes})"
         )

@@ -33,6 +33,7 @@ def kv_arena(
     sharding: Any = None,
     budget: Any = None,
     name: str | None = None,
+    layout: str = "per_layer",
 ) -> KVArena | ShardedKVArena:
     """Create a :class:`KVArena`: K/V buffers for every layer in one reserved range.
 
@@ -50,7 +51,13 @@ def kv_arena(
     ``budget``: a :class:`~jax_vmm.MemoryBudget` on the arena's device, shared with other
     arenas (docs/sharing.md); with ``sharding``, a sequence of budgets, one per device of
     the mesh, in any order. ``name``: how the budget's stats and errors call the arena
-    (``KV arena 7 (policy)``)."""
+    (``KV arena 7 (policy)``).
+
+    ``layout``: ``"per_layer"`` (default; one K and one V buffer per layer, each viewable
+    as a zero-copy ``jax.Array``, ``kv.k[l]``) or ``"interleaved"`` (one buffer holding
+    every layer's K and V token by token: a sequence's partial last chunk is paid once
+    instead of once per layer buffer, so short sequences and shared prefixes take little
+    more memory than their tokens; no views, the cache API only; see :class:`KVArena`)."""
     kw = dict(locals())  # the arguments above, as given: the same keywords as KVArena's
     del kw["sharding"]
     if sharding is not None:

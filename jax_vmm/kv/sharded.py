@@ -103,6 +103,12 @@ class ShardedKVArena(KVArenaBase):
                 "kv_arena: pass either device= (one arena) or sharding= (one per device of "
                 "the mesh), not both"
             )
+        if kw.get("layout", "per_layer") != "per_layer":
+            raise ValueError(
+                f"kv_arena: layout={kw['layout']!r} is for one device; a sharded arena "
+                "(sharding=) keeps its layers in buffers of their own (layout='per_layer')"
+            )
+        kw.pop("layout", None)
         # The shards check every other argument; the layout needs the geometry first.
         shape = layer_shape(num_layers, heads, head_dim, max_tokens, max_seqs)
         self._layout = split = layout(sharding, shape)

@@ -54,8 +54,9 @@ std::shared_ptr<KvCache> Create(std::shared_ptr<Arena> arena, const std::vector<
                                 const std::vector<int64_t>& v_ids, int64_t max_seqs,
                                 bool per_sequence, int64_t max_tokens, int64_t kv_heads,
                                 int64_t head_dim, const std::string& dtype, size_t itemsize,
-                                int device_ordinal, uint64_t shared_uid) {
+                                int device_ordinal, uint64_t shared_uid, bool interleaved) {
   kvcache::Geometry g;
+  g.interleaved = interleaved;
   g.num_layers = static_cast<int64_t>(k_ids.size());
   g.max_seqs = max_seqs;
   g.per_sequence = per_sequence;
@@ -125,9 +126,10 @@ void BindKvCache(nb::module_& m) {
   m.def("create_kv_cache", &Create, nb::arg("arena"), nb::arg("k_ids"), nb::arg("v_ids"),
         nb::arg("max_seqs"), nb::arg("per_sequence"), nb::arg("max_tokens"), nb::arg("kv_heads"),
         nb::arg("head_dim"), nb::arg("dtype"), nb::arg("itemsize"), nb::arg("device_ordinal"),
-        nb::arg("shared_uid") = 0,
+        nb::arg("shared_uid") = 0, nb::arg("interleaved") = false,
         "A KV cache over layer buffers of `arena`, registered under a new uid, or (shared_uid) "
-        "a shard joining the live cache of that uid on another device ordinal.");
+        "a shard joining the live cache of that uid on another device ordinal. interleaved: "
+        "k_ids and v_ids name one buffer holding every layer (kvcache::Geometry).");
   m.def(
       "find_kv_cache",
       [](uint64_t uid, int device_ordinal) {

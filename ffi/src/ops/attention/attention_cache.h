@@ -38,6 +38,11 @@ struct CacheAttention {
   ffi::AnyBuffer V() const { return ffi::AnyBuffer(&v); }
   int64_t batch() const { return layer.cache->geometry().max_seqs; }
   int64_t max_tokens() const { return layer.cache->geometry().max_tokens; }
+  // Shapes::token_heads of the layer's K and V.
+  int64_t token_heads() const {
+    const kvcache::Geometry& g = layer.cache->geometry();
+    return g.row_elems() / g.head_dim;
+  }
 };
 
 // Resolves the layer for `op` and checks what the kernels' own checks cannot see: a cache

@@ -45,7 +45,7 @@ ffi::Error CacheCpu(bool use_limits, int32_t device, ffi::AnyBuffer q,
     return e;
   }
   return RunCpu(q, call.K(), call.V(), read_lengths, out, nullptr, scale, chunk, splits, sem,
-                impl);
+                impl, call.token_heads());
 }
 
 ffi::Error StreamCacheCpu(bool use_limits, int32_t device, ffi::AnyBuffer q,
@@ -60,7 +60,9 @@ ffi::Error StreamCacheCpu(bool use_limits, int32_t device, ffi::AnyBuffer q,
       e.failure()) {
     return e;
   }
-  return stream::RunCpu(q, call.K(), call.V(), read_lengths, k_scale, v_scale, out, attrs);
+  stream::StreamAttrs strided = attrs;
+  strided.token_heads = call.token_heads();
+  return stream::RunCpu(q, call.K(), call.V(), read_lengths, k_scale, v_scale, out, strided);
 }
 
 ffi::Error CacheCopyCpu(bool use_limits, int32_t device, ffi::Buffer<ffi::S32> lengths,
@@ -74,15 +76,17 @@ ffi::Error CacheCopyCpu(bool use_limits, int32_t device, ffi::Buffer<ffi::S32> l
     return ffi::Error::InvalidArgument(err);
   }
   ClampLengthsOnHost(call, lengths.typed_data(), read_lengths.typed_data(), use_limits, epoch);
-  const size_t token_bytes = call.layer.cache->geometry().token_bytes();
-  const size_t row = token_bytes * static_cast<size_t>(call.max_tokens());
+  const kvcache::Geometry& g = call.layer.cache->geometry();
+  const size_t token_bytes = g.token_bytes(), src_row = g.row_bytes();
+  const auto T = static_cast<size_t>(call.max_tokens());
   for (int64_t b = 0; b < call.batch(); ++b) {
-    const size_t live = token_bytes * static_cast<size_t>(read_lengths.typed_data()[b]);
+    const auto live = static_cast<size_t>(read_lengths.typed_data()[b]);
     for (auto [src, dst] : {std::pair{call.k.data, k_out.untyped_data()},
                             std::pair{call.v.data, v_out.untyped_data()}}) {
-      char* d = static_cast<char*>(dst) + b * row;
-      std::memcpy(d, static_cast<const char*>(src) + b * row, live);
-      std::memset(d + live, 0, row - live);
+      char* d = static_cast<char*>(dst) + b * T * token_bytes;
+      const char* s = static_cast<const char*>(src) + b * T * src_row;
+      for (size_t t = 0; t < live; ++t) std::memcpy(d + t * token_bytes, s + t * src_row, token_bytes);
+      std::memset(d + live * token_bytes, 0, (T - live) * token_bytes);
     }
   }
   return ffi::Error::Success();

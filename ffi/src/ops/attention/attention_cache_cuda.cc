@@ -103,7 +103,7 @@ ffi::Error CacheCudaExecute(bool use_limits, cudaStream_t stream, int32_t device
   }
   if (ffi::Error e = Clamp(use_limits, call, lengths, read_lengths, stream); e.failure()) return e;
   return CudaExecute(stream, device, q, call.K(), call.V(), read_lengths, out, nullptr, scale,
-                     chunk, splits, impl, sem);
+                     chunk, splits, impl, sem, call.token_heads());
 }
 
 ffi::Error StreamCacheCudaInitialize(cudaStream_t stream, int32_t device, const ffi::AnyBuffer& q,
@@ -117,8 +117,10 @@ ffi::Error StreamCacheCudaInitialize(cudaStream_t stream, int32_t device, const 
       e.failure()) {
     return e;
   }
+  stream::StreamAttrs strided = attrs;
+  strided.token_heads = call.token_heads();
   return stream::CudaInitialize(stream, device, q, call.K(), call.V(), lengths, k_scale, v_scale,
-                                out, attrs);
+                                out, strided);
 }
 
 ffi::Error StreamCacheCudaExecute(bool use_limits, cudaStream_t stream, int32_t device,
@@ -133,8 +135,10 @@ ffi::Error StreamCacheCudaExecute(bool use_limits, cudaStream_t stream, int32_t 
     return e;
   }
   if (ffi::Error e = Clamp(use_limits, call, lengths, read_lengths, stream); e.failure()) return e;
+  stream::StreamAttrs strided = attrs;
+  strided.token_heads = call.token_heads();
   return stream::CudaExecute(stream, device, q, call.K(), call.V(), read_lengths, k_scale, v_scale,
-                             out, attrs);
+                             out, strided);
 }
 
 ffi::Error CacheCopyCudaExecute(bool use_limits, cudaStream_t stream, int32_t device,
@@ -149,12 +153,14 @@ ffi::Error CacheCopyCudaExecute(bool use_limits, cudaStream_t stream, int32_t de
     return ffi::Error::InvalidArgument(err);
   }
   if (ffi::Error e = Clamp(use_limits, call, lengths, read_lengths, stream); e.failure()) return e;
-  const int64_t token_bytes = static_cast<int64_t>(call.layer.cache->geometry().token_bytes());
+  const kvcache::Geometry& g = call.layer.cache->geometry();
+  const auto token_bytes = static_cast<int64_t>(g.token_bytes());
+  const auto row_bytes = static_cast<int64_t>(g.row_bytes());
   for (auto [src, dst] : {std::pair{call.k.data, k_out.untyped_data()},
                           std::pair{call.v.data, v_out.untyped_data()}}) {
     if (cudaError_t e =
             kvcache::LaunchCopyLiveTokens(src, dst, read_lengths.typed_data(), call.batch(),
-                                          call.max_tokens(), token_bytes, stream);
+                                          call.max_tokens(), token_bytes, row_bytes, stream);
         e != cudaSuccess) {
       return CudaFfiError(kCopyName, "copy kernel launch", e);
     }

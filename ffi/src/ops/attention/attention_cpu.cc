@@ -70,11 +70,11 @@ float Logit(const CpuCall& c, float dot) {
 // rows; tokens outside a row's range are masked (never weighted).
 void FoldChunk(const CpuCall& c, int64_t b, int64_t kvh, int64_t t0, int64_t n, int64_t R,
                RowState& st) {
-  const int64_t T = c.sh.max_tokens, Hkv = c.sh.kv_heads, D = c.sh.head_dim;
+  const int64_t T = c.sh.max_tokens, D = c.sh.head_dim, row = TokenStride(c.sh);
   const int64_t chunk = c.plan.chunk;
   for (int64_t i = 0; i < n; ++i) {  // scores, in log2 units
     const int64_t t = t0 + i;
-    c.cv.Row(c.k, ((b * T + t) * Hkv + kvh) * D, D, st.row.data());
+    c.cv.Row(c.k, (b * T + t) * row + kvh * D, D, st.row.data());
     for (int64_t r = 0; r < R; ++r) {
       float& x = st.logits[r * chunk + i];
       if (t < st.lo[r] || t >= st.hi[r]) {
@@ -104,7 +104,7 @@ void FoldChunk(const CpuCall& c, int64_t b, int64_t kvh, int64_t t0, int64_t n, 
   }
   for (int64_t i = 0; i < n; ++i) {
     const int64_t t = t0 + i;
-    c.cv.Row(c.v, ((b * T + t) * Hkv + kvh) * D, D, st.row.data());
+    c.cv.Row(c.v, (b * T + t) * row + kvh * D, D, st.row.data());
     for (int64_t r = 0; r < R; ++r) {
       if (t < st.lo[r] || t >= st.hi[r]) continue;
       const float p = st.logits[r * chunk + i];
@@ -243,7 +243,7 @@ ffi::Error DecodeAttentionCpuXlaWorkspaceImpl(ffi::AnyBuffer q, ffi::AnyBuffer k
 ffi::Error RunCpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                   ffi::Buffer<ffi::S32> lengths, ffi::AnyBuffer out, ffi::AnyBuffer* workspace,
                   float scale, int64_t chunk, int64_t splits, const Semantics& sem,
-                  int64_t impl) {
+                  int64_t impl, int64_t token_heads) {
   GetCounters().cpu_calls.fetch_add(1, std::memory_order_relaxed);
   CpuCall c;
   c.q = q.untyped_data();
@@ -255,6 +255,7 @@ ffi::Error RunCpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
   if (ffi::Error err = CheckOperands(kCpuName, q, k, v, lengths, out, &c.sh); err.failure()) {
     return err;
   }
+  c.sh.token_heads = token_heads;
   c.plan = MakePlan(c.sh, kCpuParallelUnits, chunk, splits);
   if (ffi::Error err = CheckImpl(kCpuName, impl, c.cv.dtype, c.sh.head_dim); err.failure()) {
     return err;

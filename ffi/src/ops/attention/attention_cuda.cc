@@ -116,6 +116,7 @@ RowKernelParams MakeKernelParams(const ffi::AnyBuffer& q, const ffi::AnyBuffer& 
   p.q_heads = static_cast<int>(sh.q_heads);
   p.kv_heads = static_cast<int>(sh.kv_heads);
   p.head_dim = static_cast<int>(sh.head_dim);
+  p.token_heads = static_cast<int>(TokenStride(sh) / sh.head_dim);
   p.group = static_cast<int>(sh.q_heads / sh.kv_heads);
   p.head_group = static_cast<int>(pl.head_group);
   p.chunk = static_cast<int>(pl.chunk);
@@ -268,13 +269,14 @@ ffi::Error CudaExecute(cudaStream_t stream, int32_t device, const ffi::AnyBuffer
                        const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
                        const ffi::Buffer<ffi::S32>& lengths, ffi::AnyBuffer out,
                        ffi::AnyBuffer* workspace, float scale, int64_t chunk, int64_t splits,
-                       int64_t impl, const Semantics& sem) {
+                       int64_t impl, const Semantics& sem, int64_t token_heads) {
   Call call;
   if (ffi::Error err =
           BeginExecute(stream, device, q, k, v, lengths, out, chunk, splits, impl, &call);
       err.failure()) {
     return err;
   }
+  call.shapes.token_heads = token_heads;
   if (call.shapes.batch == 0) return ffi::Error::Success();
   void* ws = nullptr;
   if (ffi::Error err = ResolveWorkspace(stream, device, workspace, call.plan, &ws); err.failure()) {

@@ -21,12 +21,14 @@ xla::ffi::Error CudaInitialize(cudaStream_t stream, int32_t device, const xla::f
                                int64_t impl);
 
 // The execute stage: validates, plans, fetches the workspace (`workspace`, the XLA
-// result, or the graph-safe scratch when null) and launches the kernels.
+// result, or the graph-safe scratch when null) and launches the kernels. token_heads:
+// Shapes::token_heads of k and v (0: dense).
 xla::ffi::Error CudaExecute(cudaStream_t stream, int32_t device, const xla::ffi::AnyBuffer& q,
                             const xla::ffi::AnyBuffer& k, const xla::ffi::AnyBuffer& v,
                             const xla::ffi::Buffer<xla::ffi::S32>& lengths, xla::ffi::AnyBuffer out,
                             xla::ffi::AnyBuffer* workspace, float scale, int64_t chunk,
-                            int64_t splits, int64_t impl, const Semantics& sem);
+                            int64_t splits, int64_t impl, const Semantics& sem,
+                            int64_t token_heads = 0);
 
 // What CudaExecute does before it touches memory (statistics, validation, plan).
 xla::ffi::Error CudaBeginExecute(cudaStream_t stream, int32_t device, const xla::ffi::AnyBuffer& q,

@@ -94,7 +94,7 @@ __global__ void __launch_bounds__(kThreads) SplitKernelSimple(const ParamsOf<kRo
 
   extern __shared__ float smem[];
   const SimpleShared sh{smem, smem + D, smem + 2 * D, smem + 2 * D + p.chunk};
-  const int64_t tstride = static_cast<int64_t>(p.kv_heads) * D;
+  const int64_t tstride = static_cast<int64_t>(p.token_heads) * D;
   const T* kseq = static_cast<const T*>(p.k) + static_cast<int64_t>(b) * p.max_tokens * tstride +
                   static_cast<int64_t>(kvh) * D;
   const T* vseq = static_cast<const T*>(p.v) + static_cast<int64_t>(b) * p.max_tokens * tstride +

@@ -26,7 +26,8 @@ struct KernelParams {
   float* ws_m;             // [P]
   float* ws_l;             // [P]
   int batch, max_tokens, q_heads, kv_heads, head_dim;
-  int group;       // q_heads / kv_heads
+  int token_heads;  // head rows between a sequence's consecutive tokens (Shapes::token_heads)
+  int group;        // q_heads / kv_heads
   int head_group;  // query rows per tensor-core block (S = 1: heads)
   int chunk, splits;
   float scale_log2;  // softmax scale * log2(e): logits are kept in log2 units

@@ -45,7 +45,15 @@ struct Shapes {
   int64_t kv_heads = 0;
   int64_t head_dim = 0;
   int64_t q_len = 1;  // S: query rows per sequence (decode: 1)
+  // Head rows between a sequence's consecutive tokens in K and V: kv_heads (dense), or
+  // more in a buffer that interleaves layers (kvcache::Geometry). 0 means kv_heads.
+  int64_t token_heads = 0;
 };
+
+// Elements between consecutive tokens of one sequence in K and V.
+inline int64_t TokenStride(const Shapes& s) {
+  return (s.token_heads > 0 ? s.token_heads : s.kv_heads) * s.head_dim;
+}
 
 struct Plan {
   int64_t chunk = 0;       // tokens per chunk, a multiple of kTile

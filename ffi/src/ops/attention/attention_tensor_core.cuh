@@ -380,7 +380,7 @@ __global__ void __launch_bounds__(kThreads) SplitKernelTensorCore(const ParamsOf
     }
   }
 
-  const int64_t tstride = static_cast<int64_t>(p.kv_heads) * D;  // elements between tokens
+  const int64_t tstride = static_cast<int64_t>(p.token_heads) * D;  // elements between tokens
   const T* kseq =
       static_cast<const T*>(p.k) + static_cast<int64_t>(b) * p.max_tokens * tstride + kvh * D;
   const T* vseq =

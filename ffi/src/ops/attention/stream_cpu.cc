@@ -79,7 +79,7 @@ struct Model {
       for (int64_t h = 0; h < GB; ++h) {
         float mx = kNegInf;
         for (int r = 0; r < n; ++r) {
-          const int64_t row = ((b * sh.max_tokens + t0 + r) * sh.kv_heads + kvh) * D;
+          const int64_t row = (b * sh.max_tokens + t0 + r) * TokenStride(sh) + kvh * D;
           float dot = 0.f;
           for (int64_t d = 0; d < D; ++d) dot += qv[h * D + d] * Element(k, row + d, kv);
           s[r] = dot * ks * scale_log2;
@@ -95,7 +95,7 @@ struct Model {
         for (int r = 0; r < n; ++r) {
           const float p = std::exp2(s[r] - m_new);
           sum += p;
-          const int64_t row = ((b * sh.max_tokens + t0 + r) * sh.kv_heads + kvh) * D;
+          const int64_t row = (b * sh.max_tokens + t0 + r) * TokenStride(sh) + kvh * D;
           for (int64_t d = 0; d < D; ++d) a[d] += p * Element(v, row + d, kv);
         }
         wl[w * GB + h] = wl[w * GB + h] * alpha + sum;
@@ -213,6 +213,7 @@ ffi::Error ValidateCpu(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const f
       e.failure()) {
     return e;
   }
+  shapes->token_heads = attrs.token_heads;
   if (std::string why = Unsupported(*shapes); !why.empty()) {
     return ffi::Error::InvalidArgument(std::string(kCpuName) + ": " + why);
   }

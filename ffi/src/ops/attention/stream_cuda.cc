@@ -82,6 +82,7 @@ ffi::Error Prepare(int device, const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
       e.failure()) {
     return e;
   }
+  call->shapes.token_heads = attrs.token_heads;
   const Shapes& sh = call->shapes;
   if (std::string why = Unsupported(sh); !why.empty()) return Invalid(why + " (use impl='auto')");
   if (sh.head_dim != 64 && sh.head_dim != 128 && sh.head_dim != 256) {
@@ -125,6 +126,7 @@ StreamParams MakeParams(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const 
   p.max_tokens = static_cast<int>(sh.max_tokens);
   p.q_heads = static_cast<int>(sh.q_heads);
   p.kv_heads = static_cast<int>(sh.kv_heads);
+  p.token_heads = static_cast<int>(TokenStride(sh) / sh.head_dim);
   p.group = static_cast<int>(sh.q_heads / sh.kv_heads);
   p.head_group = static_cast<int>(pl.head_group);
   p.unit_groups = static_cast<int>(pl.unit_groups);

@@ -38,6 +38,7 @@ auto BindStreamAttrs(B&& b) {
 struct StreamAttrs {
   float scale = 0;
   int64_t ctas = 0, stages = 0, min_tiles = 0, combine = 0, bulk = 0;
+  int64_t token_heads = 0;  // Shapes::token_heads of k and v (0: dense); not an attribute
 };
 
 }  // namespace jax_vmm::attention::stream

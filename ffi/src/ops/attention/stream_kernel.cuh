@@ -141,7 +141,7 @@ __global__ void __launch_bounds__(kThreads) StreamKernel(const StreamParams p) {
   const int g0 = RangeStart(cta, total, C), g1 = RangeStart(cta + 1, total, C);
   if (g0 >= g1) return;
 
-  const int64_t tstride = static_cast<int64_t>(p.kv_heads) * RB;  // bytes between tokens
+  const int64_t tstride = static_cast<int64_t>(p.token_heads) * RB;  // bytes between tokens
   const uint8_t* kbytes = static_cast<const uint8_t*>(p.k);
   const uint8_t* vbytes = static_cast<const uint8_t*>(p.v);
 

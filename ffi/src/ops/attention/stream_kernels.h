@@ -32,6 +32,7 @@ struct StreamParams {
   float* ws_l;
   unsigned* counters;  // (B * unit_groups,), zero at launch (fused combine only)
   int batch, max_tokens, q_heads, kv_heads, group, head_group, unit_groups;
+  int token_heads;  // head rows between a sequence's consecutive tokens (Shapes::token_heads)
   int min_tiles, stages;
   int fused;         // combine in the kernel (last arrival), else CombineKernel after it
   float scale_log2;  // softmax scale * log2(e)

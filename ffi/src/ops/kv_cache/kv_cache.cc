@@ -38,7 +38,7 @@ std::vector<int64_t> Geometry::dims() const {
 static bool SameGeometry(const Geometry& a, const Geometry& b) {
   return a.num_layers == b.num_layers && a.max_seqs == b.max_seqs && a.max_tokens == b.max_tokens &&
          a.kv_heads == b.kv_heads && a.head_dim == b.head_dim && a.per_sequence == b.per_sequence &&
-         a.dtype == b.dtype && a.element_bytes == b.element_bytes;
+         a.interleaved == b.interleaved && a.dtype == b.dtype && a.element_bytes == b.element_bytes;
 }
 
 // Throws unless a shard may join the caches registered under shared_uid (a live one
@@ -88,6 +88,11 @@ std::shared_ptr<KvCache> KvCache::Create(std::shared_ptr<Arena> arena,
     std::lock_guard<std::mutex> lock(r.mu);
     CheckJoin(r, shared_uid, g, device_ordinal);
   }
+  if (g.interleaved && (std::any_of(k_ids.begin(), k_ids.end(),
+                                     [&](int64_t id) { return id != k_ids[0]; }) ||
+                         v_ids != k_ids)) {
+    throw InvalidArgument("KvCache: an interleaved cache keeps every layer in one buffer");
+  }
   std::shared_ptr<KvCache> cache(
       new KvCache(arena, g, device_ordinal, shared_uid != 0 ? shared_uid : NewUid()));
   for (size_t l = 0; l < k_ids.size(); ++l) {
@@ -97,7 +102,9 @@ std::shared_ptr<KvCache> KvCache::Create(std::shared_ptr<Arena> arena,
                             std::to_string(k.nbytes) + " and " + std::to_string(v.nbytes) +
                             " bytes, the geometry needs " + std::to_string(g.buffer_bytes()));
     }
-    cache->layers_.push_back(LayerBuffers{k.uid, v.uid, k.address, v.address});
+    const auto li = static_cast<int64_t>(l);
+    cache->layers_.push_back(LayerBuffers{k.uid, v.uid, k.address + g.layer_offset(li, 0),
+                                          v.address + g.layer_offset(li, 1)});
   }
   const size_t bytes = 3 * LimitsBytes(g.max_seqs) + sizeof(unsigned long long);
   Driver& driver = arena->driver();

@@ -37,8 +37,14 @@
 
 namespace jax_vmm::kvcache {
 
-// The shape every layer buffer of the cache has: (max_seqs, max_tokens, heads, head_dim),
-// or (max_tokens, heads, head_dim) without a per-sequence layout (max_seqs then 1).
+// The shape of one layer's K (and V): (max_seqs, max_tokens, heads, head_dim), or
+// (max_tokens, heads, head_dim) without a per-sequence layout (max_seqs then 1).
+//
+// Two layouts. Per layer: each K and each V is a buffer of its own, dense. Interleaved:
+// one buffer (max_seqs, max_tokens, 2 x num_layers, heads, head_dim) holds every layer,
+// layer l's K at slot 2l and its V at 2l + 1 of each token's row, so that one chunk of
+// the buffer holds a token range of every layer (a sequence's partial last chunk is paid
+// once, not 2L times). A layer is then a strided array: its tokens are row_elems() apart.
 struct Geometry {
   int64_t num_layers = 0;
   int64_t max_seqs = 1;
@@ -46,21 +52,31 @@ struct Geometry {
   int64_t kv_heads = 0;
   int64_t head_dim = 0;
   bool per_sequence = true;
+  bool interleaved = false;
   int dtype = 0;             // xla::ffi::DataType of the buffers
   size_t element_bytes = 0;  // bytes of one element
 
   int64_t rank() const { return per_sequence ? 4 : 3; }
-  // The buffer's dimensions, rank() of them.
+  // One layer's dimensions, rank() of them.
   std::vector<int64_t> dims() const;
+  // Bytes of one token of one layer's K (or V).
   uint64_t token_bytes() const {
     return static_cast<uint64_t>(kv_heads * head_dim) * element_bytes;
   }
-  uint64_t seq_bytes() const { return token_bytes() * static_cast<uint64_t>(max_tokens); }
+  // Elements between a layer's consecutive tokens in its buffer.
+  int64_t row_elems() const { return kv_heads * head_dim * (interleaved ? 2 * num_layers : 1); }
+  uint64_t row_bytes() const { return static_cast<uint64_t>(row_elems()) * element_bytes; }
+  uint64_t seq_bytes() const { return row_bytes() * static_cast<uint64_t>(max_tokens); }
   int64_t num_slots() const { return max_seqs * max_tokens; }
   size_t buffer_bytes() const { return static_cast<size_t>(seq_bytes()) * max_seqs; }
+  // Where layer l's K (side 0) or V (side 1) starts in its buffer.
+  uint64_t layer_offset(int64_t l, int side) const {
+    return interleaved ? static_cast<uint64_t>(2 * l + side) * token_bytes() : 0;
+  }
 };
 
-// The two buffers of one layer.
+// Where one layer lives: its K and V buffers' uids and the addresses of its first
+// token (the buffers' bases plus Geometry::layer_offset).
 struct LayerBuffers {
   uint64_t k_uid = 0, v_uid = 0;
   uintptr_t k_address = 0, v_address = 0;
@@ -69,7 +85,7 @@ struct LayerBuffers {
 class KvCache {
  public:
   // Registers a cache over buffers k_ids[l], v_ids[l] of `arena` (each of
-  // geometry.buffer_bytes() bytes) under a new uid, for XLA device ordinal
+  // geometry.buffer_bytes() bytes; interleaved: one buffer, every id the same) under a new uid, for XLA device ordinal
   // `device_ordinal`. Every sequence starts with 0 tokens ensured.
   //
   // shared_uid != 0: a shard of a sharded cache (one per device) that joins the live

@@ -18,6 +18,7 @@ std::string Describe(uint64_t cache_uid) { return "KV cache " + std::to_string(c
 // The buffer with this uid must be the cache's, in an open arena, where the cache says.
 std::string CheckBuffer(const char* op, const CacheLayer& c, char side, uint64_t uid,
                         uintptr_t address, bool pin) {
+  address -= c.cache->geometry().layer_offset(c.layer, side == 'k' ? 0 : 1);  // the base
   BufferRef ref;
   // Built on failure only: every step's initialize stage comes through here.
   const auto pre = [&] {

@@ -24,42 +24,46 @@ __global__ void ClampLengthsKernel(const int32_t* lengths, const int32_t* limits
   read[b] = n;
 }
 
-// Row b (blockIdx.y) of `tokens * token_units` units: the first read[b] * token_units
-// copied, the rest zeroed; a grid-stride loop over the row.
+// Row b (blockIdx.y) of `tokens * token_units` units of dst: the first read[b] tokens
+// copied from src (whose tokens are src_units apart), the rest zeroed; a grid-stride loop
+// over the row.
 template <typename Unit>
 __global__ void CopyLiveTokensKernel(const Unit* src, Unit* dst, const int32_t* read,
-                                     int64_t tokens, int64_t token_units) {
+                                     int64_t tokens, int64_t token_units, int64_t src_units) {
   const int64_t b = blockIdx.y;
   const int64_t row = tokens * token_units;
   const int64_t live = static_cast<int64_t>(min(max(read[b], 0), static_cast<int32_t>(tokens))) *
                        token_units;
-  const Unit* s = src + b * row;
+  const Unit* s = src + b * tokens * src_units;
   Unit* d = dst + b * row;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < row;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    d[i] = i < live ? s[i] : Unit{};
+    const int64_t t = i / token_units;
+    d[i] = i < live ? s[t * src_units + (i - t * token_units)] : Unit{};
   }
 }
 
 }  // namespace
 
 cudaError_t LaunchCopyLiveTokens(const void* src, void* dst, const int32_t* read, int64_t batch,
-                                 int64_t tokens, int64_t token_bytes, cudaStream_t stream) {
+                                 int64_t tokens, int64_t token_bytes, int64_t src_row_bytes,
+                                 cudaStream_t stream) {
   if (batch <= 0 || tokens <= 0 || token_bytes <= 0) return cudaSuccess;
-  const bool wide = token_bytes % sizeof(uint4) == 0 &&
+  const bool wide = token_bytes % sizeof(uint4) == 0 && src_row_bytes % sizeof(uint4) == 0 &&
                     reinterpret_cast<uintptr_t>(src) % sizeof(uint4) == 0 &&
                     reinterpret_cast<uintptr_t>(dst) % sizeof(uint4) == 0;
-  const int64_t units = wide ? token_bytes / static_cast<int64_t>(sizeof(uint4)) : token_bytes;
+  const int64_t unit = wide ? static_cast<int64_t>(sizeof(uint4)) : 1;
+  const int64_t units = token_bytes / unit, src_units = src_row_bytes / unit;
   const int64_t row_blocks = (tokens * units + kThreads - 1) / kThreads;
   const dim3 grid(static_cast<unsigned>(row_blocks < 1024 ? row_blocks : 1024),
                   static_cast<unsigned>(batch));
   if (wide) {
     CopyLiveTokensKernel<<<grid, kThreads, 0, stream>>>(
-        static_cast<const uint4*>(src), static_cast<uint4*>(dst), read, tokens, units);
+        static_cast<const uint4*>(src), static_cast<uint4*>(dst), read, tokens, units, src_units);
   } else {
     CopyLiveTokensKernel<<<grid, kThreads, 0, stream>>>(
         static_cast<const unsigned char*>(src), static_cast<unsigned char*>(dst), read, tokens,
-        units);
+        units, src_units);
   }
   return cudaGetLastError();
 }

@@ -15,11 +15,12 @@ cudaError_t LaunchClampLengths(const int32_t* lengths, const int32_t* limits, in
                                int batch, int max_tokens, unsigned long long* clamped,
                                cudaStream_t stream);
 
-// For each sequence b < batch of a per-sequence layer buffer `src` (batch rows of
-// tokens * token_bytes bytes): copies its first read[b] tokens into the same place of `dst`
-// and writes zeros over the rest of the row, so nothing past read[b] is read. read: device
-// memory (a graph replay copies what the table says then).
+// For each sequence b < batch of a per-sequence layer `src` (batch rows of `tokens` tokens
+// of token_bytes bytes, src_row_bytes apart): copies its first read[b] tokens into the
+// same place of the dense `dst` and writes zeros over the rest of the row, so nothing past
+// read[b] is read. read: device memory (a graph replay copies what the table says then).
 cudaError_t LaunchCopyLiveTokens(const void* src, void* dst, const int32_t* read, int64_t batch,
-                                 int64_t tokens, int64_t token_bytes, cudaStream_t stream);
+                                 int64_t tokens, int64_t token_bytes, int64_t src_row_bytes,
+                                 cudaStream_t stream);
 
 }  // namespace jax_vmm::kvcache

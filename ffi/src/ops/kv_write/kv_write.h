@@ -44,6 +44,9 @@ enum TokenStatus : int32_t {
 struct Side {
   uint8_t* dst = nullptr;               // the target: arena buffer, or a plain output; null: none
   uint8_t* dst2 = nullptr;              // kv_write's output when it is not the target, else null
+  // Bytes between consecutive slots in dst (and dst2): the token size, except in an
+  // interleaved KV cache (kvcache::Geometry), whose writes have no dst2.
+  uint64_t slot_bytes = 0;
   const uint8_t* src = nullptr;         // new tokens, n * token_bytes
   const uint8_t* page_table = nullptr;  // arena page table, null when dst is not arena
   uintptr_t arena_base = 0;
@@ -52,12 +55,13 @@ struct Side {
   int32_t* status = nullptr;                   // n entries (write-through), or null
   // When the target is a buffer of a KV cache (ops/kv_cache/kv_cache.h): its table of
   // tokens ensured per sequence, where dst lies in the buffer, and the cache's sequence
-  // and token sizes. A token is written only inside its sequence's ensured prefix.
+  // and row sizes (Geometry::row_bytes). A token is written only inside its sequence's
+  // ensured prefix.
   const int32_t* limits = nullptr;  // null: not a KV cache buffer
   const int32_t* floors = nullptr;  // per sequence: tokens below are read-only (shared)
   uint64_t limit_offset = 0;        // dst - buffer base
   uint64_t seq_bytes = 1;
-  uint64_t cache_token_bytes = 0;
+  uint64_t cache_row_bytes = 0;
 };
 
 struct Params {
@@ -88,13 +92,13 @@ struct CheckedTokens {
     uint8_t first_backed = 1;
     if (s.page_table != nullptr) {
       const uint64_t start = reinterpret_cast<uintptr_t>(s.dst) - s.arena_base +
-                             static_cast<uint64_t>(slot) * p.token_bytes;
+                             static_cast<uint64_t>(slot) * s.slot_bytes;
       first = start / s.chunk_bytes;
       last = (start + p.token_bytes - 1) / s.chunk_bytes;
       first_backed = s.page_table[first];
     }
     // Byte offsets in the buffer: any view geometry of it is checked the same way.
-    const uint64_t off = s.limit_offset + static_cast<uint64_t>(slot) * p.token_bytes;
+    const uint64_t off = s.limit_offset + static_cast<uint64_t>(slot) * s.slot_bytes;
     const uint64_t seq = off / s.seq_bytes;
     const int32_t limit = s.limits != nullptr ? s.limits[seq] : 0;
     const int32_t floor = s.limits != nullptr && s.floors != nullptr ? s.floors[seq] : 0;
@@ -102,9 +106,9 @@ struct CheckedTokens {
     // size (64 KiB on the host, 2 MiB on a GPU), and its status must not.
     if (s.limits != nullptr) {
       const uint64_t seq_start = seq * s.seq_bytes;
-      const uint64_t ensured_end = seq_start + static_cast<uint64_t>(limit) * s.cache_token_bytes;
+      const uint64_t ensured_end = seq_start + static_cast<uint64_t>(limit) * s.cache_row_bytes;
       if (off + p.token_bytes > ensured_end) return kDroppedNotEnsured;
-      if (off < seq_start + static_cast<uint64_t>(floor) * s.cache_token_bytes) {
+      if (off < seq_start + static_cast<uint64_t>(floor) * s.cache_row_bytes) {
         return kDroppedShared;
       }
     }

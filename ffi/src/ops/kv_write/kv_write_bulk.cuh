@@ -83,7 +83,7 @@ __global__ void __launch_bounds__(kBulkThreads)
         if (s.drop_counter != nullptr) atomicAdd(s.drop_counter, 1ULL);
       }
       dst_offset[threadIdx.x] =
-          st == kValid ? static_cast<long long>(slot) * static_cast<long long>(p.token_bytes) : -1;
+          st == kValid ? static_cast<long long>(slot) * static_cast<long long>(s.slot_bytes) : -1;
     }
     __syncthreads();
     for (int base = threadIdx.x;; base += kUnroll * kBulkThreads) {

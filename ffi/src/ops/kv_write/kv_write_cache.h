@@ -44,16 +44,22 @@ inline std::string PrepareCacheWrite(const char* driver_kind, int device, uint64
   const kvcache::Geometry& g = call->layer.cache->geometry();
   const kvcache::LayerBuffers& b = call->layer.buffers;
   CallOperands& in = call->in;
+  // One layer's K as an array (its bytes give the element size), whatever the layout.
   const Dims cache{call->layer.dims.data(), static_cast<int64_t>(call->layer.dims.size()),
-                   g.buffer_bytes(), g.dtype};
+                   static_cast<size_t>(g.num_slots()) * g.token_bytes(), g.dtype};
   in.k = cache;
   in.v = cache;
   in.new_k = DimsOf(new_k);
   in.new_v = DimsOf(new_v);
   in.slots = DimsOfS32(slots);
   in.slot_values = slots.typed_data();
-  in.side[0] = {b.k_address, b.k_uid, nullptr, g.buffer_bytes(), new_k.untyped_data(), nullptr};
-  in.side[1] = {b.v_address, b.v_uid, nullptr, g.buffer_bytes(), new_v.untyped_data(), nullptr};
+  // The sides name the buffers by their bases (the dest's identity), the layer by offset.
+  const uint64_t k_offset = g.layer_offset(call->layer.layer, 0);
+  const uint64_t v_offset = g.layer_offset(call->layer.layer, 1);
+  in.side[0] = {b.k_address - k_offset, b.k_uid, nullptr, g.buffer_bytes(),
+                new_k.untyped_data(), nullptr, k_offset};
+  in.side[1] = {b.v_address - v_offset, b.v_uid, nullptr, g.buffer_bytes(),
+                new_v.untyped_data(), nullptr, v_offset};
   return "";
 }
 

@@ -169,6 +169,13 @@ std::string AttachLimits(Op op, char side_name, const BufferRef& ref, uint64_t t
   const std::shared_ptr<kvcache::KvCache> cache = kvcache::FindKvCacheOfBuffer(ref.buffer_uid);
   if (cache == nullptr) return "";
   const kvcache::Geometry& g = cache->geometry();
+  if (g.interleaved && op != Op::kCacheWrite) {
+    return std::string(OpName(op)) + ": the cache " + side_name +
+           " is a buffer of KV cache " + std::to_string(cache->uid()) +
+           ", which interleaves every layer in one buffer (kv_arena(..., "
+           "layout='interleaved')): write it through its cache, kv_write(kv.cache()[layer], "
+           "...), not through arrays";
+  }
   if (token_bytes != g.token_bytes()) {
     return std::string(OpName(op)) + ": the cache " + side_name +
            " is a view of a buffer of KV cache " + std::to_string(cache->uid()) +
@@ -180,7 +187,8 @@ std::string AttachLimits(Op op, char side_name, const BufferRef& ref, uint64_t t
   side->floors = cache->device_floors();
   side->limit_offset = reinterpret_cast<uintptr_t>(side->dst) - ref.buffer_base;
   side->seq_bytes = g.seq_bytes();
-  side->cache_token_bytes = g.token_bytes();
+  side->cache_row_bytes = g.row_bytes();
+  side->slot_bytes = g.row_bytes();  // the token size, or interleaved: every layer's row
   // The table outlives the call: a closed cache keeps it (zeroed) while its arena lives,
   // and a CUDA graph that bakes it in pins it.
   if (std::strcmp(ref.driver_kind, "cuda") == 0) cache->PinMetadataForGraphs();
@@ -192,6 +200,7 @@ std::string ResolveSide(Op op, const char* driver_kind, bool require_arena, int 
                         const SideInput& in, uint64_t token_bytes, Side* side, Resolution* out) {
   const char side_name = s == 0 ? 'k' : 'v';
   *side = Side{};
+  side->slot_bytes = token_bytes;
   side->src = static_cast<const uint8_t*>(in.src);
   side->status = in.status;
   const uintptr_t handed = reinterpret_cast<uintptr_t>(in.handed);
@@ -202,7 +211,7 @@ std::string ResolveSide(Op op, const char* driver_kind, bool require_arena, int 
   if (in.dest != 0) {
     if (!ResolveDest(in, driver_kind, &ref))
       return StaleDestMessage(op, driver_kind, side_name, in);
-    side->dst = reinterpret_cast<uint8_t*>(in.dest);
+    side->dst = reinterpret_cast<uint8_t*>(in.dest + in.dest_offset);
     if (in_reservation && !(handed_arena && handed_ref.buffer_uid == in.dest_uid)) {
       return StaleHandedMessage(op, side_name, in, handed_arena ? &handed_ref : nullptr);
     }

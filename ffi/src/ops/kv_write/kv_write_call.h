@@ -50,6 +50,7 @@ struct SideInput {
   size_t bytes = 0;           // size of the cache (k or v)
   const void* src = nullptr;  // new tokens
   int32_t* status = nullptr;  // write-through's status row, or null
+  uint64_t dest_offset = 0;   // where the layer starts in dest's buffer (interleaved caches)
 };
 
 struct Resolution {

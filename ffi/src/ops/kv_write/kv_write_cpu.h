@@ -33,7 +33,7 @@ void ForEachValidToken(const Params& p, Counters& counters, const Store& store) 
         }
       }
       if (st != kValid) continue;
-      const uint64_t offset = static_cast<uint64_t>(p.slots[t]) * p.token_bytes;
+      const uint64_t offset = static_cast<uint64_t>(p.slots[t]) * side.slot_bytes;
       if (side.dst != nullptr) store(si, t, side.dst + offset);
       if (side.dst2 != nullptr) store(si, t, side.dst2 + offset);
     }

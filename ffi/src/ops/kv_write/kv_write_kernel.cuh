@@ -44,7 +44,7 @@ __global__ void __launch_bounds__(kThreads) KvKernel(Params p, int tpt) {
       }
     }
     if (st != kValid) continue;
-    const uint64_t offset = static_cast<uint64_t>(slot) * p.token_bytes;
+    const uint64_t offset = static_cast<uint64_t>(slot) * s.slot_bytes;
     const V* src = reinterpret_cast<const V*>(s.src + static_cast<uint64_t>(t) * p.token_bytes);
     if (s.dst != nullptr) {
       V* dst = reinterpret_cast<V*>(s.dst + offset);
@@ -61,7 +61,7 @@ __global__ void __launch_bounds__(kThreads) KvKernel(Params p, int tpt) {
 inline int VectorBytes(const Params& p) {
   uintptr_t align = p.token_bytes;
   for (const Side& s : p.side) {
-    align |= reinterpret_cast<uintptr_t>(s.src);
+    align |= s.slot_bytes | reinterpret_cast<uintptr_t>(s.src);
     align |= reinterpret_cast<uintptr_t>(s.dst) | reinterpret_cast<uintptr_t>(s.dst2);
   }
   for (int v : {16, 8, 4, 2}) {

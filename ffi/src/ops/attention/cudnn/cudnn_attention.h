@@ -23,17 +23,19 @@ void AddCudnnCacheTargets(FfiRegistry& registry);
 // The stages' bodies over any K/V buffers (the arrays' or a cache layer's): validate and
 // build the graph, grow the scratch (Initialize; never under capture); validate, fetch the
 // graph and the workspace, record the graph and the zero-rows kernel (Execute).
+// kv_token_heads: SdpaKey::kv_token_heads of k and v (0: dense).
 xla::ffi::Error Initialize(cudaStream_t stream, int32_t device, const xla::ffi::AnyBuffer& q,
                            const xla::ffi::AnyBuffer& k, const xla::ffi::AnyBuffer& v,
                            const xla::ffi::Buffer<xla::ffi::S32>& lengths,
                            const xla::ffi::Buffer<xla::ffi::S32>& q_lengths,
                            const xla::ffi::AnyBuffer& out, float scale, float softcap,
-                           int64_t window);
+                           int64_t window, int64_t kv_token_heads = 0);
 xla::ffi::Error Execute(cudaStream_t stream, int32_t device, const xla::ffi::AnyBuffer& q,
                         const xla::ffi::AnyBuffer& k, const xla::ffi::AnyBuffer& v,
                         const xla::ffi::Buffer<xla::ffi::S32>& lengths,
                         const xla::ffi::Buffer<xla::ffi::S32>& q_lengths, xla::ffi::AnyBuffer out,
-                        float scale, float softcap, int64_t window, int64_t zero_rows);
+                        float scale, float softcap, int64_t window, int64_t zero_rows,
+                        int64_t kv_token_heads = 0);
 
 // Counts one initialize stage and its host time (the whole handler, the cache form's layer
 // resolution included): XLA runs that stage at every execution of a step.

@@ -31,6 +31,11 @@ constexpr const char* kName = "jax_vmm_cudnn_attention (KVCache layer, CUDA)";
 struct Layer {
   kvcache::CacheLayer layer;
   XLA_FFI_Buffer k{}, v{};
+  // SdpaKey::kv_token_heads: the layer's tokens are this many heads apart.
+  int64_t token_heads() const {
+    const kvcache::Geometry& g = layer.cache->geometry();
+    return g.row_elems() / g.head_dim;
+  }
 };
 
 ffi::Error Resolve(int32_t device, uint64_t cache_uid, int64_t layer, const ffi::AnyBuffer& q,
@@ -69,7 +74,7 @@ ffi::Error InitializeImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q,
   Layer call;
   if (ffi::Error err = Resolve(device, cache_uid, layer, q, &call); err.failure()) return err;
   return Initialize(stream, device, q, ffi::AnyBuffer(&call.k), ffi::AnyBuffer(&call.v),
-                    read_lengths, q_lengths, *out, scale, softcap, window);
+                    read_lengths, q_lengths, *out, scale, softcap, window, call.token_heads());
 }
 
 ffi::Error ExecuteImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q,
@@ -81,7 +86,8 @@ ffi::Error ExecuteImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q,
   Layer call;
   if (ffi::Error err = Resolve(device, cache_uid, layer, q, &call); err.failure()) return err;
   return Execute(stream, device, q, ffi::AnyBuffer(&call.k), ffi::AnyBuffer(&call.v),
-                 read_lengths, q_lengths, *out, scale, softcap, window, zero_rows);
+                 read_lengths, q_lengths, *out, scale, softcap, window, zero_rows,
+                 call.token_heads());
 }
 
 template <typename B>

@@ -122,13 +122,15 @@ int64_t InitializeTimer::NowNs() {
 ffi::Error Initialize(cudaStream_t stream, int32_t device, const ffi::AnyBuffer& q,
                       const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
                       const ffi::Buffer<ffi::S32>& lengths, const ffi::Buffer<ffi::S32>& q_lengths,
-                      const ffi::AnyBuffer& out, float scale, float softcap, int64_t window) {
+                      const ffi::AnyBuffer& out, float scale, float softcap, int64_t window,
+                      int64_t kv_token_heads) {
   SdpaKey key;
   if (ffi::Error err =
           Check(device, q, k, v, lengths, q_lengths, out, scale, softcap, window, &key);
       err.failure()) {
     return err;
   }
+  key.kv_token_heads = kv_token_heads;
   if (key.batch == 0 || key.q_tokens == 0) return ffi::Error::Success();
   // XLA initializes thunks before it records command buffers: build here, never under
   // capture, and grow the scratch the graph's workspace will come from. The capture query
@@ -150,7 +152,7 @@ ffi::Error Execute(cudaStream_t stream, int32_t device, const ffi::AnyBuffer& q,
                    const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
                    const ffi::Buffer<ffi::S32>& lengths, const ffi::Buffer<ffi::S32>& q_lengths,
                    ffi::AnyBuffer out, float scale, float softcap, int64_t window,
-                   int64_t zero_rows) {
+                   int64_t zero_rows, int64_t kv_token_heads) {
   g_execute.fetch_add(1, std::memory_order_relaxed);
   const bool capturing = Capturing(stream);
   if (capturing) g_captured.fetch_add(1, std::memory_order_relaxed);
@@ -160,6 +162,7 @@ ffi::Error Execute(cudaStream_t stream, int32_t device, const ffi::AnyBuffer& q,
       err.failure()) {
     return err;
   }
+  key.kv_token_heads = kv_token_heads;
   if (key.batch == 0 || key.q_tokens == 0) return ffi::Error::Success();
   const SdpaGraph* graph = nullptr;
   if (std::string err = GetGraph(key, !capturing, &graph); !err.empty()) {

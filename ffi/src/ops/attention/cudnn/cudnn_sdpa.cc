@@ -43,7 +43,8 @@ bool SdpaKey::operator<(const SdpaKey& o) const {
     std::memcpy(&softcap_bits, &k.softcap, 4);
     std::memcpy(&scale_bits, &k.scale, 4);
     return std::make_tuple(k.device, static_cast<int>(k.io), k.batch, k.q_tokens, k.max_tokens,
-                           k.q_heads, k.kv_heads, k.head_dim, k.window, softcap_bits,
+                           k.q_heads, k.kv_heads, k.kv_token_heads, k.head_dim, k.window,
+                           softcap_bits,
                            scale_bits);
   };
   return tie(*this) < tie(o);
@@ -101,19 +102,24 @@ std::string EnsureHandle(Device& d, int device) {
 std::string Describe(const SdpaKey& k) {
   return "B=" + std::to_string(k.batch) + " S=" + std::to_string(k.q_tokens) +
          " T=" + std::to_string(k.max_tokens) + " H_q=" + std::to_string(k.q_heads) +
-         " H_kv=" + std::to_string(k.kv_heads) + " D=" + std::to_string(k.head_dim) +
+         " H_kv=" + std::to_string(k.kv_heads) +
+         (k.kv_token_heads > 0 ? " (token stride " + std::to_string(k.kv_token_heads) + " heads)"
+                               : "") +
+         " D=" + std::to_string(k.head_dim) +
          (k.io == IoType::kBF16 ? " bf16" : " fp16") +
          " window=" + std::to_string(k.window) + " softcap=" + std::to_string(k.softcap);
 }
 
+// `row` heads between consecutive tokens (h when dense).
 std::shared_ptr<feg::Tensor_attributes> Bshd(feg::Graph& g, const char* name, int64_t uid,
-                                             int64_t b, int64_t s, int64_t h, int64_t d) {
+                                             int64_t b, int64_t s, int64_t h, int64_t d,
+                                             int64_t row) {
   // cuDNN's logical order is (B, H, S, D); the memory is (B, S, H, D).
   return g.tensor(feg::Tensor_attributes()
                       .set_name(name)
                       .set_uid(uid)
                       .set_dim({b, h, s, d})
-                      .set_stride({s * h * d, d, h * d, 1}));
+                      .set_stride({s * row * d, d, row * d, 1}));
 }
 
 using TensorPtr = std::shared_ptr<feg::Tensor_attributes>;
@@ -200,9 +206,10 @@ std::string Build(const SdpaKey& key, cudnnHandle_t handle, SdpaGraph* out) {
       .set_intermediate_data_type(fe::DataType_t::FLOAT)
       .set_compute_data_type(fe::DataType_t::FLOAT);
   const int64_t B = key.batch, S = key.q_tokens, T = key.max_tokens, D = key.head_dim;
-  auto q = Bshd(*g, "q", kQ, B, S, key.q_heads, D);
-  auto k = Bshd(*g, "k", kK, B, T, key.kv_heads, D);
-  auto v = Bshd(*g, "v", kV, B, T, key.kv_heads, D);
+  const int64_t kv_row = key.kv_token_heads > 0 ? key.kv_token_heads : key.kv_heads;
+  auto q = Bshd(*g, "q", kQ, B, S, key.q_heads, D, key.q_heads);
+  auto k = Bshd(*g, "k", kK, B, T, key.kv_heads, D, kv_row);
+  auto v = Bshd(*g, "v", kV, B, T, key.kv_heads, D, kv_row);
   auto seq = [&](const char* name, int64_t uid) {
     return g->tensor(feg::Tensor_attributes()
                          .set_name(name)

@@ -36,6 +36,9 @@ struct SdpaKey {
   int device = 0;
   IoType io = IoType::kBF16;
   int64_t batch = 0, q_tokens = 0, max_tokens = 0, q_heads = 0, kv_heads = 0, head_dim = 0;
+  // Head rows between a sequence's consecutive tokens in K and V (0: kv_heads, dense;
+  // more in a KV cache that interleaves layers).
+  int64_t kv_token_heads = 0;
   int64_t window = 0;    // 0: none
   float softcap = 0.0f;  // 0: none
   float scale = 1.0f;
