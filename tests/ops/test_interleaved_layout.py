@@ -86,12 +86,13 @@ def ref64(q, k, v, n):
 def readers(device):
     """(name, fn(q, layer, lengths)) for every kernel that reads a cache layer here."""
     from jax_vmm.ops.attention import decode_attention_tuned
+    from jax_vmm.ops.cudnn_attention import cudnn_available
 
     impls = ["auto", "stream", "stream_combine"]
     if device.platform != "cpu":
         impls += ["tensor_core", "tensor_core_u1", "simple", "stream_tma"]
     out = [(i, lambda q, l, n, i=i: decode_attention_tuned(q, l, n, impl=i)) for i in impls]
-    if device.platform != "cpu" and jax_vmm.ops.cudnn_attention.cudnn_available():
+    if device.platform != "cpu" and cudnn_available():
         out.append(("cudnn", lambda q, l, n: jax_vmm.cudnn_attention(q[:, None], l, n)[:, 0]))
     return out
 
@@ -109,7 +110,9 @@ def test_writes_land_in_their_layer_slot_and_every_reader_matches_per_layer(vm):
     for l in range(L):
         for b, n in enumerate(lengths):
             np.testing.assert_array_equal(np.asarray(held[b, :n, 2 * l]), np.asarray(k[l, b, :n]))
-            np.testing.assert_array_equal(np.asarray(held[b, :n, 2 * l + 1]), np.asarray(v[l, b, :n]))
+            np.testing.assert_array_equal(
+                np.asarray(held[b, :n, 2 * l + 1]), np.asarray(v[l, b, :n])
+            )
             assert not np.asarray(held[b, n:].astype(F32)).any(), "nothing past the lengths"
 
     dev = wide.arena.device
@@ -137,14 +140,18 @@ def test_several_queries_with_window_and_softcap(vm):
     wide, flat = make(vm, "interleaved"), make(vm, "per_layer")
     caches = write_all(wide, k, v, lengths), write_all(flat, k, v, lengths)
     dev = wide.arena.device
-    q = jax.device_put(jnp.asarray(rng.standard_normal((B, 3, HQ, D), np.float32)).astype(BF16), dev)
+    q = jax.device_put(
+        jnp.asarray(rng.standard_normal((B, 3, HQ, D), np.float32)).astype(BF16), dev
+    )
     n = jax.device_put(jnp.asarray(lengths, jnp.int32), dev)
     fn = jax.jit(
         lambda c, q, n: [jax_vmm.attention(q, c[l], n, window=7, softcap=20.0) for l in range(L)]
     )
     got, want = (fn(c, q, n) for c in caches)
     for l in range(L):
-        np.testing.assert_array_equal(np.asarray(got[l].astype(F32)), np.asarray(want[l].astype(F32)))
+        np.testing.assert_array_equal(
+            np.asarray(got[l].astype(F32)), np.asarray(want[l].astype(F32))
+        )
 
 
 def test_fp8(vm):
@@ -174,7 +181,9 @@ def test_a_sequence_takes_its_tokens_rounded_to_one_chunk_not_one_per_layer(vm):
     """10 tokens of one sequence: one chunk in the interleaved arena, 2L chunks (one per
     buffer) in the per-layer one, by the backing oracle."""
     chunk = 64 * 1024
-    wide = make(vm, "interleaved", T=1024, chunk_bytes=None if vm.device.platform != "cpu" else chunk)
+    wide = make(
+        vm, "interleaved", T=1024, chunk_bytes=None if vm.device.platform != "cpu" else chunk
+    )
     flat = make(vm, "per_layer", T=1024, chunk_bytes=wide.arena.chunk_bytes)
     c = wide.arena.chunk_bytes
     for kv in (wide, flat):
@@ -206,7 +215,9 @@ def test_a_write_past_the_ensured_tokens_is_dropped_and_the_switch_shows_where_i
     with pytest.raises(jax_vmm.OutOfBoundsWrite) as info:
         kv.check(layer)
     assert info.value.count == 2  # its K and V rows
-    np.testing.assert_array_equal(np.asarray(wide_bytes(kv).view(jnp.uint16)), np.asarray(before.view(jnp.uint16)))
+    np.testing.assert_array_equal(
+        np.asarray(wide_bytes(kv).view(jnp.uint16)), np.asarray(before.view(jnp.uint16))
+    )
 
     with jax_vmm.testing.limits_ignored():  # without the table the write lands...
         layer = jax.jit(lambda *a: jax_vmm.kv_write(*a))(kv.cache()[1], new, new * 2, slot)
@@ -240,21 +251,26 @@ def test_share_prefix_maps_whole_chunks_and_reads_equal_a_private_copy(vm):
     kv.ensure(own[1], 1)
     slots = (1 * T + np.arange(prefix, own[1])).astype(np.int32)
     cache = kv.cache()
-    for l in range(L):
-        cache[l] = jax.jit(jax_vmm.kv_write)(
+    layers = [
+        jax.jit(jax_vmm.kv_write)(
             cache[l],
             jax.device_put(k[l, 1, prefix : own[1]], dev),
             jax.device_put(v[l, 1, prefix : own[1]], dev),
             slots,
         )
-    kv.check(cache)
+        for l in range(L)
+    ]
+    kv.check(layers)
     q = jax.device_put(jnp.asarray(rng.standard_normal((B, HQ, D), np.float32)).astype(BF16), dev)
     n = jax.device_put(jnp.asarray([prefix, own[1], 0], jnp.int32), dev)
     out = jax.jit(lambda c, q, n: [jax_vmm.decode_attention(q, c[l], n) for l in range(L)])(
         kv.cache(), q, n
     )
     for l in range(L):
-        private = k[l].at[1, :prefix].set(k[l, 0, :prefix]), v[l].at[1, :prefix].set(v[l, 0, :prefix])
+        private = (
+            k[l].at[1, :prefix].set(k[l, 0, :prefix]),
+            v[l].at[1, :prefix].set(v[l, 0, :prefix]),
+        )
         ref = ref64(q, *private, [prefix, own[1], 0])
         assert np.abs(np.asarray(out[l].astype(F32)) - ref).max() < 3e-2
 
@@ -265,10 +281,14 @@ def test_share_prefix_maps_whole_chunks_and_reads_equal_a_private_copy(vm):
     )  # fmt: skip
     with pytest.raises(jax_vmm.OutOfBoundsWrite):
         kv.check(layer)
-    np.testing.assert_array_equal(np.asarray(wide_bytes(kv)[0, :prefix, 0]), np.asarray(k[0, 0, :prefix]))
+    np.testing.assert_array_equal(
+        np.asarray(wide_bytes(kv)[0, :prefix, 0]), np.asarray(k[0, 0, :prefix])
+    )
     kv.release(0)
     assert kv.stats()["shared_bytes"] == 0
-    np.testing.assert_array_equal(np.asarray(wide_bytes(kv)[1, :prefix, 1]), np.asarray(v[0, 0, :prefix]))
+    np.testing.assert_array_equal(
+        np.asarray(wide_bytes(kv)[1, :prefix, 1]), np.asarray(v[0, 0, :prefix])
+    )
 
 
 def test_offload_restore_and_sleep_wake_are_bit_exact(vm):
@@ -289,7 +309,9 @@ def test_views_dests_and_sharding_are_refused_with_what_to_use(vm):
     kv = make(vm, "interleaved")
     kv.ensure(4, 0)
     for get in (lambda: kv.k[0], lambda: kv.v[1], lambda: kv.cache()[0].k):
-        with pytest.raises(TypeError, match="layout='interleaved'.*kv_write|interleaves every layer"):
+        with pytest.raises(
+            TypeError, match="layout='interleaved'.*kv_write|interleaves every layer"
+        ):
             get()
     with pytest.raises(TypeError, match="kv_write\\(kv.cache\\(\\)\\[layer\\]"):
         kv.dest(0)
