@@ -12,8 +12,9 @@ Side by side in one process, on the example's model (``jax_vmm.serving``):
 * memory: ``--batch`` requests sharing the prefix, each holding its rest: physical KV
   memory (backed - alias + parked) against one copy of the prefix plus each request's
   own tokens (``token_bytes``, K and V of all layers, each). Goal: <= 1.1x. Two floors
-  beside it: what any layout holds where a chunk takes one layer's K or V (this arena's),
-  and where one chunk takes every layer's K and V of its tokens.
+  beside it: what any layout holds where a chunk takes one layer's K or V
+  (``--kv-layout per_layer``), and where one chunk takes every layer's K and V of its
+  tokens (``--kv-layout interleaved``, the default).
 
     python bench/shared_prefix.py                       # GPU preset: 4k prefix, batch 16
     python bench/shared_prefix.py --device cpu --preset cpu --prefix 256 --suffix 16 --batch 4
@@ -44,6 +45,12 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--suffix", type=int, default=64, help="each request's own prompt tokens")
     p.add_argument("--batch", type=int, default=16, help="requests sharing the prefix")
     p.add_argument("--repeats", type=int, default=10)
+    p.add_argument(
+        "--kv-layout",
+        choices=("interleaved", "per_layer"),
+        default="interleaved",
+        help="the arena's layout (kv_arena(layout=...))",
+    )
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
     device = C.pick_device(args.device)
@@ -55,13 +62,14 @@ def main(argv: list[str] | None = None) -> dict:
     rests = rng.integers(0, cfg.vocab, (args.batch, args.suffix)).astype(np.int32)
     with jax.default_device(device):
         params = M.init_params(cfg, seed=0)
-        cache = make_cache("jax_vmm", cfg, max_seqs=slots, max_tokens=total, device=device)
+        kw = dict(max_seqs=slots, device=device, kv_layout=args.kv_layout)
+        cache = make_cache("jax_vmm", cfg, max_tokens=total, **kw)
         # Sequences a whole number of chunks apart: each prefix chunk can be shared.
         per_chunk = cache.kv.arena.chunk_bytes // cache.kv.token_bytes
         if total % per_chunk:
             cache.close()
             aligned = -(-total // per_chunk) * per_chunk
-            cache = make_cache("jax_vmm", cfg, max_seqs=slots, max_tokens=aligned, device=device)
+            cache = make_cache("jax_vmm", cfg, max_tokens=aligned, **kw)
         try:
             return _run(args, cfg, params, cache, prefix, rests, device)
         finally:
@@ -75,6 +83,17 @@ def chunk_floor(prefix: int, suffix: int, batch: int, chunk_bytes: int, row_byte
     per_chunk = max(chunk_bytes // row_bytes, 1)
     own = -(-(prefix + suffix) // per_chunk) - prefix // per_chunk
     return chunk_bytes * (-(-prefix // per_chunk) + batch * own)
+
+
+def backed_ahead(kv, ensured: dict[int, int]) -> int:
+    """Bytes backed past the chunks that each sequence's ensured tokens (``ensured``:
+    {sequence: tokens}) need: what commit ahead (kv_arena's commit_ahead_tokens) holds
+    for tokens the sequences will decode next."""
+    per_chunk = max(kv.arena.chunk_bytes // kv.token_bytes, 1)
+    tokens = sum(
+        max(0, kv.backed_tokens(q) - -(-n // per_chunk) * per_chunk) for q, n in ensured.items()
+    )
+    return tokens * kv.token_bytes * len(kv.buffers)
 
 
 def _run(args, cfg, params, cache, prefix, rests, device) -> dict:
@@ -146,17 +165,20 @@ def _run(args, cfg, params, cache, prefix, rests, device) -> dict:
     jax.block_until_ready(state)
     cache.check()
     physical = cache.backed_bytes()
+    ensured = {seq: args.prefix + args.suffix for seq in range(args.batch)}
+    ahead = backed_ahead(cache.kv, {**ensured, cache.max_seqs - 1: args.prefix})
     per_token = cache.token_bytes  # K and V of every layer (serving/cache.py)
     ideal = (args.prefix + args.batch * args.suffix) * per_token
     stats = cache.stats()
     chunk = stats["chunk_bytes"]
-    floor_layers = chunk_floor(args.prefix, args.suffix, args.batch, chunk, cache.kv.token_bytes)
-    floor_layers *= cache.token_bytes // cache.kv.token_bytes  # one such floor per buffer
+    layer_token = cache.kv.layer_token_bytes  # one layer's K (or V) of one token
+    floor_layers = chunk_floor(args.prefix, args.suffix, args.batch, chunk, layer_token)
+    floor_layers *= cache.token_bytes // layer_token  # one such floor per layer buffer
     floor_spanning = chunk_floor(args.prefix, args.suffix, args.batch, chunk, per_token)
     table = C.Table(("measure", 34, "<"), ("value", 14), ("goal", 8))
     print(
         f"shared prefix: {args.prefix} tokens, {args.batch} requests of {args.suffix} more, "
-        f"{M.config_summary(cfg)}, {device.platform}"
+        f"{M.config_summary(cfg)}, KV layout {args.kv_layout}, {device.platform}"
     )
     print(table.header())
     print(table.rule())
@@ -166,6 +188,7 @@ def _run(args, cfg, params, cache, prefix, rests, device) -> dict:
     print(table.row("physical KV memory", f"{physical / C.MiB:.1f} MiB", ""))
     print(table.row("one prefix + own tokens", f"{ideal / C.MiB:.1f} MiB", ""))
     print(table.row("memory, ratio", f"{physical / ideal:.3f}x", "<= 1.1"))
+    print(table.row("of which backed ahead of need", f"{ahead / ideal:.3f}x", ""))
     print(table.row("floor, a chunk per layer's K or V", f"{floor_layers / ideal:.3f}x", ""))
     print(table.row("floor, a chunk over every layer", f"{floor_spanning / ideal:.3f}x", ""))
     print(
@@ -181,9 +204,11 @@ def _run(args, cfg, params, cache, prefix, rests, device) -> dict:
         physical_bytes=physical,
         ideal_bytes=ideal,
         memory_ratio=physical / ideal,
+        backed_ahead_bytes=ahead,
         floor_ratio_chunk_per_buffer=floor_layers / ideal,
         floor_ratio_chunk_over_layers=floor_spanning / ideal,
         chunk_bytes=stats["chunk_bytes"],
+        kv_layout=args.kv_layout,
         command=C.command_line("shared_prefix.py", argv=None),
     )
     if args.json:

@@ -334,9 +334,9 @@ class KvCache:
 
     def close(self) -> None: ...
 
-def create_kv_cache(arena: Arena, k_ids: Sequence[int], v_ids: Sequence[int], max_seqs: int, per_sequence: bool, max_tokens: int, kv_heads: int, head_dim: int, dtype: str, itemsize: int, device_ordinal: int, shared_uid: int = ...) -> KvCache:
+def create_kv_cache(arena: Arena, k_ids: Sequence[int], v_ids: Sequence[int], max_seqs: int, per_sequence: bool, max_tokens: int, kv_heads: int, head_dim: int, dtype: str, itemsize: int, device_ordinal: int, shared_uid: int = ..., interleaved: bool = ...) -> KvCache:
     """
-    A KV cache over layer buffers of `arena`, registered under a new uid, or (shared_uid) a shard joining the live cache of that uid on another device ordinal.
+    A KV cache over layer buffers of `arena`, registered under a new uid, or (shared_uid) a shard joining the live cache of that uid on another device ordinal. interleaved: k_ids and v_ids name one buffer holding every layer (kvcache::Geometry).
     """
 
 def find_kv_cache(uid: int, device_ordinal: int) -> str:

@@ -210,6 +210,7 @@ class VmmCache:
         commit_ahead_tokens: int | None = None,
         budget: jax_vmm.MemoryBudget | None = None,
         arena_name: str | None = None,
+        kv_layout: str = "per_layer",
     ) -> None:
         """zero_fill: committed tokens read as zeros until written (costs a fill per
         commit; for readers of tokens never written). commit_ahead_tokens: how close to
@@ -218,7 +219,9 @@ class VmmCache:
         "model" = the model's dtype, or "fp8" (float8_e4m3fn, scale 1 per layer and KV
         head: docs/kv_cache.md). sharding (jax_vmm.serving.tensor_parallel): one arena per
         device of its mesh. budget: the MemoryBudget the arena draws from
-        (docs/sharing.md); arena_name: what its stats and errors call the arena."""
+        (docs/sharing.md); arena_name: what its stats and errors call the arena.
+        kv_layout: kv_arena's layout ("interleaved": every layer in one buffer, so a
+        short sequence or a shared prefix's partial chunk is paid once, not per layer)."""
         device = device or jax.devices()[0]
         # CUDA physical memory (cuMemCreate) comes uninitialised; the host's reads zeros,
         # but is treated alike, so that the CPU runs the GPU's code (and a test run with
@@ -243,6 +246,7 @@ class VmmCache:
             commit_ahead_tokens=commit_ahead_tokens,
             budget=budget,
             name=arena_name,
+            layout=kv_layout,
         )
         self._arenas = [s.arena for s in getattr(self.kv, "shards", [self.kv])]
         self._cache = self.kv.cache()
@@ -364,15 +368,19 @@ def make_cache(
     commit_ahead_tokens: int | None = None,
     budget: jax_vmm.MemoryBudget | None = None,
     arena_name: str | None = None,
+    kv_layout: str = "per_layer",
 ) -> CacheBackend:
     """The serving cache of ``backend``; ``arena_name`` names a jax_vmm arena in budget
-    stats and errors (a preallocated cache has no arena)."""
+    stats and errors (a preallocated cache has no arena); ``kv_layout``: the jax_vmm
+    arena's layout (``kv_arena(layout=...)``)."""
     kv_storage_dtype(cfg, kv_dtype)  # a bad kv_dtype fails here, before any memory
     if backend == "prealloc":
         if budget is not None:
             raise ValueError("a memory budget (--budget) needs the jax_vmm backend")
         if sharding is not None:
             raise ValueError("a sharded (--tp) cache needs the jax_vmm backend")
+        if kv_layout != "per_layer":
+            raise ValueError(f"kv layout {kv_layout!r} (--kv-layout) needs the jax_vmm backend")
         return PreallocatedCache(
             cfg, max_seqs=max_seqs, max_tokens=max_tokens, device=device, kv_dtype=kv_dtype
         )
@@ -388,5 +396,6 @@ def make_cache(
             commit_ahead_tokens=commit_ahead_tokens,
             budget=budget,
             arena_name=arena_name,
+            kv_layout=kv_layout,
         )
     raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")

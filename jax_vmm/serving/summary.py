@@ -56,6 +56,7 @@ def summarize(
     return {
         "backend": cache.name,
         "kv_dtype": cache.kv_dtype,
+        "kv_layout": getattr(getattr(cache, "kv", None), "layout", None),
         "writes": write_name(cache),
         "attention": attention,
         "device": device.platform,

@@ -27,6 +27,7 @@ def serve(
     block: int = E.DEFAULT_BLOCK,
     stop_tokens: tuple[int, ...] = (),
     prefill_chunk: int | None = None,
+    kv_layout: str = "per_layer",
     **run_kwargs,
 ) -> tuple[E.RunReport, dict]:
     """Seed-0 weights, a `backend` cache of batch x max_tokens, `Generator.run(requests,
@@ -42,6 +43,7 @@ def serve(
             max_tokens=max_tokens,
             device=device,
             chunk_bytes=chunk_bytes,
+            kv_layout=kv_layout,
         )
         try:
             name, attend = choose_attention(

@@ -44,14 +44,23 @@ def _serve(reqs, *, batch, cfg=SMALL, **kw):
 
 
 @pytest.mark.parametrize(
-    ("name", "chunk"), [("llama", None), ("gemma2", None), ("llama", 8), ("gemma2", 8)]
+    ("name", "chunk", "layout"),
+    [
+        ("llama", None, "per_layer"),
+        ("gemma2", None, "per_layer"),
+        ("llama", 8, "per_layer"),
+        ("gemma2", 8, "per_layer"),
+        ("llama", None, "interleaved"),
+        ("gemma2", 8, "interleaved"),
+    ],
 )
-def test_shared_prefix_serving_generates_the_unshared_tokens(name, chunk, cpu_device) -> None:
+def test_shared_prefix_serving_generates_the_unshared_tokens(name, chunk, layout, cpu_device):
     """Llama and Gemma 2 (window, soft-capping, scale: through the chunk prefill the rest
     goes by); prompts whole or in chunks of 8 (then the prefix is prefilled in chunks
-    too), each against unshared serving with the same prefill."""
+    too), each against unshared serving with the same prefill; per-layer buffers and
+    every layer interleaved in one."""
     cfg, reqs = CONFIGS[name], _requests()
-    kw = dict(device=cpu_device, cfg=cfg, record_logits=True, prefill_chunk=chunk)
+    kw = dict(device=cpu_device, cfg=cfg, record_logits=True, prefill_chunk=chunk, kv_layout=layout)
     plain, _ = _serve(reqs, batch=3, **kw)
     shared, stats = _serve(reqs, batch=4, shared_prefix=PREFIX, **kw)
     for r, a, b in zip(reqs, plain.results, shared.results, strict=True):
@@ -63,7 +72,10 @@ def test_shared_prefix_serving_generates_the_unshared_tokens(name, chunk, cpu_de
     else:
         rests = sum(-(-(len(r.prompt) - PREFIX) // chunk) for r in reqs)
         assert shared.prefills == -(-PREFIX // chunk) + rests
-    assert stats["chunks_shared"] == len(reqs) * 2 * cfg.num_layers  # 1 chunk per buffer
+    if layout == "per_layer":  # 128 bytes per token and buffer: 1 chunk per buffer
+        assert stats["chunks_shared"] == len(reqs) * 2 * cfg.num_layers
+    else:  # 512 bytes per token of every layer: 5 chunks of the one buffer
+        assert stats["chunks_shared"] == len(reqs) * PREFIX * 128 * 2 * cfg.num_layers // 4096
     # Every sharer released at the end: nothing backed, parked or shared (what was
     # released may still wait for the device, retired_bytes, given back in the background).
     assert stats["backed_bytes"] == stats["parked_bytes"] == 0 and not stats["sharing_seqs"]
@@ -139,6 +151,13 @@ def test_decode_cli_shared_prefix_checks_generation(tmp_path) -> None:
     summary = decode.main([*args, "--shared-prefix", "100"])
     shared = summary["shared_prefix"]
     assert shared["generation_unchanged"] is True and shared["chunks_shared"] > 0, shared
+    assert summary["kv_layout"] == "interleaved"  # --kv-layout auto, with a shared prefix
+    per_layer = decode.main([*args, "--shared-prefix", "100", "--kv-layout", "per_layer"])
+    assert per_layer["kv_layout"] == "per_layer"
+    assert per_layer["shared_prefix"]["generation_unchanged"] is True
+    assert per_layer["generated_tokens"] == summary["generated_tokens"]
+    # Each request's partial last chunk once, not in each of the 2L buffers.
+    assert shared["peak_backed_bytes"] < per_layer["shared_prefix"]["peak_backed_bytes"]
     # One peak, physical memory: the headline counted a shared chunk at every address.
     assert summary["peak_backed_bytes"] == shared["peak_backed_bytes"]
     # The prompts served: the prefix and the rest (summary.json said 4-20).
@@ -147,6 +166,8 @@ def test_decode_cli_shared_prefix_checks_generation(tmp_path) -> None:
     assert shared["peak_backed_bytes"] < shared["unshared_peak_backed_bytes"]
     with pytest.raises(SystemExit, match="needs N >= 1 and --backend jax_vmm"):
         decode.main([*args, "--shared-prefix", "8", "--backend", "prealloc"])
+    with pytest.raises(SystemExit, match="needs the jax_vmm backend"):
+        decode.main([*args, "--kv-layout", "interleaved", "--backend", "prealloc"])
     # --tp 1: the same code on a 1-device mesh (tests/sharding: on 2 and 4 devices).
     tp = decode.main([*args, "--shared-prefix", "100", "--tp", "1"])
     assert tp["shared_prefix"]["generation_unchanged"] is True, tp["shared_prefix"]

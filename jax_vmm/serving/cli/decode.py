@@ -145,6 +145,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "the jax_vmm kernel)",
     )
     p.add_argument(
+        "--kv-layout",
+        choices=("auto", "per_layer", "interleaved"),
+        default="auto",
+        help="the jax_vmm arena's layout (kv_arena(layout=...)): per_layer buffers, or every "
+        "layer interleaved in one buffer, so that a request's partial last chunk is paid "
+        "once instead of once per layer buffer. auto: interleaved with --shared-prefix "
+        "(without --tp), else per_layer",
+    )
+    p.add_argument(
         "--sleep-every",
         type=int,
         metavar="K",
@@ -251,7 +260,17 @@ def _cache_shape(serving: dict, device: jax.Device, args: argparse.Namespace) ->
         device=device,
         chunk_bytes=serving["chunk_bytes"],
         kv_dtype=args.kv_dtype,
+        kv_layout=kv_layout(args),
     )
+
+
+def kv_layout(args: argparse.Namespace) -> str:
+    """--kv-layout resolved: auto is interleaved where sharing pays (--shared-prefix on
+    the jax_vmm backend, one device), else per_layer."""
+    if args.kv_layout != "auto":
+        return args.kv_layout
+    sharing = args.shared_prefix and args.backend == "jax_vmm" and args.tp is None
+    return "interleaved" if sharing else "per_layer"
 
 
 def check_sizes(args: argparse.Namespace) -> None:
@@ -471,8 +490,9 @@ def _serve(args: argparse.Namespace) -> dict:
             f"{serving['new_tokens'][0]}-"
             f"{serving['new_tokens'][1]}) on {serving['batch']} slots x "
             f"{serving['max_tokens']} tokens | backend {cache.name}, KV "
-            f"{'fp8' if args.kv_dtype == 'fp8' else cfg.dtype}, writes {write_name(cache)}, "
-            f"attention {attn_name}, device {device.platform}"
+            f"{'fp8' if args.kv_dtype == 'fp8' else cfg.dtype}"
+            + (f" {kv_layout(args)}" if args.backend == "jax_vmm" else "")
+            + f", writes {write_name(cache)}, attention {attn_name}, device {device.platform}"
         )
         # Before the progress bar: compile time is not serving.
         try:
