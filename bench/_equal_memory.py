@@ -31,13 +31,19 @@ from jax_vmm.serving.cli.decode import SERVING
 from jax_vmm.serving.report import fmt_bytes
 
 
-def chunk_tokens(cfg: M.ModelConfig, device: jax.Device, chunk_bytes: int | None) -> int:
-    """Tokens of one layer buffer per arena chunk (the unit memory follows)."""
+def chunk_tokens(
+    cfg: M.ModelConfig, device: jax.Device, chunk_bytes: int | None, kv_layout: str = "per_layer"
+) -> int:
+    """Tokens per arena chunk (the unit memory follows) of one layer buffer, or of the
+    one buffer of every layer (kv_layout "interleaved")."""
     import jax_vmm
 
     with jax_vmm.Arena(1, device=device, chunk_bytes=chunk_bytes) as probe:  # the driver's
         chunk = probe.chunk_bytes  # chunk for chunk_bytes=None, else chunk_bytes checked
-    return max(1, chunk // (cfg.num_kv_heads * cfg.head_dim * cfg.jnp_dtype.itemsize))
+    row = cfg.num_kv_heads * cfg.head_dim * cfg.jnp_dtype.itemsize
+    if kv_layout == "interleaved":
+        row *= 2 * cfg.num_layers
+    return max(1, chunk // row)
 
 
 def schedule(requests: list[E.Request], batch: int, block: int):
@@ -120,10 +126,12 @@ def serve(
     block: int,
     device: jax.Device,
     chunk_bytes: int | None,
+    kv_layout: str = "per_layer",
 ) -> dict[str, Any]:
     cache = make_cache(
-        backend, cfg, max_seqs=batch, max_tokens=max_tokens, device=device, chunk_bytes=chunk_bytes
-    )
+        backend, cfg, max_seqs=batch, max_tokens=max_tokens, device=device,
+        chunk_bytes=chunk_bytes, kv_layout=kv_layout if backend == "jax_vmm" else "per_layer",
+    )  # fmt: skip
     try:
         name, attend = choose_attention(
             "auto",
@@ -164,6 +172,7 @@ def run(
     quick: bool,
     chunk_bytes: int | None = None,
     peak_bytes_per_s: float = 4.8e12,
+    kv_layout: str = "per_layer",
 ) -> dict[str, Any]:
     serving = SERVING[preset]
     max_tokens = serving["max_tokens"]
@@ -177,6 +186,7 @@ def run(
         "block": block,
         "mix": {"prompt_len": serving["prompt_len"], "new_tokens": serving["new_tokens"]},
         "requests_per_jax_vmm_slot": per_slot,
+        "kv_layout": kv_layout,
     }
     pre_batch = budget // (max_tokens * bpt)
     if pre_batch < 1:
@@ -185,7 +195,7 @@ def run(
             f"tokens ({fmt_bytes(max_tokens * bpt)})"
         )
         return out
-    chunk = chunk_tokens(cfg, device, chunk_bytes)
+    chunk = chunk_tokens(cfg, device, chunk_bytes, kv_layout)
     ahead = max(1, chunk // 8)  # kv_arena's default commit_ahead_tokens
 
     def mix(batch: int) -> list[E.Request]:
@@ -222,6 +232,7 @@ def run(
                 block=block,
                 device=device,
                 chunk_bytes=chunk_bytes,
+                kv_layout=kv_layout,
             )
             if vmm["peak_backed_bytes"] <= budget:
                 break

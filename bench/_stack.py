@@ -123,8 +123,14 @@ class VariantRun:
         steps: int,
         chunk_bytes: int | None = None,
         writes: bool = True,
+        kv_layout: str = "per_layer",
     ):
         backend, kind = variant.split("+")
+        if backend == "vmm" and kind == "cudnn" and kv_layout != "per_layer":
+            raise ValueError(
+                "vmm+cudnn reads the arena's layer views, which an interleaved arena has not; "
+                "vmm+kernel reads it through the cache (cuDNN's route included)"
+            )
         batch = len(lengths)
         self.variant, self.steps = variant, steps
         t0 = time.perf_counter()
@@ -136,7 +142,7 @@ class VariantRun:
             # (every token is ensured before the timed calls).
             self.cache = VmmCache(
                 cfg, max_seqs=batch, max_tokens=context, device=device, chunk_bytes=chunk_bytes,
-                zero_fill=True,
+                zero_fill=True, kv_layout=kv_layout,
             )  # fmt: skip
         try:
             cache = self.cache

@@ -34,6 +34,8 @@ decode path spends in ensure/release.
    layout, apart from jax_vmm. The fill row also runs from the seed's own start (page 0 of
    every buffer backed, as its arena is made, on both sides): the fill from empty maps
    each buffer's first granule too, which the seed did when it was made.
+   ``--kv-layout interleaved`` runs jax_vmm's side with every layer in one buffer (the
+   seed keeps 64): a growth is then one range instead of 64.
 
   python bench/commit.py                    # GPU if JAX has one, else CPU
   python bench/commit.py --sections seed    # issue 31's table only (GPU, ~1 minute)
@@ -390,9 +392,9 @@ def paired_text(p: dict) -> str:
 class SeedBench:
     """jax_vmm's KV arena and the seed side by side on one device, same geometry."""
 
-    def __init__(self, device, raw: RawCuda):
+    def __init__(self, device, raw: RawCuda, layout: str = "per_layer"):
         g = SEED_GEOMETRY
-        self.device, self.raw = device, raw
+        self.device, self.raw, self.layout = device, raw, layout
         self.token_bytes = g["num_kv_heads"] * g["head_dim"] * 2  # one buffer, bf16
         self.buffers = 2 * g["num_layers"]
 
@@ -405,7 +407,11 @@ class SeedBench:
 
     def kv(self):
         return jax_vmm.kv_arena(
-            **SEED_GEOMETRY, dtype=jnp.bfloat16, device=self.device, commit_ahead_tokens=0
+            **SEED_GEOMETRY,
+            dtype=jnp.bfloat16,
+            device=self.device,
+            commit_ahead_tokens=0,
+            layout=self.layout,
         )
 
     def seed(self, one_reservation: bool = False) -> SeedKV:
@@ -536,18 +542,20 @@ class SeedBench:
             kv.close()
 
 
-def bench_seed(device, repeats: int, raw, steps_to: int = 1 << 16) -> dict | None:
+def bench_seed(
+    device, repeats: int, raw, steps_to: int = 1 << 16, layout: str = "per_layer"
+) -> dict | None:
     if not isinstance(raw, RawCuda):
         print("\nseed: needs a CUDA device and cuda-python; skipped")
         return None
-    b = SeedBench(device, raw)
+    b = SeedBench(device, raw, layout)
     g = SEED_GEOMETRY
     print(
         f"\nagainst the seed: {g['num_layers']} layers x K,V = {b.buffers} buffers, "
         f"{g['num_kv_heads']}x{g['head_dim']} bf16, {g['max_tokens']} tokens reserved; "
-        f"median of {repeats}"
+        f"jax_vmm's KV layout {layout}; median of {repeats}"
     )
-    out: dict = {}
+    out: dict = {"kv_layout": layout}
     out["fresh_bytes"] = dict(zip(("seed", "jax_vmm"), b.fresh_memory()))
     t16, t20, t64k = b.tokens(16), b.tokens(20), steps_to
     out["grow_16_20"] = b.grow([t20], t16, repeats)
@@ -644,6 +652,13 @@ def main(argv: list[str] | None = None) -> int:
         help="any of seed,throughput,decode,creation (seed runs first: it measures the "
         "memory of the first arena in the process)",
     )
+    p.add_argument(
+        "--kv-layout",
+        choices=("per_layer", "interleaved"),
+        default="per_layer",
+        help="the seed section's KV arena layout (kv_arena(layout=...)); the seed keeps its "
+        "per-layer buffers",
+    )
     p.add_argument("--json", default=None, help="also write the results here")
     args = p.parse_args(argv)
 
@@ -666,7 +681,7 @@ def main(argv: list[str] | None = None) -> int:
     sections = set(args.sections.split(","))
     out = dict(device=str(device), platform=device.platform, jax=jax.__version__)
     if "seed" in sections:
-        out["seed"] = bench_seed(device, args.repeats, raw)
+        out["seed"] = bench_seed(device, args.repeats, raw, layout=args.kv_layout)
     if "throughput" in sections:
         out["throughput"] = bench_throughput(device, sizes, handles, args.repeats, raw)
     if "decode" in sections:

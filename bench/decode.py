@@ -324,6 +324,13 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--layers", type=int, help="override the preset's layer count")
     p.add_argument("--chunk-bytes", type=int, help="jax_vmm arena chunk size")
     p.add_argument(
+        "--kv-layout",
+        choices=("per_layer", "interleaved"),
+        default="per_layer",
+        help="the jax_vmm arena's layout (kv_arena(layout=...)); interleaved drops vmm+cudnn "
+        "(it reads layer views; vmm+kernel reads through the cache, cuDNN's route included)",
+    )
+    p.add_argument(
         "--peak-tbps",
         type=float,
         help="HBM bandwidth of the floor (default: the device's, _common.HBM_TBPS)",
@@ -371,7 +378,12 @@ def main(argv: list[str] | None = None) -> dict:
         f"{repeats} calls | live length per sequence uniform in [{args.min_fill:.2f} x "
         f"context, context - {steps}] | floor at {args.peak_tbps} TB/s"
     )
-    timing = dict(steps=steps, repeats=repeats, chunk_bytes=args.chunk_bytes)
+    timing = dict(
+        steps=steps, repeats=repeats, chunk_bytes=args.chunk_bytes, kv_layout=args.kv_layout
+    )
+    if args.kv_layout != "per_layer" and "vmm+cudnn" in variants:  # it reads layer views
+        variants = tuple(v for v in variants if v != "vmm+cudnn")
+        print(f"note: --kv-layout {args.kv_layout}: no layer views, so no vmm+cudnn")
     no_cudnn = cudnn_unavailable(device.platform, cfg.dtype)
     if args.grid and no_cudnn and not args.variants:  # the same comparison, kernel only
         variants = ("prealloc+kernel", "vmm+kernel")
@@ -446,6 +458,7 @@ def main(argv: list[str] | None = None) -> dict:
             quick=args.quick,
             chunk_bytes=args.chunk_bytes,
             peak_bytes_per_s=args.peak_tbps * 1e12,
+            kv_layout=args.kv_layout,
         )
         EQ.print_result(report["equal_memory"])
         save(final=False)

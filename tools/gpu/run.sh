@@ -103,9 +103,14 @@
 #   bench:multi_query   bench/cudnn_attention.py, several queries per sequence only: jax_vmm
 #                       against JAX's cuDNN, padding-only and the equal-score split (best)
 #   bench:seed          bench/commit.py --sections seed --repeats 9: against the seed's
-#                       one-handle-per-extension code, with paired ratios -> seed.json
-#   bench:shared_prefix bench/shared_prefix.py: time to first token and memory of a
-#                       shared 4k prefix -> shared_prefix.json
+#                       one-handle-per-extension code, with paired ratios -> seed.json;
+#                       bench:seed_interleaved: jax_vmm's arena with layout="interleaved"
+#   bench:shared_prefix bench/shared_prefix.py (the interleaved layout): time to first
+#                       token and memory of a shared 4k prefix -> shared_prefix.json;
+#                       bench:shared_prefix_per_layer: per-layer buffers
+#   bench:equal_memory32[_interleaved]  bench/decode.py --layers 32 at B16 T1k and the
+#                       equal-memory case (16 GiB), per-layer buffers or interleaved
+#   bench:decode8_interleaved  bench:decode8 over an interleaved arena (no vmm+cudnn)
 #   bench:main_job      bench/main_job.py: the main job at batch 16 and 64, both backends in
 #                       one process, 3 rounds in alternating order -> main_job.json
 #   bench               the seven benches
@@ -387,9 +392,22 @@ step_bench() {
     growth) "$PY" bench/growth.py --out "$RUN_DIR/growth" ;;
     multi_query) "$PY" bench/cudnn_attention.py --batches "" --json "$RUN_DIR/multi_query.json" ;;
     seed) "$PY" bench/commit.py --sections seed --repeats 9 --json "$RUN_DIR/seed.json" ;;
+    seed_interleaved)
+      "$PY" bench/commit.py --sections seed --repeats 9 --kv-layout interleaved \
+        --json "$RUN_DIR/seed_interleaved.json" ;;
     shared_prefix) "$PY" bench/shared_prefix.py --json "$RUN_DIR/shared_prefix.json" ;;
+    shared_prefix_per_layer)
+      "$PY" bench/shared_prefix.py --kv-layout per_layer \
+        --json "$RUN_DIR/shared_prefix_per_layer.json" ;;
+    decode8_interleaved)
+      "$PY" bench/decode.py --grid layers8 --kv-layout interleaved --out "$RUN_DIR/decode8i" ;;
+    equal_memory32|equal_memory32_interleaved)  # issue 29's equal-memory case (16 GiB)
+      local layout=per_layer
+      [ "$1" = equal_memory32_interleaved ] && layout=interleaved
+      "$PY" bench/decode.py --layers 32 --batches 16 --contexts 1024 --no-oom-case \
+        --kv-layout "$layout" --out "$RUN_DIR/$1" ;;
     main_job) "$PY" bench/main_job.py --json "$RUN_DIR/main_job.json" ;;
-    *) echo "unknown bench ${1:-} (attention, attention_options, kv_write, commit, decode, decode32, decode8, step_loop, growth, multi_query, seed, shared_prefix, main_job, sleep, capacity)"; return 2 ;;
+    *) echo "unknown bench ${1:-} (attention, attention_options, kv_write, commit, decode, decode32, decode8, decode8_interleaved, step_loop, growth, multi_query, seed, seed_interleaved, shared_prefix, shared_prefix_per_layer, equal_memory32, equal_memory32_interleaved, main_job, sleep, capacity)"; return 2 ;;
   esac
 }
 
