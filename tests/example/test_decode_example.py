@@ -660,8 +660,14 @@ def test_decode_cli_refuses_an_out_whose_summary_is_a_directory(tmp_path: Path) 
         (["--seed", str(2**64)], "--seed 18446744073709551616: expected an integer"),
         (["--seed", str(2**32)], "--seed 4294967296: expected an integer"),  # weights of 0
         (["--out", __file__], "exists and is not a directory"),
-        (  # share_prefix maps chunks: every slot must start on one (64 tokens here)
+        (  # share_prefix maps chunks: every slot must start on one (16 tokens of every
+            # layer in the interleaved layout --shared-prefix takes, 64 of one per layer)
             ["--batch", "2", "--max-tokens", "200", "--shared-prefix", "16"],
+            "start on a chunk: max_tokens 200 .* make max_tokens a multiple of 16",
+        ),
+        (
+            ["--batch", "2", "--max-tokens", "200", "--shared-prefix", "16"]
+            + ["--kv-layout", "per_layer"],
             "start on a chunk: max_tokens 200 .* make max_tokens a multiple of 64",
         ),
     ],
