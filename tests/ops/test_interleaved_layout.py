@@ -83,17 +83,28 @@ def ref64(q, k, v, n):
     return out
 
 
+def same_layout_as_per_layer(got, want, device, name="auto"):
+    """jax_vmm's kernels read the same values in the same order whatever the stride:
+    bitwise equal. cuDNN (a GPU's "auto" route over an arena layer) may pick another
+    engine for a strided tensor: equal to bf16 rounding."""
+    got, want = np.asarray(got.astype(F32)), np.asarray(want.astype(F32))
+    if device.platform == "cpu" or name not in ("auto", "cudnn"):
+        np.testing.assert_array_equal(got, want, err_msg=name)
+    else:
+        np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2, err_msg=name)
+
+
 def readers(device):
     """(name, fn(q, layer, lengths)) for every kernel that reads a cache layer here."""
     from jax_vmm.ops.attention import decode_attention_tuned
-    from jax_vmm.ops.cudnn_attention import cudnn_available
+    from jax_vmm.ops.cudnn_attention import cudnn_attention, cudnn_available
 
     impls = ["auto", "stream", "stream_combine"]
     if device.platform != "cpu":
         impls += ["tensor_core", "tensor_core_u1", "simple", "stream_tma"]
     out = [(i, lambda q, l, n, i=i: decode_attention_tuned(q, l, n, impl=i)) for i in impls]
     if device.platform != "cpu" and cudnn_available():
-        out.append(("cudnn", lambda q, l, n: jax_vmm.cudnn_attention(q[:, None], l, n)[:, 0]))
+        out.append(("cudnn", lambda q, l, n: cudnn_attention(q[:, None], l, n)[:, 0]))
     return out
 
 
@@ -122,9 +133,7 @@ def test_writes_land_in_their_layer_slot_and_every_reader_matches_per_layer(vm):
         fn = jax.jit(lambda c, q, n, read=read: [read(q, c[l], n) for l in range(L)])
         got, want = fn(wide_cache, q, n), fn(flat_cache, q, n)
         for l in range(L):
-            np.testing.assert_array_equal(
-                np.asarray(got[l].astype(F32)), np.asarray(want[l].astype(F32)), err_msg=name
-            )
+            same_layout_as_per_layer(got[l], want[l], dev, name)
             ref = ref64(q, k[l], v[l], lengths)
             err = np.abs(np.asarray(got[l].astype(F32)) - ref).max()
             assert err < 3e-2, f"{name} layer {l}: {err}"
@@ -149,9 +158,7 @@ def test_several_queries_with_window_and_softcap(vm):
     )
     got, want = (fn(c, q, n) for c in caches)
     for l in range(L):
-        np.testing.assert_array_equal(
-            np.asarray(got[l].astype(F32)), np.asarray(want[l].astype(F32))
-        )
+        same_layout_as_per_layer(got[l], want[l], dev)
 
 
 def test_fp8(vm):
