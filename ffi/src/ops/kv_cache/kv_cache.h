@@ -85,8 +85,9 @@ struct LayerBuffers {
 class KvCache {
  public:
   // Registers a cache over buffers k_ids[l], v_ids[l] of `arena` (each of
-  // geometry.buffer_bytes() bytes; interleaved: one buffer, every id the same) under a new uid, for XLA device ordinal
-  // `device_ordinal`. Every sequence starts with 0 tokens ensured.
+  // geometry.buffer_bytes() bytes; interleaved: one buffer, every id the same) under a
+  // new uid, for XLA device ordinal `device_ordinal`. Every sequence starts with 0 tokens
+  // ensured.
   //
   // shared_uid != 0: a shard of a sharded cache (one per device) that joins the live
   // cache registered under shared_uid: the same uid, so one set of custom-call
