@@ -39,9 +39,11 @@ struct CacheAttention {
   int64_t batch() const { return layer.cache->geometry().max_seqs; }
   int64_t max_tokens() const { return layer.cache->geometry().max_tokens; }
   // Shapes::token_heads of the layer's K and V.
-  int64_t token_heads() const {
-    const kvcache::Geometry& g = layer.cache->geometry();
-    return g.row_elems() / g.head_dim;
+  int64_t token_heads() const { return layer.cache->geometry().row_heads(); }
+  // The streaming kernel's attributes with the layer's token stride.
+  stream::StreamAttrs Strided(stream::StreamAttrs attrs) const {
+    attrs.token_heads = token_heads();
+    return attrs;
   }
 };
 

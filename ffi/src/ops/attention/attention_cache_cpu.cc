@@ -60,9 +60,8 @@ ffi::Error StreamCacheCpu(bool use_limits, int32_t device, ffi::AnyBuffer q,
       e.failure()) {
     return e;
   }
-  stream::StreamAttrs strided = attrs;
-  strided.token_heads = call.token_heads();
-  return stream::RunCpu(q, call.K(), call.V(), read_lengths, k_scale, v_scale, out, strided);
+  return stream::RunCpu(q, call.K(), call.V(), read_lengths, k_scale, v_scale, out,
+                        call.Strided(attrs));
 }
 
 ffi::Error CacheCopyCpu(bool use_limits, int32_t device, ffi::Buffer<ffi::S32> lengths,

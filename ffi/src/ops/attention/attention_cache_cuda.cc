@@ -117,10 +117,8 @@ ffi::Error StreamCacheCudaInitialize(cudaStream_t stream, int32_t device, const 
       e.failure()) {
     return e;
   }
-  stream::StreamAttrs strided = attrs;
-  strided.token_heads = call.token_heads();
   return stream::CudaInitialize(stream, device, q, call.K(), call.V(), lengths, k_scale, v_scale,
-                                out, strided);
+                                out, call.Strided(attrs));
 }
 
 ffi::Error StreamCacheCudaExecute(bool use_limits, cudaStream_t stream, int32_t device,
@@ -135,10 +133,8 @@ ffi::Error StreamCacheCudaExecute(bool use_limits, cudaStream_t stream, int32_t 
     return e;
   }
   if (ffi::Error e = Clamp(use_limits, call, lengths, read_lengths, stream); e.failure()) return e;
-  stream::StreamAttrs strided = attrs;
-  strided.token_heads = call.token_heads();
   return stream::CudaExecute(stream, device, q, call.K(), call.V(), read_lengths, k_scale, v_scale,
-                             out, strided);
+                             out, call.Strided(attrs));
 }
 
 ffi::Error CacheCopyCudaExecute(bool use_limits, cudaStream_t stream, int32_t device,

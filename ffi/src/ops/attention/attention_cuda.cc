@@ -116,7 +116,7 @@ RowKernelParams MakeKernelParams(const ffi::AnyBuffer& q, const ffi::AnyBuffer& 
   p.q_heads = static_cast<int>(sh.q_heads);
   p.kv_heads = static_cast<int>(sh.kv_heads);
   p.head_dim = static_cast<int>(sh.head_dim);
-  p.token_heads = static_cast<int>(TokenStride(sh) / sh.head_dim);
+  p.token_heads = static_cast<int>(TokenHeads(sh));
   p.group = static_cast<int>(sh.q_heads / sh.kv_heads);
   p.head_group = static_cast<int>(pl.head_group);
   p.chunk = static_cast<int>(pl.chunk);

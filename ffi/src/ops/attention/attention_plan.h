@@ -50,10 +50,11 @@ struct Shapes {
   int64_t token_heads = 0;
 };
 
-// Elements between consecutive tokens of one sequence in K and V.
-inline int64_t TokenStride(const Shapes& s) {
-  return (s.token_heads > 0 ? s.token_heads : s.kv_heads) * s.head_dim;
+// Head rows, and elements, between consecutive tokens of one sequence in K and V.
+inline int64_t TokenHeads(const Shapes& s) {
+  return s.token_heads > 0 ? s.token_heads : s.kv_heads;
 }
+inline int64_t TokenStride(const Shapes& s) { return TokenHeads(s) * s.head_dim; }
 
 struct Plan {
   int64_t chunk = 0;       // tokens per chunk, a multiple of kTile

@@ -126,7 +126,7 @@ StreamParams MakeParams(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const 
   p.max_tokens = static_cast<int>(sh.max_tokens);
   p.q_heads = static_cast<int>(sh.q_heads);
   p.kv_heads = static_cast<int>(sh.kv_heads);
-  p.token_heads = static_cast<int>(TokenStride(sh) / sh.head_dim);
+  p.token_heads = static_cast<int>(TokenHeads(sh));
   p.group = static_cast<int>(sh.q_heads / sh.kv_heads);
   p.head_group = static_cast<int>(pl.head_group);
   p.unit_groups = static_cast<int>(pl.unit_groups);

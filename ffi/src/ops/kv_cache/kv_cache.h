@@ -63,8 +63,10 @@ struct Geometry {
   uint64_t token_bytes() const {
     return static_cast<uint64_t>(kv_heads * head_dim) * element_bytes;
   }
-  // Elements between a layer's consecutive tokens in its buffer.
-  int64_t row_elems() const { return kv_heads * head_dim * (interleaved ? 2 * num_layers : 1); }
+  // Head rows between a layer's consecutive tokens in its buffer (attention's
+  // Shapes::token_heads), and the elements and bytes they span.
+  int64_t row_heads() const { return kv_heads * (interleaved ? 2 * num_layers : 1); }
+  int64_t row_elems() const { return row_heads() * head_dim; }
   uint64_t row_bytes() const { return static_cast<uint64_t>(row_elems()) * element_bytes; }
   uint64_t seq_bytes() const { return row_bytes() * static_cast<uint64_t>(max_tokens); }
   int64_t num_slots() const { return max_seqs * max_tokens; }

@@ -32,10 +32,7 @@ struct Layer {
   kvcache::CacheLayer layer;
   XLA_FFI_Buffer k{}, v{};
   // SdpaKey::kv_token_heads: the layer's tokens are this many heads apart.
-  int64_t token_heads() const {
-    const kvcache::Geometry& g = layer.cache->geometry();
-    return g.row_elems() / g.head_dim;
-  }
+  int64_t token_heads() const { return layer.cache->geometry().row_heads(); }
 };
 
 ffi::Error Resolve(int32_t device, uint64_t cache_uid, int64_t layer, const ffi::AnyBuffer& q,
