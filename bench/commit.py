@@ -654,7 +654,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--kv-layout",
-        choices=("per_layer", "interleaved"),
+        choices=jax_vmm.KV_LAYOUTS,
         default="per_layer",
         help="the seed section's KV arena layout (kv_arena(layout=...)); the seed keeps its "
         "per-layer buffers",

@@ -58,6 +58,7 @@ import numpy as np  # noqa: E402
 
 import _equal_memory as EQ  # noqa: E402
 import _stack as ST  # noqa: E402
+import jax_vmm  # noqa: E402
 from _common import (  # noqa: E402
     Table,
     command_line,
@@ -325,7 +326,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--chunk-bytes", type=int, help="jax_vmm arena chunk size")
     p.add_argument(
         "--kv-layout",
-        choices=("per_layer", "interleaved"),
+        choices=jax_vmm.KV_LAYOUTS,
         default="per_layer",
         help="the jax_vmm arena's layout (kv_arena(layout=...)); interleaved drops vmm+cudnn "
         "(it reads layer views; vmm+kernel reads through the cache, cuDNN's route included)",

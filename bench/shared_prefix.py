@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument(
         "--kv-layout",
-        choices=("interleaved", "per_layer"),
+        choices=jax_vmm.KV_LAYOUTS,
         default="interleaved",
         help="the arena's layout (kv_arena(layout=...))",
     )

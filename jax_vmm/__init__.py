@@ -37,7 +37,14 @@ from .errors import (  # noqa: E402
     ReservationFullError,
     TransferError,
 )
-from .kv import KVArena, KVArenaStats, ShardedKVArena, ShardedKVArenaStats, kv_arena  # noqa: E402
+from .kv import (  # noqa: E402
+    KV_LAYOUTS,
+    KVArena,
+    KVArenaStats,
+    ShardedKVArena,
+    ShardedKVArenaStats,
+    kv_arena,
+)
 from .memory import Arena, Buffer, MemoryBudget, Transfer  # noqa: E402
 from .memory.stats import ArenaStats  # noqa: E402
 from .ops import (  # noqa: E402
@@ -63,6 +70,7 @@ __all__ = [
     "Transfer",
     "MemoryBudget",
     "kv_arena",
+    "KV_LAYOUTS",
     "KVArena",
     "ShardedKVArena",
     "KVCache",

@@ -2,7 +2,7 @@
 :class:`ShardedKVArena` (one KVArena per device of a mesh) share one interface,
 :class:`~jax_vmm.kv.base.KVArenaBase`; :func:`kv_arena` makes either."""
 
-from .arena import DEFAULT_KV_HANDLE_BYTES, KVArena
+from .arena import DEFAULT_KV_HANDLE_BYTES, KV_LAYOUTS, KVArena
 from .base import KVArenaBase
 from .factory import kv_arena
 from .sharded import ShardedKVArena
@@ -16,4 +16,5 @@ __all__ = [
     "KVArenaStats",
     "ShardedKVArenaStats",
     "DEFAULT_KV_HANDLE_BYTES",
+    "KV_LAYOUTS",
 ]

@@ -34,8 +34,8 @@ from .transfers import SequenceTransfers
 #: still frees all of its memory (a commit never puts two sequences in one allocation).
 DEFAULT_KV_HANDLE_BYTES = 1 << 30
 
-#: The layouts :func:`~jax_vmm.kv_arena` offers (``layout=``).
-LAYOUTS = ("per_layer", "interleaved")
+#: The layouts :func:`~jax_vmm.kv_arena` offers (``layout=``), the default first.
+KV_LAYOUTS = ("per_layer", "interleaved")
 
 
 class _InterleavedViews(LayerViews):
@@ -139,8 +139,8 @@ class KVArena(KVArenaBase, PrefixSharing, TokenBacking, SequenceTransfers):
         if initial_tokens > max_tokens:
             raise ValueError(f"initial_tokens={initial_tokens} exceeds max_tokens={max_tokens}")
         zero_fill = as_flag(zero_fill, "zero_fill")
-        if layout not in LAYOUTS:
-            raise ValueError(f"kv_arena: layout must be one of {LAYOUTS}, got {layout!r}")
+        if layout not in KV_LAYOUTS:
+            raise ValueError(f"kv_arena: layout must be one of {KV_LAYOUTS}, got {layout!r}")
         self.layout = layout
         self.num_layers = int(num_layers)
         self.num_kv_heads = int(num_kv_heads)

@@ -146,7 +146,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--kv-layout",
-        choices=("auto", "per_layer", "interleaved"),
+        choices=("auto", *jax_vmm.KV_LAYOUTS),
         default="auto",
         help="the jax_vmm arena's layout (kv_arena(layout=...)): per_layer buffers, or every "
         "layer interleaved in one buffer, so that a request's partial last chunk is paid "
