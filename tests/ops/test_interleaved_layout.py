@@ -337,3 +337,29 @@ def test_views_dests_and_sharding_are_refused_with_what_to_use(vm):
             layout="interleaved",
         )  # fmt: skip
     assert "layout=interleaved" in repr(kv)
+
+
+def test_a_stale_cache_of_a_closed_interleaved_arena_is_refused(vm):
+    """The stale handle: a cache made before kv.close() is refused by its write and its
+    read (the layer's address inside the one buffer is checked against the buffer's base),
+    and a step traced before the close refuses to run after it."""
+    kv = make(vm, "interleaved")
+    kv.ensure(4, 0)
+    cache = kv.cache()
+    dev = kv.arena.device
+    new = jax.device_put(jnp.ones((1, HKV, D), BF16), dev)
+    q = jax.device_put(jnp.zeros((3, HQ, D), BF16), dev)
+    n = jax.device_put(jnp.asarray([4, 0, 0], jnp.int32), dev)
+
+    @jax.jit
+    def step(c, q, n):
+        layer = jax_vmm.kv_write(c[1], new, new, np.array([3], np.int32))
+        return jax_vmm.decode_attention(q, layer, n)
+
+    jax.block_until_ready(step(cache, q, n))  # traced and run while the arena is open
+    kv.close()
+    closed = (jax_vmm.ArenaClosedError, jax.errors.JaxRuntimeError, ValueError)
+    with pytest.raises(closed, match="closed"):
+        jax.block_until_ready(step(cache, q, n))
+    with pytest.raises(closed, match="closed"):
+        jax.block_until_ready(jax_vmm.decode_attention(q, cache[0], n))
