@@ -91,7 +91,12 @@ class PrefixSharing:
         :meth:`share_prefix` of them maps them on CUDA too, where an allocation is mapped
         only whole; the host driver does the same (docs/sharing.md), so a prefix committed
         by plain ``ensure`` with more tokens after it is copied there too. Returns the bytes
-        newly committed."""
+        newly committed.
+
+        No commit ahead follows: shareable tokens are usually all their sequence holds (a
+        prefix's own slot), and a chunk backed for tokens it never writes would be memory
+        no sharer uses. A sequence that goes on growing backs its next chunk at its next
+        ``ensure`` past them, and commit ahead resumes from there."""
         num_tokens = self._check_tokens(num_tokens, "KVArena.ensure_shareable")
         self._seq_base(seq, "KVArena.ensure_shareable")
         q = 0 if seq is None else int(seq)
@@ -99,32 +104,45 @@ class PrefixSharing:
         whole = (hi - q * self.seq_bytes) // self.token_bytes if hi > lo else 0
         with self._lock:
             self.arena._check_open("KVArena.ensure_shareable")
-            if not whole or self._backed_already(np.int64(num_tokens), q):
-                if whole and self._ensured[q] < num_tokens:
-                    _log.warning(
-                        "KVArena.ensure_shareable(%d, seq=%d): those tokens' chunks were "
-                        "backed ahead already (kv.prefetch, commit ahead, or release with "
-                        "keep_tokens), not as an allocation of their own; share_prefix "
-                        "copies what it cannot map (an allocation that reaches past the "
-                        "prefix). Call ensure_shareable before any prefetch of the "
-                        "sequence (or release it without keep_tokens first).",
-                        num_tokens, q,
-                    )  # fmt: skip
-                return self.ensure(num_tokens, seq)
-            # The whole chunks first: one commit of them (its own allocations), then the
-            # rest (a commit never joins new chunks to an existing allocation).
-            if self._offloaded:
-                self._settle(q)
-            # A refusal gives back only what this call committed: chunks backed before
-            # it (tokens ensured, a kept or prefetched chunk) stay, as ensure's would.
-            point = self._ensure_point({q: num_tokens})
-            ranges = [(b.id, lo, hi) for b in self.buffers]
-            added = self.arena._commit(lambda: self.arena._handle.commit_ranges(ranges))
+            # Marked as if a commit ahead at that end had been skipped: _maybe_ahead and
+            # ahead_due pass over the sequence until its backed end moves.
+            held = self._ahead_blocked[q]
+            self._ahead_blocked[q] = max(int(self._covered[q]), self._covered_tokens(q, num_tokens))
             try:
-                return added + self.ensure(num_tokens, seq)
+                return self._ensure_shareable(seq, q, num_tokens, whole, lo, hi)
             except BaseException:
-                self._roll_back(point)
+                self._ahead_blocked[q] = held
                 raise
+
+    def _ensure_shareable(
+        self, seq: int | None, q: int, num_tokens: int, whole: int, lo: int, hi: int
+    ) -> int:
+        if not whole or self._backed_already(np.int64(num_tokens), q):
+            if whole and self._ensured[q] < num_tokens:
+                _log.warning(
+                    "KVArena.ensure_shareable(%d, seq=%d): those tokens' chunks were "
+                    "backed ahead already (kv.prefetch, commit ahead, or release with "
+                    "keep_tokens), not as an allocation of their own; share_prefix "
+                    "copies what it cannot map (an allocation that reaches past the "
+                    "prefix). Call ensure_shareable before any prefetch of the "
+                    "sequence (or release it without keep_tokens first).",
+                    num_tokens, q,
+                )  # fmt: skip
+            return self.ensure(num_tokens, seq)
+        # The whole chunks first: one commit of them (its own allocations), then the
+        # rest (a commit never joins new chunks to an existing allocation).
+        if self._offloaded:
+            self._settle(q)
+        # A refusal gives back only what this call committed: chunks backed before
+        # it (tokens ensured, a kept or prefetched chunk) stay, as ensure's would.
+        point = self._ensure_point({q: num_tokens})
+        ranges = [(b.id, lo, hi) for b in self.buffers]
+        added = self.arena._commit(lambda: self.arena._handle.commit_ranges(ranges))
+        try:
+            return added + self.ensure(num_tokens, seq)
+        except BaseException:
+            self._roll_back(point)
+            raise
 
     # -- share ---------------------------------------------------------------------------
     def share_prefix(self, src_seq: int, dst_seq: int, num_tokens: int) -> dict[str, int]:

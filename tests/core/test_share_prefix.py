@@ -931,6 +931,46 @@ def test_ensure_shareable_of_tokens_backed_ahead_says_why_they_will_be_copied(vm
     assert caplog.text == ""
 
 
+@pytest.mark.parametrize("whole_chunks", [2, 0], ids=["whole_chunks", "within_one_chunk"])
+def test_ensure_shareable_backs_no_chunk_ahead_and_growth_resumes_it(vm, whole_chunks):
+    """A prefix slot never writes past its prefix: a chunk committed ahead of it would be
+    memory no sharer uses. A plain ensure to the same end does commit one (what the test
+    would see if ensure_shareable scheduled it); a source that goes on growing gets commit
+    ahead again once its backed end moves."""
+    kv, tpc = _kv(vm, commit_ahead_tokens=_quarter_chunk_tokens(vm))
+    end = max(whole_chunks, 1) * tpc
+    n = end - tpc // 8  # within commit_ahead_tokens of its chunk end
+    kv.ensure(n, 1)
+    kv.ensure_shareable(n, 0)
+    assert kv._ahead.wait_idle()
+    assert kv.backed_tokens(1) == end + tpc  # plain ensure: the next chunk ahead
+    assert kv.backed_tokens(0) == end  # ensure_shareable: none
+    kv.ensure(end, 0)  # still within the backed chunks: still none
+    assert kv._ahead.wait_idle()
+    assert kv.backed_tokens(0) == end
+    kv.ensure(end + 1, 0)  # past them: a commit, then commit ahead from the new end
+    kv.ensure(end + tpc - tpc // 8, 0)
+    assert kv._ahead.wait_idle()
+    assert kv.backed_tokens(0) == end + 2 * tpc
+
+
+def test_a_refused_ensure_shareable_leaves_commit_ahead_as_it_was(vm):
+    kv, tpc = _kv(vm, commit_ahead_tokens=_quarter_chunk_tokens(vm))
+    n = tpc - tpc // 8  # within commit_ahead_tokens of the first chunk's end
+    kv.ensure(4, 0)
+    kv.offload(0)
+    with pytest.raises(ValueError, match="offload"):
+        kv.ensure_shareable(n, 0)
+    kv.restore(0)  # waits
+    kv.ensure(n, 0)  # a plain ensure there: the next chunk ahead, as without the refusal
+    assert kv._ahead.wait_idle()
+    assert kv.backed_tokens(0) == 2 * tpc
+
+
+def _quarter_chunk_tokens(vm):
+    return vm.chunk // (H * D * 4) // 4
+
+
 # -- review 3 cases ------------------------------------------------------------------------
 
 
