@@ -51,6 +51,14 @@ def main(argv: list[str] | None = None) -> dict:
         default="interleaved",
         help="the arena's layout (kv_arena(layout=...))",
     )
+    p.add_argument(
+        "--commit-ahead",
+        type=int,
+        default=None,
+        metavar="N",
+        help="kv_arena's commit_ahead_tokens (default: the arena's; 0: none, so that "
+        "nothing is backed past the chunks each request's tokens touch)",
+    )
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
     device = C.pick_device(args.device)
@@ -62,7 +70,12 @@ def main(argv: list[str] | None = None) -> dict:
     rests = rng.integers(0, cfg.vocab, (args.batch, args.suffix)).astype(np.int32)
     with jax.default_device(device):
         params = M.init_params(cfg, seed=0)
-        kw = dict(max_seqs=slots, device=device, kv_layout=args.kv_layout)
+        kw = dict(
+            max_seqs=slots,
+            device=device,
+            kv_layout=args.kv_layout,
+            commit_ahead_tokens=args.commit_ahead,
+        )
         cache = make_cache("jax_vmm", cfg, max_tokens=total, **kw)
         # Sequences a whole number of chunks apart: each prefix chunk can be shared.
         per_chunk = cache.kv.arena.chunk_bytes // cache.kv.token_bytes
@@ -178,7 +191,8 @@ def _run(args, cfg, params, cache, prefix, rests, device) -> dict:
     table = C.Table(("measure", 34, "<"), ("value", 14), ("goal", 8))
     print(
         f"shared prefix: {args.prefix} tokens, {args.batch} requests of {args.suffix} more, "
-        f"{M.config_summary(cfg)}, KV layout {args.kv_layout}, {device.platform}"
+        f"{M.config_summary(cfg)}, KV layout {args.kv_layout}, commit ahead "
+        f"{cache.kv.commit_ahead_tokens} tokens, {device.platform}"
     )
     print(table.header())
     print(table.rule())
@@ -209,6 +223,7 @@ def _run(args, cfg, params, cache, prefix, rests, device) -> dict:
         floor_ratio_chunk_over_layers=floor_spanning / ideal,
         chunk_bytes=stats["chunk_bytes"],
         kv_layout=args.kv_layout,
+        commit_ahead_tokens=cache.kv.commit_ahead_tokens,
         command=C.command_line("shared_prefix.py", argv=None),
     )
     if args.json:
