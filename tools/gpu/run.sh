@@ -107,7 +107,8 @@
 #                       bench:seed_interleaved: jax_vmm's arena with layout="interleaved"
 #   bench:shared_prefix bench/shared_prefix.py (the interleaved layout): time to first
 #                       token and memory of a shared 4k prefix -> shared_prefix.json;
-#                       bench:shared_prefix_per_layer: per-layer buffers
+#                       bench:shared_prefix_per_layer: per-layer buffers;
+#                       bench:shared_prefix_no_ahead: commit ahead off (--commit-ahead 0)
 #   bench:equal_memory32[_interleaved]  bench/decode.py --layers 32 at B16 T1k and the
 #                       equal-memory case (16 GiB), per-layer buffers or interleaved
 #   bench:decode8_interleaved  bench:decode8 over an interleaved arena (no vmm+cudnn)
@@ -399,6 +400,8 @@ step_bench() {
     shared_prefix_per_layer)
       "$PY" bench/shared_prefix.py --kv-layout per_layer \
         --json "$RUN_DIR/shared_prefix_per_layer.json" ;;
+    shared_prefix_no_ahead)
+      "$PY" bench/shared_prefix.py --commit-ahead 0 --json "$RUN_DIR/shared_prefix_no_ahead.json" ;;
     decode8_interleaved)
       "$PY" bench/decode.py --grid layers8 --kv-layout interleaved --out "$RUN_DIR/decode8i" ;;
     equal_memory32|equal_memory32_interleaved)  # issue 29's equal-memory case (16 GiB)
@@ -407,7 +410,7 @@ step_bench() {
       "$PY" bench/decode.py --layers 32 --batches 16 --contexts 1024 --no-oom-case \
         --kv-layout "$layout" --out "$RUN_DIR/$1" ;;
     main_job) "$PY" bench/main_job.py --json "$RUN_DIR/main_job.json" ;;
-    *) echo "unknown bench ${1:-} (attention, attention_options, kv_write, commit, decode, decode32, decode8, decode8_interleaved, step_loop, growth, multi_query, seed, seed_interleaved, shared_prefix, shared_prefix_per_layer, equal_memory32, equal_memory32_interleaved, main_job, sleep, capacity)"; return 2 ;;
+    *) echo "unknown bench ${1:-} (attention, attention_options, kv_write, commit, decode, decode32, decode8, decode8_interleaved, step_loop, growth, multi_query, seed, seed_interleaved, shared_prefix, shared_prefix_per_layer, shared_prefix_no_ahead, equal_memory32, equal_memory32_interleaved, main_job, sleep, capacity)"; return 2 ;;
   esac
 }
 
