@@ -9,8 +9,9 @@ Side by side in one process, on the example's model (``jax_vmm.serving``):
   ``steps.prefill_chunk_slot`` with ``jax_vmm.attention`` (cuDNN on a GPU), so the two
   sides differ only in the tokens they prefill; median over ``--repeats``, each followed
   by a release (not timed). Goal: <= 0.3x.
-* memory: ``--batch`` requests sharing the prefix, each holding its rest: physical KV
-  memory (backed - alias + parked) against one copy of the prefix plus each request's
+* memory: ``--batch`` requests sharing the prefix, each holding its rest, with room for
+  ``--new-tokens`` more in its slot: physical KV memory (backed - alias + parked) once
+  the background commits are done, against one copy of the prefix plus each request's
   own tokens (``token_bytes``, K and V of all layers, each). Goal: <= 1.1x. Two floors
   beside it: what any layout holds where a chunk takes one layer's K or V
   (``--kv-layout per_layer``), and where one chunk takes every layer's K and V of its
@@ -44,6 +45,13 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--prefix", type=int, default=4096, help="shared prefix tokens")
     p.add_argument("--suffix", type=int, default=64, help="each request's own prompt tokens")
     p.add_argument("--batch", type=int, default=16, help="requests sharing the prefix")
+    p.add_argument(
+        "--new-tokens",
+        type=int,
+        default=256,
+        help="tokens each request may decode after its prompt: room in its slot, as a "
+        "serving engine leaves (a slot full at its prompt gets no commit ahead)",
+    )
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument(
         "--kv-layout",
@@ -63,7 +71,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     device = C.pick_device(args.device)
     cfg = M.PRESETS[args.preset]
-    total = args.prefix + args.suffix
+    total = args.prefix + args.suffix + args.new_tokens
     slots = args.batch + 1  # the prefix's own slot
     rng = np.random.default_rng(0)
     prefix = rng.integers(0, cfg.vocab, args.prefix).astype(np.int32)
@@ -176,6 +184,8 @@ def _run(args, cfg, params, cache, prefix, rests, device) -> dict:
     for seq in range(args.batch):
         run_shared(seq)
     jax.block_until_ready(state)
+    for seq in range(cache.max_seqs):  # the commits ahead that the ensures scheduled
+        cache.kv.wait_prefetch(seq)
     cache.check()
     physical = cache.backed_bytes()
     ensured = {seq: args.prefix + args.suffix for seq in range(args.batch)}
@@ -190,7 +200,8 @@ def _run(args, cfg, params, cache, prefix, rests, device) -> dict:
     floor_spanning = chunk_floor(args.prefix, args.suffix, args.batch, chunk, per_token)
     table = C.Table(("measure", 34, "<"), ("value", 14), ("goal", 8))
     print(
-        f"shared prefix: {args.prefix} tokens, {args.batch} requests of {args.suffix} more, "
+        f"shared prefix: {args.prefix} tokens, {args.batch} requests of {args.suffix} more "
+        f"(room for {args.new_tokens} new), "
         f"{M.config_summary(cfg)}, KV layout {args.kv_layout}, commit ahead "
         f"{cache.kv.commit_ahead_tokens} tokens, {device.platform}"
     )
@@ -212,6 +223,7 @@ def _run(args, cfg, params, cache, prefix, rests, device) -> dict:
         prefix=args.prefix,
         suffix=args.suffix,
         batch=args.batch,
+        new_tokens=args.new_tokens,
         ttft_full_s=t_full,
         ttft_shared_s=t_shared,
         ttft_ratio=t_shared / t_full,
