@@ -530,6 +530,7 @@ class TokenBacking:
             kept = keep and self._valid_gen[q] == self.arena._generation
             self._covered[q] = min(self._covered[q], self._covered_tokens(q, keep)) if kept else 0
             self._epoch[q] += 1
+            self._ahead_blocked[q] = -1  # a mark (ensure_shareable, a skip) was the old sequence's
             ranges = self._release_ranges(
                 base + keep * self.token_bytes, base + self.seq_bytes, seq, keep_before=keep > 0
             )

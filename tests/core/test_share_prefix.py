@@ -967,6 +967,17 @@ def test_a_refused_ensure_shareable_leaves_commit_ahead_as_it_was(vm):
     assert kv.backed_tokens(0) == 2 * tpc
 
 
+@pytest.mark.parametrize("keep", [0, 1])
+def test_the_next_sequence_in_a_prefix_slot_gets_commit_ahead(vm, keep):
+    kv, tpc = _kv(vm, commit_ahead_tokens=_quarter_chunk_tokens(vm))
+    n = tpc - tpc // 8
+    kv.ensure_shareable(n, 0)
+    kv.release(0, keep_tokens=keep)
+    kv.ensure(n, 0)  # a new sequence there, as close to its chunk's end
+    assert kv._ahead.wait_idle()
+    assert kv.backed_tokens(0) == 2 * tpc
+
+
 def _quarter_chunk_tokens(vm):
     return vm.chunk // (H * D * 4) // 4
 
