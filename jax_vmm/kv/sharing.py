@@ -117,6 +117,7 @@ class PrefixSharing:
     def _ensure_shareable(
         self, seq: int | None, q: int, num_tokens: int, whole: int, lo: int, hi: int
     ) -> int:
+        """ensure_shareable's commit, under the lock (``whole``: tokens in whole chunks)."""
         if not whole or self._backed_already(np.int64(num_tokens), q):
             if whole and self._ensured[q] < num_tokens:
                 _log.warning(
