@@ -29,9 +29,13 @@ H, D = 2, 64  # float32: 512 bytes per token per buffer
 LAYERS = 2
 
 
+def _tokens_per_chunk(vm):
+    return vm.chunk // (H * D * 4)
+
+
 def _kv(vm, seqs=3, chunks_per_seq=4, **kw):
     """One allocation per chunk unless handle_bytes says otherwise (None: kv_arena's)."""
-    tpc = vm.chunk // (H * D * 4)
+    tpc = _tokens_per_chunk(vm)
     kw.setdefault("handle_bytes", vm.chunk)
     if kw["handle_bytes"] is None:
         del kw["handle_bytes"]
@@ -369,7 +373,7 @@ def test_a_share_right_after_a_release_waits_for_the_background_commit(vm):
     anyway (void) and is held there (up to 1 s). The share waits for it to give that
     back instead of refusing dst as "holds memory" (without the wait this test sees that
     refusal)."""
-    tpc = vm.chunk // (H * D * 4)
+    tpc = _tokens_per_chunk(vm)
     kv, _ = _kv(vm, commit_ahead_tokens=tpc // 4)
     n = 2 * tpc + 1
     data = _tokens(kv, n, seed=3)
@@ -423,7 +427,7 @@ def test_a_share_the_budget_refuses_leaves_the_source_as_it_was(vm):
     dst's own partial chunk, changes nothing: src offloads, sleeps and wakes with its
     tokens, and shares again. (The core kept src marked shared after such a refusal, and
     refused its offload and sleep: "memory mapped at several addresses".)"""
-    tpc = vm.chunk // (H * D * 4)
+    tpc = _tokens_per_chunk(vm)
     held = 4 * 2 * LAYERS * vm.chunk  # src's 4 chunks in every buffer: the whole budget
     budget = jax_vmm.MemoryBudget(held, vm.device)
     kv, _ = _kv(vm, budget=budget)
@@ -470,7 +474,7 @@ def test_a_source_is_not_refused_for_addresses_still_to_be_reclaimed(host_vm, fa
     The host defers its releases here as CUDA does (faults.defer_reclaim), with the device
     held busy until the offload waits for it: the reclaim is still to come when offload is
     called, whatever the timing."""
-    tpc = host_vm.chunk // (H * D * 4)
+    tpc = _tokens_per_chunk(host_vm)
     kv, _ = _kv(host_vm)
     faults.defer_reclaim(kv)
     n = 3 * tpc + tpc // 4
@@ -503,7 +507,7 @@ def test_a_refused_share_leaves_no_addresses_that_block_the_source(host_vm, faul
     at several addresses"). The device is held from the moment the share is undone (a
     wrapper of the undo, here in the test), so the reclaim is still to come when offload
     is called, whatever the timing: the host defers its releases as CUDA does."""
-    tpc = host_vm.chunk // (H * D * 4)
+    tpc = _tokens_per_chunk(host_vm)
     held = 4 * 2 * LAYERS * host_vm.chunk  # src's 4 chunks in every buffer: the whole budget
     budget = jax_vmm.MemoryBudget(held, host_vm.device)
     kv, _ = _kv(host_vm, budget=budget)
@@ -664,7 +668,7 @@ def test_destinations_of_a_released_source_stay_read_only_while_two_map_it(vm, m
 
 
 def test_sequences_at_different_chunk_offsets_are_refused(vm):
-    tpc = vm.chunk // (H * D * 4)
+    tpc = _tokens_per_chunk(vm)
     kv, _ = _kv(vm, chunks_per_seq=1, max_tokens=tpc + tpc // 2)  # 1.5 chunks per sequence
     kv.ensure(tpc, 0)
     with pytest.raises(ValueError, match="different offsets within a chunk"):
@@ -823,7 +827,7 @@ def test_a_refused_ensure_shareable_gives_back_only_what_it_committed(vm, held_b
     release(keep_tokens=), a prefetched one) stay backed and counted, and its next ensure
     and writes land. (It gave back either nothing, keeping the new chunks, or everything,
     leaving a chunk the arena still counted as backed unmapped.)"""
-    tpc = vm.chunk // (H * D * 4)
+    tpc = _tokens_per_chunk(vm)
     budget = jax_vmm.MemoryBudget(3 * 2 * LAYERS * vm.chunk, vm.device)
     kv, _ = _kv(vm, seqs=4, budget=budget, commit_ahead_tokens=0)
     if held_before == "ensured":
@@ -937,7 +941,7 @@ def test_ensure_shareable_backs_no_chunk_ahead_and_growth_resumes_it(vm, whole_c
     memory no sharer uses. A plain ensure to the same end does commit one (what the test
     would see if ensure_shareable scheduled it); a source that goes on growing gets commit
     ahead again once its backed end moves."""
-    kv, tpc = _kv(vm, commit_ahead_tokens=_quarter_chunk_tokens(vm))
+    kv, tpc = _kv(vm, commit_ahead_tokens=_tokens_per_chunk(vm) // 4)
     end = max(whole_chunks, 1) * tpc
     n = end - tpc // 8  # within commit_ahead_tokens of its chunk end
     kv.ensure(n, 1)
@@ -955,7 +959,7 @@ def test_ensure_shareable_backs_no_chunk_ahead_and_growth_resumes_it(vm, whole_c
 
 
 def test_a_refused_ensure_shareable_leaves_commit_ahead_as_it_was(vm):
-    kv, tpc = _kv(vm, commit_ahead_tokens=_quarter_chunk_tokens(vm))
+    kv, tpc = _kv(vm, commit_ahead_tokens=_tokens_per_chunk(vm) // 4)
     n = tpc - tpc // 8  # within commit_ahead_tokens of the first chunk's end
     kv.ensure(4, 0)
     kv.offload(0)
@@ -969,17 +973,13 @@ def test_a_refused_ensure_shareable_leaves_commit_ahead_as_it_was(vm):
 
 @pytest.mark.parametrize("keep", [0, 1])
 def test_the_next_sequence_in_a_prefix_slot_gets_commit_ahead(vm, keep):
-    kv, tpc = _kv(vm, commit_ahead_tokens=_quarter_chunk_tokens(vm))
+    kv, tpc = _kv(vm, commit_ahead_tokens=_tokens_per_chunk(vm) // 4)
     n = tpc - tpc // 8
     kv.ensure_shareable(n, 0)
     kv.release(0, keep_tokens=keep)
     kv.ensure(n, 0)  # a new sequence there, as close to its chunk's end
     assert kv._ahead.wait_idle()
     assert kv.backed_tokens(0) == 2 * tpc
-
-
-def _quarter_chunk_tokens(vm):
-    return vm.chunk // (H * D * 4) // 4
 
 
 # -- review 3 cases ------------------------------------------------------------------------
