@@ -3,7 +3,8 @@ caller left the choice to jax_vmm (``impl="auto"``, no plan knobs): cuDNN's SDPA
 jax_vmm's custom call (``jax_vmm.ops.cudnn_attention``) where the build has it and it
 supports the call, else jax_vmm's own kernels.
 
-Why cuDNN first: side by side on the H200 (docs/benchmarks.md, ``bench/cudnn_attention.py``)
+Why cuDNN first: side by side on the H200 (docs/benchmarks.md, "Older measurements";
+``bench/cudnn_attention.py``)
 it runs decode at 0.63-1.06x of JAX's own cuDNN call over the same tokens and S > 1 at
 0.74-0.99x, where jax_vmm's split-K kernel runs decode at 0.64-1.28x. jax_vmm's kernels
 keep what cuDNN does not take: fp8 caches, sharded layers, the CPU, and every explicit

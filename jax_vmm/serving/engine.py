@@ -240,7 +240,8 @@ class Generator:
     giving all of it back and committing the prompt again in the background. Fewer
     commits; but an allocation that straddles the kept tokens stays whole (its chunks
     past them park until the new sequence grows into them), so more memory can be held
-    (on the H200 main job the peaks were the same either way: docs/benchmarks.md)."""
+    (on the H200 main job the peaks were the same either way: docs/benchmarks.md, "Tried and
+    not kept")."""
 
     def __init__(
         self,
