@@ -73,6 +73,7 @@ class StepRecord:
     backed_bytes: int  # physical KV memory held by the backend
     live_bytes: int  # bytes of the tokens actually cached
     active: int  # sequences in flight
+    held_bytes: int = 0  # live_bytes with a shared prefix counted once (run(shared_prefix=))
 
 
 @dataclasses.dataclass
@@ -641,11 +642,11 @@ class Generator:
 
         def record(kind: str) -> None:
             live = sum(s.cached_after(s.blocks, n) for s in slots if s is not None)
-            trace.append(
-                StepRecord(
-                    kind, cache.backed_bytes(), live * bpt, sum(s is not None for s in slots)
-                )
-            )
+            active = sum(s is not None for s in slots)
+            # The prefix slot holds the prefix from its prefill to the end; every request
+            # maps it (kv.share_prefix) rather than holding a copy.
+            held = live - (active - (kind != "end")) * shared_prefix if shared_prefix else live
+            trace.append(StepRecord(kind, cache.backed_bytes(), live * bpt, active, held * bpt))
 
         def retire(seq: int) -> None:
             # Called once the call that ended the sequence has been read, so has run: a

@@ -128,6 +128,15 @@ def print_summary(s: dict) -> None:
         f"{fmt_bytes(s['peak_live_bytes'])} | backed at end "
         f"{fmt_bytes(s['final_backed_bytes'])}"
     )
+    if "shared_prefix" in s:
+        p = s["shared_prefix"]
+        print(
+            f"shared prefix of {p['tokens']} tokens: backed peak "
+            f"{fmt_bytes(p['peak_backed_bytes'])} = {p['memory_ratio']:.3f}x the tokens then "
+            "cached, the prefix once "
+            f"({fmt_bytes(p['held_bytes_at_peak'])}); unshared peak "
+            f"{fmt_bytes(p['unshared_peak_backed_bytes'])}; {p['chunks_shared']} chunks shared"
+        )
     if s["backend"] == "jax_vmm":
         print(
             f"commits: {s['commit_calls']} calls ({s['commits_ahead']} ahead of need, off the "

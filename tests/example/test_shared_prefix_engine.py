@@ -104,6 +104,28 @@ def test_a_next_turn_goes_on_after_a_shared_prefix(cpu_device) -> None:
     assert stats["backed_bytes"] == stats["parked_bytes"] == 0 and not stats["sharing_seqs"]
 
 
+def test_the_trace_counts_the_shared_prefix_once(cpu_device) -> None:
+    """StepRecord.held_bytes (decode.py's memory ratio of a shared prefix): the tokens
+    cached with the prefix once, which physical memory always covers; live_bytes, which
+    counts the prefix in every request, exceeds it once enough requests share."""
+    reqs = _requests()
+    kw = dict(device=cpu_device, kv_layout="interleaved")  # memory close to the tokens
+    report, _ = _serve(reqs, batch=5, shared_prefix=PREFIX, **kw)
+    bpt = SMALL.kv_bytes_per_token
+    first = report.trace[0]  # the prefix's own prefill: no request yet
+    assert first.kind == "prefill" and first.active == 0
+    assert (first.live_bytes, first.held_bytes) == (0, PREFIX * bpt)
+    for r in report.trace[1:]:
+        shared = r.active * PREFIX * bpt
+        prefix = PREFIX * bpt if r.kind != "end" else 0  # the prefix slot, until the end
+        assert r.held_bytes == r.live_bytes - shared + prefix, r
+        assert r.held_bytes <= r.backed_bytes, r
+    # The check above would catch a count without the sharing: that exceeds the memory.
+    assert any(r.live_bytes > r.backed_bytes for r in report.trace)
+    plain, _ = _serve(reqs, batch=4, **kw)
+    assert all(r.held_bytes == r.live_bytes for r in plain.trace)
+
+
 def test_shared_prefix_needs_attend_chunk(cpu_device) -> None:
     """The rest of each prompt is prefilled over the cache: a Generator without the
     multi-query attention refuses before it compiles or runs anything."""
@@ -164,6 +186,9 @@ def test_decode_cli_shared_prefix_checks_generation(tmp_path) -> None:
     assert summary["serving"]["prompt_len"] == (104, 120)
     assert summary["serving"]["shared_prefix"] == 100
     assert shared["peak_backed_bytes"] < shared["unshared_peak_backed_bytes"]
+    # The peak against the tokens then cached (the prefix once), which it always covers.
+    assert 0 < shared["held_bytes_at_peak"] <= shared["peak_backed_bytes"]
+    assert shared["memory_ratio"] == shared["peak_backed_bytes"] / shared["held_bytes_at_peak"]
     with pytest.raises(SystemExit, match="needs N >= 1 and --backend jax_vmm"):
         decode.main([*args, "--shared-prefix", "8", "--backend", "prealloc"])
     with pytest.raises(SystemExit, match="needs the jax_vmm backend"):

@@ -527,10 +527,14 @@ def _serve(args: argparse.Namespace) -> dict:
             summary["serving"] = dict(serving, prompt_len=(lo + n, hi + n), shared_prefix=n)
             unshared = gen.run(requests)
             differ = same_tokens(report, unshared)
+            peak = max(report.trace, key=lambda r: r.backed_bytes)
             summary["shared_prefix"] = dict(
                 tokens=args.shared_prefix,
                 chunks_shared=stats["chunks_shared"],
-                peak_backed_bytes=max(s.backed_bytes for s in report.trace),
+                peak_backed_bytes=peak.backed_bytes,
+                # issue 32's measure: the peak against the tokens then cached, the prefix once
+                held_bytes_at_peak=peak.held_bytes,
+                memory_ratio=peak.backed_bytes / max(peak.held_bytes, 1),
                 unshared_peak_backed_bytes=max(s.backed_bytes for s in unshared.trace),
                 generation_unchanged=not differ,
             )
