@@ -9,6 +9,8 @@ Install its dependencies with `pip install 'jax_vmm[serving]'`. Nothing is impor
     attention        decode attention: plain-JAX reference, cuDNN, jax_vmm's kernel
     cache            the two KV-cache backends (jax_vmm arena, preallocated arrays)
     steps            the jitted prefill and block-of-decode-steps programs
+    run_data         what a run takes and gives back: Request; Result, StepRecord, RunReport
+    serving_loop     one run's host loop: admit, prefill, ensure, decode blocks, read, release
     engine           continuous batching over a cache backend (Generator, Request)
     sampling         greedy, temperature, top-k, top-p token choice per request
     generate         text in, text out with a Hugging Face checkpoint

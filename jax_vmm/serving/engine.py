@@ -19,12 +19,13 @@ to request ID's prompt and generated tokens in ID's slot, prefilled over that ca
 `run(shared_prefix=N)` prefills the prompts' common first N tokens once, maps them into
 each request's slot (`kv.share_prefix`) and prefills the rest of each prompt the same way,
 over the cache: one program appends tokens to a slot, whatever it caches already.
+
+The host loop of a run is `serving_loop.ServingLoop`; the run's data (`Request`, `Result`,
+`StepRecord`, `RunReport`) is in `run_data`, importable from here.
 """
 
 from __future__ import annotations
 
-import collections
-import dataclasses
 import functools
 import logging
 import math
@@ -40,61 +41,11 @@ from . import model as M
 from . import steps as S
 from .cache import CacheBackend
 
+# Defined below engine and its loop (no import circle); callers take them from here.
+from .run_data import Request, Result, RunReport, StepRecord, _is_token_id  # noqa: F401
+from .serving_loop import ServingLoop
+
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class Request:
-    id: int
-    prompt: np.ndarray  # int32 (L,), L >= 1
-    max_new_tokens: int  # >= 1; the first comes from prefill
-    # The id of an earlier request of the same run whose conversation this continues:
-    # the prompt is appended after that request's prompt and generated tokens, on its
-    # cache (its slot is kept for this request when it finishes).
-    follows: int | None = None
-
-
-@dataclasses.dataclass
-class Result:
-    id: int
-    prompt_len: int
-    tokens: list[int] = dataclasses.field(default_factory=list)  # fed back (= greedy
-    # unless run() was given force_tokens)
-    greedy: list[int] = dataclasses.field(default_factory=list)  # argmax of each step
-    logits: list[np.ndarray] = dataclasses.field(default_factory=list)  # if recorded
-
-
-@dataclasses.dataclass
-class StepRecord:
-    """Memory after one engine call is dispatched (a prefill or a decode block), the
-    sequences read as finished by then already released."""
-
-    kind: str  # "prefill" | "decode" (a block) | "end" (after the last release)
-    backed_bytes: int  # physical KV memory held by the backend
-    live_bytes: int  # bytes of the tokens actually cached
-    active: int  # sequences in flight
-    held_bytes: int = 0  # live_bytes with a shared prefix counted once (run(shared_prefix=))
-
-
-@dataclasses.dataclass
-class RunReport:
-    results: list[Result]
-    trace: list[StepRecord]
-    seconds: float  # wall time of the serving loop (compile excluded)
-    compile_seconds: float
-    generated_tokens: int
-    decode_steps: int  # device steps (blocks x steps per block)
-    prefills: int
-    ensure_seconds: float  # host time spent in cache calls (ensure/release/prefetch)
-    blocks: int = 0  # host calls of the decode block
-    block: int = 1  # decode steps per block
-    pauses: int = 0  # pause() calls (sleep/wake)
-    # Time spent waiting for background commits of prompts (cache.prefetch), and the
-    # part of it with nothing left queued on the device (the device idled on memory).
-    memory_wait_seconds: float = 0.0
-    memory_wait_idle_seconds: float = 0.0
-    # ensure_seconds by cache call: name -> (calls, seconds, longest call's seconds).
-    host_calls: dict[str, tuple[int, float, float]] = dataclasses.field(default_factory=dict)
 
 
 def make_requests(
@@ -134,47 +85,6 @@ DEFAULT_BLOCK = 16  # decode steps per host call (see Generator)
 # (a copy the host waits for, ~0.25 ms on the H200 while the device runs the main job).
 ENSURE_BLOCKS = 2
 WAIT_SLICE = 2e-4  # seconds between looks at the device while waiting for a prompt's memory
-
-
-@dataclasses.dataclass(eq=False)
-class _Slot:
-    """A request in a slot, as the host sees it (the device state may be ahead)."""
-
-    request: Request
-    result: Result
-    blocks: int = 0  # blocks dispatched since its prefill
-    feed: int = -1  # host-chosen next token (tokens chosen on the host), else -1
-    ensured: int = 0  # tokens the engine has ensured for it
-    prefix: tuple[int, ...] = ()  # earlier turns of its conversation (follows), in order
-
-    @property
-    def prompt_len(self) -> int:
-        """Tokens cached once its prompt is prefilled (earlier turns included)."""
-        return len(self.prefix) + len(self.request.prompt)
-
-    def context(self) -> tuple[int, ...]:
-        """The conversation so far: earlier turns, the prompt and the tokens generated
-        (the last of which is not cached yet)."""
-        return self.prefix + tuple(int(t) for t in self.request.prompt) + tuple(self.result.tokens)
-
-    def cached_after(self, blocks: int, block: int) -> int:
-        """Tokens in the cache once `blocks` blocks of `block` steps have run (at most:
-        a stop token ends it sooner)."""
-        return self.prompt_len + min(blocks * block, self.request.max_new_tokens - 1)
-
-
-@dataclasses.dataclass
-class _Read:
-    """A dispatched call whose tokens the host has not read yet."""
-
-    slots: list[_Slot | None]  # who each column belonged to at dispatch
-    tokens: jax.Array  # (steps, B) int32, -1 = no step; or () for a prefill
-    logits: jax.Array | None  # (steps, B, vocab) / (vocab,) when needed on the host
-
-
-def _is_token_id(t: object, vocab: int) -> bool:
-    """A Python or NumPy integer in [0, vocab): what the embedding takes unclamped."""
-    return is_int(t) and 0 <= t < vocab  # type: ignore[operator]
 
 
 def check_block(block: object) -> None:
@@ -612,279 +522,31 @@ class Generator:
             record_logits=record_logits,
             shared_prefix=shared_prefix,
         )
-        n = 1 if host_mode else self.block
-        stops = () if host_mode else self.stop_tokens
-        want_logits = record_logits or host_mode
-        host_stops = set(self.stop_tokens) if host_mode else set()
-        bpt = cache.token_bytes
-        batch = cache.max_seqs
-        queue = collections.deque(requests)
-        slots: list[_Slot | None] = [None] * batch
-        results: dict[int, Result] = {}
-        trace: list[StepRecord] = []
-        pending: collections.deque[_Read] = collections.deque()
-        counts = collections.Counter()
-        wait_seconds = idle_seconds = 0.0
-        held: set[int] = set()  # finished, memory kept for the request that takes the slot
-        followed = {r.follows for r in requests if r.follows is not None}
-        # Finished turns whose next turn is queued: request id -> (slot, conversation).
-        turns: dict[int, tuple[int, tuple[int, ...]]] = {}
-
-        calls: dict[str, tuple[int, float, float]] = {}
-
-        def timed(fn: Callable, *args, name: str | None = None) -> None:
-            t0 = time.perf_counter()
-            fn(*args)
-            dt = time.perf_counter() - t0
-            key = name or fn.__name__
-            n_calls, total, longest = calls.get(key, (0, 0.0, 0.0))
-            calls[key] = (n_calls + 1, total + dt, max(longest, dt))
-
-        def record(kind: str) -> None:
-            live = sum(s.cached_after(s.blocks, n) for s in slots if s is not None)
-            active = sum(s is not None for s in slots)
-            # The prefix slot holds the prefix from its prefill to the end; every request
-            # maps it (kv.share_prefix) rather than holding a copy.
-            held = live - (active - (kind != "end")) * shared_prefix if shared_prefix else live
-            trace.append(StepRecord(kind, cache.backed_bytes(), live * bpt, active, held * bpt))
-
-        def retire(seq: int) -> None:
-            # Called once the call that ended the sequence has been read, so has run: a
-            # release changes the table kernels check when they run, and a block still
-            # queued would drop its last writes. With keep_slot_memory, when a request
-            # will take the slot, the release waits for it (admit): the memory its prompt
-            # needs then stays backed instead of going back and being committed again.
-            # Otherwise it goes back now (without waiting for the device). A turn whose
-            # next turn is queued keeps its slot and cache for it. A slot shared into
-            # must hold nothing before the share (kv.share_prefix): it keeps no memory.
-            slot = slots[seq]
-            if slot.request.id in followed:
-                turns[slot.request.id] = (seq, slot.context())
-            elif (
-                not shared_prefix
-                and self.keep_slot_memory
-                # next turns run in their parent's slot: only first turns take a free one
-                and sum(r.follows is None for r in queue) > sum(s is None for s in slots)
-            ):
-                held.add(seq)
-            else:
-                timed(cache.release, seq)
-            slots[seq] = None
-
-        def emit(slot: _Slot, token: int, logits: np.ndarray | None) -> bool:
-            """Takes one generated token; True when the request is complete."""
-            res = slot.result
-            res.greedy.append(token)
-            if force_tokens is not None:
-                token = int(force_tokens[slot.request.id][len(res.tokens)])
-            elif select_token is not None:
-                chosen = select_token(slot.request.id, logits)
-                if not _is_token_id(chosen, self.cfg.vocab):
-                    raise ValueError(
-                        f"select_token returned {chosen!r} for request {slot.request.id} at "
-                        f"its token {len(res.tokens)}: expected a token id of the model's "
-                        f"[0, {self.cfg.vocab})"
-                    )
-                token = int(chosen)
-            res.tokens.append(token)
-            if record_logits:
-                res.logits.append(logits)
-            slot.feed = token
-            counts["generated"] += 1
-            return (
-                len(res.tokens) == slot.request.max_new_tokens
-                or token in host_stops
-                or (not host_mode and token in self.stop_tokens)
-            )
-
-        def read(item: _Read) -> None:
-            tokens = np.asarray(item.tokens)
-            logits = None if item.logits is None else np.asarray(item.logits)
-            if tokens.ndim == 0:  # a prefill: its one slot
-                (slot,) = [s for s in item.slots if s is not None]
-                steps = [(slot, int(tokens), logits)]
-            else:
-                steps = [
-                    (slot, int(tokens[i, seq]), None if logits is None else logits[i, seq])
-                    for i in range(tokens.shape[0])
-                    for seq, slot in enumerate(item.slots)
-                    if slot is not None and tokens[i, seq] >= 0
-                ]
-            for slot, token, lg in steps:
-                if emit(slot, token, lg):
-                    seq = next((q for q, s in enumerate(slots) if s is slot), None)
-                    if seq is not None:
-                        retire(seq)
-            if progress is not None and steps:
-                progress(len(steps))
-
-        def device_idle() -> bool:
-            # The newest dispatched call done: nothing is left queued on the device.
-            return not pending or pending[-1].tokens.is_ready()
-
-        def wait_for_memory(seq: int) -> None:
-            # The prompt's memory is committed on the cache's background thread; the
-            # device meanwhile runs the prefills and blocks dispatched before.
-            nonlocal wait_seconds, idle_seconds
-            t0 = time.perf_counter()
-            while True:
-                done = cache.wait_prefetch(seq, WAIT_SLICE)
-                t1 = time.perf_counter()
-                if device_idle():
-                    idle_seconds += t1 - t0
-                wait_seconds += t1 - t0
-                t0 = t1
-                if done:
-                    return
-
-        def take_requests() -> list[tuple[int, Request, tuple[int, ...]]]:
-            """(slot, request, earlier turns) for every queued request that can start:
-            in queue order, a next turn in its finished parent's slot, others in free
-            slots (not one kept for a next turn)."""
-            kept = {seq for seq, _ in turns.values()}
-            free = [seq for seq in range(serving) if slots[seq] is None and seq not in kept]
-            taken, waiting = [], collections.deque()
-            while queue:
-                req = queue.popleft()
-                if req.follows is not None and req.follows in turns:
-                    seq, prefix = turns.pop(req.follows)
-                    taken.append((seq, req, prefix))
-                elif req.follows is None and free:
-                    taken.append((free.pop(0), req, ()))
-                else:
-                    waiting.append(req)
-            queue.extend(waiting)
-            return taken
-
-        def admit_free_slots() -> None:
-            taken = take_requests()
-            for seq, req, prefix in taken:  # every prompt's memory, in the background
-                if seq in held:  # the slot keeps the chunks of the new prompt
-                    held.discard(seq)
-                    timed(
-                        lambda: cache.release(seq, keep_tokens=len(req.prompt)),
-                        name="release(keep_tokens)",
-                    )
-                if not (shared_prefix and not prefix):  # a slot shared into holds nothing
-                    timed(cache.prefetch, seq, len(prefix) + len(req.prompt))
-            for seq, req, prefix in taken:
-                wait_for_memory(seq)
-                admit(seq, req, prefix)
-
-        def admit(seq: int, req: Request, prefix: tuple[int, ...]) -> None:
-            nonlocal state
-            slot = _Slot(
-                req, results.setdefault(req.id, Result(req.id, len(req.prompt))), prefix=prefix
-            )
-            if prefix:  # a next turn: cached, the earlier turns but their last token
-                start = len(prefix) - 1
-                new = prefix[start:] + tuple(int(t) for t in req.prompt)
-            elif shared_prefix:
-                timed(cache.share_prefix, prefix_seq, seq, shared_prefix)
-                start, new = shared_prefix, req.prompt[shared_prefix:]
-            else:
-                start, new = 0, req.prompt
-            timed(cache.ensure, seq, slot.prompt_len)
-            slot.ensured = slot.prompt_len
-            slots[seq] = slot
-            logits, first, state, dispatched = self._prefill(
-                state, stops, seq, np.asarray(new, np.int32), start, req.max_new_tokens
-            )
-            counts["prefills"] += dispatched
-            cols: list[_Slot | None] = [None] * batch
-            cols[seq] = slot
-            pending.append(_Read(cols, first, logits if want_logits else None))
-            record("prefill")
-
-        state = S.idle_state(batch)
-        # The shared prefix: prefilled once into the last slot (one token asked, so the
-        # slot stays idle), which then only lends its memory.
-        serving = batch - 1 if shared_prefix else batch
-        prefix_seq = batch - 1
-
-        def serve_all() -> None:
-            nonlocal state
-            if shared_prefix:
-                timed(cache.ensure_shareable, prefix_seq, shared_prefix)
-                _, _, state, dispatched = self._prefill(
-                    state, stops, prefix_seq, prefix_tokens, 0, 1
-                )
-                counts["prefills"] += dispatched
-                record("prefill")
-            while queue or any(slots) or pending:
-                admit_free_slots()  # continuous batching: free slots take requests
-                if host_mode:
-                    while pending:  # every token is a host decision: read before going on
-                        read(pending.popleft())
-                    if not any(slots):
-                        continue
-                elif not any(slots):
-                    while pending:
-                        read(pending.popleft())
-                    continue
-                control = np.full(batch, S.STOP, np.int32)
-                live = [(seq, s) for seq, s in enumerate(slots) if s is not None]
-                for seq, s in live:
-                    control[seq] = s.feed if host_mode else S.KEEP
-                # What the block can write, ensured ENSURE_BLOCKS blocks at a time: one table
-                # update (a driver copy) serves that many blocks.
-                if any(s.cached_after(s.blocks + 1, n) > s.ensured for _, s in live):
-                    need = np.zeros(batch, np.int64)
-                    for seq, s in live:
-                        s.ensured = max(s.ensured, s.cached_after(s.blocks + ENSURE_BLOCKS, n))
-                        need[seq] = s.ensured
-                    timed(cache.ensure_all, need)
-                args = (self.params, cache.cache(), state, jnp.asarray(control))
-                tokens, logits, out, state = self._block_fn(n, stops, want_logits, args)(*args)
-                cache.update(out)
-                counts["blocks"] += 1
-                pending.append(_Read(list(slots), tokens, logits if want_logits else None))
-                for s in slots:
-                    if s is not None:
-                        s.blocks += 1
-                record("decode")
-                # Double buffering: read everything but the block just dispatched.
-                while len(pending) > (0 if host_mode else 1):
-                    read(pending.popleft())
-                if pause_every is not None and counts["blocks"] % pause_every == 0:
-                    while pending:
-                        read(pending.popleft())
-                    jax.block_until_ready(state)
-                    pause()
-                    counts["pauses"] += 1
-            for seq in sorted(held):  # no request took it after all
-                timed(cache.release, seq)
-            if shared_prefix:
-                timed(cache.release, prefix_seq)
-
+        loop = ServingLoop(
+            self,
+            requests,
+            host_mode=host_mode,
+            record_logits=record_logits,
+            progress=progress,
+            force_tokens=force_tokens,
+            select_token=select_token,
+            pause_every=pause_every,
+            pause=pause,
+            shared_prefix=shared_prefix,
+            prefix_tokens=prefix_tokens,
+            ensure_blocks=ENSURE_BLOCKS,
+            wait_slice=WAIT_SLICE,
+        )
         t_start = time.perf_counter()
         try:
-            serve_all()
+            loop.serve_all()
         except BaseException:
             # The slots' memory goes back (shared prefix last), so the cache is as
             # before the run: a failed commit, a failing pause() or Ctrl-C leaves nothing
             # held or shared for the next run to trip over.
-            _give_back_slots(cache, [*(r.tokens for r in pending), state], range(batch))
+            _give_back_slots(cache, loop.in_flight(), range(loop.batch))
             raise
-        record("end")
-        seconds = time.perf_counter() - t_start
-        cache.check()  # no write was dropped (every token was ensured before its step)
-        return RunReport(
-            results=[results[r.id] for r in requests],
-            trace=trace,
-            seconds=seconds,
-            compile_seconds=self.compile_seconds,
-            generated_tokens=counts["generated"],
-            decode_steps=counts["blocks"] * n,
-            prefills=counts["prefills"],
-            ensure_seconds=sum(total for _, total, _ in calls.values()),
-            blocks=counts["blocks"],
-            block=n,
-            pauses=counts["pauses"],
-            memory_wait_seconds=wait_seconds,
-            memory_wait_idle_seconds=idle_seconds,
-            host_calls=calls,
-        )
+        return loop.finish(t_start)
 
 
 def _give_back_slots(cache: CacheBackend, in_flight: list, seqs: range) -> None:
