@@ -132,9 +132,9 @@ def print_summary(s: dict) -> None:
         p = s["shared_prefix"]
         print(
             f"shared prefix of {p['tokens']} tokens: backed peak "
-            f"{fmt_bytes(p['peak_backed_bytes'])} = {p['memory_ratio']:.3f}x the tokens then "
-            "cached, the prefix once "
-            f"({fmt_bytes(p['held_bytes_at_peak'])}); unshared peak "
+            f"{fmt_bytes(p['peak_backed_bytes'])} = {p['memory_ratio']:.3f}x the peak of the "
+            "tokens cached, the prefix once "
+            f"({fmt_bytes(p['peak_held_bytes'])}); unshared peak "
             f"{fmt_bytes(p['unshared_peak_backed_bytes'])}; {p['chunks_shared']} chunks shared"
         )
     if s["backend"] == "jax_vmm":

@@ -186,9 +186,9 @@ def test_decode_cli_shared_prefix_checks_generation(tmp_path) -> None:
     assert summary["serving"]["prompt_len"] == (104, 120)
     assert summary["serving"]["shared_prefix"] == 100
     assert shared["peak_backed_bytes"] < shared["unshared_peak_backed_bytes"]
-    # The peak against the tokens then cached (the prefix once), which it always covers.
-    assert 0 < shared["held_bytes_at_peak"] <= shared["peak_backed_bytes"]
-    assert shared["memory_ratio"] == shared["peak_backed_bytes"] / shared["held_bytes_at_peak"]
+    # The peak against the peak of the tokens cached (the prefix once), which it covers.
+    assert 0 < shared["peak_held_bytes"] <= shared["peak_backed_bytes"]
+    assert shared["memory_ratio"] == shared["peak_backed_bytes"] / shared["peak_held_bytes"]
     with pytest.raises(SystemExit, match="needs N >= 1 and --backend jax_vmm"):
         decode.main([*args, "--shared-prefix", "8", "--backend", "prealloc"])
     with pytest.raises(SystemExit, match="needs the jax_vmm backend"):
