@@ -35,18 +35,9 @@ class _Generator(Protocol):
     stop_tokens: tuple[int, ...]
     keep_slot_memory: bool
     compile_seconds: float
-
-    def _prefill(
-        self,
-        state: S.DecodeState,
-        stops: tuple[int, ...],
-        seq: int,
-        tokens: np.ndarray,
-        start: int,
-        new: int,
-    ) -> tuple[jax.Array, jax.Array, S.DecodeState, int]: ...
-
-    def _block_fn(self, steps: int, stops: tuple[int, ...], logits: bool, args: tuple): ...
+    # (state, stops, seq, tokens, start, new) -> (logits, first, state, calls dispatched)
+    _prefill: Callable[..., tuple[jax.Array, jax.Array, S.DecodeState, int]]
+    _block_fn: Callable[..., Callable]  # (steps, stops, logits, args) -> the block program
 
 
 @dataclasses.dataclass(eq=False)

@@ -6,6 +6,11 @@ cuDNN made none. The full probe (60 cases) is `run.sh probe:deferred_zeros`."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from conftest import cuda_vmm_device
@@ -60,11 +65,6 @@ def test_a_chunk_prefill_over_the_interleaved_layout_reads_nothing_unbacked(cudn
     """bench/shared_prefix.py with commit ahead off: each prompt (4160 tokens, a chunk
     boundary) is prefilled over the cache in a slot with room past it. With eager zeros the
     same run is the control: it must pass, so only the deferred case can be the defect."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
     bench = Path(__file__).resolve().parents[2] / "bench" / "shared_prefix.py"
     args = [sys.executable, str(bench), "--commit-ahead", "0", "--batch", "2", "--repeats", "1"]
 
