@@ -39,6 +39,8 @@ the only package code that imports it.
   holds the host reclaim thread (released memory and kept tables stay);
   :func:`wait_for_host_reclaims` waits for it; :func:`host_gate_closed` with
   :func:`through_host_gate` holds a CPU step in flight until the test lets it go.
+* :func:`untiled_reads`: ``ensure`` backs only the asked tokens' chunks, not up to the
+  end of the key/value tile cuDNN reads them in.
 * :func:`shared_writes_allowed`: ``kv.share_prefix`` leaves the shared tokens writable
   (no floor in the device table), so a write into one sharer lands in the other's tokens.
 * :func:`limits_ignored`: the KVCache-layer kv_write and decode attention without the
@@ -80,6 +82,7 @@ from .cache import pytree as _cache
 from .cache import read_epochs as _read_epochs
 from .cache import registry as _registry
 from .kv import KVArena
+from .kv import backing as _backing
 from .kv import base as _kv_base
 from .kv import sharded as _sharded
 from .kv import sharing as _sharing
@@ -458,6 +461,20 @@ def limits_ignored() -> Iterator[None]:
         yield
     finally:
         _cache_ops._targets = previous
+
+
+@contextlib.contextmanager
+def untiled_reads() -> Iterator[None]:
+    """Inside the with-block ``ensure`` backs only the chunks of the tokens it is asked
+    for, not up to the end of the tile a reader rounds them to (``READ_TILE_TOKENS``,
+    jax_vmm/kv/backing.py): with zeros deferred on CUDA, cuDNN's last key/value tile can
+    then cross into an unmapped chunk and fault."""
+    previous = _backing.READ_TILE_TOKENS
+    _backing.READ_TILE_TOKENS = 1
+    try:
+        yield
+    finally:
+        _backing.READ_TILE_TOKENS = previous
 
 
 @contextlib.contextmanager

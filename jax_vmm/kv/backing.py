@@ -32,8 +32,37 @@ from ..base.loader import core as _core
 from ..cache import read_epochs
 from ..memory import host_wait
 
+# cuDNN's attention reads keys and values in whole tiles counted from each sequence's
+# start and masks what lies past its length, so it touches up to the next multiple of a
+# tile. Where a chunk holds fewer tokens than that (the interleaved layout: 64 per 2 MiB
+# on the gpu preset), the last tile crosses into the next chunk, and while a CUDA arena
+# defers its zeros that chunk is unmapped: a read of it faults. Measured (H100/H200):
+# 128-token chunks never faulted, 64-token chunks did; tools/gpu/cudnn_deferred_zeros_probe.py.
+READ_TILE_TOKENS = 128
+
 
 class TokenBacking:
+    def _unbacked_reads_fault(self) -> bool:
+        """Whether a read of an unbacked byte faults: a CUDA arena that defers its zeros
+        until its first view (docs/design.md "Zero reads"); the host's reads zeros."""
+        return not self.arena._handle.unbacked_reads_zero
+
+    def _read_end(self, num_tokens: int) -> int:
+        """Tokens from a sequence's start that a reader of its first ``num_tokens`` may
+        touch, so the chunks that ``ensure`` backs: ``num_tokens`` rounded up to a
+        :data:`READ_TILE_TOKENS` tile while an unbacked byte faults (a CUDA arena that
+        defers its zeros), else ``num_tokens`` (an unbacked byte reads zeros)."""
+        if num_tokens <= 0 or not self._unbacked_reads_fault():
+            return num_tokens
+        return min(-(-num_tokens // READ_TILE_TOKENS) * READ_TILE_TOKENS, self.max_tokens)
+
+    def _read_ends(self, tokens: np.ndarray) -> np.ndarray:
+        """:meth:`_read_end` of an int64 array (the same array when nothing rounds)."""
+        if not self._unbacked_reads_fault():
+            return tokens
+        tile = READ_TILE_TOKENS
+        return np.minimum(-(-tokens // tile) * tile, self.max_tokens)
+
     def _check_tokens(self, n: Any, op: str, name: str = "num_tokens", minimum: int = 0) -> int:
         n = as_index(n, f"{op}: {name}", minimum)
         if n > self.max_tokens:
@@ -108,7 +137,8 @@ class TokenBacking:
         with self._lock:
             if self._offloaded:
                 self._settle(q)
-            if num_tokens <= self._covered[q] and self._valid_gen[q] == self.arena._generation:
+            read_end = self._read_end(num_tokens)
+            if read_end <= self._covered[q] and self._valid_gen[q] == self.arena._generation:
                 if num_tokens > self._ensured[q]:
                     self._outlive_old_writes([q])
                     self._zero_stale_rows([(q, int(self._ensured[q]), num_tokens)])
@@ -137,7 +167,9 @@ class TokenBacking:
             for q in list(self._offloaded):
                 if tokens[q] > 0:
                     self._settle(q)
-            need = _core.ensure_need(tokens, self._covered, self._valid_gen, self.arena._generation)
+            need = _core.ensure_need(
+                self._read_ends(tokens), self._covered, self._valid_gen, self.arena._generation
+            )
             # The memory first, then the table (kernels may write what it admits); a failed
             # commit leaves both as they were.
             grown = np.flatnonzero(tokens > self._ensured).tolist() if self._old_work else []
@@ -188,7 +220,9 @@ class TokenBacking:
                 # Nothing known backed yet: a true statement for this generation, and what
                 # lets the worker count what it backs.
                 self._covered[q], self._valid_gen[q] = 0, self.arena._generation
-            self._ahead.schedule(q, self._covered_tokens(q, num_tokens), self._epoch[q])
+            self._ahead.schedule(
+                q, self._covered_tokens(q, self._read_end(num_tokens)), self._epoch[q]
+            )
 
     def is_backed(self, num_tokens: int, seq: int | None = None) -> bool:
         """Would ``ensure(num_tokens, seq)`` now return without a driver call (the chunks
@@ -225,7 +259,7 @@ class TokenBacking:
         earlier ensure backed (so ensuring them makes no call into the core)? Caller
         holds the lock."""
         gen = self.arena._generation
-        return (tokens <= self._covered[seqs]) & (self._valid_gen[seqs] == gen)
+        return (self._read_ends(tokens) <= self._covered[seqs]) & (self._valid_gen[seqs] == gen)
 
     def _ensure_point(self, asks: dict[int, int]) -> _EnsurePoint:
         """What :meth:`_roll_back` needs to undo ensures that succeed after this call (a
@@ -236,7 +270,7 @@ class TokenBacking:
         for q, tokens in asks.items():
             base = q * self.seq_bytes
             prefix = min(b.backed_prefix(base, base + self.seq_bytes) for b in self.buffers)
-            spans[q] = (prefix, tokens * self.token_bytes)
+            spans[q] = (prefix, self._read_end(tokens) * self.token_bytes)
         return _EnsurePoint(
             self._ensured.copy(), self._covered.copy(), self._valid_gen.copy(), spans
         )
@@ -412,20 +446,22 @@ class TokenBacking:
                 )
 
     def _commit_seqs(self, need: list[tuple[int, int]]) -> int:
-        """One all-or-nothing commit of tokens [0, n) for each (q, n); caller holds the lock."""
+        """One all-or-nothing commit of tokens [0, n) for each (q, n), and of what a reader
+        of them touches (:meth:`_read_end`); caller holds the lock."""
         self.arena._check_open("KVArena.ensure")
         gen = self.arena._generation
+        reads = [(q, n, self._read_end(n)) for q, n in need]
         ranges = [
             (b.id, lo, hi)
-            for q, n in need
-            for lo, hi in self._commit_ranges(q, n)
+            for q, _, r in reads
+            for lo, hi in self._commit_ranges(q, r)
             for b in self.buffers
         ]
         added = self.arena._commit(lambda: self.arena._handle.commit_ranges(ranges))
-        for q, n in need:
+        for q, n, r in reads:
             self._ensured[q] = max(self._ensured[q], n)  # the caller publishes the table
             self._covered[q] = max(
-                self._covered[q] if self._valid_gen[q] == gen else 0, self._covered_tokens(q, n)
+                self._covered[q] if self._valid_gen[q] == gen else 0, self._covered_tokens(q, r)
             )
             self._valid_gen[q] = gen
         return added
@@ -537,7 +573,7 @@ class TokenBacking:
             released = self.arena._handle.decommit_ranges(ranges, wait, bool(work))
             self._release_ends(work)
             if (reuse or keep) and self.commit_ahead_tokens:
-                want = self._covered_tokens(q, max(keep, 1))
+                want = self._covered_tokens(q, self._read_end(max(keep, 1)))
                 if self._covered[q] < want:
                     self._ahead.schedule(q, want, self._epoch[q])
             return released

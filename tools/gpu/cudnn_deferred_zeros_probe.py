@@ -12,9 +12,12 @@ only that one):
     python3 tools/gpu/cudnn_deferred_zeros_probe.py       # a GPU build with cuDNN
 
 geometries whose chunk holds 1024, 256 and 128 tokens (and one whose rows are not
-chunk-aligned), with lengths ending 1..255 tokens before and exactly at a chunk
-boundary, decode (S = 1) and S = 16 queries, nothing backed past `ensure(length)`
-(`commit_ahead_tokens=0`). Prints one line per case and a PROBE summary line.
+chunk-aligned), and the interleaved layout's 64, fewer than a tile (there only
+`ensure`'s rounding to READ_TILE_TOKENS, jax_vmm/kv/backing.py, keeps the last tile
+backed; `--one --untiled ...` runs a case without it), with lengths ending 1..255
+tokens before and exactly at a chunk boundary, decode (S = 1) and S = 16 queries,
+nothing backed past what `ensure(length)` backs (`commit_ahead_tokens=0`). Prints one
+line per case and a PROBE summary line.
 
 A control case first reads an unbacked byte of a layer raw (cupy, no view): with
 deferred zeros it must fault, with eager zeros it must read 0. Without it a clean probe
@@ -29,12 +32,21 @@ import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
-# (kv heads, head dim, max_tokens): chunk tokens 2 MiB / (heads x dim x 2 B).
-GEOMETRIES = ((8, 128, 4096), (32, 128, 4096), (64, 128, 4096), (8, 128, 1000), (4, 256, 3000))
+# (kv heads, head dim, max_tokens, layers): chunk tokens 2 MiB / token bytes, which are
+# heads x dim x 2 B per layer buffer, or 2 x layers x that in the interleaved layout
+# (layers > 1): 64 tokens per chunk, fewer than a cuDNN tile.
+GEOMETRIES = (
+    (8, 128, 4096, 1),
+    (32, 128, 4096, 1),
+    (64, 128, 4096, 1),
+    (8, 128, 1000, 1),
+    (4, 256, 3000, 1),
+    (8, 128, 4096, 8),
+)
 BEFORE_BOUNDARY = (255, 191, 100, 64, 1, 0)
 
 
-def one(heads: int, dim: int, max_tokens: int, before: int, queries: int) -> None:
+def one(heads: int, dim: int, max_tokens: int, before: int, queries: int, layers: int = 1) -> None:
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -43,14 +55,15 @@ def one(heads: int, dim: int, max_tokens: int, before: int, queries: int) -> Non
     from jax_vmm.ops.cudnn_attention import cudnn_attention_stats
 
     kv = jax_vmm.kv_arena(
-        num_layers=1,
+        num_layers=layers,
         num_kv_heads=heads,
         head_dim=dim,
         max_tokens=max_tokens,
         max_seqs=4,
         commit_ahead_tokens=0,
+        layout="per_layer" if layers == 1 else "interleaved",
     )
-    chunk_tokens = kv.arena.chunk_bytes // (heads * dim * 2)
+    chunk_tokens = kv.arena.chunk_bytes // kv.token_bytes
     target = max(chunk_tokens, queries + before)
     lengths = np.array(
         [min(max_tokens, target - before), min(max_tokens, 2 * target - before), 0, max_tokens],
@@ -136,7 +149,14 @@ def control_failure(
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--one":
-        one(*(int(x) for x in sys.argv[2:]))
+        args = sys.argv[2:]
+        if args and args[0] == "--untiled":  # the protection off: such a case must fault
+            from jax_vmm import testing
+
+            with testing.untiled_reads():
+                one(*(int(x) for x in args[1:]))
+            return
+        one(*(int(x) for x in args))
         return
     if len(sys.argv) > 1 and sys.argv[1] == "--control":
         control()
@@ -146,8 +166,8 @@ def main() -> None:
     print(f"control, eager zeros: rc={eager.returncode} {last_line(eager)}")
     print(f"control, deferred zeros (must fail): rc={deferred.returncode} {last_line(deferred)}")
     cases = [
-        (heads, dim, max_tokens, before, queries)
-        for heads, dim, max_tokens in GEOMETRIES
+        (heads, dim, max_tokens, before, queries, layers)
+        for heads, dim, max_tokens, layers in GEOMETRIES
         for before in BEFORE_BOUNDARY
         for queries in (1, 16)
     ]
@@ -155,12 +175,12 @@ def main() -> None:
     with ThreadPoolExecutor(4) as pool:
         runs = pool.map(lambda c: run_child(["--one", *map(str, c)], "1"), cases)
         bad = 0
-        for (heads, dim, max_tokens, before, queries), r in zip(cases, runs):
+        for (heads, dim, max_tokens, before, queries, layers), r in zip(cases, runs):
             failure = case_failure(r)
             bad += failure is not None
             status = failure or "ok"
             print(
-                f"H{heads} D{dim} T{max_tokens} before={before} S={queries}: "
+                f"H{heads} D{dim} T{max_tokens} L{layers} before={before} S={queries}: "
                 f"{status} {last_line(r)}",
                 flush=True,
             )
