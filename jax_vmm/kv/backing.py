@@ -36,8 +36,8 @@ from ..memory import host_wait
 # start and masks what lies past its length, so it touches up to the next multiple of a
 # tile. Where a chunk holds fewer tokens than that (the interleaved layout: 64 per 2 MiB
 # on the gpu preset), the last tile crosses into the next chunk, and while a CUDA arena
-# defers its zeros that chunk is unmapped: a read of it faults. Measured (H100/H200):
-# 128-token chunks never faulted, 64-token chunks did; tools/gpu/cudnn_deferred_zeros_probe.py.
+# defers its zeros that chunk is unmapped: a read of it faults. Probed on an H100
+# (tools/gpu/cudnn_deferred_zeros_probe.py): 64-token chunks faulted, 128 and 1024 never.
 READ_TILE_TOKENS = 128
 
 

@@ -465,6 +465,7 @@ class Generator:
         pause_every: int | None = None,
         pause: Callable[[], None] | None = None,
         shared_prefix: int = 0,
+        share: bool = True,
     ) -> RunReport:
         """Serves all requests with continuous batching; greedy on the device.
 
@@ -482,6 +483,10 @@ class Generator:
         slot (kv.share_prefix: the same memory, no copy of whole chunks), whose prefill
         then runs only the rest of its prompt, over the cache (attend_chunk); a next turn
         (follows) goes on in its parent's slot, so only first turns need the prefix.
+        share=False (with shared_prefix): the same prefills, the prefix's and then the
+        rest's, in each request's own slot and memory, nothing shared: the unshared run
+        whose tokens a shared one must equal bit for bit (a whole-prompt prefill rounds
+        differently from a prefix and a rest, in bfloat16 on a GPU).
 
         A run that raises midway (a commit past the memory budget, a failing pause(),
         KeyboardInterrupt) first waits for its dispatched calls and releases every slot,
@@ -502,7 +507,11 @@ class Generator:
             raise ValueError("pause_every and pause go together: give both or neither")
         prefix_tokens = self._check_shared_prefix(requests, shared_prefix)
         shared_prefix = int(shared_prefix)
-        if prefix_tokens is not None and pause_every is not None:
+        if not isinstance(share, (bool, np.bool_)):
+            raise TypeError(f"share must be True or False, got {share!r}")
+        if not share and not shared_prefix:
+            raise ValueError("share=False goes with shared_prefix=N (the prefix not to share)")
+        if prefix_tokens is not None and share and pause_every is not None:
             # A sleep refuses while memory is shared (docs/sharing.md), and the first pause
             # would come after work was dispatched.
             raise ValueError(
@@ -534,6 +543,7 @@ class Generator:
             pause=pause,
             shared_prefix=shared_prefix,
             prefix_tokens=prefix_tokens,
+            share=bool(share),
             ensure_blocks=ENSURE_BLOCKS,
             wait_slice=WAIT_SLICE,
         )

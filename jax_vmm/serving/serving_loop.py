@@ -96,6 +96,7 @@ class ServingLoop:
         pause: Callable[[], None] | None,
         shared_prefix: int,
         prefix_tokens: np.ndarray | None,
+        share: bool,
         ensure_blocks: int,
         wait_slice: float,
     ) -> None:
@@ -104,6 +105,8 @@ class ServingLoop:
         self.force_tokens, self.select_token = force_tokens, select_token
         self.pause_every, self.pause = pause_every, pause
         self.shared_prefix, self.prefix_tokens = shared_prefix, prefix_tokens
+        # share=False: the same prefills, each request's prefix in its own memory.
+        self.sharing = bool(shared_prefix) and share
         self.ensure_blocks, self.wait_slice = ensure_blocks, wait_slice
         self.block_steps = 1 if host_mode else generator.block  # decode steps per block call
         self.stops = () if host_mode else generator.stop_tokens
@@ -126,7 +129,7 @@ class ServingLoop:
         self.state = S.idle_state(batch)
         # The shared prefix: prefilled once into the last slot (one token asked, so the
         # slot stays idle), which then only lends its memory.
-        self.serving = batch - 1 if shared_prefix else batch
+        self.serving = batch - 1 if self.sharing else batch
         self.prefix_seq = batch - 1
 
     def timed(self, fn: Callable, *args, name: str | None = None) -> None:
@@ -138,7 +141,7 @@ class ServingLoop:
         self.calls[key] = (n_calls + 1, total + dt, max(longest, dt))
 
     def record(self, kind: str) -> None:
-        slots, shared_prefix = self.slots, self.shared_prefix
+        slots, shared_prefix = self.slots, self.shared_prefix if self.sharing else 0
         live = sum(s.cached_after(s.blocks, self.block_steps) for s in slots if s is not None)
         active = sum(s is not None for s in slots)
         # The prefix slot holds the prefix from its prefill to the end; every request
@@ -168,7 +171,7 @@ class ServingLoop:
         if slot.request.id in self.followed:
             self.turns[slot.request.id] = (seq, slot.context())
         elif (
-            not self.shared_prefix
+            not self.sharing
             and self.generator.keep_slot_memory
             # next turns run in their parent's slot: only first turns take a free one
             and sum(r.follows is None for r in self.queue) > sum(s is None for s in slots)
@@ -274,7 +277,7 @@ class ServingLoop:
                     lambda: cache.release(seq, keep_tokens=len(req.prompt)),
                     name="release(keep_tokens)",
                 )
-            if not (self.shared_prefix and not prefix):  # a slot shared into holds nothing
+            if not (self.sharing and not prefix):  # a slot shared into holds nothing
                 self.timed(cache.prefetch, seq, len(prefix) + len(req.prompt))
         for seq, req, prefix in taken:
             self.wait_for_memory(seq)
@@ -289,13 +292,16 @@ class ServingLoop:
             start = len(prefix) - 1
             new = prefix[start:] + tuple(int(t) for t in req.prompt)
         elif shared_prefix:
-            self.timed(cache.share_prefix, self.prefix_seq, seq, shared_prefix)
+            if self.sharing:
+                self.timed(cache.share_prefix, self.prefix_seq, seq, shared_prefix)
             start, new = shared_prefix, req.prompt[shared_prefix:]
         else:
             start, new = 0, req.prompt
         self.timed(cache.ensure, seq, slot.prompt_len)
         slot.ensured = slot.prompt_len
         self.slots[seq] = slot
+        if shared_prefix and not prefix and not self.sharing:
+            self.prefill_prefix(seq)  # the prefix slot's prefill, in this slot's memory
         logits, first, self.state, dispatched = self.generator._prefill(
             self.state, self.stops, seq, np.asarray(new, np.int32), start, req.max_new_tokens
         )
@@ -305,15 +311,20 @@ class ServingLoop:
         self.pending.append(_Read(cols, first, logits if self.want_logits else None))
         self.record("prefill")
 
+    def prefill_prefix(self, seq: int) -> None:
+        """The shared prefix's prefill into slot ``seq`` (one token asked: the slot's
+        request, if any, is started by the prefill of the rest that follows)."""
+        _, _, self.state, dispatched = self.generator._prefill(
+            self.state, self.stops, seq, self.prefix_tokens, 0, 1
+        )
+        self.counts["prefills"] += dispatched
+
     def serve_all(self) -> None:
         cache, slots, pending, counts = self.cache, self.slots, self.pending, self.counts
         host_mode, n, batch = self.host_mode, self.block_steps, self.batch
-        if self.shared_prefix:
+        if self.sharing:
             self.timed(cache.ensure_shareable, self.prefix_seq, self.shared_prefix)
-            _, _, self.state, dispatched = self.generator._prefill(
-                self.state, self.stops, self.prefix_seq, self.prefix_tokens, 0, 1
-            )
-            counts["prefills"] += dispatched
+            self.prefill_prefix(self.prefix_seq)
             self.record("prefill")
         while self.queue or any(slots) or pending:
             self.admit_free_slots()  # continuous batching: free slots take requests
@@ -360,7 +371,7 @@ class ServingLoop:
                 counts["pauses"] += 1
         for seq in sorted(self.held):  # no request took it after all
             self.timed(cache.release, seq)
-        if self.shared_prefix:
+        if self.sharing:
             self.timed(cache.release, self.prefix_seq)
 
     def in_flight(self) -> list:

@@ -81,6 +81,33 @@ def test_shared_prefix_serving_generates_the_unshared_tokens(name, chunk, layout
     assert stats["backed_bytes"] == stats["parked_bytes"] == 0 and not stats["sharing_seqs"]
 
 
+@pytest.mark.parametrize("layout", ["per_layer", "interleaved"])
+def test_shared_prefix_serving_is_bit_equal_to_the_same_prefills_unshared(layout, cpu_device):
+    """share=False (decode.py's reference): the prefix's prefill and then the rest's in each
+    request's own slot, nothing shared. Only the sharing differs from a shared run, so
+    the tokens and the logits are the same bits, on any device and dtype (a whole-prompt
+    prefill rounds differently)."""
+    reqs = _requests()
+    kw = dict(device=cpu_device, cfg=CONFIGS["gemma2"], record_logits=True, kv_layout=layout)
+    shared, _ = _serve(reqs, batch=4, shared_prefix=PREFIX, **kw)
+    alone, stats = _serve(reqs, batch=3, shared_prefix=PREFIX, share=False, **kw)
+    for r, a, b in zip(reqs, alone.results, shared.results, strict=True):
+        assert b.tokens == a.tokens, f"request {r.id}"
+        np.testing.assert_array_equal(np.stack(b.logits), np.stack(a.logits))
+    assert alone.prefills == 2 * len(reqs)  # each request's prefix, then its rest
+    assert stats["chunks_shared"] == 0
+    # Each request held its own prefix: counted at every slot, as live tokens are.
+    assert all(r.held_bytes == r.live_bytes for r in alone.trace)
+    assert stats["backed_bytes"] == stats["parked_bytes"] == 0
+
+
+def test_share_false_needs_a_shared_prefix_and_a_bool(cpu_device) -> None:
+    with pytest.raises(ValueError, match="share=False goes with shared_prefix"):
+        _serve(_requests(), batch=3, device=cpu_device, share=False)
+    with pytest.raises(TypeError, match="share must be True or False"):
+        _serve(_requests(), batch=3, device=cpu_device, shared_prefix=PREFIX, share="no")
+
+
 def test_a_next_turn_goes_on_after_a_shared_prefix(cpu_device) -> None:
     """A conversation's next turn (follows) after a first turn that shares the prefix:
     it goes on in its parent's slot, the shared prefix included, and generates what it

@@ -59,12 +59,11 @@ def test_cudnn_reads_nothing_past_the_ensured_chunks(cudnn_gpu, geometry, before
     assert failure is None, f"{failure}\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
 
 
-@pytest.mark.parametrize("queries", [1, 16], ids=lambda s: f"S{s}")
-def test_without_the_read_tile_the_interleaved_case_faults(cudnn_gpu, queries) -> None:
+def test_without_the_read_tile_the_interleaved_case_faults(cudnn_gpu) -> None:
     """The test above would catch the defect: with ensure backing only the asked tokens'
     chunks (testing.untiled_reads), cuDNN's last tile of a 64-token-chunk row crosses into
-    an unmapped chunk."""
-    r = probe_case("L8", 0, queries, untiled=True)
+    an unmapped chunk. (Decode, S = 1, read no further than 64 tokens on an H100.)"""
+    r = probe_case("L8", 0, 16, untiled=True)
     out = r.stdout + r.stderr
     assert r.returncode != 0 and "illegal" in out.lower(), (
         f"expected an illegal-address fault (rc {r.returncode}):\n{out[-3000:]}"
