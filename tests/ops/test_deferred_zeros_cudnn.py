@@ -2,7 +2,7 @@
 an unbacked byte is then unmapped, so a read past the chunks that back a sequence's
 ensured tokens faults. Each case is a child of tools/gpu/cudnn_deferred_zeros_probe.py (a
 fault ends only it); the control shows that such a read does fault, so a clean case means
-cuDNN made none. The full probe (60 cases) is `run.sh probe:deferred_zeros`."""
+cuDNN made none. The full probe (72 cases) is `run.sh probe:deferred_zeros`."""
 
 from __future__ import annotations
 
