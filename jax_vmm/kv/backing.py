@@ -47,21 +47,20 @@ class TokenBacking:
         until its first view (docs/design.md "Zero reads"); the host's reads zeros."""
         return not self.arena._handle.unbacked_reads_zero
 
-    def _read_end(self, num_tokens: int) -> int:
-        """Tokens from a sequence's start that a reader of its first ``num_tokens`` may
-        touch, so the chunks that ``ensure`` backs: ``num_tokens`` rounded up to a
-        :data:`READ_TILE_TOKENS` tile while an unbacked byte faults (a CUDA arena that
-        defers its zeros), else ``num_tokens`` (an unbacked byte reads zeros)."""
-        if num_tokens <= 0 or not self._unbacked_reads_fault():
-            return num_tokens
-        return min(-(-num_tokens // READ_TILE_TOKENS) * READ_TILE_TOKENS, self.max_tokens)
-
     def _read_ends(self, tokens: np.ndarray) -> np.ndarray:
-        """:meth:`_read_end` of an int64 array (the same array when nothing rounds)."""
+        """Per sequence, the tokens from its start that a reader of its first ``tokens``
+        may touch, so the chunks that ``ensure`` backs: ``tokens`` rounded up to a
+        :data:`READ_TILE_TOKENS` tile (at most ``max_tokens``) while an unbacked byte
+        faults (a CUDA arena that defers its zeros), else ``tokens`` itself (an unbacked
+        byte reads zeros)."""
         if not self._unbacked_reads_fault():
             return tokens
         tile = READ_TILE_TOKENS
         return np.minimum(-(-tokens // tile) * tile, self.max_tokens)
+
+    def _read_end(self, num_tokens: int) -> int:
+        """:meth:`_read_ends` of one sequence's token count."""
+        return int(self._read_ends(num_tokens))
 
     def _check_tokens(self, n: Any, op: str, name: str = "num_tokens", minimum: int = 0) -> int:
         n = as_index(n, f"{op}: {name}", minimum)
