@@ -467,7 +467,7 @@ def limits_ignored() -> Iterator[None]:
 def untiled_reads() -> Iterator[None]:
     """Inside the with-block ``ensure`` backs only the chunks of the tokens it is asked
     for, not up to the end of the tile a reader rounds them to (``READ_TILE_TOKENS``,
-    jax_vmm/kv/backing.py): with zeros deferred on CUDA, cuDNN's last key/value tile can
+    jax_vmm/kv/backing.py): on a CUDA arena without a view, cuDNN's last key/value tile can
     then cross into an unmapped chunk and fault."""
     previous = _backing.READ_TILE_TOKENS
     _backing.READ_TILE_TOKENS = 1

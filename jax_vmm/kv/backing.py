@@ -35,25 +35,30 @@ from ..memory import host_wait
 # cuDNN's attention reads keys and values in whole tiles counted from each sequence's
 # start and masks what lies past its length, so it touches up to the next multiple of a
 # tile. Where a chunk holds fewer tokens than that (the interleaved layout: 64 per 2 MiB
-# on the gpu preset), the last tile crosses into the next chunk, and while a CUDA arena
-# defers its zeros that chunk is unmapped: a read of it faults. Probed on an H100
-# (tools/gpu/cudnn_deferred_zeros_probe.py): 64-token chunks faulted, 128 and 1024 never.
+# on the gpu preset), the last tile crosses into the next chunk. On a CUDA arena that
+# chunk is unsafe to read until the arena hands out a view: with zeros deferred it is
+# unmapped (a read faults; probed on an H100 by tools/gpu/cudnn_deferred_zeros_probe.py:
+# 64-token chunks faulted, 128 and 1024 never), and with eager zeros a commit swaps its
+# zero piece for memory without waiting for the device (only a view makes commits wait),
+# so a read in flight could meet the address unmapped mid-swap.
 READ_TILE_TOKENS = 128
 
 
 class TokenBacking:
-    def _unbacked_reads_fault(self) -> bool:
-        """Whether a read of an unbacked byte faults: a CUDA arena that defers its zeros
-        until its first view (docs/design.md "Zero reads"); the host's reads zeros."""
-        return not self.arena._handle.unbacked_reads_zero
+    def _tile_tail_unsafe(self) -> bool:
+        """Whether a read past a sequence's backed chunks may fault: a CUDA arena that
+        has not handed out a view (zeros deferred, or eager zeros that a view-free commit
+        swaps without a device wait; docs/design.md "Zero reads"). The host's unbacked
+        pages read zeros and its commits swap them atomically."""
+        handle = self.arena._handle
+        return handle.driver_kind == "cuda" and not handle.views_exported
 
     def _read_ends(self, tokens: np.ndarray) -> np.ndarray:
         """Per sequence, the tokens from its start that a reader of its first ``tokens``
         may touch, so the chunks that ``ensure`` backs: ``tokens`` rounded up to a
-        :data:`READ_TILE_TOKENS` tile (at most ``max_tokens``) while an unbacked byte
-        faults (a CUDA arena that defers its zeros), else ``tokens`` itself (an unbacked
-        byte reads zeros)."""
-        if not self._unbacked_reads_fault():
+        :data:`READ_TILE_TOKENS` tile (at most ``max_tokens``) while such a read may fault
+        (:meth:`_tile_tail_unsafe`), else ``tokens`` itself."""
+        if not self._tile_tail_unsafe():
             return tokens
         tile = READ_TILE_TOKENS
         return np.minimum(-(-tokens // tile) * tile, self.max_tokens)

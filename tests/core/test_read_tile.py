@@ -1,8 +1,9 @@
 """What ``ensure`` backs for a reader that reads whole tiles (jax_vmm/kv/backing.py,
-``READ_TILE_TOKENS``): while an unbacked byte faults (a CUDA arena deferring its zeros),
-the chunks up to the end of the tile that holds a sequence's last token, so cuDNN's last
-key/value tile never reads an unmapped chunk; where unbacked bytes read zeros (the host,
-eager zeros), only the asked tokens' chunks.
+``READ_TILE_TOKENS``): on a CUDA arena that has handed out no view, the chunks up to the
+end of the tile that holds a sequence's last token, so cuDNN's last key/value tile never
+reads an unmapped chunk (zeros deferred) or a zero piece that a commit is swapping
+without a device wait (eager zeros); on the host, and after a view (commits then wait
+for the device), only the asked tokens' chunks.
 
 The interleaved layout here holds 32 tokens per chunk on every device, so a 128-token
 tile spans four chunks. On the host, unbacked reads never fault; the tests that pin the
@@ -43,8 +44,8 @@ def interleaved_kv(vm, **kw) -> jax_vmm.KVArena:
 
 
 def faulting(kv: jax_vmm.KVArena, monkeypatch) -> None:
-    """Make ``kv`` behave as a CUDA arena deferring its zeros (where it is not one)."""
-    monkeypatch.setattr(kv, "_unbacked_reads_fault", lambda: True)
+    """Make ``kv`` behave as a CUDA arena without a view (where it is not one)."""
+    monkeypatch.setattr(kv, "_tile_tail_unsafe", lambda: True)
 
 
 def tokens_backed(vm, kv: jax_vmm.KVArena, per_seq: list[int]) -> None:
@@ -57,16 +58,17 @@ def tokens_backed(vm, kv: jax_vmm.KVArena, per_seq: list[int]) -> None:
     assert [kv.backed_tokens(q) for q in range(len(per_seq))] == per_seq
 
 
-def test_ensure_backs_the_whole_tile_where_unbacked_reads_fault(vm) -> None:
-    """The natural call on the real arena of each device, zeros deferred: a GPU arena
-    backs the tile, the host (which reads zeros there) only the asked tokens' chunks."""
-    with eager_zeros(False):
+@pytest.mark.parametrize("eager", [False, True], ids=["deferred_zeros", "eager_zeros"])
+def test_ensure_backs_the_whole_tile_on_a_gpu(vm, eager: bool) -> None:
+    """The natural call on the real arena of each device: a GPU arena backs the tile,
+    zeros deferred or not; the host (which reads zeros there) only the asked tokens'
+    chunks."""
+    with eager_zeros(eager):
         kv = interleaved_kv(vm)
-    deferred = unbacked_kind(kv.arena) == "hole"
-    assert deferred == (not vm.is_host)
+    assert unbacked_kind(kv.arena) == ("hole" if not (eager or vm.is_host) else "zero")
     kv.ensure(5, seq=0)
     kv.ensure(PER_CHUNK + 1, seq=1)
-    if deferred:
+    if not vm.is_host:
         tokens_backed(vm, kv, [TILE, TILE])
     else:
         tokens_backed(vm, kv, [PER_CHUNK, 2 * PER_CHUNK])
@@ -74,11 +76,14 @@ def test_ensure_backs_the_whole_tile_where_unbacked_reads_fault(vm) -> None:
     assert kv._ensured.tolist() == [5, PER_CHUNK + 1]
 
 
-def test_a_view_turns_zeros_on_and_the_rounding_off(vm) -> None:
-    with eager_zeros(False):
+@pytest.mark.parametrize("eager", [False, True], ids=["deferred_zeros", "eager_zeros"])
+def test_a_view_turns_the_rounding_off(vm, eager: bool) -> None:
+    """After a view, unbacked bytes read zeros and commits wait for the device."""
+    with eager_zeros(eager):
         kv = interleaved_kv(vm)
     view = kv.buffers[0].view((kv.buffers[0].nbytes,), "uint8")
     assert unbacked_kind(kv.arena) == "zero"  # the first view mapped zeros under every hole
+    assert kv.arena.stats()["views_exported"]
     del view
     kv.ensure(5, seq=0)
     tokens_backed(vm, kv, [PER_CHUNK, 0])
