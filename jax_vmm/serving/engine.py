@@ -483,10 +483,10 @@ class Generator:
         slot (kv.share_prefix: the same memory, no copy of whole chunks), whose prefill
         then runs only the rest of its prompt, over the cache (attend_chunk); a next turn
         (follows) goes on in its parent's slot, so only first turns need the prefix.
-        share=False (with shared_prefix): the same prefills, the prefix's and then the
-        rest's, in each request's own slot and memory, nothing shared: the unshared run
-        whose tokens a shared one must equal bit for bit (a whole-prompt prefill rounds
-        differently from a prefix and a rest, in bfloat16 on a GPU).
+        share=False (with shared_prefix): the same schedule and prefills (the prefix into
+        the last slot, and into each request's own slot before the rest), nothing shared:
+        the unshared run whose tokens a shared one must equal bit for bit (a whole-prompt
+        prefill rounds differently from a prefix and a rest, in bfloat16 on a GPU).
 
         A run that raises midway (a commit past the memory budget, a failing pause(),
         KeyboardInterrupt) first waits for its dispatched calls and releases every slot,

@@ -128,8 +128,10 @@ class ServingLoop:
         self.calls: dict[str, tuple[int, float, float]] = {}
         self.state = S.idle_state(batch)
         # The shared prefix: prefilled once into the last slot (one token asked, so the
-        # slot stays idle), which then only lends its memory.
-        self.serving = batch - 1 if self.sharing else batch
+        # slot stays idle), which then only lends its memory. share=False keeps that slot
+        # too, so that both runs serve the same requests side by side in every step and
+        # only the memory under each request's prefix differs.
+        self.serving = batch - 1 if shared_prefix else batch
         self.prefix_seq = batch - 1
 
     def timed(self, fn: Callable, *args, name: str | None = None) -> None:
@@ -322,8 +324,9 @@ class ServingLoop:
     def serve_all(self) -> None:
         cache, slots, pending, counts = self.cache, self.slots, self.pending, self.counts
         host_mode, n, batch = self.host_mode, self.block_steps, self.batch
-        if self.sharing:
-            self.timed(cache.ensure_shareable, self.prefix_seq, self.shared_prefix)
+        if self.shared_prefix:
+            ensure = cache.ensure_shareable if self.sharing else cache.ensure
+            self.timed(ensure, self.prefix_seq, self.shared_prefix)
             self.prefill_prefix(self.prefix_seq)
             self.record("prefill")
         while self.queue or any(slots) or pending:
@@ -371,7 +374,7 @@ class ServingLoop:
                 counts["pauses"] += 1
         for seq in sorted(self.held):  # no request took it after all
             self.timed(cache.release, seq)
-        if self.sharing:
+        if self.shared_prefix:
             self.timed(cache.release, self.prefix_seq)
 
     def in_flight(self) -> list:

@@ -89,3 +89,19 @@ class EngineSleeper:
 def same_tokens(a: RunReport, b: RunReport) -> list[int]:
     """Ids of the requests whose tokens differ between two runs (empty: the same)."""
     return [x.id for x, y in zip(a.results, b.results, strict=True) if x.tokens != y.tokens]
+
+
+def divergences(a: RunReport, b: RunReport, ids: list[int]) -> list[dict[str, int]]:
+    """For each request of ``ids``: the index of its first token that differs between the
+    two runs, and how many tokens it has in each (a flip at token 0 points at the
+    prefill, a late one at rounding that grew over the decode)."""
+    by_id = {x.id: (x, y) for x, y in zip(a.results, b.results, strict=True)}
+    out = []
+    for i in ids:
+        x, y = by_id[i]
+        first = next(
+            (k for k, (s, t) in enumerate(zip(x.tokens, y.tokens)) if s != t),
+            min(len(x.tokens), len(y.tokens)),
+        )
+        out.append(dict(request=i, first=first, tokens=len(x.tokens), other=len(y.tokens)))
+    return out

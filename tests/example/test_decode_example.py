@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import sys
 from pathlib import Path
 
@@ -621,8 +622,15 @@ def test_decode_cli_shared_prefix_check_fails_on_any_difference(
     summary = decode.main(argv)
     assert summary["shared_prefix"]["generation_unchanged"] is True
     monkeypatch.setattr(decode, "same_tokens", lambda a, b: [1])
-    with pytest.raises(SystemExit, match=r"generation changed across sharing the prefix"):
+    (tmp_path / "summary.json").unlink()
+    with pytest.raises(SystemExit, match=r"generation changed across sharing the prefix") as e:
         decode.main(argv)
+    assert "(1 of 3 requests: [1]; sharing: first differing token request 1 at" in str(e.value)
+    # The record of the failed run is kept: where each named request's tokens part.
+    record = json.loads((tmp_path / "summary.json").read_text())["shared_prefix"]
+    assert record["generation_unchanged"] is False
+    [parted] = record["differing_requests"]
+    assert parted["request"] == 1 and parted["first"] == parted["tokens"] == parted["other"]
 
 
 def test_decode_cli_refuses_an_out_whose_summary_is_a_directory(tmp_path: Path) -> None:

@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import jax
 import numpy as np
 import pytest
@@ -14,6 +16,7 @@ import jax_vmm
 from jax_vmm.serving import engine as E
 from jax_vmm.serving import model as M
 from jax_vmm.serving.cache import make_cache
+from jax_vmm.serving.sleep_wake import divergences, same_tokens
 
 SMALL, GEMMA_LIKE, CONFIGS = serving.SMALL, serving.GEMMA_LIKE, serving.CONFIGS
 PREFIX = 40  # 128 bytes per token and buffer: one whole 4 KiB chunk shared, 8 tokens copied
@@ -83,22 +86,43 @@ def test_shared_prefix_serving_generates_the_unshared_tokens(name, chunk, layout
 
 @pytest.mark.parametrize("layout", ["per_layer", "interleaved"])
 def test_shared_prefix_serving_is_bit_equal_to_the_same_prefills_unshared(layout, cpu_device):
-    """share=False (decode.py's reference): the prefix's prefill and then the rest's in each
-    request's own slot, nothing shared. Only the sharing differs from a shared run, so
-    the tokens and the logits are the same bits, on any device and dtype (a whole-prompt
-    prefill rounds differently)."""
+    """share=False (decode.py's reference): the same schedule (the prefix slot too) and
+    the prefix's prefill and then the rest's in each request's own slot, nothing shared.
+    Only the memory under the prefix differs from a shared run, so the tokens and the
+    logits are the same bits (a whole-prompt prefill rounds differently)."""
     reqs = _requests()
     kw = dict(device=cpu_device, cfg=CONFIGS["gemma2"], record_logits=True, kv_layout=layout)
     shared, _ = _serve(reqs, batch=4, shared_prefix=PREFIX, **kw)
-    alone, stats = _serve(reqs, batch=3, shared_prefix=PREFIX, share=False, **kw)
+    alone, stats = _serve(reqs, batch=4, shared_prefix=PREFIX, share=False, **kw)
     for r, a, b in zip(reqs, alone.results, shared.results, strict=True):
         assert b.tokens == a.tokens, f"request {r.id}"
         np.testing.assert_array_equal(np.stack(b.logits), np.stack(a.logits))
-    assert alone.prefills == 2 * len(reqs)  # each request's prefix, then its rest
+    # The prefix slot's prefill, then each request's prefix and its rest.
+    assert alone.prefills == 1 + 2 * len(reqs)
+    # Every step ran the same requests side by side: the prefix slot serves no request.
+    assert [(t.kind, t.active) for t in alone.trace] == [(t.kind, t.active) for t in shared.trace]
     assert stats["chunks_shared"] == 0
     # Each request held its own prefix: counted at every slot, as live tokens are.
     assert all(r.held_bytes == r.live_bytes for r in alone.trace)
     assert stats["backed_bytes"] == stats["parked_bytes"] == 0
+
+
+def test_divergences_name_each_requests_first_differing_token() -> None:
+    """What decode.py's sharing check reports: a flip at token 0 (the prefill) reads
+    differently from a late one, and a run that stopped sooner differs at its end."""
+
+    def run(*tokens: list[int]) -> SimpleNamespace:
+        return SimpleNamespace(
+            results=[SimpleNamespace(id=i, tokens=t) for i, t in enumerate(tokens)]
+        )
+
+    a, b = run([1, 2, 3], [4, 5], [7], [8, 9]), run([1, 9, 3], [4, 5, 6], [7], [0, 9])
+    assert same_tokens(a, b) == [0, 1, 3]
+    assert divergences(a, b, [0, 1, 3]) == [
+        dict(request=0, first=1, tokens=3, other=3),
+        dict(request=1, first=2, tokens=2, other=3),
+        dict(request=3, first=0, tokens=2, other=2),
+    ]
 
 
 def test_share_false_needs_a_shared_prefix_and_a_bool(cpu_device) -> None:

@@ -39,7 +39,7 @@ from .._optional import require
 from ..attention import ATTENTION_CHOICES, FP8_HEAD_DIMS, choose_attention, chunk_attention
 from ..cache import BACKENDS, KV_DTYPES, commit_lead_tokens, make_cache
 from ..report import matplotlib_missing, plot_memory
-from ..sleep_wake import EngineSleeper, same_tokens
+from ..sleep_wake import EngineSleeper, divergences, same_tokens
 from ..summary import counters_since, print_summary, summarize, write_name
 from ..take_turns import TakeTurns, budget_summary
 
@@ -525,9 +525,10 @@ def _serve(args: argparse.Namespace) -> dict:
             lo, hi = serving["prompt_len"]  # the prompts served: the prefix and the rest
             n = args.shared_prefix
             summary["serving"] = dict(serving, prompt_len=(lo + n, hi + n), shared_prefix=n)
-            # The same prefills (the prefix, then the rest over the cache) without the
-            # sharing, so only the sharing differs: a whole-prompt prefill rounds
-            # differently (bfloat16 on a GPU), and greedy tokens of a run this long flip.
+            # The same schedule and prefills (the prefix, then the rest over the cache)
+            # without the sharing, so only the memory under the prefix differs: a
+            # whole-prompt prefill rounds differently (bfloat16 on a GPU), and greedy
+            # tokens of a run this long flip.
             unshared = gen.run(requests, shared_prefix=n, share=False)
             differ = same_tokens(report, unshared)
             # issue 32's measure: the backed peak against the peak of the tokens cached, the
@@ -543,6 +544,7 @@ def _serve(args: argparse.Namespace) -> dict:
                 memory_ratio=peak_backed / max(peak_held, 1),
                 unshared_peak_backed_bytes=max(s.backed_bytes for s in unshared.trace),
                 generation_unchanged=not differ,
+                differing_requests=divergences(report, unshared, differ),
             )
         if sleeper is not None:
             pause = sleeper.pause
@@ -570,18 +572,27 @@ def _serve(args: argparse.Namespace) -> dict:
         cache.close()
 
     print_summary(summary)
+    try:  # written before a failed check too: its record says where the runs parted
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "summary.json").write_text(json.dumps(summary, indent=2))
+    except OSError as e:  # removed or made read-only while the run went on
+        raise SystemExit(f"decode.py: --out {args.out}: cannot write summary.json ({e})") from None
     if differ:
         what = " and ".join(
             w
             for w, on in (("sharing the prefix", args.shared_prefix), ("sleep/wake", sleeper))
             if on
         )
-        raise SystemExit(f"decode.py: generation changed across {what} (requests {differ[:10]})")
-    try:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "summary.json").write_text(json.dumps(summary, indent=2))
-    except OSError as e:  # removed or made read-only while the run went on
-        raise SystemExit(f"decode.py: --out {args.out}: cannot write summary.json ({e})") from None
+        where = ""
+        if args.shared_prefix and summary["shared_prefix"]["differing_requests"]:
+            parted = summary["shared_prefix"]["differing_requests"]
+            where = "; sharing: first differing token " + ", ".join(
+                f"request {d['request']} at {d['first']} of {d['tokens']}" for d in parted[:5]
+            )
+        raise SystemExit(
+            f"decode.py: generation changed across {what} ({len(differ)} of "
+            f"{len(requests)} requests: {differ[:10]}{where}; summary.json has the details)"
+        )
     missing = None if args.no_plot else matplotlib_missing()
     if missing:
         print(missing)
