@@ -8,6 +8,9 @@ other row is unaffected.
 On the CPU: the split-K handler and the streaming kernel's emulation; on a GPU (params
 marked gpu): every split-K kernel, the streaming kernels, and the route ``jax_vmm.attention``
 takes over an arena layer (cuDNN where the build has it).
+
+The other way round: NaN or inf in the tokens past a sequence's length (stale or fresh
+bytes of memory backed but not written for it) never reaches the output.
 """
 
 from __future__ import annotations
@@ -108,6 +111,45 @@ def test_attention_over_an_arena_layer_gives_nan_rows(vm, S):
     out = jax.jit(lambda c, q, n: jax_vmm.attention(q, c, n))(layer, q, n)
     kv.check(out)
     check(out, reference_attention(q, k, v, n), S, None, "jax_vmm.attention over an arena layer")
+
+
+@pytest.mark.parametrize("garbage", ["nan", "inf"])
+@pytest.mark.parametrize("S", [1, 3])
+def test_keys_and_values_past_the_lengths_never_reach_the_output(vm, S, garbage):
+    """Every token past each length holds NaN (or +inf keys and -inf values), in arrays
+    and in an arena layer whose sequences are ensured to the end, so the bytes are
+    backed and readable: cuDNN's route reads whole 128-token tiles and masks what lies
+    past a length (a masked score times a NaN value would still be NaN); the kernels
+    stop at the length. The output equals the reference over the clean tokens."""
+    dev = vm.device
+    rng = np.random.default_rng(3)
+    q, k, v = (rng.standard_normal(shape).astype(np.float32) for shape in
+               [(B, S, HQ, D), (B, T, HKV, D), (B, T, HKV, D)])  # fmt: skip
+    k_bad, v_bad = k.copy(), v.copy()
+    for b, n in enumerate(LENGTHS):
+        k_bad[b, n:], v_bad[b, n:] = (np.nan, np.nan) if garbage == "nan" else (np.inf, -np.inf)
+    q, k, v, k_bad, v_bad = (
+        jax.device_put(jnp.asarray(x, BF16), dev) for x in (q, k, v, k_bad, v_bad)
+    )
+    n = jax.device_put(jnp.asarray(LENGTHS), dev)
+    want = np.asarray(reference_attention(q, k, v, n).astype(F32))
+    assert (want[1] == 0).all() and np.isfinite(want).all()
+
+    kv = vm.kv(num_layers=1, num_kv_heads=HKV, head_dim=D, max_tokens=T, max_seqs=B, dtype=BF16)
+    for b in range(B):
+        kv.ensure(T, b)
+    slots = jax.device_put(jnp.arange(B * T, dtype=jnp.int32), dev)
+    flat = [x.reshape(B * T, HKV, D) for x in (k_bad, v_bad)]
+    layer = jax_vmm.kv_write(kv.cache()[0], *flat, slots)
+    over_layer = jax.jit(lambda c, q, n: jax_vmm.attention(q, c, n))(layer, q, n)
+    kv.check(over_layer)
+    for out, what in [
+        (over_layer, "an arena layer"),
+        (jax_vmm.attention(q, k_bad, v_bad, n), "arrays"),
+    ]:
+        got = np.asarray(out.astype(F32))
+        assert np.isfinite(got).all(), f"{garbage} past the lengths reached the output ({what})"
+        np.testing.assert_allclose(got, want, rtol=3e-2, atol=3e-2, err_msg=what)
 
 
 def test_reference_attention_gives_nan_rows(cpu_device):

@@ -254,6 +254,31 @@ def test_unwritten_rows_are_zeros_in_a_nan_buffer(gpu, S):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("S", [1, 16])
+@pytest.mark.parametrize("garbage", ["nan", "inf"])
+def test_keys_and_values_past_the_lengths_do_not_reach_the_output(gpu, S, garbage):
+    """cuDNN reads keys and values in 128-token tiles and masks what lies past a
+    sequence's length (over an arena layer: memory backed for the tile but never written
+    for this sequence, so stale or fresh bytes). Every row past the lengths here holds NaN
+    or +-inf in K and V; the output must equal the reference over the tokens alone. A
+    masked score times a NaN value would be NaN: a silent wrong result for a sequence
+    whose tile's tail holds such bytes."""
+    B, T, Hq, Hkv, D = 4, 256, 8, 2, 128
+    rng = np.random.default_rng(23)
+    q, k, v = _data(rng, B, S, T, Hq, Hkv, D, BF16, gpu)
+    n = np.array([1, 63, 100, 130], np.int32)  # none a multiple of the tile
+    fill = {"nan": (np.nan, np.nan), "inf": (np.inf, -np.inf)}[garbage]
+    k_host, v_host = (np.asarray(x.astype(jnp.float32)) for x in (k, v))
+    for b, L in enumerate(n):
+        k_host[b, L:], v_host[b, L:] = fill
+    k_bad, v_bad = (jax.device_put(jnp.asarray(x).astype(BF16), gpu) for x in (k_host, v_host))
+    ql = np.minimum(n, S).astype(np.int32)
+    want = reference(q, k, v, n, ql)  # the clean arrays: rows past n are never read
+    got = ca.cudnn_attention(q, k_bad, v_bad, jnp.asarray(n), q_lengths=jnp.asarray(ql))
+    _check(got, want, BF16, f"{garbage} past the lengths, S={S}")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("D", [64, 128, 256])
 @pytest.mark.parametrize("option", [{}, {"window": 48}, {"softcap": 20.0}])
 def test_decode_graph_writes_zeros_for_empty_sequences(gpu, D, option):
