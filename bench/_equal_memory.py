@@ -23,6 +23,7 @@ from typing import Any
 
 import jax
 
+from jax_vmm.kv.backing import READ_TILE_TOKENS
 from jax_vmm.serving import engine as E
 from jax_vmm.serving import model as M
 from jax_vmm.serving.attention import choose_attention
@@ -72,17 +73,28 @@ def schedule(requests: list[E.Request], batch: int, block: int):
 
 
 def simulated_peak(
-    requests: list[E.Request], batch: int, block: int, chunk: int, ahead: int
+    requests: list[E.Request],
+    batch: int,
+    block: int,
+    chunk: int,
+    ahead: int,
+    read_tile: int = 1,
+    max_tokens: int | None = None,
 ) -> int:
     """Peak tokens backed (chunk-rounded, per sequence) under the engine's schedule: each
-    block ensures what it can write; commit ahead backs the next chunk once a sequence is
-    within `ahead` tokens of its backed end."""
+    block ensures what it can write, rounded up to ``read_tile`` tokens (at most
+    ``max_tokens``) where ``ensure`` backs cuDNN's whole tile (a GPU arena without a view:
+    jax_vmm/kv/backing.py); commit ahead backs the next chunk once a sequence is within
+    `ahead` tokens of its backed end."""
     peak = 0
     for occupied in schedule(requests, batch, block):
         backed = 0
         for req, blocks in occupied:
             need = len(req.prompt) + min((blocks + 1) * block, req.max_new_tokens - 1)
-            covered = -(-need // chunk) * chunk
+            read = -(-need // read_tile) * read_tile
+            if max_tokens is not None:
+                read = min(read, max_tokens)
+            covered = -(-read // chunk) * chunk
             if covered - need <= ahead and covered < len(req.prompt) + req.max_new_tokens:
                 covered += chunk
             backed += covered
@@ -197,6 +209,9 @@ def run(
         return out
     chunk = chunk_tokens(cfg, device, chunk_bytes, kv_layout)
     ahead = max(1, chunk // 8)  # kv_arena's default commit_ahead_tokens
+    # The engine reads the arena through jax_vmm's calls only (no view), so a GPU
+    # arena's ensure backs cuDNN's whole key/value tile.
+    tile = READ_TILE_TOKENS if device.platform != "cpu" else 1
 
     def mix(batch: int) -> list[E.Request]:
         return E.make_requests(
@@ -208,7 +223,8 @@ def run(
         )
 
     def fits(batch: int) -> bool:
-        return simulated_peak(mix(batch), batch, block, chunk, ahead) * bpt <= budget
+        peak = simulated_peak(mix(batch), batch, block, chunk, ahead, tile, max_tokens)
+        return peak * bpt <= budget
 
     lo, hi = pre_batch, 2 * pre_batch  # lo fits (it holds less than max_tokens per slot)
     while fits(hi):

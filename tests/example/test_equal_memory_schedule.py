@@ -31,6 +31,15 @@ def test_the_peak_counts_chunks_and_the_commit_ahead_chunk():
     assert EQ.simulated_peak(reqs, 1, 2, chunk=32, ahead=0) == 32
 
 
+def test_the_peak_counts_the_read_tile_up_to_the_sequence_end():
+    """A GPU arena's ensure backs the reader's whole tile (up to max_tokens): 14 tokens
+    with a 32-token tile back 32, or the 20 a sequence holds at most."""
+    reqs = [request(0, 10, 5)]
+    assert EQ.simulated_peak(reqs, 1, 2, chunk=4, ahead=0, read_tile=32, max_tokens=64) == 32
+    assert EQ.simulated_peak(reqs, 1, 2, chunk=4, ahead=0, read_tile=32, max_tokens=20) == 20
+    assert EQ.simulated_peak(reqs, 1, 2, chunk=4, ahead=0, read_tile=1) == 16  # as before
+
+
 def test_the_floor_reads_weights_every_step_and_the_kv_of_generating_sequences():
     reqs = [request(0, 10, 5)]  # generates tokens 11..14 in steps reading 10..13 cached
     seconds = EQ.decode_floor_seconds(
