@@ -273,7 +273,7 @@ def test_keys_and_values_past_the_lengths_do_not_reach_the_output(gpu, S, garbag
         k_host[b, L:], v_host[b, L:] = fill
     k_bad, v_bad = (jax.device_put(jnp.asarray(x).astype(BF16), gpu) for x in (k_host, v_host))
     ql = np.minimum(n, S).astype(np.int32)
-    want = reference(q, k, v, n, ql)  # the clean arrays: rows past n are never read
+    want = reference(q, k, v, n, ql)  # the clean arrays; the reference reads only rows < n
     got = ca.cudnn_attention(q, k_bad, v_bad, jnp.asarray(n), q_lengths=jnp.asarray(ql))
     _check(got, want, BF16, f"{garbage} past the lengths, S={S}")
 
