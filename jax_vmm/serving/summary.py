@@ -137,6 +137,11 @@ def print_summary(s: dict) -> None:
             f"({fmt_bytes(p['peak_held_bytes'])}); unshared peak "
             f"{fmt_bytes(p['unshared_peak_backed_bytes'])}; {p['chunks_shared']} chunks shared"
         )
+    if "warmup_tokens_equal" in s:
+        print(
+            "the warm-up run generated the same tokens as the timed run: "
+            f"{'yes' if s['warmup_tokens_equal'] else 'NO'}"
+        )
     if s["backend"] == "jax_vmm":
         print(
             f"commits: {s['commit_calls']} calls ({s['commits_ahead']} ahead of need, off the "

@@ -613,19 +613,24 @@ def test_decode_cli_shared_prefix_check_fails_on_any_difference(
     """The sharing check compares with the same prefills unshared (share=False), so fp8
     rounding is the same on both sides: a run over an fp8 cache generates the same tokens,
     and any difference, fp8 or not, ends the run with SystemExit naming the requests (the
-    comparison made to report one)."""
+    comparison made to report one). With --warmup it also says whether the warm-up run and
+    the timed run (the same run twice) generated the same tokens: whether this device
+    repeats itself at all."""
     from jax_vmm.serving.cli import decode
 
     argv = ["--device", "cpu", "--requests", "3", "--batch", "2", "--max-tokens", "128"]
     argv += ["--prompt-len", "4", "12", "--new-tokens", "2", "6", "--shared-prefix", "8"]
     argv += ["--kv-dtype", kv_dtype, "--no-plot", "--no-progress", "--out", str(tmp_path)]
+    argv += ["--warmup"]
     summary = decode.main(argv)
     assert summary["shared_prefix"]["generation_unchanged"] is True
+    assert summary["warmup_tokens_equal"] is True
     monkeypatch.setattr(decode, "same_tokens", lambda a, b: [1])
     (tmp_path / "summary.json").unlink()
     with pytest.raises(SystemExit, match=r"generation changed across sharing the prefix") as e:
         decode.main(argv)
     assert "(1 of 3 requests: [1]; sharing: first differing token request 1 at" in str(e.value)
+    assert "the warm-up run and the timed run generated different tokens" in str(e.value)
     # The record of the failed run is kept: where each named request's tokens part.
     record = json.loads((tmp_path / "summary.json").read_text())["shared_prefix"]
     assert record["generation_unchanged"] is False

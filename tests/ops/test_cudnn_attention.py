@@ -253,29 +253,81 @@ def test_unwritten_rows_are_zeros_in_a_nan_buffer(gpu, S):
     )
 
 
+_PAST_LENGTHS_CASES = [(1, {}), (1, {"window": 40}), (1, {"softcap": 20.0}), (16, {})]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("S", [1, 16])
-@pytest.mark.parametrize("garbage", ["nan", "inf"])
-def test_keys_and_values_past_the_lengths_do_not_reach_the_output(gpu, S, garbage):
-    """cuDNN reads keys and values in 128-token tiles and masks what lies past a
-    sequence's length (over an arena layer: memory backed for the tile but never written
-    for this sequence, so stale or fresh bytes). Every row past the lengths here holds NaN
-    or +-inf in K and V; the output must equal the reference over the tokens alone. A
-    masked score times a NaN value would be NaN: a silent wrong result for a sequence
-    whose tile's tail holds such bytes."""
+@pytest.mark.parametrize("S,option", _PAST_LENGTHS_CASES, ids=["decode", "window", "cap", "S16"])
+@pytest.mark.parametrize("garbage", ["nan", "inf", "huge"])
+def test_keys_and_values_past_the_lengths_do_not_reach_the_output(gpu, S, option, garbage):
+    """Every row past the lengths holds NaN (or +inf keys, -inf values): bytes of memory
+    backed but not written for the sequence. cuDNN's multi-query, windowed and soft-capped
+    graphs read whole 128-token tiles and mask only the scores, and a masked probability
+    times a NaN value is NaN. Over an arena layer the output must equal the reference over
+    the tokens alone: the call first zeroes the non-finite values in each sequence's tile
+    past its length, and touches nothing else. Over arrays (XLA's immutable operands) cuDNN
+    runs as it is, and the S = 16 case shows that it does reach them there, so the layer's
+    check would catch a call without the clearing. Huge finite values (1e30) stay: a
+    mask that replaces the scores (not one added to them) keeps them out."""
     B, T, Hq, Hkv, D = 4, 256, 8, 2, 128
     rng = np.random.default_rng(23)
     q, k, v = _data(rng, B, S, T, Hq, Hkv, D, BF16, gpu)
     n = np.array([1, 63, 100, 130], np.int32)  # none a multiple of the tile
-    fill = {"nan": (np.nan, np.nan), "inf": (np.inf, -np.inf)}[garbage]
-    k_host, v_host = (np.asarray(x.astype(jnp.float32)) for x in (k, v))
+    fill = {"nan": (np.nan, np.nan), "inf": (np.inf, -np.inf), "huge": (1e30, 1e30)}[garbage]
+    k_host, v_host = (np.array(x.astype(jnp.float32)) for x in (k, v))  # writable copies
     for b, L in enumerate(n):
         k_host[b, L:], v_host[b, L:] = fill
     k_bad, v_bad = (jax.device_put(jnp.asarray(x).astype(BF16), gpu) for x in (k_host, v_host))
     ql = np.minimum(n, S).astype(np.int32)
-    want = reference(q, k, v, n, ql)  # the clean arrays; the reference reads only rows < n
-    got = ca.cudnn_attention(q, k_bad, v_bad, jnp.asarray(n), q_lengths=jnp.asarray(ql))
-    _check(got, want, BF16, f"{garbage} past the lengths, S={S}")
+    want = reference(q, k, v, n, ql, **option)  # the clean arrays: rows < n only
+    q_lengths = None if S == 1 else jnp.asarray(ql)
+    kv = jax_vmm.kv_arena(
+        num_layers=1, num_kv_heads=Hkv, head_dim=D, max_tokens=T, dtype=BF16, device=gpu,
+        max_seqs=B, initial_tokens=T,
+    )  # fmt: skip
+    try:
+        _copy_into(kv.k_buffers[0], k_bad)
+        _copy_into(kv.v_buffers[0], v_bad)
+        got = ca.cudnn_attention(q, kv.cache()[0], jnp.asarray(n), q_lengths=q_lengths, **option)
+        _check(got, want, BF16, f"{garbage} past the lengths, S={S} {option}, arena layer")
+        tile_end = np.minimum(-(-n // 128) * 128, T)
+        for name, buf, bad in [("k", kv.k_buffers[0], k_bad), ("v", kv.v_buffers[0], v_bad)]:
+            after, before = _read_bf16_bits(buf, bad.shape), _bf16_bits(bad)
+            cleared = np.zeros(bad.shape, bool)
+            if (S, option) != (1, {}) and garbage != "huge":
+                for b in range(B):
+                    cleared[b, n[b] : tile_end[b]] = True
+            assert (after[cleared] == 0).all(), f"{name}: the tile past the lengths kept a NaN/inf"
+            np.testing.assert_array_equal(
+                after[~cleared], before[~cleared], err_msg=f"{name}: bytes outside the tile changed"
+            )
+    finally:
+        kv.close()
+    over_arrays = np.asarray(
+        ca.cudnn_attention(q, k_bad, v_bad, jnp.asarray(n), q_lengths=q_lengths, **option)
+        .astype(jnp.float32)
+    )  # fmt: skip
+    not_finite = int((~np.isfinite(over_arrays)).any(axis=(1, 2, 3)).sum())
+    print(f"\n[cudnn] {garbage} past the lengths over arrays, S={S} {option}: {not_finite} of {B}")
+    if S == 16 and garbage != "huge":
+        assert not np.isfinite(over_arrays).all(), (
+            "cuDNN's S = 16 graph no longer lets NaN/inf past the lengths through over arrays: "
+            "this test no longer shows that the arena layer's clearing is needed"
+        )
+
+
+def _bf16_bits(x) -> np.ndarray:
+    return np.asarray(jax.lax.bitcast_convert_type(x, jnp.uint16))
+
+
+def _read_bf16_bits(buf, shape) -> np.ndarray:
+    """The buffer's bytes, read by a device-to-host copy (not through the library)."""
+    cupy = pytest.importorskip("cupy")
+    host = np.empty(shape, np.uint16)
+    cupy.cuda.runtime.memcpy(
+        host.ctypes.data, buf.address, host.nbytes, cupy.cuda.runtime.memcpyDeviceToHost
+    )
+    return host
 
 
 @pytest.mark.gpu

@@ -520,6 +520,8 @@ def _serve(args: argparse.Namespace) -> dict:
                 bar.close()
         stats = counters_since(cache.stats(), before)
         summary = summarize(report, stats, cache, cfg, serving, device, attn_name)
+        if args.warmup:  # the same run twice: whether this device generates repeatably
+            summary["warmup_tokens_equal"] = not same_tokens(warm, report)
         differ = None
         if args.shared_prefix:
             lo, hi = serving["prompt_len"]  # the prompts served: the prefix and the rest
@@ -588,6 +590,10 @@ def _serve(args: argparse.Namespace) -> dict:
             parted = summary["shared_prefix"]["differing_requests"]
             where = "; sharing: first differing token " + ", ".join(
                 f"request {d['request']} at {d['first']} of {d['tokens']}" for d in parted[:5]
+            )
+        if "warmup_tokens_equal" in summary:
+            where += "; the warm-up run and the timed run generated " + (
+                "the same tokens" if summary["warmup_tokens_equal"] else "different tokens"
             )
         raise SystemExit(
             f"decode.py: generation changed across {what} ({len(differ)} of "

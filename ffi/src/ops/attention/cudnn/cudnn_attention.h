@@ -23,7 +23,9 @@ void AddCudnnCacheTargets(FfiRegistry& registry);
 // The stages' bodies over any K/V buffers (the arrays' or a cache layer's): validate and
 // build the graph, grow the scratch (Initialize; never under capture); validate, fetch the
 // graph and the workspace, record the graph and the zero-rows kernel (Execute).
-// kv_token_heads: SdpaKey::kv_token_heads of k and v (0: dense).
+// kv_token_heads: SdpaKey::kv_token_heads of k and v (0: dense). kv_owned: k and v are
+// jax_vmm's memory (a KV arena layer), so Execute may zero the non-finite values in the
+// tile past each length before a graph that reads them (LaunchZeroNonFiniteTail).
 xla::ffi::Error Initialize(cudaStream_t stream, int32_t device, const xla::ffi::AnyBuffer& q,
                            const xla::ffi::AnyBuffer& k, const xla::ffi::AnyBuffer& v,
                            const xla::ffi::Buffer<xla::ffi::S32>& lengths,
@@ -35,7 +37,7 @@ xla::ffi::Error Execute(cudaStream_t stream, int32_t device, const xla::ffi::Any
                         const xla::ffi::Buffer<xla::ffi::S32>& lengths,
                         const xla::ffi::Buffer<xla::ffi::S32>& q_lengths, xla::ffi::AnyBuffer out,
                         float scale, float softcap, int64_t window, int64_t zero_rows,
-                        int64_t kv_token_heads = 0);
+                        int64_t kv_token_heads = 0, bool kv_owned = false);
 
 // Counts one initialize stage and its host time (the whole handler, the cache form's layer
 // resolution included): XLA runs that stage at every execution of a step.

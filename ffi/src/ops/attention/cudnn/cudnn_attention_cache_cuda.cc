@@ -84,7 +84,7 @@ ffi::Error ExecuteImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q,
   if (ffi::Error err = Resolve(device, cache_uid, layer, q, &call); err.failure()) return err;
   return Execute(stream, device, q, ffi::AnyBuffer(&call.k), ffi::AnyBuffer(&call.v),
                  read_lengths, q_lengths, *out, scale, softcap, window, zero_rows,
-                 call.token_heads());
+                 call.token_heads(), /*kv_owned=*/true);
 }
 
 template <typename B>

@@ -152,7 +152,7 @@ ffi::Error Execute(cudaStream_t stream, int32_t device, const ffi::AnyBuffer& q,
                    const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
                    const ffi::Buffer<ffi::S32>& lengths, const ffi::Buffer<ffi::S32>& q_lengths,
                    ffi::AnyBuffer out, float scale, float softcap, int64_t window,
-                   int64_t zero_rows, int64_t kv_token_heads) {
+                   int64_t zero_rows, int64_t kv_token_heads, bool kv_owned) {
   g_execute.fetch_add(1, std::memory_order_relaxed);
   const bool capturing = Capturing(stream);
   if (capturing) g_captured.fetch_add(1, std::memory_order_relaxed);
@@ -182,6 +182,17 @@ ffi::Error Execute(cudaStream_t stream, int32_t device, const ffi::AnyBuffer& q,
     if (std::string err = scratch::Get(device, stream, static_cast<size_t>(ws), &p.workspace);
         !err.empty()) {
       return ffi::Error::Internal(std::string(kName) + ": graph-safe scratch: " + err);
+    }
+  }
+  if (kv_owned && !IsPlainDecode(key)) {
+    const int64_t stride = (kv_token_heads > 0 ? kv_token_heads : key.kv_heads) * key.head_dim;
+    if (cudaError_t e = LaunchZeroNonFiniteTail(
+            k.untyped_data(), v.untyped_data(), p.lengths, key.batch,
+            key.max_tokens, stride, key.kv_heads * key.head_dim, key.io == IoType::kF16, stream);
+        e != cudaSuccess) {
+      return ffi::Error::Internal(std::string(kName) +
+                                  ": launching the kernel that clears the tile past the "
+                                  "lengths failed: " + cudaGetErrorString(e));
     }
   }
   if (std::string err = cudnn::Execute(*graph, device, stream, p); !err.empty()) {

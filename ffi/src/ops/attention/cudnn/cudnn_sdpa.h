@@ -47,6 +47,13 @@ struct SdpaKey {
 
 class SdpaGraph;  // a built graph (opaque; lives in the cache for the process)
 
+// One query token, no window, no soft-cap: the graph without a causal mask or score
+// modifier (Build), on cuDNN's decode path, which lets no key or value past a length
+// reach the output (tests/ops/test_cudnn_attention.py, NaN and inf there).
+inline bool IsPlainDecode(const SdpaKey& k) {
+  return k.q_tokens == 1 && k.window == 0 && k.softcap == 0.0f;
+}
+
 struct SdpaPointers {
   const void* q = nullptr;
   const void* k = nullptr;
