@@ -624,18 +624,48 @@ def test_decode_cli_shared_prefix_check_fails_on_any_difference(
     argv += ["--warmup"]
     summary = decode.main(argv)
     assert summary["shared_prefix"]["generation_unchanged"] is True
-    assert summary["warmup_tokens_equal"] is True
-    monkeypatch.setattr(decode, "same_tokens", lambda a, b: [1])
+    assert summary["warmup_tokens_equal"] is True and summary["token_checks_decisive"]
+    # Only the sharing comparison differs (the first comparison is the warm-up run's).
+    compared = []
+
+    def differs_after_the_warmup(a, b):
+        compared.append((a, b))
+        return [1] if len(compared) > 1 else []
+
+    monkeypatch.setattr(decode, "same_tokens", differs_after_the_warmup)
     (tmp_path / "summary.json").unlink()
     with pytest.raises(SystemExit, match=r"generation changed across sharing the prefix") as e:
         decode.main(argv)
     assert "(1 of 3 requests: [1]; sharing: first differing token request 1 at" in str(e.value)
-    assert "the warm-up run and the timed run generated different tokens" in str(e.value)
+    assert "the warm-up run and the timed run generated the same tokens" in str(e.value)
     # The record of the failed run is kept: where each named request's tokens part.
     record = json.loads((tmp_path / "summary.json").read_text())["shared_prefix"]
     assert record["generation_unchanged"] is False
     [parted] = record["differing_requests"]
     assert parted["request"] == 1 and parted["first"] == parted["tokens"] == parted["other"]
+
+
+def test_decode_cli_token_checks_are_not_decisive_where_the_same_run_differs(
+    tmp_path: Path, monkeypatch, capsys
+) -> None:
+    """Where the warm-up run and the timed run of the same requests already differ (cuDNN's
+    attention on the H100), a difference across sharing is no evidence: the run says so and
+    records it, and ends without SystemExit. Without --warmup nothing shows that, so any
+    difference fails."""
+    from jax_vmm.serving.cli import decode
+
+    argv = ["--device", "cpu", "--requests", "3", "--batch", "2", "--max-tokens", "128"]
+    argv += ["--prompt-len", "4", "12", "--new-tokens", "2", "6", "--shared-prefix", "8"]
+    argv += ["--no-plot", "--no-progress", "--out", str(tmp_path)]
+    monkeypatch.setattr(decode, "same_tokens", lambda a, b: [1])
+    summary = decode.main([*argv, "--warmup"])
+    assert summary["warmup_tokens_equal"] is False
+    assert summary["shared_prefix"]["generation_unchanged"] is False
+    assert summary["token_checks_decisive"] is False
+    assert json.loads((tmp_path / "summary.json").read_text())["token_checks_decisive"] is False
+    assert "token checks not decisive on this device: 1 of 3 requests" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match=r"generation changed across sharing the prefix"):
+        decode.main(argv)
 
 
 def test_decode_cli_refuses_an_out_whose_summary_is_a_directory(tmp_path: Path) -> None:

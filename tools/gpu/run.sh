@@ -75,6 +75,8 @@
 #                       page-table changes of the 2 MiB ones cost the step);
 #                       example:prealloc16 / prealloc64 the cuDNN baseline; example:fp8, example:sleep (batch 16);
 #                       example:shared / shared_no_ahead: --shared-prefix 4096 (commit ahead off);
+#                       example:shared_kernels: shared_no_ahead on jax_vmm's attention kernels
+#                       (JAX_VMM_ATTENTION=kernels): runs that repeat, so the token check is exact;
 #                       example:hf1b: examples/generate.py on a 1B-shaped random Llama
 #                       checkpoint (tools/make_hf_fixtures.py --preset 1b), bf16, both backends
 #   diag:kv_write       bench/kv_write_overhead.py: a decode-size kv_write against XLA's
@@ -374,6 +376,9 @@ step_example() {
       local ahead=()
       [ "$1" = shared_no_ahead ] && ahead=(--commit-ahead 0)
       "$PY" "${ex[@]}" --shared-prefix 4096 "${ahead[@]}" --out "$RUN_DIR/example_$1" ;;
+    shared_kernels)  # the same with jax_vmm's kernels, which repeat themselves: exact tokens
+      JAX_VMM_ATTENTION=kernels "$PY" "${ex[@]}" --shared-prefix 4096 --commit-ahead 0 \
+        --out "$RUN_DIR/example_$1" ;;
     hf1b)  # issue 14: a Llama-3.2-1B-shaped random checkpoint, bf16, 16 prompts x 256 tokens
       "$PY" tools/make_hf_fixtures.py --preset 1b --out /tmp/llama1b || return
       local prompts=() i backend
@@ -383,7 +388,7 @@ step_example() {
           --batch 16 --backend "$backend" "${prompts[@]}" --json "$RUN_DIR/hf1b_$backend.json" \
           | tail -n 4 || return
       done ;;
-    *) echo "unknown example ${1:-} (16, 64, prealloc16, prealloc64, fp8, sleep, shared, shared_no_ahead, hf1b)"; return 2 ;;
+    *) echo "unknown example ${1:-} (16, 64, prealloc16, prealloc64, fp8, sleep, shared, shared_no_ahead, shared_kernels, hf1b)"; return 2 ;;
   esac
 }
 
