@@ -281,13 +281,8 @@ def test_keys_and_values_past_the_lengths_do_not_reach_the_output(gpu, S, option
     ql = np.minimum(n, S).astype(np.int32)
     want = reference(q, k, v, n, ql, **option)  # the clean arrays: rows < n only
     q_lengths = None if S == 1 else jnp.asarray(ql)
-    kv = jax_vmm.kv_arena(
-        num_layers=1, num_kv_heads=Hkv, head_dim=D, max_tokens=T, dtype=BF16, device=gpu,
-        max_seqs=B, initial_tokens=T,
-    )  # fmt: skip
+    kv = _full_arena(gpu, B, T, Hkv, D, fill=(0, k_bad, v_bad))
     try:
-        _copy_into(kv.k_buffers[0], k_bad)
-        _copy_into(kv.v_buffers[0], v_bad)
         got = ca.cudnn_attention(q, kv.cache()[0], jnp.asarray(n), q_lengths=q_lengths, **option)
         _check(got, want, BF16, f"{garbage} past the lengths, S={S} {option}, arena layer")
         tile_end = np.minimum(-(-n // 128) * 128, T)
@@ -386,25 +381,32 @@ def _copy_into(buf, src) -> None:
     )
 
 
+def _full_arena(device, B, T, Hkv, D, *, layers=1, fill=None):
+    """A bf16 kv_arena with every token of its B sequences ensured; ``fill`` (layer, k, v)
+    copies k and v into that layer's buffers."""
+    kv = jax_vmm.kv_arena(
+        num_layers=layers, num_kv_heads=Hkv, head_dim=D, max_tokens=T, dtype=BF16,
+        device=device, max_seqs=B, initial_tokens=T,
+    )  # fmt: skip
+    try:
+        if fill is not None:
+            layer, k, v = fill
+            _copy_into(kv.k_buffers[layer], k)
+            _copy_into(kv.v_buffers[layer], v)
+    except BaseException:
+        kv.close()
+        raise
+    return kv
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("S", [1, 32])
 def test_over_arena_views(gpu, S):
     B, T, Hq, Hkv, D = 4, 512, 8, 2, 128
     rng = np.random.default_rng(13)
     q, k, v = _data(rng, B, S, T, Hq, Hkv, D, BF16, gpu)
-    kv = jax_vmm.kv_arena(
-        num_layers=2,
-        num_kv_heads=Hkv,
-        head_dim=D,
-        max_tokens=T,
-        dtype=BF16,
-        device=gpu,
-        max_seqs=B,
-        initial_tokens=T,
-    )
+    kv = _full_arena(gpu, B, T, Hkv, D, layers=2, fill=(1, k, v))
     try:
-        _copy_into(kv.k_buffers[1], k)
-        _copy_into(kv.v_buffers[1], v)
         n = _lengths(rng, B, T)
         got = ca.cudnn_attention(q, kv.k[1], kv.v[1], jnp.asarray(n), softcap=20.0, window=200)
         _check(got, reference(q, k, v, n, None, 200, 20.0), BF16, "arena views")
@@ -421,19 +423,8 @@ def test_over_a_cache_layer(gpu, S):
     B, T, Hq, Hkv, D = 3, 256, 8, 2, 64
     rng = np.random.default_rng(19)
     q, k, v = _data(rng, B, S, T, Hq, Hkv, D, BF16, gpu)
-    kv = jax_vmm.kv_arena(
-        num_layers=2,
-        num_kv_heads=Hkv,
-        head_dim=D,
-        max_tokens=T,
-        dtype=BF16,
-        device=gpu,
-        max_seqs=B,
-        initial_tokens=T,
-    )
+    kv = _full_arena(gpu, B, T, Hkv, D, layers=2, fill=(0, k, v))
     try:
-        _copy_into(kv.k_buffers[0], k)
-        _copy_into(kv.v_buffers[0], v)
         n = np.array([T, 100, 0], np.int32)
         want = reference(q, k, v, n, None, 50, 10.0)
         cache = kv.cache()
@@ -444,19 +435,8 @@ def test_over_a_cache_layer(gpu, S):
         kv.check()  # nothing clamped so far
     finally:
         kv.close()
-    kv = jax_vmm.kv_arena(
-        num_layers=1,
-        num_kv_heads=Hkv,
-        head_dim=D,
-        max_tokens=T,
-        dtype=BF16,
-        device=gpu,
-        max_seqs=B,
-        initial_tokens=T,
-    )
+    kv = _full_arena(gpu, B, T, Hkv, D, layers=1, fill=(0, k, v))
     try:
-        _copy_into(kv.k_buffers[0], k)
-        _copy_into(kv.v_buffers[0], v)
         kv.release(1, keep_tokens=64)  # sequence 1 keeps the bytes of its first 64 tokens
         kv.ensure(64, seq=1)  # ... and has 64 tokens ensured
         n = np.array([T, 200, 30], np.int32)
@@ -517,13 +497,8 @@ def test_auto_attention_over_an_arena_layer_runs_cudnn(gpu, S, monkeypatch):
     B, T, Hq, Hkv, D = 3, 256, 8, 2, 128
     rng = np.random.default_rng(23)
     q, k, v = _data(rng, B, S, T, Hq, Hkv, D, BF16, gpu)
-    kv = jax_vmm.kv_arena(
-        num_layers=1, num_kv_heads=Hkv, head_dim=D, max_tokens=T, dtype=BF16, device=gpu,
-        max_seqs=B, initial_tokens=T,
-    )  # fmt: skip
+    kv = _full_arena(gpu, B, T, Hkv, D, fill=(0, k, v))
     try:
-        _copy_into(kv.k_buffers[0], k)
-        _copy_into(kv.v_buffers[0], v)
         n = jnp.asarray(np.array([T, 100, 0], np.int32))
         opts = {} if S == 1 else dict(window=40, softcap=30.0)
 
@@ -556,10 +531,7 @@ def test_a_step_clamps_its_lengths_once_for_all_layers(gpu):
     step and sequence), and under limits_ignored() no layer is clamped."""
     L, B, T, Hq, Hkv, D = 4, 3, 256, 8, 2, 128
     rng = np.random.default_rng(29)
-    kv = jax_vmm.kv_arena(
-        num_layers=L, num_kv_heads=Hkv, head_dim=D, max_tokens=T, dtype=BF16, device=gpu,
-        max_seqs=B, initial_tokens=T,
-    )  # fmt: skip
+    kv = _full_arena(gpu, B, T, Hkv, D, layers=L)
     try:
         ks, vs = [], []
         for layer in range(L):
