@@ -20,10 +20,11 @@ cudaError_t LaunchZeroRows(void* out, const int32_t* q_lengths, const int32_t* l
 // n = clamp(lengths[b], 0, T). cuDNN's multi-query, windowed and soft-capped graphs read
 // whole tiles and mask only the scores, so a masked probability (0) times a NaN value
 // still makes the row NaN; its plain decode graph stops at the length and needs none of
-// this. Finite values stay as they are, so nothing this call could read changes. Token
-// (b, t) starts at element (b * T + t) * token_stride of k and of v and has row_elems
-// 16-bit values (bfloat16, or float16 when fp16). Only for memory jax_vmm owns (a KV
-// arena's layer): never for XLA's operands, which are immutable.
+// this. Finite values stay as they are: a later call with longer lengths reads what was
+// written there, unless it was NaN or inf. Token (b, t) starts at element
+// (b * T + t) * token_stride of k and of v and has row_elems 16-bit values (bfloat16, or
+// float16 when fp16). Only for memory jax_vmm owns (a KV arena's layer): never for XLA's
+// operands, which are immutable.
 inline constexpr int64_t kReadTileTokens = 128;
 cudaError_t LaunchZeroNonFiniteTail(void* k, void* v, const int32_t* lengths, int64_t batch,
                                     int64_t max_tokens, int64_t token_stride, int64_t row_elems,
