@@ -23,7 +23,7 @@ from typing import Any
 
 import jax
 
-from jax_vmm.kv.backing import READ_TILE_TOKENS
+from jax_vmm.kv.backing import READ_TILE_TOKENS, tile_end
 from jax_vmm.serving import engine as E
 from jax_vmm.serving import model as M
 from jax_vmm.serving.attention import choose_attention
@@ -91,15 +91,12 @@ def simulated_peak(
         backed = 0
         for req, blocks in occupied:
             need = len(req.prompt) + min((blocks + 1) * block, req.max_new_tokens - 1)
-            read = -(-need // read_tile) * read_tile
-            if max_tokens is not None:
-                read = min(read, max_tokens)
-            covered = -(-read // chunk) * chunk
+            covered = tile_end(tile_end(need, read_tile, max_tokens), chunk)
             if covered - need <= ahead and covered < len(req.prompt) + req.max_new_tokens:
                 covered += chunk
             backed += covered
         peak = max(peak, backed)
-    return peak
+    return int(peak)
 
 
 def decode_floor_seconds(

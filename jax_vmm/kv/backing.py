@@ -41,7 +41,14 @@ from ..memory import host_wait
 # 64-token chunks faulted, 128 and 1024 never), and with eager zeros a commit swaps its
 # zero piece for memory without waiting for the device (only a view makes commits wait),
 # so a read in flight could meet the address unmapped mid-swap.
-READ_TILE_TOKENS = 128
+READ_TILE_TOKENS = 128  # kReadTileTokens in ffi/src/ops/attention/cudnn/cudnn_rows.h
+
+
+def tile_end(tokens: Any, tile: int, max_tokens: int | None = None) -> Any:
+    """``tokens`` (an int or an array) rounded up to a multiple of ``tile``, at most
+    ``max_tokens``: where a reader of whole tiles stops."""
+    end = -(-tokens // tile) * tile
+    return end if max_tokens is None else np.minimum(end, max_tokens)
 
 
 class TokenBacking:
@@ -60,8 +67,7 @@ class TokenBacking:
         (:meth:`_tile_tail_unsafe`), else ``tokens`` itself."""
         if not self._tile_tail_unsafe():
             return tokens
-        tile = READ_TILE_TOKENS
-        return np.minimum(-(-tokens // tile) * tile, self.max_tokens)
+        return tile_end(tokens, READ_TILE_TOKENS, self.max_tokens)
 
     def _read_end(self, num_tokens: int) -> int:
         """:meth:`_read_ends` of one sequence's token count."""

@@ -118,9 +118,10 @@ def test_attention_over_an_arena_layer_gives_nan_rows(vm, S):
 def test_keys_and_values_past_the_lengths_never_reach_the_output(vm, S, garbage):
     """Every token past each length holds NaN (or +inf keys and -inf values), in arrays
     and in an arena layer whose sequences are ensured to the end, so the bytes are
-    backed and readable: cuDNN's route reads whole 128-token tiles and masks what lies
-    past a length (a masked score times a NaN value would still be NaN); the kernels
-    stop at the length. The output equals the reference over the clean tokens."""
+    backed and readable: cuDNN's route reads whole 128-token tiles and masks only the
+    scores (a masked score times a NaN value would still be NaN), so over an arena layer
+    it first turns the NaN and inf of that tile into +0; the kernels stop at the length.
+    The output equals the reference over the clean tokens."""
     dev = vm.device
     rng = np.random.default_rng(3)
     q, k, v = (rng.standard_normal(shape).astype(np.float32) for shape in

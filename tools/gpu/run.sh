@@ -372,12 +372,12 @@ step_example() {
         --out "$RUN_DIR/example_prealloc_b$b" ;;
     fp8) "$PY" "${ex[@]}" --kv-dtype fp8 --out "$RUN_DIR/example_fp8" ;;
     sleep) "$PY" "${ex[@]}" --sleep-every 8 --out "$RUN_DIR/example_sleep" ;;
-    shared|shared_no_ahead)  # issue 32 in the engine: a 4k prefix shared by every request
-      local ahead=()
-      [ "$1" = shared_no_ahead ] && ahead=(--commit-ahead 0)
-      "$PY" "${ex[@]}" --shared-prefix 4096 "${ahead[@]}" --out "$RUN_DIR/example_$1" ;;
-    shared_kernels)  # the same with jax_vmm's kernels, which repeat themselves: exact tokens
-      JAX_VMM_ATTENTION=kernels "$PY" "${ex[@]}" --shared-prefix 4096 --commit-ahead 0 \
+    shared|shared_no_ahead|shared_kernels)  # issue 32 in the engine: a 4k prefix shared by every request
+      local ahead=() attention=()
+      [ "$1" != shared ] && ahead=(--commit-ahead 0)
+      # jax_vmm's kernels repeat themselves run to run (cuDNN does not): exact token checks
+      [ "$1" = shared_kernels ] && attention=(JAX_VMM_ATTENTION=kernels)
+      env "${attention[@]}" "$PY" "${ex[@]}" --shared-prefix 4096 "${ahead[@]}" \
         --out "$RUN_DIR/example_$1" ;;
     hf1b)  # issue 14: a Llama-3.2-1B-shaped random checkpoint, bf16, 16 prompts x 256 tokens
       "$PY" tools/make_hf_fixtures.py --preset 1b --out /tmp/llama1b || return

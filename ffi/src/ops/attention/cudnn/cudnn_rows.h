@@ -25,7 +25,7 @@ cudaError_t LaunchZeroRows(void* out, const int32_t* q_lengths, const int32_t* l
 // (b * T + t) * token_stride of k and of v and has row_elems 16-bit values (bfloat16, or
 // float16 when fp16). Only for memory jax_vmm owns (a KV arena's layer): never for XLA's
 // operands, which are immutable.
-inline constexpr int64_t kReadTileTokens = 128;
+inline constexpr int64_t kReadTileTokens = 128;  // READ_TILE_TOKENS in jax_vmm/kv/backing.py
 cudaError_t LaunchZeroNonFiniteTail(void* k, void* v, const int32_t* lengths, int64_t batch,
                                     int64_t max_tokens, int64_t token_stride, int64_t row_elems,
                                     bool fp16, cudaStream_t stream);
