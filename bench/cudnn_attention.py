@@ -30,13 +30,20 @@ repeats of N back-to-back calls / (steps x R)); --steps 1 is one step per dispat
               out), joined by their log-sum-exps (bench/_split_causal.py)
   vmm_kernel  jax_vmm.decode_attention(q, k, v, lengths) over the views: jax_vmm's own
               split-K CUDA kernel (the array form is not routed to cuDNN; decode only)
+  vmm_fp8     decode only (not with --no-fp8): jax_vmm.decode_attention(q, cache[l],
+              lengths) over the same tokens in an fp8 (float8_e4m3fn) arena, which runs
+              jax_vmm's streaming kernel; "fp8" = its time over jax_cudnn's bf16 time
 
 "ratio" = vmm_cudnn / jax_cudnn and "layer" = vmm_layer / jax_cudnn (goal <= 1.0 for
 decode); for S > 1 "best" = vmm_layer / the faster of jax_cudnn and jax_split (goal <=
-1.1), "floor" = live K/V bytes / the device's HBM bandwidth (_common.HBM_TBPS). Decode
-lengths are full (T) unless --ragged; the S > 1 rows draw lengths uniformly from [S, T].
+1.1), "fp8" = vmm_fp8 / jax_cudnn (goal <= 0.55). "floor" = the live bf16 K/V bytes over
+the copy bandwidth measured first in the same process (bytes read + written per second by
+a device-to-device copy), "hbm" the same over the device's nominal HBM bandwidth
+(_common.HBM_TBPS); "%copy" = floor / vmm_layer. Decode lengths are full (T) unless
+--ragged; the S > 1 rows draw lengths uniformly from [S, T]. Every ratio of a row comes
+from the same process, the same arena and the same lengths.
 
-  python bench/cudnn_attention.py                         # the grid (~2-3 minutes)
+  python bench/cudnn_attention.py                         # decode, fp8, multi-query
   python bench/cudnn_attention.py --batches 8 --contexts 8192 --multi-q 0
 """
 
@@ -58,8 +65,10 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jax_vmm  # noqa: E402
-from _common import hbm_tbps, median_time, parse_list, write_json  # noqa: E402
+from _attention_goals import goal_lines  # noqa: E402
+from _common import copy_bandwidth, hbm_tbps, median_time, parse_list, write_json  # noqa: E402
 from _split_causal import cudnn_attend, split_causal_attention  # noqa: E402
+from jax_vmm.base.fp8 import FP8_DTYPE, quantize_fp8  # noqa: E402
 from jax_vmm.ops import cudnn_attention as ca  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
@@ -110,6 +119,8 @@ def run_config(
     runs: int,
     repeats: int,
     steps: int,
+    copy_bps: float,
+    fp8: bool,
     seed: int = 0,
 ) -> dict:
     rng = np.random.default_rng(seed)
@@ -121,9 +132,15 @@ def run_config(
         n = rng.integers(S, T + 1, size=B)
     n = n.astype(np.int32)
     live = int(2 * n.sum() * HKV * D * 2)
-    floor_us = live / (hbm_tbps(jax.devices()[0]) * 1e12) * 1e6
     row: dict[str, Any] = dict(
-        B=B, T=T, S=S, layers=R, steps=steps, live_kv_bytes=live, floor_us=floor_us
+        B=B,
+        T=T,
+        S=S,
+        layers=R,
+        steps=steps,
+        live_kv_bytes=live,
+        floor_us=live / copy_bps * 1e6,
+        hbm_floor_us=live / (hbm_tbps(dev) * 1e12) * 1e6,
     )
     kv = jax_vmm.kv_arena(
         num_layers=R,
@@ -206,9 +223,50 @@ def run_config(
             except Exception as exc:  # noqa: BLE001 - report and keep going
                 row[f"{name}_us"] = None
                 row[f"{name}_error"] = _err(exc)
+        if fp8 and S == 1:
+            _time_fp8_layer(row, dev, q0, lens, B, T, R, runs, repeats, steps, key)
         return row
     finally:
         kv.close()
+
+
+def _time_fp8_layer(
+    row: dict, dev, q0, lens, B: int, T: int, R: int, runs: int, repeats: int, steps: int, key
+) -> None:
+    """vmm_fp8_us: decode over the same lengths in an fp8 arena of R layers, as a model
+    calls it (decode_attention over kv.cache()[l]). Layer 0 holds random tokens quantized
+    with per-head scales, the others the arena's zeros, as in the bf16 arena (the time
+    does not depend on the values; tests/ops check the fp8 results)."""
+    scales = jnp.full((R, HKV), 0.05, jnp.float32)
+    kv8 = jax_vmm.kv_arena(
+        num_layers=R,
+        num_kv_heads=HKV,
+        head_dim=D,
+        max_tokens=T,
+        dtype=FP8_DTYPE,
+        device=dev,
+        max_seqs=B,
+        initial_tokens=T,
+        k_scales=scales,
+        v_scales=scales,
+    )
+    try:
+        k_key, v_key = jax.random.split(key)
+        for buf, sub in ((kv8.k_buffers[0], k_key), (kv8.v_buffers[0], v_key)):
+            x = jax.random.normal(sub, (B, T, HKV, D), jnp.float32)
+            _copy_into(buf, quantize_fp8(x, scales[0]))
+        cache = kv8.cache()
+        run = over_layers(
+            lambda q, l, n, c: jax_vmm.decode_attention(q[:, 0], c[l], n)[:, None], R, steps
+        )
+        try:
+            t = median_time(lambda: run(q0, lens, cache), repeats, runs) / (R * steps)
+            row["vmm_fp8_us"] = t * 1e6
+        except Exception as exc:  # noqa: BLE001 - report and keep going
+            row["vmm_fp8_us"] = None
+            row["vmm_fp8_error"] = _err(exc)
+    finally:
+        kv8.close()
 
 
 def _fmt(x: Any, t: str = "{:8.1f}") -> str:
@@ -231,6 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=16, help="decode steps per timed call (fori_loop)")
     p.add_argument("--runs", type=int, default=10)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--no-fp8", action="store_true", help="skip the fp8 arena's decode column")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
 
@@ -244,6 +303,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"cudnn backend: {ca.cudnn_info()}")
     if not ca.cudnn_available():
         sys.exit("the cuDNN backend is not available (see above)")
+    copy_bps = copy_bandwidth(dev, 1 << 30)
+    print(
+        f"copy bandwidth {copy_bps / 1e9:,.0f} GB/s (read + write, 1 GiB device-to-device); "
+        f"nominal HBM {hbm_tbps(dev) * 1e3:,.0f} GB/s"
+    )
     configs = [(B, T, 1) for B in args.batches for T in args.contexts]
     configs += [
         (args.multi_batch, T, S)
@@ -257,13 +321,24 @@ def main(argv: list[str] | None = None) -> int:
     head = (
         f"{'B':>3} {'T':>6} {'S':>5} {'vmm_cudnn':>9} {'no_zero':>8} {'vmm_layer':>9} "
         f"{'jax_cudnn':>9} {'jax_split':>9} {'vmm_kernel':>10} {'ratio':>6} {'layer':>6} "
-        f"{'best':>6} {'kern/jax':>8} {'floor':>8}  (us per layer call)"
+        f"{'best':>6} {'kern/jax':>8} {'vmm_fp8':>8} {'fp8':>6} {'floor':>8} {'hbm':>8} "
+        f"{'%copy':>6}  (us per layer call)"
     )
     print(head)
     for B, T, S in configs:
         try:
             row = run_config(
-                dev, B, T, S, args.ragged, args.layers_budget, args.runs, args.repeats, args.steps
+                dev,
+                B,
+                T,
+                S,
+                args.ragged,
+                args.layers_budget,
+                args.runs,
+                args.repeats,
+                args.steps,
+                copy_bps,
+                not args.no_fp8,
             )
         except Exception as exc:  # noqa: BLE001 - e.g. out of memory at the largest sizes
             traceback.print_exc()
@@ -279,6 +354,9 @@ def main(argv: list[str] | None = None) -> int:
         jax_times = [t for t in jax_times if isinstance(t, float)]
         rb = _ratio(row.get("vmm_layer_us"), min(jax_times)) if S > 1 and jax_times else None
         row["best_ratio"] = rb
+        row["layer_ratio"] = rl
+        r8 = row["fp8_ratio"] = _ratio(row.get("vmm_fp8_us"), row.get("jax_cudnn_us"))
+        pct = _ratio(row["floor_us"], row.get("vmm_layer_us"))
         print(
             f"{B:>3} {T:>6} {S:>5} {_fmt(row.get('vmm_cudnn_us'), '{:9.1f}')} "
             f"{_fmt(row.get('no_zero_us'))} {_fmt(row.get('vmm_layer_us'), '{:9.1f}')} "
@@ -286,15 +364,21 @@ def main(argv: list[str] | None = None) -> int:
             f"{_fmt(row.get('jax_split_us'), '{:9.1f}')} "
             f"{_fmt(row.get('vmm_kernel_us'), '{:10.1f}')} {_fmt(r, '{:6.3f}')} "
             f"{_fmt(rl, '{:6.3f}')} {_fmt(rb, '{:6.3f}')} {_fmt(rk, '{:8.3f}')} "
-            f"{_fmt(row['floor_us'])}",
+            f"{_fmt(row.get('vmm_fp8_us'))} {_fmt(r8, '{:6.3f}')} {_fmt(row['floor_us'])} "
+            f"{_fmt(row['hbm_floor_us'])} {_fmt(pct and 100 * pct, '{:6.1f}')}",
             flush=True,
         )
         for k, v in row.items():
             if k.endswith("error") or k.startswith("max_abs"):
                 print(f"      {k}: {v}")
     print(f"total {time.perf_counter() - t0:.0f} s; graph cache: {ca.cudnn_attention_stats()}")
+    for line in goal_lines(rows):
+        print(line)
     if args.json:
-        write_json(args.json, dict(rows=rows, cudnn=ca.cudnn_info(), argv=sys.argv))
+        write_json(
+            args.json,
+            dict(rows=rows, cudnn=ca.cudnn_info(), copy_bytes_per_s=copy_bps, argv=sys.argv),
+        )
     return 0
 
 

@@ -88,6 +88,10 @@
 #                       ablation (reads alone vs the whole step) and a jax.profiler trace
 #                       summed per part (kv_write vs XLA's scatter, cuDNN, table read, gaps),
 #                       with and without command buffers -> profile_step{,_nocb}/profile.json
+#   diag:step8          the same at 8 layers, B4 T1k, B16 T1k and B16 T4k, prealloc+cudnn and
+#                       vmm+cudnn, command buffers on -> profile_step8_bB_tT/profile.json
+#   bench:attention_goals  bench/cudnn_attention.py: issue 28's goals in one run (decode grid,
+#                       fp8, several queries; copy-bandwidth floor) -> attention_goals.json
 #   bench:attention     bench/attention.py: copy-bandwidth floor, then the table -> bench_attention.json
 #   bench:attention_options  bench/attention_options.py: S queries / window / softcap beside cuDNN
 #                       -> bench_attention_options.json
@@ -322,6 +326,15 @@ step_diag() {
     "$PY" tools/gpu/profile_step.py --no-command-buffers --out "$RUN_DIR/profile_step_nocb"
     return
   fi
+  if [ "${1:-}" = step8 ]; then  # the 8-layer points where the step misses 1.02 (issue 29)
+    local shape
+    for shape in "4 1024" "16 1024" "16 4096"; do
+      set -- $shape
+      "$PY" tools/gpu/profile_step.py --layers 8 --batch "$1" --context "$2" \
+        --variants prealloc+cudnn vmm+cudnn --out "$RUN_DIR/profile_step8_b$1_t$2" || return
+    done
+    return
+  fi
   if [ "${1:-}" = serving ]; then  # the main job's device time by part and its idle gaps
     local be
     for be in jax_vmm prealloc; do
@@ -335,7 +348,7 @@ step_diag() {
       ${HOST_PARTS:+--parts "$HOST_PARTS"} ${HOST_SWAPS:+--swaps "$HOST_SWAPS"}
     return
   fi
-  [ "${1:-}" = hazard ] || { echo "unknown diag step ${1:-} (hazard, example, host, dispatch, kv_write, kv_write_ncu, step, serving)"; return 2; }
+  [ "${1:-}" = hazard ] || { echo "unknown diag step ${1:-} (hazard, example, host, dispatch, kv_write, kv_write_ncu, step, step8, serving)"; return 2; }
   PYTHONPATH="tests:tests/oracles${PYTHONPATH:+:$PYTHONPATH}" TF_CPP_MIN_LOG_LEVEL=0 \
     TF_CPP_VMODULE=command_buffer_thunk=3,command_buffer_conversion_pass=2 \
     "$PY" tests/integration/test_command_buffer_gpu.py hazard grow keep "$RUN_DIR/diag_hazard.json"
@@ -402,6 +415,7 @@ step_bench() {
     step_loop) "$PY" bench/step_loop.py --layers 2 8 32 --calls 300 ;;
     growth) "$PY" bench/growth.py --out "$RUN_DIR/growth" ;;
     multi_query) "$PY" bench/cudnn_attention.py --batches "" --json "$RUN_DIR/multi_query.json" ;;
+    attention_goals) "$PY" bench/cudnn_attention.py --json "$RUN_DIR/attention_goals.json" ;;
     seed) "$PY" bench/commit.py --sections seed --repeats 9 --json "$RUN_DIR/seed.json" ;;
     seed_interleaved)
       "$PY" bench/commit.py --sections seed --repeats 9 --kv-layout interleaved \
@@ -420,7 +434,7 @@ step_bench() {
       "$PY" bench/decode.py --layers 32 --batches 16 --contexts 1024 --no-oom-case \
         --kv-layout "$layout" --out "$RUN_DIR/$1" ;;
     main_job) "$PY" bench/main_job.py --json "$RUN_DIR/main_job.json" ;;
-    *) echo "unknown bench ${1:-} (attention, attention_options, kv_write, commit, decode, decode32, decode8, decode8_interleaved, step_loop, growth, multi_query, seed, seed_interleaved, shared_prefix, shared_prefix_per_layer, shared_prefix_no_ahead, equal_memory32, equal_memory32_interleaved, main_job, sleep, capacity)"; return 2 ;;
+    *) echo "unknown bench ${1:-} (attention, attention_options, kv_write, commit, decode, decode32, decode8, decode8_interleaved, step_loop, growth, multi_query, attention_goals, seed, seed_interleaved, shared_prefix, shared_prefix_per_layer, shared_prefix_no_ahead, equal_memory32, equal_memory32_interleaved, main_job, sleep, capacity)"; return 2 ;;
   esac
 }
 
@@ -452,7 +466,7 @@ step_probe() {
 limit_of() {  # STEP -> seconds
   local var="LIMIT_${1//[^A-Za-z0-9_]/_}" limit
   case "$1" in
-    build|tests|tests:*|sanitize:hazard|bench:attention|bench:attention_options|bench:decode|bench:decode32|probe:kernels|diag:step) limit=600 ;;
+    build|tests|tests:*|sanitize:hazard|bench:attention|bench:attention_options|bench:decode|bench:decode32|probe:kernels|diag:step|diag:step8|bench:attention_goals) limit=600 ;;
     sanitize:attention|sanitize:memory|bench:kv_write|bench:growth|bench:sleep|bench:capacity) limit=400 ;;
     example|bench:commit) limit=300 ;;
     info|facts|diag:*) limit=150 ;;
