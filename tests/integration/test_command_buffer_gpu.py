@@ -436,7 +436,7 @@ def test_a_stale_cache_step_writes_and_reads_nothing():
     gc.collect()
     kv2, _ = _kv(dev)
     try:
-        before = [read_bytes(b).tobytes() for b in kv2.buffers]
+        before = [_read_or_describe(kv2, b, dev) for b in kv2.buffers]
         refused = None
         try:
             _, _, acc2 = exe(cache, pos, acc, x, q)
@@ -453,6 +453,24 @@ def test_a_stale_cache_step_writes_and_reads_nothing():
         kv2.check()
     finally:
         kv2.close()
+
+
+def _read_or_describe(kv, buf, dev) -> bytes:
+    """The buffer's bytes through a view; if the read fails, an AssertionError that says
+    what the driver has mapped there, chunk by chunk (cuda-python: 'rw', 'ro' or 'hole'),
+    and what the arena says of itself: a read of a fresh arena's view must never fail."""
+    try:
+        return read_bytes(buf).tobytes()
+    except jax.errors.JaxRuntimeError as e:
+        from cuda_oracle import CudaOracle
+
+        chunk = kv.arena.chunk_bytes
+        kinds = CudaOracle(cuda_ordinal(dev)).kinds(buf.address, buf.nbytes, chunk)
+        raise AssertionError(
+            f"reading buffer '{buf.name}' of a fresh arena failed: {e}; the driver's "
+            f"mappings per chunk of {chunk} bytes from {buf.address:#x}: {kinds}; "
+            f"arena stats: {kv.arena.stats()}"
+        ) from e
 
 
 _DUMP_SCRIPT = r"""
@@ -618,16 +636,29 @@ def hazard_scenario(mode: str, free_on_growth: bool, log=print) -> dict:
         scratch.set_scratch_mode("default")
 
 
+HAZARD_ATTEMPTS = 3  # scenarios run until one replays the small graph without re-recording
+
+
 @pytest.mark.parametrize("mode", ["grow", "retire"])
 def test_scratch_hazard_replay_after_growth(mode):
-    r = hazard_scenario(mode, free_on_growth=False)
+    """XLA sometimes re-records the small graph after the large one ran (its handler runs
+    again), and then the scenario cannot show the hazard: up to HAZARD_ATTEMPTS fresh
+    scenarios run until one replays; the checks below hold for that one, and none
+    replaying fails the test."""
+    tries = []
+    for _ in range(HAZARD_ATTEMPTS):
+        r = hazard_scenario(mode, free_on_growth=False)
+        tries.append(r)
+        if r["replay_handler_calls"] == 0:
+            break
     assert r["captured"] >= 1, f"the probe was never captured into a command buffer: {r}"
     assert r["settled_handler_calls"] == 0, (
         f"the small graph kept being re-recorded before any growth: {r}"
     )
     assert r["small_ok_before"] and r["large_ok"], r
     assert r["replay_handler_calls"] == 0, (
-        f"the small graph was re-recorded, so the hazard was not exercised: {r}"
+        f"the small graph was re-recorded in each of {len(tries)} scenarios, so the hazard "
+        f"was not exercised: {tries}"
     )
     if mode == "grow":
         assert r["large_addr"] == r["small_addr"], r  # grown in place
