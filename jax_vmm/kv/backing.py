@@ -402,7 +402,8 @@ class TokenBacking:
         buffers), so the dispatching thread's releases and statistics, which take the same
         mutex, never wait for a full commit. Not all-or-nothing across buffers, so a
         commit that stops partway (out of memory, raw views, a release) gives back what
-        it added before it says anything."""
+        it added before it says anything; once raw views are out it keeps it instead
+        (an unmap here could run under their readers)."""
         with self._lock:
             if (
                 self._epoch[q] != epoch
@@ -442,6 +443,12 @@ class TokenBacking:
             # another thread). Never less: a kept chunk holds the next prompt's tokens.
             valid = self._valid_gen[q] == self.arena._generation
             keep = max(int(self._ensured[q]), int(self._covered[q]) if valid else 0)
+            if keep < tokens and self.arena._handle.views_exported:
+                # A raw view's reader may run on another thread now, and on a GPU an unmap
+                # leaves a hole under it until zeros are mapped back (its copy fails, its
+                # kernel faults). So the chunks stay backed, uncounted: the sequence's next
+                # ensure takes them, its release or the arena's close frees them.
+                return
             if keep < tokens:
                 base = q * self.seq_bytes
                 self.arena._wait_for_host_work()

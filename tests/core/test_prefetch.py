@@ -239,6 +239,79 @@ def test_without_the_give_back_a_failed_background_commit_would_hold_memory(vm):
     assert kv.arena.stats()["backed_bytes"] == before + 2 * vm.chunk
 
 
+class _ViewMidwayCore:
+    """Stands in for the core arena: just before background commit call `nth` (one per
+    buffer) it hands out a raw view of the KV arena, as a thread reading the cache might
+    meanwhile, so the core skips that call. Counts the decommits that reach the core from
+    another thread than the test's while views are out: on a GPU each would unmap under
+    the views' readers. `hide_views=True` is the switch: the give-back is told no view is
+    out."""
+
+    def __init__(self, kv, nth, hide_views=False):
+        self._core, self._kv, self._nth, self._hide = kv.arena._handle, kv, nth, hide_views
+        self._test_thread = threading.current_thread()
+        self.calls, self.decommits_under_views, self.view = 0, 0, None
+
+    def __getattr__(self, name):
+        return getattr(self._core, name)
+
+    @property
+    def views_exported(self):
+        return False if self._hide else self._core.views_exported
+
+    def commit_ahead(self, ranges):
+        self.calls += 1
+        if self.calls == self._nth:
+            arena = self._kv.arena
+            arena._handle = self._core  # a view needs the core itself
+            try:
+                self.view = self._kv.k[0]
+            finally:
+                arena._handle = self
+        return self._core.commit_ahead(ranges)
+
+    def decommit_ranges(self, ranges, *args):
+        if self._core.views_exported and threading.current_thread() is not self._test_thread:
+            self.decommits_under_views += 1
+        return self._core.decommit_ranges(ranges, *args)
+
+
+def test_a_background_commit_stopped_by_a_view_unmaps_nothing_under_it(vm):
+    """A raw view handed out while a background commit is partway stops it; what it
+    backed stays backed (not counted), since on the worker thread an unmap would run under
+    the view's readers. The sequence's ensure then commits the rest, and its release
+    frees all of it."""
+    kv, tpc = _kv(vm)
+    kv.ensure(8, 0)
+    before = kv.arena.stats()["backed_bytes"]
+    core = _ViewMidwayCore(kv, nth=3)  # buffers 1 and 2 get their chunk, 3 is skipped
+    _prefetch_with(kv, core, 2 * tpc)
+    assert core.calls == 3 and core.view is not None
+    assert kv.stats()["commits_ahead_skipped"] == 1
+    assert core.decommits_under_views == 0
+    assert kv.arena.stats()["backed_bytes"] == before + 2 * vm.chunk
+    assert not kv.is_backed(2 * tpc, 0)
+    assert kv.ensure(2 * tpc, 0) == len(kv.buffers) * vm.chunk - 2 * vm.chunk
+    write_one_token(kv, 2 * tpc - 1, 5.0)
+    kv.check()
+    assert np.all(k_tokens(kv, 0)[2 * tpc - 1] == 5.0)
+    kv.release(0)
+    assert kv.arena.stats()["backed_bytes"] == 0
+
+
+def test_without_seeing_the_view_the_give_back_would_unmap_under_it(vm):
+    """The switch: a give-back that is not told of the view decommits on the worker
+    thread while the view is out, and the test above would count it."""
+    kv, tpc = _kv(vm)
+    kv.ensure(8, 0)
+    before = kv.arena.stats()["backed_bytes"]
+    core = _ViewMidwayCore(kv, nth=3, hide_views=True)
+    _prefetch_with(kv, core, 2 * tpc)
+    assert core.calls == 3 and core.view is not None
+    assert core.decommits_under_views == 1
+    assert kv.arena.stats()["backed_bytes"] == before
+
+
 def test_a_failed_background_commit_leaves_what_an_ensure_counted_on_meanwhile(vm):
     """An ensure on another thread backs the tokens while the background commit is
     partway; the background commit then fails: what the ensure counts on stays."""
