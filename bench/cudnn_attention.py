@@ -89,6 +89,31 @@ def _err(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {' | '.join(lines)[:600]}"
 
 
+def _layers_arena(dev, layers: int, B: int, T: int, dtype: Any, **scales: Any):
+    """A KV arena of ``layers`` per-sequence layers, every sequence backed to T tokens."""
+    return jax_vmm.kv_arena(
+        num_layers=layers,
+        num_kv_heads=HKV,
+        head_dim=D,
+        max_tokens=T,
+        dtype=dtype,
+        device=dev,
+        max_seqs=B,
+        initial_tokens=T,
+        **scales,
+    )
+
+
+def _time_into(row: dict, name: str, call: Any, calls_each: int, repeats: int, runs: int) -> None:
+    """row[name_us]: the median time of ``call`` per layer call (it makes ``calls_each``);
+    None and row[name_error] if it fails."""
+    try:
+        row[f"{name}_us"] = median_time(call, repeats, runs) / calls_each * 1e6
+    except Exception as exc:  # noqa: BLE001 - report and keep going
+        row[f"{name}_us"] = None
+        row[f"{name}_error"] = _err(exc)
+
+
 def over_layers(attend: Any, layers: int, steps: int) -> Any:
     """A jitted ``run(q, lengths, cache)``: ``steps`` decode steps (a ``fori_loop`` when
     > 1), each running ``attend(q, layer_index, lengths, cache)`` over ``layers`` layers
@@ -142,16 +167,7 @@ def run_config(
         floor_us=live / copy_bps * 1e6,
         hbm_floor_us=live / (hbm_tbps(dev) * 1e12) * 1e6,
     )
-    kv = jax_vmm.kv_arena(
-        num_layers=R,
-        num_kv_heads=HKV,
-        head_dim=D,
-        max_tokens=T,
-        dtype=DTYPE,
-        device=dev,
-        max_seqs=B,
-        initial_tokens=T,
-    )
+    kv = _layers_arena(dev, R, B, T, DTYPE)
     try:
         key = jax.random.PRNGKey(seed)
         # Random data in layer 0 (checked); the other layers keep the arena's zeros (timing
@@ -217,12 +233,7 @@ def run_config(
             else:
                 state = views
                 run = over_layers(lambda q, l, n, c, a=attend: a(q, c[0][l], c[1][l], n), R, steps)
-            try:
-                t = median_time(lambda: run(q0, lens, state), repeats, runs) / (R * steps)
-                row[f"{name}_us"] = t * 1e6
-            except Exception as exc:  # noqa: BLE001 - report and keep going
-                row[f"{name}_us"] = None
-                row[f"{name}_error"] = _err(exc)
+            _time_into(row, name, lambda: run(q0, lens, state), R * steps, repeats, runs)
         if fp8 and S == 1:
             _time_fp8_layer(row, dev, q0, lens, B, T, R, runs, repeats, steps, key)
         return row
@@ -238,18 +249,7 @@ def _time_fp8_layer(
     with per-head scales, the others the arena's zeros, as in the bf16 arena (the time
     does not depend on the values; tests/ops check the fp8 results)."""
     scales = jnp.full((R, HKV), 0.05, jnp.float32)
-    kv8 = jax_vmm.kv_arena(
-        num_layers=R,
-        num_kv_heads=HKV,
-        head_dim=D,
-        max_tokens=T,
-        dtype=FP8_DTYPE,
-        device=dev,
-        max_seqs=B,
-        initial_tokens=T,
-        k_scales=scales,
-        v_scales=scales,
-    )
+    kv8 = _layers_arena(dev, R, B, T, FP8_DTYPE, k_scales=scales, v_scales=scales)
     try:
         k_key, v_key = jax.random.split(key)
         for buf, sub in ((kv8.k_buffers[0], k_key), (kv8.v_buffers[0], v_key)):
@@ -259,12 +259,7 @@ def _time_fp8_layer(
         run = over_layers(
             lambda q, l, n, c: jax_vmm.decode_attention(q[:, 0], c[l], n)[:, None], R, steps
         )
-        try:
-            t = median_time(lambda: run(q0, lens, cache), repeats, runs) / (R * steps)
-            row["vmm_fp8_us"] = t * 1e6
-        except Exception as exc:  # noqa: BLE001 - report and keep going
-            row["vmm_fp8_us"] = None
-            row["vmm_fp8_error"] = _err(exc)
+        _time_into(row, "vmm_fp8", lambda: run(q0, lens, cache), R * steps, repeats, runs)
     finally:
         kv8.close()
 

@@ -443,13 +443,11 @@ class TokenBacking:
             # another thread). Never less: a kept chunk holds the next prompt's tokens.
             valid = self._valid_gen[q] == self.arena._generation
             keep = max(int(self._ensured[q]), int(self._covered[q]) if valid else 0)
-            if keep < tokens and self.arena._handle.views_exported:
-                # A raw view's reader may run on another thread now, and on a GPU an unmap
-                # leaves a hole under it until zeros are mapped back (its copy fails, its
-                # kernel faults). So the chunks stay backed, uncounted: the sequence's next
-                # ensure takes them, its release or the arena's close frees them.
-                return
-            if keep < tokens:
+            # With raw views out, a reader may run on another thread now, and on a GPU an
+            # unmap leaves a hole under it until zeros are mapped back (its copy fails, its
+            # kernel faults). So the chunks then stay backed, uncounted: the sequence's
+            # next ensure takes them, its release or the arena's close frees them.
+            if keep < tokens and not self.arena._handle.views_exported:
                 base = q * self.seq_bytes
                 self.arena._wait_for_host_work()
                 self.arena._handle.decommit_ranges(
