@@ -19,7 +19,10 @@
 #                       sharding (4 host devices in child processes; 1- and 2-GPU tests)
 #   tests:gpu           the GPU tests only (-m gpu), skip reasons listed: none should skip here
 #                       but the two-GPU ones; TESTS="tests/ops tests/example" narrows it (to
-#                       split the suite over calls of the device tool's 600 s)
+#                       split the suite over calls of the device tool's 600 s); on an H100
+#                       "tests/ops tests/scratch tests/sharding tests/core" takes ~375 s and
+#                       "tests/integration tests/drivers tests/example" ~400 s: with the
+#                       build's ~90 s, give the latter its own call or DEADLINE >= 520
 #   tests:attention     tests/ops/test_attention.py, test_attention_v2.py and
 #                       test_attention_semantics.py (S queries, q_lengths, window, softcap) -m gpu: the
 #                       split-K (tensor-core, simple) and streaming kernels (bf16/fp16/fp8)
